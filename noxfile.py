@@ -48,7 +48,9 @@ def _yatt_closure(package: str) -> list[str]:
     def visit(name: str) -> None:
         if name in ordered:
             return
-        for req in _read_project(name).get("dependencies", []):
+        project = _read_project(name)
+        reqs = project.get("dependencies", []) + project.get("optional-dependencies", {}).get("test", [])
+        for req in reqs:
             dep = _requirement_name(req)
             if dep.startswith("yatt-"):
                 visit(dep)

@@ -1,0 +1,122 @@
+"""The rollout engine protocol and the values that cross it.
+
+Every engine (built-in, vLLM, SGLang) takes `Request`s and `SamplingParams` and returns
+`Completion`s; the GenRM and the trainer depend only on this module.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length", "abort"]
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+@dataclass(kw_only=True, frozen=True)
+class SamplingParams:
+    """How to sample; validated on construction so a bad value fails before any GPU work."""
+
+    n: int = 1  # samples per prompt (a GRPO group)
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    top_k: int = 0  # 0 disables top-k
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one of these
+    seed: int | None = None  # same seed + same inputs -> same samples
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n={self.n!r}: must be an int >= 1")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"SamplingParams.temperature={self.temperature!r}: must be finite and >= 0 "
+                "(0 for greedy)"
+            )
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p={self.top_p!r}: must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k={self.top_k!r}: must be an int >= 0 (0 = off)")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(
+                f"SamplingParams.max_new_tokens={self.max_new_tokens!r}: must be an int >= 1"
+            )
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"SamplingParams.stop_token_ids={self.stop_token_ids!r}: must be non-negative ints"
+            )
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+@dataclass(kw_only=True)
+class Request:
+    """One prompt. `images` are passed through to multimodal engines (PIL images or tensors)."""
+
+    prompt_ids: list[int]
+    images: list[Any] | None = None
+    request_id: str | None = None  # echoed in each Completion; defaults to the request's index
+    metadata: dict[str, Any] = field(default_factory=dict)  # opaque to the engine, echoed back
+
+
+@dataclass(kw_only=True)
+class Completion:
+    """One sampled response.
+
+    `logprobs[i]` is log softmax(logits / temperature)[response_ids[i]] (unscaled logits when
+    temperature is 0), without top-p/top-k truncation: the quantity the trainer recomputes as the
+    old policy's logprob.
+    """
+
+    request_index: int  # position of the request in the call's `requests`
+    sample_index: int  # 0 .. n-1 within the request's group
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    request_id: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What every rollout engine implements. Engines are also placement roles (sleep/wake_up)."""
+
+    tokenizer: Any  # a Hugging Face tokenizer for the served model
+
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:
+        """All completions, ordered by (request_index, sample_index)."""
+        ...
+
+    def stream(
+        self, requests: Sequence[Request], sampling: SamplingParams
+    ) -> AsyncIterator[Completion]:
+        """Each completion as soon as it finishes (any order), every one exactly once."""
+        ...
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        """Load new weights given as (Hugging Face name, tensor) pairs, bucket by bucket."""
+        ...
+
+    def sleep(self) -> None:
+        """Release GPU memory (weights and KV cache) until `wake_up`."""
+        ...
+
+    def wake_up(self, tags: Sequence[str] | None = ("weights", "kv_cache")) -> None:
+        """Re-create the memory for `tags` (weights before KV cache to avoid a peak)."""
+        ...
+
+    def abort(self) -> None:
+        """Finish every in-flight request now with finish_reason="abort"."""
+        ...
+
+    def close(self) -> None: ...

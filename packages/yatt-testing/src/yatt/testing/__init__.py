@@ -1,0 +1,12 @@
+"""Shared test helpers for the yatt packages: tiny local models and tokenizers."""
+
+from yatt.testing._tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, make_tiny_causal_lm, make_tokenizer
+from yatt.testing._version import __version__
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "__version__",
+    "make_tiny_causal_lm",
+    "make_tokenizer",
+]
