@@ -1,0 +1,102 @@
+"""The monorepo's shape, as DESIGN.md states it: checked so it cannot drift silently."""
+
+NUM_GPUS = 0
+
+import ast
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml"))
+TEST_ONLY = {"yatt-testing"}  # shipped for tests; not part of the `yatt` meta-distribution
+
+# DESIGN.md's "depends on" column: the only yatt imports each package may make.
+ALLOWED_DEPS = {
+    "yatt-balance": set(),
+    "yatt-ckpt": set(),
+    "yatt-placement": set(),
+    "yatt-testing": set(),
+    "yatt-rollout": {"yatt-placement"},
+    "yatt-genrm": {"yatt-rollout", "yatt-placement"},
+    "yatt-core": {"yatt-balance", "yatt-placement"},
+}
+
+
+def _project(path: Path) -> dict:
+    with open(path / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def _version(pkg: Path) -> str:
+    name = pkg.name.removeprefix("yatt-")
+    text = (pkg / "src" / "yatt" / name / "_version.py").read_text()
+    return re.search(r'__version__ = "([^"]+)"', text).group(1)
+
+
+def _yatt_requirements(reqs: list[str]) -> dict[str, str]:
+    out = {}
+    for req in reqs:
+        m = re.match(r"(yatt-[a-z]+)\s*(.*)", req)
+        if m:
+            out[m.group(1)] = m.group(2).strip()
+    return out
+
+
+def test_packages_exist():
+    assert {p.name for p in PACKAGES} >= {"yatt-balance"}
+
+
+@pytest.mark.parametrize("pkg", PACKAGES, ids=lambda p: p.name)
+def test_package_layout(pkg):
+    name = pkg.name.removeprefix("yatt-")
+    assert (pkg / "README.md").is_file(), "every package has a README"
+    assert (pkg / "tests").is_dir(), "tests live beside the package"
+    assert (pkg / "src" / "yatt" / name / "__init__.py").is_file()
+    assert not (pkg / "src" / "yatt" / "__init__.py").exists(), "yatt is a PEP 420 namespace"
+    assert _project(pkg)["name"] == pkg.name
+
+
+@pytest.mark.parametrize("pkg", PACKAGES, ids=lambda p: p.name)
+def test_one_version_and_pinned_siblings(pkg):
+    root_version = _project(ROOT)["version"]
+    assert _version(pkg) == root_version
+    project = _project(pkg)
+    reqs = list(project.get("dependencies", []))
+    for extra in project.get("optional-dependencies", {}).values():
+        reqs += extra
+    for dep, spec in _yatt_requirements(reqs).items():
+        assert spec == f"=={root_version}", f"{pkg.name} must pin {dep}=={root_version}"
+
+
+def test_meta_distribution_lists_every_package():
+    root = _project(ROOT)
+    listed = _yatt_requirements(root["dependencies"])
+    expected = {p.name for p in PACKAGES} - TEST_ONLY
+    assert set(listed) == expected
+    assert all(spec == f"=={root['version']}" for spec in listed.values())
+
+
+@pytest.mark.parametrize("pkg", PACKAGES, ids=lambda p: p.name)
+def test_imports_follow_the_dependency_table(pkg):
+    declared = set(_yatt_requirements(_project(pkg).get("dependencies", [])))
+    allowed = ALLOWED_DEPS.get(pkg.name)
+    assert allowed is not None, f"add {pkg.name} to ALLOWED_DEPS (and DESIGN.md's table)"
+    assert declared <= allowed, f"{pkg.name} declares {declared - allowed}, not in DESIGN.md"
+    own = pkg.name.removeprefix("yatt-")
+    for source in (pkg / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            for mod in names:
+                parts = mod.split(".")
+                if parts[0] == "yatt" and len(parts) > 1 and parts[1] != own:
+                    assert f"yatt-{parts[1]}" in declared, (
+                        f"{source.relative_to(ROOT)} imports {mod} but {pkg.name} "
+                        f"does not depend on yatt-{parts[1]}"
+                    )
