@@ -1,0 +1,149 @@
+"""The embedded default task: single-digit addition, a tiny policy and a tiny generative judge.
+
+Everything is built locally in a setup step (no downloads) and cached under a work directory:
+
+    prompts.jsonl   {"prompt": "3+4=", "answer": "7"} rows
+    policy/         a tiny causal LM fine-tuned on *noisy* answers (right ~25% of the time), so
+                    GRPO has something to improve and a signal to find
+    judge/          a tiny causal LM fitted to say "Yes"/"No" after the GenRM's own verification
+                    prompt, on the task's right and wrong answers: a generative judge whose
+                    verdicts carry signal (a random-weight judge would only add noise)
+
+Both models are byte-level (yatt.testing.make_tokenizer), so `prompt` and the answer text map
+one byte per token.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from yatt.testing import make_tiny_causal_lm
+
+MAX_DIGIT = 4
+_READY = "READY"
+
+
+def addition_rows(num_rows: int, seed: int) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_rows):
+        a, b = rng.randint(0, MAX_DIGIT), rng.randint(0, MAX_DIGIT)
+        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+    return rows
+
+
+def is_correct(prompt: str, response: str) -> bool:
+    a, b = prompt.rstrip("=").split("+")
+    return response.strip() == str(int(a) + int(b))
+
+
+def _fit_completions(
+    model_dir: Path,
+    pairs: Callable[[random.Random], tuple[str, str]],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+) -> float:
+    """Teacher-force `completion + eos` after `prompt`; loss on the completion only."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    loss_value = float("nan")
+    for step in range(steps):
+        rows_ids, rows_labels = [], []
+        for _ in range(batch_size):
+            prompt, completion = pairs(rng)
+            p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [
+                tokenizer.eos_token_id
+            ]
+            rows_ids.append(p + c)
+            rows_labels.append([-100] * len(p) + c)
+        width = max(len(r) for r in rows_ids)
+        ids = torch.full((batch_size, width), tokenizer.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        mask = torch.zeros((batch_size, width), dtype=torch.long)
+        for i, (r, lab) in enumerate(zip(rows_ids, rows_labels, strict=True)):
+            ids[i, : len(r)] = torch.tensor(r)
+            labels[i, : len(lab)] = torch.tensor(lab)
+            mask[i, : len(r)] = 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss_value = loss.item()
+        if step % 100 == 0:
+            print(f"[{model_dir.name}] fit step {step}/{steps} loss {loss_value:.3f}", flush=True)
+    model.eval()
+    model.save_pretrained(model_dir)
+    return loss_value
+
+
+def build_policy(model_dir: Path, *, seed: int, p_correct: float = 0.25, steps: int = 300) -> None:
+    """A "base model" that knows the answer format but is right only about p_correct of the time."""
+    make_tiny_causal_lm(model_dir, arch="qwen2", hidden_size=64, num_layers=2, seed=seed)
+
+    def pairs(rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randint(0, MAX_DIGIT), rng.randint(0, MAX_DIGIT)
+        answer = a + b if rng.random() < p_correct else rng.randint(0, 2 * MAX_DIGIT)
+        return f"{a}+{b}=", str(answer)
+
+    _fit_completions(model_dir, pairs, steps=steps, batch_size=64, lr=3e-3, seed=seed)
+
+
+def build_judge(
+    model_dir: Path, render: Callable[[str, str], str], *, seed: int, steps: int = 800
+) -> None:
+    """A judge that answers the GenRM's own verification prompt with "Yes" or "No".
+
+    `render(prompt, response)` is the exact judge prompt the GenRM will send (its template and
+    chat formatting), so the judge is fitted on what it will read at scoring time.
+    """
+    make_tiny_causal_lm(model_dir, arch="qwen2", hidden_size=96, num_layers=3, seed=seed + 1)
+
+    def pairs(rng: random.Random) -> tuple[str, str]:
+        a, b = rng.randint(0, MAX_DIGIT), rng.randint(0, MAX_DIGIT)
+        right = rng.random() < 0.5
+        wrong = rng.choice([x for x in range(2 * MAX_DIGIT + 1) if x != a + b])
+        response = str(a + b if right else wrong)
+        return render(f"{a}+{b}=", response), "Yes" if right else "No"
+
+    _fit_completions(model_dir, pairs, steps=steps, batch_size=64, lr=3e-3, seed=seed + 1)
+
+
+def prepare(
+    workdir: str | Path,
+    render: Callable[[str, str], str],
+    *,
+    seed: int = 0,
+    num_rows: int = 2048,
+) -> dict[str, Path]:
+    """Build (or reuse) the dataset, the base policy and the judge under `workdir`."""
+    workdir = Path(workdir)
+    paths = {
+        "prompts": workdir / "prompts.jsonl",
+        "policy": workdir / "policy",
+        "judge": workdir / "judge",
+    }
+    if (workdir / _READY).exists():
+        return paths
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(paths["prompts"], "w") as f:
+        for row in addition_rows(num_rows, seed):
+            f.write(json.dumps(row) + "\n")
+    build_policy(paths["policy"], seed=seed)
+    build_judge(paths["judge"], render, seed=seed)
+    # Written last: an interrupted setup is redone rather than half-reused.
+    (workdir / _READY).write_text("ok\n")
+    return paths
