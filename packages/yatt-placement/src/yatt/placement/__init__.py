@@ -1,0 +1,37 @@
+"""GPU memory regions that pause and resume, offload/onload, and placement plans for RL steps."""
+
+from yatt.placement._offload import is_offloaded, offload, offloaded_bytes, onload
+from yatt.placement._plan import PhaseRecord, Plan
+from yatt.placement._regions import (
+    configure_regions,
+    is_paused,
+    pause,
+    region,
+    region_tags,
+    resident_bytes,
+    resume,
+)
+from yatt.placement._roles import RegionRole, Role, TrainerRole
+from yatt.placement._split import MemorySplit
+from yatt.placement._version import __version__
+
+__all__ = [
+    "MemorySplit",
+    "PhaseRecord",
+    "Plan",
+    "RegionRole",
+    "Role",
+    "TrainerRole",
+    "__version__",
+    "configure_regions",
+    "is_offloaded",
+    "is_paused",
+    "offload",
+    "offloaded_bytes",
+    "onload",
+    "pause",
+    "region",
+    "region_tags",
+    "resident_bytes",
+    "resume",
+]

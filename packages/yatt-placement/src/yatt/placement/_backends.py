@@ -1,0 +1,182 @@
+"""The two mechanisms behind memory regions: torch_memory_saver on CUDA, bookkeeping on CPU.
+
+A backend does the work for one tag at a time; the registry in `_regions.py` owns the rules
+(known tags, pause state, CPU backup chosen once per tag) so both backends obey the same ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Literal, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+logger = logging.getLogger(__name__)
+
+HookMode = Literal["torch", "preload"]
+
+
+class RegionBackend(Protocol):
+    """What the registry needs from a backend; tags reach it already validated."""
+
+    name: str
+
+    def region(self, tag: str, enable_cpu_backup: bool) -> AbstractContextManager[None]: ...
+
+    def allocated_bytes(self, tag: str) -> int: ...
+
+    def pause(self, tag: str, enable_cpu_backup: bool) -> None: ...
+
+    def resume(self, tag: str, enable_cpu_backup: bool) -> None: ...
+
+
+class TorchMemorySaverBackend:
+    """CUDA: torch_memory_saver unmaps the physical pages and keeps the virtual addresses.
+
+    Bytes per tag are what the caching allocator reserved while the tag's region was open (the
+    tag's pool only grows inside its regions). That is what a pause releases, give or take the
+    allocation granularity; it over-counts if `torch.cuda.empty_cache()` later trims the pool.
+    """
+
+    name = "cuda"
+
+    def __init__(self, hook_mode: HookMode) -> None:
+        try:
+            from torch_memory_saver import torch_memory_saver
+        except ImportError as exc:
+            raise ImportError(
+                "yatt.placement needs torch_memory_saver for memory regions on CUDA; install it "
+                "with `pip install 'yatt-placement[cuda]'`, or call "
+                "configure_regions(backend='cpu') to use bookkeeping only (frees no GPU memory)"
+            ) from exc
+        impl = getattr(torch_memory_saver, "_impl", None)
+        if impl is None:
+            torch_memory_saver.hook_mode = hook_mode
+        elif getattr(impl, "_hook_mode", hook_mode) != hook_mode:
+            # Another library (an in-process SGLang, say) initialised the process-wide singleton
+            # first; its mode cannot change any more, so say which one is in force.
+            logger.warning(
+                "torch_memory_saver is already initialised with hook_mode=%r; "
+                "yatt.placement asked for %r and uses the existing one",
+                impl._hook_mode,
+                hook_mode,
+            )
+        self._saver = torch_memory_saver
+        self._bytes: dict[str, int] = {}
+
+    @contextmanager
+    def region(self, tag: str, enable_cpu_backup: bool) -> Iterator[None]:
+        device = torch.cuda.current_device()
+        reserved_before = torch.cuda.memory_reserved(device)
+        try:
+            with self._saver.region(tag=tag, enable_cpu_backup=enable_cpu_backup):
+                yield
+        finally:
+            grown = torch.cuda.memory_reserved(device) - reserved_before
+            self._bytes[tag] = self._bytes.get(tag, 0) + max(0, grown)
+
+    def allocated_bytes(self, tag: str) -> int:
+        return self._bytes.get(tag, 0)
+
+    def pause(self, tag: str, enable_cpu_backup: bool) -> None:
+        # Kernels queued on this memory must finish before its pages are unmapped.
+        torch.cuda.synchronize()
+        self._saver.pause(tag)
+
+    def resume(self, tag: str, enable_cpu_backup: bool) -> None:
+        self._saver.resume(tag)
+
+
+class _ClaimNewStorages(TorchDispatchMode):
+    """Hands every storage that an op creates (not a view, not an in-place result) to `claim`."""
+
+    def __init__(self, claim) -> None:
+        super().__init__()
+        self._claim = claim
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # A return with alias info is a view of, or the same memory as, an input.
+        if any(ret.alias_info is not None for ret in func._schema.returns):
+            return out
+        for leaf in torch.utils._pytree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided:
+                self._claim(leaf.untyped_storage())
+        return out
+
+
+class CpuBookkeepingBackend:
+    """CPU (or tests): the same API and rules, with nothing released.
+
+    Storages created inside a region are tracked by a dispatch mode, so bytes per tag are exact.
+    A pause fills the tag's storages with 0xFF bytes (NaN for floats) and a resume restores them
+    only when the tag has CPU backup: code that reads a paused tensor, or relies on a region
+    without backup keeping its contents, fails on CPU as it would on a GPU.
+    """
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._storages: dict[str, dict[int, weakref.ref]] = {}
+        self._claimed: set[int] = set()
+        self._backups: dict[str, list[tuple[weakref.ref, torch.UntypedStorage]]] = {}
+        self._local = threading.local()
+
+    def _active_tags(self) -> list[str]:
+        if not hasattr(self._local, "tags"):
+            self._local.tags = []
+        return self._local.tags
+
+    @contextmanager
+    def region(self, tag: str, enable_cpu_backup: bool) -> Iterator[None]:
+        self._storages.setdefault(tag, {})
+        active = self._active_tags()
+        active.append(tag)
+        try:
+            with _ClaimNewStorages(self._claim):
+                yield
+        finally:
+            active.pop()
+
+    def _claim(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        # Nested regions each see the op; the innermost tag owns the storage.
+        if key in self._claimed or storage.nbytes() == 0:
+            return
+        tag = self._active_tags()[-1]
+        self._claimed.add(key)
+        owned = self._storages[tag]
+
+        def forget(_ref: weakref.ref, key: int = key) -> None:
+            self._claimed.discard(key)
+            owned.pop(key, None)
+
+        owned[key] = weakref.ref(storage, forget)
+
+    def _live(self, tag: str) -> list[torch.UntypedStorage]:
+        storages = (ref() for ref in list(self._storages.get(tag, {}).values()))
+        return [s for s in storages if s is not None]
+
+    def allocated_bytes(self, tag: str) -> int:
+        return sum(s.nbytes() for s in self._live(tag))
+
+    def pause(self, tag: str, enable_cpu_backup: bool) -> None:
+        backups = []
+        for storage in self._live(tag):
+            if enable_cpu_backup:
+                backup = torch.UntypedStorage(storage.nbytes(), device="cpu")
+                backup.copy_(storage)
+                backups.append((weakref.ref(storage), backup))
+            storage.fill_(0xFF)
+        self._backups[tag] = backups
+
+    def resume(self, tag: str, enable_cpu_backup: bool) -> None:
+        for ref, backup in self._backups.pop(tag, []):
+            storage = ref()
+            if storage is not None:
+                storage.copy_(backup)

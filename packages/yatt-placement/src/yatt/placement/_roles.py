@@ -1,0 +1,125 @@
+"""Roles: the things a placement plan puts to sleep and wakes up.
+
+A role is any object with `sleep()` and `wake_up(tags=None)`. Three optional members let a plan
+do more with it:
+
+- `memory_tags`: the tags `wake_up` understands, e.g. ("weights", "kv_cache"). A plan wakes
+  its roles in stages (all weights, then all KV caches) so the peak never holds a KV cache
+  next to weights still arriving. A role without it is woken with one `wake_up()`.
+- `resident_bytes()`: bytes it holds on its device now; the plan's metrics use it when no
+  device-wide reading exists (CPU).
+- `set_memory_fraction(fraction)`: the share of device memory the role may use, which partial
+  colocation moves every step. The role applies it when it next sizes its KV cache.
+
+The rollout and GenRM engines implement these themselves; `TrainerRole` and `RegionRole` adapt
+a trainer and region-allocated memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from yatt.placement._offload import is_offloaded, offload, onload, tensor_bytes
+from yatt.placement._regions import pause, resident_bytes, resume
+
+
+@runtime_checkable
+class Role(Protocol):
+    """What a plan requires of a role."""
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None: ...
+
+
+def _check_tags(owner: str, tags: Sequence[str] | None, known: Sequence[str]) -> tuple[str, ...]:
+    if tags is None:
+        return tuple(known)
+    if isinstance(tags, str):
+        raise ValueError(f"{owner}.wake_up(tags={tags!r}) takes a sequence; pass ({tags!r},)")
+    unknown = [tag for tag in tags if tag not in known]
+    if unknown:
+        raise ValueError(f"{owner}.wake_up(tags={tags!r}): {unknown} not in memory_tags={known}")
+    return tuple(tags)
+
+
+class TrainerRole:
+    """A model and its optimizer as a role: sleep offloads them to host, wake_up onloads.
+
+    memory_tags: "weights" (parameters, gradients, buffers) and "optimizer" (optimizer state), so
+    a weight-sync phase can wake the weights without the optimizer state.
+    """
+
+    memory_tags: tuple[str, ...] = ("weights", "optimizer")
+
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def _parts(self, tags: Sequence[str]) -> list[torch.nn.Module | torch.optim.Optimizer]:
+        parts: list[torch.nn.Module | torch.optim.Optimizer] = []
+        if "weights" in tags:
+            parts.append(self.model)
+        if "optimizer" in tags and self.optimizer is not None:
+            parts.append(self.optimizer)
+        return parts
+
+    def sleep(self) -> None:
+        for part in self._parts(self.memory_tags):
+            if not is_offloaded(part):
+                # One empty_cache after the last part instead of one per part.
+                offload(part, should_empty_cache=False)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        for part in self._parts(_check_tags("TrainerRole", tags, self.memory_tags)):
+            if is_offloaded(part):
+                onload(part)
+
+    def resident_bytes(self) -> int:
+        parts = self._parts(self.memory_tags)
+        return sum(tensor_bytes(part) for part in parts if not is_offloaded(part))
+
+
+class RegionRole:
+    """Memory allocated in regions as a role: sleep pauses the tags, wake_up resumes them.
+
+    tags maps a role's memory tag to its region tags, e.g.
+    {"weights": ("judge/weights",), "kv_cache": ("judge/kv_cache",)}; the keys, in order,
+    are its memory_tags. A role for a built-in engine, or for a test.
+    """
+
+    def __init__(self, tags: Mapping[str, Sequence[str]]) -> None:
+        if not tags:
+            raise ValueError("RegionRole(tags={}) needs at least one memory tag")
+        for name, regions in tags.items():
+            if isinstance(regions, str) or not regions:
+                raise ValueError(
+                    f"RegionRole(tags[{name!r}]={regions!r}) must be a non-empty sequence of "
+                    f"region tags, e.g. ({name!r},)"
+                )
+        self._regions = {name: tuple(regions) for name, regions in tags.items()}
+        self.memory_tags: tuple[str, ...] = tuple(self._regions)
+        self._asleep: set[str] = set()
+
+    def sleep(self) -> None:
+        # KV cache first, weights last: the reverse of waking.
+        for name in reversed(self.memory_tags):
+            if name not in self._asleep:
+                pause(*self._regions[name])
+                self._asleep.add(name)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        for name in _check_tags("RegionRole", tags, self.memory_tags):
+            if name in self._asleep:
+                resume(*self._regions[name])
+                self._asleep.discard(name)
+
+    def resident_bytes(self) -> int:
+        return sum(resident_bytes(tag) for regions in self._regions.values() for tag in regions)

@@ -1,0 +1,69 @@
+"""How partial colocation divides device memory between the rollout engine and the GenRM.
+
+Both engines are resident together; each step the one with more pending work (tokens still
+to generate or to score) should get more KV cache. The target share is proportional to the
+pending tokens, clipped to the user's bounds, and smoothed so one odd step does not resize
+both caches back and forth:
+
+    target   = clip(rollout_tokens / (rollout_tokens + genrm_tokens), min, max)
+    fraction = smoothing * fraction + (1 - smoothing) * target
+    rollout share of the device = total_fraction * fraction, GenRM share = the rest of it
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class MemorySplit:
+    """Bounds and pace of the rollout/GenRM memory split in partial colocation."""
+
+    # Share of the device's memory the two engines may use together (the rest is headroom
+    # for activations, NCCL buffers and the allocator's slack).
+    total_fraction: float = 0.85
+    # The rollout engine's part of total_fraction never leaves [min, max].
+    min_rollout_fraction: float = 0.3
+    max_rollout_fraction: float = 0.8
+    # Where the split starts, before any load is measured.
+    initial_rollout_fraction: float = 0.5
+    # Weight of the previous split in each update: 0 follows the load at once, 0.9 slowly.
+    smoothing: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.total_fraction <= 1.0:
+            raise ValueError(
+                f"MemorySplit.total_fraction={self.total_fraction} must be in (0, 1]; e.g. 0.85"
+            )
+        if not 0.0 <= self.min_rollout_fraction <= self.max_rollout_fraction <= 1.0:
+            raise ValueError(
+                f"MemorySplit.min_rollout_fraction={self.min_rollout_fraction} and "
+                f"max_rollout_fraction={self.max_rollout_fraction} must satisfy "
+                "0 <= min <= max <= 1"
+            )
+        lo, hi = self.min_rollout_fraction, self.max_rollout_fraction
+        if not lo <= self.initial_rollout_fraction <= hi:
+            raise ValueError(
+                f"MemorySplit.initial_rollout_fraction={self.initial_rollout_fraction} must lie "
+                f"within [min_rollout_fraction, max_rollout_fraction] = [{lo}, {hi}]"
+            )
+        if not 0.0 <= self.smoothing < 1.0:
+            raise ValueError(f"MemorySplit.smoothing={self.smoothing} must be in [0, 1); e.g. 0.5")
+
+
+def next_rollout_fraction(
+    split: MemorySplit, current: float, rollout_pending_tokens: float, genrm_pending_tokens: float
+) -> float:
+    """The rollout engine's part of `split.total_fraction` after one load measurement."""
+    if rollout_pending_tokens < 0 or genrm_pending_tokens < 0:
+        raise ValueError(
+            f"pending tokens must be >= 0, got rollout_pending_tokens={rollout_pending_tokens}, "
+            f"genrm_pending_tokens={genrm_pending_tokens}"
+        )
+    total = rollout_pending_tokens + genrm_pending_tokens
+    if total == 0:
+        # Nothing pending says nothing about the next step's load: keep the split.
+        return current
+    target = rollout_pending_tokens / total
+    target = min(max(target, split.min_rollout_fraction), split.max_rollout_fraction)
+    return split.smoothing * current + (1.0 - split.smoothing) * target

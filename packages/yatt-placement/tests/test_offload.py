@@ -1,0 +1,111 @@
+import copy
+
+import pytest
+import torch
+
+from yatt.placement import is_offloaded, offload, offloaded_bytes, onload
+from yatt.placement._offload import tensor_bytes
+
+NUM_GPUS = 0
+
+
+def _model_and_optimizer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 2)
+    )
+    model.register_buffer("scale", torch.full((2,), 0.5))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optimizer
+
+
+def _train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(4, 8, generator=generator)
+    loss = (model(x) * model.scale).square().mean()
+    optimizer.zero_grad(set_to_none=False)
+    loss.backward()
+    optimizer.step()
+
+
+def test_training_after_offload_and_onload_matches_training_without():
+    model, optimizer = _model_and_optimizer()
+    twin = copy.deepcopy(model)
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    _train_step(model, optimizer, seed=1)
+    _train_step(twin, twin_optimizer, seed=1)
+
+    for obj in (model, optimizer):
+        offload(obj)
+    for obj in (model, optimizer):
+        onload(obj)
+
+    for seed in (2, 3):
+        _train_step(model, optimizer, seed=seed)
+        _train_step(twin, twin_optimizer, seed=seed)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[p][key], twin_optimizer.state[q][key])
+
+
+def test_objects_stay_the_same_and_memory_moves():
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer, seed=1)
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    moments = [optimizer.state[p]["exp_avg"] for p in params]
+    values = [p.detach().clone() for p in params]
+    pointers = [p.data_ptr() for p in params] + [m.data_ptr() for m in moments]
+
+    offload(model)
+    offload(optimizer)
+    moved = [p.data_ptr() for p in params] + [m.data_ptr() for m in moments]
+    assert all(a != b for a, b in zip(pointers, moved, strict=True))
+    onload(optimizer)
+    onload(model)
+
+    assert list(model.parameters()) == params
+    assert all(p.grad is g for p, g in zip(params, grads, strict=True))
+    assert all(optimizer.state[p]["exp_avg"] is m for p, m in zip(params, moments, strict=True))
+    assert all(torch.equal(p, v) for p, v in zip(params, values, strict=True))
+
+
+def test_bytes_and_state_bookkeeping():
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer, seed=1)
+    num_params = sum(p.numel() for p in model.parameters())
+    # params + grads (fp32) + buffer; AdamW: two moments per param + one step scalar each.
+    model_bytes = 4 * (2 * num_params + 2)
+    assert tensor_bytes(model) == model_bytes
+    assert offloaded_bytes(model) == 0 and not is_offloaded(model)
+
+    assert offload(model) == model_bytes
+    assert is_offloaded(model) and offloaded_bytes(model) == model_bytes
+    optimizer_bytes = offload(optimizer)
+    assert optimizer_bytes == 4 * 2 * num_params + sum(
+        s["step"].nbytes for s in optimizer.state.values()
+    )
+    with pytest.raises(RuntimeError, match="already offloaded"):
+        offload(model)
+    assert onload(model) == model_bytes
+    assert not is_offloaded(model) and offloaded_bytes(model) == 0
+    with pytest.raises(RuntimeError, match="not offloaded"):
+        onload(model)
+    onload(optimizer)
+
+
+def test_tied_weights_move_once():
+    embed = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = embed.weight
+    model = torch.nn.ModuleDict({"embed": embed, "head": head})
+    assert offload(model) == 10 * 4 * 4
+    onload(model)
+    assert model["head"].weight is model["embed"].weight
+
+
+def test_rejects_other_objects():
+    with pytest.raises(TypeError, match=r"Module or torch\.optim\.Optimizer"):
+        offload(torch.zeros(3))

@@ -1,0 +1,148 @@
+import threading
+
+import pytest
+import torch
+
+from yatt.placement import (
+    configure_regions,
+    is_paused,
+    pause,
+    region,
+    region_tags,
+    resident_bytes,
+    resume,
+)
+from yatt.placement._regions import _Registry
+
+NUM_GPUS = 0
+
+pytestmark = pytest.mark.usefixtures("cpu_regions")
+
+
+def test_bytes_are_counted_per_tag_and_zero_while_paused():
+    with region("w", enable_cpu_backup=True):
+        weights = torch.empty(1000, dtype=torch.float32)
+        view = weights[:10]  # a view allocates nothing
+        view.add_(1)  # nor does an in-place op
+    with region("kv"):
+        kv = torch.empty(300, dtype=torch.bfloat16)
+    outside = torch.empty(5000)
+    assert resident_bytes("w") == 4000
+    assert resident_bytes("kv") == 600
+    pause("kv")
+    assert (resident_bytes("w"), resident_bytes("kv")) == (4000, 0)
+    assert is_paused("kv") and not is_paused("w")
+    resume("kv")
+    assert resident_bytes("kv") == 600
+    del weights, view, kv, outside
+
+
+def test_freed_tensors_leave_the_books():
+    with region("tmp"):
+        a = torch.empty(100)
+        b = torch.empty(50)
+    del a
+    assert resident_bytes("tmp") == 200
+    del b
+    assert resident_bytes("tmp") == 0
+
+
+def test_cpu_backup_keeps_contents_and_no_backup_poisons_them():
+    with region("w", enable_cpu_backup=True):
+        model = torch.nn.Linear(8, 8)
+    with region("kv"):
+        cache = torch.arange(16, dtype=torch.float32)
+    weight = model.weight.detach().clone()
+    pause("w", "kv")
+    # Reading paused memory is a bug; on CPU it reads NaN instead of faulting.
+    assert torch.isnan(model.weight).all()
+    resume("w", "kv")
+    assert torch.equal(model.weight, weight)
+    assert torch.isnan(cache).all()
+
+
+def test_nested_regions_belong_to_the_innermost_tag():
+    with region("outer"):
+        a = torch.empty(10)
+        with region("inner"):
+            b = torch.empty(20)
+        c = torch.empty(30)
+    assert resident_bytes("outer") == 4 * (10 + 30)
+    assert resident_bytes("inner") == 4 * 20
+    del a, b, c
+
+
+def test_module_built_in_a_region_counts_its_parameters():
+    with region("m", enable_cpu_backup=True):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    expected = sum(p.nbytes for p in model.parameters())
+    assert resident_bytes("m") == expected
+
+
+def test_allocations_in_other_threads_are_not_claimed():
+    out = {}
+    with region("t"):
+        thread = threading.Thread(target=lambda: out.setdefault("x", torch.empty(100)))
+        thread.start()
+        thread.join()
+        mine = torch.empty(10)
+    assert resident_bytes("t") == 40
+    del mine
+
+
+def test_pause_errors_leave_everything_as_it_was():
+    with region("a"):
+        a = torch.empty(10)
+    with region("b"):
+        b = torch.empty(10)
+    with pytest.raises(ValueError, match="'nope' has no region"):
+        pause("a", "nope")
+    assert not is_paused("a")
+    pause("b")
+    with pytest.raises(RuntimeError, match="already paused"):
+        pause("a", "b")
+    assert not is_paused("a")
+    with pytest.raises(RuntimeError, match="not paused"):
+        resume("a")
+    with pytest.raises(ValueError, match="repeated"):
+        resume("b", "b")
+    with pytest.raises(ValueError, match="at least one tag"):
+        pause()
+    del a, b
+
+
+def test_region_rules():
+    with region("w", enable_cpu_backup=True):
+        pass
+    with pytest.raises(ValueError, match="enable_cpu_backup"), region("w"):
+        pass
+    with pytest.raises(ValueError, match="non-empty string"), region(""):
+        pass
+    pause("w")
+    with pytest.raises(RuntimeError, match="paused"), region("w", enable_cpu_backup=True):
+        pass
+    resume("w")
+    with region("w", enable_cpu_backup=True), pytest.raises(RuntimeError, match="own open region"):
+        pause("w")
+    assert region_tags() == ("w",)
+
+
+def test_configure_after_first_region_must_not_change_settings():
+    registry = _Registry()
+    registry.configure("cpu", "torch")
+    with registry.region("x", False):
+        pass
+    assert registry.backend().name == "cpu"
+    registry.configure("cpu", "torch")  # same settings: fine
+    with pytest.raises(RuntimeError, match="before the first region"):
+        registry.configure("cuda", "torch")
+    with pytest.raises(ValueError, match="hook_mode='ld'"):
+        configure_regions(hook_mode="ld")
+    with pytest.raises(ValueError, match="backend='gpu'"):
+        configure_regions(backend="gpu")
+
+
+def test_auto_backend_follows_cuda_availability():
+    registry = _Registry()
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert registry.backend().name == expected
