@@ -1,0 +1,157 @@
+"""One rank of the rebalance/restore checks; launched by test_dist.py and test_dist_cuda.py.
+
+    python dist_worker.py --backend gloo   (with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+
+Exits non-zero (with the assertion's traceback) if any check fails on this rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import OrderedDict, namedtuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from yatt.balance import imbalance, partition
+from yatt.balance.dist import RebalancePlan, rebalance, restore
+
+Pair = namedtuple("Pair", ["first", "second"])
+
+
+def make_sample(rank: int, i: int, device: torch.device) -> dict:
+    """A nested payload whose content is a pure function of its origin (rank, i)."""
+    rng = np.random.default_rng(1000 * rank + i)
+    length = int(rng.integers(1, 60)) * (5 if i % 7 == 0 else 1)  # a long tail
+    ids = torch.arange(length, dtype=torch.int64, device=device) + 10_000 * rank + i
+    return {
+        "ids": ids,
+        "meta": OrderedDict(
+            origin=(rank, i),
+            logp=torch.full((length,), float(i), dtype=torch.float32, device=device) / (rank + 1),
+            mask=torch.tensor([i % 2 == 0, True], device=device),
+            half=torch.ones(3, 2, dtype=torch.bfloat16, device=device) * i,
+        ),
+        "pair": Pair(torch.tensor(float(rank), device=device), f"text-{i}"),
+        "cpu_only": torch.zeros(0, 4),
+        "scalars": [length, None, 1.5],
+    }
+
+
+def check_sample(sample: dict, device: torch.device) -> None:
+    rank, i = sample["meta"]["origin"]
+    want = make_sample(rank, i, device)
+    assert sample.keys() == want.keys()
+    assert isinstance(sample["meta"], OrderedDict) and isinstance(sample["pair"], Pair)
+    for got, exp in [
+        (sample["ids"], want["ids"]),
+        (sample["meta"]["logp"], want["meta"]["logp"]),
+        (sample["meta"]["mask"], want["meta"]["mask"]),
+        (sample["meta"]["half"], want["meta"]["half"]),
+        (sample["pair"].first, want["pair"].first),
+        (sample["cpu_only"], want["cpu_only"]),
+    ]:
+        assert got.dtype == exp.dtype and got.shape == exp.shape, (got, exp)
+        assert got.device == exp.device, (got.device, exp.device)
+        assert torch.equal(got, exp)
+    assert sample["pair"].second == want["pair"].second
+    assert sample["scalars"] == want["scalars"]
+
+
+def gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def check_round_trip(
+    counts: list[int], device: torch.device, *, grouped: bool, equal_size: bool
+) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    samples = [make_sample(rank, i, device) for i in range(counts[rank])]
+    lengths = [len(s["ids"]) for s in samples]
+    labels = [i // 4 for i in range(len(samples))] if grouped else None
+    local, plan = rebalance(samples, lengths, groups=labels, equal_size=equal_size)
+    assert isinstance(plan, RebalancePlan)
+    for sample in local:
+        check_sample(sample, device)
+    origins = [s["meta"]["origin"] for s in local]
+    assert origins == sorted(origins), "a rank's samples come in (origin rank, index) order"
+    everyone = gather(origins)
+    flat = [o for part in everyone for o in part]
+    assert sorted(flat) == [(r, i) for r in range(world) for i in range(counts[r])], "each once"
+    # The plan is the balanced partition of all lengths, identical on every rank.
+    all_lengths = np.array(
+        [len(make_sample(r, i, device)["ids"]) for r in range(world) for i in range(counts[r])]
+    )
+    offsets = np.concatenate(([0], np.cumsum(counts)))
+    parts = [[int(offsets[r] + i) for r, i in part] for part in everyone]
+    all_labels = None
+    if grouped:
+        all_labels = [(r, i // 4) for r in range(world) for i in range(counts[r])]
+        home = {}
+        for dst, part in enumerate(everyone):
+            for r, i in part:
+                assert home.setdefault((r, i // 4), dst) == dst, "a group is split"
+        all_labels = [r * 1000 + i // 4 for r in range(world) for i in range(counts[r])]
+    expected = partition(all_lengths, world, groups=all_labels, equal_size=equal_size)
+    assert sorted(map(sorted, parts)) == sorted(map(sorted, expected))
+    assert imbalance(parts, all_lengths) == imbalance(expected, all_lengths)
+    if equal_size and not grouped:
+        assert len({len(p) for p in parts}) == 1
+    plans = gather(plan.destination.tolist())
+    assert all(p == plans[0] for p in plans), "one plan on every rank"
+
+    results = [
+        {"total": s["ids"].sum() * 2, "origin": s["meta"]["origin"], "by": rank} for s in local
+    ]
+    back = restore(results, plan)
+    assert len(back) == len(samples)
+    for i, (res, sample) in enumerate(zip(back, samples, strict=True)):
+        assert res["origin"] == (rank, i)
+        assert torch.equal(res["total"], sample["ids"].sum() * 2)
+        assert res["total"].device == device
+
+
+def check_bad_input_raises_everywhere(device: torch.device) -> None:
+    rank = dist.get_rank()
+    samples = [make_sample(rank, i, device) for i in range(3)]
+    lengths = [5, 6, -1 if rank == 1 else 7]
+    try:
+        rebalance(samples, lengths)
+    except ValueError as exc:
+        assert "rank 1" in str(exc) and "lengths[2]" in str(exc), exc
+    else:
+        raise AssertionError("negative length on rank 1 must raise on every rank")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backend", default="gloo")
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+    if args.backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(args.backend)
+    try:
+        world = dist.get_world_size()
+        uneven = [0, 11, 3, 25][:world] if world == 4 else [17, 4][:world]
+        check_round_trip(uneven, device, grouped=False, equal_size=False)
+        check_round_trip(
+            [8 * (r + 1) for r in range(world)], device, grouped=True, equal_size=False
+        )
+        check_round_trip([8] * world, device, grouped=False, equal_size=True)
+        check_round_trip([8 * world] * world, device, grouped=True, equal_size=True)
+        check_bad_input_raises_everywhere(device)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""rebalance/restore round trips across real gloo process groups (CPU)."""
+
+NUM_GPUS = 0
+
+import pytest
+
+
+@pytest.mark.parametrize("world_size", [2, 4], ids=["2-ranks", "4-ranks"])
+def test_rebalance_restore_round_trip_gloo(world_size, run_ranks):
+    # Uneven and empty ranks, nested dict/namedtuple/bool/bf16 payloads, GRPO groups,
+    # equal_size, and bad input on one rank raising on all: see dist_worker.main.
+    run_ranks(world_size, "gloo")
