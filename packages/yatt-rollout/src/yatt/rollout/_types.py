@@ -29,6 +29,9 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one of these
     seed: int | None = None  # same seed + same inputs -> same samples
+    # False: the model's EOS token(s) (generation_config.eos_token_id) end generation as well,
+    # as in vLLM and SGLang. True: only `stop_token_ids` and the length limits do.
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -50,6 +53,10 @@ class SamplingParams:
             raise ValueError(
                 f"SamplingParams.stop_token_ids={self.stop_token_ids!r}: must be non-negative ints"
             )
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"SamplingParams.seed={self.seed!r}: must be None or an int >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos={self.ignore_eos!r}: must be a bool")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 

@@ -1,0 +1,65 @@
+"""Configuration of the built-in engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """How the built-in engine runs; the defaults run a tiny model on CPU."""
+
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    dtype: str = "auto"  # "auto" keeps the checkpoint's dtype; else float32/bfloat16/float16
+    max_batch_size: int = 32  # slots decoded together (KV cache rows)
+    max_seq_len: int = 2048  # prompt + response tokens per slot (KV cache length)
+    max_prefill_tokens: int = 16384  # padded prompt tokens per prefill forward pass
+    use_cuda_graph: bool = True  # capture the decode step in a CUDA graph (CUDA only)
+    steps_per_sync: int = 8  # decode steps between host checks for finished slots
+    region_prefix: str = "rollout"  # placement tags "<prefix>/weights", "<prefix>/kv_cache"
+
+    def __post_init__(self) -> None:
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(
+                f"EngineConfig.device={self.device!r} is not a device; use 'cpu' or 'cuda[:N]'"
+            ) from exc
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"EngineConfig.device={self.device!r}: use 'cpu' or 'cuda[:N]'")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"EngineConfig.device={self.device!r} but CUDA is not available; use 'cpu'"
+            )
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(
+                f"EngineConfig.dtype={self.dtype!r}: use 'auto' or one of {sorted(_DTYPES)}"
+            )
+        for name in ("max_batch_size", "max_seq_len", "max_prefill_tokens", "steps_per_sync"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name}={value!r}: must be an int >= 1")
+        if self.max_seq_len < 2:
+            raise ValueError(
+                f"EngineConfig.max_seq_len={self.max_seq_len}: must be >= 2 (a prompt token "
+                "and a new one)"
+            )
+        if self.max_prefill_tokens < self.max_seq_len:
+            raise ValueError(
+                f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens} is below "
+                f"max_seq_len={self.max_seq_len}: the longest prompt would not fit one prefill; "
+                "raise max_prefill_tokens"
+            )
+        if not self.region_prefix or "/" in self.region_prefix:
+            raise ValueError(
+                f"EngineConfig.region_prefix={self.region_prefix!r}: must be a non-empty name "
+                "without '/', unique per engine in the process (e.g. 'rollout', 'genrm')"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype | str:
+        return "auto" if self.dtype == "auto" else _DTYPES[self.dtype]

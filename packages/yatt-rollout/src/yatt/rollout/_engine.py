@@ -1,0 +1,302 @@
+"""The built-in rollout engine: any Hugging Face causal LM, on CPU or CUDA, no extra install.
+
+Memory lives in two placement regions, so `sleep()` gives it back on CUDA:
+  "<prefix>/weights"  parameters and buffers (CPU backup: restored on wake-up)
+  "<prefix>/kv_cache" the static KV cache and per-slot state (contents dropped on sleep)
+CUDA graphs and the allocator's cache are freed on sleep and rebuilt on the next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from collections.abc import AsyncIterator, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from yatt.placement import is_paused, pause, region, resume
+from yatt.rollout._batcher import SlotRunner, WorkItem
+from yatt.rollout._config import EngineConfig
+from yatt.rollout._requests import request_id_of, validate_requests
+from yatt.rollout._sampling import derive_key
+from yatt.rollout._static_kv import ATTN_IMPLEMENTATION, StaticKVCache, register_attention
+from yatt.rollout._streaming import stream_from_thread
+from yatt.rollout._types import DEFAULT_BUCKET_BYTES, Completion, Request, SamplingParams
+from yatt.rollout._weights import copy_bucket, iter_buckets, named_targets
+
+logger = logging.getLogger(__name__)
+
+_TAGS = ("weights", "kv_cache")
+
+
+class BuiltinEngine:
+    """Batched generation with a static KV cache, continuous batching and on-device sampling.
+
+    model: a local directory holding a Hugging Face causal LM (and usually its tokenizer), or a
+        model object, which the engine takes over (its tensors move into the engine's regions
+        and its attention implementation is switched).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | PreTrainedModel,
+        *,
+        config: EngineConfig | None = None,
+        tokenizer: Any = None,
+    ) -> None:
+        self.config = config = config if config is not None else EngineConfig()
+        register_attention()
+        self._device = torch.device(config.device)
+        if self._device.type == "cuda" and self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
+        self._tags = {name: f"{config.region_prefix}/{name}" for name in _TAGS}
+        if isinstance(model, (str, Path)):
+            path = Path(model)
+            if not (path / "config.json").is_file():
+                raise ValueError(
+                    f"model={str(model)!r} is not a directory with a config.json; pass a local "
+                    "Hugging Face model directory or a PreTrainedModel"
+                )
+            if tokenizer is None and any(path.glob("tokenizer*")):
+                tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=config.torch_dtype, attn_implementation=ATTN_IMPLEMENTATION
+            )
+        elif isinstance(model, PreTrainedModel):
+            if config.dtype != "auto":
+                model.to(config.torch_dtype)
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        else:
+            raise ValueError(
+                f"model={model!r}: pass a local model directory or a transformers PreTrainedModel"
+            )
+        self.tokenizer = tokenizer
+        self.model = model.eval().requires_grad_(False)
+        text_config = model.config.get_text_config()
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.eos_token_ids = _eos_ids(model)
+        with region(self._tags["weights"], enable_cpu_backup=True):
+            _move_into_current_region(model, self._device)
+        num_heads = text_config.num_attention_heads
+        with region(self._tags["kv_cache"]):
+            self._cache = StaticKVCache(
+                num_layers=text_config.num_hidden_layers,
+                num_slots=config.max_batch_size,
+                num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
+                max_seq_len=config.max_seq_len,
+                head_dim=getattr(text_config, "head_dim", None)
+                or text_config.hidden_size // num_heads,
+                dtype=next(model.parameters()).dtype,
+                device=self._device,
+            )
+            self._runner = SlotRunner(
+                model,
+                self._cache,
+                use_cuda_graph=config.use_cuda_graph,
+                steps_per_sync=config.steps_per_sync,
+                max_prefill_tokens=config.max_prefill_tokens,
+            )
+        self._lock = threading.Lock()  # one generate/update/sleep at a time
+        self._abort_event = threading.Event()
+        self._is_running = False
+        self._is_closed = False
+
+    # -- generation -------------------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:
+        """All completions, ordered by (request_index, sample_index)."""
+        items = self._work_items(requests, sampling)
+        completions: list[Completion] = []
+        self._run(items, sampling, completions.append)
+        return sorted(completions, key=lambda c: (c.request_index, c.sample_index))
+
+    def stream(
+        self, requests: Sequence[Request], sampling: SamplingParams
+    ) -> AsyncIterator[Completion]:
+        """Each completion as it finishes; input is checked now, generation runs in a thread."""
+        items = self._work_items(requests, sampling)
+        # Closing the stream early cancels this call even if it is still waiting for the lock.
+        cancelled = threading.Event()
+
+        def cancel() -> None:
+            cancelled.set()
+            self.abort()
+
+        return stream_from_thread(
+            lambda emit: self._run(items, sampling, emit, cancelled=cancelled),
+            abort=cancel,
+            name="yatt-rollout-engine",
+        )
+
+    def abort(self) -> None:
+        """Finish in-flight samples now (partial output) and queued ones empty, as "abort"."""
+        if self._is_running:
+            self._abort_event.set()
+
+    def _work_items(self, requests: Sequence[Request], sampling: SamplingParams) -> list[WorkItem]:
+        self._check_open()
+        validate_requests(
+            requests,
+            sampling,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.config.max_seq_len,
+            accepts_images=False,
+        )
+        # No seed: a fresh one per call, so repeated calls give fresh samples.
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
+        return [
+            WorkItem(
+                request_index=i,
+                sample_index=j,
+                request=request,
+                request_id=request_id_of(request, i),
+                key=derive_key(seed, i, j),
+            )
+            for i, request in enumerate(requests)
+            for j in range(sampling.n)
+        ]
+
+    def _run(
+        self,
+        items: list[WorkItem],
+        sampling: SamplingParams,
+        emit,
+        cancelled: threading.Event | None = None,
+    ) -> None:
+        stop_ids = list(dict.fromkeys(sampling.stop_token_ids))
+        if not sampling.ignore_eos:
+            stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
+        with self._lock:
+            self._check_awake()
+            self._abort_event.clear()
+            self._is_running = True
+            if cancelled is not None and cancelled.is_set():
+                self._abort_event.set()
+            try:
+                with _on_device(self._device), torch.no_grad():
+                    self._runner.run(items, sampling, stop_ids, emit, self._abort_event)
+            finally:
+                self._is_running = False
+                self._abort_event.clear()
+
+    # -- weights and memory -----------------------------------------------------------------------
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        """Copy (Hugging Face name, tensor) pairs into the served weights, bucket by bucket.
+
+        Copies are in place, so CUDA graphs stay valid. After each bucket the device is
+        synchronised, so the sender may free or reuse that bucket's tensors.
+        """
+        self._check_open()
+        with self._lock:
+            if is_paused(self._tags["weights"]):
+                raise RuntimeError(
+                    "update_weights while the weights are asleep; call "
+                    "wake_up(tags=('weights',)) first"
+                )
+            targets = named_targets(self.model)
+            with _on_device(self._device):
+                for bucket in iter_buckets(named_tensors, bucket_bytes=bucket_bytes):
+                    copy_bucket(targets, bucket)
+                    if self._device.type == "cuda":
+                        torch.cuda.synchronize(self._device)
+
+    def sleep(self) -> None:
+        """Release the weights' and KV cache's memory (weights are backed up on the CPU)."""
+        self._check_open()
+        with self._lock:
+            awake = [self._tags[name] for name in _TAGS if not is_paused(self._tags[name])]
+            self._runner.release_graphs()
+            if awake:
+                pause(*awake)
+            if self._device.type == "cuda":
+                # Memory outside the regions: graph pools, prefill activations, workspaces.
+                torch.cuda.empty_cache()
+                torch._C._cuda_clearCublasWorkspaces()
+
+    def wake_up(self, tags: Sequence[str] | None = _TAGS) -> None:
+        """Re-create the memory for `tags` ("weights", "kv_cache"; None for both), in that order."""
+        self._check_open()
+        names = _TAGS if tags is None else tuple(tags)
+        unknown = [t for t in names if t not in _TAGS]
+        if unknown or isinstance(tags, str):
+            raise ValueError(f"wake_up(tags={tags!r}): use a sequence of {_TAGS} or None")
+        with self._lock:
+            for name in _TAGS:  # weights before KV cache, whatever order was given
+                if name in names and is_paused(self._tags[name]):
+                    resume(self._tags[name])
+                    if name == "kv_cache":
+                        with _on_device(self._device):
+                            self._runner.reset_state()
+
+    def close(self) -> None:
+        """Abort any run, drop graphs and references; the memory goes when the engine is freed."""
+        if self._is_closed:
+            return
+        self.abort()
+        with self._lock:
+            self._runner.release_graphs()
+            self._is_closed = True
+            del self._runner, self._cache
+            self.model = None
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self._is_closed:
+            raise RuntimeError("the engine is closed; build a new one")
+
+    def _check_awake(self) -> None:
+        asleep = [name for name in _TAGS if is_paused(self._tags[name])]
+        if asleep:
+            raise RuntimeError(f"the engine's {asleep} are asleep; call wake_up() first")
+
+
+def _eos_ids(model: PreTrainedModel) -> list[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config.get_text_config(), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _move_into_current_region(model: torch.nn.Module, device: torch.device) -> None:
+    """Give every parameter and buffer fresh storage, allocated in the open region.
+
+    Copying (rather than loading straight into the region) keeps loader threads and memory maps
+    out of it, so the region holds exactly the model's tensors.
+    """
+    seen: set[int] = set()
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            fresh = torch.empty_like(tensor, device=device)
+            fresh.copy_(tensor)
+            tensor.data = fresh
+
+
+class _on_device:
+    """`torch.cuda.device(...)` on CUDA (worker threads start on device 0), nothing on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._ctx = torch.cuda.device(device) if device.type == "cuda" else None
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)

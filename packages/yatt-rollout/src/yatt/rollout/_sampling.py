@@ -1,0 +1,89 @@
+"""Token sampling on the device, with counter-based randomness and no host syncs.
+
+Each sampled slot carries a 31-bit `key` derived from (seed, request_index, sample_index) and a
+`counter` (tokens generated so far). The uniform number for a draw is a hash of (key, counter),
+so a sample's tokens do not depend on which slot it ran in, which other requests shared its
+batch, or how many steps ran between host checks; and the whole step stays capturable in a CUDA
+graph (torch.Generator objects per row would not be).
+
+Shapes: S = slots, V = vocabulary. All tensors live on the model's device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK31 = (1 << 31) - 1
+_MUL = 0x045D9F3B  # < 2**27, so (31-bit value) * _MUL never overflows int64
+_GOLDEN = 0x1E3779B9
+
+
+def _mix31(x):
+    """A 31-bit integer hash (a variant of the well-known 0x45d9f3b mixer).
+
+    Works on Python ints and on int64 tensors alike, so the host derives keys with the same
+    function the device uses for draws.
+    """
+    x = ((x ^ (x >> 16)) * _MUL) & _MASK31
+    x = ((x ^ (x >> 16)) * _MUL) & _MASK31
+    return x ^ (x >> 16)
+
+
+def derive_key(seed: int, request_index: int, sample_index: int) -> int:
+    """The random key of one sample: a function of its identity, not of its slot."""
+    key = _mix31((seed & _MASK31) ^ _GOLDEN)
+    key = _mix31(key ^ ((seed >> 31) & _MASK31))
+    key = _mix31((key + request_index) & _MASK31)
+    return _mix31((key ^ _mix31(sample_index & _MASK31)) & _MASK31)
+
+
+def uniform_from_counter(key_S: torch.Tensor, counter_S: torch.Tensor) -> torch.Tensor:
+    """One float32 uniform in (0, 1) per slot; the 23-bit grid plus 0.5 is exact in float32."""
+    h_S = _mix31((key_S ^ _mix31((counter_S + _GOLDEN) & _MASK31)) & _MASK31)
+    return ((h_S >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def sample_tokens(
+    logits_SV: torch.Tensor,
+    *,
+    temperature_S: torch.Tensor,
+    top_p_S: torch.Tensor,
+    top_k_S: torch.Tensor,
+    key_S: torch.Tensor,
+    counter_S: torch.Tensor,
+    is_greedy: bool,
+    is_truncated: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled token ids [S] (int64) and their logprobs [S] (float32).
+
+    The logprob is log softmax(logits / temperature) of the chosen token, before top-p/top-k
+    truncation (unscaled logits when greedy): what a trainer recomputes from a forward pass.
+    `is_greedy` and `is_truncated` are Python flags, so each combination is its own graph.
+    """
+    logits_SV = logits_SV.float()
+    if is_greedy:
+        token_S = logits_SV.argmax(dim=-1)
+        logprob_SV = torch.log_softmax(logits_SV, dim=-1)
+        return token_S, logprob_SV.gather(-1, token_S[:, None])[:, 0]
+    scaled_SV = logits_SV / temperature_S[:, None]
+    logprob_SV = torch.log_softmax(scaled_SV, dim=-1)
+    probs_SV = logprob_SV.exp()
+    u_S = uniform_from_counter(key_S, counter_S)
+    if is_truncated:
+        sorted_SV, order_SV = probs_SV.sort(dim=-1, descending=True)
+        rank_V = torch.arange(sorted_SV.shape[-1], device=sorted_SV.device)
+        # top-k 0 means off; top-p keeps the smallest prefix whose mass reaches p (at least one).
+        k_S = torch.where(top_k_S > 0, top_k_S, sorted_SV.shape[-1])
+        mass_before_SV = sorted_SV.cumsum(dim=-1) - sorted_SV
+        keep_SV = (rank_V[None, :] < k_S[:, None]) & (mass_before_SV < top_p_S[:, None])
+        kept_SV = torch.where(keep_SV, sorted_SV, 0.0)
+        cdf_SV = kept_SV.cumsum(dim=-1)
+        pick_S = torch.searchsorted(cdf_SV, (u_S * cdf_SV[:, -1])[:, None])[:, 0]
+        pick_S = pick_S.clamp(max=sorted_SV.shape[-1] - 1)
+        token_S = order_SV.gather(-1, pick_S[:, None])[:, 0]
+    else:
+        # Inverse CDF in vocabulary order: no sort needed when nothing is truncated.
+        cdf_SV = probs_SV.cumsum(dim=-1)
+        token_S = torch.searchsorted(cdf_SV, (u_S * cdf_SV[:, -1])[:, None])[:, 0]
+        token_S = token_S.clamp(max=cdf_SV.shape[-1] - 1)
+    return token_S, logprob_SV.gather(-1, token_S[:, None])[:, 0]

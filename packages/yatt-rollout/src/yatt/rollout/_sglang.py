@@ -1,0 +1,206 @@
+"""SGLang adapter (`pip install 'yatt-rollout[sglang]'`): `sglang.Engine` behind our protocol.
+
+    requests -> one SGLang request per sample (seed from (seed, request, sample))
+             -> Engine.async_generate, all awaited on the engine's own event loop in a worker
+                thread -> Completion as each finishes
+
+Memory: `release_memory_occupation` / `resume_memory_occupation` (the engine is built with
+enable_memory_saver=True). Weights: `update_weights_from_tensor`, one bucket per call, then a
+cache flush. The mapping functions are pure so CPU tests cover them; nothing here ran on a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from yatt.rollout._requests import request_id_of, validate_requests
+from yatt.rollout._sampling import derive_key
+from yatt.rollout._streaming import stream_from_thread
+from yatt.rollout._types import (
+    DEFAULT_BUCKET_BYTES,
+    Completion,
+    FinishReason,
+    Request,
+    SamplingParams,
+)
+from yatt.rollout._weights import iter_buckets
+
+
+@dataclass(kw_only=True)
+class SGLangConfig:
+    """How the SGLang engine is built; other `sglang.Engine` arguments go in `engine_kwargs`."""
+
+    dtype: str = "auto"
+    mem_fraction_static: float = 0.5  # leave room for a colocated trainer or GenRM
+    context_length: int | None = None  # None: the model's own
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(
+                f"SGLangConfig.mem_fraction_static={self.mem_fraction_static!r}: must be in (0, 1]"
+            )
+
+
+def sglang_sampling_params(sampling: SamplingParams, *, sample_seed: int) -> dict[str, Any]:
+    """Our SamplingParams as one SGLang sampling-params dict (one sample per request)."""
+    return {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang: -1 disables
+        "max_new_tokens": sampling.max_new_tokens,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "ignore_eos": sampling.ignore_eos,
+        "skip_special_tokens": False,
+        "sampling_seed": sample_seed,
+    }
+
+
+def completion_from_sglang(
+    output: dict[str, Any], *, request_index: int, sample_index: int, request: Request
+) -> Completion:
+    """One SGLang output dict (output_ids, meta_info) as a Completion."""
+    meta = output["meta_info"]
+    tokens = list(output["output_ids"])
+    logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+    if len(logprobs) != len(tokens):
+        raise RuntimeError(
+            f"SGLang returned {len(logprobs)} logprobs for {len(tokens)} tokens; the request "
+            "must set return_logprob=True"
+        )
+    reason = (meta.get("finish_reason") or {}).get("type")
+    if reason not in ("stop", "length", "abort"):
+        raise RuntimeError(f"SGLang finished a request with unknown reason {reason!r}")
+    finish: FinishReason = reason
+    return Completion(
+        request_index=request_index,
+        sample_index=sample_index,
+        prompt_ids=list(request.prompt_ids),
+        response_ids=tokens,
+        logprobs=logprobs,
+        finish_reason=finish,
+        request_id=request_id_of(request, request_index),
+        metadata=dict(request.metadata),
+    )
+
+
+def sglang_memory_tags(names: Sequence[str], *, has_cuda_graph_tag: bool) -> list[str]:
+    """Our tags as SGLang's; its CUDA graphs (when tagged separately) follow the KV cache."""
+    tags = [t for t in ("weights", "kv_cache") if t in names]
+    if "kv_cache" in tags and has_cuda_graph_tag:
+        tags.append("cuda_graph")
+    return tags
+
+
+class SGLangEngine:
+    """RolloutEngine over an in-process `sglang.Engine` with the memory saver enabled."""
+
+    def __init__(self, model: str | Path, *, config: SGLangConfig | None = None) -> None:
+        self.config = config = config if config is not None else SGLangConfig()
+        import sglang  # lazy: an optional, GPU-only dependency
+        from sglang.srt import constants
+
+        kwargs = {
+            "model_path": str(model),
+            "enable_memory_saver": True,
+            "dtype": config.dtype,
+            "mem_fraction_static": config.mem_fraction_static,
+            **({"context_length": config.context_length} if config.context_length else {}),
+            **config.engine_kwargs,
+        }
+        self._engine = sglang.Engine(**kwargs)
+        self._has_cuda_graph_tag = hasattr(constants, "GPU_MEMORY_TYPE_CUDA_GRAPH")
+        manager = self._engine.tokenizer_manager
+        self.tokenizer = manager.tokenizer
+        self.max_seq_len = manager.context_len
+        self.vocab_size = manager.model_config.vocab_size
+        self.is_multimodal = bool(getattr(manager.model_config, "is_multimodal", False))
+        self._lock = threading.Lock()
+
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:
+        out: list[Completion] = []
+        self._run(self._prepare(requests, sampling), out.append)
+        return sorted(out, key=lambda c: (c.request_index, c.sample_index))
+
+    def stream(
+        self, requests: Sequence[Request], sampling: SamplingParams
+    ) -> AsyncIterator[Completion]:
+        jobs = self._prepare(requests, sampling)
+        return stream_from_thread(
+            lambda emit: self._run(jobs, emit), abort=self.abort, name="yatt-sglang"
+        )
+
+    def abort(self) -> None:
+        if self._lock.locked():
+            manager = self._engine.tokenizer_manager
+            # The tokenizer manager belongs to the engine's loop: ask that loop to abort.
+            self._engine.loop.call_soon_threadsafe(manager.abort_request, "", True)
+
+    def _prepare(self, requests: Sequence[Request], sampling: SamplingParams) -> list[tuple]:
+        validate_requests(
+            requests,
+            sampling,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            accepts_images=self.is_multimodal,
+        )
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(7))
+        return [
+            (i, j, request, sglang_sampling_params(sampling, sample_seed=derive_key(seed, i, j)))
+            for i, request in enumerate(requests)
+            for j in range(sampling.n)
+        ]
+
+    def _run(self, jobs: list[tuple], emit) -> None:
+        async def one(i: int, j: int, request: Request, params: dict[str, Any]) -> None:
+            output = await self._engine.async_generate(
+                input_ids=list(request.prompt_ids),
+                sampling_params=params,
+                image_data=list(request.images) if request.images else None,
+                return_logprob=True,
+            )
+            emit(completion_from_sglang(output, request_index=i, sample_index=j, request=request))
+
+        async def all_jobs() -> None:
+            await asyncio.gather(*(one(*job) for job in jobs))
+
+        with self._lock:
+            self._engine.loop.run_until_complete(all_jobs())
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        with self._lock:
+            for bucket in iter_buckets(named_tensors, bucket_bytes=bucket_bytes):
+                self._engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
+            # Cached prefixes hold keys/values computed with the old weights.
+            self._engine.flush_cache()
+
+    def sleep(self) -> None:
+        with self._lock:
+            self._engine.release_memory_occupation()
+
+    def wake_up(self, tags: Sequence[str] | None = ("weights", "kv_cache")) -> None:
+        names = ["weights", "kv_cache"] if tags is None else list(tags)
+        if isinstance(tags, str) or any(t not in ("weights", "kv_cache") for t in names):
+            raise ValueError(f"wake_up(tags={tags!r}): use a sequence of 'weights', 'kv_cache'")
+        with self._lock:
+            self._engine.resume_memory_occupation(
+                tags=sglang_memory_tags(names, has_cuda_graph_tag=self._has_cuda_graph_tag)
+            )
+
+    def close(self) -> None:
+        self.abort()
+        with self._lock:
+            self._engine.shutdown()

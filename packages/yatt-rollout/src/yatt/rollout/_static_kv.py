@@ -1,0 +1,135 @@
+"""A preallocated KV cache with one row per slot, plugged into Hugging Face attention modules.
+
+The engine runs the model's own modules (any HF decoder that goes through `AttentionInterface`)
+with `attn_implementation="yatt_static_kv"`. The attention function below writes the new keys and
+values into this cache and attends with the 4D boolean mask that the engine passes as
+`attention_mask` (HF returns a 4D mask unchanged). Outside an engine step it is plain SDPA, so the
+same model object still works for ordinary forward passes.
+
+Layout, per layer: k and v are [S, H_kv, L, D] (S slots, L = max_seq_len). Slot s holds the
+sequence in positions 0..len-1; positions past the length hold stale values that the mask hides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+ATTN_IMPLEMENTATION = "yatt_static_kv"
+
+
+class StaticKVCache:
+    """Per-layer key/value buffers of fixed shape, allocated once (inside a placement region)."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_slots, num_kv_heads, max_seq_len, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots, self.num_kv_heads, self.max_seq_len, self.head_dim = shape
+        self.row_base_SH = torch.zeros(num_slots, num_kv_heads, dtype=torch.long, device=device)
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the buffers and rebuild the index table (memory is garbage after a wake-up)."""
+        for buffer in (*self.keys, *self.values):
+            buffer.zero_()
+        # Row (s, h) of a layer viewed as [S * H_kv * L, D] starts at (s * H_kv + h) * L.
+        heads = torch.arange(self.num_kv_heads)
+        slots = torch.arange(self.num_slots)
+        row_base = (slots[:, None] * self.num_kv_heads + heads[None, :]) * self.max_seq_len
+        self.row_base_SH.copy_(row_base)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+@dataclass(kw_only=True)
+class DecodeWrite:
+    """Decode step: every slot writes one token at its own position `pos_S`."""
+
+    cache: StaticKVCache
+    pos_S: torch.Tensor  # int64 [S], clamped into [0, L) by the engine
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+        cache = self.cache
+        # key: [S, H_kv, 1, D] -> one row per (slot, head) of the flattened layer buffer.
+        index = (cache.row_base_SH + self.pos_S[:, None]).reshape(-1)
+        flat_shape = (-1, cache.head_dim)
+        cache.keys[layer].view(flat_shape).index_copy_(0, index, key.reshape(flat_shape))
+        cache.values[layer].view(flat_shape).index_copy_(0, index, value.reshape(flat_shape))
+        return cache.keys[layer], cache.values[layer]
+
+
+@dataclass(kw_only=True)
+class PrefillWrite:
+    """Prefill of left-padded prompts [B, T]; slot j receives row `row_J[j]`.
+
+    Keys are gathered so that position p of the slot gets the token at column p + pad of its
+    row (columns past the row's end repeat its last token and are hidden by the mask later).
+    Attention itself runs over the new tokens only, since a prefill starts at position 0.
+    """
+
+    cache: StaticKVCache
+    slot_J: torch.Tensor  # int64 [J] destination slots
+    row_J: torch.Tensor  # int64 [J] source row of each slot
+    source_col_BT: torch.Tensor  # int64 [B, T] column of the padded input for each position
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+        num_tokens = key.shape[2]
+        cols = self.source_col_BT[self.row_J][:, None, :, None]
+        cols = cols.expand(-1, key.shape[1], -1, key.shape[3])
+        for buffer, new in ((self.cache.keys[layer], key), (self.cache.values[layer], value)):
+            buffer[self.slot_J, :, :num_tokens] = new[self.row_J].gather(2, cols)
+        return key, value
+
+
+_ACTIVE_WRITE: ContextVar[DecodeWrite | PrefillWrite | None] = ContextVar(
+    "yatt_static_kv_write", default=None
+)
+
+
+@contextmanager
+def writing_kv(write: DecodeWrite | PrefillWrite) -> Iterator[None]:
+    """Route the attention layers' new keys/values into the cache during one forward pass."""
+    token = _ACTIVE_WRITE.set(write)
+    try:
+        yield
+    finally:
+        _ACTIVE_WRITE.reset(token)
+
+
+def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
+    write = _ACTIVE_WRITE.get()
+    if write is not None:
+        if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__} uses sliding-window or soft-capped attention, which "
+                "the built-in engine does not implement; use the vLLM or SGLang engine"
+            )
+        key, value = write.write(module.layer_idx, key, value)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def register_attention() -> None:
+    """Make `attn_implementation="yatt_static_kv"` known to transformers (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, _static_kv_attention)
+    # Plain forward passes (no engine step) let HF build the mask it would build for SDPA.
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

@@ -1,0 +1,246 @@
+"""vLLM adapter (`pip install 'yatt-rollout[vllm]'`): an in-process `vllm.LLM` behind our protocol.
+
+    requests -> one vLLM request per sample (n=1, seed from (seed, request, sample))
+             -> LLMEngine.add_request / step() loop (DELTA outputs, so an abort keeps partials)
+             -> Completion as each request finishes
+
+Weights load through a worker extension (`_vllm_worker.WeightLoaderExtension`) called with
+`collective_rpc`, one bucket at a time. The engine core runs in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), so buckets pass by reference, not through a pipe.
+Logprobs are vLLM's "processed_logprobs": log softmax(logits / T) after top-k/top-p, which is
+our definition when top_p == 1 and top_k == 0 (vLLM has no untruncated tempered mode).
+The mapping functions below are pure so CPU tests cover them; nothing here ran on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from yatt.rollout._requests import request_id_of, validate_requests
+from yatt.rollout._sampling import derive_key
+from yatt.rollout._streaming import stream_from_thread
+from yatt.rollout._types import (
+    DEFAULT_BUCKET_BYTES,
+    Completion,
+    FinishReason,
+    Request,
+    SamplingParams,
+)
+from yatt.rollout._weights import iter_buckets
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "yatt.rollout._vllm_worker.WeightLoaderExtension"
+
+
+@dataclass(kw_only=True)
+class VLLMConfig:
+    """How the vLLM engine is built; other `vllm.LLM` arguments go in `llm_kwargs`."""
+
+    dtype: str = "auto"
+    gpu_memory_utilization: float = 0.5  # leave room for a colocated trainer or GenRM
+    max_model_len: int | None = None  # None: the model's own
+    sleep_level: int = 1  # 1: weights to CPU, KV dropped; 2: both dropped (sync weights on wake)
+    enforce_eager: bool = False  # True disables vLLM's CUDA graphs
+    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.sleep_level not in (1, 2):
+            raise ValueError(f"VLLMConfig.sleep_level={self.sleep_level!r}: use 1 or 2")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"VLLMConfig.gpu_memory_utilization={self.gpu_memory_utilization!r}: "
+                "must be in (0, 1]"
+            )
+
+
+def vllm_sampling_kwargs(sampling: SamplingParams, *, sample_seed: int) -> dict[str, Any]:
+    """Our SamplingParams as keyword arguments of one n=1 `vllm.SamplingParams`."""
+    return {
+        "n": 1,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,  # 0 disables top-k in vLLM as here
+        "max_tokens": sampling.max_new_tokens,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "ignore_eos": sampling.ignore_eos,
+        "seed": sample_seed,
+        "logprobs": 0,  # the sampled token's logprob only
+        "detokenize": False,
+        "skip_special_tokens": False,
+    }
+
+
+def vllm_prompt(request: Request) -> dict[str, Any]:
+    """A `TokensPrompt` (a TypedDict, so a plain dict) with images as multi-modal data."""
+    prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
+    if request.images:
+        prompt["multi_modal_data"] = {"image": list(request.images)}
+    return prompt
+
+
+def sampled_logprobs(token_ids: Sequence[int], logprobs: Sequence[Any] | None) -> list[float]:
+    """The sampled tokens' logprobs from vLLM's per-position {token_id: Logprob} entries."""
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no logprobs; the request must set logprobs=0")
+    return [float(entry[token].logprob) for token, entry in zip(token_ids, logprobs, strict=True)]
+
+
+def finish_reason_of(vllm_reason: str | None) -> FinishReason:
+    if vllm_reason in ("stop", "length", "abort"):
+        return vllm_reason
+    raise RuntimeError(f"vLLM finished a request with unknown reason {vllm_reason!r}")
+
+
+class VLLMEngine:
+    """RolloutEngine over an in-process `vllm.LLM` with sleep mode enabled."""
+
+    def __init__(self, model: str | Path, *, config: VLLMConfig | None = None) -> None:
+        self.config = config = config if config is not None else VLLMConfig()
+        mode = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if mode != "0":
+            raise ValueError(
+                "VLLM_ENABLE_V1_MULTIPROCESSING is set to 1: the engine core would run in "
+                "another process and weight buckets would be copied through a pipe; unset it"
+            )
+        import vllm  # lazy: an optional, GPU-only dependency
+
+        self._vllm = vllm
+        kwargs = {
+            "model": str(model),
+            "enable_sleep_mode": True,
+            "worker_extension_cls": WORKER_EXTENSION,
+            "logprobs_mode": "processed_logprobs",
+            "dtype": config.dtype,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "enforce_eager": config.enforce_eager,
+            **({"max_model_len": config.max_model_len} if config.max_model_len else {}),
+            **config.llm_kwargs,
+        }
+        self._llm = vllm.LLM(**kwargs)
+        model_config = self._llm.llm_engine.model_config
+        self.tokenizer = self._llm.get_tokenizer()
+        self.max_seq_len = model_config.max_model_len
+        self.vocab_size = model_config.get_vocab_size()
+        self.is_multimodal = bool(getattr(model_config, "is_multimodal_model", False))
+        self._lock = threading.Lock()
+        self._abort_event = threading.Event()
+
+    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:
+        out: list[Completion] = []
+        self._run(self._prepare(requests, sampling), out.append)
+        return sorted(out, key=lambda c: (c.request_index, c.sample_index))
+
+    def stream(
+        self, requests: Sequence[Request], sampling: SamplingParams
+    ) -> AsyncIterator[Completion]:
+        jobs = self._prepare(requests, sampling)
+        return stream_from_thread(
+            lambda emit: self._run(jobs, emit), abort=self.abort, name="yatt-vllm"
+        )
+
+    def abort(self) -> None:
+        if self._lock.locked():
+            self._abort_event.set()
+
+    def _prepare(self, requests: Sequence[Request], sampling: SamplingParams) -> list[tuple]:
+        validate_requests(
+            requests,
+            sampling,
+            vocab_size=self.vocab_size,
+            max_seq_len=self.max_seq_len,
+            accepts_images=self.is_multimodal,
+        )
+        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(7))
+        output_kind = self._vllm.sampling_params.RequestOutputKind.DELTA
+        jobs = []
+        for i, request in enumerate(requests):
+            for j in range(sampling.n):
+                kwargs = vllm_sampling_kwargs(sampling, sample_seed=derive_key(seed, i, j))
+                params = self._vllm.SamplingParams(**kwargs, output_kind=output_kind)
+                jobs.append((i, j, request, vllm_prompt(request), params))
+        return jobs
+
+    def _run(self, jobs: list[tuple], emit) -> None:
+        with self._lock:
+            self._abort_event.clear()
+            engine = self._llm.llm_engine
+            call = uuid.uuid4().hex[:8]
+            pending: dict[str, tuple[int, int, Request, list[int], list[float]]] = {}
+            for i, j, request, prompt, params in jobs:
+                rid = f"yatt-{call}-{i}-{j}"
+                engine.add_request(rid, prompt, params)
+                pending[rid] = (i, j, request, [], [])
+            while pending:
+                if self._abort_event.is_set():
+                    engine.abort_request(list(pending))
+                    for rid in list(pending):
+                        emit(self._completion(pending.pop(rid), "abort"))
+                    break
+                for output in engine.step():
+                    if output.request_id not in pending:
+                        continue
+                    sample = output.outputs[0]
+                    entry = pending[output.request_id]
+                    entry[3].extend(sample.token_ids)
+                    entry[4].extend(sampled_logprobs(sample.token_ids, sample.logprobs))
+                    if output.finished:
+                        reason = finish_reason_of(sample.finish_reason)
+                        emit(self._completion(pending.pop(output.request_id), reason))
+            self._abort_event.clear()
+
+    @staticmethod
+    def _completion(entry: tuple, reason: FinishReason) -> Completion:
+        i, j, request, tokens, logprobs = entry
+        return Completion(
+            request_index=i,
+            sample_index=j,
+            prompt_ids=list(request.prompt_ids),
+            response_ids=list(tokens),
+            logprobs=list(logprobs),
+            finish_reason=reason,
+            request_id=request_id_of(request, i),
+            metadata=dict(request.metadata),
+        )
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        with self._lock:
+            for bucket in iter_buckets(named_tensors, bucket_bytes=bucket_bytes):
+                self._llm.collective_rpc("yatt_load_weights", args=(bucket,))
+            # Cached prefixes hold keys/values computed with the old weights.
+            self._llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        with self._lock:
+            self._llm.sleep(level=self.config.sleep_level)
+
+    def wake_up(self, tags: Sequence[str] | None = ("weights", "kv_cache")) -> None:
+        names = ["weights", "kv_cache"] if tags is None else list(tags)
+        if isinstance(tags, str) or any(t not in ("weights", "kv_cache") for t in names):
+            raise ValueError(f"wake_up(tags={tags!r}): use a sequence of 'weights', 'kv_cache'")
+        with self._lock:
+            self._llm.wake_up(tags=[t for t in ("weights", "kv_cache") if t in names])
+            if "kv_cache" in names:
+                self._llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        self.abort()
+        with self._lock:
+            llm, self._llm = self._llm, None
+            shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()

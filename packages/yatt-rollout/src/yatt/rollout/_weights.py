@@ -1,0 +1,88 @@
+"""Weight sync: stream (name, tensor) pairs into an engine bucket by bucket.
+
+The source is any iterable (a trainer's `named_parameters()`, a generator that gathers shards
+one at a time, an offloaded copy). It is consumed lazily and at most one bucket of references
+is held at once, so the sender never needs a second full copy of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+# Maps one trainer tensor to zero or more Hugging Face (name, tensor) pairs, e.g. a Megatron
+# fused QKV weight to q_proj/k_proj/v_proj. Returning nothing skips the tensor.
+NameMapper = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+def map_names(
+    named_tensors: NamedTensors, mapper: NameMapper
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Apply `mapper` to each pair lazily; pass the result to any engine's `update_weights`.
+
+    engine.update_weights(map_names(megatron_model.named_parameters(), to_hf_names))
+    """
+    for name, tensor in named_tensors:
+        yield from mapper(name, tensor)
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def iter_buckets(
+    named_tensors: NamedTensors, *, bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group pairs into lists of at most `bucket_bytes` (a larger tensor gets a bucket alone)."""
+    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r}: must be a positive int (e.g. 512 << 20)")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for pair in named_tensors:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[1], torch.Tensor)):
+            raise ValueError(
+                f"update_weights got {type(pair).__name__} {pair!r:.80}; pass an iterable of "
+                "(name, tensor) pairs such as model.named_parameters()"
+            )
+        nbytes = tensor_bytes(pair[1])
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(pair)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def named_targets(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer by its state-dict name, tied names included."""
+    targets: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
+    state_names = set(module.state_dict(keep_vars=True))
+    for name, buffer in module.named_buffers(remove_duplicate=False):
+        if name in state_names:
+            targets[name] = buffer
+    return targets
+
+
+def copy_bucket(targets: dict[str, torch.Tensor], bucket: list[tuple[str, torch.Tensor]]) -> int:
+    """Copy one bucket in place (addresses kept: CUDA graphs and regions stay valid); bytes copied."""
+    copied = 0
+    for name, source in bucket:
+        target = targets.get(name)
+        if target is None:
+            close = [n for n in targets if n.rsplit(".", 1)[-1] == name.rsplit(".", 1)[-1]][:3]
+            raise ValueError(
+                f"update_weights: {name!r} is not a parameter of the served model (similar: "
+                f"{close}); give Hugging Face names, or translate with map_names(...)"
+            )
+        if target.shape != source.shape:
+            raise ValueError(
+                f"update_weights: {name!r} has shape {tuple(source.shape)}, the served model "
+                f"expects {tuple(target.shape)}; a tensor-parallel shard must be gathered first"
+            )
+        with torch.no_grad():
+            target.copy_(source, non_blocking=True)
+        copied += tensor_bytes(source)
+    return copied

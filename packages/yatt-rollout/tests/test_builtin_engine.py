@@ -1,0 +1,303 @@
+NUM_GPUS = 0
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from yatt.placement import is_paused, resident_bytes
+from yatt.rollout import (
+    BuiltinEngine,
+    EngineConfig,
+    Request,
+    RolloutEngine,
+    SamplingParams,
+    map_names,
+)
+from yatt.testing import make_tiny_causal_lm
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [40, 41, 42, 43], [50, 51]]
+
+
+def _requests(prompts=PROMPTS):
+    return [Request(prompt_ids=list(p)) for p in prompts]
+
+
+def _forward_logprobs(model, prompt, response, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].float()
+    logits = logits[len(prompt) - 1 : -1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    engine = BuiltinEngine(
+        tiny_model_dir, config=EngineConfig(max_batch_size=4, max_seq_len=128, region_prefix="t")
+    )
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_logprobs_match_forward_for_other_architectures(tmp_path, arch):
+    model = make_tiny_causal_lm(tmp_path, arch=arch, seed=2)
+    engine = BuiltinEngine(
+        tmp_path, config=EngineConfig(max_batch_size=3, max_seq_len=64, region_prefix=arch)
+    )
+    sampling = SamplingParams(n=2, temperature=0.9, top_p=0.9, top_k=50, max_new_tokens=9, seed=4)
+    for c in engine.generate(_requests(), sampling):
+        expected = _forward_logprobs(model, c.prompt_ids, c.response_ids, 0.9)
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    ("max_batch_size", "steps_per_sync", "max_prefill_tokens"),
+    [(1, 1, 128), (3, 5, 128), (8, 2, 1024)],
+    ids=["one-slot", "refills", "all-at-once"],
+)
+def test_samples_do_not_depend_on_batching(
+    tiny_model_dir, max_batch_size, steps_per_sync, max_prefill_tokens
+):
+    sampling = SamplingParams(n=3, max_new_tokens=10, seed=9, ignore_eos=True)
+    reference = BuiltinEngine(
+        tiny_model_dir, config=EngineConfig(max_batch_size=2, max_seq_len=128)
+    )
+    expected = reference.generate(_requests(), sampling)
+    reference.close()
+    config = EngineConfig(
+        max_batch_size=max_batch_size,
+        max_seq_len=128,
+        steps_per_sync=steps_per_sync,
+        max_prefill_tokens=max_prefill_tokens,
+    )
+    engine = BuiltinEngine(tiny_model_dir, config=config)
+    got = engine.generate(_requests(), sampling)
+    engine.close()
+    assert [c.response_ids for c in got] == [c.response_ids for c in expected]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
+        )
+
+
+def test_finished_slots_are_refilled_without_waiting_for_the_longest(tiny_model_dir, monkeypatch):
+    # Context 48: the 8-token prompt may generate 40 tokens, the 44-token prompts only 4.
+    engine = BuiltinEngine(
+        tiny_model_dir, config=EngineConfig(max_batch_size=2, max_seq_len=48, steps_per_sync=1)
+    )
+    steps = []
+    runner = engine._runner
+    original = runner._run_decode_step
+    monkeypatch.setattr(
+        runner, "_run_decode_step", lambda flags: (steps.append(1), original(flags))
+    )
+    requests = _requests([[7] * 8] + [[9] * 44] * 10)
+    out = engine.generate(requests, SamplingParams(max_new_tokens=40, ignore_eos=True, seed=0))
+    assert [len(c.response_ids) for c in out] == [40] + [4] * 10
+    # Waiting for the longest per batch of 2 would take 39 + 4 * 3 + 4 * 3 = 63 decode steps;
+    # refilling overlaps the short requests with the long one.
+    assert len(steps) <= 45, len(steps)
+    engine.close()
+
+
+def test_eos_stops_unless_ignored(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    probe = BuiltinEngine(model, config=EngineConfig(max_batch_size=2, max_seq_len=64))
+    first = probe.generate(_requests(PROMPTS[:1]), greedy)[0].response_ids
+    probe.close()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.generation_config.eos_token_id = [first[2]]
+    engine = BuiltinEngine(model, config=EngineConfig(max_batch_size=2, max_seq_len=64))
+    stopped = engine.generate(
+        _requests(PROMPTS[:1]), SamplingParams(temperature=0.0, max_new_tokens=6)
+    )[0]
+    assert stopped.response_ids == first[: first.index(first[2]) + 1]
+    assert stopped.finish_reason == "stop"
+    ignored = engine.generate(_requests(PROMPTS[:1]), greedy)[0]
+    assert ignored.response_ids == first and ignored.finish_reason == "length"
+    engine.close()
+
+
+def test_context_limit_ends_generation_with_length(engine):
+    prompt = list(range(5, 5 + 120))
+    out = engine.generate(_requests([prompt]), SamplingParams(max_new_tokens=50, ignore_eos=True))
+    assert len(out[0].response_ids) == 128 - 120 and out[0].finish_reason == "length"
+
+
+def test_sampling_filters_restrict_tokens(engine, tiny_model_dir):
+    greedy = engine.generate(
+        _requests(), SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    )
+    top1 = engine.generate(
+        _requests(), SamplingParams(top_k=1, max_new_tokens=8, ignore_eos=True, seed=1)
+    )
+    tiny_p = engine.generate(
+        _requests(), SamplingParams(top_p=1e-6, max_new_tokens=8, ignore_eos=True, seed=1)
+    )
+    assert [c.response_ids for c in top1] == [c.response_ids for c in greedy]
+    assert [c.response_ids for c in tiny_p] == [c.response_ids for c in greedy]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for c in engine.generate(
+        _requests(), SamplingParams(top_k=3, n=4, max_new_tokens=6, seed=2, ignore_eos=True)
+    ):
+        with torch.no_grad():
+            logits = model(torch.tensor([c.prompt_ids + c.response_ids])).logits[0]
+        top3 = logits[len(c.prompt_ids) - 1 : -1].topk(3).indices
+        assert all(t in row for t, row in zip(c.response_ids, top3.tolist(), strict=True))
+
+
+def test_sleep_releases_regions_and_guards_use(engine, tiny_model_dir):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    before = engine.generate(_requests(), greedy)
+    assert resident_bytes("t/weights") > 0 and resident_bytes("t/kv_cache") > 0
+    engine.sleep()
+    assert is_paused("t/weights") and is_paused("t/kv_cache")
+    assert resident_bytes("t/weights") == resident_bytes("t/kv_cache") == 0
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate(_requests(), greedy)
+    with pytest.raises(RuntimeError, match="wake_up"):
+        engine.update_weights([])
+    # The RL order: weights first, sync new weights, then the KV cache.
+    engine.wake_up(tags=["weights"])
+    new = make_tiny_causal_lm(arch="qwen2", seed=5, max_position_embeddings=512)
+    engine.update_weights(new.named_parameters())
+    engine.wake_up(tags=["kv_cache"])
+    after = engine.generate(_requests(), greedy)
+    for c in after:
+        expected = _forward_logprobs(new, c.prompt_ids, c.response_ids)
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine.update_weights(original.named_parameters())
+    assert [c.response_ids for c in engine.generate(_requests(), greedy)] == [
+        c.response_ids for c in before
+    ]
+    with pytest.raises(ValueError, match="tags"):
+        engine.wake_up(tags=["optimizer"])
+
+
+def test_update_weights_rejects_unknown_names_and_shapes(engine):
+    with pytest.raises(ValueError, match="not a parameter"):
+        engine.update_weights([("model.layers.0.mlp.nope.weight", torch.zeros(2))])
+    with pytest.raises(ValueError, match="shape"):
+        engine.update_weights([("model.norm.weight", torch.zeros(3))])
+    with pytest.raises(ValueError, match="pairs"):
+        engine.update_weights([torch.zeros(3)])
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        engine.update_weights([], bucket_bytes=0)
+
+
+def test_name_mapper_translates_fused_weights(engine, tiny_model_dir):
+    """A Megatron-style fused QKV weight is split by a mapper into HF q/k/v names."""
+    new = make_tiny_causal_lm(arch="qwen2", seed=6, max_position_embeddings=512)
+    fused = {}
+    for name, tensor in new.state_dict().items():
+        if ".self_attn.q_proj." in name:
+            prefix, kind = name.split(".self_attn.q_proj.")
+            parts = [new.state_dict()[f"{prefix}.self_attn.{p}_proj.{kind}"] for p in "qkv"]
+            fused[f"{prefix}.self_attn.linear_qkv.{kind}"] = torch.cat(parts)
+        elif ".self_attn.k_proj." not in name and ".self_attn.v_proj." not in name:
+            fused[name] = tensor
+    sizes = [new.state_dict()[f"model.layers.0.self_attn.{p}_proj.weight"].shape[0] for p in "qkv"]
+
+    def to_hf(name, tensor):
+        if ".linear_qkv." not in name:
+            return [(name, tensor)]
+        prefix, kind = name.split(".linear_qkv.")
+        q, k, v = tensor.split(sizes)
+        return [(f"{prefix}.{p}_proj.{kind}", t) for p, t in zip("qkv", (q, k, v), strict=True)]
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    engine.update_weights(map_names(fused.items(), to_hf), bucket_bytes=1 << 14)
+    via_mapper = engine.generate(_requests(), greedy)
+    engine.update_weights(new.named_parameters())
+    direct = engine.generate(_requests(), greedy)
+    engine.update_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    assert [c.response_ids for c in via_mapper] == [c.response_ids for c in direct]
+
+
+def test_stream_closed_early_aborts_and_frees_the_engine(engine):
+    sampling = SamplingParams(max_new_tokens=100, ignore_eos=True, seed=3)
+
+    async def take_first():
+        stream = engine.stream(_requests() * 4, sampling)
+        async for completion in stream:
+            await stream.aclose()
+            return completion
+
+    assert asyncio.run(take_first()) is not None
+    out = engine.generate(_requests(), SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert [c.finish_reason for c in out] == ["length"] * len(PROMPTS)
+
+
+def test_abort_from_another_thread_ends_generate(tiny_model_dir):
+    engine = BuiltinEngine(tiny_model_dir, config=EngineConfig(max_batch_size=2, max_seq_len=512))
+    timer = threading.Timer(0.2, engine.abort)
+    timer.start()
+    out = engine.generate(
+        _requests() * 2, SamplingParams(max_new_tokens=500, ignore_eos=True, seed=1)
+    )
+    timer.join()
+    assert [(c.request_index, c.sample_index) for c in out] == [(i, 0) for i in range(10)]
+    reasons = [c.finish_reason for c in out]
+    assert set(reasons) == {"abort"}, reasons  # 5 waves of ~500 steps cannot end in 0.2 s
+    assert sum(len(c.response_ids) for c in out) > 0  # in-flight samples keep partial output
+    engine.close()
+
+
+def test_stream_checks_input_before_iterating(engine):
+    with pytest.raises(ValueError, match="empty"):
+        engine.stream([Request(prompt_ids=[])], SamplingParams())
+
+
+def test_concurrent_generate_calls_are_serialised(engine):
+    sampling = SamplingParams(n=2, max_new_tokens=12, seed=8, ignore_eos=True)
+    expected = [c.response_ids for c in engine.generate(_requests(), sampling)]
+    results = []
+    threads = [
+        threading.Thread(target=lambda: results.append(engine.generate(_requests(), sampling)))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 3 and all([c.response_ids for c in r] == expected for r in results)
+
+
+def test_engine_satisfies_the_protocol(engine):
+    assert isinstance(engine, RolloutEngine)
+    assert engine.tokenizer is not None
+
+
+def test_closed_engine_refuses_work(tiny_model_dir):
+    engine = BuiltinEngine(tiny_model_dir, config=EngineConfig(max_batch_size=1, max_seq_len=32))
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate(_requests(), SamplingParams())
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("device", "tpu"),
+        ("dtype", "int8"),
+        ("max_batch_size", 0),
+        ("max_seq_len", 1),
+        ("steps_per_sync", 0),
+        ("max_prefill_tokens", 8),
+        ("region_prefix", "a/b"),
+    ],
+)
+def test_config_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
+def test_model_path_must_be_a_model_directory(tmp_path):
+    with pytest.raises(ValueError, match=r"config\.json"):
+        BuiltinEngine(tmp_path)

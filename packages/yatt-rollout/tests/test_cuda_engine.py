@@ -1,0 +1,64 @@
+"""The conformance suite and CUDA-graph decoding on a GPU (skipped on CPU machines)."""
+
+NUM_GPUS = 1
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from yatt.rollout import BuiltinEngine, EngineConfig, Request, SamplingParams
+from yatt.rollout.testing import CONFORMANCE_CHECKS, ConformanceTarget
+from yatt.testing import make_tiny_causal_lm
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(scope="module")
+def cuda_target(tiny_model_dir):
+    config = EngineConfig(device="cuda", max_batch_size=4, max_seq_len=256, region_prefix="cuda")
+    engine = BuiltinEngine(tiny_model_dir, config=config)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval().cuda()
+    original = {n: t.clone() for n, t in reference.state_dict().items()}
+    other = make_tiny_causal_lm(arch="qwen2", seed=1, max_position_embeddings=512).cuda()
+
+    def reference_logprobs(prompt, response, temperature):
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + response], device="cuda")).logits[0].float()
+        logits = logits[len(prompt) - 1 : -1] / (temperature if temperature > 0 else 1.0)
+        ids = torch.tensor(response, device="cuda")[:, None]
+        return torch.log_softmax(logits, -1).gather(-1, ids)[:, 0].tolist()
+
+    yield ConformanceTarget(
+        engine=engine,
+        vocab_size=reference.config.vocab_size,
+        max_seq_len=256,
+        new_weights=lambda: other.named_parameters(),
+        original_weights=lambda: original.items(),
+        reference_logprobs=reference_logprobs,
+        logprob_atol=1e-3,  # TF32/kernel differences on GPU
+    )
+    engine.close()
+
+
+@pytest.mark.parametrize("name", list(CONFORMANCE_CHECKS))
+def test_builtin_engine_conforms_on_cuda(cuda_target, name):
+    CONFORMANCE_CHECKS[name](cuda_target)
+
+
+def test_cuda_graph_matches_eager(tiny_model_dir):
+    requests = [Request(prompt_ids=[5 + i, 6, 7]) for i in range(6)]
+    sampling = SamplingParams(n=2, max_new_tokens=20, seed=3, ignore_eos=True)
+    outputs = []
+    for use_graph in (False, True):
+        config = EngineConfig(
+            device="cuda", max_batch_size=4, max_seq_len=64, use_cuda_graph=use_graph
+        )
+        engine = BuiltinEngine(tiny_model_dir, config=config)
+        outputs.append(engine.generate(requests, sampling))
+        assert engine._runner.use_cuda_graph == use_graph
+        engine.close()
+    eager, graph = outputs
+    assert [c.response_ids for c in graph] == [c.response_ids for c in eager]
