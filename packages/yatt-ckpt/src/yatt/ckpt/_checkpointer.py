@@ -1,0 +1,338 @@
+"""`Checkpointer`: asynchronous, atomic, resumable checkpoints saved along the training schedule.
+
+save(step, state)                        training thread
+  validate; wait for the previous save   (at most one save in flight)
+  get_state_dict + RNG capture
+  stage tensors into reused CPU buffers  (all an async save blocks on; see _writer.py)
+  write + commit                         background thread, or inline when synchronous
+
+load(state)                              newest committed step first
+  verify metadata and file sizes, read the rank record; damaged: warn, try the previous
+  compare stored shapes with the live state (mismatch: ValueError, no fallback)
+  dcp.load in place, set_state_dict, restore RNG, return extra
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.staging import DefaultStager
+
+from yatt.ckpt._config import CkptConfig
+from yatt.ckpt._group import RankGroup
+from yatt.ckpt._layout import (
+    CheckpointError,
+    CheckpointInfo,
+    check_root_writable,
+    list_committed_steps,
+    read_info,
+    read_rank_record,
+    remove_leftovers,
+)
+from yatt.ckpt._rng import capture_rng_state, restore_rng_state
+from yatt.ckpt._schedule import SaveDecision, SaveSchedule
+from yatt.ckpt._state import apply_state_dict, check_shapes, collect_state_dict, validate_state
+from yatt.ckpt._writer import create_stager, stage_to_cpu, write_and_commit
+
+logger = logging.getLogger("yatt.ckpt")
+
+# DCP warns on every single-process save and load, even when asked for one with no_dist=True.
+# Narrow global filter (DCP's module, that message); catch_warnings() would not do, as it is not
+# thread-safe and saves run in a background thread.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+    module=r"torch\.distributed\.checkpoint\.",
+)
+
+
+class Checkpointer:
+    """Saves and loads checkpoints of `state` under `root`; see `CkptConfig` for the settings.
+
+    In a torch.distributed run, build it on every rank (it creates two private gloo groups) and
+    call save/load/maybe_save on every rank in the same order; `root` must be one folder that all
+    ranks see (a shared filesystem when ranks span hosts).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        keep_last: int = 3,
+        keep_every: int | None = None,
+        async_save: bool = True,
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        phases: tuple[str, ...] = (),
+    ) -> None:
+        config = CkptConfig(
+            keep_last=keep_last,
+            keep_every=keep_every,
+            async_save=async_save,
+            every_steps=every_steps,
+            every_seconds=every_seconds,
+            phases=phases,
+        )
+        self.config = config
+        self.root = Path(root).expanduser().absolute()
+        self._schedule = SaveSchedule(config)
+        self._stager: DefaultStager | None = None
+        self._pending: tuple[threading.Thread, int] | None = None
+        self._pending_error: BaseException | None = None
+        self._is_closed = False
+        self._group = RankGroup()
+        error = None
+        if self._group.rank == 0:
+            error = check_root_writable(self.root)
+            if error is None:
+                removed = remove_leftovers(self.root)
+                if removed:
+                    logger.info(
+                        "removed unfinished checkpoint leftovers under %s: %s", self.root, removed
+                    )
+        # Other ranks wait here until rank 0 cleaned up, so no rank writes into a folder that is
+        # being removed.
+        errors = self._group.gather_errors(error, on_io=False)
+        if errors:
+            self._group.close()
+            raise ValueError("; ".join(errors))
+
+    @classmethod
+    def from_config(cls, root: str | os.PathLike[str], config: CkptConfig) -> Checkpointer:
+        return cls(
+            root,
+            keep_last=config.keep_last,
+            keep_every=config.keep_every,
+            async_save=config.async_save,
+            every_steps=config.every_steps,
+            every_seconds=config.every_seconds,
+            phases=config.phases,
+        )
+
+    # -- saving -----------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], *, extra: Any = None) -> None:
+        """Checkpoint `state` (modules, optimizers, tensors, stateful objects) as `step`.
+
+        `extra` is any JSON-able value (config, data-loader position), saved per rank. With
+        async_save this returns once the tensors are copied to CPU memory; a second call first
+        waits for the previous save. Errors of a background save are raised by the next
+        save/wait/close.
+        """
+        self._check_open()
+        _check_step(step)
+        try:
+            json.dumps(extra)
+        except (TypeError, ValueError) as e:
+            raise ValueError(
+                f"extra is not JSON-able ({e}); pass dicts/lists of str, int, float, bool, None"
+            ) from e
+        owners = validate_state(state)
+        self.wait()
+        record = {"rank": self._group.rank, "rng": capture_rng_state(), "extra": extra}
+        live = collect_state_dict(state, owners)
+        self._schedule.note_saved(step)
+        if not self.config.async_save:
+            self._write_and_commit(step, live, record)
+            return
+        if self._stager is None:
+            self._stager = create_stager()
+        staged = stage_to_cpu(self._stager, live)
+        thread = threading.Thread(
+            target=self._write_in_background, args=(step, staged, record), name=f"yatt-ckpt-{step}"
+        )
+        self._pending = (thread, step)
+        thread.start()
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is committed; raise its error if it failed."""
+        if self._pending is None:
+            return
+        thread, step = self._pending
+        thread.join()
+        self._pending = None
+        error, self._pending_error = self._pending_error, None
+        if error is not None:
+            raise CheckpointError(
+                f"saving step {step} under {str(self.root)!r} failed: {error}"
+            ) from error
+
+    def maybe_save(
+        self, step: int, state: dict[str, Any], *, phase: str | None = None, extra: Any = None
+    ) -> SaveDecision:
+        """Save if the schedule says so (see `CkptConfig`); after a stop signal, save, wait for
+        the commit and return should_stop=True."""
+        self._check_open()
+        if not self._schedule.is_eligible(phase):
+            return SaveDecision(is_saved=False, should_stop=False)
+        should_stop = self._schedule.is_stop_requested
+        is_time_due = self._schedule.is_time_due()
+        if self._group.is_distributed and (
+            self.config.every_seconds is not None or self._schedule.has_signal_handlers
+        ):
+            # Clocks and signals differ per rank; save when any rank says so, or the ranks would
+            # enter the save's collectives at different steps and hang.
+            should_stop, is_time_due = self._group.any_rank([should_stop, is_time_due])
+        if should_stop:
+            self._schedule.is_stop_requested = True
+            self.save(step, state, extra=extra)
+            self.wait()
+            return SaveDecision(is_saved=True, should_stop=True)
+        if is_time_due or self._schedule.is_step_due(step):
+            self.save(step, state, extra=extra)
+            return SaveDecision(is_saved=True, should_stop=False)
+        return SaveDecision(is_saved=False, should_stop=False)
+
+    def install_signal_handlers(
+        self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
+    ) -> None:
+        """Turn `signals` into a stop flag: the next eligible `maybe_save` does a final blocking
+        save and returns should_stop=True. Call on every rank; `close()` restores the handlers."""
+        self._check_open()
+        self._schedule.install_signal_handlers(signals)
+
+    # -- loading ----------------------------------------------------------------------------------
+
+    def load(self, state: dict[str, Any], *, step: int | None = None) -> Any:
+        """Load the newest sound checkpoint (or exactly `step`) into `state`; restore this rank's
+        RNG states and return its `extra`. A damaged newest checkpoint is skipped with a warning;
+        a checkpoint of a different model shape raises ValueError."""
+        self._check_open()
+        owners = validate_state(state)
+        self.wait()
+        if step is not None:
+            _check_step(step)
+            candidates = [step]
+        else:
+            candidates = list(reversed(list_committed_steps(self.root)))
+        if not candidates:
+            raise CheckpointError(f"no committed checkpoint under {str(self.root)!r}")
+        failures = []
+        for candidate in candidates:
+            try:
+                return self._load_one(candidate, state, owners)
+            except CheckpointError as e:
+                if step is not None:
+                    raise
+                failures.append(str(e))
+                warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+        raise CheckpointError(
+            f"no loadable checkpoint under {str(self.root)!r}: " + "; ".join(failures)
+        )
+
+    def latest(self) -> int | None:
+        """The newest committed step under root, or None."""
+        steps = list_committed_steps(self.root)
+        return steps[-1] if steps else None
+
+    def verify(self, step: int) -> CheckpointInfo:
+        """Check `step`'s metadata (step, time, world size, versions, file sizes, DCP index)
+        against the disk; raise CheckpointError naming the checkpoint and the problem."""
+        info = read_info(self.root, step)
+        _read_dcp_metadata(info)
+        return info
+
+    def close(self) -> None:
+        """Wait for the in-flight save, restore signal handlers, release buffers and groups."""
+        if self._is_closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._is_closed = True
+            self._schedule.restore_signal_handlers()
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            self._group.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._is_closed:
+            raise ValueError("this Checkpointer is closed; build a new one")
+
+    def _write_in_background(self, step: int, staged: dict[str, Any], record: dict) -> None:
+        try:
+            self._write_and_commit(step, staged, record)
+        except BaseException as e:  # re-raised in the training thread by wait()
+            self._pending_error = e
+
+    def _write_and_commit(self, step: int, state_dict: dict[str, Any], record: dict) -> None:
+        write_and_commit(
+            self.root,
+            step,
+            state_dict,
+            record,
+            self._group,
+            keep_last=self.config.keep_last,
+            keep_every=self.config.keep_every,
+        )
+
+    def _load_one(self, step: int, state: dict[str, Any], owners: dict) -> Any:
+        info = read_info(self.root, step)
+        source_rank = self._group.rank % info.world_size
+        record = read_rank_record(info, source_rank)
+        metadata = _read_dcp_metadata(info)
+        if info.world_size != self._group.world_size:
+            warnings.warn(
+                f"checkpoint {str(info.path)!r} was written by {info.world_size} ranks and is "
+                f"loaded on {self._group.world_size}: tensors are resharded; rank "
+                f"{self._group.rank} takes the RNG states and extra of rank {source_rank}",
+                stacklevel=3,
+            )
+        if info.versions.get("torch") != torch.__version__:
+            warnings.warn(
+                f"checkpoint {str(info.path)!r} was written with torch "
+                f"{info.versions.get('torch')}, loading with {torch.__version__}",
+                stacklevel=3,
+            )
+        live = collect_state_dict(state, owners)
+        check_shapes(live, metadata, name=str(info.path))
+        try:
+            dcp.load(
+                live,
+                storage_reader=dcp.FileSystemReader(info.path),
+                process_group=self._group.io,
+                no_dist=not self._group.is_distributed,
+            )
+        except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+            raise CheckpointError(
+                f"checkpoint {str(info.path)!r}: reading tensors failed: {e!r}"
+            ) from e
+        apply_state_dict(state, owners, live)
+        restore_rng_state(record["rng"], source=str(info.path))
+        self._schedule.note_saved(step)
+        return record["extra"]
+
+
+def _check_step(step: int) -> None:
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step={step!r} must be an int >= 0 (the training step being saved)")
+
+
+def _read_dcp_metadata(info: CheckpointInfo) -> Metadata:
+    try:
+        return dcp.FileSystemReader(info.path).read_metadata()
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {str(info.path)!r}: .metadata is unreadable: {e!r}"
+        ) from e

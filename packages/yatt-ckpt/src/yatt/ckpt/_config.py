@@ -1,0 +1,66 @@
+"""The checkpointer's settings: retention, async mode and the save schedule."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True, frozen=True)
+class CkptConfig:
+    """Settings of a `Checkpointer`; validated when built.
+
+    Schedule rule (used by `Checkpointer.maybe_save`): a call is *eligible* when `phases` is empty
+    or its `phase` is listed (a call without a phase is eligible only when `phases` is empty). An
+    eligible call saves when a stop signal arrived, when `step` is a positive multiple of
+    `every_steps` not saved yet, or when `every_seconds` passed since the last save (or since the
+    checkpointer was built). With neither `every_steps` nor `every_seconds`, an eligible call saves
+    only on a stop signal.
+    """
+
+    # Number of newest complete checkpoints kept; older ones are deleted after each commit.
+    keep_last: int = 3
+    # Also keep every checkpoint whose step is a multiple of this (None: keep none extra).
+    keep_every: int | None = None
+    # True: `save` returns once tensors are copied to CPU memory and writes in a background thread.
+    async_save: bool = True
+    # Save when the step is a positive multiple of this (None: no step-based saves).
+    every_steps: int | None = None
+    # Save when this many seconds passed since the last save (None: no time-based saves).
+    every_seconds: float | None = None
+    # Phase boundaries at which `maybe_save` may save, e.g. ("train",); empty: every call.
+    phases: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep_last, int) or self.keep_last < 1:
+            raise ValueError(
+                f"keep_last={self.keep_last!r} must be an int >= 1: the newest complete "
+                "checkpoint is never deleted; pass keep_last=1 to keep only it"
+            )
+        if self.keep_every is not None and (
+            not isinstance(self.keep_every, int) or self.keep_every < 1
+        ):
+            raise ValueError(
+                f"keep_every={self.keep_every!r} must be None or an int >= 1 (keep every "
+                "keep_every-th step)"
+            )
+        if self.every_steps is not None and (
+            not isinstance(self.every_steps, int) or self.every_steps < 1
+        ):
+            raise ValueError(
+                f"every_steps={self.every_steps!r} must be None or an int >= 1 (save every "
+                "every_steps steps)"
+            )
+        if self.every_seconds is not None and not (
+            isinstance(self.every_seconds, int | float)
+            and math.isfinite(self.every_seconds)
+            and self.every_seconds > 0
+        ):
+            raise ValueError(
+                f"every_seconds={self.every_seconds!r} must be None or a finite number > 0"
+            )
+        if isinstance(self.phases, str) or not all(isinstance(p, str) for p in self.phases):
+            raise ValueError(
+                f"phases={self.phases!r} must be a tuple of phase names, e.g. ('train',)"
+            )
+        object.__setattr__(self, "phases", tuple(self.phases))

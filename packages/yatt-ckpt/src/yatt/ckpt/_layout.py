@@ -1,0 +1,248 @@
+"""On-disk layout of a checkpoint root and the file operations that keep it crash-safe.
+
+    root/
+      latest                  text "step-00000123": the newest committed step, replaced atomically
+      step-00000120/          a committed checkpoint (only ever created by a rename)
+        .metadata             DCP's index of every tensor: key -> global shape, dtype, file offsets
+        __0_0.distcp ...      DCP's tensor data, one file per rank (per writer thread)
+        rank-00000.json       per-rank record: RNG states and the caller's `extra`
+        yatt_meta.json        written last: step, time, world size, versions, size of every file
+      step-00000123.tmp/      a save in progress (or killed): ignored by readers, removed at start-up
+
+A folder without `.tmp` exists only after every file in it was fsynced, so a reader that lists
+committed folders never sees a partial checkpoint. Deleting also goes through a `.tmp` rename,
+so a crash mid-delete leaves garbage that start-up removes, never a half-deleted "committed" one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from yatt.ckpt._version import __version__
+
+FORMAT_VERSION = 1
+META_FILE = "yatt_meta.json"
+LATEST_FILE = "latest"
+TMP_SUFFIX = ".tmp"
+_STEP_RE = re.compile(r"^step-(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or damaged; the message names it and what is wrong."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointInfo:
+    """What `Checkpointer.verify` checked about one committed checkpoint."""
+
+    step: int
+    path: Path
+    time_unix: float  # wall-clock time the save was committed
+    world_size: int  # number of ranks that wrote it
+    versions: dict[str, str]  # yatt-ckpt, torch and python versions of the writer
+    file_sizes: dict[str, int]  # every file's size in bytes, checked against the disk
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def rank_filename(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def list_committed_steps(root: Path) -> list[int]:
+    """Steps of the committed folders under `root`, ascending (content not checked)."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in os.scandir(root):
+        match = _STEP_RE.match(entry.name)
+        if match and entry.is_dir():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a folder's entries to disk (a folder fsync makes renames in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durable(path: Path, obj: Any) -> None:
+    with open(path, "w", encoding="ascii") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_root_writable(root: Path) -> str | None:
+    """Create `root` if needed and prove it is writable; returns an error message or None."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-probe-{os.getpid()}{TMP_SUFFIX}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        return (
+            f"checkpoint root {str(root)!r} is not a writable folder ({e.strerror or e}); "
+            "pass a folder this process can create files in"
+        )
+    return None
+
+
+def remove_leftovers(root: Path) -> list[str]:
+    """Delete the `.tmp` entries a killed save or delete left behind; returns their names."""
+    removed = []
+    for entry in os.scandir(root):
+        if entry.name.endswith(TMP_SUFFIX):
+            _remove(Path(entry.path))
+            removed.append(entry.name)
+    return removed
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def write_meta(folder: Path, *, step: int, world_size: int) -> None:
+    """Record every file's size, then fsync: the last write before the commit rename."""
+    sizes = {e.name: e.stat().st_size for e in os.scandir(folder) if e.is_file()}
+    sizes.pop(META_FILE, None)
+    meta = {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "time_unix": time.time(),
+        "world_size": world_size,
+        "versions": {
+            "yatt_ckpt": __version__,
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+        },
+        "file_sizes": sizes,
+    }
+    write_json_durable(folder / META_FILE, meta)
+    fsync_path(folder)
+
+
+def commit(root: Path, tmp_folder: Path, step: int) -> None:
+    """Rename the finished `.tmp` folder into place and point `latest` at it."""
+    final = root / step_dirname(step)
+    if final.exists():
+        # Re-saving a step (e.g. a final save at an already saved step): move the old one aside
+        # first; a crash here leaves the older steps and garbage, never a partial step folder.
+        old = root / f"{step_dirname(step)}.old{TMP_SUFFIX}"
+        _remove(old)
+        final.rename(old)
+        tmp_folder.rename(final)
+        _remove(old)
+    else:
+        tmp_folder.rename(final)
+    fsync_path(root)
+    pointer_tmp = root / f"{LATEST_FILE}{TMP_SUFFIX}"
+    with open(pointer_tmp, "w", encoding="ascii") as f:
+        f.write(step_dirname(step) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer_tmp, root / LATEST_FILE)
+    fsync_path(root)
+
+
+def delete_checkpoint(root: Path, step: int) -> None:
+    doomed = root / f"{step_dirname(step)}.del{TMP_SUFFIX}"
+    (root / step_dirname(step)).rename(doomed)
+    fsync_path(root)
+    _remove(doomed)
+
+
+def read_info(root: Path, step: int) -> CheckpointInfo:
+    """Check a committed checkpoint's metadata against the disk; raise `CheckpointError` if not sound."""
+    folder = root / step_dirname(step)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint {str(folder)!r} does not exist")
+    try:
+        with open(folder / META_FILE, encoding="ascii") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(folder)!r}: {META_FILE} is missing") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {str(folder)!r}: {META_FILE} is unreadable: {e}") from e
+    try:
+        info = CheckpointInfo(
+            step=int(meta["step"]),
+            path=folder,
+            time_unix=float(meta["time_unix"]),
+            world_size=int(meta["world_size"]),
+            versions={str(k): str(v) for k, v in meta["versions"].items()},
+            file_sizes={str(k): int(v) for k, v in meta["file_sizes"].items()},
+        )
+        fmt = meta["format"]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint {str(folder)!r}: {META_FILE} is malformed: {e!r}") from e
+    if fmt != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {str(folder)!r}: format {fmt!r}, this yatt-ckpt reads {FORMAT_VERSION}"
+        )
+    if info.step != step:
+        raise CheckpointError(f"checkpoint {str(folder)!r}: {META_FILE} says step {info.step}")
+    required = [".metadata"] + [rank_filename(r) for r in range(info.world_size)]
+    for name in required:
+        if name not in info.file_sizes:
+            raise CheckpointError(
+                f"checkpoint {str(folder)!r}: {name} is not listed in {META_FILE}"
+            )
+    for name, size in info.file_sizes.items():
+        try:
+            actual = (folder / name).stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {str(folder)!r}: file {name} is missing") from None
+        if actual != size:
+            raise CheckpointError(
+                f"checkpoint {str(folder)!r}: file {name} has {actual} bytes, {META_FILE} "
+                f"recorded {size}"
+            )
+    return info
+
+
+def read_rank_record(info: CheckpointInfo, rank: int) -> dict[str, Any]:
+    path = info.path / rank_filename(rank)
+    try:
+        with open(path, encoding="ascii") as f:
+            record = json.load(f)
+        missing = {"rng", "extra"} - set(record)
+        if missing:
+            raise KeyError(f"keys {sorted(missing)} missing")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"checkpoint {str(info.path)!r}: {path.name} is unreadable: {e!r}"
+        ) from e
+    return record
+
+
+def select_deletions(
+    sound_steps: list[int], all_steps: list[int], *, keep_last: int, keep_every: int | None
+) -> list[int]:
+    """Steps to delete: all but the last `keep_last` sound ones, multiples of `keep_every`, and
+    the newest folder (sound or not: never delete the newest)."""
+    keep = set(sorted(sound_steps)[-keep_last:])
+    if keep_every is not None:
+        keep.update(s for s in all_steps if s % keep_every == 0)
+    if all_steps:
+        keep.add(max(all_steps))
+    return [s for s in all_steps if s not in keep]

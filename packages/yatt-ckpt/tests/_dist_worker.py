@@ -1,0 +1,68 @@
+"""One rank of the 2-rank test (gloo, CPU): FSDP2-sharded model + AdamW saved by every rank.
+
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python _dist_worker.py ROOT OUT_DIR
+
+Writes OUT_DIR/full.pt (rank 0: the unsharded model and optimizer state at step 2) and
+OUT_DIR/rank{r}.json (what maybe_save reported after only rank 1 got SIGUSR1).
+"""
+
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from yatt.ckpt import Checkpointer
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6))
+
+
+def main() -> None:
+    root, out_dir = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    # An explicit CPU mesh: fully_shard would pick CUDA on a GPU host, where this test must
+    # still run on CPU with gloo.
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = build_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    torch.manual_seed(100 + rank)
+    for _ in range(2):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    state = {"model": model, "optim": optim}
+
+    with Checkpointer(root, every_steps=100) as ckpt:
+        ckpt.install_signal_handlers()
+        assert not ckpt.maybe_save(1, state).is_saved
+        ckpt.save(2, state, extra={"rank": rank})
+        ckpt.wait()
+        full_model, full_optim = get_state_dict(
+            model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)  # only rank 1 is told to stop
+        decision = ckpt.maybe_save(3, state, extra={"rank": rank, "final": True})
+    if rank == 0:
+        torch.save({"model": full_model, "optim": full_optim}, os.path.join(out_dir, "full.pt"))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"is_saved": decision.is_saved, "should_stop": decision.should_stop}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

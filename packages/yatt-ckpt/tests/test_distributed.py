@@ -1,0 +1,68 @@
+"""2 ranks (gloo, FSDP2-sharded) save; 1 rank loads. A stop signal on one rank stops both."""
+
+NUM_GPUS = 0
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from yatt.ckpt import Checkpointer
+
+WORKER = Path(__file__).with_name("_dist_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_save_one_rank_loads(tmp_path):
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(root), str(out)], env=dict(env, RANK=str(rank))
+        )
+        for rank in range(2)
+    ]
+    try:
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0]
+
+    # Rank 1 alone received SIGUSR1; both ranks must agree to save step 3 and stop.
+    for rank in range(2):
+        decision = json.loads((out / f"rank{rank}.json").read_text())
+        assert decision == {"is_saved": True, "should_stop": True}, rank
+
+    full = torch.load(out / "full.pt")
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    with Checkpointer(root) as ckpt:
+        assert ckpt.latest() == 3
+        assert ckpt.verify(2).world_size == 2
+        with pytest.warns(UserWarning, match="written by 2 ranks and is loaded on 1"):
+            extra = ckpt.load({"model": model, "optim": optim}, step=2)
+        assert extra == {"rank": 0}
+        with pytest.warns(UserWarning, match="written by 2 ranks"):
+            assert ckpt.load({"model": model, "optim": optim}) == {"rank": 0, "final": True}
+    for key, value in full["model"].items():
+        assert torch.equal(model.state_dict()[key], value), key
+    loaded_optim = optim.state_dict()["state"]
+    for index, name in enumerate(full["model"]):
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            want = full["optim"]["state"][name][field]
+            assert torch.equal(loaded_optim[index][field], want), (name, field)

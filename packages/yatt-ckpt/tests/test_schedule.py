@@ -1,0 +1,85 @@
+"""maybe_save: step and time schedules, phase boundaries, and signal-triggered final saves."""
+
+NUM_GPUS = 0
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from yatt.ckpt import Checkpointer
+
+
+def committed(root) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if p.is_dir())
+
+
+def test_every_steps_saves_on_multiples_once(tmp_path):
+    value = torch.zeros(2)
+    with Checkpointer(tmp_path, keep_last=10, every_steps=3) as ckpt:
+        saved = [s for s in range(0, 10) if ckpt.maybe_save(s, {"v": value}).is_saved]
+        # A second call at the same step (another phase boundary) does not save it again.
+        assert not ckpt.maybe_save(9, {"v": value}).is_saved
+    assert saved == [3, 6, 9]
+    assert committed(tmp_path) == [3, 6, 9]
+
+
+def test_phases_restrict_where_saves_happen(tmp_path):
+    value = torch.zeros(2)
+    with Checkpointer(tmp_path, keep_last=10, every_steps=2, phases=("train",)) as ckpt:
+        calls = []
+        for step in range(1, 5):
+            for phase in ("rollout", "train", None):
+                if ckpt.maybe_save(step, {"v": value}, phase=phase).is_saved:
+                    calls.append((step, phase))
+    assert calls == [(2, "train"), (4, "train")]
+
+
+def test_every_seconds_saves_when_interval_passed(tmp_path):
+    value = torch.zeros(2)
+    with Checkpointer(tmp_path, keep_last=10, every_seconds=0.3) as ckpt:
+        assert not ckpt.maybe_save(1, {"v": value}).is_saved
+        time.sleep(0.35)
+        assert ckpt.maybe_save(2, {"v": value}).is_saved
+        assert not ckpt.maybe_save(3, {"v": value}).is_saved  # the clock restarted at step 2
+        time.sleep(0.35)
+        assert ckpt.maybe_save(4, {"v": value}).is_saved
+    assert committed(tmp_path) == [2, 4]
+
+
+def test_no_schedule_never_saves(tmp_path):
+    with Checkpointer(tmp_path) as ckpt:
+        assert not any(ckpt.maybe_save(s, {"v": torch.zeros(1)}).is_saved for s in range(5))
+    assert committed(tmp_path) == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_signal_triggers_final_blocking_save(tmp_path, signum):
+    value = torch.zeros(2)
+    previous = signal.getsignal(signum)
+    with Checkpointer(tmp_path, every_steps=100) as ckpt:
+        ckpt.install_signal_handlers()
+        decision = ckpt.maybe_save(1, {"v": value})
+        assert not decision.is_saved and not decision.should_stop
+        value.fill_(5.0)
+        os.kill(os.getpid(), signum)  # the handler only sets a flag: the process keeps running
+        decision = ckpt.maybe_save(7, {"v": value}, extra={"why": "preempted"})
+        assert decision.is_saved and decision.should_stop
+        # Blocking: the checkpoint is committed when maybe_save returns.
+        assert ckpt.latest() == 7
+        assert ckpt.verify(7).step == 7
+        target = torch.zeros(2)
+        assert ckpt.load({"v": target}) == {"why": "preempted"}
+        assert torch.equal(target, torch.full((2,), 5.0))
+    assert signal.getsignal(signum) == previous, "close() restores the previous handler"
+
+
+def test_signal_waits_for_an_eligible_phase(tmp_path):
+    with Checkpointer(tmp_path, phases=("train",)) as ckpt:
+        ckpt.install_signal_handlers()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert not ckpt.maybe_save(3, {"v": torch.zeros(1)}, phase="rollout").should_stop
+        assert ckpt.maybe_save(3, {"v": torch.zeros(1)}, phase="train").should_stop
+    assert committed(tmp_path) == [3]
