@@ -1,0 +1,145 @@
+"""GenRMClient: the GenRM interface over HTTP (`python -m yatt.genrm.serve` on the other end).
+
+Transport failures (connection refused while the server restarts, timeouts, 5xx) are retried
+with a bounded exponential backoff; after the last try, or on a 4xx, each sample of the request
+gets a verdict with status "error" naming the cause. Like GenRM, nothing raises mid-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
+from yatt.genrm._types import Sample, Verdict, error_verdict
+
+logger = logging.getLogger("yatt.genrm")
+
+
+class GenRMClient(StreamingScorer):
+    """score / submit / finish / results / ascore against a GenRM HTTP service at `url`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 300.0,
+        max_retries: int = 4,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+        default_reward: float = 0.0,
+        batching: BatchingConfig | None = None,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"url={url!r}: must start with http:// or https://")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r}: must be > 0")
+        if not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries={max_retries!r}: must be an int >= 0")
+        if not (0 < backoff_s <= max_backoff_s):
+            raise ValueError(
+                f"backoff_s={backoff_s!r}, max_backoff_s={max_backoff_s!r}: need 0 < backoff_s <= max_backoff_s"
+            )
+        super().__init__(batching=batching, error_reward=default_reward)
+        self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.default_reward = default_reward
+        self.metrics["num_retries"] = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            )
+            self._session_loop = loop
+        return self._session
+
+    async def _post(
+        self, session: aiohttp.ClientSession, samples: Sequence[Sample]
+    ) -> list[Verdict]:
+        """POST one batch; retries transport errors and 5xx; never raises."""
+        body = json.dumps({"samples": [s.to_dict() for s in samples]})
+        error = "no attempt made"
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.metrics["num_retries"] += 1
+                await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
+            try:
+                async with session.post(
+                    f"{self.url}/score", data=body, headers={"Content-Type": "application/json"}
+                ) as response:
+                    payload = await response.json(content_type=None)
+                    if response.status == 200:
+                        verdicts = [Verdict.from_dict(v) for v in payload["verdicts"]]
+                        if len(verdicts) != len(samples):
+                            raise ValueError(f"{len(verdicts)} verdicts for {len(samples)} samples")
+                        return verdicts
+                    error = f"HTTP {response.status}: {payload.get('error', payload)}"
+                    if response.status < 500:
+                        break  # our request is wrong; sending it again will not help
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as e:
+                error = f"{type(e).__name__}: {e}"
+            logger.warning("GenRM request to %s failed (try %d): %s", self.url, attempt + 1, error)
+        return [
+            error_verdict(s.id, f"GenRM service: {error}", reward=self.default_reward)
+            for s in samples
+        ]
+
+    async def _judge_batch(self, items: list[Item]) -> None:
+        verdicts = await self._post(self._get_session(), [item.sample for item in items])
+        for item, verdict in zip(items, verdicts, strict=True):
+            item.resolve(verdict)
+
+    def score(self, samples: Sequence[Sample]) -> list[Verdict]:
+        """Blocking verdicts in order, one request per max_batch_size samples.
+
+        Runs on its own thread and event loop, so it works inside a running loop too."""
+
+        async def run() -> list[Verdict]:
+            async with aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            ) as session:
+                size = self.batching.max_batch_size
+                chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
+                out: list[Verdict] = []
+                for chunk in chunks:
+                    out += await self._post(session, chunk)
+                return out
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            verdicts = pool.submit(asyncio.run, run()).result()
+        for v in verdicts:
+            self._record(v)
+        return verdicts
+
+    def health(self) -> dict[str, Any]:
+        """The server's /health payload; raises aiohttp.ClientError when it is unreachable."""
+
+        async def run() -> dict[str, Any]:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as s,
+                s.get(f"{self.url}/health") as response,
+            ):
+                response.raise_for_status()
+                return await response.json()
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, run()).result()
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None

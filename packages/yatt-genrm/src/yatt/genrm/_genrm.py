@@ -1,0 +1,195 @@
+"""GenRM: an LLM judge over any `yatt.rollout.RolloutEngine`.
+
+    Sample --template--> judge prompt ids --engine (n=votes)--> verdict texts
+           --parser--> vote rewards --aggregate--> Verdict
+
+`score()` is the blocking, whole-batch path (engine.generate). `submit()`/`results()` stream:
+they are built on `engine.stream()`, so a sample's verdict is out as soon as its votes finish,
+while later samples are still arriving (partial colocation overlaps this with the rollout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+
+from yatt.genrm._parsers import VerdictParser
+from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
+from yatt.genrm._templates import JudgeTemplate
+from yatt.genrm._types import Sample, Verdict, Vote, error_verdict
+from yatt.genrm._votes import AGGREGATES, Aggregate, UnparsableLog, build_verdict, parse_vote
+from yatt.rollout import Completion, Request, RolloutEngine, SamplingParams
+
+logger = logging.getLogger("yatt.genrm")
+
+
+class GenRM(StreamingScorer):
+    """A generative reward model: judge each sample with `engine`, parse, vote, aggregate.
+
+    `votes=k` asks the engine for k samples of each judge prompt (SamplingParams.n = k, each its
+    own random stream) and aggregates the parsed ones by `aggregate` ("mean" or "majority").
+    A vote that does not parse is counted and logged; a sample none of whose votes parse gets
+    `default_reward` and status "unparsable". Engine failures give status "error" and
+    `default_reward`; nothing raises in the middle of a run.
+    """
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        *,
+        template: JudgeTemplate,
+        parser: VerdictParser,
+        votes: int = 1,
+        sampling: SamplingParams | None = None,
+        aggregate: Aggregate = "mean",
+        default_reward: float = 0.0,
+        batching: BatchingConfig | None = None,
+        max_prompt_tokens: int | None = None,
+    ) -> None:
+        if not isinstance(template, JudgeTemplate):
+            raise ValueError(f"template must be a JudgeTemplate, got {type(template).__name__}")
+        if not callable(getattr(parser, "parse", None)):
+            raise ValueError(f"parser={parser!r} has no parse(text) method")
+        if not isinstance(votes, int) or votes < 1:
+            raise ValueError(f"votes={votes!r}: must be an int >= 1")
+        if aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate={aggregate!r}: use one of {AGGREGATES}")
+        if not math.isfinite(default_reward):
+            raise ValueError(f"default_reward={default_reward!r}: must be finite")
+        if getattr(engine, "tokenizer", None) is None:
+            raise ValueError("engine has no tokenizer; GenRM renders and decodes text with it")
+        super().__init__(batching=batching, error_reward=default_reward)
+        self.engine = engine
+        self.template = template
+        self.parser = parser
+        self.votes = votes
+        self.aggregate: Aggregate = aggregate
+        self.default_reward = default_reward
+        self.sampling = self._make_sampling(sampling, votes)
+        if max_prompt_tokens is None:
+            # The built-in engine's context; a longer prompt would fail its whole batch.
+            max_seq_len = getattr(getattr(engine, "config", None), "max_seq_len", None)
+            max_prompt_tokens = max_seq_len - 1 if isinstance(max_seq_len, int) else None
+        if max_prompt_tokens is not None and max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens={max_prompt_tokens!r}: must be >= 1 or None")
+        self.max_prompt_tokens = max_prompt_tokens
+        self._unparsable_log = UnparsableLog()
+        self.metrics.update(num_votes=0, num_unparsable_votes=0, num_truncated_responses=0)
+
+    @staticmethod
+    def _make_sampling(sampling: SamplingParams | None, votes: int) -> SamplingParams:
+        if sampling is None:
+            # One vote: the judge's most likely verdict. Several: they must differ to be votes.
+            sampling = SamplingParams(temperature=0.0 if votes == 1 else 0.7, max_new_tokens=512)
+        if sampling.n not in (1, votes):
+            raise ValueError(
+                f"sampling.n={sampling.n}: GenRM sets n from votes={votes}; leave n at 1"
+            )
+        if votes > 1 and sampling.temperature == 0:
+            raise ValueError(
+                f"votes={votes} with sampling.temperature=0: greedy votes are identical; "
+                "set a temperature > 0 (e.g. 0.7) or votes=1"
+            )
+        return dataclasses.replace(sampling, n=votes)
+
+    # -- shared by score() and streaming -------------------------------------------------------
+    def _render(
+        self, samples: Sequence[Sample]
+    ) -> tuple[list[Request], list[int], dict[int, Verdict]]:
+        """Requests for the samples that render; the others get their error verdict now."""
+        requests: list[Request] = []
+        positions: list[int] = []  # requests[j] judges samples[positions[j]]
+        failed: dict[int, Verdict] = {}
+        for i, sample in enumerate(samples):
+            try:
+                ids, is_truncated = self.template.render_ids(sample, self.engine.tokenizer)
+            except Exception as e:
+                failed[i] = error_verdict(sample.id, f"template: {e}", reward=self.default_reward)
+                continue
+            self.metrics["num_truncated_responses"] += int(is_truncated)
+            if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+                message = (
+                    f"judge prompt has {len(ids)} tokens > max_prompt_tokens="
+                    f"{self.max_prompt_tokens}; lower the template's max_response_tokens"
+                )
+                failed[i] = error_verdict(sample.id, message, reward=self.default_reward)
+                continue
+            requests.append(Request(prompt_ids=ids, request_id=sample.id))
+            positions.append(i)
+        return requests, positions, failed
+
+    def _vote(self, completion: Completion) -> Vote:
+        text = self.engine.tokenizer.decode(completion.response_ids, skip_special_tokens=True)
+        vote = parse_vote(text, self.parser, completion.finish_reason)
+        self.metrics["num_votes"] += 1
+        if vote.status == "unparsable":
+            self.metrics["num_unparsable_votes"] += 1
+            self._unparsable_log.record(completion.request_id or "?", text)
+        return vote
+
+    def _verdict(self, sample: Sample, votes: list[Vote]) -> Verdict:
+        return build_verdict(
+            sample.id, votes, how=self.aggregate, default_reward=self.default_reward
+        )
+
+    # -- blocking ----------------------------------------------------------------------------
+    def score(self, samples: Sequence[Sample]) -> list[Verdict]:
+        """Verdicts for `samples`, in order; engine.generate in chunks of max_batch_size."""
+        verdicts: list[Verdict] = []
+        size = self.batching.max_batch_size
+        for start in range(0, len(samples), size):
+            verdicts += self._score_chunk(samples[start : start + size])
+        for v in verdicts:
+            self._record(v)
+        return verdicts
+
+    def _score_chunk(self, samples: Sequence[Sample]) -> list[Verdict]:
+        requests, positions, failed = self._render(samples)
+        votes: list[list[Vote]] = [[] for _ in requests]
+        error: str | None = None
+        if requests:
+            self.metrics["num_batches"] += 1
+            try:
+                for c in self.engine.generate(requests, self.sampling):
+                    votes[c.request_index].append(self._vote(c))
+            except Exception as e:
+                error = f"judge failed: {type(e).__name__}: {e}"
+                logger.warning("judge engine raised on a batch of %d: %s", len(requests), error)
+        out: list[Verdict | None] = [failed.get(i) for i in range(len(samples))]
+        for j, i in enumerate(positions):
+            if error is not None or len(votes[j]) < self.votes:
+                message = error or f"engine returned {len(votes[j])} of {self.votes} votes"
+                out[i] = error_verdict(samples[i].id, message, reward=self.default_reward)
+            else:
+                out[i] = self._verdict(samples[i], votes[j][: self.votes])
+        assert all(v is not None for v in out)
+        return out  # type: ignore[return-value]
+
+    # -- streaming ---------------------------------------------------------------------------
+    async def _judge_batch(self, items: list[Item]) -> None:
+        samples = [item.sample for item in items]
+        requests, positions, failed = self._render(samples)
+        for i, verdict in failed.items():
+            items[i].resolve(verdict)
+        if not requests:
+            return
+        votes: list[list[Vote]] = [[] for _ in requests]
+        async for c in self.engine.stream(requests, self.sampling):
+            if not 0 <= c.request_index < len(requests):
+                logger.warning(
+                    "engine returned request_index %d of %d", c.request_index, len(requests)
+                )
+                continue
+            j = c.request_index
+            if len(votes[j]) >= self.votes:
+                continue  # an engine bug (duplicate); keep exactly one verdict per sample
+            votes[j].append(self._vote(c))
+            if len(votes[j]) == self.votes:
+                # Out as soon as this sample's votes are in, not when the whole batch is.
+                items[positions[j]].resolve(self._verdict(samples[positions[j]], votes[j]))
+
+    def close(self) -> None:
+        """Close the judge engine."""
+        self.engine.close()

@@ -1,0 +1,158 @@
+"""Judge prompts: a sample's fields -> the judge's prompt token ids.
+
+A template is `str.format` text with named fields: `prompt`, `response`, `reference`, and any key
+of `Sample.metadata`. It is rendered as a chat (system + user message) through the judge
+tokenizer's chat template when the tokenizer has one, else as plain text. Long responses are cut
+in the middle (the head shows the approach, the tail holds the final answer) with a note, so a
+runaway rollout never overflows the judge's context nor fails the run.
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+from typing import Any
+
+from yatt.genrm._types import Sample
+
+SAMPLE_FIELDS = ("prompt", "response", "reference")
+
+_VERIFICATION_USER = (
+    "Question:\n{prompt}\n\n"
+    "Reference answer:\n{reference}\n\n"
+    "Response to grade:\n{response}\n\n"
+    "Is the response's final answer correct (equivalent to the reference answer)? "
+    "Reply with one word: Yes or No."
+)
+_VERIFICATION_USER_NO_REFERENCE = (
+    "Question:\n{prompt}\n\n"
+    "Response to grade:\n{response}\n\n"
+    "Is the response's final answer correct? Reply with one word: Yes or No."
+)
+_POINTWISE_USER = (
+    "Question:\n{prompt}\n\n"
+    "Response to rate:\n{response}\n\n"
+    "Rate the response's correctness and helpfulness on a scale from {low} to {high}. "
+    "End with 'Score: N' where N is an integer from {low} to {high}."
+)
+
+
+@dataclass(kw_only=True, frozen=True)
+class JudgeTemplate:
+    """How a sample is shown to the judge."""
+
+    user: str  # str.format text with named fields; write literal braces as {{ }}
+    system: str | None = None  # system message (plain text; no fields)
+    max_response_tokens: int = 4096  # responses longer than this are cut in the middle
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.user, str) or not self.user.strip():
+            raise ValueError("JudgeTemplate.user must be a non-empty str")
+        if self.max_response_tokens < 16:
+            raise ValueError(
+                f"JudgeTemplate.max_response_tokens={self.max_response_tokens!r}: must be >= 16"
+            )
+        try:
+            parsed = list(string.Formatter().parse(self.user))
+        except ValueError as e:
+            raise ValueError(
+                f"JudgeTemplate.user is not valid format text ({e}); write literal braces as {{{{ }}}}"
+            ) from None
+        for _, name, _, _ in parsed:
+            if name is None:
+                continue
+            if not name.isidentifier():
+                raise ValueError(
+                    f"JudgeTemplate.user field {{{name}}}: use named fields such as {{prompt}}, "
+                    "{response}, {reference} (no positional or attribute/index fields)"
+                )
+
+    @property
+    def fields(self) -> frozenset[str]:
+        """The field names the template reads."""
+        return frozenset(
+            name for _, name, _, _ in string.Formatter().parse(self.user) if name is not None
+        )
+
+    def render_messages(self, sample: Sample, *, tokenizer: Any = None) -> list[dict[str, str]]:
+        """The chat messages for `sample`; ValueError names a field the sample cannot fill."""
+        return self._render_messages(sample, tokenizer)[0]
+
+    def _render_messages(self, sample: Sample, tokenizer: Any) -> tuple[list[dict[str, str]], bool]:
+        response = truncate_middle(sample.response, self.max_response_tokens, tokenizer)
+        is_truncated = response is not sample.response
+        values: dict[str, Any] = dict(sample.metadata)
+        values.update(prompt=sample.prompt, response=response, reference=sample.reference)
+        for name in self.fields:
+            if values.get(name) is None:
+                raise ValueError(
+                    f"template field {{{name}}} is missing for sample {sample.id!r}: "
+                    + (
+                        "its reference is None; give every sample a reference or use a "
+                        "template without {reference}"
+                        if name == "reference"
+                        else f"put {name!r} in Sample.metadata or drop {{{name}}} from the template"
+                    )
+                )
+        messages = [] if self.system is None else [{"role": "system", "content": self.system}]
+        messages.append({"role": "user", "content": self.user.format(**values)})
+        return messages, is_truncated
+
+    def render_ids(self, sample: Sample, tokenizer: Any) -> tuple[list[int], bool]:
+        """The judge's prompt token ids (chat template when the tokenizer has one), and whether
+        the response was cut to fit `max_response_tokens`."""
+        messages, is_truncated = self._render_messages(sample, tokenizer)
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            # The chat template already wrote any BOS it wants; don't add a second one.
+            return list(tokenizer.encode(text, add_special_tokens=False)), is_truncated
+        text = "\n\n".join(m["content"] for m in messages) + "\n"
+        return list(tokenizer.encode(text)), is_truncated
+
+
+def truncate_middle(text: str, max_tokens: int, tokenizer: Any = None) -> str:
+    """`text` if it fits in `max_tokens`, else its head and tail around an omission note.
+
+    Without a tokenizer, 4 characters count as one token.
+    """
+    if tokenizer is None:
+        max_chars = 4 * max_tokens
+        if len(text) <= max_chars:
+            return text
+        head, tail = text[: max_chars // 2], text[len(text) - max_chars // 2 :]
+        omitted = f"{len(text) - max_chars} characters"
+    else:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) <= max_tokens:
+            return text
+        half = max_tokens // 2
+        head = tokenizer.decode(ids[:half])
+        tail = tokenizer.decode(ids[len(ids) - half :])
+        omitted = f"{len(ids) - 2 * half} tokens"
+    return f"{head}\n[... {omitted} omitted: response too long for the judge ...]\n{tail}"
+
+
+def verification_template(
+    *, with_reference: bool = True, system: str | None = None, max_response_tokens: int = 4096
+) -> JudgeTemplate:
+    """'Is the answer correct? Yes/No'; pair it with `YesNoParser()` (+1 / -1)."""
+    return JudgeTemplate(
+        user=_VERIFICATION_USER if with_reference else _VERIFICATION_USER_NO_REFERENCE,
+        system=system or "You are a careful, strict grader of answers.",
+        max_response_tokens=max_response_tokens,
+    )
+
+
+def pointwise_template(
+    *, low: int = 1, high: int = 10, system: str | None = None, max_response_tokens: int = 4096
+) -> JudgeTemplate:
+    """A score from `low` to `high`; pair it with `ScoreParser(low=low, high=high)` ([0, 1])."""
+    if not low < high:
+        raise ValueError(f"pointwise_template: low={low!r}, high={high!r}; need low < high")
+    return JudgeTemplate(
+        user=_POINTWISE_USER.replace("{low}", str(low)).replace("{high}", str(high)),
+        system=system or "You are a careful, strict grader of answers.",
+        max_response_tokens=max_response_tokens,
+    )

@@ -1,0 +1,135 @@
+"""The values that cross the GenRM boundary: a sample in, a verdict out.
+
+Samples are text, not token ids: a judge reads the decoded prompt and response, and the trainer
+decodes the policy's ids before it submits. Verdicts are plain data (JSON-able through `to_dict`)
+so the HTTP service and the in-process GenRM return the same thing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+VerdictStatus = Literal["ok", "unparsable", "error"]
+VERDICT_STATUSES: tuple[str, ...] = ("ok", "unparsable", "error")
+
+# pid + counter: unique within a process and across the processes of one job, cheap to make.
+_ids = itertools.count()
+
+
+def _new_sample_id() -> str:
+    return f"{os.getpid()}-{next(_ids)}"
+
+
+@dataclass(kw_only=True)
+class Sample:
+    """One (prompt, response) pair to judge; `reference` is the gold answer when there is one."""
+
+    prompt: str
+    response: str
+    reference: str | None = None
+    id: str = field(default_factory=_new_sample_id)  # echoed in the Verdict
+    metadata: dict[str, Any] = field(default_factory=dict)  # extra template fields, opaque here
+
+    def __post_init__(self) -> None:
+        for name in ("prompt", "response"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(
+                    f"Sample.{name} must be a str, got {type(getattr(self, name)).__name__}; "
+                    "decode token ids before submitting"
+                )
+        if self.reference is not None and not isinstance(self.reference, str):
+            raise ValueError(
+                f"Sample.reference must be a str or None, got {type(self.reference).__name__}"
+            )
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError(f"Sample.id={self.id!r}: must be a non-empty str")
+        if not isinstance(self.metadata, dict):
+            raise ValueError(f"Sample.metadata must be a dict, got {type(self.metadata).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "prompt": self.prompt,
+            "response": self.response,
+            "reference": self.reference,
+            "metadata": self.metadata,
+        }
+
+
+@dataclass(kw_only=True, frozen=True)
+class Vote:
+    """One judge generation for a sample; `reward` is None when it did not parse."""
+
+    reward: float | None
+    text: str
+    status: VerdictStatus
+    finish_reason: str | None = None  # the engine's: "stop", "length", "abort"
+
+
+@dataclass(kw_only=True, frozen=True)
+class Verdict:
+    """The judged reward for one sample.
+
+    status "ok": at least one vote parsed and `reward` aggregates the parsed votes;
+    "unparsable": no vote parsed and `reward` is the configured default;
+    "error": the judge failed (engine error, bad template field, transport) and `error` says how.
+    """
+
+    sample_id: str
+    reward: float
+    status: VerdictStatus
+    text: str = ""  # the raw verdict text of the first vote (all of them are in `votes`)
+    votes: tuple[Vote, ...] = ()
+    error: str | None = None
+    components: dict[str, float | None] = field(default_factory=dict)  # rule/judge parts
+
+    def __post_init__(self) -> None:
+        assert self.status in VERDICT_STATUSES, self.status
+        assert math.isfinite(self.reward), self.reward
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sample_id": self.sample_id,
+            "reward": self.reward,
+            "status": self.status,
+            "text": self.text,
+            "votes": [
+                {
+                    "reward": v.reward,
+                    "text": v.text,
+                    "status": v.status,
+                    "finish_reason": v.finish_reason,
+                }
+                for v in self.votes
+            ],
+            "error": self.error,
+            "components": dict(self.components),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Verdict:
+        """The inverse of `to_dict`; ValueError on a payload that is not a verdict."""
+        if data.get("status") not in VERDICT_STATUSES:
+            raise ValueError(
+                f"verdict status {data.get('status')!r} is not one of {VERDICT_STATUSES}"
+            )
+        if not math.isfinite(float(data["reward"])):
+            raise ValueError(f"verdict reward {data['reward']!r} is not finite")
+        return cls(
+            sample_id=data["sample_id"],
+            reward=float(data["reward"]),
+            status=data["status"],
+            text=data.get("text", ""),
+            votes=tuple(Vote(**v) for v in data.get("votes", ())),
+            error=data.get("error"),
+            components=dict(data.get("components", {})),
+        )
+
+
+def error_verdict(sample_id: str, message: str, *, reward: float) -> Verdict:
+    """The verdict of a sample the judge could not score; the run goes on."""
+    return Verdict(sample_id=sample_id, reward=reward, status="error", error=message)

@@ -1,0 +1,99 @@
+"""Votes -> one verdict: parse each judge generation, then aggregate the ones that parsed."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Literal
+
+from yatt.genrm._parsers import VerdictParser
+from yatt.genrm._types import Verdict, Vote
+
+logger = logging.getLogger("yatt.genrm")
+
+Aggregate = Literal["mean", "majority"]
+AGGREGATES: tuple[str, ...] = ("mean", "majority")
+
+# Raw judge text kept in a log line; enough to see what went wrong, not a wall of text.
+_LOG_TEXT_CHARS = 200
+
+
+def aggregate_rewards(rewards: Sequence[float], how: Aggregate) -> float:
+    """`mean`, or `majority`: the most frequent reward, ties resolved to the mean of the tied
+    values (so a 2-2 Yes/No split is 0, not whichever came first)."""
+    assert rewards, "aggregate_rewards needs at least one parsed vote"
+    if how == "mean":
+        return math.fsum(rewards) / len(rewards)
+    counts = Counter(rewards)
+    top = max(counts.values())
+    tied = [r for r, c in counts.items() if c == top]
+    return math.fsum(tied) / len(tied)
+
+
+def parse_vote(text: str, parser: VerdictParser, finish_reason: str | None) -> Vote:
+    """One judge generation -> a Vote; a parser that raises counts as unparsable, never crashes."""
+    if finish_reason == "abort":
+        return Vote(reward=None, text=text, status="error", finish_reason=finish_reason)
+    try:
+        reward = parser.parse(text)
+    except Exception as e:  # a user parser's bug is a counted miss, not a dead run
+        logger.warning("verdict parser %r raised %r on text %r", parser, e, text[:_LOG_TEXT_CHARS])
+        reward = None
+    if reward is not None and not math.isfinite(reward):
+        reward = None
+    if reward is None:
+        return Vote(reward=None, text=text, status="unparsable", finish_reason=finish_reason)
+    return Vote(reward=float(reward), text=text, status="ok", finish_reason=finish_reason)
+
+
+def build_verdict(
+    sample_id: str, votes: Sequence[Vote], *, how: Aggregate, default_reward: float
+) -> Verdict:
+    """All parsed votes aggregated; none parsed -> `default_reward` with status unparsable; every
+    vote an engine error (aborted) -> status error."""
+    parsed = [v.reward for v in votes if v.reward is not None]
+    text = votes[0].text if votes else ""
+    if parsed:
+        return Verdict(
+            sample_id=sample_id,
+            reward=aggregate_rewards(parsed, how),
+            status="ok",
+            text=text,
+            votes=tuple(votes),
+        )
+    if votes and all(v.status == "error" for v in votes):
+        return Verdict(
+            sample_id=sample_id,
+            reward=default_reward,
+            status="error",
+            text=text,
+            votes=tuple(votes),
+            error="every judge generation was aborted",
+        )
+    return Verdict(
+        sample_id=sample_id,
+        reward=default_reward,
+        status="unparsable",
+        text=text,
+        votes=tuple(votes),
+    )
+
+
+class UnparsableLog:
+    """Logs unparsable verdicts with a sample of their text: the first few, then 1 in `every`,
+    so a judge that never follows the format does not flood the log."""
+
+    def __init__(self, *, first: int = 5, every: int = 100) -> None:
+        self._first, self._every, self._count = first, every, 0
+
+    def record(self, sample_id: str, text: str) -> None:
+        self._count += 1
+        if self._count <= self._first or self._count % self._every == 0:
+            logger.warning(
+                "unparsable verdict #%d (sample %s): %r",
+                self._count,
+                sample_id,
+                text[:_LOG_TEXT_CHARS],
+            )

@@ -1,0 +1,64 @@
+NUM_GPUS = 1
+
+import asyncio
+
+import pytest
+import torch
+
+from yatt.genrm import BatchingConfig, GenRM, Sample, YesNoParser, verification_template
+from yatt.rollout import BuiltinEngine, EngineConfig, SamplingParams
+from yatt.testing import make_tiny_causal_lm
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.timeout(300),
+]
+
+
+def test_streaming_and_blocking_agree_on_a_cuda_judge(tmp_path) -> None:
+    make_tiny_causal_lm(tmp_path, arch="qwen2", max_position_embeddings=1024)
+    engine = BuiltinEngine(
+        tmp_path, config=EngineConfig(device="cuda", max_batch_size=8, max_seq_len=1024)
+    )
+    genrm = GenRM(
+        engine,
+        template=verification_template(max_response_tokens=128),
+        parser=YesNoParser(),
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=8),
+        default_reward=-0.25,
+        # One sample per engine call in both paths: a random judge's logits are nearly flat,
+        # so a different batch shape alone can flip a greedy token.
+        batching=BatchingConfig(max_batch_size=1, max_inflight_batches=1),
+    )
+    samples = [
+        Sample(prompt=f"{i}+{i}?", response=f"{2 * i}" * (1 + 40 * (i % 3)), reference=str(2 * i))
+        for i in range(24)
+    ]
+    try:
+        blocking = genrm.score(samples)
+
+        async def stream() -> dict[str, str]:
+            async def producer() -> None:
+                for s in samples:
+                    await genrm.submit(s)
+                await genrm.finish()
+
+            task = asyncio.create_task(producer())
+            got = {v.sample_id: v.text async for v in genrm.results()}
+            await task
+            await genrm.aclose()
+            return got
+
+        streamed = asyncio.run(stream())
+        # Batched on the GPU: every sample still gets exactly one well-formed verdict.
+        genrm.batching = BatchingConfig(
+            max_batch_size=8, batch_window_millis=5.0, max_inflight_batches=1
+        )
+        batched = asyncio.run(genrm.ascore(samples))
+    finally:
+        engine.close()
+    assert all(v.status in ("ok", "unparsable") for v in blocking)
+    assert streamed == {v.sample_id: v.text for v in blocking}
+    assert [v.sample_id for v in batched] == [s.id for s in samples]
+    assert all(v.status in ("ok", "unparsable") for v in batched)

@@ -1,0 +1,265 @@
+NUM_GPUS = 0
+
+import asyncio
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from aiohttp import web
+
+from yatt.genrm import (
+    BatchingConfig,
+    GenRM,
+    GenRMClient,
+    JudgeTemplate,
+    Sample,
+    YesNoParser,
+    create_app,
+)
+from yatt.genrm.testing import FakeJudgeEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _judge(prompt_text: str, vote: int) -> str:
+    return "Yes" if int(re.search(r"R=(\d+)", prompt_text).group(1)) % 2 == 0 else "No"
+
+
+def _make_genrm(**engine_kwargs) -> GenRM:
+    return GenRM(
+        FakeJudgeEngine(judge=_judge, **engine_kwargs),
+        template=JudgeTemplate(user="R={response}"),
+        parser=YesNoParser(),
+        batching=BatchingConfig(max_batch_size=16, batch_window_millis=10.0),
+    )
+
+
+class ServerThread:
+    """The app on 127.0.0.1 in its own thread and event loop, so blocking clients can call it."""
+
+    def __init__(self, genrm: GenRM, **app_kwargs) -> None:
+        self.genrm, self.app_kwargs, self.port = genrm, app_kwargs, 0
+
+    def start(self, port: int = 0) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._start(port), self.loop).result(10)
+
+    async def _start(self, port: int) -> int:
+        self.runner = web.AppRunner(create_app(self.genrm, **self.app_kwargs))
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", port).start()
+        return self.runner.addresses[0][1]
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+def server():
+    srv = ServerThread(_make_genrm(), max_batch=32, max_body_bytes=1 << 20)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"{url}/score", data=body, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _samples(n: int, start: int = 0) -> list[Sample]:
+    return [Sample(prompt="q", response=str(i), id=f"s{i}") for i in range(start, start + n)]
+
+
+def _expected(sample: Sample) -> float:
+    return 1.0 if int(sample.response) % 2 == 0 else -1.0
+
+
+def test_health_and_score_match_in_process(server) -> None:
+    client = GenRMClient(server.url)
+    health = client.health()
+    assert health["status"] == "ok" and health["max_batch"] == 32
+    samples = _samples(5)
+    remote = client.score(samples)
+    local = _make_genrm().score(samples)
+    assert [v.to_dict() for v in remote] == [v.to_dict() for v in local]
+
+
+def test_concurrent_clients_share_judge_batches(server) -> None:
+    client = GenRMClient(server.url)
+
+    def work(k: int) -> list:
+        return client.score(_samples(6, start=6 * k))
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(work, range(8)))
+    for k, verdicts in enumerate(results):
+        samples = _samples(6, start=6 * k)
+        assert [v.sample_id for v in verdicts] == [s.id for s in samples]
+        assert [v.reward for v in verdicts] == [_expected(s) for s in samples]
+    calls = server.genrm.engine.calls
+    assert sum(c.num_requests for c in calls) == 48
+    assert len(calls) < 48  # requests from different clients were judged together
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field", "message"),
+    [
+        (b"{not json", 400, None, "not valid JSON"),
+        (b"\xff\xfe", 400, None, "not valid JSON"),
+        (b"[1, 2]", 422, None, "must be a JSON object"),
+        (b'{"samples": {}}', 422, "samples", "must be a list"),
+        (b'{"samples": [], "extra": 1}', 422, "extra", "unknown field"),
+        (b'{"samples": [3]}', 422, "samples[0]", "must be an object"),
+        (b'{"samples": [{"prompt": "q"}]}', 422, "samples[0].response", "is required"),
+        (
+            b'{"samples": [{"prompt": "q", "response": "1"}, {"prompt": "q", "response": 7}]}',
+            422,
+            "samples[1].response",
+            "must be a string, got int",
+        ),
+        (
+            b'{"samples": [{"prompt": "q", "response": "1", "reference": 4}]}',
+            422,
+            "samples[0].reference",
+            "must be a string",
+        ),
+        (
+            b'{"samples": [{"prompt": "q", "response": "1", "metadata": []}]}',
+            422,
+            "samples[0].metadata",
+            "must be an object",
+        ),
+        (
+            b'{"samples": [{"prompt": "q", "response": "1", "color": "red"}]}',
+            422,
+            "samples[0].color",
+            "unknown field",
+        ),
+    ],
+    ids=[
+        "malformed",
+        "not_utf8",
+        "not_object",
+        "samples_type",
+        "extra_key",
+        "sample_type",
+        "missing_field",
+        "wrong_type",
+        "reference_type",
+        "metadata_type",
+        "unknown_sample_field",
+    ],
+)
+def test_bad_requests_get_4xx_naming_the_field(server, body, status, field, message) -> None:
+    got_status, payload = _post(server.url, body)
+    assert got_status == status
+    assert payload["field"] == field
+    assert message in payload["error"]
+    # The server goes on serving after a bad request.
+    ok_status, ok = _post(
+        server.url, json.dumps({"samples": [s.to_dict() for s in _samples(1)]}).encode()
+    )
+    assert ok_status == 200 and ok["verdicts"][0]["reward"] == 1.0
+
+
+def test_oversized_batch_and_body_get_413(server) -> None:
+    status, payload = _post(
+        server.url, json.dumps({"samples": [s.to_dict() for s in _samples(33)]}).encode()
+    )
+    assert status == 413
+    assert "exceeds this server's max batch of 32" in payload["error"]
+    big = {"samples": [{"prompt": "q", "response": "x" * (2 << 20)}]}
+    status, payload = _post(server.url, json.dumps(big).encode())
+    assert status == 413 and "too large" in payload["error"]
+    # The client turns a 4xx into error verdicts at once (no retries: resending cannot help).
+    client = GenRMClient(server.url, batching=BatchingConfig(max_batch_size=64))
+    verdicts = client.score(_samples(40))
+    assert {v.status for v in verdicts} == {"error"}
+    assert "HTTP 413" in verdicts[0].error and client.metrics["num_retries"] == 0
+
+
+def test_unknown_route_answers_json(server) -> None:
+    request = urllib.request.Request(f"{server.url}/nope")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=10)
+    assert info.value.code == 404
+    assert "error" in json.loads(info.value.read())
+
+
+def test_client_timeout_gives_error_verdicts_in_bounded_time() -> None:
+    srv = ServerThread(_make_genrm(batch_latency_s=1.5))
+    srv.start()
+    try:
+        client = GenRMClient(srv.url, timeout_s=0.3, max_retries=1, backoff_s=0.05)
+        start = time.perf_counter()
+        verdicts = client.score(_samples(2))
+        elapsed = time.perf_counter() - start
+    finally:
+        srv.stop()
+    assert [v.status for v in verdicts] == ["error", "error"]
+    assert "Timeout" in verdicts[0].error
+    assert elapsed < 3.0
+    assert client.metrics["num_retries"] == 1
+
+
+def test_client_recovers_when_the_server_restarts() -> None:
+    srv = ServerThread(_make_genrm())
+    srv.start()
+    port = srv.port
+    client = GenRMClient(srv.url, max_retries=6, backoff_s=0.1, max_backoff_s=0.4)
+    assert client.score(_samples(2))[0].status == "ok"
+    srv.stop()
+    # Down: refused connections are retried with backoff while the server comes back.
+    restart = threading.Timer(0.4, srv.start, kwargs={"port": port})
+    restart.start()
+    try:
+        verdicts = client.score(_samples(3))
+    finally:
+        restart.join()
+        srv.stop()
+    assert [v.status for v in verdicts] == ["ok"] * 3
+    assert [v.reward for v in verdicts] == [1.0, -1.0, 1.0]
+    assert client.metrics["num_retries"] >= 1
+    # Gone for good: bounded retries, then error verdicts (no hang, no raise).
+    down = GenRMClient(f"http://127.0.0.1:{port}", max_retries=2, backoff_s=0.05)
+    assert [v.status for v in down.score(_samples(1))] == ["error"]
+
+
+def test_client_streaming_interface(server) -> None:
+    client = GenRMClient(server.url, batching=BatchingConfig(max_batch_size=4))
+    samples = _samples(20)
+
+    async def main() -> dict[str, float]:
+        async def producer() -> None:
+            for s in samples:
+                await client.submit(s)
+            await client.finish()
+
+        task = asyncio.create_task(producer())
+        got = {v.sample_id: v.reward async for v in client.results()}
+        await task
+        await client.aclose()
+        return got
+
+    assert asyncio.run(main()) == {s.id: _expected(s) for s in samples}
