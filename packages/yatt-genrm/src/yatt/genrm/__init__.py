@@ -1,5 +1,6 @@
 """yatt.genrm: generative reward models that score rollouts as they finish."""
 
+from yatt.genrm._as_completed import score_as_completed
 from yatt.genrm._client import GenRMClient
 from yatt.genrm._combine import CombinedRM
 from yatt.genrm._genrm import GenRM
@@ -30,5 +31,6 @@ __all__ = [
     "__version__",
     "create_app",
     "pointwise_template",
+    "score_as_completed",
     "verification_template",
 ]
