@@ -1,0 +1,53 @@
+"""The parallel controller for RL post-training: every data-parallel rank runs the same loop.
+
+Runtime and process groups, sharded prompt data, batches, GRPO/DAPO math and policy backends.
+"""
+
+from yatt.core._advantages import compute_grpo_advantages, mask_groups_with_reward_variance
+from yatt.core._batch import Batch
+from yatt.core._config import config_from_dict
+from yatt.core._loader import ROW_INDEX_KEY, ShardedLoader
+from yatt.core._logits import compute_entropy, compute_token_logprobs
+from yatt.core._losses import (
+    PolicyLoss,
+    aggregate,
+    compute_clipped_policy_loss,
+    compute_kl,
+    count_units,
+    sum_over_units,
+)
+from yatt.core._metrics import reduce_metrics
+from yatt.core._policy import LossFn, PolicyBackend, TorchPolicyConfig
+from yatt.core._run_log import RunLog
+from yatt.core._runtime import Runtime, init_runtime, set_seed
+from yatt.core._sampling import sample_dynamically
+from yatt.core._torch_policy import TorchPolicy
+from yatt.core._version import __version__
+
+__all__ = [
+    "ROW_INDEX_KEY",
+    "Batch",
+    "LossFn",
+    "PolicyBackend",
+    "PolicyLoss",
+    "RunLog",
+    "Runtime",
+    "ShardedLoader",
+    "TorchPolicy",
+    "TorchPolicyConfig",
+    "__version__",
+    "aggregate",
+    "compute_clipped_policy_loss",
+    "compute_entropy",
+    "compute_grpo_advantages",
+    "compute_kl",
+    "compute_token_logprobs",
+    "config_from_dict",
+    "count_units",
+    "init_runtime",
+    "mask_groups_with_reward_variance",
+    "reduce_metrics",
+    "sample_dynamically",
+    "set_seed",
+    "sum_over_units",
+]

@@ -1,0 +1,339 @@
+"""`Batch`: the samples one rank holds, as padded tensors plus per-sample metadata.
+
+Layout, for B samples whose longest has T tokens:
+    tokens[k]   [B, T, ...]  right-padded with zeros; sample i's tokens are [i, :lengths[i]]
+                             ("input_ids" and "attention_mask" are always present)
+    samples[k]  [B, ...]     one tensor value per sample (reward, group id, advantage)
+    meta[k]     list of B    Python objects (prompt text, image payloads, row ids)
+Padding positions hold 0 in every token field; read valid positions through attention_mask.
+
+A batch converts to and from a list of per-sample dicts (token fields unpadded), which is the
+unit that `yatt.balance.dist` moves between ranks: only the samples a plan moves ever leave
+the rank that produced them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+Index = Sequence[int] | torch.Tensor
+
+
+def _as_tensor(value: Any, key: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(
+            f"field {key!r}: {type(value).__name__} is not convertible to a tensor"
+        ) from err
+
+
+class Batch:
+    """Per-sample tensors and metadata of one rank; see the module docstring for the layout."""
+
+    def __init__(
+        self,
+        *,
+        tokens: Mapping[str, torch.Tensor],
+        samples: Mapping[str, torch.Tensor] | None = None,
+        meta: Mapping[str, list[Any]] | None = None,
+    ) -> None:
+        self.tokens: dict[str, torch.Tensor] = dict(tokens)
+        self.samples: dict[str, torch.Tensor] = dict(samples or {})
+        self.meta: dict[str, list[Any]] = {k: list(v) for k, v in (meta or {}).items()}
+        self.validate()
+
+    # -- construction ------------------------------------------------------------------------
+
+    @classmethod
+    def from_samples(
+        cls,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        token_keys: Iterable[str] = ("input_ids",),
+        like: Batch | None = None,
+    ) -> Batch:
+        """Pad a list of per-sample dicts into a batch.
+
+        Keys in `token_keys` hold one value per token ([L] or [L, ...], a tensor or a list) with
+        L = len(row["input_ids"]); numbers and same-shape tensors become sample fields (stacked);
+        anything else (strings, numpy arrays, tensors of differing shapes) is metadata. An empty `rows` needs `like`, a batch whose
+        fields, dtypes and devices the empty batch takes.
+        """
+        if not rows:
+            if like is None:
+                raise ValueError("Batch.from_samples([]) needs like=<a batch with the same fields>")
+            return like.select([])
+        token_keys = list(token_keys)
+        if "input_ids" not in token_keys:
+            token_keys.insert(0, "input_ids")
+        keys = list(rows[0])
+        for i, row in enumerate(rows):
+            if set(row) != set(keys):
+                raise ValueError(f"rows[{i}] has keys {sorted(row)}; rows[0] has {sorted(keys)}")
+        missing = [k for k in token_keys if k not in rows[0]]
+        if missing:
+            raise ValueError(f"token_keys {missing} are not in the rows (keys: {sorted(keys)})")
+        if "attention_mask" in rows[0]:
+            raise ValueError("rows must not carry 'attention_mask'; Batch builds it from lengths")
+        per_key = {k: [_as_tensor(row[k], k) for row in rows] for k in token_keys}
+        lengths = [int(t.shape[0]) if t.dim() else -1 for t in per_key["input_ids"]]
+        if min(lengths) < 1:
+            raise ValueError("every row's input_ids must be a non-empty 1-D sequence")
+        tokens: dict[str, torch.Tensor] = {}
+        for k, values in per_key.items():
+            for i, (value, length) in enumerate(zip(values, lengths, strict=True)):
+                if value.dim() == 0 or value.shape[0] != length:
+                    raise ValueError(
+                        f"rows[{i}][{k!r}] has shape {tuple(value.shape)}; a token field needs "
+                        f"one entry per input id ({length})"
+                    )
+            tokens[k] = torch.nn.utils.rnn.pad_sequence(values, batch_first=True)
+        tokens["attention_mask"] = _mask_from_lengths(lengths, tokens["input_ids"].device)
+        samples: dict[str, torch.Tensor] = {}
+        meta: dict[str, list[Any]] = {}
+        for k in keys:
+            if k in per_key:
+                continue
+            values = [row[k] for row in rows]
+            if all(isinstance(v, bool | int | float | np.integer | np.floating) for v in values):
+                samples[k] = torch.as_tensor(values)
+            elif all(isinstance(v, torch.Tensor) for v in values) and (
+                len({tuple(v.shape) for v in values}) == 1
+            ):
+                samples[k] = torch.stack(values)
+            else:
+                # Ragged tensors (images of different sizes) stay per-sample, uncopied.
+                meta[k] = values
+        return cls(tokens=tokens, samples=samples, meta=meta)
+
+    def to_samples(self) -> list[dict[str, Any]]:
+        """Per-sample dicts with token fields unpadded; `from_samples` inverts it."""
+        lengths = self.lengths.tolist()
+        rows: list[dict[str, Any]] = []
+        for i, length in enumerate(lengths):
+            row: dict[str, Any] = {
+                k: v[i, :length] for k, v in self.tokens.items() if k != "attention_mask"
+            }
+            row.update({k: v[i] for k, v in self.samples.items()})
+            row.update({k: v[i] for k, v in self.meta.items()})
+            rows.append(row)
+        return rows
+
+    @property
+    def token_keys(self) -> list[str]:
+        """Token fields other than the derived attention mask (what `from_samples` needs)."""
+        return [k for k in self.tokens if k != "attention_mask"]
+
+    # -- access ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return int(self.tokens["input_ids"].shape[0])
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.tokens or key in self.samples or key in self.meta
+
+    def __getitem__(self, key: str) -> Any:
+        for fields in (self.tokens, self.samples, self.meta):
+            if key in fields:
+                return fields[key]
+        raise KeyError(f"{key!r} is not a field of this batch; fields: {sorted(self.keys())}")
+
+    def keys(self) -> Iterator[str]:
+        yield from self.tokens
+        yield from self.samples
+        yield from self.meta
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Valid tokens per sample, int64 [B]."""
+        return self.tokens["attention_mask"].sum(-1, dtype=torch.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def validate(self) -> None:
+        """Raise ValueError if a field disagrees with the layout (after direct dict edits)."""
+        for key in ("input_ids", "attention_mask"):
+            if key not in self.tokens:
+                raise ValueError(f"Batch.tokens needs {key!r}; use Batch.from_samples to build one")
+        ids = self.tokens["input_ids"]
+        if ids.dim() != 2:
+            raise ValueError(f"tokens['input_ids'] must be [B, T]; got {tuple(ids.shape)}")
+        size, length = ids.shape
+        names = set()
+        for fields in (self.tokens, self.samples, self.meta):
+            clash = names & set(fields)
+            if clash:
+                raise ValueError(
+                    f"fields {sorted(clash)} appear in more than one of tokens/samples/meta"
+                )
+            names |= set(fields)
+        for k, v in self.tokens.items():
+            if v.dim() < 2 or tuple(v.shape[:2]) != (size, length):
+                raise ValueError(
+                    f"tokens[{k!r}] has shape {tuple(v.shape)}; need [B={size}, T={length}, ...]"
+                )
+        for k, v in self.samples.items():
+            if v.dim() < 1 or v.shape[0] != size:
+                raise ValueError(f"samples[{k!r}] has shape {tuple(v.shape)}; need [B={size}, ...]")
+        for k, v in self.meta.items():
+            if len(v) != size:
+                raise ValueError(f"meta[{k!r}] has {len(v)} entries; need B={size}")
+
+    # -- transformations ---------------------------------------------------------------------
+
+    def select(self, index: Index) -> Batch:
+        """The samples at `index` (ints or a bool mask), trimmed to their longest length."""
+        if isinstance(index, torch.Tensor) and index.dtype == torch.bool:
+            index = index.nonzero().flatten()
+        idx = torch.as_tensor(
+            list(index) if not isinstance(index, torch.Tensor) else index, dtype=torch.int64
+        )
+        idx_list = idx.tolist()
+        lengths = self.lengths
+        width = int(lengths[idx].max()) if idx.numel() else 0
+        tokens = {k: v[idx.to(v.device), :width] for k, v in self.tokens.items()}
+        samples = {k: v[idx.to(v.device)] for k, v in self.samples.items()}
+        meta = {k: [v[i] for i in idx_list] for k, v in self.meta.items()}
+        return Batch(tokens=tokens, samples=samples, meta=meta)
+
+    @staticmethod
+    def concat(batches: Sequence[Batch]) -> Batch:
+        """One batch holding every sample of `batches`, in order; fields must match."""
+        if not batches:
+            raise ValueError("Batch.concat needs at least one batch")
+        first = batches[0]
+        for i, b in enumerate(batches[1:], start=1):
+            for name in ("tokens", "samples", "meta"):
+                if set(getattr(b, name)) != set(getattr(first, name)):
+                    raise ValueError(
+                        f"batches[{i}].{name} has fields {sorted(getattr(b, name))}; batches[0] "
+                        f"has {sorted(getattr(first, name))}"
+                    )
+        width = max(b.tokens["input_ids"].shape[1] for b in batches)
+        tokens = {
+            k: torch.cat([_pad_to(b.tokens[k], width) for b in batches]) for k in first.tokens
+        }
+        samples = {k: torch.cat([b.samples[k] for b in batches]) for k in first.samples}
+        meta = {k: [x for b in batches for x in b.meta[k]] for k in first.meta}
+        return Batch(tokens=tokens, samples=samples, meta=meta)
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> Batch:
+        """A batch with every tensor on `device`; metadata is shared, not copied."""
+        return Batch(
+            tokens={k: v.to(device, non_blocking=non_blocking) for k, v in self.tokens.items()},
+            samples={k: v.to(device, non_blocking=non_blocking) for k, v in self.samples.items()},
+            meta=self.meta,
+        )
+
+    def unpad(self) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Token fields packed end to end, [N, ...] with N = num_tokens, and cu_seqlens [B + 1]
+        (int32; sample i is rows cu_seqlens[i]:cu_seqlens[i + 1]), the varlen-attention layout."""
+        mask_BT = self.tokens["attention_mask"].bool()
+        packed = {k: v[mask_BT] for k, v in self.tokens.items() if k != "attention_mask"}
+        cu_seqlens = torch.nn.functional.pad(self.lengths.cumsum(0), (1, 0)).to(torch.int32)
+        return packed, cu_seqlens
+
+    def with_packed(self, packed: Mapping[str, torch.Tensor], cu_seqlens: torch.Tensor) -> Batch:
+        """A copy of this batch with token fields padded back from the `unpad` layout."""
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        if lengths != self.lengths.tolist():
+            raise ValueError("cu_seqlens does not match this batch's lengths")
+        tokens = dict(self.tokens)
+        for k, flat in packed.items():
+            tokens[k] = torch.nn.utils.rnn.pad_sequence(list(flat.split(lengths)), batch_first=True)
+        return Batch(tokens=tokens, samples=self.samples, meta=self.meta)
+
+    # -- exchange across data-parallel ranks -------------------------------------------------
+
+    def rebalance(
+        self,
+        *,
+        group: Any = None,
+        group_key: str | None = None,
+        costs: Sequence[float] | None = None,
+        is_equal_size: bool = False,
+    ) -> tuple[Batch, Any]:
+        """Balance samples across the data-parallel ranks of `group` (collective).
+
+        Only lengths (and costs) are all-gathered; the samples the plan moves travel
+        point-to-point through yatt.balance.dist, tensors as raw bytes. group_key names a sample
+        field whose equal values stay on one rank (a GRPO group); costs default to the lengths
+        (pass yatt.balance.flops_cost(...) to weigh attention); is_equal_size gives every rank
+        the same number of samples. Returns (this rank's batch, plan) for `restore`.
+        """
+        from yatt.balance.dist import rebalance
+
+        groups = None if group_key is None else self[group_key].tolist()
+        rows, plan = rebalance(
+            _wrap_arrays(self.to_samples()),
+            self.lengths.tolist(),
+            group=group,
+            groups=groups,
+            costs=costs,
+            equal_size=is_equal_size,
+        )
+        return Batch.from_samples(_unwrap_arrays(rows), token_keys=self.token_keys, like=self), plan
+
+    def restore(self, plan: Any, *, group: Any = None) -> Batch:
+        """Inverse of `rebalance` (same group): every sample back on its origin rank, in its
+        original order, carrying any fields added since."""
+        from yatt.balance.dist import restore
+
+        rows = restore(_wrap_arrays(self.to_samples()), plan, group=group)
+        return Batch.from_samples(_unwrap_arrays(rows), token_keys=self.token_keys, like=self)
+
+    def __repr__(self) -> str:
+        return (
+            f"Batch(size={len(self)}, width={self.tokens['input_ids'].shape[1]}, "
+            f"tokens={sorted(self.tokens)}, samples={sorted(self.samples)}, meta={sorted(self.meta)})"
+        )
+
+
+def _mask_from_lengths(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    lengths_B = torch.as_tensor(lengths, dtype=torch.int64, device=device)
+    width = int(lengths_B.max()) if lengths_B.numel() else 0
+    return (torch.arange(width, device=device)[None, :] < lengths_B[:, None]).to(torch.int64)
+
+
+def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
+    if x.shape[1] == width:
+        return x
+    pad = x.new_zeros((x.shape[0], width - x.shape[1], *x.shape[2:]))
+    return torch.cat([x, pad], dim=1)
+
+
+# yatt.balance.dist moves tensors as raw bytes but pickles other objects (a pickle is a
+# second and third copy of an image). Numeric numpy arrays in metadata therefore travel as
+# zero-copy tensor views, tagged so the receiver turns them back into arrays.
+_ARRAY_TAG = "__yatt_ndarray__"
+
+
+def _wrap_arrays(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def wrap(value: Any) -> Any:
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+            with warnings.catch_warnings():
+                # Read-only arrays are fine: the view is only read (copied into a send buffer).
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                return (_ARRAY_TAG, torch.from_numpy(np.ascontiguousarray(value)))
+        return value
+
+    return [{k: wrap(v) for k, v in row.items()} for row in rows]
+
+
+def _unwrap_arrays(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def unwrap(value: Any) -> Any:
+        if isinstance(value, tuple) and len(value) == 2 and value[0] == _ARRAY_TAG:
+            return value[1].numpy()
+        return value
+
+    return [{k: unwrap(v) for k, v in row.items()} for row in rows]

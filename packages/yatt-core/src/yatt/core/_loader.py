@@ -1,0 +1,215 @@
+"""`ShardedLoader`: each data-parallel rank reads only its own prompts, in a resumable order.
+
+    epoch e:  perm = permutation(num_rows, seed=(seed, e))       same on every rank
+    rank r:   rows perm[r], perm[r + W], perm[r + 2W], ...        W = data-parallel size
+    step:     the next batch_size of them; positions advance in lockstep on every rank
+
+Ranks never exchange rows: each builds the same light index (line offsets or row-group sizes),
+computes the same permutation, and parses only its own rows. The last num_rows % W rows of a
+permutation are left out of that epoch so every rank has the same number of steps. Rows that
+are unusable (bad JSON, no prompt, prompt too long, missing image) are skipped, counted per
+reason and logged; the batch is then smaller on that rank, and positions stay in lockstep.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from yatt.core._sources import open_source
+
+logger = logging.getLogger("yatt.core")
+
+ROW_INDEX_KEY = "_index"  # added to every row: its global index in the dataset
+_MAX_LOGGED_SKIPS = 20
+
+
+class ShardedLoader:
+    """Batches of prompt rows (dicts) for one data-parallel rank; see the module docstring."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        prompt_key: str = "prompt",
+        image_key: str | None = None,
+        seed: int = 0,
+        should_shuffle: bool = True,
+        max_prompt_tokens: int | None = None,
+        count_tokens: Callable[[Any], int] | None = None,
+        columns: Sequence[str] | None = None,
+    ) -> None:
+        """batch_size: prompts per rank per step. max_prompt_tokens with count_tokens (e.g. a
+        tokenizer applied to the prompt) skips rows whose prompt is longer. columns: Parquet
+        columns to read (default all)."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(
+                f"batch_size={batch_size!r} must be an int >= 1 (prompts per rank per step)"
+            )
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
+        if max_prompt_tokens is not None and count_tokens is None:
+            raise ValueError(
+                f"max_prompt_tokens={max_prompt_tokens} needs count_tokens=<prompt -> token count>, "
+                "e.g. lambda p: len(tokenizer.apply_chat_template(p))"
+            )
+        if columns is not None:
+            missing = [k for k in (prompt_key, image_key) if k is not None and k not in columns]
+            if missing:
+                raise ValueError(f"columns={list(columns)} must include {missing}")
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size = batch_size
+        self.prompt_key = prompt_key
+        self.image_key = image_key
+        self.seed = seed
+        self.should_shuffle = should_shuffle
+        self.max_prompt_tokens = max_prompt_tokens
+        self.count_tokens = count_tokens
+        self._source = open_source(path, columns=columns)
+        self.num_rows = self._source.num_rows
+        if self.num_rows < world_size:
+            raise ValueError(
+                f"dataset {str(path)!r} has {self.num_rows} rows, fewer than the {world_size} "
+                "data-parallel ranks; every rank needs at least one row"
+            )
+        self.num_local_rows = self.num_rows // world_size  # per rank per epoch
+        self.epoch = 0
+        self.position = 0  # rows of this epoch consumed by each rank
+        self.skipped: Counter[str] = Counter()
+        self.num_rows_parsed = 0  # rows this rank materialised (its own, never another rank's)
+        self._perm: np.ndarray | None = None
+        self._check_first_row(path)
+
+    def _check_first_row(self, path: str | Path) -> None:
+        # A misspelled prompt_key would otherwise turn into "every row skipped" at step 1.
+        # The row checked is this rank's own first row: no rank parses another's payload.
+        index = int(self._permutation()[self.rank])
+        first = self._source.read([index])[0]
+        self.num_rows_parsed += 1
+        if isinstance(first, dict):
+            for name, key in (("prompt_key", self.prompt_key), ("image_key", self.image_key)):
+                if key is not None and key not in first:
+                    raise ValueError(
+                        f"{name}={key!r} is not a field of row {index} of {str(path)!r}; "
+                        f"its fields are {sorted(first)}"
+                    )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Full batches per epoch (a batch may also span two epochs)."""
+        return self.num_local_rows // self.batch_size
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm is None:
+            if self.should_shuffle:
+                rng = np.random.default_rng([self.seed, self.epoch])
+                self._perm = rng.permutation(self.num_rows)
+            else:
+                self._perm = np.arange(self.num_rows)
+        return self._perm
+
+    def _take_positions(self, count: int) -> list[int]:
+        """Global row indices of this rank's next `count` positions, advancing across epochs."""
+        out: list[int] = []
+        while len(out) < count:
+            perm = self._permutation()
+            take = min(count - len(out), self.num_local_rows - self.position)
+            start = self.position * self.world_size + self.rank
+            out.extend(perm[start : start + take * self.world_size : self.world_size].tolist())
+            self.position += take
+            if self.position == self.num_local_rows:
+                self.epoch += 1
+                self.position = 0
+                self._perm = None
+        return out
+
+    def next_batch(self, num_rows: int | None = None) -> list[dict[str, Any]]:
+        """This rank's next rows (batch_size by default, fewer where rows were skipped)."""
+        count = self.batch_size if num_rows is None else num_rows
+        if count < 0:
+            raise ValueError(f"num_rows={num_rows!r} must be >= 0")
+        indices = self._take_positions(count)
+        rows = self._source.read(indices)
+        self.num_rows_parsed += len(rows)
+        out = []
+        for index, row in zip(indices, rows, strict=True):
+            reason = row if isinstance(row, str) else self._check_row(row)
+            if reason is not None:
+                self._skip(index, reason)
+                continue
+            row = dict(row)
+            row[ROW_INDEX_KEY] = index
+            out.append(row)
+        return out
+
+    def __iter__(self) -> Iterator[list[dict[str, Any]]]:
+        """Batches forever (epochs roll over); stop by step count in the training loop."""
+        while True:
+            yield self.next_batch()
+
+    def _check_row(self, row: Mapping[str, Any]) -> str | None:
+        prompt = row.get(self.prompt_key)
+        if prompt is None:
+            return f"no {self.prompt_key!r} field"
+        if not isinstance(prompt, str | list) or len(prompt) == 0:
+            return f"{self.prompt_key!r} is not a non-empty string or message list"
+        if self.image_key is not None and row.get(self.image_key) is None:
+            return f"no {self.image_key!r} field"
+        if self.max_prompt_tokens is not None:
+            assert self.count_tokens is not None
+            num_tokens = self.count_tokens(prompt)
+            if num_tokens > self.max_prompt_tokens:
+                return f"prompt longer than max_prompt_tokens={self.max_prompt_tokens}"
+        return None
+
+    def _skip(self, index: int, reason: str) -> None:
+        self.skipped[reason] += 1
+        total = sum(self.skipped.values())
+        if total <= _MAX_LOGGED_SKIPS:
+            logger.warning("rank %d: skipping dataset row %d: %s", self.rank, index, reason)
+            if total == _MAX_LOGGED_SKIPS:
+                logger.warning("rank %d: further skipped rows are only counted", self.rank)
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader is; identical on every rank (positions move in lockstep)."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_rows": self.num_rows,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume exactly where `state_dict()` was taken (same dataset and world size)."""
+        for key in ("num_rows", "world_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"loader state has {key}={state[key]} but this loader has "
+                    f"{getattr(self, key)}; resume with the same dataset and data-parallel size"
+                )
+        if not 0 <= state["position"] < self.num_local_rows:
+            raise ValueError(f"loader state position={state['position']} is out of range")
+        if state["seed"] != self.seed:
+            logger.warning(
+                "loader: resuming with the checkpoint's seed %d (was %d)", state["seed"], self.seed
+            )
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._perm = None

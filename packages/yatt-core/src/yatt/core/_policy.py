@@ -1,0 +1,121 @@
+"""The policy backend protocol and the config of the PyTorch backend.
+
+A backend owns a model (and its optimizer) sharded over the data-parallel ranks. The trainer
+sees only this protocol, so the Megatron-Core backend can replace `TorchPolicy` unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+from yatt.core._batch import Batch
+
+Parallel = Literal["ddp", "fsdp2", "none"]
+PARALLEL_MODES: tuple[str, ...] = ("ddp", "fsdp2", "none")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class LossFn(Protocol):
+    """What `train_step` needs of a loss (`yatt.core.PolicyLoss` is one).
+
+    `__call__` returns the loss summed over this micro-batch's units and metric sums over its
+    loss tokens; `count_units` counts a batch's units. The backend divides by the global
+    count of units (all micro-batches, all ranks), so the step's gradient is that of the mean
+    over the whole global batch however it is split.
+    """
+
+    def count_units(self, batch: Batch) -> torch.Tensor: ...
+
+    def __call__(
+        self, batch: Batch, logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+@runtime_checkable
+class PolicyBackend(Protocol):
+    """A trainable policy, also a placement role (sleep/wake_up)."""
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """[B, T] float32 log softmax(logits / temperature) of each input token (0 at t = 0)."""
+        ...
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step on this rank's batch (collective); globally reduced metrics."""
+        ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full tensor) per parameter, for weight sync (collective)."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """{"model": module, "optimizer": optimizer} for torch.distributed.checkpoint."""
+        ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None: ...
+
+
+@dataclass(kw_only=True, frozen=True)
+class TorchPolicyConfig:
+    """A Hugging Face causal LM trained with AdamW under DDP or FSDP2."""
+
+    model_dir: str  # a local directory with config.json and weights (save_pretrained output)
+    lr: float = 1e-6  # AdamW learning rate (constant)
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    grad_clip: float | None = 1.0  # max global grad norm; None = no clipping (norm still logged)
+    max_tokens_per_microbatch: int = 8192  # token cap per forward/backward (sum of lengths)
+    parallel: Parallel = "ddp"  # "ddp", "fsdp2" (shard params/grads/optimizer), "none" (1 rank)
+    dtype: str = "bfloat16"  # compute dtype; parameters and optimizer state stay float32
+    gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    seed: int = 0  # seeds torch before loading (dropout, if the model has any)
+    temperature: float = 1.0  # the rollout's sampling temperature; logprobs use logits / it
+    is_reference: bool = False  # frozen (no optimizer, no grads): a KL reference policy
+    attn_implementation: str = "sdpa"  # passed to from_pretrained ("eager", "flash_attention_2")
+
+    def __post_init__(self) -> None:
+        model_dir = Path(self.model_dir)
+        if not (model_dir / "config.json").is_file():
+            state = "does not exist" if not model_dir.exists() else "has no config.json"
+            raise ValueError(
+                f"TorchPolicyConfig.model_dir={self.model_dir!r} {state}; pass a local directory "
+                "written by save_pretrained (config.json + weights)"
+            )
+        if not (self.lr > 0 and self.lr < float("inf")):
+            raise ValueError(f"TorchPolicyConfig.lr={self.lr!r}: must be a finite number > 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"TorchPolicyConfig.betas={self.betas!r}: need two values in [0, 1)")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"TorchPolicyConfig.weight_decay={self.weight_decay!r}: must be >= 0")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(
+                f"TorchPolicyConfig.grad_clip={self.grad_clip!r}: must be > 0, or None to disable"
+            )
+        if (
+            not isinstance(self.max_tokens_per_microbatch, int)
+            or self.max_tokens_per_microbatch < 1
+        ):
+            raise ValueError(
+                f"TorchPolicyConfig.max_tokens_per_microbatch={self.max_tokens_per_microbatch!r}: "
+                "must be an int >= 1"
+            )
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(
+                f"TorchPolicyConfig.parallel={self.parallel!r}: use one of {PARALLEL_MODES}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TorchPolicyConfig.dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
+        if not (self.temperature >= 0 and self.temperature < float("inf")):
+            raise ValueError(
+                f"TorchPolicyConfig.temperature={self.temperature!r}: must be >= 0 (0 = greedy)"
+            )

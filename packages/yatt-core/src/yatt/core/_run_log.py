@@ -1,0 +1,108 @@
+"""A run's metrics: one JSON line per step, TensorBoard events, and a PNG plot at the end.
+
+Only the writing rank (rank 0) touches files; every rank may call `log` with the same
+(already reduced) metrics. On resume, lines of steps at or after the resume step are dropped
+first, so the file holds each step once even after a crash between a save and the next steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class RunLog:
+    def __init__(
+        self,
+        out_dir: str | Path,
+        *,
+        is_writer: bool = True,
+        should_use_tensorboard: bool = True,
+        resume_step: int | None = None,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.is_writer = is_writer
+        self.path = self.out_dir / METRICS_FILE
+        self._tb: Any = None
+        if not is_writer:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            self._drop_from(resume_step)
+        elif self.path.exists():
+            self.path.unlink()  # a fresh run: no stale lines from an earlier one
+        if should_use_tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                logger.warning("tensorboard is not installed; metrics go to %s only", self.path)
+            else:
+                self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+
+    def _drop_from(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", -1) < step
+        ]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if not self.is_writer:
+            return
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            # Flushed per line: a crash loses at most the step being written.
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if math.isfinite(float(value)):
+                    self._tb.add_scalar(key, float(value), step)
+            self._tb.flush()
+
+    def read(self) -> list[dict[str, float]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+
+    def plot(self, keys: Sequence[str], path: str | Path | None = None) -> Path | None:
+        """One panel per key against step; returns the PNG path (None without matplotlib)."""
+        if not self.is_writer:
+            return None
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            logger.warning("matplotlib is not installed; no plot written")
+            return None
+        records = self.read()
+        path = Path(path) if path is not None else self.out_dir / "metrics.png"
+        fig, axes = plt.subplots(len(keys), 1, figsize=(6, 2.4 * len(keys)), squeeze=False)
+        for ax, key in zip(axes[:, 0], keys, strict=True):
+            points = [(r["step"], r[key]) for r in records if key in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker=".")
+            ax.set_ylabel(key)
+            ax.grid(alpha=0.3)
+        axes[-1, 0].set_xlabel("step")
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

@@ -1,0 +1,157 @@
+"""Random access to rows of JSONL and Parquet files without loading the dataset.
+
+Each source builds a light index first (line offsets for JSONL, row-group boundaries for
+Parquet): a few bytes per row, no payloads. `read(indices)` then materialises only the rows
+asked for, so a rank holding 1/N of the dataset parses only that 1/N.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+_CHUNK_BYTES = 1 << 24
+
+# What read() returns for a row that cannot be decoded; the loader counts and skips it.
+BadRow = str
+
+
+class RowSource(Protocol):
+    num_rows: int
+
+    def read(self, indices: Sequence[int]) -> list[dict[str, Any] | BadRow]: ...
+
+
+def _line_offsets(path: Path) -> np.ndarray:
+    """Start offsets of the non-blank lines of a file, scanning it in chunks."""
+    starts: list[np.ndarray] = []
+    with open(path, "rb") as f:
+        base = 0
+        line_start = 0
+        is_blank = True
+        while chunk := f.read(_CHUNK_BYTES):
+            buf = np.frombuffer(chunk, dtype=np.uint8)
+            newlines = np.flatnonzero(buf == 0x0A)
+            # A line is a row unless it is only whitespace; check each line's bytes cheaply.
+            prev = 0
+            found = []
+            for nl in newlines.tolist():
+                segment = chunk[prev:nl]
+                if is_blank and segment.strip():
+                    is_blank = False
+                if not is_blank:
+                    found.append(line_start)
+                line_start = base + nl + 1
+                is_blank = True
+                prev = nl + 1
+            if chunk[prev:].strip():
+                is_blank = False
+            starts.append(np.asarray(found, dtype=np.int64))
+            base += len(chunk)
+        if not is_blank:
+            starts.append(np.asarray([line_start], dtype=np.int64))
+    return np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
+
+
+class JsonlSource:
+    """Rows of one or more JSONL files; row i is the i-th non-blank line across the files."""
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        self._files = list(files)
+        offsets = [_line_offsets(f) for f in self._files]
+        self._file_of_row = np.concatenate(
+            [np.full(len(o), i, dtype=np.int32) for i, o in enumerate(offsets)]
+        )
+        self._offset_of_row = np.concatenate(offsets)
+        self.num_rows = int(self._offset_of_row.size)
+
+    def read(self, indices: Sequence[int]) -> list[dict[str, Any] | BadRow]:
+        out: list[dict[str, Any] | BadRow] = []
+        handles: dict[int, Any] = {}
+        try:
+            for index in indices:
+                file_index = int(self._file_of_row[index])
+                if file_index not in handles:
+                    handles[file_index] = open(self._files[file_index], "rb")  # noqa: SIM115
+                handle = handles[file_index]
+                handle.seek(int(self._offset_of_row[index]))
+                line = handle.readline()
+                try:
+                    row = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                    out.append(f"invalid JSON ({err.msg if hasattr(err, 'msg') else err})")
+                    continue
+                out.append(
+                    row if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
+                )
+        finally:
+            for handle in handles.values():
+                handle.close()
+        return out
+
+
+class ParquetSource:
+    """Rows of one or more Parquet files; reads only the row groups holding requested rows."""
+
+    def __init__(self, files: Sequence[Path], columns: Sequence[str] | None = None) -> None:
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as err:
+            raise ImportError(
+                "reading Parquet needs pyarrow: pip install 'yatt-core[parquet]'"
+            ) from err
+        self._pq = pq
+        self._files = list(files)
+        self._columns = None if columns is None else list(columns)
+        groups = []  # (file index, row group index, first global row)
+        start = 0
+        for i, f in enumerate(self._files):
+            meta = pq.ParquetFile(f).metadata
+            for g in range(meta.num_row_groups):
+                groups.append((i, g, start))
+                start += meta.row_group(g).num_rows
+        self._groups = groups
+        self._group_starts = np.asarray([g[2] for g in groups] + [start], dtype=np.int64)
+        self.num_rows = int(start)
+
+    def read(self, indices: Sequence[int]) -> list[dict[str, Any] | BadRow]:
+        index_arr = np.asarray(indices, dtype=np.int64)
+        group_of = np.searchsorted(self._group_starts, index_arr, side="right") - 1
+        out: list[dict[str, Any] | BadRow | None] = [None] * len(index_arr)
+        for g in np.unique(group_of).tolist():
+            file_index, row_group, first = self._groups[g]
+            positions = np.flatnonzero(group_of == g)
+            # One row group at a time: the transient peak is one group's requested columns.
+            table = self._pq.ParquetFile(self._files[file_index]).read_row_group(
+                row_group, columns=self._columns
+            )
+            rows = table.take(index_arr[positions] - first).to_pylist()
+            del table
+            for pos, row in zip(positions.tolist(), rows, strict=True):
+                out[pos] = row
+        return out  # type: ignore[return-value]
+
+
+def open_source(path: str | Path, *, columns: Sequence[str] | None = None) -> RowSource:
+    """A JSONL or Parquet source for a file or a directory of such files (sorted by name)."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"dataset path {str(path)!r} does not exist")
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet"))
+        if not files:
+            raise ValueError(f"dataset directory {str(path)!r} holds no .jsonl or .parquet files")
+    else:
+        files = [path]
+    suffixes = {f.suffix for f in files}
+    if suffixes == {".jsonl"} or suffixes == {".json"}:
+        return JsonlSource(files)
+    if suffixes == {".parquet"}:
+        return ParquetSource(files, columns=columns)
+    raise ValueError(
+        f"dataset {str(path)!r}: files must all be .jsonl or all .parquet; got {sorted(suffixes)}"
+    )

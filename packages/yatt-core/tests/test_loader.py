@@ -1,0 +1,188 @@
+"""ShardedLoader: disjoint shards, deterministic epochs, exact resume, counted skips, flat memory."""
+
+import json
+import logging
+import tracemalloc
+
+import pytest
+
+from yatt.core import ROW_INDEX_KEY, ShardedLoader
+
+NUM_GPUS = 0
+
+
+def _write_jsonl(path, rows, *, blank_lines=False):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write((row if isinstance(row, str) else json.dumps(row)) + "\n")
+            if blank_lines:
+                f.write("   \n")
+    return path
+
+
+def _write_parquet(path, rows, row_group_size):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
+    return path
+
+
+def _rows(n):
+    return [{"prompt": f"question {i}", "answer": str(i)} for i in range(n)]
+
+
+@pytest.fixture(params=["jsonl", "parquet", "jsonl-blank-lines"])
+def dataset(request, tmp_path):
+    rows = _rows(23)
+    if request.param == "parquet":
+        return _write_parquet(tmp_path / "d.parquet", rows, row_group_size=5)
+    return _write_jsonl(tmp_path / "d.jsonl", rows, blank_lines=request.param.endswith("lines"))
+
+
+def _epoch_indices(path, rank, world_size, seed=0, batch_size=2):
+    loader = ShardedLoader(path, batch_size=batch_size, rank=rank, world_size=world_size, seed=seed)
+    out = []
+    for _ in range(loader.num_local_rows // batch_size):
+        out += [row[ROW_INDEX_KEY] for row in loader.next_batch()]
+    return out, loader
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_shards_are_disjoint_and_cover_the_epoch(dataset, world_size):
+    per_rank = [_epoch_indices(dataset, r, world_size, batch_size=1)[0] for r in range(world_size)]
+    flat = [i for shard in per_rank for i in shard]
+    assert len(flat) == len(set(flat)) == (23 // world_size) * world_size
+    assert all(len(shard) == 23 // world_size for shard in per_rank)
+    # Rows carry their own content, matched to their index.
+    loader = ShardedLoader(dataset, batch_size=3, rank=0, world_size=world_size)
+    for row in loader.next_batch():
+        assert row["prompt"] == f"question {row[ROW_INDEX_KEY]}"
+
+
+def test_each_epoch_has_its_own_deterministic_order(dataset):
+    loader = ShardedLoader(dataset, batch_size=11, rank=0, world_size=2, seed=3)
+    epoch0 = [r[ROW_INDEX_KEY] for r in loader.next_batch()]
+    epoch1 = [r[ROW_INDEX_KEY] for r in loader.next_batch()]
+    assert loader.epoch == 2 and epoch0 != epoch1
+    again = ShardedLoader(dataset, batch_size=11, rank=0, world_size=2, seed=3)
+    assert [r[ROW_INDEX_KEY] for r in again.next_batch()] == epoch0
+    other_seed = ShardedLoader(dataset, batch_size=11, rank=0, world_size=2, seed=4)
+    assert [r[ROW_INDEX_KEY] for r in other_seed.next_batch()] != epoch0
+    plain = ShardedLoader(dataset, batch_size=4, rank=1, world_size=2, should_shuffle=False)
+    assert [r[ROW_INDEX_KEY] for r in plain.next_batch()] == [1, 3, 5, 7]
+
+
+def test_resume_is_exact_across_epoch_boundaries(dataset):
+    loader = ShardedLoader(dataset, batch_size=4, rank=1, world_size=2, seed=7)
+    for _ in range(2):
+        loader.next_batch()
+    state = loader.state_dict()
+    expected = [[r[ROW_INDEX_KEY] for r in loader.next_batch()] for _ in range(5)]
+    resumed = ShardedLoader(dataset, batch_size=4, rank=1, world_size=2, seed=0)
+    resumed.load_state_dict(state)
+    assert resumed.seed == 7
+    assert [[r[ROW_INDEX_KEY] for r in resumed.next_batch()] for _ in range(5)] == expected
+
+
+def test_resume_rejects_a_different_world(dataset):
+    state = ShardedLoader(dataset, batch_size=2, world_size=2).state_dict()
+    with pytest.raises(ValueError, match="world_size"):
+        ShardedLoader(dataset, batch_size=2, world_size=3).load_state_dict(state)
+
+
+def test_bad_rows_are_counted_and_skipped(tmp_path, caplog):
+    rows = [
+        {"prompt": "ok 0"},
+        "{not json",
+        {"question": "no prompt field"},
+        {"prompt": ""},
+        {"prompt": "x" * 50},
+        ["a", "list"],
+        {"prompt": "ok 6"},
+    ]
+    # Row 0 (the first row of rank 0 when not shuffled) is valid: the key check passes.
+    path = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    loader = ShardedLoader(
+        path, batch_size=7, should_shuffle=False, max_prompt_tokens=10, count_tokens=len
+    )
+    with caplog.at_level(logging.WARNING, logger="yatt.core"):
+        batch = loader.next_batch()
+    assert [r["prompt"] for r in batch] == ["ok 0", "ok 6"]
+    assert loader.num_skipped == 5
+    assert sum(1 for k in loader.skipped if k.startswith("invalid JSON")) == 1
+    assert loader.skipped["no 'prompt' field"] == 1
+    assert loader.skipped["prompt longer than max_prompt_tokens=10"] == 1
+    assert sum("skipping dataset row" in r.message for r in caplog.records) == 5
+
+
+def test_missing_image_is_a_skip(tmp_path):
+    path = _write_jsonl(
+        tmp_path / "img.jsonl", [{"prompt": "a", "image": "xx"}, {"prompt": "b", "image": None}]
+    )
+    loader = ShardedLoader(path, batch_size=2, image_key="image", should_shuffle=False)
+    assert [r["prompt"] for r in loader.next_batch()] == ["a"]
+    assert loader.skipped["no 'image' field"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param(
+            {"prompt_key": "question"},
+            "prompt_key='question' is not a field of row",
+            id="wrong-prompt-key",
+        ),
+        pytest.param({"image_key": "img"}, "image_key='img'", id="wrong-image-key"),
+        pytest.param({"batch_size": 0}, "batch_size", id="zero-batch"),
+        pytest.param({"rank": 2, "world_size": 2}, "rank", id="rank-out-of-range"),
+        pytest.param({"max_prompt_tokens": 5}, "count_tokens", id="length-without-counter"),
+        pytest.param({"world_size": 100, "rank": 0}, "fewer than", id="more-ranks-than-rows"),
+    ],
+)
+def test_bad_configuration_fails_at_construction(tmp_path, kwargs, match):
+    path = _write_jsonl(tmp_path / "d.jsonl", _rows(5))
+    kwargs = {"batch_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        ShardedLoader(path, **kwargs)
+
+
+def test_missing_or_unknown_dataset_path(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        ShardedLoader(tmp_path / "nope.jsonl", batch_size=1)
+    (tmp_path / "d.csv").write_text("prompt\na\n")
+    with pytest.raises(ValueError, match=r"\.jsonl or all \.parquet"):
+        ShardedLoader(tmp_path / "d.csv", batch_size=1)
+
+
+def test_directory_of_parquet_shards(tmp_path):
+    rows = _rows(12)
+    (tmp_path / "ds").mkdir()
+    _write_parquet(tmp_path / "ds" / "part-0.parquet", rows[:5], row_group_size=2)
+    _write_parquet(tmp_path / "ds" / "part-1.parquet", rows[5:], row_group_size=3)
+    loader = ShardedLoader(tmp_path / "ds", batch_size=12, should_shuffle=False, columns=["prompt"])
+    got = loader.next_batch()
+    assert [r["prompt"] for r in got] == [f"question {i}" for i in range(12)]
+    assert "answer" not in got[0]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_rank_memory_stays_flat_as_ranks_grow(tmp_path, fmt):
+    """Weak scaling: per-rank batch fixed, dataset and ranks grow together; the payload bytes a
+    rank materialises stay the same instead of growing with the world."""
+    payload = "x" * 200_000
+    peaks = []
+    for world_size in (1, 4):
+        rows = [{"prompt": f"q{i}", "image": payload} for i in range(8 * world_size)]
+        path = (
+            _write_parquet(tmp_path / f"{world_size}.parquet", rows, row_group_size=1)
+            if fmt == "parquet"
+            else _write_jsonl(tmp_path / f"{world_size}.jsonl", rows)
+        )
+        loader = ShardedLoader(path, batch_size=8, rank=world_size - 1, world_size=world_size)
+        tracemalloc.start()
+        batch = loader.next_batch()
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        assert len(batch) == 8 and loader.num_rows_parsed == 9  # 8 + the first-row check
+    assert peaks[1] < 1.3 * peaks[0], peaks

@@ -1,0 +1,43 @@
+NUM_GPUS = 0
+
+import json
+
+from yatt.core import RunLog
+
+
+def test_log_writes_one_line_per_step_and_tensorboard(tmp_path):
+    log = RunLog(tmp_path)
+    for step in range(3):
+        log.log(step, {"reward/mean": step / 2, "loss": float(step)})
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1, 2]
+    assert lines[2]["reward/mean"] == 1.0
+    assert any((tmp_path / "tensorboard").iterdir()), "TensorBoard events were written"
+
+
+def test_resume_drops_steps_from_the_resume_point(tmp_path):
+    log = RunLog(tmp_path, should_use_tensorboard=False)
+    for step in range(5):
+        log.log(step, {"x": step})
+    log.close()
+    resumed = RunLog(tmp_path, should_use_tensorboard=False, resume_step=3)
+    resumed.log(3, {"x": 30})
+    assert [(r["step"], r["x"]) for r in resumed.read()] == [(0, 0), (1, 1), (2, 2), (3, 30)]
+
+
+def test_fresh_run_starts_a_new_file_and_non_writers_write_nothing(tmp_path):
+    RunLog(tmp_path, should_use_tensorboard=False).log(0, {"x": 1})
+    RunLog(tmp_path, should_use_tensorboard=False)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    other = tmp_path / "other"
+    RunLog(other, is_writer=False).log(0, {"x": 1})
+    assert not other.exists()
+
+
+def test_plot_writes_a_png(tmp_path):
+    log = RunLog(tmp_path, should_use_tensorboard=False)
+    for step in range(4):
+        log.log(step, {"reward/mean": step, "length": 10 - step})
+    path = log.plot(["reward/mean", "length"])
+    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

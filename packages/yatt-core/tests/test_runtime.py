@@ -1,0 +1,113 @@
+"""Runtime in a single process, metric reduction, and config building."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from yatt.core import PolicyLoss, config_from_dict, init_runtime, reduce_metrics
+
+NUM_GPUS = 0
+
+
+@pytest.fixture(autouse=True)
+def _no_torchrun_env(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_single_process_runtime_has_a_world_of_one():
+    with init_runtime(seed=5, device="cpu") as rt:
+        assert dist.is_initialized()
+        assert (rt.rank, rt.world_size, rt.dp_rank, rt.dp_size, rt.tp_size) == (0, 1, 0, 1, 1)
+        assert rt.device == torch.device("cpu") and rt.backend == "gloo"
+        assert rt.mesh.mesh_dim_names == ("dp", "tp")
+        first = torch.rand(3)
+        # Collectives run unchanged in a world of one.
+        assert reduce_metrics({"x": 2.0}, group=rt.dp_group) == {"x": 2.0}
+    assert not dist.is_initialized()
+    with init_runtime(seed=5, device="cpu"):
+        assert torch.equal(torch.rand(3), first)  # seeding is deterministic
+
+
+def test_process_group_is_destroyed_when_the_body_raises():
+    with pytest.raises(RuntimeError, match="boom"), init_runtime(device="cpu"):
+        raise RuntimeError("boom")
+    assert not dist.is_initialized()
+
+
+def test_existing_process_group_is_reused_and_kept():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with init_runtime(device="cpu") as rt:
+            assert rt.world_size == 1
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "match"),
+    [
+        pytest.param({"tp_size": 2}, {}, "tp_size", id="tp-does-not-divide"),
+        pytest.param({"tp_size": 0}, {}, "tp_size", id="tp-zero"),
+        pytest.param({}, {"RANK": "0", "WORLD_SIZE": "1"}, "torchrun", id="partial-env"),
+        pytest.param(
+            {},
+            {
+                "RANK": "x",
+                "WORLD_SIZE": "1",
+                "LOCAL_RANK": "0",
+                "MASTER_ADDR": "h",
+                "MASTER_PORT": "1",
+            },
+            "RANK",
+            id="non-int-rank",
+        ),
+    ],
+)
+def test_bad_runtime_requests_raise_before_joining(monkeypatch, kwargs, env, match):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=match):
+        init_runtime(device="cpu", **kwargs)
+    assert not dist.is_initialized()
+
+
+def test_cuda_device_without_cuda_is_an_error():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        init_runtime(device="cuda")
+
+
+def test_reduce_metrics_validates_ops():
+    with pytest.raises(ValueError, match="not a reduction"):
+        reduce_metrics({"a": 1.0}, ops={"a": "median"})
+    with pytest.raises(ValueError, match="not in metrics"):
+        reduce_metrics({"a": 1.0}, ops={"b": "sum"})
+    assert reduce_metrics({"a": torch.tensor(3.0), "b": 2}) == {"a": 3.0, "b": 2.0}
+
+
+@dataclass(kw_only=True)
+class _Inner:
+    lr: float = 1.0
+
+
+@dataclass(kw_only=True)
+class _Outer:
+    name: str = "x"
+    inner: _Inner = field(default_factory=_Inner)
+
+
+def test_config_from_dict_builds_nested_and_rejects_unknown_keys():
+    cfg = config_from_dict(_Outer, {"name": "y", "inner": {"lr": 0.5}})
+    assert cfg == _Outer(name="y", inner=_Inner(lr=0.5))
+    with pytest.raises(ValueError, match=r"unknown config key 'inner.lrr'.*did you mean 'lr'"):
+        config_from_dict(_Outer, {"inner": {"lrr": 0.5}})
+    with pytest.raises(ValueError, match="unknown config key 'zzz'"):
+        config_from_dict(_Outer, {"zzz": 1})
+    # The dataclass's own validation still runs.
+    with pytest.raises(ValueError, match="clip_low"):
+        config_from_dict(PolicyLoss, {"clip_low": 2.0})

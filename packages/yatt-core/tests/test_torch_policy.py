@@ -1,0 +1,190 @@
+"""TorchPolicy in one process: logprobs against an unbatched forward, micro-batch invariance,
+non-finite skips, sleep/wake, weight export, checkpoint state and config errors."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from yatt.core import (
+    Batch,
+    PolicyBackend,
+    PolicyLoss,
+    TorchPolicy,
+    TorchPolicyConfig,
+    compute_grpo_advantages,
+)
+
+NUM_GPUS = 0
+
+
+def _config(model_dir, /, **overrides):
+    base = {
+        "model_dir": model_dir,
+        "lr": 1e-3,
+        "dtype": "float32",
+        "parallel": "none",
+        "grad_clip": None,
+        "max_tokens_per_microbatch": 4096,
+    }
+    return TorchPolicyConfig(**{**base, **overrides})
+
+
+def _batch(lengths=(6, 13, 4, 9), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, length in enumerate(lengths):
+        mask = torch.zeros(length, dtype=torch.int64)
+        mask[2:] = 1
+        ids = torch.randint(5, 200, (length,), generator=gen)
+        rows.append(
+            {"input_ids": ids, "loss_mask": mask, "group_id": i // 2, "reward": float(i % 3)}
+        )
+    batch = Batch.from_samples(rows, token_keys=["input_ids", "loss_mask"])
+    batch.samples["advantages"] = compute_grpo_advantages(batch["reward"], batch["group_id"])
+    return batch
+
+
+def test_policy_implements_the_backend_protocol(tiny_model_dir):
+    assert isinstance(TorchPolicy(_config(tiny_model_dir)), PolicyBackend)
+
+
+@pytest.mark.parametrize("temperature", [pytest.param(1.0, id="t1"), pytest.param(0.6, id="t0.6")])
+def test_logprobs_match_an_unbatched_forward(tiny_model_dir, temperature):
+    batch = _batch()
+    # A cap of 14 tokens forces several padded micro-batches.
+    policy = TorchPolicy(
+        _config(tiny_model_dir, temperature=temperature, max_tokens_per_microbatch=14)
+    )
+    got = policy.logprobs(batch)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    for i, length in enumerate(batch.lengths.tolist()):
+        ids = batch["input_ids"][i : i + 1, :length]
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1] / temperature
+        expected = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        torch.testing.assert_close(got[i, 1:length], expected, atol=1e-5, rtol=0)
+        assert (got[i, length:] == 0).all() and got[i, 0] == 0
+
+
+def _step(model_dir, batch, **overrides):
+    policy = TorchPolicy(_config(model_dir, **overrides))
+    batch.tokens["old_logprobs"] = policy.logprobs(batch)
+    metrics = policy.train_step(batch, PolicyLoss(kl_coef=0.0, should_compute_entropy=True))
+    return metrics, dict(policy.named_weights())
+
+
+def test_step_does_not_depend_on_micro_batching_or_checkpointing(tiny_model_dir):
+    whole, whole_weights = _step(tiny_model_dir, _batch())
+    split, split_weights = _step(
+        tiny_model_dir, _batch(), max_tokens_per_microbatch=13, gradient_checkpointing=True
+    )
+    assert whole["num_micro_batches"] == 1 and split["num_micro_batches"] >= 3
+    for key in ("loss", "grad_norm", "pg_loss", "entropy", "clip_frac"):
+        assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+    for name, tensor in whole_weights.items():
+        torch.testing.assert_close(split_weights[name], tensor, atol=1e-4, rtol=0)
+
+
+def test_non_finite_loss_skips_the_optimizer_step(tiny_model_dir):
+    policy = TorchPolicy(_config(tiny_model_dir))
+    before = {n: t.clone() for n, t in policy.named_weights()}
+    batch = _batch()
+    batch.tokens["old_logprobs"] = policy.logprobs(batch)
+    batch.samples["advantages"][1] = float("nan")
+    metrics = policy.train_step(batch, PolicyLoss())
+    assert metrics["is_skipped"] == 1.0 and policy.num_skipped_steps == 1
+    for name, tensor in policy.named_weights():
+        assert torch.equal(tensor, before[name]), name
+    # Gradients were cleared: the next, healthy step starts clean and moves the weights.
+    batch.samples["advantages"][1] = 0.5
+    assert policy.train_step(batch, PolicyLoss())["is_skipped"] == 0.0
+    assert any(not torch.equal(t, before[n]) for n, t in policy.named_weights())
+
+
+def test_sleep_and_wake_up_round_trip(tiny_model_dir):
+    policy = TorchPolicy(_config(tiny_model_dir))
+    batch = _batch()
+    expected = policy.logprobs(batch)
+    awake_bytes = policy.resident_bytes()
+    policy.sleep()
+    assert policy.resident_bytes() == 0 < awake_bytes
+    with pytest.raises(RuntimeError, match="wake_up"):
+        policy.logprobs(batch)
+    policy.wake_up(["weights"])
+    torch.testing.assert_close(policy.logprobs(batch), expected, atol=0, rtol=0)
+    batch.tokens["old_logprobs"] = expected
+    with pytest.raises(RuntimeError, match="optimizer is offloaded"):
+        policy.train_step(batch, PolicyLoss())
+    policy.wake_up()
+    assert policy.train_step(batch, PolicyLoss())["is_skipped"] == 0.0
+
+
+def test_named_weights_use_hugging_face_names(tiny_model_dir):
+    policy = TorchPolicy(_config(tiny_model_dir))
+    names = [name for name, _ in policy.named_weights()]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert names == [name for name, _ in hf.named_parameters()]
+    for name, tensor in policy.named_weights():
+        assert torch.equal(tensor, hf.get_parameter(name).detach())
+
+
+def test_state_works_with_distributed_checkpoint_state_dict(tiny_model_dir):
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    policy = TorchPolicy(_config(tiny_model_dir))
+    batch = _batch()
+    batch.tokens["old_logprobs"] = policy.logprobs(batch)
+    policy.train_step(batch, PolicyLoss())
+    state = policy.state()
+    model_sd, optim_sd = get_state_dict(state["model"], state["optimizer"])
+    assert "model.embed_tokens.weight" in model_sd
+    assert "model.embed_tokens.weight" in optim_sd["state"]
+
+
+def test_reference_policy_is_frozen(tiny_model_dir):
+    policy = TorchPolicy(_config(tiny_model_dir, is_reference=True))
+    assert policy.optimizer is None and set(policy.state()) == {"model"}
+    assert not any(p.requires_grad for p in policy.module.parameters())
+    with pytest.raises(RuntimeError, match="reference"):
+        policy.train_step(_batch(), PolicyLoss())
+
+
+def test_sequence_longer_than_the_context_is_an_error(tiny_model_dir):
+    policy = TorchPolicy(_config(tiny_model_dir))
+    assert policy.max_context_tokens == 64
+    with pytest.raises(ValueError, match="context of 64"):
+        policy.logprobs(_batch(lengths=(70,)))
+
+
+def test_bfloat16_compute_runs_and_keeps_float32_master_weights(tiny_model_dir):
+    metrics, weights = _step(tiny_model_dir, _batch(), dtype="bfloat16")
+    assert metrics["is_skipped"] == 0.0 and metrics["grad_norm"] > 0
+    assert all(t.dtype == torch.float32 for t in weights.values())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        pytest.param({"model_dir": "/nonexistent/model"}, "does not exist", id="missing-dir"),
+        pytest.param({"lr": 0.0}, "lr", id="zero-lr"),
+        pytest.param({"betas": (0.9, 1.0)}, "betas", id="beta-1"),
+        pytest.param({"grad_clip": 0.0}, "grad_clip", id="zero-clip"),
+        pytest.param({"max_tokens_per_microbatch": 0}, "max_tokens_per_microbatch", id="zero-cap"),
+        pytest.param({"parallel": "zero3"}, "parallel", id="unknown-parallel"),
+        pytest.param({"dtype": "fp8"}, "dtype", id="unknown-dtype"),
+        pytest.param({"temperature": -1.0}, "temperature", id="negative-temperature"),
+    ],
+)
+def test_config_errors_name_the_field(tiny_model_dir, tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        _config(tiny_model_dir, **overrides)
+
+
+def test_directory_without_config_and_parallel_without_runtime(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"has no config\.json"):
+        _config(str(tmp_path))
+    with pytest.raises(ValueError, match="needs a runtime"):
+        TorchPolicy(_config(tiny_model_dir, parallel="ddp"))
+    assert dataclasses.is_dataclass(TorchPolicyConfig)
