@@ -59,6 +59,8 @@ def _fit_completions(
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # Cosine decay: tiny models at a high rate learn fast, then need a low rate to settle.
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps, eta_min=lr / 20)
     loss_value = float("nan")
     for step in range(steps):
         rows_ids, rows_labels = [], []
@@ -81,7 +83,9 @@ def _fit_completions(
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        schedule.step()
         loss_value = loss.item()
         if step % 100 == 0:
             print(f"[{model_dir.name}] fit step {step}/{steps} loss {loss_value:.3f}", flush=True)
@@ -102,29 +106,53 @@ def build_policy(model_dir: Path, *, seed: int, p_correct: float = 0.25, steps: 
     _fit_completions(model_dir, pairs, steps=steps, batch_size=64, lr=3e-3, seed=seed)
 
 
+def _garbage(rng: random.Random, answer: str) -> str:
+    pieces = [answer, str(rng.randint(0, 9)), " ", "ref", " ref ", "+", "=", "\n"]
+    while True:
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 3)))
+        if text != answer:
+            return text
+
+
 def build_judge(
-    model_dir: Path, render: Callable[[str, str], str], *, seed: int, steps: int = 800
+    model_dir: Path, render: Callable[[str, str, str], str], *, seed: int, steps: int = 800
 ) -> None:
     """A judge that answers the GenRM's own verification prompt with "Yes" or "No".
 
-    `render(prompt, response)` is the exact judge prompt the GenRM will send (its template and
-    chat formatting), so the judge is fitted on what it will read at scoring time.
+    `render(prompt, response, reference)` is the exact judge prompt the GenRM will send (its
+    template and chat formatting), so the judge is fitted on what it will read at scoring time.
+    With the reference answer in its prompt the judge learns to compare, not to add: a skill a
+    tiny model picks up in seconds and that transfers to every prompt.
     """
     make_tiny_causal_lm(model_dir, arch="qwen2", hidden_size=96, num_layers=3, seed=seed + 1)
+    # A judge tokenizer without a chat template: the GenRM then sends its plain template text,
+    # which keeps the tiny judge's prompts short (about a dozen tokens).
+    (model_dir / "chat_template.jinja").unlink(missing_ok=True)
+    config_path = model_dir / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config.pop("chat_template", None)
+    config_path.write_text(json.dumps(tokenizer_config, indent=2))
 
     def pairs(rng: random.Random) -> tuple[str, str]:
         a, b = rng.randint(0, MAX_DIGIT), rng.randint(0, MAX_DIGIT)
-        right = rng.random() < 0.5
-        wrong = rng.choice([x for x in range(2 * MAX_DIGIT + 1) if x != a + b])
-        response = str(a + b if right else wrong)
-        return render(f"{a}+{b}=", response), "Yes" if right else "No"
+        answer = str(a + b)
+        kind = rng.random()
+        if kind < 0.5:
+            response = answer
+        elif kind < 0.75:
+            response = str(rng.choice([x for x in range(2 * MAX_DIGIT + 1) if x != a + b]))
+        else:
+            # Off-format text, including copies of the judge's own prompt: without these a
+            # policy soon finds responses (e.g. "7 ref 7") that fool a judge fitted on digits.
+            response = _garbage(rng, answer)
+        return render(f"{a}+{b}=", response, answer), "Yes" if response == answer else "No"
 
     _fit_completions(model_dir, pairs, steps=steps, batch_size=64, lr=3e-3, seed=seed + 1)
 
 
 def prepare(
     workdir: str | Path,
-    render: Callable[[str, str], str],
+    render: Callable[[str, str, str], str] | None,
     *,
     seed: int = 0,
     num_rows: int = 2048,
@@ -138,6 +166,8 @@ def prepare(
     }
     if (workdir / _READY).exists():
         return paths
+    if render is None:
+        raise RuntimeError(f"{workdir} is not prepared and no judge prompt renderer was given")
     workdir.mkdir(parents=True, exist_ok=True)
     with open(paths["prompts"], "w") as f:
         for row in addition_rows(num_rows, seed):
@@ -147,3 +177,35 @@ def prepare(
     # Written last: an interrupted setup is redone rather than half-reused.
     (workdir / _READY).write_text("ok\n")
     return paths
+
+
+def fill_missing_paths(raw: dict, workdir: Path, judge_template: str, runtime) -> None:
+    """Point empty policy/data/judge paths of a raw trainer config at the embedded task.
+
+    Rank 0 builds it (once; later runs reuse it) while the other ranks wait at a barrier. The
+    judge is fitted on prompts rendered exactly as the GenRM will render them.
+    """
+    policy, data = raw.setdefault("policy", {}), raw.setdefault("data", {})
+    reward = raw.setdefault("reward", {})
+    if policy.get("model_dir") and data.get("path") and reward.get("judge_dir"):
+        return
+    from yatt.genrm import JudgeTemplate, Sample
+    from yatt.testing import make_tokenizer
+
+    template = JudgeTemplate(user=reward.get("judge_template", judge_template))
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = None  # as the judge's saved tokenizer (see build_judge)
+
+    def render(prompt: str, response: str, reference: str) -> str:
+        sample = Sample(prompt=prompt, response=response, reference=reference)
+        ids, _ = template.render_ids(sample, tokenizer)
+        return tokenizer.decode(ids)
+
+    if runtime.is_rank_zero:
+        prepare(workdir, render)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    paths = prepare(workdir, None)
+    policy.setdefault("model_dir", str(paths["policy"]))
+    data.setdefault("path", str(paths["prompts"]))
+    reward.setdefault("judge_dir", str(paths["judge"]))

@@ -103,6 +103,15 @@ def test_non_finite_loss_skips_the_optimizer_step(tiny_model_dir):
     assert any(not torch.equal(t, before[n]) for n, t in policy.named_weights())
 
 
+def test_empty_global_batch_skips_the_step(tiny_model_dir):
+    policy = TorchPolicy(_config(tiny_model_dir))
+    before = [p.detach().clone() for p in policy.module.parameters()]
+    empty = _batch().select([])
+    metrics = policy.train_step(empty, PolicyLoss())
+    assert metrics["is_skipped"] == 1.0 and metrics["num_loss_tokens"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.module.parameters(), strict=True))
+
+
 def test_sleep_and_wake_up_round_trip(tiny_model_dir):
     policy = TorchPolicy(_config(tiny_model_dir))
     batch = _batch()

@@ -256,7 +256,14 @@ class TorchPolicy:
             {"units": local_units, "tokens": local_tokens}, group=self._dp_group, default_op="sum"
         )
         if totals["units"] == 0:
-            raise ValueError("train_step: the global batch has no loss units (no response tokens)")
+            # Legit in DAPO: every group solved (zero reward variance) was dropped on every rank.
+            logger.warning("train_step: the global batch has no response tokens; step skipped")
+            self.num_skipped_steps += 1
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            return {"loss": 0.0, "grad_norm": 0.0, "lr": lr, "num_micro_batches": 0.0} | {
+                "num_loss_tokens": 0.0,
+                "is_skipped": 1.0,
+            }
         scale = self.dp_size / totals["units"]
         bins = self._plan_micro_batches(batch)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)

@@ -1,0 +1,328 @@
+"""Reference GRPO trainer: every rank runs this same file (one controller per data-parallel rank).
+
+    python examples/train_grpo.py                                   # embedded default, CPU
+    torchrun --nproc_per_node 2 examples/train_grpo.py              # 2 ranks (gloo or NCCL)
+    python examples/train_grpo.py --config examples/configs/tiny_partial.yaml num_steps=5
+    python examples/train_grpo.py --resume                          # continue from out_dir
+
+One step: rollout -> GenRM scoring -> advantages (+ DAPO dynamic sampling) -> balance -> train
+-> weight sync -> checkpoint. Fork it and edit the loop; there are no hook flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import yaml
+from tqdm import tqdm
+
+from yatt.balance import flops_cost
+from yatt.ckpt import Checkpointer, CkptConfig
+from yatt.core import (
+    Batch,
+    PolicyLoss,
+    RunLog,
+    ShardedLoader,
+    TorchPolicy,
+    TorchPolicyConfig,
+    compute_grpo_advantages,
+    config_from_dict,
+    init_runtime,
+    reduce_metrics,
+    sample_dynamically,
+)
+from yatt.genrm import (
+    CombinedRM,
+    ExactMatch,
+    GenRM,
+    JudgeTemplate,
+    Sample,
+    YesNoParser,
+    score_as_completed,
+)
+from yatt.placement import Plan
+from yatt.rollout import BuiltinEngine, EngineConfig, Request, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+import tiny_task  # the embedded default's setup step
+
+logger = logging.getLogger("train_grpo")
+
+
+# -- config -----------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str = ""  # JSONL/Parquet prompts; "" = the embedded task's prompts
+    prompt_key: str = "prompt"  # row field holding the prompt text
+    answer_key: str = "answer"  # row field holding the reference answer ("" = none)
+    prompts_per_rank: int = 8  # GRPO groups per rank per step
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    samples_per_prompt: int = 8  # GRPO group size n
+    temperature: float = 1.0
+    max_new_tokens: int = 4
+    max_sampling_rounds: int = 3  # DAPO dynamic sampling: rollout rounds to fill the batch
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_seq_len=64))
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    judge_dir: str = ""  # the GenRM's model directory; "" = the embedded task's judge
+    judge_template: str = "{prompt}{response} ref {reference}"  # JudgeTemplate.user
+    votes: int = 1  # judge samples per response, averaged
+    rule_weight: float = 0.0  # weight of an exact-match rule reward added to the judge's
+    engine: EngineConfig = field(
+        default_factory=lambda: EngineConfig(max_seq_len=96, region_prefix="genrm")
+    )
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    seed: int = 0
+    num_steps: int = 120
+    out_dir: str = "runs/grpo"  # metrics, plot and checkpoints
+    placement: str = "full"  # "full": phases in turn; "partial": rollout + GenRM resident
+    policy: TorchPolicyConfig  # model_dir "" = the embedded task's base policy
+    loss: PolicyLoss = field(default_factory=lambda: PolicyLoss(clip_high=0.28))
+    ckpt: CkptConfig = field(default_factory=lambda: CkptConfig(every_steps=20, phases=("train",)))
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+    def __post_init__(self) -> None:
+        if self.placement not in ("full", "partial"):
+            raise ValueError(f"placement={self.placement!r}: use 'full' or 'partial'")
+
+
+DEFAULT_POLICY = {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512}  # tiny model
+
+
+def load_config(argv: list[str]) -> tuple[dict, bool]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML file of TrainConfig fields")
+    parser.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
+    parser.add_argument("overrides", nargs="*", help="e.g. rollout.temperature=0.7")
+    args = parser.parse_args(argv)
+    raw: dict = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    raw.setdefault("policy", {})
+    for key, value in DEFAULT_POLICY.items():
+        raw["policy"].setdefault(key, value)
+    for item in args.overrides:
+        dotted, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} must look like key.sub=value")
+        *parents, leaf = dotted.split(".")
+        node = raw
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    return raw, args.resume
+
+
+@contextlib.contextmanager
+def timed(timings: dict[str, float], name: str):
+    t0 = time.perf_counter()
+    yield
+    timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+
+
+def rollout_round(step, rows, ctx) -> Batch:
+    """Generate n samples per prompt and score them; one scored Batch (groups stay here)."""
+    cfg, tok, timings, seen = ctx.cfg, ctx.tokenizer, ctx.timings, ctx.seen
+    requests = [
+        Request(prompt_ids=tok(r[cfg.data.prompt_key], add_special_tokens=False)["input_ids"])
+        for r in rows
+    ]
+    ctx.round += 1  # seeded by (seed, rank, step, round): a resumed run draws the same samples
+    seed = cfg.seed * 1_000_003 + ctx.runtime.rank * 10_007 + step * 101 + ctx.round
+    sampling = SamplingParams(
+        n=cfg.rollout.samples_per_prompt,
+        temperature=cfg.rollout.temperature,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        seed=seed % 2**31,
+    )
+
+    def to_sample(c, i=0):
+        row = rows[c.request_index]
+        reference = row.get(cfg.data.answer_key) if cfg.data.answer_key else None
+        response = tok.decode(c.response_ids, skip_special_tokens=True)
+        return Sample(
+            prompt=row[cfg.data.prompt_key], response=response, reference=reference, id=str(i)
+        )
+
+    if cfg.placement == "full":
+        with timed(timings, "rollout"), ctx.plan.phase("rollout"):
+            completions = ctx.engine.generate(requests, sampling)
+        with timed(timings, "genrm"), ctx.plan.phase("genrm"):
+            verdicts = ctx.scorer.score([to_sample(c, i) for i, c in enumerate(completions)])
+    else:  # engine and judge both resident: the judge scores while the rollout's tail runs
+        with timed(timings, "rollout+genrm"), ctx.plan.phase("rollout"):
+            stream = ctx.engine.stream(requests, sampling)
+            completions, verdicts = asyncio.run(score_as_completed(stream, ctx.scorer, to_sample))
+    samples = []
+    for i, (c, v) in enumerate(zip(completions, verdicts, strict=True)):
+        seen["reward"] += v.reward
+        seen["correct"] += ctx.exact.verify(to_sample(c, i)) or 0.0
+        seen["length"] += len(c.response_ids)
+        seen["count"] += 1
+        samples.append(
+            {
+                "input_ids": c.prompt_ids + c.response_ids,
+                "loss_mask": [0] * len(c.prompt_ids) + [1] * len(c.response_ids),
+                "rollout_logprobs": [0.0] * len(c.prompt_ids) + list(c.logprobs),
+                "group_id": c.request_index,
+                "reward": float(v.reward),
+            }
+        )
+    return Batch.from_samples(samples, token_keys=("input_ids", "loss_mask", "rollout_logprobs"))
+
+
+def summarize(local: dict[str, float], group) -> dict[str, float]:
+    """One collective: sums for counts, max for phase times (the slowest rank sets the pace)."""
+    ops = {k: "sum" if k.startswith("sum/") else "max" for k in local if k[:4] in ("sum/", "time")}
+    g = reduce_metrics(local, group=group, ops=ops)
+    count = max(g.pop("sum/count"), 1.0)
+    return {
+        "reward/mean": g.pop("sum/reward") / count,
+        "reward/accuracy": g.pop("sum/correct") / count,
+        "response/length_mean": g.pop("sum/length") / count,
+        "rollout/logprob_mismatch": g.pop("sum/mismatch") / max(g.pop("sum/tokens"), 1.0),
+        **g,
+    }
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    raw, should_resume = load_config(argv)
+    runtime = init_runtime(seed=raw.get("seed", 0))
+    engine = judge_engine = ckpt = run_log = None
+    try:
+        workdir = Path(raw.get("out_dir", TrainConfig.out_dir)) / "embedded"
+        tiny_task.fill_missing_paths(raw, workdir, RewardConfig.judge_template, runtime)
+        raw["policy"].setdefault("temperature", raw.get("rollout", {}).get("temperature", 1.0))
+        cfg = config_from_dict(TrainConfig, raw)
+        device = str(runtime.device)
+
+        # -- setup: policy, rollout engine, judge, data shard, placement, checkpoints, logs ----
+        policy = TorchPolicy(cfg.policy, runtime)
+        engine = BuiltinEngine(
+            cfg.policy.model_dir, config=replace(cfg.rollout.engine, device=device)
+        )
+        judge_engine = BuiltinEngine(
+            cfg.reward.judge_dir, config=replace(cfg.reward.engine, device=device)
+        )
+        tok = engine.tokenizer
+        judge = GenRM(
+            judge_engine,
+            template=JudgeTemplate(user=cfg.reward.judge_template),
+            parser=YesNoParser(),
+            votes=cfg.reward.votes,
+            sampling=SamplingParams(temperature=float(cfg.reward.votes > 1), max_new_tokens=4),
+        )
+        exact = ExactMatch()  # ground truth for the accuracy metric (and an optional rule reward)
+        rules = [(exact, cfg.reward.rule_weight)]
+        scorer = CombinedRM(judge, rules) if cfg.reward.rule_weight else judge
+        loader = ShardedLoader(
+            cfg.data.path,
+            batch_size=cfg.data.prompts_per_rank,
+            rank=runtime.dp_rank,
+            world_size=runtime.dp_size,
+            prompt_key=cfg.data.prompt_key,
+            seed=cfg.seed,
+            max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
+            count_tokens=lambda text: len(tok(text, add_special_tokens=False)["input_ids"]),
+        )
+        roles = dict(rollout=engine, genrm=judge_engine, train=policy)
+        full = cfg.placement == "full"
+        plan = Plan.full_colocation(**roles) if full else Plan.partial_colocation(**roles)
+        ckpt = Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
+        ckpt.install_signal_handlers()  # SIGTERM/SIGUSR1: final save at the next boundary
+        start_step = 0
+        if should_resume and ckpt.latest() is not None:
+            extra = ckpt.load(policy.state())
+            loader.load_state_dict(extra["loader"])
+            start_step = extra["step"] + 1
+            engine.update_weights(policy.named_weights())  # the engine starts from the saved policy
+            logger.info("resumed after step %d", extra["step"])
+        run_log = RunLog(cfg.out_dir, is_writer=runtime.is_rank_zero, resume_step=start_step)
+        shape = policy.model_config
+        ctx = SimpleNamespace(cfg=cfg, runtime=runtime, tokenizer=tok, plan=plan, engine=engine)
+        ctx.scorer, ctx.exact = scorer, exact
+
+        # -- the GRPO loop ------------------------------------------------------------------
+        bar = tqdm(range(start_step, cfg.num_steps), disable=not runtime.is_rank_zero, desc="grpo")
+        for step in bar:
+            ctx.seen = dict.fromkeys(("reward", "correct", "length", "count"), 0.0)
+            ctx.timings, ctx.round = {}, 0
+            # rollout + GenRM; DAPO dynamic sampling drops zero-variance groups and refills
+            batch, sampling_stats = sample_dynamically(
+                lambda n, step=step: rollout_round(step, loader.next_batch(max(n, 1)), ctx),
+                num_groups=cfg.data.prompts_per_rank,
+                max_rounds=cfg.rollout.max_sampling_rounds,
+                group=runtime.dp_group,
+            )
+            # advantages are local: a whole group lives on this rank
+            batch.samples["advantages"] = compute_grpo_advantages(
+                batch.samples["reward"], batch.samples["group_id"]
+            )
+            with timed(ctx.timings, "balance"):  # lengths cross ranks; moved samples go p2p
+                costs = flops_cost(
+                    batch.lengths.tolist(),
+                    hidden_size=shape.hidden_size,
+                    num_layers=shape.num_hidden_layers,
+                )
+                batch, _ = batch.rebalance(
+                    group=runtime.dp_group, group_key="group_id", costs=costs
+                )
+            with timed(ctx.timings, "train"), plan.phase("train"):
+                batch = batch.to(runtime.device)
+                batch.tokens["old_logprobs"] = policy.logprobs(batch)  # the trainer's own view
+                mask = batch.tokens["loss_mask"].bool()
+                gap = batch.tokens["old_logprobs"] - batch.tokens["rollout_logprobs"].float()
+                train_metrics = policy.train_step(batch, cfg.loss)
+            with timed(ctx.timings, "sync"), plan.phase("sync"):  # bucketed, no second copy
+                engine.update_weights(policy.named_weights())
+            with timed(ctx.timings, "ckpt"):  # async: returns once tensors are staged
+                extra = {"step": step, "loader": loader.state_dict()}
+                decision = ckpt.maybe_save(step, policy.state(), phase="train", extra=extra)
+
+            local = {f"sum/{k}": v for k, v in ctx.seen.items()}
+            local |= {"sum/mismatch": float(gap.abs()[mask].sum()), "sum/tokens": float(mask.sum())}
+            local |= {f"time/{k}_s": v for k, v in ctx.timings.items()}
+            local |= {f"dynamic_sampling/{k}": v for k, v in sampling_stats.items()}
+            metrics = summarize(local, runtime.dp_group)  # host sync: one small collective
+            metrics |= {f"train/{k}": v for k, v in train_metrics.items()} | plan.metrics()
+            run_log.log(step, metrics)
+            postfix = {k: f"{v:.2f}s" for k, v in ctx.timings.items()}
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", **postfix)
+            if decision.should_stop:
+                logger.info("stop requested: step %d saved, exiting", step)
+                break
+        ckpt.wait()
+        if runtime.is_rank_zero and (records := run_log.read()):
+            first, last = records[0], records[-1]
+            logger.info(
+                "reward %.3f -> %.3f, accuracy %.3f -> %.3f (steps %d..%d); plot %s",
+                first["reward/mean"], last["reward/mean"], first["reward/accuracy"],
+                last["reward/accuracy"], first["step"], last["step"],
+                run_log.plot(["reward/mean", "reward/accuracy", "response/length_mean"]),
+            )  # fmt: skip
+    finally:
+        for closeable in (ckpt, run_log, judge_engine, engine):
+            if closeable is not None:
+                closeable.close()
+        runtime.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
