@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from yatt.ckpt import Checkpointer
+from yatt.ckpt._staging import HostStager
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -48,3 +49,33 @@ def test_cuda_rng_restored(tmp_path):
         ckpt.load({"counter": counter})
         got = torch.rand(4, device="cuda")
     assert torch.equal(got, want)
+
+
+@pytest.mark.cuda
+def test_cuda_repeated_async_saves_reuse_pinned_buffers(tmp_path):
+    stager = HostStager(pin_memory=True)
+    weight = torch.randn(512, 512, device="cuda")
+    first = stager.stage({"w": weight})
+    assert first["w"].is_pinned()
+    pointer = first["w"].data_ptr()
+    weight.mul_(2.0)
+    assert stager.stage({"w": weight})["w"].data_ptr() == pointer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).cuda()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    snapshots = {}
+    with Checkpointer(tmp_path, keep_last=3) as ckpt:
+        for step in range(3):
+            model(torch.randn(4, 64, device="cuda")).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            snapshots[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            ckpt.save(step, {"model": model, "optim": optim})
+            with torch.no_grad():  # queued right after save() returns: must not leak in
+                for p in model.parameters():
+                    p.mul_(-2.0)
+        for step, want in snapshots.items():
+            ckpt.load({"model": model, "optim": optim}, step=step)
+            for key, value in model.state_dict().items():
+                assert torch.equal(value, want[key]), (step, key)

@@ -6,6 +6,10 @@ Run on a GPU machine with `yatt-placement[cuda,test]` installed:
 
 import copy
 import gc
+import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -32,6 +36,21 @@ pytestmark = [
 ]
 
 MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _empty_allocator_cache():
+    """Each test starts from the caching allocator of a fresh process.
+
+    Large temporaries an earlier test freed stay cached, and the next test's tensors are carved
+    out of those segments together with whatever else it allocates; a test of that situation
+    sets it up itself (test_offload_after_onload_frees_segments_shared_with_live_tensors).
+    """
+    gc.collect()
+    torch.cuda.empty_cache()
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _used_bytes() -> int:
@@ -120,6 +139,55 @@ def test_offload_frees_trainer_memory_and_training_continues_identically():
         _step(twin, twin_optimizer, seed)
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_offload_after_onload_frees_segments_shared_with_live_tensors(caplog):
+    # A large tensor freed just before the trainer is built leaves one cached segment; the model,
+    # its twin and both optimizers' states are all carved out of it, so the twin pins it.
+    scratch = torch.empty(1024 * MIB, dtype=torch.uint8, device="cuda")
+    del scratch
+    model, optimizer = _model_and_optimizer()
+    twin = copy.deepcopy(model)
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    _step(model, optimizer, 1)
+    _step(twin, twin_optimizer, 1)
+    on_device = tensor_bytes(model) + tensor_bytes(optimizer)
+
+    with caplog.at_level(logging.WARNING, logger="yatt.placement._offload"):
+        offload(model)
+        offload(optimizer)
+    assert "returned only" in caplog.text  # the first offload cannot free a pinned segment
+    onload(model)
+    onload(optimizer)
+
+    gc.collect()
+    before = _used_bytes()
+    offload(model)
+    offload(optimizer)
+    freed = before - _used_bytes()
+    assert freed >= 0.95 * on_device, f"freed {freed / MIB:.0f} MiB of {on_device / MIB:.0f}"
+    onload(model)
+    onload(optimizer)
+    for seed in (2, 3):
+        _step(model, optimizer, seed)
+        _step(twin, twin_optimizer, seed)
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_process_exits_cleanly_with_freed_region_tensors():
+    # The freed block stays cached in the tag's pool until shutdown frees it.
+    code = (
+        "import torch\n"
+        "from yatt.placement import region\n"
+        "with region('exit/kv'):\n"
+        "    kv = torch.empty(64 << 20, dtype=torch.uint8, device='cuda')\n"
+        "del kv\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=os.environ
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_full_colocation_plan_swaps_engine_and_trainer():

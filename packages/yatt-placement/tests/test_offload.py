@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from yatt.placement import is_offloaded, offload, offloaded_bytes, onload
-from yatt.placement._offload import tensor_bytes
+from yatt.placement._offload import offload_all, tensor_bytes
 
 NUM_GPUS = 0
 
@@ -109,3 +109,14 @@ def test_tied_weights_move_once():
 def test_rejects_other_objects():
     with pytest.raises(TypeError, match=r"Module or torch\.optim\.Optimizer"):
         offload(torch.zeros(3))
+
+
+def test_offload_all_moves_nothing_when_one_is_already_offloaded():
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer, seed=1)
+    offload(optimizer)
+    with pytest.raises(RuntimeError, match="already offloaded"):
+        offload_all([model, optimizer])
+    assert not is_offloaded(model)
+    assert offload_all([model]) == tensor_bytes(model)
+    assert is_offloaded(model)

@@ -27,7 +27,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import DefaultStager
 
 from yatt.ckpt._config import CkptConfig
 from yatt.ckpt._group import RankGroup
@@ -42,6 +41,7 @@ from yatt.ckpt._layout import (
 )
 from yatt.ckpt._rng import capture_rng_state, restore_rng_state
 from yatt.ckpt._schedule import SaveDecision, SaveSchedule
+from yatt.ckpt._staging import HostStager
 from yatt.ckpt._state import apply_state_dict, check_shapes, collect_state_dict, validate_state
 from yatt.ckpt._writer import create_stager, stage_to_cpu, write_and_commit
 
@@ -88,7 +88,7 @@ class Checkpointer:
         self.config = config
         self.root = Path(root).expanduser().absolute()
         self._schedule = SaveSchedule(config)
-        self._stager: DefaultStager | None = None
+        self._stager: HostStager | None = None
         self._pending: tuple[threading.Thread, int] | None = None
         self._pending_error: BaseException | None = None
         self._is_closed = False

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from yatt.ckpt._group import RankGroup
 from yatt.ckpt._layout import (
@@ -37,25 +36,18 @@ from yatt.ckpt._layout import (
     write_json_durable,
     write_meta,
 )
+from yatt.ckpt._staging import HostStager
 
 logger = logging.getLogger("yatt.ckpt")
 
 
-def create_stager() -> DefaultStager:
-    has_cuda = torch.cuda.is_available()
-    # Staged buffers are cached per source storage and reused by the next save, which is safe
-    # because a save only starts after the previous one finished writing. Pinned buffers make
-    # device-to-host copies run at full PCIe speed.
-    options = StagingOptions(
-        use_pinned_memory=has_cuda,
-        use_shared_memory=False,
-        use_async_staging=False,
-        use_non_blocking_copy=has_cuda,
-    )
-    return DefaultStager(options)
+def create_stager() -> HostStager:
+    # Buffers are reused by the next save, which is safe because a save only starts after the
+    # previous one finished writing. Pinned buffers make device-to-host copies run at full speed.
+    return HostStager(pin_memory=torch.cuda.is_available())
 
 
-def stage_to_cpu(stager: DefaultStager, live: dict[str, Any]) -> dict[str, Any]:
+def stage_to_cpu(stager: HostStager, live: dict[str, Any]) -> dict[str, Any]:
     """A CPU copy of `live`; device-to-host copies end with a device sync here, because the
     caller may modify its tensors as soon as save() returns."""
     with _one_intra_op_thread():

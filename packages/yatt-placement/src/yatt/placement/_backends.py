@@ -6,6 +6,7 @@ A backend does the work for one tag at a time; the registry in `_regions.py` own
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import weakref
@@ -68,6 +69,8 @@ class TorchMemorySaverBackend:
             )
         self._saver = torch_memory_saver
         self._bytes: dict[str, int] = {}
+        atexit.unregister(_let_pools_free_at_exit)  # once per process, however many backends
+        atexit.register(_let_pools_free_at_exit, torch_memory_saver)
 
     @contextmanager
     def region(self, tag: str, enable_cpu_backup: bool) -> Iterator[None]:
@@ -90,6 +93,24 @@ class TorchMemorySaverBackend:
 
     def resume(self, tag: str, enable_cpu_backup: bool) -> None:
         self._saver.resume(tag)
+
+
+def _let_pools_free_at_exit(saver) -> None:
+    """Let torch_memory_saver's pools hand their cached blocks back while Python shuts down.
+
+    In hook_mode="torch" each tag has a torch MemPool whose blocks are freed by
+    torch_memory_saver, which calls exit(1) when a free arrives outside a region. The pools are
+    destroyed at interpreter shutdown, after this atexit hook; a tag whose tensors were deleted
+    still caches their blocks then, and their free would turn a clean exit into status 1.
+    Marking this (the main) thread as inside a region makes those frees ordinary ones.
+    """
+    impl = getattr(saver, "_impl", None)
+    if impl is None or getattr(impl, "_hook_mode", None) != "torch":
+        return
+    try:
+        impl._binary_wrapper.cdll.tms_set_interesting_region(True)
+    except AttributeError:  # a torch_memory_saver without this entry point: nothing to do
+        logger.debug("torch_memory_saver has no tms_set_interesting_region", exc_info=True)
 
 
 class _ClaimNewStorages(TorchDispatchMode):

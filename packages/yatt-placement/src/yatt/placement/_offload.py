@@ -12,17 +12,32 @@ and training continues as if nothing happened.
 Host copies are pinned when CUDA is available (fast, asynchronous copies). On a CPU-only
 machine the move is a copy within host memory: nothing is freed, but the same path runs, so
 CPU tests cover it.
+
+Why onload allocates in a private pool: torch's caching allocator carves tensors out of any
+cached segment big enough, so a trainer built (or onloaded) right after a large tensor was
+freed shares that segment with whatever else is allocated next (a clone of the weights, a batch,
+another model). Freeing the trainer's blocks then returns nothing to the device: the segment
+stays as long as one neighbour lives. Onload therefore puts an object's tensors in a
+`torch.cuda.MemPool` of its own, which offload drops, so from the first onload on an offload
+returns every byte. The first offload of a trainer built by ordinary code can still be short;
+offload logs a warning with the numbers when it is.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 Offloadable = torch.nn.Module | torch.optim.Optimizer
+# An offload that returns less than this share of the bytes it moved is reported.
+_SHORT_RELEASE_FRACTION = 0.9
 
 
 @dataclass(kw_only=True)
@@ -36,6 +51,10 @@ class _Moved:
 
 # Keyed weakly so an offloaded object that the user drops is not kept alive by the books.
 _OFFLOADED: weakref.WeakKeyDictionary[Offloadable, _Moved] = weakref.WeakKeyDictionary()
+# The private pools (one per CUDA device) holding an onloaded object's tensors; see the top.
+_POOLS: weakref.WeakKeyDictionary[Offloadable, dict[torch.device, object]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _tensors_of(obj: Offloadable) -> Iterator[torch.Tensor]:
@@ -69,18 +88,33 @@ def _synchronize_all() -> None:
         torch.cuda.synchronize()
 
 
-def offload(obj: Offloadable, *, should_empty_cache: bool = True) -> int:
-    """Move `obj`'s tensors to host memory; returns the bytes moved.
+def _has_private_pools() -> bool:
+    # torch.cuda.MemPool and use_mem_pool arrived in torch 2.5; older versions allocate as before.
+    return hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
 
-    For a module: parameters, their gradients and buffers. For an optimizer: its state (moments,
-    steps). should_empty_cache: return the freed blocks from torch's caching allocator to the
-    device, so other processes (an SGLang or vLLM server) can use them.
-    Raises RuntimeError if `obj` is already offloaded.
-    """
-    if obj in _OFFLOADED:
-        raise RuntimeError(
-            f"offload: this {type(obj).__name__} is already offloaded; onload it first"
+
+def _reserved_bytes(devices: Iterable[torch.device]) -> int:
+    return sum(torch.cuda.memory_reserved(device) for device in set(devices))
+
+
+def _release_device_memory(devices: list[torch.device], *, moved_bytes: int, before: int) -> None:
+    """Hand freed cached blocks back to the driver; warn when fewer bytes came back than the
+    `moved_bytes` offload moved off the device (`before`: memory_reserved of `devices` then)."""
+    torch.cuda.empty_cache()
+    released = before - _reserved_bytes(devices)
+    if released < _SHORT_RELEASE_FRACTION * moved_bytes:
+        logger.warning(
+            "offload moved %.0f MiB to host but the caching allocator returned only %.0f MiB to "
+            "the device: the rest shares allocator segments with tensors still alive (allocated "
+            "after a large tensor was freed), or someone holds the old storage of an offloaded "
+            "tensor. From the next offload on, the object's tensors live in a pool of their own "
+            "and come back whole.",
+            moved_bytes / 2**20,
+            max(released, 0) / 2**20,
         )
+
+
+def _move_to_host(obj: Offloadable) -> _Moved:
     tensors = list(_tensors_of(obj))
     pin = torch.cuda.is_available()
     hosts = []
@@ -93,11 +127,47 @@ def offload(obj: Offloadable, *, should_empty_cache: bool = True) -> int:
     devices = [tensor.device for tensor in tensors]
     for tensor, host in zip(tensors, hosts, strict=True):
         tensor.data = host
-    num_bytes = sum(host.nbytes for host in hosts)
-    _OFFLOADED[obj] = _Moved(tensors=tensors, devices=devices, num_bytes=num_bytes)
-    if should_empty_cache and any(device.type == "cuda" for device in devices):
-        torch.cuda.empty_cache()
-    return num_bytes
+    moved = _Moved(tensors=tensors, devices=devices, num_bytes=sum(h.nbytes for h in hosts))
+    _OFFLOADED[obj] = moved
+    # Without its pools nothing keeps the object's old segments; empty_cache can return them.
+    _POOLS.pop(obj, None)
+    return moved
+
+
+def offload(obj: Offloadable, *, should_empty_cache: bool = True) -> int:
+    """Move `obj`'s tensors to host memory; returns the bytes moved.
+
+    For a module: parameters, their gradients and buffers. For an optimizer: its state (moments,
+    steps). should_empty_cache: return the freed blocks from torch's caching allocator to the
+    device, so other processes (an SGLang or vLLM server) can use them; a warning is logged when
+    fewer bytes come back than were moved.
+    Raises RuntimeError if `obj` is already offloaded.
+    """
+    return offload_all((obj,), should_empty_cache=should_empty_cache)
+
+
+def offload_all(objs: Sequence[Offloadable], *, should_empty_cache: bool = True) -> int:
+    """`offload` for several objects with one empty_cache at the end; returns the bytes moved.
+
+    Raises RuntimeError, before moving anything, if one of them is already offloaded.
+    """
+    for obj in objs:
+        if obj in _OFFLOADED:
+            raise RuntimeError(
+                f"offload: this {type(obj).__name__} is already offloaded; onload it first"
+            )
+    devices = sorted({t.device for obj in objs for t in _tensors_of(obj) if t.is_cuda}, key=str)
+    reserved_before = _reserved_bytes(devices)
+    moves = [_move_to_host(obj) for obj in objs]
+    if should_empty_cache and devices:
+        moved_bytes = sum(
+            tensor.nbytes
+            for move in moves
+            for tensor, device in zip(move.tensors, move.devices, strict=True)
+            if device.type == "cuda"
+        )
+        _release_device_memory(devices, moved_bytes=moved_bytes, before=reserved_before)
+    return sum(move.num_bytes for move in moves)
 
 
 def onload(obj: Offloadable) -> int:
@@ -109,16 +179,25 @@ def onload(obj: Offloadable) -> int:
     moved = _OFFLOADED.get(obj)
     if moved is None:
         raise RuntimeError(f"onload: this {type(obj).__name__} is not offloaded; offload it first")
+    pools: dict[torch.device, object] = {}
     backs = []
-    for tensor, device in zip(moved.tensors, moved.devices, strict=True):
-        back = torch.empty_like(tensor.data, device=device)
-        back.copy_(tensor.data, non_blocking=True)
-        backs.append(back)
+    with contextlib.ExitStack() as private_pools:
+        for tensor, device in zip(moved.tensors, moved.devices, strict=True):
+            if device.type == "cuda" and device not in pools and _has_private_pools():
+                with torch.cuda.device(device):  # a pool belongs to the device it is made on
+                    pools[device] = torch.cuda.MemPool()
+                # This thread's allocations on `device` go to the pool until the stack closes.
+                private_pools.enter_context(torch.cuda.use_mem_pool(pools[device], device=device))
+            back = torch.empty_like(tensor.data, device=device)
+            back.copy_(tensor.data, non_blocking=True)
+            backs.append(back)
     # The pinned sources are freed when `.data` is swapped; wait for the copies out of them.
     _synchronize_all()
     for tensor, back in zip(moved.tensors, backs, strict=True):
         tensor.data = back
     del _OFFLOADED[obj]
+    if pools:
+        _POOLS[obj] = pools
     return moved.num_bytes
 
 

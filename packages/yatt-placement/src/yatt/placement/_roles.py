@@ -22,7 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from yatt.placement._offload import is_offloaded, offload, onload, tensor_bytes
+from yatt.placement._offload import is_offloaded, offload_all, onload, tensor_bytes
 from yatt.placement._regions import pause, resident_bytes, resume
 
 
@@ -70,12 +70,8 @@ class TrainerRole:
         return parts
 
     def sleep(self) -> None:
-        for part in self._parts(self.memory_tags):
-            if not is_offloaded(part):
-                # One empty_cache after the last part instead of one per part.
-                offload(part, should_empty_cache=False)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+        # One empty_cache after the last part instead of one per part.
+        offload_all([part for part in self._parts(self.memory_tags) if not is_offloaded(part)])
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         for part in self._parts(_check_tags("TrainerRole", tags, self.memory_tags)):

@@ -1,0 +1,106 @@
+"""Copy a state dict into host memory, reusing the previous save's buffers.
+
+This copy is all an async save blocks the training loop on; the background thread then writes
+it while training goes on. torch has a stager for this (torch.distributed.checkpoint.staging.
+DefaultStager), but it is young and moves between releases: it does not exist before torch 2.8,
+and torch 2.11's clears its deep-copy dispatch table after each stage, so its second stage of
+any state dict fails with `KeyError: <class 'type'>` (the fallback deep copy reaches a class
+object, whose entry was cleared). Only tensors need care here, so this module copies them into
+buffers it keeps and deep-copies every other leaf with `copy.deepcopy`.
+
+    stager = HostStager(pin_memory=torch.cuda.is_available())
+    staged = stager.stage(live)   # returns once every device-to-host copy has landed
+    write(staged)                 # finish before the next stage(): it overwrites the buffers
+    stager.close()
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Hashable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+# A leaf's place in the state dict: the keys and list indices from the root.
+Path = tuple[Hashable, ...]
+
+
+class HostStager:
+    """Stages state dicts into host buffers, one per tensor leaf, kept for the next stage().
+
+    A buffer is reused while its leaf keeps its place, shape and dtype; buffers of leaves gone
+    from the state are dropped. pin_memory: page-locked buffers for CUDA tensors, so
+    device-to-host copies run asynchronously at full link speed.
+    """
+
+    def __init__(self, *, pin_memory: bool) -> None:
+        self._pin_memory = pin_memory
+        self._buffers: dict[Path, torch.Tensor] = {}
+
+    def stage(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """A host copy of `state_dict`: same nesting, tensors in host buffers (DTensors keep
+        their sharding spec), other leaves deep-copied. Tensors that are one object in the
+        input are one object in the copy."""
+        visit = _Visit()
+        with torch.no_grad():
+            staged = self._copy(state_dict, (), visit)
+        # Non-blocking device-to-host copies are queued on each device's current stream; the
+        # caller may change its tensors as soon as this returns, so wait for them here.
+        for device in visit.cuda_devices:
+            torch.cuda.synchronize(device)
+        self._buffers = visit.buffers
+        return staged
+
+    def close(self) -> None:
+        """Drop the buffers (pinned host memory goes back to torch's host allocator)."""
+        self._buffers = {}
+
+    def _copy(self, value: Any, path: Path, visit: _Visit) -> Any:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in visit.memo:
+                visit.memo[id(value)] = self._copy_tensor(value, path, visit)
+            return visit.memo[id(value)]
+        if isinstance(value, Mapping):
+            return {key: self._copy(item, (*path, key), visit) for key, item in value.items()}
+        if type(value) in (list, tuple):
+            items = [self._copy(item, (*path, i), visit) for i, item in enumerate(value)]
+            return type(value)(items)
+        return copy.deepcopy(value)
+
+    def _copy_tensor(self, tensor: torch.Tensor, path: Path, visit: _Visit) -> torch.Tensor:
+        if isinstance(tensor, DTensor):
+            local = self._copy_plain(tensor._local_tensor, path, visit)
+            # The shard's spec (mesh, placements, global shape) is kept, so DCP writes this
+            # rank's shard under the same global layout; the data is the host copy.
+            return DTensor(local, tensor._spec, requires_grad=False)
+        if type(tensor) in (torch.Tensor, torch.nn.Parameter):
+            return self._copy_plain(tensor, path, visit)
+        # Other tensor subclasses (e.g. ShardedTensor) copy themselves; correct, not reused.
+        return copy.deepcopy(tensor)
+
+    def _copy_plain(self, tensor: torch.Tensor, path: Path, visit: _Visit) -> torch.Tensor:
+        buffer = self._buffers.get(path)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty_like(
+                tensor,
+                device="cpu",
+                requires_grad=False,
+                pin_memory=self._pin_memory and tensor.is_cuda,
+            )
+        is_cuda = tensor.is_cuda
+        buffer.copy_(tensor.detach(), non_blocking=is_cuda)
+        if is_cuda:
+            visit.cuda_devices.add(tensor.device)
+        visit.buffers[path] = buffer
+        return buffer
+
+
+class _Visit:
+    """What one stage() collects while it walks the state dict."""
+
+    def __init__(self) -> None:
+        self.memo: dict[int, torch.Tensor] = {}
+        self.buffers: dict[Path, torch.Tensor] = {}
+        self.cuda_devices: set[torch.device] = set()
