@@ -16,6 +16,7 @@ from yatt.rollout import (
     SamplingParams,
     map_names,
 )
+from yatt.rollout._batcher import span_buckets
 from yatt.testing import make_tiny_causal_lm
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [40, 41, 42, 43], [50, 51]]
@@ -93,7 +94,7 @@ def test_finished_slots_are_refilled_without_waiting_for_the_longest(tiny_model_
     runner = engine._runner
     original = runner._run_decode_step
     monkeypatch.setattr(
-        runner, "_run_decode_step", lambda flags: (steps.append(1), original(flags))
+        runner, "_run_decode_step", lambda flags, span: (steps.append(1), original(flags, span))
     )
     requests = _requests([[7] * 8] + [[9] * 44] * 10)
     out = engine.generate(requests, SamplingParams(max_new_tokens=40, ignore_eos=True, seed=0))
@@ -102,6 +103,35 @@ def test_finished_slots_are_refilled_without_waiting_for_the_longest(tiny_model_
     # refilling overlaps the short requests with the long one.
     assert len(steps) <= 45, len(steps)
     engine.close()
+
+
+def test_attention_span_grows_with_the_sequences(tiny_model_dir, monkeypatch):
+    # Prompt 50 + 40 new tokens crosses the 64-position bucket: steps must switch to 128 in
+    # time (a span too short would hide keys and change the logprobs), and never read all 512.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = BuiltinEngine(model, config=EngineConfig(max_batch_size=2, max_seq_len=512))
+    assert engine._runner.spans == [64, 128, 256, 512]
+    spans = []
+    runner = engine._runner
+    original = runner._run_decode_step
+    monkeypatch.setattr(
+        runner, "_run_decode_step", lambda flags, span: (spans.append(span), original(flags, span))
+    )
+    prompts = [list(range(10, 60)), list(range(70, 80))]
+    sampling = SamplingParams(n=2, max_new_tokens=40, ignore_eos=True, seed=5)
+    for c in engine.generate(_requests(prompts), sampling):
+        expected = _forward_logprobs(model, c.prompt_ids, c.response_ids)
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
+    assert set(spans) == {64, 128}, sorted(set(spans))
+    engine.close()
+
+
+@pytest.mark.parametrize(
+    ("max_seq_len", "expected"),
+    [(2, [2]), (64, [64]), (65, [64, 65]), (640, [64, 128, 256, 512, 640])],
+)
+def test_span_buckets_end_at_the_context(max_seq_len, expected):
+    assert span_buckets(max_seq_len) == expected
 
 
 def test_eos_stops_unless_ignored(tiny_model_dir):

@@ -49,12 +49,13 @@ def test_builtin_engine_conforms_on_cuda(cuda_target, name):
 
 
 def test_cuda_graph_matches_eager(tiny_model_dir):
+    # 3 + 90 tokens cross the 64-position span bucket: two graphs per engine, switched mid-run.
     requests = [Request(prompt_ids=[5 + i, 6, 7]) for i in range(6)]
-    sampling = SamplingParams(n=2, max_new_tokens=20, seed=3, ignore_eos=True)
+    sampling = SamplingParams(n=2, max_new_tokens=90, seed=3, ignore_eos=True)
     outputs = []
     for use_graph in (False, True):
         config = EngineConfig(
-            device="cuda", max_batch_size=4, max_seq_len=64, use_cuda_graph=use_graph
+            device="cuda", max_batch_size=4, max_seq_len=256, use_cuda_graph=use_graph
         )
         engine = BuiltinEngine(tiny_model_dir, config=config)
         outputs.append(engine.generate(requests, sampling))
@@ -62,3 +63,7 @@ def test_cuda_graph_matches_eager(tiny_model_dir):
         engine.close()
     eager, graph = outputs
     assert [c.response_ids for c in graph] == [c.response_ids for c in eager]
+    for g, e in zip(graph, eager, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0
+        )

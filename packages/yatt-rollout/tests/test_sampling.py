@@ -3,7 +3,13 @@ NUM_GPUS = 0
 import pytest
 import torch
 
-from yatt.rollout._sampling import derive_key, sample_tokens, uniform_from_counter
+from yatt.rollout._sampling import (
+    _block_size,
+    derive_key,
+    inverse_cdf,
+    sample_tokens,
+    uniform_from_counter,
+)
 
 
 def _sample(logits_V, num_draws, *, temperature=1.0, top_p=1.0, top_k=0, greedy=False):
@@ -65,3 +71,31 @@ def test_uniforms_are_in_the_open_interval_and_spread():
 def test_keys_differ_per_seed_request_and_sample():
     keys = {derive_key(seed, r, s) for seed in (0, 1, 2**40) for r in range(50) for s in range(4)}
     assert len(keys) == 3 * 50 * 4
+
+
+def _flat_inverse_cdf(probs_SV, u_S):
+    cdf_SV = probs_SV.cumsum(dim=-1)
+    return torch.searchsorted(cdf_SV, (u_S * cdf_SV[:, -1])[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("vocab_size", [1000, 151936, 1009], ids=["blocks-25", "qwen", "prime"])
+def test_two_level_inverse_cdf_picks_the_flat_cdf_token(vocab_size):
+    g = torch.Generator().manual_seed(vocab_size)
+    probs_SV = torch.softmax(3 * torch.randn(64, vocab_size, generator=g), dim=-1)
+    u_S = torch.rand(64, generator=g).clamp(1e-6, 1 - 1e-6)
+    assert _block_size(vocab_size) == {1000: 25, 151936: 128, 1009: None}[vocab_size]
+    # Same token as one cumulative sum over the whole vocabulary (float64: no rounding ties).
+    expected = _flat_inverse_cdf(probs_SV.double(), u_S.double())
+    assert inverse_cdf(probs_SV, u_S).tolist() == expected.tolist()
+
+
+def test_two_level_inverse_cdf_never_picks_a_zero_probability_token():
+    # Blocks of 25: only a few scattered tokens have mass, whole blocks have none, and draws
+    # near 0 and 1 probe the rounding clamps.
+    probs_V = torch.zeros(1000)
+    allowed = [3, 24, 25, 499, 500, 975, 999]
+    probs_V[allowed] = torch.tensor([0.3, 1e-30, 0.2, 0.1, 0.15, 0.05, 0.2])
+    u_S = torch.cat([torch.linspace(1e-7, 1 - 1e-7, 4000), torch.tensor([1e-30, 1 - 2**-24])])
+    tokens = inverse_cdf(probs_V.expand(len(u_S), -1), u_S)
+    assert set(tokens.tolist()) <= set(allowed)
+    assert set(tokens.tolist()) >= set(allowed) - {24}  # every real mass is reachable

@@ -5,9 +5,13 @@
           +------------- finished slots are harvested and refilled from the queue <------+
 
 Every tensor the decode step touches is preallocated with a fixed shape, so on CUDA the step
-(model forward + sampling + bookkeeping) is captured once in a CUDA graph and replayed. The host
-looks at the slots only every `steps_per_sync` steps (one small device-to-host copy); finished
-slots idle until then, which costs at most k-1 wasted steps per finished slot.
+(model forward + sampling + bookkeeping) is captured in CUDA graphs and replayed. The host looks
+at the slots only every `steps_per_sync` steps (one small device-to-host copy); finished slots
+idle until then, which costs at most k-1 wasted steps per finished slot.
+
+Attention reads cache positions [0, span) only. Spans are buckets (64, 128, ..., L), one graph
+each; at every host check the smallest bucket that holds the longest active sequence for the
+next k steps is chosen, so short sequences do not pay for a long max_seq_len.
 
 Per slot s (S slots, L = max_seq_len):
   input_tok_S[s]  last token, whose key/value the next step writes at position pos_S[s]
@@ -18,10 +22,10 @@ Per slot s (S slots, L = max_seq_len):
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -30,6 +34,23 @@ from yatt.rollout._static_kv import DecodeWrite, PrefillWrite, StaticKVCache, wr
 from yatt.rollout._types import Completion, FinishReason, Request, SamplingParams
 
 MAX_STOP_TOKENS = 32
+MIN_SPAN = 64  # smallest attention bucket; below this a step is bound by launches, not reads
+
+
+def span_buckets(max_seq_len: int) -> list[int]:
+    """Attention spans with one decode graph each: powers of two from MIN_SPAN, then L."""
+    spans = []
+    span = MIN_SPAN
+    while span < max_seq_len:
+        spans.append(span)
+        span *= 2
+    return [*spans, max_seq_len]
+
+
+class StopSignal(Protocol):
+    """Anything with `is_set()`: a threading.Event, or several combined."""
+
+    def is_set(self) -> bool: ...
 
 
 @dataclass(kw_only=True)
@@ -87,9 +108,13 @@ class SlotRunner:
         self.logprob_SL = torch.zeros(S, L + 1, dtype=torch.float32, device=device)
         self.slot_ids_S = torch.arange(S, device=device)
         self.arange_L = torch.arange(L, device=device)
+        self.spans = span_buckets(L)
         self.reset_state()
-        self._graphs: dict[tuple[bool, bool], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[bool, bool, int], torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
+        # One side stream for every capture's warm-up: each new stream would get its own cuBLAS
+        # workspace, which lives until the workspaces are cleared at sleep.
+        self._side_stream = None
 
     # -- device steps -------------------------------------------------------------------------
 
@@ -104,14 +129,17 @@ class SlotRunner:
             )
         return out.logits[:, -1]
 
-    def _decode_step(self, flags: _Flags) -> None:
+    def _decode_step(self, flags: _Flags, span: int) -> None:
         L = self.cache.max_seq_len
-        mask = (self.arange_L[None, :] <= self.pos_S[:, None])[:, None, None, :]
+        visible_SP = self.arange_L[None, :span] <= self.pos_S[:, None]
+        # Additive, in the activations' dtype: what SDPA's fused kernels take without a
+        # conversion per layer. Position 0 is always visible, so no softmax row is empty.
+        mask = torch.where(visible_SP, 0.0, float("-inf")).to(self.cache.keys[0].dtype)
         logits_SV = self._forward_last_logits(
             self.input_tok_S[:, None],
-            mask,
+            mask[:, None, None, :],
             self.pos_S[:, None],
-            DecodeWrite(cache=self.cache, pos_S=self.pos_S),
+            DecodeWrite(cache=self.cache, pos_S=self.pos_S, span=span),
         )
         token_S, logprob_S = sample_tokens(
             logits_SV,
@@ -189,24 +217,29 @@ class SlotRunner:
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 
-    def _run_decode_step(self, flags: _Flags) -> None:
+    def _run_decode_step(self, flags: _Flags, span: int) -> None:
         if not self.use_cuda_graph:
-            self._decode_step(flags)
+            self._decode_step(flags, span)
             return
-        graph = self._graphs.get(flags.as_key())
-        if graph is None:
-            graph = self._capture(flags)
-        graph.replay()
+        self._graphs[(*flags.as_key(), span)].replay()
 
-    def _capture(self, flags: _Flags) -> torch.cuda.CUDAGraph:
+    def _capture_all(self, flags: _Flags) -> None:
+        """One graph per span bucket for these flags, if not captured yet."""
+        for span in self.spans:
+            if (*flags.as_key(), span) not in self._graphs:
+                self._capture(flags, span)
+
+    def _capture(self, flags: _Flags, span: int) -> None:
         # Called with every slot idle (start of a call): warm-up steps then change nothing that
         # matters (idle slots write to the trash column and to KV rows no sequence owns).
         assert not bool(self.active_S.any()), "CUDA graph capture needs every slot idle"
-        side = torch.cuda.Stream(device=self.device)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device=self.device)
+        side = self._side_stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):  # lets cuBLAS and SDPA pick and allocate their workspaces
-                self._decode_step(flags)
+                self._decode_step(flags, span)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
@@ -214,15 +247,14 @@ class SlotRunner:
         try:
             # thread_local: another thread (a GenRM, a trainer) may use CUDA meanwhile.
             with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
-                self._decode_step(flags)
+                self._decode_step(flags, span)
         except RuntimeError as exc:
             raise RuntimeError(
                 "capturing the decode step in a CUDA graph failed (an op synchronised with the "
                 "host or is not capturable for this model); pass EngineConfig(use_cuda_graph="
                 "False) to run it eagerly"
             ) from exc
-        self._graphs[flags.as_key()] = graph
-        return graph
+        self._graphs[(*flags.as_key(), span)] = graph
 
     def release_graphs(self) -> None:
         """Drop captured graphs and their memory pool (before sleep); recaptured on next use."""
@@ -274,25 +306,25 @@ class SlotRunner:
         sampling: SamplingParams,
         stop_ids: list[int],
         emit: Callable[[Completion], None],
-        abort_event: threading.Event,
+        should_stop: StopSignal,
     ) -> None:
         """Generate every item, calling `emit` once per item as it finishes."""
         flags = self._configure(sampling, stop_ids)
         stop_set = set(stop_ids)
         self.active_S.zero_()
-        if self.use_cuda_graph and flags.as_key() not in self._graphs:
-            self._capture(flags)
-        S = self.cache.num_slots
+        if self.use_cuda_graph:
+            self._capture_all(flags)
+        S, L = self.cache.num_slots, self.cache.max_seq_len
         queue = deque(items)
         occupant: list[WorkItem | None] = [None] * S
         while True:
-            is_aborting = abort_event.is_set()
+            is_aborting = should_stop.is_set()
             free = [s for s in range(S) if occupant[s] is None]
             if free and queue and not is_aborting:
                 self._admit(queue, free, occupant, flags)
-            # Host sync: one small copy tells which slots finished.
-            state = torch.stack([self.active_S.long(), self.gen_len_S]).cpu()
-            active, gen_len = state[0].tolist(), state[1].tolist()
+            # Host sync: one small copy tells which slots finished and how long they are.
+            state = torch.stack([self.active_S.long(), self.gen_len_S, self.pos_S]).cpu()
+            active, gen_len, pos = state[0].tolist(), state[1].tolist(), state[2].tolist()
             done = [s for s in range(S) if occupant[s] is not None and not active[s]]
             if is_aborting:
                 done = [s for s in range(S) if occupant[s] is not None]
@@ -305,9 +337,13 @@ class SlotRunner:
                 return
             if not queue and all(o is None for o in occupant):
                 return
-            if any(active[s] for s in range(S) if occupant[s] is not None):
+            running = [pos[s] for s in range(S) if occupant[s] is not None and active[s]]
+            if running:
+                # The k steps until the next check write positions up to max(pos) + k - 1.
+                needed = min(max(running) + self.steps_per_sync, L)
+                span = next(span for span in self.spans if span >= needed)
                 for _ in range(self.steps_per_sync):
-                    self._run_decode_step(flags)
+                    self._run_decode_step(flags, span)
 
     def _admit(self, queue, free: list[int], occupant, flags: _Flags) -> None:
         num_admitted = 0

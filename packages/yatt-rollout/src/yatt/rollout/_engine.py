@@ -119,16 +119,12 @@ class BuiltinEngine:
     ) -> AsyncIterator[Completion]:
         """Each completion as it finishes; input is checked now, generation runs in a thread."""
         items = self._work_items(requests, sampling)
-        # Closing the stream early cancels this call even if it is still waiting for the lock.
+        # Closing the stream early cancels this call only (even while it waits for the lock);
+        # the engine-wide abort() could hit another caller's generation.
         cancelled = threading.Event()
-
-        def cancel() -> None:
-            cancelled.set()
-            self.abort()
-
         return stream_from_thread(
             lambda emit: self._run(items, sampling, emit, cancelled=cancelled),
-            abort=cancel,
+            abort=cancelled.set,
             name="yatt-rollout-engine",
         )
 
@@ -170,15 +166,14 @@ class BuiltinEngine:
         stop_ids = list(dict.fromkeys(sampling.stop_token_ids))
         if not sampling.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
+        should_stop = _AnyOf(self._abort_event, cancelled or threading.Event())
         with self._lock:
             self._check_awake()
             self._abort_event.clear()
             self._is_running = True
-            if cancelled is not None and cancelled.is_set():
-                self._abort_event.set()
             try:
                 with _on_device(self._device), torch.no_grad():
-                    self._runner.run(items, sampling, stop_ids, emit, self._abort_event)
+                    self._runner.run(items, sampling, stop_ids, emit, should_stop)
             finally:
                 self._is_running = False
                 self._abort_event.clear()
@@ -220,8 +215,10 @@ class BuiltinEngine:
                 pause(*awake)
             if self._device.type == "cuda":
                 # Memory outside the regions: graph pools, prefill activations, workspaces.
-                torch.cuda.empty_cache()
+                # Workspaces first: one allocated during a capture sits in the graph pool and
+                # would keep its segment (and the pool) reserved through empty_cache().
                 torch._C._cuda_clearCublasWorkspaces()
+                torch.cuda.empty_cache()
 
     def wake_up(self, tags: Sequence[str] | None = _TAGS) -> None:
         """Re-create the memory for `tags` ("weights", "kv_cache"; None for both), in that order."""
@@ -239,7 +236,11 @@ class BuiltinEngine:
                             self._runner.reset_state()
 
     def close(self) -> None:
-        """Abort any run, drop graphs and references; the memory goes when the engine is freed."""
+        """Abort any run, drop graphs and references.
+
+        On CUDA the regions' memory stays in their torch_memory_saver pools (reused by a later
+        engine with the same region_prefix); call sleep() first to give it back to the device.
+        """
         if self._is_closed:
             return
         self.abort()
@@ -285,6 +286,16 @@ def _move_into_current_region(model: torch.nn.Module, device: torch.device) -> N
             fresh = torch.empty_like(tensor, device=device)
             fresh.copy_(tensor)
             tensor.data = fresh
+
+
+class _AnyOf:
+    """Set when any of the events is: the engine-wide abort() or one call's cancellation."""
+
+    def __init__(self, *events: threading.Event) -> None:
+        self._events = events
+
+    def is_set(self) -> bool:
+        return any(event.is_set() for event in self._events)
 
 
 class _on_device:

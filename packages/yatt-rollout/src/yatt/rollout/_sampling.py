@@ -11,6 +11,8 @@ Shapes: S = slots, V = vocabulary. All tensors live on the model's device.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 _MASK31 = (1 << 31) - 1
@@ -83,7 +85,44 @@ def sample_tokens(
         token_S = order_SV.gather(-1, pick_S[:, None])[:, 0]
     else:
         # Inverse CDF in vocabulary order: no sort needed when nothing is truncated.
+        token_S = inverse_cdf(probs_SV, u_S)
+    return token_S, logprob_SV.gather(-1, token_S[:, None])[:, 0]
+
+
+def _block_size(vocab_size: int) -> int | None:
+    """Largest divisor of V up to sqrt(V), if it is big enough to be worth two levels."""
+    for size in range(math.isqrt(vocab_size), 15, -1):
+        if vocab_size % size == 0:
+            return size
+    return None
+
+
+def inverse_cdf(probs_SV: torch.Tensor, u_S: torch.Tensor) -> torch.Tensor:
+    """First token (vocabulary order) whose cumulative probability reaches u * total, per row.
+
+    Two levels (C-token blocks: block masses, then one block's tokens) instead of a cumulative
+    sum over the whole vocabulary: a scan over [S, V] is one slow kernel (0.3 ms of a 5 ms
+    decode step at S=256, V=152k on an H200); a block reduction and two short scans are not.
+    Tokens of probability 0 are never returned.
+    """
+    S, V = probs_SV.shape
+    C = _block_size(V)
+    if C is None:
         cdf_SV = probs_SV.cumsum(dim=-1)
         token_S = torch.searchsorted(cdf_SV, (u_S * cdf_SV[:, -1])[:, None])[:, 0]
-        token_S = token_S.clamp(max=cdf_SV.shape[-1] - 1)
-    return token_S, logprob_SV.gather(-1, token_S[:, None])[:, 0]
+        return token_S.clamp(max=V - 1)
+    blocks_SBC = probs_SV.view(S, V // C, C)
+    mass_SB = blocks_SBC.sum(dim=-1)
+    cdf_SB = mass_SB.cumsum(dim=-1)
+    target_S = u_S * cdf_SB[:, -1]
+    # The first block whose cumulative mass reaches the target has mass > 0 (target > 0).
+    block_S = torch.searchsorted(cdf_SB, target_S[:, None])[:, 0].clamp(max=V // C - 1)
+    before_S = (cdf_SB - mass_SB).gather(-1, block_S[:, None])[:, 0]
+    inner_SC = blocks_SBC.gather(1, block_S[:, None, None].expand(S, 1, C))[:, 0]
+    inner_cdf_SC = inner_SC.cumsum(dim=-1)
+    # Rounding may put the target a hair outside the block's own sums: clamping into
+    # (0, block total] keeps the pick on a token of the block with probability > 0.
+    rest_S = (target_S - before_S).clamp(min=torch.finfo(inner_cdf_SC.dtype).tiny)
+    rest_S = torch.minimum(rest_S, inner_cdf_SC[:, -1])
+    offset_S = torch.searchsorted(inner_cdf_SC, rest_S[:, None])[:, 0].clamp(max=C - 1)
+    return block_S * C + offset_S

@@ -2,12 +2,18 @@
 
 The engine runs the model's own modules (any HF decoder that goes through `AttentionInterface`)
 with `attn_implementation="yatt_static_kv"`. The attention function below writes the new keys and
-values into this cache and attends with the 4D boolean mask that the engine passes as
-`attention_mask` (HF returns a 4D mask unchanged). Outside an engine step it is plain SDPA, so the
-same model object still works for ordinary forward passes.
+values into this cache and attends with the 4D mask that the engine passes as `attention_mask`
+(HF returns a 4D mask unchanged). Outside an engine step it is plain SDPA, so the same model
+object still works for ordinary forward passes.
 
 Layout, per layer: k and v are [S, H_kv, L, D] (S slots, L = max_seq_len). Slot s holds the
 sequence in positions 0..len-1; positions past the length hold stale values that the mask hides.
+
+Decode attention reads only the first `span` positions of every row (the engine picks the
+smallest bucket that covers the longest active sequence) and never expands the grouped KV
+heads: the H_q query heads of a slot are regrouped as [H_kv, G, D], i.e. G "query rows" per KV
+head, which is one SDPA call over the cache as it lies. HF's generic path instead repeats
+k/v G times over the whole cache on every layer and step (7x the cache in copies for Qwen2.5).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -63,18 +70,24 @@ class StaticKVCache:
 
 @dataclass(kw_only=True)
 class DecodeWrite:
-    """Decode step: every slot writes one token at its own position `pos_S`."""
+    """Decode step: every slot writes one token at its own position `pos_S`, then attends to
+    cache positions [0, span) under the additive mask the engine passes ([S, 1, 1, span])."""
 
     cache: StaticKVCache
     pos_S: torch.Tensor  # int64 [S], clamped into [0, L) by the engine
+    span: int  # cache positions attended; > every active slot's position
+
+    def __post_init__(self) -> None:
+        # Row of each (slot, head) in a layer viewed as [S * H_kv * L, D]: the same for every
+        # layer, so computed once per step.
+        self.rows_SH = (self.cache.row_base_SH + self.pos_S[:, None]).reshape(-1)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         cache = self.cache
         # key: [S, H_kv, 1, D] -> one row per (slot, head) of the flattened layer buffer.
-        index = (cache.row_base_SH + self.pos_S[:, None]).reshape(-1)
         flat_shape = (-1, cache.head_dim)
-        cache.keys[layer].view(flat_shape).index_copy_(0, index, key.reshape(flat_shape))
-        cache.values[layer].view(flat_shape).index_copy_(0, index, value.reshape(flat_shape))
+        cache.keys[layer].view(flat_shape).index_copy_(0, self.rows_SH, key.reshape(flat_shape))
+        cache.values[layer].view(flat_shape).index_copy_(0, self.rows_SH, value.reshape(flat_shape))
         return cache.keys[layer], cache.values[layer]
 
 
@@ -116,15 +129,47 @@ def writing_kv(write: DecodeWrite | PrefillWrite) -> Iterator[None]:
         _ACTIVE_WRITE.reset(token)
 
 
+def decode_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    span: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """One new token per slot against the cache, without expanding grouped KV heads.
+
+    query [S, H_q, 1, D]; keys/values [S, H_kv, L, D]; mask [S, 1, 1, span] (additive, or bool
+    with True = visible), the same for every head. Returns [S, 1, H_q, D], the layout HF's
+    attention functions return.
+    """
+    num_slots, num_heads, _, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    # Query head h uses KV head h // G (HF's repeat_kv order), so [H_q] -> [H_kv, G] is a view.
+    grouped = query.reshape(num_slots, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        grouped, keys[:, :, :span], values[:, :, :span], attn_mask=mask, scale=scaling
+    )
+    return out.reshape(num_slots, 1, num_heads, head_dim)
+
+
 def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
     write = _ACTIVE_WRITE.get()
-    if write is not None:
-        if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+    if write is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    for name in ("sliding_window", "softcap", "position_bias"):
+        if kwargs.get(name) is not None:
             raise NotImplementedError(
-                f"{type(module).__name__} uses sliding-window or soft-capped attention, which "
-                "the built-in engine does not implement; use the vLLM or SGLang engine"
+                f"{type(module).__name__} passes {name} to its attention, which the built-in "
+                "engine does not implement; use the vLLM or SGLang engine"
             )
-        key, value = write.write(module.layer_idx, key, value)
+    key, value = write.write(module.layer_idx, key, value)
+    if isinstance(write, DecodeWrite):
+        out = decode_attention(
+            query, key, value, attention_mask, span=write.span, scaling=kwargs.get("scaling")
+        )
+        return out, None
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 

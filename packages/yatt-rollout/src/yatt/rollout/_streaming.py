@@ -31,12 +31,16 @@ async def stream_from_thread(
 ) -> AsyncIterator[Completion]:
     """Run `produce(emit)` in a thread and yield what it emits, in emission order.
 
-    If the consumer stops early (break, cancellation), `abort` is called and the thread joined,
-    so the engine is free again when this generator closes. An exception in the producer is
-    re-raised here.
+    If the consumer stops early (break, cancellation) while the producer is still producing,
+    `abort` is called; the thread is joined either way, so the engine is free again when this
+    generator closes. An exception in the producer is re-raised here.
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue = asyncio.Queue()
+    # Set by the worker as soon as produce() has returned or raised. The thread stays alive a
+    # little longer, so "thread alive" does not mean "still producing": aborting then would hit
+    # whatever the engine runs next (another overlapping stream's generation).
+    is_produced = threading.Event()
 
     def put(item: object) -> None:
         loop.call_soon_threadsafe(queue.put_nowait, item)
@@ -45,8 +49,10 @@ async def stream_from_thread(
         try:
             produce(put)
         except BaseException as exc:
+            is_produced.set()
             put(_Failed(exc))
         else:
+            is_produced.set()
             put(_DONE)
 
     thread = threading.Thread(target=work, name=name, daemon=True)
@@ -60,7 +66,8 @@ async def stream_from_thread(
                 raise item.exc
             yield item
     finally:
-        if thread.is_alive():
+        if not is_produced.is_set():
             abort()
+        if thread.is_alive():
             # Joined off the event loop: the producer may still be finishing a step.
             await asyncio.to_thread(thread.join)
