@@ -112,7 +112,7 @@ def load_config(argv: list[str]) -> tuple[dict, bool]:
     parser.add_argument("--config", help="YAML file of TrainConfig fields")
     parser.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
     parser.add_argument("overrides", nargs="*", help="e.g. rollout.temperature=0.7")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     raw: dict = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
     raw.setdefault("policy", {})
     for key, value in DEFAULT_POLICY.items():
@@ -257,13 +257,14 @@ def main(argv: list[str]) -> None:
         run_log = RunLog(cfg.out_dir, is_writer=runtime.is_rank_zero, resume_step=start_step)
         shape = policy.model_config
         ctx = SimpleNamespace(cfg=cfg, runtime=runtime, tokenizer=tok, plan=plan, engine=engine)
-        ctx.scorer, ctx.exact = scorer, exact
+        ctx.scorer, ctx.exact, ctx.timings = scorer, exact, {}
 
         # -- the GRPO loop ------------------------------------------------------------------
         bar = tqdm(range(start_step, cfg.num_steps), disable=not runtime.is_rank_zero, desc="grpo")
         for step in bar:
             ctx.seen = dict.fromkeys(("reward", "correct", "length", "count"), 0.0)
-            ctx.timings, ctx.round = {}, 0
+            ctx.timings = {"ckpt": ctx.timings.get("ckpt", 0.0)}  # the last save, one step late
+            ctx.round = 0
             # rollout + GenRM; DAPO dynamic sampling drops zero-variance groups and refills
             batch, sampling_stats = sample_dynamically(
                 lambda n, step=step: rollout_round(step, loader.next_batch(max(n, 1)), ctx),
@@ -292,9 +293,6 @@ def main(argv: list[str]) -> None:
                 train_metrics = policy.train_step(batch, cfg.loss)
             with timed(ctx.timings, "sync"), plan.phase("sync"):  # bucketed, no second copy
                 engine.update_weights(policy.named_weights())
-            with timed(ctx.timings, "ckpt"):  # async: returns once tensors are staged
-                extra = {"step": step, "loader": loader.state_dict()}
-                decision = ckpt.maybe_save(step, policy.state(), phase="train", extra=extra)
 
             local = {f"sum/{k}": v for k, v in ctx.seen.items()}
             local |= {"sum/mismatch": float(gap.abs()[mask].sum()), "sum/tokens": float(mask.sum())}
@@ -305,6 +303,10 @@ def main(argv: list[str]) -> None:
             run_log.log(step, metrics)
             postfix = {k: f"{v:.2f}s" for k, v in ctx.timings.items()}
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", **postfix)
+            # Saved after the step's metrics line, so a committed step k implies lines 0..k.
+            with timed(ctx.timings, "ckpt"):  # async: returns once tensors are staged
+                extra = {"step": step, "loader": loader.state_dict()}
+                decision = ckpt.maybe_save(step, policy.state(), phase="train", extra=extra)
             if decision.should_stop:
                 logger.info("stop requested: step %d saved, exiting", step)
                 break

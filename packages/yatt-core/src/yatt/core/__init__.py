@@ -23,11 +23,14 @@ from yatt.core._runtime import Runtime, init_runtime, set_seed
 from yatt.core._sampling import sample_dynamically
 from yatt.core._torch_policy import TorchPolicy
 from yatt.core._version import __version__
+from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
 
 __all__ = [
     "ROW_INDEX_KEY",
     "Batch",
     "LossFn",
+    "MegatronPolicy",
+    "MegatronPolicyConfig",
     "PolicyBackend",
     "PolicyLoss",
     "RunLog",

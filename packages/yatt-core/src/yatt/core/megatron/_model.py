@@ -1,0 +1,198 @@
+"""Build a Megatron-Core GPTModel for an HF model and load its safetensors into this rank's shard.
+
+Needs megatron-core (imported here, so import this module lazily) and an initialised
+`megatron.core.parallel_state`. The layer spec is Megatron's local one (no TransformerEngine);
+optionally its core attention is swapped for `SDPAttention`, which calls PyTorch's
+scaled_dot_product_attention (flash/efficient kernels) instead of materialising [b, h, s, s]
+scores as Megatron's local DotProductAttention does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from yatt.core.megatron._config import (
+    GPTLayout,
+    gpt_model_kwargs,
+    transformer_config_kwargs,
+)
+from yatt.core.megatron._weights import (
+    global_layer_name,
+    megatron_names,
+    to_megatron_param,
+    tp_split,
+)
+
+Attention = Literal["sdpa", "megatron"]
+ATTENTIONS: tuple[str, ...] = ("sdpa", "megatron")
+
+
+class SDPAttention(torch.nn.Module):
+    """Causal core attention through torch's scaled_dot_product_attention.
+
+    A drop-in for Megatron's DotProductAttention (same constructor and forward signatures):
+    q [sq, b, np, hn], k/v [sk, b, ng, hn] -> context [sq, b, np * hn]. The mask argument is
+    ignored: batches are right-padded, so causal attention alone keeps every valid position
+    exact (padding comes after all valid tokens and never reaches them).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__()
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise ValueError(
+                "SDPAttention does not support context parallelism; use attention='megatron'"
+            )
+        self.config = config
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("SDPAttention supports neither packed sequences nor attention bias")
+        sq, b, heads, head_dim = query.shape
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        context = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != heads
+        )
+        return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+
+def build_layer_spec(layout: GPTLayout, *, attention: Attention = "sdpa") -> Any:
+    """Megatron's local GPT layer spec for `layout` (RMSNorm, optional qk-norm)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention={attention!r}: use one of {ATTENTIONS}")
+    spec = get_gpt_layer_local_spec(qk_layernorm=layout.has_qk_norm, normalization="RMSNorm")
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def build_gpt_model(
+    layout: GPTLayout,
+    *,
+    tp_size: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    attention: Attention = "sdpa",
+    sequence_parallel: bool = False,
+    vocab_divisible_by: int = 128,
+    use_cpu_initialization: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+) -> Any:
+    """An uninitialised-weights GPTModel (pp=1) for this rank of the tensor-parallel group."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = transformer_config_kwargs(
+        layout,
+        tp_size=tp_size,
+        dtype=dtype,
+        sequence_parallel=sequence_parallel,
+        use_cpu_initialization=use_cpu_initialization,
+        # The HF weights overwrite every parameter; random init would only cost time.
+        perform_initialization=False,
+    )
+    kwargs.update(config_overrides or {})
+    config = TransformerConfig(**kwargs)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=build_layer_spec(layout, attention=attention),
+        **gpt_model_kwargs(layout, tp_size=tp_size, vocab_divisible_by=vocab_divisible_by),
+    )
+
+
+class SafetensorsReader:
+    """Lazy access to an HF checkpoint directory's tensors by name (single or sharded)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._files = {name: model_dir / file for name, file in weight_map.items()}
+        elif (model_dir / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            path = model_dir / "model.safetensors"
+            with safe_open(str(path), framework="pt") as f:
+                self._files = dict.fromkeys(f.keys(), path)
+        else:
+            raise ValueError(
+                f"model_dir={str(model_dir)!r} has neither model.safetensors nor "
+                "model.safetensors.index.json; save the model with save_pretrained(safe_serialization=True)"
+            )
+        self._handles: dict[Path, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._files
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self._files.get(name)
+        if path is None:
+            raise KeyError(f"{name!r} is not in the checkpoint")
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path].get_tensor(name)
+
+
+@torch.no_grad()
+def load_hf_weights(
+    model: torch.nn.Module,
+    model_dir: str | Path,
+    layout: GPTLayout,
+    *,
+    padded_vocab: int,
+    tp_rank: int,
+    tp_size: int,
+    layer_offset: int = 0,
+) -> int:
+    """Copy this rank's shard of every parameter from the HF safetensors; returns the count.
+
+    Each rank reads the full HF tensors it needs one parameter at a time, so the peak host
+    memory is one layer's worth, never the model.
+    """
+    reader = SafetensorsReader(model_dir)
+    expected = set(megatron_names(layout))
+    loaded = 0
+    for local_name, param in model.named_parameters():
+        name = global_layer_name(local_name, layer_offset)
+        if name not in expected:
+            raise ValueError(
+                f"the Megatron model has {local_name!r}, which the HF mapping does not know"
+            )
+        full = to_megatron_param(name, reader.__getitem__, layout, padded_vocab=padded_vocab)
+        shard = tp_split(name, full, tp_size)[tp_rank]
+        if shard.shape != param.shape:
+            raise ValueError(
+                f"{name}: HF gives shard {tuple(shard.shape)}, the model has {tuple(param.shape)}"
+            )
+        param.copy_(shard.to(param.dtype))
+        loaded += 1
+    return loaded

@@ -1,0 +1,397 @@
+"""`MegatronPolicy`: a Megatron-Core GPT (tensor + data parallel) behind the policy protocol.
+
+One train_step, on every rank (TP ranks of one DP rank hold the same batch):
+
+    units = all_reduce(loss units over DP)                  scalars only cross ranks
+    bins  = pack(lengths, max_tokens)                       yatt.balance, cost-balanced
+    for bin in bins:                                        DDP grad sync deferred to finalize
+        logits [b, T, V/tp] -> vocab-parallel logprobs -> loss_fn -> (loss * dp / units).backward()
+    finalize_model_grads                                    reduce-scatter grads over DP
+    prepare_grads, clip_grad_norm                           global norm (DP x TP)
+    step_with_ready_grads unless loss or norm not finite    then all-gather params over DP
+
+Same scaling as TorchPolicy: Megatron's DDP averages gradients over DP, so multiplying by
+dp / global units gives the gradient of the mean loss over the whole global batch.
+Pipeline parallelism is not implemented (pp = 1); see the package notes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from yatt.balance import pack
+from yatt.core._batch import Batch
+from yatt.core._metrics import reduce_metrics
+from yatt.core._policy import DTYPES, LossFn
+from yatt.core._runtime import Runtime
+from yatt.core.megatron._config import layout_from_hf_config, padded_vocab_size
+from yatt.core.megatron._policy_config import MegatronPolicyConfig
+from yatt.core.megatron._state import MegatronModelState, MegatronOptimizerState
+from yatt.core.megatron._vocab_parallel import (
+    compute_vocab_parallel_entropy,
+    compute_vocab_parallel_logprobs,
+)
+from yatt.core.megatron._weights import export_hf_weights
+
+logger = logging.getLogger("yatt.core")
+
+
+def _require_cuda(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise ValueError(
+            f"MegatronPolicy needs CUDA (megatron-core calls CUDA directly), got device={device}; "
+            "use TorchPolicy on CPU"
+        )
+
+
+def _init_megatron_parallel(runtime: Runtime, tp_size: int, seed: int) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    if runtime.tp_size != tp_size:
+        raise ValueError(
+            f"MegatronPolicyConfig.tp_size={tp_size} but the runtime has tp_size={runtime.tp_size}; "
+            "pass the same value to init_runtime(tp_size=...)"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        # Megatron's default order puts TP ranks adjacent, as yatt's (dp, tp) mesh does, so
+        # both agree on who shares a batch.
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+    elif parallel_state.get_tensor_model_parallel_world_size() != tp_size:
+        raise ValueError("megatron parallel_state is already initialised with another tp size")
+    model_parallel_cuda_manual_seed(seed)
+
+
+class MegatronPolicy:
+    """See the module docstring. Also a placement role (memory_tags "weights", "optimizer")."""
+
+    memory_tags: tuple[str, ...] = ("weights", "optimizer")
+
+    def __init__(self, config: MegatronPolicyConfig, runtime: Runtime) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.transformer.module import Float16Module
+        from transformers import AutoConfig
+
+        from yatt.core.megatron._model import build_gpt_model, load_hf_weights
+
+        _require_cuda(runtime.device)
+        self.config = config
+        self.device = runtime.device
+        self.layout = layout_from_hf_config(AutoConfig.from_pretrained(config.model_dir))
+        _init_megatron_parallel(runtime, config.tp_size, config.seed)
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self._tp_group = parallel_state.get_tensor_model_parallel_group()
+        self._dp_group = parallel_state.get_data_parallel_group()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        dtype = DTYPES[config.dtype]
+        self.padded_vocab = padded_vocab_size(
+            self.layout.vocab_size, tp_size=config.tp_size, divisible_by=config.vocab_divisible_by
+        )
+        gpt = build_gpt_model(
+            self.layout,
+            tp_size=config.tp_size,
+            dtype=dtype,
+            attention=config.attention,
+            sequence_parallel=config.sequence_parallel,
+            vocab_divisible_by=config.vocab_divisible_by,
+        )
+        gpt.to(self.device)
+        load_hf_weights(
+            gpt,
+            config.model_dir,
+            self.layout,
+            padded_vocab=self.padded_vocab,
+            tp_rank=self.tp_rank,
+            tp_size=config.tp_size,
+        )
+        self.gpt = gpt  # the bare GPTModel: its parameter names are the mapping's names
+        self._vocab_start = self.tp_rank * (self.padded_vocab // config.tp_size)
+        model: torch.nn.Module = Float16Module(gpt.config, gpt) if dtype != torch.float32 else gpt
+        self.optimizer: Any = None
+        if config.is_reference:
+            gpt.requires_grad_(False)
+        else:
+            model, self.optimizer = self._wrap_for_training(model, gpt.config)
+        self.model = model
+        self.num_steps = 0
+        self.num_skipped_steps = 0
+        self._asleep: set[str] = set()
+
+    def _wrap_for_training(self, model: torch.nn.Module, tf_config: Any) -> tuple[Any, Any]:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=self.config.use_distributed_optimizer,
+        )
+        ddp = DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=model)
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=self.config.lr,
+            min_lr=self.config.lr,
+            weight_decay=self.config.weight_decay,
+            adam_beta1=self.config.betas[0],
+            adam_beta2=self.config.betas[1],
+            bf16=self.config.dtype == "bfloat16",
+            fp16=self.config.dtype == "float16",
+            params_dtype=DTYPES[self.config.dtype],
+            use_distributed_optimizer=self.config.use_distributed_optimizer,
+            # Clipping is done here (clip_grad_norm) so a non-finite norm can skip the step.
+            clip_grad=0.0,
+        )
+        optimizer = get_megatron_optimizer(opt_config, [ddp])
+        return ddp, optimizer
+
+    @property
+    def _inner_optimizer(self) -> Any:
+        """The one Megatron optimizer (Distributed/Float16) inside get_megatron_optimizer's chain."""
+        chain = getattr(self.optimizer, "chained_optimizers", None)
+        if chain is None:
+            return self.optimizer
+        assert len(chain) == 1, "dense GPT models get exactly one optimizer"
+        return chain[0]
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self.layout.max_position_embeddings
+
+    # -- forward -------------------------------------------------------------------------------
+
+    def _forward(
+        self, mb: Batch, *, needs_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        input_ids_BT = mb["input_ids"]
+        width = input_ids_BT.shape[1]
+        if self.config.sequence_parallel and width % self.config.tp_size:
+            # Sequence parallel splits T over TP ranks; right-padding keeps valid positions exact.
+            extra = self.config.tp_size - width % self.config.tp_size
+            input_ids_BT = torch.nn.functional.pad(input_ids_BT, (0, extra))
+        length = input_ids_BT.shape[1]
+        position_ids_BT = torch.arange(length, device=self.device).expand_as(input_ids_BT)
+        # Megatron's mask: True = masked out. Right-padded rows need only causality (padding
+        # follows all valid tokens); SDPAttention ignores it and runs is_causal kernels.
+        causal_11TT = torch.ones(length, length, dtype=torch.bool, device=self.device).triu(1)[
+            None, None
+        ]
+        logits_BTVl = self.model(input_ids_BT, position_ids_BT, causal_11TT)[:, :width]
+        kwargs = {
+            "vocab_start": self._vocab_start,
+            "vocab_size": self.layout.vocab_size,
+            "temperature": self.config.temperature,
+        }
+        logprobs_BT = compute_vocab_parallel_logprobs(logits_BTVl, mb["input_ids"], **kwargs)
+        entropy_BT = None
+        if needs_entropy:
+            entropy_BT = compute_vocab_parallel_entropy(
+                logits_BTVl, tp_group=self._tp_group, **kwargs
+            )
+        return logprobs_BT, entropy_BT
+
+    def _plan_micro_batches(self, batch: Batch) -> list[list[int]]:
+        lengths = batch.lengths.tolist()
+        if lengths and max(lengths) > self.max_context_tokens:
+            raise ValueError(
+                f"a sample has {max(lengths)} tokens, over the model's context of "
+                f"{self.max_context_tokens}; lower max_new_tokens or max_prompt_tokens"
+            )
+        self._check_tp_batch(batch)
+        # Attention is computed on padded [b, T] micro-batches, so cost ~ tokens (padding
+        # included) and pack's balance by length is the right objective.
+        return pack(lengths, max_tokens=self.config.max_tokens_per_microbatch, allow_oversize=True)
+
+    def _check_tp_batch(self, batch: Batch) -> None:
+        """TP ranks must run the same micro-batches, or their collectives pair up wrongly and hang."""
+        if self.config.tp_size == 1:
+            return
+        local = torch.tensor([batch.num_tokens, len(batch)], dtype=torch.int64, device=self.device)
+        high, low = local.clone(), -local
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self._tp_group)
+        dist.all_reduce(low, op=dist.ReduceOp.MAX, group=self._tp_group)
+        if not torch.equal(high, -low):  # host sync: a hang is worse
+            raise ValueError(
+                "tensor-parallel ranks got different batches; give every TP rank its DP rank's batch"
+            )
+
+    # -- the protocol --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """[B, T] float32 logprobs of every input token (0 at t = 0), on the batch's device."""
+        self._check_awake("logprobs", ("weights",))
+        self.model.eval()
+        ids = batch["input_ids"]
+        out_BT = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+        for index in self._plan_micro_batches(batch):
+            mb = batch.select(index).to(self.device, non_blocking=True)
+            logprobs_BT, _ = self._forward(mb, needs_entropy=False)
+            mask_BT = mb["attention_mask"].to(logprobs_BT.dtype)
+            out_BT[index, : logprobs_BT.shape[1]] = (logprobs_BT * mask_BT).to(out_BT.device)
+        return out_BT
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step; returns DP-reduced metrics with TorchPolicy's keys. Collective."""
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a reference policy (is_reference=True)")
+        self._check_awake("train_step", self.memory_tags)
+        self.model.train()
+        needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+        local_tokens = float(batch["loss_mask"].sum()) if "loss_mask" in batch else 0.0
+        totals = reduce_metrics(
+            {"units": float(loss_fn.count_units(batch)), "tokens": local_tokens},
+            group=self._dp_group,
+            default_op="sum",
+        )
+        if totals["units"] == 0:
+            raise ValueError("train_step: the global batch has no loss units (no response tokens)")
+        scale = self.dp_size / totals["units"]
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        bins = self._plan_micro_batches(batch)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        metric_sums: dict[str, torch.Tensor] = {}
+        for i, index in enumerate(bins):
+            mb = batch.select(index).to(self.device, non_blocking=True)
+            sync = contextlib.nullcontext() if i == len(bins) - 1 else self.model.no_sync()
+            with sync:
+                logprobs_BT, entropy_BT = self._forward(mb, needs_entropy=needs_entropy)
+                mb_loss, mb_metrics = loss_fn(mb, logprobs_BT, entropy_BT)
+                (mb_loss * scale).backward()
+            loss_sum += mb_loss.detach().to(torch.float64)
+            for key, value in mb_metrics.items():
+                metric_sums[key] = metric_sums.get(key, 0.0) + value.detach().to(torch.float64)
+        finalize_model_grads([self.model])
+        inner = self._inner_optimizer
+        found_inf = bool(inner.prepare_grads())
+        # clip_grad_norm(0.0) would zero the gradients on megatron-core 0.16 (it clips
+        # unconditionally), so the unclipped case only measures the norm.
+        if self.config.grad_clip is None:
+            grad_norm = float(inner.get_grad_norm())  # host sync
+        else:
+            grad_norm = float(inner.clip_grad_norm(self.config.grad_clip))  # host sync
+        sums = reduce_metrics(
+            {"loss": loss_sum, **metric_sums}, group=self._dp_group, default_op="sum"
+        )
+        loss = sums.pop("loss") / totals["units"]
+        is_finite = math.isfinite(loss) and math.isfinite(grad_norm) and not found_inf
+        if is_finite:
+            inner.step_with_ready_grads()
+        else:
+            # Loss and norm are global, so every rank skips together.
+            self.num_skipped_steps += 1
+            logger.warning(
+                "train_step: skipped the optimizer step (loss=%s, grad_norm=%s)", loss, grad_norm
+            )
+        self.num_steps += 1
+        metrics = {key: value / max(totals["tokens"], 1.0) for key, value in sums.items()}
+        metrics.update(
+            loss=loss,
+            grad_norm=grad_norm,
+            lr=float(self.config.lr),
+            num_micro_batches=float(len(bins)),
+            num_loss_tokens=totals["tokens"],
+            is_skipped=float(not is_finite),
+        )
+        return metrics
+
+    def named_weights(
+        self, *, bucket_bytes: int | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) pairs; TP shards gathered bucket by bucket. Collective over TP."""
+        self._check_awake("named_weights", ("weights",))
+        size = bucket_bytes if bucket_bytes is not None else self.config.weight_sync_bucket_bytes
+        group = self._tp_group if self.config.tp_size > 1 else None
+        yield from export_hf_weights(
+            self.gpt.named_parameters(), self.layout, bucket_bytes=size, tp_group=group
+        )
+
+    def state(self) -> dict[str, Any]:
+        """Stateful objects for yatt.ckpt: this rank's shards, keyed by (tp, dp) rank.
+
+        Resume is exact with the same tp and dp sizes; resharding a checkpoint is not supported.
+        """
+        from megatron.core import parallel_state
+
+        out: dict[str, Any] = {"model": MegatronModelState(self.gpt, tp_rank=self.tp_rank)}
+        if self.optimizer is not None:
+            out["optimizer"] = MegatronOptimizerState(
+                self._inner_optimizer,
+                tp_rank=self.tp_rank,
+                dp_rank=parallel_state.get_data_parallel_rank(),
+            )
+        return out
+
+    # -- placement role ------------------------------------------------------------------------
+
+    def _buffers(self) -> list[Any]:
+        return list(getattr(self.model, "buffers", [])) + list(
+            getattr(self.model, "expert_parallel_buffers", [])
+        )
+
+    def sleep(self) -> None:
+        """Free the GPU: parameters (pinned host copy), gradient buffers (dropped: they are
+        zeroed every step anyway) and optimizer state (fp32 main params, Adam moments).
+
+        Megatron's parameters are views into DDP's contiguous buffers; the buffers are resized
+        in place (storage().resize_), which keeps every view valid, where swapping `.data` as
+        yatt.placement.offload does would detach the parameters from the buffers.
+        """
+        torch.cuda.synchronize()
+        if "weights" not in self._asleep:
+            if self.optimizer is None:
+                from yatt.placement import offload
+
+                offload(self.model, should_empty_cache=False)
+            else:
+                for buffer in self._buffers():
+                    buffer.offload_to_cpu(move_params=True, move_grads=True)
+            self._asleep.add("weights")
+        if self.optimizer is not None and "optimizer" not in self._asleep:
+            self._inner_optimizer.offload_to_cpu()
+            self._asleep.add("optimizer")
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Onload "weights" and/or "optimizer" (default both)."""
+        tags = tuple(self.memory_tags if tags is None else tags)
+        unknown = [t for t in tags if t not in self.memory_tags]
+        if isinstance(tags, str) or unknown:
+            raise ValueError(
+                f"MegatronPolicy.wake_up(tags={tags!r}): use a subset of {self.memory_tags}"
+            )
+        if "weights" in tags and "weights" in self._asleep:
+            if self.optimizer is None:
+                from yatt.placement import onload
+
+                onload(self.model)
+            else:
+                for buffer in self._buffers():
+                    buffer.reload_from_cpu(move_params=True, move_grads=True)
+            self._asleep.discard("weights")
+        if "optimizer" in tags and "optimizer" in self._asleep:
+            self._inner_optimizer.restore_from_cpu()
+            self._asleep.discard("optimizer")
+        torch.cuda.synchronize()
+
+    def resident_bytes(self) -> int:
+        if "weights" in self._asleep:
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.gpt.parameters())
+
+    def _check_awake(self, what: str, tags: Sequence[str]) -> None:
+        asleep = [t for t in tags if t in self._asleep]
+        if asleep:
+            raise RuntimeError(
+                f"MegatronPolicy.{what}: {asleep} are offloaded; call wake_up() first"
+            )

@@ -1,0 +1,235 @@
+"""Scenarios run by test_megatron_cpu.py, one process per tensor-parallel rank (gloo).
+
+    python _cpu_workers.py SCENARIO OUT_DIR JSON_KWARGS      (RANK/WORLD_SIZE/... set)
+Each rank writes OUT_DIR/rank<r>.pt with what the test checks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import _cpu_shim
+
+
+def _setup(tp_size: int):
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
+        _cpu_shim.install()
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+def shapes(arch: str) -> dict:
+    from yatt.core.megatron._config import layout_from_hf_config, padded_vocab_size
+    from yatt.core.megatron._model import build_gpt_model
+    from yatt.core.megatron._weights import megatron_shapes
+    from yatt.testing import make_tiny_causal_lm
+
+    tp = dist.get_world_size()
+    _setup(tp)
+    out = {}
+    for is_tied in (False, True):
+        hf = make_tiny_causal_lm(
+            arch=arch, num_heads=8, num_kv_heads=4, tie_word_embeddings=is_tied
+        )
+        layout = layout_from_hf_config(hf.config)
+        model = build_gpt_model(
+            layout, tp_size=tp, dtype=torch.float32, use_cpu_initialization=True
+        )
+        got = {
+            k: tuple(v.shape)
+            for k, v in model.state_dict().items()
+            if not k.endswith("_extra_state")
+        }
+        expected = megatron_shapes(
+            layout, tp_size=tp, padded_vocab=padded_vocab_size(layout.vocab_size, tp_size=tp)
+        )
+        out[is_tied] = {"got": got, "expected": expected}
+    return out
+
+
+def parity(arch: str, model_dir: str, attention: str, temperature: float) -> dict:
+    del arch  # the key of the result
+    from transformers import AutoModelForCausalLM
+
+    from yatt.core._logits import compute_entropy, compute_token_logprobs
+    from yatt.core.megatron._config import layout_from_hf_config, padded_vocab_size
+    from yatt.core.megatron._model import build_gpt_model, load_hf_weights
+    from yatt.core.megatron._vocab_parallel import (
+        compute_vocab_parallel_entropy,
+        compute_vocab_parallel_logprobs,
+    )
+    from yatt.core.megatron._weights import export_hf_weights
+
+    tp = dist.get_world_size()
+    tp_rank = _setup(tp)
+    from megatron.core import parallel_state
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    layout = layout_from_hf_config(hf.config)
+    padded = padded_vocab_size(layout.vocab_size, tp_size=tp)
+    model = build_gpt_model(
+        layout, tp_size=tp, dtype=torch.float32, attention=attention, use_cpu_initialization=True
+    )
+    load_hf_weights(model, model_dir, layout, padded_vocab=padded, tp_rank=tp_rank, tp_size=tp)
+    model.eval()
+
+    # Two right-padded rows of different lengths.
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, layout.vocab_size, (2, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    ids = ids * mask
+    width = ids.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool).triu(1)[None, None]
+    positions = torch.arange(width).expand_as(ids)
+    logits = model(ids, positions, causal)
+    vocab_start = tp_rank * (padded // tp)
+    kwargs = {
+        "vocab_start": vocab_start,
+        "vocab_size": layout.vocab_size,
+        "temperature": temperature,
+    }
+    logprobs = compute_vocab_parallel_logprobs(logits, ids, **kwargs)
+    group = parallel_state.get_tensor_model_parallel_group()
+    entropy = compute_vocab_parallel_entropy(logits, tp_group=group, **kwargs)
+    with torch.no_grad():
+        ref_logits = hf(input_ids=ids, attention_mask=mask).logits
+    ref_logprobs = compute_token_logprobs(ref_logits, ids, temperature=temperature)
+    ref_entropy = compute_entropy(ref_logits, temperature=temperature)
+
+    # Backward through the vocab-parallel ops: d(sum logprobs + entropy)/d(logits), gathered,
+    # against the same gradient of the HF formulation on the full logits.
+    full_logits = ref_logits.clone().requires_grad_(True)
+    ref_obj = (
+        (
+            compute_token_logprobs(full_logits, ids, temperature=temperature)
+            + compute_entropy(full_logits, temperature=temperature)
+        )
+        * mask
+    ).sum()
+    ref_obj.backward()
+    leaf = logits.detach().clone().requires_grad_(True)
+    obj = (
+        (
+            compute_vocab_parallel_logprobs(leaf, ids, **kwargs)
+            + compute_vocab_parallel_entropy(leaf, tp_group=group, **kwargs)
+        )
+        * mask
+    ).sum()
+    obj.backward()
+    grads = [torch.empty_like(leaf.grad) for _ in range(tp)]
+    dist.all_gather(grads, leaf.grad.contiguous(), group=group)
+    grad = torch.cat(grads, dim=-1)
+
+    exported = dict(
+        export_hf_weights(
+            model.named_parameters(), layout, bucket_bytes=4096, tp_group=group if tp > 1 else None
+        )
+    )
+    hf_state = {k: v for k, v in hf.state_dict().items()}
+    return {
+        "mask": mask,
+        "logprobs": logprobs.detach(),
+        "ref_logprobs": ref_logprobs,
+        "entropy": entropy.detach(),
+        "ref_entropy": ref_entropy,
+        "grad": grad[..., : layout.vocab_size],
+        "grad_pad": grad[..., layout.vocab_size :],
+        "ref_grad": full_logits.grad,
+        "exported": exported,
+        "hf_state": hf_state,
+        "is_tied": layout.is_tied,
+    }
+
+
+def policy_vs_torch(model_dir: str) -> dict:
+    """MegatronPolicy (float32, plain Megatron optimizer) and TorchPolicy: three train steps on
+    the same batch; plus logprobs, named_weights and a state() round trip."""
+    from yatt.core import Batch, PolicyLoss, TorchPolicy, TorchPolicyConfig, init_runtime
+    from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
+
+    _cpu_shim.install_for_policy()
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(6):
+        n = int(torch.randint(10, 40, (1,), generator=gen))
+        mask = torch.zeros(n, dtype=torch.int64)
+        mask[n // 2 :] = 1
+        ids = torch.randint(5, 260, (n,), generator=gen)
+        rows.append({"input_ids": ids, "loss_mask": mask, "advantages": float(1 - 2 * (i % 2))})
+    batch = Batch.from_samples(rows, token_keys=("input_ids", "loss_mask"))
+    loss_fn = PolicyLoss(entropy_coef=0.01)
+    common = {
+        "model_dir": model_dir,
+        "dtype": "float32",
+        "lr": 1e-3,
+        "grad_clip": None,
+        "max_tokens_per_microbatch": 64,
+    }
+    with init_runtime(device="cpu", tp_size=dist.get_world_size()) as rt:
+        policy = MegatronPolicy(
+            MegatronPolicyConfig(**common, tp_size=rt.tp_size, use_distributed_optimizer=False), rt
+        )
+        logprobs = policy.logprobs(batch)
+        batch.tokens["old_logprobs"] = logprobs
+        losses = [policy.train_step(batch, loss_fn)["loss"] for _ in range(3)]
+        weights = dict(policy.named_weights(bucket_bytes=2048))
+        state = {k: v.state_dict() for k, v in policy.state().items()}
+        saved = {k: {n: t.clone() for n, t in sd.items()} for k, sd in state.items()}
+        policy.train_step(batch, loss_fn)
+        for key, stateful in policy.state().items():
+            stateful.load_state_dict(saved[key])
+        restored = all(
+            torch.equal(t, saved[k][n])
+            for k, v in policy.state().items()
+            for n, t in v.state_dict().items()
+        )
+        reference = TorchPolicy(
+            TorchPolicyConfig(**common, parallel="none", attn_implementation="eager"), None
+        )
+        torch_losses = [reference.train_step(batch, loss_fn)["loss"] for _ in range(3)]
+        torch_weights = {n: p.detach().clone() for n, p in reference.module.named_parameters()}
+    return {
+        "losses": losses,
+        "torch_losses": torch_losses,
+        "weights": weights,
+        "torch_weights": torch_weights,
+        "state_restored": restored,
+        "num_state_tensors": sum(len(sd) for sd in saved.values()),
+    }
+
+
+def run_all(model_dirs: dict, cases: list) -> dict:
+    """Every case in one process (megatron-core takes ~20 s to import on a busy 2-core box)."""
+    from megatron.core import parallel_state
+
+    out = {"shapes": {arch: shapes(arch) for arch in model_dirs}}
+    for attention, temperature in cases:
+        for arch, path in model_dirs.items():
+            out[(arch, attention, temperature)] = parity(arch, path, attention, temperature)
+    assert parallel_state.model_parallel_is_initialized()
+    out["policy"] = policy_vs_torch(model_dirs["qwen2"])
+    return out
+
+
+def main() -> None:
+    scenario, out_dir, kwargs = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    result = {"all": run_all}[scenario](**kwargs)
+    torch.save(result, out_dir / f"rank{dist.get_rank()}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

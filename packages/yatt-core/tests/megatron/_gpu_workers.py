@@ -1,0 +1,195 @@
+"""GPU checks of MegatronPolicy, one process per GPU under torchrun; rank 0 writes a JSON.
+
+    torchrun --nproc-per-node N _gpu_workers.py --tp TP --model-dirs JSON --out FILE [--torch-ref]
+
+Per model family (a saved HF checkpoint each), on the same global batch:
+- logprobs: Megatron (bf16) vs the HF model in float32 on valid tokens; also the raw
+  per-token logprobs, so the caller can compare TP=2 with TP=1;
+- train: two train_step losses (PolicyLoss with an entropy bonus); with --torch-ref also
+  TorchPolicy's two losses on the same batch;
+- weights: named_weights() vs the HF weights cast to bf16, bitwise;
+- sleep: bytes allocated before/after sleep(), and logprobs after wake_up() vs before;
+- ckpt: save with yatt.ckpt, take a step, load, and compare every weight bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def _global_batch(vocab_size: int, *, num_samples: int = 8, seed: int = 0):
+    from yatt.core import Batch
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(num_samples):
+        length = int(torch.randint(24, 120, (1,), generator=gen))
+        ids = torch.randint(5, vocab_size, (length,), generator=gen)
+        mask = torch.zeros(length, dtype=torch.int64)
+        mask[length // 2 :] = 1
+        rows.append(
+            {
+                "input_ids": ids,
+                "loss_mask": mask,
+                "advantages": float(1 - 2 * (i % 2)),
+                "sample_id": i,
+            }
+        )
+    return Batch.from_samples(rows, token_keys=("input_ids", "loss_mask"))
+
+
+def _hf_logprobs(model_dir: str, batch, device) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    from yatt.core import compute_token_logprobs
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    with torch.no_grad():
+        b = batch.to(device)
+        logits = hf(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        out = compute_token_logprobs(logits, b["input_ids"]) * b["attention_mask"]
+    del hf
+    return out.cpu()
+
+
+def _masked_stats(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    diff = (a - b).abs()[mask.bool()]
+    return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean())}
+
+
+def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: str) -> dict:
+    from yatt.ckpt import Checkpointer
+    from yatt.core import PolicyLoss, TorchPolicy, TorchPolicyConfig
+    from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
+
+    config = MegatronPolicyConfig(
+        model_dir=model_dir,
+        tp_size=rt.tp_size,
+        lr=1e-4,
+        attention=attention,
+        weight_sync_bucket_bytes=1 << 20,
+    )
+    t0 = time.perf_counter()
+    policy = MegatronPolicy(config, rt)
+    build_s = time.perf_counter() - t0
+    global_batch = _global_batch(policy.layout.vocab_size)
+    # This DP rank's share; TP ranks of one DP rank hold the same samples.
+    batch = global_batch.select(list(range(rt.dp_rank, len(global_batch), rt.dp_size)))
+    out: dict = {"arch": arch, "build_s": build_s}
+
+    # Weight export before any step: bf16 of the HF fp32 weights, bitwise.
+    from safetensors.torch import load_file
+
+    hf_state = load_file(os.path.join(model_dir, "model.safetensors"))
+    exported = dict(policy.named_weights())
+    expected = {
+        k: v for k, v in hf_state.items() if not (policy.layout.is_tied and k == "lm_head.weight")
+    }
+    out["weights_names_equal"] = set(exported) == set(expected)
+    out["weights_bitwise_equal"] = out["weights_names_equal"] and all(
+        torch.equal(exported[k].cpu(), v.to(exported[k].dtype)) for k, v in expected.items()
+    )
+    del exported
+
+    logprobs = policy.logprobs(batch).cpu()
+    ref = _hf_logprobs(model_dir, batch, rt.device)
+    out["logprobs_vs_hf"] = _masked_stats(logprobs, ref, batch["attention_mask"])
+    out["logprobs"] = {
+        int(i): lp[: int(n)].tolist()
+        for i, lp, n in zip(batch["sample_id"], logprobs, batch.lengths, strict=True)
+    }
+
+    loss_fn = PolicyLoss(entropy_coef=0.01)
+    batch.tokens["old_logprobs"] = logprobs
+    losses = []
+    for _ in range(2):
+        metrics = policy.train_step(batch, loss_fn)
+        losses.append(metrics["loss"])
+    out["megatron_losses"] = losses
+    out["grad_norm"] = metrics["grad_norm"]
+
+    # Sleep frees the GPU; wake-up restores the same function.
+    before = policy.logprobs(batch).cpu()
+    torch.cuda.synchronize()
+    allocated_awake = torch.cuda.memory_allocated()
+    policy.sleep()
+    allocated_asleep = torch.cuda.memory_allocated()
+    policy.wake_up()
+    after = policy.logprobs(batch).cpu()
+    out["sleep"] = {
+        "allocated_awake_bytes": allocated_awake,
+        "allocated_asleep_bytes": allocated_asleep,
+        "logprobs_bitwise_after_wake": bool(torch.equal(before, after)),
+    }
+    metrics = policy.train_step(batch, loss_fn)
+    out["loss_after_wake"] = metrics["loss"]
+
+    # Checkpoint round trip through yatt.ckpt.
+    ckpt_dir = tempfile.mkdtemp(prefix="yatt-mg-ckpt-") if rt.rank == 0 else None
+    holder = [ckpt_dir]
+    dist.broadcast_object_list(holder, src=0)
+    ckpt = Checkpointer(holder[0], async_save=False)
+    ckpt.save(1, policy.state())
+    snapshot = {
+        k: v.detach().clone()
+        for k, v in policy.gpt.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
+    policy.train_step(batch, loss_fn)
+    ckpt.load(policy.state())
+    ckpt.close()
+    out["ckpt_weights_bitwise"] = all(
+        torch.equal(v, snapshot[k])
+        for k, v in policy.gpt.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    )
+    resumed = policy.train_step(batch, loss_fn)["loss"]
+    out["ckpt_loss_resumed_vs_continued"] = [resumed, out["loss_after_wake"]]
+
+    if torch_ref:
+        tp = TorchPolicy(TorchPolicyConfig(model_dir=model_dir, lr=1e-4, parallel="ddp"), rt)
+        batch.tokens["old_logprobs"] = logprobs
+        out["torch_losses"] = [tp.train_step(batch, loss_fn)["loss"] for _ in range(2)]
+        del tp
+    del policy
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--model-dirs", required=True, help="JSON {arch: dir}")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--attention", default="sdpa")
+    parser.add_argument("--torch-ref", action="store_true")
+    args = parser.parse_args()
+
+    from yatt.core import init_runtime
+
+    results = {"tp": args.tp, "world_size": int(os.environ.get("WORLD_SIZE", 1)), "families": {}}
+    with init_runtime(tp_size=args.tp) as rt:
+        results["dp"] = rt.dp_size
+        for arch, model_dir in json.loads(args.model_dirs).items():
+            results["families"][arch] = check_family(
+                arch,
+                model_dir,
+                rt,
+                torch_ref=args.torch_ref and rt.tp_size == 1,
+                attention=args.attention,
+            )
+        if rt.is_rank_zero:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

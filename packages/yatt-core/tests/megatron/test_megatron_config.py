@@ -1,0 +1,127 @@
+NUM_GPUS = 0
+
+"""HF config -> Megatron-Core config translation: supported families and clear errors."""
+
+import pytest
+import torch
+import transformers
+
+from yatt.core.megatron import MegatronPolicyConfig
+from yatt.core.megatron._config import (
+    gpt_model_kwargs,
+    layout_from_hf_config,
+    padded_vocab_size,
+    transformer_config_kwargs,
+)
+
+SMALL = {
+    "vocab_size": 264,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
+
+
+def _config(cls: str, **overrides):
+    return getattr(transformers, cls)(**{**SMALL, **overrides})
+
+
+@pytest.mark.parametrize(
+    ("cls", "has_bias", "has_qk_norm"),
+    [("LlamaConfig", False, False), ("Qwen2Config", True, False), ("Qwen3Config", False, True)],
+)
+def test_families_map_to_their_features(cls, has_bias, has_qk_norm):
+    layout = layout_from_hf_config(_config(cls, head_dim=16, rms_norm_eps=1e-5))
+    kwargs = transformer_config_kwargs(layout, tp_size=2, dtype=torch.bfloat16)
+    assert kwargs["add_qkv_bias"] is has_bias
+    assert kwargs["qk_layernorm"] is has_qk_norm
+    assert kwargs["num_query_groups"] == 4 and kwargs["kv_channels"] == 16
+    assert kwargs["layernorm_epsilon"] == 1e-5 and kwargs["bf16"] and not kwargs["fp16"]
+    assert kwargs["transformer_impl"] == "local" and kwargs["add_bias_linear"] is False
+
+
+def test_qwen3_head_dim_may_differ_from_hidden_over_heads():
+    layout = layout_from_hf_config(_config("Qwen3Config", head_dim=32))
+    assert layout.head_dim == 32 != SMALL["hidden_size"] // SMALL["num_attention_heads"]
+
+
+def test_gpt_kwargs_pad_vocab_and_tie():
+    layout = layout_from_hf_config(_config("LlamaConfig", tie_word_embeddings=True, rope_theta=5e5))
+    kwargs = gpt_model_kwargs(layout, tp_size=4)
+    assert kwargs["vocab_size"] == 512 == padded_vocab_size(264, tp_size=4)
+    assert kwargs["share_embeddings_and_output_weights"] is True
+    assert kwargs["rotary_base"] == 5e5
+    assert padded_vocab_size(151936, tp_size=1) == 151936  # Qwen2.5-0.5B: already aligned
+    assert padded_vocab_size(151936, tp_size=2) == 152064  # 128 x 2 alignment adds rows
+
+
+def test_llama3_rope_scaling_maps_to_megatron_and_linear_to_interpolation():
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": 5e5,
+    }
+    layout = layout_from_hf_config(_config("LlamaConfig", rope_scaling=llama3))
+    kwargs = gpt_model_kwargs(layout)
+    assert kwargs["rope_scaling"] is True and kwargs["rope_scaling_factor"] == 8.0
+    linear = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    kwargs = gpt_model_kwargs(layout_from_hf_config(_config("LlamaConfig", rope_scaling=linear)))
+    assert kwargs["seq_len_interpolation_factor"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("cls", "overrides", "match"),
+    [
+        ("MistralConfig", {}, "model_type='mistral'"),
+        ("LlamaConfig", {"hidden_act": "gelu"}, "hidden_act"),
+        ("LlamaConfig", {"attention_bias": True}, "attention_bias"),
+        ("LlamaConfig", {"mlp_bias": True}, "mlp_bias"),
+        ("Qwen2Config", {"use_sliding_window": True}, "sliding_window"),
+        (
+            "LlamaConfig",
+            {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+            "yarn",
+        ),
+        (
+            "LlamaConfig",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 2.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192,
+                    "rope_theta": 5e5,
+                }
+            },
+            "low_freq_factor",
+        ),
+    ],
+    ids=["mistral", "gelu", "o-bias", "mlp-bias", "sliding", "yarn", "llama3-custom"],
+)
+def test_unsupported_features_raise(cls, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        layout_from_hf_config(_config(cls, **overrides))
+
+
+def test_tp_must_divide_heads_groups_and_ffn():
+    layout = layout_from_hf_config(_config("LlamaConfig"))
+    with pytest.raises(ValueError, match="num_key_value_heads=4"):
+        transformer_config_kwargs(layout, tp_size=8)
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        transformer_config_kwargs(layout, tp_size=1, sequence_parallel=True)
+
+
+def test_policy_config_validates(tmp_path):
+    with pytest.raises(ValueError, match="model_dir"):
+        MegatronPolicyConfig(model_dir=str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text("{}")
+    for field, value in [("tp_size", 0), ("attention", "flash"), ("lr", 0.0), ("dtype", "fp8")]:
+        with pytest.raises(ValueError, match=field):
+            MegatronPolicyConfig(model_dir=str(tmp_path), **{field: value})
+    assert MegatronPolicyConfig(model_dir=str(tmp_path), tp_size=2).attention == "sdpa"

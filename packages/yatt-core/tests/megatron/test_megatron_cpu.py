@@ -1,0 +1,73 @@
+NUM_GPUS = 0
+
+"""megatron-core's own GPTModel on CPU (gloo; see _cpu_shim.py), at tp=1 and tp=2: the shapes
+our mapping expects are what it allocates, and with HF weights loaded its logprobs, entropy and
+their gradients equal the HF model's; the bucketed exporter gives back the HF weights bitwise.
+Skipped when megatron-core is not installed (it is in the `megatron` extra)."""
+
+import pytest
+import torch
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+
+
+def _cases(results):
+    return [(key, r[key]) for r in results for key in r if key not in ("shapes", "policy")]
+
+
+def test_megatron_allocates_the_shapes_the_mapping_expects(megatron_cpu_results):
+    _, results = megatron_cpu_results
+    for r in results:
+        assert sorted(r["shapes"]) == sorted(ARCHS)
+        for arch, per_tied in r["shapes"].items():
+            for is_tied, shapes in per_tied.items():
+                assert shapes["got"] == shapes["expected"], f"{arch} tied={is_tied}"
+
+
+def test_megatron_logprobs_entropy_and_grads_equal_hf(megatron_cpu_results):
+    tp, results = megatron_cpu_results
+    cases = _cases(results)
+    assert len(cases) == tp * len(ARCHS) * (2 if tp == 1 else 1)
+    for key, r in cases:
+        mask = r["mask"].bool()
+        # float32 on both sides: a mapping error (a swapped head, a shifted row) is O(1).
+        torch.testing.assert_close(
+            r["logprobs"][mask], r["ref_logprobs"][mask], atol=3e-5, rtol=1e-5, msg=str(key)
+        )
+        torch.testing.assert_close(
+            r["entropy"][mask], r["ref_entropy"][mask], atol=3e-5, rtol=1e-5, msg=str(key)
+        )
+        torch.testing.assert_close(r["grad"], r["ref_grad"], atol=3e-5, rtol=1e-4, msg=str(key))
+        # Padding columns of the vocabulary get no probability mass and no gradient.
+        assert r["grad_pad"].numel() > 0 and r["grad_pad"].abs().max() == 0, key
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bucketed_export_returns_the_hf_weights_bitwise(megatron_cpu_results, arch):
+    _, results = megatron_cpu_results
+    for key, r in _cases(results):
+        if key[0] != arch:
+            continue
+        expected = dict(r["hf_state"])
+        if r["is_tied"]:
+            expected.pop("lm_head.weight", None)
+        assert set(r["exported"]) == set(expected), key
+        for name, tensor in expected.items():
+            assert torch.equal(r["exported"][name], tensor), (key, name)
+
+
+def test_policy_train_steps_and_weights_equal_torch_policy(megatron_cpu_results):
+    """Three MegatronPolicy train steps (micro-batches from yatt.balance.pack, DDP, Megatron's
+    optimizer) give TorchPolicy's losses and weights, in float32, at tp=1 and tp=2."""
+    _, results = megatron_cpu_results
+    for r in results:
+        p = r["policy"]
+        assert p["losses"][0] != p["losses"][2]  # the steps changed the model
+        assert p["losses"] == pytest.approx(p["torch_losses"], abs=1e-5)
+        assert set(p["weights"]) == set(p["torch_weights"])
+        for name, tensor in p["torch_weights"].items():
+            # Adam scales every update to about lr (1e-3): where a gradient is at rounding level,
+            # TP's different summation order moves that element by up to ~lr. A wrong shard or
+            # name would be off by the weights' own scale (~2e-2) almost everywhere.
+            torch.testing.assert_close(p["weights"][name], tensor, atol=5e-4, rtol=0, msg=name)
+        assert p["state_restored"] and p["num_state_tensors"] > 0
