@@ -49,7 +49,9 @@ def _yatt_closure(package: str) -> list[str]:
         if name in ordered:
             return
         project = _read_project(name)
-        reqs = project.get("dependencies", []) + project.get("optional-dependencies", {}).get("test", [])
+        reqs = project.get("dependencies", []) + project.get("optional-dependencies", {}).get(
+            "test", []
+        )
         for req in reqs:
             dep = _requirement_name(req)
             if dep.startswith("yatt-"):
@@ -84,7 +86,9 @@ def _install_packages(session: nox.Session, packages: list[str], extras: str = "
     if _needs_torch(packages):
         session.install(_torch_spec())
     targets = [str(PACKAGES_DIR / name) for name in packages[:-1]]
-    targets.append(f"{PACKAGES_DIR / packages[-1]}[{extras}]" if extras else str(PACKAGES_DIR / packages[-1]))
+    targets.append(
+        f"{PACKAGES_DIR / packages[-1]}[{extras}]" if extras else str(PACKAGES_DIR / packages[-1])
+    )
     session.install(*targets)
 
 

@@ -65,9 +65,10 @@ def policy_config(model_dir: str, parallel: str, max_tokens: int) -> TorchPolicy
 
 def run_policy_step(policy: TorchPolicy, batch: Batch, loss_fn: PolicyLoss) -> dict:
     batch.tokens["old_logprobs"] = policy.logprobs(batch)
-    # A sleep/wake cycle before the step must not change its result.
-    policy.sleep()
-    policy.wake_up()
+    # A sleep/wake cycle before the step must not change its result (FSDP2 sleeps on CPU only).
+    if not (policy.config.parallel == "fsdp2" and policy.device.type == "cuda"):
+        policy.sleep()
+        policy.wake_up()
     metrics = policy.train_step(batch, loss_fn)
     weights = {name: t.cpu().clone() for name, t in policy.named_weights()}
     return {"metrics": metrics, "weights": weights, "old_logprobs": batch["old_logprobs"]}

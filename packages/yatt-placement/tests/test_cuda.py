@@ -25,6 +25,7 @@ from yatt.placement import (
     resident_bytes,
     resume,
 )
+from yatt.placement import _offload as placement_offload
 from yatt.placement._offload import tensor_bytes
 
 NUM_GPUS = 1
@@ -128,7 +129,10 @@ def test_offload_frees_trainer_memory_and_training_continues_identically():
     offload(optimizer)
     freed = before - _used_bytes()
     assert freed >= 0.95 * on_device, f"freed {freed / MIB:.0f} MiB of {on_device / MIB:.0f}"
-    assert all(p.device.type == "cpu" and p.is_pinned() for p in model.parameters())
+    # Offloaded CUDA tensors keep an empty placeholder on their device (see _offload's docs);
+    # their contents wait in pinned host memory.
+    assert all(p.is_cuda and p.numel() == 0 for p in model.parameters())
+    assert all(h.is_pinned() for h in placement_offload._OFFLOADED[model].hosts)
 
     onload(model)
     onload(optimizer)
@@ -213,3 +217,18 @@ def test_full_colocation_plan_swaps_engine_and_trainer():
     metrics = plan.metrics()
     assert metrics["placement/train/switch_s"] > 0.0
     del kv
+
+
+def test_offload_keeps_grad_accumulator_hooks():
+    # DDP all-reduces gradients from hooks on each parameter's grad accumulator; moving `.data`
+    # to another device would reset the accumulator and silently drop those hooks.
+    model = torch.nn.Linear(64, 64, device="cuda")
+    fired, accumulators = [], []  # a param holds its accumulator weakly; DDP keeps them alive
+    for param in model.parameters():
+        accumulators.append(param.view_as(param).grad_fn.next_functions[0][0])
+        accumulators[-1].register_hook(lambda *_: fired.append(1))
+    offload(model)
+    assert all(p.numel() == 0 and p.is_cuda for p in model.parameters())
+    onload(model)
+    model(torch.randn(8, 64, device="cuda")).sum().backward()
+    assert len(fired) == 2, "a grad-accumulator hook was lost across offload/onload"

@@ -21,6 +21,12 @@ stays as long as one neighbour lives. Onload therefore puts an object's tensors 
 `torch.cuda.MemPool` of its own, which offload drops, so from the first onload on an offload
 returns every byte. The first offload of a trainer built by ordinary code can still be short;
 offload logs a warning with the numbers when it is.
+
+Why a CUDA tensor keeps a CUDA placeholder while offloaded: assigning `.data` of another device
+resets a parameter's autograd grad accumulator, and with it every hook registered there (DDP's
+gradient all-reduce hooks among them: DDP would then silently skip the all-reduce). So an
+offloaded CUDA tensor's `.data` is an empty tensor on the same device and dtype, and its
+contents wait in `_Moved.hosts`; only the device-less CPU case swaps in the host copy itself.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class _Moved:
 
     tensors: list[torch.Tensor]
     devices: list[torch.device]
+    hosts: list[torch.Tensor]  # the contents, in host memory, while offloaded
     num_bytes: int
 
 
@@ -126,8 +133,13 @@ def _move_to_host(obj: Offloadable) -> _Moved:
     _synchronize_all()
     devices = [tensor.device for tensor in tensors]
     for tensor, host in zip(tensors, hosts, strict=True):
-        tensor.data = host
-    moved = _Moved(tensors=tensors, devices=devices, num_bytes=sum(h.nbytes for h in hosts))
+        # Same device and dtype: keeps the grad accumulator and its hooks (see the top).
+        tensor.data = (
+            torch.empty(0, dtype=host.dtype, device=tensor.device) if tensor.is_cuda else host
+        )
+    moved = _Moved(
+        tensors=tensors, devices=devices, hosts=hosts, num_bytes=sum(h.nbytes for h in hosts)
+    )
     _OFFLOADED[obj] = moved
     # Without its pools nothing keeps the object's old segments; empty_cache can return them.
     _POOLS.pop(obj, None)
@@ -161,9 +173,9 @@ def offload_all(objs: Sequence[Offloadable], *, should_empty_cache: bool = True)
     moves = [_move_to_host(obj) for obj in objs]
     if should_empty_cache and devices:
         moved_bytes = sum(
-            tensor.nbytes
+            host.nbytes
             for move in moves
-            for tensor, device in zip(move.tensors, move.devices, strict=True)
+            for host, device in zip(move.hosts, move.devices, strict=True)
             if device.type == "cuda"
         )
         _release_device_memory(devices, moved_bytes=moved_bytes, before=reserved_before)
@@ -182,14 +194,14 @@ def onload(obj: Offloadable) -> int:
     pools: dict[torch.device, object] = {}
     backs = []
     with contextlib.ExitStack() as private_pools:
-        for tensor, device in zip(moved.tensors, moved.devices, strict=True):
+        for host, device in zip(moved.hosts, moved.devices, strict=True):
             if device.type == "cuda" and device not in pools and _has_private_pools():
                 with torch.cuda.device(device):  # a pool belongs to the device it is made on
                     pools[device] = torch.cuda.MemPool()
                 # This thread's allocations on `device` go to the pool until the stack closes.
                 private_pools.enter_context(torch.cuda.use_mem_pool(pools[device], device=device))
-            back = torch.empty_like(tensor.data, device=device)
-            back.copy_(tensor.data, non_blocking=True)
+            back = torch.empty_like(host, device=device)
+            back.copy_(host, non_blocking=True)
             backs.append(back)
     # The pinned sources are freed when `.data` is swapped; wait for the copies out of them.
     _synchronize_all()
