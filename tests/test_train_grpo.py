@@ -108,3 +108,21 @@ def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, embedded):
     assert sorted(resumed) == sorted(expected) == list(range(6))
     for step in (4, 5):  # the steps after the checkpoint, recomputed by the resumed run
         assert {k: resumed[step][k] for k in keys} == {k: expected[step][k] for k in keys}
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "examples" / "configs").glob("*.yaml")), ids=str)
+def test_shipped_configs_use_only_known_keys(config, embedded, tmp_path):
+    import yaml
+
+    sys.path.insert(0, str(TRAINER.parent))
+    import train_grpo
+
+    raw = yaml.safe_load(config.read_text())
+    raw.setdefault("policy", {})["model_dir"] = embedded[0].split("=", 1)[1]
+    for section in ("rollout", "reward"):
+        engine = raw.get(section, {}).get("engine", {})
+        engine.pop("device", None)  # the trainer picks the rank's device
+    cfg = train_grpo.config_from_dict(train_grpo.TrainConfig, raw)
+    assert cfg.placement in ("full", "partial")
+    with pytest.raises(ValueError, match=r"unknown config key 'rollout\.temprature'"):
+        train_grpo.config_from_dict(train_grpo.TrainConfig, {**raw, "rollout": {"temprature": 1}})
