@@ -321,6 +321,7 @@ def test_closed_engine_refuses_work(tiny_model_dir):
         ("steps_per_sync", 0),
         ("max_prefill_tokens", 8),
         ("region_prefix", "a/b"),
+        ("device_memory_bytes", 0),
     ],
 )
 def test_config_rejects_bad_values(field, value):

@@ -67,3 +67,29 @@ def test_cuda_graph_matches_eager(tiny_model_dir):
         torch.testing.assert_close(
             torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0
         )
+
+
+def test_memory_fraction_resizes_the_kv_cache_on_cuda(tiny_model_dir):
+    # Sized from the GPU's total memory: the fraction that holds the weights and 2 slots.
+    config = EngineConfig(device="cuda", max_batch_size=8, max_seq_len=256, region_prefix="frac")
+    engine = BuiltinEngine(tiny_model_dir, config=config)
+    requests = [Request(prompt_ids=[5 + i, 6, 7]) for i in range(6)]
+    sampling = SamplingParams(n=2, max_new_tokens=90, seed=3, ignore_eos=True)
+    eight = engine.generate(requests, sampling)
+    layout, total = engine._kv_layout, torch.cuda.mem_get_info()[1]
+    share = engine._weight_bytes + layout.fixed_bytes + 2 * layout.slot_bytes
+    engine.set_memory_fraction(share / total * 1.0001)
+    assert engine.num_slots == 8  # applied at the next allocation
+    engine.sleep()
+    engine.wake_up(tags=("weights",))
+    engine.wake_up(tags=("kv_cache",))
+    assert engine.num_slots == 2
+    two = engine.generate(requests, sampling)  # graphs recaptured for the new slot count
+    assert [c.response_ids for c in two] == [c.response_ids for c in eight]
+    engine.set_memory_fraction(1.0)
+    assert [c.response_ids for c in engine.generate(requests, sampling)] == [
+        c.response_ids for c in eight
+    ]
+    assert engine.num_slots == 8
+    engine.sleep()
+    engine.close()

@@ -21,6 +21,10 @@ class EngineConfig:
     use_cuda_graph: bool = True  # capture the decode step in a CUDA graph (CUDA only)
     steps_per_sync: int = 8  # decode steps between host checks for finished slots
     region_prefix: str = "rollout"  # placement tags "<prefix>/weights", "<prefix>/kv_cache"
+    # Total device memory that set_memory_fraction(f) takes a share of (the engine's weights and
+    # KV cache get f times this). None: torch.cuda.mem_get_info's total on CUDA; no limit on CPU
+    # (max_batch_size slots), so set it to give CPU runs and tests a notional device.
+    device_memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -53,6 +57,13 @@ class EngineConfig:
                 f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens} is below "
                 f"max_seq_len={self.max_seq_len}: the longest prompt would not fit one prefill; "
                 "raise max_prefill_tokens"
+            )
+        if self.device_memory_bytes is not None and (
+            not isinstance(self.device_memory_bytes, int) or self.device_memory_bytes < 1
+        ):
+            raise ValueError(
+                f"EngineConfig.device_memory_bytes={self.device_memory_bytes!r}: must be an int "
+                ">= 1 (bytes), or None for the device's own total"
             )
         if not self.region_prefix or "/" in self.region_prefix:
             raise ValueError(

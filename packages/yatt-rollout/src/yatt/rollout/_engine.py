@@ -4,6 +4,10 @@ Memory lives in two placement regions, so `sleep()` gives it back on CUDA:
   "<prefix>/weights"  parameters and buffers (CPU backup: restored on wake-up)
   "<prefix>/kv_cache" the static KV cache and per-slot state (contents dropped on sleep)
 CUDA graphs and the allocator's cache are freed on sleep and rebuilt on the next call.
+
+As a placement role it declares memory_tags ("weights", "kv_cache"), so a plan's weight-sync
+phase wakes the weights alone, and set_memory_fraction(f) resizes the KV cache (number of slots)
+at its next allocation: the next wake_up of "kv_cache", or the start of the next generate/stream.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from yatt.placement import is_paused, pause, region, resume
 from yatt.rollout._batcher import SlotRunner, WorkItem
 from yatt.rollout._config import EngineConfig
+from yatt.rollout._kv_budget import KVLayout, check_memory_fraction, slots_for_fraction
 from yatt.rollout._requests import request_id_of, validate_requests
 from yatt.rollout._sampling import derive_key
 from yatt.rollout._static_kv import ATTN_IMPLEMENTATION, StaticKVCache, register_attention
@@ -40,6 +45,8 @@ class BuiltinEngine:
         model object, which the engine takes over (its tensors move into the engine's regions
         and its attention implementation is switched).
     """
+
+    memory_tags: tuple[str, ...] = _TAGS
 
     def __init__(
         self,
@@ -80,26 +87,19 @@ class BuiltinEngine:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = _eos_ids(model)
         with region(self._tags["weights"], enable_cpu_backup=True):
-            _move_into_current_region(model, self._device)
+            self._weight_bytes = _move_into_current_region(model, self._device)
         num_heads = text_config.num_attention_heads
-        with region(self._tags["kv_cache"]):
-            self._cache = StaticKVCache(
-                num_layers=text_config.num_hidden_layers,
-                num_slots=config.max_batch_size,
-                num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
-                max_seq_len=config.max_seq_len,
-                head_dim=getattr(text_config, "head_dim", None)
-                or text_config.hidden_size // num_heads,
-                dtype=next(model.parameters()).dtype,
-                device=self._device,
-            )
-            self._runner = SlotRunner(
-                model,
-                self._cache,
-                use_cuda_graph=config.use_cuda_graph,
-                steps_per_sync=config.steps_per_sync,
-                max_prefill_tokens=config.max_prefill_tokens,
-            )
+        self._kv_layout = KVLayout(
+            num_layers=text_config.num_hidden_layers,
+            num_kv_heads=getattr(text_config, "num_key_value_heads", None) or num_heads,
+            max_seq_len=config.max_seq_len,
+            head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads,
+            dtype=next(model.parameters()).dtype,
+        )
+        # Slots the next KV-cache allocation should have; set_memory_fraction changes it from any
+        # thread, the allocation happens under the lock, between calls.
+        self._target_num_slots = config.max_batch_size
+        self._allocate_kv_cache(config.max_batch_size)
         self._lock = threading.Lock()  # one generate/update/sleep at a time
         self._abort_event = threading.Event()
         self._is_running = False
@@ -169,6 +169,7 @@ class BuiltinEngine:
         should_stop = _AnyOf(self._abort_event, cancelled or threading.Event())
         with self._lock:
             self._check_awake()
+            self._resize_kv_cache_if_asked()
             self._abort_event.clear()
             self._is_running = True
             try:
@@ -231,9 +232,85 @@ class BuiltinEngine:
             for name in _TAGS:  # weights before KV cache, whatever order was given
                 if name in names and is_paused(self._tags[name]):
                     resume(self._tags[name])
-                    if name == "kv_cache":
+                    if name == "kv_cache" and not self._resize_kv_cache_if_asked():
                         with _on_device(self._device):
                             self._runner.reset_state()
+                elif name in names and name == "kv_cache":  # awake: resize now if asked
+                    self._resize_kv_cache_if_asked()
+
+    # -- KV-cache size (placement's memory split) -------------------------------------------------
+
+    @property
+    def num_slots(self) -> int:
+        """Sequences decoded together: the KV cache's rows as allocated now."""
+        return self._cache.num_slots
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        """Give the engine `fraction` of the device's memory for its weights and KV cache.
+
+        The KV cache gets `fraction * total - weight bytes` (total: EngineConfig.
+        device_memory_bytes, else the CUDA device's total memory; no limit on CPU without it),
+        as many slots of max_seq_len as fit, at most max_batch_size. Takes effect at the next
+        KV-cache allocation (next wake_up of "kv_cache", or the start of the next generate or
+        stream), never during a call. Fewer slots decode fewer sequences at once; samples stay
+        the same, since each draws from its own (seed, request, sample) key.
+
+        Raises ValueError for a fraction outside (0, 1] or too small for one slot.
+        """
+        value = check_memory_fraction(fraction)
+        total = self.config.device_memory_bytes
+        if total is None and self._device.type == "cuda":
+            total = torch.cuda.mem_get_info(self._device)[1]
+        self._target_num_slots = slots_for_fraction(
+            fraction=value,
+            device_total_bytes=total,
+            weight_bytes=self._weight_bytes,
+            layout=self._kv_layout,
+            max_batch_size=self.config.max_batch_size,
+        )
+
+    def resident_bytes(self) -> int:
+        """Bytes of the engine's tensors on its device now (a sleeping part counts 0)."""
+        weights = 0 if is_paused(self._tags["weights"]) else self._weight_bytes
+        if is_paused(self._tags["kv_cache"]):
+            return weights
+        layout = self._kv_layout
+        return weights + layout.fixed_bytes + self.num_slots * layout.slot_bytes
+
+    def _resize_kv_cache_if_asked(self) -> bool:
+        """Re-allocate the (awake) KV cache when its size is not the target; under the lock."""
+        if self._target_num_slots == self._cache.num_slots:
+            return False
+        old, new = self._cache.num_slots, self._target_num_slots
+        logger.info("KV cache %s: %d -> %d slots", self._tags["kv_cache"], old, new)
+        self._allocate_kv_cache(self._target_num_slots)
+        return True
+
+    def _allocate_kv_cache(self, num_slots: int) -> None:
+        """A fresh, zeroed KV cache and slot runner of `num_slots` (the old ones dropped first)."""
+        if hasattr(self, "_runner"):
+            # Graphs hold the old buffers; dropping everything first lets the region's pool
+            # reuse that memory for the new cache.
+            self._runner.release_graphs()
+            del self._runner, self._cache
+        layout = self._kv_layout
+        with region(self._tags["kv_cache"]), _on_device(self._device):
+            self._cache = StaticKVCache(
+                num_layers=layout.num_layers,
+                num_slots=num_slots,
+                num_kv_heads=layout.num_kv_heads,
+                max_seq_len=layout.max_seq_len,
+                head_dim=layout.head_dim,
+                dtype=layout.dtype,
+                device=self._device,
+            )
+            self._runner = SlotRunner(
+                self.model,
+                self._cache,
+                use_cuda_graph=self.config.use_cuda_graph,
+                steps_per_sync=self.config.steps_per_sync,
+                max_prefill_tokens=self.config.max_prefill_tokens,
+            )
 
     def close(self) -> None:
         """Abort any run, drop graphs and references.
@@ -257,9 +334,15 @@ class BuiltinEngine:
             raise RuntimeError("the engine is closed; build a new one")
 
     def _check_awake(self) -> None:
-        asleep = [name for name in _TAGS if is_paused(self._tags[name])]
+        # Raise rather than wake: waking the KV cache here could take memory a placement plan
+        # gave to another role (e.g. generate called in a weights-only "sync" phase).
+        asleep = tuple(name for name in _TAGS if is_paused(self._tags[name]))
         if asleep:
-            raise RuntimeError(f"the engine's {asleep} are asleep; call wake_up() first")
+            raise RuntimeError(
+                f"generation needs the whole engine but its {list(asleep)} are asleep; call "
+                f"wake_up(tags={asleep}) first (or generate inside a placement phase that names "
+                "the engine whole, such as 'rollout')"
+            )
 
 
 def _eos_ids(model: PreTrainedModel) -> list[int]:
@@ -271,13 +354,14 @@ def _eos_ids(model: PreTrainedModel) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-def _move_into_current_region(model: torch.nn.Module, device: torch.device) -> None:
-    """Give every parameter and buffer fresh storage, allocated in the open region.
+def _move_into_current_region(model: torch.nn.Module, device: torch.device) -> int:
+    """Give every parameter and buffer fresh storage, allocated in the open region; their bytes.
 
     Copying (rather than loading straight into the region) keeps loader threads and memory maps
     out of it, so the region holds exactly the model's tensors.
     """
     seen: set[int] = set()
+    num_bytes = 0
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             if id(tensor) in seen:
@@ -286,6 +370,8 @@ def _move_into_current_region(model: torch.nn.Module, device: torch.device) -> N
             fresh = torch.empty_like(tensor, device=device)
             fresh.copy_(tensor)
             tensor.data = fresh
+            num_bytes += fresh.numel() * fresh.element_size()
+    return num_bytes
 
 
 class _AnyOf:
