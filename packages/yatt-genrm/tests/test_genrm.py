@@ -156,3 +156,13 @@ def test_bad_configuration_is_rejected(kwargs: dict, match: str) -> None:
     args = {"template": verification_template(), "parser": ScoreParser(), **kwargs}
     with pytest.raises(ValueError, match=match):
         GenRM(FakeJudgeEngine(), **args)
+
+
+def test_prompt_tokens_count_the_judges_load() -> None:
+    engine = FakeJudgeEngine()
+    genrm = GenRM(engine, template=JudgeTemplate(user="{response}!"), parser=YesNoParser(), votes=3)
+    samples = [Sample(prompt="q", response="ab"), Sample(prompt="q", response="abcdefgh")]
+    genrm.score(samples)
+    lengths = [len(genrm.template.render_ids(s, engine.tokenizer)[0]) for s in samples]
+    assert lengths[1] - lengths[0] == 6  # one token per byte: the longer response shows
+    assert genrm.metrics["num_prompt_tokens"] == 3 * sum(lengths)  # every vote reads the prompt

@@ -76,7 +76,9 @@ class GenRM(StreamingScorer):
             raise ValueError(f"max_prompt_tokens={max_prompt_tokens!r}: must be >= 1 or None")
         self.max_prompt_tokens = max_prompt_tokens
         self._unparsable_log = UnparsableLog()
-        self.metrics.update(num_votes=0, num_unparsable_votes=0, num_truncated_responses=0)
+        self.metrics.update(
+            num_votes=0, num_unparsable_votes=0, num_truncated_responses=0, num_prompt_tokens=0
+        )
 
     @staticmethod
     def _make_sampling(sampling: SamplingParams | None, votes: int) -> SamplingParams:
@@ -118,6 +120,9 @@ class GenRM(StreamingScorer):
                 continue
             requests.append(Request(prompt_ids=ids, request_id=sample.id))
             positions.append(i)
+            # The judge's load (its KV cache fills with these): partial colocation splits
+            # memory between rollout and judge by such token counts.
+            self.metrics["num_prompt_tokens"] += len(ids) * self.votes
         return requests, positions, failed
 
     def _vote(self, completion: Completion) -> Vote:
