@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from yatt.balance import imbalance, partition
+from yatt.balance._dist_plan import partition_destination
 from yatt.balance.dist import RebalancePlan, rebalance, restore
 
 Pair = namedtuple("Pair", ["first", "second"])
@@ -96,11 +97,17 @@ def check_round_trip(
             for r, i in part:
                 assert home.setdefault((r, i // 4), dst) == dst, "a group is split"
         all_labels = [r * 1000 + i // 4 for r in range(world) for i in range(counts[r])]
+    # Balanced to within the default tolerance of the partition, and moving no more than
+    # handing each balanced part to one rank (the plan before locality) would.
     expected = partition(all_lengths, world, groups=all_labels, equal_size=equal_size)
-    assert sorted(map(sorted, parts)) == sorted(map(sorted, expected))
-    assert imbalance(parts, all_lengths) == imbalance(expected, all_lengths)
+    assert imbalance(parts, all_lengths) <= imbalance(expected, all_lengths) * (1 + 1e-3)
+    origin = np.repeat(np.arange(world), counts)
+    old = partition_destination(expected, origin, all_lengths.astype(float), world)
+    assert all_lengths[plan.destination != origin].sum() <= all_lengths[old != origin].sum()
     if equal_size and not grouped:
         assert len({len(p) for p in parts}) == 1
+    if equal_size and grouped:
+        assert len({len({(r, i // 4) for r, i in part}) for part in everyone}) == 1
     plans = gather(plan.destination.tolist())
     assert all(p == plans[0] for p in plans), "one plan on every rank"
 
@@ -127,6 +134,32 @@ def check_bad_input_raises_everywhere(device: torch.device) -> None:
         raise AssertionError("negative length on rank 1 must raise on every rank")
 
 
+def check_settings_must_agree(device: torch.device) -> None:
+    rank = dist.get_rank()
+    samples = [make_sample(rank, i, device) for i in range(3)]
+    for kwargs, needle in (
+        ({"tolerance": 1e-3 if rank == 0 else 0.0}, "same (equal_size, tolerance)"),
+        ({"tolerance": -1.0}, "tolerance must be a finite number >= 0"),
+    ):
+        try:
+            rebalance(samples, [5, 6, 7], **kwargs)
+        except ValueError as exc:
+            assert needle in str(exc), exc
+        else:
+            raise AssertionError(f"rebalance({kwargs}) must raise on every rank")
+
+
+def check_balanced_input_moves_nothing(device: torch.device) -> None:
+    rank = dist.get_rank()
+    # Every rank holds the same lengths in a different order: already balanced.
+    samples = [make_sample(0, i, device) for i in range(12)]
+    order = np.random.default_rng(rank).permutation(12).tolist()
+    samples = [samples[i] for i in order]
+    local, plan = rebalance(samples, [len(s["ids"]) for s in samples])
+    assert (plan.destination == plan.origin_rank(np.arange(plan.destination.shape[0]))).all()
+    assert [s["meta"]["origin"] for s in local] == [s["meta"]["origin"] for s in samples]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="gloo")
@@ -148,6 +181,8 @@ def main() -> None:
         check_round_trip([8] * world, device, grouped=False, equal_size=True)
         check_round_trip([8 * world] * world, device, grouped=True, equal_size=True)
         check_bad_input_raises_everywhere(device)
+        check_settings_must_agree(device)
+        check_balanced_input_moves_nothing(device)
         dist.barrier()
     finally:
         dist.destroy_process_group()

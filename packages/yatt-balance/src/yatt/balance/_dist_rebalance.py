@@ -27,6 +27,7 @@ def rebalance(
     groups: Any = None,
     costs: Any = None,
     equal_size: bool = False,
+    tolerance: float = 1e-3,
 ) -> tuple[list[Any], RebalancePlan]:
     """Move samples between the ranks of `group` so every rank gets about the same cost.
 
@@ -34,7 +35,11 @@ def rebalance(
     (e.g. `flops_cost(lengths, ...)`) is given, and it weighs how much data a move costs, so
     each balanced part goes to the rank that already holds most of it. `groups` labels local
     samples that must stay together (a GRPO prompt's responses); labels are local to a rank.
-    `equal_size` gives every rank the same number of samples (or groups). A sample is any
+    `equal_size` gives every rank the same number of samples (or groups). `tolerance` trades
+    balance for locality: the plan starts from where samples are and moves as few (and as
+    small) as it takes to bring every rank within (1 + tolerance) of the best balanced
+    partition found, falling back to that partition when it cannot; 0 asks for the best
+    balance whatever the movement (see make_plan for the exact rule). A sample is any
     picklable object; tensors inside dicts, lists and tuples move without pickling (on NCCL,
     GPU to GPU; call torch.cuda.set_device first). Collective: every rank of `group` calls it.
     Returns this rank's new samples and the plan that `restore` needs.
@@ -43,19 +48,30 @@ def rebalance(
     rank = dist.get_rank(group)
     samples = list(samples)
     local, error = _validate(samples, lengths, groups, costs)
+    if error is None:
+        error = _validate_settings(tolerance)
+    settings = (bool(equal_size), float(tolerance) if error is None else None)
     # Errors travel with the gathered data so every rank raises together instead of the
     # healthy ranks hanging in the next collective.
     gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, (local, error), group=group)
-    errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err]
+    dist.all_gather_object(gathered, (local, error, settings), group=group)
+    errors = [f"rank {r}: {err}" for r, (_, err, _) in enumerate(gathered) if err]
     if errors:
         raise ValueError("rebalance got bad input on " + "; ".join(errors))
+    # Each rank computes the plan itself, so differing settings would silently give
+    # different plans (and a hang in the exchange): refuse them on every rank together.
+    if len({g[2] for g in gathered}) > 1:
+        seen = ", ".join(f"rank {r}: {g[2]}" for r, g in enumerate(gathered))
+        raise ValueError(
+            f"rebalance needs the same (equal_size, tolerance) on every rank; got {seen}"
+        )
     plan = make_plan(
         rank=rank,
         costs=[g[0]["costs"] for g in gathered],
         volumes=[g[0]["lengths"] for g in gathered],
         group_labels=[g[0]["groups"] for g in gathered],
         equal_size=equal_size,
+        tolerance=float(tolerance),
     )
     origin = plan.origin_rank(np.arange(plan.destination.shape[0]))
     offsets = plan.offsets
@@ -119,6 +135,14 @@ def _assemble(
         samples[g - offsets[rank]] if src == rank else next(streams[src])
         for g, src in zip(held.tolist(), origin.tolist(), strict=True)
     ]
+
+
+def _validate_settings(tolerance: Any) -> str | None:
+    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float | np.number):
+        return f"tolerance must be a number >= 0 (e.g. 1e-3); got {tolerance!r}"
+    if not np.isfinite(tolerance) or tolerance < 0:
+        return f"tolerance must be a finite number >= 0 (e.g. 1e-3, or 0 for the best balance); got {tolerance!r}"
+    return None
 
 
 def _validate(
