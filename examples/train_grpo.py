@@ -24,37 +24,19 @@ from types import SimpleNamespace
 import yaml
 from tqdm import tqdm
 
+from yatt import core, genrm, rollout
 from yatt.balance import flops_cost
 from yatt.ckpt import Checkpointer, CkptConfig
-from yatt.core import (
-    Batch,
-    PolicyLoss,
-    RunLog,
-    ShardedLoader,
-    TorchPolicy,
-    TorchPolicyConfig,
-    compute_grpo_advantages,
-    config_from_dict,
-    init_runtime,
-    reduce_metrics,
-    sample_dynamically,
-)
-from yatt.genrm import (
-    CombinedRM,
-    ExactMatch,
-    GenRM,
-    JudgeTemplate,
-    Sample,
-    YesNoParser,
-    score_as_completed,
-)
 from yatt.placement import Plan
-from yatt.rollout import BuiltinEngine, EngineConfig, Request, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tiny_task  # the embedded default's setup step
 
 logger = logging.getLogger("train_grpo")
+ENGINES = {
+    "vllm": (rollout.VLLMEngine, rollout.VLLMConfig),
+    "sglang": (rollout.SGLangEngine, rollout.SGLangConfig),
+}
 
 
 # -- config -----------------------------------------------------------------------------------
@@ -72,17 +54,21 @@ class RolloutConfig:
     temperature: float = 1.0
     max_new_tokens: int = 4
     max_sampling_rounds: int = 3  # DAPO dynamic sampling: rollout rounds to fill the batch
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_seq_len=64))
+    backend: str = "builtin"  # "builtin", or "vllm"/"sglang" (GPU; yatt-rollout[vllm|sglang])
+    engine: rollout.EngineConfig = field(
+        default_factory=lambda: rollout.EngineConfig(max_seq_len=64)
+    )
+    backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
 
 
 @dataclass(kw_only=True)
 class RewardConfig:
-    judge_dir: str = ""  # the GenRM's model directory; "" = the embedded task's judge
+    judge_dir: str = ""  # the judge's model directory; "" = the embedded task's judge
     judge_template: str = "{prompt}{response} ref {reference}"  # JudgeTemplate.user
     votes: int = 1  # judge samples per response, averaged
     rule_weight: float = 0.0  # weight of an exact-match rule reward added to the judge's
-    engine: EngineConfig = field(
-        default_factory=lambda: EngineConfig(max_seq_len=96, region_prefix="genrm")
+    engine: rollout.EngineConfig = field(
+        default_factory=lambda: rollout.EngineConfig(max_seq_len=96, region_prefix="genrm")
     )
 
 
@@ -92,8 +78,8 @@ class TrainConfig:
     num_steps: int = 120
     out_dir: str = "runs/grpo"  # metrics, plot and checkpoints
     placement: str = "full"  # "full": phases in turn; "partial": rollout + GenRM resident
-    policy: TorchPolicyConfig  # model_dir "" = the embedded task's base policy
-    loss: PolicyLoss = field(default_factory=lambda: PolicyLoss(clip_high=0.28))
+    policy: core.TorchPolicyConfig  # model_dir "" = the embedded task's base policy
+    loss: core.PolicyLoss = field(default_factory=lambda: core.PolicyLoss(clip_high=0.28))
     ckpt: CkptConfig = field(default_factory=lambda: CkptConfig(every_steps=20, phases=("train",)))
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -114,9 +100,7 @@ def load_config(argv: list[str]) -> tuple[dict, bool]:
     parser.add_argument("overrides", nargs="*", help="e.g. rollout.temperature=0.7")
     args = parser.parse_intermixed_args(argv)
     raw: dict = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
-    raw.setdefault("policy", {})
-    for key, value in DEFAULT_POLICY.items():
-        raw["policy"].setdefault(key, value)
+    raw["policy"] = {**DEFAULT_POLICY, **raw.get("policy", {})}
     for item in args.overrides:
         dotted, sep, value = item.partition("=")
         if not sep:
@@ -129,6 +113,16 @@ def load_config(argv: list[str]) -> tuple[dict, bool]:
     return raw, args.resume
 
 
+def make_engine(rc: RolloutConfig, model_dir: str, device: str):
+    """The policy's rollout engine: built-in by default, vLLM or SGLang by config."""
+    if rc.backend == "builtin":
+        return rollout.BuiltinEngine(model_dir, config=replace(rc.engine, device=device))
+    if rc.backend in ("vllm", "sglang"):
+        engine_cls, config_cls = ENGINES[rc.backend]
+        return engine_cls(model_dir, config=config_cls(**rc.backend_options))
+    raise ValueError(f"rollout.backend={rc.backend!r}: use 'builtin', 'vllm' or 'sglang'")
+
+
 @contextlib.contextmanager
 def timed(timings: dict[str, float], name: str):
     t0 = time.perf_counter()
@@ -136,16 +130,18 @@ def timed(timings: dict[str, float], name: str):
     timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
 
 
-def rollout_round(step, rows, ctx) -> Batch:
+def rollout_round(step, rows, ctx) -> core.Batch:
     """Generate n samples per prompt and score them; one scored Batch (groups stay here)."""
     cfg, tok, timings, seen = ctx.cfg, ctx.tokenizer, ctx.timings, ctx.seen
     requests = [
-        Request(prompt_ids=tok(r[cfg.data.prompt_key], add_special_tokens=False)["input_ids"])
+        rollout.Request(
+            prompt_ids=tok(r[cfg.data.prompt_key], add_special_tokens=False)["input_ids"]
+        )
         for r in rows
     ]
     ctx.round += 1  # seeded by (seed, rank, step, round): a resumed run draws the same samples
     seed = cfg.seed * 1_000_003 + ctx.runtime.rank * 10_007 + step * 101 + ctx.round
-    sampling = SamplingParams(
+    sampling = rollout.SamplingParams(
         n=cfg.rollout.samples_per_prompt,
         temperature=cfg.rollout.temperature,
         max_new_tokens=cfg.rollout.max_new_tokens,
@@ -156,7 +152,7 @@ def rollout_round(step, rows, ctx) -> Batch:
         row = rows[c.request_index]
         reference = row.get(cfg.data.answer_key) if cfg.data.answer_key else None
         response = tok.decode(c.response_ids, skip_special_tokens=True)
-        return Sample(
+        return genrm.Sample(
             prompt=row[cfg.data.prompt_key], response=response, reference=reference, id=str(i)
         )
 
@@ -167,8 +163,13 @@ def rollout_round(step, rows, ctx) -> Batch:
             verdicts = ctx.scorer.score([to_sample(c, i) for i, c in enumerate(completions)])
     else:  # engine and judge both resident: the judge scores while the rollout's tail runs
         with timed(timings, "rollout+genrm"), ctx.plan.phase("rollout"):
-            stream = ctx.engine.stream(requests, sampling)
-            completions, verdicts = asyncio.run(score_as_completed(stream, ctx.scorer, to_sample))
+            s = ctx.engine.stream(requests, sampling)
+            completions, verdicts = asyncio.run(genrm.score_as_completed(s, ctx.scorer, to_sample))
+        # The next split of memory between the two follows this round's measured token loads.
+        r = sum(len(c.prompt_ids) + len(c.response_ids) for c in completions)
+        j = ctx.judge.metrics["num_prompt_tokens"] - ctx.judge_tokens
+        ctx.judge_tokens += j
+        ctx.plan.update_load(rollout_pending_tokens=r, genrm_pending_tokens=j)
     samples = []
     for i, (c, v) in enumerate(zip(completions, verdicts, strict=True)):
         seen["reward"] += v.reward
@@ -184,13 +185,15 @@ def rollout_round(step, rows, ctx) -> Batch:
                 "reward": float(v.reward),
             }
         )
-    return Batch.from_samples(samples, token_keys=("input_ids", "loss_mask", "rollout_logprobs"))
+    return core.Batch.from_samples(
+        samples, token_keys=("input_ids", "loss_mask", "rollout_logprobs")
+    )
 
 
 def summarize(local: dict[str, float], group) -> dict[str, float]:
     """One collective: sums for counts, max for phase times (the slowest rank sets the pace)."""
     ops = {k: "sum" if k.startswith("sum/") else "max" for k in local if k[:4] in ("sum/", "time")}
-    g = reduce_metrics(local, group=group, ops=ops)
+    g = core.reduce_metrics(local, group=group, ops=ops)
     count = max(g.pop("sum/count"), 1.0)
     return {
         "reward/mean": g.pop("sum/reward") / count,
@@ -204,35 +207,35 @@ def summarize(local: dict[str, float], group) -> dict[str, float]:
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     raw, should_resume = load_config(argv)
-    runtime = init_runtime(seed=raw.get("seed", 0))
+    runtime = core.init_runtime(seed=raw.get("seed", 0))
     engine = judge_engine = ckpt = run_log = None
     try:
         workdir = Path(raw.get("out_dir", TrainConfig.out_dir)) / "embedded"
         tiny_task.fill_missing_paths(raw, workdir, RewardConfig.judge_template, runtime)
         raw["policy"].setdefault("temperature", raw.get("rollout", {}).get("temperature", 1.0))
-        cfg = config_from_dict(TrainConfig, raw)
+        cfg = core.config_from_dict(TrainConfig, raw)
         device = str(runtime.device)
 
         # -- setup: policy, rollout engine, judge, data shard, placement, checkpoints, logs ----
-        policy = TorchPolicy(cfg.policy, runtime)
-        engine = BuiltinEngine(
-            cfg.policy.model_dir, config=replace(cfg.rollout.engine, device=device)
-        )
-        judge_engine = BuiltinEngine(
+        policy = core.TorchPolicy(cfg.policy, runtime)
+        engine = make_engine(cfg.rollout, cfg.policy.model_dir, device)
+        judge_engine = rollout.BuiltinEngine(
             cfg.reward.judge_dir, config=replace(cfg.reward.engine, device=device)
         )
         tok = engine.tokenizer
-        judge = GenRM(
+        judge = genrm.GenRM(
             judge_engine,
-            template=JudgeTemplate(user=cfg.reward.judge_template),
-            parser=YesNoParser(),
+            template=genrm.JudgeTemplate(user=cfg.reward.judge_template),
+            parser=genrm.YesNoParser(),
             votes=cfg.reward.votes,
-            sampling=SamplingParams(temperature=float(cfg.reward.votes > 1), max_new_tokens=4),
+            sampling=rollout.SamplingParams(
+                temperature=float(cfg.reward.votes > 1), max_new_tokens=4
+            ),
         )
-        exact = ExactMatch()  # ground truth for the accuracy metric (and an optional rule reward)
+        exact = genrm.ExactMatch()  # ground truth for the accuracy metric (optional rule reward)
         rules = [(exact, cfg.reward.rule_weight)]
-        scorer = CombinedRM(judge, rules) if cfg.reward.rule_weight else judge
-        loader = ShardedLoader(
+        scorer = genrm.CombinedRM(judge, rules) if cfg.reward.rule_weight else judge
+        loader = core.ShardedLoader(
             cfg.data.path,
             batch_size=cfg.data.prompts_per_rank,
             rank=runtime.dp_rank,
@@ -254,10 +257,10 @@ def main(argv: list[str]) -> None:
             start_step = extra["step"] + 1
             engine.update_weights(policy.named_weights())  # the engine starts from the saved policy
             logger.info("resumed after step %d", extra["step"])
-        run_log = RunLog(cfg.out_dir, is_writer=runtime.is_rank_zero, resume_step=start_step)
+        run_log = core.RunLog(cfg.out_dir, is_writer=runtime.is_rank_zero, resume_step=start_step)
         shape = policy.model_config
         ctx = SimpleNamespace(cfg=cfg, runtime=runtime, tokenizer=tok, plan=plan, engine=engine)
-        ctx.scorer, ctx.exact, ctx.timings = scorer, exact, {}
+        ctx.__dict__.update(scorer=scorer, exact=exact, timings={}, judge=judge, judge_tokens=0)
 
         # -- the GRPO loop ------------------------------------------------------------------
         bar = tqdm(range(start_step, cfg.num_steps), disable=not runtime.is_rank_zero, desc="grpo")
@@ -266,14 +269,14 @@ def main(argv: list[str]) -> None:
             ctx.timings = {"ckpt": ctx.timings.get("ckpt", 0.0)}  # the last save, one step late
             ctx.round = 0
             # rollout + GenRM; DAPO dynamic sampling drops zero-variance groups and refills
-            batch, sampling_stats = sample_dynamically(
+            batch, sampling_stats = core.sample_dynamically(
                 lambda n, step=step: rollout_round(step, loader.next_batch(max(n, 1)), ctx),
                 num_groups=cfg.data.prompts_per_rank,
                 max_rounds=cfg.rollout.max_sampling_rounds,
                 group=runtime.dp_group,
             )
             # advantages are local: a whole group lives on this rank
-            batch.samples["advantages"] = compute_grpo_advantages(
+            batch.samples["advantages"] = core.compute_grpo_advantages(
                 batch.samples["reward"], batch.samples["group_id"]
             )
             with timed(ctx.timings, "balance"):  # lengths cross ranks; moved samples go p2p
@@ -312,13 +315,10 @@ def main(argv: list[str]) -> None:
                 break
         ckpt.wait()
         if runtime.is_rank_zero and (records := run_log.read()):
-            first, last = records[0], records[-1]
-            logger.info(
-                "reward %.3f -> %.3f, accuracy %.3f -> %.3f (steps %d..%d); plot %s",
-                first["reward/mean"], last["reward/mean"], first["reward/accuracy"],
-                last["reward/accuracy"], first["step"], last["step"],
-                run_log.plot(["reward/mean", "reward/accuracy", "response/length_mean"]),
-            )  # fmt: skip
+            keys = ("reward/mean", "reward/accuracy")
+            change = {k: f"{records[0][k]:.3f} -> {records[-1][k]:.3f}" for k in keys}
+            plot = run_log.plot([*keys, "response/length_mean"])
+            logger.info("over steps %d..%d: %s; plot %s", start_step, step, change, plot)
     finally:
         for closeable in (ckpt, run_log, judge_engine, engine):
             if closeable is not None:

@@ -122,7 +122,17 @@ def test_shipped_configs_use_only_known_keys(config, embedded, tmp_path):
     for section in ("rollout", "reward"):
         engine = raw.get(section, {}).get("engine", {})
         engine.pop("device", None)  # the trainer picks the rank's device
-    cfg = train_grpo.config_from_dict(train_grpo.TrainConfig, raw)
+    cfg = train_grpo.core.config_from_dict(train_grpo.TrainConfig, raw)
     assert cfg.placement in ("full", "partial")
     with pytest.raises(ValueError, match=r"unknown config key 'rollout\.temprature'"):
-        train_grpo.config_from_dict(train_grpo.TrainConfig, {**raw, "rollout": {"temprature": 1}})
+        train_grpo.core.config_from_dict(
+            train_grpo.TrainConfig, {**raw, "rollout": {"temprature": 1}}
+        )
+
+
+def test_unknown_rollout_backend_is_a_clear_error():
+    sys.path.insert(0, str(TRAINER.parent))
+    import train_grpo
+
+    with pytest.raises(ValueError, match=r"rollout\.backend='tgi'"):
+        train_grpo.make_engine(train_grpo.RolloutConfig(backend="tgi"), "unused", "cpu")
