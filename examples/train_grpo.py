@@ -251,6 +251,8 @@ def main(argv: list[str]) -> None:
         ckpt = Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
         ckpt.install_signal_handlers()  # SIGTERM/SIGUSR1: final save at the next boundary
         start_step = 0
+        if not should_resume and ckpt.latest() is not None:  # never mix two runs' checkpoints
+            raise ValueError(f"{cfg.out_dir} has checkpoints: pass --resume or a new out_dir")
         if should_resume and ckpt.latest() is not None:
             extra = ckpt.load(policy.state())
             loader.load_state_dict(extra["loader"])
@@ -258,7 +260,6 @@ def main(argv: list[str]) -> None:
             engine.update_weights(policy.named_weights())  # the engine starts from the saved policy
             logger.info("resumed after step %d", extra["step"])
         run_log = core.RunLog(cfg.out_dir, is_writer=runtime.is_rank_zero, resume_step=start_step)
-        shape = policy.model_config
         ctx = SimpleNamespace(cfg=cfg, runtime=runtime, tokenizer=tok, plan=plan, engine=engine)
         ctx.__dict__.update(scorer=scorer, exact=exact, timings={}, judge=judge, judge_tokens=0)
 
@@ -266,8 +267,7 @@ def main(argv: list[str]) -> None:
         bar = tqdm(range(start_step, cfg.num_steps), disable=not runtime.is_rank_zero, desc="grpo")
         for step in bar:
             ctx.seen = dict.fromkeys(("reward", "correct", "length", "count"), 0.0)
-            ctx.timings = {"ckpt": ctx.timings.get("ckpt", 0.0)}  # the last save, one step late
-            ctx.round = 0
+            ctx.timings, ctx.round = {"ckpt": ctx.timings.get("ckpt", 0.0)}, 0  # last save: late
             # rollout + GenRM; DAPO dynamic sampling drops zero-variance groups and refills
             batch, sampling_stats = core.sample_dynamically(
                 lambda n, step=step: rollout_round(step, loader.next_batch(max(n, 1)), ctx),
@@ -282,8 +282,8 @@ def main(argv: list[str]) -> None:
             with timed(ctx.timings, "balance"):  # lengths cross ranks; moved samples go p2p
                 costs = flops_cost(
                     batch.lengths.tolist(),
-                    hidden_size=shape.hidden_size,
-                    num_layers=shape.num_hidden_layers,
+                    hidden_size=policy.model_config.hidden_size,
+                    num_layers=policy.model_config.num_hidden_layers,
                 )
                 batch, _ = batch.rebalance(
                     group=runtime.dp_group, group_key="group_id", costs=costs
@@ -318,7 +318,7 @@ def main(argv: list[str]) -> None:
             keys = ("reward/mean", "reward/accuracy")
             change = {k: f"{records[0][k]:.3f} -> {records[-1][k]:.3f}" for k in keys}
             plot = run_log.plot([*keys, "response/length_mean"])
-            logger.info("over steps %d..%d: %s; plot %s", start_step, step, change, plot)
+            logger.info("steps %d..%d: %s; plot %s", records[0]["step"], step, change, plot)
     finally:
         for closeable in (ckpt, run_log, judge_engine, engine):
             if closeable is not None:
