@@ -315,10 +315,10 @@ def main(argv: list[str]) -> None:
                 break
         ckpt.wait()
         if runtime.is_rank_zero and (records := run_log.read()):
-            keys = ("reward/mean", "reward/accuracy")
-            change = {k: f"{records[0][k]:.3f} -> {records[-1][k]:.3f}" for k in keys}
+            first, last, keys = records[0], records[-1], ("reward/mean", "reward/accuracy")
+            change = {k: f"{first[k]:.3f} -> {last[k]:.3f}" for k in keys}
             plot = run_log.plot([*keys, "response/length_mean"])
-            logger.info("steps %d..%d: %s; plot %s", records[0]["step"], step, change, plot)
+            logger.info("steps %d..%d: %s; plot %s", first["step"], last["step"], change, plot)
     finally:
         for closeable in (ckpt, run_log, judge_engine, engine):
             if closeable is not None:
