@@ -66,3 +66,24 @@ def test_two_ranks_save_one_rank_loads(tmp_path):
         for field in ("exp_avg", "exp_avg_sq", "step"):
             want = full["optim"]["state"][name][field]
             assert torch.equal(loaded_optim[index][field], want), (name, field)
+
+
+def test_per_rank_keyed_state_saves_and_loads_on_the_same_ranks(tmp_path):
+    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    worker = Path(__file__).with_name("_rank_keyed_worker.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(tmp_path / "ckpt")],
+            env=dict(env, RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs

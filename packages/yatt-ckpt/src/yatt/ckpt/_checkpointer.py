@@ -42,7 +42,13 @@ from yatt.ckpt._layout import (
 from yatt.ckpt._rng import capture_rng_state, restore_rng_state
 from yatt.ckpt._schedule import SaveDecision, SaveSchedule
 from yatt.ckpt._staging import HostStager
-from yatt.ckpt._state import apply_state_dict, check_shapes, collect_state_dict, validate_state
+from yatt.ckpt._state import (
+    apply_state_dict,
+    check_shapes,
+    collect_state_dict,
+    flatten_tensors,
+    validate_state,
+)
 from yatt.ckpt._writer import create_stager, stage_to_cpu, write_and_commit
 
 logger = logging.getLogger("yatt.ckpt")
@@ -219,10 +225,13 @@ class Checkpointer:
             candidates = list(reversed(list_committed_steps(self.root)))
         if not candidates:
             raise CheckpointError(f"no committed checkpoint under {str(self.root)!r}")
+        # Collective, once, before any rank can fall back on its own: the tensor keys every rank
+        # loads (per-rank keyed states hold only their own keys on each rank).
+        all_live_keys = self._group.union(set(flatten_tensors(collect_state_dict(state, owners))))
         failures = []
         for candidate in candidates:
             try:
-                return self._load_one(candidate, state, owners)
+                return self._load_one(candidate, state, owners, all_live_keys)
             except CheckpointError as e:
                 if step is not None:
                     raise
@@ -287,7 +296,9 @@ class Checkpointer:
             keep_every=self.config.keep_every,
         )
 
-    def _load_one(self, step: int, state: dict[str, Any], owners: dict) -> Any:
+    def _load_one(
+        self, step: int, state: dict[str, Any], owners: dict, all_live_keys: set[str]
+    ) -> Any:
         info = read_info(self.root, step)
         source_rank = self._group.rank % info.world_size
         record = read_rank_record(info, source_rank)
@@ -306,7 +317,7 @@ class Checkpointer:
                 stacklevel=3,
             )
         live = collect_state_dict(state, owners)
-        check_shapes(live, metadata, name=str(info.path))
+        check_shapes(live, metadata, name=str(info.path), all_live_keys=all_live_keys)
         try:
             dcp.load(
                 live,

@@ -46,6 +46,14 @@ class RankGroup:
         if reported:
             raise CheckpointError("; ".join(reported))
 
+    def union(self, keys: set[str]) -> set[str]:
+        """The union of every rank's `keys` (on the training thread's group)."""
+        if not self.is_distributed:
+            return set(keys)
+        gathered: list[set[str] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, set(keys), group=self.ctl)
+        return set().union(*gathered)
+
     def any_rank(self, flags: list[bool]) -> list[bool]:
         """Element-wise OR of `flags` over ranks (on the training thread's group)."""
         if not self.is_distributed:

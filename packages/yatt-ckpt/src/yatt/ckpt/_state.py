@@ -105,8 +105,19 @@ def flatten_tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
-def check_shapes(live: dict[str, Any], metadata: Metadata, *, name: str) -> None:
-    """Raise ValueError naming the first key whose stored shape differs from the live one."""
+def check_shapes(
+    live: dict[str, Any],
+    metadata: Metadata,
+    *,
+    name: str,
+    all_live_keys: set[str] | None = None,
+) -> None:
+    """Raise ValueError naming the first key whose stored shape differs from the live one.
+
+    all_live_keys: the tensor keys every rank loads (their union). States keyed per rank (a
+    tensor-parallel shard under "model.tp{r}...") hold on each rank only that rank's keys; a
+    stored key counts as extra only if no rank asks for it.
+    """
     stored = {
         k: tuple(m.size)
         for k, m in metadata.state_dict_metadata.items()
@@ -126,7 +137,8 @@ def check_shapes(live: dict[str, Any], metadata: Metadata, *, name: str) -> None
             )
     roots = {k.split(".", 1)[0] for k in live}
     for key, shape in stored.items():
-        if key.split(".", 1)[0] in roots and key not in live_tensors:
+        known = live_tensors.keys() if all_live_keys is None else all_live_keys
+        if key.split(".", 1)[0] in roots and key not in known:
             raise ValueError(
                 f"checkpoint {name!r} does not match the live state: it has tensor {key!r} "
                 f"(shape {shape}) that the live state lacks; it was saved from a different model"
