@@ -12,18 +12,17 @@ cache flush. The mapping functions are pure so CPU tests cover them; nothing her
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from yatt.rollout._requests import request_id_of, validate_requests
+from yatt.rollout._adapter import ThreadedAdapter
+from yatt.rollout._requests import request_id_of
 from yatt.rollout._sampling import derive_key
-from yatt.rollout._streaming import stream_from_thread
 from yatt.rollout._types import (
     DEFAULT_BUCKET_BYTES,
     Completion,
@@ -100,8 +99,10 @@ def sglang_memory_tags(names: Sequence[str], *, has_cuda_graph_tag: bool) -> lis
     return tags
 
 
-class SGLangEngine:
+class SGLangEngine(ThreadedAdapter):
     """RolloutEngine over an in-process `sglang.Engine` with the memory saver enabled."""
+
+    _thread_name = "yatt-sglang"
 
     def __init__(self, model: str | Path, *, config: SGLangConfig | None = None) -> None:
         self.config = config = config if config is not None else SGLangConfig()
@@ -125,19 +126,6 @@ class SGLangEngine:
         self.is_multimodal = bool(getattr(manager.model_config, "is_multimodal", False))
         self._lock = threading.Lock()
 
-    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:
-        out: list[Completion] = []
-        self._run(self._prepare(requests, sampling), out.append)
-        return sorted(out, key=lambda c: (c.request_index, c.sample_index))
-
-    def stream(
-        self, requests: Sequence[Request], sampling: SamplingParams
-    ) -> AsyncIterator[Completion]:
-        jobs = self._prepare(requests, sampling)
-        return stream_from_thread(
-            lambda emit: self._run(jobs, emit), abort=self.abort, name="yatt-sglang"
-        )
-
     def abort(self) -> None:
         if self._lock.locked():
             manager = self._engine.tokenizer_manager
@@ -145,14 +133,7 @@ class SGLangEngine:
             self._engine.loop.call_soon_threadsafe(manager.abort_request, "", True)
 
     def _prepare(self, requests: Sequence[Request], sampling: SamplingParams) -> list[tuple]:
-        validate_requests(
-            requests,
-            sampling,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-            accepts_images=self.is_multimodal,
-        )
-        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(7))
+        seed = self._validate_and_seed(requests, sampling)
         return [
             (i, j, request, sglang_sampling_params(sampling, sample_seed=derive_key(seed, i, j)))
             for i, request in enumerate(requests)

@@ -18,16 +18,16 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from yatt.rollout._requests import request_id_of, validate_requests
+from yatt.rollout._adapter import ThreadedAdapter
+from yatt.rollout._requests import request_id_of
 from yatt.rollout._sampling import derive_key
-from yatt.rollout._streaming import stream_from_thread
 from yatt.rollout._types import (
     DEFAULT_BUCKET_BYTES,
     Completion,
@@ -101,8 +101,10 @@ def finish_reason_of(vllm_reason: str | None) -> FinishReason:
     raise RuntimeError(f"vLLM finished a request with unknown reason {vllm_reason!r}")
 
 
-class VLLMEngine:
+class VLLMEngine(ThreadedAdapter):
     """RolloutEngine over an in-process `vllm.LLM` with sleep mode enabled."""
+
+    _thread_name = "yatt-vllm"
 
     def __init__(self, model: str | Path, *, config: VLLMConfig | None = None) -> None:
         self.config = config = config if config is not None else VLLMConfig()
@@ -135,32 +137,12 @@ class VLLMEngine:
         self._lock = threading.Lock()
         self._abort_event = threading.Event()
 
-    def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:
-        out: list[Completion] = []
-        self._run(self._prepare(requests, sampling), out.append)
-        return sorted(out, key=lambda c: (c.request_index, c.sample_index))
-
-    def stream(
-        self, requests: Sequence[Request], sampling: SamplingParams
-    ) -> AsyncIterator[Completion]:
-        jobs = self._prepare(requests, sampling)
-        return stream_from_thread(
-            lambda emit: self._run(jobs, emit), abort=self.abort, name="yatt-vllm"
-        )
-
     def abort(self) -> None:
         if self._lock.locked():
             self._abort_event.set()
 
     def _prepare(self, requests: Sequence[Request], sampling: SamplingParams) -> list[tuple]:
-        validate_requests(
-            requests,
-            sampling,
-            vocab_size=self.vocab_size,
-            max_seq_len=self.max_seq_len,
-            accepts_images=self.is_multimodal,
-        )
-        seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(7))
+        seed = self._validate_and_seed(requests, sampling)
         output_kind = self._vllm.sampling_params.RequestOutputKind.DELTA
         jobs = []
         for i, request in enumerate(requests):
