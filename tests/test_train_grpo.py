@@ -6,7 +6,6 @@ NUM_GPUS = 0
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,11 +19,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import tiny_task
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from yatt.testing import free_port
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +41,7 @@ def _command(out_dir: Path, embedded: list[str], *args: str, nproc: int = 2) -> 
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         str(TRAINER),
         f"out_dir={out_dir}",
         "data.prompts_per_rank=4",

@@ -46,3 +46,22 @@ def test_seed_controls_weights():
     key = next(iter(a))
     assert torch.equal(a[key], b[key])
     assert not torch.equal(a[key], c[key])
+
+
+def test_run_ranks_sets_the_distributed_env_and_reports_failed_ranks(tmp_path):
+    import sys
+
+    from yatt.testing import run_ranks
+
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys\n"
+        "print(os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'])\n"
+        "sys.exit(int(os.environ['RANK']) == int(sys.argv[1]))\n"
+    )
+    logs = run_ranks([sys.executable, str(script), "-1"], 3)
+    ranks = [line.split() for line in logs]
+    assert [r[:2] for r in ranks] == [["0", "3"], ["1", "3"], ["2", "3"]]
+    assert len({r[2] for r in ranks}) == 1  # one shared MASTER_PORT
+    with pytest.raises(AssertionError, match="--- rank 1 ---"):
+        run_ranks([sys.executable, str(script), "1"], 2)

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from yatt.testing import make_tiny_causal_lm
+from yatt.testing import make_tiny_causal_lm, run_ranks
 
 CPU_WORKERS = Path(__file__).with_name("_cpu_workers.py")
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -20,46 +17,14 @@ ARCHS = ("llama", "qwen2", "qwen3")
 CASES = {1: [("megatron", 1.0), ("sdpa", 0.7)], 2: [("sdpa", 1.0)]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_megatron(
     out_dir: Path, scenario: str, world_size: int, timeout_s: float = 400, **kwargs
 ):
     """Run _cpu_workers.py on `world_size` gloo ranks (one per TP rank); each rank's result."""
     out_dir.mkdir(parents=True)
-    port = _free_port()
-    procs = []
-    for rank in range(world_size):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-            CUDA_VISIBLE_DEVICES="",
-            PYTHONWARNINGS="ignore",
-        )
-        args = [sys.executable, str(CPU_WORKERS), scenario, str(out_dir), json.dumps(kwargs)]
-        procs.append(
-            subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        )
-    logs = []
-    for proc in procs:
-        try:
-            stdout, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        logs.append(stdout.decode(errors="replace"))
-    failed = [r for r, proc in enumerate(procs) if proc.returncode != 0]
-    assert not failed, "\n".join(f"--- rank {r} ---\n{logs[r][-3000:]}" for r in failed)
+    args = [sys.executable, str(CPU_WORKERS), scenario, str(out_dir), json.dumps(kwargs)]
+    env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
+    run_ranks(args, world_size, env=env, timeout_s=timeout_s)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 

@@ -1,5 +1,6 @@
 """Shared test helpers for the yatt packages: tiny local models and tokenizers."""
 
+from yatt.testing._ranks import free_port, run_ranks
 from yatt.testing._tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, make_tiny_causal_lm, make_tokenizer
 from yatt.testing._version import __version__
 
@@ -7,6 +8,8 @@ __all__ = [
     "CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
     "__version__",
+    "free_port",
     "make_tiny_causal_lm",
     "make_tokenizer",
+    "run_ranks",
 ]
