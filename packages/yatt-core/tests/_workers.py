@@ -65,13 +65,27 @@ def policy_config(model_dir: str, parallel: str, max_tokens: int) -> TorchPolicy
 
 def run_policy_step(policy: TorchPolicy, batch: Batch, loss_fn: PolicyLoss) -> dict:
     batch.tokens["old_logprobs"] = policy.logprobs(batch)
-    # A sleep/wake cycle before the step must not change its result (FSDP2 sleeps on CPU only).
-    if not (policy.config.parallel == "fsdp2" and policy.device.type == "cuda"):
-        policy.sleep()
-        policy.wake_up()
+    # A sleep/wake cycle before the step must not change its result; on CUDA it frees memory.
+    freed = 0
+    if policy.device.type == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+    policy.sleep()
+    if policy.device.type == "cuda":
+        freed = before - torch.cuda.memory_allocated()
+    policy.wake_up()
     metrics = policy.train_step(batch, loss_fn)
+    # Bytes of this rank's parameters (its shards under FSDP2), freed by the sleep above.
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in policy.module.parameters()]
+    local_bytes = sum(t.nbytes for t in local)
     weights = {name: t.cpu().clone() for name, t in policy.named_weights()}
-    return {"metrics": metrics, "weights": weights, "old_logprobs": batch["old_logprobs"]}
+    return {
+        "metrics": metrics,
+        "weights": weights,
+        "old_logprobs": batch["old_logprobs"],
+        "freed_bytes": freed,
+        "param_bytes": local_bytes,
+    }
 
 
 def scenario_policy(rt, out: dict, *, model_dir: str, runs: list) -> None:

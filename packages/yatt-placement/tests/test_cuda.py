@@ -232,3 +232,30 @@ def test_offload_keeps_grad_accumulator_hooks():
     onload(model)
     model(torch.randn(8, 64, device="cuda")).sum().backward()
     assert len(fired) == 2, "a grad-accumulator hook was lost across offload/onload"
+
+
+def test_fsdp2_offload_frees_the_sharded_storage_and_training_continues(tmp_path, fsdp2):
+    # FSDP2 keeps padded shard storage behind each DTensor parameter; offload moves the module
+    # with .to() so that storage leaves the GPU too (see _offload_dtensor).
+    one_rank_group, sharded_model_and_optimizer, train_step = fsdp2
+    with one_rank_group(tmp_path, backend="nccl"):
+        model, optimizer = sharded_model_and_optimizer("cuda", width=4096)
+        twin, twin_optimizer = sharded_model_and_optimizer("cuda", width=4096)
+        train_step(model, optimizer, 1)
+        train_step(twin, twin_optimizer, 1)
+        gc.collect()
+        torch.cuda.empty_cache()
+        local = sum(p.to_local().nbytes for p in model.parameters())
+
+        before = _used_bytes()
+        TrainerRole(model, optimizer).sleep()
+        freed = before - _used_bytes()
+        # Weights and both AdamW moments, float32.
+        assert freed >= 0.9 * 3 * local, f"freed {freed / MIB:.0f} MiB of {3 * local / MIB:.0f}"
+        TrainerRole(model, optimizer).wake_up()
+        assert all(p.to_local().is_cuda for p in model.parameters())
+        for seed in (2, 3):
+            train_step(model, optimizer, seed)
+            train_step(twin, twin_optimizer, seed)
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p.full_tensor(), q.full_tensor())

@@ -349,17 +349,9 @@ class TorchPolicy:
     def sleep(self) -> None:
         """Offload parameters, gradients and optimizer state to host memory (yatt.placement).
 
-        Under DDP the gradient buckets stay on the device (DDP owns them).
+        Under DDP the gradient buckets stay on the device (DDP owns them). Under FSDP2 the
+        module moves with `.to()`, which also moves FSDP2's own shard storage.
         """
-        if self.config.parallel == "fsdp2" and self.device.type == "cuda":
-            # FSDP2 keeps its own padded shard storage behind each DTensor parameter; swapping
-            # the parameters' data neither frees it nor survives the device check (seen on an
-            # H200, torch 2.11). TODO: offload FSDPParam's sharded storage directly.
-            raise NotImplementedError(
-                "TorchPolicy.sleep() with parallel='fsdp2' on CUDA is not supported yet; use "
-                "parallel='ddp' for colocated placement, or Plan.separate to keep the trainer "
-                "resident"
-            )
         self._role.sleep()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:

@@ -27,6 +27,9 @@ resets a parameter's autograd grad accumulator, and with it every hook registere
 gradient all-reduce hooks among them: DDP would then silently skip the all-reduce). So an
 offloaded CUDA tensor's `.data` is an empty tensor on the same device and dtype, and its
 contents wait in `_Moved.hosts`; only the device-less CPU case swaps in the host copy itself.
+
+FSDP2 modules, and optimizers whose state is sharded, move with `.to()` instead: see
+`_offload_dtensor`.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from yatt.placement import _offload_dtensor
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +59,8 @@ class _Moved:
     devices: list[torch.device]
     hosts: list[torch.Tensor]  # the contents, in host memory, while offloaded
     num_bytes: int
+    device_bytes: int  # of num_bytes, those that left a CUDA device
+    by_to: bool = False  # moved with .to() (FSDP2): tensors/hosts are empty, devices[0] is home
 
 
 # Keyed weakly so an offloaded object that the user drops is not kept alive by the books.
@@ -122,6 +129,19 @@ def _release_device_memory(devices: list[torch.device], *, moved_bytes: int, bef
 
 
 def _move_to_host(obj: Offloadable) -> _Moved:
+    if _offload_dtensor.moves_by_to(obj):
+        home = _offload_dtensor.device_of(obj)
+        num_bytes = _offload_dtensor.move(obj, "cpu")
+        moved = _Moved(
+            tensors=[],
+            devices=[home],
+            hosts=[],
+            num_bytes=num_bytes,
+            device_bytes=num_bytes if home.type == "cuda" else 0,
+            by_to=True,
+        )
+        _OFFLOADED[obj] = moved
+        return moved
     tensors = list(_tensors_of(obj))
     pin = torch.cuda.is_available()
     hosts = []
@@ -138,7 +158,11 @@ def _move_to_host(obj: Offloadable) -> _Moved:
             torch.empty(0, dtype=host.dtype, device=tensor.device) if tensor.is_cuda else host
         )
     moved = _Moved(
-        tensors=tensors, devices=devices, hosts=hosts, num_bytes=sum(h.nbytes for h in hosts)
+        tensors=tensors,
+        devices=devices,
+        hosts=hosts,
+        num_bytes=sum(h.nbytes for h in hosts),
+        device_bytes=sum(h.nbytes for h, d in zip(hosts, devices, strict=True) if d.type == "cuda"),
     )
     _OFFLOADED[obj] = moved
     # Without its pools nothing keeps the object's old segments; empty_cache can return them.
@@ -172,12 +196,7 @@ def offload_all(objs: Sequence[Offloadable], *, should_empty_cache: bool = True)
     reserved_before = _reserved_bytes(devices)
     moves = [_move_to_host(obj) for obj in objs]
     if should_empty_cache and devices:
-        moved_bytes = sum(
-            host.nbytes
-            for move in moves
-            for host, device in zip(move.hosts, move.devices, strict=True)
-            if device.type == "cuda"
-        )
+        moved_bytes = sum(move.device_bytes for move in moves)
         _release_device_memory(devices, moved_bytes=moved_bytes, before=reserved_before)
     return sum(move.num_bytes for move in moves)
 
@@ -191,6 +210,10 @@ def onload(obj: Offloadable) -> int:
     moved = _OFFLOADED.get(obj)
     if moved is None:
         raise RuntimeError(f"onload: this {type(obj).__name__} is not offloaded; offload it first")
+    if moved.by_to:
+        _offload_dtensor.move(obj, moved.devices[0])
+        del _OFFLOADED[obj]
+        return moved.num_bytes
     pools: dict[torch.device, object] = {}
     backs = []
     with contextlib.ExitStack() as private_pools:
