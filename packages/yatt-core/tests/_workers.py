@@ -127,6 +127,12 @@ def scenario_controller(rt, out: dict, *, data: str, batch_size: int) -> None:
     )
     out["tokens_before"] = batch.num_tokens
     out["tokens_after"] = balanced.num_tokens
+    # tolerance reaches yatt.balance: a 5% imbalance stays at 0.1 and is evened out at 0.
+    lengths = [11, 11, 10, 10] if rt.dp_rank == 0 else [10, 10, 9, 9]
+    small = Batch.from_samples([{"input_ids": torch.arange(n)} for n in lengths])
+    for tolerance in (0.1, 0.0):
+        got, _ = small.rebalance(group=rt.dp_group, tolerance=tolerance)
+        out[f"tokens_at_tolerance_{tolerance}"] = got.num_tokens
     balanced.samples["score"] = balanced["row"].to(torch.float32) * 2
     back = balanced.restore(plan, group=rt.dp_group)
     out["restored_rows"] = back["row"].tolist()

@@ -94,6 +94,9 @@ def test_parallel_controller_keeps_payloads_on_their_rank(launch, tmp_path):
     before = [out["tokens_before"] for out in ranks]
     after = [out["tokens_after"] for out in ranks]
     assert max(after) - min(after) < max(before) - min(before)
+    # Batch.rebalance's tolerance: kept within 10%, evened out at 0.
+    assert [out["tokens_at_tolerance_0.1"] for out in ranks] == [42, 38]
+    assert [out["tokens_at_tolerance_0.0"] for out in ranks] == [40, 40]
     # Dynamic sampling ran the same rounds on both ranks although rank 0 filled at once.
     assert len(ranks[0]["ds_rounds"]) == len(ranks[1]["ds_rounds"]) == 6
     assert ranks[0]["ds_rounds"][2:] == [0, 0, 0, 0]

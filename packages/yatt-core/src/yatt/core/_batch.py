@@ -262,6 +262,7 @@ class Batch:
         group_key: str | None = None,
         costs: Sequence[float] | None = None,
         is_equal_size: bool = False,
+        tolerance: float = 1e-3,
     ) -> tuple[Batch, Any]:
         """Balance samples across the data-parallel ranks of `group` (collective).
 
@@ -269,7 +270,9 @@ class Batch:
         point-to-point through yatt.balance.dist, tensors as raw bytes. group_key names a sample
         field whose equal values stay on one rank (a GRPO group); costs default to the lengths
         (pass yatt.balance.flops_cost(...) to weigh attention); is_equal_size gives every rank
-        the same number of samples. Returns (this rank's batch, plan) for `restore`.
+        the same number of samples; tolerance trades balance for fewer moved samples (see
+        yatt.balance.dist.rebalance; 0 = best balance). Returns (this rank's batch, plan) for
+        `restore`.
         """
         from yatt.balance.dist import rebalance
 
@@ -281,6 +284,7 @@ class Batch:
             groups=groups,
             costs=costs,
             equal_size=is_equal_size,
+            tolerance=tolerance,
         )
         return Batch.from_samples(_unwrap_arrays(rows), token_keys=self.token_keys, like=self), plan
 
