@@ -42,7 +42,9 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from yatt.placement import offload, onload
 from yatt.rollout import BuiltinEngine, EngineConfig, Request, SamplingParams
-from yatt.rollout._batcher import _Flags
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _decode_profile import profile_decode
 
 PROMPT_LEN, NEW_TOKENS = 128, 512
 HF_TOKENS = {64: 512, 256: 512}  # the same forced length as yatt: the issue's workload
@@ -423,80 +425,6 @@ def _mean_span_fraction(engine) -> float:
     for pos in range(PROMPT_LEN, PROMPT_LEN + NEW_TOKENS - 1, k):
         chosen.append(next(s for s in spans if s >= min(pos + k, L)))
     return sum(chosen) / len(chosen) / L
-
-
-KERNEL_GROUPS = [  # first match wins; names of cuBLAS/cutlass/SDPA/ATen kernels
-    ("attention", re.compile(r"fmha|attention|flash|cutlassF|efficient", re.I)),
-    ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|splitk", re.I)),
-    ("scan/sort", re.compile(r"scan|cumsum|sort|search|radix", re.I)),
-    ("reduce/softmax", re.compile(r"softmax|reduce|norm|argmax", re.I)),
-    ("index/copy", re.compile(r"index|gather|scatter|copy|cat_|where", re.I)),
-    ("elementwise", re.compile(r"elementwise|vectorized|unrolled", re.I)),
-]
-
-
-def _kernel_table(prof, num_steps: int) -> dict:
-    kernels = [
-        e
-        for e in prof.key_averages()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
-    ]
-    total_us = sum(e.self_device_time_total for e in kernels)
-    groups: dict[str, float] = {}
-    for e in kernels:
-        group = next((g for g, rx in KERNEL_GROUPS if rx.search(e.key)), "other")
-        groups[group] = groups.get(group, 0.0) + e.self_device_time_total / num_steps / 1e3
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
-    return {
-        "kernels_per_step": sum(e.count for e in kernels) / num_steps,
-        "kernel_ms_per_step": total_us / num_steps / 1e3,
-        "ms_per_step_by_group": {g: round(v, 4) for g, v in sorted(groups.items())},
-        "top_kernels": [
-            [e.key[:90], e.count // num_steps, round(e.self_device_time_total / num_steps / 1e3, 4)]
-            for e in top
-        ],
-    }
-
-
-def profile_decode(engine, *, with_kernels: bool) -> dict:
-    """Decode-step time per attention span (graph replays), and where a step's time goes.
-
-    The engine is idle here; idle slots compute exactly what active ones do (fixed shapes).
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    runner, out = engine._runner, {}
-    if not runner.use_cuda_graph:
-        return out
-    key = next(iter(runner._graphs))[:2]
-    by_span = out["graph_step_ms_by_span"] = {}
-    for span in runner.spans:
-        graph = runner._graphs[(*key, span)]
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        by_span[span] = round(start.elapsed_time(end) / 20, 4)
-    if not with_kernels:
-        return out
-    span = runner.spans[-1]
-    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with profile(activities=acts) as prof:
-        for _ in range(5):
-            runner._graphs[(*key, span)].replay()
-        sync()
-    out["graph_profile_full_span"] = _kernel_table(prof, 5)
-    flags = _Flags(is_greedy=key[0], is_truncated=key[1])
-    with torch.no_grad(), profile(activities=acts) as prof:
-        for _ in range(3):
-            runner._decode_step(flags, span)
-        sync()
-    out["eager_profile_full_span"] = _kernel_table(prof, 3)
-    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30), flush=True)
-    return out
 
 
 def _time_sampling(logits) -> float:
