@@ -325,3 +325,13 @@ def test_sglang_engine_maps_calls(fake_sglang):
         ("resume", ["kv_cache", "cuda_graph"]),
     ]
     engine.close()
+
+
+def test_adapters_honour_per_request_max_new_tokens(fake_vllm, fake_sglang):
+    reqs = [Request(prompt_ids=[10], max_new_tokens=2), Request(prompt_ids=[20])]
+    sampling = SamplingParams(n=2, max_new_tokens=5, ignore_eos=True)
+    for engine in (VLLMEngine("/models/x"), SGLangEngine("/models/x")):
+        lengths = [(c.request_index, len(c.response_ids)) for c in engine.generate(reqs, sampling)]
+        assert lengths == [(0, 2), (0, 2), (1, 5), (1, 5)], type(engine).__name__
+        with pytest.raises(ValueError, match=r"requests\[0\]\.max_new_tokens=0"):
+            engine.generate([Request(prompt_ids=[1], max_new_tokens=0)], sampling)

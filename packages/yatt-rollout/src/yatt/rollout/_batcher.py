@@ -16,7 +16,7 @@ next k steps is chosen, so short sequences do not pay for a long max_seq_len.
 Per slot s (S slots, L = max_seq_len):
   input_tok_S[s]  last token, whose key/value the next step writes at position pos_S[s]
   gen_len_S[s]    tokens generated so far; response g sits in response_SL[s, g]
-  limit_S[s]      generation stops when gen_len reaches it: min(max_new_tokens, L - prompt_len)
+  limit_S[s]      generation stops when gen_len reaches it: min(item's max_new_tokens, L - prompt)
   active_S[s]     still generating; idle slots compute garbage and write to column L (trash)
 """
 
@@ -62,6 +62,7 @@ class WorkItem:
     request: Request
     request_id: str
     key: int  # counter-based RNG key, from (seed, request_index, sample_index)
+    max_new_tokens: int  # the request's own limit if it sets one, else the call's
 
 
 @dataclass(kw_only=True)
@@ -205,7 +206,8 @@ class SlotRunner:
             is_truncated=flags.is_truncated,
         )
         prompt_len_J = lengths_B[row_J]
-        limit_J = (L - prompt_len_J).clamp(max=self._max_new_tokens)
+        max_new_J = torch.tensor([item.max_new_tokens for item in items], device=device)
+        limit_J = torch.minimum(L - prompt_len_J, max_new_J)
         self.response_SL[slot_J, 0] = token_J
         self.logprob_SL[slot_J, 0] = logprob_J
         self.gen_len_S[slot_J] = 1
@@ -294,7 +296,6 @@ class SlotRunner:
         self.temperature_S.fill_(sampling.temperature if sampling.temperature > 0 else 1.0)
         self.top_p_S.fill_(sampling.top_p)
         self.top_k_S.fill_(sampling.top_k)
-        self._max_new_tokens = sampling.max_new_tokens
         return _Flags(
             is_greedy=sampling.temperature == 0,
             is_truncated=sampling.top_p < 1.0 or sampling.top_k > 0,

@@ -26,7 +26,7 @@ from yatt.placement import is_paused, pause, region, resume
 from yatt.rollout._batcher import SlotRunner, WorkItem
 from yatt.rollout._config import EngineConfig
 from yatt.rollout._kv_budget import KVLayout, check_memory_fraction, slots_for_fraction
-from yatt.rollout._requests import request_id_of, validate_requests
+from yatt.rollout._requests import max_new_tokens_of, request_id_of, validate_requests
 from yatt.rollout._sampling import derive_key
 from yatt.rollout._static_kv import ATTN_IMPLEMENTATION, StaticKVCache, register_attention
 from yatt.rollout._streaming import stream_from_thread
@@ -151,6 +151,7 @@ class BuiltinEngine:
                 request=request,
                 request_id=request_id_of(request, i),
                 key=derive_key(seed, i, j),
+                max_new_tokens=max_new_tokens_of(request, sampling),
             )
             for i, request in enumerate(requests)
             for j in range(sampling.n)

@@ -49,6 +49,14 @@ def validate_requests(
                 f"requests[{i}].prompt_ids has ids outside the vocabulary [0, {vocab_size}): "
                 f"{bad[:5]}; tokenize with the engine's tokenizer"
             )
+        limit = request.max_new_tokens
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise ValueError(
+                f"requests[{i}].max_new_tokens={limit!r}: must be an int >= 1, or None to use "
+                "SamplingParams.max_new_tokens"
+            )
         if request.images and not accepts_images:
             raise ValueError(
                 f"requests[{i}].images is set but the served model is text-only; drop the "
@@ -65,3 +73,8 @@ def validate_requests(
 def request_id_of(request: Request, index: int) -> str:
     """The id echoed in completions: the request's own, else its index in the call."""
     return request.request_id if request.request_id is not None else str(index)
+
+
+def max_new_tokens_of(request: Request, sampling: SamplingParams) -> int:
+    """The request's own limit if it sets one, else the call's SamplingParams.max_new_tokens."""
+    return request.max_new_tokens if request.max_new_tokens is not None else sampling.max_new_tokens

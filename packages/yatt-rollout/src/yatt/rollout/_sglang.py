@@ -49,13 +49,20 @@ class SGLangConfig:
             )
 
 
-def sglang_sampling_params(sampling: SamplingParams, *, sample_seed: int) -> dict[str, Any]:
-    """Our SamplingParams as one SGLang sampling-params dict (one sample per request)."""
+def sglang_sampling_params(
+    sampling: SamplingParams, *, sample_seed: int, max_new_tokens: int | None = None
+) -> dict[str, Any]:
+    """Our SamplingParams as one SGLang sampling-params dict (one sample per request).
+
+    max_new_tokens: a request's own limit (Request.max_new_tokens), overriding the call's.
+    """
     return {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang: -1 disables
-        "max_new_tokens": sampling.max_new_tokens,
+        "max_new_tokens": (
+            max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
+        ),
         "stop_token_ids": list(sampling.stop_token_ids),
         "ignore_eos": sampling.ignore_eos,
         "skip_special_tokens": False,
@@ -135,7 +142,16 @@ class SGLangEngine(ThreadedAdapter):
     def _prepare(self, requests: Sequence[Request], sampling: SamplingParams) -> list[tuple]:
         seed = self._validate_and_seed(requests, sampling)
         return [
-            (i, j, request, sglang_sampling_params(sampling, sample_seed=derive_key(seed, i, j)))
+            (
+                i,
+                j,
+                request,
+                sglang_sampling_params(
+                    sampling,
+                    sample_seed=derive_key(seed, i, j),
+                    max_new_tokens=request.max_new_tokens,
+                ),
+            )
             for i, request in enumerate(requests)
             for j in range(sampling.n)
         ]

@@ -68,6 +68,10 @@ class Request:
     images: list[Any] | None = None
     request_id: str | None = None  # echoed in each Completion; defaults to the request's index
     metadata: dict[str, Any] = field(default_factory=dict)  # opaque to the engine, echoed back
+    # Overrides SamplingParams.max_new_tokens for this request's samples (None: use that).
+    # With SamplingParams(ignore_eos=True) it forces each response to exactly this length
+    # (context permitting): per-request lengths in one call, e.g. for benchmarks.
+    max_new_tokens: int | None = None
 
 
 @dataclass(kw_only=True)

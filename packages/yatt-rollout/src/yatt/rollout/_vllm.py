@@ -63,14 +63,19 @@ class VLLMConfig:
             )
 
 
-def vllm_sampling_kwargs(sampling: SamplingParams, *, sample_seed: int) -> dict[str, Any]:
-    """Our SamplingParams as keyword arguments of one n=1 `vllm.SamplingParams`."""
+def vllm_sampling_kwargs(
+    sampling: SamplingParams, *, sample_seed: int, max_new_tokens: int | None = None
+) -> dict[str, Any]:
+    """Our SamplingParams as keyword arguments of one n=1 `vllm.SamplingParams`.
+
+    max_new_tokens: a request's own limit (Request.max_new_tokens), overriding the call's.
+    """
     return {
         "n": 1,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,  # 0 disables top-k in vLLM as here
-        "max_tokens": sampling.max_new_tokens,
+        "max_tokens": max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens,
         "stop_token_ids": list(sampling.stop_token_ids),
         "ignore_eos": sampling.ignore_eos,
         "seed": sample_seed,
@@ -147,7 +152,11 @@ class VLLMEngine(ThreadedAdapter):
         jobs = []
         for i, request in enumerate(requests):
             for j in range(sampling.n):
-                kwargs = vllm_sampling_kwargs(sampling, sample_seed=derive_key(seed, i, j))
+                kwargs = vllm_sampling_kwargs(
+                    sampling,
+                    sample_seed=derive_key(seed, i, j),
+                    max_new_tokens=request.max_new_tokens,
+                )
                 params = self._vllm.SamplingParams(**kwargs, output_kind=output_kind)
                 jobs.append((i, j, request, vllm_prompt(request), params))
         return jobs

@@ -1,0 +1,243 @@
+"""bench/step.py --report: combine the per-run JSONs into one JSON, a Markdown table, the
+issue's ratios (pass/fail) and a stacked-bar plot of the phases.
+
+Ratios (issue #8's bars), each computed only when both runs are present:
+  full_vs_dedicated_2gpu[mix]   (a) step / (c) step on 2 GPUs               bar <= 0.55
+  partial_vs_full_rollout_genrm (b) rollout+genrm / (a) rollout+genrm,
+                                 longtail, per GPU count                    bar <= 0.75
+  yatt_vs_trl_1gpu              yatt (a) fixed step / TRL step, 1 GPU       bar <= 0.5
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+PHASES = ("rollout", "genrm", "rollout+genrm", "train", "sync", "ckpt")
+COLORS = {
+    "rollout": "#4c72b0",
+    "genrm": "#dd8452",
+    "rollout+genrm": "#8172b3",
+    "train": "#55a868",
+    "sync": "#c44e52",
+    "ckpt": "#937860",
+    "other": "#bbbbbb",
+}
+
+
+def summarize_mix(ranks: list[list[dict]]) -> dict:
+    """Per timed step: phase = max over ranks; GPUs = every rank's; then medians."""
+    steps = []
+    for i, row in enumerate(ranks[0]):
+        if row["is_warmup"]:
+            continue
+        rows = [r[i] for r in ranks]
+        names = sorted({k for r in rows for k in r["phases"]})
+        steps.append(
+            {
+                "step_s": max(r["t1"] for r in rows) - min(r["t0"] for r in rows),
+                "phases": {k: max(r["phases"].get(k, 0.0) for r in rows) for k in names},
+                "switch_s": max(r["switch_s"] for r in rows),
+                "gpus": [g for r in rows for g in r["gpus"]],
+                "bad_lengths": sum(r["bad_lengths"] for r in rows),
+                "num_completions": sum(r["num_completions"] for r in rows),
+                "response_tokens": sum(r["response_tokens"] for r in rows),
+                "judge_prompt_tokens": sum(r["judge_prompt_tokens"] for r in rows),
+                "num_unparsable": sum(r["num_unparsable"] for r in rows),
+                "max_reserved_gib": [r["max_reserved_gib"] for r in rows],
+            }
+        )
+    med = statistics.median
+    gpu_ids = [g["gpu"] for g in steps[0]["gpus"]]
+    gpus = []
+    for k, gpu in enumerate(gpu_ids):
+        busy = [s["gpus"][k]["busy"] for s in steps if s["gpus"][k]["busy"] is not None]
+        peak = [s["gpus"][k]["peak_used_gib"] for s in steps if s["gpus"][k]["busy"] is not None]
+        gpus.append(
+            {
+                "gpu": gpu,
+                "busy": med(busy) if busy else None,
+                "peak_used_gib": max(peak, default=None),
+            }
+        )
+    return {
+        "median": {
+            "step_s": med(s["step_s"] for s in steps),
+            "phases": {k: med(s["phases"][k] for s in steps) for k in steps[0]["phases"]},
+            "switch_s": med(s["switch_s"] for s in steps),
+            "gpus": gpus,
+        },
+        "steps": steps,
+        "all_lengths_forced": all(s["bad_lengths"] == 0 for s in steps),
+    }
+
+
+def load_runs(results_dir: Path) -> list[dict[str, Any]]:
+    runs = []
+    for path in sorted(results_dir.glob("step_*gpu.json")):
+        run = json.loads(path.read_text())
+        run["file"] = path.name
+        runs.append(run)
+    return runs
+
+
+def _find(runs, layout: str, num_gpus: int) -> dict | None:
+    for run in runs:
+        if run["layout"] == layout and run["num_gpus"] == num_gpus:
+            return run
+    return None
+
+
+def _median(run: dict | None, mix: str) -> dict | None:
+    if run is None or mix not in run.get("mixes", {}):
+        return None
+    return run["mixes"][mix]["median"]
+
+
+def _rollout_genrm(med: dict) -> float:
+    p = med["phases"]
+    return p.get("rollout+genrm", p.get("rollout", 0.0) + p.get("genrm", 0.0))
+
+
+def _ratio(name: str, num: float | None, den: float | None, bar: float, what: str) -> dict:
+    if num is None or den is None or den <= 0:
+        return {"name": name, "what": what, "bar": bar, "value": None, "pass": None}
+    value = num / den
+    return {"name": name, "what": what, "bar": bar, "value": value, "pass": value <= bar}
+
+
+def compute_ratios(runs: list[dict]) -> list[dict]:
+    out = []
+    for mix in ("fixed", "longtail"):
+        a, c = _median(_find(runs, "full", 2), mix), _median(_find(runs, "dedicated", 2), mix)
+        out.append(
+            _ratio(
+                f"full_vs_dedicated_2gpu_{mix}",
+                a and a["step_s"],
+                c and c["step_s"],
+                0.55,
+                f"(a) full colocation step / (c) dedicated GenRM step, 2 GPUs, {mix}",
+            )
+        )
+    for n in (1, 2):
+        a = _median(_find(runs, "full", n), "longtail")
+        b = _median(_find(runs, "partial", n), "longtail")
+        out.append(
+            _ratio(
+                f"partial_vs_full_rollout_genrm_{n}gpu_longtail",
+                b and _rollout_genrm(b),
+                a and _rollout_genrm(a),
+                0.75,
+                f"(b) rollout+genrm / (a) rollout+genrm, {n} GPU(s), longtail",
+            )
+        )
+    trl = _median(_find(runs, "trl", 1), "fixed")
+    for layout in ("full", "partial"):
+        y = _median(_find(runs, layout, 1), "fixed")
+        out.append(
+            _ratio(
+                f"yatt_{layout}_vs_trl_1gpu_fixed",
+                y and y["step_s"],
+                trl and trl["step_s"],
+                0.5,
+                f"yatt ({layout}) step / TRL GRPOTrainer step, 1 GPU, fixed 256 tokens",
+            )
+        )
+    return out
+
+
+def _fmt(v: float | None, spec: str = ".2f") -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def markdown(runs: list[dict], ratios: list[dict], device: str) -> str:
+    lines = [
+        f"# GRPO step by placement on {device}",
+        "",
+        "`bash bench/step_gpu.sh` (bench/step.py, bench/step_trl.py): medians of the timed steps "
+        "(after warm-up); phase times are the slowest rank's; busy = mean NVML utilization "
+        "over the step; peak = NVML used memory.",
+        "",
+        "| layout | GPUs | mix | step s | "
+        + " | ".join(PHASES)
+        + " | genrm tail | switches s | busy per GPU | peak GiB per GPU | lengths forced |",
+        "|---|---:|---|---:|" + "---:|" * len(PHASES) + "---:|---:|---|---|---|",
+    ]
+    for run in sorted(runs, key=lambda r: (r["num_gpus"], r["layout"])):
+        for mix, res in run["mixes"].items():
+            med = res["median"]
+            phases = [_fmt(med["phases"].get(p)) if p in med["phases"] else "" for p in PHASES]
+            busy = ", ".join(_fmt(g["busy"]) for g in med.get("gpus", []))
+            peak = ", ".join(_fmt(g["peak_used_gib"], ".1f") for g in med.get("gpus", []))
+            lines.append(
+                f"| {run['label']} | {run['num_gpus']} | {mix} | {_fmt(med['step_s'])} | "
+                + " | ".join(phases)
+                + f" | {_fmt(med['phases'].get('genrm_tail'))} | {_fmt(med.get('switch_s'))}"
+                + f" | {busy or 'n/a'} | {peak or 'n/a'} | {res.get('all_lengths_forced')} |"
+            )
+    lines += ["", "## Bars", "", "| ratio | value | bar | result |", "|---|---:|---:|---|"]
+    for r in ratios:
+        verdict = "not measured" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
+        lines.append(f"| {r['what']} | {_fmt(r['value'], '.3f')} | <= {r['bar']} | {verdict} |")
+    notes = [run["note"] for run in runs if run.get("note")]
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[dict], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    mixes = [m for m in ("fixed", "longtail") if any(m in r["mixes"] for r in runs)]
+    fig, axes = plt.subplots(1, len(mixes), figsize=(6 * len(mixes), 4.5), squeeze=False)
+    for ax, mix in zip(axes[0], mixes, strict=True):
+        bars = [
+            r for r in sorted(runs, key=lambda r: (r["num_gpus"], r["layout"])) if mix in r["mixes"]
+        ]
+        names = [f"{r['layout']}\n{r['num_gpus']} GPU" for r in bars]
+        bottoms = [0.0] * len(bars)
+        for phase in (*PHASES, "other"):
+            heights = []
+            for r in bars:
+                med = r["mixes"][mix]["median"]
+                known = sum(med["phases"].get(p, 0.0) for p in PHASES)
+                value = med["phases"].get(phase, 0.0) if phase != "other" else med["step_s"] - known
+                heights.append(max(value, 0.0))
+            if any(heights):
+                ax.bar(names, heights, bottom=bottoms, label=phase, color=COLORS[phase])
+                bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+        ax.set_title(f"{mix} lengths")
+        ax.set_ylabel("median step time (s)")
+        ax.tick_params(axis="x", labelsize=8)
+    labels = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            labels.setdefault(label, handle)
+    fig.legend(labels.values(), labels.keys(), loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(results_dir: Path, device: str | None = None) -> dict[str, Any]:
+    runs = load_runs(results_dir)
+    if not runs:
+        raise ValueError(f"no step_*gpu.json runs in {results_dir}; run bench/step.py first")
+    device = device or runs[0]["device"]
+    ratios = compute_ratios(runs)
+    combined = {"device": device, "runs": runs, "ratios": ratios}
+    stem = results_dir / f"step_{device}"
+    stem.with_suffix(".json").write_text(json.dumps(combined, indent=1))
+    stem.with_suffix(".md").write_text(markdown(runs, ratios, device))
+    png = plot(runs, stem.with_suffix(".png"))
+    print(markdown(runs, ratios, device), flush=True)
+    print(f"wrote {stem}.json, {stem}.md" + (f", {png}" if png else ""), flush=True)
+    return combined

@@ -1,0 +1,245 @@
+"""What every layout of bench/step.py (and bench/step_trl.py) shares: models, prompts, forced
+response lengths, the judge, and the GPU sampler. One definition, so the layouts cannot drift.
+
+Text: the byte-level tokenizer of yatt.testing sits beside both random-weight models (one token
+per ASCII letter), so a prompt of 128 random letters is exactly 128 tokens, and a response's
+token ids are shown to the judge as one letter per token (`ids_to_text`): the judge's prompt
+length then follows the response length exactly (about 300 to 1300 tokens here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Qwen2.5-0.5B's shape (random weights); --tiny: a 2-layer model with the same vocabulary.
+QWEN25_05B = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+    max_position_embeddings=4096,
+)
+TINY = dict(QWEN25_05B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+TINY["intermediate_size"] = 128
+TINY["vocab_size"] = 512
+
+JUDGE_USER = (
+    "Question:\n{prompt}\n\nResponse:\n{response}\n\n"
+    "Is the response's final answer correct? Reply with one word: Yes or No."
+)
+JUDGE_TEMPLATE_TOKENS = 160  # chat template + the text above, rounded up (engine context)
+
+
+@dataclass(kw_only=True, frozen=True)
+class Workload:
+    """The same for every layout: prompts, groups, lengths, judge verdict length."""
+
+    num_prompts: int = 16  # GRPO groups per step, over all GPUs
+    group_size: int = 8  # completions per prompt
+    prompt_tokens: int = 128
+    judge_tokens: int = 8  # verdict tokens, forced (ignore_eos) so every run judges the same
+    seed: int = 0
+
+    @property
+    def num_samples(self) -> int:
+        return self.num_prompts * self.group_size
+
+
+def workload(args: Any) -> Workload:
+    """The GPU workload, or a smaller batch (same lengths) for --tiny CPU runs."""
+    if getattr(args, "tiny", False):
+        return Workload(num_prompts=4, group_size=4, judge_tokens=args.judge_tokens)
+    return Workload(judge_tokens=args.judge_tokens)
+
+
+# -- length mixes ------------------------------------------------------------------------------
+MIXES = ("fixed", "longtail")
+MAX_RESPONSE_TOKENS = 1024
+
+
+def response_lengths(mix: str, work: Workload, step: int) -> list[int]:
+    """Forced response length of every sample of step `step` (prompt-major, group-minor).
+
+    fixed:    every response 256 tokens (the TRL comparison).
+    longtail: 90% uniform in [64, 192] (median about 128), 10% uniform in [512, 1024], i.e.
+              4-8x the median; drawn per sample (lengths differ inside a group), seeded by
+              (seed, step), so every layout and GPU count sees the same lengths.
+    """
+    if mix == "fixed":
+        return [256] * work.num_samples
+    if mix != "longtail":
+        raise ValueError(f"mix={mix!r}: use one of {MIXES}")
+    rng = np.random.default_rng([work.seed, step, 1])
+    is_long = rng.random(work.num_samples) < 0.10
+    short = rng.integers(64, 193, work.num_samples)
+    long = rng.integers(512, MAX_RESPONSE_TOKENS + 1, work.num_samples)
+    return [int(v) for v in np.where(is_long, long, short)]
+
+
+def prompt_texts(work: Workload, step: int) -> list[str]:
+    """`num_prompts` strings of `prompt_tokens` random lowercase letters (1 token each)."""
+    rng = np.random.default_rng([work.seed, step, 0])
+    letters = rng.integers(0, 26, (work.num_prompts, work.prompt_tokens))
+    return ["".join(chr(97 + int(c)) for c in row) for row in letters]
+
+
+def ids_to_text(ids: list[int]) -> str:
+    """A response as the judge reads it: one letter per token (random ids have no text)."""
+    return "".join(chr(97 + t % 26) for t in ids)
+
+
+# -- models ------------------------------------------------------------------------------------
+def make_models(root: Path, *, tiny: bool) -> tuple[Path, Path]:
+    """(policy_dir, judge_dir): random Qwen2 weights + the byte tokenizer, saved once."""
+    policy_dir, judge_dir = root / "policy", root / "judge"
+    marker = root / "models.json"
+    shape = TINY if tiny else QWEN25_05B
+    if marker.is_file() and json.loads(marker.read_text()) == shape:
+        return policy_dir, judge_dir
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from yatt.testing import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    ids = dict(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    dtype = torch.float32 if tiny else torch.bfloat16
+    for seed, path in ((1, policy_dir), (2, judge_dir)):
+        shutil.rmtree(path, ignore_errors=True)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape, **ids), dtype=dtype)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        del model
+    marker.write_text(json.dumps(shape))
+    return policy_dir, judge_dir
+
+
+def build_judge(judge_dir: Path, *, device: str, tiny: bool, work: Workload, slots: int):
+    """A yatt.genrm.GenRM on its own BuiltinEngine (region prefix "genrm")."""
+    from yatt import genrm, rollout
+
+    context = work.prompt_tokens + MAX_RESPONSE_TOKENS + JUDGE_TEMPLATE_TOKENS + work.judge_tokens
+    engine = rollout.BuiltinEngine(
+        judge_dir,
+        config=rollout.EngineConfig(
+            device=device,
+            dtype="float32" if tiny else "bfloat16",
+            max_batch_size=slots,
+            max_seq_len=context,
+            max_prefill_tokens=max(16384, context),
+            region_prefix="genrm",
+        ),
+    )
+    judge = genrm.GenRM(
+        engine,
+        template=genrm.JudgeTemplate(user=JUDGE_USER, max_response_tokens=2 * MAX_RESPONSE_TOKENS),
+        parser=genrm.YesNoParser(),
+        # Forced length: random weights never say Yes/No, so every verdict is "unparsable" and
+        # gets default_reward 0 (counted, logged, never raised). The values do not matter here.
+        sampling=rollout.SamplingParams(
+            temperature=0.0, max_new_tokens=work.judge_tokens, ignore_eos=True
+        ),
+        default_reward=0.0,
+        batching=genrm.BatchingConfig(max_batch_size=slots, max_pending=4 * slots),
+    )
+    return judge, engine
+
+
+# -- GPU sampler -------------------------------------------------------------------------------
+def physical_gpu(local_index: int) -> int:
+    """NVML index of CUDA device `local_index` (CUDA_VISIBLE_DEVICES may renumber them)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not visible:
+        return local_index
+    return int(visible.split(",")[local_index])
+
+
+class GpuSampler:
+    """Samples NVML utilization and used memory of `gpus` every `period_s` on a thread.
+
+    `window(t0, t1)` gives, per GPU, the mean utilization (busy fraction: the share of the last
+    sample period in which a kernel ran, as NVML defines it) and the peak used memory. Without
+    NVML (CPU machines) `available` is False and windows hold None.
+    """
+
+    def __init__(self, gpus: list[int], *, period_s: float = 0.02) -> None:
+        self.gpus = gpus
+        self.period_s = period_s
+        self.samples: list[tuple[float, list[int], list[int]]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in gpus]
+            self.available = bool(gpus)
+        except Exception:  # no pynvml or no driver: CPU runs
+            self.available = False
+
+    def start(self) -> GpuSampler:
+        if self.available:
+            self._thread = threading.Thread(target=self._loop, name="gpu-sampler", daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        nv = self._nvml
+        while not self._stop.is_set():
+            util = [nv.nvmlDeviceGetUtilizationRates(h).gpu for h in self._handles]
+            used = [nv.nvmlDeviceGetMemoryInfo(h).used for h in self._handles]
+            self.samples.append((time.perf_counter(), util, used))
+            self._stop.wait(self.period_s)
+
+    def window(self, t0: float, t1: float) -> list[dict[str, Any]]:
+        rows = [s for s in self.samples if t0 <= s[0] <= t1]
+        out = []
+        for k, gpu in enumerate(self.gpus):
+            if not rows:
+                out.append({"gpu": gpu, "busy": None, "peak_used_gib": None})
+                continue
+            out.append(
+                {
+                    "gpu": gpu,
+                    "busy": float(np.mean([r[1][k] for r in rows])) / 100.0,
+                    "peak_used_gib": max(r[2][k] for r in rows) / 2**30,
+                }
+            )
+        return out
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+
+
+def device_name() -> str:
+    """ "nvidia_h200"-style label of this machine's accelerator, or "cpu"."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).lower()
+    for key in ("h200", "h100", "a100"):
+        if key in name:
+            return f"nvidia_{key}"
+    return "cuda"

@@ -1,0 +1,435 @@
+"""GRPO step time by GPU placement: full colocation, partial colocation, a dedicated GenRM GPU.
+
+    python bench/step.py --layout full --tiny --steps 2                  # CPU smoke run
+    python3 bench/step.py --layout full --out-dir OUT                    # 1 GPU
+    python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
+        bench/step.py --layout partial --out-dir OUT                     # 2 GPUs, one rank each
+    python3 bench/step.py --layout dedicated --judge-gpu 1 --out-dir OUT # judge alone on GPU 1
+    python3 bench/step.py --report --results-dir OUT                     # tables, ratios, plot
+    bash bench/step_gpu.sh                                               # all of it, on 2 GPUs
+
+Every layout runs the same work (_step_setup.py): a Qwen2.5-0.5B-shaped policy and a
+same-shaped generative judge (random weights), 16 prompts x 8 completions per step over all
+GPUs, prompts of 128 tokens, response lengths forced per sample (Request.max_new_tokens with
+ignore_eos): `fixed` = 256 each, `longtail` = 90% in [64, 192] and 10% in [512, 1024]. The judge
+reads prompt + response (about 300-1300 tokens) and writes an 8-token verdict.
+
+Layouts (one process per GPU; each step = rollout, GenRM, train, weight sync, checkpoint):
+  full       Plan.full_colocation: every rank holds trainer (DDP), rollout engine and judge;
+             phases in turn, each sleeping the others.
+  partial    Plan.partial_colocation: rollout engine and judge resident together, the judge
+             scoring each completion as it finishes (score_as_completed over engine.stream);
+             the memory split follows the measured token loads.
+  dedicated  --judge-gpu N: the judge runs alone on GPU N for the whole step (its own process,
+             yatt.genrm's HTTP app + GenRMClient), the policy (rollout, train, sync: full
+             colocation of those) on this process's GPU does all prompts and waits for the
+             verdicts, as a framework whose reward model owns its GPUs does. Without
+             --judge-gpu (one GPU: nothing to dedicate) both stay resident with fixed memory
+             shares (Plan.separate), labelled so.
+Per step (after --warmup steps): step time, phase times (max over ranks), GPU busy fraction
+and peak memory per GPU (NVML sampled every 20 ms; n/a on CPU), checkpoint blocked time
+(yatt.ckpt async save of the policy every step). One JSON per run; --report combines them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _step_judge  # bench/ is not a package: these are its helper modules
+import _step_report
+import _step_setup as setup
+
+logger = logging.getLogger("bench.step")
+LABELS = {
+    "full": "(a) full colocation",
+    "partial": "(b) partial colocation",
+    "dedicated": "(c) dedicated GenRM GPU",
+    "separate": "(c) 1 GPU: judge + policy resident, fixed shares (nothing to dedicate)",
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layout", choices=("full", "partial", "dedicated"))
+    p.add_argument("--mix", default="fixed,longtail", help="comma list of " + str(setup.MIXES))
+    p.add_argument("--steps", type=int, default=3, help="timed steps per mix")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per mix first")
+    p.add_argument("--tiny", action="store_true", help="2-layer model (CPU smoke runs)")
+    p.add_argument("--judge-tokens", type=int, default=8, help="forced verdict length")
+    p.add_argument("--judge-gpu", type=int, default=None, help="dedicated: the judge's GPU")
+    p.add_argument("--judge-port", type=int, default=18517)
+    p.add_argument("--serve-judge", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--prepare", action="store_true", help="only save the models, then exit")
+    p.add_argument("--model-dir", default=None, help="saved models (made once if missing)")
+    p.add_argument("--out-dir", default="bench/results/step_runs")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint root (default: see below)")
+    p.add_argument("--report", action="store_true", help="combine the runs in --results-dir")
+    p.add_argument("--results-dir", default=None)
+    args = p.parse_args(argv)
+    if not (args.report or args.serve_judge or args.prepare or args.layout):
+        p.error("pass --layout, or --report")
+    args.mixes = [m for m in args.mix.split(",") if m]
+    for mix in args.mixes:
+        if mix not in setup.MIXES:
+            p.error(f"--mix {mix!r}: use {setup.MIXES}")
+    if args.model_dir is None:
+        args.model_dir = str(
+            Path(tempfile.gettempdir()) / ("yatt-step-tiny" if args.tiny else "yatt-step")
+        )
+    return args
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def timed(phases: dict[str, float], name: str):
+    t0 = time.perf_counter()
+    yield
+    _sync()  # device work enqueued in the phase belongs to it
+    phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
+
+def default_ckpt_root(tiny: bool) -> Path:
+    """RAM (/dev/shm) when it has room: the checkpoint phase then measures the blocked time of
+    staging, not a disk slower than one save per step; else the temp folder."""
+    shm = Path("/dev/shm")
+    if not tiny and shm.is_dir() and shutil.disk_usage(shm).free > 48 * 2**30:
+        return shm / "yatt-step-ckpt"
+    return Path(tempfile.gettempdir()) / "yatt-step-ckpt"
+
+
+# -- one run ------------------------------------------------------------------------------------
+def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
+    """Engines, judge, trainer, plan and checkpointer of this rank for args.layout."""
+    import torch
+
+    from yatt import core, genrm, rollout
+    from yatt.ckpt import Checkpointer
+    from yatt.placement import Plan
+
+    work = setup.workload(args)
+    if runtime.is_rank_zero:
+        setup.make_models(Path(args.model_dir), tiny=args.tiny)
+    torch.distributed.barrier()
+    policy_dir, judge_dir = setup.make_models(Path(args.model_dir), tiny=args.tiny)
+    layout = args.layout
+    if layout == "dedicated" and args.judge_gpu is None:
+        layout = "separate"
+    if layout in ("dedicated", "separate") and runtime.dp_size > 1:
+        raise ValueError("--layout dedicated runs one policy process; launch it without torchrun")
+    if work.num_prompts % runtime.dp_size:
+        raise ValueError(f"{work.num_prompts} prompts do not split over {runtime.dp_size} ranks")
+    local_prompts = work.num_prompts // runtime.dp_size
+    slots = local_prompts * work.group_size
+    device = str(runtime.device)
+    ctx = SimpleNamespace(args=args, work=work, runtime=runtime, layout=layout, server=None)
+    if layout == "dedicated":
+        ctx.server = _step_judge.start_judge_server(args, __file__)
+        servers.append(ctx.server)  # killed by the caller if the rest of the build fails
+    ctx.first_prompt = runtime.dp_rank * local_prompts
+    ctx.local_prompts = local_prompts
+    ctx.engine = rollout.BuiltinEngine(
+        policy_dir,
+        config=rollout.EngineConfig(
+            device=device,
+            dtype="float32" if args.tiny else "bfloat16",
+            max_batch_size=slots,
+            max_seq_len=work.prompt_tokens + setup.MAX_RESPONSE_TOKENS,
+            max_prefill_tokens=16384,
+            region_prefix="rollout",
+        ),
+    )
+    ctx.judge_engine = None
+    if layout == "dedicated":
+        url = _step_judge.wait_for_judge(ctx.server, args.judge_port)
+        ctx.judge = genrm.GenRMClient(
+            url, batching=genrm.BatchingConfig(max_batch_size=work.num_samples)
+        )
+    else:
+        ctx.judge, ctx.judge_engine = setup.build_judge(
+            judge_dir, device=device, tiny=args.tiny, work=work, slots=slots
+        )
+    ctx.policy = core.TorchPolicy(
+        core.TorchPolicyConfig(
+            model_dir=str(policy_dir),
+            lr=1e-6,
+            dtype="float32" if args.tiny else "bfloat16",
+            max_tokens_per_microbatch=2048 if args.tiny else 16384,
+        ),
+        runtime,
+    )
+    roles = dict(rollout=ctx.engine, train=ctx.policy)
+    if layout == "full":
+        ctx.plan = Plan.full_colocation(**roles, genrm=ctx.judge_engine)
+    elif layout == "partial":
+        ctx.plan = Plan.partial_colocation(**roles, genrm=ctx.judge_engine)
+    elif layout == "dedicated":
+        ctx.plan = Plan.full_colocation(**roles)  # rollout and trainer share this GPU
+    else:
+        ctx.plan = Plan.separate(**roles, genrm=ctx.judge_engine)
+        if runtime.device.type == "cuda":  # fixed shares of the one GPU, never moved
+            ctx.engine.set_memory_fraction(0.3)
+            ctx.judge_engine.set_memory_fraction(0.3)
+    root = Path(args.ckpt_dir) if args.ckpt_dir else default_ckpt_root(args.tiny)
+    ctx.ckpt_root = root / f"{layout}_{runtime.world_size}"
+    if runtime.is_rank_zero:
+        shutil.rmtree(ctx.ckpt_root, ignore_errors=True)
+    torch.distributed.barrier()
+    ctx.ckpt = Checkpointer(ctx.ckpt_root, keep_last=1, async_save=True)
+    ctx.loss = core.PolicyLoss()
+    ctx.judge_tokens_seen = 0
+    return ctx
+
+
+def make_requests(ctx, mix: str, step: int):
+    from yatt import rollout
+
+    work = ctx.work
+    texts = setup.prompt_texts(work, step)
+    lengths = setup.response_lengths(mix, work, step)
+    tok = ctx.engine.tokenizer
+    requests, expected, prompts = [], [], []
+    # One request per sample (n=1), so lengths differ inside a GRPO group.
+    for p in range(ctx.first_prompt, ctx.first_prompt + ctx.local_prompts):
+        ids = tok(texts[p], add_special_tokens=False)["input_ids"]
+        for j in range(work.group_size):
+            length = lengths[p * work.group_size + j]
+            requests.append(
+                rollout.Request(prompt_ids=ids, max_new_tokens=length, metadata={"group": p})
+            )
+            expected.append(length)
+            prompts.append(texts[p])
+    sampling = rollout.SamplingParams(
+        temperature=1.0, max_new_tokens=max(expected), ignore_eos=True, seed=1000 + step
+    )
+    return requests, sampling, expected, prompts
+
+
+def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
+    import torch
+
+    from yatt import core, genrm
+    from yatt.balance import flops_cost
+
+    rt, plan, engine, judge, policy = ctx.runtime, ctx.plan, ctx.engine, ctx.judge, ctx.policy
+    requests, sampling, expected, prompts = make_requests(ctx, mix, step)
+
+    def to_sample(c):
+        return genrm.Sample(
+            prompt=prompts[c.request_index], response=setup.ids_to_text(c.response_ids)
+        )
+
+    phases: dict[str, float] = {}
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    torch.distributed.barrier()
+    t0 = time.perf_counter()
+    if ctx.layout == "partial":
+        marks: dict[str, float] = {}
+
+        async def tracked(stream):
+            async for c in stream:
+                yield c
+            marks["rollout_end"] = time.perf_counter()
+
+        with timed(phases, "rollout+genrm"), plan.phase("rollout"):
+            # The judge scores each completion as it lands, while the rollout's tail decodes.
+            stream = tracked(engine.stream(requests, sampling))
+            completions, verdicts = asyncio.run(genrm.score_as_completed(stream, judge, to_sample))
+        phases["genrm_tail"] = time.perf_counter() - marks["rollout_end"]
+        r_tokens = sum(len(c.prompt_ids) + len(c.response_ids) for c in completions)
+        j_tokens = judge.metrics["num_prompt_tokens"] - ctx.judge_tokens_seen
+        plan.update_load(rollout_pending_tokens=r_tokens, genrm_pending_tokens=j_tokens)
+    else:
+        with timed(phases, "rollout"), plan.phase("rollout"):
+            completions = engine.generate(requests, sampling)
+        # dedicated: this GPU idles while the judge's GPU scores (an HTTP round trip).
+        has_genrm = "genrm" in plan.phases
+        with timed(phases, "genrm"), plan.phase("genrm") if has_genrm else contextlib.nullcontext():
+            verdicts = judge.score([to_sample(c) for c in completions])
+    bad_lengths = sum(len(c.response_ids) != expected[c.request_index] for c in completions) + abs(
+        len(completions) - len(expected)
+    )
+    samples = []
+    for c, v in zip(completions, verdicts, strict=True):
+        samples.append(
+            {
+                "input_ids": c.prompt_ids + c.response_ids,
+                "loss_mask": [0] * len(c.prompt_ids) + [1] * len(c.response_ids),
+                "rollout_logprobs": [0.0] * len(c.prompt_ids) + list(c.logprobs),
+                "group_id": c.metadata["group"],
+                "reward": float(v.reward),
+            }
+        )
+    batch = core.Batch.from_samples(
+        samples, token_keys=("input_ids", "loss_mask", "rollout_logprobs")
+    )
+    batch.samples["advantages"] = core.compute_grpo_advantages(
+        batch.samples["reward"], batch.samples["group_id"]
+    )
+    with timed(phases, "train"):
+        mc = policy.model_config
+        costs = flops_cost(
+            batch.lengths.tolist(), hidden_size=mc.hidden_size, num_layers=mc.num_hidden_layers
+        )
+        batch, _ = batch.rebalance(group=rt.dp_group, group_key="group_id", costs=costs)
+        with plan.phase("train"):
+            batch = batch.to(rt.device)
+            batch.tokens["old_logprobs"] = policy.logprobs(batch)
+            policy.train_step(batch, ctx.loss)
+    with timed(phases, "sync"), plan.phase("sync"):
+        engine.update_weights(policy.named_weights())
+    with timed(phases, "ckpt"):  # async: blocked until the tensors are staged in host memory
+        ctx.ckpt.save(global_step, policy.state(), extra={"step": global_step})
+    torch.distributed.barrier()
+    t1 = time.perf_counter()
+    # The judge's load this step (a GenRMClient asks its server: after the clock stopped).
+    metrics = judge.health()["metrics"] if ctx.layout == "dedicated" else judge.metrics
+    judge_prompt_tokens = metrics["num_prompt_tokens"] - ctx.judge_tokens_seen
+    ctx.judge_tokens_seen += judge_prompt_tokens
+    metrics = plan.metrics()  # the latest switch into each phase: this step's
+    switches = {k.split("/")[1]: v for k, v in metrics.items() if k.endswith("/switch_s")}
+    return {
+        "t0": t0,
+        "t1": t1,
+        "phases": phases,
+        "switch_s": sum(switches.values()),
+        "switches": switches,
+        "bad_lengths": bad_lengths,
+        "num_completions": len(completions),
+        "response_tokens": sum(len(c.response_ids) for c in completions),
+        "judge_prompt_tokens": judge_prompt_tokens,
+        "num_unparsable": sum(v.status != "ok" for v in verdicts),
+        "max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30
+        if torch.cuda.is_available()
+        else None,
+    }
+
+
+def run_layout(args: argparse.Namespace) -> Path | None:
+    import torch
+
+    from yatt import core
+
+    if args.tiny:  # tiny models gain nothing from intra-op threads on a shared CPU
+        torch.set_num_threads(1)
+    runtime = core.init_runtime(seed=0)
+    ctx = None
+    sampler = None
+    servers: list[subprocess.Popen] = []
+    try:
+        ctx = build(args, runtime, servers)
+        gpus = []
+        if runtime.device.type == "cuda":
+            gpus = [setup.physical_gpu(runtime.device.index)]
+            if ctx.layout == "dedicated":
+                gpus.append(args.judge_gpu)
+        sampler = setup.GpuSampler(gpus).start()
+        per_mix: dict[str, list[dict]] = {}
+        global_step = 0
+        for mix in args.mixes:
+            rows = []
+            for step in range(args.warmup + args.steps):
+                row = one_step(ctx, mix, step, global_step)
+                global_step += 1
+                row["gpus"] = sampler.window(row["t0"], row["t1"])
+                row["is_warmup"] = step < args.warmup
+                rows.append(row)
+                if runtime.is_rank_zero:
+                    parts = " ".join(f"{k} {v:.2f}" for k, v in row["phases"].items())
+                    tag = "warmup" if row["is_warmup"] else "timed"
+                    print(
+                        f"[{ctx.layout} x{runtime.world_size} {mix}] step {step} {tag} "
+                        f"{row['t1'] - row['t0']:.2f}s: {parts}",
+                        flush=True,
+                    )
+            per_mix[mix] = rows
+        ctx.ckpt.wait()
+        gathered = [None] * runtime.world_size
+        torch.distributed.all_gather_object(gathered, per_mix)
+        if runtime.is_rank_zero:
+            return write_run(args, ctx, gathered)
+        return None
+    finally:
+        if sampler is not None:
+            sampler.stop()
+        if ctx is not None:
+            close(ctx)
+        for server in servers:
+            if server.poll() is None:
+                server.kill()
+        runtime.shutdown()
+
+
+def close(ctx) -> None:
+    for closeable in (ctx.ckpt, ctx.judge_engine, ctx.engine):
+        if closeable is not None:
+            with contextlib.suppress(Exception):
+                closeable.close()
+    if ctx.server is not None:
+        ctx.server.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            ctx.server.wait(timeout=20)
+    if ctx.runtime.is_rank_zero:
+        shutil.rmtree(ctx.ckpt_root, ignore_errors=True)
+
+
+def write_run(args, ctx, gathered: list[dict]) -> Path:
+    rt = ctx.runtime
+    # dedicated: the judge's GPU counts (on CPU smoke runs its process stands for that GPU).
+    num_gpus = rt.world_size + int(ctx.layout == "dedicated")
+    run = {
+        "layout": ctx.layout,
+        "label": LABELS[ctx.layout],
+        "num_gpus": num_gpus,
+        "num_ranks": rt.world_size,
+        "device": setup.device_name(),
+        "tiny": args.tiny,
+        "workload": vars(ctx.work)
+        | {"mixes": args.mixes, "steps": args.steps, "warmup": args.warmup},
+        "ckpt_root": str(ctx.ckpt_root.parent),
+        "mixes": {
+            mix: _step_report.summarize_mix([g[mix] for g in gathered]) for mix in args.mixes
+        },
+    }
+    out = Path(args.out_dir) / f"step_{ctx.layout}_{num_gpus}gpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(run, indent=1))
+    print(f"wrote {out}", flush=True)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    # Random-weight verdicts never parse (reward 0 by design here); one line each is noise.
+    logging.getLogger("yatt.genrm").setLevel(logging.ERROR)
+    args = parse_args(argv)
+    if args.report:
+        _step_report.write_report(Path(args.results_dir or args.out_dir))
+    elif args.prepare:
+        print(setup.make_models(Path(args.model_dir), tiny=args.tiny), flush=True)
+    elif args.serve_judge:
+        _step_judge.serve_judge(args)
+    else:
+        run_layout(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

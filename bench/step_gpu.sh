@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Issue #8's placement benchmark on a 2-GPU machine, in one command (carry .whl: trl, datasets,
+# dill, multiprocess and torch_memory_saver come as wheels; there is no network there):
+#   bash bench/step_gpu.sh            # writes under $OUT (default /tmp/yatt-step-out)
+# Order: 2-GPU runs first (the issue's first bar), then the 1-GPU runs two at a time, one per
+# GPU (full || TRL, partial || separate), then the report. Each run has its own timeout, and
+# runs that would start after BUDGET_S seconds are skipped, so the whole script stays under
+# about 8 minutes; the report marks what was not measured.
+set -uo pipefail
+OUT=${OUT:-/tmp/yatt-step-out}
+BUDGET_S=${BUDGET_S:-330}  # no run starts later; + RUN_TIMEOUT = worst case
+RUN_TIMEOUT=${RUN_TIMEOUT:-130}
+EXTRA=${STEP_EXTRA:-}  # e.g. "--tiny --steps 1" for a CPU dry run of this script
+RUNS=${RUNS:-/tmp/yatt-step-runs}  # per-run JSONs and logs; they come back as one archive
+rm -rf "$RUNS"
+mkdir -p "$OUT" "$RUNS"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+SRC=$(ls -d packages/*/src | tr '\n' ':')
+export PYTHONPATH="/tmp/site:${SRC}${PYTHONPATH:-}"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/device.txt"
+df -h /dev/shm /tmp | tee -a "$OUT/device.txt"
+
+START=$SECONDS
+MODELS=/tmp/yatt-step
+STEP="bench/step.py --model-dir $MODELS --out-dir $RUNS $EXTRA"
+TORCHRUN="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
+
+# One run: name, then the command; logs to $RUNS/<name>.log, progress lines echoed.
+run() {
+  local name=$1; shift
+  if (( SECONDS - START > BUDGET_S )); then
+    echo "=== $name SKIPPED: past the ${BUDGET_S}s budget"; return
+  fi
+  local t0=$SECONDS
+  echo "=== $name start at $((SECONDS - START))s"
+  timeout -k 10 "$RUN_TIMEOUT" "$@" >"$RUNS/$name.log" 2>&1
+  local rc=$?
+  grep -E "^\[|wrote|Error|error" "$RUNS/$name.log" | grep -v "Warning" | tail -n 14
+  echo "=== $name rc=$rc $((SECONDS - t0))s"
+}
+
+# Models once (random weights, saved with save_pretrained), reused by every run.
+run models python3 $STEP --prepare
+
+run full_2gpu $TORCHRUN $STEP --layout full
+run dedicated_2gpu python3 $STEP --layout dedicated --judge-gpu 1
+run partial_2gpu $TORCHRUN $STEP --layout partial
+
+# 1-GPU runs, two at a time on different GPUs (each its own process and GPU).
+CUDA_VISIBLE_DEVICES=0 run full_1gpu python3 $STEP --layout full &
+CUDA_VISIBLE_DEVICES=1 run trl_1gpu python3 bench/step_trl.py --model-dir $MODELS --out-dir "$RUNS" $EXTRA &
+wait
+CUDA_VISIBLE_DEVICES=0 run partial_1gpu python3 $STEP --layout partial &
+CUDA_VISIBLE_DEVICES=1 run separate_1gpu python3 $STEP --layout dedicated &
+wait
+
+python3 bench/step.py --report --results-dir "$RUNS" 2>&1 | tee "$OUT/report.log" | tail -n 30
+cp "$RUNS"/step_nvidia_* "$RUNS"/step_cuda.* "$OUT"/ 2>/dev/null
+# Only 8 files come back from $OUT: the per-run JSONs and logs travel in one archive.
+tar -czf "$OUT/step_runs.tar.gz" -C "$RUNS" .
+echo "total $((SECONDS - START))s"

@@ -1,0 +1,91 @@
+"""bench/step.py on CPU: tiny models, every layout's JSON, forced lengths and the report's ratios."""
+
+NUM_GPUS = 0
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import _step_report
+import _step_setup
+
+PHASES = {
+    "full": {"rollout", "genrm", "train", "sync", "ckpt"},
+    "partial": {"rollout+genrm", "genrm_tail", "train", "sync", "ckpt"},
+    "dedicated": {"rollout", "genrm", "train", "sync", "ckpt"},
+}
+
+
+def _run_step(out_dir: Path, model_dir: Path, layout: str, mixes: str, *extra: str) -> dict:
+    cmd = [sys.executable, str(ROOT / "bench" / "step.py"), "--layout", layout, "--tiny"]
+    cmd += ["--steps", "1", "--warmup", "1", "--mix", mixes, "--out-dir", str(out_dir)]
+    cmd += ["--model-dir", str(model_dir), "--ckpt-dir", str(out_dir / "ckpt"), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    num_gpus = 2 if extra else 1
+    return json.loads((out_dir / f"step_{layout}_{num_gpus}gpu.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("step-runs")
+    models = tmp_path_factory.mktemp("step-models")
+    return out, {
+        "full": _run_step(out, models, "full", "fixed,longtail"),
+        "partial": _run_step(out, models, "partial", "fixed,longtail"),
+        # The judge in its own process (the dedicated GPU's stand-in on CPU), over HTTP.
+        "dedicated": _run_step(out, models, "dedicated", "longtail", "--judge-gpu", "1"),
+    }
+
+
+@pytest.mark.parametrize("layout", ["full", "partial", "dedicated"])
+def test_run_json_has_phases_and_forced_lengths(runs, layout):
+    _, by_layout = runs
+    run = by_layout[layout]
+    work = _step_setup.Workload(num_prompts=4, group_size=4)
+    assert run["layout"] == layout and run["tiny"] is True
+    for mix, result in run["mixes"].items():
+        (step,) = result["steps"]  # one timed step after one warm-up
+        assert set(step["phases"]) == PHASES[layout]
+        assert step["step_s"] > 0 and all(v >= 0 for v in step["phases"].values())
+        assert step["step_s"] >= max(step["phases"].values())
+        # Timed step index 1 (after the warm-up): every response has exactly its forced length.
+        expected = _step_setup.response_lengths(mix, work, 1)
+        assert step["response_tokens"] == sum(expected)
+        assert step["num_completions"] == work.num_samples
+        assert result["all_lengths_forced"] is True
+        assert step["judge_prompt_tokens"] > step["response_tokens"]  # judge reads them all
+
+
+def test_report_computes_the_ratios(runs):
+    out, by_layout = runs
+    combined = _step_report.write_report(out, device="cpu")
+    ratios = {r["name"]: r for r in combined["ratios"]}
+    full = by_layout["full"]["mixes"]["longtail"]["median"]["phases"]
+    partial = by_layout["partial"]["mixes"]["longtail"]["median"]["phases"]
+    expected = partial["rollout+genrm"] / (full["rollout"] + full["genrm"])
+    ratio = ratios["partial_vs_full_rollout_genrm_1gpu_longtail"]
+    assert ratio["value"] == pytest.approx(expected)
+    assert ratio["pass"] == (expected <= 0.75)
+    assert ratios["full_vs_dedicated_2gpu_longtail"]["value"] is None  # no 2-rank full run
+    assert ratios["yatt_full_vs_trl_1gpu_fixed"]["pass"] is None
+    md = (out / "step_cpu.md").read_text()
+    assert "(b) partial colocation" in md and "not measured" in md
+
+
+def test_longtail_mix_is_seeded_and_long_tailed():
+    work = _step_setup.Workload()
+    a = _step_setup.response_lengths("longtail", work, 3)
+    assert a == _step_setup.response_lengths("longtail", work, 3)
+    assert a != _step_setup.response_lengths("longtail", work, 4)
+    assert all(64 <= n <= 192 or 512 <= n <= 1024 for n in a)
+    share_long = sum(n >= 512 for n in a) / len(a)
+    assert 0.03 < share_long < 0.2
+    assert _step_setup.response_lengths("fixed", work, 0) == [256] * work.num_samples
+    with pytest.raises(ValueError, match="mix"):
+        _step_setup.response_lengths("uniform", work, 0)
