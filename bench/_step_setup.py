@@ -124,7 +124,9 @@ def make_models(root: Path, *, tiny: bool) -> tuple[Path, Path]:
     for seed, path in ((1, policy_dir), (2, judge_dir)):
         shutil.rmtree(path, ignore_errors=True)
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape, **ids), dtype=dtype)
+        # Random init of 0.5B parameters takes ~25 s on the host, well under 1 s on a GPU.
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = AutoModelForCausalLM.from_config(Qwen2Config(**shape, **ids), dtype=dtype)
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         del model

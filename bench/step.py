@@ -171,7 +171,8 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
             model_dir=str(policy_dir),
             lr=1e-6,
             dtype="float32" if args.tiny else "bfloat16",
-            max_tokens_per_microbatch=2048 if args.tiny else 16384,
+            # 152k vocab: a 4096-token micro-batch already has 2.5 GB of float32 logits.
+            max_tokens_per_microbatch=2048 if args.tiny else 4096,
         ),
         runtime,
     )
