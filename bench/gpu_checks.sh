@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the CUDA tests and GPU benchmarks on the device machine, one step per argument:
 #   bash bench/gpu_checks.sh placement rollout ckpt balance_nccl
+#   bash bench/gpu_checks.sh megatron trainer_megatron mfu      # the Megatron backend (2 GPUs)
 # Each step logs to $OUT/<step>.log and writes its JSON under $OUT; a failing step does not stop
 # the others. Our packages come from their src/ folders, so the machine's torch is never replaced.
 set -uo pipefail
@@ -56,6 +57,58 @@ for step in "$@"; do
       cp /tmp/yatt-runs/partial/metrics.jsonl "$OUT/trainer_partial_metrics.jsonl" 2>/dev/null ;;
     megatron)
       run_step megatron_parity python3 bench/megatron_parity.py --out-dir "$OUT" ;;
+    trainer_megatron)
+      # The reference trainer with backend=megatron (examples/configs/tiny_megatron.yaml, bf16),
+      # 8 steps, a checkpoint at step 4: 1 GPU in both placement modes (side by side, one GPU
+      # each; the partial run in float32), then 2 GPUs as TP=2 (full) and as DP=2 (partial).
+      # The embedded task is built once on the CPU (reused from the `trainer` step's).
+      EMB=/tmp/yatt-runs/full/embedded
+      if [ ! -f "$EMB/READY" ]; then
+        EMB=/tmp/yatt-runs/mg/embedded
+        STEP_TIMEOUT=240 run_step trainer_megatron_prepare python3 -c "import sys, types; \
+sys.path.insert(0, 'examples'); import tiny_task, train_grpo; from pathlib import Path; \
+tiny_task.fill_missing_paths({}, Path('$EMB'), train_grpo.RewardConfig.judge_template, \
+types.SimpleNamespace(is_rank_zero=True))"
+      fi
+      MG=(--config examples/configs/tiny_megatron.yaml num_steps=8 ckpt.every_steps=4
+          policy.model_dir=$EMB/policy data.path=$EMB/prompts.jsonl reward.judge_dir=$EMB/judge)
+      rm -rf /tmp/yatt-runs/mg_*
+      mg_run() {  # name, GPUs, nproc, overrides...
+        local name=$1 gpus=$2 nproc=$3; shift 3
+        CUDA_VISIBLE_DEVICES=$gpus STEP_TIMEOUT=240 run_step "trainer_megatron_$name" \
+          python3 -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
+          examples/train_grpo.py "${MG[@]}" out_dir=/tmp/yatt-runs/mg_$name "$@"
+        cp "/tmp/yatt-runs/mg_$name/metrics.jsonl" "$OUT/trainer_megatron_${name}_metrics.jsonl" 2>/dev/null
+      }
+      if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+        mg_run 1gpu_full 0 1 policy.tp_size=1 placement=full &
+        # float32 (the embedded default's precision): fp32 params are views of DDP's buffer
+        mg_run 1gpu_partial_fp32 1 1 policy.tp_size=1 placement=partial policy.dtype=float32 &
+        wait
+        mg_run tp2_full 0,1 2 policy.tp_size=2 placement=full
+        mg_run dp2_partial 0,1 2 policy.tp_size=1 placement=partial
+      else
+        mg_run 1gpu_full 0 1 policy.tp_size=1 placement=full
+        mg_run 1gpu_partial 0 1 policy.tp_size=1 placement=partial
+      fi
+      # One line per run: steps done, reward first -> last, median phase times.
+      python3 - "$OUT" <<'PY' | tee "$OUT/trainer_megatron_summary.txt"
+import json, statistics, sys
+from pathlib import Path
+for path in sorted(Path(sys.argv[1]).glob("trainer_megatron_*_metrics.jsonl")):
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    if not rows:
+        continue
+    times = {k[5:-2]: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[-1] if k.startswith("time/")}
+    print(path.name[17:-14], f"steps {len(rows)} reward {rows[0]['reward/mean']:.3f} -> "
+          f"{rows[-1]['reward/mean']:.3f} skipped {sum(r['train/is_skipped'] for r in rows):.0f}",
+          " ".join(f"{k} {v * 1e3:.0f}ms" for k, v in sorted(times.items())))
+PY
+      ;;
+    mfu)
+      # Train-phase MFU of MegatronPolicy (~0.5B Qwen2 shape, seq 2048, sdpa and Megatron's
+      # attention) and the memory it frees asleep, on one GPU.
+      CUDA_VISIBLE_DEVICES=0 STEP_TIMEOUT=300 run_step megatron_mfu python3 bench/megatron_mfu.py --out-dir "$OUT" ;;
     *)
       echo "unknown step $step"; exit 2 ;;
   esac

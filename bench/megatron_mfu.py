@@ -10,7 +10,10 @@ attention implementation ("sdpa": torch's flash kernel; "megatron": Megatron's l
 softmax) runs --steps timed train steps after --warmup, every sample 2048 tokens.
 FLOPs per token (forward) = 2 x matmul parameters (lm_head included) + 2 x 2 x layers x
 (s / 2 causal average) x heads x head_dim; a train step is 3 x forward. MFU divides by the
-dense bf16 peak (989 TFLOP/s for H100 SXM and H200). Writes megatron_mfu_<gpu>.json.
+dense bf16 peak (989 TFLOP/s for H100 SXM and H200). Writes megatron_mfu_<gpu>.json, with
+"limits": what bounds the number (attention kernel, the fusions Megatron runs without
+TransformerEngine/Apex, as read from the built model's TransformerConfig) and a forward-only
+timing (logprobs), so the forward/backward split is visible.
 """
 
 from __future__ import annotations
@@ -26,6 +29,28 @@ import torch
 import torch.distributed as dist
 
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}
+# TransformerConfig flags of kernels that need TransformerEngine, Apex or Megatron's compiled
+# extensions; all off here (the GPU machine has none), each replaced by plain PyTorch ops.
+FUSION_FLAGS = (
+    "masked_softmax_fusion",
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "apply_rope_fusion",
+    "gradient_accumulation_fusion",
+    "persist_layer_norm",
+    "cross_entropy_loss_fusion",
+)
+ATTENTION_KERNELS = {
+    "sdpa": "torch scaled_dot_product_attention, causal (flash kernel in bf16): O(s) memory",
+    "megatron": "Megatron's local DotProductAttention: [b, h, s, s] scores, unfused softmax",
+}
+LIMITS = (
+    "No TransformerEngine: RMSNorm, RoPE and SwiGLU run as separate memory-bound PyTorch ops "
+    "(see 'fusions'), no fused cross-entropy, no FP8; attention per 'attention_kernel'. "
+    "Logprobs and the loss copy [b, s, V/tp] logits to float32 (vocab 151936): memory-bound "
+    "work the FLOP count credits only as the lm_head matmul. At DP > 1 the gradient "
+    "reduce-scatter is not overlapped with backward (overlap_grad_reduce=False)."
+)
 SHAPE = {
     "vocab_size": 151936,
     "hidden_size": 896,
@@ -93,7 +118,12 @@ def run(attention: str, model_dir: str, rt, args) -> dict:
     )
     policy = MegatronPolicy(config, rt)
     batch = _batch(args.samples, args.seq_len, SHAPE["vocab_size"], seed=rt.dp_rank)
-    batch.tokens["old_logprobs"] = policy.logprobs(batch)
+    batch.tokens["old_logprobs"] = policy.logprobs(batch)  # also warms the forward
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    policy.logprobs(batch)
+    torch.cuda.synchronize()
+    logprobs_s = time.perf_counter() - t0
     loss_fn = PolicyLoss()
     for _ in range(args.warmup):
         policy.train_step(batch, loss_fn)
@@ -120,7 +150,10 @@ def run(attention: str, model_dir: str, rt, args) -> dict:
     wake_s = time.perf_counter() - t0
     result = {
         "attention": attention,
+        "attention_kernel": ATTENTION_KERNELS[attention],
+        "fusions": {flag: bool(getattr(policy.gpt.config, flag, False)) for flag in FUSION_FLAGS},
         "step_s": elapsed,
+        "logprobs_s": logprobs_s,  # forward only (no grad): a train step is ~3x in FLOPs
         "tokens_per_step": tokens,
         "tokens_per_s_per_gpu": tokens / elapsed / rt.world_size,
         "tflops_per_gpu": tflops_per_gpu,
@@ -169,6 +202,7 @@ def main() -> None:
                 "tp": rt.tp_size,
                 "seq_len": args.seq_len,
                 "shape": SHAPE,
+                "limits": LIMITS,
                 "runs": results,
             }
             for r in results:

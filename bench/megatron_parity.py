@@ -9,7 +9,9 @@ TorchPolicy reference), and on two or more GPUs TP=2 and TP=1 x DP=2. Prints a t
 what it checked and writes bench/results/megatron_parity_<gpu>.json (or --out-dir).
 Pass criteria (bf16 weights vs a float32 HF model): mean |dlogprob| < 2e-2 and max < 0.25;
 TP=2 vs TP=1 mean < 1e-2; first-step loss vs TorchPolicy within 2e-2 absolute; exported
-weights, post-wake logprobs and checkpoint round trip bitwise.
+weights, post-wake logprobs and checkpoint round trip bitwise; sleep frees >= 95% of what the
+policy added to the process; the two steps after loading a checkpoint give the losses of the two
+steps taken from the saved state (within 1e-4: the second one depends on the optimizer state).
 """
 
 from __future__ import annotations
@@ -112,12 +114,17 @@ def main() -> None:
             checks[f"{key} logprobs~hf"] = lp["mean_abs"] < 2e-2 and lp["max_abs"] < 0.25
             checks[f"{key} weights bitwise"] = fam["weights_bitwise_equal"]
             checks[f"{key} wake bitwise"] = fam["sleep"]["logprobs_bitwise_after_wake"]
+            sleep = fam["sleep"]
+            base = sleep.get("allocated_baseline_bytes", 0)
             checks[f"{key} sleep frees"] = (
-                fam["sleep"]["allocated_asleep_bytes"] < fam["sleep"]["allocated_awake_bytes"] / 4
+                sleep["allocated_asleep_bytes"] - base
+                < (sleep["allocated_awake_bytes"] - base) / 20
             )
             checks[f"{key} ckpt bitwise"] = fam["ckpt_weights_bitwise"]
             resumed, continued = fam["ckpt_loss_resumed_vs_continued"]
-            checks[f"{key} ckpt resume loss"] = abs(resumed - continued) < 1e-6
+            checks[f"{key} ckpt resume loss"] = all(
+                abs(r - c) < 1e-4 for r, c in zip(resumed, continued, strict=True)
+            )
             if "torch_losses" in fam:
                 checks[f"{key} step1 loss~torch"] = (
                     abs(fam["megatron_losses"][0] - fam["torch_losses"][0]) < 2e-2

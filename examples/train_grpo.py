@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 2 examples/train_grpo.py              # 2 ranks (gloo or NCCL)
     python examples/train_grpo.py --config examples/configs/tiny_partial.yaml num_steps=5
     python examples/train_grpo.py --resume                          # continue from out_dir
+    torchrun --nproc_per_node 2 examples/train_grpo.py backend=megatron policy.tp_size=2  # GPU
 
 One step: rollout -> GenRM scoring -> advantages (+ DAPO dynamic sampling) -> balance -> train
 -> weight sync -> checkpoint. Fork it and edit the loop; there are no hook flags.
@@ -78,7 +79,8 @@ class TrainConfig:
     num_steps: int = 120
     out_dir: str = "runs/grpo"  # metrics, plot and checkpoints
     placement: str = "full"  # "full": phases in turn; "partial": rollout + GenRM resident
-    policy: core.TorchPolicyConfig  # model_dir "" = the embedded task's base policy
+    backend: str = "torch"  # policy backend: "torch" or "megatron" (CUDA; yatt-core[megatron])
+    policy: core.TorchPolicyConfig | core.MegatronPolicyConfig  # model_dir "" = embedded policy
     loss: core.PolicyLoss = field(default_factory=lambda: core.PolicyLoss(clip_high=0.28))
     ckpt: CkptConfig = field(default_factory=lambda: CkptConfig(every_steps=20, phases=("train",)))
     data: DataConfig = field(default_factory=DataConfig)
@@ -88,6 +90,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.placement not in ("full", "partial"):
             raise ValueError(f"placement={self.placement!r}: use 'full' or 'partial'")
+        if isinstance(self.policy, dict):  # unknown keys fail here, naming the backend's class
+            self.policy = core.policy_config_from_dict(self.backend, self.policy)
 
 
 DEFAULT_POLICY = {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512}  # tiny model
@@ -133,14 +137,10 @@ def timed(timings: dict[str, float], name: str):
 def rollout_round(step, rows, ctx) -> core.Batch:
     """Generate n samples per prompt and score them; one scored Batch (groups stay here)."""
     cfg, tok, timings, seen = ctx.cfg, ctx.tokenizer, ctx.timings, ctx.seen
-    requests = [
-        rollout.Request(
-            prompt_ids=tok(r[cfg.data.prompt_key], add_special_tokens=False)["input_ids"]
-        )
-        for r in rows
-    ]
-    ctx.round += 1  # seeded by (seed, rank, step, round): a resumed run draws the same samples
-    seed = cfg.seed * 1_000_003 + ctx.runtime.rank * 10_007 + step * 101 + ctx.round
+    prompt_ids = [tok(r[cfg.data.prompt_key], add_special_tokens=False)["input_ids"] for r in rows]
+    requests = [rollout.Request(prompt_ids=ids) for ids in prompt_ids]
+    ctx.round += 1  # seeded by (seed, DP rank, step, round): resume and TP peers draw alike
+    seed = cfg.seed * 1_000_003 + ctx.runtime.dp_rank * 10_007 + step * 101 + ctx.round
     sampling = rollout.SamplingParams(
         n=cfg.rollout.samples_per_prompt,
         temperature=cfg.rollout.temperature,
@@ -185,6 +185,7 @@ def rollout_round(step, rows, ctx) -> core.Batch:
                 "reward": float(v.reward),
             }
         )
+    samples = core.broadcast_to_tp_peers(samples, ctx.runtime)  # TP peers: one batch (host sync)
     return core.Batch.from_samples(
         samples, token_keys=("input_ids", "loss_mask", "rollout_logprobs")
     )
@@ -207,7 +208,7 @@ def summarize(local: dict[str, float], group) -> dict[str, float]:
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     raw, should_resume = load_config(argv)
-    runtime = core.init_runtime(seed=raw.get("seed", 0))
+    runtime = core.init_runtime(seed=raw.get("seed", 0), tp_size=raw["policy"].get("tp_size", 1))
     engine = judge_engine = ckpt = run_log = None
     try:
         workdir = Path(raw.get("out_dir", TrainConfig.out_dir)) / "embedded"
@@ -217,7 +218,7 @@ def main(argv: list[str]) -> None:
         device = str(runtime.device)
 
         # -- setup: policy, rollout engine, judge, data shard, placement, checkpoints, logs ----
-        policy = core.TorchPolicy(cfg.policy, runtime)
+        policy = core.build_policy(cfg.backend, cfg.policy, runtime)
         engine = make_engine(cfg.rollout, cfg.policy.model_dir, device)
         judge_engine = rollout.BuiltinEngine(
             cfg.reward.judge_dir, config=replace(cfg.reward.engine, device=device)
@@ -296,7 +297,6 @@ def main(argv: list[str]) -> None:
                 train_metrics = policy.train_step(batch, cfg.loss)
             with timed(ctx.timings, "sync"), plan.phase("sync"):  # bucketed, no second copy
                 engine.update_weights(policy.named_weights())
-
             local = {f"sum/{k}": v for k, v in ctx.seen.items()}
             local |= {"sum/mismatch": float(gap.abs()[mask].sum()), "sum/tokens": float(mask.sum())}
             local |= {f"time/{k}_s": v for k, v in ctx.timings.items()}

@@ -35,14 +35,16 @@ def embedded(tmp_path_factory) -> list[str]:
     ]
 
 
-def _command(out_dir: Path, embedded: list[str], *args: str, nproc: int = 2) -> list[str]:
+def _command(
+    out_dir: Path, embedded: list[str], *args: str, nproc: int = 2, trainer: Path = TRAINER
+) -> list[str]:
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
         f"--master_port={free_port()}",
-        str(TRAINER),
+        str(trainer),
         f"out_dir={out_dir}",
         "data.prompts_per_rank=4",
         *embedded,
@@ -131,3 +133,93 @@ def test_unknown_rollout_backend_is_a_clear_error():
 
     with pytest.raises(ValueError, match=r"rollout\.backend='tgi'"):
         train_grpo.make_engine(train_grpo.RolloutConfig(backend="tgi"), "unused", "cpu")
+
+
+def test_policy_fields_are_checked_against_the_backends_config(embedded):
+    sys.path.insert(0, str(TRAINER.parent))
+    import train_grpo
+
+    model_dir = embedded[0].split("=", 1)[1]
+
+    def build(raw: dict):
+        return train_grpo.core.config_from_dict(train_grpo.TrainConfig, raw)
+
+    cfg = build({"backend": "megatron", "policy": {"model_dir": model_dir, "tp_size": 2}})
+    assert isinstance(cfg.policy, train_grpo.core.MegatronPolicyConfig)
+    assert cfg.policy.tp_size == 2
+    assert isinstance(
+        build({"policy": {"model_dir": model_dir}}).policy, train_grpo.core.TorchPolicyConfig
+    )
+    with pytest.raises(
+        ValueError, match=r"unknown config key 'policy\.tp_size' for TorchPolicyConfig"
+    ):
+        build({"policy": {"model_dir": model_dir, "tp_size": 2}})
+    with pytest.raises(
+        ValueError, match=r"'policy\.tp_sise' for MegatronPolicyConfig; did you mean"
+    ):
+        build({"backend": "megatron", "policy": {"model_dir": model_dir, "tp_sise": 2}})
+    with pytest.raises(ValueError, match=r"backend='jax' is not a policy backend"):
+        build({"backend": "jax", "policy": {"model_dir": model_dir}})
+
+
+def test_megatron_backend_on_cpu_stops_before_training_with_a_clear_error(tmp_path, embedded):
+    out = tmp_path / "megatron"
+    config = ROOT / "examples" / "configs" / "tiny_megatron.yaml"
+    args = ["--config", str(config), "policy.tp_size=1", f"out_dir={out}", "num_steps=2"]
+    proc = subprocess.run(
+        [sys.executable, str(TRAINER), *args, *embedded],
+        env={**_env(), "CUDA_VISIBLE_DEVICES": ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "ValueError: MegatronPolicy needs CUDA" in proc.stderr, proc.stderr[-3000:]
+    assert not (out / "metrics.jsonl").exists()  # no step ran
+
+
+# The trainer with megatron-core's own modules on CPU, through the core tests' shim (float32,
+# Megatron's non-distributed optimizer, no grad clipping: see _cpu_shim.install_for_policy).
+_MEGATRON_ON_CPU = """
+import runpy, sys
+sys.path.insert(0, {shim!r})
+import _cpu_shim
+_cpu_shim.install_for_policy()
+sys.argv = [{trainer!r}, *sys.argv[1:]]
+runpy.run_path({trainer!r}, run_name="__main__")
+"""
+
+
+def test_megatron_backend_trains_checkpoints_and_resumes_exactly_at_tp2(tmp_path, embedded):
+    """backend=megatron through the unchanged loop: TP=2 on 2 gloo ranks (one batch per TP
+    pair), rank-keyed checkpoints, and a resumed run equal to an uninterrupted one."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    wrapper = tmp_path / "megatron_on_cpu.py"
+    shim = ROOT / "packages" / "yatt-core" / "tests" / "megatron"
+    wrapper.write_text(_MEGATRON_ON_CPU.format(shim=str(shim), trainer=str(TRAINER)))
+    megatron = (
+        "backend=megatron",
+        "policy.tp_size=2",
+        "policy.dtype=float32",
+        "policy.use_distributed_optimizer=false",
+        "policy.grad_clip=null",
+        "ckpt.every_steps=2",
+        "ckpt.async_save=false",
+    )
+    env = {**_env(), "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
+
+    def run(out: Path, *args: str) -> None:
+        command = _command(out, embedded, *megatron, *args, trainer=wrapper)
+        subprocess.run(command, check=True, env=env, timeout=600)
+
+    run(tmp_path / "straight", "num_steps=5")
+    run(tmp_path / "resumed", "num_steps=3")  # saves step 2
+    assert len(list((tmp_path / "resumed/checkpoints/step-00000002").glob("rank-*"))) == 2
+    run(tmp_path / "resumed", "num_steps=5", "--resume")
+    expected, resumed = _metrics(tmp_path / "straight"), _metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [r["step"] for r in expected] == list(range(5))
+    assert all(r["train/num_loss_tokens"] > 0 for r in expected)
+    assert expected[0]["train/loss"] != expected[4]["train/loss"]
+    keys = ("reward/mean", "train/loss", "train/grad_norm", "rollout/logprob_mismatch")
+    for step in (3, 4):  # recomputed by the resumed run from the step-2 checkpoint
+        assert {k: resumed[step][k] for k in keys} == {k: expected[step][k] for k in keys}

@@ -42,7 +42,9 @@ class _CpuTorch:
 
 def install_for_policy() -> None:
     """Also let MegatronPolicy train on CPU: float32 and the non-distributed optimizer only
-    (the distributed one insists on CUDA tensors), and no grad clipping (it asserts CUDA)."""
+    (the distributed one insists on CUDA tensors), and no grad clipping (it asserts CUDA).
+    sleep()/wake_up() run, but the optimizer state stays where it is: in host memory already
+    (Megatron's restore_from_cpu would call .cuda() on it)."""
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer
     import megatron.core.tensor_parallel as tensor_parallel
@@ -59,3 +61,5 @@ def install_for_policy() -> None:
     torch.cuda.empty_cache = lambda *args, **kwargs: None
     # 0.19 reads the current stream before a grad sync, only to wait on CUDA-graph events.
     torch.cuda.current_stream = lambda *args, **kwargs: None
+    optimizer.MegatronOptimizer.offload_to_cpu = lambda self: None
+    optimizer.MegatronOptimizer.restore_from_cpu = lambda self: None

@@ -182,6 +182,12 @@ def policy_vs_torch(model_dir: str) -> dict:
         logprobs = policy.logprobs(batch)
         batch.tokens["old_logprobs"] = logprobs
         losses = [policy.train_step(batch, loss_fn)["loss"] for _ in range(3)]
+        # No loss tokens anywhere (DAPO dropped every group): a skipped step, weights untouched
+        # (the comparison with TorchPolicy's three steps below would catch a change).
+        no_loss = {**rows[0], "loss_mask": torch.zeros_like(rows[0]["loss_mask"])}
+        skipped = policy.train_step(
+            Batch.from_samples([no_loss], token_keys=("input_ids", "loss_mask")), loss_fn
+        )
         weights = dict(policy.named_weights(bucket_bytes=2048))
         state = {k: v.state_dict() for k, v in policy.state().items()}
         saved = {k: {n: t.clone() for n, t in sd.items()} for k, sd in state.items()}
@@ -200,6 +206,8 @@ def policy_vs_torch(model_dir: str) -> dict:
         torch_weights = {n: p.detach().clone() for n, p in reference.module.named_parameters()}
     return {
         "losses": losses,
+        "skipped": skipped,
+        "model_config": policy.model_config.to_dict(),
         "torch_losses": torch_losses,
         "weights": weights,
         "torch_weights": torch_weights,

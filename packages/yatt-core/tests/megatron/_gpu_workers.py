@@ -15,6 +15,7 @@ Per model family (a saved HF checkpoint each), on the same global batch:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -76,6 +77,11 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
         attention=attention,
         weight_sync_bucket_bytes=1 << 20,
     )
+    # What this process held before the policy (cuBLAS workspaces, earlier families' leftovers):
+    # the sleep check compares the policy's own bytes.
+    gc.collect()
+    torch.cuda.empty_cache()
+    allocated_baseline = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     policy = MegatronPolicy(config, rt)
     build_s = time.perf_counter() - t0
@@ -124,6 +130,7 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
     policy.wake_up()
     after = policy.logprobs(batch).cpu()
     out["sleep"] = {
+        "allocated_baseline_bytes": allocated_baseline,
         "allocated_awake_bytes": allocated_awake,
         "allocated_asleep_bytes": allocated_asleep,
         "logprobs_bitwise_after_wake": bool(torch.equal(before, after)),
@@ -142,7 +149,9 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
         for k, v in policy.gpt.state_dict().items()
         if isinstance(v, torch.Tensor)
     }
-    policy.train_step(batch, loss_fn)
+    # Two steps from the saved state, then the same two after loading it: the second step's
+    # loss depends on the restored optimizer state, the first only on the weights.
+    continued = [policy.train_step(batch, loss_fn)["loss"] for _ in range(2)]
     ckpt.load(policy.state())
     ckpt.close()
     out["ckpt_weights_bitwise"] = all(
@@ -150,8 +159,8 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
         for k, v in policy.gpt.state_dict().items()
         if isinstance(v, torch.Tensor)
     )
-    resumed = policy.train_step(batch, loss_fn)["loss"]
-    out["ckpt_loss_resumed_vs_continued"] = [resumed, out["loss_after_wake"]]
+    resumed = [policy.train_step(batch, loss_fn)["loss"] for _ in range(2)]
+    out["ckpt_loss_resumed_vs_continued"] = [resumed, continued]
 
     if torch_ref:
         tp = TorchPolicy(TorchPolicyConfig(model_dir=model_dir, lr=1e-4, parallel="ddp"), rt)

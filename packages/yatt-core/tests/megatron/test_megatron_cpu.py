@@ -58,7 +58,8 @@ def test_bucketed_export_returns_the_hf_weights_bitwise(megatron_cpu_results, ar
 
 def test_policy_train_steps_and_weights_equal_torch_policy(megatron_cpu_results):
     """Three MegatronPolicy train steps (micro-batches from yatt.balance.pack, DDP, Megatron's
-    optimizer) give TorchPolicy's losses and weights, in float32, at tp=1 and tp=2."""
+    optimizer) give TorchPolicy's losses and weights, in float32, at tp=1 and tp=2; a step
+    without loss tokens is skipped; model_config is the HF config."""
     _, results = megatron_cpu_results
     for r in results:
         p = r["policy"]
@@ -71,3 +72,6 @@ def test_policy_train_steps_and_weights_equal_torch_policy(megatron_cpu_results)
             # name would be off by the weights' own scale (~2e-2) almost everywhere.
             torch.testing.assert_close(p["weights"][name], tensor, atol=5e-4, rtol=0, msg=name)
         assert p["state_restored"] and p["num_state_tensors"] > 0
+        assert p["skipped"]["is_skipped"] == 1.0 and p["skipped"]["num_loss_tokens"] == 0.0
+        # The trainer's cost model reads the HF shape from policy.model_config.
+        assert (p["model_config"]["hidden_size"], p["model_config"]["num_hidden_layers"]) == (64, 2)

@@ -4,6 +4,7 @@ Runtime and process groups, sharded prompt data, batches, GRPO/DAPO math and pol
 """
 
 from yatt.core._advantages import compute_grpo_advantages, mask_groups_with_reward_variance
+from yatt.core._backends import broadcast_to_tp_peers, build_policy, policy_config_from_dict
 from yatt.core._batch import Batch
 from yatt.core._config import config_from_dict
 from yatt.core._loader import ROW_INDEX_KEY, ShardedLoader
@@ -40,6 +41,8 @@ __all__ = [
     "TorchPolicyConfig",
     "__version__",
     "aggregate",
+    "broadcast_to_tp_peers",
+    "build_policy",
     "compute_clipped_policy_loss",
     "compute_entropy",
     "compute_grpo_advantages",
@@ -49,6 +52,7 @@ __all__ = [
     "count_units",
     "init_runtime",
     "mask_groups_with_reward_variance",
+    "policy_config_from_dict",
     "reduce_metrics",
     "sample_dynamically",
     "set_seed",

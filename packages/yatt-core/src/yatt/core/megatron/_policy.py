@@ -32,6 +32,7 @@ from yatt.core._metrics import reduce_metrics
 from yatt.core._policy import DTYPES, LossFn
 from yatt.core._runtime import Runtime
 from yatt.core.megatron._config import layout_from_hf_config, padded_vocab_size
+from yatt.core.megatron._parallel import _init_megatron_parallel, _require_cuda, _require_megatron
 from yatt.core.megatron._policy_config import MegatronPolicyConfig
 from yatt.core.megatron._state import MegatronModelState, MegatronOptimizerState
 from yatt.core.megatron._vocab_parallel import (
@@ -43,48 +44,24 @@ from yatt.core.megatron._weights import export_hf_weights
 logger = logging.getLogger("yatt.core")
 
 
-def _require_cuda(device: torch.device) -> None:
-    if device.type != "cuda":
-        raise ValueError(
-            f"MegatronPolicy needs CUDA (megatron-core calls CUDA directly), got device={device}; "
-            "use TorchPolicy on CPU"
-        )
-
-
-def _init_megatron_parallel(runtime: Runtime, tp_size: int, seed: int) -> None:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    if runtime.tp_size != tp_size:
-        raise ValueError(
-            f"MegatronPolicyConfig.tp_size={tp_size} but the runtime has tp_size={runtime.tp_size}; "
-            "pass the same value to init_runtime(tp_size=...)"
-        )
-    if not parallel_state.model_parallel_is_initialized():
-        # Megatron's default order puts TP ranks adjacent, as yatt's (dp, tp) mesh does, so
-        # both agree on who shares a batch.
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
-    elif parallel_state.get_tensor_model_parallel_world_size() != tp_size:
-        raise ValueError("megatron parallel_state is already initialised with another tp size")
-    model_parallel_cuda_manual_seed(seed)
-
-
 class MegatronPolicy:
     """See the module docstring. Also a placement role (memory_tags "weights", "optimizer")."""
 
     memory_tags: tuple[str, ...] = ("weights", "optimizer")
 
     def __init__(self, config: MegatronPolicyConfig, runtime: Runtime) -> None:
+        _require_cuda(runtime.device)  # first: on CPU the clear error, not megatron's
+        _require_megatron()
         from megatron.core import parallel_state
         from megatron.core.transformer.module import Float16Module
         from transformers import AutoConfig
 
         from yatt.core.megatron._model import build_gpt_model, load_hf_weights
 
-        _require_cuda(runtime.device)
         self.config = config
         self.device = runtime.device
-        self.layout = layout_from_hf_config(AutoConfig.from_pretrained(config.model_dir))
+        self._hf_config = AutoConfig.from_pretrained(config.model_dir)
+        self.layout = layout_from_hf_config(self._hf_config)
         _init_megatron_parallel(runtime, config.tp_size, config.seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -159,6 +136,11 @@ class MegatronPolicy:
             return self.optimizer
         assert len(chain) == 1, "dense GPT models get exactly one optimizer"
         return chain[0]
+
+    @property
+    def model_config(self) -> Any:
+        """The Hugging Face config of the trained model (its shape, for cost models)."""
+        return self._hf_config
 
     @property
     def max_context_tokens(self) -> int:
@@ -253,7 +235,14 @@ class MegatronPolicy:
             default_op="sum",
         )
         if totals["units"] == 0:
-            raise ValueError("train_step: the global batch has no loss units (no response tokens)")
+            # Legit in DAPO: every group solved (zero reward variance) was dropped on every rank.
+            logger.warning("train_step: the global batch has no response tokens; step skipped")
+            self.num_skipped_steps += 1
+            return {"loss": 0.0, "grad_norm": 0.0, "lr": float(self.config.lr)} | {
+                "num_micro_batches": 0.0,
+                "num_loss_tokens": 0.0,
+                "is_skipped": 1.0,
+            }
         scale = self.dp_size / totals["units"]
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -347,6 +336,11 @@ class MegatronPolicy:
         yatt.placement.offload does would detach the parameters from the buffers.
         """
         torch.cuda.synchronize()
+        # Optimizer first: with float32 parameters its params are views into DDP's parameter
+        # buffer, which must still hold the data when they are copied out.
+        if self.optimizer is not None and "optimizer" not in self._asleep:
+            self._inner_optimizer.offload_to_cpu()
+            self._asleep.add("optimizer")
         if "weights" not in self._asleep:
             if self.optimizer is None:
                 from yatt.placement import offload
@@ -356,9 +350,6 @@ class MegatronPolicy:
                 for buffer in self._buffers():
                     buffer.offload_to_cpu(move_params=True, move_grads=True)
             self._asleep.add("weights")
-        if self.optimizer is not None and "optimizer" not in self._asleep:
-            self._inner_optimizer.offload_to_cpu()
-            self._asleep.add("optimizer")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
