@@ -79,6 +79,11 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
     )
     # What this process held before the policy (cuBLAS workspaces, earlier families' leftovers):
     # the sleep check compares the policy's own bytes.
+    # A first bf16 matmul creates cuBLAS's workspaces (64 MiB on an H200, seen on the GPU: the
+    # first family's "sleep frees" failed by exactly that) before the baseline, not after.
+    ones = torch.ones(64, 64, device=rt.device, dtype=torch.bfloat16)
+    (ones @ ones).sum().item()
+    del ones
     gc.collect()
     torch.cuda.empty_cache()
     allocated_baseline = torch.cuda.memory_allocated()
