@@ -40,6 +40,11 @@ def summarize_mix(ranks: list[list[dict]]) -> dict:
                 "step_s": max(r["t1"] for r in rows) - min(r["t0"] for r in rows),
                 "phases": {k: max(r["phases"].get(k, 0.0) for r in rows) for k in names},
                 "switch_s": max(r["switch_s"] for r in rows),
+                # Into which phase the time went (sleep/wake of the roles), slowest rank's.
+                "switches": {
+                    k: max(r.get("switches", {}).get(k, 0.0) for r in rows)
+                    for k in sorted({k for r in rows for k in r.get("switches", {})})
+                },
                 "gpus": [g for r in rows for g in r["gpus"]],
                 "bad_lengths": sum(r["bad_lengths"] for r in rows),
                 "num_completions": sum(r["num_completions"] for r in rows),

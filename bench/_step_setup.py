@@ -134,7 +134,9 @@ def make_models(root: Path, *, tiny: bool) -> tuple[Path, Path]:
     return policy_dir, judge_dir
 
 
-def build_judge(judge_dir: Path, *, device: str, tiny: bool, work: Workload, slots: int):
+def build_judge(
+    judge_dir: Path, *, device: str, tiny: bool, work: Workload, slots: int, keep_graphs=False
+):
     """A yatt.genrm.GenRM on its own BuiltinEngine (region prefix "genrm")."""
     from yatt import genrm, rollout
 
@@ -148,6 +150,7 @@ def build_judge(judge_dir: Path, *, device: str, tiny: bool, work: Workload, slo
             max_seq_len=context,
             max_prefill_tokens=max(16384, context),
             region_prefix="genrm",
+            keep_graphs_asleep=keep_graphs,
         ),
     )
     judge = genrm.GenRM(

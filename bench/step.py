@@ -69,6 +69,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="2-layer model (CPU smoke runs)")
     p.add_argument("--judge-tokens", type=int, default=8, help="forced verdict length")
     p.add_argument("--judge-gpu", type=int, default=None, help="dedicated: the judge's GPU")
+    p.add_argument(
+        "--keep-graphs", action="store_true", help="EngineConfig.keep_graphs_asleep for both"
+    )
     p.add_argument("--judge-port", type=int, default=18517)
     p.add_argument("--serve-judge", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prepare", action="store_true", help="only save the models, then exit")
@@ -154,6 +157,7 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
             max_seq_len=work.prompt_tokens + setup.MAX_RESPONSE_TOKENS,
             max_prefill_tokens=16384,
             region_prefix="rollout",
+            keep_graphs_asleep=args.keep_graphs,
         ),
     )
     ctx.judge_engine = None
@@ -164,7 +168,12 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
         )
     else:
         ctx.judge, ctx.judge_engine = setup.build_judge(
-            judge_dir, device=device, tiny=args.tiny, work=work, slots=slots
+            judge_dir,
+            device=device,
+            tiny=args.tiny,
+            work=work,
+            slots=slots,
+            keep_graphs=args.keep_graphs,
         )
     ctx.policy = core.TorchPolicy(
         core.TorchPolicyConfig(
@@ -404,7 +413,8 @@ def write_run(args, ctx, gathered: list[dict]) -> Path:
         "device": setup.device_name(),
         "tiny": args.tiny,
         "workload": vars(ctx.work)
-        | {"mixes": args.mixes, "steps": args.steps, "warmup": args.warmup},
+        | {"mixes": args.mixes, "steps": args.steps, "warmup": args.warmup}
+        | {"keep_graphs_asleep": args.keep_graphs},
         "ckpt_root": str(ctx.ckpt_root.parent),
         "mixes": {
             mix: _step_report.summarize_mix([g[mix] for g in gathered]) for mix in args.mixes

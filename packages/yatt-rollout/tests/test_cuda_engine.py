@@ -93,3 +93,33 @@ def test_memory_fraction_resizes_the_kv_cache_on_cuda(tiny_model_dir):
     assert engine.num_slots == 8
     engine.sleep()
     engine.close()
+
+
+def test_kept_graphs_survive_sleep_and_wake(tiny_model_dir):
+    # keep_graphs_asleep: weights and KV cache come back at the same addresses, so the graphs
+    # captured before sleep() replay correctly after wake_up(), with no recapture.
+    from yatt.placement import is_paused
+
+    config = EngineConfig(
+        device="cuda",
+        max_batch_size=4,
+        max_seq_len=256,
+        region_prefix="keep",
+        keep_graphs_asleep=True,
+    )
+    engine = BuiltinEngine(tiny_model_dir, config=config)
+    requests = [Request(prompt_ids=[5 + i, 6, 7]) for i in range(6)]
+    sampling = SamplingParams(n=2, max_new_tokens=90, seed=3, ignore_eos=True)
+    before = engine.generate(requests, sampling)
+    graphs = dict(engine._runner._graphs)
+    assert len(graphs) >= 2  # 93 tokens cross a span bucket
+    engine.sleep()
+    assert is_paused("keep/weights") and is_paused("keep/kv_cache")
+    engine.wake_up()
+    after = engine.generate(requests, sampling)
+    assert engine._runner._graphs.keys() == graphs.keys()
+    assert all(engine._runner._graphs[k] is g for k, g in graphs.items()), "recaptured"
+    assert [c.response_ids for c in after] == [c.response_ids for c in before]
+    assert [c.logprobs for c in after] == [c.logprobs for c in before]
+    engine.sleep()
+    engine.close()

@@ -19,6 +19,11 @@ class EngineConfig:
     max_seq_len: int = 2048  # prompt + response tokens per slot (KV cache length)
     max_prefill_tokens: int = 16384  # padded prompt tokens per prefill forward pass
     use_cuda_graph: bool = True  # capture the decode step in a CUDA graph (CUDA only)
+    # Keep the captured graphs (and their memory pool, ~the decode step's activations and
+    # logits) through sleep(): weights and KV cache come back at the same addresses, so the
+    # graphs stay valid and wake-up skips the recapture (on the H200 bench, colocated engines
+    # recapturing every step are the suspected main cost of a switch). Not yet verified on a GPU.
+    keep_graphs_asleep: bool = False
     steps_per_sync: int = 8  # decode steps between host checks for finished slots
     region_prefix: str = "rollout"  # placement tags "<prefix>/weights", "<prefix>/kv_cache"
     # Total device memory that set_memory_fraction(f) takes a share of (the engine's weights and

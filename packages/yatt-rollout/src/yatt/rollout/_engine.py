@@ -3,7 +3,7 @@
 Memory lives in two placement regions, so `sleep()` gives it back on CUDA:
   "<prefix>/weights"  parameters and buffers (CPU backup: restored on wake-up)
   "<prefix>/kv_cache" the static KV cache and per-slot state (contents dropped on sleep)
-CUDA graphs and the allocator's cache are freed on sleep and rebuilt on the next call.
+CUDA graphs are freed on sleep and recaptured on the next call (EngineConfig.keep_graphs_asleep).
 
 As a placement role it declares memory_tags ("weights", "kv_cache"), so a plan's weight-sync
 phase wakes the weights alone, and set_memory_fraction(f) resizes the KV cache (number of slots)
@@ -212,14 +212,15 @@ class BuiltinEngine:
         self._check_open()
         with self._lock:
             awake = [self._tags[name] for name in _TAGS if not is_paused(self._tags[name])]
-            self._runner.release_graphs()
+            if not (keep_graphs := self.config.keep_graphs_asleep):  # see EngineConfig
+                self._runner.release_graphs()
             if awake:
                 pause(*awake)
             if self._device.type == "cuda":
-                # Memory outside the regions: graph pools, prefill activations, workspaces.
-                # Workspaces first: one allocated during a capture sits in the graph pool and
-                # would keep its segment (and the pool) reserved through empty_cache().
-                torch._C._cuda_clearCublasWorkspaces()
+                # Memory outside the regions: graph pools, prefill activations, workspaces (one
+                # captured in a graph pins its pool; a kept graph needs it).
+                if not keep_graphs:
+                    torch._C._cuda_clearCublasWorkspaces()
                 torch.cuda.empty_cache()
 
     def wake_up(self, tags: Sequence[str] | None = _TAGS) -> None:
@@ -337,8 +338,7 @@ class BuiltinEngine:
     def _check_awake(self) -> None:
         # Raise rather than wake: waking the KV cache here could take memory a placement plan
         # gave to another role (e.g. generate called in a weights-only "sync" phase).
-        asleep = tuple(name for name in _TAGS if is_paused(self._tags[name]))
-        if asleep:
+        if asleep := tuple(name for name in _TAGS if is_paused(self._tags[name])):
             raise RuntimeError(
                 f"generation needs the whole engine but its {list(asleep)} are asleep; call "
                 f"wake_up(tags={asleep}) first (or generate inside a placement phase that names "
