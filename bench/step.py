@@ -48,6 +48,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _step_judge  # bench/ is not a package: these are its helper modules
+import _step_profile
 import _step_report
 import _step_setup as setup
 
@@ -69,6 +70,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="2-layer model (CPU smoke runs)")
     p.add_argument("--judge-tokens", type=int, default=8, help="forced verdict length")
     p.add_argument("--judge-gpu", type=int, default=None, help="dedicated: the judge's GPU")
+    p.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
     p.add_argument(
         "--keep-graphs", action="store_true", help="EngineConfig.keep_graphs_asleep for both"
     )
@@ -104,8 +106,9 @@ def _sync() -> None:
 @contextlib.contextmanager
 def timed(phases: dict[str, float], name: str):
     t0 = time.perf_counter()
-    yield
-    _sync()  # device work enqueued in the phase belongs to it
+    with _step_profile.phase_range(name):
+        yield
+        _sync()  # device work enqueued in the phase belongs to it
     phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
 
 
@@ -370,6 +373,12 @@ def run_layout(args: argparse.Namespace) -> Path | None:
                         f"{row['t1'] - row['t0']:.2f}s: {parts}",
                         flush=True,
                     )
+            if args.profile:  # after the timed steps, so its overhead counts in none
+                name = f"profile_{ctx.layout}_{runtime.world_size}x_{mix}.txt"
+                path = Path(args.out_dir) / name if runtime.is_rank_zero else None
+                with _step_profile.maybe_profile(path):
+                    one_step(ctx, mix, args.warmup + args.steps, global_step)
+                global_step += 1
             per_mix[mix] = rows
         ctx.ckpt.wait()
         gathered = [None] * runtime.world_size

@@ -10,7 +10,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/yatt-step-out}
 BUDGET_S=${BUDGET_S:-330}  # no run starts later; + RUN_TIMEOUT = worst case
 RUN_TIMEOUT=${RUN_TIMEOUT:-130}
-EXTRA=${STEP_EXTRA:-}  # e.g. "--tiny --steps 1" for a CPU dry run of this script
+EXTRA=${STEP_EXTRA:-}  # every run, TRL's too: e.g. "--tiny --steps 1" for a CPU dry run
+YATT_EXTRA=${YATT_EXTRA:-}  # yatt's runs only: e.g. "--keep-graphs --profile"
 RUNS=${RUNS:-/tmp/yatt-step-runs}  # per-run JSONs and logs; they come back as one archive
 rm -rf "$RUNS"
 mkdir -p "$OUT" "$RUNS"
@@ -27,7 +28,7 @@ df -h /dev/shm /tmp | tee -a "$OUT/device.txt"
 
 START=$SECONDS
 MODELS=/tmp/yatt-step
-STEP="bench/step.py --model-dir $MODELS --out-dir $RUNS $EXTRA"
+STEP="bench/step.py --model-dir $MODELS --out-dir $RUNS $EXTRA $YATT_EXTRA"
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
 
 # One run: name, then the command; logs to $RUNS/<name>.log, progress lines echoed.
@@ -47,17 +48,22 @@ run() {
 # Models once (random weights, saved with save_pretrained), reused by every run.
 run models python3 $STEP --prepare
 
-run full_2gpu $TORCHRUN $STEP --layout full
-run dedicated_2gpu python3 $STEP --layout dedicated --judge-gpu 1
-run partial_2gpu $TORCHRUN $STEP --layout partial
+# ONLY=2gpu or ONLY=1gpu runs half (the whole set takes longer than one 10-minute device call).
+if [ "${ONLY:-all}" != 1gpu ]; then
+  run full_2gpu $TORCHRUN $STEP --layout full
+  run dedicated_2gpu python3 $STEP --layout dedicated --judge-gpu 1
+  run partial_2gpu $TORCHRUN $STEP --layout partial
+fi
 
 # 1-GPU runs, two at a time on different GPUs (each its own process and GPU).
-CUDA_VISIBLE_DEVICES=0 run full_1gpu python3 $STEP --layout full &
-CUDA_VISIBLE_DEVICES=1 run trl_1gpu python3 bench/step_trl.py --model-dir $MODELS --out-dir "$RUNS" $EXTRA &
-wait
-CUDA_VISIBLE_DEVICES=0 run partial_1gpu python3 $STEP --layout partial &
-CUDA_VISIBLE_DEVICES=1 run separate_1gpu python3 $STEP --layout dedicated &
-wait
+if [ "${ONLY:-all}" != 2gpu ]; then
+  CUDA_VISIBLE_DEVICES=0 run full_1gpu python3 $STEP --layout full &
+  CUDA_VISIBLE_DEVICES=1 run trl_1gpu python3 bench/step_trl.py --model-dir $MODELS --out-dir "$RUNS" $EXTRA &
+  wait
+  CUDA_VISIBLE_DEVICES=0 run partial_1gpu python3 $STEP --layout partial &
+  CUDA_VISIBLE_DEVICES=1 run separate_1gpu python3 $STEP --layout dedicated &
+  wait
+fi
 
 python3 bench/step.py --report --results-dir "$RUNS" 2>&1 | tee "$OUT/report.log" | tail -n 30
 cp "$RUNS"/step_nvidia_* "$RUNS"/step_cuda.* "$OUT"/ 2>/dev/null

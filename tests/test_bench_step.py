@@ -27,7 +27,7 @@ def _run_step(out_dir: Path, model_dir: Path, layout: str, mixes: str, *extra: s
     cmd += ["--model-dir", str(model_dir), "--ckpt-dir", str(out_dir / "ckpt"), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    num_gpus = 2 if extra else 1
+    num_gpus = 2 if "--judge-gpu" in extra else 1
     return json.loads((out_dir / f"step_{layout}_{num_gpus}gpu.json").read_text())
 
 
@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
     models = tmp_path_factory.mktemp("step-models")
     return out, {
         "full": _run_step(out, models, "full", "fixed,longtail"),
-        "partial": _run_step(out, models, "partial", "fixed,longtail"),
+        "partial": _run_step(out, models, "partial", "fixed,longtail", "--profile"),
         # The judge in its own process (the dedicated GPU's stand-in on CPU), over HTTP.
         "dedicated": _run_step(out, models, "dedicated", "longtail", "--judge-gpu", "1"),
     }
@@ -89,3 +89,13 @@ def test_longtail_mix_is_seeded_and_long_tailed():
     assert _step_setup.response_lengths("fixed", work, 0) == [256] * work.num_samples
     with pytest.raises(ValueError, match="mix"):
         _step_setup.response_lengths("uniform", work, 0)
+
+
+def test_profile_step_is_extra_and_names_the_phases(runs):
+    out, by_layout = runs
+    for mix in ("fixed", "longtail"):
+        # The profiled step runs after the timed ones and is not among them.
+        assert len(by_layout["partial"]["mixes"][mix]["steps"]) == 1
+        text = (out / f"profile_partial_1x_{mix}.txt").read_text()
+        phases = text.split("\n\n")[0].splitlines()[1:]
+        assert {line.split()[0] for line in phases} == PHASES["partial"] - {"genrm_tail"}

@@ -1,0 +1,58 @@
+"""`--profile`: one extra step after the timed ones under torch.profiler (bench/step.py).
+
+Writes a text file per rank 0 and mix: the step's phases (record_function "phase:<name>" ranges,
+wall time each), the CUDA kernels by device time and the host operators by CPU time, so the
+next GPU run shows where a step's time goes without a second run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+
+@contextlib.contextmanager
+def phase_range(name: str) -> Iterator[None]:
+    """A named range in the profile (costs nothing when no profiler runs)."""
+    with torch.profiler.record_function(f"phase:{name}"):
+        yield
+
+
+@contextlib.contextmanager
+def maybe_profile(path: Path | None) -> Iterator[None]:
+    """Profile the body into `path` (None: run it plainly)."""
+    if path is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tables(prof))
+    print(f"wrote {path}", flush=True)
+
+
+def tables(prof) -> str:
+    events = prof.key_averages()
+    phases = sorted(
+        (e for e in events if e.key.startswith("phase:")), key=lambda e: -e.cpu_time_total
+    )
+    lines = ["# phases (wall time of each range, ms)"]
+    lines += [f"{e.key[6:]:<16} {e.cpu_time_total / 1e3:10.1f}" for e in phases]
+    device_sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    lines += ["", f"# top kernels/operators by {device_sort}"]
+    lines.append(events.table(sort_by=device_sort, row_limit=30, max_name_column_width=70))
+    lines += ["", "# top host operators by self_cpu_time_total"]
+    lines.append(
+        events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    )
+    return "\n".join(lines) + "\n"
