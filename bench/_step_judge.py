@@ -40,6 +40,7 @@ def start_judge_server(args: argparse.Namespace, script: str) -> subprocess.Pope
     cmd = [sys.executable, script, "--serve-judge", "--model-dir", args.model_dir]
     cmd += ["--judge-port", str(args.judge_port), "--judge-tokens", str(args.judge_tokens)]
     cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--prompts", str(args.prompts)] if args.prompts else []
     env = dict(os.environ)
     if args.judge_gpu is not None and not args.tiny:
         env["CUDA_VISIBLE_DEVICES"] = str(setup.physical_gpu(args.judge_gpu))

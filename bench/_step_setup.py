@@ -62,7 +62,9 @@ def workload(args: Any) -> Workload:
     """The GPU workload, or a smaller batch (same lengths) for --tiny CPU runs."""
     if getattr(args, "tiny", False):
         return Workload(num_prompts=4, group_size=4, judge_tokens=args.judge_tokens)
-    return Workload(judge_tokens=args.judge_tokens)
+    # --prompts scales the batch (e.g. to see the 2-GPU ratio once the GPUs are saturated).
+    num_prompts = getattr(args, "prompts", None) or Workload.num_prompts
+    return Workload(num_prompts=num_prompts, judge_tokens=args.judge_tokens)
 
 
 # -- length mixes ------------------------------------------------------------------------------

@@ -71,6 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--judge-tokens", type=int, default=8, help="forced verdict length")
     p.add_argument("--judge-gpu", type=int, default=None, help="dedicated: the judge's GPU")
     p.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
+    p.add_argument("--prompts", type=int, default=None, help="GRPO groups per step (16)")
     p.add_argument(
         "--keep-graphs", action="store_true", help="EngineConfig.keep_graphs_asleep for both"
     )
