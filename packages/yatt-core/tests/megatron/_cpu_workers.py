@@ -208,6 +208,8 @@ def policy_vs_torch(model_dir: str) -> dict:
         "losses": losses,
         "skipped": skipped,
         "model_config": policy.model_config.to_dict(),
+        "resident_bytes": policy.resident_bytes(),
+        "param_bytes": sum(p.numel() * p.element_size() for p in policy.gpt.parameters()),
         "torch_losses": torch_losses,
         "weights": weights,
         "torch_weights": torch_weights,

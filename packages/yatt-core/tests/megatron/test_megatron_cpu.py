@@ -75,3 +75,5 @@ def test_policy_train_steps_and_weights_equal_torch_policy(megatron_cpu_results)
         assert p["skipped"]["is_skipped"] == 1.0 and p["skipped"]["num_loss_tokens"] == 0.0
         # The trainer's cost model reads the HF shape from policy.model_config.
         assert (p["model_config"]["hidden_size"], p["model_config"]["num_hidden_layers"]) == (64, 2)
+        # resident_bytes counts each parameter storage once (shared DDP buffers, padding aside).
+        assert p["param_bytes"] <= p["resident_bytes"] < 1.5 * p["param_bytes"]

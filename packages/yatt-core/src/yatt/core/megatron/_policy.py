@@ -349,6 +349,12 @@ class MegatronPolicy:
             else:
                 for buffer in self._buffers():
                     buffer.offload_to_cpu(move_params=True, move_grads=True)
+                if not self.config.use_distributed_optimizer:
+                    logger.warning(
+                        "MegatronPolicy.sleep(): use_distributed_optimizer=False keeps the "
+                        "parameters on the GPU (no parameter buffer to offload); only gradients "
+                        "and optimizer state leave it"
+                    )
             self._asleep.add("weights")
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -376,9 +382,14 @@ class MegatronPolicy:
         torch.cuda.synchronize()
 
     def resident_bytes(self) -> int:
-        if "weights" in self._asleep:
-            return 0
-        return sum(p.numel() * p.element_size() for p in self.gpt.parameters())
+        # Counted from the storages, not from _asleep: without the distributed optimizer DDP has
+        # no parameter buffer, and sleep() leaves the parameters on the GPU (a known gap).
+        # Parameters are views into a few shared buffers: count each storage once.
+        storages = {
+            p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+            for p in self.gpt.parameters()
+        }
+        return sum(storages.values())
 
     def _check_awake(self, what: str, tags: Sequence[str]) -> None:
         asleep = [t for t in tags if t in self._asleep]
