@@ -225,8 +225,9 @@ def plot(runs: list[dict], path: Path) -> Path | None:
     for ax in axes[0]:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             labels.setdefault(label, handle)
-    fig.legend(labels.values(), labels.keys(), loc="upper right", fontsize=8)
-    fig.tight_layout()
+    # Above the panels: inside them the legend hides the tallest bars.
+    fig.legend(labels.values(), labels.keys(), loc="upper center", ncol=len(labels), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
