@@ -131,7 +131,8 @@ def _release_device_memory(devices: list[torch.device], *, moved_bytes: int, bef
 def _move_to_host(obj: Offloadable) -> _Moved:
     if _offload_dtensor.moves_by_to(obj):
         home = _offload_dtensor.device_of(obj)
-        num_bytes = _offload_dtensor.move(obj, "cpu")
+        num_bytes = sum(_offload_dtensor.local_tensor(t).nbytes for t in _tensors_of(obj))
+        _offload_dtensor.move(obj, "cpu")
         moved = _Moved(
             tensors=[],
             devices=[home],

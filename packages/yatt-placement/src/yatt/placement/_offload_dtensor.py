@@ -50,37 +50,26 @@ def moves_by_to(obj: object) -> bool:
     return isinstance(obj, torch.optim.Optimizer) and bool(_sharded_state(obj))
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def device_of(obj: torch.nn.Module | torch.optim.Optimizer) -> torch.device:
+    """The device `obj`'s (sharded) tensors live on (the first one's)."""
+    if isinstance(obj, torch.nn.Module):
+        tensor = next(obj.parameters(), None)
+    else:
+        tensor = next((state[key] for state, key in _sharded_state(obj)), None)
+    if tensor is None:
+        return torch.device("cpu")
+    return local_tensor(tensor).device
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as is."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    tensors = []
-    for param in module.parameters():
-        tensors.append(param)
-        if param.grad is not None:
-            tensors.append(param.grad)
-    return tensors + list(module.buffers())
-
-
-def device_of(obj: torch.nn.Module | torch.optim.Optimizer) -> torch.device:
-    """The device `obj`'s sharded tensors live on (the first one's)."""
-    if isinstance(obj, torch.nn.Module):
-        tensors = _module_tensors(obj)
-    else:
-        tensors = [state[key] for state, key in _sharded_state(obj)]
-    if not tensors:
-        return torch.device("cpu")
-    return _local(tensors[0]).device
-
-
-def move(obj: torch.nn.Module | torch.optim.Optimizer, device: torch.device | str) -> int:
-    """Move `obj`'s (local shards of) tensors to `device`; returns the bytes moved."""
+def move(obj: torch.nn.Module | torch.optim.Optimizer, device: torch.device | str) -> None:
+    """Move `obj`'s (local shards of) tensors to `device`."""
     if isinstance(obj, torch.nn.Module):
         obj.to(device)
-        return sum(_local(t).nbytes for t in _module_tensors(obj))
-    num_bytes = 0
+        return
     for state, key in _sharded_state(obj):
-        state[key] = state[key].to(device, non_blocking=False)
-        num_bytes += _local(state[key]).nbytes
-    return num_bytes
+        state[key] = state[key].to(device)
