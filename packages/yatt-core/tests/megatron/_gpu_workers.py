@@ -77,10 +77,8 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
         attention=attention,
         weight_sync_bucket_bytes=1 << 20,
     )
-    # What this process held before the policy (cuBLAS workspaces, earlier families' leftovers):
-    # the sleep check compares the policy's own bytes.
-    # A first bf16 matmul creates cuBLAS's workspaces (64 MiB on an H200, seen on the GPU: the
-    # first family's "sleep frees" failed by exactly that) before the baseline, not after.
+    # What this process holds before the policy, so the sleep check sees the policy's own bytes.
+    # A bf16 matmul first: cuBLAS's workspaces (64 MiB on an H200) belong to the baseline.
     ones = torch.ones(64, 64, device=rt.device, dtype=torch.bfloat16)
     (ones @ ones).sum().item()
     del ones

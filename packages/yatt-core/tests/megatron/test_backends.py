@@ -1,10 +1,10 @@
-NUM_GPUS = 0
-
 """The policy factory (build_policy / policy_config_from_dict) and broadcast_to_tp_peers.
 
 None of these need megatron-core: the megatron backend's errors on a CPU machine come before
 it is imported, and a missing megatron-core is a clear ImportError, not a deep traceback.
 """
+
+NUM_GPUS = 0
 
 import sys
 
