@@ -27,6 +27,47 @@ COLORS = {
 }
 
 
+LABELS = {
+    "full": "(a) full colocation",
+    "partial": "(b) partial colocation",
+    "dedicated": "(c) dedicated GenRM GPU",
+    "separate": "(c) 1 GPU: judge + policy resident, fixed shares (nothing to dedicate)",
+}
+
+
+def write_run(
+    out_dir: str | Path,
+    *,
+    layout: str,
+    num_ranks: int,
+    tiny: bool,
+    workload: dict,
+    ckpt_root: str,
+    by_mix: dict[str, list[list[dict]]],
+) -> Path:
+    """One run's JSON (step_<layout>_<n>gpu.json): every rank's rows per mix, summarised."""
+    from _step_setup import device_name
+
+    # dedicated: the judge's GPU counts (on CPU smoke runs its process stands for that GPU).
+    num_gpus = num_ranks + int(layout == "dedicated")
+    run = {
+        "layout": layout,
+        "label": LABELS[layout],
+        "num_gpus": num_gpus,
+        "num_ranks": num_ranks,
+        "device": device_name(),
+        "tiny": tiny,
+        "workload": workload,
+        "ckpt_root": ckpt_root,
+        "mixes": {mix: summarize_mix(ranks) for mix, ranks in by_mix.items()},
+    }
+    out = Path(out_dir) / f"step_{layout}_{num_gpus}gpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(run, indent=1))
+    print(f"wrote {out}", flush=True)
+    return out
+
+
 def summarize_mix(ranks: list[list[dict]]) -> dict:
     """Per timed step: phase = max over ranks; GPUs = every rank's; then medians."""
     steps = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -250,3 +251,38 @@ def device_name() -> str:
         if key in name:
             return f"nvidia_{key}"
     return "cuda"
+
+
+# -- requests -------------------------------------------------------------------------------
+def make_requests(ctx: Any, mix: str, step: int):
+    """This rank's requests for `step` (one per sample, each with its forced length)."""
+    from yatt import rollout
+
+    work = ctx.work
+    texts = prompt_texts(work, step)
+    lengths = response_lengths(mix, work, step)
+    tok = ctx.engine.tokenizer
+    requests, expected, prompts = [], [], []
+    # One request per sample (n=1), so lengths differ inside a GRPO group.
+    for p in range(ctx.first_prompt, ctx.first_prompt + ctx.local_prompts):
+        ids = tok(texts[p], add_special_tokens=False)["input_ids"]
+        for j in range(work.group_size):
+            length = lengths[p * work.group_size + j]
+            requests.append(
+                rollout.Request(prompt_ids=ids, max_new_tokens=length, metadata={"group": p})
+            )
+            expected.append(length)
+            prompts.append(texts[p])
+    sampling = rollout.SamplingParams(
+        temperature=1.0, max_new_tokens=max(expected), ignore_eos=True, seed=1000 + step
+    )
+    return requests, sampling, expected, prompts
+
+
+def default_ckpt_root(tiny: bool) -> Path:
+    """RAM (/dev/shm) when it has room: the checkpoint phase then measures the blocked time of
+    staging, not a disk slower than one save per step; else the temp folder."""
+    shm = Path("/dev/shm")
+    if not tiny and shm.is_dir() and shutil.disk_usage(shm).free > 48 * 2**30:
+        return shm / "yatt-step-ckpt"
+    return Path(tempfile.gettempdir()) / "yatt-step-ckpt"

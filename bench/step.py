@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import shutil
 import subprocess
@@ -53,12 +52,6 @@ import _step_report
 import _step_setup as setup
 
 logger = logging.getLogger("bench.step")
-LABELS = {
-    "full": "(a) full colocation",
-    "partial": "(b) partial colocation",
-    "dedicated": "(c) dedicated GenRM GPU",
-    "separate": "(c) 1 GPU: judge + policy resident, fixed shares (nothing to dedicate)",
-}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -111,15 +104,6 @@ def timed(phases: dict[str, float], name: str):
         yield
         _sync()  # device work enqueued in the phase belongs to it
     phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
-
-
-def default_ckpt_root(tiny: bool) -> Path:
-    """RAM (/dev/shm) when it has room: the checkpoint phase then measures the blocked time of
-    staging, not a disk slower than one save per step; else the temp folder."""
-    shm = Path("/dev/shm")
-    if not tiny and shm.is_dir() and shutil.disk_usage(shm).free > 48 * 2**30:
-        return shm / "yatt-step-ckpt"
-    return Path(tempfile.gettempdir()) / "yatt-step-ckpt"
 
 
 # -- one run ------------------------------------------------------------------------------------
@@ -201,7 +185,7 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
         if runtime.device.type == "cuda":  # fixed shares of the one GPU, never moved
             ctx.engine.set_memory_fraction(0.3)
             ctx.judge_engine.set_memory_fraction(0.3)
-    root = Path(args.ckpt_dir) if args.ckpt_dir else default_ckpt_root(args.tiny)
+    root = Path(args.ckpt_dir) if args.ckpt_dir else setup.default_ckpt_root(args.tiny)
     ctx.ckpt_root = root / f"{layout}_{runtime.world_size}"
     if runtime.is_rank_zero:
         shutil.rmtree(ctx.ckpt_root, ignore_errors=True)
@@ -212,30 +196,6 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
     return ctx
 
 
-def make_requests(ctx, mix: str, step: int):
-    from yatt import rollout
-
-    work = ctx.work
-    texts = setup.prompt_texts(work, step)
-    lengths = setup.response_lengths(mix, work, step)
-    tok = ctx.engine.tokenizer
-    requests, expected, prompts = [], [], []
-    # One request per sample (n=1), so lengths differ inside a GRPO group.
-    for p in range(ctx.first_prompt, ctx.first_prompt + ctx.local_prompts):
-        ids = tok(texts[p], add_special_tokens=False)["input_ids"]
-        for j in range(work.group_size):
-            length = lengths[p * work.group_size + j]
-            requests.append(
-                rollout.Request(prompt_ids=ids, max_new_tokens=length, metadata={"group": p})
-            )
-            expected.append(length)
-            prompts.append(texts[p])
-    sampling = rollout.SamplingParams(
-        temperature=1.0, max_new_tokens=max(expected), ignore_eos=True, seed=1000 + step
-    )
-    return requests, sampling, expected, prompts
-
-
 def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
     import torch
 
@@ -243,7 +203,7 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
     from yatt.balance import flops_cost
 
     rt, plan, engine, judge, policy = ctx.runtime, ctx.plan, ctx.engine, ctx.judge, ctx.policy
-    requests, sampling, expected, prompts = make_requests(ctx, mix, step)
+    requests, sampling, expected, prompts = setup.make_requests(ctx, mix, step)
 
     def to_sample(c):
         return genrm.Sample(
@@ -385,7 +345,17 @@ def run_layout(args: argparse.Namespace) -> Path | None:
         gathered = [None] * runtime.world_size
         torch.distributed.all_gather_object(gathered, per_mix)
         if runtime.is_rank_zero:
-            return write_run(args, ctx, gathered)
+            return _step_report.write_run(
+                args.out_dir,
+                layout=ctx.layout,
+                num_ranks=runtime.world_size,
+                tiny=args.tiny,
+                workload=vars(ctx.work)
+                | {"mixes": args.mixes, "steps": args.steps, "warmup": args.warmup}
+                | {"keep_graphs_asleep": args.keep_graphs},
+                ckpt_root=str(ctx.ckpt_root.parent),
+                by_mix={mix: [g[mix] for g in gathered] for mix in args.mixes},
+            )
         return None
     finally:
         if sampler is not None:
@@ -409,32 +379,6 @@ def close(ctx) -> None:
             ctx.server.wait(timeout=20)
     if ctx.runtime.is_rank_zero:
         shutil.rmtree(ctx.ckpt_root, ignore_errors=True)
-
-
-def write_run(args, ctx, gathered: list[dict]) -> Path:
-    rt = ctx.runtime
-    # dedicated: the judge's GPU counts (on CPU smoke runs its process stands for that GPU).
-    num_gpus = rt.world_size + int(ctx.layout == "dedicated")
-    run = {
-        "layout": ctx.layout,
-        "label": LABELS[ctx.layout],
-        "num_gpus": num_gpus,
-        "num_ranks": rt.world_size,
-        "device": setup.device_name(),
-        "tiny": args.tiny,
-        "workload": vars(ctx.work)
-        | {"mixes": args.mixes, "steps": args.steps, "warmup": args.warmup}
-        | {"keep_graphs_asleep": args.keep_graphs},
-        "ckpt_root": str(ctx.ckpt_root.parent),
-        "mixes": {
-            mix: _step_report.summarize_mix([g[mix] for g in gathered]) for mix in args.mixes
-        },
-    }
-    out = Path(args.out_dir) / f"step_{ctx.layout}_{num_gpus}gpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(run, indent=1))
-    print(f"wrote {out}", flush=True)
-    return out
 
 
 def main(argv: list[str]) -> None:
