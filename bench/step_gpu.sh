@@ -15,14 +15,8 @@ YATT_EXTRA=${YATT_EXTRA:-}  # yatt's runs only: e.g. "--keep-graphs --profile"
 RUNS=${RUNS:-/tmp/yatt-step-runs}  # per-run JSONs and logs; they come back as one archive
 rm -rf "$RUNS"
 mkdir -p "$OUT" "$RUNS"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+source "$(dirname "$0")/_gpu_env.sh"  # wheels, PYTHONPATH, NCCL settings, device.txt
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-fi
-SRC=$(ls -d packages/*/src | tr '\n' ':')
-export PYTHONPATH="/tmp/site:${SRC}${PYTHONPATH:-}"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/device.txt"
 df -h /dev/shm /tmp | tee -a "$OUT/device.txt"
 

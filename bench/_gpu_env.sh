@@ -1,0 +1,10 @@
+# Sourced by bench/gpu_checks.sh and bench/step_gpu.sh: the device machine's environment.
+# Carried wheels (.whl/) go to /tmp/site and our packages come from their src/ folders, so the
+# machine's torch is never replaced; NVLink multicast stays off (the device README says why).
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+SRC=$(ls -d packages/*/src | tr '\n' ':')
+export PYTHONPATH="/tmp/site:${SRC}${PYTHONPATH:-}"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
