@@ -81,7 +81,10 @@ class TrainConfig:
     placement: str = "full"  # "full": phases in turn; "partial": rollout + GenRM resident
     backend: str = "torch"  # policy backend: "torch" or "megatron" (CUDA; yatt-core[megatron])
     policy: core.TorchPolicyConfig | core.MegatronPolicyConfig  # model_dir "" = embedded policy
-    loss: core.PolicyLoss = field(default_factory=lambda: core.PolicyLoss(clip_high=0.28))
+    # One optimizer step per batch: the loss takes old logprobs from its own forward pass.
+    loss: core.PolicyLoss = field(
+        default_factory=lambda: core.PolicyLoss(clip_high=0.28, is_on_policy=True)
+    )
     ckpt: CkptConfig = field(default_factory=lambda: CkptConfig(every_steps=20, phases=("train",)))
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -200,7 +203,6 @@ def summarize(local: dict[str, float], group) -> dict[str, float]:
         "reward/mean": g.pop("sum/reward") / count,
         "reward/accuracy": g.pop("sum/correct") / count,
         "response/length_mean": g.pop("sum/length") / count,
-        "rollout/logprob_mismatch": g.pop("sum/mismatch") / max(g.pop("sum/tokens"), 1.0),
         **g,
     }
 
@@ -291,14 +293,12 @@ def main(argv: list[str]) -> None:
                 )
             with timed(ctx.timings, "train"), plan.phase("train"):
                 batch = batch.to(runtime.device)
-                batch.tokens["old_logprobs"] = policy.logprobs(batch)  # the trainer's own view
-                mask = batch.tokens["loss_mask"].bool()
-                gap = batch.tokens["old_logprobs"] - batch.tokens["rollout_logprobs"].float()
+                if not cfg.loss.is_on_policy:  # else the loss reuses its forward's, detached
+                    batch.tokens["old_logprobs"] = policy.logprobs(batch)
                 train_metrics = policy.train_step(batch, cfg.loss)
             with timed(ctx.timings, "sync"), plan.phase("sync"):  # bucketed, no second copy
                 engine.update_weights(policy.named_weights())
             local = {f"sum/{k}": v for k, v in ctx.seen.items()}
-            local |= {"sum/mismatch": float(gap.abs()[mask].sum()), "sum/tokens": float(mask.sum())}
             local |= {f"time/{k}_s": v for k, v in ctx.timings.items()}
             local |= {f"dynamic_sampling/{k}": v for k, v in sampling_stats.items()}
             metrics = summarize(local, runtime.dp_group)  # host sync: one small collective

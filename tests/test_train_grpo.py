@@ -220,6 +220,6 @@ def test_megatron_backend_trains_checkpoints_and_resumes_exactly_at_tp2(tmp_path
     assert [r["step"] for r in resumed] == [r["step"] for r in expected] == list(range(5))
     assert all(r["train/num_loss_tokens"] > 0 for r in expected)
     assert expected[0]["train/loss"] != expected[4]["train/loss"]
-    keys = ("reward/mean", "train/loss", "train/grad_norm", "rollout/logprob_mismatch")
+    keys = ("reward/mean", "train/loss", "train/grad_norm", "train/rollout_mismatch")
     for step in (3, 4):  # recomputed by the resumed run from the step-2 checkpoint
         assert {k: resumed[step][k] for k in keys} == {k: expected[step][k] for k in keys}

@@ -193,6 +193,18 @@ def test_policy_loss_rejects_bad_config(kwargs, match):
         PolicyLoss(**kwargs)
 
 
+def test_policy_loss_reports_the_rollout_mismatch_on_loss_tokens():
+    batch = _loss_batch([1.0, -3.0])
+    logprobs = torch.full((2, 3), -1.0)
+    _, metrics = PolicyLoss()(batch, logprobs)
+    assert "rollout_mismatch" not in metrics  # no engine logprobs, no metric
+    # Gaps: 0.5 and 0.25 on sample 0's loss tokens, 2.0 on sample 1's; the prompt position and
+    # the padding (huge gaps) are not loss tokens.
+    batch.tokens["rollout_logprobs"] = torch.tensor([[9.0, -1.5, -0.75], [9.0, 1.0, 9.0]])
+    _, metrics = PolicyLoss()(batch, logprobs)
+    assert metrics["rollout_mismatch"].item() == pytest.approx(2.75)
+
+
 def test_policy_loss_names_missing_fields():
     batch = _loss_batch([1.0, 1.0])
     del batch.tokens["old_logprobs"]

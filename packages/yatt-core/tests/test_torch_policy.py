@@ -87,6 +87,24 @@ def test_step_does_not_depend_on_micro_batching_or_checkpointing(tiny_model_dir)
         torch.testing.assert_close(split_weights[name], tensor, atol=1e-4, rtol=0)
 
 
+def test_on_policy_loss_skips_the_old_logprob_pass_with_the_same_step(tiny_model_dir):
+    # Random weights: the explicit old logprobs equal the training forward's, so the step and
+    # its metrics must match; is_on_policy only saves the separate forward pass.
+    explicit, explicit_weights = _step(tiny_model_dir, _batch(), max_tokens_per_microbatch=13)
+    policy = TorchPolicy(_config(tiny_model_dir, max_tokens_per_microbatch=13))
+    batch = _batch()
+    loss = PolicyLoss(kl_coef=0.0, should_compute_entropy=True, is_on_policy=True)
+    assert "old_logprobs" not in batch
+    on_policy = policy.train_step(batch, loss)
+    for key in ("loss", "grad_norm", "pg_loss", "entropy", "clip_frac"):
+        assert on_policy[key] == pytest.approx(explicit[key], rel=1e-5, abs=1e-7), key
+    for name, tensor in policy.named_weights():
+        torch.testing.assert_close(tensor, explicit_weights[name], atol=1e-6, rtol=0)
+    # Without the flag a missing old_logprobs is an error that names the way out.
+    with pytest.raises(ValueError, match="is_on_policy"):
+        policy.train_step(_batch(), PolicyLoss())
+
+
 def test_non_finite_loss_skips_the_optimizer_step(tiny_model_dir):
     policy = TorchPolicy(_config(tiny_model_dir))
     before = {n: t.clone() for n, t in policy.named_weights()}

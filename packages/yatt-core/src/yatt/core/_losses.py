@@ -121,7 +121,14 @@ class PolicyLoss:
     loss = clipped surrogate + kl_coef * KL(pi || pi_ref) - entropy_coef * entropy, aggregated
     per token or per sequence. Reads from the micro-batch: "loss_mask" [B, T], "old_logprobs"
     [B, T], "advantages" ([B] per sample or [B, T] per token) and, when kl_coef > 0,
-    "ref_logprobs" [B, T].
+    "ref_logprobs" [B, T]. With "rollout_logprobs" [B, T] (the engine's, float) in the batch it
+    also reports "rollout_mismatch": the summed |trainer - engine| logprob gap on loss tokens.
+
+    is_on_policy: one optimizer step per rollout batch (GRPO's usual setting; TRL's at
+    num_iterations=1). The old policy is then the current one, so "old_logprobs" are the training
+    forward's own logprobs, detached (ratio 1, same gradient), and the separate old-logprob
+    forward pass can be skipped. Wrong for several steps (PPO epochs, mini-batches) per rollout
+    batch: the later steps would not be clipped against the policy that sampled.
     """
 
     clip_low: float = 0.2  # eps_low; PPO and GRPO use 0.2
@@ -132,6 +139,7 @@ class PolicyLoss:
     entropy_coef: float = 0.0  # bonus on the policy's entropy; 0 = off
     should_compute_entropy: bool = False  # report entropy even when entropy_coef is 0
     aggregation: Aggregation = "token_mean"
+    is_on_policy: bool = False
 
     def __post_init__(self) -> None:
         for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
@@ -166,20 +174,22 @@ class PolicyLoss:
         self, batch: Any, logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss summed over units, metric sums over loss tokens) for one micro-batch."""
-        for key in ("loss_mask", "old_logprobs", "advantages"):
+        for key in ("loss_mask", "advantages", *(() if self.is_on_policy else ("old_logprobs",))):
             if key not in batch:
                 raise ValueError(
                     f"PolicyLoss: the batch has no {key!r}; set it before train_step (e.g. "
-                    "batch.tokens['old_logprobs'] = policy.logprobs(batch))"
+                    "batch.tokens['old_logprobs'] = policy.logprobs(batch), or "
+                    "PolicyLoss(is_on_policy=True) for one optimizer step per rollout batch)"
                 )
         mask_BT = batch["loss_mask"].to(logprobs_BT.dtype)
+        old_BT = logprobs_BT.detach() if self.is_on_policy else batch["old_logprobs"]
         advantages = batch["advantages"].to(logprobs_BT.dtype)
         advantages_BT = (
             advantages[:, None].expand_as(logprobs_BT) if advantages.dim() == 1 else advantages
         )
         pg_loss_BT, is_clipped_BT = compute_clipped_policy_loss(
             logprobs_BT,
-            batch["old_logprobs"].to(logprobs_BT.dtype),
+            old_BT.to(logprobs_BT.dtype),
             advantages_BT,
             clip_low=self.clip_low,
             clip_high=self.clip_high,
@@ -190,6 +200,9 @@ class PolicyLoss:
             "pg_loss": (pg_loss_BT.detach() * mask_BT).sum(),
             "clip_frac": (is_clipped_BT.to(mask_BT.dtype) * mask_BT).sum(),
         }
+        if "rollout_logprobs" in batch:
+            gap_BT = (logprobs_BT.detach() - batch["rollout_logprobs"].to(logprobs_BT.dtype)).abs()
+            metrics["rollout_mismatch"] = (gap_BT * mask_BT).sum()
         if self.kl_coef > 0:
             if "ref_logprobs" not in batch:
                 raise ValueError(
