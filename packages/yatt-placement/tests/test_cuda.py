@@ -10,14 +10,17 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from yatt.placement import (
+    FitConfig,
     Plan,
     RegionRole,
     TrainerRole,
+    is_paused,
     offload,
     onload,
     pause,
@@ -26,6 +29,7 @@ from yatt.placement import (
     resume,
 )
 from yatt.placement import _offload as placement_offload
+from yatt.placement._fit import CudaPeakGrowth, read_cuda_free_bytes
 from yatt.placement._offload import tensor_bytes
 
 NUM_GPUS = 1
@@ -259,3 +263,129 @@ def test_fsdp2_offload_frees_the_sharded_storage_and_training_continues(tmp_path
             train_step(twin, twin_optimizer, seed)
         for p, q in zip(model.parameters(), twin.parameters(), strict=True):
             assert torch.equal(p.full_tensor(), q.full_tensor())
+
+
+# -- switches made cheap: retained CPU backups, cached pinned buffers, offload="auto" ----------
+def _needs_default_retention() -> None:
+    if os.environ.get("TMS_RETAIN_CPU_BACKUP") is not None:
+        pytest.skip("TMS_RETAIN_CPU_BACKUP is set: the environment decides retention")
+
+
+def test_retained_cpu_backup_restores_weights_updated_between_pauses():
+    from torch_memory_saver import torch_memory_saver
+
+    _needs_default_retention()
+    with region("retain/weights", enable_cpu_backup=True):
+        weights = torch.randn(64 * MIB // 4, device="cuda")
+    assert torch_memory_saver.retain_cpu_backup  # the backend turns it on by default
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for cycle in range(4):
+        # As update_weights does between pauses: a retained shadow must be refilled each pause.
+        weights.add_(torch.randn(weights.shape, device="cuda", generator=generator))
+        expected = weights.clone()
+        pause("retain/weights")
+        resume("retain/weights")
+        assert torch.equal(weights.view(torch.int32), expected.view(torch.int32)), cycle
+        assert torch_memory_saver.get_cpu_backup(weights) is not None  # kept while awake
+
+
+def _pause_resume_seconds(tag: str) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    pause(tag)
+    resume(tag)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def test_retained_backup_is_reused_so_later_cycles_skip_the_pinned_allocation():
+    from torch_memory_saver import torch_memory_saver
+
+    _needs_default_retention()
+    with region("retain/big", enable_cpu_backup=True):
+        big = torch.full((1024 * MIB,), 7, dtype=torch.uint8, device="cuda")
+    retained, shadows = [], []
+    for _ in range(3):
+        retained.append(_pause_resume_seconds("retain/big"))
+        shadows.append(torch_memory_saver.get_cpu_backup(big, zero_copy=True).data_ptr())
+    torch_memory_saver.retain_cpu_backup = False
+    try:
+        dropped = [_pause_resume_seconds("retain/big") for _ in range(3)]
+        assert torch_memory_saver.get_cpu_backup(big) is None  # freed at resume
+    finally:
+        torch_memory_saver.retain_cpu_backup = True
+    timings = f"retained {retained}, not retained {dropped} (s per 1 GiB pause+resume)"
+    print(timings)
+    assert shadows[0] == shadows[1] == shadows[2], "the pinned shadow was re-allocated"
+    assert retained[1] < retained[0], timings
+    assert max(retained[1:]) < min(dropped[1:]), timings
+    assert torch.equal(big[:: 1 << 20].cpu(), torch.full((1024,), 7, dtype=torch.uint8))
+
+
+def test_offload_cycles_allocate_pinned_host_memory_once():
+    model, optimizer = _model_and_optimizer()
+    _step(model, optimizer, 1)
+    trainer = TrainerRole(model, optimizer)
+    trainer.sleep()
+    trainer.wake_up()
+    stats = torch.cuda.host_memory_stats()
+    if "num_host_alloc" not in stats:
+        pytest.skip("this torch's host_memory_stats has no num_host_alloc")
+    first = stats["num_host_alloc"]
+    for seed in (2, 3, 4):
+        _step(model, optimizer, seed)
+        trainer.sleep()
+        trainer.wake_up()
+    # torch's caching host allocator hands the freed pinned blocks back to the next offload.
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] == first
+
+
+def test_free_reading_counts_the_default_pool_cache_only():
+    scratch = torch.empty(512 * MIB, dtype=torch.uint8, device="cuda")
+    del scratch  # cached in the default pool: a phase's tensors can reuse it
+    with region("free/kv"):
+        kv = torch.empty(512 * MIB, dtype=torch.uint8, device="cuda")
+    del kv  # cached in the tag's pool; the pause below releases it from the device
+    pause("free/kv")
+    torch.cuda.synchronize()
+    counted = read_cuda_free_bytes() - torch.cuda.mem_get_info()[0]
+    resume("free/kv")
+    assert 512 * MIB <= counted < 1024 * MIB, counted / MIB
+
+
+def test_auto_offload_keeps_roles_awake_after_step_one_and_sleeps_for_a_large_peak():
+    with region("auto/a", enable_cpu_backup=True):
+        a = torch.randn(64 * MIB // 4, device="cuda")
+    with region("auto/b", enable_cpu_backup=True):
+        b = torch.randn(64 * MIB // 4, device="cuda")
+    expected_a, expected_b = a.clone(), b.clone()
+    roles = {"a": RegionRole({"weights": ("auto/a",)}), "b": RegionRole({"weights": ("auto/b",)})}
+    extra = [0]  # a fake peak added to the measured one
+    measured = CudaPeakGrowth()
+    plan = Plan(
+        roles=roles,
+        phases={"a": ["a"], "b": ["b"]},
+        offload="auto",
+        fit=FitConfig(peak_growth=lambda: measured() + extra[0]),
+    )
+
+    def run(phase: str) -> tuple[str, ...]:
+        with plan.phase(phase) as record:
+            activations = torch.ones(256 * MIB, dtype=torch.uint8, device="cuda")
+            del activations
+        return record.kept_awake
+
+    assert [run("a"), run("b")] == [(), ()]  # step 1: nothing measured, both sleep
+    assert [run("a"), run("b")] == [("b",), ("a",)]
+    assert not is_paused("auto/a") and not is_paused("auto/b")
+    assert plan.metrics()["placement/a/peak_growth_bytes"] >= 256 * MIB
+    extra[0] = torch.cuda.mem_get_info()[1]  # phase b's next reading: more than the device
+    assert run("a") == ("b",)
+    assert run("b") == ()  # b's peak no longer fits beside a: a sleeps
+    assert is_paused("auto/a")
+    assert torch.equal(b, expected_b)
+    run("a")  # the peaks stay large (the window keeps the largest): b sleeps in turn
+    assert is_paused("auto/b")
+    assert torch.equal(a, expected_a)
+    roles["b"].wake_up()  # leave nothing paused
+    assert torch.equal(b, expected_b)

@@ -151,6 +151,9 @@ def test_metrics_have_fixed_keys_and_count_switches():
             "woken_bytes",
             "resident_bytes",
             "num_switches",
+            "kept_awake",
+            "kept_awake_bytes",
+            "peak_growth_bytes",
         )
     }
     for name in ("train", "rollout", "train"):
@@ -160,6 +163,7 @@ def test_metrics_have_fixed_keys_and_count_switches():
     assert set(after) == set(before)
     assert all(isinstance(v, float) for v in after.values())
     assert after["placement/train/num_switches"] == 2.0
+    assert after["placement/train/kept_awake"] == 0.0  # offload="always" keeps nobody awake
     assert after["placement/train/resident_bytes"] == 400.0
     assert after["placement/train/released_bytes"] == 400.0  # the rollout's weights + KV
     assert after["placement/rollout/switch_s"] >= after["placement/rollout/wake_s"] >= 0.0

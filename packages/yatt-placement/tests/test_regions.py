@@ -1,9 +1,12 @@
+import sys
 import threading
+import types
 
 import pytest
 import torch
 
 from yatt.placement import (
+    _backends,
     configure_regions,
     is_paused,
     pause,
@@ -146,3 +149,82 @@ def test_auto_backend_follows_cuda_availability():
     registry = _Registry()
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert registry.backend().name == expected
+
+
+class _FakeSaver:
+    """torch_memory_saver's singleton, as far as the CUDA backend touches it."""
+
+    def __init__(self) -> None:
+        self._impl = None
+        self.hook_mode_set: str | None = None
+        self.retain_sets: list[bool] = []
+
+    @property
+    def hook_mode(self):
+        raise AttributeError
+
+    @hook_mode.setter
+    def hook_mode(self, value: str) -> None:
+        self.hook_mode_set = value
+
+    @property
+    def retain_cpu_backup(self) -> bool:
+        return bool(self.retain_sets and self.retain_sets[-1])
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, value: bool) -> None:
+        # The real setter initialises the singleton: the hook mode must be chosen before.
+        assert self.hook_mode_set is not None
+        self.retain_sets.append(value)
+
+
+@pytest.fixture
+def fake_saver(monkeypatch: pytest.MonkeyPatch) -> _FakeSaver:
+    saver = _FakeSaver()
+    module = types.ModuleType("torch_memory_saver")
+    module.torch_memory_saver = saver
+    monkeypatch.setitem(sys.modules, "torch_memory_saver", module)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.delenv("TMS_RETAIN_CPU_BACKUP", raising=False)
+    # Keep the process's real exit hook (a GPU run registers one) away from the fake.
+    monkeypatch.setattr(_backends.atexit, "register", lambda *args: None)
+    monkeypatch.setattr(_backends.atexit, "unregister", lambda *args: None)
+    return saver
+
+
+@pytest.mark.parametrize(
+    ("retain", "env", "expected"),
+    [
+        (None, None, [True]),
+        (True, None, [True]),
+        (False, None, [False]),
+        (False, "1", [False]),
+        (None, "0", []),
+        (True, "0", [True]),
+    ],
+    ids=["default-on", "on", "off", "off-over-env", "env-decides", "on-over-env"],
+)
+def test_cuda_backend_retains_cpu_backups_unless_told_not_to(
+    fake_saver, monkeypatch, retain, env, expected
+):
+    if env is not None:
+        monkeypatch.setenv("TMS_RETAIN_CPU_BACKUP", env)
+    registry = _Registry()
+    registry.configure("cuda", "torch", retain_cpu_backup=retain)
+    assert registry.backend().name == "cuda"
+    assert fake_saver.hook_mode_set == "torch"
+    assert fake_saver.retain_sets == expected
+    # Retention is on exactly when asked for, or by default without the variable.
+    assert fake_saver.retain_cpu_backup is (retain is True or (retain is None and env is None))
+
+
+def test_retain_cpu_backup_is_left_alone_off_cuda_and_checked(fake_saver, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)  # a ROCm or XPU build
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    registry = _Registry()
+    registry.configure("cuda", "torch", retain_cpu_backup=True)
+    registry.backend()
+    assert fake_saver.retain_sets == []
+    with pytest.raises(ValueError, match="retain_cpu_backup='yes'"):
+        configure_regions(retain_cpu_backup="yes")

@@ -1,7 +1,9 @@
 """GPU memory regions that pause and resume, offload/onload, and placement plans for RL steps."""
 
+from yatt.placement._fit import FitConfig
 from yatt.placement._offload import is_offloaded, offload, offloaded_bytes, onload
-from yatt.placement._plan import PhaseRecord, Plan
+from yatt.placement._plan import Plan
+from yatt.placement._records import PhaseRecord
 from yatt.placement._regions import (
     configure_regions,
     is_paused,
@@ -16,6 +18,7 @@ from yatt.placement._split import MemorySplit
 from yatt.placement._version import __version__
 
 __all__ = [
+    "FitConfig",
     "MemorySplit",
     "PhaseRecord",
     "Plan",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -42,11 +43,14 @@ class TorchMemorySaverBackend:
     Bytes per tag are what the caching allocator reserved while the tag's region was open (the
     tag's pool only grows inside its regions). That is what a pause releases, give or take the
     allocation granularity; it over-counts if `torch.cuda.empty_cache()` later trims the pool.
+
+    retain_cpu_backup: see `configure_regions`; None leaves torch_memory_saver's own setting
+    (its TMS_RETAIN_CPU_BACKUP environment variable) when that variable is set, else turns it on.
     """
 
     name = "cuda"
 
-    def __init__(self, hook_mode: HookMode) -> None:
+    def __init__(self, hook_mode: HookMode, retain_cpu_backup: bool | None = None) -> None:
         try:
             from torch_memory_saver import torch_memory_saver
         except ImportError as exc:
@@ -67,6 +71,7 @@ class TorchMemorySaverBackend:
                 impl._hook_mode,
                 hook_mode,
             )
+        _set_retain_cpu_backup(torch_memory_saver, retain_cpu_backup)
         self._saver = torch_memory_saver
         self._bytes: dict[str, int] = {}
         atexit.unregister(_let_pools_free_at_exit)  # once per process, however many backends
@@ -93,6 +98,34 @@ class TorchMemorySaverBackend:
 
     def resume(self, tag: str, enable_cpu_backup: bool) -> None:
         self._saver.resume(tag)
+
+
+def _set_retain_cpu_backup(saver, retain: bool | None) -> None:
+    """Keep each backed-up allocation's pinned host shadow from one pause to the next.
+
+    Without it torch_memory_saver cudaFreeHost's the shadow at every resume and cudaMallocHost's
+    a new one at every pause: about a second per RL step for a few 0.5B models. A retained
+    shadow is refilled from the device at each pause (so weights updated in between are saved),
+    and costs host RAM equal to the backed-up bytes while awake too. The setting is
+    process-wide, and torch_memory_saver supports it on CUDA only (ROCm keeps its shadows anyway).
+    """
+    if retain is None:
+        if os.environ.get("TMS_RETAIN_CPU_BACKUP") is not None:
+            return  # the user chose through torch_memory_saver's own variable
+        retain = True
+    if torch.version.cuda is None or torch.version.hip is not None:
+        logger.info(
+            "retain_cpu_backup=%s ignored: torch_memory_saver supports it on CUDA only", retain
+        )
+        return
+    if not hasattr(type(saver), "retain_cpu_backup"):
+        logger.warning(
+            "this torch_memory_saver has no retain_cpu_backup (0.0.10 added it): every pause "
+            "allocates a new pinned host shadow; upgrade with `pip install -U torch-memory-saver`"
+        )
+        return
+    # The setter initialises the singleton, so hook_mode must be set before this.
+    saver.retain_cpu_backup = retain
 
 
 def _let_pools_free_at_exit(saver) -> None:

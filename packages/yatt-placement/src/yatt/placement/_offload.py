@@ -147,6 +147,10 @@ def _move_to_host(obj: Offloadable) -> _Moved:
     pin = torch.cuda.is_available()
     hosts = []
     for tensor in tensors:
+        # Pinned blocks come from torch's caching host allocator: freed at onload they stay cached
+        # (sizes rounded up to powers of two), and the next offload of the same tensors takes
+        # them back, so cudaMallocHost runs in the first cycle only; the cache keeps that host
+        # RAM pinned while the object is onloaded.
         host = torch.empty_like(tensor.data, device="cpu", pin_memory=pin and tensor.is_cuda)
         # Device-to-pinned copies are asynchronous; the synchronize below completes them.
         host.copy_(tensor.data, non_blocking=True)

@@ -16,6 +16,7 @@ the phase's roles in stages, all roles' "weights" before any "kv_cache" (then an
 so memory fills in the order that keeps the peak lowest. Leaving a phase does nothing: the
 next switch decides what sleeps, so consecutive phases that share a role do not bounce it.
 A phase never puts part of a role to sleep: a role awake with more tags than asked stays so.
+With offload="auto" step (1) sleeps a role only when the phase would not fit beside it (`_fit`).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
+from yatt.placement._fit import FitConfig, OffloadMode, WakeCall, make_default_meter, make_fit_books
+from yatt.placement._records import PhaseRecord, phase_metrics
 from yatt.placement._roles import Role
-from yatt.placement._split import MemorySplit, next_rollout_fraction
+from yatt.placement._split import MemorySplit, SplitState
 
 # One phase entry: a role name (the whole role), or (name, tags) for part of it.
 PhaseEntry = str | tuple[str, Sequence[str]]
@@ -39,28 +41,10 @@ _MAX_RECORDS = 1024
 _WAKE_STAGES = (("weights",), ("kv_cache",))
 
 
-@dataclass(kw_only=True, frozen=True)
-class PhaseRecord:
-    """One switch into a phase. Bytes are device-wide on CUDA, the roles' sum on CPU."""
-
-    phase: str
-    switch_s: float  # sleep_s + wake_s + the readings in between
-    sleep_s: float
-    wake_s: float
-    released_bytes: int  # freed by the roles put to sleep
-    woken_bytes: int  # taken by the roles woken
-    resident_bytes: int  # held once the phase's roles are awake
-
-
 def _synchronize() -> None:
     # Sleep and wake enqueue device work; time and memory readings must come after it.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-
-
-def _device_used_bytes() -> int:
-    free, total = torch.cuda.mem_get_info()
-    return total - free
 
 
 def _rollout_weights(rollout: Role) -> PhaseEntry:
@@ -84,6 +68,11 @@ class Plan:
     meter: returns the bytes in use, read around each switch. Default: the device's used memory
         (torch.cuda.mem_get_info, so other processes on the GPU count) when CUDA is available,
         else the sum of `resident_bytes()` over the roles that have it.
+    offload: "always" (default): a switch sleeps every awake role the phase does not name.
+        "auto": only when the phase would not fit beside them, as measured in earlier steps (see
+        `yatt.placement._fit`); the first step runs as "always". Without CUDA and without
+        `fit.free_bytes`, "auto" runs as "always".
+    fit: how "auto" reads memory and the headroom it keeps; defaults read the CUDA device.
     """
 
     def __init__(
@@ -95,6 +84,8 @@ class Plan:
         wake_stages: Sequence[Sequence[str]] = _WAKE_STAGES,
         split: MemorySplit | None = None,
         meter: Callable[[], int] | None = None,
+        offload: OffloadMode = "always",
+        fit: FitConfig | None = None,
     ) -> None:
         for name, role in roles.items():
             if not isinstance(role, Role):
@@ -105,23 +96,21 @@ class Plan:
         if not phases:
             raise ValueError("Plan(phases={}) needs at least one phase")
         self.mode = mode
+        self.offload = offload
         self._roles = dict(roles)
         self._phases = {name: self._parse_phase(name, entries) for name, entries in phases.items()}
         self._wake_stages = tuple(tuple(stage) for stage in wake_stages)
         # Roles are assumed awake when handed over: they were just built.
         self._awake = {name: set(self._tags_of(name)) for name in self._roles}
         self._current: str | None = None
-        self._meter = meter if meter is not None else self._default_meter()
+        self._meter = meter if meter is not None else make_default_meter(self._roles.values())
+        self._fit = make_fit_books(offload, fit, self._meter)
+        self._last_phase: str | None = None
+        self._following: dict[str, str] = {}  # phase -> the phase that came after it last time
         self.records: deque[PhaseRecord] = deque(maxlen=_MAX_RECORDS)
         self._latest: dict[str, PhaseRecord] = {}
         self._num_switches = dict.fromkeys(self._phases, 0)
-        self._split = split
-        self._rollout_fraction = split.initial_rollout_fraction if split is not None else 0.0
-        if split is not None:
-            for name in ("rollout", "genrm"):
-                if name not in self._roles:
-                    raise ValueError(f"Plan(split=...) needs a role named {name!r}")
-            self._apply_split()
+        self._split = SplitState(split, self._roles) if split is not None else None
 
     @classmethod
     def full_colocation(
@@ -132,6 +121,8 @@ class Plan:
         genrm: Role | None = None,
         wake_stages: Sequence[Sequence[str]] = _WAKE_STAGES,
         meter: Callable[[], int] | None = None,
+        offload: OffloadMode = "always",
+        fit: FitConfig | None = None,
     ) -> Plan:
         """Each phase alone on every GPU: phases rollout, genrm (if given), train and sync."""
         roles = _ordered_roles(rollout, genrm, train)
@@ -145,6 +136,8 @@ class Plan:
             mode="full_colocation",
             wake_stages=wake_stages,
             meter=meter,
+            offload=offload,
+            fit=fit,
         )
 
     @classmethod
@@ -157,6 +150,8 @@ class Plan:
         split: MemorySplit | None = None,
         wake_stages: Sequence[Sequence[str]] = _WAKE_STAGES,
         meter: Callable[[], int] | None = None,
+        offload: OffloadMode = "always",
+        fit: FitConfig | None = None,
     ) -> Plan:
         """Rollout and GenRM resident together (memory split by load), trainer offloaded."""
         engines: list[PhaseEntry] = ["rollout", "genrm"]
@@ -173,6 +168,8 @@ class Plan:
             split=split if split is not None else MemorySplit(),
             wake_stages=wake_stages,
             meter=meter,
+            offload=offload,
+            fit=fit,
         )
 
     @classmethod
@@ -212,12 +209,6 @@ class Plan:
             wanted[name] = set(known if tags is None else tags)
         return wanted
 
-    def _default_meter(self) -> Callable[[], int]:
-        if torch.cuda.is_available():
-            return _device_used_bytes
-        measured = [role for role in self._roles.values() if hasattr(role, "resident_bytes")]
-        return lambda: sum(role.resident_bytes() for role in measured)
-
     @property
     def phases(self) -> tuple[str, ...]:
         return tuple(self._phases)
@@ -245,28 +236,29 @@ class Plan:
         if name not in self._phases:
             raise ValueError(f"phase {name!r} is not in this plan; phases are {self.phases}")
         wanted = self._phases[name]
+        if self._fit is not None:
+            self._fit.end_phase()  # the previous phase's peak growth
+        if self._last_phase is not None:
+            self._following[self._last_phase] = name
+        self._last_phase = name
         _synchronize()
         start = time.perf_counter()
         before = self._meter()
-        for role_name, role in self._roles.items():
-            if role_name not in wanted and self._awake[role_name]:
-                role.sleep()
-                self._awake[role_name] = set()
+        stages = self._stages_for(wanted)
+        awake_others = [r for r in self._roles if r not in wanted and self._awake[r]]
+        kept = self._sleep_for(name, awake_others, stages)
         _synchronize()
         slept = time.perf_counter()
         after_sleep = self._meter()
         wake_start = time.perf_counter()
-        for stage in self._stages_for(wanted):
-            for role_name, tags in stage:
-                role = self._roles[role_name]
-                if tags == (_WHOLE,):
-                    role.wake_up()
-                else:
-                    role.wake_up(tags=tags)
-                self._awake[role_name] |= set(tags)
+        for stage in stages:
+            for call in stage:
+                self._wake(call)
         _synchronize()
         end = time.perf_counter()
         after_wake = self._meter()
+        if self._fit is not None:
+            self._fit.start_phase(name)
         record = PhaseRecord(
             phase=name,
             switch_s=end - start,
@@ -275,13 +267,78 @@ class Plan:
             released_bytes=max(0, before - after_sleep),
             woken_bytes=max(0, after_wake - after_sleep),
             resident_bytes=after_wake,
+            kept_awake=tuple(kept),
+            kept_awake_bytes=sum(self._role_bytes(r) for r in kept),
         )
         self.records.append(record)
         self._latest[name] = record
         self._num_switches[name] += 1
         return record
 
-    def _stages_for(self, wanted: dict[str, set[str]]) -> list[list[tuple[str, tuple[str, ...]]]]:
+    def _sleep_for(self, phase: str, others: list[str], stages: list[list[WakeCall]]) -> list[str]:
+        """Put `others` (awake, not in `phase`) to sleep: all of them ("always", or nothing
+        measured yet), else those whose memory share moved and then more while `phase` would
+        not fit. Returns the ones kept awake."""
+        need = None
+        if self._fit is not None:
+            calls = [call for stage in stages for call in stage]
+            scales = self._split.wake_scales() if self._split is not None else {}
+            need = self._fit.need_bytes(phase, calls, scales)
+        if need is None:
+            for role_name in others:
+                self._sleep(role_name)
+            return []
+        # A new share applies when the KV cache is next woken, so the role must sleep first,
+        # unless it resizes by itself while awake (the built-in engine, at its next call).
+        moved = [
+            r
+            for r in others
+            if self._split is not None
+            and self._split.has_moved(r)
+            and not getattr(self._roles[r], "resizes_while_awake", False)
+        ]
+        for role_name in moved:
+            self._sleep(role_name)
+        following = self._following.get(phase)
+        needed_next = self._phases[following] if following is not None else {}
+        kept = [r for r in others if r not in moved]
+        return self._fit.sleep_until_fits(need, kept, needed_next, self._role_bytes, self._sleep)
+
+    def _sleep(self, role_name: str) -> None:
+        role = self._roles[role_name]
+        if self._fit is None:
+            role.sleep()
+        else:
+            is_whole = self._awake[role_name] == set(self._tags_of(role_name))
+            before = self._meter()
+            role.sleep()
+            if is_whole:
+                self._fit.record_sleep(role_name, before - self._meter())
+        self._awake[role_name] = set()
+
+    def _wake(self, call: WakeCall) -> None:
+        role_name, tags = call
+        role = self._roles[role_name]
+        before = self._meter() if self._fit is not None else 0
+        if tags == (_WHOLE,):
+            role.wake_up()
+        else:
+            role.wake_up(tags=tags)
+        if self._fit is not None:
+            self._fit.record_wake(call, self._meter() - before)
+        self._awake[role_name] |= set(tags)
+        if self._split is not None:
+            self._split.note_wake(role_name, sizes_kv_cache="kv_cache" in tags or tags == (_WHOLE,))
+
+    def _role_bytes(self, role_name: str) -> int:
+        """What an awake role holds: its own count if it keeps one, else as last measured."""
+        reader = getattr(self._roles[role_name], "resident_bytes", None)
+        if reader is not None:
+            return reader()
+        known = self._fit.role_bytes(role_name) if self._fit is not None else None
+        return known or 0
+
+    def _stages_for(self, wanted: dict[str, set[str]]) -> list[list[WakeCall]]:
         """Wake calls grouped by stage: each role's tags in the configured stages, then the rest."""
         missing = {
             name: [tag for tag in self._tags_of(name) if tag in tags - self._awake[name]]
@@ -306,15 +363,16 @@ class Plan:
 
     def sleep_all(self) -> None:
         """Put every awake role to sleep (end of run, or before handing the GPU elsewhere)."""
-        for role_name, role in self._roles.items():
+        if self._fit is not None:
+            self._fit.end_phase()
+        for role_name in self._roles:
             if self._awake[role_name]:
-                role.sleep()
-                self._awake[role_name] = set()
+                self._sleep(role_name)
 
     @property
     def rollout_fraction(self) -> float:
         """The rollout engine's part of the engines' memory (partial colocation)."""
-        return self._rollout_fraction
+        return self._split.rollout_fraction if self._split is not None else 0.0
 
     def update_load(self, *, rollout_pending_tokens: float, genrm_pending_tokens: float) -> float:
         """Move the memory split toward the measured load; returns the new rollout fraction.
@@ -327,41 +385,16 @@ class Plan:
                 f"update_load() needs a memory split; this plan's mode is {self.mode!r}, "
                 "use Plan.partial_colocation(..., split=MemorySplit(...))"
             )
-        self._rollout_fraction = next_rollout_fraction(
-            self._split, self._rollout_fraction, rollout_pending_tokens, genrm_pending_tokens
-        )
-        self._apply_split()
-        return self._rollout_fraction
-
-    def _memory_shares(self) -> dict[str, float]:
-        assert self._split is not None
-        total = self._split.total_fraction
-        return {
-            "rollout": total * self._rollout_fraction,
-            "genrm": total * (1.0 - self._rollout_fraction),
-        }
-
-    def _apply_split(self) -> None:
-        for name, share in self._memory_shares().items():
-            setter = getattr(self._roles[name], "set_memory_fraction", None)
-            if setter is not None:
-                setter(share)
+        return self._split.update(rollout_pending_tokens, genrm_pending_tokens)
 
     def metrics(self) -> dict[str, float]:
         """Latest switch into each phase as flat floats; the keys are fixed by the plan's phases."""
         out: dict[str, float] = {}
         for name in self._phases:
-            record = self._latest.get(name)
-            prefix = f"placement/{name}/"
-            out[prefix + "switch_s"] = record.switch_s if record else 0.0
-            out[prefix + "sleep_s"] = record.sleep_s if record else 0.0
-            out[prefix + "wake_s"] = record.wake_s if record else 0.0
-            out[prefix + "released_bytes"] = float(record.released_bytes if record else 0)
-            out[prefix + "woken_bytes"] = float(record.woken_bytes if record else 0)
-            out[prefix + "resident_bytes"] = float(record.resident_bytes if record else 0)
-            out[prefix + "num_switches"] = float(self._num_switches[name])
+            growth = self._fit.growth_bytes(name) if self._fit is not None else None
+            out |= phase_metrics(name, self._latest.get(name), self._num_switches[name], growth)
         if self._split is not None:
-            shares = self._memory_shares()
+            shares = self._split.shares()
             out["placement/rollout_memory_fraction"] = shares["rollout"]
             out["placement/genrm_memory_fraction"] = shares["genrm"]
         return out

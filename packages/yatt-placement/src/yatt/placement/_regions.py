@@ -41,28 +41,35 @@ class _Registry:
 
     def __init__(self, backend: RegionBackend | None = None) -> None:
         self._backend = backend
-        self._settings: tuple[str, str] = ("auto", "torch")
+        self._settings: tuple[str, str, bool | None] = ("auto", "torch", None)
         self._tags: dict[str, _TagState] = {}
 
-    def configure(self, backend: BackendName, hook_mode: HookMode) -> None:
+    def configure(
+        self, backend: BackendName, hook_mode: HookMode, retain_cpu_backup: bool | None = None
+    ) -> None:
         if backend not in ("auto", "cuda", "cpu"):
             raise ValueError(f"backend={backend!r} is not known; use 'auto', 'cuda' or 'cpu'")
         if hook_mode not in ("torch", "preload"):
             raise ValueError(f"hook_mode={hook_mode!r} is not known; use 'torch' or 'preload'")
-        if self._backend is not None and (backend, hook_mode) != self._settings:
+        if retain_cpu_backup is not None and not isinstance(retain_cpu_backup, bool):
+            raise ValueError(
+                f"retain_cpu_backup={retain_cpu_backup!r} must be True, False or None (default)"
+            )
+        settings = (backend, hook_mode, retain_cpu_backup)
+        if self._backend is not None and settings != self._settings:
             raise RuntimeError(
                 f"memory regions already use backend {self._backend.name!r} with settings "
                 f"{self._settings}; call configure_regions() before the first region()"
             )
-        self._settings = (backend, hook_mode)
+        self._settings = settings
 
     def backend(self) -> RegionBackend:
         if self._backend is None:
-            name, hook_mode = self._settings
+            name, hook_mode, retain_cpu_backup = self._settings
             if name == "auto":
                 name = "cuda" if torch.cuda.is_available() else "cpu"
             if name == "cuda":
-                self._backend = TorchMemorySaverBackend(hook_mode)
+                self._backend = TorchMemorySaverBackend(hook_mode, retain_cpu_backup)
             else:
                 self._backend = CpuBookkeepingBackend()
         return self._backend
@@ -142,7 +149,12 @@ class _Registry:
 _REGISTRY = _Registry()
 
 
-def configure_regions(*, backend: BackendName = "auto", hook_mode: HookMode = "torch") -> None:
+def configure_regions(
+    *,
+    backend: BackendName = "auto",
+    hook_mode: HookMode = "torch",
+    retain_cpu_backup: bool | None = None,
+) -> None:
     """Choose how regions work, before the first `region()` of the process.
 
     backend: "auto" takes "cuda" when CUDA is available, else "cpu". "cuda" uses
@@ -151,8 +163,15 @@ def configure_regions(*, backend: BackendName = "auto", hook_mode: HookMode = "t
         pluggable allocator and needs nothing at launch; "preload" intercepts cudaMalloc and
         needs the process started with torch_memory_saver's library in LD_PRELOAD (see
         `torch_memory_saver.configure_subprocess()`); pick it when pauseable CUDA graphs are needed.
+    retain_cpu_backup: keep the pinned host copy of each region with CPU backup allocated from
+        one pause to the next instead of freeing it at resume and allocating it again at the
+        next pause (cudaFreeHost/cudaMallocHost cost about as much as the copy). Each pause still
+        copies the device contents into it. Cost: host RAM equal to the backed-up bytes stays
+        pinned while the tags are awake too. None (default) turns it on unless the environment
+        sets torch_memory_saver's TMS_RETAIN_CPU_BACKUP, which then decides; True or False
+        overrides that. Process-wide (torch_memory_saver is one per process); CUDA only.
     """
-    _REGISTRY.configure(backend, hook_mode)
+    _REGISTRY.configure(backend, hook_mode, retain_cpu_backup)
 
 
 def region(tag: str, *, enable_cpu_backup: bool = False):

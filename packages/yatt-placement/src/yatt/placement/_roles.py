@@ -10,6 +10,8 @@ do more with it:
   device-wide reading exists (CPU).
 - `set_memory_fraction(fraction)`: the share of device memory the role may use, which partial
   colocation moves every step. The role applies it when it next sizes its KV cache.
+  `resizes_while_awake = True` says it does so by itself while awake (at its next call), so
+  offload="auto" need not put it to sleep to apply a new share.
 
 The rollout and GenRM engines implement these themselves; `TrainerRole` and `RegionRole` adapt
 a trainer and region-allocated memory.

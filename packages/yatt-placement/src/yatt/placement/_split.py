@@ -12,6 +12,7 @@ both caches back and forth:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -67,3 +68,58 @@ def next_rollout_fraction(
     target = rollout_pending_tokens / total
     target = min(max(target, split.min_rollout_fraction), split.max_rollout_fraction)
     return split.smoothing * current + (1.0 - split.smoothing) * target
+
+
+class SplitState:
+    """A plan's memory split: the rollout fraction, the shares it gives the two engines, and
+    the share each engine's KV cache was last woken at (a new share applies at the next wake)."""
+
+    ROLES = ("rollout", "genrm")
+
+    def __init__(self, split: MemorySplit, roles: Mapping[str, object]) -> None:
+        for name in self.ROLES:
+            if name not in roles:
+                raise ValueError(f"Plan(split=...) needs a role named {name!r}")
+        self.split = split
+        self.rollout_fraction = split.initial_rollout_fraction
+        self._roles = roles
+        self._woken_shares: dict[str, float] = {}
+        self.apply()
+
+    def shares(self) -> dict[str, float]:
+        """Each engine's share of the device's memory."""
+        total = self.split.total_fraction
+        return {
+            "rollout": total * self.rollout_fraction,
+            "genrm": total * (1.0 - self.rollout_fraction),
+        }
+
+    def apply(self) -> None:
+        for name, share in self.shares().items():
+            setter = getattr(self._roles[name], "set_memory_fraction", None)
+            if setter is not None:
+                setter(share)
+
+    def update(self, rollout_pending_tokens: float, genrm_pending_tokens: float) -> float:
+        self.rollout_fraction = next_rollout_fraction(
+            self.split, self.rollout_fraction, rollout_pending_tokens, genrm_pending_tokens
+        )
+        self.apply()
+        return self.rollout_fraction
+
+    def note_wake(self, role: str, *, sizes_kv_cache: bool) -> None:
+        """`role` woke; with `sizes_kv_cache` its KV cache took the current share."""
+        if role in self.ROLES and sizes_kv_cache:
+            self._woken_shares[role] = self.shares()[role]
+
+    def has_moved(self, role: str) -> bool:
+        """Whether `role`'s share changed since its KV cache last woke (or it never woke)."""
+        return role in self.ROLES and self._woken_shares.get(role) != self.shares()[role]
+
+    def wake_scales(self) -> dict[str, float]:
+        """Factor on each engine's measured wake bytes: a KV cache grows with its share."""
+        return {
+            name: max(1.0, share / self._woken_shares[name])
+            for name, share in self.shares().items()
+            if self._woken_shares.get(name)
+        }
