@@ -2,7 +2,8 @@
 
 Writes a text file per rank 0 and mix: the step's phases (record_function "phase:<name>" ranges,
 wall time each), the CUDA kernels by device time and the host operators by CPU time, so the
-next GPU run shows where a step's time goes without a second run.
+next GPU run shows where a step's time goes without a second run. `--profile-phase NAME`
+profiles that phase alone, so its kernel table is not mixed with the other phases'.
 """
 
 from __future__ import annotations
@@ -13,20 +14,41 @@ from pathlib import Path
 
 import torch
 
+# (phase, path) while maybe_profile(path, phase=...) runs: phase_range profiles that phase.
+_only_phase: tuple[str, Path] | None = None
+
 
 @contextlib.contextmanager
 def phase_range(name: str) -> Iterator[None]:
     """A named range in the profile (costs nothing when no profiler runs)."""
+    if _only_phase is not None and _only_phase[0] == name:
+        with _profile(_only_phase[1]), torch.profiler.record_function(f"phase:{name}"):
+            yield
+        return
     with torch.profiler.record_function(f"phase:{name}"):
         yield
 
 
 @contextlib.contextmanager
-def maybe_profile(path: Path | None) -> Iterator[None]:
-    """Profile the body into `path` (None: run it plainly)."""
+def maybe_profile(path: Path | None, phase: str | None = None) -> Iterator[None]:
+    """Profile the body into `path` (None: run it plainly); only `phase`'s range if given."""
+    global _only_phase
     if path is None:
         yield
         return
+    if phase is not None:
+        _only_phase = (phase, path)
+        try:
+            yield
+        finally:
+            _only_phase = None
+        return
+    with _profile(path):
+        yield
+
+
+@contextlib.contextmanager
+def _profile(path: Path) -> Iterator[None]:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]

@@ -6,6 +6,10 @@ Ratios (issue #8's bars), each computed only when both runs are present:
   partial_vs_full_rollout_genrm (b) rollout+genrm / (a) rollout+genrm,
                                  longtail, per GPU count                    bar <= 0.75
   yatt_vs_trl_1gpu              yatt (a) fixed step / TRL step, 1 GPU       bar <= 0.5
+
+Runs are keyed by variant (_step_setup.variant_key): the layout, "-auto" for Plan(offload=
+"auto"), "-p<N>" for --prompts N. The bars use the seed's setting (offload every switch, 16
+prompts); every variant present gets its own rows next to them.
 """
 
 from __future__ import annotations
@@ -35,10 +39,23 @@ LABELS = {
 }
 
 
+def label_of(variant: str) -> str:
+    """`(a) full colocation, offload when short of memory, 64 prompts` for "full-auto-p64"."""
+    layout, *rest = variant.split("-")
+    parts = [LABELS[layout]]
+    for part in rest:
+        if part == "auto":
+            parts.append("offload only when short of memory")
+        elif part.startswith("p"):
+            parts.append(f"{part[1:]} prompts")
+    return ", ".join(parts)
+
+
 def write_run(
     out_dir: str | Path,
     *,
     layout: str,
+    variant: str | None = None,
     num_ranks: int,
     tiny: bool,
     workload: dict,
@@ -50,9 +67,11 @@ def write_run(
 
     # dedicated: the judge's GPU counts (on CPU smoke runs its process stands for that GPU).
     num_gpus = num_ranks + int(layout == "dedicated")
+    variant = variant or layout
     run = {
-        "layout": layout,
-        "label": LABELS[layout],
+        "layout": variant,
+        "base_layout": layout,
+        "label": label_of(variant),
         "num_gpus": num_gpus,
         "num_ranks": num_ranks,
         "device": device_name(),
@@ -61,7 +80,7 @@ def write_run(
         "ckpt_root": ckpt_root,
         "mixes": {mix: summarize_mix(ranks) for mix, ranks in by_mix.items()},
     }
-    out = Path(out_dir) / f"step_{layout}_{num_gpus}gpu.json"
+    out = Path(out_dir) / f"step_{variant}_{num_gpus}gpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(run, indent=1))
     print(f"wrote {out}", flush=True)
@@ -154,41 +173,60 @@ def _ratio(name: str, num: float | None, den: float | None, bar: float, what: st
     return {"name": name, "what": what, "bar": bar, "value": value, "pass": value <= bar}
 
 
+def _suffixes(runs: list[dict], layout: str) -> list[str]:
+    """The variant suffixes ("", "-auto", "-p64", ...) present for `layout`, "" first."""
+    found = {r["layout"][len(layout) :] for r in runs if r["layout"].split("-")[0] == layout}
+    return ["", *sorted(found - {""})]
+
+
 def compute_ratios(runs: list[dict]) -> list[dict]:
     out = []
-    for mix in ("fixed", "longtail"):
-        a, c = _median(_find(runs, "full", 2), mix), _median(_find(runs, "dedicated", 2), mix)
-        out.append(
-            _ratio(
-                f"full_vs_dedicated_2gpu_{mix}",
-                a and a["step_s"],
-                c and c["step_s"],
-                0.55,
-                f"(a) full colocation step / (c) dedicated GenRM step, 2 GPUs, {mix}",
+    for suffix in _suffixes(runs, "full"):
+        a_run, c_run = _find(runs, "full" + suffix, 2), _find(runs, "dedicated" + suffix, 2)
+        if suffix and not (a_run and c_run):
+            continue
+        for mix in ("fixed", "longtail"):
+            a, c = _median(a_run, mix), _median(c_run, mix)
+            if suffix and not (a and c):
+                continue
+            out.append(
+                _ratio(
+                    f"full{suffix}_vs_dedicated{suffix}_2gpu_{mix}",
+                    a and a["step_s"],
+                    c and c["step_s"],
+                    0.55,
+                    f"{label_of('full' + suffix)} step / (c) step, 2 GPUs, {mix}",
+                )
             )
-        )
     for n in (1, 2):
-        a = _median(_find(runs, "full", n), "longtail")
-        b = _median(_find(runs, "partial", n), "longtail")
-        out.append(
-            _ratio(
-                f"partial_vs_full_rollout_genrm_{n}gpu_longtail",
-                b and _rollout_genrm(b),
-                a and _rollout_genrm(a),
-                0.75,
-                f"(b) rollout+genrm / (a) rollout+genrm, {n} GPU(s), longtail",
-            )
-        )
+        for b_suffix in _suffixes(runs, "partial"):
+            for a_suffix in ("", "-auto"):
+                a = _median(_find(runs, "full" + a_suffix, n), "longtail")
+                b = _median(_find(runs, "partial" + b_suffix, n), "longtail")
+                if (a_suffix or b_suffix) and not (a and b):
+                    continue
+                out.append(
+                    _ratio(
+                        f"partial{b_suffix}_vs_full{a_suffix}_rollout_genrm_{n}gpu_longtail",
+                        b and _rollout_genrm(b),
+                        a and _rollout_genrm(a),
+                        0.75,
+                        f"{label_of('partial' + b_suffix)} rollout+genrm / "
+                        f"{label_of('full' + a_suffix)} rollout+genrm, {n} GPU(s), longtail",
+                    )
+                )
     trl = _median(_find(runs, "trl", 1), "fixed")
-    for layout in ("full", "partial"):
-        y = _median(_find(runs, layout, 1), "fixed")
+    others = {r["layout"] for r in runs if r["num_gpus"] == 1} - {"full", "partial", "trl"}
+    yatt = ["full", "partial", *sorted(others)]
+    for variant in yatt:
+        y = _median(_find(runs, variant, 1), "fixed")
         out.append(
             _ratio(
-                f"yatt_{layout}_vs_trl_1gpu_fixed",
+                f"yatt_{variant}_vs_trl_1gpu_fixed",
                 y and y["step_s"],
                 trl and trl["step_s"],
                 0.5,
-                f"yatt ({layout}) step / TRL GRPOTrainer step, 1 GPU, fixed 256 tokens",
+                f"yatt {label_of(variant)} step / TRL GRPOTrainer step, 1 GPU, fixed 256 tokens",
             )
         )
     return out

@@ -9,9 +9,11 @@ length then follows the response length exactly (about 300 to 1300 tokens here).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -169,6 +171,30 @@ def build_judge(
         batching=genrm.BatchingConfig(max_batch_size=slots, max_pending=4 * slots),
     )
     return judge, engine
+
+
+def variant_key(layout: str, args: Any) -> str:
+    """A run's name in the results: the layout, then what differs from the defaults."""
+    key = layout
+    if getattr(args, "offload", "always") != "always":
+        key += f"-{args.offload}"
+    if getattr(args, "prompts", None) not in (None, Workload.num_prompts):
+        key += f"-p{args.prompts}"
+    return key
+
+
+def close_run(ctx: Any) -> None:
+    """Close what bench/step.py's build() made (after a failure too); drop the checkpoints."""
+    for closeable in (ctx.ckpt, ctx.judge_engine, ctx.engine):
+        if closeable is not None:
+            with contextlib.suppress(Exception):
+                closeable.close()
+    if ctx.server is not None:
+        ctx.server.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            ctx.server.wait(timeout=20)
+    if ctx.runtime.is_rank_zero:
+        shutil.rmtree(ctx.ckpt_root, ignore_errors=True)
 
 
 # -- GPU sampler -------------------------------------------------------------------------------

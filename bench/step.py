@@ -64,6 +64,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--judge-tokens", type=int, default=8, help="forced verdict length")
     p.add_argument("--judge-gpu", type=int, default=None, help="dedicated: the judge's GPU")
     p.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
+    p.add_argument("--profile-phase", default=None, help="--profile only this phase (e.g. train)")
+    p.add_argument(
+        "--offload", choices=("always", "auto"), default="always", help="Plan(offload=...)"
+    )
     p.add_argument("--prompts", type=int, default=None, help="GRPO groups per step (16)")
     p.add_argument(
         "--keep-graphs", action="store_true", help="EngineConfig.keep_graphs_asleep for both"
@@ -174,12 +178,13 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
         runtime,
     )
     roles = dict(rollout=ctx.engine, train=ctx.policy)
+    offload = args.offload  # "auto": a role sleeps only when the next phase would not fit
     if layout == "full":
-        ctx.plan = Plan.full_colocation(**roles, genrm=ctx.judge_engine)
+        ctx.plan = Plan.full_colocation(**roles, genrm=ctx.judge_engine, offload=offload)
     elif layout == "partial":
-        ctx.plan = Plan.partial_colocation(**roles, genrm=ctx.judge_engine)
+        ctx.plan = Plan.partial_colocation(**roles, genrm=ctx.judge_engine, offload=offload)
     elif layout == "dedicated":
-        ctx.plan = Plan.full_colocation(**roles)  # rollout and trainer share this GPU
+        ctx.plan = Plan.full_colocation(**roles, offload=offload)  # rollout + trainer share it
     else:
         ctx.plan = Plan.separate(**roles, genrm=ctx.judge_engine)
         if runtime.device.type == "cuda":  # fixed shares of the one GPU, never moved
@@ -191,7 +196,8 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
         shutil.rmtree(ctx.ckpt_root, ignore_errors=True)
     torch.distributed.barrier()
     ctx.ckpt = Checkpointer(ctx.ckpt_root, keep_last=1, async_save=True)
-    ctx.loss = core.PolicyLoss()
+    # One optimizer step per batch (as TRL at num_iterations=1): no old-logprob forward pass.
+    ctx.loss = core.PolicyLoss(is_on_policy=True)
     ctx.judge_tokens_seen = 0
     return ctx
 
@@ -265,9 +271,7 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
         )
         batch, _ = batch.rebalance(group=rt.dp_group, group_key="group_id", costs=costs)
         with plan.phase("train"):
-            batch = batch.to(rt.device)
-            batch.tokens["old_logprobs"] = policy.logprobs(batch)
-            policy.train_step(batch, ctx.loss)
+            policy.train_step(batch.to(rt.device), ctx.loss)
     with timed(phases, "sync"), plan.phase("sync"):
         engine.update_weights(policy.named_weights())
     with timed(phases, "ckpt"):  # async: blocked until the tensors are staged in host memory
@@ -334,10 +338,12 @@ def run_layout(args: argparse.Namespace) -> Path | None:
                         f"{row['t1'] - row['t0']:.2f}s: {parts}",
                         flush=True,
                     )
-            if args.profile:  # after the timed steps, so its overhead counts in none
-                name = f"profile_{ctx.layout}_{runtime.world_size}x_{mix}.txt"
+            if args.profile or args.profile_phase:  # after the timed steps: counts in none
+                only = f"_{args.profile_phase}" if args.profile_phase else ""
+                variant = setup.variant_key(ctx.layout, args)
+                name = f"profile_{variant}_{runtime.world_size}x_{mix}{only}.txt"
                 path = Path(args.out_dir) / name if runtime.is_rank_zero else None
-                with _step_profile.maybe_profile(path):
+                with _step_profile.maybe_profile(path, phase=args.profile_phase):
                     one_step(ctx, mix, args.warmup + args.steps, global_step)
                 global_step += 1
             per_mix[mix] = rows
@@ -348,11 +354,12 @@ def run_layout(args: argparse.Namespace) -> Path | None:
             return _step_report.write_run(
                 args.out_dir,
                 layout=ctx.layout,
+                variant=setup.variant_key(ctx.layout, args),
                 num_ranks=runtime.world_size,
                 tiny=args.tiny,
                 workload=vars(ctx.work)
                 | {"mixes": args.mixes, "steps": args.steps, "warmup": args.warmup}
-                | {"keep_graphs_asleep": args.keep_graphs},
+                | {"keep_graphs_asleep": args.keep_graphs, "offload": args.offload},
                 ckpt_root=str(ctx.ckpt_root.parent),
                 by_mix={mix: [g[mix] for g in gathered] for mix in args.mixes},
             )
@@ -361,24 +368,11 @@ def run_layout(args: argparse.Namespace) -> Path | None:
         if sampler is not None:
             sampler.stop()
         if ctx is not None:
-            close(ctx)
+            setup.close_run(ctx)
         for server in servers:
             if server.poll() is None:
                 server.kill()
         runtime.shutdown()
-
-
-def close(ctx) -> None:
-    for closeable in (ctx.ckpt, ctx.judge_engine, ctx.engine):
-        if closeable is not None:
-            with contextlib.suppress(Exception):
-                closeable.close()
-    if ctx.server is not None:
-        ctx.server.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            ctx.server.wait(timeout=20)
-    if ctx.runtime.is_rank_zero:
-        shutil.rmtree(ctx.ckpt_root, ignore_errors=True)
 
 
 def main(argv: list[str]) -> None:

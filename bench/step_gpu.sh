@@ -3,7 +3,7 @@
 # dill, multiprocess and torch_memory_saver come as wheels; there is no network there):
 #   bash bench/step_gpu.sh            # writes under $OUT (default /tmp/yatt-step-out)
 # Order: 2-GPU runs first (the issue's first bar), then the 1-GPU runs two at a time, one per
-# GPU (full || TRL, partial || separate), then the report. Each run has its own timeout, and
+# GPU (full || TRL, full-auto || partial-auto, partial || separate), then the report. Each run has its own timeout, and
 # runs that would start after BUDGET_S seconds are skipped, so the whole script stays under
 # about 8 minutes; the report marks what was not measured.
 set -uo pipefail
@@ -42,21 +42,35 @@ run() {
 # Models once (random weights, saved with save_pretrained), reused by every run.
 run models python3 $STEP --prepare
 
-# ONLY=2gpu or ONLY=1gpu runs half (the whole set takes longer than one 10-minute device call).
-if [ "${ONLY:-all}" != 1gpu ]; then
+# ONLY=2gpu|1gpu|scale runs one part (the whole set takes longer than one 10-minute device call).
+# Each yatt layout runs as the seed had it (offload at every switch: the bars' setting) and
+# with Plan(offload="auto") (a role sleeps only when the next phase would not fit).
+ONLY=${ONLY:-all}
+if [ "$ONLY" = all ] || [ "$ONLY" = 2gpu ]; then
   run full_2gpu $TORCHRUN $STEP --layout full
   run dedicated_2gpu python3 $STEP --layout dedicated --judge-gpu 1
   run partial_2gpu $TORCHRUN $STEP --layout partial
+  run full_auto_2gpu $TORCHRUN $STEP --layout full --offload auto
+  run dedicated_auto_2gpu python3 $STEP --layout dedicated --judge-gpu 1 --offload auto
 fi
 
 # 1-GPU runs, two at a time on different GPUs (each its own process and GPU).
-if [ "${ONLY:-all}" != 2gpu ]; then
+if [ "$ONLY" = all ] || [ "$ONLY" = 1gpu ]; then
   CUDA_VISIBLE_DEVICES=0 run full_1gpu python3 $STEP --layout full &
   CUDA_VISIBLE_DEVICES=1 run trl_1gpu python3 bench/step_trl.py --model-dir $MODELS --out-dir "$RUNS" $EXTRA &
+  wait
+  CUDA_VISIBLE_DEVICES=0 run full_auto_1gpu python3 $STEP --layout full --offload auto &
+  CUDA_VISIBLE_DEVICES=1 run partial_auto_1gpu python3 $STEP --layout partial --offload auto &
   wait
   CUDA_VISIBLE_DEVICES=0 run partial_1gpu python3 $STEP --layout partial &
   CUDA_VISIBLE_DEVICES=1 run separate_1gpu python3 $STEP --layout dedicated &
   wait
+fi
+
+# A 4x larger batch on 2 GPUs: does (a)/(c) move toward 0.5 once the GPUs have more work?
+if [ "$ONLY" = scale ]; then
+  run full_p64_2gpu $TORCHRUN $STEP --layout full --offload auto --prompts 64 --mix fixed
+  run dedicated_p64_2gpu python3 $STEP --layout dedicated --judge-gpu 1 --offload auto --prompts 64 --mix fixed
 fi
 
 python3 bench/step.py --report --results-dir "$RUNS" 2>&1 | tee "$OUT/report.log" | tail -n 30

@@ -28,7 +28,8 @@ def _run_step(out_dir: Path, model_dir: Path, layout: str, mixes: str, *extra: s
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     num_gpus = 2 if "--judge-gpu" in extra else 1
-    return json.loads((out_dir / f"step_{layout}_{num_gpus}gpu.json").read_text())
+    variant = layout + ("-auto" if "auto" in extra else "")
+    return json.loads((out_dir / f"step_{variant}_{num_gpus}gpu.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +41,21 @@ def runs(tmp_path_factory):
         "partial": _run_step(out, models, "partial", "fixed,longtail", "--profile"),
         # The judge in its own process (the dedicated GPU's stand-in on CPU), over HTTP.
         "dedicated": _run_step(out, models, "dedicated", "longtail", "--judge-gpu", "1"),
+        # On CPU offload="auto" has no memory reading and runs as "always"; a run of its own.
+        "full-auto": _run_step(out, models, "full", "fixed", "--offload", "auto"),
     }
 
 
-@pytest.mark.parametrize("layout", ["full", "partial", "dedicated"])
+@pytest.mark.parametrize("layout", ["full", "partial", "dedicated", "full-auto"])
 def test_run_json_has_phases_and_forced_lengths(runs, layout):
     _, by_layout = runs
     run = by_layout[layout]
     work = _step_setup.Workload(num_prompts=4, group_size=4)
     assert run["layout"] == layout and run["tiny"] is True
+    assert run["workload"]["offload"] == ("auto" if layout.endswith("auto") else "always")
     for mix, result in run["mixes"].items():
         (step,) = result["steps"]  # one timed step after one warm-up
-        assert set(step["phases"]) == PHASES[layout]
+        assert set(step["phases"]) == PHASES[run["base_layout"]]
         assert step["step_s"] > 0 and all(v >= 0 for v in step["phases"].values())
         assert step["step_s"] >= max(step["phases"].values())
         # Timed step index 1 (after the warm-up): every response has exactly its forced length.
@@ -99,3 +103,32 @@ def test_profile_step_is_extra_and_names_the_phases(runs):
         text = (out / f"profile_partial_1x_{mix}.txt").read_text()
         phases = text.split("\n\n")[0].splitlines()[1:]
         assert {line.split()[0] for line in phases} == PHASES["partial"] - {"genrm_tail"}
+
+
+def _fake_run(variant: str, num_gpus: int, step_s: float, phases: dict) -> dict:
+    median = {"step_s": step_s, "phases": phases}
+    return {"layout": variant, "num_gpus": num_gpus, "mixes": {"longtail": {"median": median}}}
+
+
+def test_variants_are_named_and_get_their_own_ratio_rows():
+    args = type("Args", (), {"offload": "auto", "prompts": 64})()
+    assert _step_setup.variant_key("full", args) == "full-auto-p64"
+    assert _step_report.label_of("full-auto-p64") == (
+        "(a) full colocation, offload only when short of memory, 64 prompts"
+    )
+    runs = [
+        _fake_run("full", 1, 10.0, {"rollout": 4.0, "genrm": 2.0}),
+        _fake_run("full-auto", 1, 8.0, {"rollout": 3.0, "genrm": 1.0}),
+        _fake_run("partial-auto", 1, 7.0, {"rollout+genrm": 3.0}),
+        _fake_run("full-p64", 2, 6.0, {}),
+        _fake_run("dedicated-p64", 2, 10.0, {}),
+    ]
+    ratios = {r["name"]: r for r in _step_report.compute_ratios(runs)}
+    # The seed's comparison (offload every switch) and the like-for-like one, side by side.
+    assert ratios["partial-auto_vs_full_rollout_genrm_1gpu_longtail"]["value"] == 0.5
+    assert ratios["partial-auto_vs_full-auto_rollout_genrm_1gpu_longtail"]["value"] == 0.75
+    assert ratios["full-p64_vs_dedicated-p64_2gpu_longtail"]["value"] == 0.6
+    # The bars' own rows stay, unmeasured; absent variant pairs get no row.
+    assert ratios["full_vs_dedicated_2gpu_longtail"]["value"] is None
+    assert "full-auto_vs_dedicated-auto_2gpu_longtail" not in ratios
+    assert ratios["yatt_full-auto_vs_trl_1gpu_fixed"]["value"] is None
