@@ -130,6 +130,8 @@ def summarize_mix(ranks: list[list[dict]]) -> dict:
     return {
         "median": {
             "step_s": med(s["step_s"] for s in steps),
+            # TRL saves no checkpoint in its steps: the like-for-like yatt step leaves ours out.
+            "step_without_ckpt_s": med(s["step_s"] - s["phases"].get("ckpt", 0.0) for s in steps),
             "phases": {k: med(s["phases"][k] for s in steps) for k in steps[0]["phases"]},
             "switch_s": med(s["switch_s"] for s in steps),
             "gpus": gpus,
@@ -220,15 +222,26 @@ def compute_ratios(runs: list[dict]) -> list[dict]:
     yatt = ["full", "partial", *sorted(others)]
     for variant in yatt:
         y = _median(_find(runs, variant, 1), "fixed")
+        what = f"yatt {label_of(variant)} step / TRL GRPOTrainer step, 1 GPU, fixed 256 tokens"
         out.append(
             _ratio(
                 f"yatt_{variant}_vs_trl_1gpu_fixed",
                 y and y["step_s"],
                 trl and trl["step_s"],
                 0.5,
-                f"yatt {label_of(variant)} step / TRL GRPOTrainer step, 1 GPU, fixed 256 tokens",
+                what,
             )
         )
+        if y and "step_without_ckpt_s" in y:
+            out.append(
+                _ratio(
+                    f"yatt_{variant}_without_ckpt_vs_trl_1gpu_fixed",
+                    y["step_without_ckpt_s"],
+                    trl and trl["step_s"],
+                    0.5,
+                    what + " (yatt without its per-step checkpoint; TRL saves none)",
+                )
+            )
     return out
 
 

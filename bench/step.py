@@ -72,6 +72,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--keep-graphs", action="store_true", help="EngineConfig.keep_graphs_asleep for both"
     )
+    p.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer's cap")
     p.add_argument("--judge-port", type=int, default=18517)
     p.add_argument("--serve-judge", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prepare", action="store_true", help="only save the models, then exit")
@@ -172,8 +173,9 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
             model_dir=str(policy_dir),
             lr=1e-6,
             dtype="float32" if args.tiny else "bfloat16",
-            # 152k vocab: a 4096-token micro-batch already has 2.5 GB of float32 logits.
-            max_tokens_per_microbatch=2048 if args.tiny else 4096,
+            # 152k vocab: 16k tokens hold 10 GB of float32 logits (x3 with their gradient), but
+            # fewer micro-batches cut the host's launch overhead, which bounds this small model.
+            max_tokens_per_microbatch=2048 if args.tiny else args.micro_batch_tokens,
         ),
         runtime,
     )
@@ -359,7 +361,8 @@ def run_layout(args: argparse.Namespace) -> Path | None:
                 tiny=args.tiny,
                 workload=vars(ctx.work)
                 | {"mixes": args.mixes, "steps": args.steps, "warmup": args.warmup}
-                | {"keep_graphs_asleep": args.keep_graphs, "offload": args.offload},
+                | {"keep_graphs_asleep": args.keep_graphs, "offload": args.offload}
+                | {"micro_batch_tokens": args.micro_batch_tokens},
                 ckpt_root=str(ctx.ckpt_root.parent),
                 by_mix={mix: [g[mix] for g in gathered] for mix in args.mixes},
             )

@@ -132,3 +132,11 @@ def test_variants_are_named_and_get_their_own_ratio_rows():
     assert ratios["full_vs_dedicated_2gpu_longtail"]["value"] is None
     assert "full-auto_vs_dedicated-auto_2gpu_longtail" not in ratios
     assert ratios["yatt_full-auto_vs_trl_1gpu_fixed"]["value"] is None
+    # Against TRL, whose steps save no checkpoint, a second row leaves yatt's checkpoint out.
+    fixed = {"step_s": 5.0, "step_without_ckpt_s": 4.0, "phases": {"ckpt": 1.0}}
+    runs[1]["mixes"]["fixed"] = {"median": fixed}
+    trl = {"step_s": 10.0, "phases": {}}
+    runs.append({"layout": "trl", "num_gpus": 1, "mixes": {"fixed": {"median": trl}}})
+    ratios = {r["name"]: r for r in _step_report.compute_ratios(runs)}
+    assert ratios["yatt_full-auto_vs_trl_1gpu_fixed"]["value"] == 0.5
+    assert ratios["yatt_full-auto_without_ckpt_vs_trl_1gpu_fixed"]["value"] == 0.4
