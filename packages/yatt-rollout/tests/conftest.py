@@ -1,9 +1,13 @@
+import time
+
 import pytest
 import torch
 
 # Tiny models gain nothing from intra-op threads, and the test machines share 2 cores: spinning
 # OpenMP threads made steps several times slower under load.
 torch.set_num_threads(1)
+
+STALL_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +17,44 @@ def tiny_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-qwen2")
     make_tiny_causal_lm(path, arch="qwen2", seed=0, max_position_embeddings=512)
     return path
+
+
+@pytest.fixture
+def stall_first_decode():
+    """`stall(engine, condition)`: the engine's next loop holds its first decode step until
+    `condition()` (so a second call surely arrives while it runs); returns counts from then on:
+    "loops" begun, samples "prefilled"."""
+    return _stall_first_decode_until
+
+
+def _stall_first_decode_until(engine, condition) -> dict[str, int]:
+    runner = engine._runner
+    original, original_begin, original_prefill = (
+        runner.run_decode_step,
+        runner.begin,
+        runner.prefill,
+    )
+    state = {"waited": False}
+    counts = {"loops": 0, "prefilled": 0}
+
+    def begin(*args):
+        counts["loops"] += 1
+        return original_begin(*args)
+
+    def prefill(items, slots, flags):
+        counts["prefilled"] += len(items)
+        return original_prefill(items, slots, flags)
+
+    def step(flags, span):
+        if not state["waited"]:
+            state["waited"] = True
+            deadline = time.monotonic() + STALL_TIMEOUT_S
+            while not condition():
+                assert time.monotonic() < deadline, "the second call never arrived"
+                time.sleep(0.005)
+        original(flags, span)
+
+    runner.run_decode_step = step
+    runner.begin = begin
+    runner.prefill = prefill
+    return counts

@@ -92,9 +92,9 @@ def test_finished_slots_are_refilled_without_waiting_for_the_longest(tiny_model_
     )
     steps = []
     runner = engine._runner
-    original = runner._run_decode_step
+    original = runner.run_decode_step
     monkeypatch.setattr(
-        runner, "_run_decode_step", lambda flags, span: (steps.append(1), original(flags, span))
+        runner, "run_decode_step", lambda flags, span: (steps.append(1), original(flags, span))
     )
     requests = _requests([[7] * 8] + [[9] * 44] * 10)
     out = engine.generate(requests, SamplingParams(max_new_tokens=40, ignore_eos=True, seed=0))
@@ -113,9 +113,9 @@ def test_attention_span_grows_with_the_sequences(tiny_model_dir, monkeypatch):
     assert engine._runner.spans == [64, 128, 256, 512]
     spans = []
     runner = engine._runner
-    original = runner._run_decode_step
+    original = runner.run_decode_step
     monkeypatch.setattr(
-        runner, "_run_decode_step", lambda flags, span: (spans.append(span), original(flags, span))
+        runner, "run_decode_step", lambda flags, span: (spans.append(span), original(flags, span))
     )
     prompts = [list(range(10, 60)), list(range(70, 80))]
     sampling = SamplingParams(n=2, max_new_tokens=40, ignore_eos=True, seed=5)
@@ -284,7 +284,7 @@ def test_stream_checks_input_before_iterating(engine):
         engine.stream([Request(prompt_ids=[])], SamplingParams())
 
 
-def test_concurrent_generate_calls_are_serialised(engine):
+def test_concurrent_generate_calls_each_get_their_outputs(engine):
     sampling = SamplingParams(n=2, max_new_tokens=12, seed=8, ignore_eos=True)
     expected = [c.response_ids for c in engine.generate(_requests(), sampling)]
     results = []

@@ -1,13 +1,18 @@
-"""Continuous batching over a fixed set of slots: prefill into free slots, decode all slots.
+"""Continuous batching over a fixed set of slots: the device side (state, steps, graphs).
 
     queue of samples --prefill (eager, chunked)--> slots 0..S-1 --decode step x k--> host check
           ^                                                                              |
           +------------- finished slots are harvested and refilled from the queue <------+
 
+The host side (queue, admission, harvest, several calls sharing one loop) is in _host_loop.py.
 Every tensor the decode step touches is preallocated with a fixed shape, so on CUDA the step
 (model forward + sampling + bookkeeping) is captured in CUDA graphs and replayed. The host looks
 at the slots only every `steps_per_sync` steps (one small device-to-host copy); finished slots
 idle until then, which costs at most k-1 wasted steps per finished slot.
+
+On CUDA every kernel and graph replay goes to the engine's own stream (the caller enters it, see
+_device.py), so two engines on one GPU decode concurrently and each host check waits for its own
+engine's work only. Graphs are captured on that same stream.
 
 Attention reads cache positions [0, span) only. Spans are buckets (64, 128, ..., L), one graph
 each; at every host check the smallest bucket that holds the longest active sequence for the
@@ -22,19 +27,22 @@ Per slot s (S slots, L = max_seq_len):
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
+import threading
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from yatt.rollout._sampling import sample_tokens
 from yatt.rollout._static_kv import DecodeWrite, PrefillWrite, StaticKVCache, writing_kv
-from yatt.rollout._types import Completion, FinishReason, Request, SamplingParams
+from yatt.rollout._types import Request, SamplingParams
 
 MAX_STOP_TOKENS = 32
 MIN_SPAN = 64  # smallest attention bucket; below this a step is bound by launches, not reads
+# One CUDA-graph capture at a time in the process: entering torch.cuda.graph synchronises the
+# device and empties the allocator's cache, which asserts that no capture is underway (two
+# engines starting their first calls together in two threads would both capture). The engine
+# also holds it around its own empty_cache() calls (sleep, close) for the same reason.
+CAPTURE_LOCK = threading.Lock()
 
 
 def span_buckets(max_seq_len: int) -> list[int]:
@@ -47,12 +55,6 @@ def span_buckets(max_seq_len: int) -> list[int]:
     return [*spans, max_seq_len]
 
 
-class StopSignal(Protocol):
-    """Anything with `is_set()`: a threading.Event, or several combined."""
-
-    def is_set(self) -> bool: ...
-
-
 @dataclass(kw_only=True)
 class WorkItem:
     """One sample to generate."""
@@ -61,12 +63,13 @@ class WorkItem:
     sample_index: int
     request: Request
     request_id: str
-    key: int  # counter-based RNG key, from (seed, request_index, sample_index)
+    key: int  # counter-based RNG key, from (its call's seed, request_index, sample_index)
     max_new_tokens: int  # the request's own limit if it sets one, else the call's
+    owner: object = None  # the call it belongs to (several calls may share one loop)
 
 
 @dataclass(kw_only=True)
-class _Flags:
+class Flags:
     is_greedy: bool
     is_truncated: bool
 
@@ -74,8 +77,11 @@ class _Flags:
         return (self.is_greedy, self.is_truncated)
 
 
+_Flags = Flags  # the name bench/_decode_profile.py imports
+
+
 class SlotRunner:
-    """Owns the per-slot state and runs one generate call at a time over it."""
+    """Owns the per-slot state and the device steps over it (a SlotLoop drives it)."""
 
     def __init__(
         self,
@@ -85,6 +91,7 @@ class SlotRunner:
         use_cuda_graph: bool,
         steps_per_sync: int,
         max_prefill_tokens: int,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
@@ -113,9 +120,9 @@ class SlotRunner:
         self.reset_state()
         self._graphs: dict[tuple[bool, bool, int], torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
-        # One side stream for every capture's warm-up: each new stream would get its own cuBLAS
-        # workspace, which lives until the workspaces are cleared at sleep.
-        self._side_stream = None
+        # The engine's stream (None on CPU): graphs are captured on it, so the cuBLAS workspaces
+        # baked into them belong to it, and replays on it never race another engine's.
+        self.stream = stream
 
     # -- device steps -------------------------------------------------------------------------
 
@@ -130,7 +137,7 @@ class SlotRunner:
             )
         return out.logits[:, -1]
 
-    def _decode_step(self, flags: _Flags, span: int) -> None:
+    def _decode_step(self, flags: Flags, span: int) -> None:
         L = self.cache.max_seq_len
         visible_SP = self.arange_L[None, :span] <= self.pos_S[:, None]
         # Additive, in the activations' dtype: what SDPA's fused kernels take without a
@@ -164,14 +171,20 @@ class SlotRunner:
         self.input_tok_S.copy_(token_S)
         self.active_S.copy_(active_S & ~is_stop_S & (gen_len_S < self.limit_S))
 
-    def _prefill(self, items: list[WorkItem], slots: list[int], flags: _Flags) -> None:
+    def prefill(self, items: list[WorkItem], slots: list[int], flags: Flags) -> None:
         """Prompts of `items` into `slots`, and each slot's first token sampled."""
         device, L = self.device, self.cache.max_seq_len
-        # Samples of one request are adjacent in the queue: prefill their prompt once.
+        # Samples of one request are adjacent in the queue: prefill their prompt once. Joined
+        # calls share the queue, so a request is its call (owner) and its index in that call.
         rows: list[list[int]] = []
         row_of_item: list[int] = []
         for i, item in enumerate(items):
-            if i == 0 or item.request_index != items[i - 1].request_index:
+            previous = items[i - 1] if i else None
+            if (
+                previous is None
+                or item.owner is not previous.owner
+                or item.request_index != previous.request_index
+            ):
                 rows.append(item.request.prompt_ids)
             row_of_item.append(len(rows) - 1)
         lengths_B = torch.tensor([len(r) for r in rows], device=device)
@@ -219,36 +232,38 @@ class SlotRunner:
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 
-    def _run_decode_step(self, flags: _Flags, span: int) -> None:
+    def run_decode_step(self, flags: Flags, span: int) -> None:
         if not self.use_cuda_graph:
             self._decode_step(flags, span)
             return
         self._graphs[(*flags.as_key(), span)].replay()
 
-    def _capture_all(self, flags: _Flags) -> None:
+    def _capture_all(self, flags: Flags) -> None:
         """One graph per span bucket for these flags, if not captured yet."""
-        for span in self.spans:
-            if (*flags.as_key(), span) not in self._graphs:
-                self._capture(flags, span)
+        missing = [span for span in self.spans if (*flags.as_key(), span) not in self._graphs]
+        if missing:
+            with CAPTURE_LOCK:
+                for span in missing:
+                    self._capture(flags, span)
 
-    def _capture(self, flags: _Flags, span: int) -> None:
-        # Called with every slot idle (start of a call): warm-up steps then change nothing that
+    def _capture(self, flags: Flags, span: int) -> None:
+        # Called with every slot idle (start of a run): warm-up steps then change nothing that
         # matters (idle slots write to the trash column and to KV rows no sequence owns).
         assert not bool(self.active_S.any()), "CUDA graph capture needs every slot idle"
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device=self.device)
-        side = self._side_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        assert self.stream is not None, "CUDA graphs need the engine's stream"
+        with torch.cuda.stream(self.stream):
             for _ in range(2):  # lets cuBLAS and SDPA pick and allocate their workspaces
                 self._decode_step(flags, span)
-        torch.cuda.current_stream(self.device).wait_stream(side)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
-            # thread_local: another thread (a GenRM, a trainer) may use CUDA meanwhile.
-            with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            # thread_local: another thread (a GenRM, a trainer) may use CUDA meanwhile. The
+            # stream is ours: torch's default capture stream is one per process, which two
+            # engines capturing in two threads would share.
+            with torch.cuda.graph(
+                graph, pool=self._graph_pool, stream=self.stream, capture_error_mode="thread_local"
+            ):
                 self._decode_step(flags, span)
         except RuntimeError as exc:
             raise RuntimeError(
@@ -282,9 +297,10 @@ class SlotRunner:
         self.slot_ids_S.copy_(torch.arange(self.cache.num_slots))
         self.arange_L.copy_(torch.arange(self.cache.max_seq_len))
 
-    # -- host loop ------------------------------------------------------------------------------
+    # -- what the host loop calls ---------------------------------------------------------------
 
-    def _configure(self, sampling: SamplingParams, stop_ids: list[int]) -> _Flags:
+    def begin(self, sampling: SamplingParams, stop_ids: list[int]) -> Flags:
+        """Set the sampling configuration every slot shares, idle all slots, capture graphs."""
         if len(stop_ids) > MAX_STOP_TOKENS:
             raise ValueError(
                 f"SamplingParams.stop_token_ids has {len(stop_ids)} ids (EOS included); the "
@@ -296,105 +312,29 @@ class SlotRunner:
         self.temperature_S.fill_(sampling.temperature if sampling.temperature > 0 else 1.0)
         self.top_p_S.fill_(sampling.top_p)
         self.top_k_S.fill_(sampling.top_k)
-        return _Flags(
+        flags = Flags(
             is_greedy=sampling.temperature == 0,
             is_truncated=sampling.top_p < 1.0 or sampling.top_k > 0,
         )
-
-    def run(
-        self,
-        items: list[WorkItem],
-        sampling: SamplingParams,
-        stop_ids: list[int],
-        emit: Callable[[Completion], None],
-        should_stop: StopSignal,
-    ) -> None:
-        """Generate every item, calling `emit` once per item as it finishes."""
-        flags = self._configure(sampling, stop_ids)
-        stop_set = set(stop_ids)
         self.active_S.zero_()
         if self.use_cuda_graph:
             self._capture_all(flags)
-        S, L = self.cache.num_slots, self.cache.max_seq_len
-        queue = deque(items)
-        occupant: list[WorkItem | None] = [None] * S
-        while True:
-            is_aborting = should_stop.is_set()
-            free = [s for s in range(S) if occupant[s] is None]
-            if free and queue and not is_aborting:
-                self._admit(queue, free, occupant, flags)
-            # Host sync: one small copy tells which slots finished and how long they are.
-            state = torch.stack([self.active_S.long(), self.gen_len_S, self.pos_S]).cpu()
-            active, gen_len, pos = state[0].tolist(), state[1].tolist(), state[2].tolist()
-            done = [s for s in range(S) if occupant[s] is not None and not active[s]]
-            if is_aborting:
-                done = [s for s in range(S) if occupant[s] is not None]
-            if done:
-                self._harvest(done, occupant, gen_len, active, stop_set, emit)
-            if is_aborting:
-                self.active_S.zero_()
-                for item in queue:
-                    emit(_completion(item, [], [], "abort"))
-                return
-            if not queue and all(o is None for o in occupant):
-                return
-            running = [pos[s] for s in range(S) if occupant[s] is not None and active[s]]
-            if running:
-                # The k steps until the next check write positions up to max(pos) + k - 1.
-                needed = min(max(running) + self.steps_per_sync, L)
-                span = next(span for span in self.spans if span >= needed)
-                for _ in range(self.steps_per_sync):
-                    self._run_decode_step(flags, span)
+        return flags
 
-    def _admit(self, queue, free: list[int], occupant, flags: _Flags) -> None:
-        num_admitted = 0
-        chunk: list[WorkItem] = []
-        longest = 0
-        while queue and num_admitted + len(chunk) < len(free):
-            n = len(queue[0].request.prompt_ids)
-            # Chunk prefills so one forward pass stays within max_prefill_tokens.
-            if chunk and (len(chunk) + 1) * max(longest, n) > self.max_prefill_tokens:
-                num_admitted += self._prefill_into(chunk, free[num_admitted:], occupant, flags)
-                chunk, longest = [], 0
-                continue
-            chunk.append(queue.popleft())
-            longest = max(longest, n)
-        if chunk:
-            self._prefill_into(chunk, free[num_admitted:], occupant, flags)
+    def read_slots(self) -> tuple[list[int], list[int], list[int]]:
+        """(active, gen_len, pos) per slot: the host sync, one small device-to-host copy."""
+        state = torch.stack([self.active_S.long(), self.gen_len_S, self.pos_S]).cpu()
+        return state[0].tolist(), state[1].tolist(), state[2].tolist()
 
-    def _prefill_into(self, chunk: list[WorkItem], free: list[int], occupant, flags) -> int:
-        slots = free[: len(chunk)]
-        self._prefill(chunk, slots, flags)
-        for item, slot in zip(chunk, slots, strict=True):
-            occupant[slot] = item
-        return len(chunk)
-
-    def _harvest(self, done, occupant, gen_len, active, stop_set, emit) -> None:
-        index = torch.tensor(done, device=self.device)
-        width = max(gen_len[s] for s in done)
+    def read_responses(self, slots: list[int], width: int) -> tuple[list, list]:
+        """Tokens and logprobs of `slots`, the first `width` columns each (host lists)."""
+        index = torch.tensor(slots, device=self.device)
         tokens = self.response_SL[index, :width].cpu().tolist()
-        logprobs = self.logprob_SL[index, :width].cpu().tolist()
-        for row, s in enumerate(done):
-            item, n = occupant[s], gen_len[s]
-            response = tokens[row][:n]
-            if n and response[-1] in stop_set:
-                reason: FinishReason = "stop"
-            elif active[s]:
-                reason = "abort"
-            else:
-                reason = "length"
-            emit(_completion(item, response, logprobs[row][:n], reason))
-            occupant[s] = None
+        return tokens, self.logprob_SL[index, :width].cpu().tolist()
 
-
-def _completion(item: WorkItem, response, logprobs, reason: FinishReason) -> Completion:
-    return Completion(
-        request_index=item.request_index,
-        sample_index=item.sample_index,
-        prompt_ids=list(item.request.prompt_ids),
-        response_ids=response,
-        logprobs=logprobs,
-        finish_reason=reason,
-        request_id=item.request_id,
-        metadata=dict(item.request.metadata),
-    )
+    def deactivate(self, slots: list[int] | None = None) -> None:
+        """Stop generating in `slots` (all when None); their state stays until refilled."""
+        if slots is None:
+            self.active_S.zero_()
+        elif slots:
+            self.active_S[torch.tensor(slots, device=self.device)] = False

@@ -21,10 +21,15 @@ class EngineConfig:
     use_cuda_graph: bool = True  # capture the decode step in a CUDA graph (CUDA only)
     # Keep the captured graphs (and their memory pool, ~the decode step's activations and
     # logits) through sleep(): weights and KV cache come back at the same addresses, so the
-    # graphs stay valid and wake-up skips the recapture (on the H200 bench, colocated engines
-    # recapturing every step are the suspected main cost of a switch). Not yet verified on a GPU.
-    keep_graphs_asleep: bool = False
+    # graphs stay valid and wake-up skips the recapture (about a second per colocated engine
+    # and step on an H200; test_kept_graphs_survive_sleep_and_wake passed there). False gives
+    # back every byte at sleep, at the price of recapturing on the next call.
+    keep_graphs_asleep: bool = True
     steps_per_sync: int = 8  # decode steps between host checks for finished slots
+    # A call that samples like the running one (same temperature, top-p, top-k, stop ids; n,
+    # seed and max_new_tokens may differ) joins its loop: its samples take free slots at the
+    # next host check instead of waiting for the whole running call. False: one call at a time.
+    should_join_calls: bool = True
     region_prefix: str = "rollout"  # placement tags "<prefix>/weights", "<prefix>/kv_cache"
     # Total device memory that set_memory_fraction(f) takes a share of (the engine's weights and
     # KV cache get f times this). None: torch.cuda.mem_get_info's total on CUDA; no limit on CPU
@@ -69,6 +74,10 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.device_memory_bytes={self.device_memory_bytes!r}: must be an int "
                 ">= 1 (bytes), or None for the device's own total"
+            )
+        if not isinstance(self.should_join_calls, bool):
+            raise ValueError(
+                f"EngineConfig.should_join_calls={self.should_join_calls!r}: must be a bool"
             )
         if not self.region_prefix or "/" in self.region_prefix:
             raise ValueError(

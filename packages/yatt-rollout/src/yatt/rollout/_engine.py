@@ -8,6 +8,9 @@ CUDA graphs are freed on sleep and recaptured on the next call (EngineConfig.kee
 As a placement role it declares memory_tags ("weights", "kv_cache"), so a plan's weight-sync
 phase wakes the weights alone, and set_memory_fraction(f) resizes the KV cache (number of slots)
 at its next allocation: the next wake_up of "kv_cache", or the start of the next generate/stream.
+
+Concurrency: on CUDA the engine's device work runs on its own stream (_device.py), so engines
+sharing a GPU overlap; a call that samples like the running one joins its loop (_joining.py).
 """
 
 from __future__ import annotations
@@ -23,15 +26,23 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from yatt.placement import is_paused, pause, region, resume
-from yatt.rollout._batcher import SlotRunner, WorkItem
+from yatt.rollout._batcher import CAPTURE_LOCK, SlotRunner, WorkItem
 from yatt.rollout._config import EngineConfig
+from yatt.rollout._device import EngineDevice
+from yatt.rollout._host_loop import Call, SlotLoop
+from yatt.rollout._joining import CallScheduler
 from yatt.rollout._kv_budget import KVLayout, check_memory_fraction, slots_for_fraction
 from yatt.rollout._requests import max_new_tokens_of, request_id_of, validate_requests
 from yatt.rollout._sampling import derive_key
 from yatt.rollout._static_kv import ATTN_IMPLEMENTATION, StaticKVCache, register_attention
 from yatt.rollout._streaming import stream_from_thread
 from yatt.rollout._types import DEFAULT_BUCKET_BYTES, Completion, Request, SamplingParams
-from yatt.rollout._weights import copy_bucket, iter_buckets, named_targets
+from yatt.rollout._weights import (
+    copy_bucket,
+    iter_buckets,
+    move_into_current_region,
+    named_targets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +58,9 @@ class BuiltinEngine:
     """
 
     memory_tags: tuple[str, ...] = _TAGS
+    # A new memory share resizes the KV cache at the next call, awake or not (placement's
+    # offload="auto" need not put the engine to sleep for it).
+    resizes_while_awake = True
 
     def __init__(
         self,
@@ -60,6 +74,7 @@ class BuiltinEngine:
         self._device = torch.device(config.device)
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
+        self._dev = EngineDevice(self._device)  # its own CUDA stream
         self._tags = {name: f"{config.region_prefix}/{name}" for name in _TAGS}
         if isinstance(model, (str, Path)):
             path = Path(model)
@@ -87,7 +102,7 @@ class BuiltinEngine:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = _eos_ids(model)
         with region(self._tags["weights"], enable_cpu_backup=True):
-            self._weight_bytes = _move_into_current_region(model, self._device)
+            self._weight_bytes = move_into_current_region(model, self._device)
         num_heads = text_config.num_attention_heads
         self._kv_layout = KVLayout(
             num_layers=text_config.num_hidden_layers,
@@ -97,10 +112,11 @@ class BuiltinEngine:
             dtype=next(model.parameters()).dtype,
         )
         # Slots the next KV-cache allocation should have; set_memory_fraction changes it from any
-        # thread, the allocation happens under the lock, between calls.
+        # thread, the allocation happens while the engine is held, between loops.
         self._target_num_slots = config.max_batch_size
         self._allocate_kv_cache(config.max_batch_size)
-        self._lock = threading.Lock()  # one generate/update/sleep at a time
+        # One loop (shared by joined calls) or one update/sleep/wake-up at a time.
+        self._scheduler = CallScheduler(should_join=config.should_join_calls)
         self._abort_event = threading.Event()
         self._is_running = False
         self._is_closed = False
@@ -119,19 +135,32 @@ class BuiltinEngine:
     ) -> AsyncIterator[Completion]:
         """Each completion as it finishes; input is checked now, generation runs in a thread."""
         items = self._work_items(requests, sampling)
-        # Closing the stream early cancels this call only (even while it waits for the lock);
+        # Closing the stream early cancels this call only (even while it waits for the engine);
         # the engine-wide abort() could hit another caller's generation.
         cancelled = threading.Event()
+
+        def cancel() -> None:
+            cancelled.set()
+            self._scheduler.wake_waiters()
+
         return stream_from_thread(
             lambda emit: self._run(items, sampling, emit, cancelled=cancelled),
-            abort=cancelled.set,
+            abort=cancel,
             name="yatt-rollout-engine",
         )
 
     def abort(self) -> None:
-        """Finish in-flight samples now (partial output) and queued ones empty, as "abort"."""
+        """Finish in-flight samples now (partial output) and queued ones empty, as "abort".
+
+        Every call sharing the running loop (joined ones too) is aborted.
+        """
         if self._is_running:
             self._abort_event.set()
+
+    @property
+    def num_joined_calls(self) -> int:
+        """Calls so far that joined an already running loop instead of waiting for it."""
+        return self._scheduler.num_joined_calls
 
     def _work_items(self, requests: Sequence[Request], sampling: SamplingParams) -> list[WorkItem]:
         self._check_open()
@@ -167,18 +196,28 @@ class BuiltinEngine:
         stop_ids = list(dict.fromkeys(sampling.stop_token_ids))
         if not sampling.ignore_eos:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
-        should_stop = _AnyOf(self._abort_event, cancelled or threading.Event())
-        with self._lock:
+        call = Call(items=items, emit=emit, cancelled=cancelled or threading.Event())
+        # What the runner sets once per loop; n, seed and max_new_tokens are per sample.
+        signature = (sampling.temperature, sampling.top_p, sampling.top_k, frozenset(stop_ids))
+
+        def begin() -> SlotLoop:  # the engine is ours, inside its device scope
+            self._check_open()
             self._check_awake()
             self._resize_kv_cache_if_asked()
             self._abort_event.clear()
             self._is_running = True
-            try:
-                with _on_device(self._device), torch.no_grad():
-                    self._runner.run(items, sampling, stop_ids, emit, should_stop)
-            finally:
-                self._is_running = False
-                self._abort_event.clear()
+            flags = self._runner.begin(sampling, stop_ids)
+            return SlotLoop(self._runner, flags=flags, stop_ids=stop_ids, abort=self._abort_event)
+
+        self._scheduler.run(
+            call, signature=signature, begin=begin, scope=self._dev.scope, end=self._end_loop
+        )
+
+    def _end_loop(self) -> None:
+        # The loop's last work must be done before anything frees, pauses or resizes memory.
+        self._dev.synchronize()
+        self._is_running = False
+        self._abort_event.clear()
 
     # -- weights and memory -----------------------------------------------------------------------
 
@@ -194,14 +233,14 @@ class BuiltinEngine:
         synchronised, so the sender may free or reuse that bucket's tensors.
         """
         self._check_open()
-        with self._lock:
+        with self._scheduler.exclusive():
             if is_paused(self._tags["weights"]):
                 raise RuntimeError(
                     "update_weights while the weights are asleep; call "
                     "wake_up(tags=('weights',)) first"
                 )
             targets = named_targets(self.model)
-            with _on_device(self._device):
+            with self._dev.selected():  # the caller's stream: the sender's tensors live there
                 for bucket in iter_buckets(named_tensors, bucket_bytes=bucket_bytes):
                     copy_bucket(targets, bucket)
                     if self._device.type == "cuda":
@@ -210,7 +249,7 @@ class BuiltinEngine:
     def sleep(self) -> None:
         """Release the weights' and KV cache's memory (weights are backed up on the CPU)."""
         self._check_open()
-        with self._lock:
+        with self._scheduler.exclusive():
             awake = [self._tags[name] for name in _TAGS if not is_paused(self._tags[name])]
             if not (keep_graphs := self.config.keep_graphs_asleep):  # see EngineConfig
                 self._runner.release_graphs()
@@ -219,9 +258,10 @@ class BuiltinEngine:
             if self._device.type == "cuda":
                 # Memory outside the regions: graph pools, prefill activations, workspaces (one
                 # captured in a graph pins its pool; a kept graph needs it).
-                if not keep_graphs:
-                    torch._C._cuda_clearCublasWorkspaces()
-                torch.cuda.empty_cache()
+                with CAPTURE_LOCK:  # another engine's thread may be capturing
+                    if not keep_graphs:
+                        torch._C._cuda_clearCublasWorkspaces()
+                    torch.cuda.empty_cache()
 
     def wake_up(self, tags: Sequence[str] | None = _TAGS) -> None:
         """Re-create the memory for `tags` ("weights", "kv_cache"; None for both), in that order."""
@@ -230,12 +270,12 @@ class BuiltinEngine:
         unknown = [t for t in names if t not in _TAGS]
         if unknown or isinstance(tags, str):
             raise ValueError(f"wake_up(tags={tags!r}): use a sequence of {_TAGS} or None")
-        with self._lock:
+        with self._scheduler.exclusive():
             for name in _TAGS:  # weights before KV cache, whatever order was given
                 if name in names and is_paused(self._tags[name]):
                     resume(self._tags[name])
                     if name == "kv_cache" and not self._resize_kv_cache_if_asked():
-                        with _on_device(self._device):
+                        with self._dev.scope():
                             self._runner.reset_state()
                 elif name in names and name == "kv_cache":  # awake: resize now if asked
                     self._resize_kv_cache_if_asked()
@@ -296,7 +336,7 @@ class BuiltinEngine:
             self._runner.release_graphs()
             del self._runner, self._cache
         layout = self._kv_layout
-        with region(self._tags["kv_cache"]), _on_device(self._device):
+        with region(self._tags["kv_cache"]), self._dev.scope():
             self._cache = StaticKVCache(
                 num_layers=layout.num_layers,
                 num_slots=num_slots,
@@ -312,6 +352,7 @@ class BuiltinEngine:
                 use_cuda_graph=self.config.use_cuda_graph,
                 steps_per_sync=self.config.steps_per_sync,
                 max_prefill_tokens=self.config.max_prefill_tokens,
+                stream=self._dev.stream,
             )
 
     def close(self) -> None:
@@ -323,13 +364,14 @@ class BuiltinEngine:
         if self._is_closed:
             return
         self.abort()
-        with self._lock:
+        with self._scheduler.exclusive():
             self._runner.release_graphs()
             self._is_closed = True
             del self._runner, self._cache
             self.model = None
         if self._device.type == "cuda":
-            torch.cuda.empty_cache()
+            with CAPTURE_LOCK:
+                torch.cuda.empty_cache()
 
     def _check_open(self) -> None:
         if self._is_closed:
@@ -353,48 +395,3 @@ def _eos_ids(model: PreTrainedModel) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
-def _move_into_current_region(model: torch.nn.Module, device: torch.device) -> int:
-    """Give every parameter and buffer fresh storage, allocated in the open region; their bytes.
-
-    Copying (rather than loading straight into the region) keeps loader threads and memory maps
-    out of it, so the region holds exactly the model's tensors.
-    """
-    seen: set[int] = set()
-    num_bytes = 0
-    with torch.no_grad():
-        for tensor in [*model.parameters(), *model.buffers()]:
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            fresh = torch.empty_like(tensor, device=device)
-            fresh.copy_(tensor)
-            tensor.data = fresh
-            num_bytes += fresh.numel() * fresh.element_size()
-    return num_bytes
-
-
-class _AnyOf:
-    """Set when any of the events is: the engine-wide abort() or one call's cancellation."""
-
-    def __init__(self, *events: threading.Event) -> None:
-        self._events = events
-
-    def is_set(self) -> bool:
-        return any(event.is_set() for event in self._events)
-
-
-class _on_device:
-    """`torch.cuda.device(...)` on CUDA (worker threads start on device 0), nothing on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._ctx = torch.cuda.device(device) if device.type == "cuda" else None
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)

@@ -86,3 +86,23 @@ def copy_bucket(targets: dict[str, torch.Tensor], bucket: list[tuple[str, torch.
             target.copy_(source, non_blocking=True)
         copied += tensor_bytes(source)
     return copied
+
+
+def move_into_current_region(model: torch.nn.Module, device: torch.device) -> int:
+    """Give every parameter and buffer fresh storage, allocated in the open region; their bytes.
+
+    Copying (rather than loading straight into the region) keeps loader threads and memory maps
+    out of it, so the region holds exactly the model's tensors.
+    """
+    seen: set[int] = set()
+    num_bytes = 0
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            fresh = torch.empty_like(tensor, device=device)
+            fresh.copy_(tensor)
+            tensor.data = fresh
+            num_bytes += fresh.numel() * fresh.element_size()
+    return num_bytes

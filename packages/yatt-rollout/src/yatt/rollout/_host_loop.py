@@ -1,0 +1,169 @@
+"""The host side of continuous batching: one loop over the slots, fed by one or more calls.
+
+    call A items --+                                                   +--> A's emit
+    call B items --+--> queue --admit (prefill)--> slots --decode x k--+--> B's emit
+       (joined at a host check)                        host check: harvest finished slots
+
+Each `step()` is one host check: take the items of calls that joined since the last check,
+drop those of cancelled calls, admit queued items into free slots, read which slots finished
+(the one small device-to-host copy), hand each finished sample to its own call, then run
+`steps_per_sync` decode steps. Every sample carries its own call (`WorkItem.owner`), key and
+limit, so a sample is the same whichever calls shared its loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from yatt.rollout._batcher import Flags, SlotRunner, WorkItem
+from yatt.rollout._types import Completion, FinishReason
+
+Emit = Callable[[Completion], None]
+
+
+@dataclass(eq=False, kw_only=True)
+class Call:
+    """One generate() or stream() call: its samples and where its completions go."""
+
+    items: list[WorkItem]
+    emit: Emit
+    cancelled: threading.Event = field(default_factory=threading.Event)  # the caller left
+    num_left: int = 0  # samples not yet emitted (the loop's thread only)
+    is_dropped: bool = False  # cancelled, and its samples removed from the loop
+    is_done: bool = False  # nothing more will be emitted; set under the scheduler's lock
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.num_left = len(self.items)
+        for item in self.items:
+            item.owner = self
+
+
+class SlotLoop:
+    """The state of one run of the slot loop: the queue and which sample holds each slot."""
+
+    def __init__(
+        self,
+        runner: SlotRunner,
+        *,
+        flags: Flags,
+        stop_ids: Collection[int],
+        abort: threading.Event,
+    ) -> None:
+        self.runner = runner
+        self.flags = flags
+        self.stop_set = set(stop_ids)
+        self.abort = abort  # the engine-wide abort(): every call's samples end now
+        self.queue: deque[WorkItem] = deque()
+        self.occupant: list[WorkItem | None] = [None] * runner.cache.num_slots
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or any(item is not None for item in self.occupant)
+
+    def step(self, new_items: list[WorkItem], dropped: Collection[Call]) -> None:
+        """One host check (see the module docstring) and, if slots run, k decode steps."""
+        runner, occupant = self.runner, self.occupant
+        S, L = len(occupant), runner.cache.max_seq_len
+        self.queue.extend(new_items)
+        if dropped:
+            # A cancelled call's queued samples go, and its running ones stop without output.
+            self.queue = deque(item for item in self.queue if item.owner not in dropped)
+            stale = [
+                s for s in range(S) if occupant[s] is not None and occupant[s].owner in dropped
+            ]
+            for s in stale:
+                occupant[s] = None
+            runner.deactivate(stale)
+        is_aborting = self.abort.is_set()
+        free = [s for s in range(S) if occupant[s] is None]
+        if free and self.queue and not is_aborting:
+            self._admit(free)
+        # Host sync: one small copy tells which slots finished and how long they are.
+        active, gen_len, pos = runner.read_slots()
+        done = [s for s in range(S) if occupant[s] is not None and not active[s]]
+        if is_aborting:
+            done = [s for s in range(S) if occupant[s] is not None]
+        if done:
+            self._harvest(done, gen_len, active)
+        if is_aborting:
+            runner.deactivate()
+            while self.queue:
+                item = self.queue.popleft()
+                _deliver(item, _completion(item, [], [], "abort"))
+            return
+        running = [pos[s] for s in range(S) if occupant[s] is not None and active[s]]
+        if running:
+            # The k steps until the next check write positions up to max(pos) + k - 1.
+            needed = min(max(running) + runner.steps_per_sync, L)
+            span = next(span for span in runner.spans if span >= needed)
+            for _ in range(runner.steps_per_sync):
+                runner.run_decode_step(self.flags, span)
+
+    def _admit(self, free: list[int]) -> None:
+        queue, max_tokens = self.queue, self.runner.max_prefill_tokens
+        num_admitted = 0
+        chunk: list[WorkItem] = []
+        longest = 0
+        while queue and num_admitted + len(chunk) < len(free):
+            n = len(queue[0].request.prompt_ids)
+            # Chunk prefills so one forward pass stays within max_prefill_tokens.
+            if chunk and (len(chunk) + 1) * max(longest, n) > max_tokens:
+                num_admitted += self._prefill_into(chunk, free[num_admitted:])
+                chunk, longest = [], 0
+                continue
+            chunk.append(queue.popleft())
+            longest = max(longest, n)
+        if chunk:
+            self._prefill_into(chunk, free[num_admitted:])
+
+    def _prefill_into(self, chunk: list[WorkItem], free: list[int]) -> int:
+        slots = free[: len(chunk)]
+        self.runner.prefill(chunk, slots, self.flags)
+        for item, slot in zip(chunk, slots, strict=True):
+            self.occupant[slot] = item
+        return len(chunk)
+
+    def _harvest(self, done: list[int], gen_len: list[int], active: list[int]) -> None:
+        tokens, logprobs = self.runner.read_responses(done, max(gen_len[s] for s in done))
+        for row, s in enumerate(done):
+            item, n = self.occupant[s], gen_len[s]
+            assert item is not None
+            response = tokens[row][:n]
+            if n and response[-1] in self.stop_set:
+                reason: FinishReason = "stop"
+            elif active[s]:
+                reason = "abort"
+            else:
+                reason = "length"
+            _deliver(item, _completion(item, response, logprobs[row][:n], reason))
+            self.occupant[s] = None
+
+
+def _deliver(item: WorkItem, completion: Completion) -> None:
+    call = item.owner
+    assert isinstance(call, Call)
+    call.num_left -= 1
+    if call.cancelled.is_set():
+        return  # the caller left: nobody reads it
+    try:
+        call.emit(completion)
+    except Exception as exc:
+        # One caller's broken sink (e.g. its event loop closed) ends that call only.
+        call.error = exc
+        call.cancelled.set()
+
+
+def _completion(item: WorkItem, response, logprobs, reason: FinishReason) -> Completion:
+    return Completion(
+        request_index=item.request_index,
+        sample_index=item.sample_index,
+        prompt_ids=list(item.request.prompt_ids),
+        response_ids=response,
+        logprobs=logprobs,
+        finish_reason=reason,
+        request_id=item.request_id,
+        metadata=dict(item.request.metadata),
+    )
