@@ -70,7 +70,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--prompts", type=int, default=None, help="GRPO groups per step (16)")
     p.add_argument(
-        "--keep-graphs", action="store_true", help="EngineConfig.keep_graphs_asleep for both"
+        "--no-keep-graphs",
+        dest="keep_graphs",
+        action="store_false",
+        help="EngineConfig(keep_graphs_asleep=False): recapture the graphs after each wake",
     )
     p.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer's cap")
     p.add_argument("--judge-port", type=int, default=18517)

@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/yatt-step-out}
 BUDGET_S=${BUDGET_S:-330}  # no run starts later; + RUN_TIMEOUT = worst case
 RUN_TIMEOUT=${RUN_TIMEOUT:-130}
 EXTRA=${STEP_EXTRA:-}  # every run, TRL's too: e.g. "--tiny --steps 1" for a CPU dry run
-YATT_EXTRA=${YATT_EXTRA:-}  # yatt's runs only: e.g. "--keep-graphs --profile"
+YATT_EXTRA=${YATT_EXTRA:-}  # yatt's runs only: e.g. "--profile-phase train"
 RUNS=${RUNS:-/tmp/yatt-step-runs}  # per-run JSONs and logs; they come back as one archive
 rm -rf "$RUNS"
 mkdir -p "$OUT" "$RUNS"

@@ -92,6 +92,33 @@ def test_blocking_and_streaming_agree_on_a_real_judge(engine) -> None:
     assert asyncio.run(stream()) == {v.sample_id: v.text for v in blocking}
 
 
+def test_streamed_batches_join_the_judges_running_decode(judge_dir) -> None:
+    # Batches of 2 in flight together: the built-in engine admits later batches into its running
+    # loop (free slots) instead of running them one after another; every sample still gets one
+    # verdict of its own.
+    engine = BuiltinEngine(judge_dir, config=EngineConfig(max_batch_size=8, max_seq_len=1024))
+    genrm = _genrm(
+        engine,
+        sampling=SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True),
+        batching=BatchingConfig(max_batch_size=2, batch_window_millis=0.0, max_inflight_batches=4),
+    )
+    samples = _samples(8)
+
+    async def stream() -> list:
+        verdicts = await genrm.ascore(samples)
+        await genrm.aclose()
+        return verdicts
+
+    try:
+        verdicts = asyncio.run(stream())
+    finally:
+        engine.close()
+    assert [v.sample_id for v in verdicts] == [s.id for s in samples]
+    assert all(v.status in ("ok", "unparsable") and len(v.votes) == 1 for v in verdicts)
+    assert all(len(v.votes[0].text) > 0 for v in verdicts)
+    assert genrm.metrics["num_batches"] == 4 and engine.num_joined_calls >= 1
+
+
 def test_votes_on_a_real_judge_sample_distinct_streams(engine) -> None:
     genrm = _genrm(
         engine, votes=4, sampling=SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)

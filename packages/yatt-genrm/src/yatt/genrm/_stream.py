@@ -27,9 +27,10 @@ class BatchingConfig:
     max_batch_size: int = 32  # samples per engine call
     batch_window_millis: float = 20.0  # after a batch's first sample, wait at most this long
     max_pending: int = 256  # submitted but not yet taken from results(); submit() waits beyond
-    # Engine calls in flight at once. 1 suits engines that run one generation loop (the built-in
-    # engine serializes calls anyway); raise it for engines that batch across calls (vLLM).
-    max_inflight_batches: int = 1
+    # Engine calls in flight at once. Engines that batch across calls (the built-in engine joins
+    # compatible calls into its running decode loop; vLLM, SGLang) start each batch as soon as
+    # it is formed instead of after the previous batch's whole decode. 1 = one at a time.
+    max_inflight_batches: int = 4
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_pending", "max_inflight_batches"):

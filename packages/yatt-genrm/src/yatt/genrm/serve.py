@@ -98,8 +98,8 @@ def build_genrm(args: argparse.Namespace, engine: Any) -> GenRM:
             max_batch_size=args.engine_batch,
             batch_window_millis=args.batch_window_millis,
             max_pending=args.max_pending,
-            # The built-in engine runs one generation loop; a second concurrent call would queue.
-            max_inflight_batches=1,
+            # Later batches join the built-in engine's running decode loop (free slots).
+            max_inflight_batches=4,
         ),
     )
 
