@@ -87,6 +87,24 @@ def test_step_does_not_depend_on_micro_batching_or_checkpointing(tiny_model_dir)
         torch.testing.assert_close(split_weights[name], tensor, atol=1e-4, rtol=0)
 
 
+def test_micro_batches_cap_padded_tokens(tiny_model_dir):
+    # One long and many short samples: a cap on the sum of lengths alone would put the long one
+    # beside short ones and pad every row to it (the logits' memory follows rows x longest).
+    lengths = (60, 4, 5, 6, 4, 5, 7, 6, 5, 4, 6, 5)
+    policy = TorchPolicy(_config(tiny_model_dir, max_tokens_per_microbatch=64))
+    batch = _batch(lengths)
+    bins = policy._plan_micro_batches(batch)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    for index in bins:
+        assert len(index) * max(lengths[i] for i in index) <= 64, index
+    # Same step as one big micro-batch.
+    batch.tokens["old_logprobs"] = policy.logprobs(batch)
+    small = policy.train_step(batch, PolicyLoss())
+    whole, _ = _step(tiny_model_dir, _batch(lengths), max_tokens_per_microbatch=4096)
+    assert small["loss"] == pytest.approx(whole["loss"], rel=1e-5, abs=1e-7)
+    assert small["num_micro_batches"] >= 3
+
+
 def test_on_policy_loss_skips_the_old_logprob_pass_with_the_same_step(tiny_model_dir):
     # Random weights: the explicit old logprobs equal the training forward's, so the step and
     # its metrics must match; is_on_policy only saves the separate forward pass.

@@ -74,7 +74,8 @@ class TorchPolicyConfig:
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     grad_clip: float | None = 1.0  # max global grad norm; None = no clipping (norm still logged)
-    max_tokens_per_microbatch: int = 8192  # token cap per forward/backward (sum of lengths)
+    # Cap per forward/backward on padded tokens (rows x longest row): what logits memory scales by.
+    max_tokens_per_microbatch: int = 8192
     parallel: Parallel = "ddp"  # "ddp", "fsdp2" (shard params/grads/optimizer), "none" (1 rank)
     dtype: str = "bfloat16"  # compute dtype; parameters and optimizer state stay float32
     gradient_checkpointing: bool = False  # recompute activations in backward to save memory

@@ -177,6 +177,7 @@ class TorchPolicy:
         costs = self._costs(lengths)
         cap = self.config.max_tokens_per_microbatch
         bins = pack(costs, max_tokens=cap, lengths=lengths, allow_oversize=True)
+        bins = _split_padded(bins, lengths, cap)
         for _ in range(8):
             # Both reductions run on every rank every round (they are collectives).
             target = self._all_reduce_max(len(bins))
@@ -186,7 +187,10 @@ class TorchPolicy:
             bins = pack(
                 costs, max_tokens=cap, lengths=lengths, min_bins=target, allow_oversize=True
             )
-        raise RuntimeError("could not agree on a micro-batch count across ranks")
+            bins = _split_padded(bins, lengths, cap)
+        # Splits can overshoot the agreed count: the short ranks run zero-loss dummies.
+        target = self._all_reduce_max(len(bins))
+        return bins + [[] for _ in range(target - len(bins))]
 
     def _all_reduce_max(self, value: int) -> int:
         if self.dp_size == 1:
@@ -370,6 +374,29 @@ class TorchPolicy:
             raise RuntimeError(
                 "TorchPolicy.train_step: the optimizer is offloaded; call wake_up() first"
             )
+
+
+def _split_padded(bins: list[list[int]], lengths: list[int], cap: int) -> list[list[int]]:
+    """Split bins whose padded size (rows x longest row) exceeds `cap` into length-sorted parts.
+
+    `pack` caps the sum of lengths and spreads long sequences over the bins, so a bin of one
+    long and many short samples pads every row to the long one: memory (the float32 logits over
+    the vocabulary) follows the padded size. A sample longer than `cap` keeps a bin of its own.
+    """
+    out: list[list[int]] = []
+    for index in bins:
+        if not index or len(index) * max(lengths[i] for i in index) <= cap:
+            out.append(index)
+            continue
+        part: list[int] = []
+        for i in sorted(index, key=lambda i: -lengths[i]):
+            # part[0] is the part's longest row: every row pads to it.
+            if part and (len(part) + 1) * lengths[part[0]] > cap:
+                out.append(part)
+                part = []
+            part.append(i)
+        out.append(part)
+    return out
 
 
 def _dummy_like(batch: Batch) -> Batch:
