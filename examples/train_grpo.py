@@ -79,6 +79,7 @@ class TrainConfig:
     num_steps: int = 120
     out_dir: str = "runs/grpo"  # metrics, plot and checkpoints
     placement: str = "full"  # "full": phases in turn; "partial": rollout + GenRM resident
+    offload: str = "always"  # "auto": a role sleeps only when the next phase would not fit
     backend: str = "torch"  # policy backend: "torch" or "megatron" (CUDA; yatt-core[megatron])
     policy: core.TorchPolicyConfig | core.MegatronPolicyConfig  # model_dir "" = embedded policy
     # One optimizer step per batch: the loss takes old logprobs from its own forward pass.
@@ -91,8 +92,9 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
 
     def __post_init__(self) -> None:
-        if self.placement not in ("full", "partial"):
-            raise ValueError(f"placement={self.placement!r}: use 'full' or 'partial'")
+        for key, allowed in (("placement", ("full", "partial")), ("offload", ("always", "auto"))):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key}={getattr(self, key)!r}: use one of {allowed}")
         if isinstance(self.policy, dict):  # unknown keys fail here, naming the backend's class
             self.policy = core.policy_config_from_dict(self.backend, self.policy)
 
@@ -248,9 +250,9 @@ def main(argv: list[str]) -> None:
             max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
             count_tokens=lambda text: len(tok(text, add_special_tokens=False)["input_ids"]),
         )
-        roles = dict(rollout=engine, genrm=judge_engine, train=policy)
-        full = cfg.placement == "full"
-        plan = Plan.full_colocation(**roles) if full else Plan.partial_colocation(**roles)
+        roles = dict(rollout=engine, genrm=judge_engine, train=policy, offload=cfg.offload)
+        make_plan = Plan.full_colocation if cfg.placement == "full" else Plan.partial_colocation
+        plan = make_plan(**roles)
         ckpt = Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
         ckpt.install_signal_handlers()  # SIGTERM/SIGUSR1: final save at the next boundary
         start_step = 0
@@ -278,10 +280,8 @@ def main(argv: list[str]) -> None:
                 max_rounds=cfg.rollout.max_sampling_rounds,
                 group=runtime.dp_group,
             )
-            # advantages are local: a whole group lives on this rank
-            batch.samples["advantages"] = core.compute_grpo_advantages(
-                batch.samples["reward"], batch.samples["group_id"]
-            )
+            adv = core.compute_grpo_advantages(batch.samples["reward"], batch.samples["group_id"])
+            batch.samples["advantages"] = adv  # local: a whole group lives on this rank
             with timed(ctx.timings, "balance"):  # lengths cross ranks; moved samples go p2p
                 costs = flops_cost(
                     batch.lengths.tolist(),

@@ -135,6 +135,15 @@ def test_unknown_rollout_backend_is_a_clear_error():
         train_grpo.make_engine(train_grpo.RolloutConfig(backend="tgi"), "unused", "cpu")
 
 
+@pytest.mark.parametrize(("key", "value"), [("placement", "split"), ("offload", "lazy")])
+def test_placement_and_offload_are_checked_before_anything_loads(key, value):
+    sys.path.insert(0, str(TRAINER.parent))
+    import train_grpo
+
+    with pytest.raises(ValueError, match=f"{key}='{value}'"):
+        train_grpo.TrainConfig(policy={}, **{key: value})
+
+
 def test_policy_fields_are_checked_against_the_backends_config(embedded):
     sys.path.insert(0, str(TRAINER.parent))
     import train_grpo
