@@ -58,3 +58,20 @@ def _stall_first_decode_until(engine, condition) -> dict[str, int]:
     runner.begin = begin
     runner.prefill = prefill
     return counts
+
+
+def _assert_same_samples(got, expected, *, atol: float = 1e-4) -> None:
+    key = [(c.request_index, c.sample_index, c.request_id) for c in got]
+    assert key == [(c.request_index, c.sample_index, c.request_id) for c in expected]
+    assert [c.response_ids for c in got] == [c.response_ids for c in expected]
+    assert [c.finish_reason for c in got] == [c.finish_reason for c in expected]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=atol, rtol=0
+        )
+
+
+@pytest.fixture
+def assert_same_samples():
+    """Checks two completion lists: same ids, tokens, finish reasons, logprobs within atol."""
+    return _assert_same_samples

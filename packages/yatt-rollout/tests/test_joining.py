@@ -7,7 +7,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from yatt.rollout import BuiltinEngine, EngineConfig, Request, SamplingParams
 
@@ -56,20 +55,9 @@ def _join(thread: threading.Thread, out: dict):
     return out["result"]
 
 
-def _assert_same(got, expected) -> None:
-    key = [(c.request_index, c.sample_index, c.request_id) for c in got]
-    assert key == [(c.request_index, c.sample_index, c.request_id) for c in expected]
-    assert [c.response_ids for c in got] == [c.response_ids for c in expected]
-    assert [c.finish_reason for c in got] == [c.finish_reason for c in expected]
-    for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(
-            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
-        )
-
-
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 def test_concurrent_generates_join_and_match_separate_calls(
-    tiny_model_dir, stall_first_decode, kind
+    tiny_model_dir, stall_first_decode, kind, assert_same_samples
 ):
     engine = _engine(tiny_model_dir)
     extra = GREEDY if kind == "greedy" else SEEDED
@@ -86,8 +74,8 @@ def test_concurrent_generates_join_and_match_separate_calls(
     got_b = engine.generate(requests_b, sampling_b)  # joins A's loop
     got_a = _join(thread, out)
     assert engine.num_joined_calls == 1 and counts["loops"] == 1
-    _assert_same(got_a, expected_a)
-    _assert_same(got_b, expected_b)
+    assert_same_samples(got_a, expected_a)
+    assert_same_samples(got_b, expected_b)
     assert {c.metadata["call"] for c in got_a} == {"a"}
     engine.close()
 
@@ -107,7 +95,9 @@ def test_a_call_returns_when_its_own_samples_are_done(tiny_model_dir, stall_firs
     engine.close()
 
 
-def test_concurrent_streams_get_only_their_own_completions(tiny_model_dir, stall_first_decode):
+def test_concurrent_streams_get_only_their_own_completions(
+    tiny_model_dir, stall_first_decode, assert_same_samples
+):
     engine = _engine(tiny_model_dir)
     sampling_a = SamplingParams(n=2, max_new_tokens=20, seed=3, **SEEDED)
     sampling_b = SamplingParams(n=2, max_new_tokens=12, seed=4, **SEEDED)
@@ -128,12 +118,14 @@ def test_concurrent_streams_get_only_their_own_completions(tiny_model_dir, stall
 
     got_a, got_b = asyncio.run(main())
     assert engine.num_joined_calls == 1
-    _assert_same(got_a, expected_a)
-    _assert_same(got_b, expected_b)
+    assert_same_samples(got_a, expected_a)
+    assert_same_samples(got_b, expected_b)
     engine.close()
 
 
-def test_incompatible_sampling_waits_and_completes(tiny_model_dir, stall_first_decode):
+def test_incompatible_sampling_waits_and_completes(
+    tiny_model_dir, stall_first_decode, assert_same_samples
+):
     engine = _engine(tiny_model_dir)
     greedy = SamplingParams(n=2, max_new_tokens=16, **GREEDY)
     sampled = SamplingParams(n=2, max_new_tokens=16, seed=5, **SEEDED)  # other temperature
@@ -145,12 +137,14 @@ def test_incompatible_sampling_waits_and_completes(tiny_model_dir, stall_first_d
     got_b = engine.generate(requests_b, sampled)
     got_a = _join(thread, out)
     assert engine.num_joined_calls == 0 and counts["loops"] == 2
-    _assert_same(got_a, expected_a)
-    _assert_same(got_b, expected_b)
+    assert_same_samples(got_a, expected_a)
+    assert_same_samples(got_b, expected_b)
     engine.close()
 
 
-def test_joining_disabled_runs_one_call_at_a_time(tiny_model_dir, stall_first_decode):
+def test_joining_disabled_runs_one_call_at_a_time(
+    tiny_model_dir, stall_first_decode, assert_same_samples
+):
     engine = _engine(tiny_model_dir, should_join_calls=False)
     sampling = SamplingParams(n=2, max_new_tokens=16, seed=6, **SEEDED)
     requests_a, requests_b = _requests("a", A_PROMPTS), _requests("b", B_PROMPTS)
@@ -161,14 +155,14 @@ def test_joining_disabled_runs_one_call_at_a_time(tiny_model_dir, stall_first_de
     got_b = engine.generate(requests_b, sampling)  # waits for A's whole loop
     got_a = _join(thread, out)
     assert engine.num_joined_calls == 0 and counts["loops"] == 2
-    _assert_same(got_a, expected_a)
-    _assert_same(got_b, expected_b)
+    assert_same_samples(got_a, expected_a)
+    assert_same_samples(got_b, expected_b)
     engine.close()
 
 
 @pytest.mark.parametrize("closed", ["joiner", "leader"])
 def test_closing_one_joined_stream_leaves_the_other_call_intact(
-    tiny_model_dir, stall_first_decode, closed
+    tiny_model_dir, stall_first_decode, closed, assert_same_samples
 ):
     engine = _engine(tiny_model_dir)
     sampling = SamplingParams(n=2, max_new_tokens=40, seed=7, **SEEDED)
@@ -202,12 +196,12 @@ def test_closing_one_joined_stream_leaves_the_other_call_intact(
 
     first, kept = asyncio.run(main())
     assert first.request_id.startswith("c")
-    _assert_same(kept, expected)
+    assert_same_samples(kept, expected)
     # The closed call's queued samples were dropped, not generated for nobody.
     assert counts["prefilled"] < len(requests_kept) * 2 + len(requests_closed) * 2
     # The engine is free and serves new calls.
     again = engine.generate(requests_kept, sampling)
-    _assert_same(again, expected)
+    assert_same_samples(again, expected)
     engine.close()
 
 

@@ -39,17 +39,6 @@ def _engine(model_dir, prefix, *, max_batch_size=8, device_memory_bytes=None):
     return BuiltinEngine(model_dir, config=config)
 
 
-def _assert_same_samples(got, expected):
-    assert [(c.request_index, c.sample_index) for c in got] == [
-        (c.request_index, c.sample_index) for c in expected
-    ]
-    assert [c.response_ids for c in got] == [c.response_ids for c in expected]
-    for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(
-            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
-        )
-
-
 @pytest.fixture(scope="module")
 def sized_engine(tiny_model_dir):
     """An engine on a notional device where a share of 0.5 holds exactly 4 slots."""
@@ -61,7 +50,9 @@ def sized_engine(tiny_model_dir):
     engine.close()
 
 
-def test_memory_tags_follow_a_partial_colocation_plan(tiny_model_dir, monkeypatch):
+def test_memory_tags_follow_a_partial_colocation_plan(
+    tiny_model_dir, monkeypatch, assert_same_samples
+):
     rollout = _engine(tiny_model_dir, "split-rollout")
     genrm = _engine(tiny_model_dir, "split-genrm")
     expected = rollout.generate(_requests(), SAMPLING)
@@ -102,11 +93,11 @@ def test_memory_tags_follow_a_partial_colocation_plan(tiny_model_dir, monkeypatc
         ("rollout", ("kv_cache",)),
         ("genrm", ("kv_cache",)),
     ]
-    _assert_same_samples(rollout.generate(_requests(), SAMPLING), expected)
-    _assert_same_samples(genrm.generate(_requests(), SAMPLING), expected)
+    assert_same_samples(rollout.generate(_requests(), SAMPLING), expected, atol=1e-5)
+    assert_same_samples(genrm.generate(_requests(), SAMPLING), expected, atol=1e-5)
     plan.sleep_all()
     rollout.wake_up()  # a full wake-up after sleeping whole works too
-    _assert_same_samples(rollout.generate(_requests(), SAMPLING), expected)
+    assert_same_samples(rollout.generate(_requests(), SAMPLING), expected, atol=1e-5)
     rollout.close()
     genrm.close()
 
@@ -163,7 +154,7 @@ def test_resident_bytes_match_the_regions(tiny_model_dir, sized_engine):
     engine.wake_up()
 
 
-def test_fraction_applies_at_the_next_allocation_not_mid_call(sized_engine):
+def test_fraction_applies_at_the_next_allocation_not_mid_call(sized_engine, assert_same_samples):
     engine = sized_engine
     engine.set_memory_fraction(1.0)
     expected = engine.generate(_requests(), SAMPLING)
@@ -181,7 +172,7 @@ def test_fraction_applies_at_the_next_allocation_not_mid_call(sized_engine):
     got, seen_slots = asyncio.run(consume())
     assert seen_slots == [8] * len(expected)
     got.sort(key=lambda c: (c.request_index, c.sample_index))
-    _assert_same_samples(got, expected)
+    assert_same_samples(got, expected, atol=1e-5)
     # Asleep, or with only the weights awake, nothing is allocated: the size waits.
     engine.sleep()
     engine.set_memory_fraction(1.0)
@@ -190,10 +181,10 @@ def test_fraction_applies_at_the_next_allocation_not_mid_call(sized_engine):
     assert engine.num_slots == 8
     engine.wake_up(tags=("kv_cache",))
     assert engine.num_slots == 4
-    _assert_same_samples(engine.generate(_requests(), SAMPLING), expected)
+    assert_same_samples(engine.generate(_requests(), SAMPLING), expected, atol=1e-5)
 
 
-def test_fewer_slots_give_the_same_samples(sized_engine):
+def test_fewer_slots_give_the_same_samples(sized_engine, assert_same_samples):
     engine = sized_engine
     outputs = {}
     for fraction in (1.0, 0.5, 0.45):
@@ -203,10 +194,10 @@ def test_fewer_slots_give_the_same_samples(sized_engine):
     assert slots[0] == 8 and slots[1] == 4 and 1 <= slots[2] < 4, slots
     reference = outputs[1.0][0]
     for got, _ in outputs.values():
-        _assert_same_samples(got, reference)
+        assert_same_samples(got, reference, atol=1e-5)
 
 
-def test_two_slots_equal_eight_slots(tiny_model_dir):
+def test_two_slots_equal_eight_slots(tiny_model_dir, assert_same_samples):
     probe = _engine(tiny_model_dir, "split-probe")
     device_bytes = _device_bytes_for(probe, 2, 0.3)
     probe.close()
@@ -217,7 +208,7 @@ def test_two_slots_equal_eight_slots(tiny_model_dir):
     engine.set_memory_fraction(0.3)
     two = engine.generate(_requests(), sampling)
     assert engine.num_slots == 2
-    _assert_same_samples(two, eight)
+    assert_same_samples(two, eight, atol=1e-5)
     engine.close()
 
 
