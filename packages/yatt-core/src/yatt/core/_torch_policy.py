@@ -29,6 +29,7 @@ from yatt.balance import flops_cost, pack
 from yatt.core._batch import Batch
 from yatt.core._logits import compute_entropy, compute_token_logprobs
 from yatt.core._metrics import reduce_metrics
+from yatt.core._micro_batches import split_padded
 from yatt.core._policy import DTYPES, LossFn, TorchPolicyConfig
 from yatt.core._runtime import Runtime
 from yatt.placement import TrainerRole, is_offloaded
@@ -177,7 +178,7 @@ class TorchPolicy:
         costs = self._costs(lengths)
         cap = self.config.max_tokens_per_microbatch
         bins = pack(costs, max_tokens=cap, lengths=lengths, allow_oversize=True)
-        bins = _split_padded(bins, lengths, cap)
+        bins = split_padded(bins, lengths, cap)
         for _ in range(8):
             # Both reductions run on every rank every round (they are collectives).
             target = self._all_reduce_max(len(bins))
@@ -187,7 +188,7 @@ class TorchPolicy:
             bins = pack(
                 costs, max_tokens=cap, lengths=lengths, min_bins=target, allow_oversize=True
             )
-            bins = _split_padded(bins, lengths, cap)
+            bins = split_padded(bins, lengths, cap)
         # Splits can overshoot the agreed count: the short ranks run zero-loss dummies.
         target = self._all_reduce_max(len(bins))
         return bins + [[] for _ in range(target - len(bins))]
@@ -374,29 +375,6 @@ class TorchPolicy:
             raise RuntimeError(
                 "TorchPolicy.train_step: the optimizer is offloaded; call wake_up() first"
             )
-
-
-def _split_padded(bins: list[list[int]], lengths: list[int], cap: int) -> list[list[int]]:
-    """Split bins whose padded size (rows x longest row) exceeds `cap` into length-sorted parts.
-
-    `pack` caps the sum of lengths and spreads long sequences over the bins, so a bin of one
-    long and many short samples pads every row to the long one: memory (the float32 logits over
-    the vocabulary) follows the padded size. A sample longer than `cap` keeps a bin of its own.
-    """
-    out: list[list[int]] = []
-    for index in bins:
-        if not index or len(index) * max(lengths[i] for i in index) <= cap:
-            out.append(index)
-            continue
-        part: list[int] = []
-        for i in sorted(index, key=lambda i: -lengths[i]):
-            # part[0] is the part's longest row: every row pads to it.
-            if part and (len(part) + 1) * lengths[part[0]] > cap:
-                out.append(part)
-                part = []
-            part.append(i)
-        out.append(part)
-    return out
 
 
 def _dummy_like(batch: Batch) -> Batch:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from yatt.balance import pack
 from yatt.core._batch import Batch
 from yatt.core._metrics import reduce_metrics
+from yatt.core._micro_batches import split_padded
 from yatt.core._policy import DTYPES, LossFn
 from yatt.core._runtime import Runtime
 from yatt.core.megatron._config import layout_from_hf_config, padded_vocab_size
@@ -186,9 +187,9 @@ class MegatronPolicy:
                 f"{self.max_context_tokens}; lower max_new_tokens or max_prompt_tokens"
             )
         self._check_tp_batch(batch)
-        # Attention is computed on padded [b, T] micro-batches, so cost ~ tokens (padding
-        # included) and pack's balance by length is the right objective.
-        return pack(lengths, max_tokens=self.config.max_tokens_per_microbatch, allow_oversize=True)
+        # Padded [b, T] micro-batches: pack balances lengths, split_padded bounds b x T.
+        cap = self.config.max_tokens_per_microbatch
+        return split_padded(pack(lengths, max_tokens=cap, allow_oversize=True), lengths, cap)
 
     def _check_tp_batch(self, batch: Batch) -> None:
         """TP ranks must run the same micro-batches, or their collectives pair up wrongly and hang."""
