@@ -9,10 +9,27 @@ profiles that phase alone, so its kernel table is not mixed with the other phase
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def timed(phases: dict[str, float], name: str) -> Iterator[None]:
+    """Add the body's wall time to phases[name], as a named profiler range."""
+    t0 = time.perf_counter()
+    with phase_range(name):
+        yield
+        _sync()  # device work enqueued in the phase belongs to it
+    phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+
 
 # (phase, path) while maybe_profile(path, phase=...) runs: phase_range profiles that phase.
 _only_phase: tuple[str, Path] | None = None

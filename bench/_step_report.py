@@ -111,6 +111,9 @@ def summarize_mix(ranks: list[list[dict]]) -> dict:
                 "response_tokens": sum(r["response_tokens"] for r in rows),
                 "judge_prompt_tokens": sum(r["judge_prompt_tokens"] for r in rows),
                 "num_unparsable": sum(r["num_unparsable"] for r in rows),
+                # partial colocation: judge calls, and how many joined a running decode loop
+                "judge_batches": sum(r.get("judge_batches", 0) for r in rows),
+                "judge_joined_calls": sum(r.get("judge_joined_calls", 0) for r in rows),
                 "max_reserved_gib": [r["max_reserved_gib"] for r in rows],
             }
         )

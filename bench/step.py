@@ -98,22 +98,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-@contextlib.contextmanager
-def timed(phases: dict[str, float], name: str):
-    t0 = time.perf_counter()
-    with _step_profile.phase_range(name):
-        yield
-        _sync()  # device work enqueued in the phase belongs to it
-    phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
-
-
 # -- one run ------------------------------------------------------------------------------------
 def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
     """Engines, judge, trainer, plan and checkpointer of this rank for args.layout."""
@@ -203,7 +187,7 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
     ctx.ckpt = Checkpointer(ctx.ckpt_root, keep_last=1, async_save=True)
     # One optimizer step per batch (as TRL at num_iterations=1): no old-logprob forward pass.
     ctx.loss = core.PolicyLoss(is_on_policy=True)
-    ctx.judge_tokens_seen = 0
+    ctx.judge_tokens_seen = ctx.judge_batches_seen = ctx.judge_joins_seen = 0
     return ctx
 
 
@@ -234,20 +218,29 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
                 yield c
             marks["rollout_end"] = time.perf_counter()
 
-        with timed(phases, "rollout+genrm"), plan.phase("rollout"):
+        with _step_profile.timed(phases, "rollout+genrm"), plan.phase("rollout"):
             # The judge scores each completion as it lands, while the rollout's tail decodes.
             stream = tracked(engine.stream(requests, sampling))
             completions, verdicts = asyncio.run(genrm.score_as_completed(stream, judge, to_sample))
         phases["genrm_tail"] = time.perf_counter() - marks["rollout_end"]
+        # Did the judge's batches join its running decode (yatt.rollout), or run one by one?
+        extra = {"judge_batches": judge.metrics["num_batches"] - ctx.judge_batches_seen}
+        extra["judge_joined_calls"] = ctx.judge_engine.num_joined_calls - ctx.judge_joins_seen
+        ctx.judge_batches_seen += extra["judge_batches"]
+        ctx.judge_joins_seen += extra["judge_joined_calls"]
         r_tokens = sum(len(c.prompt_ids) + len(c.response_ids) for c in completions)
         j_tokens = judge.metrics["num_prompt_tokens"] - ctx.judge_tokens_seen
         plan.update_load(rollout_pending_tokens=r_tokens, genrm_pending_tokens=j_tokens)
     else:
-        with timed(phases, "rollout"), plan.phase("rollout"):
+        extra = {}
+        with _step_profile.timed(phases, "rollout"), plan.phase("rollout"):
             completions = engine.generate(requests, sampling)
         # dedicated: this GPU idles while the judge's GPU scores (an HTTP round trip).
         has_genrm = "genrm" in plan.phases
-        with timed(phases, "genrm"), plan.phase("genrm") if has_genrm else contextlib.nullcontext():
+        with (
+            _step_profile.timed(phases, "genrm"),
+            plan.phase("genrm") if has_genrm else contextlib.nullcontext(),
+        ):
             verdicts = judge.score([to_sample(c) for c in completions])
     bad_lengths = sum(len(c.response_ids) != expected[c.request_index] for c in completions) + abs(
         len(completions) - len(expected)
@@ -269,7 +262,7 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
     batch.samples["advantages"] = core.compute_grpo_advantages(
         batch.samples["reward"], batch.samples["group_id"]
     )
-    with timed(phases, "train"):
+    with _step_profile.timed(phases, "train"):
         mc = policy.model_config
         costs = flops_cost(
             batch.lengths.tolist(), hidden_size=mc.hidden_size, num_layers=mc.num_hidden_layers
@@ -277,9 +270,11 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
         batch, _ = batch.rebalance(group=rt.dp_group, group_key="group_id", costs=costs)
         with plan.phase("train"):
             policy.train_step(batch.to(rt.device), ctx.loss)
-    with timed(phases, "sync"), plan.phase("sync"):
+    with _step_profile.timed(phases, "sync"), plan.phase("sync"):
         engine.update_weights(policy.named_weights())
-    with timed(phases, "ckpt"):  # async: blocked until the tensors are staged in host memory
+    with _step_profile.timed(
+        phases, "ckpt"
+    ):  # async: blocked until the tensors are staged in host memory
         ctx.ckpt.save(global_step, policy.state(), extra={"step": global_step})
     torch.distributed.barrier()
     t1 = time.perf_counter()
@@ -303,6 +298,7 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
         "max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30
         if torch.cuda.is_available()
         else None,
+        **extra,
     }
 
 
