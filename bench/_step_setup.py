@@ -168,7 +168,11 @@ def build_judge(
             temperature=0.0, max_new_tokens=work.judge_tokens, ignore_eos=True
         ),
         default_reward=0.0,
-        batching=genrm.BatchingConfig(max_batch_size=slots, max_pending=4 * slots),
+        # Every batch in flight at once: they join the judge engine's running decode loop, so a
+        # cap here would make late batches wait for whole earlier decodes (the long-tail end).
+        batching=genrm.BatchingConfig(
+            max_batch_size=slots, max_pending=4 * slots, max_inflight_batches=slots
+        ),
     )
     return judge, engine
 

@@ -29,8 +29,10 @@ class BatchingConfig:
     max_pending: int = 256  # submitted but not yet taken from results(); submit() waits beyond
     # Engine calls in flight at once. Engines that batch across calls (the built-in engine joins
     # compatible calls into its running decode loop; vLLM, SGLang) start each batch as soon as
-    # it is formed instead of after the previous batch's whole decode. 1 = one at a time.
-    max_inflight_batches: int = 4
+    # it is formed; a batch over this cap waits for a whole earlier decode to end (at the end of
+    # a long-tail rollout that wait is the judge's tail). max_pending bounds the samples anyway.
+    # 1 = one call at a time.
+    max_inflight_batches: int = 16
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_pending", "max_inflight_batches"):

@@ -99,7 +99,7 @@ def build_genrm(args: argparse.Namespace, engine: Any) -> GenRM:
             batch_window_millis=args.batch_window_millis,
             max_pending=args.max_pending,
             # Later batches join the built-in engine's running decode loop (free slots).
-            max_inflight_batches=4,
+            max_inflight_batches=16,
         ),
     )
 
