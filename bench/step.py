@@ -76,6 +76,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="EngineConfig(keep_graphs_asleep=False): recapture the graphs after each wake",
     )
     p.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer's cap")
+    p.add_argument("--ckpt-writer", choices=("thread", "process"), default="thread")
     p.add_argument("--judge-port", type=int, default=18517)
     p.add_argument("--serve-judge", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prepare", action="store_true", help="only save the models, then exit")
@@ -184,7 +185,7 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
     if runtime.is_rank_zero:
         shutil.rmtree(ctx.ckpt_root, ignore_errors=True)
     torch.distributed.barrier()
-    ctx.ckpt = Checkpointer(ctx.ckpt_root, keep_last=1, async_save=True)
+    ctx.ckpt = Checkpointer(ctx.ckpt_root, keep_last=1, async_save=True, writer=args.ckpt_writer)
     # One optimizer step per batch (as TRL at num_iterations=1): no old-logprob forward pass.
     ctx.loss = core.PolicyLoss(is_on_policy=True)
     ctx.judge_tokens_seen = ctx.judge_batches_seen = ctx.judge_joins_seen = 0
@@ -361,7 +362,7 @@ def run_layout(args: argparse.Namespace) -> Path | None:
                 workload=vars(ctx.work)
                 | {"mixes": args.mixes, "steps": args.steps, "warmup": args.warmup}
                 | {"keep_graphs_asleep": args.keep_graphs, "offload": args.offload}
-                | {"micro_batch_tokens": args.micro_batch_tokens},
+                | {"micro_batch_tokens": args.micro_batch_tokens, "ckpt_writer": args.ckpt_writer},
                 ckpt_root=str(ctx.ckpt_root.parent),
                 by_mix={mix: [g[mix] for g in gathered] for mix in args.mixes},
             )

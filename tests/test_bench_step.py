@@ -41,8 +41,11 @@ def runs(tmp_path_factory):
         "partial": _run_step(out, models, "partial", "fixed,longtail", "--profile"),
         # The judge in its own process (the dedicated GPU's stand-in on CPU), over HTTP.
         "dedicated": _run_step(out, models, "dedicated", "longtail", "--judge-gpu", "1"),
-        # On CPU offload="auto" has no memory reading and runs as "always"; a run of its own.
-        "full-auto": _run_step(out, models, "full", "fixed", "--offload", "auto"),
+        # On CPU offload="auto" has no memory reading and runs as "always"; a run of its own,
+        # which also saves through the checkpoint writer process.
+        "full-auto": _run_step(
+            out, models, "full", "fixed", "--offload", "auto", "--ckpt-writer", "process"
+        ),
     }
 
 
@@ -53,6 +56,7 @@ def test_run_json_has_phases_and_forced_lengths(runs, layout):
     work = _step_setup.Workload(num_prompts=4, group_size=4)
     assert run["layout"] == layout and run["tiny"] is True
     assert run["workload"]["offload"] == ("auto" if layout.endswith("auto") else "always")
+    assert run["workload"]["ckpt_writer"] == ("process" if layout.endswith("auto") else "thread")
     for mix, result in run["mixes"].items():
         (step,) = result["steps"]  # one timed step after one warm-up
         assert set(step["phases"]) == PHASES[run["base_layout"]]

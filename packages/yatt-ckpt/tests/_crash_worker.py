@@ -2,7 +2,7 @@
 
 Protocol on stdin/stdout, one line each:
     fork ROOT MODE    ->  "pid PID"      a child resumes from ROOT's newest checkpoint (if any) and
-                                         saves steps last+1, last+2, ... forever (MODE async|sync)
+                                         saves steps last+1, last+2, ... forever (MODE async|sync|process)
     reap PID          ->  "reaped PID"   after the parent SIGKILLed it
     quit
 
@@ -31,7 +31,8 @@ def expected_state(step: int) -> dict[str, torch.Tensor]:
 def run_child(root: str, mode: str) -> None:
     torch.set_num_threads(1)
     state = {k: torch.zeros_like(v) for k, v in expected_state(0).items()}
-    with Checkpointer(root, keep_last=2, async_save=(mode == "async")) as ckpt:
+    writer = "process" if mode == "process" else "thread"
+    with Checkpointer(root, keep_last=2, async_save=(mode != "sync"), writer=writer) as ckpt:
         last = ckpt.latest()
         if last is not None:
             assert ckpt.load(state) == {"step": last}

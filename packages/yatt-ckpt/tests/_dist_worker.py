@@ -1,6 +1,6 @@
 """One rank of the 2-rank test (gloo, CPU): FSDP2-sharded model + AdamW saved by every rank.
 
-    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python _dist_worker.py ROOT OUT_DIR
+    RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python _dist_worker.py ROOT OUT_DIR WRITER
 
 Writes OUT_DIR/full.pt (rank 0: the unsharded model and optimizer state at step 2) and
 OUT_DIR/rank{r}.json (what maybe_save reported after only rank 1 got SIGUSR1).
@@ -23,11 +23,11 @@ from yatt.ckpt import Checkpointer
 
 def build_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 6))
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))  # 5 rows: uneven shards
 
 
 def main() -> None:
-    root, out_dir = sys.argv[1], sys.argv[2]
+    root, out_dir, writer = sys.argv[1], sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     # An explicit CPU mesh: fully_shard would pick CUDA on a GPU host, where this test must
@@ -46,7 +46,7 @@ def main() -> None:
         optim.zero_grad()
     state = {"model": model, "optim": optim}
 
-    with Checkpointer(root, every_steps=100) as ckpt:
+    with Checkpointer(root, every_steps=100, writer=writer) as ckpt:
         ckpt.install_signal_handlers()
         assert not ckpt.maybe_save(1, state).is_saved
         ckpt.save(2, state, extra={"rank": rank})

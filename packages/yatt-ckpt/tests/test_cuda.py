@@ -79,3 +79,49 @@ def test_cuda_repeated_async_saves_reuse_pinned_buffers(tmp_path):
             ckpt.load({"model": model, "optim": optim}, step=step)
             for key, value in model.state_dict().items():
                 assert torch.equal(value, want[key]), (step, key)
+
+
+@pytest.mark.cuda
+def test_cuda_process_writer_round_trip_with_page_locked_shared_buffers(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).cuda()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    snapshots = {}
+    with Checkpointer(tmp_path, keep_last=3, writer="process") as ckpt:
+        for step in range(2):
+            model(torch.randn(4, 64, device="cuda")).sum().backward()
+            optim.step()
+            optim.zero_grad()
+            snapshots[step] = (
+                {k: v.clone() for k, v in model.state_dict().items()},
+                optim.state_dict()["state"][0]["exp_avg"].clone(),
+            )
+            ckpt.save(step, {"model": model, "optim": optim})
+            with torch.no_grad():  # queued right after save() returns: must not leak in
+                for p in model.parameters():
+                    p.mul_(-2.0)
+            buffers = list(ckpt._stager._buffers.values())
+            assert buffers and all(b.is_shared() and b.is_pinned() for b in buffers)
+            registered = set(ckpt._stager._registered)
+            assert {b.untyped_storage().data_ptr() for b in buffers if b.numel()} <= registered
+        ckpt.wait()
+        for step, (want_model, want_exp_avg) in snapshots.items():
+            ckpt.load({"model": model, "optim": optim}, step=step)
+            for key, value in model.state_dict().items():
+                assert value.is_cuda and torch.equal(value, want_model[key]), (step, key)
+            assert torch.equal(optim.state_dict()["state"][0]["exp_avg"], want_exp_avg), step
+    assert ckpt._stager is None  # close() unregistered and dropped the buffers
+
+
+@pytest.mark.cuda
+def test_cuda_shared_stager_registers_and_unregisters(tmp_path):
+    stager = HostStager(pin_memory=True, share_memory=True)
+    first = stager.stage({"w": torch.randn(256, 256, device="cuda")})["w"]
+    assert first.is_shared() and first.is_pinned()
+    pointer = first.untyped_storage().data_ptr()
+    # A new shape drops the old buffer: it must be unregistered, the new one registered.
+    second = stager.stage({"w": torch.randn(128, device="cuda")})["w"]
+    assert second.is_pinned() and list(stager._registered) == [second.untyped_storage().data_ptr()]
+    assert pointer not in stager._registered
+    stager.close()
+    assert not stager._registered and not second.is_pinned()

@@ -4,7 +4,8 @@ save(step, state)                        training thread
   validate; wait for the previous save   (at most one save in flight)
   get_state_dict + RNG capture
   stage tensors into reused CPU buffers  (all an async save blocks on; see _writer.py)
-  write + commit                         background thread, or inline when synchronous
+  write + commit                         background thread or writer process (_process_writer),
+                                         or inline when synchronous
 
 load(state)                              newest committed step first
   verify metadata and file sizes, read the rank record; damaged: warn, try the previous
@@ -39,6 +40,7 @@ from yatt.ckpt._layout import (
     read_rank_record,
     remove_leftovers,
 )
+from yatt.ckpt._process_writer import ProcessWriter
 from yatt.ckpt._rng import capture_rng_state, restore_rng_state
 from yatt.ckpt._schedule import SaveDecision, SaveSchedule
 from yatt.ckpt._staging import HostStager
@@ -70,6 +72,14 @@ class Checkpointer:
     In a torch.distributed run, build it on every rank (it creates two private gloo groups) and
     call save/load/maybe_save on every rank in the same order; `root` must be one folder that all
     ranks see (a shared filesystem when ranks span hosts).
+
+    writer="process" writes async saves in one persistent writer process per rank (spawned at
+    the first save, stopped by close()) instead of a background thread: the staging buffers are
+    shared memory (page-locked with cudaHostRegister on CUDA), so nothing is copied twice. A
+    thread's write contends for the GIL with the training loop; use the process writer for large
+    states saved often beside a Python-heavy loop (a launch-bound GPU loop is one). The spawned
+    process re-imports the launching script as `__mp_main__`: guard its entry point with
+    `if __name__ == "__main__":`.
     """
 
     def __init__(
@@ -82,6 +92,7 @@ class Checkpointer:
         every_steps: int | None = None,
         every_seconds: float | None = None,
         phases: tuple[str, ...] = (),
+        writer: str = "thread",
     ) -> None:
         config = CkptConfig(
             keep_last=keep_last,
@@ -90,13 +101,16 @@ class Checkpointer:
             every_steps=every_steps,
             every_seconds=every_seconds,
             phases=phases,
+            writer=writer,
         )
         self.config = config
         self.root = Path(root).expanduser().absolute()
         self._schedule = SaveSchedule(config)
         self._stager: HostStager | None = None
-        self._pending: tuple[threading.Thread, int] | None = None
+        # (the writing thread, or None for the writer process; the step being written)
+        self._pending: tuple[threading.Thread | None, int] | None = None
         self._pending_error: BaseException | None = None
+        self._process_writer: ProcessWriter | None = None
         self._is_closed = False
         self._group = RankGroup()
         error = None
@@ -125,6 +139,7 @@ class Checkpointer:
             every_steps=config.every_steps,
             every_seconds=config.every_seconds,
             phases=config.phases,
+            writer=config.writer,
         )
 
     # -- saving -----------------------------------------------------------------------------------
@@ -153,9 +168,21 @@ class Checkpointer:
         if not self.config.async_save:
             self._write_and_commit(step, live, record)
             return
+        is_process = self.config.writer == "process"
         if self._stager is None:
-            self._stager = create_stager()
+            self._stager = create_stager(share_memory=is_process)
         staged = stage_to_cpu(self._stager, live)
+        if is_process:
+            if self._process_writer is None:
+                self._process_writer = ProcessWriter(
+                    self.root,
+                    keep_last=self.config.keep_last,
+                    keep_every=self.config.keep_every,
+                    group=self._group,
+                )
+            self._process_writer.submit(step, staged, record)
+            self._pending = (None, step)
+            return
         thread = threading.Thread(
             target=self._write_in_background, args=(step, staged, record), name=f"yatt-ckpt-{step}"
         )
@@ -167,7 +194,12 @@ class Checkpointer:
         if self._pending is None:
             return
         thread, step = self._pending
-        thread.join()
+        if thread is not None:
+            thread.join()
+        else:
+            assert self._process_writer is not None
+            message = self._process_writer.wait()
+            self._pending_error = None if message is None else CheckpointError(message)
         self._pending = None
         error, self._pending_error = self._pending_error, None
         if error is not None:
@@ -262,6 +294,9 @@ class Checkpointer:
         finally:
             self._is_closed = True
             self._schedule.restore_signal_handlers()
+            if self._process_writer is not None:
+                self._process_writer.close()
+                self._process_writer = None
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None

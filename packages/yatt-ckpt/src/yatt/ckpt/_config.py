@@ -24,6 +24,10 @@ class CkptConfig:
     keep_every: int | None = None
     # True: `save` returns once tensors are copied to CPU memory and writes in a background thread.
     async_save: bool = True
+    # Who writes an async save: "thread" (a background thread of the trainer) or "process" (one
+    # persistent writer process per rank, reading the staged tensors from shared memory; use it
+    # for large states saved often beside a Python-heavy training loop, see the README).
+    writer: str = "thread"
     # Save when the step is a positive multiple of this (None: no step-based saves).
     every_steps: int | None = None
     # Save when this many seconds passed since the last save (None: no time-based saves).
@@ -43,6 +47,11 @@ class CkptConfig:
             raise ValueError(
                 f"keep_every={self.keep_every!r} must be None or an int >= 1 (keep every "
                 "keep_every-th step)"
+            )
+        if self.writer not in ("thread", "process"):
+            raise ValueError(
+                f"writer={self.writer!r} must be 'thread' (write in a background thread) or "
+                "'process' (write in a separate process per rank)"
             )
         if self.every_steps is not None and (
             not isinstance(self.every_steps, int) or self.every_steps < 1

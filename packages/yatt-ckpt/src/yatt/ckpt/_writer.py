@@ -41,10 +41,11 @@ from yatt.ckpt._staging import HostStager
 logger = logging.getLogger("yatt.ckpt")
 
 
-def create_stager() -> HostStager:
+def create_stager(*, share_memory: bool = False) -> HostStager:
     # Buffers are reused by the next save, which is safe because a save only starts after the
-    # previous one finished writing. Pinned buffers make device-to-host copies run at full speed.
-    return HostStager(pin_memory=torch.cuda.is_available())
+    # previous one finished writing. Pinned buffers make device-to-host copies run at full speed;
+    # shared ones let a writer process read them without a copy.
+    return HostStager(pin_memory=torch.cuda.is_available(), share_memory=share_memory)
 
 
 def stage_to_cpu(stager: HostStager, live: dict[str, Any]) -> dict[str, Any]:
