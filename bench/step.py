@@ -16,7 +16,7 @@ reads prompt + response (about 300-1300 tokens) and writes an 8-token verdict.
 
 Layouts (one process per GPU; each step = rollout, GenRM, train, weight sync, checkpoint):
   full       Plan.full_colocation: every rank holds trainer (DDP), rollout engine and judge;
-             phases in turn, each sleeping the others.
+             phases in turn, each sleeping the others (--offload auto: only when short).
   partial    Plan.partial_colocation: rollout engine and judge resident together, the judge
              scoring each completion as it finishes (score_as_completed over engine.stream);
              the memory split follows the measured token loads.
