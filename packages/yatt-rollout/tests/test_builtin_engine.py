@@ -266,15 +266,32 @@ def test_stream_closed_early_aborts_and_frees_the_engine(engine):
 
 def test_abort_from_another_thread_ends_generate(tiny_model_dir):
     engine = BuiltinEngine(tiny_model_dir, config=EngineConfig(max_batch_size=2, max_seq_len=512))
-    timer = threading.Timer(0.2, engine.abort)
-    timer.start()
+    # The 5th decode step waits until another thread has aborted: no wall-clock race.
+    reached, aborted = threading.Event(), threading.Event()
+    runner, original_step, steps = engine._runner, engine._runner.run_decode_step, [0]
+
+    def step(*args):
+        steps[0] += 1
+        if steps[0] == 5:
+            reached.set()
+            assert aborted.wait(30), "abort never came"
+        original_step(*args)
+
+    def abort_when_reached():
+        assert reached.wait(30)
+        engine.abort()
+        aborted.set()
+
+    runner.run_decode_step = step
+    aborter = threading.Thread(target=abort_when_reached, daemon=True)
+    aborter.start()
     out = engine.generate(
         _requests() * 2, SamplingParams(max_new_tokens=500, ignore_eos=True, seed=1)
     )
-    timer.join()
+    aborter.join(30)
     assert [(c.request_index, c.sample_index) for c in out] == [(i, 0) for i in range(10)]
     reasons = [c.finish_reason for c in out]
-    assert set(reasons) == {"abort"}, reasons  # 5 waves of ~500 steps cannot end in 0.2 s
+    assert set(reasons) == {"abort"}, reasons
     assert sum(len(c.response_ids) for c in out) > 0  # in-flight samples keep partial output
     engine.close()
 
