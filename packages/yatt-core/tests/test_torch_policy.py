@@ -123,6 +123,25 @@ def test_on_policy_loss_skips_the_old_logprob_pass_with_the_same_step(tiny_model
         policy.train_step(_batch(), PolicyLoss())
 
 
+def test_policy_step_is_the_same_through_the_head_or_the_logits(tiny_model_dir):
+    config = _config(tiny_model_dir, max_tokens_per_microbatch=13, temperature=0.8)
+    loss = PolicyLoss(kl_coef=0.0, should_compute_entropy=True, is_on_policy=True)
+    results = []
+    for is_head in (True, False):
+        policy = TorchPolicy(config)
+        assert policy._is_head_logprobs  # llama: the head path is the default
+        policy._is_head_logprobs = is_head
+        logprobs = policy.logprobs(_batch())
+        metrics = policy.train_step(_batch(), loss)
+        results.append((logprobs, metrics, dict(policy.named_weights())))
+    (head_lp, head_metrics, head_weights), (plain_lp, plain_metrics, plain_weights) = results
+    torch.testing.assert_close(head_lp, plain_lp, atol=1e-5, rtol=0)
+    for key in ("loss", "grad_norm", "pg_loss", "entropy"):
+        assert head_metrics[key] == pytest.approx(plain_metrics[key], rel=1e-5, abs=1e-7), key
+    for name, tensor in plain_weights.items():
+        torch.testing.assert_close(head_weights[name], tensor, atol=1e-6, rtol=0)
+
+
 def test_non_finite_loss_skips_the_optimizer_step(tiny_model_dir):
     policy = TorchPolicy(_config(tiny_model_dir))
     before = {n: t.clone() for n, t in policy.named_weights()}

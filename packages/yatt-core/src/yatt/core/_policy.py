@@ -74,7 +74,7 @@ class TorchPolicyConfig:
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
     weight_decay: float = 0.0  # AdamW decoupled weight decay
     grad_clip: float | None = 1.0  # max global grad norm; None = no clipping (norm still logged)
-    # Cap per forward/backward on padded tokens (rows x longest row): what logits memory scales by.
+    # Cap per forward/backward on padded tokens (rows x longest row): what activations scale by.
     max_tokens_per_microbatch: int = 8192
     parallel: Parallel = "ddp"  # "ddp", "fsdp2" (shard params/grads/optimizer), "none" (1 rank)
     dtype: str = "bfloat16"  # compute dtype; parameters and optimizer state stay float32

@@ -6,6 +6,7 @@ One train_step, on every data-parallel rank:
     bins  = pack(lengths, max_tokens) with the same count on every rank
     for bin in bins:                                       grad sync on the last one only
         logits -> logprobs(/ temperature) -> loss_fn -> (loss_sum * dp / units).backward()
+        (the head computes the logprobs chunk by chunk: see _head_logprobs)
     norm = clip_grad_norm()                                global: same on every rank
     optimizer.step() unless norm or loss is not finite     then every rank skips together
 
@@ -27,6 +28,7 @@ import torch.distributed as dist
 
 from yatt.balance import flops_cost, pack
 from yatt.core._batch import Batch
+from yatt.core._head_logprobs import logprobs_in_head, supports_head_logprobs
 from yatt.core._logits import compute_entropy, compute_token_logprobs
 from yatt.core._metrics import reduce_metrics
 from yatt.core._micro_batches import split_padded
@@ -82,6 +84,8 @@ class TorchPolicy:
             model.requires_grad_(False)
         model.to(self.device)
         self.module = model  # the Hugging Face module (FSDP2 shards it in place)
+        # Logprobs from the head chunk by chunk: no [tokens, vocab] logits kept for backward.
+        self._is_head_logprobs = supports_head_logprobs(model)
         self._model_config = model.config
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         if config.parallel == "ddp" and not config.is_reference:
@@ -212,11 +216,17 @@ class TorchPolicy:
     def _forward(
         self, mb: Batch, *, needs_entropy: bool, model: torch.nn.Module
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        with self._autocast():
-            logits_BTV = model(
-                input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False
-            ).logits
         temperature = self.config.temperature
+        inputs = dict(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])
+        if self._is_head_logprobs:
+            head = logprobs_in_head(
+                self.module, mb["input_ids"], temperature=temperature, needs_entropy=needs_entropy
+            )
+            with self._autocast(), head:
+                out_BTW = model(**inputs, use_cache=False).logits
+            return out_BTW[..., 0], out_BTW[..., 1] if needs_entropy else None
+        with self._autocast():
+            logits_BTV = model(**inputs, use_cache=False).logits
         logprobs_BT = compute_token_logprobs(logits_BTV, mb["input_ids"], temperature=temperature)
         entropy_BT = compute_entropy(logits_BTV, temperature=temperature) if needs_entropy else None
         return logprobs_BT, entropy_BT

@@ -1,0 +1,153 @@
+"""Token logprobs (and entropy) computed inside the LM head, a chunk of positions at a time.
+
+The plain path materialises the logits of every position, [B, T, V] in bf16, then a float32
+copy for the log-softmax, and keeps that copy for the backward: 16k tokens of a 152k vocabulary
+hold about 15 GB before the gradient of the same size. Here the head's forward is swapped, for
+one model call, for one that turns hidden states into the two numbers the loss needs, chunk by
+chunk under activation checkpointing: only the hidden states are kept, and the backward
+recomputes one chunk's logits at a time (one extra head matmul, cheap next to the model).
+
+Swapping the head module's `forward` (not the module) keeps parameter names, and the DDP and
+FSDP2 hooks around the model and the head, exactly as they are.
+
+Shape legend: B sequences, T positions, H hidden size, V vocabulary, N flattened positions.
+Outputs are aligned like `compute_token_logprobs`: position t holds log p(input_ids[t] | < t),
+position 0 holds 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+# Architectures whose causal-LM forward returns the head's output unchanged as `.logits` (no
+# soft-capping or scaling after the head). Others keep the plain path: swapping their head
+# would silently skip that post-processing.
+HEAD_LOGPROB_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+)
+# Logits held at once per chunk (float32 elements): 2**27 is 512 MiB, about 880 positions of a
+# 152k vocabulary.
+CHUNK_ELEMENTS = 2**27
+
+
+def supports_head_logprobs(model: torch.nn.Module) -> bool:
+    """True when `logprobs_in_head` gives the same numbers as the logits of `model`."""
+    config = getattr(model, "config", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return (
+        getattr(config, "model_type", None) in HEAD_LOGPROB_MODEL_TYPES
+        and isinstance(head, torch.nn.Linear)
+        and not getattr(config, "final_logit_softcapping", None)
+    )
+
+
+def _chunk_logprobs(
+    hidden_NH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    targets_N: torch.Tensor,
+    temperature: float,
+    needs_entropy: bool,
+) -> torch.Tensor:
+    logits_NV = torch.nn.functional.linear(hidden_NH, weight_VH, bias_V).float()
+    # Temperature 0 means greedy sampling; the engines then report unscaled logprobs.
+    if temperature > 0 and temperature != 1.0:
+        logits_NV = logits_NV / temperature
+    lse_N = torch.logsumexp(logits_NV, dim=-1)
+    logprob_N = logits_NV.gather(-1, targets_N[:, None]).squeeze(-1) - lse_N
+    if not needs_entropy:
+        return logprob_N[:, None]
+    # H = -sum p log p = lse - sum p x, with p = exp(x - lse).
+    probs_NV = torch.exp(logits_NV - lse_N[:, None])
+    entropy_N = lse_N - (probs_NV * logits_NV).sum(-1)
+    return torch.stack([logprob_N, entropy_N], dim=-1)
+
+
+def head_logprobs(
+    head: torch.nn.Linear,
+    hidden_BTH: torch.Tensor,
+    input_ids_BT: torch.Tensor,
+    *,
+    temperature: float,
+    needs_entropy: bool,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """[B, T, 1 or 2] float32: logprob of each input token (and entropy), position 0 = 0."""
+    batch, length, hidden_size = hidden_BTH.shape
+    if (batch, length) != tuple(input_ids_BT.shape):
+        raise ValueError(
+            f"hidden states {tuple(hidden_BTH.shape)} and input_ids {tuple(input_ids_BT.shape)} "
+            "must agree on [B, T]"
+        )
+    width = 2 if needs_entropy else 1
+    if length == 0:
+        return hidden_BTH.new_zeros(batch, 0, width, dtype=torch.float32)
+    if chunk_tokens is None:
+        chunk_tokens = max(1, CHUNK_ELEMENTS // head.out_features)
+    hidden_NH = hidden_BTH[:, :-1].reshape(-1, hidden_size)
+    targets_N = input_ids_BT[:, 1:].reshape(-1)
+    # Recompute in backward only when a backward can come; inference keeps nothing anyway.
+    is_recomputed = torch.is_grad_enabled() and (
+        hidden_NH.requires_grad or head.weight.requires_grad
+    )
+    parts = []
+    # At least one (maybe empty) chunk: a one-token dummy micro-batch must still reach the head's
+    # weight, so DDP and FSDP2 see its (zero) gradient and run their collectives.
+    for start in range(0, max(hidden_NH.shape[0], 1), chunk_tokens):
+        args = (
+            hidden_NH[start : start + chunk_tokens],
+            head.weight,
+            head.bias,
+            targets_N[start : start + chunk_tokens],
+            temperature,
+            needs_entropy,
+        )
+        if is_recomputed:
+            parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(*args))
+    out_NW = torch.cat(parts)
+    return torch.nn.functional.pad(out_NW.view(batch, length - 1, width), (0, 0, 1, 0))
+
+
+@contextlib.contextmanager
+def logprobs_in_head(
+    model: torch.nn.Module,
+    input_ids_BT: torch.Tensor,
+    *,
+    temperature: float,
+    needs_entropy: bool,
+    chunk_tokens: int | None = None,
+) -> Iterator[None]:
+    """While open, `model(input_ids=input_ids_BT, ...).logits` is `head_logprobs`' output.
+
+    Only for models where `supports_head_logprobs(model)` holds.
+    """
+    if not supports_head_logprobs(model):
+        raise ValueError(
+            f"logprobs_in_head: {type(model).__name__} (model_type="
+            f"{getattr(getattr(model, 'config', None), 'model_type', None)!r}) is not one of "
+            f"{sorted(HEAD_LOGPROB_MODEL_TYPES)} with a plain linear head; compute logprobs "
+            "from its logits (yatt.core.compute_token_logprobs)"
+        )
+    head = model.get_output_embeddings()
+
+    def forward(hidden_BTH: torch.Tensor) -> torch.Tensor:
+        return head_logprobs(
+            head,
+            hidden_BTH,
+            input_ids_BT,
+            temperature=temperature,
+            needs_entropy=needs_entropy,
+            chunk_tokens=chunk_tokens,
+        )
+
+    head.forward = forward  # an instance attribute: hooks and parameter names stay as they are
+    try:
+        yield
+    finally:
+        del head.forward

@@ -1,0 +1,126 @@
+"""Logprobs computed inside the LM head, chunk by chunk: the same numbers and gradients as the
+full logits, without keeping [tokens, vocab] float32 logits for the backward."""
+
+import pytest
+import torch
+
+from yatt.core import compute_entropy, compute_token_logprobs
+from yatt.core._head_logprobs import logprobs_in_head, supports_head_logprobs
+from yatt.testing import make_tiny_causal_lm
+
+NUM_GPUS = 0
+
+
+def _ids(model, batch=3, length=11, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (batch, length), generator=gen)
+
+
+def _plain(model, ids, temperature):
+    logits = model(input_ids=ids).logits
+    return (
+        compute_token_logprobs(logits, ids, temperature=temperature),
+        compute_entropy(logits, temperature=temperature),
+    )
+
+
+def _in_head(model, ids, temperature, chunk_tokens):
+    with logprobs_in_head(
+        model, ids, temperature=temperature, needs_entropy=True, chunk_tokens=chunk_tokens
+    ):
+        out = model(input_ids=ids).logits
+    return out[..., 0], out[..., 1]
+
+
+def _grads(model, logprobs, entropy):
+    weights = torch.linspace(-1, 1, logprobs.numel()).view_as(logprobs)
+    model.zero_grad(set_to_none=True)
+    ((logprobs * weights).sum() + 0.3 * entropy.sum()).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    ("arch", "tied"), [("llama", False), ("qwen2", True), ("qwen3", False), ("qwen3", True)]
+)
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_head_logprobs_match_the_logits_and_their_gradients(arch, tied, temperature):
+    model = make_tiny_causal_lm(arch=arch, tie_word_embeddings=tied)
+    model.train()
+    ids = _ids(model)
+    expected = _plain(model, ids, temperature)
+    expected_grads = _grads(model, *expected)
+    # 5 positions per chunk: 30 predicted positions make 6 chunks, the last one short.
+    got = _in_head(model, ids, temperature, chunk_tokens=7)
+    torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=0)
+    assert (got[0][:, 0] == 0).all() and (got[1][:, 0] == 0).all()
+    got_grads = _grads(model, *got)
+    assert got_grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def _largest_saved(fn) -> int:
+    """The most elements of any one tensor autograd keeps for the backward of fn()."""
+    sizes = []
+
+    def pack(tensor):
+        sizes.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn()
+    return max(sizes)
+
+
+def test_backward_keeps_no_full_vocabulary_logits():
+    model = make_tiny_causal_lm(arch="qwen2")
+    model.train()
+    ids = _ids(model, batch=4, length=33)
+    full = ids.shape[0] * (ids.shape[1] - 1) * model.config.vocab_size
+    # The measure sees the plain path's [B, T, V] logits (so it can fail) ...
+    assert _largest_saved(lambda: _plain(model, ids, 1.0)) >= full
+    # ... and the head path keeps at most hidden states and weights (the vocab x hidden head).
+    kept = _largest_saved(lambda: _in_head(model, ids, 1.0, chunk_tokens=16))
+    head = model.config.vocab_size * model.config.hidden_size
+    assert kept <= head < full
+
+
+def test_the_head_is_restored_after_the_call_and_after_an_error():
+    model = make_tiny_causal_lm(arch="llama")
+    ids = _ids(model)
+    head = model.get_output_embeddings()
+    in_head = logprobs_in_head(model, ids, temperature=1.0, needs_entropy=False)
+    with pytest.raises(RuntimeError, match="boom"), in_head:
+        assert model(input_ids=ids).logits.shape == (*ids.shape, 1)
+        raise RuntimeError("boom")
+    assert "forward" not in vars(head)
+    assert model(input_ids=ids).logits.shape == (*ids.shape, model.config.vocab_size)
+
+
+def test_unsupported_models_keep_the_plain_path():
+    model = make_tiny_causal_lm(arch="llama")
+    assert supports_head_logprobs(model)
+    # Soft-capped logits (Gemma 2 style) are post-processed after the head.
+    model.config.final_logit_softcapping = 30.0
+    assert not supports_head_logprobs(model)
+    model.config.final_logit_softcapping = None
+    model.config.model_type = "granite"  # divides the logits after the head
+    assert not supports_head_logprobs(model)
+    in_head = logprobs_in_head(model, _ids(model), temperature=1.0, needs_entropy=False)
+    with pytest.raises(ValueError, match="compute_token_logprobs"), in_head:
+        pass
+
+
+def test_a_one_token_row_still_reaches_the_head_weight():
+    # Dummy micro-batches (one token, zero loss) keep a rank in DDP's and FSDP2's collectives:
+    # their backward must still give every parameter a (zero) gradient.
+    model = make_tiny_causal_lm(arch="qwen2")
+    model.train()
+    ids = _ids(model, batch=1, length=1)
+    logprobs, entropy = _in_head(model, ids, 1.0, chunk_tokens=4)
+    assert logprobs.shape == entropy.shape == (1, 1) and logprobs.item() == 0.0
+    grads = _grads(model, logprobs, entropy)
+    head = model.get_output_embeddings()
+    assert head.weight.grad is not None and (head.weight.grad == 0).all()
+    assert len(grads) == len(list(model.parameters()))
