@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from yatt.placement import FitConfig, MemorySplit, Plan
+from yatt.placement.testing import RecordingRole
 
 NUM_GPUS = 0
 
@@ -16,38 +17,10 @@ def _no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
-class FakeRole:
-    """Fixed bytes per memory tag; logs sleeps and wakes into a shared list."""
-
-    def __init__(self, name: str, log: list, sizes: dict[str, int]) -> None:
-        self.name, self.log, self.sizes = name, log, sizes
-        self.memory_tags = tuple(sizes)
-        self.awake = set(self.memory_tags)
-        self.fraction: float | None = None
-        self.kv_fraction: float | None = None  # the share its KV cache was last woken at
-
-    def sleep(self) -> None:
-        self.log.append((self.name, "sleep"))
-        self.awake.clear()
-
-    def wake_up(self, tags=None) -> None:
-        tags = tuple(self.memory_tags if tags is None else tags)
-        self.log.append((self.name, "wake", tags))
-        self.awake |= set(tags)
-        if "kv_cache" in tags:
-            self.kv_fraction = self.fraction
-
-    def resident_bytes(self) -> int:
-        return sum(self.sizes[tag] for tag in self.awake)
-
-    def set_memory_fraction(self, fraction: float) -> None:
-        self.fraction = fraction
-
-
 class FakeDevice:
     """Capacity, the roles' bytes, and the peaks the running phase reaches."""
 
-    def __init__(self, capacity: int, roles: list[FakeRole]) -> None:
+    def __init__(self, capacity: int, roles: list[RecordingRole]) -> None:
         self.capacity, self.roles = capacity, roles
         self._level: int | None = None
         self._peak = 0
@@ -79,11 +52,11 @@ def _sleeps(log: list) -> list[str]:
     return [entry[0] for entry in log if entry[1] == "sleep"]
 
 
-def _cycle_roles(log: list) -> dict[str, FakeRole]:
+def _cycle_roles(log: list) -> dict[str, RecordingRole]:
     return {
-        "a": FakeRole("a", log, {"weights": 100, "kv_cache": 300}),
-        "b": FakeRole("b", log, {"weights": 50, "kv_cache": 150}),
-        "c": FakeRole("c", log, {"weights": 400}),
+        "a": RecordingRole("a", log, {"weights": 100, "kv_cache": 300}),
+        "b": RecordingRole("b", log, {"weights": 50, "kv_cache": 150}),
+        "c": RecordingRole("c", log, {"weights": 400}),
     }
 
 
@@ -174,9 +147,9 @@ def test_a_grown_peak_sleeps_only_as_many_roles_as_needed(peak_c, kept, slept):
 def test_without_a_following_need_the_largest_role_sleeps_first():
     log: list = []
     roles = {
-        "a": FakeRole("a", log, {"weights": 100}),
-        "b": FakeRole("b", log, {"weights": 100, "kv_cache": 200}),
-        "c": FakeRole("c", log, {"weights": 200}),
+        "a": RecordingRole("a", log, {"weights": 100}),
+        "b": RecordingRole("b", log, {"weights": 100, "kv_cache": 200}),
+        "c": RecordingRole("c", log, {"weights": 200}),
     }
     device = FakeDevice(1000, list(roles.values()))
     plan = Plan(
@@ -201,9 +174,9 @@ def test_without_a_following_need_the_largest_role_sleeps_first():
 
 def test_partial_colocation_applies_a_moved_split_with_auto():
     log: list = []
-    rollout = FakeRole("rollout", log, {"weights": 100, "kv_cache": 300})
-    genrm = FakeRole("genrm", log, {"weights": 50, "kv_cache": 150})
-    train = FakeRole("train", log, {"weights": 400, "optimizer": 400})
+    rollout = RecordingRole("rollout", log, {"weights": 100, "kv_cache": 300})
+    genrm = RecordingRole("genrm", log, {"weights": 50, "kv_cache": 150})
+    train = RecordingRole("train", log, {"weights": 400, "optimizer": 400})
     device = FakeDevice(100_000, [rollout, genrm, train])
     split = MemorySplit(
         total_fraction=0.8, min_rollout_fraction=0.25, max_rollout_fraction=0.75, smoothing=0.0
@@ -233,10 +206,10 @@ def test_partial_colocation_applies_a_moved_split_with_auto():
 
 def test_an_engine_that_resizes_while_awake_is_kept_through_a_moved_split():
     log: list = []
-    rollout = FakeRole("rollout", log, {"weights": 100, "kv_cache": 300})
-    genrm = FakeRole("genrm", log, {"weights": 50, "kv_cache": 150})
+    rollout = RecordingRole("rollout", log, {"weights": 100, "kv_cache": 300})
+    genrm = RecordingRole("genrm", log, {"weights": 50, "kv_cache": 150})
     rollout.resizes_while_awake = True  # e.g. the built-in engine: resizes at its next call
-    train = FakeRole("train", log, {"weights": 400, "optimizer": 400})
+    train = RecordingRole("train", log, {"weights": 400, "optimizer": 400})
     device = FakeDevice(100_000, [rollout, genrm, train])
     plan = Plan.partial_colocation(
         rollout=rollout, genrm=genrm, train=train, offload="auto", fit=device.fit()
@@ -254,7 +227,7 @@ def test_an_engine_that_resizes_while_awake_is_kept_through_a_moved_split():
 
 def test_bad_offload_and_fit_values_are_refused():
     log: list = []
-    roles = {"a": FakeRole("a", log, {"weights": 1})}
+    roles = {"a": RecordingRole("a", log, {"weights": 1})}
     with pytest.raises(ValueError, match="offload='sometimes'"):
         Plan(roles=roles, phases={"p": ["a"]}, offload="sometimes")
     with pytest.raises(ValueError, match="offload='never'"):

@@ -10,6 +10,7 @@ from yatt.placement import (
     region,
     resident_bytes,
 )
+from yatt.placement.testing import RecordingRole
 
 NUM_GPUS = 0
 
@@ -20,32 +21,6 @@ pytestmark = pytest.mark.usefixtures("cpu_regions")
 def _books_meter(monkeypatch: pytest.MonkeyPatch) -> None:
     # On a GPU host the default meter reads the device; these tests check the roles' books.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-
-
-class FakeEngine:
-    """A role that logs its calls into a shared list and holds fixed bytes per tag."""
-
-    memory_tags = ("weights", "kv_cache")
-
-    def __init__(self, name: str, log: list, sizes: dict[str, int]) -> None:
-        self.name, self.log, self.sizes = name, log, sizes
-        self.awake = set(self.memory_tags)
-        self.fractions: list[float] = []
-
-    def sleep(self) -> None:
-        self.log.append((self.name, "sleep"))
-        self.awake.clear()
-
-    def wake_up(self, tags=None) -> None:
-        tags = tuple(self.memory_tags if tags is None else tags)
-        self.log.append((self.name, "wake", tags))
-        self.awake |= set(tags)
-
-    def resident_bytes(self) -> int:
-        return sum(self.sizes[t] for t in self.awake)
-
-    def set_memory_fraction(self, fraction: float) -> None:
-        self.fractions.append(fraction)
 
 
 class Tagless:
@@ -60,9 +35,9 @@ class Tagless:
 
 
 def _engines(log):
-    rollout = FakeEngine("rollout", log, {"weights": 100, "kv_cache": 300})
-    genrm = FakeEngine("genrm", log, {"weights": 50, "kv_cache": 150})
-    train = FakeEngine("train", log, {"weights": 400, "kv_cache": 0})
+    rollout = RecordingRole("rollout", log, {"weights": 100, "kv_cache": 300})
+    genrm = RecordingRole("genrm", log, {"weights": 50, "kv_cache": 150})
+    train = RecordingRole("train", log, {"weights": 400, "kv_cache": 0})
     return rollout, genrm, train
 
 
@@ -104,7 +79,7 @@ def test_full_colocation_keeps_one_role_awake_per_phase():
 def test_wake_stages_cross_roles_and_leftover_tags_come_last():
     log: list = []
     rollout, genrm, _ = _engines(log)
-    trainer_like = FakeEngine("t2", log, {"weights": 1, "optimizer": 1, "kv_cache": 0})
+    trainer_like = RecordingRole("t2", log, {"weights": 1, "optimizer": 1, "kv_cache": 0})
     trainer_like.memory_tags = ("optimizer", "weights")
     plan = Plan(
         roles={"a": rollout, "b": genrm, "c": trainer_like, "d": Tagless(log)},
