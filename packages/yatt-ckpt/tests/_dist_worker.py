@@ -3,13 +3,15 @@
     RANK=r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=p python _dist_worker.py ROOT OUT_DIR WRITER
 
 Writes OUT_DIR/full.pt (rank 0: the unsharded model and optimizer state at step 2) and
-OUT_DIR/rank{r}.json (what maybe_save reported after only rank 1 got SIGUSR1).
+OUT_DIR/rank{r}.json (what maybe_save reported after only rank 1 got SIGUSR1; with the thread
+writer also what when_busy="defer" did while only rank 1's writer was busy).
 """
 
 import json
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,31 @@ from yatt.ckpt import Checkpointer
 def build_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))  # 5 rows: uneven shards
+
+
+def defer_on_one_busy_rank(root: str, out_dir: str, state: dict) -> list:
+    """when_busy="defer" with only rank 1's writer busy: both ranks must defer together."""
+    import yatt.ckpt._checkpointer as checkpointer_module
+
+    flag = os.path.join(out_dir, "release")
+    if dist.get_rank() == 1:  # rank 1's write thread stays busy after writing until released
+        write = checkpointer_module.write_and_commit
+
+        def write_then_hold(*args, **kwargs):
+            write(*args, **kwargs)
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        checkpointer_module.write_and_commit = write_then_hold
+    with Checkpointer(root, every_steps=1, when_busy="defer") as ckpt:
+        first = ckpt.maybe_save(1, state)
+        second = ckpt.maybe_save(2, state)  # rank 0's writer is free or nearly: it must agree
+        if dist.get_rank() == 1:
+            open(flag, "w").close()
+        ckpt.wait()
+        third = ckpt.maybe_save(3, state)
+    return [[d.is_saved, d.is_deferred] for d in (first, second, third)]
 
 
 def main() -> None:
@@ -57,10 +84,12 @@ def main() -> None:
         if rank == 1:
             os.kill(os.getpid(), signal.SIGUSR1)  # only rank 1 is told to stop
         decision = ckpt.maybe_save(3, state, extra={"rank": rank, "final": True})
+    deferred = defer_on_one_busy_rank(root + "-defer", out_dir, state) if writer == "thread" else []
     if rank == 0:
         torch.save({"model": full_model, "optim": full_optim}, os.path.join(out_dir, "full.pt"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"is_saved": decision.is_saved, "should_stop": decision.should_stop}, f)
+        result = {"is_saved": decision.is_saved, "should_stop": decision.should_stop}
+        json.dump(result | {"deferred": deferred}, f)
     dist.destroy_process_group()
 
 

@@ -47,7 +47,12 @@ def test_two_ranks_save_one_rank_loads(tmp_path, writer):
     # Rank 1 alone received SIGUSR1; both ranks must agree to save step 3 and stop.
     for rank in range(2):
         decision = json.loads((out / f"rank{rank}.json").read_text())
+        deferred = decision.pop("deferred")
         assert decision == {"is_saved": True, "should_stop": True}, rank
+        if writer == "thread":
+            # Only rank 1's writer was busy at step 2: both ranks deferred (else rank 0 alone
+            # would have entered the save's collectives and hung), then both saved step 3.
+            assert deferred == [[True, False], [False, True], [True, False]], rank
 
     full = torch.load(out / "full.pt")
     torch.manual_seed(1)

@@ -124,3 +124,28 @@ def test_bad_writer_names_the_field(tmp_path):
         CkptConfig(writer="fork")
     with pytest.raises(ValueError, match="writer="):
         Checkpointer(tmp_path, writer="threads")
+
+
+def test_defer_sees_a_busy_writer_process_without_taking_its_result(tmp_path):
+    model, _ = build(0)
+    with Checkpointer(
+        tmp_path, keep_last=5, writer="process", every_steps=1, when_busy="defer"
+    ) as ckpt:
+        assert ckpt.maybe_save(1, {"model": model}).is_saved
+        ckpt.wait()
+        pid = ckpt._process_writer.pid
+        os.kill(pid, signal.SIGSTOP)  # a writer that cannot finish until the test says so
+        try:
+            assert ckpt.maybe_save(2, {"model": model}).is_saved
+            assert ckpt.is_writing()
+            assert ckpt.maybe_save(3, {"model": model}).is_deferred
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while ckpt.is_writing():
+            assert time.monotonic() < deadline, "the writer process never finished step 2"
+            time.sleep(0.02)
+        assert ckpt.latest() == 2
+        ckpt.wait()  # the result is still there to collect (is_writing only peeked)
+        assert ckpt.maybe_save(4, {"model": model}).is_saved
+    assert sorted(int(p.name.split("-")[1]) for p in tmp_path.glob("step-*")) == [1, 2, 4]

@@ -4,12 +4,13 @@ NUM_GPUS = 0
 
 import os
 import signal
+import threading
 import time
 
 import pytest
 import torch
 
-from yatt.ckpt import Checkpointer
+from yatt.ckpt import Checkpointer, CkptConfig, SaveDecision
 
 
 def committed(root) -> list[int]:
@@ -83,3 +84,42 @@ def test_signal_waits_for_an_eligible_phase(tmp_path):
         assert not ckpt.maybe_save(3, {"v": torch.zeros(1)}, phase="rollout").should_stop
         assert ckpt.maybe_save(3, {"v": torch.zeros(1)}, phase="train").should_stop
     assert committed(tmp_path) == [3]
+
+
+def test_defer_moves_a_due_save_past_a_busy_writer(tmp_path, monkeypatch):
+    import yatt.ckpt._checkpointer as checkpointer_module
+
+    release = threading.Event()
+    write = checkpointer_module.write_and_commit
+
+    def slow_write(*args, **kwargs):
+        assert release.wait(30), "the test never released the writer"
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer_module, "write_and_commit", slow_write)
+    value = torch.zeros(2)
+    with Checkpointer(tmp_path, keep_last=10, every_steps=2, when_busy="defer") as ckpt:
+        assert ckpt.maybe_save(2, {"v": value}).is_saved  # its write now hangs
+        assert ckpt.is_writing()
+        assert ckpt.maybe_save(3, {"v": value}) == SaveDecision(is_saved=False, should_stop=False)
+        # Due, but the writer is busy: deferred, and the loop did not stall.
+        started = time.monotonic()
+        assert ckpt.maybe_save(4, {"v": value}).is_deferred
+        assert ckpt.maybe_save(5, {"v": value}).is_deferred  # still busy: still deferred
+        assert time.monotonic() - started < 5
+        release.set()
+        while ckpt.is_writing():
+            time.sleep(0.01)
+        # The first call that finds the writer free takes the deferred save, due or not.
+        assert ckpt.maybe_save(5, {"v": value}).is_saved
+        ckpt.wait()
+        assert ckpt.maybe_save(6, {"v": value}).is_saved  # the schedule goes on as before
+        assert not ckpt.maybe_save(7, {"v": value}).is_saved
+        assert ckpt.num_deferred_saves == 2
+    assert committed(tmp_path) == [2, 5, 6]
+
+
+def test_wait_is_the_default_and_other_values_are_refused(tmp_path):
+    assert CkptConfig().when_busy == "wait"
+    with pytest.raises(ValueError, match=r"when_busy='skip'.*'defer'"):
+        Checkpointer(tmp_path, when_busy="skip")

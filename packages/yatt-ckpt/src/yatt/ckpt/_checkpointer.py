@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
 
 from yatt.ckpt._config import CkptConfig
 from yatt.ckpt._group import RankGroup
@@ -36,6 +35,7 @@ from yatt.ckpt._layout import (
     CheckpointInfo,
     check_root_writable,
     list_committed_steps,
+    read_dcp_metadata,
     read_info,
     read_rank_record,
     remove_leftovers,
@@ -93,6 +93,7 @@ class Checkpointer:
         every_seconds: float | None = None,
         phases: tuple[str, ...] = (),
         writer: str = "thread",
+        when_busy: str = "wait",
     ) -> None:
         config = CkptConfig(
             keep_last=keep_last,
@@ -102,6 +103,7 @@ class Checkpointer:
             every_seconds=every_seconds,
             phases=phases,
             writer=writer,
+            when_busy=when_busy,
         )
         self.config = config
         self.root = Path(root).expanduser().absolute()
@@ -110,6 +112,7 @@ class Checkpointer:
         # (the writing thread, or None for the writer process; the step being written)
         self._pending: tuple[threading.Thread | None, int] | None = None
         self._pending_error: BaseException | None = None
+        self.num_deferred_saves = 0  # due saves that found the writer busy (when_busy="defer")
         self._process_writer: ProcessWriter | None = None
         self._is_closed = False
         self._group = RankGroup()
@@ -140,6 +143,7 @@ class Checkpointer:
             every_seconds=config.every_seconds,
             phases=config.phases,
             writer=config.writer,
+            when_busy=config.when_busy,
         )
 
     # -- saving -----------------------------------------------------------------------------------
@@ -228,10 +232,26 @@ class Checkpointer:
             self.save(step, state, extra=extra)
             self.wait()
             return SaveDecision(is_saved=True, should_stop=True)
-        if is_time_due or self._schedule.is_step_due(step):
-            self.save(step, state, extra=extra)
-            return SaveDecision(is_saved=True, should_stop=False)
-        return SaveDecision(is_saved=False, should_stop=False)
+        if not (is_time_due or self._schedule.is_step_due(step) or self._schedule.is_deferred):
+            return SaveDecision(is_saved=False, should_stop=False)
+        if self.config.when_busy == "defer":
+            (is_busy,) = self._group.any_rank([self.is_writing()])  # every rank defers alike
+            if is_busy:
+                self._schedule.is_deferred = True
+                self.num_deferred_saves += 1
+                return SaveDecision(is_saved=False, should_stop=False, is_deferred=True)
+        self.save(step, state, extra=extra)
+        return SaveDecision(is_saved=True, should_stop=False)
+
+    def is_writing(self) -> bool:
+        """True while an async save is still being written (a save now would wait for it)."""
+        if self._pending is None:
+            return False
+        thread, _ = self._pending
+        if thread is not None:
+            return thread.is_alive()
+        assert self._process_writer is not None
+        return self._process_writer.is_busy()
 
     def install_signal_handlers(
         self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
@@ -282,7 +302,7 @@ class Checkpointer:
         """Check `step`'s metadata (step, time, world size, versions, file sizes, DCP index)
         against the disk; raise CheckpointError naming the checkpoint and the problem."""
         info = read_info(self.root, step)
-        _read_dcp_metadata(info)
+        read_dcp_metadata(info)
         return info
 
     def close(self) -> None:
@@ -337,7 +357,7 @@ class Checkpointer:
         info = read_info(self.root, step)
         source_rank = self._group.rank % info.world_size
         record = read_rank_record(info, source_rank)
-        metadata = _read_dcp_metadata(info)
+        metadata = read_dcp_metadata(info)
         if info.world_size != self._group.world_size:
             warnings.warn(
                 f"checkpoint {str(info.path)!r} was written by {info.world_size} ranks and is "
@@ -373,12 +393,3 @@ class Checkpointer:
 def _check_step(step: int) -> None:
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step={step!r} must be an int >= 0 (the training step being saved)")
-
-
-def _read_dcp_metadata(info: CheckpointInfo) -> Metadata:
-    try:
-        return dcp.FileSystemReader(info.path).read_metadata()
-    except Exception as e:
-        raise CheckpointError(
-            f"checkpoint {str(info.path)!r}: .metadata is unreadable: {e!r}"
-        ) from e

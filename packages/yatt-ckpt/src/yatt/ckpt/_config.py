@@ -15,7 +15,8 @@ class CkptConfig:
     eligible call saves when a stop signal arrived, when `step` is a positive multiple of
     `every_steps` not saved yet, or when `every_seconds` passed since the last save (or since the
     checkpointer was built). With neither `every_steps` nor `every_seconds`, an eligible call saves
-    only on a stop signal.
+    only on a stop signal. With when_busy="defer", a due save that finds the previous one still
+    being written is deferred to the next eligible call (on every rank alike).
     """
 
     # Number of newest complete checkpoints kept; older ones are deleted after each commit.
@@ -34,6 +35,11 @@ class CkptConfig:
     every_seconds: float | None = None
     # Phase boundaries at which `maybe_save` may save, e.g. ("train",); empty: every call.
     phases: tuple[str, ...] = ()
+    # A scheduled save that comes while the previous one is still being written: "wait" for it
+    # (the training loop stalls until the write ends), or "defer" the save to the first later
+    # `maybe_save` that finds the writer free (saves as often as the disk allows, never
+    # stalling; the newest checkpoint may be a few steps older). Stop-signal saves always wait.
+    when_busy: str = "wait"
 
     def __post_init__(self) -> None:
         if not isinstance(self.keep_last, int) or self.keep_last < 1:
@@ -67,6 +73,11 @@ class CkptConfig:
         ):
             raise ValueError(
                 f"every_seconds={self.every_seconds!r} must be None or a finite number > 0"
+            )
+        if self.when_busy not in ("wait", "defer"):
+            raise ValueError(
+                f"when_busy={self.when_busy!r} must be 'wait' (a due save waits for the previous "
+                "write) or 'defer' (it moves to the first later maybe_save with the writer free)"
             )
         if isinstance(self.phases, str) or not all(isinstance(p, str) for p in self.phases):
             raise ValueError(

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
 
 from yatt.ckpt._version import __version__
 
@@ -246,3 +248,13 @@ def select_deletions(
     if all_steps:
         keep.add(max(all_steps))
     return [s for s in all_steps if s not in keep]
+
+
+def read_dcp_metadata(info: CheckpointInfo) -> Metadata:
+    """The DCP index of a checkpoint; CheckpointError when it is unreadable."""
+    try:
+        return dcp.FileSystemReader(info.path).read_metadata()
+    except Exception as e:
+        raise CheckpointError(
+            f"checkpoint {str(info.path)!r}: .metadata is unreadable: {e!r}"
+        ) from e

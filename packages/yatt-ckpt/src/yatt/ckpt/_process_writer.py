@@ -106,6 +106,18 @@ class ProcessWriter:
         self._sender = threading.Thread(target=self._send, args=(message,), daemon=True)
         self._sender.start()
 
+    def is_busy(self) -> bool:
+        """True while the submitted save is not finished (without waiting or taking its result)."""
+        if self._pending_step is None:
+            return False
+        assert self._sender is not None
+        if self._sender.is_alive():
+            return True
+        try:
+            return not self._conn.poll(0) and self._process.is_alive()
+        except (EOFError, OSError):  # the child died: wait() reports it
+            return False
+
     def wait(self) -> str | None:
         """Block until the submitted save is committed; its error as text, or None."""
         if self._pending_step is None:

@@ -18,6 +18,9 @@ class SaveDecision:
 
     is_saved: bool  # a checkpoint of this step was started (and committed, if should_stop)
     should_stop: bool  # a stop signal arrived: the final save is committed, leave the loop now
+    # A save was due but the previous one was still being written (when_busy="defer"): the
+    # next eligible call saves instead.
+    is_deferred: bool = False
 
 
 class SaveSchedule:
@@ -30,11 +33,13 @@ class SaveSchedule:
         # Set from a signal handler; a plain bool read once per maybe_save is enough, because
         # Python runs handlers between bytecodes of the main thread.
         self.is_stop_requested = False
+        self.is_deferred = False  # a due save waits for the writer (when_busy="defer")
         self._previous_handlers: dict[int, Any] = {}
 
     def note_saved(self, step: int) -> None:
         self._last_save_monotonic = time.monotonic()
         self._last_saved_step = step
+        self.is_deferred = False
 
     def is_eligible(self, phase: str | None) -> bool:
         if not self._config.phases:
