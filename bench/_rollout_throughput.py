@@ -1,0 +1,140 @@
+"""Check 4 of bench/rollout_gpu.py: built-in engine throughput against HF generate and the
+memory-bandwidth roofline, with the decode-step profile of bench/_decode_profile.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from yatt.rollout import BuiltinEngine, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _decode_profile import profile_decode
+from _rollout_checks import RUN, build_model, check, engine_config, prompts, sync
+
+NOMINAL_HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
+
+
+def time_call(fn) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t0
+
+
+def bench_throughput(results: dict, skip_static: bool) -> None:
+    rows = results["throughput"] = {}
+    model = build_model(seed=0)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    name = torch.cuda.get_device_name() if RUN.device == "cuda" else "cpu"
+    nominal = next((bw for key, bw in NOMINAL_HBM_BYTES_PER_S.items() if key in name), None)
+    big = torch.empty(
+        2**30 if RUN.device == "cuda" else 2**24, dtype=torch.uint8, device=RUN.device
+    )
+    copy_s = min(time_call(big.clone) for _ in range(5))
+    measured_bw = 2 * big.numel() / copy_s  # read + write
+    big = None
+    results["roofline"] = {
+        "weight_bytes": weight_bytes,
+        "nominal_hbm_Bps": nominal,
+        "measured_copy_Bps": measured_bw,
+    }
+    for batch in (64, 256):
+        row = rows[batch] = _bench_hf(model, batch, skip_static)
+        row.update(_bench_engine(batch))
+        for label, bw in (("nominal", nominal), ("measured", measured_bw)):
+            if bw:
+                row[f"roofline_weights_{label}_tok_s"] = batch / (weight_bytes / bw)
+                # Attention reads the span bucket of each step: mean fraction of the cache.
+                step_bytes = weight_bytes + row["kv_cache_bytes"] * row["mean_span_fraction"]
+                row[f"roofline_weights_kv_{label}_tok_s"] = batch / (step_bytes / bw)
+        rounded = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
+        print(f"batch {batch}: {json.dumps(rounded)}", flush=True)
+    ratio = rows[256]["yatt_tok_s"] / rows[256]["hf_dynamic_tok_s"]
+    check(">= 10x HF generate at batch 256", ratio >= 10, f"{ratio:.1f}x")
+
+
+def _bench_hf(model, batch: int, skip_static: bool) -> dict:
+    ids = torch.tensor(
+        [r.prompt_ids for r in prompts(batch, RUN.prompt_len, seed=batch)], device=RUN.device
+    )
+    n_hf = RUN.hf_tokens[batch]
+    kwargs = dict(
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        max_new_tokens=n_hf,
+        min_new_tokens=n_hf,
+        pad_token_id=0,
+    )
+    row = {"hf_new_tokens": n_hf}
+    model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+    row["hf_dynamic_tok_s"] = batch * n_hf / time_call(lambda: model.generate(ids, **kwargs))
+    if batch == 256 and not skip_static and not RUN.smoke:
+        static = {**kwargs, "cache_implementation": "static"}
+        row["hf_static_first_call_s"] = time_call(lambda: model.generate(ids, **static))
+        row["hf_static_tok_s"] = batch * n_hf / time_call(lambda: model.generate(ids, **static))
+    return row
+
+
+def _bench_engine(batch: int) -> dict:
+    reqs = prompts(batch, RUN.prompt_len, seed=batch)
+    engine = BuiltinEngine(build_model(seed=0), config=engine_config(batch))
+    engine.generate(reqs, SamplingParams(max_new_tokens=16, ignore_eos=True, seed=0))  # capture
+    first_token = SamplingParams(max_new_tokens=1, seed=0)
+    prefill_s = time_call(lambda: engine.generate(reqs, first_token))
+    forced = SamplingParams(max_new_tokens=RUN.new_tokens, ignore_eos=True, seed=0)
+    total_s = time_call(lambda: engine.generate(reqs, forced))
+    row = {
+        "yatt_tok_s": batch * RUN.new_tokens / total_s,
+        "yatt_total_s": total_s,
+        "yatt_prefill_s": prefill_s,
+        "yatt_decode_step_ms": (total_s - prefill_s) / (RUN.new_tokens - 1) * 1e3,
+        "kv_cache_bytes": engine._cache.num_bytes,
+        "mean_span_fraction": _mean_span_fraction(engine),
+    }
+    try:
+        row.update(profile_decode(engine, with_kernels=batch == 256))
+    except Exception as exc:  # the profile is diagnostics; never lose the measurements for it
+        row["profile_error"] = repr(exc)
+        print(f"profile failed: {exc!r}", flush=True)
+    engine.close()
+    logits = torch.randn(batch, 151936, device=RUN.device, dtype=torch.bfloat16)
+    row["sampling_ms"] = _time_sampling(logits) * 1e3
+    gc.collect()
+    if RUN.device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _mean_span_fraction(engine) -> float:
+    """Mean attended span / max_seq_len over the forced run, as the engine picks spans."""
+    runner = engine._runner
+    k, L, spans = runner.steps_per_sync, runner.cache.max_seq_len, runner.spans
+    chosen = []
+    for pos in range(RUN.prompt_len, RUN.prompt_len + RUN.new_tokens - 1, k):
+        chosen.append(next(s for s in spans if s >= min(pos + k, L)))
+    return sum(chosen) / len(chosen) / L
+
+
+def _time_sampling(logits) -> float:
+    from yatt.rollout._sampling import sample_tokens
+
+    S = logits.shape[0]
+    kw = dict(
+        temperature_S=torch.ones(S, device=RUN.device),
+        top_p_S=torch.ones(S, device=RUN.device),
+        top_k_S=torch.zeros(S, dtype=torch.long, device=RUN.device),
+        key_S=torch.arange(S, device=RUN.device),
+        counter_S=torch.zeros(S, dtype=torch.long, device=RUN.device),
+        is_greedy=False,
+        is_truncated=False,
+    )
+    sample_tokens(logits, **kw)
+    return time_call(lambda: [sample_tokens(logits, **kw) for _ in range(20)]) / 20
