@@ -46,6 +46,8 @@ def label_of(variant: str) -> str:
     for part in rest:
         if part == "auto":
             parts.append("offload only when short of memory")
+        elif part == "defer":
+            parts.append("a save finding the writer busy waits for a later step")
         elif part.startswith("p"):
             parts.append(f"{part[1:]} prompts")
     return ", ".join(parts)

@@ -184,6 +184,8 @@ def variant_key(layout: str, args: Any) -> str:
         key += f"-{args.offload}"
     if getattr(args, "prompts", None) not in (None, Workload.num_prompts):
         key += f"-p{args.prompts}"
+    if getattr(args, "ckpt_when_busy", "wait") != "wait":
+        key += f"-{args.ckpt_when_busy}"
     return key
 
 

@@ -77,6 +77,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer's cap")
     p.add_argument("--ckpt-writer", choices=("thread", "process"), default="thread")
+    p.add_argument("--ckpt-when-busy", choices=("wait", "defer"), default="wait")
     p.add_argument("--judge-port", type=int, default=18517)
     p.add_argument("--serve-judge", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--prepare", action="store_true", help="only save the models, then exit")
@@ -185,7 +186,8 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
     if runtime.is_rank_zero:
         shutil.rmtree(ctx.ckpt_root, ignore_errors=True)
     torch.distributed.barrier()
-    ctx.ckpt = Checkpointer(ctx.ckpt_root, keep_last=1, async_save=True, writer=args.ckpt_writer)
+    how = dict(writer=args.ckpt_writer, when_busy=args.ckpt_when_busy)
+    ctx.ckpt = Checkpointer(ctx.ckpt_root, keep_last=1, every_steps=1, **how)
     # One optimizer step per batch (as TRL at num_iterations=1): no old-logprob forward pass.
     ctx.loss = core.PolicyLoss(is_on_policy=True)
     ctx.judge_tokens_seen = ctx.judge_batches_seen = ctx.judge_joins_seen = 0
@@ -273,10 +275,8 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
             policy.train_step(batch.to(rt.device), ctx.loss)
     with _step_profile.timed(phases, "sync"), plan.phase("sync"):
         engine.update_weights(policy.named_weights())
-    with _step_profile.timed(
-        phases, "ckpt"
-    ):  # async: blocked until the tensors are staged in host memory
-        ctx.ckpt.save(global_step, policy.state(), extra={"step": global_step})
+    with _step_profile.timed(phases, "ckpt"):  # async: blocks until staged in host memory
+        ctx.ckpt.maybe_save(global_step + 1, policy.state(), extra={"step": global_step})
     torch.distributed.barrier()
     t1 = time.perf_counter()
     # The judge's load this step (a GenRMClient asks its server: after the clock stopped).
@@ -362,7 +362,9 @@ def run_layout(args: argparse.Namespace) -> Path | None:
                 workload=vars(ctx.work)
                 | {"mixes": args.mixes, "steps": args.steps, "warmup": args.warmup}
                 | {"keep_graphs_asleep": args.keep_graphs, "offload": args.offload}
-                | {"micro_batch_tokens": args.micro_batch_tokens, "ckpt_writer": args.ckpt_writer},
+                | {"micro_batch_tokens": args.micro_batch_tokens, "ckpt_writer": args.ckpt_writer}
+                | {"ckpt_when_busy": args.ckpt_when_busy}
+                | {"ckpt_deferred": ctx.ckpt.num_deferred_saves},
                 ckpt_root=str(ctx.ckpt_root.parent),
                 by_mix={mix: [g[mix] for g in gathered] for mix in args.mixes},
             )

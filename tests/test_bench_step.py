@@ -28,7 +28,7 @@ def _run_step(out_dir: Path, model_dir: Path, layout: str, mixes: str, *extra: s
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     num_gpus = 2 if "--judge-gpu" in extra else 1
-    variant = layout + ("-auto" if "auto" in extra else "")
+    variant = layout + "".join(f"-{x}" for x in ("auto", "defer") if x in extra)
     return json.loads((out_dir / f"step_{variant}_{num_gpus}gpu.json").read_text())
 
 
@@ -42,21 +42,33 @@ def runs(tmp_path_factory):
         # The judge in its own process (the dedicated GPU's stand-in on CPU), over HTTP.
         "dedicated": _run_step(out, models, "dedicated", "longtail", "--judge-gpu", "1"),
         # On CPU offload="auto" has no memory reading and runs as "always"; a run of its own,
-        # which also saves through the checkpoint writer process.
-        "full-auto": _run_step(
-            out, models, "full", "fixed", "--offload", "auto", "--ckpt-writer", "process"
+        # which also saves through the checkpoint writer process, deferring when it is busy.
+        "full-auto-defer": _run_step(
+            out,
+            models,
+            "full",
+            "fixed",
+            "--offload",
+            "auto",
+            "--ckpt-writer",
+            "process",
+            "--ckpt-when-busy",
+            "defer",
         ),
     }
 
 
-@pytest.mark.parametrize("layout", ["full", "partial", "dedicated", "full-auto"])
+@pytest.mark.parametrize("layout", ["full", "partial", "dedicated", "full-auto-defer"])
 def test_run_json_has_phases_and_forced_lengths(runs, layout):
     _, by_layout = runs
     run = by_layout[layout]
     work = _step_setup.Workload(num_prompts=4, group_size=4)
     assert run["layout"] == layout and run["tiny"] is True
-    assert run["workload"]["offload"] == ("auto" if layout.endswith("auto") else "always")
-    assert run["workload"]["ckpt_writer"] == ("process" if layout.endswith("auto") else "thread")
+    is_variant = layout == "full-auto-defer"
+    assert run["workload"]["offload"] == ("auto" if is_variant else "always")
+    assert run["workload"]["ckpt_writer"] == ("process" if is_variant else "thread")
+    assert run["workload"]["ckpt_when_busy"] == ("defer" if is_variant else "wait")
+    assert run["workload"]["ckpt_deferred"] >= 0
     for mix, result in run["mixes"].items():
         (step,) = result["steps"]  # one timed step after one warm-up
         assert set(step["phases"]) == PHASES[run["base_layout"]]
@@ -120,6 +132,9 @@ def _fake_run(variant: str, num_gpus: int, step_s: float, phases: dict) -> dict:
 def test_variants_are_named_and_get_their_own_ratio_rows():
     args = type("Args", (), {"offload": "auto", "prompts": 64})()
     assert _step_setup.variant_key("full", args) == "full-auto-p64"
+    args.ckpt_when_busy = "defer"
+    assert _step_setup.variant_key("full", args) == "full-auto-p64-defer"
+    assert _step_report.label_of("full-defer").endswith("waits for a later step")
     assert _step_report.label_of("full-auto-p64") == (
         "(a) full colocation, offload only when short of memory, 64 prompts"
     )
