@@ -140,6 +140,7 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
             max_prefill_tokens=16384,
             region_prefix="rollout",
             keep_graphs_asleep=args.keep_graphs,
+            stream_priority=-1,  # beside the judge (partial), the rollout's tail goes first
         ),
     )
     ctx.judge_engine = None

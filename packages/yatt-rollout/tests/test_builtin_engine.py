@@ -339,6 +339,8 @@ def test_closed_engine_refuses_work(tiny_model_dir):
         ("max_prefill_tokens", 8),
         ("region_prefix", "a/b"),
         ("device_memory_bytes", 0),
+        ("stream_priority", 0.5),
+        ("stream_priority", True),
     ],
 )
 def test_config_rejects_bad_values(field, value):

@@ -163,6 +163,26 @@ def test_engine_work_runs_on_its_own_stream(tiny_model_dir):
         engine.close()
 
 
+def test_stream_priority_reaches_the_engine_stream(tiny_model_dir):
+    least, greatest = torch.cuda.Stream.priority_range()
+    urgent = BuiltinEngine(
+        tiny_model_dir,
+        config=EngineConfig(device="cuda", max_seq_len=64, stream_priority=-1, region_prefix="hi"),
+    )
+    normal = BuiltinEngine(
+        tiny_model_dir, config=EngineConfig(device="cuda", max_seq_len=64, region_prefix="lo")
+    )
+    assert normal._dev.stream.priority == least
+    assert urgent._dev.stream.priority == max(greatest, -1) < least
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    requests = [Request(prompt_ids=[5, 6, 7])]
+    assert urgent.generate(requests, sampling)[0].response_ids == (
+        normal.generate(requests, sampling)[0].response_ids
+    )
+    urgent.close()
+    normal.close()
+
+
 def _two_engines(tiny_model_dir, **overrides):
     config = dict(device="cuda", max_batch_size=8, max_seq_len=256)
     return [

@@ -31,6 +31,11 @@ class EngineConfig:
     # next host check instead of waiting for the whole running call. False: one call at a time.
     should_join_calls: bool = True
     region_prefix: str = "rollout"  # placement tags "<prefix>/weights", "<prefix>/kv_cache"
+    # CUDA priority of the engine's stream: lower is more urgent (0 is the lowest; values past
+    # the device's range map to its ends). Beside a colocated judge (partial colocation) give
+    # the policy engine -1: its long tail is the step's critical path, so its kernels take the
+    # SMs first and the judge's fill the gaps.
+    stream_priority: int = 0
     # Total device memory that set_memory_fraction(f) takes a share of (the engine's weights and
     # KV cache get f times this). None: torch.cuda.mem_get_info's total on CUDA; no limit on CPU
     # (max_batch_size slots), so set it to give CPU runs and tests a notional device.
@@ -74,6 +79,11 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.device_memory_bytes={self.device_memory_bytes!r}: must be an int "
                 ">= 1 (bytes), or None for the device's own total"
+            )
+        if not isinstance(self.stream_priority, int) or isinstance(self.stream_priority, bool):
+            raise ValueError(
+                f"EngineConfig.stream_priority={self.stream_priority!r}: must be an int (0 = "
+                "normal, negative = more urgent, e.g. -1 for the policy beside a judge)"
             )
         if not isinstance(self.should_join_calls, bool):
             raise ValueError(

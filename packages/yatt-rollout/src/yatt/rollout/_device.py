@@ -24,13 +24,14 @@ import torch
 class EngineDevice:
     """An engine's device and, on CUDA, its stream (None on CPU: every method is a no-op)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, priority: int = 0) -> None:
         self.device = device
         self.stream: torch.cuda.Stream | None = None
         if device.type == "cuda":
-            # Round-robin from torch's pool (32 per device): two engines land on one stream
-            # only 32 stream creations apart, which costs their overlap, not correctness.
-            self.stream = torch.cuda.Stream(device=device)
+            # Round-robin from torch's pool (32 per device and priority): two engines land on
+            # one stream only 32 stream creations apart, which costs their overlap, not
+            # correctness. Graphs replayed on the stream run at its priority.
+            self.stream = torch.cuda.Stream(device=device, priority=priority)
 
     @contextmanager
     def scope(self, *, after_caller: bool = True) -> Iterator[None]:

@@ -74,7 +74,7 @@ class BuiltinEngine:
         self._device = torch.device(config.device)
         if self._device.type == "cuda" and self._device.index is None:
             self._device = torch.device("cuda", torch.cuda.current_device())
-        self._dev = EngineDevice(self._device)  # its own CUDA stream
+        self._dev = EngineDevice(self._device, priority=self.config.stream_priority)
         self._tags = {name: f"{config.region_prefix}/{name}" for name in _TAGS}
         if isinstance(model, (str, Path)):
             path = Path(model)
