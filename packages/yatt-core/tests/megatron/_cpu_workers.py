@@ -181,6 +181,14 @@ def policy_vs_torch(model_dir: str) -> dict:
         )
         logprobs = policy.logprobs(batch)
         batch.tokens["old_logprobs"] = logprobs
+        # Logprobs and entropy in the output layer (the default) against the full logits.
+        is_head = policy._is_head_logprobs
+        by_path = {}
+        with torch.no_grad():
+            for path in (True, False):
+                policy._is_head_logprobs = path
+                by_path[path] = policy._forward(batch.to(policy.device), needs_entropy=True)
+        policy._is_head_logprobs = is_head
         losses = [policy.train_step(batch, loss_fn)["loss"] for _ in range(3)]
         # No loss tokens anywhere (DAPO dropped every group): a skipped step, weights untouched
         # (the comparison with TorchPolicy's three steps below would catch a change).
@@ -206,6 +214,9 @@ def policy_vs_torch(model_dir: str) -> dict:
         torch_weights = {n: p.detach().clone() for n, p in reference.module.named_parameters()}
     return {
         "losses": losses,
+        "is_head_logprobs": is_head,
+        "head_path": by_path[True],
+        "plain_path": by_path[False],
         "skipped": skipped,
         "model_config": policy.model_config.to_dict(),
         "resident_bytes": policy.resident_bytes(),

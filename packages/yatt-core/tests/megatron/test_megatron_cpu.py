@@ -64,6 +64,11 @@ def test_policy_train_steps_and_weights_equal_torch_policy(megatron_cpu_results)
     for r in results:
         p = r["policy"]
         assert p["losses"][0] != p["losses"][2]  # the steps changed the model
+        # The steps ran with logprobs computed in the output layer (at tp=2 its gradient
+        # all-reduce is what makes them match TorchPolicy); they equal the full logits'.
+        assert p["is_head_logprobs"]
+        for got, want in zip(p["head_path"], p["plain_path"], strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         assert p["losses"] == pytest.approx(p["torch_losses"], abs=1e-5)
         assert set(p["weights"]) == set(p["torch_weights"])
         for name, tensor in p["torch_weights"].items():

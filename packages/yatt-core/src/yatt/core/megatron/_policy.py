@@ -5,7 +5,7 @@ One train_step, on every rank (TP ranks of one DP rank hold the same batch):
     units = all_reduce(loss units over DP)                  scalars only cross ranks
     bins  = pack(lengths, max_tokens)                       yatt.balance, cost-balanced
     for bin in bins:                                        DDP grad sync deferred to finalize
-        logits [b, T, V/tp] -> vocab-parallel logprobs -> loss_fn -> (loss * dp / units).backward()
+        output layer -> vocab-parallel logprobs -> loss_fn -> (loss * dp / units).backward()
     finalize_model_grads                                    reduce-scatter grads over DP
     prepare_grads, clip_grad_norm                           global norm (DP x TP)
     step_with_ready_grads unless loss or norm not finite    then all-gather params over DP
@@ -33,13 +33,10 @@ from yatt.core._micro_batches import split_padded
 from yatt.core._policy import DTYPES, LossFn
 from yatt.core._runtime import Runtime
 from yatt.core.megatron._config import layout_from_hf_config, padded_vocab_size
+from yatt.core.megatron._head_logprobs import forward_logprobs, supports_output_layer_logprobs
 from yatt.core.megatron._parallel import _init_megatron_parallel, _require_cuda, _require_megatron
 from yatt.core.megatron._policy_config import MegatronPolicyConfig
 from yatt.core.megatron._state import MegatronModelState, MegatronOptimizerState
-from yatt.core.megatron._vocab_parallel import (
-    compute_vocab_parallel_entropy,
-    compute_vocab_parallel_logprobs,
-)
 from yatt.core.megatron._weights import export_hf_weights
 
 logger = logging.getLogger("yatt.core")
@@ -90,6 +87,7 @@ class MegatronPolicy:
             tp_size=config.tp_size,
         )
         self.gpt = gpt  # the bare GPTModel: its parameter names are the mapping's names
+        self._is_head_logprobs = supports_output_layer_logprobs(gpt)  # no [b, T, V/tp] logits
         self._vocab_start = self.tp_rank * (self.padded_vocab // config.tp_size)
         model: torch.nn.Module = Float16Module(gpt.config, gpt) if dtype != torch.float32 else gpt
         self.optimizer: Any = None
@@ -152,32 +150,17 @@ class MegatronPolicy:
     def _forward(
         self, mb: Batch, *, needs_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        input_ids_BT = mb["input_ids"]
-        width = input_ids_BT.shape[1]
-        if self.config.sequence_parallel and width % self.config.tp_size:
-            # Sequence parallel splits T over TP ranks; right-padding keeps valid positions exact.
-            extra = self.config.tp_size - width % self.config.tp_size
-            input_ids_BT = torch.nn.functional.pad(input_ids_BT, (0, extra))
-        length = input_ids_BT.shape[1]
-        position_ids_BT = torch.arange(length, device=self.device).expand_as(input_ids_BT)
-        # Megatron's mask: True = masked out. Right-padded rows need only causality (padding
-        # follows all valid tokens); SDPAttention ignores it and runs is_causal kernels.
-        causal_11TT = torch.ones(length, length, dtype=torch.bool, device=self.device).triu(1)[
-            None, None
-        ]
-        logits_BTVl = self.model(input_ids_BT, position_ids_BT, causal_11TT)[:, :width]
-        kwargs = {
-            "vocab_start": self._vocab_start,
-            "vocab_size": self.layout.vocab_size,
-            "temperature": self.config.temperature,
-        }
-        logprobs_BT = compute_vocab_parallel_logprobs(logits_BTVl, mb["input_ids"], **kwargs)
-        entropy_BT = None
-        if needs_entropy:
-            entropy_BT = compute_vocab_parallel_entropy(
-                logits_BTVl, tp_group=self._tp_group, **kwargs
-            )
-        return logprobs_BT, entropy_BT
+        return forward_logprobs(
+            self.model,
+            self.gpt if self._is_head_logprobs else None,
+            mb["input_ids"],
+            pad_to=self.config.tp_size if self.config.sequence_parallel else 1,
+            needs_entropy=needs_entropy,
+            vocab_start=self._vocab_start,
+            vocab_size=self.layout.vocab_size,
+            temperature=self.config.temperature,
+            tp_group=self._tp_group,
+        )
 
     def _plan_micro_batches(self, batch: Batch) -> list[list[int]]:
         lengths = batch.lengths.tolist()

@@ -21,20 +21,52 @@ _MASKED_LOGIT = -1e30
 def _prepare(
     logits_BTVl: torch.Tensor, *, vocab_start: int, vocab_size: int, temperature: float
 ) -> torch.Tensor:
-    """A fresh contiguous float32 copy of the predicting positions, scaled and masked.
+    """A fresh contiguous float32 copy of the predicting positions, scaled and masked."""
+    return _prepare_rows(
+        logits_BTVl[:, :-1], vocab_start=vocab_start, vocab_size=vocab_size, temperature=temperature
+    )
+
+
+def _prepare_rows(
+    pred_Vl: torch.Tensor, *, vocab_start: int, vocab_size: int, temperature: float
+) -> torch.Tensor:
+    """A fresh contiguous float32 copy of predicting logits [..., Vl], scaled and masked.
 
     Fresh, because Megatron's cross entropy subtracts the max from its input in place: handed
     a view, it would overwrite the model's logits. One copy whatever the input dtype.
     """
-    pred_BTVl = logits_BTVl[:, :-1]
-    out_BTVl = torch.empty(pred_BTVl.shape, dtype=torch.float32, device=pred_BTVl.device)
-    out_BTVl = out_BTVl.copy_(pred_BTVl)
+    out_Vl = torch.empty(pred_Vl.shape, dtype=torch.float32, device=pred_Vl.device)
+    out_Vl = out_Vl.copy_(pred_Vl)
     if temperature > 0 and temperature != 1.0:
-        out_BTVl = out_BTVl / temperature
+        out_Vl = out_Vl / temperature
     num_real = vocab_size - vocab_start
-    if num_real < out_BTVl.shape[-1]:
-        out_BTVl[..., max(num_real, 0) :] = _MASKED_LOGIT
-    return out_BTVl
+    if num_real < out_Vl.shape[-1]:
+        out_Vl[..., max(num_real, 0) :] = _MASKED_LOGIT
+    return out_Vl
+
+
+def vocab_parallel_rows(
+    pred_NVl: torch.Tensor,
+    targets_N: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    temperature: float,
+    needs_entropy: bool,
+    tp_group: object = None,
+) -> torch.Tensor:
+    """[N, 1 or 2] float32 (logprob of each target, entropy) from predicting logits [N, Vl].
+
+    The unshifted core of the two functions below, for logits computed a chunk at a time.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    kwargs = {"vocab_start": vocab_start, "vocab_size": vocab_size, "temperature": temperature}
+    logprob_N = -vocab_parallel_cross_entropy(_prepare_rows(pred_NVl, **kwargs), targets_N)
+    if not needs_entropy:
+        return logprob_N[:, None]
+    entropy_N = _entropy(_prepare_rows(pred_NVl, **kwargs), tp_group)
+    return torch.stack([logprob_N, entropy_N], dim=-1)
 
 
 def compute_vocab_parallel_logprobs(
@@ -77,18 +109,22 @@ def compute_vocab_parallel_entropy(
     H = lse - sum_v p_v y_v with p from a reduced lse would not be: p's own dependence on lse
     would only be counted for the local columns.)
     """
-    import torch.distributed as dist
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
-
     x_BTVl = _prepare(
         logits_BTVl, vocab_start=vocab_start, vocab_size=vocab_size, temperature=temperature
     )
-    max_BT = x_BTVl.detach().amax(-1)
+    return torch.nn.functional.pad(_entropy(x_BTVl, tp_group), (1, 0), value=0.0)
+
+
+def _entropy(x_Vl: torch.Tensor, tp_group: object) -> torch.Tensor:
+    """Entropy over the last (vocabulary-parallel) dim of prepared logits; see above."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    max_ = x_Vl.detach().amax(-1)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(max_BT, op=dist.ReduceOp.MAX, group=tp_group)
-    y_BTVl = x_BTVl - max_BT[..., None]
-    exp_BTVl = y_BTVl.exp()
-    sum_exp_BT = reduce_from_tensor_model_parallel_region(exp_BTVl.sum(-1))
-    sum_exp_y_BT = reduce_from_tensor_model_parallel_region((exp_BTVl * y_BTVl).sum(-1))
-    entropy_BT = sum_exp_BT.log() - sum_exp_y_BT / sum_exp_BT
-    return torch.nn.functional.pad(entropy_BT, (1, 0), value=0.0)
+        dist.all_reduce(max_, op=dist.ReduceOp.MAX, group=tp_group)
+    y_Vl = x_Vl - max_[..., None]
+    exp_Vl = y_Vl.exp()
+    sum_exp = reduce_from_tensor_model_parallel_region(exp_Vl.sum(-1))
+    sum_exp_y = reduce_from_tensor_model_parallel_region((exp_Vl * y_Vl).sum(-1))
+    return sum_exp.log() - sum_exp_y / sum_exp

@@ -1,0 +1,169 @@
+"""Vocabulary-parallel logprobs (and entropy) computed inside Megatron's output layer, in chunks.
+
+The same idea as `yatt.core._head_logprobs` for the Hugging Face path: the output layer's
+`forward` is swapped, for one model call, for one that turns the hidden states into the
+numbers the loss needs, a chunk of positions at a time under activation checkpointing. No
+[b, T, V/tp] float32 logits (and their softmax copy in Megatron's cross entropy) are kept for
+the backward; each chunk's are recomputed there.
+
+What ColumnParallelLinear does around its matmul is kept: the hidden states' gradient is
+all-reduced over TP. Each chunk runs the vocab-parallel reductions of `_vocab_parallel`
+(collectives inside the recompute run in the same order on every TP rank). Sequence
+parallelism keeps the full-logits path for now (see `supports_output_layer_logprobs`).
+
+Shape legend: S positions, B sequences, H hidden size, Vl this rank's vocabulary columns,
+N flattened positions, W 1 or 2 (logprob, entropy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from yatt.core._head_logprobs import CHUNK_ELEMENTS
+from yatt.core.megatron._vocab_parallel import (
+    compute_vocab_parallel_entropy,
+    compute_vocab_parallel_logprobs,
+    vocab_parallel_rows,
+)
+
+
+def supports_output_layer_logprobs(gpt: Any) -> bool:
+    """True when nothing after the output layer changes the logits (no MTP, no muP scaling).
+
+    Not with sequence parallelism yet: its gather could not be tested here (megatron-core's
+    torch norms refuse it without TransformerEngine), so those runs keep the full logits.
+    """
+    config = gpt.config
+    return (
+        getattr(gpt, "post_process", True)
+        and hasattr(gpt, "output_layer")
+        and not getattr(config, "sequence_parallel", False)
+        and not getattr(config, "mtp_num_layers", None)
+        and not getattr(config, "use_mup", False)
+    )
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous.
+
+    Megatron's TP all-reduce of a gradient reduces `grad.contiguous()` and returns `grad`: a
+    non-contiguous gradient (ours comes back through a transpose) would stay unreduced.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _chunk(
+    hidden_NH: torch.Tensor, weight_VlH: torch.Tensor, targets_N: torch.Tensor, settings: dict
+) -> torch.Tensor:
+    return vocab_parallel_rows(torch.matmul(hidden_NH, weight_VlH.t()), targets_N, **settings)
+
+
+@contextlib.contextmanager
+def logprobs_in_output_layer(
+    gpt: Any,
+    input_ids_BT: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    temperature: float,
+    needs_entropy: bool,
+    tp_group: Any,
+    chunk_tokens: int | None = None,
+) -> Iterator[None]:
+    """While open, the model's output ([B, T, W] after GPTModel's transpose) holds each input
+    token's logprob (and entropy), aligned like `compute_vocab_parallel_logprobs`."""
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    layer = gpt.output_layer
+    settings = dict(
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        needs_entropy=needs_entropy,
+        tp_group=tp_group,
+    )
+
+    def forward(hidden_SBH: torch.Tensor, weight: torch.Tensor | None = None, **_: Any):
+        weight_VlH = layer.weight if weight is None else weight
+        assert not layer.sequence_parallel, "see supports_output_layer_logprobs"
+        hidden_SBH = copy_to_tensor_model_parallel_region(hidden_SBH, group=tp_group)
+        hidden_SBH = _ContiguousGrad.apply(hidden_SBH)
+        length, batch, hidden_size = hidden_SBH.shape
+        assert (batch, length) == tuple(input_ids_BT.shape), (hidden_SBH.shape, input_ids_BT.shape)
+        hidden_NH = hidden_SBH.transpose(0, 1)[:, :-1].reshape(-1, hidden_size)
+        targets_N = input_ids_BT[:, 1:].reshape(-1)
+        step = chunk_tokens or max(1, CHUNK_ELEMENTS // weight_VlH.shape[0])
+        is_recomputed = torch.is_grad_enabled() and (
+            hidden_NH.requires_grad or weight_VlH.requires_grad
+        )
+        parts = []
+        # At least one chunk, even empty: every parameter must still get its (zero) gradient.
+        for start in range(0, max(hidden_NH.shape[0], 1), step):
+            args = (hidden_NH[start : start + step], weight_VlH, targets_N[start : start + step])
+            if is_recomputed:
+                parts.append(checkpoint(_chunk, *args, settings, use_reentrant=False))
+            else:
+                parts.append(_chunk(*args, settings))
+        width = 2 if needs_entropy else 1
+        out_BTW = torch.cat(parts).view(batch, length - 1, width)
+        out_BTW = torch.nn.functional.pad(out_BTW, (0, 0, 1, 0))
+        return out_BTW.transpose(0, 1), None  # GPTModel transposes [S, B] back to [B, S]
+
+    layer.forward = forward  # an instance attribute: parameter names and hooks stay
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    gpt: Any,
+    input_ids_BT: torch.Tensor,
+    *,
+    pad_to: int,
+    needs_entropy: bool,
+    vocab_start: int,
+    vocab_size: int,
+    temperature: float,
+    tp_group: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, T] logprobs (and entropy) of right-padded `input_ids_BT` through Megatron `model`.
+
+    gpt: the GPTModel inside `model` to compute them in its output layer; None: from the full
+    vocab-parallel logits. pad_to: T is padded to a multiple of it (sequence parallelism splits
+    T over TP ranks; right-padding keeps the valid positions exact).
+    """
+    width = input_ids_BT.shape[1]
+    ids_BT = torch.nn.functional.pad(input_ids_BT, (0, -width % pad_to))
+    length = ids_BT.shape[1]
+    position_ids_BT = torch.arange(length, device=ids_BT.device).expand_as(ids_BT)
+    # Megatron's mask: True = masked out. Right-padded rows need only causality (padding
+    # follows all valid tokens); SDPAttention ignores it and runs is_causal kernels.
+    causal_11TT = torch.ones(length, length, dtype=torch.bool, device=ids_BT.device).triu(1)
+    settings = dict(vocab_start=vocab_start, vocab_size=vocab_size, temperature=temperature)
+    if gpt is not None:
+        in_layer = logprobs_in_output_layer(
+            gpt, ids_BT, needs_entropy=needs_entropy, tp_group=tp_group, **settings
+        )
+        with in_layer:
+            out_BTW = model(ids_BT, position_ids_BT, causal_11TT[None, None])[:, :width]
+        return out_BTW[..., 0], out_BTW[..., 1] if needs_entropy else None
+    logits_BTVl = model(ids_BT, position_ids_BT, causal_11TT[None, None])[:, :width]
+    logprobs_BT = compute_vocab_parallel_logprobs(logits_BTVl, input_ids_BT, **settings)
+    entropy_BT = None
+    if needs_entropy:
+        entropy_BT = compute_vocab_parallel_entropy(logits_BTVl, tp_group=tp_group, **settings)
+    return logprobs_BT, entropy_BT
