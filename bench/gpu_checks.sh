@@ -34,7 +34,9 @@ for step in "$@"; do
     balance_nccl)
       run_step balance_nccl python3 -m pytest -q -rs packages/yatt-balance/tests/test_dist_cuda.py ;;
     core)
-      run_step core_tests python3 -m pytest -q -rs packages/yatt-core/tests/test_cuda.py ;;
+      run_step core_tests python3 -m pytest -q -rs packages/yatt-core/tests/test_cuda.py
+      run_step head_logprobs python3 bench/head_logprobs.py --device cuda --tokens 16384 \
+        --out "$OUT/head_logprobs_cuda.json" ;;
     genrm)
       run_step genrm_tests python3 -m pytest -q -rs packages/yatt-genrm/tests/test_cuda_judge.py ;;
     trainer)
