@@ -123,7 +123,10 @@ def test_on_policy_loss_skips_the_old_logprob_pass_with_the_same_step(tiny_model
         policy.train_step(_batch(), PolicyLoss())
 
 
-def test_policy_step_is_the_same_through_the_head_or_the_logits(tiny_model_dir):
+def test_policy_step_is_the_same_through_the_head_or_the_logits(tiny_model_dir, monkeypatch):
+    import yatt.core._head_logprobs as head_logprobs
+
+    monkeypatch.setattr(head_logprobs, "CHUNK_ELEMENTS", 2048)  # several chunks per micro-batch
     config = _config(tiny_model_dir, max_tokens_per_microbatch=13, temperature=0.8)
     loss = PolicyLoss(kl_coef=0.0, should_compute_entropy=True, is_on_policy=True)
     results = []
@@ -139,7 +142,9 @@ def test_policy_step_is_the_same_through_the_head_or_the_logits(tiny_model_dir):
     for key in ("loss", "grad_norm", "pg_loss", "entropy"):
         assert head_metrics[key] == pytest.approx(plain_metrics[key], rel=1e-5, abs=1e-7), key
     for name, tensor in plain_weights.items():
-        torch.testing.assert_close(head_weights[name], tensor, atol=1e-6, rtol=0)
+        # Chunks sum gradients in another order; Adam turns rounding-level gradients into steps
+        # of up to lr (1e-3) on a few elements, as in the micro-batching test above.
+        torch.testing.assert_close(head_weights[name], tensor, atol=1e-4, rtol=0)
 
 
 def test_non_finite_loss_skips_the_optimizer_step(tiny_model_dir):

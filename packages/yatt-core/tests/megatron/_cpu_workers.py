@@ -158,6 +158,10 @@ def policy_vs_torch(model_dir: str) -> dict:
     from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
 
     _cpu_shim.install_for_policy()
+    import yatt.core.megatron._head_logprobs as head_logprobs
+
+    # Chunks of a few hundred logits: every micro-batch runs several (collectives in each).
+    head_logprobs.CHUNK_ELEMENTS = 2048
     gen = torch.Generator().manual_seed(0)
     rows = []
     for i in range(6):
