@@ -89,6 +89,11 @@ def run_policy_step(policy: TorchPolicy, batch: Batch, loss_fn: PolicyLoss) -> d
 
 
 def scenario_policy(rt, out: dict, *, model_dir: str, runs: list) -> None:
+    import yatt.core._head_logprobs as head_logprobs
+
+    # Logprobs in the head, several chunks per micro-batch: DDP and FSDP2 must see the head
+    # weight's gradient once, summed over the chunks' recomputes.
+    head_logprobs.CHUNK_ELEMENTS = 2048
     # Several (parallel, aggregation) runs share one launch: process start-up dominates.
     for parallel, aggregation in runs:
         batch = make_global_batch().select(SHARDS[rt.dp_size][rt.dp_rank])

@@ -107,7 +107,10 @@ def head_logprobs(
             needs_entropy,
         )
         if is_recomputed:
-            parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            # Nothing random inside: no RNG state to stash and restore per chunk.
+            parts.append(
+                checkpoint(_chunk_logprobs, *args, use_reentrant=False, preserve_rng_state=False)
+            )
         else:
             parts.append(_chunk_logprobs(*args))
     out_NW = torch.cat(parts)

@@ -113,7 +113,11 @@ def logprobs_in_output_layer(
         for start in range(0, max(hidden_NH.shape[0], 1), step):
             args = (hidden_NH[start : start + step], weight_VlH, targets_N[start : start + step])
             if is_recomputed:
-                parts.append(checkpoint(_chunk, *args, settings, use_reentrant=False))
+                parts.append(
+                    checkpoint(
+                        _chunk, *args, settings, use_reentrant=False, preserve_rng_state=False
+                    )
+                )
             else:
                 parts.append(_chunk(*args, settings))
         width = 2 if needs_entropy else 1
