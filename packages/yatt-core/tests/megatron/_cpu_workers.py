@@ -158,7 +158,7 @@ def policy_vs_torch(model_dir: str) -> dict:
     from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
 
     _cpu_shim.install_for_policy()
-    import yatt.core.megatron._head_logprobs as head_logprobs
+    import yatt.core._head_logprobs as head_logprobs  # the chunking both backends use
 
     # Chunks of a few hundred logits: every micro-batch runs several (collectives in each).
     head_logprobs.CHUNK_ELEMENTS = 2048

@@ -18,7 +18,8 @@ position 0 holds 0.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -48,8 +49,8 @@ def supports_head_logprobs(model: torch.nn.Module) -> bool:
 def _chunk_logprobs(
     hidden_NH: torch.Tensor,
     weight_VH: torch.Tensor,
-    bias_V: torch.Tensor | None,
     targets_N: torch.Tensor,
+    bias_V: torch.Tensor | None,
     temperature: float,
     needs_entropy: bool,
 ) -> torch.Tensor:
@@ -67,6 +68,51 @@ def _chunk_logprobs(
     return torch.stack([logprob_N, entropy_N], dim=-1)
 
 
+def in_chunks(
+    chunk_fn: Callable[..., torch.Tensor],
+    hidden_BTH: torch.Tensor,
+    input_ids_BT: torch.Tensor,
+    weight_VH: torch.Tensor,
+    *extra: Any,
+    width: int,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """[B, T, width] float32 aligned with `input_ids_BT` (position 0 = 0), from
+    `chunk_fn(hidden_NH, weight_VH, targets_N, *extra)` -> [N, width] on chunks of positions.
+
+    Each chunk runs under activation checkpointing when a backward can come, so only the hidden
+    states are kept and its logits are recomputed in the backward.
+    """
+    batch, length, hidden_size = hidden_BTH.shape
+    if (batch, length) != tuple(input_ids_BT.shape):
+        raise ValueError(
+            f"hidden states {tuple(hidden_BTH.shape)} and input_ids {tuple(input_ids_BT.shape)} "
+            "must agree on [B, T]"
+        )
+    if length == 0:
+        return hidden_BTH.new_zeros(batch, 0, width, dtype=torch.float32)
+    step = chunk_tokens or max(1, CHUNK_ELEMENTS // weight_VH.shape[0])
+    hidden_NH = hidden_BTH[:, :-1].reshape(-1, hidden_size)
+    targets_N = input_ids_BT[:, 1:].reshape(-1)
+    # Recompute in backward only when a backward can come; inference keeps nothing anyway.
+    is_recomputed = torch.is_grad_enabled() and (hidden_NH.requires_grad or weight_VH.requires_grad)
+    parts = []
+    # At least one (maybe empty) chunk: a one-token dummy micro-batch must still reach the head's
+    # weight, so DDP and FSDP2 see its (zero) gradient and run their collectives.
+    for start in range(0, max(hidden_NH.shape[0], 1), step):
+        args = (hidden_NH[start : start + step], weight_VH, targets_N[start : start + step])
+        if is_recomputed:
+            # Nothing random inside: no RNG state to stash and restore per chunk.
+            part = checkpoint(
+                chunk_fn, *args, *extra, use_reentrant=False, preserve_rng_state=False
+            )
+        else:
+            part = chunk_fn(*args, *extra)
+        parts.append(part)
+    out_NW = torch.cat(parts)
+    return torch.nn.functional.pad(out_NW.view(batch, length - 1, width), (0, 0, 1, 0))
+
+
 def head_logprobs(
     head: torch.nn.Linear,
     hidden_BTH: torch.Tensor,
@@ -77,44 +123,17 @@ def head_logprobs(
     chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """[B, T, 1 or 2] float32: logprob of each input token (and entropy), position 0 = 0."""
-    batch, length, hidden_size = hidden_BTH.shape
-    if (batch, length) != tuple(input_ids_BT.shape):
-        raise ValueError(
-            f"hidden states {tuple(hidden_BTH.shape)} and input_ids {tuple(input_ids_BT.shape)} "
-            "must agree on [B, T]"
-        )
-    width = 2 if needs_entropy else 1
-    if length == 0:
-        return hidden_BTH.new_zeros(batch, 0, width, dtype=torch.float32)
-    if chunk_tokens is None:
-        chunk_tokens = max(1, CHUNK_ELEMENTS // head.out_features)
-    hidden_NH = hidden_BTH[:, :-1].reshape(-1, hidden_size)
-    targets_N = input_ids_BT[:, 1:].reshape(-1)
-    # Recompute in backward only when a backward can come; inference keeps nothing anyway.
-    is_recomputed = torch.is_grad_enabled() and (
-        hidden_NH.requires_grad or head.weight.requires_grad
+    return in_chunks(
+        _chunk_logprobs,
+        hidden_BTH,
+        input_ids_BT,
+        head.weight,
+        head.bias,
+        temperature,
+        needs_entropy,
+        width=2 if needs_entropy else 1,
+        chunk_tokens=chunk_tokens,
     )
-    parts = []
-    # At least one (maybe empty) chunk: a one-token dummy micro-batch must still reach the head's
-    # weight, so DDP and FSDP2 see its (zero) gradient and run their collectives.
-    for start in range(0, max(hidden_NH.shape[0], 1), chunk_tokens):
-        args = (
-            hidden_NH[start : start + chunk_tokens],
-            head.weight,
-            head.bias,
-            targets_N[start : start + chunk_tokens],
-            temperature,
-            needs_entropy,
-        )
-        if is_recomputed:
-            # Nothing random inside: no RNG state to stash and restore per chunk.
-            parts.append(
-                checkpoint(_chunk_logprobs, *args, use_reentrant=False, preserve_rng_state=False)
-            )
-        else:
-            parts.append(_chunk_logprobs(*args))
-    out_NW = torch.cat(parts)
-    return torch.nn.functional.pad(out_NW.view(batch, length - 1, width), (0, 0, 1, 0))
 
 
 @contextlib.contextmanager

@@ -22,9 +22,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from yatt.core._head_logprobs import CHUNK_ELEMENTS
+from yatt.core._head_logprobs import in_chunks
 from yatt.core.megatron._vocab_parallel import (
     compute_vocab_parallel_entropy,
     compute_vocab_parallel_logprobs,
@@ -100,29 +99,15 @@ def logprobs_in_output_layer(
         assert not layer.sequence_parallel, "see supports_output_layer_logprobs"
         hidden_SBH = copy_to_tensor_model_parallel_region(hidden_SBH, group=tp_group)
         hidden_SBH = _ContiguousGrad.apply(hidden_SBH)
-        length, batch, hidden_size = hidden_SBH.shape
-        assert (batch, length) == tuple(input_ids_BT.shape), (hidden_SBH.shape, input_ids_BT.shape)
-        hidden_NH = hidden_SBH.transpose(0, 1)[:, :-1].reshape(-1, hidden_size)
-        targets_N = input_ids_BT[:, 1:].reshape(-1)
-        step = chunk_tokens or max(1, CHUNK_ELEMENTS // weight_VlH.shape[0])
-        is_recomputed = torch.is_grad_enabled() and (
-            hidden_NH.requires_grad or weight_VlH.requires_grad
+        out_BTW = in_chunks(
+            _chunk,
+            hidden_SBH.transpose(0, 1),
+            input_ids_BT,
+            weight_VlH,
+            settings,
+            width=2 if needs_entropy else 1,
+            chunk_tokens=chunk_tokens,
         )
-        parts = []
-        # At least one chunk, even empty: every parameter must still get its (zero) gradient.
-        for start in range(0, max(hidden_NH.shape[0], 1), step):
-            args = (hidden_NH[start : start + step], weight_VlH, targets_N[start : start + step])
-            if is_recomputed:
-                parts.append(
-                    checkpoint(
-                        _chunk, *args, settings, use_reentrant=False, preserve_rng_state=False
-                    )
-                )
-            else:
-                parts.append(_chunk(*args, settings))
-        width = 2 if needs_entropy else 1
-        out_BTW = torch.cat(parts).view(batch, length - 1, width)
-        out_BTW = torch.nn.functional.pad(out_BTW, (0, 0, 1, 0))
         return out_BTW.transpose(0, 1), None  # GPTModel transposes [S, B] back to [B, S]
 
     layer.forward = forward  # an instance attribute: parameter names and hooks stay
