@@ -1,4 +1,10 @@
-"""The vLLM and SGLang adapters against fakes of the engines' public APIs (no GPU, no install)."""
+"""The vLLM and SGLang adapters against fakes of the engines' public APIs (no GPU, no install).
+
+The fakes mirror vLLM 0.26.0 and SGLang 0.5.17, the versions the adapters were verified on with a
+GPU (tests/test_gpu_engines.py): their method signatures, and the behaviours the adapters must
+bridge (SGLang refuses prompt + max_new_tokens beyond its context, skips stop_token_ids under
+ignore_eos, and reads a sampling_seed only in deterministic mode).
+"""
 
 NUM_GPUS = 0
 
@@ -10,7 +16,14 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from yatt.rollout import Request, SamplingParams, SGLangEngine, VLLMConfig, VLLMEngine
+from yatt.rollout import (
+    Request,
+    SamplingParams,
+    SGLangConfig,
+    SGLangEngine,
+    VLLMConfig,
+    VLLMEngine,
+)
 from yatt.rollout._sglang import completion_from_sglang, sglang_memory_tags, sglang_sampling_params
 from yatt.rollout._vllm import finish_reason_of, sampled_logprobs, vllm_prompt, vllm_sampling_kwargs
 
@@ -78,16 +91,16 @@ class _FakeLLM:
     def get_tokenizer(self):
         return "tok"
 
-    def collective_rpc(self, method, args=()):
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.calls.append((method, [n for n, _ in args[0]]))
 
-    def reset_prefix_cache(self):
+    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
         self.calls.append(("reset_prefix_cache",))
 
-    def sleep(self, level):
+    def sleep(self, level=1, mode="abort"):
         self.calls.append(("sleep", level))
 
-    def wake_up(self, tags):
+    def wake_up(self, tags=None):
         self.calls.append(("wake_up", tags))
 
 
@@ -99,6 +112,7 @@ class _FakeVLLMSamplingParams:
 @pytest.fixture
 def fake_vllm(monkeypatch):
     module = types.ModuleType("vllm")
+    module.__version__ = "0.26.0"
     module.LLM = _FakeLLM
     module.SamplingParams = _FakeVLLMSamplingParams
     module.sampling_params = types.SimpleNamespace(
@@ -258,33 +272,52 @@ class _FakeTokenizerManager:
 
 
 class _FakeSGLEngine:
+    """sglang.Engine: emits tokens 0, 1, 2, ... (a stop token ends it unless ignore_eos)."""
+
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.tokenizer_manager = _FakeTokenizerManager()
+        if kwargs.get("context_length"):
+            self.tokenizer_manager.context_len = kwargs["context_length"]
         self.loop = asyncio.new_event_loop()
         self.calls = []
+        self.seen_params = []
 
-    async def async_generate(self, input_ids, sampling_params, image_data, return_logprob):
+    async def async_generate(
+        self, prompt=None, sampling_params=None, input_ids=None, image_data=None,
+        return_logprob=False, **kwargs,
+    ):  # fmt: skip
         await asyncio.sleep(0.001 * input_ids[0])
+        self.seen_params.append(sampling_params)
         n = sampling_params["max_new_tokens"]
+        context = self.tokenizer_manager.context_len
+        if len(input_ids) + n > context:  # TokenizerManager._validate_one_request
+            raise ValueError("Requested token count exceeds the model's maximum context length")
+        n = min(n, context - len(input_ids) - 1)  # Scheduler: strictly below the context
+        tokens, reason = list(range(n)), "length"
+        stops = sampling_params.get("stop_token_ids") or []
+        if not sampling_params.get("ignore_eos"):  # Req._check_token_based_finish
+            cut = next((i for i, t in enumerate(tokens) if t in stops), None)
+            if cut is not None:
+                tokens, reason = tokens[: cut + 1], "stop"
         return {
-            "output_ids": list(range(n)),
+            "output_ids": tokens,
             "meta_info": {
-                "output_token_logprobs": [(-1.0, t, None) for t in range(n)],
-                "finish_reason": {"type": "length"},
+                "output_token_logprobs": [(-1.0, t, None) for t in tokens],
+                "finish_reason": {"type": reason},
             },
         }
 
-    def update_weights_from_tensor(self, named_tensors, flush_cache):
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         self.calls.append(("update", [n for n, _ in named_tensors], flush_cache))
 
     def flush_cache(self):
         self.calls.append(("flush",))
 
-    def release_memory_occupation(self):
+    def release_memory_occupation(self, tags=None):
         self.calls.append(("release",))
 
-    def resume_memory_occupation(self, tags):
+    def resume_memory_occupation(self, tags=None):
         self.calls.append(("resume", tags))
 
     def shutdown(self):
@@ -294,6 +327,7 @@ class _FakeSGLEngine:
 @pytest.fixture
 def fake_sglang(monkeypatch):
     module = types.ModuleType("sglang")
+    module.__version__ = "0.5.17"
     module.Engine = _FakeSGLEngine
     srt = types.ModuleType("sglang.srt")
     srt.constants = types.SimpleNamespace(GPU_MEMORY_TYPE_CUDA_GRAPH="cuda_graph")
@@ -335,3 +369,57 @@ def test_adapters_honour_per_request_max_new_tokens(fake_vllm, fake_sglang):
         assert lengths == [(0, 2), (0, 2), (1, 5), (1, 5)], type(engine).__name__
         with pytest.raises(ValueError, match=r"requests\[0\]\.max_new_tokens=0"):
             engine.generate([Request(prompt_ids=[1], max_new_tokens=0)], sampling)
+
+
+def test_sglang_engine_bridges_context_stop_tokens_and_seeds(fake_sglang):
+    engine = SGLangEngine("/models/x", config=SGLangConfig(context_length=16))
+    inner = engine._engine
+    assert inner.kwargs["context_length"] == 17 and engine.max_seq_len == 16
+    assert inner.kwargs["enable_deterministic_inference"] is True
+    assert inner.kwargs["enable_weights_cpu_backup"] is True
+    # A prompt of 10 and 50 new tokens: capped at the context, not refused.
+    out = engine.generate([Request(prompt_ids=[1] * 10)], SamplingParams(max_new_tokens=50))
+    assert len(out[0].response_ids) == 6 and out[0].finish_reason == "length"
+    assert inner.seen_params[-1]["sampling_seed"] is not None
+    # ignore_eos makes SGLang skip stop tokens; the adapter cuts after the first one.
+    sampling = SamplingParams(max_new_tokens=5, ignore_eos=True, stop_token_ids=(2,))
+    out = engine.generate([Request(prompt_ids=[1])], sampling)
+    assert out[0].response_ids == [0, 1, 2] and out[0].logprobs == [-1.0] * 3
+    assert out[0].finish_reason == "stop"
+    engine.close()
+    fast = SGLangEngine("/models/x", config=SGLangConfig(seed_each_sample=False))
+    assert fast._engine.kwargs["enable_deterministic_inference"] is False
+    fast.generate([Request(prompt_ids=[1])], SamplingParams(max_new_tokens=2, seed=3))
+    assert "sampling_seed" not in fast._engine.seen_params[-1]
+    fast.close()
+
+
+def test_vllm_engine_without_per_sample_seeds(fake_vllm):
+    engine = VLLMEngine("/models/x", config=VLLMConfig(seed_each_sample=False))
+    seen = []
+    original = engine._llm.llm_engine.add_request
+    engine._llm.llm_engine.add_request = lambda rid, p, params: (
+        seen.append(params.seed),
+        original(rid, p, params),
+    )
+    engine.generate([Request(prompt_ids=[5])], SamplingParams(n=2, max_new_tokens=2, seed=4))
+    assert seen == [None, None]
+
+
+def test_engine_checks_run_before_the_engine_starts(fake_vllm, fake_sglang, tmp_path, monkeypatch):
+    from yatt.rollout._engine_deps import require_engine
+
+    fake_vllm.__version__ = "0.27.1"
+    with pytest.raises(ImportError, match=r"tested with vllm 0\.26\.0.*yatt-rollout\[vllm\]"):
+        VLLMEngine("/models/x")
+    monkeypatch.setenv("YATT_ALLOW_UNTESTED_ENGINE", "1")
+    assert require_engine("vllm", "/models/x") is fake_vllm
+    monkeypatch.setitem(sys.modules, "sglang", None)  # not installed
+    with pytest.raises(ImportError, match=r"pip install 'yatt-rollout\[sglang\]'"):
+        SGLangEngine("/models/x")
+    fake_vllm.ModelRegistry = types.SimpleNamespace(
+        get_supported_archs=lambda: {"Qwen2ForCausalLM"}
+    )
+    (tmp_path / "config.json").write_text('{"architectures": ["MambaForCausalLM"]}')
+    with pytest.raises(ValueError, match="cannot serve architecture"):
+        VLLMEngine(tmp_path)

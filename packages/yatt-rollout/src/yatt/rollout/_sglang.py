@@ -6,7 +6,16 @@
 
 Memory: `release_memory_occupation` / `resume_memory_occupation` (the engine is built with
 enable_memory_saver=True). Weights: `update_weights_from_tensor`, one bucket per call, then a
-cache flush. The mapping functions are pure so CPU tests cover them; nothing here ran on a GPU.
+cache flush. Verified on SGLang 0.5.17 on an H100 (packages/yatt-rollout/tests/test_gpu_engines.py).
+Where SGLang differs from our protocol, the adapter bridges it:
+- seeds: SGLang reads `sampling_seed` only with enable_deterministic_inference (batch-invariant
+  kernels, slower); `seed_each_sample=False` drops both for speed and loses reproducibility;
+- context: SGLang keeps prompt + new tokens strictly below `context_length` and refuses a
+  request asking for more, where our engines stop at the context with reason "length": the
+  engine is built one position longer and each request's `max_new_tokens` is capped;
+- `ignore_eos=True` also disables SGLang's `stop_token_ids`; our protocol ignores only the
+  model's EOS, so the stop tokens are then applied here, to the returned tokens;
+- sleep drops the weights unless enable_weights_cpu_backup is set (`weights_cpu_backup`).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Any
 import torch
 
 from yatt.rollout._adapter import ThreadedAdapter
+from yatt.rollout._engine_deps import require_engine
 from yatt.rollout._requests import request_id_of
 from yatt.rollout._sampling import derive_key
 from yatt.rollout._types import (
@@ -39,7 +49,9 @@ class SGLangConfig:
 
     dtype: str = "auto"
     mem_fraction_static: float = 0.5  # leave room for a colocated trainer or GenRM
-    context_length: int | None = None  # None: the model's own
+    context_length: int | None = None  # prompt + response tokens; None: the model's own
+    seed_each_sample: bool = True  # reproducible samples (SGLang's deterministic mode)
+    weights_cpu_backup: bool = True  # sleep keeps the weights on the host (else: sync on wake)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -50,13 +62,14 @@ class SGLangConfig:
 
 
 def sglang_sampling_params(
-    sampling: SamplingParams, *, sample_seed: int, max_new_tokens: int | None = None
+    sampling: SamplingParams, *, sample_seed: int | None, max_new_tokens: int | None = None
 ) -> dict[str, Any]:
     """Our SamplingParams as one SGLang sampling-params dict (one sample per request).
 
     max_new_tokens: a request's own limit (Request.max_new_tokens), overriding the call's.
+    sample_seed None: no per-sample seed (the engine is not in deterministic mode).
     """
-    return {
+    params = {
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang: -1 disables
@@ -66,14 +79,25 @@ def sglang_sampling_params(
         "stop_token_ids": list(sampling.stop_token_ids),
         "ignore_eos": sampling.ignore_eos,
         "skip_special_tokens": False,
-        "sampling_seed": sample_seed,
     }
+    if sample_seed is not None:
+        params["sampling_seed"] = sample_seed
+    return params
 
 
 def completion_from_sglang(
-    output: dict[str, Any], *, request_index: int, sample_index: int, request: Request
+    output: dict[str, Any],
+    *,
+    request_index: int,
+    sample_index: int,
+    request: Request,
+    stop_token_ids: Sequence[int] = (),
 ) -> Completion:
-    """One SGLang output dict (output_ids, meta_info) as a Completion."""
+    """One SGLang output dict (output_ids, meta_info) as a Completion.
+
+    stop_token_ids: applied here (cut after the first one, reason "stop") when the request ran
+    with ignore_eos, which makes SGLang skip them.
+    """
     meta = output["meta_info"]
     tokens = list(output["output_ids"])
     logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
@@ -86,6 +110,9 @@ def completion_from_sglang(
     if reason not in ("stop", "length", "abort"):
         raise RuntimeError(f"SGLang finished a request with unknown reason {reason!r}")
     finish: FinishReason = reason
+    stop_at = next((i for i, t in enumerate(tokens) if t in stop_token_ids), None)
+    if stop_at is not None:
+        tokens, logprobs, finish = tokens[: stop_at + 1], logprobs[: stop_at + 1], "stop"
     return Completion(
         request_index=request_index,
         sample_index=sample_index,
@@ -113,22 +140,28 @@ class SGLangEngine(ThreadedAdapter):
 
     def __init__(self, model: str | Path, *, config: SGLangConfig | None = None) -> None:
         self.config = config = config if config is not None else SGLangConfig()
-        import sglang  # lazy: an optional, GPU-only dependency
+        # Lazy: an optional, GPU-only dependency; checked before any GPU memory is taken.
+        sglang = require_engine("sglang", model)
         from sglang.srt import constants
 
         kwargs = {
             "model_path": str(model),
             "enable_memory_saver": True,
+            "enable_weights_cpu_backup": config.weights_cpu_backup,
+            # SGLang reads a request's sampling_seed only in deterministic mode (0.5.17:
+            # SamplingBatchInfo.from_schedule_batch); without it every seed draws alike.
+            "enable_deterministic_inference": config.seed_each_sample,
             "dtype": config.dtype,
             "mem_fraction_static": config.mem_fraction_static,
-            **({"context_length": config.context_length} if config.context_length else {}),
+            # One position more: SGLang keeps prompt + new tokens below its context length.
+            **({"context_length": config.context_length + 1} if config.context_length else {}),
             **config.engine_kwargs,
         }
         self._engine = sglang.Engine(**kwargs)
         self._has_cuda_graph_tag = hasattr(constants, "GPU_MEMORY_TYPE_CUDA_GRAPH")
         manager = self._engine.tokenizer_manager
         self.tokenizer = manager.tokenizer
-        self.max_seq_len = manager.context_len
+        self.max_seq_len = manager.context_len - 1
         self.vocab_size = manager.model_config.vocab_size
         self.is_multimodal = bool(getattr(manager.model_config, "is_multimodal", False))
         self._lock = threading.Lock()
@@ -141,30 +174,37 @@ class SGLangEngine(ThreadedAdapter):
 
     def _prepare(self, requests: Sequence[Request], sampling: SamplingParams) -> list[tuple]:
         seed = self._validate_and_seed(requests, sampling)
-        return [
-            (
-                i,
-                j,
-                request,
-                sglang_sampling_params(
+        is_seeded = self.config.seed_each_sample
+        # With ignore_eos SGLang skips stop_token_ids: they are applied to the output instead.
+        local_stops = tuple(sampling.stop_token_ids) if sampling.ignore_eos else ()
+        jobs = []
+        for i, request in enumerate(requests):
+            wanted = request.max_new_tokens or sampling.max_new_tokens
+            room = self.max_seq_len - len(request.prompt_ids)
+            for j in range(sampling.n):
+                params = sglang_sampling_params(
                     sampling,
-                    sample_seed=derive_key(seed, i, j),
-                    max_new_tokens=request.max_new_tokens,
-                ),
-            )
-            for i, request in enumerate(requests)
-            for j in range(sampling.n)
-        ]
+                    sample_seed=derive_key(seed, i, j) if is_seeded else None,
+                    max_new_tokens=min(wanted, room),
+                )
+                jobs.append((i, j, request, params, local_stops))
+        return jobs
 
     def _run(self, jobs: list[tuple], emit) -> None:
-        async def one(i: int, j: int, request: Request, params: dict[str, Any]) -> None:
+        async def one(
+            i: int, j: int, request: Request, params: dict[str, Any], stops: tuple[int, ...]
+        ) -> None:
             output = await self._engine.async_generate(
                 input_ids=list(request.prompt_ids),
                 sampling_params=params,
                 image_data=list(request.images) if request.images else None,
                 return_logprob=True,
             )
-            emit(completion_from_sglang(output, request_index=i, sample_index=j, request=request))
+            emit(
+                completion_from_sglang(
+                    output, request_index=i, sample_index=j, request=request, stop_token_ids=stops
+                )
+            )
 
         async def all_jobs() -> None:
             await asyncio.gather(*(one(*job) for job in jobs))

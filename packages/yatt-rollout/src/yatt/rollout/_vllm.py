@@ -9,7 +9,9 @@ Weights load through a worker extension (`_vllm_worker.WeightLoaderExtension`) c
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), so buckets pass by reference, not through a pipe.
 Logprobs are vLLM's "processed_logprobs": log softmax(logits / T) after top-k/top-p, which is
 our definition when top_p == 1 and top_k == 0 (vLLM has no untruncated tempered mode).
-The mapping functions below are pure so CPU tests cover them; nothing here ran on a GPU yet.
+Verified on vLLM 0.26.0 on an H100 (packages/yatt-rollout/tests/test_gpu_engines.py). A seed per
+sample sends vLLM's sampler down its per-request-generator path, one kernel per request and
+step: `seed_each_sample=False` trades reproducibility for speed (bench/engines.py measures it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from yatt.rollout._adapter import ThreadedAdapter
+from yatt.rollout._engine_deps import require_engine
 from yatt.rollout._requests import request_id_of
 from yatt.rollout._sampling import derive_key
 from yatt.rollout._types import (
@@ -51,6 +54,7 @@ class VLLMConfig:
     max_model_len: int | None = None  # None: the model's own
     sleep_level: int = 1  # 1: weights to CPU, KV dropped; 2: both dropped (sync weights on wake)
     enforce_eager: bool = False  # True disables vLLM's CUDA graphs
+    seed_each_sample: bool = True  # reproducible samples (vLLM's per-request generators)
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -64,11 +68,12 @@ class VLLMConfig:
 
 
 def vllm_sampling_kwargs(
-    sampling: SamplingParams, *, sample_seed: int, max_new_tokens: int | None = None
+    sampling: SamplingParams, *, sample_seed: int | None, max_new_tokens: int | None = None
 ) -> dict[str, Any]:
     """Our SamplingParams as keyword arguments of one n=1 `vllm.SamplingParams`.
 
     max_new_tokens: a request's own limit (Request.max_new_tokens), overriding the call's.
+    sample_seed None: drawn from the engine's global generator (not reproducible per sample).
     """
     return {
         "n": 1,
@@ -119,8 +124,8 @@ class VLLMEngine(ThreadedAdapter):
                 "VLLM_ENABLE_V1_MULTIPROCESSING is set to 1: the engine core would run in "
                 "another process and weight buckets would be copied through a pipe; unset it"
             )
-        import vllm  # lazy: an optional, GPU-only dependency
-
+        # Lazy: an optional, GPU-only dependency; checked before any GPU memory is taken.
+        vllm = require_engine("vllm", model)
         self._vllm = vllm
         kwargs = {
             "model": str(model),
@@ -148,13 +153,14 @@ class VLLMEngine(ThreadedAdapter):
 
     def _prepare(self, requests: Sequence[Request], sampling: SamplingParams) -> list[tuple]:
         seed = self._validate_and_seed(requests, sampling)
+        config = self.config
         output_kind = self._vllm.sampling_params.RequestOutputKind.DELTA
         jobs = []
         for i, request in enumerate(requests):
             for j in range(sampling.n):
                 kwargs = vllm_sampling_kwargs(
                     sampling,
-                    sample_seed=derive_key(seed, i, j),
+                    sample_seed=derive_key(seed, i, j) if config.seed_each_sample else None,
                     max_new_tokens=request.max_new_tokens,
                 )
                 params = self._vllm.SamplingParams(**kwargs, output_kind=output_kind)

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# vLLM and SGLang on the device machine, one step per argument:
+#   bash bench/engines_gpu.sh unpack probe vllm_tests sglang_tests bench
+#
+# The machine has no registry, so each engine's site-packages (its wheels installed here with
+# `pip install --target`, cp312, minus what the machine already has) arrive as xz pieces in
+# /root/wheels/<name>_site.tar.xz.part-*, one piece per device call (scripts/pack_engine_site.sh
+# makes them). `unpack` joins them into /root/site_vllm and /root/site_sgl; each engine then
+# runs in its own process with its own site first on PYTHONPATH.
+set -uo pipefail
+OUT=${OUT:-/tmp/yatt-gpu-out}
+mkdir -p "$OUT"
+source "$(dirname "$0")/_gpu_env.sh"  # PYTHONPATH for our packages, NCCL settings, device.txt
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
+
+# The built-in engine borrows torch_memory_saver from SGLang's site (the image lacks it).
+site_of() { case $1 in vllm) echo /root/site_vllm ;; *) echo /root/site_sgl ;; esac; }
+with_engine() {  # with_engine <engine> cmd...: the engine's site-packages first on the path
+  local site; site=$(site_of "$1"); shift
+  PYTHONPATH="${site:+$site:}$PYTHONPATH" "$@"
+}
+run_step() {
+  local name=$1; shift
+  local start=$SECONDS
+  echo "=== $name"
+  timeout "${STEP_TIMEOUT:-420}" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - start))s"
+  tail -n "${TAIL_LINES:-30}" "$OUT/$name.log"
+}
+
+unpack() {
+  for name in vllm sgl; do
+    [ -d "/root/site_$name" ] && continue
+    ls /root/wheels/${name}_site.tar.xz.part-* >/dev/null 2>&1 || { echo "no pieces for $name"; continue; }
+    cat /root/wheels/${name}_site.tar.xz.part-* | python3 -c \
+      "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root')"
+    du -sh "/root/site_$name"
+  done
+}
+
+probe() {  # what each engine imports, and which of its requirements the machine does not meet
+  for engine in vllm sglang; do
+    with_engine "$engine" python3 - "$engine" <<'EOF'
+import importlib, importlib.metadata as md, sys
+from packaging.requirements import Requirement
+engine = sys.argv[1]
+mods = {"vllm": ["vllm", "vllm.entrypoints.llm", "vllm.v1.worker.gpu_worker"],
+        "sglang": ["sglang", "sglang.srt.entrypoints.engine", "sgl_kernel"]}[engine]
+for m in mods:
+    try:
+        importlib.import_module(m); print(engine, "import ok", m)
+    except Exception as e:
+        print(engine, "import FAIL", m, type(e).__name__, str(e)[:300])
+for req in md.requires(engine) or []:
+    r = Requirement(req)
+    if r.marker and not r.marker.evaluate({"extra": ""}):
+        continue
+    try:
+        got = md.version(r.name)
+        if got not in r.specifier:
+            print(engine, "version", r.name, got, "wanted", r.specifier)
+    except md.PackageNotFoundError:
+        print(engine, "missing", r.name)
+EOF
+  done
+}
+
+for step in "$@"; do
+  case $step in
+    unpack) unpack ;;
+    probe) probe 2>&1 | tee "$OUT/probe.log" | grep -v "^$" ;;
+    vllm_tests)
+      run_step vllm_tests env YATT_ENGINE=vllm PYTHONPATH="/root/site_vllm:$PYTHONPATH" \
+        python3 -m pytest -q -rs -p no:cacheprovider packages/yatt-rollout/tests/test_gpu_engines.py ;;
+    sglang_tests)
+      run_step sglang_tests env YATT_ENGINE=sglang PYTHONPATH="/root/site_sgl:$PYTHONPATH" \
+        python3 -m pytest -q -rs -p no:cacheprovider packages/yatt-rollout/tests/test_gpu_engines.py ;;
+    bench)
+      for run in builtin vllm sglang "vllm --unseeded" "sglang --unseeded"; do
+        engine=${run%% *}; tag=${run// --/_}
+        site=$(site_of "$engine")
+        run_step "bench_$tag" env PYTHONPATH="${site:+$site:}$PYTHONPATH" \
+          python3 bench/engines.py --engine $run --out "$OUT/engines_$tag.json"
+      done
+      python3 bench/engines.py --report "$OUT"/engines_*.json --md "$OUT/engines.md" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
