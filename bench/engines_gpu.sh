@@ -84,6 +84,23 @@ for step in "$@"; do
           python3 bench/engines.py --engine $run --out "$OUT/engines_$tag.json"
       done
       python3 bench/engines.py --report "$OUT"/engines_*.json --md "$OUT/engines.md" ;;
+    trainer_vllm|trainer_sglang|trainer_vllm_partial|trainer_sglang_partial)
+      # The reference trainer on the embedded task with vLLM/SGLang as the rollout engine
+      # (bf16 engine, float32 policy), 30 steps; the embedded models are built once and shared.
+      engine=${step#trainer_}; placement=full
+      case $engine in *_partial) engine=${engine%_partial}; placement=partial ;; esac
+      site=$(site_of "$engine"); run=/tmp/yatt-runs/$step; shared=/tmp/yatt-runs/embedded
+      opts=(rollout.backend_options.dtype=bfloat16)
+      if [ "$engine" = vllm ]; then opts+=(rollout.backend_options.gpu_memory_utilization=0.2)
+      else opts+=(rollout.backend_options.mem_fraction_static=0.2
+                  rollout.backend_options.engine_kwargs.attention_backend=triton); fi
+      if [ -d $shared/policy ]; then
+        opts+=(policy.model_dir=$shared/policy data.path=$shared/prompts.jsonl reward.judge_dir=$shared/judge)
+      fi
+      run_step "$step" env PYTHONPATH="$site:$PYTHONPATH" python3 examples/train_grpo.py \
+        out_dir=$run num_steps=${TRAINER_STEPS:-30} placement=$placement rollout.backend=$engine "${opts[@]}"
+      [ -d $shared/policy ] || cp -r $run/embedded $shared 2>/dev/null
+      cp $run/metrics.jsonl "$OUT/${step}_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown step $step" ;;
   esac
 done
