@@ -37,6 +37,8 @@ unpack() {
       "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root')"
     du -sh "/root/site_$name"
   done
+  # The built-in engine (a trainer's judge beside vLLM) needs torch_memory_saver: SGLang has it.
+  [ -d /root/site_vllm/torch_memory_saver ] || cp -r /root/site_sgl/torch_memory_saver* /root/site_vllm/
 }
 
 probe() {  # what each engine imports, and which of its requirements the machine does not meet
@@ -77,7 +79,10 @@ for step in "$@"; do
       run_step sglang_tests env YATT_ENGINE=sglang PYTHONPATH="/root/site_sgl:$PYTHONPATH" \
         python3 -m pytest -q -rs -p no:cacheprovider packages/yatt-rollout/tests/test_gpu_engines.py ;;
     bench)
-      for run in builtin vllm sglang "vllm --unseeded" "sglang --unseeded"; do
+      runs=(builtin vllm sglang "vllm --unseeded" "sglang --unseeded" "vllm --unseeded --native"
+            "sglang --unseeded --native")
+      [ -n "${BENCH_RUNS:-}" ] && IFS=, read -r -a runs <<<"$BENCH_RUNS"  # e.g. "vllm,vllm --native"
+      for run in "${runs[@]}"; do
         engine=${run%% *}; tag=${run// --/_}
         site=$(site_of "$engine")
         run_step "bench_$tag" env PYTHONPATH="${site:+$site:}$PYTHONPATH" \

@@ -374,12 +374,12 @@ def test_adapters_honour_per_request_max_new_tokens(fake_vllm, fake_sglang):
 def test_sglang_engine_bridges_context_stop_tokens_and_seeds(fake_sglang):
     engine = SGLangEngine("/models/x", config=SGLangConfig(context_length=16))
     inner = engine._engine
-    assert inner.kwargs["context_length"] == 17 and engine.max_seq_len == 16
+    assert inner.kwargs["context_length"] == 16 and engine.max_seq_len == 15
     assert inner.kwargs["enable_deterministic_inference"] is True
     assert inner.kwargs["enable_weights_cpu_backup"] is True
     # A prompt of 10 and 50 new tokens: capped at the context, not refused.
     out = engine.generate([Request(prompt_ids=[1] * 10)], SamplingParams(max_new_tokens=50))
-    assert len(out[0].response_ids) == 6 and out[0].finish_reason == "length"
+    assert len(out[0].response_ids) == 5 and out[0].finish_reason == "length"
     assert inner.seen_params[-1]["sampling_seed"] is not None
     # ignore_eos makes SGLang skip stop tokens; the adapter cuts after the first one.
     sampling = SamplingParams(max_new_tokens=5, ignore_eos=True, stop_token_ids=(2,))

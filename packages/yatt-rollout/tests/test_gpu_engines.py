@@ -106,7 +106,7 @@ def target(model_dir):
     target = ConformanceTarget(
         engine=engine,
         vocab_size=reference.config.vocab_size,
-        max_seq_len=MAX_SEQ_LEN,
+        max_seq_len=engine.max_seq_len,  # SGLang serves one position less than its context
         # GPU tensors of a trainer's model, then pinned CPU tensors to restore the original.
         new_weights=lambda: other.named_parameters(),
         original_weights=lambda: pinned.items(),

@@ -10,9 +10,10 @@ cache flush. Verified on SGLang 0.5.17 on an H100 (packages/yatt-rollout/tests/t
 Where SGLang differs from our protocol, the adapter bridges it:
 - seeds: SGLang reads `sampling_seed` only with enable_deterministic_inference (batch-invariant
   kernels, slower); `seed_each_sample=False` drops both for speed and loses reproducibility;
-- context: SGLang keeps prompt + new tokens strictly below `context_length` and refuses a
-  request asking for more, where our engines stop at the context with reason "length": the
-  engine is built one position longer and each request's `max_new_tokens` is capped;
+- context: SGLang keeps prompt + new tokens strictly below `context_length` (and refuses a
+  context beyond the model's positions) and refuses a request asking for more, where our
+  engines stop at the context with reason "length": the adapter serves `context_length - 1`
+  positions (its `max_seq_len`) and caps each request's `max_new_tokens` there;
 - `ignore_eos=True` also disables SGLang's `stop_token_ids`; our protocol ignores only the
   model's EOS, so the stop tokens are then applied here, to the returned tokens;
 - sleep drops the weights unless enable_weights_cpu_backup is set (`weights_cpu_backup`).
@@ -49,7 +50,7 @@ class SGLangConfig:
 
     dtype: str = "auto"
     mem_fraction_static: float = 0.5  # leave room for a colocated trainer or GenRM
-    context_length: int | None = None  # prompt + response tokens; None: the model's own
+    context_length: int | None = None  # None: the model's own; serves one token less
     seed_each_sample: bool = True  # reproducible samples (SGLang's deterministic mode)
     weights_cpu_backup: bool = True  # sleep keeps the weights on the host (else: sync on wake)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -153,14 +154,14 @@ class SGLangEngine(ThreadedAdapter):
             "enable_deterministic_inference": config.seed_each_sample,
             "dtype": config.dtype,
             "mem_fraction_static": config.mem_fraction_static,
-            # One position more: SGLang keeps prompt + new tokens below its context length.
-            **({"context_length": config.context_length + 1} if config.context_length else {}),
+            **({"context_length": config.context_length} if config.context_length else {}),
             **config.engine_kwargs,
         }
         self._engine = sglang.Engine(**kwargs)
         self._has_cuda_graph_tag = hasattr(constants, "GPU_MEMORY_TYPE_CUDA_GRAPH")
         manager = self._engine.tokenizer_manager
         self.tokenizer = manager.tokenizer
+        # SGLang keeps prompt + new tokens strictly below its context length.
         self.max_seq_len = manager.context_len - 1
         self.vocab_size = manager.model_config.vocab_size
         self.is_multimodal = bool(getattr(manager.model_config, "is_multimodal", False))
