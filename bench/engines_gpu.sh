@@ -79,6 +79,9 @@ for step in "$@"; do
       run_step sglang_tests env YATT_ENGINE=sglang PYTHONPATH="/root/site_sgl:$PYTHONPATH" \
         python3 -m pytest -q -rs -p no:cacheprovider packages/yatt-rollout/tests/test_gpu_engines.py ;;
     bench)
+      # JSON kept in BENCH_DIR (outside $OUT, which each device call empties): a later call's
+      # report merges every engine's run.
+      dir=${BENCH_DIR:-$OUT}; mkdir -p "$dir"
       runs=(builtin vllm sglang "vllm --unseeded" "sglang --unseeded" "vllm --unseeded --native"
             "sglang --unseeded --native")
       [ -n "${BENCH_RUNS:-}" ] && IFS=, read -r -a runs <<<"$BENCH_RUNS"  # e.g. "vllm,vllm --native"
@@ -86,9 +89,10 @@ for step in "$@"; do
         engine=${run%% *}; tag=${run// --/_}
         site=$(site_of "$engine")
         run_step "bench_$tag" env PYTHONPATH="${site:+$site:}$PYTHONPATH" \
-          python3 bench/engines.py --engine $run --out "$OUT/engines_$tag.json"
+          python3 bench/engines.py --engine $run --out "$dir/engines_$tag.json"
       done
-      python3 bench/engines.py --report "$OUT"/engines_*.json --md "$OUT/engines.md" ;;
+      python3 bench/engines.py --report "$dir"/engines_*.json --md "$OUT/engines.md"
+      cp "$dir"/engines_*.json "$OUT/" ;;
     trainer_vllm|trainer_sglang|trainer_vllm_partial|trainer_sglang_partial)
       # The reference trainer on the embedded task with vLLM/SGLang as the rollout engine
       # (bf16 engine, float32 policy), 30 steps; the embedded models are built once and shared.
@@ -102,10 +106,13 @@ for step in "$@"; do
       if [ -d $shared/policy ]; then
         opts+=(policy.model_dir=$shared/policy data.path=$shared/prompts.jsonl reward.judge_dir=$shared/judge)
       fi
-      run_step "$step" env PYTHONPATH="$site:$PYTHONPATH" python3 examples/train_grpo.py \
+      run_step "$step" env PYTHONPATH="$site:$PYTHONPATH" python3 "${TRAINER:-examples/train_grpo.py}" \
         out_dir=$run num_steps=${TRAINER_STEPS:-30} placement=$placement rollout.backend=$engine "${opts[@]}"
       [ -d $shared/policy ] || cp -r $run/embedded $shared 2>/dev/null
       cp $run/metrics.jsonl "$OUT/${step}_metrics.jsonl" 2>/dev/null ;;
     *) echo "unknown step $step" ;;
   esac
 done
+
+# A device call returns at most 8 files: everything goes back as one archive.
+(cd "$OUT" && tar -czf /tmp/engines_bundle.tgz . && find . -mindepth 1 -delete && mv /tmp/engines_bundle.tgz .)
