@@ -69,7 +69,7 @@ def build_engine(name: str, model_dir: Path, max_batch: int, new_tokens: int):
         kwargs = {"max_running_requests": max_batch, "attention_backend": ARGS.sglang_attention}
         config = SGLangConfig(
             mem_fraction_static=0.5,
-            context_length=max_seq_len + 1,  # SGLang serves one position less than this
+            context_length=max_seq_len + 2,  # SGLang serves 2 positions less than this
             seed_each_sample=not ARGS.unseeded,
             engine_kwargs=kwargs,
         )

@@ -279,6 +279,7 @@ class _FakeSGLEngine:
         self.tokenizer_manager = _FakeTokenizerManager()
         if kwargs.get("context_length"):
             self.tokenizer_manager.context_len = kwargs["context_length"]
+        self.max_req_len = self.tokenizer_manager.context_len - 1  # TpWorker
         self.loop = asyncio.new_event_loop()
         self.calls = []
         self.seen_params = []
@@ -293,7 +294,9 @@ class _FakeSGLEngine:
         context = self.tokenizer_manager.context_len
         if len(input_ids) + n > context:  # TokenizerManager._validate_one_request
             raise ValueError("Requested token count exceeds the model's maximum context length")
-        n = min(n, context - len(input_ids) - 1)  # Scheduler: strictly below the context
+        if len(input_ids) > self.max_req_len - 5:  # TpWorker's max_req_input_len
+            raise ValueError("Input length exceeds the maximum allowed length")
+        n = min(n, self.max_req_len - len(input_ids) - 1)  # Scheduler
         tokens, reason = list(range(n)), "length"
         stops = sampling_params.get("stop_token_ids") or []
         if not sampling_params.get("ignore_eos"):  # Req._check_token_based_finish
@@ -374,12 +377,14 @@ def test_adapters_honour_per_request_max_new_tokens(fake_vllm, fake_sglang):
 def test_sglang_engine_bridges_context_stop_tokens_and_seeds(fake_sglang):
     engine = SGLangEngine("/models/x", config=SGLangConfig(context_length=16))
     inner = engine._engine
-    assert inner.kwargs["context_length"] == 16 and engine.max_seq_len == 15
+    assert inner.kwargs["context_length"] == 16 and engine.max_seq_len == 14
     assert inner.kwargs["enable_deterministic_inference"] is True
     assert inner.kwargs["enable_weights_cpu_backup"] is True
     # A prompt of 10 and 50 new tokens: capped at the context, not refused.
     out = engine.generate([Request(prompt_ids=[1] * 10)], SamplingParams(max_new_tokens=50))
-    assert len(out[0].response_ids) == 5 and out[0].finish_reason == "length"
+    assert len(out[0].response_ids) == 4 and out[0].finish_reason == "length"
+    with pytest.raises(ValueError, match=r"at most 10 \(its context_length - 6\)"):
+        engine.generate([Request(prompt_ids=[1] * 11)], SamplingParams(max_new_tokens=1))
     assert inner.seen_params[-1]["sampling_seed"] is not None
     # ignore_eos makes SGLang skip stop tokens; the adapter cuts after the first one.
     sampling = SamplingParams(max_new_tokens=5, ignore_eos=True, stop_token_ids=(2,))

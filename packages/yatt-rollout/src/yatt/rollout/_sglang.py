@@ -10,10 +10,11 @@ cache flush. Verified on SGLang 0.5.17 on an H100 (packages/yatt-rollout/tests/t
 Where SGLang differs from our protocol, the adapter bridges it:
 - seeds: SGLang reads `sampling_seed` only with enable_deterministic_inference (batch-invariant
   kernels, slower); `seed_each_sample=False` drops both for speed and loses reproducibility;
-- context: SGLang keeps prompt + new tokens strictly below `context_length` (and refuses a
-  context beyond the model's positions) and refuses a request asking for more, where our
-  engines stop at the context with reason "length": the adapter serves `context_length - 1`
-  positions (its `max_seq_len`) and caps each request's `max_new_tokens` there;
+- context: SGLang 0.5.17 keeps prompt + new tokens <= context_length - 2 and prompts <=
+  context_length - 6 (Scheduler and TpWorker reserve positions), refuses a request asking for
+  more, and refuses a context beyond the model's positions; our engines stop at the context
+  with reason "length". The adapter serves `context_length - 2` positions (its `max_seq_len`),
+  caps each request's `max_new_tokens` there, and refuses a longer prompt itself;
 - `ignore_eos=True` also disables SGLang's `stop_token_ids`; our protocol ignores only the
   model's EOS, so the stop tokens are then applied here, to the returned tokens;
 - sleep drops the weights unless enable_weights_cpu_backup is set (`weights_cpu_backup`).
@@ -43,6 +44,11 @@ from yatt.rollout._types import (
 )
 from yatt.rollout._weights import iter_buckets
 
+# Positions SGLang 0.5.17 keeps back from context_length: for prompt + new tokens (Scheduler:
+# max_req_len - input_len - 1, max_req_len = context - 1) and for a prompt (TpWorker: - 5 more).
+CONTEXT_RESERVED = 2
+PROMPT_RESERVED = 6
+
 
 @dataclass(kw_only=True)
 class SGLangConfig:
@@ -50,7 +56,7 @@ class SGLangConfig:
 
     dtype: str = "auto"
     mem_fraction_static: float = 0.5  # leave room for a colocated trainer or GenRM
-    context_length: int | None = None  # None: the model's own; serves one token less
+    context_length: int | None = None  # None: the model's own; serves 2 positions less
     seed_each_sample: bool = True  # reproducible samples (SGLang's deterministic mode)
     weights_cpu_backup: bool = True  # sleep keeps the weights on the host (else: sync on wake)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -161,8 +167,9 @@ class SGLangEngine(ThreadedAdapter):
         self._has_cuda_graph_tag = hasattr(constants, "GPU_MEMORY_TYPE_CUDA_GRAPH")
         manager = self._engine.tokenizer_manager
         self.tokenizer = manager.tokenizer
-        # SGLang keeps prompt + new tokens strictly below its context length.
-        self.max_seq_len = manager.context_len - 1
+        # SGLang reserves positions: prompt + new tokens <= context - 2, prompt <= context - 6.
+        self.max_seq_len = manager.context_len - CONTEXT_RESERVED
+        self.max_prompt_len = manager.context_len - PROMPT_RESERVED
         self.vocab_size = manager.model_config.vocab_size
         self.is_multimodal = bool(getattr(manager.model_config, "is_multimodal", False))
         self._lock = threading.Lock()
@@ -180,6 +187,12 @@ class SGLangEngine(ThreadedAdapter):
         local_stops = tuple(sampling.stop_token_ids) if sampling.ignore_eos else ()
         jobs = []
         for i, request in enumerate(requests):
+            if len(request.prompt_ids) > self.max_prompt_len:
+                raise ValueError(
+                    f"requests[{i}] has {len(request.prompt_ids)} prompt tokens; SGLang takes at "
+                    f"most {self.max_prompt_len} (its context_length - {PROMPT_RESERVED}): "
+                    "shorten the prompt or raise SGLangConfig.context_length"
+                )
             wanted = request.max_new_tokens or sampling.max_new_tokens
             room = self.max_seq_len - len(request.prompt_ids)
             for j in range(sampling.n):

@@ -153,12 +153,13 @@ def check_stream_yields_each_once(target: ConformanceTarget) -> None:
 def check_abort(target: ConformanceTarget) -> None:
     """abort() ends a run early: in-flight samples keep partial output, all come back once.
 
-    Request 0 fills the context but for two tokens, so it finishes first; the consumer aborts
-    as soon as it arrives, while the other requests still have many tokens to go.
+    Request 0 fills the context but for 8 tokens, so it finishes first; the consumer aborts
+    as soon as it arrives, while the other requests still have many tokens to go. (8, not 2:
+    SGLang takes prompts up to 4 tokens short of its serving length.)
     """
     short = target.prompts[0]
     max_new_tokens = target.max_seq_len - len(short) - 1
-    requests = [Request(prompt_ids=[short[0]] * (target.max_seq_len - 2))] + [
+    requests = [Request(prompt_ids=[short[0]] * (target.max_seq_len - 8))] + [
         Request(prompt_ids=list(short)) for _ in range(target.abort_num_requests - 1)
     ]
     sampling = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, seed=5)
