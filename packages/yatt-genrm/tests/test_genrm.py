@@ -5,7 +5,15 @@ import re
 
 import pytest
 
-from yatt.genrm import GenRM, JudgeTemplate, Sample, ScoreParser, YesNoParser, verification_template
+from yatt.genrm import (
+    GenRM,
+    JudgeTemplate,
+    Sample,
+    ScoreParser,
+    ScoreStats,
+    YesNoParser,
+    verification_template,
+)
 from yatt.genrm._votes import aggregate_rewards
 from yatt.genrm.testing import FakeJudgeEngine
 from yatt.rollout import SamplingParams
@@ -162,7 +170,12 @@ def test_prompt_tokens_count_the_judges_load() -> None:
     engine = FakeJudgeEngine()
     genrm = GenRM(engine, template=JudgeTemplate(user="{response}!"), parser=YesNoParser(), votes=3)
     samples = [Sample(prompt="q", response="ab"), Sample(prompt="q", response="abcdefgh")]
-    genrm.score(samples)
+    verdicts = genrm.score(samples)
     lengths = [len(genrm.template.render_ids(s, engine.tokenizer)[0]) for s in samples]
     assert lengths[1] - lengths[0] == 6  # one token per byte: the longer response shows
     assert genrm.metrics["num_prompt_tokens"] == 3 * sum(lengths)  # every vote reads the prompt
+    # Each verdict carries its own share: a call's load without differencing the counter.
+    assert [v.num_judge_prompt_tokens for v in verdicts] == [3 * n for n in lengths]
+    assert [v.num_judge_response_tokens for v in verdicts] == [3 * len("Yes")] * 2
+    stats = ScoreStats.from_verdicts(verdicts)
+    assert stats.num_judge_prompt_tokens == genrm.metrics["num_prompt_tokens"]

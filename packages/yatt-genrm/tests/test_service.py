@@ -1,8 +1,11 @@
 NUM_GPUS = 0
 
 import asyncio
+import contextlib
 import json
+import logging
 import re
+import socket
 import threading
 import time
 import urllib.error
@@ -21,7 +24,8 @@ from yatt.genrm import (
     YesNoParser,
     create_app,
 )
-from yatt.genrm.testing import FakeJudgeEngine
+from yatt.genrm.serve import build_parser
+from yatt.genrm.testing import ByteTokenizer, FakeJudgeEngine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,12 +80,11 @@ def server():
     srv.stop()
 
 
-def _post(url: str, body: bytes) -> tuple[int, dict]:
-    request = urllib.request.Request(
-        f"{url}/score", data=body, headers={"Content-Type": "application/json"}
-    )
+def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    request = urllib.request.Request(f"{url}/score", data=body, headers=headers)
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(request, timeout=30) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -103,6 +106,7 @@ def test_health_and_score_match_in_process(server) -> None:
     remote = client.score(samples)
     local = _make_genrm().score(samples)
     assert [v.to_dict() for v in remote] == [v.to_dict() for v in local]
+    assert remote[0].num_judge_prompt_tokens > 0  # the judge's cost crosses the wire
 
 
 def test_concurrent_clients_share_judge_batches(server) -> None:
@@ -156,6 +160,16 @@ def test_concurrent_clients_share_judge_batches(server) -> None:
             "samples[0].color",
             "unknown field",
         ),
+        (b'{"samples": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, "nests deeper"),
+        (
+            b'{"samples": [{"prompt": "q", "response": "1", "metadata": {"a": '
+            + b"[" * 40
+            + b"]" * 40
+            + b"}}]}",
+            400,
+            None,
+            "nests deeper",
+        ),
     ],
     ids=[
         "malformed",
@@ -169,6 +183,8 @@ def test_concurrent_clients_share_judge_batches(server) -> None:
         "reference_type",
         "metadata_type",
         "unknown_sample_field",
+        "deep_json",
+        "deep_metadata",
     ],
 )
 def test_bad_requests_get_4xx_naming_the_field(server, body, status, field, message) -> None:
@@ -264,3 +280,187 @@ def test_client_streaming_interface(server) -> None:
         return got
 
     assert asyncio.run(main()) == {s.id: _expected(s) for s in samples}
+
+
+def _small_body(response: str = "2") -> bytes:
+    return json.dumps({"samples": [{"prompt": "q", "response": response}]}).encode()
+
+
+class SlowTokenizer(ByteTokenizer):
+    """A tokenizer whose cost grows with the text, as a real one's does (about 17 s for 8 MiB)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        time.sleep(2e-6 * len(text))
+        return super().encode(text, add_special_tokens)
+
+
+def _max_latency_s(url: str, num_requests: int) -> float:
+    def one(_: int) -> float:
+        start = time.perf_counter()
+        status, _payload = _post(url, _small_body())
+        assert status == 200
+        return time.perf_counter() - start
+
+    with ThreadPoolExecutor(num_requests) as pool:
+        return max(pool.map(one, range(num_requests)))
+
+
+def test_huge_response_does_not_stall_small_requests() -> None:
+    # A 2 MiB response costs this tokenizer ~4 s whole; cut by characters first and tokenized
+    # off the event loop, it costs the small requests next to nothing.
+    genrm = GenRM(
+        FakeJudgeEngine(judge=_judge, tokenizer=SlowTokenizer()),
+        template=JudgeTemplate(user="R={response}", max_response_tokens=64),
+        parser=YesNoParser(),
+        batching=BatchingConfig(max_batch_size=16, batch_window_millis=10.0),
+    )
+    srv = ServerThread(genrm, max_body_bytes=16 << 20)
+    srv.start()
+    try:
+        baseline_s = _max_latency_s(srv.url, 20)
+        with ThreadPoolExecutor(1) as pool:
+            huge = pool.submit(_post, srv.url, _small_body("2" + "x" * (2 << 20)))
+            time.sleep(0.3)  # the huge request is in: parsed, batched, being rendered
+            loaded_s = _max_latency_s(srv.url, 20)
+            status, payload = huge.result(timeout=30)
+    finally:
+        srv.stop()
+    assert status == 200 and payload["verdicts"][0]["reward"] == 1.0
+    # Generous: before the fix the small requests waited ~4 s for the huge one's tokenization.
+    assert loaded_s < baseline_s + 1.5, (baseline_s, loaded_s)
+
+
+def _raw_request(port: int, head: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(head)
+    return sock
+
+
+def _score_head(content_length: int) -> bytes:
+    return (
+        b"POST /score HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % content_length
+    )
+
+
+def test_slow_body_gets_408_in_bounded_time() -> None:
+    srv = ServerThread(_make_genrm(), body_timeout_s=0.5)
+    srv.start()
+    stop = threading.Event()
+    sock = _raw_request(srv.port, _score_head(1000))
+
+    def trickle() -> None:  # one byte at a time: each read alone would look alive
+        with contextlib.suppress(OSError):
+            while not stop.wait(0.1):
+                sock.sendall(b" ")
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    start = time.perf_counter()
+    sender.start()
+    try:
+        status_line = sock.recv(4096).split(b"\r\n", 1)[0]
+        elapsed_s = time.perf_counter() - start
+        stop.set()
+        sender.join(5)
+        sock.close()
+        assert b" 408 " in status_line, status_line
+        assert elapsed_s < 5.0  # 0.5 s configured; was held as long as the client kept sending
+        ok_status, _ = _post(srv.url, _small_body())
+        assert ok_status == 200
+    finally:
+        stop.set()
+        srv.stop()
+
+
+def test_body_over_the_limit_is_refused_before_it_is_read(server) -> None:
+    sock = _raw_request(server.port, _score_head(2 << 20))  # the 2 MiB never comes
+    try:
+        response = sock.recv(4096).decode()
+    finally:
+        sock.close()
+    assert " 413 " in response.split("\r\n", 1)[0]
+    assert "max_body_bytes=1048576" in response
+
+
+def test_client_disconnect_is_one_log_line(server, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="yatt.genrm"):
+        sock = _raw_request(server.port, _score_head(1000) + b'{"samples": [')
+        time.sleep(0.2)
+        sock.close()  # mid-body
+        deadline = time.perf_counter() + 5
+        while time.perf_counter() < deadline and "disconnected" not in caplog.text:
+            time.sleep(0.05)
+        ok_status, _ = _post(server.url, _small_body())
+    records = [r for r in caplog.records if r.name == "yatt.genrm"]
+    assert ok_status == 200
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert "disconnected" in records[0].getMessage()
+    assert records[0].exc_info is None and records[0].levelno < logging.WARNING
+
+
+@pytest.fixture
+def keyed_server():
+    srv = ServerThread(_make_genrm(), api_key="s3cret")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize(
+    ("headers", "status"),
+    [
+        ({}, 401),
+        ({"Authorization": "Bearer wrong"}, 401),
+        ({"Authorization": "s3cret"}, 401),
+        ({"Authorization": "Bearer s3cret"}, 200),
+    ],
+    ids=["missing", "wrong", "not_bearer", "right"],
+)
+def test_api_key_is_required_on_score(keyed_server, headers, status) -> None:
+    got, payload = _post(keyed_server.url, _small_body(), headers)
+    assert got == status
+    if status == 401:
+        assert payload["field"] == "Authorization" and "Bearer" in payload["error"]
+
+
+def test_api_key_client_and_health(keyed_server, monkeypatch) -> None:
+    assert GenRMClient(keyed_server.url).health()["status"] == "ok"  # probes need no key
+    (verdict,) = GenRMClient(keyed_server.url, api_key="s3cret").score(_samples(1))
+    assert verdict.status == "ok"
+    keyless = GenRMClient(keyed_server.url)
+    (refused,) = keyless.score(_samples(1))
+    assert refused.status == "error" and "HTTP 401" in refused.error
+    assert keyless.metrics["num_retries"] == 0  # resending without a key cannot help
+    monkeypatch.setenv("YATT_GENRM_API_KEY", "s3cret")
+    assert GenRMClient(keyed_server.url).score(_samples(1))[0].status == "ok"
+    assert build_parser().parse_args(["--model", "m"]).api_key == "s3cret"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"api_key": ""}, "api_key is empty"),
+        ({"body_timeout_s": 0}, "body_timeout_s"),
+        ({"max_body_bytes": 0}, "max_body_bytes"),
+    ],
+    ids=["empty_key", "timeout", "body_limit"],
+)
+def test_create_app_rejects_bad_settings(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        create_app(_make_genrm(), **kwargs)
+
+
+def test_serve_flags_reach_the_app(monkeypatch) -> None:
+    from yatt.genrm import serve
+
+    got: dict = {}
+    monkeypatch.setattr(serve, "load_engine", lambda args: FakeJudgeEngine())
+    monkeypatch.setattr(serve, "create_app", lambda genrm, **kwargs: got.update(kwargs))
+    monkeypatch.setattr(serve.web, "run_app", lambda app, **kwargs: None)
+    serve.main(["--model", "m", "--max-body-mib", "0.5", "--body-timeout-s", "3", "--api-key", "k"])
+    assert got == {
+        "max_batch": 256,
+        "max_body_bytes": 1 << 19,
+        "body_timeout_s": 3.0,
+        "api_key": "k",
+    }

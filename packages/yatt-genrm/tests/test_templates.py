@@ -2,8 +2,15 @@ NUM_GPUS = 0
 
 import pytest
 
-from yatt.genrm import JudgeTemplate, Sample, pointwise_template, verification_template
-from yatt.genrm._templates import truncate_middle
+from yatt.genrm import (
+    JudgeTemplate,
+    Sample,
+    ScoreParser,
+    YesNoParser,
+    pointwise_template,
+    verification_template,
+)
+from yatt.genrm._templates import MAX_CHARS_PER_TOKEN, truncate_middle
 from yatt.genrm.testing import ByteTokenizer
 from yatt.testing import make_tokenizer
 
@@ -92,7 +99,7 @@ def test_long_response_is_cut_in_the_middle_with_a_note(chat_tokenizer) -> None:
     text = chat_tokenizer.decode(ids)
     assert is_truncated
     assert "HEAD" in text and "FINAL ANSWER 42" in text  # the answer at the end survives
-    assert "tokens omitted" in text
+    assert "omitted: response too long for the judge" in text
     assert len(ids) < 64 + 400  # the template's own text plus 64 response tokens
 
 
@@ -101,3 +108,63 @@ def test_truncate_middle_keeps_short_text(tokenizer) -> None:
     assert truncate_middle("short", 16, tokenizer) == "short"
     cut = truncate_middle("a" * 100 + "b" * 100, 16, tokenizer)
     assert cut.startswith("a") and cut.endswith("b") and "omitted" in cut
+
+
+class CountingTokenizer(ByteTokenizer):
+    """Records the length of every text it encodes."""
+
+    def __init__(self) -> None:
+        self.encoded_lengths: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.encoded_lengths.append(len(text))
+        return super().encode(text, add_special_tokens)
+
+
+def test_runaway_response_is_cut_by_characters_before_tokenizing() -> None:
+    tokenizer = CountingTokenizer()
+    response = "HEAD " + "x" * (8 << 20) + " FINAL ANSWER 42"
+    template = JudgeTemplate(user="{response}", max_response_tokens=64)
+    ids, is_truncated = template.render_ids(_sample(response=response), tokenizer)
+    text = tokenizer.decode(ids)
+    assert is_truncated
+    assert text.startswith("HEAD") and text.endswith("FINAL ANSWER 42\n")
+    assert "characters omitted" in text
+    # Only the two ends were tokenized, never the 8 MiB.
+    assert max(tokenizer.encoded_lengths) <= 64 * MAX_CHARS_PER_TOKEN + 200
+    assert len(ids) < 64 + 200
+
+
+@pytest.mark.parametrize(
+    ("template", "parser", "replies"),
+    [
+        (
+            verification_template(),
+            YesNoParser(),
+            {"Yes": 1.0, "No.": -1.0, "**No**": -1.0, "Reply with one word: Yes or No.": None},
+        ),
+        (
+            verification_template(with_reference=False),
+            YesNoParser(),
+            {"yes": 1.0, "NO": -1.0},
+        ),
+        (
+            pointwise_template(low=1, high=10),
+            ScoreParser(low=1, high=10),
+            {
+                "Clear and right.\nScore: 10": 1.0,
+                "Score: 4": 1 / 3,
+                "End with 'Score: N' where N is an integer from 1 to 10.": None,
+            },
+        ),
+    ],
+    ids=["verification", "verification_no_reference", "pointwise"],
+)
+def test_templates_ask_for_what_their_parser_reads(template, parser, replies) -> None:
+    (*_, user) = template.render_messages(_sample())
+    instruction = user["content"].rsplit("\n\n", 1)[-1]
+    assert ("Yes or No" in instruction) == isinstance(parser, YesNoParser)
+    assert ("'Score: N'" in instruction) == isinstance(parser, ScoreParser)
+    # A judge that follows the instruction parses; one that echoes it does not.
+    for reply, reward in replies.items():
+        assert parser.parse(reply) == (pytest.approx(reward) if reward is not None else None)

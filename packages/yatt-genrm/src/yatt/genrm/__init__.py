@@ -1,11 +1,23 @@
-"""yatt.genrm: generative reward models that score rollouts as they finish."""
+"""yatt.genrm: generative reward models that score rollouts as they finish.
 
-from yatt.genrm._as_completed import score_as_completed
+Per-call stats: every Verdict carries its status, error and the judge tokens spent on it, so a
+call's own verdicts say what it cost and what went wrong, however many calls share the scorer:
+
+    scored = await score_as_completed(engine.stream(requests, sampling), genrm, to_sample)
+    completions, verdicts = scored      # still a 2-tuple
+    scored.stats.num_errors, scored.stats.first_error
+    scored.stats.num_unparsable, scored.stats.first_unparsable
+    scored.stats.num_judge_prompt_tokens  # this call's judge load, no counter differencing
+    ScoreStats.from_verdicts(genrm.score(samples))  # the same for a blocking call
+"""
+
+from yatt.genrm._as_completed import ScoredCompletions, score_as_completed
 from yatt.genrm._client import GenRMClient
 from yatt.genrm._combine import CombinedRM
 from yatt.genrm._genrm import GenRM
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
 from yatt.genrm._server import create_app
+from yatt.genrm._stats import ScoreStats
 from yatt.genrm._stream import BatchingConfig
 from yatt.genrm._templates import JudgeTemplate, pointwise_template, verification_template
 from yatt.genrm._types import Sample, Verdict, Vote
@@ -24,6 +36,8 @@ __all__ = [
     "RuleVerifier",
     "Sample",
     "ScoreParser",
+    "ScoreStats",
+    "ScoredCompletions",
     "Verdict",
     "VerdictParser",
     "Vote",

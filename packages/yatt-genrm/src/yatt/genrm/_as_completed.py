@@ -1,11 +1,16 @@
 """Score rollout completions as they finish: the partial-colocation overlap in one call.
 
-    completions, verdicts = await score_as_completed(engine.stream(requests, sampling),
-                                                     scorer, to_sample)
+    scored = await score_as_completed(engine.stream(requests, sampling), scorer, to_sample)
+    completions, verdicts = scored   # a 2-tuple, as before
+    scored.stats                     # ScoreStats of this call: num_errors, num_unparsable,
+                                     # first_error, first_unparsable, num_judge_prompt_tokens, ...
 
 The producer pushes each completion to the scorer the moment the engine yields it, and a
 consumer drains verdicts concurrently, so judge batches run while the rollout's long tail is
 still generating and the scorer's bounded queue never blocks the producer for long.
+
+`stats` is counted from this call's verdicts, not by differencing the scorer's running
+`metrics`, so it stays exact while other calls use the same scorer.
 """
 
 from __future__ import annotations
@@ -13,17 +18,30 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
+from yatt.genrm._stats import ScoreStats
 from yatt.genrm._types import Sample, Verdict
+
+
+class ScoredCompletions(NamedTuple):
+    """(completions in arrival order, their verdicts in the same order), plus `stats`."""
+
+    completions: list[Any]
+    verdicts: list[Verdict]
+
+    @property
+    def stats(self) -> ScoreStats:
+        """Counts, first causes and judge tokens of this call's verdicts."""
+        return ScoreStats.from_verdicts(self.verdicts)
 
 
 async def score_as_completed(
     completions: AsyncIterator[Any],
     scorer: Any,
     to_sample: Callable[[Any], Sample],
-) -> tuple[list[Any], list[Verdict]]:
-    """(completions in arrival order, their verdicts in the same order).
+) -> ScoredCompletions:
+    """(completions in arrival order, their verdicts in the same order), with `.stats`.
 
     `scorer` is a GenRM, CombinedRM or GenRMClient (anything with submit/finish/results);
     `to_sample(completion)` turns a completion into the text the judge reads. Sample ids are
@@ -49,4 +67,4 @@ async def score_as_completed(
     missing = [i for i in range(len(arrived)) if str(i) not in verdicts]
     if missing:
         raise AssertionError(f"scorer returned no verdict for completions {missing[:5]}")
-    return arrived, [verdicts[str(i)] for i in range(len(arrived))]
+    return ScoredCompletions(arrived, [verdicts[str(i)] for i in range(len(arrived))])

@@ -1,5 +1,8 @@
 """GenRMClient: the GenRM interface over HTTP (`python -m yatt.genrm.serve` on the other end).
 
+With `api_key` (default: the YATT_GENRM_API_KEY environment variable, as the server reads it)
+each request carries `Authorization: Bearer <key>`.
+
 Transport failures (connection refused while the server restarts, timeouts, 5xx) are retried
 with a bounded exponential backoff; after the last try, or on a 4xx, each sample of the request
 gets a verdict with status "error" naming the cause. Like GenRM, nothing raises mid-run.
@@ -11,6 +14,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +39,12 @@ class GenRMClient(StreamingScorer):
         max_backoff_s: float = 5.0,
         default_reward: float = 0.0,
         batching: BatchingConfig | None = None,
+        api_key: str | None = None,
     ) -> None:
+        if api_key is None:
+            api_key = os.environ.get("YATT_GENRM_API_KEY") or None
+        if api_key is not None and not api_key.strip():
+            raise ValueError("api_key is empty: pass the server's key, or None for an open server")
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url={url!r}: must start with http:// or https://")
         if not timeout_s > 0:
@@ -53,6 +62,9 @@ class GenRMClient(StreamingScorer):
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.default_reward = default_reward
+        self._headers = {"Content-Type": "application/json"}
+        if api_key is not None:
+            self._headers["Authorization"] = f"Bearer {api_key}"
         self.metrics["num_retries"] = 0
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
@@ -78,7 +90,7 @@ class GenRMClient(StreamingScorer):
                 await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
             try:
                 async with session.post(
-                    f"{self.url}/score", data=body, headers={"Content-Type": "application/json"}
+                    f"{self.url}/score", data=body, headers=self._headers
                 ) as response:
                     payload = await response.json(content_type=None)
                     if response.status == 200:
@@ -130,7 +142,7 @@ class GenRMClient(StreamingScorer):
         async def run() -> dict[str, Any]:
             async with (
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as s,
-                s.get(f"{self.url}/health") as response,
+                s.get(f"{self.url}/health", headers=self._headers) as response,
             ):
                 response.raise_for_status()
                 return await response.json()

@@ -10,10 +10,15 @@ while later samples are still arriving (partial colocation overlaps this with th
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import copy
 import dataclasses
 import logging
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from yatt.genrm._parsers import VerdictParser
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
@@ -23,6 +28,27 @@ from yatt.genrm._votes import AGGREGATES, Aggregate, UnparsableLog, build_verdic
 from yatt.rollout import Completion, Request, RolloutEngine, SamplingParams
 
 logger = logging.getLogger("yatt.genrm")
+
+
+@dataclass
+class _Rendered:
+    """A batch's judge requests, made without touching shared state (it runs off the loop)."""
+
+    requests: list[Request] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)  # requests[j] judges samples[positions[j]]
+    failed: dict[int, Verdict] = field(default_factory=dict)  # sample index -> error verdict
+    num_truncated: int = 0  # responses cut to the template's max_response_tokens
+
+
+def _copy_tokenizer(tokenizer: Any) -> Any:
+    """A copy for the render thread, or the tokenizer itself when it cannot be copied."""
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception as e:
+        logger.warning(
+            "judge tokenizer cannot be copied (%r); the render thread shares it with the engine", e
+        )
+        return tokenizer
 
 
 class GenRM(StreamingScorer):
@@ -76,6 +102,13 @@ class GenRM(StreamingScorer):
             raise ValueError(f"max_prompt_tokens={max_prompt_tokens!r}: must be >= 1 or None")
         self.max_prompt_tokens = max_prompt_tokens
         self._unparsable_log = UnparsableLog()
+        # Streaming renders on one thread with its own copy of the tokenizer: a Hugging Face
+        # fast tokenizer is not safe to share between threads (a call that races another one
+        # raises "Already borrowed"), and the engine may use its own copy on the loop meanwhile.
+        self._render_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="yatt-genrm-render"
+        )
+        self._render_tokenizer = _copy_tokenizer(engine.tokenizer)
         self.metrics.update(
             num_votes=0, num_unparsable_votes=0, num_truncated_responses=0, num_prompt_tokens=0
         )
@@ -97,33 +130,41 @@ class GenRM(StreamingScorer):
         return dataclasses.replace(sampling, n=votes)
 
     # -- shared by score() and streaming -------------------------------------------------------
-    def _render(
-        self, samples: Sequence[Sample]
-    ) -> tuple[list[Request], list[int], dict[int, Verdict]]:
-        """Requests for the samples that render; the others get their error verdict now."""
-        requests: list[Request] = []
-        positions: list[int] = []  # requests[j] judges samples[positions[j]]
-        failed: dict[int, Verdict] = {}
+    def _render(self, samples: Sequence[Sample], tokenizer: Any) -> _Rendered:
+        """Requests for the samples that render; the others get their error verdict now.
+
+        Pure (no metrics touched), so streaming runs it on the render thread."""
+        rendered = _Rendered()
         for i, sample in enumerate(samples):
             try:
-                ids, is_truncated = self.template.render_ids(sample, self.engine.tokenizer)
+                ids, is_truncated = self.template.render_ids(sample, tokenizer)
             except Exception as e:
-                failed[i] = error_verdict(sample.id, f"template: {e}", reward=self.default_reward)
+                message = f"template: {e}"
+                rendered.failed[i] = error_verdict(sample.id, message, reward=self.default_reward)
                 continue
-            self.metrics["num_truncated_responses"] += int(is_truncated)
+            rendered.num_truncated += int(is_truncated)
             if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
                 message = (
                     f"judge prompt has {len(ids)} tokens > max_prompt_tokens="
                     f"{self.max_prompt_tokens}; lower the template's max_response_tokens"
                 )
-                failed[i] = error_verdict(sample.id, message, reward=self.default_reward)
+                rendered.failed[i] = error_verdict(sample.id, message, reward=self.default_reward)
                 continue
-            requests.append(Request(prompt_ids=ids, request_id=sample.id))
-            positions.append(i)
-            # The judge's load (its KV cache fills with these): partial colocation splits
-            # memory between rollout and judge by such token counts.
-            self.metrics["num_prompt_tokens"] += len(ids) * self.votes
-        return requests, positions, failed
+            rendered.requests.append(Request(prompt_ids=ids, request_id=sample.id))
+            rendered.positions.append(i)
+        return rendered
+
+    def _count_rendered(self, rendered: _Rendered) -> None:
+        self.metrics["num_truncated_responses"] += rendered.num_truncated
+        # The judge's load (its KV cache fills with these): partial colocation splits memory
+        # between rollout and judge by such token counts.
+        self.metrics["num_prompt_tokens"] += sum(
+            self._prompt_tokens(request) for request in rendered.requests
+        )
+
+    def _prompt_tokens(self, request: Request) -> int:
+        """What one sample's judge request costs: every vote reads the prompt."""
+        return len(request.prompt_ids) * self.votes
 
     def _vote(self, completion: Completion) -> Vote:
         text = self.engine.tokenizer.decode(completion.response_ids, skip_special_tokens=True)
@@ -141,7 +182,9 @@ class GenRM(StreamingScorer):
 
     # -- blocking ----------------------------------------------------------------------------
     def score(self, samples: Sequence[Sample]) -> list[Verdict]:
-        """Verdicts for `samples`, in order; engine.generate in chunks of max_batch_size."""
+        """Verdicts for `samples`, in order; engine.generate in chunks of max_batch_size.
+
+        `ScoreStats.from_verdicts(verdicts)` counts this call's statuses and judge tokens."""
         verdicts: list[Verdict] = []
         size = self.batching.max_batch_size
         for start in range(0, len(samples), size):
@@ -151,35 +194,53 @@ class GenRM(StreamingScorer):
         return verdicts
 
     def _score_chunk(self, samples: Sequence[Sample]) -> list[Verdict]:
-        requests, positions, failed = self._render(samples)
+        rendered = self._render(samples, self.engine.tokenizer)
+        self._count_rendered(rendered)
+        requests, positions = rendered.requests, rendered.positions
         votes: list[list[Vote]] = [[] for _ in requests]
+        response_tokens = [0] * len(requests)
         error: str | None = None
         if requests:
             self.metrics["num_batches"] += 1
             try:
                 for c in self.engine.generate(requests, self.sampling):
                     votes[c.request_index].append(self._vote(c))
+                    response_tokens[c.request_index] += len(c.response_ids)
             except Exception as e:
                 error = f"judge failed: {type(e).__name__}: {e}"
                 logger.warning("judge engine raised on a batch of %d: %s", len(requests), error)
-        out: list[Verdict | None] = [failed.get(i) for i in range(len(samples))]
+        out: list[Verdict | None] = [rendered.failed.get(i) for i in range(len(samples))]
         for j, i in enumerate(positions):
             if error is not None or len(votes[j]) < self.votes:
                 message = error or f"engine returned {len(votes[j])} of {self.votes} votes"
-                out[i] = error_verdict(samples[i].id, message, reward=self.default_reward)
+                verdict = error_verdict(samples[i].id, message, reward=self.default_reward)
             else:
-                out[i] = self._verdict(samples[i], votes[j][: self.votes])
+                verdict = self._verdict(samples[i], votes[j][: self.votes])
+            out[i] = dataclasses.replace(
+                verdict,
+                num_judge_prompt_tokens=self._prompt_tokens(requests[j]),
+                num_judge_response_tokens=response_tokens[j],
+            )
         assert all(v is not None for v in out)
         return out  # type: ignore[return-value]
 
     # -- streaming ---------------------------------------------------------------------------
     async def _judge_batch(self, items: list[Item]) -> None:
         samples = [item.sample for item in items]
-        requests, positions, failed = self._render(samples)
-        for i, verdict in failed.items():
+        # Rendering tokenizes each response (a runaway one can be megabytes): on the render
+        # thread, the event loop goes on serving other batches, requests and the rollout.
+        loop = asyncio.get_running_loop()
+        rendered = await loop.run_in_executor(
+            self._render_pool, self._render, samples, self._render_tokenizer
+        )
+        self._count_rendered(rendered)
+        for i, verdict in rendered.failed.items():
             items[i].resolve(verdict)
+        requests, positions = rendered.requests, rendered.positions
         if not requests:
             return
+        for j, i in enumerate(positions):
+            items[i].num_judge_prompt_tokens = self._prompt_tokens(requests[j])
         votes: list[list[Vote]] = [[] for _ in requests]
         async for c in self.engine.stream(requests, self.sampling):
             if not 0 <= c.request_index < len(requests):
@@ -190,11 +251,14 @@ class GenRM(StreamingScorer):
             j = c.request_index
             if len(votes[j]) >= self.votes:
                 continue  # an engine bug (duplicate); keep exactly one verdict per sample
+            item = items[positions[j]]
+            item.num_judge_response_tokens += len(c.response_ids)
             votes[j].append(self._vote(c))
             if len(votes[j]) == self.votes:
                 # Out as soon as this sample's votes are in, not when the whole batch is.
-                items[positions[j]].resolve(self._verdict(samples[positions[j]], votes[j]))
+                item.resolve(item.with_tokens(self._verdict(item.sample, votes[j])))
 
     def close(self) -> None:
-        """Close the judge engine."""
+        """Close the judge engine and the render thread."""
+        self._render_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -51,12 +52,24 @@ class Item:
 
     sample: Sample
     future: asyncio.Future[Verdict]
+    # The judge's work so far for this sample, kept by the judge as it goes so that a verdict
+    # made here on failure still reports the tokens already spent (Verdict's fields).
+    num_judge_prompt_tokens: int = 0
+    num_judge_response_tokens: int = 0
 
     def resolve(self, verdict: Verdict) -> bool:
         if self.future.done():
             return False
         self.future.set_result(verdict)
         return True
+
+    def with_tokens(self, verdict: Verdict) -> Verdict:
+        """`verdict` carrying this item's judge token counts."""
+        return dataclasses.replace(
+            verdict,
+            num_judge_prompt_tokens=self.num_judge_prompt_tokens,
+            num_judge_response_tokens=self.num_judge_response_tokens,
+        )
 
 
 class StreamingScorer:
@@ -147,7 +160,9 @@ class StreamingScorer:
         finally:
             self._inflight.release()
             for item in batch:
-                item.resolve(error_verdict(item.sample.id, message, reward=self._error_reward))
+                if not item.future.done():
+                    verdict = error_verdict(item.sample.id, message, reward=self._error_reward)
+                    item.resolve(item.with_tokens(verdict))
 
     # -- public streaming API ----------------------------------------------------------------
     async def submit(self, sample: Sample) -> None:

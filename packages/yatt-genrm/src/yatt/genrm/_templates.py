@@ -16,6 +16,10 @@ from typing import Any
 from yatt.genrm._types import Sample
 
 SAMPLE_FIELDS = ("prompt", "response", "reference")
+# Responses longer than max_response_tokens times this are cut by characters before they are
+# tokenized. Tokens of common tokenizers average 3-5 characters; 16 leaves room for long ones
+# (runs of spaces in code) while bounding the tokenizer's work on a runaway response.
+MAX_CHARS_PER_TOKEN = 16
 
 _VERIFICATION_USER = (
     "Question:\n{prompt}\n\n"
@@ -115,7 +119,9 @@ class JudgeTemplate:
 def truncate_middle(text: str, max_tokens: int, tokenizer: Any = None) -> str:
     """`text` if it fits in `max_tokens`, else its head and tail around an omission note.
 
-    Without a tokenizer, 4 characters count as one token.
+    Without a tokenizer, 4 characters count as one token. With one, a text longer than
+    `max_tokens * MAX_CHARS_PER_TOKEN` characters is cut by characters first and only its two
+    ends are tokenized: a runaway response (megabytes) costs no more than a long one.
     """
     if tokenizer is None:
         max_chars = 4 * max_tokens
@@ -123,14 +129,26 @@ def truncate_middle(text: str, max_tokens: int, tokenizer: Any = None) -> str:
             return text
         head, tail = text[: max_chars // 2], text[len(text) - max_chars // 2 :]
         omitted = f"{len(text) - max_chars} characters"
-    else:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) <= max_tokens:
-            return text
-        half = max_tokens // 2
-        head = tokenizer.decode(ids[:half])
-        tail = tokenizer.decode(ids[len(ids) - half :])
-        omitted = f"{len(ids) - 2 * half} tokens"
+        return _join_around_note(head, omitted, tail)
+    half = max_tokens // 2
+    max_chars = max_tokens * MAX_CHARS_PER_TOKEN
+    if len(text) > max_chars:
+        # Each end holds at least `half` tokens unless its tokens average over
+        # MAX_CHARS_PER_TOKEN characters; then the judge sees a little less, never more.
+        head_ids = tokenizer.encode(text[: max_chars // 2], add_special_tokens=False)[:half]
+        tail_ids = tokenizer.encode(text[len(text) - max_chars // 2 :], add_special_tokens=False)
+        head, tail = tokenizer.decode(head_ids), tokenizer.decode(tail_ids[-half:])
+        omitted = f"{len(text) - len(head) - len(tail)} characters"
+        return _join_around_note(head, omitted, tail)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) <= max_tokens:
+        return text
+    head = tokenizer.decode(ids[:half])
+    tail = tokenizer.decode(ids[len(ids) - half :])
+    return _join_around_note(head, f"{len(ids) - 2 * half} tokens", tail)
+
+
+def _join_around_note(head: str, omitted: str, tail: str) -> str:
     return f"{head}\n[... {omitted} omitted: response too long for the judge ...]\n{tail}"
 
 

@@ -86,10 +86,16 @@ class Verdict:
     votes: tuple[Vote, ...] = ()
     error: str | None = None
     components: dict[str, float | None] = field(default_factory=dict)  # rule/judge parts
+    # The judge's work for this sample: prompt tokens times votes (what fills its KV cache; 0
+    # when no judge request was sent) and the tokens of all its votes. Summed per call by
+    # ScoreStats, so a caller never differences shared counters.
+    num_judge_prompt_tokens: int = 0
+    num_judge_response_tokens: int = 0
 
     def __post_init__(self) -> None:
         assert self.status in VERDICT_STATUSES, self.status
         assert math.isfinite(self.reward), self.reward
+        assert self.num_judge_prompt_tokens >= 0 and self.num_judge_response_tokens >= 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -108,6 +114,8 @@ class Verdict:
             ],
             "error": self.error,
             "components": dict(self.components),
+            "num_judge_prompt_tokens": self.num_judge_prompt_tokens,
+            "num_judge_response_tokens": self.num_judge_response_tokens,
         }
 
     @classmethod
@@ -119,6 +127,13 @@ class Verdict:
             )
         if not math.isfinite(float(data["reward"])):
             raise ValueError(f"verdict reward {data['reward']!r} is not finite")
+        # Absent from an older server's payload.
+        token_counts = {
+            key: int(data.get(key, 0))
+            for key in ("num_judge_prompt_tokens", "num_judge_response_tokens")
+        }
+        if min(token_counts.values()) < 0:
+            raise ValueError(f"verdict token counts {token_counts} must be >= 0")
         return cls(
             sample_id=data["sample_id"],
             reward=float(data["reward"]),
@@ -127,6 +142,7 @@ class Verdict:
             votes=tuple(Vote(**v) for v in data.get("votes", ())),
             error=data.get("error"),
             components=dict(data.get("components", {})),
+            **token_counts,
         )
 
 

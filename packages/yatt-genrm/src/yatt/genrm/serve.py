@@ -2,12 +2,16 @@
 
 POST /score {"samples": [...]} -> {"verdicts": [...]};  GET /health
 The judge runs on yatt.rollout's built-in engine; GenRMClient(url) is the other end.
+With an API key (`YATT_GENRM_API_KEY=... python -m yatt.genrm.serve ...`, or `--api-key`, which
+other users of the machine can read in the process list) /score needs
+`Authorization: Bearer <key>`; GenRMClient sends it from the same variable.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,7 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--score-low", type=int, default=1, help="pointwise scale low end")
     p.add_argument("--score-high", type=int, default=10, help="pointwise scale high end")
-    p.add_argument("--occurrence", choices=("first", "last"), default="last")
+    p.add_argument(
+        "--occurrence",
+        choices=("first", "last"),
+        default="last",
+        help="which of several boxed or marker verdicts ('Verdict: No', 'Score: 7') counts",
+    )
     p.add_argument("--votes", type=int, default=1)
     p.add_argument("--aggregate", choices=("mean", "majority"), default="mean")
     p.add_argument("--temperature", type=float, default=None, help="default: 0, or 0.7 with votes")
@@ -57,6 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--batch-window-millis", type=float, default=20.0)
     p.add_argument("--max-pending", type=int, default=1024)
+    p.add_argument(
+        "--max-body-mib", type=float, default=64.0, help="largest request body (413 beyond)"
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=60.0,
+        help="seconds to receive a request body (408 beyond): a trickling client cannot hold "
+        "a handler",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("YATT_GENRM_API_KEY"),
+        help="require 'Authorization: Bearer <key>' on /score (default: $YATT_GENRM_API_KEY; "
+        "none: open)",
+    )
     return p
 
 
@@ -125,13 +150,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.max_batch < 1:
         raise SystemExit(f"--max-batch={args.max_batch}: must be >= 1")
+    if not args.max_body_mib > 0:
+        raise SystemExit(f"--max-body-mib={args.max_body_mib}: must be > 0")
+    if not args.body_timeout_s > 0:
+        raise SystemExit(f"--body-timeout-s={args.body_timeout_s}: must be > 0")
+    if args.api_key is not None and not args.api_key.strip():
+        raise SystemExit("--api-key (or YATT_GENRM_API_KEY) is empty: set a key or unset it")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         engine = load_engine(args)
         genrm = build_genrm(args, engine)
     except ValueError as e:
         raise SystemExit(str(e)) from None
-    app = create_app(genrm, max_batch=args.max_batch)
+    app = create_app(
+        genrm,
+        max_batch=args.max_batch,
+        max_body_bytes=int(args.max_body_mib * (1 << 20)),
+        body_timeout_s=args.body_timeout_s,
+        api_key=args.api_key,
+    )
     try:
         web.run_app(app, host=args.host, port=args.port)
     finally:

@@ -1,0 +1,70 @@
+"""Per-call scoring stats: what one scoring call produced, counted from its own verdicts.
+
+    verdicts = genrm.score(samples)                       # or ascore, or results() of a round
+    stats = ScoreStats.from_verdicts(verdicts)
+    scored = await score_as_completed(stream, genrm, to_sample)
+    scored.stats                                          # the same, for that call
+
+Counting from the call's verdicts (each carries its status, error and judge token counts) is
+exact also when several calls share one scorer at once (the service, a CombinedRM), where
+differencing the scorer's running `metrics` would mix the calls up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from yatt.genrm._types import Verdict
+
+# Judge text kept in a cause line: enough to see what the judge wrote, not a wall of text.
+_CAUSE_TEXT_CHARS = 200
+
+
+@dataclass(kw_only=True, frozen=True)
+class ScoreStats:
+    """Counts and first causes of one scoring call's verdicts."""
+
+    num_verdicts: int
+    num_ok: int
+    num_unparsable: int  # no vote parsed: the reward is the default
+    num_errors: int  # the judge failed (engine, template, transport): the reward is the default
+    first_unparsable: str | None  # "sample ID: no verdict in the judge's text '...'"; None if none
+    first_error: str | None  # "sample ID: <Verdict.error>"; None if none
+    num_judge_prompt_tokens: int  # judge prompt tokens times votes, as metrics["num_prompt_tokens"]
+    num_judge_response_tokens: int  # tokens the judge generated, all votes
+
+    @classmethod
+    def from_verdicts(cls, verdicts: Iterable[Verdict]) -> ScoreStats:
+        """The stats of `verdicts` (first causes in their order)."""
+        counts = {"ok": 0, "unparsable": 0, "error": 0}
+        first_unparsable = first_error = None
+        num_prompt_tokens = num_response_tokens = 0
+        for verdict in verdicts:
+            counts[verdict.status] += 1
+            num_prompt_tokens += verdict.num_judge_prompt_tokens
+            num_response_tokens += verdict.num_judge_response_tokens
+            if verdict.status == "unparsable" and first_unparsable is None:
+                first_unparsable = describe_unparsable(verdict)
+            if verdict.status == "error" and first_error is None:
+                first_error = f"sample {verdict.sample_id}: {verdict.error}"
+        return cls(
+            num_verdicts=sum(counts.values()),
+            num_ok=counts["ok"],
+            num_unparsable=counts["unparsable"],
+            num_errors=counts["error"],
+            first_unparsable=first_unparsable,
+            first_error=first_error,
+            num_judge_prompt_tokens=num_prompt_tokens,
+            num_judge_response_tokens=num_response_tokens,
+        )
+
+
+def describe_unparsable(verdict: Verdict) -> str:
+    """One line saying why `verdict` did not parse: the judge's text, and whether it was cut."""
+    text = verdict.text[:_CAUSE_TEXT_CHARS]
+    cause = f"sample {verdict.sample_id}: no verdict in the judge's text {text!r}"
+    if any(vote.finish_reason == "length" for vote in verdict.votes):
+        # The commonest cause with reasoning judges: the verdict line was never written.
+        cause += " (cut at the judge's max_new_tokens)"
+    return cause
