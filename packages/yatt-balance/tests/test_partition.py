@@ -250,3 +250,14 @@ def test_imbalance_closed_form():
         imbalance([[0, 5]], costs)
     with pytest.raises(ValueError, match="at least one part"):
         imbalance([], costs)
+
+
+def test_takes_verls_positional_call_shape():
+    # verl: get_seqlen_balanced_partitions(seqlen_list, k_partitions, equal_size)
+    seqlens = [512, 30, 900, 45, 700, 64, 128, 333]
+    parts = partition(seqlens, 4, True)
+    assert sorted(i for part in parts for i in part) == list(range(8))
+    assert all(len(part) == 2 for part in parts)  # equal_size taken positionally
+    assert parts == partition(seqlens, 4, equal_size=True)
+    with pytest.raises(TypeError):
+        partition(seqlens, 4, True, None)  # groups and method stay keyword-only

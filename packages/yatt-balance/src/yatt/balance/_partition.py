@@ -37,8 +37,8 @@ _TOLERANCE = 1e-5
 def partition(
     costs: Any,
     k: int,
-    *,
     equal_size: bool = False,
+    *,
     groups: Any = None,
     method: Method = "auto",
 ) -> list[list[int]]:
@@ -49,6 +49,9 @@ def partition(
     groups when `groups` is given. Parts are lists of item indices in ascending order; the list
     of parts has no particular order, and some parts are empty when there are fewer than k
     items. The same input gives the same plan on every machine.
+
+    The first three arguments take verl's call shape, so `partition(seqlens, k, equal_size)`
+    replaces `get_seqlen_balanced_partitions(seqlen_list, k_partitions, equal_size)`.
     """
     values = as_nonnegative_array(costs, "costs")
     k = as_int(k, "k", minimum=1)
