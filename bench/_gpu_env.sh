@@ -8,3 +8,15 @@ fi
 SRC=$(ls -d packages/*/src | tr '\n' ':')
 export PYTHONPATH="/tmp/site:${SRC}${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+
+# run_step NAME CMD...: one step's log to $OUT/NAME.log (STEP_TIMEOUT s at most), then its tail
+# (TAIL_LINES); a failing step does not stop the next.
+run_step() {
+  local name=$1; shift
+  local start=$SECONDS
+  echo "=== $name"
+  timeout "${STEP_TIMEOUT:-420}" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - start))s"
+  tail -n "${TAIL_LINES:-25}" "$OUT/$name.log"
+}

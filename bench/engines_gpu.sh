@@ -19,15 +19,6 @@ with_engine() {  # with_engine <engine> cmd...: the engine's site-packages first
   local site; site=$(site_of "$1"); shift
   PYTHONPATH="${site:+$site:}$PYTHONPATH" "$@"
 }
-run_step() {
-  local name=$1; shift
-  local start=$SECONDS
-  echo "=== $name"
-  timeout "${STEP_TIMEOUT:-420}" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name rc=$rc $((SECONDS - start))s"
-  tail -n "${TAIL_LINES:-30}" "$OUT/$name.log"
-}
 
 unpack() {
   for name in vllm sgl; do

@@ -10,16 +10,6 @@ mkdir -p "$OUT"
 source "$(dirname "$0")/_gpu_env.sh"  # wheels, PYTHONPATH, NCCL settings, device.txt
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/device.txt"
 
-run_step() {
-  local name=$1; shift
-  local start=$SECONDS
-  echo "=== $name"
-  timeout "${STEP_TIMEOUT:-420}" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "=== $name rc=$rc $((SECONDS - start))s"
-  tail -n 25 "$OUT/$name.log"
-}
-
 for step in "$@"; do
   case $step in
     placement)

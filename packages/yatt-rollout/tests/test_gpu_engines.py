@@ -19,6 +19,16 @@ from yatt.rollout.testing import CONFORMANCE_CHECKS, ConformanceTarget
 
 ENGINE = os.environ.get("YATT_ENGINE", "vllm")
 MAX_SEQ_LEN = 256
+QWEN2_SHAPE = dict(
+    arch="qwen2",
+    hidden_size=256,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=512,
+    max_position_embeddings=MAX_SEQ_LEN,
+    dtype=torch.bfloat16,
+)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -57,17 +67,7 @@ def model_dir(tmp_path_factory):
     from yatt.testing import make_tiny_causal_lm
 
     path = tmp_path_factory.mktemp(f"qwen2-{ENGINE}")
-    make_tiny_causal_lm(
-        path,
-        arch="qwen2",
-        hidden_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=512,
-        max_position_embeddings=MAX_SEQ_LEN,
-        dtype=torch.bfloat16,
-    )
+    make_tiny_causal_lm(path, **QWEN2_SHAPE)
     return path
 
 
@@ -83,17 +83,7 @@ def target(model_dir):
     # The trainer's side: the same weights in bf16 on the GPU, and a second set to swap in.
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     pinned = {n: t.detach().cpu().pin_memory() for n, t in reference.state_dict().items()}
-    other = make_tiny_causal_lm(
-        arch="qwen2",
-        hidden_size=256,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=512,
-        max_position_embeddings=MAX_SEQ_LEN,
-        seed=1,
-        dtype=torch.bfloat16,
-    ).cuda()
+    other = make_tiny_causal_lm(**QWEN2_SHAPE, seed=1).cuda()
 
     def reference_logprobs(prompt, response, temperature):
         with torch.no_grad():

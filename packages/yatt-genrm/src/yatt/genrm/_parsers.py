@@ -200,6 +200,18 @@ def _agree(lead: _Reading, tail: _Reading) -> _Reading:
     return AMBIGUOUS
 
 
+def _read_in_order(parser, plain: str) -> _Reading:
+    """The module docstring's order: a boxed verdict, else a marker's value, else the ends."""
+    boxed = [parser._reading(parser._whole.fullmatch(b)) for b in find_boxed(plain)]
+    reading = _pick(boxed, parser.occurrence)
+    if reading is None:
+        markers = [parser._reading(m) for m in parser._marker.finditer(plain)]
+        reading = _pick(markers, parser.occurrence)
+    if reading is None:
+        reading = parser._ends(plain)
+    return reading
+
+
 def _reward(reading: _Reading) -> float | None:
     return None if reading is None or isinstance(reading, _Ambiguous) else reading
 
@@ -307,16 +319,7 @@ class YesNoParser:
 
     def parse(self, text: str) -> float | None:
         plain = strip_markup(_blank_quotes(text, self._is_bare_verdict, self._marker_tail))
-        reading = _pick(
-            [self._reading(self._whole.fullmatch(b)) for b in find_boxed(plain)], self.occurrence
-        )
-        if reading is None:
-            reading = _pick(
-                [self._reading(m) for m in self._marker.finditer(plain)], self.occurrence
-            )
-        if reading is None:
-            reading = self._ends(plain)
-        return _reward(reading)
+        return _reward(_read_in_order(self, plain))
 
 
 # A number and its optional scale ("8/10", "8 out of 10", so the scale is not read as a second
@@ -432,13 +435,4 @@ class ScoreParser:
     def parse(self, text: str) -> float | None:
         plain = strip_markup(_blank_quotes(text, self._is_bare_verdict, self._marker_tail))
         plain = _RANGE.sub(" ", plain)
-        reading = _pick(
-            [self._reading(self._whole.fullmatch(b)) for b in find_boxed(plain)], self.occurrence
-        )
-        if reading is None:
-            reading = _pick(
-                [self._reading(m) for m in self._marker.finditer(plain)], self.occurrence
-            )
-        if reading is None:
-            reading = self._ends(plain)
-        return _reward(reading)
+        return _reward(_read_in_order(self, plain))
