@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from yatt.balance import flops_cost, imbalance, partition
-from yatt.balance._dist_plan import make_plan, partition_destination
+from yatt.balance.dist import make_plan, partition_destination
 
 QWEN25_7B = dict(
     hidden_size=3584, num_layers=28, ffn_hidden_size=18944, num_heads=28, num_kv_heads=4,

@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from yatt.balance import imbalance, partition
-from yatt.balance._dist_plan import partition_destination
-from yatt.balance.dist import RebalancePlan, rebalance, restore
+from yatt.balance.dist import RebalancePlan, partition_destination, rebalance, restore
 
 Pair = namedtuple("Pair", ["first", "second"])
 

@@ -15,8 +15,8 @@ import numpy as np
 import torch.distributed as dist
 
 from yatt.balance._checks import as_nonnegative_array
-from yatt.balance._dist_exchange import exchange
-from yatt.balance._dist_plan import RebalancePlan, make_plan
+from yatt.balance.dist._exchange import exchange
+from yatt.balance.dist._plan import RebalancePlan, make_plan
 
 
 def rebalance(
