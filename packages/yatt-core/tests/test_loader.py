@@ -186,3 +186,22 @@ def test_rank_memory_stays_flat_as_ranks_grow(tmp_path, fmt):
         tracemalloc.stop()
         assert len(batch) == 8 and loader.num_rows_parsed == 9  # 8 + the first-row check
     assert peaks[1] < 1.3 * peaks[0], peaks
+
+
+def test_a_shard_with_no_usable_row_stops_with_the_skip_counts(tmp_path):
+    path = tmp_path / "empty_prompts.jsonl"
+    _write_jsonl(path, [{"prompt": "", "answer": str(i)} for i in range(12)])
+    loader = ShardedLoader(path, batch_size=4, rank=1, world_size=2, seed=0)
+    assert loader.next_batch() == []  # 4 of the rank's 6 rows, all unusable: draw again
+    assert loader.next_batch() == []  # into the second epoch: a usable row could still come
+    with pytest.raises(ValueError, match=r"empty_prompts.jsonl.*epoch of its 6 rows.*non-empty"):
+        loader.next_batch()
+
+
+def test_a_usable_row_resets_the_unusable_count(tmp_path):
+    path = tmp_path / "mostly_empty.jsonl"
+    rows = [{"prompt": "" if i % 6 else "ok"} for i in range(12)]  # one usable row in six
+    _write_jsonl(path, rows)
+    loader = ShardedLoader(path, batch_size=3, seed=0, should_shuffle=False)
+    usable = sum(len(loader.next_batch()) for _ in range(20))  # five epochs, never an error
+    assert usable == 10 and loader.num_skipped == 50

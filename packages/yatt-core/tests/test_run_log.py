@@ -2,6 +2,8 @@ NUM_GPUS = 0
 
 import json
 
+import pytest
+
 from yatt.core import RunLog
 
 
@@ -41,3 +43,21 @@ def test_plot_writes_a_png(tmp_path):
         log.log(step, {"reward/mean": step, "length": 10 - step})
     path = log.plot(["reward/mean", "length"])
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_tolerates_a_torn_last_line(tmp_path):
+    log = RunLog(tmp_path, should_use_tensorboard=False)
+    for step in range(3):
+        log.log(step, {"loss": float(step)})
+    with open(log.path, "a") as f:
+        f.write('{"step": 3, "lo')  # a crash mid-write
+    resumed = RunLog(tmp_path, should_use_tensorboard=False, resume_step=2)
+    assert [r["step"] for r in resumed.read()] == [0, 1]
+    resumed.log(2, {"loss": 2.0})
+    assert [r["step"] for r in resumed.read()] == [0, 1, 2]
+
+
+def test_a_damaged_line_before_the_end_is_an_error(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="line 2 of 3 is not JSON"):
+        RunLog(tmp_path, should_use_tensorboard=False, resume_step=1)

@@ -86,7 +86,9 @@ class ShardedLoader:
         self.num_local_rows = self.num_rows // world_size  # per rank per epoch
         self.epoch = 0
         self.position = 0  # rows of this epoch consumed by each rank
+        self.path = path
         self.skipped: Counter[str] = Counter()
+        self._num_unusable_in_a_row = 0
         self.num_rows_parsed = 0  # rows this rank materialised (its own, never another rank's)
         self._perm: np.ndarray | None = None
         self._check_first_row(path)
@@ -148,6 +150,7 @@ class ShardedLoader:
             if reason is not None:
                 self._skip(index, reason)
                 continue
+            self._num_unusable_in_a_row = 0
             row = dict(row)
             row[ROW_INDEX_KEY] = index
             out.append(row)
@@ -175,6 +178,15 @@ class ShardedLoader:
 
     def _skip(self, index: int, reason: str) -> None:
         self.skipped[reason] += 1
+        self._num_unusable_in_a_row += 1
+        if self._num_unusable_in_a_row >= 2 * self.num_local_rows:
+            # Twice the shard without one usable row holds a whole epoch without one: no number
+            # of further draws can fill a batch, and a resumed run would stop here again.
+            raise ValueError(
+                f"dataset {str(self.path)!r}: the last {self._num_unusable_in_a_row} rows rank "
+                f"{self.rank} drew (a whole epoch of its {self.num_local_rows} rows) were "
+                f"unusable; skipped rows by cause: {dict(self.skipped)}"
+            )
         total = sum(self.skipped.values())
         if total <= _MAX_LOGGED_SKIPS:
             logger.warning("rank %d: skipping dataset row %d: %s", self.rank, index, reason)

@@ -50,11 +50,8 @@ class RunLog:
     def _drop_from(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", -1) < step
-        ]
+        records = _parse_lines(self.path.read_text(), self.path)
+        kept = [json.dumps(r) for r in records if r.get("step", -1) < step]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -73,7 +70,7 @@ class RunLog:
     def read(self) -> list[dict[str, float]]:
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return _parse_lines(self.path.read_text(), self.path)
 
     def plot(self, keys: Sequence[str], path: str | Path | None = None) -> Path | None:
         """One panel per key against step; returns the PNG path (None without matplotlib)."""
@@ -106,3 +103,22 @@ class RunLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _parse_lines(text: str, path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics file. A torn last line (a crash or a full disk mid-write) is
+    dropped with a warning; a bad line before the last is a damaged file and raises."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number == len(lines):
+                logger.warning("%s: dropping a torn last line (%d chars)", path, len(line))
+                break
+            raise ValueError(
+                f"{path}: line {number} of {len(lines)} is not JSON ({exc}); the file is "
+                "damaged before its end: fix or remove it to resume"
+            ) from exc
+    return records
