@@ -139,9 +139,38 @@ def timed(timings: dict[str, float], name: str):
     timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
 
 
+TOKEN_KEYS = ("input_ids", "loss_mask", "rollout_logprobs")
+
+
+def empty_batch() -> core.Batch:
+    """A batch of no samples with the fields rollout_round's batches have."""
+    placeholder = {
+        "input_ids": [0],
+        "loss_mask": [0],
+        "rollout_logprobs": [0.0],
+        "group_id": 0,
+        "reward": 0.0,
+    }
+    return core.Batch.from_samples([placeholder], token_keys=TOKEN_KEYS).select([])
+
+
+def count_verdicts(verdicts, seen: dict, ctx) -> None:
+    """Verdict statuses into this step's counts; the step's first failure is kept for the log."""
+    for verdict in verdicts:
+        seen["verdicts"] += 1
+        if verdict.status == "ok":
+            continue
+        seen["genrm_errors" if verdict.status == "error" else "genrm_unparsable"] += 1
+        if ctx.first_failure is None:
+            cause = verdict.error or f"no verdict in the judge's text {verdict.text[:200]!r}"
+            ctx.first_failure = f"{verdict.status}: {cause}"
+
+
 def rollout_round(step, rows, ctx) -> core.Batch:
     """Generate n samples per prompt and score them; one scored Batch (groups stay here)."""
     cfg, tok, timings, seen = ctx.cfg, ctx.tokenizer, ctx.timings, ctx.seen
+    if not rows:  # every row drawn was unusable (the loader counts why): the next round draws
+        return empty_batch()
     prompt_ids = [tok(r[cfg.data.prompt_key], add_special_tokens=False)["input_ids"] for r in rows]
     requests = [rollout.Request(prompt_ids=ids) for ids in prompt_ids]
     ctx.round += 1  # seeded by (seed, DP rank, step, round): resume and TP peers draw alike
@@ -156,6 +185,7 @@ def rollout_round(step, rows, ctx) -> core.Batch:
     def to_sample(c, i=0):
         row = rows[c.request_index]
         reference = row.get(cfg.data.answer_key) if cfg.data.answer_key else None
+        reference = None if reference is None else str(reference)  # e.g. an integer answer
         response = tok.decode(c.response_ids, skip_special_tokens=True)
         return genrm.Sample(
             prompt=row[cfg.data.prompt_key], response=response, reference=reference, id=str(i)
@@ -169,12 +199,15 @@ def rollout_round(step, rows, ctx) -> core.Batch:
     else:  # engine and judge both resident: the judge scores while the rollout's tail runs
         with timed(timings, "rollout+genrm"), ctx.plan.phase("rollout"):
             s = ctx.engine.stream(requests, sampling)
-            completions, verdicts = asyncio.run(genrm.score_as_completed(s, ctx.scorer, to_sample))
+            scored = asyncio.run(genrm.score_as_completed(s, ctx.scorer, to_sample))
+        completions, verdicts = scored
         # The next split of memory between the two follows this round's measured token loads.
-        r = sum(len(c.prompt_ids) + len(c.response_ids) for c in completions)
-        j = ctx.judge.metrics["num_prompt_tokens"] - ctx.judge_tokens
-        ctx.judge_tokens += j
-        ctx.plan.update_load(rollout_pending_tokens=r, genrm_pending_tokens=j)
+        rollout_tokens = sum(len(c.prompt_ids) + len(c.response_ids) for c in completions)
+        ctx.plan.update_load(
+            rollout_pending_tokens=rollout_tokens,
+            genrm_pending_tokens=scored.stats.num_judge_prompt_tokens,
+        )
+    count_verdicts(verdicts, seen, ctx)
     samples = []
     for i, (c, v) in enumerate(zip(completions, verdicts, strict=True)):
         seen["reward"] += v.reward
@@ -191,9 +224,7 @@ def rollout_round(step, rows, ctx) -> core.Batch:
             }
         )
     samples = core.broadcast_to_tp_peers(samples, ctx.runtime)  # TP peers: one batch (host sync)
-    return core.Batch.from_samples(
-        samples, token_keys=("input_ids", "loss_mask", "rollout_logprobs")
-    )
+    return core.Batch.from_samples(samples, token_keys=TOKEN_KEYS, like=empty_batch())
 
 
 def summarize(local: dict[str, float], group) -> dict[str, float]:
@@ -205,8 +236,47 @@ def summarize(local: dict[str, float], group) -> dict[str, float]:
         "reward/mean": g.pop("sum/reward") / count,
         "reward/accuracy": g.pop("sum/correct") / count,
         "response/length_mean": g.pop("sum/length") / count,
+        "genrm/verdicts": g.pop("sum/verdicts"),
+        "genrm/errors": g.pop("sum/genrm_errors"),
+        "genrm/unparsable": g.pop("sum/genrm_unparsable"),
+        "data/skipped_rows": g.pop("sum/skipped_rows"),  # since the start, all ranks
         **g,
     }
+
+
+def check_verdicts(step: int, metrics: dict, first_failure: str | None) -> None:
+    """A step whose every verdict failed cannot learn: stop and say why, never train on zeros."""
+    failed = metrics["genrm/errors"] + metrics["genrm/unparsable"]
+    if failed and first_failure is not None:
+        logger.warning(
+            "step %d: %d of %d verdicts failed; first: %s",
+            step,
+            failed,
+            metrics["genrm/verdicts"],
+            first_failure,
+        )
+    if metrics["genrm/verdicts"] and failed == metrics["genrm/verdicts"]:
+        raise RuntimeError(
+            f"step {step}: every one of {failed:.0f} judge verdicts failed "
+            f"({metrics['genrm/errors']:.0f} errors, {metrics['genrm/unparsable']:.0f} "
+            f"unparsable); first on this rank: {first_failure or 'see the other ranks'}. Check "
+            "reward.judge_template's fields, data.answer_key, and the judge's context length"
+        )
+
+
+def close_all(closeables, *, should_raise: bool) -> None:
+    """Close each; a failure is logged and raised only when no earlier error is propagating."""
+    errors = []
+    for closeable in closeables:
+        if closeable is None:
+            continue
+        try:
+            closeable.close()
+        except Exception as exc:  # keep closing the rest
+            logger.exception("closing %s failed", type(closeable).__name__)
+            errors.append(exc)
+    if errors and should_raise:
+        raise errors[0]
 
 
 def main(argv: list[str]) -> None:
@@ -214,12 +284,19 @@ def main(argv: list[str]) -> None:
     raw, should_resume = load_config(argv)
     runtime = core.init_runtime(seed=raw.get("seed", 0), tp_size=raw["policy"].get("tp_size", 1))
     engine = judge_engine = ckpt = run_log = None
+    is_failed = True  # until the loop ends: a close() error must not hide the loop's own
     try:
         workdir = Path(raw.get("out_dir", TrainConfig.out_dir)) / "embedded"
         tiny_task.fill_missing_paths(raw, workdir, RewardConfig.judge_template, runtime)
         raw["policy"].setdefault("temperature", raw.get("rollout", {}).get("temperature", 1.0))
         cfg = core.config_from_dict(TrainConfig, raw)
         device = str(runtime.device)
+        ckpt = Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
+        if should_resume and ckpt.latest() is None:  # said before any model loads
+            raise ValueError(
+                f"--resume: {cfg.out_dir}/checkpoints holds no checkpoint; run without --resume "
+                "to start fresh, or point out_dir at the run to continue"
+            )
 
         # -- setup: policy, rollout engine, judge, data shard, placement, checkpoints, logs ----
         policy = core.build_policy(cfg.backend, cfg.policy, runtime)
@@ -253,12 +330,11 @@ def main(argv: list[str]) -> None:
         roles = dict(rollout=engine, genrm=judge_engine, train=policy, offload=cfg.offload)
         make_plan = Plan.full_colocation if cfg.placement == "full" else Plan.partial_colocation
         plan = make_plan(**roles)
-        ckpt = Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
         ckpt.install_signal_handlers()  # SIGTERM/SIGUSR1: final save at the next boundary
         start_step = 0
         if not should_resume and ckpt.latest() is not None:  # never mix two runs' checkpoints
             raise ValueError(f"{cfg.out_dir} has checkpoints: pass --resume or a new out_dir")
-        if should_resume and ckpt.latest() is not None:
+        if should_resume:
             extra = ckpt.load(policy.state())
             loader.load_state_dict(extra["loader"])
             start_step = extra["step"] + 1
@@ -266,12 +342,14 @@ def main(argv: list[str]) -> None:
             logger.info("resumed after step %d", extra["step"])
         run_log = core.RunLog(cfg.out_dir, is_writer=runtime.is_rank_zero, resume_step=start_step)
         ctx = SimpleNamespace(cfg=cfg, runtime=runtime, tokenizer=tok, plan=plan, engine=engine)
-        ctx.__dict__.update(scorer=scorer, exact=exact, timings={}, judge=judge, judge_tokens=0)
+        ctx.__dict__.update(scorer=scorer, exact=exact, timings={}, judge=judge)
 
         # -- the GRPO loop ------------------------------------------------------------------
         bar = tqdm(range(start_step, cfg.num_steps), disable=not runtime.is_rank_zero, desc="grpo")
         for step in bar:
-            ctx.seen = dict.fromkeys(("reward", "correct", "length", "count"), 0.0)
+            counted = ("reward", "correct", "length", "count", "verdicts")
+            ctx.seen = dict.fromkeys((*counted, "genrm_errors", "genrm_unparsable"), 0.0)
+            ctx.first_failure = None
             ctx.timings, ctx.round = {"ckpt": ctx.timings.get("ckpt", 0.0)}, 0  # last save: late
             # rollout + GenRM; DAPO dynamic sampling drops zero-variance groups and refills
             batch, sampling_stats = core.sample_dynamically(
@@ -301,9 +379,11 @@ def main(argv: list[str]) -> None:
             local = {f"sum/{k}": v for k, v in ctx.seen.items()}
             local |= {f"time/{k}_s": v for k, v in ctx.timings.items()}
             local |= {f"dynamic_sampling/{k}": v for k, v in sampling_stats.items()}
+            local["sum/skipped_rows"] = float(loader.num_skipped)
             metrics = summarize(local, runtime.dp_group)  # host sync: one small collective
             metrics |= {f"train/{k}": v for k, v in train_metrics.items()} | plan.metrics()
             run_log.log(step, metrics)
+            check_verdicts(step, metrics, ctx.first_failure)
             postfix = {k: f"{v:.2f}s" for k, v in ctx.timings.items()}
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", **postfix)
             # Saved after the step's metrics line, so a committed step k implies lines 0..k.
@@ -319,10 +399,9 @@ def main(argv: list[str]) -> None:
             change = {k: f"{first[k]:.3f} -> {last[k]:.3f}" for k in keys}
             plot = run_log.plot([*keys, "response/length_mean"])
             logger.info("steps %d..%d: %s; plot %s", first["step"], last["step"], change, plot)
+        is_failed = False
     finally:
-        for closeable in (ckpt, run_log, judge_engine, engine):
-            if closeable is not None:
-                closeable.close()
+        close_all((ckpt, run_log, judge_engine, engine), should_raise=not is_failed)
         runtime.shutdown()
 
 

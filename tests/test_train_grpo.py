@@ -232,3 +232,79 @@ def test_megatron_backend_trains_checkpoints_and_resumes_exactly_at_tp2(tmp_path
     keys = ("reward/mean", "train/loss", "train/grad_norm", "train/rollout_mismatch")
     for step in (3, 4):  # recomputed by the resumed run from the step-2 checkpoint
         assert {k: resumed[step][k] for k in keys} == {k: expected[step][k] for k in keys}
+
+
+def _one_rank(out_dir: Path, embedded: list[str], *args: str) -> list[str]:
+    fixed = [f"out_dir={out_dir}", "data.prompts_per_rank=4"]
+    return [sys.executable, str(TRAINER), *fixed, *embedded, *args]
+
+
+def test_empty_prompts_are_skipped_and_counted_without_a_crash(tmp_path, embedded):
+    # Most rows unusable: rounds that draw only skipped rows return no samples and draw again.
+    data = Path(next(a for a in embedded if a.startswith("data.path=")).split("=", 1)[1])
+    rows = [json.loads(line) for line in data.read_text().splitlines()][:40]
+    bad = tmp_path / "mostly_empty.jsonl"
+    bad.write_text(
+        "".join(
+            json.dumps({**r, "prompt": "" if i % 4 else r["prompt"]}) + "\n"
+            for i, r in enumerate(rows)
+        )
+    )
+    args = [a for a in embedded if not a.startswith("data.path=")] + [f"data.path={bad}"]
+    out = tmp_path / "run"
+    subprocess.run(_one_rank(out, args, "num_steps=4"), check=True, env=_env(), timeout=600)
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert records[-1]["data/skipped_rows"] > records[0]["data/skipped_rows"] > 0
+    assert all(r["genrm/errors"] == 0 for r in records)
+
+
+def test_a_run_whose_every_verdict_fails_stops_and_says_why(tmp_path, embedded):
+    # The judge template names a field no sample has: every verdict is an error verdict.
+    out = tmp_path / "run"
+    result = subprocess.run(
+        _one_rank(
+            out, embedded, "num_steps=5", "reward.judge_template=Q {prompt} A {response} R {nope}"
+        ),
+        env=_env(),
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0
+    assert "every one of" in result.stderr and "judge verdicts failed" in result.stderr
+    assert "nope" in result.stderr  # the first cause names the missing field
+    records = _metrics(out)
+    assert len(records) == 1 and records[0]["genrm/errors"] == records[0]["genrm/verdicts"] > 0
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path, embedded):
+    result = subprocess.run(
+        [*_one_rank(tmp_path / "fresh", embedded, "num_steps=2"), "--resume"],
+        env=_env(),
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0 and "holds no checkpoint" in result.stderr
+    assert not (tmp_path / "fresh" / "metrics.jsonl").exists()
+
+
+def test_a_close_error_never_hides_the_loops_own(caplog):
+    import train_grpo
+
+    class Broken:
+        def close(self):
+            raise OSError("disk gone")
+
+    closed = []
+
+    class Fine:
+        def close(self):
+            closed.append(True)
+
+    train_grpo.close_all([Broken(), None, Fine()], should_raise=False)  # the loop already failed
+    assert closed == [True] and "closing Broken failed" in caplog.text
+    with pytest.raises(OSError, match="disk gone"):
+        train_grpo.close_all([Broken(), Fine()], should_raise=True)
+    assert closed == [True, True]
