@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import sys
 import time
@@ -68,9 +69,11 @@ class RewardConfig:
     judge_template: str = "{prompt}{response} ref {reference}"  # JudgeTemplate.user
     votes: int = 1  # judge samples per response, averaged
     rule_weight: float = 0.0  # weight of an exact-match rule reward added to the judge's
+    backend: str = "builtin"  # the judge's engine: "builtin", or "vllm"/"sglang" (GPU)
     engine: rollout.EngineConfig = field(
         default_factory=lambda: rollout.EngineConfig(max_seq_len=96, region_prefix="genrm")
     )
+    backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
 
 
 @dataclass(kw_only=True)
@@ -95,8 +98,23 @@ class TrainConfig:
         for key, allowed in (("placement", ("full", "partial")), ("offload", ("always", "auto"))):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key}={getattr(self, key)!r}: use one of {allowed}")
+        for name, engine in (("rollout", self.rollout), ("reward", self.reward)):
+            check_engine_backend(f"{name}.backend", engine.backend, engine.backend_options)
         if isinstance(self.policy, dict):  # unknown keys fail here, naming the backend's class
             self.policy = core.policy_config_from_dict(self.backend, self.policy)
+
+
+def check_engine_backend(field_name: str, backend: str, options: dict) -> None:
+    """Before anything loads: a known engine, installed, with options its config knows."""
+    if backend == "builtin":
+        return
+    if backend not in ENGINES:
+        raise ValueError(f"{field_name}={backend!r}: use 'builtin', 'vllm' or 'sglang'")
+    if importlib.util.find_spec(backend) is None:
+        raise ValueError(
+            f"{field_name}={backend!r} needs {backend}: pip install 'yatt-rollout[{backend}]'"
+        )
+    ENGINES[backend][1](**options)  # unknown or bad option: TypeError/ValueError naming it
 
 
 DEFAULT_POLICY = {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512}  # tiny model
@@ -122,14 +140,12 @@ def load_config(argv: list[str]) -> tuple[dict, bool]:
     return raw, args.resume
 
 
-def make_engine(rc: RolloutConfig, model_dir: str, device: str):
-    """The policy's rollout engine: built-in by default, vLLM or SGLang by config."""
-    if rc.backend == "builtin":
-        return rollout.BuiltinEngine(model_dir, config=replace(rc.engine, device=device))
-    if rc.backend in ("vllm", "sglang"):
-        engine_cls, config_cls = ENGINES[rc.backend]
-        return engine_cls(model_dir, config=config_cls(**rc.backend_options))
-    raise ValueError(f"rollout.backend={rc.backend!r}: use 'builtin', 'vllm' or 'sglang'")
+def make_engine(backend: str, engine_config, options: dict, model_dir: str, device: str):
+    """An engine (the policy's or the judge's): built-in by default, vLLM or SGLang by config."""
+    if backend == "builtin":
+        return rollout.BuiltinEngine(model_dir, config=replace(engine_config, device=device))
+    engine_cls, config_cls = ENGINES[backend]  # checked when the config was built
+    return engine_cls(model_dir, config=config_cls(**options))
 
 
 @contextlib.contextmanager
@@ -300,9 +316,12 @@ def main(argv: list[str]) -> None:
 
         # -- setup: policy, rollout engine, judge, data shard, placement, checkpoints, logs ----
         policy = core.build_policy(cfg.backend, cfg.policy, runtime)
-        engine = make_engine(cfg.rollout, cfg.policy.model_dir, device)
-        judge_engine = rollout.BuiltinEngine(
-            cfg.reward.judge_dir, config=replace(cfg.reward.engine, device=device)
+        rc, reward = cfg.rollout, cfg.reward
+        engine = make_engine(
+            rc.backend, rc.engine, rc.backend_options, cfg.policy.model_dir, device
+        )
+        judge_engine = make_engine(
+            reward.backend, reward.engine, reward.backend_options, reward.judge_dir, device
         )
         tok = engine.tokenizer
         judge = genrm.GenRM(
