@@ -49,6 +49,9 @@ class DataConfig:
     answer_key: str = "answer"  # row field holding the reference answer ("" = none)
     prompts_per_rank: int = 8  # GRPO groups per rank per step
 
+    def __post_init__(self) -> None:
+        check_at_least("data.prompts_per_rank", self.prompts_per_rank, 1)
+
 
 @dataclass(kw_only=True)
 class RolloutConfig:
@@ -62,6 +65,13 @@ class RolloutConfig:
     )
     backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
 
+    def __post_init__(self) -> None:
+        # GRPO's advantage is a sample's reward against its group's: one sample has none.
+        check_at_least("rollout.samples_per_prompt", self.samples_per_prompt, 2)
+        check_at_least("rollout.max_new_tokens", self.max_new_tokens, 1)
+        check_at_least("rollout.max_sampling_rounds", self.max_sampling_rounds, 1)
+        check_at_least("rollout.temperature", self.temperature, 0.0)
+
 
 @dataclass(kw_only=True)
 class RewardConfig:
@@ -74,6 +84,9 @@ class RewardConfig:
         default_factory=lambda: rollout.EngineConfig(max_seq_len=96, region_prefix="genrm")
     )
     backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
+
+    def __post_init__(self) -> None:
+        check_at_least("reward.votes", self.votes, 1)
 
 
 @dataclass(kw_only=True)
@@ -95,6 +108,7 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
 
     def __post_init__(self) -> None:
+        check_at_least("num_steps", self.num_steps, 0)  # 0: build the embedded task and stop
         for key, allowed in (("placement", ("full", "partial")), ("offload", ("always", "auto"))):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key}={getattr(self, key)!r}: use one of {allowed}")
@@ -102,6 +116,11 @@ class TrainConfig:
             check_engine_backend(f"{name}.backend", engine.backend, engine.backend_options)
         if isinstance(self.policy, dict):  # unknown keys fail here, naming the backend's class
             self.policy = core.policy_config_from_dict(self.backend, self.policy)
+
+
+def check_at_least(name: str, value, minimum) -> None:
+    if value < minimum:
+        raise ValueError(f"{name}={value!r}: must be >= {minimum}")
 
 
 def check_engine_backend(field_name: str, backend: str, options: dict) -> None:
@@ -298,6 +317,9 @@ def close_all(closeables, *, should_raise: bool) -> None:
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     raw, should_resume = load_config(argv)
+    # Every field but the policy's (its model_dir may be the embedded task's, not built yet) is
+    # typed and range-checked here, before the runtime starts or any model loads.
+    core.config_from_dict(TrainConfig, {**raw, "policy": "checked once its model_dir exists"})
     runtime = core.init_runtime(seed=raw.get("seed", 0), tp_size=raw["policy"].get("tp_size", 1))
     engine = judge_engine = ckpt = run_log = None
     is_failed = True  # until the loop ends: a close() error must not hide the loop's own

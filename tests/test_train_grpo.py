@@ -5,6 +5,7 @@ NUM_GPUS = 0
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -322,3 +323,27 @@ def test_a_close_error_never_hides_the_loops_own(caplog):
     with pytest.raises(OSError, match="disk gone"):
         train_grpo.close_all([Broken(), Fine()], should_raise=True)
     assert closed == [True, True]
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("num_steps=abc", r"num_steps='abc': must be an int"),
+        ("num_steps=-5", r"num_steps=-5: must be >= 0"),
+        ("rollout.samples_per_prompt=1", r"rollout.samples_per_prompt=1: must be >= 2"),
+        ("data=", r"config section 'data' is empty"),
+        ("reward.votes=0", r"reward.votes=0: must be >= 1"),
+    ],
+)
+def test_bad_config_values_fail_before_anything_loads(tmp_path, override, match):
+    # No embedded task exists in this out_dir: an error after setup would first build it.
+    result = subprocess.run(
+        [sys.executable, str(TRAINER), f"out_dir={tmp_path}", override],
+        env=_env(),
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0
+    assert re.search(match, result.stderr), result.stderr[-2000:]
+    assert not (tmp_path / "embedded").exists()

@@ -111,3 +111,38 @@ def test_config_from_dict_builds_nested_and_rejects_unknown_keys():
     # The dataclass's own validation still runs.
     with pytest.raises(ValueError, match="clip_low"):
         config_from_dict(PolicyLoss, {"clip_low": 2.0})
+
+
+@dataclass(kw_only=True)
+class _Typed:
+    steps: int = 1
+    lr: float = 0.1
+    name: str = ""
+    is_on: bool = False
+    limit: int | None = None
+    inner: _Inner = field(default_factory=_Inner)
+
+
+def test_config_from_dict_coerces_exact_scalars():
+    # YAML reads 1e-3 (no dot) as a string; 3.0 for an int field is exact.
+    cfg = config_from_dict(_Typed, {"steps": "3", "lr": "1e-3", "limit": None, "inner": {"lr": 2}})
+    assert cfg == _Typed(steps=3, lr=0.001, limit=None, inner=_Inner(lr=2.0))
+    assert isinstance(cfg.inner.lr, float) and config_from_dict(_Typed, {"steps": 3.0}).steps == 3
+
+
+@pytest.mark.parametrize(
+    ("values", "match"),
+    [
+        pytest.param({"steps": "abc"}, r"steps='abc': must be an int", id="word-for-int"),
+        pytest.param({"steps": 2.5}, r"steps=2.5: must be an int", id="fraction-for-int"),
+        pytest.param({"steps": True}, r"steps=True: must be an int", id="bool-for-int"),
+        pytest.param({"inner": {"lr": "fast"}}, r"inner.lr='fast': must be a float", id="nested"),
+        pytest.param({"is_on": 1}, r"is_on=1: must be a bool", id="int-for-bool"),
+        pytest.param({"name": 7}, r"name=7: must be a str", id="int-for-str"),
+        pytest.param({"steps": None}, r"steps: a value is required", id="none-for-int"),
+        pytest.param({"inner": None}, r"section 'inner' is empty", id="empty-section"),
+    ],
+)
+def test_config_from_dict_names_the_field_of_a_wrong_type(values, match):
+    with pytest.raises(ValueError, match=match):
+        config_from_dict(_Typed, values)
