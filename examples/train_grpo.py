@@ -48,6 +48,9 @@ class DataConfig:
     prompt_key: str = "prompt"  # row field holding the prompt text
     answer_key: str = "answer"  # row field holding the reference answer ("" = none)
     prompts_per_rank: int = 8  # GRPO groups per rank per step
+    # Message lists ([{role, content}, ...]) always go through the policy's chat template;
+    # True sends plain-text prompts through it too (instruct models).
+    apply_chat_template: bool = False
 
     def __post_init__(self) -> None:
         check_at_least("data.prompts_per_rank", self.prompts_per_rank, 1)
@@ -201,12 +204,30 @@ def count_verdicts(verdicts, seen: dict, ctx) -> None:
             ctx.first_failure = f"{verdict.status}: {cause}"
 
 
+def prompt_ids_of(prompt, tok, should_apply_template: bool) -> list[int]:
+    """Token ids of a row's prompt: a message list (or, when asked, plain text as one user
+    message) through the tokenizer's chat template, with the assistant turn opened."""
+    if not isinstance(prompt, list) and not should_apply_template:
+        return tok(prompt, add_special_tokens=False)["input_ids"]
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def prompt_text_of(prompt) -> str:
+    """What the judge reads as the prompt: a message list as "role: content" lines."""
+    if isinstance(prompt, list):
+        return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+    return prompt
+
+
 def rollout_round(step, rows, ctx) -> core.Batch:
     """Generate n samples per prompt and score them; one scored Batch (groups stay here)."""
     cfg, tok, timings, seen = ctx.cfg, ctx.tokenizer, ctx.timings, ctx.seen
     if not rows:  # every row drawn was unusable (the loader counts why): the next round draws
         return empty_batch()
-    prompt_ids = [tok(r[cfg.data.prompt_key], add_special_tokens=False)["input_ids"] for r in rows]
+    should_template = cfg.data.apply_chat_template
+    prompt_ids = [prompt_ids_of(r[cfg.data.prompt_key], tok, should_template) for r in rows]
     requests = [rollout.Request(prompt_ids=ids) for ids in prompt_ids]
     ctx.round += 1  # seeded by (seed, DP rank, step, round): resume and TP peers draw alike
     seed = cfg.seed * 1_000_003 + ctx.runtime.dp_rank * 10_007 + step * 101 + ctx.round
@@ -223,7 +244,10 @@ def rollout_round(step, rows, ctx) -> core.Batch:
         reference = None if reference is None else str(reference)  # e.g. an integer answer
         response = tok.decode(c.response_ids, skip_special_tokens=True)
         return genrm.Sample(
-            prompt=row[cfg.data.prompt_key], response=response, reference=reference, id=str(i)
+            prompt=prompt_text_of(row[cfg.data.prompt_key]),
+            response=response,
+            reference=reference,
+            id=str(i),
         )
 
     if cfg.placement == "full":
@@ -366,7 +390,9 @@ def main(argv: list[str]) -> None:
             prompt_key=cfg.data.prompt_key,
             seed=cfg.seed,
             max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
-            count_tokens=lambda text: len(tok(text, add_special_tokens=False)["input_ids"]),
+            count_tokens=lambda prompt: len(
+                prompt_ids_of(prompt, tok, cfg.data.apply_chat_template)
+            ),
         )
         roles = dict(rollout=engine, genrm=judge_engine, train=policy, offload=cfg.offload)
         make_plan = Plan.full_colocation if cfg.placement == "full" else Plan.partial_colocation

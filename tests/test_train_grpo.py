@@ -347,3 +347,28 @@ def test_bad_config_values_fail_before_anything_loads(tmp_path, override, match)
     assert result.returncode != 0
     assert re.search(match, result.stderr), result.stderr[-2000:]
     assert not (tmp_path / "embedded").exists()
+
+
+def test_chat_format_prompts_go_through_the_chat_template(tmp_path, embedded):
+    data = Path(next(a for a in embedded if a.startswith("data.path=")).split("=", 1)[1])
+    rows = [json.loads(line) for line in data.read_text().splitlines()][:32]
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(
+        "".join(
+            json.dumps({**r, "prompt": [{"role": "user", "content": r["prompt"]}]}) + "\n"
+            for r in rows
+        )
+        + json.dumps({"prompt": [{"role": "user"}], "answer": "1"})  # no content: skipped
+        + "\n"
+    )
+    args = [a for a in embedded if not a.startswith("data.path=")] + [f"data.path={chat}"]
+    out = tmp_path / "run"
+    subprocess.run(
+        _one_rank(out, args, "num_steps=2", "rollout.engine.max_seq_len=96"),
+        check=True,
+        env=_env(),
+        timeout=600,
+    )
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1]
+    assert all(r["genrm/verdicts"] > 0 for r in records)

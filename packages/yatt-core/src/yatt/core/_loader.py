@@ -167,6 +167,8 @@ class ShardedLoader:
             return f"no {self.prompt_key!r} field"
         if not isinstance(prompt, str | list) or len(prompt) == 0:
             return f"{self.prompt_key!r} is not a non-empty string or message list"
+        if isinstance(prompt, list) and not all(_is_message(m) for m in prompt):
+            return f"{self.prompt_key!r} is a list but not of {{role, content}} string messages"
         if self.image_key is not None and row.get(self.image_key) is None:
             return f"no {self.image_key!r} field"
         if self.max_prompt_tokens is not None:
@@ -225,3 +227,11 @@ class ShardedLoader:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._perm = None
+
+
+def _is_message(item: Any) -> bool:
+    return (
+        isinstance(item, Mapping)
+        and isinstance(item.get("role"), str)
+        and isinstance(item.get("content"), str)
+    )
