@@ -117,8 +117,21 @@ class TrainConfig:
                 raise ValueError(f"{key}={getattr(self, key)!r}: use one of {allowed}")
         for name, engine in (("rollout", self.rollout), ("reward", self.reward)):
             check_engine_backend(f"{name}.backend", engine.backend, engine.backend_options)
+        check_judge_template(self.reward.judge_template, self.data.answer_key)
         if isinstance(self.policy, dict):  # unknown keys fail here, naming the backend's class
             self.policy = core.policy_config_from_dict(self.backend, self.policy)
+
+
+def check_judge_template(template: str, answer_key: str) -> None:
+    """Before any model loads: the judge template reads only what a sample has (the trainer
+    fills prompt, response, and reference from data.answer_key when one is set)."""
+    fields = genrm.JudgeTemplate(user=template).fields
+    known = {"prompt", "response"} | ({"reference"} if answer_key else set())
+    if fields - known:
+        raise ValueError(
+            f"reward.judge_template={template!r} reads {sorted(fields - known)}; a sample has "
+            f"{sorted(known)}" + ("" if answer_key else " (set data.answer_key for {reference})")
+        )
 
 
 def check_at_least(name: str, value, minimum) -> None:

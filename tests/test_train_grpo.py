@@ -275,12 +275,10 @@ def test_empty_prompts_are_skipped_and_counted_without_a_crash(tmp_path, embedde
 
 
 def test_a_run_whose_every_verdict_fails_stops_and_says_why(tmp_path, embedded):
-    # The judge template names a field no sample has: every verdict is an error verdict.
+    # Rows without the answer field the template's {reference} needs: every verdict is an error.
     out = tmp_path / "run"
     result = subprocess.run(
-        _one_rank(
-            out, embedded, "num_steps=5", "reward.judge_template=Q {prompt} A {response} R {nope}"
-        ),
+        _one_rank(out, embedded, "num_steps=5", "data.answer_key=no_such_field"),
         env=_env(),
         timeout=600,
         capture_output=True,
@@ -288,7 +286,7 @@ def test_a_run_whose_every_verdict_fails_stops_and_says_why(tmp_path, embedded):
     )
     assert result.returncode != 0
     assert "every one of" in result.stderr and "judge verdicts failed" in result.stderr
-    assert "nope" in result.stderr  # the first cause names the missing field
+    assert "first on this rank: error:" in result.stderr and "{reference}" in result.stderr
     records = _metrics(out)
     assert len(records) == 1 and records[0]["genrm/errors"] == records[0]["genrm/verdicts"] > 0
 
@@ -333,6 +331,7 @@ def test_a_close_error_never_hides_the_loops_own(caplog):
         ("rollout.samples_per_prompt=1", r"rollout.samples_per_prompt=1: must be >= 2"),
         ("data=", r"config section 'data' is empty"),
         ("reward.votes=0", r"reward.votes=0: must be >= 1"),
+        ("reward.judge_template=Q {prompt} R {nope}", r"judge_template=.*reads \['nope'\]"),
     ],
 )
 def test_bad_config_values_fail_before_anything_loads(tmp_path, override, match):
