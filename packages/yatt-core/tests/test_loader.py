@@ -130,7 +130,7 @@ def test_missing_image_is_a_skip(tmp_path):
     [
         pytest.param(
             {"prompt_key": "question"},
-            "prompt_key='question' is not a field of row",
+            "prompt_key='question' is not a field of the first 16 rows",
             id="wrong-prompt-key",
         ),
         pytest.param({"image_key": "img"}, "image_key='img'", id="wrong-image-key"),
@@ -205,3 +205,13 @@ def test_a_usable_row_resets_the_unusable_count(tmp_path):
     loader = ShardedLoader(path, batch_size=3, seed=0, should_shuffle=False)
     usable = sum(len(loader.next_batch()) for _ in range(20))  # five epochs, never an error
     assert usable == 10 and loader.num_skipped == 50
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_start_up_check_does_not_depend_on_the_seed(tmp_path, seed):
+    # One row lacks the prompt: every seed accepts the file (the row is skipped when drawn).
+    rows = _rows(6)
+    rows[2] = {"answer": "x"}
+    path = _write_jsonl(tmp_path / "one_bad_row.jsonl", rows)
+    loader = ShardedLoader(path, batch_size=6, seed=seed)
+    assert len(loader.next_batch()) == 5 and loader.num_skipped == 1

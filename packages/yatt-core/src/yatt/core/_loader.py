@@ -27,6 +27,7 @@ logger = logging.getLogger("yatt.core")
 
 ROW_INDEX_KEY = "_index"  # added to every row: its global index in the dataset
 _MAX_LOGGED_SKIPS = 20
+_NUM_ROWS_CHECKED = 16  # rows read at start-up to catch a misspelled key
 
 
 class ShardedLoader:
@@ -94,18 +95,28 @@ class ShardedLoader:
         self._check_first_row(path)
 
     def _check_first_row(self, path: str | Path) -> None:
-        # A misspelled prompt_key would otherwise turn into "every row skipped" at step 1.
-        # The row checked is this rank's own first row: no rank parses another's payload.
-        index = int(self._permutation()[self.rank])
-        first = self._source.read([index])[0]
-        self.num_rows_parsed += 1
-        if isinstance(first, dict):
-            for name, key in (("prompt_key", self.prompt_key), ("image_key", self.image_key)):
-                if key is not None and key not in first:
-                    raise ValueError(
-                        f"{name}={key!r} is not a field of row {index} of {str(path)!r}; "
-                        f"its fields are {sorted(first)}"
-                    )
+        # A misspelled prompt_key would otherwise turn into "every row skipped" at step 1. The
+        # file's rows are read in file order until one has the keys (usually the first), on
+        # every rank alike: the verdict depends on neither the seed nor the rank, one bad row
+        # (skipped later, and counted) refuses nothing, and a rank reads one row, not a shard.
+        keys = {"prompt_key": self.prompt_key, "image_key": self.image_key}
+        wanted = {name: key for name, key in keys.items() if key is not None}
+        seen: set[str] = set()
+        for index in range(min(_NUM_ROWS_CHECKED, self.num_rows)):
+            row = self._source.read([index])[0]
+            self.num_rows_parsed += 1
+            if not isinstance(row, dict):
+                continue
+            if all(key in row for key in wanted.values()):
+                return
+            seen |= set(row)
+        missing = {name: key for name, key in wanted.items() if key not in seen}
+        if seen and missing:
+            name, key = next(iter(missing.items()))
+            raise ValueError(
+                f"{name}={key!r} is not a field of the first {_NUM_ROWS_CHECKED} rows of "
+                f"{str(path)!r}; their fields are {sorted(seen)}"
+            )
 
     @property
     def steps_per_epoch(self) -> int:
