@@ -1,5 +1,6 @@
 NUM_GPUS = 0
 
+import pytest
 import torch
 
 from yatt.rollout import iter_buckets, map_names
@@ -44,3 +45,9 @@ def test_map_names_can_split_rename_and_drop():
     )
     assert [n for n, _ in out] == ["a", "b", "x.w"]
     assert out[1][1].item() == 1.0
+
+
+def test_an_offloaded_placeholder_is_refused_with_the_fix():
+    pairs = [("model.norm.weight", torch.ones(4)), ("model.embed_tokens.weight", torch.empty(0))]
+    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' with shape \(0,\).*onload"):
+        list(iter_buckets(iter(pairs), bucket_bytes=1 << 20))

@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 Offloadable = torch.nn.Module | torch.optim.Optimizer
 # An offload that returns less than this share of the bytes it moved is reported.
+_MIN_SHORTFALL_BYTES = 2**20
 _SHORT_RELEASE_FRACTION = 0.9
 
 
@@ -116,9 +117,11 @@ def _release_device_memory(devices: list[torch.device], *, moved_bytes: int, bef
     `moved_bytes` offload moved off the device (`before`: memory_reserved of `devices` then)."""
     torch.cuda.empty_cache()
     released = before - _reserved_bytes(devices)
-    if released < _SHORT_RELEASE_FRACTION * moved_bytes:
+    shortfall = moved_bytes - max(released, 0)
+    # Under a MiB is allocator rounding (a few small tensors), not memory held back.
+    if released < _SHORT_RELEASE_FRACTION * moved_bytes and shortfall >= _MIN_SHORTFALL_BYTES:
         logger.warning(
-            "offload moved %.0f MiB to host but the caching allocator returned only %.0f MiB to "
+            "offload moved %.1f MiB to host but the caching allocator returned only %.1f MiB to "
             "the device: the rest shares allocator segments with tensors still alive (allocated "
             "after a large tensor was freed), or someone holds the old storage of an offloaded "
             "tensor. From the next offload on, the object's tensors live in a pool of their own "

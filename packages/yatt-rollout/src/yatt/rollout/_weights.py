@@ -46,6 +46,14 @@ def iter_buckets(
                 f"update_weights got {type(pair).__name__} {pair!r:.80}; pass an iterable of "
                 "(name, tensor) pairs such as model.named_parameters()"
             )
+        if pair[1].numel() == 0 and pair[1].dim() == 1:
+            # yatt.placement.offload leaves such an empty placeholder on the device: the values
+            # are on the host and syncing it would load nothing (or fail in the engine).
+            raise ValueError(
+                f"update_weights got {pair[0]!r} with shape (0,): its module looks offloaded "
+                "(yatt.placement.offload keeps an empty placeholder on the device); onload it "
+                "first, e.g. inside plan.phase('sync'), which wakes the trainer"
+            )
         nbytes = tensor_bytes(pair[1])
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
