@@ -181,3 +181,22 @@ def test_live_key_absent_from_checkpoint_is_named(tmp_path):
         other_optim = torch.optim.AdamW(other.parameters())
         with pytest.raises(ValueError, match=r"no tensor 'extra_state'"):
             ckpt.load({"model": other, "optim": other_optim, "extra_state": torch.zeros(2)})
+
+
+def test_leftovers_are_removed_before_the_write_probe(tmp_path, monkeypatch):
+    # A save that failed on a full disk leaves a .tmp folder holding the space the probe needs.
+    from yatt.ckpt import _checkpointer
+
+    leftover = tmp_path / "step-00000007.tmp"
+    leftover.mkdir()
+    (leftover / "shard.distcp").write_bytes(b"x" * 1024)
+    seen_at_probe = []
+    original = _checkpointer.check_root_writable
+
+    def probe(root):
+        seen_at_probe.append(leftover.exists())
+        return original(root)
+
+    monkeypatch.setattr(_checkpointer, "check_root_writable", probe)
+    Checkpointer(tmp_path).close()
+    assert seen_at_probe == [False] and not leftover.exists()

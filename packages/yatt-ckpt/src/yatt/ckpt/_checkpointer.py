@@ -118,13 +118,19 @@ class Checkpointer:
         self._group = RankGroup()
         error = None
         if self._group.rank == 0:
+            # Leftovers first: a save that failed on a full disk holds the space the write
+            # probe needs, and a refusal then would keep it held forever.
+            removed = []
+            if self.root.is_dir():
+                try:
+                    removed = remove_leftovers(self.root)
+                except OSError as exc:  # the probe below says what is wrong with the folder
+                    logger.warning("could not remove checkpoint leftovers: %s", exc)
+            if removed:
+                logger.info(
+                    "removed unfinished checkpoint leftovers under %s: %s", self.root, removed
+                )
             error = check_root_writable(self.root)
-            if error is None:
-                removed = remove_leftovers(self.root)
-                if removed:
-                    logger.info(
-                        "removed unfinished checkpoint leftovers under %s: %s", self.root, removed
-                    )
         # Other ranks wait here until rank 0 cleaned up, so no rank writes into a folder that is
         # being removed.
         errors = self._group.gather_errors(error, on_io=False)
