@@ -155,8 +155,25 @@ def check_engine_backend(field_name: str, backend: str, options: dict) -> None:
 DEFAULT_POLICY = {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512}  # tiny model
 
 
+def config_fields_help() -> str:
+    """Every config field, its default and its doc line (policy: the torch backend's)."""
+    lines = [line for line in core.describe_config(TrainConfig) if not line.startswith("policy ")]
+    for line in core.describe_config(core.TorchPolicyConfig, prefix="policy."):
+        name, _, rest = line.partition(" = ")
+        key = name.removeprefix("policy.")
+        if key in DEFAULT_POLICY:  # the embedded task's tiny-model defaults
+            doc = rest.partition("  # ")[2]
+            line = f"{name} = {DEFAULT_POLICY[key]!r}" + (f"  # {doc}" if doc else "")
+        lines.append(line)
+    return "config fields (YAML keys, or key.sub=value overrides):\n  " + "\n  ".join(lines)
+
+
 def load_config(argv: list[str]) -> tuple[dict, bool]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=config_fields_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--config", help="YAML file of TrainConfig fields")
     parser.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
     parser.add_argument("overrides", nargs="*", help="e.g. rollout.temperature=0.7")

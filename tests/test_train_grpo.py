@@ -371,3 +371,17 @@ def test_chat_format_prompts_go_through_the_chat_template(tmp_path, embedded):
     records = _metrics(out)
     assert [r["step"] for r in records] == [0, 1]
     assert all(r["genrm/verdicts"] > 0 for r in records)
+
+
+def test_help_lists_every_config_field_and_the_set_is_frozen():
+    # A new config field must be added to tests/trainer_config_fields.txt: a deliberate edit.
+    result = subprocess.run(
+        [sys.executable, str(TRAINER), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0
+    listed = result.stdout.split("config fields", 1)[1].splitlines()[1:]
+    names = [line.strip().split(" = ")[0] for line in listed if " = " in line]
+    frozen = (ROOT / "tests" / "trainer_config_fields.txt").read_text().split()
+    assert names == frozen
+    assert "  policy.lr = 0.002  # AdamW learning rate (constant)" in result.stdout
+    assert "  rollout.samples_per_prompt = 8  # GRPO group size n" in result.stdout

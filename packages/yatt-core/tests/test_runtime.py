@@ -146,3 +146,20 @@ def test_config_from_dict_coerces_exact_scalars():
 def test_config_from_dict_names_the_field_of_a_wrong_type(values, match):
     with pytest.raises(ValueError, match=match):
         config_from_dict(_Typed, values)
+
+
+@dataclass(kw_only=True)
+class _Documented:
+    steps: int = 3  # optimizer steps
+    inner: _Inner = field(default_factory=lambda: _Inner(lr=0.5))
+    path: str  # where it goes
+
+
+def test_describe_config_lists_leaf_fields_with_defaults_and_comments():
+    from yatt.core import describe_config
+
+    assert describe_config(_Documented) == [
+        "steps = 3  # optimizer steps",
+        "inner.lr = 0.5",  # the factory's value, not the nested class's default
+        "path = (required)  # where it goes",
+    ]

@@ -6,7 +6,7 @@ Runtime and process groups, sharded prompt data, batches, GRPO/DAPO math and pol
 from yatt.core._advantages import compute_grpo_advantages, mask_groups_with_reward_variance
 from yatt.core._backends import broadcast_to_tp_peers, build_policy, policy_config_from_dict
 from yatt.core._batch import Batch
-from yatt.core._config import config_from_dict
+from yatt.core._config import config_from_dict, describe_config
 from yatt.core._loader import ROW_INDEX_KEY, ShardedLoader
 from yatt.core._logits import compute_entropy, compute_token_logprobs
 from yatt.core._losses import (
@@ -50,6 +50,7 @@ __all__ = [
     "compute_token_logprobs",
     "config_from_dict",
     "count_units",
+    "describe_config",
     "init_runtime",
     "mask_groups_with_reward_variance",
     "policy_config_from_dict",

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -109,3 +111,40 @@ def _convert(value: Any, target: type) -> Any:
 
 def _names(types: list[type]) -> str:
     return " or ".join(f"an {t.__name__}" if t is int else f"a {t.__name__}" for t in types)
+
+
+_FIELD_COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
+
+
+def describe_config(config: Any, *, prefix: str = "") -> list[str]:
+    """One line per leaf field of a config dataclass (or instance): its dotted name, default
+    value and the comment written beside it in the class's source (for `--help`)."""
+    cls = config if isinstance(config, type) else type(config)
+    try:
+        comments = dict(
+            m.groups()
+            for line in inspect.getsource(cls).splitlines()
+            if (m := _FIELD_COMMENT.match(line))
+        )
+    except (OSError, TypeError):
+        comments = {}
+    lines = []
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if not isinstance(config, type):
+            value = getattr(config, f.name)
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = dataclasses.MISSING
+        name = prefix + f.name
+        if dataclasses.is_dataclass(value):
+            lines += describe_config(value, prefix=name + ".")
+            continue
+        shown = "(required)" if value is dataclasses.MISSING else repr(value)
+        doc = comments.get(f.name, "")
+        lines.append(f"{name} = {shown}" + (f"  # {doc}" if doc else ""))
+    return lines
