@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from yatt.placement import offload, onload
+from yatt.placement import offload, offloaded_named_parameters, onload
 from yatt.rollout import BuiltinEngine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -155,9 +155,10 @@ def bench_memory_and_weights(results: dict) -> None:
         [(o - t).abs() for o, t in zip(trainer_logprobs(old, sampled), theirs, strict=True)]
     )
     del old
-    # Pinned CPU -> GPU, as after a trainer offload.
+    # Pinned CPU -> GPU, as after a trainer offload: an offloaded CUDA parameter is an empty
+    # placeholder on the device, its values are offload's pinned host copy.
     offload(trainer)
-    cpu_pairs = list(trainer.named_parameters())
+    cpu_pairs = list(offloaded_named_parameters(trainer))
     sync()
     t0 = time.perf_counter()
     engine.update_weights(cpu_pairs)

@@ -89,6 +89,21 @@ def test_process_saves_in_a_row_reuse_shared_buffers(tmp_path):
     assert wait_until_gone(pid, 10), "close() must stop the writer process"
 
 
+def test_process_writer_stages_host_state_into_shared_unpinned_buffers(tmp_path):
+    # The CPU path of test_cuda.py's page-locked buffers: shared with the writer, and without
+    # CUDA tensors nothing to page-lock (nothing is registered with CUDA, on any machine).
+    model, optim = build(0)
+    with Checkpointer(tmp_path, writer="process") as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim})
+        stager = ckpt._stager
+        buffers = list(stager._buffers.values())
+        assert len(buffers) == 4 + 3 * 4  # 4 parameters; AdamW: step and two moments each
+        assert all(b.is_shared() and not b.is_pinned() for b in buffers)
+        assert not stager._registered
+        ckpt.wait()
+    assert ckpt._stager is None
+
+
 @pytest.mark.parametrize("writer", ["thread", "process"])
 def test_error_in_background_write_surfaces_at_wait_and_next_save_works(tmp_path, writer):
     model, _ = build(0)

@@ -63,6 +63,23 @@ def test_a_leaf_that_changes_shape_or_dtype_gets_a_new_buffer():
     assert first["w"].shape == (4,)  # an earlier copy is never resized under its reader
 
 
+def test_host_leaves_get_shared_buffers_that_are_never_page_locked(monkeypatch):
+    # Page-locking speeds up device-to-host copies only: host leaves (AdamW's step counters)
+    # stay unpinned even with pin_memory=True, and CUDA is never asked to register them.
+    def no_cuda():
+        raise AssertionError("cudaHostRegister for a host leaf")
+
+    monkeypatch.setattr(torch.cuda, "cudart", no_cuda)
+    stager = HostStager(pin_memory=True, share_memory=True)
+    live = _state()
+    staged = stager.stage(live)
+    buffers = stager._buffers.values()
+    assert buffers and all(b.is_shared() and not b.is_pinned() for b in buffers)
+    assert not stager._registered
+    assert torch.equal(staged["w"], live["w"]) and staged["step"].item() == 5.0
+    stager.close()
+
+
 def test_repeated_async_saves_of_model_and_adamw_load_the_last(tmp_path):
     num_saves = 3
     torch.manual_seed(0)

@@ -3,7 +3,14 @@ import copy
 import pytest
 import torch
 
-from yatt.placement import is_offloaded, offload, offloaded_bytes, onload
+from yatt.placement import (
+    is_offload_placeholder,
+    is_offloaded,
+    offload,
+    offloaded_bytes,
+    offloaded_named_parameters,
+    onload,
+)
 from yatt.placement._offload import offload_all, tensor_bytes
 
 NUM_GPUS = 0
@@ -120,3 +127,58 @@ def test_offload_all_moves_nothing_when_one_is_already_offloaded():
     assert not is_offloaded(model)
     assert offload_all([model]) == tensor_bytes(model)
     assert is_offloaded(model)
+
+
+def _leave_placeholders(model: torch.nn.Module) -> None:
+    """What offload does on CUDA, done on the CPU: each offloaded parameter keeps an empty
+    tensor (on CUDA: on its device) while its values wait in offload's host copy."""
+    for param in model.parameters():
+        param.data = torch.empty(0, dtype=param.dtype)
+
+
+def test_offloaded_named_parameters_read_the_host_copies_behind_placeholders():
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer, seed=1)
+    want = {name: p.detach().clone() for name, p in model.named_parameters()}
+    offload(model)
+    _leave_placeholders(model)
+    assert all(p.numel() == 0 for p in model.parameters())
+
+    got = list(offloaded_named_parameters(model))
+    assert [name for name, _ in got] == list(want)
+    for name, tensor in got:
+        assert torch.equal(tensor, want[name]), name
+    assert all(is_offload_placeholder(p) for p in model.parameters())
+    assert not is_offload_placeholder(got[0][1])  # the host copy itself
+
+    onload(model)  # from the host copies, as on CUDA
+    for name, param in model.named_parameters():
+        assert torch.equal(param, want[name]), name
+        assert not is_offload_placeholder(param)
+
+
+def test_offloaded_named_parameters_of_an_onloaded_or_cpu_offloaded_module():
+    model, _ = _model_and_optimizer()
+    params = list(model.parameters())
+    # Onloaded (Plan(offload="auto") may keep a trainer awake): the parameters themselves.
+    assert [t for _, t in offloaded_named_parameters(model)] == params
+    # Offloaded on a CPU-only machine: the host copies are the parameters' data.
+    offload(model)
+    got = [t for _, t in offloaded_named_parameters(model)]
+    assert all(t.data_ptr() == p.data_ptr() for t, p in zip(got, params, strict=True))
+    assert not any(is_offload_placeholder(p) for p in params)  # not empty: nothing to tell
+    onload(model)
+    with pytest.raises(TypeError, match=r"takes a torch\.nn\.Module"):
+        offloaded_named_parameters(torch.optim.SGD(params, lr=0.1))
+
+
+def test_a_tensor_that_is_empty_for_real_is_no_placeholder():
+    model = torch.nn.ParameterDict(
+        {"empty": torch.nn.Parameter(torch.empty(3, 0)), "full": torch.nn.Parameter(torch.ones(3))}
+    )
+    offload(model)
+    _leave_placeholders(model)
+    assert not is_offload_placeholder(model["empty"])  # its host copy is empty too
+    assert is_offload_placeholder(model["full"])
+    assert not is_offload_placeholder(torch.empty(0))  # not offloaded at all
+    onload(model)

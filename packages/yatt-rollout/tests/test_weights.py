@@ -3,7 +3,9 @@ NUM_GPUS = 0
 import pytest
 import torch
 
+from yatt.placement import offload, offloaded_named_parameters, onload
 from yatt.rollout import iter_buckets, map_names
+from yatt.rollout._weights import copy_bucket, named_targets
 
 
 def test_buckets_respect_the_byte_limit_and_keep_order():
@@ -47,7 +49,48 @@ def test_map_names_can_split_rename_and_drop():
     assert out[1][1].item() == 1.0
 
 
+def _offloaded_as_on_cuda(model: torch.nn.Module) -> None:
+    """offload() as it goes on CUDA, on the CPU: each parameter keeps an empty placeholder and
+    its values wait in offload's host copy (on CPU, offload would swap the copy in instead)."""
+    offload(model)
+    for param in model.parameters():
+        param.data = torch.empty(0, dtype=param.dtype)
+
+
+def _trainer(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.ModuleDict(
+        {"embed_tokens": torch.nn.Embedding(16, 4), "norm": torch.nn.LayerNorm(4)}
+    )
+
+
 def test_an_offloaded_placeholder_is_refused_with_the_fix():
-    pairs = [("model.norm.weight", torch.ones(4)), ("model.embed_tokens.weight", torch.empty(0))]
-    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' with shape \(0,\).*onload"):
-        list(iter_buckets(iter(pairs), bucket_bytes=1 << 20))
+    trainer = _trainer()
+    _offloaded_as_on_cuda(trainer)
+    with pytest.raises(
+        ValueError,
+        match=r"'embed_tokens.weight' with shape \(0,\).*Onload.*offloaded_named_parameters",
+    ):
+        list(iter_buckets(trainer.named_parameters(), bucket_bytes=1 << 20))
+    onload(trainer)
+
+
+def test_an_offloaded_trainer_syncs_from_its_host_copies():
+    trainer = _trainer()
+    want = {name: p.detach().clone() for name, p in trainer.named_parameters()}
+    _offloaded_as_on_cuda(trainer)
+    served = _trainer(seed=1)  # the engine's model, with other weights
+    targets = named_targets(served)
+    buckets = list(iter_buckets(offloaded_named_parameters(trainer), bucket_bytes=64))
+    assert len(buckets) > 1  # streamed in parts: one bucket of references at a time
+    for bucket in buckets:
+        copy_bucket(targets, bucket)
+    for name, value in served.named_parameters():
+        assert torch.equal(value, want[name]), name
+    onload(trainer)
+
+
+def test_a_tensor_that_is_empty_for_real_is_synced():
+    pairs = [("model.norm.weight", torch.ones(4)), ("model.prefix", torch.empty(0))]
+    buckets = list(iter_buckets(iter(pairs), bucket_bytes=1 << 20))
+    assert [n for b in buckets for n, _ in b] == ["model.norm.weight", "model.prefix"]

@@ -32,8 +32,8 @@ class HostStager:
     """Stages state dicts into host buffers, one per tensor leaf, kept for the next stage().
 
     A buffer is reused while its leaf keeps its place, shape and dtype; buffers of leaves gone
-    from the state are dropped. pin_memory: page-locked buffers for CUDA tensors, so
-    device-to-host copies run asynchronously at full link speed. share_memory: buffers in shared
+    from the state are dropped. pin_memory: page-locked buffers for CUDA tensors (only those),
+    so device-to-host copies run asynchronously at full link speed. share_memory: buffers in shared
     memory (`share_memory_()`), so a writer process maps them without a copy; with pin_memory
     they are page-locked in place with cudaHostRegister (torch's pinned allocator cannot hand
     out shared memory).
@@ -96,6 +96,9 @@ class HostStager:
     def _copy_plain(self, tensor: torch.Tensor, path: Path, visit: _Visit) -> torch.Tensor:
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            # Only a device-to-host copy gains from page-locked memory. Leaves already on the
+            # host (AdamW's step counters, unless fused or capturable) get plain buffers, as in
+            # torch's own stager: a cudaHostRegister per scalar locks a page each and gains nothing.
             should_pin = self._pin_memory and tensor.is_cuda
             buffer = torch.empty_like(
                 tensor,

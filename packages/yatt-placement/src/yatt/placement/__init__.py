@@ -1,7 +1,14 @@
 """GPU memory regions that pause and resume, offload/onload, and placement plans for RL steps."""
 
 from yatt.placement._fit import FitConfig
-from yatt.placement._offload import is_offloaded, offload, offloaded_bytes, onload
+from yatt.placement._offload import (
+    is_offload_placeholder,
+    is_offloaded,
+    offload,
+    offloaded_bytes,
+    offloaded_named_parameters,
+    onload,
+)
 from yatt.placement._plan import Plan
 from yatt.placement._records import PhaseRecord
 from yatt.placement._regions import (
@@ -27,10 +34,12 @@ __all__ = [
     "TrainerRole",
     "__version__",
     "configure_regions",
+    "is_offload_placeholder",
     "is_offloaded",
     "is_paused",
     "offload",
     "offloaded_bytes",
+    "offloaded_named_parameters",
     "onload",
     "pause",
     "region",

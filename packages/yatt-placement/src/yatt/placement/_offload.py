@@ -7,6 +7,7 @@ and training continues as if nothing happened.
 
     offload(model); offload(optimizer)      # params, grads, buffers, optimizer state -> host
     ...                                     # the GPU is free for the rollout engine
+    engine.update_weights(offloaded_named_parameters(model))  # weight sync from the host copies
     onload(model); onload(optimizer)        # back to the devices they came from
 
 Host copies are pinned when CUDA is available (fast, asynchronous copies). On a CPU-only
@@ -27,6 +28,8 @@ resets a parameter's autograd grad accumulator, and with it every hook registere
 gradient all-reduce hooks among them: DDP would then silently skip the all-reduce). So an
 offloaded CUDA tensor's `.data` is an empty tensor on the same device and dtype, and its
 contents wait in `_Moved.hosts`; only the device-less CPU case swaps in the host copy itself.
+Code that reads an offloaded model's values (weight sync) therefore goes through
+`offloaded_named_parameters`, and `is_offload_placeholder` tells such a placeholder apart.
 
 FSDP2 modules, and optimizers whose state is sharded, move with `.to()` instead: see
 `_offload_dtensor`.
@@ -247,6 +250,46 @@ def onload(obj: Offloadable) -> int:
 def is_offloaded(obj: Offloadable) -> bool:
     """Whether `obj` is offloaded now."""
     return obj in _OFFLOADED
+
+
+def offloaded_named_parameters(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """`module.named_parameters()`, each value read from where offload keeps it now.
+
+    While `module` is offloaded its CUDA parameters are empty placeholders (see the top) and
+    their values wait in host copies, pinned on CUDA; this yields those host copies, so weight
+    sync can stream an offloaded trainer to a rollout engine without onloading it:
+
+        offload(trainer)
+        engine.update_weights(offloaded_named_parameters(trainer))  # pinned host -> engine
+
+    While `module` is onloaded (Plan(offload="auto") may have kept it awake) this yields the
+    parameters themselves, and an FSDP2 module offloaded with .to() yields its CPU DTensors.
+    The host copies are offload's: read them before onload(module), which frees them.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"offloaded_named_parameters takes a torch.nn.Module, got {type(module).__name__}"
+        )
+    moved = _OFFLOADED.get(module)
+    hosts: dict[int, torch.Tensor] = {}
+    if moved is not None:
+        # Keyed by id: the record keeps every tensor in `moved.tensors` alive, so ids are stable.
+        hosts = {id(t): host for t, host in zip(moved.tensors, moved.hosts, strict=True)}
+    # A generator, like named_parameters(): a sender consumes it one bucket at a time.
+    return ((name, hosts.get(id(param), param)) for name, param in module.named_parameters())
+
+
+def is_offload_placeholder(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is an empty placeholder that offload() left on a device while the
+    values (a non-empty host copy) wait in host memory; read those with
+    `offloaded_named_parameters`, or onload the owner first."""
+    if tensor.numel() != 0:  # the common case, answered without looking through the books
+        return False
+    for moved in list(_OFFLOADED.values()):  # a snapshot: the weak dict may shrink meanwhile
+        for owned, host in zip(moved.tensors, moved.hosts, strict=True):
+            if owned is tensor:
+                return host.numel() != 0
+    return False
 
 
 def offloaded_bytes(obj: Offloadable) -> int:

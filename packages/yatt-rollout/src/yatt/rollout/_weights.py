@@ -1,8 +1,9 @@
 """Weight sync: stream (name, tensor) pairs into an engine bucket by bucket.
 
 The source is any iterable (a trainer's `named_parameters()`, a generator that gathers shards
-one at a time, an offloaded copy). It is consumed lazily and at most one bucket of references
-is held at once, so the sender never needs a second full copy of the model.
+one at a time, an offloaded trainer's host copies from
+`yatt.placement.offloaded_named_parameters`). It is consumed lazily and at most one bucket of
+references is held at once, so the sender never needs a second full copy of the model.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+
+from yatt.placement import is_offload_placeholder
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 # Maps one trainer tensor to zero or more Hugging Face (name, tensor) pairs, e.g. a Megatron
@@ -46,13 +49,15 @@ def iter_buckets(
                 f"update_weights got {type(pair).__name__} {pair!r:.80}; pass an iterable of "
                 "(name, tensor) pairs such as model.named_parameters()"
             )
-        if pair[1].numel() == 0 and pair[1].dim() == 1:
-            # yatt.placement.offload leaves such an empty placeholder on the device: the values
-            # are on the host and syncing it would load nothing (or fail in the engine).
+        if is_offload_placeholder(pair[1]):
+            # Syncing the placeholder would load nothing, or fail inside the engine with a
+            # shape error that does not say why. A tensor that is empty for real passes.
             raise ValueError(
-                f"update_weights got {pair[0]!r} with shape (0,): its module looks offloaded "
-                "(yatt.placement.offload keeps an empty placeholder on the device); onload it "
-                "first, e.g. inside plan.phase('sync'), which wakes the trainer"
+                f"update_weights got {pair[0]!r} with shape {tuple(pair[1].shape)}: an empty "
+                "placeholder that yatt.placement.offload left on the device (the values are in "
+                "host memory). Onload the module first (onload(model), or sync inside a plan "
+                "phase that wakes the trainer's weights), or stream the host copies with "
+                "yatt.placement.offloaded_named_parameters(model)"
             )
         nbytes = tensor_bytes(pair[1])
         if bucket and size + nbytes > bucket_bytes:
