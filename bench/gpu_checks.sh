@@ -51,10 +51,10 @@ for step in "$@"; do
       EMB=/tmp/yatt-runs/full/embedded
       if [ ! -f "$EMB/READY" ]; then
         EMB=/tmp/yatt-runs/mg/embedded
-        STEP_TIMEOUT=240 run_step trainer_megatron_prepare python3 -c "import sys, types; \
-sys.path.insert(0, 'examples'); import tiny_task, train_grpo; from pathlib import Path; \
-tiny_task.fill_missing_paths({}, Path('$EMB'), train_grpo.RewardConfig.judge_template, \
-types.SimpleNamespace(is_rank_zero=True))"
+        STEP_TIMEOUT=240 run_step trainer_megatron_prepare python3 -c "import sys; \
+sys.path.insert(0, 'examples'); import grpo_config, tiny_task; from pathlib import Path; \
+from yatt.genrm import JudgeTemplate; tiny_task.prepare_locked(Path('$EMB'), \
+JudgeTemplate(user=grpo_config.RewardConfig.judge_template))"
       fi
       MG=(--config examples/configs/tiny_megatron.yaml num_steps=8 ckpt.every_steps=4
           policy.model_dir=$EMB/policy data.path=$EMB/prompts.jsonl reward.judge_dir=$EMB/judge)

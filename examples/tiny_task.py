@@ -15,17 +15,21 @@ one byte per token.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import random
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from grpo_data import judge_sample
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from yatt.testing import make_tiny_causal_lm
+from yatt.genrm import JudgeTemplate
+from yatt.testing import make_tiny_causal_lm, make_tokenizer
 
 MAX_DIGIT = 4
+COLUMNS = ("prompt", "answer")  # the fields of the task's rows
 _READY = "READY"
 
 
@@ -179,33 +183,21 @@ def prepare(
     return paths
 
 
-def fill_missing_paths(raw: dict, workdir: Path, judge_template: str, runtime) -> None:
-    """Point empty policy/data/judge paths of a raw trainer config at the embedded task.
-
-    Rank 0 builds it (once; later runs reuse it) while the other ranks wait at a barrier. The
-    judge is fitted on prompts rendered exactly as the GenRM will render them.
-    """
-    policy, data = raw.setdefault("policy", {}), raw.setdefault("data", {})
-    reward = raw.setdefault("reward", {})
-    if policy.get("model_dir") and data.get("path") and reward.get("judge_dir"):
-        return
-    from yatt.genrm import JudgeTemplate, Sample
-    from yatt.testing import make_tokenizer
-
-    template = JudgeTemplate(user=reward.get("judge_template", judge_template))
+def prepare_locked(workdir: Path, template: JudgeTemplate) -> dict[str, Path]:
+    """`prepare(workdir, ...)` under a file lock: the first process (of any rank) builds the
+    task while the others wait, then they reuse it. No process group is needed, so the trainer
+    builds it before its runtime starts. The judge is fitted on prompts rendered exactly as the
+    trainer renders them (its judge_sample, through the GenRM's template)."""
     tokenizer = make_tokenizer()
     tokenizer.chat_template = None  # as the judge's saved tokenizer (see build_judge)
 
     def render(prompt: str, response: str, reference: str) -> str:
-        sample = Sample(prompt=prompt, response=response, reference=reference)
+        row = {"prompt": prompt, "answer": reference}
+        sample = judge_sample(row, response, prompt_key="prompt", answer_key="answer")
         ids, _ = template.render_ids(sample, tokenizer)
         return tokenizer.decode(ids)
 
-    if runtime.is_rank_zero:
-        prepare(workdir, render)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    paths = prepare(workdir, None)
-    policy.setdefault("model_dir", str(paths["policy"]))
-    data.setdefault("path", str(paths["prompts"]))
-    reward.setdefault("judge_dir", str(paths["judge"]))
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return prepare(workdir, render)

@@ -5,213 +5,174 @@
     python examples/train_grpo.py --config examples/configs/tiny_partial.yaml num_steps=5
     python examples/train_grpo.py --resume                          # continue from out_dir
     torchrun --nproc_per_node 2 examples/train_grpo.py backend=megatron policy.tp_size=2  # GPU
+    python examples/train_grpo.py --help                            # every config field
 
-One step: rollout -> GenRM scoring -> advantages (+ DAPO dynamic sampling) -> balance -> train
--> weight sync -> checkpoint. Fork it and edit the loop; there are no hook flags.
+One step, as the loop reads:
+
+    rows        this rank's next prompts (a draw of only unusable rows draws again)
+    scored      n responses per prompt, each judged by the GenRM (placement=partial: judged as
+                soon as it finishes, while the rollout's long tail still runs)
+    batch       DAPO dynamic sampling: groups without reward variance dropped, then refilled
+    train       advantages per group -> balance across ranks -> one optimizer step
+    sync        the policy's weights into the rollout engine; metrics; checkpoint when due
+
+The config (grpo_config.py) is built and checked whole before anything starts. Unusable data
+rows are skipped and counted (data/skipped_rows/<cause>); failed judge verdicts are counted
+(genrm/errors, genrm/unparsable) with the first cause logged, and a step whose every verdict
+failed stops the run. Fork it and edit the loop; there are no hook flags.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import importlib.util
+import functools
 import logging
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
-import yaml
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from yatt import core, genrm, rollout
 from yatt.balance import flops_cost
-from yatt.ckpt import Checkpointer, CkptConfig
+from yatt.ckpt import Checkpointer
 from yatt.placement import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-import tiny_task  # the embedded default's setup step
+from grpo_config import ENGINE_CONFIGS, DataConfig, RewardConfig, RolloutConfig, read_config
+from grpo_data import check_judge_prompts, judge_sample, prompt_ids, row_fields_read_by
+from grpo_metrics import StepStats, check_verdicts, summarize
 
 logger = logging.getLogger("train_grpo")
-ENGINES = {
-    "vllm": (rollout.VLLMEngine, rollout.VLLMConfig),
-    "sglang": (rollout.SGLangEngine, rollout.SGLangConfig),
-}
+ENGINES = {"vllm": rollout.VLLMEngine, "sglang": rollout.SGLangEngine}
+PLANS = {"full": Plan.full_colocation, "partial": Plan.partial_colocation}
+TOKEN_KEYS = ("input_ids", "loss_mask", "rollout_logprobs")
+JUDGE_MAX_NEW_TOKENS = 4  # "Yes"/"No" and an end token
 
 
-# -- config -----------------------------------------------------------------------------------
-@dataclass(kw_only=True)
-class DataConfig:
-    path: str = ""  # JSONL/Parquet prompts; "" = the embedded task's prompts
-    prompt_key: str = "prompt"  # row field holding the prompt text
-    answer_key: str = "answer"  # row field holding the reference answer ("" = none)
-    prompts_per_rank: int = 8  # GRPO groups per rank per step
-    # Message lists ([{role, content}, ...]) always go through the policy's chat template;
-    # True sends plain-text prompts through it too (instruct models).
-    apply_chat_template: bool = False
-
-    def __post_init__(self) -> None:
-        check_at_least("data.prompts_per_rank", self.prompts_per_rank, 1)
+# -- setup helpers ------------------------------------------------------------------------------
+def make_engine(section: RolloutConfig | RewardConfig, model_dir: str, device: str):
+    """The policy's or the judge's engine: built-in by default, vLLM or SGLang by config (its
+    backend and options were checked when the config was built)."""
+    if section.backend == "builtin":
+        return rollout.BuiltinEngine(model_dir, config=replace(section.engine, device=device))
+    config = ENGINE_CONFIGS[section.backend](**section.backend_options)
+    return ENGINES[section.backend](model_dir, config=config)
 
 
-@dataclass(kw_only=True)
-class RolloutConfig:
-    samples_per_prompt: int = 8  # GRPO group size n
-    temperature: float = 1.0
-    max_new_tokens: int = 4
-    max_sampling_rounds: int = 3  # DAPO dynamic sampling: rollout rounds to fill the batch
-    backend: str = "builtin"  # "builtin", or "vllm"/"sglang" (GPU; yatt-rollout[vllm|sglang])
-    engine: rollout.EngineConfig = field(
-        default_factory=lambda: rollout.EngineConfig(max_seq_len=64)
+def make_scorer(reward: RewardConfig, judge_engine) -> tuple[Any, genrm.ExactMatch]:
+    """The reward: the judge's verdict (+1/-1), plus an exact-match rule when rule_weight > 0.
+    The exact match is also the accuracy metric's ground truth."""
+    judge = genrm.GenRM(
+        judge_engine,
+        template=genrm.JudgeTemplate(user=reward.judge_template),
+        parser=genrm.YesNoParser(),
+        votes=reward.votes,
+        sampling=rollout.SamplingParams(
+            temperature=float(reward.votes > 1), max_new_tokens=JUDGE_MAX_NEW_TOKENS
+        ),
     )
-    backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
-
-    def __post_init__(self) -> None:
-        # GRPO's advantage is a sample's reward against its group's: one sample has none.
-        check_at_least("rollout.samples_per_prompt", self.samples_per_prompt, 2)
-        check_at_least("rollout.max_new_tokens", self.max_new_tokens, 1)
-        check_at_least("rollout.max_sampling_rounds", self.max_sampling_rounds, 1)
-        check_at_least("rollout.temperature", self.temperature, 0.0)
+    exact = genrm.ExactMatch()
+    if reward.rule_weight:
+        return genrm.CombinedRM(judge, [(exact, reward.rule_weight)]), exact
+    return judge, exact
 
 
-@dataclass(kw_only=True)
-class RewardConfig:
-    judge_dir: str = ""  # the judge's model directory; "" = the embedded task's judge
-    judge_template: str = "{prompt}{response} ref {reference}"  # JudgeTemplate.user
-    votes: int = 1  # judge samples per response, averaged
-    rule_weight: float = 0.0  # weight of an exact-match rule reward added to the judge's
-    backend: str = "builtin"  # the judge's engine: "builtin", or "vllm"/"sglang" (GPU)
-    engine: rollout.EngineConfig = field(
-        default_factory=lambda: rollout.EngineConfig(max_seq_len=96, region_prefix="genrm")
-    )
-    backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
-
-    def __post_init__(self) -> None:
-        check_at_least("reward.votes", self.votes, 1)
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    seed: int = 0
-    num_steps: int = 120
-    out_dir: str = "runs/grpo"  # metrics, plot and checkpoints
-    placement: str = "full"  # "full": phases in turn; "partial": rollout + GenRM resident
-    offload: str = "always"  # "auto": a role sleeps only when the next phase would not fit
-    backend: str = "torch"  # policy backend: "torch" or "megatron" (CUDA; yatt-core[megatron])
-    policy: core.TorchPolicyConfig | core.MegatronPolicyConfig  # model_dir "" = embedded policy
-    # One optimizer step per batch: the loss takes old logprobs from its own forward pass.
-    loss: core.PolicyLoss = field(
-        default_factory=lambda: core.PolicyLoss(clip_high=0.28, is_on_policy=True)
-    )
-    ckpt: CkptConfig = field(default_factory=lambda: CkptConfig(every_steps=20, phases=("train",)))
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-
-    def __post_init__(self) -> None:
-        check_at_least("num_steps", self.num_steps, 0)  # 0: build the embedded task and stop
-        for key, allowed in (("placement", ("full", "partial")), ("offload", ("always", "auto"))):
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"{key}={getattr(self, key)!r}: use one of {allowed}")
-        for name, engine in (("rollout", self.rollout), ("reward", self.reward)):
-            check_engine_backend(f"{name}.backend", engine.backend, engine.backend_options)
-        check_judge_template(self.reward.judge_template, self.data.answer_key)
-        if isinstance(self.policy, dict):  # unknown keys fail here, naming the backend's class
-            self.policy = core.policy_config_from_dict(self.backend, self.policy)
-
-
-def check_judge_template(template: str, answer_key: str) -> None:
-    """Before any model loads: the judge template reads only what a sample has (the trainer
-    fills prompt, response, and reference from data.answer_key when one is set)."""
-    fields = genrm.JudgeTemplate(user=template).fields
-    known = {"prompt", "response"} | ({"reference"} if answer_key else set())
-    if fields - known:
+def check_start(ckpt: Checkpointer, should_resume: bool, out_dir: str) -> None:
+    """Before any model loads: --resume needs a checkpoint; a fresh run never mixes with one."""
+    if should_resume and ckpt.latest() is None:
         raise ValueError(
-            f"reward.judge_template={template!r} reads {sorted(fields - known)}; a sample has "
-            f"{sorted(known)}" + ("" if answer_key else " (set data.answer_key for {reference})")
+            f"--resume: {out_dir}/checkpoints holds no checkpoint; run without --resume to "
+            "start fresh, or point out_dir at the run to continue"
         )
-
-
-def check_at_least(name: str, value, minimum) -> None:
-    if value < minimum:
-        raise ValueError(f"{name}={value!r}: must be >= {minimum}")
-
-
-def check_engine_backend(field_name: str, backend: str, options: dict) -> None:
-    """Before anything loads: a known engine, installed, with options its config knows."""
-    if backend == "builtin":
-        return
-    if backend not in ENGINES:
-        raise ValueError(f"{field_name}={backend!r}: use 'builtin', 'vllm' or 'sglang'")
-    if importlib.util.find_spec(backend) is None:
-        raise ValueError(
-            f"{field_name}={backend!r} needs {backend}: pip install 'yatt-rollout[{backend}]'"
-        )
-    ENGINES[backend][1](**options)  # unknown or bad option: TypeError/ValueError naming it
-
-
-DEFAULT_POLICY = {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512}  # tiny model
-
-
-def config_fields_help() -> str:
-    """Every config field, its default and its doc line (policy: the torch backend's)."""
-    lines = [line for line in core.describe_config(TrainConfig) if not line.startswith("policy ")]
-    for line in core.describe_config(core.TorchPolicyConfig, prefix="policy."):
-        name, _, rest = line.partition(" = ")
-        key = name.removeprefix("policy.")
-        if key in DEFAULT_POLICY:  # the embedded task's tiny-model defaults
-            doc = rest.partition("  # ")[2]
-            line = f"{name} = {DEFAULT_POLICY[key]!r}" + (f"  # {doc}" if doc else "")
-        lines.append(line)
-    return "config fields (YAML keys, or key.sub=value overrides):\n  " + "\n  ".join(lines)
-
-
-def load_config(argv: list[str]) -> tuple[dict, bool]:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        epilog=config_fields_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--config", help="YAML file of TrainConfig fields")
-    parser.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
-    parser.add_argument("overrides", nargs="*", help="e.g. rollout.temperature=0.7")
-    args = parser.parse_intermixed_args(argv)
-    raw: dict = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
-    raw["policy"] = {**DEFAULT_POLICY, **raw.get("policy", {})}
-    for item in args.overrides:
-        dotted, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"override {item!r} must look like key.sub=value")
-        *parents, leaf = dotted.split(".")
-        node = raw
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
-    return raw, args.resume
-
-
-def make_engine(backend: str, engine_config, options: dict, model_dir: str, device: str):
-    """An engine (the policy's or the judge's): built-in by default, vLLM or SGLang by config."""
-    if backend == "builtin":
-        return rollout.BuiltinEngine(model_dir, config=replace(engine_config, device=device))
-    engine_cls, config_cls = ENGINES[backend]  # checked when the config was built
-    return engine_cls(model_dir, config=config_cls(**options))
+    if not should_resume and ckpt.latest() is not None:
+        raise ValueError(f"out_dir={out_dir!r} has checkpoints: pass --resume or a new out_dir")
 
 
 @contextlib.contextmanager
-def timed(timings: dict[str, float], name: str):
-    t0 = time.perf_counter()
+def timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
     yield
-    timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+    timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
-TOKEN_KEYS = ("input_ids", "loss_mask", "rollout_logprobs")
+# -- one rollout round: generate and score, then training samples --------------------------------
+@dataclass(frozen=True)
+class Scored:
+    """One response, what the judge read of it, and the judge's verdict."""
+
+    completion: rollout.Completion
+    sample: genrm.Sample  # what the judge read: prompt text, the response decoded once, reference
+    verdict: genrm.Verdict
+
+
+def draw_rows(loader: core.ShardedLoader, num_rows: int) -> list[dict]:
+    """This rank's next rows. A draw of only unusable rows (skipped and counted) draws again;
+    the loader stops the run once a whole epoch of the shard had no usable row."""
+    rows = loader.next_batch(num_rows)
+    while not rows:
+        rows = loader.next_batch(num_rows)
+    return rows
+
+
+def generate_and_score(
+    rows: list[dict],
+    sampling: rollout.SamplingParams,
+    *,
+    engine,
+    scorer,
+    plan: Plan,
+    tokenizer,
+    data: DataConfig,
+    should_overlap: bool,
+    timings: dict[str, float],
+) -> list[Scored]:
+    """n responses per row's prompt, each decoded once and judged. should_overlap (rollout and
+    judge resident together): each response is judged as soon as it finishes."""
+    requests = [
+        rollout.Request(
+            prompt_ids=prompt_ids(row[data.prompt_key], tokenizer, data.apply_chat_template)
+        )
+        for row in rows
+    ]
+    samples: dict[tuple[int, int], genrm.Sample] = {}
+
+    def to_sample(completion: rollout.Completion) -> genrm.Sample:
+        response = tokenizer.decode(completion.response_ids, skip_special_tokens=True)
+        row = rows[completion.request_index]
+        sample = judge_sample(row, response, prompt_key=data.prompt_key, answer_key=data.answer_key)
+        samples[completion.request_index, completion.sample_index] = sample
+        return sample
+
+    if should_overlap:
+        with timed(timings, "rollout+genrm"), plan.phase("rollout"):
+            stream = engine.stream(requests, sampling)
+            scored = asyncio.run(genrm.score_as_completed(stream, scorer, to_sample))
+        completions, verdicts = scored
+        # The next split of memory between the two follows this round's measured token loads.
+        rollout_tokens = sum(
+            len(completion.prompt_ids) + len(completion.response_ids) for completion in completions
+        )
+        judge_tokens = scored.stats.num_judge_prompt_tokens
+        plan.update_load(rollout_pending_tokens=rollout_tokens, genrm_pending_tokens=judge_tokens)
+    else:
+        with timed(timings, "rollout"), plan.phase("rollout"):
+            completions = engine.generate(requests, sampling)
+        with timed(timings, "genrm"), plan.phase("genrm"):
+            verdicts = scorer.score([to_sample(completion) for completion in completions])
+    return [
+        Scored(completion, samples[completion.request_index, completion.sample_index], verdict)
+        for completion, verdict in zip(completions, verdicts, strict=True)
+    ]
 
 
 def empty_batch() -> core.Batch:
-    """A batch of no samples with the fields rollout_round's batches have."""
+    """A batch of no samples with the fields a round's batches have."""
     placeholder = {
         "input_ids": [0],
         "loss_mask": [0],
@@ -222,143 +183,28 @@ def empty_batch() -> core.Batch:
     return core.Batch.from_samples([placeholder], token_keys=TOKEN_KEYS).select([])
 
 
-def count_verdicts(verdicts, seen: dict, ctx) -> None:
-    """Verdict statuses into this step's counts; the step's first failure is kept for the log."""
-    for verdict in verdicts:
-        seen["verdicts"] += 1
-        if verdict.status == "ok":
-            continue
-        seen["genrm_errors" if verdict.status == "error" else "genrm_unparsable"] += 1
-        if ctx.first_failure is None:
-            cause = verdict.error or f"no verdict in the judge's text {verdict.text[:200]!r}"
-            ctx.first_failure = f"{verdict.status}: {cause}"
-
-
-def prompt_ids_of(prompt, tok, should_apply_template: bool) -> list[int]:
-    """Token ids of a row's prompt: a message list (or, when asked, plain text as one user
-    message) through the tokenizer's chat template, with the assistant turn opened."""
-    if not isinstance(prompt, list) and not should_apply_template:
-        return tok(prompt, add_special_tokens=False)["input_ids"]
-    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def prompt_text_of(prompt) -> str:
-    """What the judge reads as the prompt: a message list as "role: content" lines."""
-    if isinstance(prompt, list):
-        return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
-    return prompt
-
-
-def rollout_round(step, rows, ctx) -> core.Batch:
-    """Generate n samples per prompt and score them; one scored Batch (groups stay here)."""
-    cfg, tok, timings, seen = ctx.cfg, ctx.tokenizer, ctx.timings, ctx.seen
-    if not rows:  # every row drawn was unusable (the loader counts why): the next round draws
-        return empty_batch()
-    should_template = cfg.data.apply_chat_template
-    prompt_ids = [prompt_ids_of(r[cfg.data.prompt_key], tok, should_template) for r in rows]
-    requests = [rollout.Request(prompt_ids=ids) for ids in prompt_ids]
-    ctx.round += 1  # seeded by (seed, DP rank, step, round): resume and TP peers draw alike
-    seed = cfg.seed * 1_000_003 + ctx.runtime.dp_rank * 10_007 + step * 101 + ctx.round
-    sampling = rollout.SamplingParams(
-        n=cfg.rollout.samples_per_prompt,
-        temperature=cfg.rollout.temperature,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        seed=seed % 2**31,
-    )
-
-    def to_sample(c, i=0):
-        row = rows[c.request_index]
-        reference = row.get(cfg.data.answer_key) if cfg.data.answer_key else None
-        reference = None if reference is None else str(reference)  # e.g. an integer answer
-        response = tok.decode(c.response_ids, skip_special_tokens=True)
-        return genrm.Sample(
-            prompt=prompt_text_of(row[cfg.data.prompt_key]),
-            response=response,
-            reference=reference,
-            id=str(i),
-        )
-
-    if cfg.placement == "full":
-        with timed(timings, "rollout"), ctx.plan.phase("rollout"):
-            completions = ctx.engine.generate(requests, sampling)
-        with timed(timings, "genrm"), ctx.plan.phase("genrm"):
-            verdicts = ctx.scorer.score([to_sample(c, i) for i, c in enumerate(completions)])
-    else:  # engine and judge both resident: the judge scores while the rollout's tail runs
-        with timed(timings, "rollout+genrm"), ctx.plan.phase("rollout"):
-            s = ctx.engine.stream(requests, sampling)
-            scored = asyncio.run(genrm.score_as_completed(s, ctx.scorer, to_sample))
-        completions, verdicts = scored
-        # The next split of memory between the two follows this round's measured token loads.
-        rollout_tokens = sum(len(c.prompt_ids) + len(c.response_ids) for c in completions)
-        ctx.plan.update_load(
-            rollout_pending_tokens=rollout_tokens,
-            genrm_pending_tokens=scored.stats.num_judge_prompt_tokens,
-        )
-    count_verdicts(verdicts, seen, ctx)
+def to_batch(scored: Sequence[Scored], runtime: core.Runtime) -> core.Batch:
+    """Training samples: prompt + response tokens, the loss on the response; a group per prompt."""
     samples = []
-    for i, (c, v) in enumerate(zip(completions, verdicts, strict=True)):
-        seen["reward"] += v.reward
-        seen["correct"] += ctx.exact.verify(to_sample(c, i)) or 0.0
-        seen["length"] += len(c.response_ids)
-        seen["count"] += 1
+    for item in scored:
+        prompt, response = item.completion.prompt_ids, item.completion.response_ids
         samples.append(
             {
-                "input_ids": c.prompt_ids + c.response_ids,
-                "loss_mask": [0] * len(c.prompt_ids) + [1] * len(c.response_ids),
-                "rollout_logprobs": [0.0] * len(c.prompt_ids) + list(c.logprobs),
-                "group_id": c.request_index,
-                "reward": float(v.reward),
+                "input_ids": prompt + response,
+                "loss_mask": [0] * len(prompt) + [1] * len(response),
+                "rollout_logprobs": [0.0] * len(prompt) + list(item.completion.logprobs),
+                "group_id": item.completion.request_index,
+                "reward": float(item.verdict.reward),
             }
         )
-    samples = core.broadcast_to_tp_peers(samples, ctx.runtime)  # TP peers: one batch (host sync)
+    samples = core.broadcast_to_tp_peers(samples, runtime)  # TP peers: one batch (host sync)
     return core.Batch.from_samples(samples, token_keys=TOKEN_KEYS, like=empty_batch())
 
 
-def summarize(local: dict[str, float], group) -> dict[str, float]:
-    """One collective: sums for counts, max for phase times (the slowest rank sets the pace)."""
-    ops = {k: "sum" if k.startswith("sum/") else "max" for k in local if k[:4] in ("sum/", "time")}
-    g = core.reduce_metrics(local, group=group, ops=ops)
-    count = max(g.pop("sum/count"), 1.0)
-    return {
-        "reward/mean": g.pop("sum/reward") / count,
-        "reward/accuracy": g.pop("sum/correct") / count,
-        "response/length_mean": g.pop("sum/length") / count,
-        "genrm/verdicts": g.pop("sum/verdicts"),
-        "genrm/errors": g.pop("sum/genrm_errors"),
-        "genrm/unparsable": g.pop("sum/genrm_unparsable"),
-        "data/skipped_rows": g.pop("sum/skipped_rows"),  # since the start, all ranks
-        **g,
-    }
-
-
-def check_verdicts(step: int, metrics: dict, first_failure: str | None) -> None:
-    """A step whose every verdict failed cannot learn: stop and say why, never train on zeros."""
-    failed = metrics["genrm/errors"] + metrics["genrm/unparsable"]
-    if failed and first_failure is not None:
-        logger.warning(
-            "step %d: %d of %d verdicts failed; first: %s",
-            step,
-            failed,
-            metrics["genrm/verdicts"],
-            first_failure,
-        )
-    if metrics["genrm/verdicts"] and failed == metrics["genrm/verdicts"]:
-        raise RuntimeError(
-            f"step {step}: every one of {failed:.0f} judge verdicts failed "
-            f"({metrics['genrm/errors']:.0f} errors, {metrics['genrm/unparsable']:.0f} "
-            f"unparsable); first on this rank: {first_failure or 'see the other ranks'}. Check "
-            "reward.judge_template's fields, data.answer_key, and the judge's context length"
-        )
-
-
-def close_all(closeables, *, should_raise: bool) -> None:
-    """Close each; a failure is logged and raised only when no earlier error is propagating."""
+def close_all(closeables: Sequence[Any], *, should_raise: bool) -> None:
+    """Close each; a failure is logged, and raised only when no earlier error is propagating."""
     errors = []
     for closeable in closeables:
-        if closeable is None:
-            continue
         try:
             closeable.close()
         except Exception as exc:  # keep closing the rest
@@ -368,50 +214,21 @@ def close_all(closeables, *, should_raise: bool) -> None:
         raise errors[0]
 
 
+# -- the run --------------------------------------------------------------------------------------
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    raw, should_resume = load_config(argv)
-    # Every field but the policy's (its model_dir may be the embedded task's, not built yet) is
-    # typed and range-checked here, before the runtime starts or any model loads.
-    core.config_from_dict(TrainConfig, {**raw, "policy": "checked once its model_dir exists"})
-    runtime = core.init_runtime(seed=raw.get("seed", 0), tp_size=raw["policy"].get("tp_size", 1))
-    engine = judge_engine = ckpt = run_log = None
+    cfg, should_resume = read_config(argv)  # built and checked whole before anything starts
+    runtime = core.init_runtime(seed=cfg.seed, tp_size=getattr(cfg.policy, "tp_size", 1))
+    closeables: list[Any] = []  # closed in reverse, also after an error
     is_failed = True  # until the loop ends: a close() error must not hide the loop's own
     try:
-        workdir = Path(raw.get("out_dir", TrainConfig.out_dir)) / "embedded"
-        tiny_task.fill_missing_paths(raw, workdir, RewardConfig.judge_template, runtime)
-        raw["policy"].setdefault("temperature", raw.get("rollout", {}).get("temperature", 1.0))
-        cfg = core.config_from_dict(TrainConfig, raw)
-        device = str(runtime.device)
         ckpt = Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
-        if should_resume and ckpt.latest() is None:  # said before any model loads
-            raise ValueError(
-                f"--resume: {cfg.out_dir}/checkpoints holds no checkpoint; run without --resume "
-                "to start fresh, or point out_dir at the run to continue"
-            )
+        closeables.append(ckpt)
+        check_start(ckpt, should_resume, cfg.out_dir)
 
-        # -- setup: policy, rollout engine, judge, data shard, placement, checkpoints, logs ----
-        policy = core.build_policy(cfg.backend, cfg.policy, runtime)
-        rc, reward = cfg.rollout, cfg.reward
-        engine = make_engine(
-            rc.backend, rc.engine, rc.backend_options, cfg.policy.model_dir, device
-        )
-        judge_engine = make_engine(
-            reward.backend, reward.engine, reward.backend_options, reward.judge_dir, device
-        )
-        tok = engine.tokenizer
-        judge = genrm.GenRM(
-            judge_engine,
-            template=genrm.JudgeTemplate(user=cfg.reward.judge_template),
-            parser=genrm.YesNoParser(),
-            votes=cfg.reward.votes,
-            sampling=rollout.SamplingParams(
-                temperature=float(cfg.reward.votes > 1), max_new_tokens=4
-            ),
-        )
-        exact = genrm.ExactMatch()  # ground truth for the accuracy metric (optional rule reward)
-        rules = [(exact, cfg.reward.rule_weight)]
-        scorer = genrm.CombinedRM(judge, rules) if cfg.reward.rule_weight else judge
+        # -- data, checked before any model loads (tokenizers only) ------------------------------
+        tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
+        judge_template = genrm.JudgeTemplate(user=cfg.reward.judge_template)
         loader = core.ShardedLoader(
             cfg.data.path,
             batch_size=cfg.data.prompts_per_rank,
@@ -421,16 +238,38 @@ def main(argv: list[str]) -> None:
             seed=cfg.seed,
             max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
             count_tokens=lambda prompt: len(
-                prompt_ids_of(prompt, tok, cfg.data.apply_chat_template)
+                prompt_ids(prompt, tokenizer, cfg.data.apply_chat_template)
             ),
+            required_keys=row_fields_read_by(judge_template, cfg.data.answer_key),
         )
-        roles = dict(rollout=engine, genrm=judge_engine, train=policy, offload=cfg.offload)
-        make_plan = Plan.full_colocation if cfg.placement == "full" else Plan.partial_colocation
-        plan = make_plan(**roles)
+        is_judge_builtin = cfg.reward.backend == "builtin"
+        check_judge_prompts(
+            judge_template,
+            loader.first_rows(),
+            tokenizer=AutoTokenizer.from_pretrained(cfg.reward.judge_dir),
+            # GenRM's own limit for the built-in engine; vLLM/SGLang read the model's context.
+            max_prompt_tokens=cfg.reward.engine.max_seq_len - 1 if is_judge_builtin else None,
+            max_response_tokens=min(cfg.rollout.max_new_tokens, judge_template.max_response_tokens),
+            prompt_key=cfg.data.prompt_key,
+            answer_key=cfg.data.answer_key,
+            source=f"data.path={cfg.data.path!r}",
+        )
+
+        # -- models: policy, rollout engine, judge, placement -----------------------------------
+        device = str(runtime.device)
+        policy = core.build_policy(cfg.backend, cfg.policy, runtime)
+        engine = make_engine(cfg.rollout, cfg.policy.model_dir, device)
+        closeables.append(engine)
+        judge_engine = make_engine(cfg.reward, cfg.reward.judge_dir, device)
+        closeables.append(judge_engine)
+        scorer, exact = make_scorer(cfg.reward, judge_engine)
+        roles = {"rollout": engine, "genrm": judge_engine, "train": policy}
+        plan = PLANS[cfg.placement](**roles, offload=cfg.offload)
+        # Stream responses to the judge when both engines are resident together. TODO: ask the
+        # plan (it has no public property for this yet) instead of the placement's name.
+        should_overlap = cfg.placement == "partial"
         ckpt.install_signal_handlers()  # SIGTERM/SIGUSR1: final save at the next boundary
         start_step = 0
-        if not should_resume and ckpt.latest() is not None:  # never mix two runs' checkpoints
-            raise ValueError(f"{cfg.out_dir} has checkpoints: pass --resume or a new out_dir")
         if should_resume:
             extra = ckpt.load(policy.state())
             loader.load_state_dict(extra["loader"])
@@ -438,26 +277,53 @@ def main(argv: list[str]) -> None:
             engine.update_weights(policy.named_weights())  # the engine starts from the saved policy
             logger.info("resumed after step %d", extra["step"])
         run_log = core.RunLog(cfg.out_dir, is_writer=runtime.is_rank_zero, resume_step=start_step)
-        ctx = SimpleNamespace(cfg=cfg, runtime=runtime, tokenizer=tok, plan=plan, engine=engine)
-        ctx.__dict__.update(scorer=scorer, exact=exact, timings={}, judge=judge)
+        closeables.append(run_log)
 
-        # -- the GRPO loop ------------------------------------------------------------------
+        def rollout_round(num_missing: int, *, step: int, stats: StepStats) -> core.Batch:
+            """One DAPO round: `num_missing` more prompts, rolled out and judged."""
+            if num_missing == 0:  # this rank is full; others may still be drawing
+                return empty_batch()
+            rows = draw_rows(loader, num_missing)
+            stats.num_rounds += 1
+            # Seeded by (seed, DP rank, step, round): a resumed run and TP peers draw alike.
+            seed = cfg.seed * 1_000_003 + runtime.dp_rank * 10_007 + step * 101 + stats.num_rounds
+            sampling = rollout.SamplingParams(
+                n=cfg.rollout.samples_per_prompt,
+                temperature=cfg.rollout.temperature,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                seed=seed % 2**31,
+            )
+            scored = generate_and_score(
+                rows,
+                sampling,
+                engine=engine,
+                scorer=scorer,
+                plan=plan,
+                tokenizer=tokenizer,
+                data=cfg.data,
+                should_overlap=should_overlap,
+                timings=stats.timings,
+            )
+            stats.add(scored, exact)
+            return to_batch(scored, runtime)
+
+        # -- the GRPO loop ----------------------------------------------------------------------
+        last_save_s = 0.0  # a save's time is logged with the next step (it ends after the log)
         bar = tqdm(range(start_step, cfg.num_steps), disable=not runtime.is_rank_zero, desc="grpo")
         for step in bar:
-            counted = ("reward", "correct", "length", "count", "verdicts")
-            ctx.seen = dict.fromkeys((*counted, "genrm_errors", "genrm_unparsable"), 0.0)
-            ctx.first_failure = None
-            ctx.timings, ctx.round = {"ckpt": ctx.timings.get("ckpt", 0.0)}, 0  # last save: late
+            stats = StepStats(timings={"ckpt": last_save_s})
             # rollout + GenRM; DAPO dynamic sampling drops zero-variance groups and refills
             batch, sampling_stats = core.sample_dynamically(
-                lambda n, step=step: rollout_round(step, loader.next_batch(max(n, 1)), ctx),
+                functools.partial(rollout_round, step=step, stats=stats),
                 num_groups=cfg.data.prompts_per_rank,
                 max_rounds=cfg.rollout.max_sampling_rounds,
                 group=runtime.dp_group,
             )
-            adv = core.compute_grpo_advantages(batch.samples["reward"], batch.samples["group_id"])
-            batch.samples["advantages"] = adv  # local: a whole group lives on this rank
-            with timed(ctx.timings, "balance"):  # lengths cross ranks; moved samples go p2p
+            advantages = core.compute_grpo_advantages(
+                batch.samples["reward"], batch.samples["group_id"]
+            )
+            batch.samples["advantages"] = advantages  # local: a whole group lives on this rank
+            with timed(stats.timings, "balance"):  # lengths cross ranks; moved samples go p2p
                 costs = flops_cost(
                     batch.lengths.tolist(),
                     hidden_size=policy.model_config.hidden_size,
@@ -466,39 +332,37 @@ def main(argv: list[str]) -> None:
                 batch, _ = batch.rebalance(
                     group=runtime.dp_group, group_key="group_id", costs=costs
                 )
-            with timed(ctx.timings, "train"), plan.phase("train"):
+            with timed(stats.timings, "train"), plan.phase("train"):
                 batch = batch.to(runtime.device)
                 if not cfg.loss.is_on_policy:  # else the loss reuses its forward's, detached
                     batch.tokens["old_logprobs"] = policy.logprobs(batch)
                 train_metrics = policy.train_step(batch, cfg.loss)
-            with timed(ctx.timings, "sync"), plan.phase("sync"):  # bucketed, no second copy
+            with timed(stats.timings, "sync"), plan.phase("sync"):  # bucketed, no second copy
                 engine.update_weights(policy.named_weights())
-            local = {f"sum/{k}": v for k, v in ctx.seen.items()}
-            local |= {f"time/{k}_s": v for k, v in ctx.timings.items()}
-            local |= {f"dynamic_sampling/{k}": v for k, v in sampling_stats.items()}
-            local["sum/skipped_rows"] = float(loader.num_skipped)
-            metrics = summarize(local, runtime.dp_group)  # host sync: one small collective
-            metrics |= {f"train/{k}": v for k, v in train_metrics.items()} | plan.metrics()
+            metrics = summarize(stats, sampling_stats, loader.skipped_by_cause(), runtime.dp_group)
+            metrics |= {f"train/{key}": value for key, value in train_metrics.items()}
+            metrics |= plan.metrics()
             run_log.log(step, metrics)
-            check_verdicts(step, metrics, ctx.first_failure)
-            postfix = {k: f"{v:.2f}s" for k, v in ctx.timings.items()}
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", **postfix)
+            check_verdicts(step, metrics, stats.first_failure)
+            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
             # Saved after the step's metrics line, so a committed step k implies lines 0..k.
-            with timed(ctx.timings, "ckpt"):  # async: returns once tensors are staged
-                extra = {"step": step, "loader": loader.state_dict()}
-                decision = ckpt.maybe_save(step, policy.state(), phase="train", extra=extra)
+            save_start = time.perf_counter()  # async: returns once tensors are staged
+            extra = {"step": step, "loader": loader.state_dict()}
+            decision = ckpt.maybe_save(step, policy.state(), phase="train", extra=extra)
+            last_save_s = time.perf_counter() - save_start
             if decision.should_stop:
                 logger.info("stop requested: step %d saved, exiting", step)
                 break
         ckpt.wait()
         if runtime.is_rank_zero and (records := run_log.read()):
-            first, last, keys = records[0], records[-1], ("reward/mean", "reward/accuracy")
-            change = {k: f"{first[k]:.3f} -> {last[k]:.3f}" for k in keys}
+            first, last = records[0], records[-1]
+            keys = ("reward/mean", "reward/accuracy")
+            change = {key: f"{first[key]:.3f} -> {last[key]:.3f}" for key in keys}
             plot = run_log.plot([*keys, "response/length_mean"])
             logger.info("steps %d..%d: %s; plot %s", first["step"], last["step"], change, plot)
         is_failed = False
     finally:
-        close_all((ckpt, run_log, judge_engine, engine), should_raise=not is_failed)
+        close_all(closeables[::-1], should_raise=not is_failed)
         runtime.shutdown()
 
 

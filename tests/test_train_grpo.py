@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ROOT / "examples" / "train_grpo.py"
 sys.path.insert(0, str(ROOT / "examples"))
 
+import grpo_config
 import tiny_task
 
 from yatt.testing import free_port
@@ -108,14 +109,21 @@ def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, embedded):
         assert {k: resumed[step][k] for k in keys} == {k: expected[step][k] for k in keys}
 
 
+def _paths(embedded: list[str]) -> dict[str, str]:
+    """The embedded task's paths as raw config sections."""
+    values = dict(arg.split("=", 1) for arg in embedded)
+    return {
+        "policy": {"model_dir": values["policy.model_dir"]},
+        "data": {"path": values["data.path"]},
+        "reward": {"judge_dir": values["reward.judge_dir"]},
+    }
+
+
 @pytest.mark.parametrize("config", sorted((ROOT / "examples" / "configs").glob("*.yaml")), ids=str)
-def test_shipped_configs_use_only_known_keys(config, embedded, tmp_path, monkeypatch):
+def test_shipped_configs_use_only_known_keys(config, embedded, monkeypatch):
     import importlib.util
 
     import yaml
-
-    sys.path.insert(0, str(TRAINER.parent))
-    import train_grpo
 
     # GPU configs name vLLM/SGLang, absent here: their options are still checked.
     find_spec = importlib.util.find_spec
@@ -124,55 +132,73 @@ def test_shipped_configs_use_only_known_keys(config, embedded, tmp_path, monkeyp
         "find_spec",
         lambda name, *a: object() if name in ("vllm", "sglang") else find_spec(name, *a),
     )
-
     raw = yaml.safe_load(config.read_text())
-    raw.setdefault("policy", {})["model_dir"] = embedded[0].split("=", 1)[1]
-    for section in ("rollout", "reward"):
-        engine = raw.get(section, {}).get("engine", {})
-        engine.pop("device", None)  # the trainer picks the rank's device
-    cfg = train_grpo.core.config_from_dict(train_grpo.TrainConfig, raw)
+    paths = _paths(embedded)
+    for section, values in paths.items():  # the real paths of the GPU configs do not exist here
+        raw[section] = {**raw.get(section, {}), **values}
+    cfg = grpo_config.build_config(raw)
     assert cfg.placement in ("full", "partial")
+    assert cfg.policy.temperature == cfg.rollout.temperature
     with pytest.raises(ValueError, match=r"unknown config key 'rollout\.temprature'"):
-        train_grpo.core.config_from_dict(
-            train_grpo.TrainConfig, {**raw, "rollout": {"temprature": 1}}
-        )
+        grpo_config.build_config({**raw, "rollout": {"temprature": 1}})
+
+
+@pytest.mark.parametrize(
+    ("name", "backend", "fraction_key"),
+    [
+        ("sglang_partial_gpu.yaml", "sglang", "mem_fraction_static"),
+        ("vllm_full_gpu.yaml", "vllm", "gpu_memory_utilization"),
+    ],
+)
+def test_engine_configs_run_rollout_and_judge_on_one_engine_and_gpu(name, backend, fraction_key):
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "examples" / "configs" / name).read_text())
+    fractions = []
+    for section in ("rollout", "reward"):
+        assert raw[section]["backend"] == backend
+        fractions.append(raw[section]["backend_options"][fraction_key])
+    # Both engines hold their share at once (resident together, or both built before the first
+    # phase); the trainer's onloaded weights and activations need the rest.
+    assert sum(fractions) <= 0.6
 
 
 def test_unknown_or_missing_engine_backends_are_clear_errors_before_anything_loads():
-    sys.path.insert(0, str(TRAINER.parent))
-    import train_grpo
-
     with pytest.raises(ValueError, match=r"rollout\.backend='tgi'"):
-        train_grpo.TrainConfig(policy={}, rollout=train_grpo.RolloutConfig(backend="tgi"))
+        grpo_config.RolloutConfig(backend="tgi")
     # vLLM/SGLang are not installed on the CPU machines: the extra to install is named.
-    reward = train_grpo.RewardConfig(backend="sglang")
     with pytest.raises(ValueError, match=r"reward\.backend='sglang'.*yatt-rollout\[sglang\]"):
-        train_grpo.TrainConfig(policy={}, reward=reward)
+        grpo_config.RewardConfig(backend="sglang")
+    with pytest.raises(ValueError, match=r"reward\.backend_options=.*only for reward\.backend='vllm' or 'sglang'"):
+        grpo_config.RewardConfig(backend_options={"mem_fraction_static": 0.3})
+
+
+def test_an_unknown_engine_option_names_the_field(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    with pytest.raises(ValueError, match=r"rollout\.backend_options=\{'gpu_mem': 0\.3\}"):
+        grpo_config.RolloutConfig(backend="vllm", backend_options={"gpu_mem": 0.3})
 
 
 @pytest.mark.parametrize(("key", "value"), [("placement", "split"), ("offload", "lazy")])
 def test_placement_and_offload_are_checked_before_anything_loads(key, value):
-    sys.path.insert(0, str(TRAINER.parent))
-    import train_grpo
-
     with pytest.raises(ValueError, match=f"{key}='{value}'"):
-        train_grpo.TrainConfig(policy={}, **{key: value})
+        grpo_config.TrainConfig(policy={}, **{key: value})
 
 
 def test_policy_fields_are_checked_against_the_backends_config(embedded):
-    sys.path.insert(0, str(TRAINER.parent))
-    import train_grpo
-
-    model_dir = embedded[0].split("=", 1)[1]
+    model_dir = _paths(embedded)["policy"]["model_dir"]
 
     def build(raw: dict):
-        return train_grpo.core.config_from_dict(train_grpo.TrainConfig, raw)
+        return grpo_config.build_config({**_paths(embedded), **raw})
 
     cfg = build({"backend": "megatron", "policy": {"model_dir": model_dir, "tp_size": 2}})
-    assert isinstance(cfg.policy, train_grpo.core.MegatronPolicyConfig)
+    assert isinstance(cfg.policy, grpo_config.core.MegatronPolicyConfig)
     assert cfg.policy.tp_size == 2
+    assert isinstance(cfg.policy, grpo_config.core.MegatronPolicyConfig)
     assert isinstance(
-        build({"policy": {"model_dir": model_dir}}).policy, train_grpo.core.TorchPolicyConfig
+        build({"policy": {"model_dir": model_dir}}).policy, grpo_config.core.TorchPolicyConfig
     )
     with pytest.raises(
         ValueError, match=r"unknown config key 'policy\.tp_size' for TorchPolicyConfig"
@@ -184,6 +210,30 @@ def test_policy_fields_are_checked_against_the_backends_config(embedded):
         build({"backend": "megatron", "policy": {"model_dir": model_dir, "tp_sise": 2}})
     with pytest.raises(ValueError, match=r"backend='jax' is not a policy backend"):
         build({"backend": "jax", "policy": {"model_dir": model_dir}})
+
+
+def test_config_values_are_typed_and_the_temperature_has_one_source(embedded):
+    raw = {**_paths(embedded), "rollout": {"temperature": 0.7}}
+    raw["policy"] = {**raw["policy"], "lr": "1e-3"}  # as YAML reads 1e-3
+    before = json.dumps(raw, sort_keys=True)
+    cfg = grpo_config.build_config(raw)
+    assert cfg.policy.lr == 0.001
+    assert cfg.policy.temperature == cfg.rollout.temperature == 0.7
+    assert json.dumps(raw, sort_keys=True) == before  # the raw dict is never edited
+    raw["policy"] = {**raw["policy"], "temperature": 0.7}
+    with pytest.raises(ValueError, match=r"policy\.temperature=0\.7: set rollout\.temperature"):
+        grpo_config.build_config(raw)
+
+
+def test_the_embedded_task_fills_empty_paths_without_editing_the_raw_dict(embedded):
+    out_dir = Path(_paths(embedded)["data"]["path"]).parents[1]  # <out_dir>/embedded/prompts.jsonl
+    raw = {"out_dir": str(out_dir), "data": {"prompts_per_rank": 4}}
+    cfg = grpo_config.build_config(raw)  # already built: reused
+    assert raw == {"out_dir": str(out_dir), "data": {"prompts_per_rank": 4}}
+    assert cfg.data.path == _paths(embedded)["data"]["path"]
+    assert cfg.policy.model_dir == _paths(embedded)["policy"]["model_dir"]
+    assert cfg.reward.judge_dir == _paths(embedded)["reward"]["judge_dir"]
+    assert cfg.data.prompts_per_rank == 4
 
 
 def test_megatron_backend_on_cpu_stops_before_training_with_a_clear_error(tmp_path, embedded):
@@ -275,10 +325,12 @@ def test_empty_prompts_are_skipped_and_counted_without_a_crash(tmp_path, embedde
 
 
 def test_a_run_whose_every_verdict_fails_stops_and_says_why(tmp_path, embedded):
-    # Rows without the answer field the template's {reference} needs: every verdict is an error.
+    # The policy as the judge: it answers with digits, never Yes/No, so no verdict parses.
+    policy_dir = _paths(embedded)["policy"]["model_dir"]
+    args = [a for a in embedded if not a.startswith("reward.judge_dir=")]
     out = tmp_path / "run"
     result = subprocess.run(
-        _one_rank(out, embedded, "num_steps=5", "data.answer_key=no_such_field"),
+        _one_rank(out, [*args, f"reward.judge_dir={policy_dir}"], "num_steps=5"),
         env=_env(),
         timeout=600,
         capture_output=True,
@@ -286,9 +338,55 @@ def test_a_run_whose_every_verdict_fails_stops_and_says_why(tmp_path, embedded):
     )
     assert result.returncode != 0
     assert "every one of" in result.stderr and "judge verdicts failed" in result.stderr
-    assert "first on this rank: error:" in result.stderr and "{reference}" in result.stderr
+    assert "first on this rank: sample" in result.stderr and "no verdict" in result.stderr
     records = _metrics(out)
-    assert len(records) == 1 and records[0]["genrm/errors"] == records[0]["genrm/verdicts"] > 0
+    assert len(records) == 1
+    assert records[0]["genrm/unparsable"] == records[0]["genrm/verdicts"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        pytest.param(
+            ["data.answer_key=no_such_field"],
+            r"required_keys='no_such_field' is not a field of the first 16 rows",
+            id="rows-without-the-answer-field",
+        ),
+        pytest.param(
+            ["reward.judge_template={prompt}{response} {rubric}"],
+            r"required_keys='rubric' is not a field",
+            id="template-names-a-column-the-rows-lack",
+        ),
+        pytest.param(
+            ["reward.engine.max_seq_len=12"],
+            r"reward\.engine\.max_seq_len: the judge prompt of row 0 .* takes \d+ tokens",
+            id="judge-context-too-short",
+        ),
+        pytest.param(
+            ["data.path=EMPTY"],
+            r"empty\.jsonl': none of its first 16 rows is usable.*non-empty",
+            id="no-usable-row",
+        ),
+    ],
+)
+def test_data_the_judge_cannot_read_fails_before_any_model_loads(tmp_path, embedded, args, match):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("".join(json.dumps({"prompt": "", "answer": "1"}) + "\n" for _ in range(20)))
+    args = [arg.replace("EMPTY", str(empty)) for arg in args]
+    keys = {arg.split("=", 1)[0] for arg in args}
+    kept = [arg for arg in embedded if arg.split("=", 1)[0] not in keys]
+    out = tmp_path / "run"
+    result = subprocess.run(
+        _one_rank(out, kept, *args, "num_steps=2"),
+        env=_env(),
+        timeout=300,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0
+    assert re.search(match, result.stderr), result.stderr[-2000:]
+    assert "Loading weights" not in result.stderr  # no model loaded
+    assert not (out / "metrics.jsonl").exists()
 
 
 def test_resume_without_a_checkpoint_is_an_error(tmp_path, embedded):
@@ -316,7 +414,7 @@ def test_a_close_error_never_hides_the_loops_own(caplog):
         def close(self):
             closed.append(True)
 
-    train_grpo.close_all([Broken(), None, Fine()], should_raise=False)  # the loop already failed
+    train_grpo.close_all([Broken(), Fine()], should_raise=False)  # the loop already failed
     assert closed == [True] and "closing Broken failed" in caplog.text
     with pytest.raises(OSError, match="disk gone"):
         train_grpo.close_all([Broken(), Fine()], should_raise=True)
@@ -332,6 +430,11 @@ def test_a_close_error_never_hides_the_loops_own(caplog):
         ("data=", r"config section 'data' is empty"),
         ("reward.votes=0", r"reward.votes=0: must be >= 1"),
         ("reward.judge_template=Q {prompt} R {nope}", r"judge_template=.*reads \['nope'\]"),
+        ("reward.judge_template=Q {0}", r"reward\.judge_template='Q \{0\}': .*named fields"),
+        ("policy.lr=abc", r"policy\.lr='abc': must be a float"),
+        ("policy.temperature=0.5", r"policy\.temperature=0\.5: set rollout\.temperature"),
+        ("rollout.backend_options.dtype=bfloat16", r"rollout\.backend_options=.*only for"),
+        ("data.answer_key=''", r"reads \{reference\} but data\.answer_key is ''"),
     ],
 )
 def test_bad_config_values_fail_before_anything_loads(tmp_path, override, match):
@@ -379,9 +482,84 @@ def test_help_lists_every_config_field_and_the_set_is_frozen():
         [sys.executable, str(TRAINER), "--help"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0
+    flags = set(re.findall(r"--[a-z-]+", result.stdout.split("config fields", 1)[0]))
+    assert flags == {"--help", "--config", "--resume"}
     listed = result.stdout.split("config fields", 1)[1].splitlines()[1:]
     names = [line.strip().split(" = ")[0] for line in listed if " = " in line]
     frozen = (ROOT / "tests" / "trainer_config_fields.txt").read_text().split()
     assert names == frozen
     assert "  policy.lr = 0.002  # AdamW learning rate (constant)" in result.stdout
+    assert "policy.temperature" not in result.stdout  # rollout.temperature is the one source
     assert "  rollout.samples_per_prompt = 8  # GRPO group size n" in result.stdout
+
+
+class _CountingTokenizer:
+    """The policy's tokenizer, counting decode calls."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.num_decodes = tokenizer, 0
+
+    def __call__(self, *args, **kwargs):
+        return self.tokenizer(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        self.num_decodes += 1
+        return self.tokenizer.decode(*args, **kwargs)
+
+
+@pytest.mark.parametrize("should_overlap", [False, True], ids=["full", "partial"])
+def test_a_round_decodes_each_response_once_and_pairs_it_with_its_verdict(embedded, should_overlap):
+    from dataclasses import replace
+
+    import train_grpo
+    from transformers import AutoTokenizer
+
+    from yatt import rollout
+    from yatt.placement import Plan
+    from yatt.placement.testing import RecordingRole
+
+    cfg = grpo_config.build_config(_paths(embedded))
+    # Region tags are per process, and an engine closed asleep leaves its tag paused: one
+    # prefix per case.
+    mode = "partial" if should_overlap else "full"
+    rollout_cfg = replace(cfg.rollout, engine=replace(cfg.rollout.engine, region_prefix=mode))
+    reward_cfg = replace(cfg.reward, engine=replace(cfg.reward.engine, region_prefix=f"{mode}-j"))
+    engine = train_grpo.make_engine(rollout_cfg, cfg.policy.model_dir, "cpu")
+    judge_engine = train_grpo.make_engine(reward_cfg, cfg.reward.judge_dir, "cpu")
+    scorer, _ = train_grpo.make_scorer(cfg.reward, judge_engine)
+    roles = {"rollout": engine, "genrm": judge_engine}
+    trainer_role = RecordingRole("train", [], {"weights": 1})
+    make_plan = Plan.partial_colocation if should_overlap else Plan.full_colocation
+    plan = make_plan(**roles, train=trainer_role)
+    tokenizer = _CountingTokenizer(AutoTokenizer.from_pretrained(cfg.policy.model_dir))
+    rows = [{"prompt": "1+2=", "answer": 3}, {"prompt": "4+0=", "answer": "4"}]
+    sampling = rollout.SamplingParams(n=3, temperature=1.0, max_new_tokens=4, seed=1)
+    try:
+        scored = train_grpo.generate_and_score(
+            rows,
+            sampling,
+            engine=engine,
+            scorer=scorer,
+            plan=plan,
+            tokenizer=tokenizer,
+            data=cfg.data,
+            should_overlap=should_overlap,
+            timings={},
+        )
+    finally:
+        engine.close()
+        judge_engine.close()
+    assert len(scored) == 6 and tokenizer.num_decodes == 6  # once per response, not twice
+    for item in scored:
+        row = rows[item.completion.request_index]
+        assert item.sample.prompt == row["prompt"]
+        assert item.sample.reference == str(row["answer"])  # an integer answer read as text
+        decoded = tokenizer.tokenizer.decode(item.completion.response_ids, skip_special_tokens=True)
+        assert item.sample.response == decoded
+        assert item.verdict.status == "ok" and item.verdict.reward in (-1.0, 1.0)
+    groups = sorted(
+        (item.completion.request_index, item.completion.sample_index) for item in scored
+    )
+    assert groups == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    batch = train_grpo.to_batch(scored, train_grpo.core.init_runtime(seed=0))
+    assert batch.samples["reward"].tolist() == [item.verdict.reward for item in scored]

@@ -114,6 +114,15 @@ def test_bad_rows_are_counted_and_skipped(tmp_path, caplog):
     assert loader.skipped["no 'prompt' field"] == 1
     assert loader.skipped["prompt longer than max_prompt_tokens=10"] == 1
     assert sum("skipping dataset row" in r.message for r in caplog.records) == 5
+    # Fixed metric keys: every cause present, so ranks reduce the same keys.
+    assert loader.skipped_by_cause() == {
+        "unreadable": 2,  # bad JSON and a JSON list
+        "no_prompt": 1,
+        "bad_prompt": 1,
+        "too_long": 1,
+        "no_image": 0,
+        "no_field": 0,
+    }
 
 
 def test_missing_image_is_a_skip(tmp_path):
@@ -215,3 +224,40 @@ def test_the_start_up_check_does_not_depend_on_the_seed(tmp_path, seed):
     path = _write_jsonl(tmp_path / "one_bad_row.jsonl", rows)
     loader = ShardedLoader(path, batch_size=6, seed=seed)
     assert len(loader.next_batch()) == 5 and loader.num_skipped == 1
+
+
+def test_required_keys_skip_rows_without_a_usable_value(tmp_path):
+    rows = [
+        {"prompt": "a", "answer": "1"},
+        {"prompt": "b", "answer": 7},  # a number is usable (the trainer reads it as text)
+        {"prompt": "c"},
+        {"prompt": "d", "answer": None},
+        {"prompt": "e", "answer": [1, 2]},
+        {"prompt": "f", "answer": True},
+    ]
+    path = _write_jsonl(tmp_path / "answers.jsonl", rows)
+    loader = ShardedLoader(path, batch_size=6, should_shuffle=False, required_keys=["answer"])
+    assert [r["prompt"] for r in loader.next_batch()] == ["a", "b"]
+    assert loader.skipped_by_cause()["no_field"] == 4
+    assert loader.skipped["no 'answer' field with a string or number"] == 4
+
+
+def test_a_required_key_no_row_has_fails_at_construction(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", _rows(5))
+    with pytest.raises(ValueError, match=r"required_keys='solution' is not a field.*'answer'"):
+        ShardedLoader(path, batch_size=2, required_keys=["solution"])
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_first_rows_are_the_files_first_usable_rows_whatever_the_seed(tmp_path, seed):
+    rows = _rows(6)
+    rows[0] = {"prompt": ""}  # unusable: left out, not counted
+    rows[2] = {"prompt": "x" * 50}  # too long
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    loader = ShardedLoader(
+        path, batch_size=2, seed=seed, rank=1, world_size=2, max_prompt_tokens=20, count_tokens=len
+    )
+    first = loader.first_rows(3)
+    assert [r["prompt"] for r in first] == ["question 1", "question 3", "question 4"]
+    assert [r[ROW_INDEX_KEY] for r in first] == [1, 3, 4]
+    assert loader.num_skipped == 0 and loader.state_dict()["position"] == 0

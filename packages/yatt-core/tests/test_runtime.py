@@ -1,6 +1,7 @@
 """Runtime in a single process, metric reduction, and config building."""
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import pytest
 import torch
@@ -150,9 +151,24 @@ def test_config_from_dict_names_the_field_of_a_wrong_type(values, match):
 
 @dataclass(kw_only=True)
 class _Documented:
+    """A config.
+
+    mode: a docstring paragraph naming a field that has a comment: the comment wins.
+
+    kind: the docstring's doc of a field without a comment, e.g. ("a", "b"). Only the first
+    sentence is shown.
+    """
+
     steps: int = 3  # optimizer steps
     inner: _Inner = field(default_factory=lambda: _Inner(lr=0.5))
     path: str  # where it goes
+    # How often to save. Only the first sentence is shown.
+    every: int = 5
+    # A long comment block above a field that goes on and on, well past what one line of help
+    # should hold, so it is cut at a word
+    mode: str = "fast"
+    kind: str = "a"
+    order: Literal["up", "down"] = "up"
 
 
 def test_describe_config_lists_leaf_fields_with_defaults_and_comments():
@@ -162,4 +178,9 @@ def test_describe_config_lists_leaf_fields_with_defaults_and_comments():
         "steps = 3  # optimizer steps",
         "inner.lr = 0.5",  # the factory's value, not the nested class's default
         "path = (required)  # where it goes",
+        "every = 5  # How often to save",
+        "mode = 'fast'  # A long comment block above a field that goes on and on, well past what one"
+        " line of help should...",
+        'kind = \'a\'  # the docstring\'s doc of a field without a comment, e.g. ("a", "b")',
+        "order = 'up'  # one of 'up', 'down'",
     ]

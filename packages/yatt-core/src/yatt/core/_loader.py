@@ -2,13 +2,15 @@
 
     epoch e:  perm = permutation(num_rows, seed=(seed, e))       same on every rank
     rank r:   rows perm[r], perm[r + W], perm[r + 2W], ...        W = data-parallel size
-    step:     the next batch_size of them; positions advance in lockstep on every rank
+    step:     the next batch_size of them (or as many as asked: a refill may ask for fewer)
 
 Ranks never exchange rows: each builds the same light index (line offsets or row-group sizes),
 computes the same permutation, and parses only its own rows. The last num_rows % W rows of a
 permutation are left out of that epoch so every rank has the same number of steps. Rows that
-are unusable (bad JSON, no prompt, prompt too long, missing image) are skipped, counted per
-reason and logged; the batch is then smaller on that rank, and positions stay in lockstep.
+are unusable (bad JSON, no prompt, prompt too long, missing image, a required field missing)
+are skipped, counted per cause (`skipped_by_cause()`, fixed keys for metrics) and logged; the
+batch is then smaller on that rank. A rank that draws a whole epoch of its shard without one
+usable row stops with the data file and the counts: no number of draws could fill a batch.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ logger = logging.getLogger("yatt.core")
 ROW_INDEX_KEY = "_index"  # added to every row: its global index in the dataset
 _MAX_LOGGED_SKIPS = 20
 _NUM_ROWS_CHECKED = 16  # rows read at start-up to catch a misspelled key
+# Why a row was skipped, as metric keys (every rank reports all of them, zeros included).
+SKIP_CAUSES = ("unreadable", "no_prompt", "bad_prompt", "too_long", "no_image", "no_field")
 
 
 class ShardedLoader:
@@ -47,10 +51,12 @@ class ShardedLoader:
         max_prompt_tokens: int | None = None,
         count_tokens: Callable[[Any], int] | None = None,
         columns: Sequence[str] | None = None,
+        required_keys: Sequence[str] = (),
     ) -> None:
         """batch_size: prompts per rank per step. max_prompt_tokens with count_tokens (e.g. a
         tokenizer applied to the prompt) skips rows whose prompt is longer. columns: Parquet
-        columns to read (default all)."""
+        columns to read (default all). required_keys: fields a row must hold as a string or a
+        number (e.g. the reference answer a judge reads); rows without them are skipped."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(
                 f"batch_size={batch_size!r} must be an int >= 1 (prompts per rank per step)"
@@ -77,6 +83,7 @@ class ShardedLoader:
         self.should_shuffle = should_shuffle
         self.max_prompt_tokens = max_prompt_tokens
         self.count_tokens = count_tokens
+        self.required_keys = tuple(required_keys)
         self._source = open_source(path, columns=columns)
         self.num_rows = self._source.num_rows
         if self.num_rows < world_size:
@@ -88,7 +95,8 @@ class ShardedLoader:
         self.epoch = 0
         self.position = 0  # rows of this epoch consumed by each rank
         self.path = path
-        self.skipped: Counter[str] = Counter()
+        self.skipped: Counter[str] = Counter()  # by reason text (for logs and errors)
+        self._skipped_by_cause: Counter[str] = Counter()
         self._num_unusable_in_a_row = 0
         self.num_rows_parsed = 0  # rows this rank materialised (its own, never another rank's)
         self._perm: np.ndarray | None = None
@@ -99,24 +107,48 @@ class ShardedLoader:
         # file's rows are read in file order until one has the keys (usually the first), on
         # every rank alike: the verdict depends on neither the seed nor the rank, one bad row
         # (skipped later, and counted) refuses nothing, and a rank reads one row, not a shard.
-        keys = {"prompt_key": self.prompt_key, "image_key": self.image_key}
-        wanted = {name: key for name, key in keys.items() if key is not None}
+        keys = [("prompt_key", self.prompt_key), ("image_key", self.image_key)]
+        keys += [("required_keys", key) for key in self.required_keys]
+        wanted = [(name, key) for name, key in keys if key is not None]
         seen: set[str] = set()
         for index in range(min(_NUM_ROWS_CHECKED, self.num_rows)):
             row = self._source.read([index])[0]
             self.num_rows_parsed += 1
             if not isinstance(row, dict):
                 continue
-            if all(key in row for key in wanted.values()):
+            if all(key in row for _, key in wanted):
                 return
             seen |= set(row)
-        missing = {name: key for name, key in wanted.items() if key not in seen}
+        missing = [(name, key) for name, key in wanted if key not in seen]
         if seen and missing:
-            name, key = next(iter(missing.items()))
+            name, key = missing[0]
             raise ValueError(
                 f"{name}={key!r} is not a field of the first {_NUM_ROWS_CHECKED} rows of "
                 f"{str(path)!r}; their fields are {sorted(seen)}"
             )
+
+    def first_rows(self, num_rows: int = 8) -> list[dict[str, Any]]:
+        """The file's first usable rows in file order (at most `num_rows`), for start-up checks
+        of what a row gives (e.g. a prompt template): the same on every rank and seed. Nothing
+        is counted as skipped and the position does not move. ValueError, with the causes, if
+        none of the file's first 16 rows is usable."""
+        out = []
+        reasons: Counter[str] = Counter()
+        for index in range(min(_NUM_ROWS_CHECKED, self.num_rows)):
+            row = self._source.read([index])[0]
+            problem = ("unreadable", row) if isinstance(row, str) else self._check_row(row)
+            if problem is not None:
+                reasons[problem[1]] += 1
+                continue
+            out.append({**row, ROW_INDEX_KEY: index})
+            if len(out) == num_rows:
+                break
+        if not out:
+            raise ValueError(
+                f"dataset {str(self.path)!r}: none of its first {sum(reasons.values())} rows is "
+                f"usable; by cause: {dict(reasons)}"
+            )
+        return out
 
     @property
     def steps_per_epoch(self) -> int:
@@ -157,9 +189,10 @@ class ShardedLoader:
         self.num_rows_parsed += len(rows)
         out = []
         for index, row in zip(indices, rows, strict=True):
-            reason = row if isinstance(row, str) else self._check_row(row)
-            if reason is not None:
-                self._skip(index, reason)
+            # The source gives a string for a row it could not decode (bad JSON, not an object).
+            problem = ("unreadable", row) if isinstance(row, str) else self._check_row(row)
+            if problem is not None:
+                self._skip(index, *problem)
                 continue
             self._num_unusable_in_a_row = 0
             row = dict(row)
@@ -172,25 +205,35 @@ class ShardedLoader:
         while True:
             yield self.next_batch()
 
-    def _check_row(self, row: Mapping[str, Any]) -> str | None:
+    def _check_row(self, row: Mapping[str, Any]) -> tuple[str, str] | None:
+        """(cause, reason) when `row` is unusable, else None."""
         prompt = row.get(self.prompt_key)
         if prompt is None:
-            return f"no {self.prompt_key!r} field"
+            return "no_prompt", f"no {self.prompt_key!r} field"
         if not isinstance(prompt, str | list) or len(prompt) == 0:
-            return f"{self.prompt_key!r} is not a non-empty string or message list"
+            return "bad_prompt", f"{self.prompt_key!r} is not a non-empty string or message list"
         if isinstance(prompt, list) and not all(_is_message(m) for m in prompt):
-            return f"{self.prompt_key!r} is a list but not of {{role, content}} string messages"
+            return (
+                "bad_prompt",
+                f"{self.prompt_key!r} is a list but not of {{role, content}} string messages",
+            )
         if self.image_key is not None and row.get(self.image_key) is None:
-            return f"no {self.image_key!r} field"
+            return "no_image", f"no {self.image_key!r} field"
+        for key in self.required_keys:
+            value = row.get(key)
+            # bool is an int in Python, never an answer; an int or float answer is used as text.
+            if isinstance(value, bool) or not isinstance(value, str | int | float):
+                return "no_field", f"no {key!r} field with a string or number"
         if self.max_prompt_tokens is not None:
             assert self.count_tokens is not None
             num_tokens = self.count_tokens(prompt)
             if num_tokens > self.max_prompt_tokens:
-                return f"prompt longer than max_prompt_tokens={self.max_prompt_tokens}"
+                return "too_long", f"prompt longer than max_prompt_tokens={self.max_prompt_tokens}"
         return None
 
-    def _skip(self, index: int, reason: str) -> None:
+    def _skip(self, index: int, cause: str, reason: str) -> None:
         self.skipped[reason] += 1
+        self._skipped_by_cause[cause] += 1
         self._num_unusable_in_a_row += 1
         if self._num_unusable_in_a_row >= 2 * self.num_local_rows:
             # Twice the shard without one usable row holds a whole epoch without one: no number
@@ -210,8 +253,13 @@ class ShardedLoader:
     def num_skipped(self) -> int:
         return sum(self.skipped.values())
 
+    def skipped_by_cause(self) -> dict[str, int]:
+        """Rows skipped so far by cause, every cause of SKIP_CAUSES present (zeros included)."""
+        return {cause: self._skipped_by_cause[cause] for cause in SKIP_CAUSES}
+
     def state_dict(self) -> dict[str, Any]:
-        """Where the loader is; identical on every rank (positions move in lockstep)."""
+        """Where this rank's loader is. Save it per rank: ranks that ask for different numbers
+        of rows (refills, redraws after unusable rows) are at different positions."""
         return {
             "epoch": self.epoch,
             "position": self.position,

@@ -1,0 +1,115 @@
+"""What a step of the reference trainer reports, and when the judge's failures stop the run.
+
+    stats = StepStats()                     # this rank's sums over the step's rollout rounds
+    stats.add(scored, exact)                # after each round
+    metrics = summarize(stats, ...)         # all ranks, one small collective
+    check_verdicts(step, metrics, stats.first_failure)
+
+Verdict statuses are counted (genrm/verdicts, genrm/errors, genrm/unparsable) and the first
+failure's cause logged; a step whose every verdict failed raises, since it cannot learn (every
+reward is the default) and would otherwise run to the end and exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from yatt import core, genrm
+
+if TYPE_CHECKING:
+    from train_grpo import Scored
+
+logger = logging.getLogger("train_grpo")
+
+
+@dataclass
+class StepStats:
+    """This rank's sums over one step's rollout rounds, reduced across ranks for the metrics."""
+
+    num_rounds: int = 0
+    num_samples: int = 0
+    reward_sum: float = 0.0
+    num_correct: float = 0.0
+    num_response_tokens: int = 0
+    num_verdicts: int = 0
+    num_errors: int = 0  # the judge failed (engine, template, context): default reward
+    num_unparsable: int = 0  # no verdict in the judge's text: default reward
+    first_failure: str | None = None  # the first failed verdict's cause, for the log
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
+
+    def add(self, scored: Sequence[Scored], exact: genrm.ExactMatch) -> None:
+        verdict_stats = genrm.ScoreStats.from_verdicts(item.verdict for item in scored)
+        self.num_verdicts += verdict_stats.num_verdicts
+        self.num_errors += verdict_stats.num_errors
+        self.num_unparsable += verdict_stats.num_unparsable
+        if self.first_failure is None:
+            self.first_failure = verdict_stats.first_error or verdict_stats.first_unparsable
+        for item in scored:
+            self.num_samples += 1
+            self.reward_sum += item.verdict.reward
+            self.num_correct += exact.verify(item.sample) or 0.0
+            self.num_response_tokens += len(item.completion.response_ids)
+
+
+def summarize(
+    stats: StepStats,
+    sampling_stats: dict[str, float],
+    skipped_by_cause: dict[str, int],
+    group,
+) -> dict[str, float]:
+    """The step's metrics over all ranks in one small collective (a host sync): sums of counts,
+    max of phase times (the slowest rank sets the pace), means of dynamic sampling's stats."""
+    sums = {
+        "samples": stats.num_samples,
+        "reward": stats.reward_sum,
+        "correct": stats.num_correct,
+        "response_tokens": stats.num_response_tokens,
+        "verdicts": stats.num_verdicts,
+        "errors": stats.num_errors,
+        "unparsable": stats.num_unparsable,
+    }
+    sums |= {f"skipped/{cause}": count for cause, count in skipped_by_cause.items()}
+    local = {f"sum/{key}": float(value) for key, value in sums.items()}
+    local |= {f"time/{key}_s": seconds for key, seconds in stats.timings.items()}
+    ops = {key: "sum" if key.startswith("sum/") else "max" for key in local}
+    local |= {f"dynamic_sampling/{key}": value for key, value in sampling_stats.items()}
+    total = core.reduce_metrics(local, group=group, ops=ops)  # unnamed keys: the mean
+    num_samples = max(total["sum/samples"], 1.0)
+    metrics = {
+        "reward/mean": total["sum/reward"] / num_samples,
+        "reward/accuracy": total["sum/correct"] / num_samples,
+        "response/length_mean": total["sum/response_tokens"] / num_samples,
+        "genrm/verdicts": total["sum/verdicts"],
+        "genrm/errors": total["sum/errors"],
+        "genrm/unparsable": total["sum/unparsable"],
+        # Rows skipped since the start, all ranks: in total and by cause.
+        "data/skipped_rows": sum(total[f"sum/skipped/{cause}"] for cause in skipped_by_cause),
+    }
+    metrics |= {
+        f"data/skipped_rows/{cause}": total[f"sum/skipped/{cause}"] for cause in skipped_by_cause
+    }
+    metrics |= {key: value for key, value in total.items() if not key.startswith("sum/")}
+    return metrics
+
+
+def check_verdicts(step: int, metrics: dict[str, float], first_failure: str | None) -> None:
+    """A step whose every verdict failed cannot learn: stop and say why, never train on zeros."""
+    num_failed = metrics["genrm/errors"] + metrics["genrm/unparsable"]
+    if num_failed and first_failure is not None:
+        logger.warning(
+            "step %d: %d of %d verdicts failed; first: %s",
+            step,
+            num_failed,
+            metrics["genrm/verdicts"],
+            first_failure,
+        )
+    if metrics["genrm/verdicts"] and num_failed == metrics["genrm/verdicts"]:
+        raise RuntimeError(
+            f"step {step}: every one of {num_failed:.0f} judge verdicts failed "
+            f"({metrics['genrm/errors']:.0f} errors, {metrics['genrm/unparsable']:.0f} "
+            f"unparsable); first on this rank: {first_failure or 'see the other ranks'}. Check "
+            "reward.judge_template, the judge's context (reward.engine.max_seq_len) and output"
+        )
