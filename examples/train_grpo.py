@@ -265,9 +265,8 @@ def main(argv: list[str]) -> None:
         scorer, exact = make_scorer(cfg.reward, judge_engine)
         roles = {"rollout": engine, "genrm": judge_engine, "train": policy}
         plan = PLANS[cfg.placement](**roles, offload=cfg.offload)
-        # Stream responses to the judge when both engines are resident together. TODO: ask the
-        # plan (it has no public property for this yet) instead of the placement's name.
-        should_overlap = cfg.placement == "partial"
+        # Stream responses to the judge while the rollout runs when both stay resident.
+        should_overlap = plan.is_resident_together("rollout", "genrm")
         ckpt.install_signal_handlers()  # SIGTERM/SIGUSR1: final save at the next boundary
         start_step = 0
         if should_resume:

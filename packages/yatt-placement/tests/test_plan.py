@@ -254,3 +254,22 @@ def test_full_colocation_with_a_tagless_engine_syncs_it_whole():
     log.clear()
     plan.switch_to("sync")
     assert log == [("tagless", "wake", None)]
+
+
+def test_is_resident_together_follows_the_phases_not_the_mode_name():
+    log: list = []
+    rollout, genrm, train = _engines(log)
+    full = Plan.full_colocation(rollout=rollout, genrm=genrm, train=train)
+    partial = Plan.partial_colocation(rollout=rollout, genrm=genrm, train=train)
+    separate = Plan.separate(rollout=rollout, genrm=genrm, train=train)
+    assert not full.is_resident_together("rollout", "genrm")
+    assert partial.is_resident_together("rollout", "genrm")
+    assert not partial.is_resident_together("rollout", "train")
+    assert separate.is_resident_together("rollout", "genrm", "train")
+    # Sync wakes only the rollout's weights beside the trainer: not the whole engine.
+    assert not full.is_resident_together("train", "rollout")
+    custom = Plan(roles={"rollout": rollout, "genrm": genrm}, phases={"both": ["rollout", "genrm"]})
+    assert custom.is_resident_together("genrm", "rollout")
+    with pytest.raises(ValueError, match="roles are"):
+        full.is_resident_together("rollout", "judge")
+    assert log == []  # asking switches nothing

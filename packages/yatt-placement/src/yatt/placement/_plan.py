@@ -217,6 +217,18 @@ class Plan:
     def current_phase(self) -> str | None:
         return self._current
 
+    def is_resident_together(self, *role_names: str) -> bool:
+        """Whether some phase keeps every named role awake at once (whole), e.g. whether a
+        trainer can stream the rollout's responses to the judge while the rollout still runs:
+        True for partial colocation and separate GPUs, False for full colocation."""
+        unknown = [name for name in role_names if name not in self._roles]
+        if unknown:
+            raise ValueError(f"is_resident_together{unknown}: roles are {sorted(self._roles)}")
+        return any(
+            all(wanted.get(name) == set(self._tags_of(name)) for name in role_names)
+            for wanted in self._phases.values()
+        )
+
     @contextmanager
     def phase(self, name: str) -> Iterator[PhaseRecord]:
         """Switch into phase `name` on entry (see the module doc); yields the switch's record."""
