@@ -39,6 +39,9 @@ LABELS = {
 }
 
 
+ENGINE_NAMES = {"vllm": "vLLM 0.26.0", "sglang": "SGLang 0.5.17"}
+
+
 def label_of(variant: str) -> str:
     """`(a) full colocation, offload when short of memory, 64 prompts` for "full-auto-p64"."""
     layout, *rest = variant.split("-")
@@ -46,6 +49,8 @@ def label_of(variant: str) -> str:
     for part in rest:
         if part == "auto":
             parts.append("offload only when short of memory")
+        elif part in ("vllm", "sglang"):
+            parts.append(f"{ENGINE_NAMES[part]} as the rollout engine")
         elif part == "defer":
             parts.append("a save finding the writer busy waits for a later step")
         elif part.startswith("p"):
@@ -222,6 +227,7 @@ def compute_ratios(runs: list[dict]) -> list[dict]:
                         f"{label_of('full' + a_suffix)} rollout+genrm, {n} GPU(s), longtail",
                     )
                 )
+    out += _engine_ratios(runs)
     trl = _median(_find(runs, "trl", 1), "fixed")
     others = {r["layout"] for r in runs if r["num_gpus"] == 1} - {"full", "partial", "trl"}
     yatt = ["full", "partial", *sorted(others)]
@@ -248,6 +254,37 @@ def compute_ratios(runs: list[dict]) -> list[dict]:
                 )
             )
     return out
+
+
+def _engine_ratios(runs: list[dict]) -> list[dict]:
+    """yatt's built-in engine against vLLM/SGLang as the rollout backend, same layout, GPU count
+    and mix: step time and rollout time. Bar 1.0: the built-in engine stays the default only
+    where it is no slower."""
+    out = []
+    for run in runs:
+        layout, _, engine = run["layout"].partition("-")
+        if engine not in ENGINE_NAMES:
+            continue
+        builtin = _find(runs, layout, run["num_gpus"])
+        for mix in run.get("mixes", {}):
+            mine, theirs = _median(builtin, mix), _median(run, mix)
+            where = f"{LABELS[layout]}, {run['num_gpus']} GPU(s), {mix}"
+            for what, value_of in (("step", lambda m: m["step_s"]), ("rollout", _rollout_phase)):
+                out.append(
+                    _ratio(
+                        f"builtin_vs_{engine}_{what}_{layout}_{run['num_gpus']}gpu_{mix}",
+                        mine and value_of(mine),
+                        theirs and value_of(theirs),
+                        1.0,
+                        f"built-in engine {what} / {ENGINE_NAMES[engine]} {what}, {where}",
+                    )
+                )
+    return out
+
+
+def _rollout_phase(med: dict) -> float:
+    """The rollout's own time: partial colocation times rollout and judge together."""
+    return med["phases"].get("rollout", med["phases"].get("rollout+genrm", 0.0))
 
 
 def _fmt(v: float | None, spec: str = ".2f") -> str:

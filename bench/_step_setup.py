@@ -177,9 +177,50 @@ def build_judge(
     return judge, engine
 
 
+def make_rollout_engine(
+    args: Any, policy_dir: Path, *, device: str, work: Workload, max_batch_size: int
+):
+    """The rollout engine of --rollout-backend: yatt's built-in one, or vLLM/SGLang in bf16
+    taking --engine-memory of the GPU at start-up (their KV pool; a sleep frees it)."""
+    from yatt import rollout
+
+    max_seq_len = work.prompt_tokens + MAX_RESPONSE_TOKENS
+    if args.rollout_backend == "vllm":
+        config = rollout.VLLMConfig(
+            dtype="bfloat16",
+            gpu_memory_utilization=args.engine_memory,
+            max_model_len=max_seq_len,
+            llm_kwargs={"max_num_seqs": max_batch_size},
+        )
+        return rollout.VLLMEngine(policy_dir, config=config)
+    if args.rollout_backend == "sglang":
+        config = rollout.SGLangConfig(
+            dtype="bfloat16",
+            mem_fraction_static=args.engine_memory,
+            context_length=max_seq_len + 8,  # SGLang serves 2 positions less than its context
+            engine_kwargs={"max_running_requests": max_batch_size},
+        )
+        return rollout.SGLangEngine(policy_dir, config=config)
+    return rollout.BuiltinEngine(
+        policy_dir,
+        config=rollout.EngineConfig(
+            device=device,
+            dtype="float32" if args.tiny else "bfloat16",
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            max_prefill_tokens=16384,
+            region_prefix="rollout",
+            keep_graphs_asleep=args.keep_graphs,
+            stream_priority=-1,  # beside the judge (partial), the rollout's tail goes first
+        ),
+    )
+
+
 def variant_key(layout: str, args: Any) -> str:
     """A run's name in the results: the layout, then what differs from the defaults."""
     key = layout
+    if getattr(args, "rollout_backend", "builtin") != "builtin":
+        key += f"-{args.rollout_backend}"
     if getattr(args, "offload", "always") != "always":
         key += f"-{args.offload}"
     if getattr(args, "prompts", None) not in (None, Workload.num_prompts):

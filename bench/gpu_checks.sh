@@ -16,7 +16,8 @@ for step in "$@"; do
       run_step placement_tests python3 -m pytest -q -rs packages/yatt-placement/tests/test_cuda.py
       run_step placement_bench python3 bench/placement.py --device cuda --out "$OUT/placement_cuda.json" ;;
     rollout)
-      run_step rollout_tests python3 -m pytest -q -rs packages/yatt-rollout/tests/test_cuda_engine.py
+      run_step rollout_tests python3 -m pytest -q -rs packages/yatt-rollout/tests/test_cuda_engine.py \
+        packages/yatt-rollout/tests/test_cuda_weights.py
       run_step rollout_bench python3 bench/rollout_gpu.py --out-dir "$OUT" ;;
     ckpt)
       run_step ckpt_tests python3 -m pytest -q -rs packages/yatt-ckpt/tests/test_cuda.py

@@ -75,6 +75,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_false",
         help="EngineConfig(keep_graphs_asleep=False): recapture the graphs after each wake",
     )
+    p.add_argument(
+        "--rollout-backend",
+        choices=("builtin", "vllm", "sglang"),
+        default="builtin",
+        help="the rollout engine (vLLM/SGLang: full and partial layouts, yatt-rollout[vllm|sglang])",
+    )
+    p.add_argument(
+        "--engine-memory",
+        type=float,
+        default=0.3,
+        help="vLLM/SGLang: the GPU share the rollout engine takes at start-up",
+    )
     p.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer's cap")
     p.add_argument("--ckpt-writer", choices=("thread", "process"), default="thread")
     p.add_argument("--ckpt-when-busy", choices=("wait", "defer"), default="wait")
@@ -89,6 +101,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not (args.report or args.serve_judge or args.prepare or args.layout):
         p.error("pass --layout, or --report")
+    if args.rollout_backend != "builtin" and args.layout not in (None, "full", "partial"):
+        p.error(f"--rollout-backend {args.rollout_backend}: only --layout full or partial")
     args.mixes = [m for m in args.mix.split(",") if m]
     for mix in args.mixes:
         if mix not in setup.MIXES:
@@ -105,7 +119,7 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
     """Engines, judge, trainer, plan and checkpointer of this rank for args.layout."""
     import torch
 
-    from yatt import core, genrm, rollout
+    from yatt import core, genrm
     from yatt.ckpt import Checkpointer
     from yatt.placement import Plan
 
@@ -130,18 +144,8 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
         servers.append(ctx.server)  # killed by the caller if the rest of the build fails
     ctx.first_prompt = runtime.dp_rank * local_prompts
     ctx.local_prompts = local_prompts
-    ctx.engine = rollout.BuiltinEngine(
-        policy_dir,
-        config=rollout.EngineConfig(
-            device=device,
-            dtype="float32" if args.tiny else "bfloat16",
-            max_batch_size=slots,
-            max_seq_len=work.prompt_tokens + setup.MAX_RESPONSE_TOKENS,
-            max_prefill_tokens=16384,
-            region_prefix="rollout",
-            keep_graphs_asleep=args.keep_graphs,
-            stream_priority=-1,  # beside the judge (partial), the rollout's tail goes first
-        ),
+    ctx.engine = setup.make_rollout_engine(
+        args, policy_dir, device=device, work=work, max_batch_size=slots
     )
     ctx.judge_engine = None
     if layout == "dedicated":

@@ -41,7 +41,7 @@ printf '%s\n' "${PINS[@]}" >>"$DEST/keep_$NAME.txt"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${PLATFORM_ARGS[@]}" -d "$DEST/wheels" -r "$DEST/keep_$NAME.txt"
 rm -rf "${DEST:?}/$SITE"
-python3 -m pip install -q --no-deps --no-compile --only-binary=:all: --python-version 3.12 \
+python3 -m pip install -q --no-deps --no-compile --ignore-requires-python --only-binary=:all: --python-version 3.12 \
   --implementation cp "${PLATFORM_ARGS[@]}" --target "$DEST/$SITE" -r "$DEST/keep_$NAME.txt" \
   --find-links "$DEST/wheels" --no-index
 rm -rf "$DEST/$SITE/bin" \
