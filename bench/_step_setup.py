@@ -190,7 +190,7 @@ def make_rollout_engine(
             dtype="bfloat16",
             gpu_memory_utilization=args.engine_memory,
             max_model_len=max_seq_len,
-            llm_kwargs={"max_num_seqs": max_batch_size},
+            llm_kwargs={"max_num_seqs": max_batch_size, **args.engine_kwargs},
         )
         return rollout.VLLMEngine(policy_dir, config=config)
     if args.rollout_backend == "sglang":
@@ -198,7 +198,7 @@ def make_rollout_engine(
             dtype="bfloat16",
             mem_fraction_static=args.engine_memory,
             context_length=max_seq_len + 8,  # SGLang serves 2 positions less than its context
-            engine_kwargs={"max_running_requests": max_batch_size},
+            engine_kwargs={"max_running_requests": max_batch_size, **args.engine_kwargs},
         )
         return rollout.SGLangEngine(policy_dir, config=config)
     return rollout.BuiltinEngine(

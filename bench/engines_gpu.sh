@@ -101,6 +101,41 @@ for step in "$@"; do
         out_dir=$run num_steps=${TRAINER_STEPS:-30} placement=$placement rollout.backend=$engine "${opts[@]}"
       [ -d $shared/policy ] || cp -r $run/embedded $shared 2>/dev/null
       cp $run/metrics.jsonl "$OUT/${step}_metrics.jsonl" 2>/dev/null ;;
+    trainer_config_sglang|trainer_config_vllm)
+      # The example configs whose judge runs on the engine too (examples/configs/
+      # sglang_partial_gpu.yaml: SGLang rollout + SGLang judge resident together, trainer
+      # offloaded; vllm_full_gpu.yaml: vLLM for both, phases in turn), on the embedded task.
+      engine=${step#trainer_config_}; site=$(site_of "$engine"); run=/tmp/yatt-runs/$step
+      shared=/tmp/yatt-runs/embedded
+      case $engine in
+        sglang) config=examples/configs/sglang_partial_gpu.yaml
+                opts=(rollout.backend_options.engine_kwargs.attention_backend=triton
+                      reward.backend_options.engine_kwargs.attention_backend=triton) ;;
+        *) config=examples/configs/vllm_full_gpu.yaml; opts=() ;;
+      esac
+      if [ -d $shared/policy ]; then
+        opts+=(policy.model_dir=$shared/policy data.path=$shared/prompts.jsonl reward.judge_dir=$shared/judge)
+      fi
+      run_step "$step" env PYTHONPATH="$site:$PYTHONPATH" python3 examples/train_grpo.py \
+        --config $config out_dir=$run num_steps=${TRAINER_STEPS:-30} "${opts[@]}"
+      [ -d $shared/policy ] || cp -r $run/embedded $shared 2>/dev/null
+      cp $run/metrics.jsonl "$OUT/${step}_metrics.jsonl" 2>/dev/null ;;
+    step_*)
+      # bench/step.py with each engine as the rollout backend (STEP_RUNS: "layout:backend"
+      # pairs), 1 GPU, --judge-tokens 128 as bench/step_gpu.sh; JSONs kept in STEP_DIR.
+      dir=${STEP_DIR:-$OUT/steps}; mkdir -p "$dir"
+      python3 bench/step.py --prepare --model-dir /tmp/yatt-step >/dev/null
+      IFS=, read -r -a pairs <<<"${STEP_RUNS:-full:builtin,full:vllm,full:sglang}"
+      for pair in "${pairs[@]}"; do
+        layout=${pair%%:*}; backend=${pair##*:}; site=""
+        [ "$backend" != builtin ] && site=$(site_of "$backend")
+        kwargs='{}'; [ "$backend" = sglang ] && kwargs='{"attention_backend": "triton"}'
+        run_step "step_${layout}_$backend" env PYTHONPATH="${site:+$site:}$PYTHONPATH" \
+          python3 bench/step.py --layout "$layout" --rollout-backend "$backend" \
+          --engine-kwargs "$kwargs" --model-dir /tmp/yatt-step --out-dir "$dir" \
+          --judge-tokens 128 --steps ${STEP_STEPS:-3} --mix fixed,longtail
+      done
+      python3 bench/step.py --report --results-dir "$dir" && cp "$dir"/step_* "$OUT/" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import shutil
 import subprocess
@@ -86,6 +87,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=float,
         default=0.3,
         help="vLLM/SGLang: the GPU share the rollout engine takes at start-up",
+    )
+    p.add_argument(
+        "--engine-kwargs",
+        type=json.loads,
+        default={},
+        help='vLLM/SGLang: more engine arguments as JSON, e.g. \'{"attention_backend": "triton"}\'',
     )
     p.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer's cap")
     p.add_argument("--ckpt-writer", choices=("thread", "process"), default="thread")
