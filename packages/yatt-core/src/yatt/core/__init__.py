@@ -19,6 +19,7 @@ from yatt.core._losses import (
 )
 from yatt.core._metrics import reduce_metrics
 from yatt.core._policy import LossFn, PolicyBackend, TorchPolicyConfig
+from yatt.core._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
 from yatt.core._run_log import RunLog
 from yatt.core._runtime import Runtime, init_runtime, set_seed
 from yatt.core._sampling import sample_dynamically
@@ -27,6 +28,7 @@ from yatt.core._version import __version__
 from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
 
 __all__ = [
+    "ROLLOUT_TOKEN_KEYS",
     "ROW_INDEX_KEY",
     "Batch",
     "LossFn",
@@ -55,6 +57,8 @@ __all__ = [
     "mask_groups_with_reward_variance",
     "policy_config_from_dict",
     "reduce_metrics",
+    "rollout_batch",
+    "rollout_samples",
     "sample_dynamically",
     "set_seed",
     "sum_over_units",

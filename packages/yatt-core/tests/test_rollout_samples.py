@@ -1,0 +1,50 @@
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from yatt.core import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
+
+
+@dataclass
+class FakeCompletion:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+
+
+def test_samples_put_the_loss_on_the_response_and_keep_groups_and_rewards():
+    completions = [
+        FakeCompletion([5, 6], [7, 8, 9], [-0.5, -1.0, -2.0]),
+        FakeCompletion([5], [3], [-0.25]),
+    ]
+    samples = rollout_samples(completions, rewards=[1, -1.0], group_ids=[4, 4])
+    assert samples[0] == {
+        "input_ids": [5, 6, 7, 8, 9],
+        "loss_mask": [0, 0, 1, 1, 1],
+        "rollout_logprobs": [0.0, 0.0, -0.5, -1.0, -2.0],
+        "group_id": 4,
+        "reward": 1.0,
+    }
+    batch = rollout_batch(samples)
+    assert batch.lengths.tolist() == [5, 2]
+    assert batch.tokens["loss_mask"].sum(dim=1).tolist() == [3, 1]
+    assert torch.equal(batch.samples["reward"], torch.tensor([1.0, -1.0]))
+    assert batch.tokens["rollout_logprobs"][1, :2].tolist() == [0.0, -0.25]
+
+
+def test_an_empty_batch_has_the_same_fields_and_dtypes():
+    full = rollout_batch(rollout_samples([FakeCompletion([1], [2], [-1.0])], [0.5], [0]))
+    empty = rollout_batch([])
+    assert len(empty.lengths) == 0
+    assert set(empty.tokens) == set(full.tokens) and set(empty.samples) == set(full.samples)
+    for key in ROLLOUT_TOKEN_KEYS:
+        assert empty.tokens[key].dtype == full.tokens[key].dtype
+    assert empty.samples["group_id"].dtype == full.samples["group_id"].dtype
+
+
+def test_mismatched_inputs_are_clear_errors():
+    with pytest.raises(ValueError, match="2 logprobs for 1 response tokens"):
+        rollout_samples([FakeCompletion([1], [2], [-1.0, -2.0])], [0.0], [0])
+    with pytest.raises(ValueError):  # one reward short
+        rollout_samples([FakeCompletion([1], [2], [-1.0])], [], [0])
