@@ -8,7 +8,8 @@
 #    already has (PRESENT, one name a line: the device README's package list).
 # 2. Drop what an in-process engine never imports on Hopper and that would cost most of the
 #    transfer: compiler toolchains (nvcc, nvvm, cutlass-dsl, tilelang), video codecs, the
-#    Blackwell kernels, vLLM's FA2 library (FA3 serves Hopper) and Rust frontend, and
+#    Blackwell kernels and the CuTe DSL (imported only when a kernel asks for it, behind an
+#    availability check), vLLM's FA2 library (FA3 serves Hopper) and Rust frontend, and
 #    sgl_kernel's FA3 library (the tests then run SGLang on Triton attention).
 # 3. `pip install --target` (no deps) for cp312, then tar | xz, split into 56 MiB pieces:
 #    a device call carries at most 64 MiB.
@@ -23,11 +24,11 @@ mkdir -p "$DEST/wheels"
 case $ENGINE in
   vllm)
     SPEC=vllm==0.26.0; SITE=site_vllm; NAME=vllm
-    SKIP='tokenspeed|nvidia-cutlass-dsl|nvidia-nvvm|nvidia-cuda-(nvcc|nvdisasm|cccl|crt)|tilelang|pynvvideocodec|z3-solver|torchcodec|humming-kernels|quack-kernels|cuda-tile'
+    SKIP='tokenspeed(-mla|-triton)?|nvidia-cutlass-dsl(-libs-[a-z0-9]+)?|nvidia-nvvm|nvidia-cuda-(nvcc|nvdisasm|cccl|crt)|tilelang|pynvvideocodec|z3-solver|torchcodec|humming-kernels|quack-kernels|cuda-tile'
     PINS=() ;;
   sglang)
     SPEC=sglang==0.5.17; SITE=site_sgl; NAME=sgl
-    SKIP='tokenspeed|nvidia-cutlass-dsl|nvidia-nvvm|nvidia-cuda-(nvcc|nvdisasm|cccl|crt)|tilelang|z3-solver|torchcodec|nvidia-mathdx|helion|sgl-deep-gemm|flash-attn-4|quack-kernels|humming-kernels|cuda-tile'
+    SKIP='tokenspeed(-mla|-triton)?|nvidia-cutlass-dsl(-libs-[a-z0-9]+)?|nvidia-nvvm|nvidia-cuda-(nvcc|nvdisasm|cccl|crt)|tilelang|z3-solver|torchcodec|nvidia-mathdx|helion|sgl-deep-gemm|flash-attn-4|quack-kernels|humming-kernels|cuda-tile'
     # SGLang 0.5.17 pins transformers 5.12.1, which refuses the image's tokenizers 0.23.2.
     PINS=(transformers==5.12.1 tokenizers==0.22.2) ;;
   *) echo "usage: $0 vllm|sglang [dest]" >&2; exit 2 ;;
