@@ -9,11 +9,15 @@ call's own verdicts say what it cost and what went wrong, however many calls sha
     scored.stats.num_unparsable, scored.stats.first_unparsable
     scored.stats.num_judge_prompt_tokens  # this call's judge load, no counter differencing
     ScoreStats.from_verdicts(genrm.score(samples))  # the same for a blocking call
+
+Rewards without a judge model: `load_reward_function("my_module:score")` is a scorer of its own
+and a rule for `CombinedRM(None, [(fn, weight), ...])`.
 """
 
 from yatt.genrm._as_completed import ScoredCompletions, score_as_completed
 from yatt.genrm._client import GenRMClient
 from yatt.genrm._combine import CombinedRM
+from yatt.genrm._functions import RewardFunction, load_reward_function
 from yatt.genrm._genrm import GenRM
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
 from yatt.genrm._server import create_app
@@ -33,6 +37,7 @@ __all__ = [
     "JudgeTemplate",
     "NumericMatch",
     "RegexMatch",
+    "RewardFunction",
     "RuleVerifier",
     "Sample",
     "ScoreParser",
@@ -44,6 +49,7 @@ __all__ = [
     "YesNoParser",
     "__version__",
     "create_app",
+    "load_reward_function",
     "pointwise_template",
     "score_as_completed",
     "verification_template",

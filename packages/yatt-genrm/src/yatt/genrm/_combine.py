@@ -1,8 +1,15 @@
-"""Rule verifiers beside the judge: a weighted sum, or rules that gate the judge.
+"""Rules beside the judge, or instead of it: a weighted sum, or rules that gate the judge.
 
     mode "sum":  reward = judge_weight * judge + sum_i weight_i * rule_i   (a None rule adds 0)
     mode "gate": any rule fails (0.0) -> gate_reward, and the judge is never called;
                  otherwise (all pass, or cannot decide) -> the judge's verdict.
+    judge None:  reward = sum_i weight_i * rule_i, no judge model at all ("sum" only); status
+                 "unparsable" (reward `default_reward`) when every rule returned None.
+
+A rule is an `ExactMatch`-like verifier or a `RewardFunction` (plain Python). A rule that raises
+or returns something other than a finite number adds 0 and makes the verdict's status "error",
+with the cause in `error` (so `ScoreStats` counts it with the judge's errors); the run goes on.
+Rules run on a worker thread while streaming, never on the event loop.
 
 Gating saves judge work on answers a rule already rejects. `CombinedRM` has the interface of the
 judge it wraps (score, submit/finish/results, ascore), so the trainer does not care which it has.
@@ -11,6 +18,7 @@ judge it wraps (score, submit/finish/results, ascore), so the trainer does not c
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -18,39 +26,67 @@ from typing import Any, Literal
 
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
 from yatt.genrm._types import Sample, Verdict
-from yatt.genrm._verifiers import RuleVerifier
+from yatt.genrm._verifiers import RuleErrorLog, RuleVerifier, call_rule
 
 CombineMode = Literal["sum", "gate"]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    """The rules' results for one sample: a value (or None) per rule, and what failed."""
+
+    values: dict[str, float | None]
+    causes: list[str]
+
+
 class CombinedRM(StreamingScorer):
-    """A judge (GenRM or GenRMClient) combined with rule verifiers."""
+    """A judge (GenRM, GenRMClient, OpenAIJudge, or None for rules only) combined with rules."""
 
     def __init__(
         self,
-        judge: Any,
+        judge: Any | None,
         rules: Sequence[tuple[RuleVerifier, float]],
         *,
         mode: CombineMode = "sum",
         judge_weight: float = 1.0,
         gate_reward: float = 0.0,
+        default_reward: float | None = None,
     ) -> None:
-        for method in ("score", "ascore"):
-            if not callable(getattr(judge, method, None)):
-                raise ValueError(f"judge={judge!r} has no {method}(); pass a GenRM or GenRMClient")
+        if judge is not None:
+            for method in ("score", "ascore"):
+                if not callable(getattr(judge, method, None)):
+                    raise ValueError(
+                        f"judge={judge!r} has no {method}(); pass a GenRM, GenRMClient, "
+                        "OpenAIJudge, or None for rules only"
+                    )
         if mode not in ("sum", "gate"):
             raise ValueError(f"mode={mode!r}: use 'sum' or 'gate'")
+        if judge is None and mode == "gate":
+            raise ValueError("mode='gate' gates a judge; with judge=None use mode='sum'")
         if not rules:
             raise ValueError("rules is empty: give at least one (verifier, weight) pair")
-        names = [rule.name for rule, _ in rules]
-        if len(set(names)) != len(names) or "judge" in names:
-            raise ValueError(f"rule names {names} must be unique and not 'judge'")
-        for rule, weight in rules:
-            if not callable(getattr(rule, "verify", None)) or not math.isfinite(weight):
+        for pair in rules:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise ValueError(f"rules: {pair!r} is not a (verifier, weight) pair")
+            rule, weight = pair
+            is_weight = isinstance(weight, int | float) and math.isfinite(weight)
+            if not callable(getattr(rule, "verify", None)) or not is_weight:
                 raise ValueError(
                     f"rule ({rule!r}, {weight!r}): need a verifier and a finite weight"
                 )
-        for name, value in (("judge_weight", judge_weight), ("gate_reward", gate_reward)):
+        names = [rule.name for rule, _ in rules]
+        if len(set(names)) != len(names) or "judge" in names:
+            raise ValueError(
+                f"rule names {names} must be unique and not 'judge' "
+                "(load_reward_function(spec, name=...) renames one)"
+            )
+        if default_reward is None:
+            default_reward = getattr(judge, "default_reward", 0.0)
+        for name, value in (
+            ("judge_weight", judge_weight),
+            ("gate_reward", gate_reward),
+            ("default_reward", default_reward),
+        ):
             if not math.isfinite(value):
                 raise ValueError(f"{name}={value!r}: must be finite")
         inner = getattr(judge, "batching", None) or BatchingConfig()
@@ -58,63 +94,124 @@ class CombinedRM(StreamingScorer):
         batching = dataclasses.replace(
             inner, batch_window_millis=0.0, max_inflight_batches=inner.max_pending
         )
-        super().__init__(batching=batching, error_reward=getattr(judge, "default_reward", 0.0))
+        super().__init__(batching=batching, error_reward=default_reward)
         self.judge = judge
         self.rules = list(rules)
         self.mode: CombineMode = mode
         self.judge_weight = judge_weight
         self.gate_reward = gate_reward
-        self.metrics["num_gated"] = 0
+        self.default_reward = default_reward
+        self.metrics.update(num_gated=0, num_rule_errors=0)
+        # Rules run here while streaming: one thread, so a rule need not be thread-safe, and a
+        # slow one (a reward function running code) does not stall the event loop.
+        self._rule_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="yatt-genrm-rules"
+        )
+        self._error_log = RuleErrorLog()
 
-    def _check(self, sample: Sample) -> dict[str, float | None]:
-        return {rule.name: rule.verify(sample) for rule, _ in self.rules}
+    def _check(self, sample: Sample) -> _Checked:
+        values: dict[str, float | None] = {}
+        causes: list[str] = []
+        for rule, _ in self.rules:
+            values[rule.name], cause = call_rule(rule, sample)
+            if cause is not None:
+                causes.append(cause)
+                self._error_log.record(sample.id, cause)
+        return _Checked(values, causes)
 
-    def _is_gated(self, checks: dict[str, float | None]) -> bool:
-        return self.mode == "gate" and any(v == 0.0 for v in checks.values())
+    def _is_gated(self, checked: _Checked) -> bool:
+        return self.mode == "gate" and any(v == 0.0 for v in checked.values.values())
 
-    def _gated(self, sample: Sample, checks: dict[str, float | None]) -> Verdict:
+    def _rule_sum(self, checked: _Checked) -> float:
+        return math.fsum(w * (checked.values[rule.name] or 0.0) for rule, w in self.rules)
+
+    def _with_causes(self, verdict: Verdict, checked: _Checked) -> Verdict:
+        """`verdict`, made an error naming the rules that failed, if any did."""
+        if not checked.causes:
+            return verdict
+        self.metrics["num_rule_errors"] += len(checked.causes)
+        error = "; ".join([verdict.error, *checked.causes] if verdict.error else checked.causes)
+        return dataclasses.replace(verdict, status="error", error=error)
+
+    def _gated(self, sample: Sample, checked: _Checked) -> Verdict:
         self.metrics["num_gated"] += 1
-        return Verdict(
+        verdict = Verdict(
             sample_id=sample.id,
             reward=self.gate_reward,
             status="ok",
-            components={**checks, "judge": None},
+            components={**checked.values, "judge": None},
         )
+        return self._with_causes(verdict, checked)
 
-    def _combine(self, verdict: Verdict, checks: dict[str, float | None]) -> Verdict:
-        components = {**checks, "judge": verdict.reward if verdict.status == "ok" else None}
+    def _rules_only(self, sample: Sample, checked: _Checked) -> Verdict:
+        if any(value is not None for value in checked.values.values()):
+            verdict = Verdict(
+                sample_id=sample.id,
+                reward=self._rule_sum(checked),
+                status="ok",
+                components=dict(checked.values),
+            )
+        else:
+            verdict = Verdict(
+                sample_id=sample.id,
+                reward=self.default_reward,
+                status="unparsable",
+                error=None if checked.causes else "every rule returned None (cannot score)",
+                components=dict(checked.values),
+            )
+        return self._with_causes(verdict, checked)
+
+    def _combine(self, verdict: Verdict, checked: _Checked) -> Verdict:
+        components = {**checked.values, "judge": verdict.reward if verdict.status == "ok" else None}
         if self.mode == "gate":
-            return dataclasses.replace(verdict, components=components)
-        reward = self.judge_weight * verdict.reward
-        reward += math.fsum(w * (checks[rule.name] or 0.0) for rule, w in self.rules)
-        return dataclasses.replace(verdict, reward=reward, components=components)
+            combined = dataclasses.replace(verdict, components=components)
+        else:
+            reward = self.judge_weight * verdict.reward + self._rule_sum(checked)
+            combined = dataclasses.replace(verdict, reward=reward, components=components)
+        return self._with_causes(combined, checked)
 
     def score(self, samples: Sequence[Sample]) -> list[Verdict]:
         """Verdicts in order; gated samples never reach the judge."""
         checks = [self._check(s) for s in samples]
-        to_judge = [i for i, c in enumerate(checks) if not self._is_gated(c)]
-        judged = dict(zip(to_judge, self.judge.score([samples[i] for i in to_judge]), strict=True))
-        out = [
-            self._combine(judged[i], c) if i in judged else self._gated(samples[i], c)
-            for i, c in enumerate(checks)
-        ]
+        if self.judge is None:
+            out = [self._rules_only(s, c) for s, c in zip(samples, checks, strict=True)]
+        else:
+            to_judge = [i for i, c in enumerate(checks) if not self._is_gated(c)]
+            judged = dict(
+                zip(to_judge, self.judge.score([samples[i] for i in to_judge]), strict=True)
+            )
+            out = [
+                self._combine(judged[i], c) if i in judged else self._gated(samples[i], c)
+                for i, c in enumerate(checks)
+            ]
         for v in out:
             self._record(v)
         return out
 
     async def _judge_batch(self, items: list[Item]) -> None:
+        loop = asyncio.get_running_loop()
+
         async def judge_one(item: Item) -> None:
-            checks = self._check(item.sample)
-            if self._is_gated(checks):
-                item.resolve(self._gated(item.sample, checks))
+            checked = await loop.run_in_executor(self._rule_pool, self._check, item.sample)
+            if self.judge is None:
+                item.resolve(self._rules_only(item.sample, checked))
+                return
+            if self._is_gated(checked):
+                item.resolve(self._gated(item.sample, checked))
                 return
             # One sample per ascore call: each resolves as soon as the judge has it, and the
             # judge's own batcher groups these concurrent calls into engine batches.
             (verdict,) = await self.judge.ascore([item.sample])
-            item.resolve(self._combine(verdict, checks))
+            item.resolve(self._combine(verdict, checked))
 
         await asyncio.gather(*(judge_one(item) for item in items))
 
+    def close(self) -> None:
+        """Stop the rule thread (the judge is closed by whoever made it, or by aclose)."""
+        self._rule_pool.shutdown(wait=False, cancel_futures=True)
+
     async def aclose(self) -> None:
         await super().aclose()
-        await self.judge.aclose()
+        if self.judge is not None:
+            await self.judge.aclose()
+        self.close()

@@ -27,8 +27,8 @@ class ScoreStats:
 
     num_verdicts: int
     num_ok: int
-    num_unparsable: int  # no vote parsed: the reward is the default
-    num_errors: int  # the judge failed (engine, template, transport): the reward is the default
+    num_unparsable: int  # no vote parsed, or no rule could score: the reward is the default
+    num_errors: int  # the judge or a rule failed (engine, template, transport, a raise)
     first_unparsable: str | None  # "sample ID: no verdict in the judge's text '...'"; None if none
     first_error: str | None  # "sample ID: <Verdict.error>"; None if none
     num_judge_prompt_tokens: int  # judge prompt tokens times votes, as metrics["num_prompt_tokens"]
@@ -61,7 +61,10 @@ class ScoreStats:
 
 
 def describe_unparsable(verdict: Verdict) -> str:
-    """One line saying why `verdict` did not parse: the judge's text, and whether it was cut."""
+    """One line saying why `verdict` did not parse: the judge's text, and whether it was cut;
+    or, for a verdict no judge wrote (a reward function returned None), its `error`."""
+    if verdict.error is not None and not verdict.votes:
+        return f"sample {verdict.sample_id}: {verdict.error}"
     text = verdict.text[:_CAUSE_TEXT_CHARS]
     cause = f"sample {verdict.sample_id}: no verdict in the judge's text {text!r}"
     if any(vote.finish_reason == "length" for vote in verdict.votes):

@@ -75,8 +75,10 @@ class Verdict:
     """The judged reward for one sample.
 
     status "ok": at least one vote parsed and `reward` aggregates the parsed votes;
-    "unparsable": no vote parsed and `reward` is the configured default;
-    "error": the judge failed (engine error, bad template field, transport) and `error` says how.
+    "unparsable": no vote parsed and `reward` is the configured default (also: a reward
+    function returned None, "cannot score this sample"; then `error` says which);
+    "error": the judge or a rule failed (engine error, bad template field, transport, a reward
+    function that raised or returned a non-number) and `error` says how.
     """
 
     sample_id: str

@@ -3,13 +3,19 @@
 Each returns 1.0 (pass), 0.0 (fail) or None (cannot decide: the sample has no reference). The
 answer checked is the last `\\boxed{}` of the response when there is one, else the whole response
 (ExactMatch) or its last number (NumericMatch).
+
+`call_rule` runs any rule (these, a `RewardFunction`, your own) so that a rule that raises or
+returns something other than a finite number is a cause to report, never a crashed run.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import numbers
+import os
 import re
+import traceback
 import unicodedata
 from dataclasses import dataclass
 from fractions import Fraction
@@ -26,6 +32,60 @@ class RuleVerifier(Protocol):
     name: str
 
     def verify(self, sample: Sample) -> float | None: ...
+
+
+class InvalidRewardError(ValueError):
+    """A rule returned something other than a finite number or None."""
+
+
+def check_reward(value: object) -> float | None:
+    """`value` as a float (a bool is 0/1), None as None; InvalidRewardError for anything else
+    (a str, NaN, inf, a tensor), saying what it was."""
+    if value is None:
+        return None
+    if not isinstance(value, numbers.Real):
+        raise InvalidRewardError(
+            f"returned {value!r:.80} (a {type(value).__name__}); "
+            "return a finite number, or None when the sample cannot be scored"
+        )
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise InvalidRewardError(f"returned {reward!r}; return a finite number, or None")
+    return reward
+
+
+def call_rule(rule: RuleVerifier, sample: Sample) -> tuple[float | None, str | None]:
+    """(reward or None, None) when `rule.verify(sample)` gives a number or None; (None, cause)
+    when it raises or returns anything else. Never raises (except BaseException: Ctrl-C)."""
+    try:
+        return check_reward(rule.verify(sample)), None
+    except InvalidRewardError as e:
+        return None, f"{rule.name} {e}"
+    except Exception as e:
+        return None, f"{rule.name} raised {type(e).__name__}: {e}{_where(e)}"
+
+
+def _where(error: Exception) -> str:
+    """ " (at file.py:LINE in FUNCTION)" for the frame that raised: enough to find a bug in a
+    reward function from the one-line cause, without a traceback in the log."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
+
+
+class RuleErrorLog:
+    """Logs rule failures: the first few, then 1 in `every`, so a reward function that fails on
+    every sample does not flood the log (each failure is in its verdict anyway)."""
+
+    def __init__(self, *, first: int = 5, every: int = 100) -> None:
+        self._first, self._every, self._count = first, every, 0
+
+    def record(self, sample_id: str, cause: str) -> None:
+        self._count += 1
+        if self._count <= self._first or self._count % self._every == 0:
+            logger.warning("rule failure #%d (sample %s): %s", self._count, sample_id, cause)
 
 
 def extract_answer(response: str) -> str:
