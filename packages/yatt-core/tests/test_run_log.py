@@ -61,3 +61,54 @@ def test_a_damaged_line_before_the_end_is_an_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 2}\n')
     with pytest.raises(ValueError, match="line 2 of 3 is not JSON"):
         RunLog(tmp_path, should_use_tensorboard=False, resume_step=1)
+
+
+class FakeWandb:
+    """The part of the wandb module RunLog uses (wandb 0.2x: init/log/finish, util.generate_id)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.util = type("util", (), {"generate_id": staticmethod(lambda: "run123")})
+
+    def init(self, **kwargs):
+        self.calls.append(("init", kwargs))
+        return self
+
+    def log(self, data, step):
+        self.calls.append(("log", step, data))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
+def test_wandb_gets_every_step_and_a_resume_continues_its_run(tmp_path, monkeypatch):
+    import importlib.util
+    import sys
+
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    log = RunLog(tmp_path, should_use_tensorboard=False, wandb_project="p", wandb_config={"lr": 1})
+    log.log(0, {"reward/mean": 0.5})
+    log.close()
+    init = fake.calls[0][1]
+    assert (init["project"], init["id"], init["config"]) == ("p", "run123", {"lr": 1})
+    assert fake.calls[1] == ("log", 0, {"step": 0, "reward/mean": 0.5})
+    assert fake.calls[-1] == ("finish",)
+
+    fake.calls.clear()
+    fake.util.generate_id = staticmethod(lambda: "other")  # a new id would start a new run
+    RunLog(tmp_path, should_use_tensorboard=False, resume_step=1, wandb_project="p").close()
+    assert fake.calls[0][1]["id"] == "run123" and fake.calls[0][1]["resume"] == "allow"
+
+
+def test_a_wandb_project_without_wandb_is_a_clear_error(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a)
+    )
+    with pytest.raises(ValueError, match="pip install wandb"):
+        RunLog(tmp_path, wandb_project="p")
+    assert not (tmp_path / "metrics.jsonl").exists()

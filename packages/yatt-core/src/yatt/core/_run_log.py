@@ -1,4 +1,5 @@
-"""A run's metrics: one JSON line per step, TensorBoard events, and a PNG plot at the end.
+"""A run's metrics: one JSON line per step, TensorBoard events, optionally Weights & Biases,
+and a PNG plot at the end.
 
 Only the writing rank (rank 0) touches files; every rank may call `log` with the same
 (already reduced) metrics. On resume, lines of steps at or after the resume step are dropped
@@ -7,6 +8,7 @@ first, so the file holds each step once even after a crash between a save and th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -17,6 +19,13 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id"  # a resumed run continues the same W&B run
+
+
+def check_wandb(project: str | None) -> None:
+    """A named W&B project needs wandb installed: call before anything expensive starts."""
+    if project and importlib.util.find_spec("wandb") is None:
+        raise ValueError(f"wandb_project={project!r} needs wandb: pip install wandb")
 
 
 class RunLog:
@@ -27,11 +36,18 @@ class RunLog:
         is_writer: bool = True,
         should_use_tensorboard: bool = True,
         resume_step: int | None = None,
+        wandb_project: str | None = None,
+        wandb_config: Mapping[str, Any] | None = None,
     ) -> None:
+        """wandb_project: also log to Weights & Biases (needs `pip install wandb`); the run
+        is named after out_dir and a resumed run continues the same W&B run. wandb_config: the
+        run's config, shown beside its metrics."""
         self.out_dir = Path(out_dir)
         self.is_writer = is_writer
         self.path = self.out_dir / METRICS_FILE
         self._tb: Any = None
+        self._wandb: Any = None
+        check_wandb(wandb_project)
         if not is_writer:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -46,6 +62,28 @@ class RunLog:
                 logger.warning("tensorboard is not installed; metrics go to %s only", self.path)
             else:
                 self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        if wandb_project:
+            self._wandb = self._start_wandb(wandb_project, wandb_config, resume_step)
+
+    def _start_wandb(
+        self, project: str, config: Mapping[str, Any] | None, resume_step: int | None
+    ) -> Any:
+        import wandb
+
+        id_path = self.out_dir / WANDB_ID_FILE
+        if resume_step is not None and id_path.exists():
+            run_id = id_path.read_text().strip()
+        else:
+            run_id = wandb.util.generate_id()
+            id_path.write_text(run_id + "\n")
+        return wandb.init(
+            project=project,
+            name=self.out_dir.name,
+            id=run_id,
+            resume="allow",
+            dir=str(self.out_dir),
+            config=dict(config or {}),
+        )
 
     def _drop_from(self, step: int) -> None:
         if not self.path.exists():
@@ -66,6 +104,8 @@ class RunLog:
                 if math.isfinite(float(value)):
                     self._tb.add_scalar(key, float(value), step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(dict(record), step=step)
 
     def read(self) -> list[dict[str, float]]:
         if not self.path.exists():
@@ -103,6 +143,9 @@ class RunLog:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def _parse_lines(text: str, path: Path) -> list[dict[str, Any]]:
