@@ -260,20 +260,12 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
     bad_lengths = sum(len(c.response_ids) != expected[c.request_index] for c in completions) + abs(
         len(completions) - len(expected)
     )
-    samples = []
-    for c, v in zip(completions, verdicts, strict=True):
-        samples.append(
-            {
-                "input_ids": c.prompt_ids + c.response_ids,
-                "loss_mask": [0] * len(c.prompt_ids) + [1] * len(c.response_ids),
-                "rollout_logprobs": [0.0] * len(c.prompt_ids) + list(c.logprobs),
-                "group_id": c.metadata["group"],
-                "reward": float(v.reward),
-            }
-        )
-    batch = core.Batch.from_samples(
-        samples, token_keys=("input_ids", "loss_mask", "rollout_logprobs")
+    samples = core.rollout_samples(
+        completions,
+        rewards=[v.reward for v in verdicts],
+        group_ids=[c.metadata["group"] for c in completions],
     )
+    batch = core.rollout_batch(samples)
     batch.samples["advantages"] = core.compute_grpo_advantages(
         batch.samples["reward"], batch.samples["group_id"]
     )

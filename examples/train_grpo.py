@@ -51,7 +51,6 @@ from grpo_metrics import StepStats, check_verdicts, summarize
 logger = logging.getLogger("train_grpo")
 ENGINES = {"vllm": rollout.VLLMEngine, "sglang": rollout.SGLangEngine}
 PLANS = {"full": Plan.full_colocation, "partial": Plan.partial_colocation}
-TOKEN_KEYS = ("input_ids", "loss_mask", "rollout_logprobs")
 JUDGE_MAX_NEW_TOKENS = 4  # "Yes"/"No" and an end token
 
 
@@ -171,34 +170,15 @@ def generate_and_score(
     ]
 
 
-def empty_batch() -> core.Batch:
-    """A batch of no samples with the fields a round's batches have."""
-    placeholder = {
-        "input_ids": [0],
-        "loss_mask": [0],
-        "rollout_logprobs": [0.0],
-        "group_id": 0,
-        "reward": 0.0,
-    }
-    return core.Batch.from_samples([placeholder], token_keys=TOKEN_KEYS).select([])
-
-
 def to_batch(scored: Sequence[Scored], runtime: core.Runtime) -> core.Batch:
     """Training samples: prompt + response tokens, the loss on the response; a group per prompt."""
-    samples = []
-    for item in scored:
-        prompt, response = item.completion.prompt_ids, item.completion.response_ids
-        samples.append(
-            {
-                "input_ids": prompt + response,
-                "loss_mask": [0] * len(prompt) + [1] * len(response),
-                "rollout_logprobs": [0.0] * len(prompt) + list(item.completion.logprobs),
-                "group_id": item.completion.request_index,
-                "reward": float(item.verdict.reward),
-            }
-        )
+    samples = core.rollout_samples(
+        [item.completion for item in scored],
+        rewards=[item.verdict.reward for item in scored],
+        group_ids=[item.completion.request_index for item in scored],
+    )
     samples = core.broadcast_to_tp_peers(samples, runtime)  # TP peers: one batch (host sync)
-    return core.Batch.from_samples(samples, token_keys=TOKEN_KEYS, like=empty_batch())
+    return core.rollout_batch(samples)
 
 
 def close_all(closeables: Sequence[Any], *, should_raise: bool) -> None:
@@ -281,7 +261,7 @@ def main(argv: list[str]) -> None:
         def rollout_round(num_missing: int, *, step: int, stats: StepStats) -> core.Batch:
             """One DAPO round: `num_missing` more prompts, rolled out and judged."""
             if num_missing == 0:  # this rank is full; others may still be drawing
-                return empty_batch()
+                return core.rollout_batch([])
             rows = draw_rows(loader, num_missing)
             stats.num_rounds += 1
             # Seeded by (seed, DP rank, step, round): a resumed run and TP peers draw alike.
