@@ -26,7 +26,8 @@ from typing import Any, Literal
 
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
 from yatt.genrm._types import Sample, Verdict
-from yatt.genrm._verifiers import RuleErrorLog, RuleVerifier, call_rule
+from yatt.genrm._verifiers import RuleVerifier, call_rule
+from yatt.genrm._votes import FailureLog
 
 CombineMode = Literal["sum", "gate"]
 
@@ -107,7 +108,7 @@ class CombinedRM(StreamingScorer):
         self._rule_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="yatt-genrm-rules"
         )
-        self._error_log = RuleErrorLog()
+        self._error_log = FailureLog("rule failure")
 
     def _check(self, sample: Sample) -> _Checked:
         values: dict[str, float | None] = {}

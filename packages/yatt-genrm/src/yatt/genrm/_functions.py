@@ -34,9 +34,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
+from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer, per_sample_batching
 from yatt.genrm._types import Sample, Verdict
-from yatt.genrm._verifiers import RuleErrorLog, call_rule, check_reward
+from yatt.genrm._verifiers import call_rule, check_reward
+from yatt.genrm._votes import FailureLog
 
 RewardFn = Callable[[str, str, str | None, dict[str, Any]], float | None]
 
@@ -73,9 +74,9 @@ class RewardFunction(StreamingScorer):
             raise ValueError(f"default_reward={default_reward!r}: must be finite")
         if not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads={num_threads!r}: must be an int >= 1")
-        # No batch window: there is no engine call to fill, each sample is scored on its own.
+        # Each sample is scored on its own; num_threads bounds how many at once.
         super().__init__(
-            batching=batching or BatchingConfig(batch_window_millis=0.0),
+            batching=batching or per_sample_batching(),
             error_reward=default_reward,
         )
         self.fn = fn
@@ -84,7 +85,7 @@ class RewardFunction(StreamingScorer):
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=num_threads, thread_name_prefix="yatt-genrm-reward"
         )
-        self._error_log = RuleErrorLog()
+        self._error_log = FailureLog("rule failure")
 
     def __repr__(self) -> str:
         return f"RewardFunction({self.name!r})"

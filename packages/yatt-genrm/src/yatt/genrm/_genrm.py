@@ -24,7 +24,14 @@ from yatt.genrm._parsers import VerdictParser
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
 from yatt.genrm._templates import JudgeTemplate
 from yatt.genrm._types import Sample, Verdict, Vote, error_verdict
-from yatt.genrm._votes import AGGREGATES, Aggregate, UnparsableLog, build_verdict, parse_vote
+from yatt.genrm._votes import (
+    AGGREGATES,
+    Aggregate,
+    UnparsableLog,
+    build_verdict,
+    make_judge_sampling,
+    parse_vote,
+)
 from yatt.rollout import Completion, Request, RolloutEngine, SamplingParams
 
 logger = logging.getLogger("yatt.genrm")
@@ -93,7 +100,7 @@ class GenRM(StreamingScorer):
         self.votes = votes
         self.aggregate: Aggregate = aggregate
         self.default_reward = default_reward
-        self.sampling = self._make_sampling(sampling, votes)
+        self.sampling = make_judge_sampling(sampling, votes)
         if max_prompt_tokens is None:
             # The built-in engine's context; a longer prompt would fail its whole batch.
             max_seq_len = getattr(getattr(engine, "config", None), "max_seq_len", None)
@@ -112,22 +119,6 @@ class GenRM(StreamingScorer):
         self.metrics.update(
             num_votes=0, num_unparsable_votes=0, num_truncated_responses=0, num_prompt_tokens=0
         )
-
-    @staticmethod
-    def _make_sampling(sampling: SamplingParams | None, votes: int) -> SamplingParams:
-        if sampling is None:
-            # One vote: the judge's most likely verdict. Several: they must differ to be votes.
-            sampling = SamplingParams(temperature=0.0 if votes == 1 else 0.7, max_new_tokens=512)
-        if sampling.n not in (1, votes):
-            raise ValueError(
-                f"sampling.n={sampling.n}: GenRM sets n from votes={votes}; leave n at 1"
-            )
-        if votes > 1 and sampling.temperature == 0:
-            raise ValueError(
-                f"votes={votes} with sampling.temperature=0: greedy votes are identical; "
-                "set a temperature > 0 (e.g. 0.7) or votes=1"
-            )
-        return dataclasses.replace(sampling, n=votes)
 
     # -- shared by score() and streaming -------------------------------------------------------
     def _render(self, samples: Sequence[Sample], tokenizer: Any) -> _Rendered:

@@ -46,6 +46,14 @@ class BatchingConfig:
             )
 
 
+def per_sample_batching() -> BatchingConfig:
+    """For scorers that take each sample on its own (an HTTP request, a function call) and
+    bound their own concurrency: no window, and a batch never waits for an earlier one (a batch
+    of one sample would otherwise hold one of max_inflight_batches slots)."""
+    max_pending = BatchingConfig().max_pending
+    return BatchingConfig(batch_window_millis=0.0, max_inflight_batches=max_pending)
+
+
 @dataclass
 class Item:
     """A sample waiting for its verdict; `future` is resolved exactly once."""

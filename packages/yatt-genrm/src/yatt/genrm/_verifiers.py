@@ -75,19 +75,6 @@ def _where(error: Exception) -> str:
     return f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
 
 
-class RuleErrorLog:
-    """Logs rule failures: the first few, then 1 in `every`, so a reward function that fails on
-    every sample does not flood the log (each failure is in its verdict anyway)."""
-
-    def __init__(self, *, first: int = 5, every: int = 100) -> None:
-        self._first, self._every, self._count = first, every, 0
-
-    def record(self, sample_id: str, cause: str) -> None:
-        self._count += 1
-        if self._count <= self._first or self._count % self._every == 0:
-            logger.warning("rule failure #%d (sample %s): %s", self._count, sample_id, cause)
-
-
 def extract_answer(response: str) -> str:
     """The last `\\boxed{}` content, else the response itself."""
     boxed = find_boxed(response)

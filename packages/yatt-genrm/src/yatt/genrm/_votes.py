@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import Counter
@@ -10,6 +11,7 @@ from typing import Literal
 
 from yatt.genrm._parsers import VerdictParser
 from yatt.genrm._types import Verdict, Vote
+from yatt.rollout import SamplingParams
 
 logger = logging.getLogger("yatt.genrm")
 
@@ -30,6 +32,23 @@ def aggregate_rewards(rewards: Sequence[float], how: Aggregate) -> float:
     top = max(counts.values())
     tied = [r for r, c in counts.items() if c == top]
     return math.fsum(tied) / len(tied)
+
+
+def make_judge_sampling(sampling: SamplingParams | None, votes: int) -> SamplingParams:
+    """The judge's sampling with n = votes; by default greedy for one vote, 0.7 for several."""
+    if sampling is None:
+        # One vote: the judge's most likely verdict. Several: they must differ to be votes.
+        sampling = SamplingParams(temperature=0.0 if votes == 1 else 0.7, max_new_tokens=512)
+    if sampling.n not in (1, votes):
+        raise ValueError(
+            f"sampling.n={sampling.n}: the judge sets n from votes={votes}; leave n at 1"
+        )
+    if votes > 1 and sampling.temperature == 0:
+        raise ValueError(
+            f"votes={votes} with sampling.temperature=0: greedy votes are identical; "
+            "set a temperature > 0 (e.g. 0.7) or votes=1"
+        )
+    return dataclasses.replace(sampling, n=votes)
 
 
 def parse_vote(text: str, parser: VerdictParser, finish_reason: str | None) -> Vote:
@@ -79,6 +98,20 @@ def build_verdict(
         text=text,
         votes=tuple(votes),
     )
+
+
+class FailureLog:
+    """Logs failures (`what`: "rule failure", "judge request failed"): the first few, then 1 in
+    `every`, so a cause that repeats on every sample does not flood the log (each failure is in
+    its verdict anyway)."""
+
+    def __init__(self, what: str, *, first: int = 5, every: int = 100) -> None:
+        self._what, self._first, self._every, self._count = what, first, every, 0
+
+    def record(self, sample_id: str, cause: str) -> None:
+        self._count += 1
+        if self._count <= self._first or self._count % self._every == 0:
+            logger.warning("%s #%d (sample %s): %s", self._what, self._count, sample_id, cause)
 
 
 class UnparsableLog:
