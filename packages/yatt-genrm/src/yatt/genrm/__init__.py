@@ -11,7 +11,8 @@ call's own verdicts say what it cost and what went wrong, however many calls sha
     ScoreStats.from_verdicts(genrm.score(samples))  # the same for a blocking call
 
 Rewards without a judge model: `load_reward_function("my_module:score")` is a scorer of its own
-and a rule for `CombinedRM(None, [(fn, weight), ...])`.
+and a rule for `CombinedRM(None, [(fn, weight), ...])`. A judge served elsewhere (vLLM, SGLang,
+a hosted model): `OpenAIJudge(OpenAIJudgeConfig(base_url=..., model=...), template=, parser=)`.
 """
 
 from yatt.genrm._as_completed import ScoredCompletions, score_as_completed
@@ -19,6 +20,7 @@ from yatt.genrm._client import GenRMClient
 from yatt.genrm._combine import CombinedRM
 from yatt.genrm._functions import RewardFunction, load_reward_function
 from yatt.genrm._genrm import GenRM
+from yatt.genrm._openai import OpenAIJudge, OpenAIJudgeConfig
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
 from yatt.genrm._server import create_app
 from yatt.genrm._stats import ScoreStats
@@ -36,6 +38,8 @@ __all__ = [
     "GenRMClient",
     "JudgeTemplate",
     "NumericMatch",
+    "OpenAIJudge",
+    "OpenAIJudgeConfig",
     "RegexMatch",
     "RewardFunction",
     "RuleVerifier",

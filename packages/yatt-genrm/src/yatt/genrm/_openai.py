@@ -1,0 +1,505 @@
+"""A judge behind an OpenAI-compatible chat-completions endpoint (vLLM, SGLang, a hosted model).
+
+    Sample --template--> chat messages --POST {base_url}/chat/completions (n=votes)--> choices
+           --parser--> vote rewards --aggregate--> Verdict
+
+The same JudgeTemplate, parsers and vote aggregation as GenRM, and the same interface (score,
+submit/finish/results, ascore), so CombinedRM and score_as_completed take it as they take GenRM.
+One request per sample, at most `max_concurrency` in flight per event loop. A request that
+times out, cannot connect, or gets 408, 429 or 5xx is tried again after a backoff (a server's
+Retry-After is honoured, up to `max_backoff_s`); what still fails, and a 4xx or a body that is
+not a chat completion, becomes that sample's "error" verdict with the cause. Nothing raises in
+the middle of a run, and every request ends within `timeout_s`.
+
+The API key is read from the environment variable named by `api_key_env` and sent as
+`Authorization: Bearer <key>`; it is never logged nor put in an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import email.utils
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from yatt.genrm._parsers import VerdictParser
+from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer, per_sample_batching
+from yatt.genrm._templates import JudgeTemplate
+from yatt.genrm._types import Sample, Verdict, Vote, error_verdict
+from yatt.genrm._votes import (
+    AGGREGATES,
+    Aggregate,
+    FailureLog,
+    UnparsableLog,
+    build_verdict,
+    make_judge_sampling,
+    parse_vote,
+)
+from yatt.rollout import SamplingParams
+
+logger = logging.getLogger("yatt.genrm")
+
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# Body text kept in an error: enough for the server's message, not a page of HTML.
+_ERROR_BODY_CHARS = 300
+# Request fields the judge sets itself (from the messages, votes and sampling).
+_OWN_FIELDS = frozenset(
+    {"model", "messages", "n", "max_tokens", "temperature", "top_p", "top_k", "seed"}
+    | {"stop_token_ids", "ignore_eos"}
+)
+
+
+@dataclass(kw_only=True, frozen=True)
+class OpenAIJudgeConfig:
+    """Where the judge is served and how it is called."""
+
+    base_url: str  # the API root: "http://127.0.0.1:8000/v1" (vLLM, SGLang), a hosted API's
+    model: str  # the served model's name, sent as "model"
+    api_key_env: str | None = None  # the environment variable holding the key; None: no key
+    max_concurrency: int = 32  # requests in flight at once (per event loop)
+    timeout_s: float = 120.0  # one request, connect to last byte; a slower one is retried
+    max_retries: int = 4  # tries after the first, on timeouts, connection errors, 408/429/5xx
+    backoff_s: float = 0.5  # wait before the first retry, doubled each time (with jitter)
+    max_backoff_s: float = 30.0  # longest wait between tries, a server's Retry-After included
+    # More request fields, sent as they are: {"chat_template_kwargs": {"enable_thinking":
+    # False}} (vLLM/SGLang), {"reasoning_effort": "low"}; sampling fields go in `sampling`.
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        url = self.base_url
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"OpenAIJudgeConfig.base_url={url!r}: must start with http:// or https://"
+            )
+        if url.rstrip("/").endswith("/chat/completions"):
+            root = url.rstrip("/").removesuffix("/chat/completions")
+            raise ValueError(
+                f"OpenAIJudgeConfig.base_url={url!r}: give the API root ({root!r}); "
+                "/chat/completions is added to it"
+            )
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(
+                f"OpenAIJudgeConfig.model={self.model!r}: the served model's name is needed"
+            )
+        for name in ("max_concurrency",):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"OpenAIJudgeConfig.{name}={value!r}: must be an int >= 1")
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(
+                f"OpenAIJudgeConfig.max_retries={self.max_retries!r}: must be an int >= 0"
+            )
+        if not (isinstance(self.timeout_s, int | float) and self.timeout_s > 0):
+            raise ValueError(f"OpenAIJudgeConfig.timeout_s={self.timeout_s!r}: must be > 0")
+        if not (0 < self.backoff_s <= self.max_backoff_s < math.inf):
+            raise ValueError(
+                f"OpenAIJudgeConfig.backoff_s={self.backoff_s!r}, max_backoff_s="
+                f"{self.max_backoff_s!r}: need 0 < backoff_s <= max_backoff_s (finite)"
+            )
+        if self.api_key_env is not None and (
+            not isinstance(self.api_key_env, str) or not self.api_key_env
+        ):
+            raise ValueError(
+                f"OpenAIJudgeConfig.api_key_env={self.api_key_env!r}: the name of an "
+                "environment variable (e.g. 'OPENAI_API_KEY'), or None for no key"
+            )
+        if not isinstance(self.extra_body, dict):
+            raise ValueError(
+                f"OpenAIJudgeConfig.extra_body must be a dict, got {type(self.extra_body).__name__}"
+            )
+        own = sorted(_OWN_FIELDS & set(self.extra_body))
+        if own:
+            raise ValueError(
+                f"OpenAIJudgeConfig.extra_body sets {own}: the judge sets these itself "
+                "(model from model, n from votes, the others from sampling)"
+            )
+
+    def read_api_key(self) -> str | None:
+        """The key from `api_key_env`; ValueError when the variable is unset or empty."""
+        if self.api_key_env is None:
+            return None
+        key = os.environ.get(self.api_key_env, "").strip()
+        if not key:
+            raise ValueError(
+                f"OpenAIJudgeConfig.api_key_env={self.api_key_env!r}: that environment "
+                "variable is not set (or empty); export it, or set api_key_env to None"
+            )
+        return key
+
+
+@dataclass
+class _Http:
+    """One event loop's session and concurrency bound."""
+
+    session: aiohttp.ClientSession
+    slots: asyncio.Semaphore
+    closer: asyncio.Task[None] | None = None
+
+
+class _Retryable(Exception):
+    """A failed try worth repeating; `retry_after_s` is the server's Retry-After, if any."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class _Fatal(Exception):
+    """A failed try that would fail again (4xx, a body that is not a chat completion)."""
+
+
+class OpenAIJudge(StreamingScorer):
+    """An LLM judge over an OpenAI-compatible chat-completions endpoint.
+
+    `votes=k` asks for k choices per request (`n`: vLLM and SGLang support it) and aggregates
+    the parsed ones by `aggregate`; `sampling` as GenRM's (temperature, top_p, max_new_tokens ->
+    max_tokens, seed; top_k, stop_token_ids and ignore_eos are sent only when set, as vLLM
+    and SGLang read them). A vote that does not parse counts as GenRM's does.
+    """
+
+    def __init__(
+        self,
+        config: OpenAIJudgeConfig,
+        *,
+        template: JudgeTemplate,
+        parser: VerdictParser,
+        votes: int = 1,
+        sampling: SamplingParams | None = None,
+        aggregate: Aggregate = "mean",
+        default_reward: float = 0.0,
+        batching: BatchingConfig | None = None,
+    ) -> None:
+        if not isinstance(config, OpenAIJudgeConfig):
+            raise ValueError(f"config must be an OpenAIJudgeConfig, got {type(config).__name__}")
+        if not isinstance(template, JudgeTemplate):
+            raise ValueError(f"template must be a JudgeTemplate, got {type(template).__name__}")
+        if not callable(getattr(parser, "parse", None)):
+            raise ValueError(f"parser={parser!r} has no parse(text) method")
+        if not isinstance(votes, int) or votes < 1:
+            raise ValueError(f"votes={votes!r}: must be an int >= 1")
+        if aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate={aggregate!r}: use one of {AGGREGATES}")
+        if not math.isfinite(default_reward):
+            raise ValueError(f"default_reward={default_reward!r}: must be finite")
+        api_key = config.read_api_key()
+        # Each sample is its own request (the server batches across them); max_concurrency
+        # bounds how many are in flight.
+        super().__init__(
+            batching=batching or per_sample_batching(),
+            error_reward=default_reward,
+        )
+        self.config = config
+        self.url = config.base_url.rstrip("/") + "/chat/completions"
+        self.template = template
+        self.parser = parser
+        self.votes = votes
+        self.aggregate: Aggregate = aggregate
+        self.default_reward = default_reward
+        self.sampling = make_judge_sampling(sampling, votes)
+        self._headers = {"Content-Type": "application/json"}
+        if api_key is not None:
+            self._headers["Authorization"] = f"Bearer {api_key}"
+        self._http_by_loop: dict[asyncio.AbstractEventLoop, _Http] = {}
+        self._unparsable_log = UnparsableLog()
+        self._failure_log = FailureLog("judge request failed")
+        self._num_inflight = 0
+        self.metrics.update(
+            num_requests=0,
+            num_retries=0,
+            num_votes=0,
+            num_unparsable_votes=0,
+            num_prompt_tokens=0,
+            peak_inflight_requests=0,
+        )
+
+    def __repr__(self) -> str:  # the headers (the key) stay out of it
+        return f"OpenAIJudge(url={self.url!r}, model={self.config.model!r}, votes={self.votes})"
+
+    # -- one request ---------------------------------------------------------------------------
+    def _body(self, messages: list[dict[str, str]]) -> dict[str, Any]:
+        sampling = self.sampling
+        body: dict[str, Any] = {
+            "model": self.config.model,
+            "messages": messages,
+            "max_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+        }
+        if self.votes > 1:
+            body["n"] = self.votes  # left out for one vote: some hosted APIs reject n
+        if sampling.top_p != 1.0:
+            body["top_p"] = sampling.top_p
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        if sampling.top_k:
+            body["top_k"] = sampling.top_k
+        if sampling.stop_token_ids:
+            body["stop_token_ids"] = list(sampling.stop_token_ids)
+        if sampling.ignore_eos:
+            body["ignore_eos"] = True
+        body.update(self.config.extra_body)
+        return body
+
+    def _http(self) -> _Http:
+        """This loop's session: made on first use, closed when the loop ends or by aclose()."""
+        loop = asyncio.get_running_loop()
+        http = self._http_by_loop.get(loop)
+        if http is None:
+            connector = aiohttp.TCPConnector(limit=self.config.max_concurrency)
+            http = _Http(
+                aiohttp.ClientSession(connector=connector),
+                asyncio.Semaphore(self.config.max_concurrency),
+            )
+            self._http_by_loop[loop] = http
+            # The trainer runs each round in its own asyncio.run: when that ends it cancels
+            # this task and runs its finally, so the session closes inside its own loop.
+            http.closer = loop.create_task(self._close_at_loop_end(loop, http))
+        return http
+
+    async def _close_at_loop_end(self, loop: asyncio.AbstractEventLoop, http: _Http) -> None:
+        try:
+            await loop.create_future()  # until cancelled
+        finally:
+            self._http_by_loop.pop(loop, None)
+            await http.session.close()
+
+    async def _post_once(self, http: _Http, body: bytes) -> dict[str, Any]:
+        """One try: the chat completion, or _Retryable / _Fatal saying why not."""
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+        async with http.slots:
+            self.metrics["num_requests"] += 1
+            self._num_inflight += 1
+            self.metrics["peak_inflight_requests"] = max(
+                self.metrics["peak_inflight_requests"], self._num_inflight
+            )
+            try:
+                async with http.session.post(
+                    self.url, data=body, headers=self._headers, timeout=timeout
+                ) as response:
+                    text = await response.text(errors="replace")
+                    status, headers = response.status, response.headers
+            except TimeoutError:
+                raise _Retryable(f"no answer within timeout_s={self.config.timeout_s}") from None
+            except aiohttp.ClientError as e:
+                raise _Retryable(f"{type(e).__name__}: {e}") from None
+            finally:
+                self._num_inflight -= 1
+        if status != 200:
+            message = f"HTTP {status}: {_error_message(text)}"
+            if status in RETRY_STATUSES:
+                raise _Retryable(message, _retry_after_s(headers))
+            raise _Fatal(message)
+        try:
+            payload = json.loads(text)
+            choices = payload.get("choices") if isinstance(payload, dict) else None
+            if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+                raise ValueError("no 'choices' list of objects")
+        except ValueError as e:
+            raise _Fatal(
+                f"HTTP 200 with a body that is not a chat completion ({e}): "
+                f"{text[:_ERROR_BODY_CHARS]!r}"
+            ) from None
+        return payload
+
+    def _backoff_s(self, attempt: int, retry_after_s: float | None) -> float:
+        if retry_after_s is not None:
+            return min(retry_after_s, self.config.max_backoff_s)
+        delay = min(self.config.backoff_s * 2 ** (attempt - 1), self.config.max_backoff_s)
+        # Jitter: samples that failed together (a 429 burst) do not all come back together.
+        return delay * random.uniform(0.5, 1.0)
+
+    async def _judge_one(self, sample: Sample) -> Verdict:
+        """The verdict of one sample; never raises (except cancellation)."""
+        try:
+            messages = self.template.render_messages(sample)
+        except Exception as e:
+            return error_verdict(sample.id, f"template: {e}", reward=self.default_reward)
+        body = json.dumps(self._body(messages)).encode()
+        http = self._http()
+        retry_after_s: float | None = None
+        cause = "no try made"
+        for attempt in range(self.config.max_retries + 1):
+            if attempt:
+                self.metrics["num_retries"] += 1
+                await asyncio.sleep(self._backoff_s(attempt, retry_after_s))
+            try:
+                payload = await self._post_once(http, body)
+                return self._verdict(sample, payload)
+            except _Retryable as e:
+                cause, retry_after_s = str(e), e.retry_after_s
+                self._failure_log.record(sample.id, f"try {attempt + 1}: {cause}")
+            except _Fatal as e:
+                cause = str(e)
+                self._failure_log.record(sample.id, cause)
+                break
+        else:
+            cause += f" (after {self.config.max_retries + 1} tries)"
+        return error_verdict(sample.id, f"judge at {self.url}: {cause}", reward=self.default_reward)
+
+    def _verdict(self, sample: Sample, payload: dict[str, Any]) -> Verdict:
+        choices = sorted(payload["choices"], key=lambda c: c.get("index", 0))
+        if len(choices) < self.votes:
+            raise _Fatal(
+                f"{len(choices)} choices for n={self.votes}: the server may not support n; "
+                "use votes=1"
+            )
+        votes: list[Vote] = []
+        for choice in choices[: self.votes]:
+            text = _content(choice)
+            vote = parse_vote(text, self.parser, choice.get("finish_reason"))
+            self.metrics["num_votes"] += 1
+            if vote.status == "unparsable":
+                self.metrics["num_unparsable_votes"] += 1
+                self._unparsable_log.record(sample.id, text)
+            votes.append(vote)
+        verdict = build_verdict(
+            sample.id, votes, how=self.aggregate, default_reward=self.default_reward
+        )
+        usage = payload.get("usage") or {}
+        # As GenRM counts its load: every vote reads the prompt.
+        prompt_tokens = _count(usage.get("prompt_tokens")) * self.votes
+        self.metrics["num_prompt_tokens"] += prompt_tokens
+        return dataclasses.replace(
+            verdict,
+            num_judge_prompt_tokens=prompt_tokens,
+            num_judge_response_tokens=_count(usage.get("completion_tokens")),
+        )
+
+    # -- the scorer interface ------------------------------------------------------------------
+    async def _judge_batch(self, items: list[Item]) -> None:
+        async def judge(item: Item) -> None:
+            item.resolve(await self._judge_one(item.sample))
+
+        await asyncio.gather(*(judge(item) for item in items))
+
+    def score(self, samples: Sequence[Sample]) -> list[Verdict]:
+        """Blocking verdicts in order, `max_concurrency` requests at a time.
+
+        Runs on its own thread and event loop, so it works inside a running loop too."""
+
+        async def run() -> list[Verdict]:
+            return list(await asyncio.gather(*(self._judge_one(s) for s in samples)))
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            verdicts = pool.submit(asyncio.run, run()).result()
+        for verdict in verdicts:
+            self._record(verdict)
+        return verdicts
+
+    def check_endpoint(self) -> None:
+        """Fail fast at setup: ValueError unless GET {base_url}/models answers within timeout_s
+        (with the key) and lists `model`. A run never calls this itself."""
+
+        async def run() -> tuple[int, str]:
+            timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as session,
+                session.get(models_url, headers=self._headers) as response,
+            ):
+                return response.status, await response.text(errors="replace")
+
+        models_url = self.config.base_url.rstrip("/") + "/models"
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                status, text = pool.submit(asyncio.run, run()).result()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise ValueError(
+                f"judge endpoint {models_url} cannot be reached ({type(e).__name__}: {e}); "
+                "is the server up, and base_url its API root (e.g. http://host:8000/v1)?"
+            ) from None
+        if status != 200:
+            hint = ""
+            if status in (401, 403):
+                hint = (
+                    "; no key was sent: set api_key_env"
+                    if self.config.api_key_env is None
+                    else f"; check the key in ${self.config.api_key_env}"
+                )
+            raise ValueError(
+                f"judge endpoint {models_url} answered HTTP {status}: {_error_message(text)}{hint}"
+            )
+        try:
+            served = [m["id"] for m in json.loads(text)["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(
+                f"judge endpoint {models_url} did not answer a model list: {text[:_ERROR_BODY_CHARS]!r}"
+            ) from None
+        if self.config.model not in served:
+            raise ValueError(
+                f"OpenAIJudgeConfig.model={self.config.model!r} is not served at "
+                f"{self.config.base_url}; it serves {served[:10]}"
+            )
+
+    async def aclose(self) -> None:
+        """Cancel in-flight requests (their samples get error verdicts) and close this loop's
+        session."""
+        await super().aclose()
+        http = self._http_by_loop.get(asyncio.get_running_loop())
+        if http is not None and http.closer is not None:
+            http.closer.cancel()
+            await asyncio.gather(http.closer, return_exceptions=True)
+
+
+def _content(choice: Any) -> str:
+    """The text of a choice's message ("" when the judge wrote none, e.g. cut while thinking)."""
+    message = choice.get("message") if isinstance(choice, dict) else None
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, list):  # content parts: [{"type": "text", "text": ...}]
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and value >= 0 else 0
+
+
+def _error_message(text: str) -> str:
+    """The server's error message: OpenAI's {"error": {"message"}}, vLLM's {"message"}, or
+    the body's start."""
+    try:
+        payload = json.loads(text)
+    except ValueError:
+        return text[:_ERROR_BODY_CHARS]
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"][:_ERROR_BODY_CHARS]
+        for message in (error, payload.get("message"), payload.get("detail")):
+            if isinstance(message, str):
+                return message[:_ERROR_BODY_CHARS]
+    return text[:_ERROR_BODY_CHARS]
+
+
+def _retry_after_s(headers: Mapping[str, str]) -> float | None:
+    """The wait a server asks for: `retry-after-ms`, or `Retry-After` in seconds or as a date;
+    None when it asks for none (or writes something unreadable)."""
+    seconds = _finite(headers.get("retry-after-ms"))
+    if seconds is not None:
+        return max(seconds / 1000, 0.0)
+    value = headers.get("Retry-After")
+    seconds = _finite(value)
+    if seconds is not None or value is None:
+        return None if seconds is None else max(seconds, 0.0)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(when.timestamp() - time.time(), 0.0)
+
+
+def _finite(value: str | None) -> float | None:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None

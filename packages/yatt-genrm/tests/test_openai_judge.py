@@ -1,0 +1,435 @@
+NUM_GPUS = 0
+
+import asyncio
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from yatt.genrm import (
+    CombinedRM,
+    JudgeTemplate,
+    OpenAIJudge,
+    OpenAIJudgeConfig,
+    RewardFunction,
+    Sample,
+    ScoreStats,
+    YesNoParser,
+    score_as_completed,
+)
+from yatt.rollout import SamplingParams
+
+pytestmark = pytest.mark.timeout(30)
+
+KEY = "sk-test-0123456789abcdef"
+
+
+def _yes_if_four(user_text: str, vote: int) -> str:
+    return "Yes" if re.search(r"R=(\S*)", user_text).group(1) == "4" else "No"
+
+
+@dataclass
+class FakeOpenAIServer:
+    """/v1/chat/completions on 127.0.0.1, on its own thread and event loop.
+
+    `actions` are taken one per request, in arrival order (then "ok"): "ok", "garbage" (200
+    with a body that is not JSON), ("status", code, headers). Every answer is delayed by
+    `delay_s`, one whose user message holds "SLOW" by `slow_s`; choices are
+    `judge(user message, choice index)`."""
+
+    judge: Callable[[str, int], str] = _yes_if_four
+    delay_s: float = 0.0
+    slow_s: float = 2.0
+    finish_reason: str = "stop"
+    num_choices: int | None = None  # None: as many as n asks for
+    models_key: str | None = None  # the key /v1/models wants; None: open
+    actions: list[Any] = field(default_factory=list)
+    requests: list[dict[str, Any]] = field(default_factory=list)  # body, headers, time
+    num_active: int = 0
+    peak_active: int = 0
+
+    def start(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.port = asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    async def _start(self) -> int:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        app.router.add_get("/v1/models", self._models)
+        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        wanted = None if self.models_key is None else f"Bearer {self.models_key}"
+        if wanted is not None and request.headers.get("Authorization") != wanted:
+            return web.json_response({"error": {"message": "bad key"}}, status=401)
+        return web.json_response({"object": "list", "data": [{"id": "judge-7b"}]})
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append({"body": body, "headers": dict(request.headers), "t": time.time()})
+        action = self.actions.pop(0) if self.actions else "ok"
+        self.num_active += 1
+        self.peak_active = max(self.peak_active, self.num_active)
+        try:
+            await asyncio.sleep(self.delay_s)
+            if "SLOW" in body["messages"][-1]["content"]:
+                await asyncio.sleep(self.slow_s)
+            if isinstance(action, tuple) and action[0] == "status":
+                _, status, headers = action
+                error = {"error": {"message": f"fake error {status}", "type": "fake"}}
+                return web.json_response(error, status=status, headers=headers)
+            if action == "garbage":
+                return web.Response(text="<html>proxy error</html>", content_type="text/html")
+        finally:
+            self.num_active -= 1
+        user = body["messages"][-1]["content"]
+        choices = [
+            {
+                "index": k,
+                "message": {"role": "assistant", "content": self.judge(user, k)},
+                "finish_reason": self.finish_reason,
+            }
+            for k in range(self.num_choices or body.get("n", 1))
+        ]
+        usage = {"prompt_tokens": len(user), "completion_tokens": 2 * len(choices)}
+        return web.json_response(
+            {"id": "x", "object": "chat.completion", "choices": choices, "usage": usage}
+        )
+
+
+@pytest.fixture
+def server():
+    fake = FakeOpenAIServer()
+    fake.start()
+    yield fake
+    fake.stop()
+
+
+def _judge(base_url: str, *, votes: int = 1, sampling=None, **config) -> OpenAIJudge:
+    config = {"backoff_s": 0.01, "max_backoff_s": 0.05, "timeout_s": 5.0, **config}
+    return OpenAIJudge(
+        OpenAIJudgeConfig(base_url=base_url, model="judge-7b", **config),
+        template=JudgeTemplate(user="Q={prompt} R={response}", system="Grade strictly."),
+        parser=YesNoParser(),
+        votes=votes,
+        sampling=sampling,
+    )
+
+
+def _samples(responses: list[str]) -> list[Sample]:
+    return [Sample(prompt=f"q{i}", response=r, reference="4") for i, r in enumerate(responses)]
+
+
+def test_score_sends_the_rendered_chat_and_parses_verdicts(server, monkeypatch) -> None:
+    monkeypatch.setenv("YATT_TEST_JUDGE_KEY", KEY)
+    judge = _judge(server.base_url, api_key_env="YATT_TEST_JUDGE_KEY")
+    verdicts = judge.score(_samples(["4", "5"]))
+    assert [(v.status, v.reward, v.text) for v in verdicts] == [
+        ("ok", 1.0, "Yes"),
+        ("ok", -1.0, "No"),
+    ]
+    first = next(r for r in server.requests if "R=4" in r["body"]["messages"][1]["content"])
+    assert first["body"] == {
+        "model": "judge-7b",
+        "messages": [
+            {"role": "system", "content": "Grade strictly."},
+            {"role": "user", "content": "Q=q0 R=4"},
+        ],
+        "max_tokens": 512,
+        "temperature": 0.0,
+    }
+    assert first["headers"]["Authorization"] == f"Bearer {KEY}"
+    assert KEY not in repr(judge)
+    # The judge's load, as GenRM counts it: the server's usage.
+    assert verdicts[0].num_judge_prompt_tokens == len("Q=q0 R=4")
+    assert verdicts[0].num_judge_response_tokens == 2
+
+
+def test_votes_ask_for_n_choices_and_aggregate(server) -> None:
+    server.judge = lambda user, k: "No" if k == 1 else "Yes"
+    sampling = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=8, seed=3)
+    judge = _judge(server.base_url, votes=3, sampling=sampling, extra_body={"min_p": 0.1})
+    (verdict,) = judge.score(_samples(["4"]))
+    assert verdict.reward == pytest.approx(1 / 3)
+    assert [vote.reward for vote in verdict.votes] == [1.0, -1.0, 1.0]
+    body = server.requests[0]["body"]
+    assert (body["n"], body["temperature"], body["top_p"], body["max_tokens"]) == (3, 0.7, 0.9, 8)
+    assert (body["seed"], body["min_p"]) == (3, 0.1)
+    assert verdict.num_judge_prompt_tokens == 3 * len("Q=q0 R=4")
+
+
+def test_concurrency_is_bounded(server) -> None:
+    server.delay_s = 0.05
+    judge = _judge(server.base_url, max_concurrency=3)
+    start = time.perf_counter()
+    verdicts = judge.score(_samples(["4"] * 12))
+    elapsed = time.perf_counter() - start
+    assert [v.status for v in verdicts] == ["ok"] * 12
+    assert server.peak_active == 3 and judge.metrics["peak_inflight_requests"] == 3
+    assert elapsed >= 4 * 0.05  # 12 requests, 3 at a time
+
+
+def test_timeout_is_retried_then_an_error_verdict(server) -> None:
+    # Every try of the SLOW sample hangs; the other sample is unaffected.
+    judge = _judge(server.base_url, timeout_s=0.2, max_retries=1, max_concurrency=1)
+    start = time.perf_counter()
+    slow, fast = judge.score(_samples(["SLOW", "4"]))
+    assert time.perf_counter() - start < 1.0  # two timeouts and a fast answer
+    assert slow.status == "error"
+    assert slow.error.endswith("no answer within timeout_s=0.2 (after 2 tries)")
+    assert fast.status == "ok"
+    assert len(server.requests) == 3 and judge.metrics["num_retries"] == 1
+
+
+@pytest.mark.parametrize("status", [500, 503, 429, 408])
+def test_transient_statuses_are_retried(server, status) -> None:
+    server.actions = [("status", status, {}), ("status", status, {})]
+    judge = _judge(server.base_url, max_retries=2)
+    (verdict,) = judge.score(_samples(["4"]))
+    assert (verdict.status, verdict.reward) == ("ok", 1.0)
+    assert len(server.requests) == 3 and judge.metrics["num_retries"] == 2
+
+
+def test_retry_after_is_honoured(server) -> None:
+    server.actions = [
+        ("status", 429, {"Retry-After": "0.4"}),
+        ("status", 429, {"retry-after-ms": "200"}),
+    ]
+    judge = _judge(server.base_url, backoff_s=0.01, max_backoff_s=1.0)
+    (verdict,) = judge.score(_samples(["4"]))
+    assert verdict.status == "ok"
+    t0, t1, t2 = (r["t"] for r in server.requests)
+    assert t1 - t0 >= 0.4 and t2 - t1 >= 0.2
+    assert t2 - t0 < 1.5
+
+
+def test_retry_after_is_capped_by_max_backoff(server) -> None:
+    server.actions = [("status", 503, {"Retry-After": "3600"})]
+    judge = _judge(server.base_url, max_backoff_s=0.1)
+    start = time.perf_counter()
+    (verdict,) = judge.score(_samples(["4"]))
+    assert verdict.status == "ok" and time.perf_counter() - start < 1.0
+
+
+def test_exhausted_retries_and_client_errors_are_error_verdicts(server, caplog) -> None:
+    server.actions = [("status", 500, {})] * 3
+    judge = _judge(server.base_url, max_retries=2)
+    with caplog.at_level(logging.WARNING, logger="yatt.genrm"):
+        (verdict,) = judge.score(_samples(["4"]))
+    assert verdict.status == "error" and verdict.reward == 0.0
+    assert "HTTP 500: fake error 500 (after 3 tries)" in verdict.error
+    assert "fake error 500" in caplog.text
+
+    # A 4xx is our request's fault: sent once, its message kept.
+    server.requests.clear()
+    server.actions = [("status", 400, {})]
+    (verdict,) = judge.score(_samples(["4"]))
+    assert verdict.status == "error" and verdict.error.endswith("HTTP 400: fake error 400")
+    assert len(server.requests) == 1
+
+
+def test_key_is_never_logged_nor_in_errors(server, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("YATT_TEST_JUDGE_KEY", KEY)
+    server.actions = [("status", 401, {}), "garbage"]
+    judge = _judge(server.base_url, api_key_env="YATT_TEST_JUDGE_KEY")
+    with caplog.at_level(logging.DEBUG):
+        verdicts = judge.score(_samples(["4", "4"]))
+    assert all(v.status == "error" for v in verdicts)
+    errors = " ".join(v.error for v in verdicts)
+    assert "HTTP 401" in errors and "not a chat completion" in errors
+    assert KEY not in errors and KEY not in caplog.text
+
+
+def test_garbage_and_short_answers_are_error_verdicts_without_retries(server) -> None:
+    server.actions = ["garbage"]
+    judge = _judge(server.base_url)
+    (verdict,) = judge.score(_samples(["4"]))
+    assert "HTTP 200 with a body that is not a chat completion" in verdict.error
+    assert "proxy error" in verdict.error and len(server.requests) == 1
+
+    # A server that ignores n answers one choice for three votes.
+    server.num_choices = 1
+    ignoring_n = _judge(server.base_url, votes=3, sampling=SamplingParams(temperature=1.0))
+    (verdict,) = ignoring_n.score(_samples(["4"]))
+    assert verdict.status == "error" and "1 choices for n=3" in verdict.error
+
+
+def test_unreachable_server_is_an_error_in_bounded_time() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    judge = _judge(f"http://127.0.0.1:{port}/v1", max_retries=2)
+    start = time.perf_counter()
+    (verdict,) = judge.score(_samples(["4"]))
+    assert verdict.status == "error" and "ClientConnectorError" in verdict.error
+    assert time.perf_counter() - start < 2.0
+
+
+def test_unparsable_verdict_says_the_judge_was_cut(server) -> None:
+    server.judge = lambda user, k: "Let me think step by step about"
+    server.finish_reason = "length"
+    (verdict,) = _judge(server.base_url).score(_samples(["4"]))
+    assert verdict.status == "unparsable"
+    assert ScoreStats.from_verdicts([verdict]).first_unparsable.endswith(
+        "(cut at the judge's max_new_tokens)"
+    )
+
+
+def test_template_error_fails_only_its_sample(server) -> None:
+    judge = OpenAIJudge(
+        OpenAIJudgeConfig(base_url=server.base_url, model="m"),
+        template=JudgeTemplate(user="R={response} ref={reference}"),
+        parser=YesNoParser(),
+    )
+    ok, missing = judge.score(
+        [Sample(prompt="q", response="4", reference="4"), Sample(prompt="q", response="4")]
+    )
+    assert ok.status == "ok"
+    assert missing.status == "error" and "{reference}" in missing.error
+    assert len(server.requests) == 1
+
+
+async def _stream(responses: list[str]):
+    for response in responses:
+        yield response
+        await asyncio.sleep(0.001)
+
+
+def test_streaming_beside_a_reward_function_over_two_event_loops(server) -> None:
+    """score_as_completed with CombinedRM(OpenAIJudge, reward function), one asyncio.run per
+    round as the trainer does: the same verdicts as score(), and each loop's session closed."""
+    server.delay_s = 0.01
+    judge = _judge(server.base_url, max_concurrency=4)
+    is_short = RewardFunction(lambda prompt, response, reference, row: float(len(response) < 2))
+    combined = CombinedRM(judge, [(is_short, 0.5)])
+    responses = ["4", "5", "44", "4"] * 4
+    expected = [
+        v.reward for v in combined.score([Sample(prompt="q", response=r) for r in responses])
+    ]
+
+    def to_sample(response: str) -> Sample:
+        return Sample(prompt="q", response=response)
+
+    for _ in range(2):
+        scored = asyncio.run(score_as_completed(_stream(responses), combined, to_sample))
+        assert [v.reward for v in scored.verdicts] == expected
+        assert scored.stats.num_ok == len(responses)
+        assert judge._http_by_loop == {}  # closed with its loop
+    assert expected[:3] == [1.5, -0.5, -1.0]
+    assert server.peak_active <= 4
+
+
+def test_streaming_reaches_max_concurrency_when_samples_trickle_in(server) -> None:
+    """Samples submitted one at a time are each their own batch: the batcher's cap on batches
+    in flight (16 by default) must not hold requests back below max_concurrency."""
+    server.delay_s = 0.4
+    judge = _judge(server.base_url, max_concurrency=30)
+
+    async def main():
+        scored = await score_as_completed(_stream(["4"] * 30), judge, lambda r: _samples([r])[0])
+        await judge.aclose()
+        return scored
+
+    scored = asyncio.run(main())
+    assert scored.stats.num_ok == 30
+    arrivals = [r["t"] for r in server.requests]
+    # All 30 were sent before the first answer came back (each takes 0.4 s).
+    assert max(arrivals) - min(arrivals) < 0.3
+    assert server.peak_active == 30
+
+
+def test_check_endpoint_fails_fast_with_the_cause(server, monkeypatch) -> None:
+    monkeypatch.setenv("YATT_TEST_JUDGE_KEY", KEY)
+    server.models_key = KEY
+    _judge(server.base_url, api_key_env="YATT_TEST_JUDGE_KEY").check_endpoint()
+    with pytest.raises(ValueError, match="HTTP 401: bad key; no key was sent: set api_key_env"):
+        _judge(server.base_url).check_endpoint()
+    monkeypatch.setenv("YATT_TEST_JUDGE_KEY", "sk-wrong")
+    with pytest.raises(ValueError, match=r"bad key; check the key in \$YATT_TEST_JUDGE_KEY"):
+        _judge(server.base_url, api_key_env="YATT_TEST_JUDGE_KEY").check_endpoint()
+    server.models_key = None
+    wrong_model = OpenAIJudge(
+        OpenAIJudgeConfig(base_url=server.base_url, model="judge-70b"),
+        template=JudgeTemplate(user="{response}"),
+        parser=YesNoParser(),
+    )
+    with pytest.raises(ValueError, match=r"model='judge-70b' is not served.*\['judge-7b'\]"):
+        wrong_model.check_endpoint()
+    with pytest.raises(ValueError, match="cannot be reached"):
+        _judge("http://127.0.0.1:1/v1", timeout_s=1.0).check_endpoint()
+
+
+def test_aclose_ends_in_flight_requests(server) -> None:
+    server.delay_s = 5.0
+    judge = _judge(server.base_url)
+
+    async def main():
+        task = asyncio.create_task(judge.ascore(_samples(["4", "5"])))
+        await asyncio.sleep(0.2)
+        await judge.aclose()
+        return await asyncio.wait_for(task, 2.0)
+
+    verdicts = asyncio.run(main())
+    assert [v.status for v in verdicts] == ["error", "error"]
+    assert judge._http_by_loop == {}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"base_url": "localhost:8000/v1"}, "must start with http"),
+        ({"base_url": "http://h/v1/chat/completions"}, r"give the API root \('http://h/v1'\)"),
+        ({"model": ""}, "model=''"),
+        ({"max_concurrency": 0}, "max_concurrency=0"),
+        ({"max_retries": -1}, "max_retries=-1"),
+        ({"timeout_s": 0}, "timeout_s=0"),
+        ({"backoff_s": 2.0, "max_backoff_s": 1.0}, "backoff_s <= max_backoff_s"),
+        ({"extra_body": {"temperature": 1.0, "n": 2}}, r"sets \['n', 'temperature'\]"),
+        ({"api_key_env": "YATT_TEST_UNSET_KEY_VAR"}, "'YATT_TEST_UNSET_KEY_VAR': that environment"),
+    ],
+    ids=[
+        "scheme",
+        "full_path",
+        "model",
+        "concurrency",
+        "retries",
+        "timeout",
+        "backoff",
+        "extra",
+        "key",
+    ],
+)
+def test_bad_configuration_is_rejected_up_front(kwargs, match, monkeypatch) -> None:
+    monkeypatch.delenv("YATT_TEST_UNSET_KEY_VAR", raising=False)
+    config = {"base_url": "http://127.0.0.1:1/v1", "model": "m", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        OpenAIJudge(
+            OpenAIJudgeConfig(**config),
+            template=JudgeTemplate(user="{response}"),
+            parser=YesNoParser(),
+        )
+
+
+def test_greedy_votes_are_rejected() -> None:
+    with pytest.raises(ValueError, match="greedy votes are identical"):
+        _judge("http://127.0.0.1:1/v1", votes=2, sampling=SamplingParams(temperature=0.0))
