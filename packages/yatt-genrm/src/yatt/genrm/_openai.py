@@ -92,10 +92,10 @@ class OpenAIJudgeConfig:
             raise ValueError(
                 f"OpenAIJudgeConfig.model={self.model!r}: the served model's name is needed"
             )
-        for name in ("max_concurrency",):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"OpenAIJudgeConfig.{name}={value!r}: must be an int >= 1")
+        if not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
+            raise ValueError(
+                f"OpenAIJudgeConfig.max_concurrency={self.max_concurrency!r}: must be an int >= 1"
+            )
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ValueError(
                 f"OpenAIJudgeConfig.max_retries={self.max_retries!r}: must be an int >= 0"
