@@ -41,7 +41,11 @@ class _Checked:
 
 
 class CombinedRM(StreamingScorer):
-    """A judge (GenRM, GenRMClient, OpenAIJudge, or None for rules only) combined with rules."""
+    """A judge (GenRM, GenRMClient, OpenAIJudge, or None for rules only) combined with rules.
+
+    `rules` are (verifier, weight) pairs; names must be unique. `default_reward` (default: the
+    judge's) is the reward when no rule could score a sample and there is no judge, and of a
+    verdict made when scoring failed outright."""
 
     def __init__(
         self,
