@@ -43,9 +43,10 @@ async def score_as_completed(
 ) -> ScoredCompletions:
     """(completions in arrival order, their verdicts in the same order), with `.stats`.
 
-    `scorer` is a GenRM, CombinedRM or GenRMClient (anything with submit/finish/results);
-    `to_sample(completion)` turns a completion into the text the judge reads. Sample ids are
-    replaced by the arrival index, so verdicts pair with completions whatever ids you chose.
+    `scorer` is a GenRM, OpenAIJudge, RewardFunction, CombinedRM or GenRMClient (anything with
+    submit/finish/results); `to_sample(completion)` turns a completion into the text the judge
+    reads. Sample ids are replaced by the arrival index, so verdicts pair with completions
+    whatever ids you chose.
     """
     arrived: list[Any] = []
     verdicts: dict[str, Verdict] = {}
