@@ -1,7 +1,8 @@
 """Where a decode step of the built-in engine spends its time (used by bench/rollout_gpu.py).
 
 `profile_decode(engine, with_kernels=...)` times one graph replay per attention span and, with
-kernels, groups the CUDA kernels of a full-span step (graph replay and eager) by kind.
+kernels, groups the CUDA kernels of a full-span step (graph replay and eager) by kind. The steps
+run through the engine's public diagnostics (`attention_spans`, `run_decode_steps`).
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 import re
 
 import torch
-
-from yatt.rollout._batcher import _Flags
 
 KERNEL_GROUPS = [  # first match wins; names of cuBLAS/cutlass/SDPA/ATen kernels
     ("attention", re.compile(r"fmha|attention|flash|cutlassF|efficient", re.I)),
@@ -52,34 +51,29 @@ def profile_decode(engine, *, with_kernels: bool) -> dict:
     """
     from torch.profiler import ProfilerActivity, profile
 
-    runner, out = engine._runner, {}
-    if not runner.use_cuda_graph:
+    out = {}
+    config = engine.config
+    if not (config.use_cuda_graph and torch.device(config.device).type == "cuda"):
         return out
-    key = next(iter(runner._graphs))[:2]
     by_span = out["graph_step_ms_by_span"] = {}
-    for span in runner.spans:
-        graph = runner._graphs[(*key, span)]
-        graph.replay()
+    for span in engine.attention_spans:
+        engine.run_decode_steps(span=span, num_steps=1)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(20):
-            graph.replay()
+        engine.run_decode_steps(span=span, num_steps=20)
         end.record()
         end.synchronize()
         by_span[span] = round(start.elapsed_time(end) / 20, 4)
     if not with_kernels:
         return out
-    span = runner.spans[-1]
+    span = engine.attention_spans[-1]
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     with profile(activities=acts) as prof:
-        for _ in range(5):
-            runner._graphs[(*key, span)].replay()
+        engine.run_decode_steps(span=span, num_steps=5)
         torch.cuda.synchronize()
     out["graph_profile_full_span"] = _kernel_table(prof, 5)
-    flags = _Flags(is_greedy=key[0], is_truncated=key[1])
-    with torch.no_grad(), profile(activities=acts) as prof:
-        for _ in range(3):
-            runner._decode_step(flags, span)
+    with profile(activities=acts) as prof:
+        engine.run_decode_steps(span=span, num_steps=3, use_graph=False)
         torch.cuda.synchronize()
     out["eager_profile_full_span"] = _kernel_table(prof, 3)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30), flush=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from yatt.rollout import BuiltinEngine, SamplingParams
+from yatt.rollout.builtin import sample_tokens
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _decode_profile import profile_decode
@@ -96,7 +97,7 @@ def _bench_engine(batch: int) -> dict:
         "yatt_total_s": total_s,
         "yatt_prefill_s": prefill_s,
         "yatt_decode_step_ms": (total_s - prefill_s) / (RUN.new_tokens - 1) * 1e3,
-        "kv_cache_bytes": engine._cache.num_bytes,
+        "kv_cache_bytes": engine.kv_cache_bytes,
         "mean_span_fraction": _mean_span_fraction(engine),
     }
     try:
@@ -115,8 +116,7 @@ def _bench_engine(batch: int) -> dict:
 
 def _mean_span_fraction(engine) -> float:
     """Mean attended span / max_seq_len over the forced run, as the engine picks spans."""
-    runner = engine._runner
-    k, L, spans = runner.steps_per_sync, runner.cache.max_seq_len, runner.spans
+    k, L, spans = engine.config.steps_per_sync, engine.config.max_seq_len, engine.attention_spans
     chosen = []
     for pos in range(RUN.prompt_len, RUN.prompt_len + RUN.new_tokens - 1, k):
         chosen.append(next(s for s in spans if s >= min(pos + k, L)))
@@ -124,8 +124,6 @@ def _mean_span_fraction(engine) -> float:
 
 
 def _time_sampling(logits) -> float:
-    from yatt.rollout._sampling import sample_tokens
-
     S = logits.shape[0]
     kw = dict(
         temperature_S=torch.ones(S, device=RUN.device),

@@ -16,7 +16,7 @@ from yatt.rollout import (
     SamplingParams,
     map_names,
 )
-from yatt.rollout._batcher import span_buckets
+from yatt.rollout.builtin._batcher import span_buckets
 from yatt.testing import make_tiny_causal_lm
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [40, 41, 42, 43], [50, 51]]
@@ -110,7 +110,7 @@ def test_attention_span_grows_with_the_sequences(tiny_model_dir, monkeypatch):
     # time (a span too short would hide keys and change the logprobs), and never read all 512.
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     engine = BuiltinEngine(model, config=EngineConfig(max_batch_size=2, max_seq_len=512))
-    assert engine._runner.spans == [64, 128, 256, 512]
+    assert engine.attention_spans == [64, 128, 256, 512]
     spans = []
     runner = engine._runner
     original = runner.run_decode_step
@@ -123,6 +123,26 @@ def test_attention_span_grows_with_the_sequences(tiny_model_dir, monkeypatch):
         expected = _forward_logprobs(model, c.prompt_ids, c.response_ids)
         torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
     assert set(spans) == {64, 128}, sorted(set(spans))
+    engine.close()
+
+
+def test_decode_steps_run_outside_a_call_change_no_later_sample(tiny_model_dir):
+    # The diagnostics bench/rollout_gpu.py times and profiles the decode step with.
+    config = EngineConfig(max_batch_size=2, max_seq_len=128)
+    engine = BuiltinEngine(tiny_model_dir, config=config)
+    with pytest.raises(RuntimeError, match="call generate first"):
+        engine.run_decode_steps(span=64, num_steps=1)
+    sampling = SamplingParams(n=2, max_new_tokens=12, ignore_eos=True, seed=3)
+    before = engine.generate(_requests(), sampling)
+    with pytest.raises(ValueError, match="attention_spans"):
+        engine.run_decode_steps(span=65, num_steps=1)
+    for span in engine.attention_spans:
+        engine.run_decode_steps(span=span, num_steps=3, use_graph=False)
+    assert engine.generate(_requests(), sampling) == before
+    text = engine.model.config.get_text_config()
+    head_dim = text.hidden_size // text.num_attention_heads
+    per_layer = 2 * config.max_batch_size * text.num_key_value_heads * 128 * head_dim * 4
+    assert engine.kv_cache_bytes == text.num_hidden_layers * per_layer  # keys + values, float32
     engine.close()
 
 

@@ -10,7 +10,7 @@ import torch
 
 from yatt.placement import MemorySplit, Plan, TrainerRole, is_paused, resident_bytes
 from yatt.rollout import BuiltinEngine, EngineConfig, Request, SamplingParams
-from yatt.rollout._kv_budget import slots_for_fraction
+from yatt.rollout.builtin._kv_budget import slots_for_fraction
 from yatt.testing import make_tiny_causal_lm
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [40, 41, 42, 43], [50, 51]]

@@ -3,13 +3,9 @@ NUM_GPUS = 0
 import pytest
 import torch
 
-from yatt.rollout._sampling import (
-    _block_size,
-    derive_key,
-    inverse_cdf,
-    sample_tokens,
-    uniform_from_counter,
-)
+from yatt.rollout._keys import derive_key
+from yatt.rollout.builtin import sample_tokens
+from yatt.rollout.builtin._sampling import _block_size, inverse_cdf, uniform_from_counter
 
 
 def _sample(logits_V, num_draws, *, temperature=1.0, top_p=1.0, top_k=0, greedy=False):

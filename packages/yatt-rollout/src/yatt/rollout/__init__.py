@@ -1,8 +1,9 @@
 """Rollout engines for RL post-training: the protocol, a built-in engine, vLLM and SGLang
-adapters (imported lazily: `import yatt.rollout` needs neither), and weight sync."""
+adapters (imported lazily: `import yatt.rollout` needs neither), and weight sync.
 
-from yatt.rollout._config import EngineConfig
-from yatt.rollout._engine import BuiltinEngine
+The built-in engine's modules live in `yatt.rollout.builtin`; its two public names are here too.
+"""
+
 from yatt.rollout._sglang import SGLangConfig, SGLangEngine
 from yatt.rollout._types import (
     DEFAULT_BUCKET_BYTES,
@@ -15,6 +16,7 @@ from yatt.rollout._types import (
 from yatt.rollout._version import __version__
 from yatt.rollout._vllm import VLLMConfig, VLLMEngine
 from yatt.rollout._weights import NameMapper, iter_buckets, map_names
+from yatt.rollout.builtin import BuiltinEngine, EngineConfig
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

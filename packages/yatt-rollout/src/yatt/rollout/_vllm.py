@@ -29,8 +29,8 @@ import torch
 
 from yatt.rollout._adapter import ThreadedAdapter
 from yatt.rollout._engine_deps import require_engine
+from yatt.rollout._keys import derive_key
 from yatt.rollout._requests import request_id_of
-from yatt.rollout._sampling import derive_key
 from yatt.rollout._types import (
     DEFAULT_BUCKET_BYTES,
     Completion,

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from yatt.rollout._sampling import sample_tokens
-from yatt.rollout._static_kv import DecodeWrite, PrefillWrite, StaticKVCache, writing_kv
 from yatt.rollout._types import Request, SamplingParams
+from yatt.rollout.builtin._sampling import sample_tokens
+from yatt.rollout.builtin._static_kv import DecodeWrite, PrefillWrite, StaticKVCache, writing_kv
 
 MAX_STOP_TOKENS = 32
 MIN_SPAN = 64  # smallest attention bucket; below this a step is bound by launches, not reads
@@ -77,9 +77,6 @@ class Flags:
         return (self.is_greedy, self.is_truncated)
 
 
-_Flags = Flags  # the name bench/_decode_profile.py imports
-
-
 class SlotRunner:
     """Owns the per-slot state and the device steps over it (a SlotLoop drives it)."""
 
@@ -117,6 +114,7 @@ class SlotRunner:
         self.slot_ids_S = torch.arange(S, device=device)
         self.arange_L = torch.arange(L, device=device)
         self.spans = span_buckets(L)
+        self.last_flags: Flags | None = None  # of the last call begun (what a profile replays)
         self.reset_state()
         self._graphs: dict[tuple[bool, bool, int], torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
@@ -232,8 +230,9 @@ class SlotRunner:
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 
-    def run_decode_step(self, flags: Flags, span: int) -> None:
-        if not self.use_cuda_graph:
+    def run_decode_step(self, flags: Flags, span: int, *, use_graph: bool = True) -> None:
+        """One decode step: the captured graph's replay, or eager without graphs (or asked)."""
+        if not (use_graph and self.use_cuda_graph):
             self._decode_step(flags, span)
             return
         self._graphs[(*flags.as_key(), span)].replay()
@@ -319,6 +318,7 @@ class SlotRunner:
         self.active_S.zero_()
         if self.use_cuda_graph:
             self._capture_all(flags)
+        self.last_flags = flags
         return flags
 
     def read_slots(self) -> tuple[list[int], list[int], list[int]]:

@@ -26,15 +26,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from yatt.placement import is_paused, pause, region, resume
-from yatt.rollout._batcher import CAPTURE_LOCK, SlotRunner, WorkItem
-from yatt.rollout._config import EngineConfig
-from yatt.rollout._device import EngineDevice
-from yatt.rollout._host_loop import Call, SlotLoop
-from yatt.rollout._joining import CallScheduler
-from yatt.rollout._kv_budget import KVLayout, check_memory_fraction, slots_for_fraction
+from yatt.rollout._keys import derive_key
 from yatt.rollout._requests import max_new_tokens_of, request_id_of, validate_requests
-from yatt.rollout._sampling import derive_key
-from yatt.rollout._static_kv import ATTN_IMPLEMENTATION, StaticKVCache, register_attention
 from yatt.rollout._streaming import stream_from_thread
 from yatt.rollout._types import DEFAULT_BUCKET_BYTES, Completion, Request, SamplingParams
 from yatt.rollout._weights import (
@@ -43,6 +36,13 @@ from yatt.rollout._weights import (
     move_into_current_region,
     named_targets,
 )
+from yatt.rollout.builtin._batcher import CAPTURE_LOCK, SlotRunner, WorkItem
+from yatt.rollout.builtin._config import EngineConfig
+from yatt.rollout.builtin._device import EngineDevice
+from yatt.rollout.builtin._host_loop import Call, SlotLoop
+from yatt.rollout.builtin._joining import CallScheduler
+from yatt.rollout.builtin._kv_budget import KVLayout, check_memory_fraction, slots_for_fraction
+from yatt.rollout.builtin._static_kv import ATTN_IMPLEMENTATION, StaticKVCache, register_attention
 
 logger = logging.getLogger(__name__)
 
@@ -318,6 +318,46 @@ class BuiltinEngine:
             return weights
         layout = self._kv_layout
         return weights + layout.fixed_bytes + self.num_slots * layout.slot_bytes
+
+    # -- diagnostics (timing and profiling the decode step) ---------------------------------------
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache's keys and values as allocated now (awake or not)."""
+        return self._cache.num_bytes
+
+    @property
+    def attention_spans(self) -> list[int]:
+        """Cache positions a decode step may attend to, one CUDA graph each.
+
+        At each host check the engine picks the smallest span that holds the longest running
+        sequence for the next `steps_per_sync` steps, so short sequences read less of the cache.
+        """
+        return list(self._runner.spans)
+
+    def run_decode_steps(self, *, span: int, num_steps: int, use_graph: bool = True) -> None:
+        """Run `num_steps` decode steps attending to `span` positions, outside any call.
+
+        For timing and profiling the step (bench/rollout_gpu.py does both): every slot computes
+        what a running one would (fixed shapes), idle slots write only where no call reads, and
+        the sampling configuration is the last call's. `use_graph` replays its captured graphs
+        (when the engine captures them: EngineConfig.use_cuda_graph on CUDA), else it runs eagerly.
+        The work is queued on the engine's stream and ordered before the caller's later work,
+        so CUDA events recorded on the caller's stream around this call time it.
+        """
+        self._check_open()
+        if span not in self._runner.spans:
+            raise ValueError(f"span={span}: use one of engine.attention_spans {self._runner.spans}")
+        with self._scheduler.exclusive():
+            self._check_awake()
+            flags = self._runner.last_flags
+            if flags is None:
+                raise RuntimeError(
+                    "run_decode_steps replays the last call's decode step; call generate first"
+                )
+            with self._dev.scope():
+                for _ in range(num_steps):
+                    self._runner.run_decode_step(flags, span, use_graph=use_graph)
 
     def _resize_kv_cache_if_asked(self) -> bool:
         """Re-allocate the (awake) KV cache when its size is not the target; under the lock."""

@@ -1,10 +1,10 @@
 """Token sampling on the device, with counter-based randomness and no host syncs.
 
-Each sampled slot carries a 31-bit `key` derived from (seed, request_index, sample_index) and a
-`counter` (tokens generated so far). The uniform number for a draw is a hash of (key, counter),
-so a sample's tokens do not depend on which slot it ran in, which other requests shared its
-batch, or how many steps ran between host checks; and the whole step stays capturable in a CUDA
-graph (torch.Generator objects per row would not be).
+Each sampled slot carries a 31-bit `key` derived from (seed, request_index, sample_index) (see
+yatt/rollout/_keys.py) and a `counter` (tokens generated so far). The uniform number for a draw
+is a hash of (key, counter), so a sample's tokens do not depend on which slot it ran in, which
+other requests shared its batch, or how many steps ran between host checks; and the whole step
+stays capturable in a CUDA graph (torch.Generator objects per row would not be).
 
 Shapes: S = slots, V = vocabulary. All tensors live on the model's device.
 """
@@ -15,33 +15,12 @@ import math
 
 import torch
 
-_MASK31 = (1 << 31) - 1
-_MUL = 0x045D9F3B  # < 2**27, so (31-bit value) * _MUL never overflows int64
-_GOLDEN = 0x1E3779B9
-
-
-def _mix31(x):
-    """A 31-bit integer hash (a variant of the well-known 0x45d9f3b mixer).
-
-    Works on Python ints and on int64 tensors alike, so the host derives keys with the same
-    function the device uses for draws.
-    """
-    x = ((x ^ (x >> 16)) * _MUL) & _MASK31
-    x = ((x ^ (x >> 16)) * _MUL) & _MASK31
-    return x ^ (x >> 16)
-
-
-def derive_key(seed: int, request_index: int, sample_index: int) -> int:
-    """The random key of one sample: a function of its identity, not of its slot."""
-    key = _mix31((seed & _MASK31) ^ _GOLDEN)
-    key = _mix31(key ^ ((seed >> 31) & _MASK31))
-    key = _mix31((key + request_index) & _MASK31)
-    return _mix31((key ^ _mix31(sample_index & _MASK31)) & _MASK31)
+from yatt.rollout._keys import GOLDEN, MASK31, mix31
 
 
 def uniform_from_counter(key_S: torch.Tensor, counter_S: torch.Tensor) -> torch.Tensor:
     """One float32 uniform in (0, 1) per slot; the 23-bit grid plus 0.5 is exact in float32."""
-    h_S = _mix31((key_S ^ _mix31((counter_S + _GOLDEN) & _MASK31)) & _MASK31)
+    h_S = mix31((key_S ^ mix31((counter_S + GOLDEN) & MASK31)) & MASK31)
     return ((h_S >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 

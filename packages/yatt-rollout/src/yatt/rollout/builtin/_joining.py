@@ -26,8 +26,8 @@ from collections.abc import Callable, Hashable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 
-from yatt.rollout._batcher import WorkItem
-from yatt.rollout._host_loop import Call, SlotLoop
+from yatt.rollout.builtin._batcher import WorkItem
+from yatt.rollout.builtin._host_loop import Call, SlotLoop
 
 # (after_caller) -> the context every driving thread enters (device, stream, no_grad)
 Scope = Callable[..., AbstractContextManager]

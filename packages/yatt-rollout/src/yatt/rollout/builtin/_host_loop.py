@@ -18,8 +18,8 @@ from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from yatt.rollout._batcher import Flags, SlotRunner, WorkItem
 from yatt.rollout._types import Completion, FinishReason
+from yatt.rollout.builtin._batcher import Flags, SlotRunner, WorkItem
 
 Emit = Callable[[Completion], None]
 

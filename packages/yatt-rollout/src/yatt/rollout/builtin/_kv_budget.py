@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from yatt.rollout._batcher import MAX_STOP_TOKENS
+from yatt.rollout.builtin._batcher import MAX_STOP_TOKENS
 
 # Per-slot scalars of the slot runner: seven int64, two float32, one bool; plus one int64 row
 # base per KV head in the cache's index table (counted in KVLayout.slot_bytes).
