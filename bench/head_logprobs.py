@@ -29,8 +29,7 @@ def measure(variant: str, device: str, tokens: int, layers: int) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from yatt.core import compute_token_logprobs
-    from yatt.core._head_logprobs import logprobs_in_head
+    from yatt.core import compute_token_logprobs, logprobs_in_head
 
     config = Qwen2Config(**(QWEN25_05B | {"num_hidden_layers": layers}))
     torch.manual_seed(0)

@@ -100,3 +100,33 @@ def test_imports_follow_the_dependency_table(pkg):
                         f"{source.relative_to(ROOT)} imports {mod} but {pkg.name} "
                         f"does not depend on yatt-{parts[1]}"
                     )
+
+
+def _private_yatt_imports(source: Path) -> list[str]:
+    """`yatt` modules or names under a leading underscore that `source` imports."""
+    found = []
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Import):
+            modules, names = [a.name for a in node.names], []
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules, names = [node.module], [a.name for a in node.names]
+        else:
+            continue
+        for module in modules:
+            parts = module.split(".")
+            if parts[0] != "yatt":
+                continue
+            private = [p for p in parts[1:] if p.startswith("_")]
+            private += [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private:
+                found.append(f"{source.relative_to(ROOT)}:{node.lineno} imports {module} {private}")
+    return found
+
+
+def test_bench_and_examples_import_public_names_only():
+    # What users fork and read must show the packages' public API, so a private module can be
+    # renamed or moved without breaking them.
+    sources = [*(ROOT / "bench").rglob("*.py"), *(ROOT / "examples").rglob("*.py")]
+    assert sources
+    private = [line for source in sources for line in _private_yatt_imports(source)]
+    assert not private, "\n".join(private)

@@ -7,6 +7,7 @@ from yatt.core._advantages import compute_grpo_advantages, mask_groups_with_rewa
 from yatt.core._backends import broadcast_to_tp_peers, build_policy, policy_config_from_dict
 from yatt.core._batch import Batch
 from yatt.core._config import config_from_dict, describe_config
+from yatt.core._head_logprobs import logprobs_in_head, supports_head_logprobs
 from yatt.core._loader import ROW_INDEX_KEY, ShardedLoader
 from yatt.core._logits import compute_entropy, compute_token_logprobs
 from yatt.core._losses import (
@@ -54,6 +55,7 @@ __all__ = [
     "count_units",
     "describe_config",
     "init_runtime",
+    "logprobs_in_head",
     "mask_groups_with_reward_variance",
     "policy_config_from_dict",
     "reduce_metrics",
@@ -62,4 +64,5 @@ __all__ = [
     "sample_dynamically",
     "set_seed",
     "sum_over_units",
+    "supports_head_logprobs",
 ]
