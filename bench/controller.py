@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -151,34 +149,14 @@ def worker(mode: str, data: str, prompts_per_rank: int, steps: int, out: str) ->
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(mode: str, world: int, data: Path, args: argparse.Namespace) -> dict:
+    from yatt.testing import run_ranks  # here: the workers need not import it
+
     with tempfile.TemporaryDirectory() as out:
-        port = _free_port()
-        procs = []
-        for rank in range(world):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                OMP_NUM_THREADS="1",
-                CUDA_VISIBLE_DEVICES="",
-                MALLOC_MMAP_THRESHOLD_="65536",
-            )
-            cmd = [sys.executable, __file__, "--worker", mode, str(data), out]
-            cmd += ["--prompts-per-rank", str(args.prompts_per_rank), "--steps", str(args.steps)]
-            procs.append(subprocess.Popen(cmd, env=env))
-        for rank, proc in enumerate(procs):
-            if proc.wait(timeout=600) != 0:
-                raise RuntimeError(f"{mode} at {world} ranks: rank {rank} failed")
+        cmd = [sys.executable, __file__, "--worker", mode, str(data), out]
+        cmd += ["--prompts-per-rank", str(args.prompts_per_rank), "--steps", str(args.steps)]
+        env = {"CUDA_VISIBLE_DEVICES": "", "MALLOC_MMAP_THRESHOLD_": "65536"}
+        run_ranks(cmd, world, env=env, timeout_s=600)  # fails with each failed rank's output
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
     # The first step pays one-time costs (page cache, allocator growth); report the others.
     step_times = [max(r["times"][s] for r in ranks) for s in range(1, args.steps)]

@@ -2,8 +2,15 @@
 
 NUM_GPUS = 2
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+from yatt.testing import run_ranks
+
+WORKER = Path(__file__).with_name("dist_worker.py")
 
 pytestmark = [
     pytest.mark.cuda,
@@ -11,7 +18,7 @@ pytestmark = [
 ]
 
 
-def test_rebalance_restore_round_trip_nccl(run_ranks):
+def test_rebalance_restore_round_trip_nccl():
     # Same checks as the gloo test, with payload tensors on cuda:rank (and one CPU tensor,
     # which must come back on the CPU) travelling GPU to GPU.
-    run_ranks(2, "nccl")
+    run_ranks([sys.executable, str(WORKER), "--backend", "nccl"], 2)

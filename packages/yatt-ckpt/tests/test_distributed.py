@@ -3,9 +3,6 @@
 NUM_GPUS = 0
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,35 +11,16 @@ import torch
 from torch import nn
 
 from yatt.ckpt import Checkpointer
+from yatt.testing import run_ranks
 
 WORKER = Path(__file__).with_name("_dist_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("writer", ["thread", "process"])
 def test_two_ranks_save_one_rank_loads(tmp_path, writer):
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(root), str(out), writer],
-            env=dict(env, RANK=str(rank)),
-        )
-        for rank in range(2)
-    ]
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert codes == [0, 0]
+    run_ranks([sys.executable, str(WORKER), str(root), str(out), writer], 2, timeout_s=240)
 
     # Rank 1 alone received SIGUSR1; both ranks must agree to save step 3 and stop.
     for rank in range(2):
@@ -76,21 +54,5 @@ def test_two_ranks_save_one_rank_loads(tmp_path, writer):
 
 
 def test_per_rank_keyed_state_saves_and_loads_on_the_same_ranks(tmp_path):
-    env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     worker = Path(__file__).with_name("_rank_keyed_worker.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(worker), str(tmp_path / "ckpt")],
-            env=dict(env, RANK=str(rank)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=120)[0].decode() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outs
+    run_ranks([sys.executable, str(worker), str(tmp_path / "ckpt")], 2)

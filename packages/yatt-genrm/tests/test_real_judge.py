@@ -2,7 +2,6 @@ NUM_GPUS = 0
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from yatt.genrm import (
     verification_template,
 )
 from yatt.rollout import BuiltinEngine, EngineConfig, SamplingParams
-from yatt.testing import make_tiny_causal_lm
+from yatt.testing import free_port, make_tiny_causal_lm
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -129,14 +128,8 @@ def test_votes_on_a_real_judge_sample_distinct_streams(engine) -> None:
     assert genrm.metrics["num_votes"] == 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_cli_on_loopback(judge_dir) -> None:
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "yatt.genrm.serve", "--model", str(judge_dir),
         "--port", str(port), "--max-new-tokens", "4", "--max-seq-len", "1024",

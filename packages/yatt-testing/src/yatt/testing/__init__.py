@@ -1,4 +1,4 @@
-"""Shared test helpers for the yatt packages: tiny local models and tokenizers."""
+"""Shared test helpers for the yatt packages: tiny local models and tokenizers, rank launchers."""
 
 from yatt.testing._ranks import free_port, run_ranks
 from yatt.testing._tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, make_tiny_causal_lm, make_tokenizer
