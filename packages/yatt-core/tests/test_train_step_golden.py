@@ -1,0 +1,62 @@
+"""TorchPolicy's train step still gives the outputs recorded before the shared skeleton
+(tests/golden/train_step.json, written by _train_step_golden.py): bit for bit on the machine
+kind and library versions it was recorded with, within float tolerance on other CPU kernels."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+NUM_GPUS = 0
+
+_spec = importlib.util.spec_from_file_location(
+    "_train_step_golden", Path(__file__).with_name("_train_step_golden.py")
+)
+golden = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(golden)
+
+
+def _differences(got, want, path: str, *, is_exact: bool) -> list[str]:
+    if isinstance(want, dict):
+        if set(got) != set(want):
+            return [f"{path}: keys {sorted(got)} != {sorted(want)}"]
+        return [
+            d
+            for key in want
+            for d in _differences(got[key], want[key], f"{path}.{key}", is_exact=is_exact)
+        ]
+    if isinstance(want, list):
+        if len(got) != len(want):
+            return [f"{path}: {len(got)} items != {len(want)}"]
+        return [
+            d
+            for i, (g, w) in enumerate(zip(got, want, strict=True))
+            for d in _differences(g, w, f"{path}[{i}]", is_exact=is_exact)
+        ]
+    if isinstance(want, float):
+        if math.isnan(want) and isinstance(got, float) and math.isnan(got):
+            return []
+        is_equal = got == want if is_exact else got == pytest.approx(want, rel=1e-4, abs=1e-6)
+        return [] if is_equal else [f"{path}: {got!r} != {want!r}"]
+    if path.endswith("_sha") or "_sha[" in path:
+        # Hashes of float tensors: only meaningful where the kernels are the recorded ones.
+        return [] if not is_exact or got == want else [f"{path}: hash differs"]
+    return [] if got == want else [f"{path}: {got!r} != {want!r}"]
+
+
+@pytest.mark.slow
+def test_train_step_gives_the_recorded_outputs(tmp_path):
+    want = json.loads(golden.GOLDEN.read_text())
+    recorded = want.pop("fingerprint")
+    here = golden.fingerprint()
+    versions = ("torch", "transformers")
+    if any(here[key] != recorded[key] for key in versions):
+        # Another torch or transformers initialises the tiny model differently: no comparison.
+        pytest.skip(f"golden recorded with {recorded}, running {here}; see _train_step_golden.py")
+    model_dir = golden.make_model(tmp_path / "model")
+    got = golden.compute_record(model_dir, tmp_path / "out")
+    is_exact = here["cpu_capability"] == recorded["cpu_capability"]
+    differences = _differences(got, want, "record", is_exact=is_exact)
+    assert not differences, "\n".join(differences[:20])
