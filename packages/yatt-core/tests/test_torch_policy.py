@@ -93,7 +93,7 @@ def test_micro_batches_cap_padded_tokens(tiny_model_dir):
     lengths = (60, 4, 5, 6, 4, 5, 7, 6, 5, 4, 6, 5)
     policy = TorchPolicy(_config(tiny_model_dir, max_tokens_per_microbatch=64))
     batch = _batch(lengths)
-    bins = policy._plan_micro_batches(batch)
+    bins = policy.plan_micro_batches(batch)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     for index in bins:
         assert len(index) * max(lengths[i] for i in index) <= 64, index

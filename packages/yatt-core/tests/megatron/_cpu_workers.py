@@ -191,7 +191,9 @@ def policy_vs_torch(model_dir: str) -> dict:
         with torch.no_grad():
             for path in (True, False):
                 policy._is_head_logprobs = path
-                by_path[path] = policy._forward(batch.to(policy.device), needs_entropy=True)
+                by_path[path] = policy.forward_micro_batch(
+                    batch.to(policy.device), needs_entropy=True, is_training=False
+                )
         policy._is_head_logprobs = is_head
         losses = [policy.train_step(batch, loss_fn)["loss"] for _ in range(3)]
         # No loss tokens anywhere (DAPO dropped every group): a skipped step, weights untouched

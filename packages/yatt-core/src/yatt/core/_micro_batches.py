@@ -1,6 +1,25 @@
-"""Micro-batch shapes: what a padded [rows, longest row] batch costs in memory."""
+"""Micro-batches of a policy's batch: packed by cost, bounded in padded size, counted alike.
+
+    bins = pack(costs, max_tokens=cap, lengths=lengths)      yatt.balance: cost-balanced bins
+    bins = split_padded(bins, lengths, cap)                  rows x longest row <= cap
+    with a count group: repeat with min_bins = the ranks' largest count until all agree;
+                        a rank still short runs empty bins (zero-loss dummies)
+
+The costs are the policy's own (`estimate_costs`), the same that cross-rank balancing uses, so
+a sample weighs the same in both.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from yatt.balance import pack
+
+# Rounds of re-packing to agree on a micro-batch count before padding with dummies.
+_MAX_AGREEMENT_ROUNDS = 8
 
 
 def split_padded(bins: list[list[int]], lengths: list[int], cap: int) -> list[list[int]]:
@@ -24,3 +43,57 @@ def split_padded(bins: list[list[int]], lengths: list[int], cap: int) -> list[li
             part.append(i)
         out.append(part)
     return out
+
+
+def check_context(lengths: Sequence[int], max_context_tokens: int | None) -> None:
+    """Raise ValueError when a sample is longer than the model's context."""
+    if max_context_tokens is not None and lengths and max(lengths) > max_context_tokens:
+        raise ValueError(
+            f"a sample has {max(lengths)} tokens, over the model's context of "
+            f"{max_context_tokens}; lower the rollout's max_new_tokens or the loader's "
+            "max_prompt_tokens"
+        )
+
+
+def plan_micro_batches(
+    costs: Sequence[float],
+    lengths: list[int],
+    *,
+    max_tokens: int,
+    count_group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+) -> list[list[int]]:
+    """Bins of sample indices, each at most `max_tokens` padded tokens (a longer sample alone).
+
+    count_group: ranks that must run the same number of micro-batches (FSDP2 all-gathers in
+    every forward, so a rank with fewer would leave the others waiting); collective over it.
+    Empty bins are then dummies to run with zero loss. None: this rank's count alone.
+    device: where the count's all-reduce runs under NCCL (CPU under gloo).
+    """
+    bins = _pack_padded(costs, lengths, max_tokens)
+    if count_group is None or dist.get_world_size(count_group) == 1:
+        return bins
+    for _ in range(_MAX_AGREEMENT_ROUNDS):
+        # Both reductions run on every rank every round (they are collectives).
+        target = _all_reduce_max(len(bins), count_group, device)
+        smallest = -_all_reduce_max(-len(bins), count_group, device)
+        if smallest == target:
+            return bins
+        bins = _pack_padded(costs, lengths, max_tokens, min_bins=target)
+    # Splits can overshoot the agreed count: the short ranks run zero-loss dummies.
+    target = _all_reduce_max(len(bins), count_group, device)
+    return bins + [[] for _ in range(target - len(bins))]
+
+
+def _pack_padded(
+    costs: Sequence[float], lengths: list[int], cap: int, min_bins: int | None = None
+) -> list[list[int]]:
+    bins = pack(costs, max_tokens=cap, lengths=lengths, min_bins=min_bins, allow_oversize=True)
+    return split_padded(bins, lengths, cap)
+
+
+def _all_reduce_max(value: int, group: dist.ProcessGroup, device: torch.device | None) -> int:
+    on_device = dist.get_backend(group) == "nccl" and device is not None
+    t = torch.tensor([value], dtype=torch.int64, device=device if on_device else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())  # host sync: the count decides the loop

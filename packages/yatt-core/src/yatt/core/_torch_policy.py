@@ -1,18 +1,14 @@
 """`TorchPolicy`: a Hugging Face causal LM under DDP or FSDP2, as a policy backend.
 
-One train_step, on every data-parallel rank:
+The train step and the logprobs pass are yatt.core._train_step's, shared with MegatronPolicy;
+this module gives them their hooks:
 
-    units = all_reduce(loss units of this rank)            scalars only cross ranks
-    bins  = pack(lengths, max_tokens) with the same count on every rank
-    for bin in bins:                                       grad sync on the last one only
-        logits -> logprobs(/ temperature) -> loss_fn -> (loss_sum * dp / units).backward()
-        (the head computes the logprobs chunk by chunk: see _head_logprobs)
-    norm = clip_grad_norm()                                global: same on every rank
-    optimizer.step() unless norm or loss is not finite     then every rank skips together
-
-Dividing each micro-batch's loss sum by the global unit count (and multiplying by the dp size,
-which DDP and FSDP average away) makes the step's gradient equal to the gradient of the mean
-loss over the concatenated global batch, whatever the split.
+    plan_micro_batches     pack by cost (same count on every DP rank: FSDP2 all-gathers)
+    forward_micro_batch    logits -> logprobs(/ temperature), in the head chunk by chunk
+                           (see _head_logprobs); through DDP when training
+    grad_sync              DDP no_sync / FSDP2 requires_gradient_sync: reduce in the last only
+    reduce_and_clip_grads  clip_grad_norm_ (global under DDP and FSDP2)
+    step_optimizer         AdamW at the step's learning rate
 """
 
 from __future__ import annotations
@@ -26,14 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from yatt.balance import flops_cost, pack
+from yatt.balance import flops_cost
 from yatt.core._batch import Batch
 from yatt.core._head_logprobs import logprobs_in_head, supports_head_logprobs
 from yatt.core._logits import compute_entropy, compute_token_logprobs
-from yatt.core._metrics import reduce_metrics
-from yatt.core._micro_batches import split_padded
+from yatt.core._micro_batches import check_context, plan_micro_batches
 from yatt.core._policy import DTYPES, LossFn, TorchPolicyConfig
 from yatt.core._runtime import Runtime
+from yatt.core._train_step import StepCounts, compute_logprobs, run_train_step
 from yatt.placement import TrainerRole, is_offloaded
 
 logger = logging.getLogger("yatt.core")
@@ -106,8 +102,7 @@ class TorchPolicy:
                 weight_decay=config.weight_decay,
             )
         self._role = TrainerRole(model, self.optimizer)
-        self.num_steps = 0
-        self.num_skipped_steps = 0
+        self._counts = StepCounts()
 
     def _shard(self, model: torch.nn.Module, runtime: Runtime) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -148,7 +143,11 @@ class TorchPolicy:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self._compute_dtype)
 
-    # -- micro-batches -------------------------------------------------------------------------
+    # -- the train-step skeleton's hooks (yatt.core._train_step.StepBackend) ------------------
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self._dp_group
 
     def _costs(self, lengths: list[int]) -> Any:
         c = self._model_config
@@ -166,56 +165,27 @@ class TorchPolicy:
         except (AttributeError, ValueError):
             return lengths
 
-    def _plan_micro_batches(self, batch: Batch) -> list[list[int]]:
-        """Bins of sample indices, the same number on every data-parallel rank.
+    def plan_micro_batches(self, batch: Batch) -> list[list[int]]:
+        """Bins of sample indices, the same number on every data-parallel rank (collective).
 
         FSDP2 all-gathers in every forward, so a rank with fewer micro-batches would leave the
         others waiting; empty bins become zero-loss dummy micro-batches instead.
         """
         lengths = batch.lengths.tolist()
-        too_long = self.max_context_tokens
-        if too_long is not None and lengths and max(lengths) > too_long:
-            raise ValueError(
-                f"a sample has {max(lengths)} tokens, over the model's context of {too_long}; "
-                "lower the rollout's max_new_tokens or the loader's max_prompt_tokens"
-            )
-        costs = self._costs(lengths)
-        cap = self.config.max_tokens_per_microbatch
-        bins = pack(costs, max_tokens=cap, lengths=lengths, allow_oversize=True)
-        bins = split_padded(bins, lengths, cap)
-        for _ in range(8):
-            # Both reductions run on every rank every round (they are collectives).
-            target = self._all_reduce_max(len(bins))
-            smallest = -self._all_reduce_max(-len(bins))
-            if smallest == target:
-                return bins
-            bins = pack(
-                costs, max_tokens=cap, lengths=lengths, min_bins=target, allow_oversize=True
-            )
-            bins = split_padded(bins, lengths, cap)
-        # Splits can overshoot the agreed count: the short ranks run zero-loss dummies.
-        target = self._all_reduce_max(len(bins))
-        return bins + [[] for _ in range(target - len(bins))]
+        check_context(lengths, self.max_context_tokens)
+        return plan_micro_batches(
+            self._costs(lengths),
+            lengths,
+            max_tokens=self.config.max_tokens_per_microbatch,
+            count_group=self._dp_group if self.dp_size > 1 else None,
+            device=self.device,
+        )
 
-    def _all_reduce_max(self, value: int) -> int:
-        if self.dp_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self._collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._dp_group)
-        return int(t.item())  # host sync: the count decides the loop
-
-    def _collective_device(self) -> torch.device:
-        backend = dist.get_backend(self._dp_group) if dist.is_initialized() else "gloo"
-        return self.device if backend == "nccl" else torch.device("cpu")
-
-    def _micro_batch(self, batch: Batch, index: list[int]) -> tuple[Batch, bool]:
-        if index:
-            return batch.select(index).to(self.device, non_blocking=True), False
-        return _dummy_like(batch).to(self.device), True
-
-    def _forward(
-        self, mb: Batch, *, needs_entropy: bool, model: torch.nn.Module
+    def forward_micro_batch(
+        self, mb: Batch, *, needs_entropy: bool, is_training: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Training runs through the DDP wrapper (its backward reduces gradients).
+        model = self._ddp if is_training and self._ddp is not None else self.module
         temperature = self.config.temperature
         inputs = dict(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])
         if self._is_head_logprobs:
@@ -231,101 +201,7 @@ class TorchPolicy:
         entropy_BT = compute_entropy(logits_BTV, temperature=temperature) if needs_entropy else None
         return logprobs_BT, entropy_BT
 
-    # -- the protocol --------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def logprobs(self, batch: Batch) -> torch.Tensor:
-        """[B, T] float32 logprobs of every input token (0 at t = 0), on the batch's device.
-
-        Collective under FSDP2 (every rank must call it, even with an empty batch).
-        """
-        self._check_awake("logprobs")
-        self.module.eval()
-        out_BT = torch.zeros(
-            batch["input_ids"].shape, dtype=torch.float32, device=batch["input_ids"].device
-        )
-        for index in self._plan_micro_batches(batch):
-            mb, is_dummy = self._micro_batch(batch, index)
-            logprobs_BT, _ = self._forward(mb, needs_entropy=False, model=self.module)
-            if not is_dummy:
-                width = logprobs_BT.shape[1]
-                mask_BT = mb["attention_mask"].to(logprobs_BT.dtype)
-                out_BT[index, :width] = (logprobs_BT * mask_BT).to(out_BT.device)
-        return out_BT
-
-    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over this rank's batch; see the module docstring. Collective.
-
-        Returns globally reduced metrics: "loss" (mean over units), each loss metric averaged
-        over loss tokens, "grad_norm", "lr", "num_micro_batches", "is_skipped".
-        """
-        if self.optimizer is None:
-            raise RuntimeError("train_step on a reference policy (is_reference=True)")
-        self._check_awake("train_step")
-        self.module.train()
-        model = self._ddp if self._ddp is not None else self.module
-        needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-        local_units = float(loss_fn.count_units(batch))
-        local_tokens = float(batch["loss_mask"].sum()) if "loss_mask" in batch else 0.0
-        totals = reduce_metrics(
-            {"units": local_units, "tokens": local_tokens}, group=self._dp_group, default_op="sum"
-        )
-        if totals["units"] == 0:
-            # Legit in DAPO: every group solved (zero reward variance) was dropped on every rank.
-            logger.warning("train_step: the global batch has no response tokens; step skipped")
-            self.num_skipped_steps += 1
-            lr = float(self.optimizer.param_groups[0]["lr"])
-            return {"loss": 0.0, "grad_norm": 0.0, "lr": lr, "num_micro_batches": 0.0} | {
-                "num_loss_tokens": 0.0,
-                "is_skipped": 1.0,
-            }
-        scale = self.dp_size / totals["units"]
-        bins = self._plan_micro_batches(batch)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        metric_sums: dict[str, torch.Tensor] = {}
-        for i, index in enumerate(bins):
-            mb, is_dummy = self._micro_batch(batch, index)
-            with self._grad_sync(is_last=i == len(bins) - 1):
-                logprobs_BT, entropy_BT = self._forward(
-                    mb, needs_entropy=needs_entropy, model=model
-                )
-                mb_loss, mb_metrics = loss_fn(mb, logprobs_BT, entropy_BT)
-                if is_dummy:
-                    # Keeps this rank in the collectives without touching the gradient.
-                    mb_loss = mb_loss * 0.0
-                (mb_loss * scale).backward()
-            loss_sum += mb_loss.detach().to(torch.float64)
-            for key, value in mb_metrics.items():
-                # Dummies add 0 but still add the key: every rank must report the same keys.
-                value = value.detach().to(torch.float64) * (0.0 if is_dummy else 1.0)
-                metric_sums[key] = metric_sums.get(key, 0.0) + value
-        grad_norm = self._clip_grad_norm()
-        local = {"loss": loss_sum, **metric_sums}
-        sums = reduce_metrics(local, group=self._dp_group, default_op="sum")
-        loss = sums.pop("loss") / totals["units"]
-        is_finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if is_finite:
-            self.optimizer.step()
-        else:
-            # Every rank sees the same global loss and norm, so every rank skips together.
-            self.num_skipped_steps += 1
-            logger.warning(
-                "train_step: skipped the optimizer step (loss=%s, grad_norm=%s)", loss, grad_norm
-            )
-        self.optimizer.zero_grad(set_to_none=True)
-        self.num_steps += 1
-        metrics = {key: value / max(totals["tokens"], 1.0) for key, value in sums.items()}
-        metrics.update(
-            loss=loss,
-            grad_norm=grad_norm,
-            lr=float(self.optimizer.param_groups[0]["lr"]),
-            num_micro_batches=float(len(bins)),
-            num_loss_tokens=totals["tokens"],
-            is_skipped=float(not is_finite),
-        )
-        return metrics
-
-    def _grad_sync(self, *, is_last: bool) -> contextlib.AbstractContextManager:
+    def grad_sync(self, *, is_last: bool) -> contextlib.AbstractContextManager:
         # Gradients are reduced across ranks once, in the last micro-batch's backward.
         if self._ddp is not None and not is_last:
             return self._ddp.no_sync()
@@ -333,13 +209,62 @@ class TorchPolicy:
             self.module.set_requires_gradient_sync(is_last)
         return contextlib.nullcontext()
 
-    def _clip_grad_norm(self) -> float:
+    def zero_grad(self) -> None:
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)  # frees the gradients until the next step
+
+    def reduce_and_clip_grads(self, max_norm: float | None) -> tuple[float, bool]:
+        # DDP and FSDP2 reduced the gradients in the last backward; this clips them.
         params = [p for p in self.module.parameters() if p.grad is not None]
-        max_norm = self.config.grad_clip if self.config.grad_clip is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, math.inf if max_norm is None else max_norm)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()  # FSDP2: a sharded norm; this completes the reduction
-        return float(norm)  # host sync: the skip decision needs it
+        return float(norm), False  # host sync: the skip decision needs it
+
+    def step_optimizer(self, lr: float) -> None:
+        assert self.optimizer is not None
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    # -- the protocol --------------------------------------------------------------------------
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """[B, T] float32 logprobs of every input token (0 at t = 0), on the batch's device.
+
+        Collective under DDP and FSDP2 (every rank must call it, even with an empty batch).
+        """
+        self._check_awake("logprobs")
+        self.module.eval()
+        return compute_logprobs(self, batch)
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over this rank's batch (yatt.core._train_step); collective.
+
+        Returns globally reduced metrics: "loss" (mean over units), each loss metric averaged
+        over loss tokens, "grad_norm", "lr", "num_micro_batches", "num_loss_tokens",
+        "is_skipped".
+        """
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a reference policy (is_reference=True)")
+        self._check_awake("train_step")
+        self.module.train()
+        return run_train_step(
+            self,
+            batch,
+            loss_fn,
+            counts=self._counts,
+            lr=self.config.lr,
+            max_grad_norm=self.config.grad_clip,
+        )
+
+    @property
+    def num_steps(self) -> int:
+        return self._counts.num_steps
+
+    @property
+    def num_skipped_steps(self) -> int:
+        return self._counts.num_skipped_steps
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, full tensor) per parameter, one at a time.
@@ -385,12 +310,3 @@ class TorchPolicy:
             raise RuntimeError(
                 "TorchPolicy.train_step: the optimizer is offloaded; call wake_up() first"
             )
-
-
-def _dummy_like(batch: Batch) -> Batch:
-    """One sample of one token, zeros everywhere (so zero loss mask), shaped like `batch`."""
-    tokens = {k: v.new_zeros((1, 1, *v.shape[2:])) for k, v in batch.tokens.items()}
-    tokens["attention_mask"] = torch.ones_like(tokens["attention_mask"])
-    samples = {k: v.new_zeros((1, *v.shape[1:])) for k, v in batch.samples.items()}
-    meta = {k: [None] for k in batch.meta}
-    return Batch(tokens=tokens, samples=samples, meta=meta)

@@ -1,17 +1,17 @@
 """`MegatronPolicy`: a Megatron-Core GPT (tensor + data parallel) behind the policy protocol.
 
-One train_step, on every rank (TP ranks of one DP rank hold the same batch):
+The train step and the logprobs pass are yatt.core._train_step's, shared with TorchPolicy (TP
+ranks of one DP rank hold the same batch); this module gives them their hooks:
 
-    units = all_reduce(loss units over DP)                  scalars only cross ranks
-    bins  = pack(lengths, max_tokens)                       yatt.balance, cost-balanced
-    for bin in bins:                                        DDP grad sync deferred to finalize
-        output layer -> vocab-parallel logprobs -> loss_fn -> (loss * dp / units).backward()
-    finalize_model_grads                                    reduce-scatter grads over DP
-    prepare_grads, clip_grad_norm                           global norm (DP x TP)
-    step_with_ready_grads unless loss or norm not finite    then all-gather params over DP
+    plan_micro_batches     pack by cost; DP ranks may differ in count (no collective inside)
+    forward_micro_batch    output layer -> vocab-parallel logprobs (see _head_logprobs)
+    grad_sync              DDP no_sync: gradients wait for finalize_model_grads
+    reduce_and_clip_grads  finalize_model_grads (reduce-scatter over DP), prepare_grads,
+                           clip_grad_norm (global norm over DP x TP)
+    step_optimizer         step_with_ready_grads, then all-gather params over DP
 
-Same scaling as TorchPolicy: Megatron's DDP averages gradients over DP, so multiplying by
-dp / global units gives the gradient of the mean loss over the whole global batch.
+Megatron's DDP averages gradients over DP like torch's, so the skeleton's dp / global-units
+scale gives the gradient of the mean loss over the whole global batch here too.
 Pipeline parallelism is not implemented (pp = 1); see the package notes.
 """
 
@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from yatt.balance import pack
 from yatt.core._batch import Batch
-from yatt.core._metrics import reduce_metrics
-from yatt.core._micro_batches import split_padded
+from yatt.core._micro_batches import check_context, plan_micro_batches
 from yatt.core._policy import DTYPES, LossFn
 from yatt.core._runtime import Runtime
+from yatt.core._train_step import StepCounts, compute_logprobs, run_train_step
 from yatt.core.megatron._config import layout_from_hf_config, padded_vocab_size
 from yatt.core.megatron._head_logprobs import forward_logprobs, supports_output_layer_logprobs
 from yatt.core.megatron._parallel import _init_megatron_parallel, _require_cuda, _require_megatron
@@ -96,8 +94,7 @@ class MegatronPolicy:
         else:
             model, self.optimizer = self._wrap_for_training(model, gpt.config)
         self.model = model
-        self.num_steps = 0
-        self.num_skipped_steps = 0
+        self._counts = StepCounts()
         self._asleep: set[str] = set()
 
     def _wrap_for_training(self, model: torch.nn.Module, tf_config: Any) -> tuple[Any, Any]:
@@ -145,34 +142,24 @@ class MegatronPolicy:
     def max_context_tokens(self) -> int:
         return self.layout.max_position_embeddings
 
-    # -- forward -------------------------------------------------------------------------------
+    # -- the train-step skeleton's hooks (yatt.core._train_step.StepBackend) ------------------
 
-    def _forward(
-        self, mb: Batch, *, needs_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return forward_logprobs(
-            self.model,
-            self.gpt if self._is_head_logprobs else None,
-            mb["input_ids"],
-            pad_to=self.config.tp_size if self.config.sequence_parallel else 1,
-            needs_entropy=needs_entropy,
-            vocab_start=self._vocab_start,
-            vocab_size=self.layout.vocab_size,
-            temperature=self.config.temperature,
-            tp_group=self._tp_group,
-        )
+    @property
+    def dp_group(self) -> Any:
+        return self._dp_group
 
-    def _plan_micro_batches(self, batch: Batch) -> list[list[int]]:
+    def plan_micro_batches(self, batch: Batch) -> list[list[int]]:
+        """Bins of sample indices (padded [b, T] micro-batches bounded by b x T).
+
+        Megatron's DDP reduces gradients in finalize_model_grads, after the loop, so DP ranks
+        may run different numbers of micro-batches; TP peers run the same (same batch).
+        """
         lengths = batch.lengths.tolist()
-        if lengths and max(lengths) > self.max_context_tokens:
-            raise ValueError(
-                f"a sample has {max(lengths)} tokens, over the model's context of "
-                f"{self.max_context_tokens}; lower max_new_tokens or max_prompt_tokens"
-            )
+        check_context(lengths, self.max_context_tokens)
         self._check_tp_batch(batch)
-        # Padded [b, T] micro-batches: pack balances lengths, split_padded bounds b x T.
-        cap = self.config.max_tokens_per_microbatch
-        return split_padded(pack(lengths, max_tokens=cap, allow_oversize=True), lengths, cap)
+        return plan_micro_batches(
+            lengths, lengths, max_tokens=self.config.max_tokens_per_microbatch
+        )
 
     def _check_tp_batch(self, batch: Batch) -> None:
         """TP ranks must run the same micro-batches, or their collectives pair up wrongly and hang."""
@@ -187,95 +174,78 @@ class MegatronPolicy:
                 "tensor-parallel ranks got different batches; give every TP rank its DP rank's batch"
             )
 
-    # -- the protocol --------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def logprobs(self, batch: Batch) -> torch.Tensor:
-        """[B, T] float32 logprobs of every input token (0 at t = 0), on the batch's device."""
-        self._check_awake("logprobs", ("weights",))
-        self.model.eval()
-        ids = batch["input_ids"]
-        out_BT = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
-        for index in self._plan_micro_batches(batch):
-            mb = batch.select(index).to(self.device, non_blocking=True)
-            logprobs_BT, _ = self._forward(mb, needs_entropy=False)
-            mask_BT = mb["attention_mask"].to(logprobs_BT.dtype)
-            out_BT[index, : logprobs_BT.shape[1]] = (logprobs_BT * mask_BT).to(out_BT.device)
-        return out_BT
-
-    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step; returns DP-reduced metrics with TorchPolicy's keys. Collective."""
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
-        if self.optimizer is None:
-            raise RuntimeError("train_step on a reference policy (is_reference=True)")
-        self._check_awake("train_step", self.memory_tags)
-        self.model.train()
-        needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-        local_tokens = float(batch["loss_mask"].sum()) if "loss_mask" in batch else 0.0
-        totals = reduce_metrics(
-            {"units": float(loss_fn.count_units(batch)), "tokens": local_tokens},
-            group=self._dp_group,
-            default_op="sum",
+    def forward_micro_batch(
+        self, mb: Batch, *, needs_entropy: bool, is_training: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        del is_training  # the same wrapped model either way: DDP syncs in finalize only
+        return forward_logprobs(
+            self.model,
+            self.gpt if self._is_head_logprobs else None,
+            mb["input_ids"],
+            pad_to=self.config.tp_size if self.config.sequence_parallel else 1,
+            needs_entropy=needs_entropy,
+            vocab_start=self._vocab_start,
+            vocab_size=self.layout.vocab_size,
+            temperature=self.config.temperature,
+            tp_group=self._tp_group,
         )
-        if totals["units"] == 0:
-            # Legit in DAPO: every group solved (zero reward variance) was dropped on every rank.
-            logger.warning("train_step: the global batch has no response tokens; step skipped")
-            self.num_skipped_steps += 1
-            return {"loss": 0.0, "grad_norm": 0.0, "lr": float(self.config.lr)} | {
-                "num_micro_batches": 0.0,
-                "num_loss_tokens": 0.0,
-                "is_skipped": 1.0,
-            }
-        scale = self.dp_size / totals["units"]
+
+    def grad_sync(self, *, is_last: bool) -> contextlib.AbstractContextManager:
+        # With overlap_grad_reduce off, no_sync only defers the reduce to finalize_model_grads.
+        return contextlib.nullcontext() if is_last else self.model.no_sync()
+
+    def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        bins = self._plan_micro_batches(batch)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        metric_sums: dict[str, torch.Tensor] = {}
-        for i, index in enumerate(bins):
-            mb = batch.select(index).to(self.device, non_blocking=True)
-            sync = contextlib.nullcontext() if i == len(bins) - 1 else self.model.no_sync()
-            with sync:
-                logprobs_BT, entropy_BT = self._forward(mb, needs_entropy=needs_entropy)
-                mb_loss, mb_metrics = loss_fn(mb, logprobs_BT, entropy_BT)
-                (mb_loss * scale).backward()
-            loss_sum += mb_loss.detach().to(torch.float64)
-            for key, value in mb_metrics.items():
-                metric_sums[key] = metric_sums.get(key, 0.0) + value.detach().to(torch.float64)
-        finalize_model_grads([self.model])
+
+    def reduce_and_clip_grads(self, max_norm: float | None) -> tuple[float, bool]:
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        finalize_model_grads([self.model])  # reduce-scatter the gradients over DP
         inner = self._inner_optimizer
         found_inf = bool(inner.prepare_grads())
         # clip_grad_norm(0.0) would zero the gradients on megatron-core 0.16 (it clips
         # unconditionally), so the unclipped case only measures the norm.
-        if self.config.grad_clip is None:
-            grad_norm = float(inner.get_grad_norm())  # host sync
-        else:
-            grad_norm = float(inner.clip_grad_norm(self.config.grad_clip))  # host sync
-        sums = reduce_metrics(
-            {"loss": loss_sum, **metric_sums}, group=self._dp_group, default_op="sum"
+        if max_norm is None:
+            return float(inner.get_grad_norm()), found_inf  # host sync
+        return float(inner.clip_grad_norm(max_norm)), found_inf  # host sync
+
+    def step_optimizer(self, lr: float) -> None:
+        inner = self._inner_optimizer
+        for group in inner.param_groups:
+            group["lr"] = lr
+        inner.step_with_ready_grads()  # then all-gathers the updated params over DP
+
+    # -- the protocol --------------------------------------------------------------------------
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """[B, T] float32 logprobs of every input token (0 at t = 0), on the batch's device."""
+        self._check_awake("logprobs", ("weights",))
+        self.model.eval()
+        return compute_logprobs(self, batch)
+
+    def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step (yatt.core._train_step); TorchPolicy's metrics. Collective."""
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a reference policy (is_reference=True)")
+        self._check_awake("train_step", self.memory_tags)
+        self.model.train()
+        return run_train_step(
+            self,
+            batch,
+            loss_fn,
+            counts=self._counts,
+            lr=self.config.lr,
+            max_grad_norm=self.config.grad_clip,
         )
-        loss = sums.pop("loss") / totals["units"]
-        is_finite = math.isfinite(loss) and math.isfinite(grad_norm) and not found_inf
-        if is_finite:
-            inner.step_with_ready_grads()
-        else:
-            # Loss and norm are global, so every rank skips together.
-            self.num_skipped_steps += 1
-            logger.warning(
-                "train_step: skipped the optimizer step (loss=%s, grad_norm=%s)", loss, grad_norm
-            )
-        self.num_steps += 1
-        metrics = {key: value / max(totals["tokens"], 1.0) for key, value in sums.items()}
-        metrics.update(
-            loss=loss,
-            grad_norm=grad_norm,
-            lr=float(self.config.lr),
-            num_micro_batches=float(len(bins)),
-            num_loss_tokens=totals["tokens"],
-            is_skipped=float(not is_finite),
-        )
-        return metrics
+
+    @property
+    def num_steps(self) -> int:
+        return self._counts.num_steps
+
+    @property
+    def num_skipped_steps(self) -> int:
+        return self._counts.num_skipped_steps
 
     def named_weights(
         self, *, bucket_bytes: int | None = None

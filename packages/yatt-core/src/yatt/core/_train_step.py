@@ -1,0 +1,217 @@
+"""The train step and the logprobs pass that every policy backend runs (TorchPolicy, MegatronPolicy).
+
+One train step, on every data-parallel rank (a backend supplies the hooks in `StepBackend`):
+
+    units = all_reduce(loss units, loss tokens of this rank)    scalars only cross ranks
+    no units on any rank: skip (DAPO dropped every group)       every rank skips together
+    zero_grad
+    for bin in plan_micro_batches(batch):                       same count on ranks that need it
+        with grad_sync(is_last):                                grads reduced once, in the last
+            logprobs, entropy = forward_micro_batch(mb)         (an empty bin: a dummy, loss * 0)
+            loss_sum, metric_sums = loss_fn(mb, logprobs, entropy)
+            (loss_sum * dp / units).backward()
+    grad_norm, found_inf = reduce_and_clip_grads(max_norm)      global norm: a host sync
+    loss = all_reduce(loss sums) / units
+    step_optimizer(lr) unless loss or norm is not finite        then every rank skips together
+    zero_grad
+
+Dividing each micro-batch's loss sum by the global unit count (and multiplying by the dp size,
+which DDP, FSDP2 and Megatron's DDP average away) makes the step's gradient equal to the
+gradient of the mean loss over the concatenated global batch, whatever the split: the loss's
+normalisation lives here, once, for every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from yatt.core._batch import Batch
+from yatt.core._metrics import reduce_metrics
+from yatt.core._policy import LossFn
+
+logger = logging.getLogger("yatt.core")
+
+
+class StepBackend(Protocol):
+    """The hooks a policy backend gives the shared train step and logprobs pass."""
+
+    device: torch.device  # where micro-batches run
+    dp_size: int  # data-parallel ranks (the loss scale undoes their gradient averaging)
+
+    @property
+    def dp_group(self) -> Any:
+        """The data-parallel process group (None: a single process)."""
+        ...
+
+    def plan_micro_batches(self, batch: Batch) -> list[list[int]]:
+        """Sample indices per micro-batch; an empty list is a dummy micro-batch. Collective
+        where ranks must run the same count (yatt.core._micro_batches.plan_micro_batches)."""
+        ...
+
+    def forward_micro_batch(
+        self, mb: Batch, *, needs_entropy: bool, is_training: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([B, T] logprobs, [B, T] entropy or None) of the micro-batch, on the device."""
+        ...
+
+    def grad_sync(self, *, is_last: bool) -> contextlib.AbstractContextManager:
+        """Entered around each micro-batch's backward: reduce gradients in the last one only."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Clear the gradients (before the first micro-batch and after the optimizer step)."""
+        ...
+
+    def reduce_and_clip_grads(self, max_norm: float | None) -> tuple[float, bool]:
+        """(global grad norm before clipping, found_inf) once every micro-batch has run; clips
+        to `max_norm` unless None. A host sync: the skip decision needs the norm."""
+        ...
+
+    def step_optimizer(self, lr: float) -> None:
+        """One optimizer step at learning rate `lr`."""
+        ...
+
+
+@dataclass(kw_only=True)
+class StepCounts:
+    """How many train steps a policy ran, and how many of them did not update the weights."""
+
+    num_steps: int = 0  # train_step calls with loss units (a skipped update counts too)
+    num_skipped_steps: int = 0  # non-finite loss or norm, or no loss units anywhere
+
+
+def select_micro_batch(batch: Batch, index: list[int], device: torch.device) -> tuple[Batch, bool]:
+    """(the micro-batch of `index` on `device`, whether it is a dummy: `index` is empty)."""
+    if index:
+        return batch.select(index).to(device, non_blocking=True), False
+    return _dummy_like(batch).to(device), True
+
+
+def _dummy_like(batch: Batch) -> Batch:
+    """One sample of one token, zeros everywhere (so zero loss mask), shaped like `batch`."""
+    tokens = {k: v.new_zeros((1, 1, *v.shape[2:])) for k, v in batch.tokens.items()}
+    tokens["attention_mask"] = torch.ones_like(tokens["attention_mask"])
+    samples = {k: v.new_zeros((1, *v.shape[1:])) for k, v in batch.samples.items()}
+    meta = {k: [None] for k in batch.meta}
+    return Batch(tokens=tokens, samples=samples, meta=meta)
+
+
+@torch.no_grad()
+def compute_logprobs(backend: StepBackend, batch: Batch) -> torch.Tensor:
+    """[B, T] float32 logprobs of every input token (0 at t = 0 and on padding), on the batch's
+    device, micro-batch by micro-batch. Collective where the backend's plan or forward is."""
+    ids = batch["input_ids"]
+    out_BT = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+    for index in backend.plan_micro_batches(batch):
+        mb, is_dummy = select_micro_batch(batch, index, backend.device)
+        logprobs_BT, _ = backend.forward_micro_batch(mb, needs_entropy=False, is_training=False)
+        if not is_dummy:
+            mask_BT = mb["attention_mask"].to(logprobs_BT.dtype)
+            out_BT[index, : logprobs_BT.shape[1]] = (logprobs_BT * mask_BT).to(out_BT.device)
+    return out_BT
+
+
+def run_train_step(
+    backend: StepBackend,
+    batch: Batch,
+    loss_fn: LossFn,
+    *,
+    counts: StepCounts,
+    lr: float,
+    max_grad_norm: float | None,
+) -> dict[str, float]:
+    """One optimizer step over this rank's batch (see the module docstring); collective.
+
+    Returns globally reduced metrics: "loss" (mean over units), each loss metric averaged over
+    loss tokens, "grad_norm", "lr", "num_micro_batches", "num_loss_tokens", "is_skipped".
+    Updates `counts`.
+    """
+    needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+    local_tokens = float(batch["loss_mask"].sum()) if "loss_mask" in batch else 0.0
+    totals = reduce_metrics(
+        {"units": float(loss_fn.count_units(batch)), "tokens": local_tokens},
+        group=backend.dp_group,
+        default_op="sum",
+    )
+    if totals["units"] == 0:
+        # Legit in DAPO: every group solved (zero reward variance) was dropped on every rank.
+        logger.warning("train_step: the global batch has no response tokens; step skipped")
+        counts.num_skipped_steps += 1
+        return _step_metrics(
+            {}, loss=0.0, grad_norm=0.0, lr=lr, num_micro_batches=0, num_tokens=0.0, is_skipped=True
+        )
+    scale = backend.dp_size / totals["units"]
+    backend.zero_grad()  # a failed step or a wake_up may have left gradients behind
+    bins = backend.plan_micro_batches(batch)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=backend.device)
+    metric_sums: dict[str, torch.Tensor] = {}
+    for i, index in enumerate(bins):
+        mb, is_dummy = select_micro_batch(batch, index, backend.device)
+        with backend.grad_sync(is_last=i == len(bins) - 1):
+            logprobs_BT, entropy_BT = backend.forward_micro_batch(
+                mb, needs_entropy=needs_entropy, is_training=True
+            )
+            mb_loss, mb_metrics = loss_fn(mb, logprobs_BT, entropy_BT)
+            if is_dummy:
+                # Keeps this rank in the collectives without touching the gradient.
+                mb_loss = mb_loss * 0.0
+            (mb_loss * scale).backward()
+        loss_sum += mb_loss.detach().to(torch.float64)
+        for key, value in mb_metrics.items():
+            # Dummies add 0 but still add the key: every rank must report the same keys.
+            value = value.detach().to(torch.float64) * (0.0 if is_dummy else 1.0)
+            metric_sums[key] = metric_sums.get(key, 0.0) + value
+    grad_norm, found_inf = backend.reduce_and_clip_grads(max_grad_norm)
+    sums = reduce_metrics(
+        {"loss": loss_sum, **metric_sums}, group=backend.dp_group, default_op="sum"
+    )
+    loss = sums.pop("loss") / totals["units"]
+    is_finite = math.isfinite(loss) and math.isfinite(grad_norm) and not found_inf
+    if is_finite:
+        backend.step_optimizer(lr)
+    else:
+        # Every rank sees the same global loss and norm, so every rank skips together.
+        counts.num_skipped_steps += 1
+        logger.warning(
+            "train_step: skipped the optimizer step (loss=%s, grad_norm=%s)", loss, grad_norm
+        )
+    backend.zero_grad()
+    counts.num_steps += 1
+    per_token = {key: value / max(totals["tokens"], 1.0) for key, value in sums.items()}
+    return _step_metrics(
+        per_token,
+        loss=loss,
+        grad_norm=grad_norm,
+        lr=lr,
+        num_micro_batches=len(bins),
+        num_tokens=totals["tokens"],
+        is_skipped=not is_finite,
+    )
+
+
+def _step_metrics(
+    loss_metrics: dict[str, float],
+    *,
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    num_micro_batches: int,
+    num_tokens: float,
+    is_skipped: bool,
+) -> dict[str, float]:
+    """The step's metrics dict, the same keys from every backend and every outcome."""
+    return {
+        **loss_metrics,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": float(lr),
+        "num_micro_batches": float(num_micro_batches),
+        "num_loss_tokens": num_tokens,
+        "is_skipped": float(is_skipped),
+    }
