@@ -218,6 +218,8 @@ def policy_vs_torch(model_dir: str) -> dict:
         )
         torch_losses = [reference.train_step(batch, loss_fn)["loss"] for _ in range(3)]
         torch_weights = {n: p.detach().clone() for n, p in reference.module.named_parameters()}
+        cost_lengths = [5, 40, 300]
+        costs = (policy.estimate_costs(cost_lengths), reference.estimate_costs(cost_lengths))
     return {
         "losses": losses,
         "is_head_logprobs": is_head,
@@ -225,6 +227,7 @@ def policy_vs_torch(model_dir: str) -> dict:
         "plain_path": by_path[False],
         "skipped": skipped,
         "model_config": policy.model_config.to_dict(),
+        "costs": costs,
         "resident_bytes": policy.resident_bytes(),
         "param_bytes": sum(p.numel() * p.element_size() for p in policy.gpt.parameters()),
         "torch_losses": torch_losses,

@@ -78,7 +78,9 @@ def test_policy_train_steps_and_weights_equal_torch_policy(megatron_cpu_results)
             torch.testing.assert_close(p["weights"][name], tensor, atol=5e-4, rtol=0, msg=name)
         assert p["state_restored"] and p["num_state_tensors"] > 0
         assert p["skipped"]["is_skipped"] == 1.0 and p["skipped"]["num_loss_tokens"] == 0.0
-        # The trainer's cost model reads the HF shape from policy.model_config.
         assert (p["model_config"]["hidden_size"], p["model_config"]["num_hidden_layers"]) == (64, 2)
+        # Both backends weigh a sample alike (packing and rank balancing use estimate_costs).
+        megatron_costs, torch_costs = p["costs"]
+        assert megatron_costs == torch_costs and megatron_costs[2] > 60 * megatron_costs[0]
         # resident_bytes counts each parameter storage once (shared DDP buffers, padding aside).
         assert p["param_bytes"] <= p["resident_bytes"] < 1.5 * p["param_bytes"]

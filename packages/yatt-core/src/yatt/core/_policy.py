@@ -56,6 +56,11 @@ class PolicyBackend(Protocol):
         """(Hugging Face name, full tensor) per parameter, for weight sync (collective)."""
         ...
 
+    def estimate_costs(self, lengths: Sequence[int]) -> list[float]:
+        """Relative compute per sample of these lengths: the weights of micro-batch packing,
+        and what to pass to Batch.rebalance(costs=...) so ranks are balanced alike."""
+        ...
+
     def state(self) -> dict[str, Any]:
         """{"model": module, "optimizer": optimizer} for torch.distributed.checkpoint."""
         ...

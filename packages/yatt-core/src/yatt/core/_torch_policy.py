@@ -3,7 +3,8 @@
 The train step and the logprobs pass are yatt.core._train_step's, shared with MegatronPolicy;
 this module gives them their hooks:
 
-    plan_micro_batches     pack by cost (same count on every DP rank: FSDP2 all-gathers)
+    plan_micro_batches     pack by estimate_costs (same count on every DP rank: FSDP2
+                           all-gathers in every forward)
     forward_micro_batch    logits -> logprobs(/ temperature), in the head chunk by chunk
                            (see _head_logprobs); through DDP when training
     grad_sync              DDP no_sync / FSDP2 requires_gradient_sync: reduce in the last only
@@ -22,8 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from yatt.balance import flops_cost
 from yatt.core._batch import Batch
+from yatt.core._cost_model import (
+    estimate_flops_costs,
+    flops_shape_from_hf_config,
+    has_gated_mlp,
+    warn_without_shape,
+)
 from yatt.core._head_logprobs import logprobs_in_head, supports_head_logprobs
 from yatt.core._logits import compute_entropy, compute_token_logprobs
 from yatt.core._micro_batches import check_context, plan_micro_batches
@@ -83,6 +89,11 @@ class TorchPolicy:
         # Logprobs from the head chunk by chunk: no [tokens, vocab] logits kept for backward.
         self._is_head_logprobs = supports_head_logprobs(model)
         self._model_config = model.config
+        self._cost_shape = flops_shape_from_hf_config(
+            model.config, is_gated_mlp=has_gated_mlp(model)
+        )
+        if self._cost_shape is None:
+            warn_without_shape("TorchPolicy")
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
         if config.parallel == "ddp" and not config.is_reference:
             self._ddp = torch.nn.parallel.DistributedDataParallel(
@@ -129,8 +140,14 @@ class TorchPolicy:
 
     @property
     def model_config(self) -> Any:
-        """The Hugging Face config of the trained model (its shape, for cost models)."""
+        """The Hugging Face config of the trained model (for costs, use estimate_costs)."""
         return self._model_config
+
+    def estimate_costs(self, lengths: Sequence[int]) -> list[float]:
+        """Relative compute of each sample of these lengths (forward FLOPs of this model's
+        shape: yatt.balance.flops_cost). Micro-batch packing uses it; pass it to
+        `Batch.rebalance(costs=...)` so that balancing across ranks weighs samples alike."""
+        return estimate_flops_costs(lengths, self._cost_shape)
 
     @property
     def max_context_tokens(self) -> int | None:
@@ -149,22 +166,6 @@ class TorchPolicy:
     def dp_group(self) -> dist.ProcessGroup | None:
         return self._dp_group
 
-    def _costs(self, lengths: list[int]) -> Any:
-        c = self._model_config
-        try:
-            return flops_cost(
-                lengths,
-                hidden_size=c.hidden_size,
-                num_layers=c.num_hidden_layers,
-                ffn_hidden_size=c.intermediate_size,
-                num_heads=c.num_attention_heads,
-                num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                vocab_size=c.vocab_size,
-                is_gated_mlp=True,
-            )
-        except (AttributeError, ValueError):
-            return lengths
-
     def plan_micro_batches(self, batch: Batch) -> list[list[int]]:
         """Bins of sample indices, the same number on every data-parallel rank (collective).
 
@@ -174,7 +175,7 @@ class TorchPolicy:
         lengths = batch.lengths.tolist()
         check_context(lengths, self.max_context_tokens)
         return plan_micro_batches(
-            self._costs(lengths),
+            self.estimate_costs(lengths),
             lengths,
             max_tokens=self.config.max_tokens_per_microbatch,
             count_group=self._dp_group if self.dp_size > 1 else None,

@@ -3,7 +3,7 @@
 The train step and the logprobs pass are yatt.core._train_step's, shared with TorchPolicy (TP
 ranks of one DP rank hold the same batch); this module gives them their hooks:
 
-    plan_micro_batches     pack by cost; DP ranks may differ in count (no collective inside)
+    plan_micro_batches     pack by estimate_costs; DP ranks may differ in count (no collective)
     forward_micro_batch    output layer -> vocab-parallel logprobs (see _head_logprobs)
     grad_sync              DDP no_sync: gradients wait for finalize_model_grads
     reduce_and_clip_grads  finalize_model_grads (reduce-scatter over DP), prepare_grads,
@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from yatt.core._batch import Batch
+from yatt.core._cost_model import estimate_flops_costs, flops_shape
 from yatt.core._micro_batches import check_context, plan_micro_batches
 from yatt.core._policy import DTYPES, LossFn
 from yatt.core._runtime import Runtime
@@ -58,6 +59,15 @@ class MegatronPolicy:
         self.device = runtime.device
         self._hf_config = AutoConfig.from_pretrained(config.model_dir)
         self.layout = layout_from_hf_config(self._hf_config)
+        self._cost_shape = flops_shape(
+            hidden_size=self.layout.hidden_size,
+            num_layers=self.layout.num_layers,
+            ffn_hidden_size=self.layout.ffn_hidden_size,
+            num_heads=self.layout.num_heads,
+            num_kv_heads=self.layout.num_query_groups,
+            vocab_size=self.layout.vocab_size,
+            is_gated_mlp=True,  # the families the layout accepts all use SwiGLU
+        )
         _init_megatron_parallel(runtime, config.tp_size, config.seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -135,8 +145,14 @@ class MegatronPolicy:
 
     @property
     def model_config(self) -> Any:
-        """The Hugging Face config of the trained model (its shape, for cost models)."""
+        """The Hugging Face config of the trained model (for costs, use estimate_costs)."""
         return self._hf_config
+
+    def estimate_costs(self, lengths: Sequence[int]) -> list[float]:
+        """Relative compute of each sample of these lengths (forward FLOPs of this model's
+        shape: yatt.balance.flops_cost), as TorchPolicy estimates it for the same model.
+        Micro-batch packing uses it; pass it to `Batch.rebalance(costs=...)`."""
+        return estimate_flops_costs(lengths, self._cost_shape)
 
     @property
     def max_context_tokens(self) -> int:
@@ -158,7 +174,7 @@ class MegatronPolicy:
         check_context(lengths, self.max_context_tokens)
         self._check_tp_batch(batch)
         return plan_micro_batches(
-            lengths, lengths, max_tokens=self.config.max_tokens_per_microbatch
+            self.estimate_costs(lengths), lengths, max_tokens=self.config.max_tokens_per_microbatch
         )
 
     def _check_tp_batch(self, batch: Batch) -> None:
