@@ -48,6 +48,34 @@ def test_builtin_engine_conforms_on_cuda(cuda_target, name):
     CONFORMANCE_CHECKS[name](cuda_target)
 
 
+def test_decode_steps_outside_a_call_replay_the_graphs_and_change_no_later_sample(tiny_model_dir):
+    # What bench/_decode_profile.py times and profiles: graph replays and eager steps per span.
+    config = EngineConfig(device="cuda", max_batch_size=4, max_seq_len=256, region_prefix="diag")
+    engine = BuiltinEngine(tiny_model_dir, config=config)
+    requests = [Request(prompt_ids=[5 + i, 6, 7]) for i in range(6)]
+    sampling = SamplingParams(n=2, max_new_tokens=20, seed=3, ignore_eos=True)
+    before = engine.generate(requests, sampling)
+    graphs = dict(engine._runner._graphs)
+    assert engine.attention_spans == [64, 128, 256]
+    for span in engine.attention_spans:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        engine.run_decode_steps(span=span, num_steps=3)
+        end.record()
+        end.synchronize()
+        assert start.elapsed_time(end) > 0
+        engine.run_decode_steps(span=span, num_steps=2, use_graph=False)
+    assert engine._runner._graphs.keys() == graphs.keys()
+    assert all(engine._runner._graphs[k] is g for k, g in graphs.items()), "recaptured"
+    after = engine.generate(requests, sampling)
+    assert [c.response_ids for c in after] == [c.response_ids for c in before]
+    for a, b in zip(after, before, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
+        )
+    engine.close()
+
+
 def test_cuda_graph_matches_eager(tiny_model_dir):
     # 3 + 90 tokens cross the 64-position span bucket: two graphs per engine, switched mid-run.
     requests = [Request(prompt_ids=[5 + i, 6, 7]) for i in range(6)]
