@@ -1,4 +1,5 @@
-"""ShardedLoader: disjoint shards, deterministic epochs, exact resume, counted skips, flat memory."""
+"""ShardedLoader: disjoint shards, deterministic epochs, exact resume, counted skips, flat memory;
+over JSONL, Parquet and Hugging Face `datasets` folders (save_to_disk)."""
 
 import json
 import logging
@@ -28,15 +29,33 @@ def _write_parquet(path, rows, row_group_size):
     return path
 
 
+def _write_hf_dataset(path, rows, *, split=None, num_shards=1):
+    """A `datasets` save_to_disk folder (a DatasetDict with `split` when given); its path for
+    the loader (the split's folder)."""
+    datasets = pytest.importorskip("datasets")
+    dataset = datasets.Dataset.from_list(rows)
+    if split is None:
+        dataset.save_to_disk(str(path), num_shards=num_shards)
+        return path
+    other = "test" if split != "test" else "train"
+    splits = {split: dataset, other: dataset.select(range(min(3, len(rows))))}
+    datasets.DatasetDict(splits).save_to_disk(str(path), num_shards={split: num_shards, other: 1})
+    return path / split
+
+
 def _rows(n):
     return [{"prompt": f"question {i}", "answer": str(i)} for i in range(n)]
 
 
-@pytest.fixture(params=["jsonl", "parquet", "jsonl-blank-lines"])
+@pytest.fixture(params=["jsonl", "parquet", "jsonl-blank-lines", "hf-dataset", "hf-split"])
 def dataset(request, tmp_path):
     rows = _rows(23)
     if request.param == "parquet":
         return _write_parquet(tmp_path / "d.parquet", rows, row_group_size=5)
+    if request.param == "hf-dataset":
+        return _write_hf_dataset(tmp_path / "hf", rows, num_shards=3)
+    if request.param == "hf-split":
+        return _write_hf_dataset(tmp_path / "hf", rows, split="train")
     return _write_jsonl(tmp_path / "d.jsonl", rows, blank_lines=request.param.endswith("lines"))
 
 
@@ -175,7 +194,7 @@ def test_directory_of_parquet_shards(tmp_path):
     assert "answer" not in got[0]
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "hf"])
 def test_rank_memory_stays_flat_as_ranks_grow(tmp_path, fmt):
     """Weak scaling: per-rank batch fixed, dataset and ranks grow together; the payload bytes a
     rank materialises stay the same instead of growing with the world."""
@@ -183,11 +202,12 @@ def test_rank_memory_stays_flat_as_ranks_grow(tmp_path, fmt):
     peaks = []
     for world_size in (1, 4):
         rows = [{"prompt": f"q{i}", "image": payload} for i in range(8 * world_size)]
-        path = (
-            _write_parquet(tmp_path / f"{world_size}.parquet", rows, row_group_size=1)
-            if fmt == "parquet"
-            else _write_jsonl(tmp_path / f"{world_size}.jsonl", rows)
-        )
+        if fmt == "parquet":
+            path = _write_parquet(tmp_path / f"{world_size}.parquet", rows, row_group_size=1)
+        elif fmt == "hf":
+            path = _write_hf_dataset(tmp_path / f"{world_size}-hf", rows, num_shards=world_size)
+        else:
+            path = _write_jsonl(tmp_path / f"{world_size}.jsonl", rows)
         loader = ShardedLoader(path, batch_size=8, rank=world_size - 1, world_size=world_size)
         tracemalloc.start()
         batch = loader.next_batch()
@@ -261,3 +281,51 @@ def test_first_rows_are_the_files_first_usable_rows_whatever_the_seed(tmp_path, 
     assert [r["prompt"] for r in first] == ["question 1", "question 3", "question 4"]
     assert [r[ROW_INDEX_KEY] for r in first] == [1, 3, 4]
     assert loader.num_skipped == 0 and loader.state_dict()["position"] == 0
+
+
+def test_hf_dataset_columns_and_row_values(tmp_path):
+    rows = [{"prompt": f"q{i}", "answer": i, "extra": [i, i]} for i in range(6)]
+    path = _write_hf_dataset(tmp_path / "hf", rows, split="validation", num_shards=2)
+    loader = ShardedLoader(path, batch_size=6, should_shuffle=False, required_keys=["answer"])
+    assert [{k: r[k] for k in ("prompt", "answer", "extra")} for r in loader.next_batch()] == rows
+    loader = ShardedLoader(path, batch_size=2, should_shuffle=False, columns=["prompt"])
+    assert loader.next_batch() == [
+        {"prompt": "q0", ROW_INDEX_KEY: 0},
+        {"prompt": "q1", ROW_INDEX_KEY: 1},
+    ]
+    with pytest.raises(ValueError, match=r"\['nope'\] are not columns"):
+        ShardedLoader(path, batch_size=1, columns=["prompt", "nope"])
+
+
+def test_a_dataset_dict_root_names_its_splits(tmp_path):
+    split = _write_hf_dataset(tmp_path / "hf", _rows(5), split="train")
+    with pytest.raises(ValueError, match=r"DatasetDict with splits \['train', 'test'\].*hf/train"):
+        ShardedLoader(split.parent, batch_size=1)
+
+
+def test_hf_dataset_without_the_datasets_package(tmp_path, monkeypatch):
+    path = _write_hf_dataset(tmp_path / "hf", _rows(5))
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # import fails
+    with pytest.raises(ImportError, match=r"pip install 'yatt-core\[datasets\]'"):
+        ShardedLoader(path, batch_size=1)
+
+
+def test_an_undecodable_hf_row_is_a_counted_skip(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    pytest.importorskip("PIL")
+    import io
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (2, 2), "red").save(png, format="PNG")
+    images = [{"bytes": png.getvalue(), "path": None}] * 4
+    images[2] = {"bytes": b"not an image", "path": None}
+    rows = {"prompt": [f"q{i}" for i in range(4)], "image": images}
+    features = datasets.Features({"prompt": datasets.Value("string"), "image": datasets.Image()})
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "hf"))
+    loader = ShardedLoader(tmp_path / "hf", batch_size=4, should_shuffle=False, image_key="image")
+    got = loader.next_batch()
+    assert [r[ROW_INDEX_KEY] for r in got] == [0, 1, 3]
+    assert got[0]["image"].size == (2, 2)  # decoded as `dataset[i]` decodes it
+    assert loader.skipped_by_cause()["unreadable"] == 1

@@ -1,8 +1,10 @@
-"""Random access to rows of JSONL and Parquet files without loading the dataset.
+"""Random access to rows of JSONL, Parquet and Hugging Face `datasets` folders without loading
+the dataset.
 
 Each source builds a light index first (line offsets for JSONL, row-group boundaries for
-Parquet): a few bytes per row, no payloads. `read(indices)` then materialises only the rows
-asked for, so a rank holding 1/N of the dataset parses only that 1/N.
+Parquet; a `save_to_disk` folder's Arrow files are memory-mapped, not read): a few bytes per
+row, no payloads. `read(indices)` then materialises only the rows asked for, so a rank holding
+1/N of the dataset parses only that 1/N.
 """
 
 from __future__ import annotations
@@ -136,15 +138,79 @@ class ParquetSource:
         return out  # type: ignore[return-value]
 
 
+class HfDatasetSource:
+    """Rows of one split saved by `datasets`' `save_to_disk` (a folder with state.json and
+    Arrow files). The files are memory-mapped; read() decodes only the rows asked for, with
+    the dataset's features (an Image column gives PIL images, as `dataset[i]` does)."""
+
+    def __init__(self, folder: Path, columns: Sequence[str] | None = None) -> None:
+        try:
+            import datasets
+        except ImportError as err:
+            raise ImportError(
+                f"dataset {str(folder)!r} is a Hugging Face datasets folder (save_to_disk); "
+                "reading it needs the datasets package: pip install 'yatt-core[datasets]' "
+                "(or pip install datasets)"
+            ) from err
+        dataset = datasets.load_from_disk(str(folder), keep_in_memory=False)
+        if columns is not None:
+            missing = sorted(set(columns) - set(dataset.column_names))
+            if missing:
+                raise ValueError(
+                    f"columns={list(columns)}: {missing} are not columns of {str(folder)!r}; "
+                    f"it has {dataset.column_names}"
+                )
+            dataset = dataset.select_columns(list(columns))
+        self._dataset = dataset
+        self.num_rows = int(dataset.num_rows)
+
+    def read(self, indices: Sequence[int]) -> list[dict[str, Any] | BadRow]:
+        index_list = [int(i) for i in indices]
+        try:
+            columns = self._dataset[index_list]
+        except Exception:
+            # A row whose features do not decode (a damaged image): find it, keep the others.
+            return [self._read_one(i) for i in index_list]
+        names = list(columns)
+        return [
+            dict(zip(names, values, strict=True)) for values in zip(*columns.values(), strict=True)
+        ]
+
+    def _read_one(self, index: int) -> dict[str, Any] | BadRow:
+        try:
+            return dict(self._dataset[index])
+        except Exception as err:
+            return f"undecodable row ({type(err).__name__}: {err})"
+
+
+# The files `datasets` writes with save_to_disk: a Dataset folder, and a DatasetDict's root.
+_HF_DATASET_STATE = "state.json"
+_HF_DATASET_DICT = "dataset_dict.json"
+
+
 def open_source(path: str | Path, *, columns: Sequence[str] | None = None) -> RowSource:
-    """A JSONL or Parquet source for a file or a directory of such files (sorted by name)."""
+    """A source for a JSONL or Parquet file, a directory of such files (sorted by name), or a
+    Hugging Face `datasets` folder written by `save_to_disk` (for a DatasetDict: the folder of
+    one split, e.g. "data/gsm8k/train")."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"dataset path {str(path)!r} does not exist")
+    if path.is_dir() and (path / _HF_DATASET_STATE).is_file():
+        return HfDatasetSource(path, columns=columns)
+    if path.is_dir() and (path / _HF_DATASET_DICT).is_file():
+        splits = _dataset_dict_splits(path)
+        example = str(path / splits[0]) if splits else str(path / "train")
+        raise ValueError(
+            f"dataset {str(path)!r} is a Hugging Face DatasetDict with splits {splits}; pass "
+            f"one split's folder, e.g. {example!r}"
+        )
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".parquet"))
         if not files:
-            raise ValueError(f"dataset directory {str(path)!r} holds no .jsonl or .parquet files")
+            raise ValueError(
+                f"dataset directory {str(path)!r} holds no .jsonl or .parquet files and is not "
+                "a Hugging Face datasets folder (save_to_disk)"
+            )
     else:
         files = [path]
     suffixes = {f.suffix for f in files}
@@ -155,3 +221,13 @@ def open_source(path: str | Path, *, columns: Sequence[str] | None = None) -> Ro
     raise ValueError(
         f"dataset {str(path)!r}: files must all be .jsonl or all .parquet; got {sorted(suffixes)}"
     )
+
+
+def _dataset_dict_splits(folder: Path) -> list[str]:
+    try:
+        splits = json.loads((folder / _HF_DATASET_DICT).read_text())["splits"]
+    except (OSError, ValueError, KeyError, TypeError):
+        splits = None
+    if not isinstance(splits, list):  # unreadable: list the subfolders datasets would load
+        splits = sorted(p.name for p in folder.iterdir() if (p / _HF_DATASET_STATE).is_file())
+    return [str(s) for s in splits]
