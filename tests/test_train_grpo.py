@@ -169,7 +169,9 @@ def test_unknown_or_missing_engine_backends_are_clear_errors_before_anything_loa
     # vLLM/SGLang are not installed on the CPU machines: the extra to install is named.
     with pytest.raises(ValueError, match=r"reward\.backend='sglang'.*yatt-rollout\[sglang\]"):
         grpo_config.RewardConfig(backend="sglang")
-    with pytest.raises(ValueError, match=r"reward\.backend_options=.*only for reward\.backend='vllm' or 'sglang'"):
+    with pytest.raises(
+        ValueError, match=r"reward\.backend_options=.*only for reward\.backend='vllm' or 'sglang'"
+    ):
         grpo_config.RewardConfig(backend_options={"mem_fraction_static": 0.3})
 
 

@@ -89,7 +89,6 @@ def test_a_call_returns_when_its_own_samples_are_done(tiny_model_dir, stall_firs
     leader, leader_out = _in_thread(lambda: engine.generate(_requests("a", [[5, 6]]), short))
     joiner, joiner_out = _in_thread(lambda: engine.generate(_requests("b", B_PROMPTS), long))
     assert [len(c.response_ids) for c in _join(leader, leader_out)] == [3]
-    assert not joiner_out, "the joiner finished before the short leader"
     assert [len(c.response_ids) for c in _join(joiner, joiner_out)] == [100] * 12
     assert leader_out["done_at"] < joiner_out["done_at"]
     engine.close()
