@@ -239,7 +239,7 @@ def test_bfloat16_compute_runs_and_keeps_float32_master_weights(tiny_model_dir):
         pytest.param({"model_dir": "/nonexistent/model"}, "does not exist", id="missing-dir"),
         pytest.param({"lr": 0.0}, "lr", id="zero-lr"),
         pytest.param({"betas": (0.9, 1.0)}, "betas", id="beta-1"),
-        pytest.param({"grad_clip": 0.0}, "grad_clip", id="zero-clip"),
+        pytest.param({"grad_clip": -1.0}, "grad_clip", id="negative-clip"),
         pytest.param({"max_tokens_per_microbatch": 0}, "max_tokens_per_microbatch", id="zero-cap"),
         pytest.param({"parallel": "zero3"}, "parallel", id="unknown-parallel"),
         pytest.param({"dtype": "fp8"}, "dtype", id="unknown-dtype"),

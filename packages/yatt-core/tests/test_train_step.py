@@ -54,7 +54,7 @@ class FakeBackend:
         self.theta.grad = None
 
     def reduce_and_clip_grads(self, max_norm):
-        self.calls.append("clip")
+        self.calls.append(f"clip_to={max_norm}")
         norm = self.theta.grad.norm() if self.theta.grad is not None else torch.zeros(())
         return float(norm), self.found_inf
 
@@ -100,7 +100,9 @@ def test_step_is_the_full_batch_mean_gradient_however_split(bins, aggregation):
     loss_fn = PolicyLoss(aggregation=aggregation, is_on_policy=True, entropy_coef=0.1)
     backend = FakeBackend(bins)
     counts = StepCounts()
-    metrics = run_train_step(backend, _batch(), loss_fn, counts=counts, lr=0.5, max_grad_norm=None)
+    metrics = run_train_step(
+        backend, _batch(), loss_fn, counts=counts, lr_at=lambda step: 0.5, max_grad_norm=None
+    )
     torch.testing.assert_close(
         backend.theta.detach(), _expected_step(_batch(), loss_fn, 0.5), atol=1e-6, rtol=0
     )
@@ -111,7 +113,7 @@ def test_step_is_the_full_batch_mean_gradient_however_split(bins, aggregation):
     syncs = [c for c in backend.calls if c.startswith("sync")]
     assert syncs == ["sync_last=False"] * (len(bins) - 1) + ["sync_last=True"]
     assert backend.calls[0] == "zero_grad" and backend.calls[-1] == "zero_grad"
-    assert backend.calls.index("clip") < backend.calls.index("step")
+    assert backend.calls.index("clip_to=None") < backend.calls.index("step")
     # The entropy metric is a per-token mean, whatever the aggregation (here a constant).
     _, entropy_BT = FakeBackend().forward_micro_batch(
         _batch(), needs_entropy=True, is_training=False
@@ -126,7 +128,7 @@ def test_metrics_are_token_means_and_the_loss_is_the_unit_mean():
         _batch(),
         loss_fn,
         counts=StepCounts(),
-        lr=0.1,
+        lr_at=lambda step: 0.1,
         max_grad_norm=None,
     )
     # Tokens with loss: 4, 2, 5, 1 (all but the first of each row).
@@ -156,7 +158,12 @@ def test_non_finite_step_skips_the_optimizer_and_clears_gradients(found_inf, adv
     counts = StepCounts()
     batch = _batch(advantages=(advantage, 1.0, 1.0, 1.0))
     metrics = run_train_step(
-        backend, batch, PolicyLoss(is_on_policy=True), counts=counts, lr=0.1, max_grad_norm=1.0
+        backend,
+        batch,
+        PolicyLoss(is_on_policy=True),
+        counts=counts,
+        lr_at=lambda step: 0.1,
+        max_grad_norm=1.0,
     )
     assert metrics["is_skipped"] == 1.0 and "step" not in backend.calls
     assert torch.equal(backend.theta.detach(), before) and backend.theta.grad is None
@@ -171,7 +178,7 @@ def test_batch_without_loss_tokens_skips_before_any_forward():
         _batch(),
         PolicyLoss(is_on_policy=True),
         counts=StepCounts(),
-        lr=0.1,
+        lr_at=lambda step: 0.1,
         max_grad_norm=None,
     )
     metrics = run_train_step(
@@ -179,13 +186,37 @@ def test_batch_without_loss_tokens_skips_before_any_forward():
         _batch().select([]),
         PolicyLoss(is_on_policy=True),
         counts=counts,
-        lr=0.1,
+        lr_at=lambda step: 0.1,
         max_grad_norm=None,
     )
     assert backend.calls == [] and metrics["is_skipped"] == 1.0 and metrics["lr"] == 0.1
     # Same bookkeeping keys as a step that ran (the loss's own metrics aside).
     assert set(metrics) == set(healthy) - {"pg_loss", "clip_frac"}
     assert (counts.num_steps, counts.num_skipped_steps) == (0, 1)
+
+
+def test_lr_follows_applied_updates_and_zero_clip_measures_only():
+    """The schedule is asked for the number of updates applied: a skipped step repeats its lr."""
+    asked = []
+
+    def lr_at(step):
+        asked.append(step)
+        return 0.1 / (step + 1)
+
+    counts = StepCounts()
+    lrs = []
+    for advantage in (1.0, float("nan"), 1.0):
+        backend = FakeBackend()
+        batch = _batch(advantages=(advantage, 1.0, 1.0, 1.0))
+        loss = PolicyLoss(is_on_policy=True)
+        metrics = run_train_step(backend, batch, loss, counts=counts, lr_at=lr_at, max_grad_norm=0)
+        lrs.append(metrics["lr"])
+    assert asked == [0, 1, 1] and lrs == [0.1, 0.05, 0.05]
+    assert (counts.num_steps, counts.num_skipped_steps, counts.num_optimizer_steps) == (3, 1, 2)
+    assert "clip_to=None" in backend.calls  # max_grad_norm=0: no clipping, the norm measured
+    restored = StepCounts()
+    restored.load_state_dict(counts.state_dict())
+    assert restored == counts
 
 
 def test_logprobs_pass_fills_each_sample_and_leaves_padding_and_dummies_out():

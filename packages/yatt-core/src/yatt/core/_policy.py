@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from yatt.core._batch import Batch
+from yatt.core._optimization import LRSchedule, check_optimizer_fields
 
 Parallel = Literal["ddp", "fsdp2", "none"]
 PARALLEL_MODES: tuple[str, ...] = ("ddp", "fsdp2", "none")
@@ -75,10 +76,14 @@ class TorchPolicyConfig:
     """A Hugging Face causal LM trained with AdamW under DDP or FSDP2."""
 
     model_dir: str  # a local directory with config.json and weights (save_pretrained output)
-    lr: float = 1e-6  # AdamW learning rate (constant)
+    lr: float = 1e-6  # AdamW peak learning rate (reached after warm-up; see lr_schedule)
+    lr_schedule: LRSchedule = "constant"  # after warm-up: "constant", or "cosine" to min_lr_ratio
+    num_warmup_steps: int = 0  # optimizer steps of linear warm-up (step t: lr * (t + 1) / n)
+    num_decay_steps: int | None = None  # cosine: steps (warm-up included) to its lowest lr
+    min_lr_ratio: float = 0.0  # cosine: the lowest lr, as a fraction of lr
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
-    weight_decay: float = 0.0  # AdamW decoupled weight decay
-    grad_clip: float | None = 1.0  # max global grad norm; None = no clipping (norm still logged)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay (not on biases and norm weights)
+    grad_clip: float | None = 1.0  # max global grad norm; 0 or None: no clipping (norm logged)
     # Cap per forward/backward on padded tokens (rows x longest row): what activations scale by.
     max_tokens_per_microbatch: int = 8192
     parallel: Parallel = "ddp"  # "ddp", "fsdp2" (shard params/grads/optimizer), "none" (1 rank)
@@ -97,16 +102,7 @@ class TorchPolicyConfig:
                 f"TorchPolicyConfig.model_dir={self.model_dir!r} {state}; pass a local directory "
                 "written by save_pretrained (config.json + weights)"
             )
-        if not (self.lr > 0 and self.lr < float("inf")):
-            raise ValueError(f"TorchPolicyConfig.lr={self.lr!r}: must be a finite number > 0")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"TorchPolicyConfig.betas={self.betas!r}: need two values in [0, 1)")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"TorchPolicyConfig.weight_decay={self.weight_decay!r}: must be >= 0")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(
-                f"TorchPolicyConfig.grad_clip={self.grad_clip!r}: must be > 0, or None to disable"
-            )
+        check_optimizer_fields("TorchPolicyConfig", self)
         if (
             not isinstance(self.max_tokens_per_microbatch, int)
             or self.max_tokens_per_microbatch < 1

@@ -33,6 +33,7 @@ from yatt.core._cost_model import (
 from yatt.core._head_logprobs import logprobs_in_head, supports_head_logprobs
 from yatt.core._logits import compute_entropy, compute_token_logprobs
 from yatt.core._micro_batches import check_context, plan_micro_batches
+from yatt.core._optimization import make_lr_schedule
 from yatt.core._policy import DTYPES, LossFn, TorchPolicyConfig
 from yatt.core._runtime import Runtime
 from yatt.core._train_step import StepCounts, compute_logprobs, run_train_step
@@ -107,13 +108,13 @@ class TorchPolicy:
         self.optimizer: torch.optim.Optimizer | None = None
         if not config.is_reference:
             self.optimizer = torch.optim.AdamW(
-                model.parameters(),
+                _weight_decay_groups(model, config.weight_decay),
                 lr=config.lr,
                 betas=tuple(config.betas),
-                weight_decay=config.weight_decay,
             )
         self._role = TrainerRole(model, self.optimizer)
-        self._counts = StepCounts()
+        self._counts = StepCounts()  # also the lr schedule's position: in state()
+        self._lr_at = make_lr_schedule(config)
 
     def _shard(self, model: torch.nn.Module, runtime: Runtime) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -255,7 +256,7 @@ class TorchPolicy:
             batch,
             loss_fn,
             counts=self._counts,
-            lr=self.config.lr,
+            lr_at=self._lr_at,
             max_grad_norm=self.config.grad_clip,
         )
 
@@ -281,10 +282,13 @@ class TorchPolicy:
             yield name, tensor
 
     def state(self) -> dict[str, Any]:
-        """{"model", "optimizer"} for torch.distributed.checkpoint.state_dict.get_state_dict."""
+        """{"model", "optimizer", "schedule"} for yatt.ckpt (torch.distributed.checkpoint):
+        the module, AdamW, and the step counts the learning-rate schedule continues from.
+        A reference policy has only "model"."""
         out: dict[str, Any] = {"model": self.module}
         if self.optimizer is not None:
             out["optimizer"] = self.optimizer
+            out["schedule"] = self._counts
         return out
 
     def sleep(self) -> None:
@@ -311,3 +315,15 @@ class TorchPolicy:
             raise RuntimeError(
                 "TorchPolicy.train_step: the optimizer is offloaded; call wake_up() first"
             )
+
+
+def _weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW parameter groups: decay on matrices, none on biases and norm weights (1-D), as
+    Megatron-Core and Hugging Face's Trainer do."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]

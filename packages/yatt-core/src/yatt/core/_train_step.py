@@ -12,7 +12,7 @@ One train step, on every data-parallel rank (a backend supplies the hooks in `St
             (loss_sum * dp / units).backward()
     grad_norm, found_inf = reduce_and_clip_grads(max_norm)      global norm: a host sync
     loss = all_reduce(loss sums) / units
-    step_optimizer(lr) unless loss or norm is not finite        then every rank skips together
+    step_optimizer(lr_at(step)) unless loss or norm not finite  then every rank skips together
     zero_grad
 
 Dividing each micro-batch's loss sum by the global unit count (and multiplying by the dp size,
@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -80,10 +81,24 @@ class StepBackend(Protocol):
 
 @dataclass(kw_only=True)
 class StepCounts:
-    """How many train steps a policy ran, and how many of them did not update the weights."""
+    """How many train steps a policy ran and how many updated the weights: the learning-rate
+    schedule's position. Stateful (state_dict/load_state_dict), so a policy's state() carries it
+    into a checkpoint and a resume continues the schedule where it stopped."""
 
     num_steps: int = 0  # train_step calls with loss units (a skipped update counts too)
     num_skipped_steps: int = 0  # non-finite loss or norm, or no loss units anywhere
+    num_optimizer_steps: int = 0  # updates applied: the step the lr schedule is at
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        # Tensors, not ints: torch.distributed.checkpoint loads tensors in place.
+        return {
+            name: torch.tensor(getattr(self, name), dtype=torch.int64)
+            for name in ("num_steps", "num_skipped_steps", "num_optimizer_steps")
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name in ("num_steps", "num_skipped_steps", "num_optimizer_steps"):
+            setattr(self, name, int(state[name]))
 
 
 def select_micro_batch(batch: Batch, index: list[int], device: torch.device) -> tuple[Batch, bool]:
@@ -123,15 +138,18 @@ def run_train_step(
     loss_fn: LossFn,
     *,
     counts: StepCounts,
-    lr: float,
+    lr_at: Callable[[int], float],
     max_grad_norm: float | None,
 ) -> dict[str, float]:
     """One optimizer step over this rank's batch (see the module docstring); collective.
 
+    lr_at: the learning rate of an optimizer step (yatt.core._optimization.compute_lr), asked
+    for counts.num_optimizer_steps. max_grad_norm: clip to it; None or 0: measure only.
     Returns globally reduced metrics: "loss" (mean over units), each loss metric averaged over
-    loss tokens, "grad_norm", "lr", "num_micro_batches", "num_loss_tokens", "is_skipped".
-    Updates `counts`.
+    loss tokens, "grad_norm", "lr" (this step's), "num_micro_batches", "num_loss_tokens",
+    "is_skipped". Updates `counts`.
     """
+    lr = lr_at(counts.num_optimizer_steps)
     needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
     local_tokens = float(batch["loss_mask"].sum()) if "loss_mask" in batch else 0.0
     totals = reduce_metrics(
@@ -167,7 +185,7 @@ def run_train_step(
             # Dummies add 0 but still add the key: every rank must report the same keys.
             value = value.detach().to(torch.float64) * (0.0 if is_dummy else 1.0)
             metric_sums[key] = metric_sums.get(key, 0.0) + value
-    grad_norm, found_inf = backend.reduce_and_clip_grads(max_grad_norm)
+    grad_norm, found_inf = backend.reduce_and_clip_grads(max_grad_norm or None)
     sums = reduce_metrics(
         {"loss": loss_sum, **metric_sums}, group=backend.dp_group, default_op="sum"
     )
@@ -175,6 +193,7 @@ def run_train_step(
     is_finite = math.isfinite(loss) and math.isfinite(grad_norm) and not found_inf
     if is_finite:
         backend.step_optimizer(lr)
+        counts.num_optimizer_steps += 1
     else:
         # Every rank sees the same global loss and norm, so every rank skips together.
         counts.num_skipped_steps += 1

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from yatt.core._batch import Batch
 from yatt.core._cost_model import estimate_flops_costs, flops_shape
 from yatt.core._micro_batches import check_context, plan_micro_batches
+from yatt.core._optimization import make_lr_schedule
 from yatt.core._policy import DTYPES, LossFn
 from yatt.core._runtime import Runtime
 from yatt.core._train_step import StepCounts, compute_logprobs, run_train_step
@@ -104,7 +105,8 @@ class MegatronPolicy:
         else:
             model, self.optimizer = self._wrap_for_training(model, gpt.config)
         self.model = model
-        self._counts = StepCounts()
+        self._counts = StepCounts()  # also the lr schedule's position: in state()
+        self._lr_at = make_lr_schedule(config)
         self._asleep: set[str] = set()
 
     def _wrap_for_training(self, model: torch.nn.Module, tf_config: Any) -> tuple[Any, Any]:
@@ -120,7 +122,8 @@ class MegatronPolicy:
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=self.config.lr,
-            min_lr=self.config.lr,
+            # Unused (yatt sets each step's lr, see step_optimizer); kept consistent.
+            min_lr=self.config.lr * self.config.min_lr_ratio,
             weight_decay=self.config.weight_decay,
             adam_beta1=self.config.betas[0],
             adam_beta2=self.config.betas[1],
@@ -227,9 +230,12 @@ class MegatronPolicy:
         return float(inner.clip_grad_norm(max_norm)), found_inf  # host sync
 
     def step_optimizer(self, lr: float) -> None:
+        # What Megatron's OptimizerParamScheduler.step sets, with yatt's schedule: wd_mult is 0
+        # on biases and norm weights (get_megatron_optimizer's groups), 1 elsewhere.
         inner = self._inner_optimizer
         for group in inner.param_groups:
             group["lr"] = lr
+            group["weight_decay"] = self.config.weight_decay * group.get("wd_mult", 1.0)
         inner.step_with_ready_grads()  # then all-gathers the updated params over DP
 
     # -- the protocol --------------------------------------------------------------------------
@@ -251,7 +257,7 @@ class MegatronPolicy:
             batch,
             loss_fn,
             counts=self._counts,
-            lr=self.config.lr,
+            lr_at=self._lr_at,
             max_grad_norm=self.config.grad_clip,
         )
 
@@ -288,6 +294,7 @@ class MegatronPolicy:
                 tp_rank=self.tp_rank,
                 dp_rank=parallel_state.get_data_parallel_rank(),
             )
+            out["schedule"] = self._counts  # the same on every rank
         return out
 
     # -- placement role ------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from yatt.core._optimization import LRSchedule, check_optimizer_fields
 from yatt.core._policy import DTYPES
 from yatt.core.megatron._model import ATTENTIONS, Attention
 
@@ -17,10 +18,14 @@ class MegatronPolicyConfig:
     """
 
     model_dir: str  # a local directory with config.json and *.safetensors (save_pretrained output)
-    lr: float = 1e-6  # Adam learning rate (constant)
+    lr: float = 1e-6  # Adam peak learning rate (reached after warm-up; see lr_schedule)
+    lr_schedule: LRSchedule = "constant"  # after warm-up: "constant", or "cosine" to min_lr_ratio
+    num_warmup_steps: int = 0  # optimizer steps of linear warm-up (step t: lr * (t + 1) / n)
+    num_decay_steps: int | None = None  # cosine: steps (warm-up included) to its lowest lr
+    min_lr_ratio: float = 0.0  # cosine: the lowest lr, as a fraction of lr
     betas: tuple[float, float] = (0.9, 0.999)  # Adam betas
-    weight_decay: float = 0.0  # decoupled weight decay (Megatron skips norms and biases)
-    grad_clip: float | None = 1.0  # max global grad norm; None = no clipping (norm still logged)
+    weight_decay: float = 0.0  # decoupled weight decay (not on biases and norm weights)
+    grad_clip: float | None = 1.0  # max global grad norm; 0 or None: no clipping (norm logged)
     max_tokens_per_microbatch: int = 8192  # token cap per forward/backward (padded b x T)
     dtype: str = "bfloat16"  # parameter/compute dtype; the optimizer keeps float32 main params
     seed: int = 0  # Megatron's model-parallel RNG seed
@@ -44,16 +49,7 @@ class MegatronPolicyConfig:
                 f"{name}.model_dir={self.model_dir!r} {state}; pass a local directory written by "
                 "save_pretrained (config.json + safetensors)"
             )
-        if not (self.lr > 0 and self.lr < float("inf")):
-            raise ValueError(f"{name}.lr={self.lr!r}: must be a finite number > 0")
-        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"{name}.betas={self.betas!r}: need two values in [0, 1)")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"{name}.weight_decay={self.weight_decay!r}: must be >= 0")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(
-                f"{name}.grad_clip={self.grad_clip!r}: must be > 0, or None to disable"
-            )
+        check_optimizer_fields(name, self)
         for field in (
             "max_tokens_per_microbatch",
             "tp_size",
