@@ -7,6 +7,7 @@ from yatt.core._advantages import compute_grpo_advantages, mask_groups_with_rewa
 from yatt.core._backends import broadcast_to_tp_peers, build_policy, policy_config_from_dict
 from yatt.core._batch import Batch
 from yatt.core._config import config_from_dict, describe_config
+from yatt.core._export import export_hf, export_hf_from_checkpoint
 from yatt.core._head_logprobs import logprobs_in_head, supports_head_logprobs
 from yatt.core._loader import ROW_INDEX_KEY, ShardedLoader
 from yatt.core._logits import compute_entropy, compute_token_logprobs
@@ -19,6 +20,8 @@ from yatt.core._losses import (
     sum_over_units,
 )
 from yatt.core._metrics import reduce_metrics
+from yatt.core._model_paths import resolve_model_dir
+from yatt.core._optimization import LR_SCHEDULES, compute_lr
 from yatt.core._policy import LossFn, PolicyBackend, TorchPolicyConfig
 from yatt.core._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
 from yatt.core._run_log import RunLog
@@ -29,6 +32,7 @@ from yatt.core._version import __version__
 from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
 
 __all__ = [
+    "LR_SCHEDULES",
     "ROLLOUT_TOKEN_KEYS",
     "ROW_INDEX_KEY",
     "Batch",
@@ -50,15 +54,19 @@ __all__ = [
     "compute_entropy",
     "compute_grpo_advantages",
     "compute_kl",
+    "compute_lr",
     "compute_token_logprobs",
     "config_from_dict",
     "count_units",
     "describe_config",
+    "export_hf",
+    "export_hf_from_checkpoint",
     "init_runtime",
     "logprobs_in_head",
     "mask_groups_with_reward_variance",
     "policy_config_from_dict",
     "reduce_metrics",
+    "resolve_model_dir",
     "rollout_batch",
     "rollout_samples",
     "sample_dynamically",

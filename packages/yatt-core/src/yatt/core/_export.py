@@ -1,0 +1,336 @@
+"""Save a policy as a Hugging Face model folder that `transformers` and vLLM load as they are.
+
+    export_hf(policy, out_dir)                      live policy, every rank calls it
+      each parameter: gather (FSDP2 DTensor -> full_tensor, one at a time; host copies of an
+      offloaded policy read where they are) -> cast to dtype -> rank 0 keeps a CPU copy
+    export_hf_from_checkpoint(ckpt_dir, out_dir, model_dir=...)     one process
+      read the "model" tensors of a torch.distributed.checkpoint folder (any number of writer
+      ranks) -> cast to dtype
+    then, on rank 0 only:
+      check the names against the architecture (built on the meta device: no memory)
+      out_dir.export.tmp/  <- config.json (dtype set), model*.safetensors (+ index if sharded)
+                           <- tokenizer files, generation_config.json, ... copied from model_dir
+      fsync, rename to out_dir                       a crash never leaves a complete-looking folder
+
+The weights are written by the architecture's own `save_pretrained`, so tied embeddings are
+saved once and any renaming transformers applies on load is reverted on save. Rank 0 holds the
+model once in host memory, in the exported dtype.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from yatt.core._checkpoint_tensors import read_model_tensors
+from yatt.core._policy import DTYPES
+from yatt.core._torch_policy import TorchPolicy
+from yatt.placement import offloaded_named_parameters
+
+logger = logging.getLogger("yatt.core")
+
+DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
+_TMP_SUFFIX = ".export.tmp"
+# Files of a model folder that are weights or the config: written anew, never copied.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def export_hf(
+    policy: Any,
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    should_overwrite: bool = False,
+) -> Path:
+    """Write `policy`'s current weights as a Hugging Face model folder at `out_dir`.
+
+    Collective: every rank calls it (FSDP2 gathers each parameter; TP peers gather shards);
+    global rank 0 writes. A sleeping `TorchPolicy` is exported from its host copies, without
+    waking it. dtype: "float32", "bfloat16", "float16" or a torch dtype; default the dtype in
+    the config.json of the policy's model_dir. Config, tokenizer files and
+    generation_config.json come from that model_dir. Returns `out_dir` on every rank; raises on
+    every rank if rank 0 failed.
+    """
+    model_dir = _policy_model_dir(policy)
+    target = _check_dtype(dtype, model_dir)
+    out = Path(out_dir).expanduser().absolute()
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    error = _check_out_dir(out, model_dir, should_overwrite) if is_writer else None
+    error = _agree_on_error(error)  # every rank stops before the collectives if rank 0 cannot write
+    if error is not None:
+        raise ValueError(error)
+    is_alone = not dist.is_initialized() or dist.get_world_size() == 1
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in _full_named_weights(policy):
+        # Every rank gathers (collectives), only the writer keeps a host copy. A writer that
+        # fails still drains the iterator, so the other ranks' gathers complete.
+        if is_writer and error is None:
+            try:
+                tensors[name] = _to_host(tensor, target)
+            except Exception as e:  # host memory: reported to every rank below
+                if is_alone:
+                    raise
+                error = f"export_hf to {str(out)!r} failed copying {name!r} to host: {e!r}"
+                tensors.clear()
+    if is_writer and error is None:
+        try:
+            _write_folder(tensors, model_dir, out, target, max_shard_bytes, should_overwrite)
+        except Exception as e:  # reported to every rank below
+            if is_alone:
+                raise
+            error = f"export_hf to {str(out)!r} failed: {e!r}"
+    error = _agree_on_error(error)
+    if error is not None:
+        raise RuntimeError(error)
+    return out
+
+
+def export_hf_from_checkpoint(
+    checkpoint_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    model_dir: str | os.PathLike[str],
+    dtype: str | torch.dtype | None = None,
+    state_key: str = "model",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    should_overwrite: bool = False,
+) -> Path:
+    """Write the model saved in a torch.distributed.checkpoint folder as a Hugging Face folder.
+
+    checkpoint_dir: one checkpoint (the folder holding `.metadata`), e.g. a yatt-ckpt step
+    folder `checkpoints/step-00000100` (`Checkpointer.verify(step).path`), written by any
+    number of ranks under DDP, FSDP2 or one process. state_key: the key the policy's module had
+    in the saved state (`policy.state()` uses "model"). model_dir: the folder the policy was
+    built from (config, tokenizer, generation config). Runs in one process, no collectives.
+    Raises ValueError for a missing, unfinished or damaged checkpoint.
+    """
+    model_dir = _check_model_dir(Path(model_dir).expanduser())
+    target = _check_dtype(dtype, model_dir)
+    out = Path(out_dir).expanduser().absolute()
+    error = _check_out_dir(out, model_dir, should_overwrite)
+    if error is not None:
+        raise ValueError(error)
+    tensors = read_model_tensors(Path(checkpoint_dir).expanduser(), state_key, dtype=target)
+    _write_folder(tensors, model_dir, out, target, max_shard_bytes, should_overwrite)
+    return out
+
+
+# -- inputs ------------------------------------------------------------------------------------
+
+
+def _policy_model_dir(policy: Any) -> Path:
+    model_dir = getattr(getattr(policy, "config", None), "model_dir", None)
+    if model_dir is None:
+        raise TypeError(
+            f"export_hf takes a policy whose .config.model_dir names the folder it was built "
+            f"from (TorchPolicy, MegatronPolicy); got {type(policy).__name__}"
+        )
+    return _check_model_dir(Path(model_dir).expanduser())
+
+
+def _check_model_dir(model_dir: Path) -> Path:
+    if not (model_dir / "config.json").is_file():
+        raise ValueError(
+            f"model_dir={str(model_dir)!r} has no config.json; pass the local folder the policy "
+            "was built from (a Hub id resolves to one with yatt.core.resolve_model_dir)"
+        )
+    return model_dir
+
+
+def _check_dtype(dtype: str | torch.dtype | None, model_dir: Path) -> torch.dtype:
+    if dtype is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_dir)
+        saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(saved, str):
+            saved = DTYPES.get(saved)
+        return saved if saved in DTYPES.values() else torch.float32
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ValueError(f"dtype={dtype!r}: use one of {sorted(DTYPES)} (or None: model_dir's dtype)")
+
+
+def _check_out_dir(out: Path, model_dir: Path, should_overwrite: bool) -> str | None:
+    if out == model_dir.absolute():
+        return f"out_dir={str(out)!r} is the model_dir it copies from; pass another folder"
+    if out.exists() and not out.is_dir():
+        return f"out_dir={str(out)!r} is a file; pass a folder path"
+    if out.exists() and not should_overwrite:
+        return (
+            f"out_dir={str(out)!r} exists; pass should_overwrite=True to replace it, or a new path"
+        )
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"out_dir={str(out)!r}: cannot create its parent folder ({e.strerror or e})"
+    return None
+
+
+def _agree_on_error(error: str | None) -> str | None:
+    """Rank 0's error (or None), on every rank; a no-op in a single process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return error
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# -- gathering ---------------------------------------------------------------------------------
+
+
+def _full_named_weights(policy: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    if not isinstance(policy, TorchPolicy):
+        yield from policy.named_weights()  # MegatronPolicy: TP shards gathered, HF names
+        return
+    # The module's own names are Hugging Face names (DDP wraps it, FSDP2 shards it in place).
+    # While the policy sleeps, its values wait in host copies: read them there, no wake_up.
+    for name, param in offloaded_named_parameters(policy.module):
+        yield name, _full_tensor(param.detach())
+
+
+def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    if not hasattr(tensor, "full_tensor"):
+        return tensor
+    # An offloaded FSDP2 shard sits on the host while NCCL gathers device memory only.
+    mesh_device = tensor.device_mesh.device_type
+    if tensor.device.type != mesh_device:
+        tensor = tensor.to(mesh_device)
+    return tensor.full_tensor()
+
+
+def _to_host(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if tensor.is_floating_point():
+        tensor = tensor.to(dtype)  # on the device first: less to copy
+    # A copy even on the host: the live parameters keep training, the export must not follow.
+    return tensor.to("cpu", copy=True).contiguous()
+
+
+# -- writing -----------------------------------------------------------------------------------
+
+
+def _write_folder(
+    tensors: dict[str, torch.Tensor],
+    model_dir: Path,
+    out: Path,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+    should_overwrite: bool,
+) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.dtype = dtype
+    if not isinstance(inspect.getattr_static(type(config), "torch_dtype", None), property):
+        config.torch_dtype = dtype  # transformers < 4.56 reads and writes only this name
+    with torch.device("meta"):
+        # The architecture without memory: its names, tied weights and save logic.
+        skeleton = AutoModelForCausalLM.from_config(config)
+    _check_names(tensors, skeleton, model_dir)
+    tmp = out.with_name(out.name + _TMP_SUFFIX)
+    if tmp.exists():
+        shutil.rmtree(tmp)  # an earlier export that crashed
+    try:
+        tmp.mkdir()
+        skeleton.save_pretrained(tmp, state_dict=tensors, max_shard_size=max_shard_bytes)
+        copied = _copy_side_files(model_dir, tmp)
+        _fsync_tree(tmp)
+        _commit(tmp, out, should_overwrite)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not any(name in copied for name in _TOKENIZER_FILES):
+        logger.warning(
+            "export: %s has no tokenizer files to copy; vLLM needs one in %s: save it there "
+            "with tokenizer.save_pretrained",
+            model_dir,
+            out,
+        )
+    num_bytes = sum(t.nbytes for t in tensors.values())
+    logger.info(
+        "exported %d tensors (%.2f GB, %s) to %s", len(tensors), num_bytes / 1e9, dtype, out
+    )
+
+
+def _check_names(tensors: dict[str, torch.Tensor], skeleton: Any, model_dir: Path) -> None:
+    """Every tensor is one the architecture has, and every weight is there (tied ones once)."""
+    expected = skeleton.state_dict(keep_vars=True)  # tied names share one Parameter object
+    unknown = sorted(set(tensors) - set(expected))
+    if unknown:
+        raise ValueError(
+            f"{len(unknown)} weight names are not names of the {type(skeleton).__name__} of "
+            f"{str(model_dir)!r}, e.g. {unknown[:3]}; was the checkpoint saved from another "
+            "model (or a MegatronPolicy, whose checkpoints hold TP shards: export it live)?"
+        )
+    aliases: dict[int, list[str]] = {}
+    for name, value in expected.items():
+        aliases.setdefault(id(value), []).append(name)
+    missing = [names[0] for names in aliases.values() if not any(n in tensors for n in names)]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} weights of the {type(skeleton).__name__} of {str(model_dir)!r} "
+            f"are missing, e.g. {missing[:3]}; the weights come from another model"
+        )
+    for name, tensor in tensors.items():
+        shape = tuple(expected[name].shape)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, the config of "
+                f"{str(model_dir)!r} gives {shape}; the weights come from another model"
+            )
+
+
+def _copy_side_files(model_dir: Path, tmp: Path) -> list[str]:
+    """Copy model_dir's top-level files other than weights and config (tokenizer files,
+    generation_config.json, chat template, custom code); returns their names."""
+    copied = []
+    for entry in sorted(model_dir.iterdir()):
+        name = entry.name
+        is_weights = name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json")
+        if not entry.is_file() or name.startswith(".") or name == "config.json" or is_weights:
+            continue
+        shutil.copyfile(entry, tmp / name)  # follows symlinks (a Hugging Face cache snapshot)
+        copied.append(name)
+    return copied
+
+
+def _fsync_tree(folder: Path) -> None:
+    for entry in folder.iterdir():
+        with open(entry, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: Path, out: Path, should_overwrite: bool) -> None:
+    """Rename the finished folder into place (an existing one moved aside first)."""
+    if out.exists():
+        assert should_overwrite
+        old = out.with_name(out.name + ".old" + _TMP_SUFFIX)
+        if old.exists():
+            shutil.rmtree(old)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+    _fsync_dir(out.parent)
