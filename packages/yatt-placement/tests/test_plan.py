@@ -273,3 +273,21 @@ def test_is_resident_together_follows_the_phases_not_the_mode_name():
     with pytest.raises(ValueError, match="roles are"):
         full.is_resident_together("rollout", "judge")
     assert log == []  # asking switches nothing
+
+
+@pytest.mark.parametrize("factory", ["full_colocation", "partial_colocation"])
+def test_reference_policy_is_awake_in_the_train_phase_only(factory):
+    log: list = []
+    rollout, genrm, train = _engines(log)
+    reference = RecordingRole("reference", log, {"weights": 400, "kv_cache": 0})
+    plan = getattr(Plan, factory)(rollout=rollout, genrm=genrm, train=train, reference=reference)
+    with plan.phase("rollout"):
+        assert not reference.awake and ("reference", "sleep") in log
+    log.clear()
+    with plan.phase("train"):
+        assert reference.awake == {"weights", "kv_cache"} and train.awake
+    assert ("reference", "wake", ("weights",)) in log
+    with plan.phase("sync"):
+        assert not reference.awake  # only the trainer and the engine's weights
+    assert plan.is_resident_together("train", "reference")
+    assert not plan.is_resident_together("rollout", "reference")

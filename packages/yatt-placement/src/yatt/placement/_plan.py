@@ -54,9 +54,17 @@ def _rollout_weights(rollout: Role) -> PhaseEntry:
     return "rollout"
 
 
-def _ordered_roles(rollout: Role, genrm: Role | None, train: Role) -> dict[str, Role]:
-    roles = {"rollout": rollout, "genrm": genrm, "train": train}
+def _ordered_roles(
+    rollout: Role, genrm: Role | None, train: Role, reference: Role | None = None
+) -> dict[str, Role]:
+    roles = {"rollout": rollout, "genrm": genrm, "train": train, "reference": reference}
     return {name: role for name, role in roles.items() if role is not None}
+
+
+def _train_entries(reference: Role | None) -> list[PhaseEntry]:
+    """The train phase: the trainer, and a frozen KL reference policy whose logprobs the loss
+    reads (awake only then: offloaded with the trainer in every other phase)."""
+    return ["train", "reference"] if reference is not None else ["train"]
 
 
 class Plan:
@@ -119,17 +127,22 @@ class Plan:
         rollout: Role,
         train: Role,
         genrm: Role | None = None,
+        reference: Role | None = None,
         wake_stages: Sequence[Sequence[str]] = _WAKE_STAGES,
         meter: Callable[[], int] | None = None,
         offload: OffloadMode = "always",
         fit: FitConfig | None = None,
     ) -> Plan:
-        """Each phase alone on every GPU: phases rollout, genrm (if given), train and sync."""
-        roles = _ordered_roles(rollout, genrm, train)
+        """Each phase alone on every GPU: phases rollout, genrm (if given), train and sync.
+        A KL `reference` policy is awake in the train phase only."""
+        roles = _ordered_roles(rollout, genrm, train, reference)
         phases: dict[str, list[PhaseEntry]] = {"rollout": ["rollout"]}
         if genrm is not None:
             phases["genrm"] = ["genrm"]
-        phases |= {"train": ["train"], "sync": ["train", _rollout_weights(rollout)]}
+        phases |= {
+            "train": _train_entries(reference),
+            "sync": ["train", _rollout_weights(rollout)],
+        }
         return cls(
             roles=roles,
             phases=phases,
@@ -147,22 +160,24 @@ class Plan:
         rollout: Role,
         genrm: Role,
         train: Role,
+        reference: Role | None = None,
         split: MemorySplit | None = None,
         wake_stages: Sequence[Sequence[str]] = _WAKE_STAGES,
         meter: Callable[[], int] | None = None,
         offload: OffloadMode = "always",
         fit: FitConfig | None = None,
     ) -> Plan:
-        """Rollout and GenRM resident together (memory split by load), trainer offloaded."""
+        """Rollout and GenRM resident together (memory split by load), trainer offloaded; a KL
+        `reference` policy is awake in the train phase only."""
         engines: list[PhaseEntry] = ["rollout", "genrm"]
         phases = {
             "rollout": engines,
             "genrm": engines,
-            "train": ["train"],
+            "train": _train_entries(reference),
             "sync": ["train", _rollout_weights(rollout)],
         }
         return cls(
-            roles={"rollout": rollout, "genrm": genrm, "train": train},
+            roles=_ordered_roles(rollout, genrm, train, reference),
             phases=phases,
             mode="partial_colocation",
             split=split if split is not None else MemorySplit(),
@@ -179,10 +194,11 @@ class Plan:
         rollout: Role,
         train: Role,
         genrm: Role | None = None,
+        reference: Role | None = None,
         meter: Callable[[], int] | None = None,
     ) -> Plan:
         """Every role keeps its own GPUs and stays awake: the baseline; switches cost nothing."""
-        roles = _ordered_roles(rollout, genrm, train)
+        roles = _ordered_roles(rollout, genrm, train, reference)
         every: list[PhaseEntry] = list(roles)
         phases = dict.fromkeys(
             ["rollout", *(["genrm"] if genrm is not None else []), "train", "sync"], every
