@@ -210,7 +210,6 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
     import torch
 
     from yatt import core, genrm
-    from yatt.balance import flops_cost
 
     rt, plan, engine, judge, policy = ctx.runtime, ctx.plan, ctx.engine, ctx.judge, ctx.policy
     requests, sampling, expected, prompts = setup.make_requests(ctx, mix, step)
@@ -270,10 +269,8 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
         batch.samples["reward"], batch.samples["group_id"]
     )
     with _step_profile.timed(phases, "train"):
-        mc = policy.model_config
-        costs = flops_cost(
-            batch.lengths.tolist(), hidden_size=mc.hidden_size, num_layers=mc.num_hidden_layers
-        )
+        # The policy's own cost model: balancing weighs samples as its micro-batch packing does.
+        costs = policy.estimate_costs(batch.lengths.tolist())
         batch, _ = batch.rebalance(group=rt.dp_group, group_key="group_id", costs=costs)
         with plan.phase("train"):
             policy.train_step(batch.to(rt.device), ctx.loss)
