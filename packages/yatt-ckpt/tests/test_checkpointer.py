@@ -49,6 +49,9 @@ def test_round_trip_restores_model_optimizer_scheduler_tensor_and_extra(tmp_path
     fresh_counter = torch.zeros(3, dtype=torch.int64)
     with Checkpointer(tmp_path) as ckpt:
         assert ckpt.latest() == 3
+        assert (ckpt.step_path(3) / ".metadata").is_file()  # a DCP folder, for export tools
+        with pytest.raises(CheckpointError, match="step 2 has no committed checkpoint"):
+            ckpt.step_path(2)
         got = ckpt.load(state_of(fresh_model, fresh_optim, fresh_sched, fresh_counter))
     assert got == extra
     for (name, want), got_param in zip(

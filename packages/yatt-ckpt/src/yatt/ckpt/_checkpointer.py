@@ -39,6 +39,7 @@ from yatt.ckpt._layout import (
     read_info,
     read_rank_record,
     remove_leftovers,
+    step_dirname,
 )
 from yatt.ckpt._process_writer import ProcessWriter
 from yatt.ckpt._rng import capture_rng_state, restore_rng_state
@@ -303,6 +304,16 @@ class Checkpointer:
         """The newest committed step under root, or None."""
         steps = list_committed_steps(self.root)
         return steps[-1] if steps else None
+
+    def step_path(self, step: int) -> Path:
+        """The folder of committed checkpoint `step` (a torch.distributed.checkpoint folder,
+        e.g. for yatt.core.export_hf_from_checkpoint); CheckpointError if it is not committed."""
+        if step not in list_committed_steps(self.root):
+            raise CheckpointError(
+                f"step {step} has no committed checkpoint under {str(self.root)!r}; committed: "
+                f"{list_committed_steps(self.root)}"
+            )
+        return self.root / step_dirname(step)
 
     def verify(self, step: int) -> CheckpointInfo:
         """Check `step`'s metadata (step, time, world size, versions, file sizes, DCP index)
