@@ -72,15 +72,17 @@ def tied_model_dir(tmp_path_factory):
     return path
 
 
-def test_export_reloads_with_the_policys_weights_and_logprobs(tiny_model_dir, tmp_path):
+def test_export_reloads_with_the_policys_weights_and_logprobs(tiny_model_dir, tmp_path, caplog):
     policy = _trained_policy(tiny_model_dir)
     weights = {name: t.clone() for name, t in policy.named_weights()}
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     moved = [n for n, t in initial.named_parameters() if not torch.equal(t, weights[n])]
     assert len(moved) == len(weights)  # the step moved every weight: not the initial model
 
-    out = export_hf(policy, tmp_path / "hf")
+    with caplog.at_level("INFO", logger="yatt.core"):
+        out = export_hf(policy, tmp_path / "hf")
     assert out == tmp_path / "hf"
+    assert f"exported {len(weights)} tensors" in caplog.text  # the log counts what was written
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert dict(reloaded.named_parameters()).keys() == weights.keys()
     for name, tensor in reloaded.named_parameters():

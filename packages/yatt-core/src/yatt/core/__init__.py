@@ -6,7 +6,7 @@ Runtime and process groups, sharded prompt data, batches, GRPO/DAPO math and pol
 from yatt.core._advantages import compute_grpo_advantages, mask_groups_with_reward_variance
 from yatt.core._backends import broadcast_to_tp_peers, build_policy, policy_config_from_dict
 from yatt.core._batch import Batch
-from yatt.core._config import config_from_dict, describe_config
+from yatt.core._config import coerce_value, config_from_dict, describe_config
 from yatt.core._export import export_hf, export_hf_from_checkpoint
 from yatt.core._head_logprobs import logprobs_in_head, supports_head_logprobs
 from yatt.core._loader import ROW_INDEX_KEY, ShardedLoader
@@ -24,17 +24,25 @@ from yatt.core._model_paths import resolve_model_dir
 from yatt.core._optimization import LR_SCHEDULES, compute_lr
 from yatt.core._policy import LossFn, PolicyBackend, TorchPolicyConfig
 from yatt.core._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
-from yatt.core._run_log import RunLog
+from yatt.core._run_log import RunLog, check_wandb
 from yatt.core._runtime import Runtime, init_runtime, set_seed
 from yatt.core._sampling import sample_dynamically
-from yatt.core._torch_policy import TorchPolicy
+from yatt.core._torch_policy import TorchPolicy, image_patches_of
 from yatt.core._version import __version__
+from yatt.core._vision_inputs import (
+    VISION_INPUTS_KEY,
+    VisionInputError,
+    VisionInputs,
+    encode_vision_prompt,
+    load_image_processor,
+)
 from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
 
 __all__ = [
     "LR_SCHEDULES",
     "ROLLOUT_TOKEN_KEYS",
     "ROW_INDEX_KEY",
+    "VISION_INPUTS_KEY",
     "Batch",
     "LossFn",
     "MegatronPolicy",
@@ -46,10 +54,14 @@ __all__ = [
     "ShardedLoader",
     "TorchPolicy",
     "TorchPolicyConfig",
+    "VisionInputError",
+    "VisionInputs",
     "__version__",
     "aggregate",
     "broadcast_to_tp_peers",
     "build_policy",
+    "check_wandb",
+    "coerce_value",
     "compute_clipped_policy_loss",
     "compute_entropy",
     "compute_grpo_advantages",
@@ -59,9 +71,12 @@ __all__ = [
     "config_from_dict",
     "count_units",
     "describe_config",
+    "encode_vision_prompt",
     "export_hf",
     "export_hf_from_checkpoint",
+    "image_patches_of",
     "init_runtime",
+    "load_image_processor",
     "logprobs_in_head",
     "mask_groups_with_reward_variance",
     "policy_config_from_dict",

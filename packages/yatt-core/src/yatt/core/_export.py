@@ -239,6 +239,8 @@ def _write_folder(
         # The architecture without memory: its names, tied weights and save logic.
         skeleton = AutoModelForCausalLM.from_config(config)
     _check_names(tensors, skeleton, model_dir)
+    # Counted now: save_pretrained may consume the state dict it is given (transformers 5).
+    num_tensors, num_bytes = len(tensors), sum(t.nbytes for t in tensors.values())
     tmp = out.with_name(out.name + _TMP_SUFFIX)
     if tmp.exists():
         shutil.rmtree(tmp)  # an earlier export that crashed
@@ -258,10 +260,7 @@ def _write_folder(
             model_dir,
             out,
         )
-    num_bytes = sum(t.nbytes for t in tensors.values())
-    logger.info(
-        "exported %d tensors (%.2f GB, %s) to %s", len(tensors), num_bytes / 1e9, dtype, out
-    )
+    logger.info("exported %d tensors (%.2f GB, %s) to %s", num_tensors, num_bytes / 1e9, dtype, out)
 
 
 def _check_names(tensors: dict[str, torch.Tensor], skeleton: Any, model_dir: Path) -> None:
