@@ -290,4 +290,5 @@ def test_reference_policy_is_awake_in_the_train_phase_only(factory):
     with plan.phase("sync"):
         assert not reference.awake  # only the trainer and the engine's weights
     assert plan.is_resident_together("train", "reference")
+    assert plan.has_memory_split == (factory == "partial_colocation")
     assert not plan.is_resident_together("rollout", "reference")

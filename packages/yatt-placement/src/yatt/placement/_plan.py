@@ -402,6 +402,11 @@ class Plan:
         """The rollout engine's part of the engines' memory (partial colocation)."""
         return self._split.rollout_fraction if self._split is not None else 0.0
 
+    @property
+    def has_memory_split(self) -> bool:
+        """Rollout and GenRM share the device by a split that `update_load` moves."""
+        return self._split is not None
+
     def update_load(self, *, rollout_pending_tokens: float, genrm_pending_tokens: float) -> float:
         """Move the memory split toward the measured load; returns the new rollout fraction.
 
