@@ -1,23 +1,32 @@
-"""bench/step.py --report: combine the per-run JSONs into one JSON, a Markdown table, the
-issue's ratios (pass/fail) and a stacked-bar plot of the phases.
+"""bench/step.py --report: combine the per-run JSONs into one JSON, a Markdown table (medians
+of the timed steps with their min and max), the issue's ratios (pass/fail, _step_bars.py) and a
+stacked-bar plot of the phases.
 
-Ratios (issue #8's bars), each computed only when both runs are present:
-  full_vs_dedicated_2gpu[mix]   (a) step / (c) step on 2 GPUs               bar <= 0.55
-  partial_vs_full_rollout_genrm (b) rollout+genrm / (a) rollout+genrm,
-                                 longtail, per GPU count                    bar <= 0.75
-  yatt_vs_trl_1gpu              yatt (a) fixed step / TRL step, 1 GPU       bar <= 0.5
-
-Runs are keyed by variant (_step_setup.variant_key): the layout, "-auto" for Plan(offload=
-"auto"), "-p<N>" for --prompts N. The bars use the seed's setting (offload every switch, 16
-prompts); every variant present gets its own rows next to them.
+Runs are keyed by variant (_step_setup.variant_key): the layout, then what differs from the
+defaults ("-auto" for Plan(offload="auto"), "-p<N>" for --prompts N, "-defer", "-vllm", ...).
+Each run records its wall-clock interval and host, so the report can refuse ratios between
+runs that shared a host at the same time (_step_bars.apply_guard), and whether its first timed
+step was an outlier (first-touch host memory the warm-up missed: the "1st/median" column).
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 from pathlib import Path
 from typing import Any
+
+from _step_bars import (
+    Stat,
+    compute_ratios,
+    label_of,
+    overlaps,
+    phase_metric,
+    run_key,
+    stat,
+    step_time,
+)
 
 PHASES = ("rollout", "genrm", "rollout+genrm", "train", "sync", "ckpt")
 COLORS = {
@@ -29,33 +38,8 @@ COLORS = {
     "ckpt": "#937860",
     "other": "#bbbbbb",
 }
-
-
-LABELS = {
-    "full": "(a) full colocation",
-    "partial": "(b) partial colocation",
-    "dedicated": "(c) dedicated GenRM GPU",
-    "separate": "(c) 1 GPU: judge + policy resident, fixed shares (nothing to dedicate)",
-}
-
-
-ENGINE_NAMES = {"vllm": "vLLM 0.26.0", "sglang": "SGLang 0.5.17"}
-
-
-def label_of(variant: str) -> str:
-    """`(a) full colocation, offload when short of memory, 64 prompts` for "full-auto-p64"."""
-    layout, *rest = variant.split("-")
-    parts = [LABELS[layout]]
-    for part in rest:
-        if part == "auto":
-            parts.append("offload only when short of memory")
-        elif part in ("vllm", "sglang"):
-            parts.append(f"{ENGINE_NAMES[part]} as the rollout engine")
-        elif part == "defer":
-            parts.append("a save finding the writer busy waits for a later step")
-        elif part.startswith("p"):
-            parts.append(f"{part[1:]} prompts")
-    return ", ".join(parts)
+# A first timed step this much slower than the median is reported as an outlier.
+OUTLIER = 1.25
 
 
 def write_run(
@@ -68,8 +52,15 @@ def write_run(
     workload: dict,
     ckpt_root: str,
     by_mix: dict[str, list[list[dict]]],
+    started_at: float | None = None,
+    ended_at: float | None = None,
 ) -> Path:
-    """One run's JSON (step_<layout>_<n>gpu.json): every rank's rows per mix, summarised."""
+    """One run's JSON (step_<layout>_<n>gpu.json): every rank's rows per mix, summarised.
+
+    started_at/ended_at: the run's wall-clock interval (time.time(), from before its models
+    load to after its last step), with this host's name: the report refuses ratios between
+    runs whose intervals overlapped on one host (_step_bars.apply_guard).
+    """
     from _step_setup import device_name
 
     # dedicated: the judge's GPU counts (on CPU smoke runs its process stands for that GPU).
@@ -85,6 +76,9 @@ def write_run(
         "tiny": tiny,
         "workload": workload,
         "ckpt_root": ckpt_root,
+        "host": socket.gethostname(),
+        "started_at": started_at,
+        "ended_at": ended_at,
         "mixes": {mix: summarize_mix(ranks) for mix, ranks in by_mix.items()},
     }
     out = Path(out_dir) / f"step_{variant}_{num_gpus}gpu.json"
@@ -95,10 +89,13 @@ def write_run(
 
 
 def summarize_mix(ranks: list[list[dict]]) -> dict:
-    """Per timed step: phase = max over ranks; GPUs = every rank's; then medians."""
-    steps = []
+    """Per timed step: phase = max over ranks; GPUs = every rank's; then medians, min and
+    max, and the first timed step against the median (an outlier: the warm-up missed some
+    first-touch memory). The warm-up steps' times are kept too."""
+    steps, warmup_s = [], []
     for i, row in enumerate(ranks[0]):
         if row["is_warmup"]:
+            warmup_s.append(max(r[i]["t1"] for r in ranks) - min(r[i]["t0"] for r in ranks))
             continue
         rows = [r[i] for r in ranks]
         names = sorted({k for r in rows for k in r["phases"]})
@@ -137,15 +134,22 @@ def summarize_mix(ranks: list[list[dict]]) -> dict:
                 "peak_used_gib": max(peak, default=None),
             }
         )
-    return {
-        "median": {
-            "step_s": med(s["step_s"] for s in steps),
+    summary = {
+        name: {
+            "step_s": fn(s["step_s"] for s in steps),
             # TRL saves no checkpoint in its steps: the like-for-like yatt step leaves ours out.
-            "step_without_ckpt_s": med(s["step_s"] - s["phases"].get("ckpt", 0.0) for s in steps),
-            "phases": {k: med(s["phases"][k] for s in steps) for k in steps[0]["phases"]},
-            "switch_s": med(s["switch_s"] for s in steps),
-            "gpus": gpus,
-        },
+            "step_without_ckpt_s": fn(s["step_s"] - s["phases"].get("ckpt", 0.0) for s in steps),
+            "phases": {k: fn(s["phases"][k] for s in steps) for k in steps[0]["phases"]},
+            "switch_s": fn(s["switch_s"] for s in steps),
+        }
+        for name, fn in (("median", med), ("min", min), ("max", max))
+    }
+    summary["median"]["gpus"] = gpus
+    return {
+        **summary,
+        "num_timed": len(steps),
+        "first_over_median": steps[0]["step_s"] / summary["median"]["step_s"],
+        "warmup_step_s": warmup_s,
         "steps": steps,
         "all_lengths_forced": all(s["bad_lengths"] == 0 for s in steps),
     }
@@ -160,167 +164,105 @@ def load_runs(results_dir: Path) -> list[dict[str, Any]]:
     return runs
 
 
-def _find(runs, layout: str, num_gpus: int) -> dict | None:
-    for run in runs:
-        if run["layout"] == layout and run["num_gpus"] == num_gpus:
-            return run
-    return None
-
-
-def _median(run: dict | None, mix: str) -> dict | None:
-    if run is None or mix not in run.get("mixes", {}):
-        return None
-    return run["mixes"][mix]["median"]
-
-
-def _rollout_genrm(med: dict) -> float:
-    p = med["phases"]
-    return p.get("rollout+genrm", p.get("rollout", 0.0) + p.get("genrm", 0.0))
-
-
-def _ratio(name: str, num: float | None, den: float | None, bar: float, what: str) -> dict:
-    if num is None or den is None or den <= 0:
-        return {"name": name, "what": what, "bar": bar, "value": None, "pass": None}
-    value = num / den
-    return {"name": name, "what": what, "bar": bar, "value": value, "pass": value <= bar}
-
-
-def _suffixes(runs: list[dict], layout: str) -> list[str]:
-    """The variant suffixes ("", "-auto", "-p64", ...) present for `layout`, "" first."""
-    found = {r["layout"][len(layout) :] for r in runs if r["layout"].split("-")[0] == layout}
-    return ["", *sorted(found - {""})]
-
-
-def compute_ratios(runs: list[dict]) -> list[dict]:
-    out = []
-    for suffix in _suffixes(runs, "full"):
-        a_run, c_run = _find(runs, "full" + suffix, 2), _find(runs, "dedicated" + suffix, 2)
-        if suffix and not (a_run and c_run):
-            continue
-        for mix in ("fixed", "longtail"):
-            a, c = _median(a_run, mix), _median(c_run, mix)
-            if suffix and not (a and c):
-                continue
-            out.append(
-                _ratio(
-                    f"full{suffix}_vs_dedicated{suffix}_2gpu_{mix}",
-                    a and a["step_s"],
-                    c and c["step_s"],
-                    0.55,
-                    f"{label_of('full' + suffix)} step / (c) step, 2 GPUs, {mix}",
-                )
-            )
-    for n in (1, 2):
-        for b_suffix in _suffixes(runs, "partial"):
-            for a_suffix in ("", "-auto"):
-                a = _median(_find(runs, "full" + a_suffix, n), "longtail")
-                b = _median(_find(runs, "partial" + b_suffix, n), "longtail")
-                if (a_suffix or b_suffix) and not (a and b):
-                    continue
-                out.append(
-                    _ratio(
-                        f"partial{b_suffix}_vs_full{a_suffix}_rollout_genrm_{n}gpu_longtail",
-                        b and _rollout_genrm(b),
-                        a and _rollout_genrm(a),
-                        0.75,
-                        f"{label_of('partial' + b_suffix)} rollout+genrm / "
-                        f"{label_of('full' + a_suffix)} rollout+genrm, {n} GPU(s), longtail",
-                    )
-                )
-    out += _engine_ratios(runs)
-    trl = _median(_find(runs, "trl", 1), "fixed")
-    others = {r["layout"] for r in runs if r["num_gpus"] == 1} - {"full", "partial", "trl"}
-    yatt = ["full", "partial", *sorted(others)]
-    for variant in yatt:
-        y = _median(_find(runs, variant, 1), "fixed")
-        what = f"yatt {label_of(variant)} step / TRL GRPOTrainer step, 1 GPU, fixed 256 tokens"
-        out.append(
-            _ratio(
-                f"yatt_{variant}_vs_trl_1gpu_fixed",
-                y and y["step_s"],
-                trl and trl["step_s"],
-                0.5,
-                what,
-            )
-        )
-        if y and "step_without_ckpt_s" in y:
-            out.append(
-                _ratio(
-                    f"yatt_{variant}_without_ckpt_vs_trl_1gpu_fixed",
-                    y["step_without_ckpt_s"],
-                    trl and trl["step_s"],
-                    0.5,
-                    what + " (yatt without its per-step checkpoint; TRL saves none)",
-                )
-            )
-    return out
-
-
-def _engine_ratios(runs: list[dict]) -> list[dict]:
-    """yatt's built-in engine against vLLM/SGLang as the rollout backend, same layout, GPU count
-    and mix: step time and rollout time. Bar 1.0: the built-in engine stays the default only
-    where it is no slower."""
-    out = []
-    for run in runs:
-        layout, _, engine = run["layout"].partition("-")
-        if engine not in ENGINE_NAMES:
-            continue
-        builtin = _find(runs, layout, run["num_gpus"])
-        for mix in run.get("mixes", {}):
-            mine, theirs = _median(builtin, mix), _median(run, mix)
-            where = f"{LABELS[layout]}, {run['num_gpus']} GPU(s), {mix}"
-            for what, value_of in (("step", lambda m: m["step_s"]), ("rollout", _rollout_phase)):
-                out.append(
-                    _ratio(
-                        f"builtin_vs_{engine}_{what}_{layout}_{run['num_gpus']}gpu_{mix}",
-                        mine and value_of(mine),
-                        theirs and value_of(theirs),
-                        1.0,
-                        f"built-in engine {what} / {ENGINE_NAMES[engine]} {what}, {where}",
-                    )
-                )
-    return out
-
-
-def _rollout_phase(med: dict) -> float:
-    """The rollout's own time: partial colocation times rollout and judge together."""
-    return med["phases"].get("rollout", med["phases"].get("rollout+genrm", 0.0))
-
-
 def _fmt(v: float | None, spec: str = ".2f") -> str:
     return "n/a" if v is None else format(v, spec)
+
+
+def _cell(value: Stat | dict | None) -> str:
+    """ "1.77 (1.37-6.24)": median (min-max) of the timed steps; the median alone if that is
+    all a run kept."""
+    if value is None:
+        return ""
+    if isinstance(value, dict):
+        value = Stat(**value)
+    if value.min is None or value.max is None:
+        return _fmt(value.median)
+    return f"{_fmt(value.median)} ({_fmt(value.min)}-{_fmt(value.max)})"
+
+
+def first_over_median(run: dict, mix: str) -> float | None:
+    """The first timed step's time over the median of all timed steps."""
+    steps = run["mixes"][mix].get("steps", [])
+    med = stat(run, mix, step_time)
+    if not steps or med is None or not med.median or steps[0].get("step_s") is None:
+        return None
+    return steps[0]["step_s"] / med.median
+
+
+def _switches(s: dict) -> float | None:
+    return s.get("switch_s")
 
 
 def markdown(runs: list[dict], ratios: list[dict], device: str) -> str:
     lines = [
         f"# GRPO step by placement on {device}",
         "",
-        "`bash bench/step_gpu.sh` (bench/step.py, bench/step_trl.py): medians of the timed steps "
-        "(after warm-up); phase times are the slowest rank's; busy = mean NVML utilization "
-        "over the step; peak = NVML used memory.",
+        "`bash bench/step_gpu.sh` (bench/step.py, bench/step_trl.py): median (min-max) of the "
+        "timed steps (after warm-up); phase times are the slowest rank's; busy = mean NVML "
+        "utilization over the step; peak = NVML used memory; 1st/median = the first timed "
+        f"step over the median (over {OUTLIER} where every step does the same work: an "
+        "outlier, the warm-up missed something; the longtail mix's lengths differ per step).",
         "",
-        "| layout | GPUs | mix | step s | "
+        "| layout | GPUs | mix | timed steps | step s | "
         + " | ".join(PHASES)
-        + " | genrm tail | switches s | busy per GPU | peak GiB per GPU | lengths forced |",
-        "|---|---:|---|---:|" + "---:|" * len(PHASES) + "---:|---:|---|---|---|",
+        + " | genrm tail | switches s | busy per GPU | peak GiB per GPU | lengths forced"
+        + " | 1st/median |",
+        "|---|---:|---|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---|---|---|---:|",
     ]
+    outliers = []
     for run in sorted(runs, key=lambda r: (r["num_gpus"], r["layout"])):
         for mix, res in run["mixes"].items():
             med = res["median"]
-            phases = [_fmt(med["phases"].get(p)) if p in med["phases"] else "" for p in PHASES]
+            phases = [_cell(stat(run, mix, phase_metric(p))) for p in PHASES]
             busy = ", ".join(_fmt(g["busy"]) for g in med.get("gpus", []))
             peak = ", ".join(_fmt(g["peak_used_gib"], ".1f") for g in med.get("gpus", []))
+            first = first_over_median(run, mix)
+            flag = ""
+            # Only steps of equal work compare (longtail lengths differ from step to step).
+            same_work = len({s.get("response_tokens") for s in res.get("steps", [])}) == 1
+            if first is not None and first > OUTLIER and same_work:
+                flag = " (outlier)"
+                outliers.append(f"{run_key(run)} {mix}: first timed step {first:.2f}x the median")
             lines.append(
-                f"| {run['label']} | {run['num_gpus']} | {mix} | {_fmt(med['step_s'])} | "
+                f"| {run['label']} | {run['num_gpus']} | {mix} | {len(res.get('steps', []))} | "
+                + _cell(stat(run, mix, step_time))
+                + " | "
                 + " | ".join(phases)
-                + f" | {_fmt(med['phases'].get('genrm_tail'))} | {_fmt(med.get('switch_s'))}"
-                + f" | {busy or 'n/a'} | {peak or 'n/a'} | {res.get('all_lengths_forced')} |"
+                + f" | {_cell(stat(run, mix, phase_metric('genrm_tail')))}"
+                + f" | {_cell(stat(run, mix, _switches))}"
+                + f" | {busy or 'n/a'} | {peak or 'n/a'} | {res.get('all_lengths_forced')}"
+                + f" | {_fmt(first)}{flag} |"
             )
-    lines += ["", "## Bars", "", "| ratio | value | bar | result |", "|---|---:|---:|---|"]
+    lines += [
+        "",
+        "## Bars",
+        "",
+        "Ratios of medians; numerator and denominator as median (min-max) seconds.",
+        "",
+        "| ratio | value | numerator s | denominator s | bar | result |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for r in ratios:
-        verdict = "not measured" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
-        lines.append(f"| {r['what']} | {_fmt(r['value'], '.3f')} | <= {r['bar']} | {verdict} |")
+        verdict = r.get("verdict") or (
+            "not measured" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
+        )
+        lines.append(
+            f"| {r['what']} | {_fmt(r['value'], '.3f')} | {_cell(r.get('num'))} | "
+            f"{_cell(r.get('den'))} | <= {r['bar']} | {verdict} |"
+        )
     notes = [run["note"] for run in runs if run.get("note")]
+    for key, others in sorted(overlaps(runs).items()):
+        notes.append(
+            f"{key} ran while {', '.join(others)} ran on the same host: ratios using it are "
+            "refused (run them one after another)."
+        )
+    unchecked = [run_key(r) for r in runs if r.get("started_at") is None]
+    if unchecked:
+        notes.append(
+            f"{', '.join(unchecked)}: no wall-clock interval recorded, so whether another run "
+            "shared the host meanwhile is unchecked."
+        )
+    notes += [f"{o} (the warm-up missed some first-touch memory)." for o in outliers]
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
@@ -352,8 +294,13 @@ def plot(runs: list[dict], path: Path) -> Path | None:
             if any(heights):
                 ax.bar(names, heights, bottom=bottoms, label=phase, color=COLORS[phase])
                 bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+        # Whiskers: the fastest and the slowest timed step.
+        spreads = [stat(r, mix, step_time) for r in bars]
+        low = [s.median - s.min if s and s.min is not None else 0.0 for s in spreads]
+        high = [s.max - s.median if s and s.max is not None else 0.0 for s in spreads]
+        ax.errorbar(names, bottoms, yerr=[low, high], fmt="none", ecolor="black", capsize=3)
         ax.set_title(f"{mix} lengths")
-        ax.set_ylabel("median step time (s)")
+        ax.set_ylabel("median step time (s), whiskers min-max")
         ax.tick_params(axis="x", labelsize=8)
     labels = {}
     for ax in axes[0]:

@@ -1,0 +1,366 @@
+"""bench/step.py --report: the issue's ratios (bars) from the per-run JSONs, whatever the runs
+are named, and the guard that refuses ratios taken from runs that shared a host at once.
+
+Bars (issue 18, "Placement performance"; a ratio passes when value <= bar):
+  full_vs_dedicated   (a) step / (c) step, 2 GPUs, per mix                          <= 0.55
+  partial_vs_full     (b) rollout+genrm / (a) rollout+genrm, longtail, 1 and 2 GPUs <= 0.80
+  train_scaling       train phase on 2 GPUs / on 1 GPU, same layout, longtail      <= 0.6
+  yatt_vs_trl         yatt step / TRL GRPOTrainer step, 1 GPU, fixed 256 tokens     <= 0.3
+  builtin_vs_engine   built-in engine / vLLM or SGLang, step and rollout time       <= 1.0
+
+A run is named by its variant (_step_setup.variant_key): the base layout, then what differs
+from the defaults ("full-auto-defer", "partial-vllm", "dedicated-p64"). Every bar pairs runs
+by base layout, like for like: the same settings on both sides (partial against full may also
+differ in the offload setting, the seed's comparison next to the like-for-like one; the engine
+ratios differ only in the engine). Each pair gets its own row, naming both variants; a bar with
+no pair at all gets one "not measured" row.
+
+Values are ratios of medians over the timed steps; each row also carries both sides' median,
+min and max. Trust: every run records its wall-clock interval and host (started_at, ended_at,
+host). A ratio that uses a run whose interval overlapped another run's on the same host is
+REFUSED (its value is kept, it passes nothing); a run without an interval (older JSONs) leaves
+the ratio flagged "overlap unchecked"; runs from different hosts are flagged too (one device
+call each: their machines may differ).
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+BARS = {
+    "full_vs_dedicated": 0.55,
+    "partial_vs_full": 0.80,
+    "train_scaling": 0.6,
+    "yatt_vs_trl": 0.3,
+    "builtin_vs_engine": 1.0,
+}
+
+LABELS = {
+    "full": "(a) full colocation",
+    "partial": "(b) partial colocation",
+    "dedicated": "(c) dedicated GenRM GPU",
+    "separate": "(c) 1 GPU: judge + policy resident, fixed shares (nothing to dedicate)",
+    "trl": "(d) TRL GRPOTrainer",
+}
+ENGINE_NAMES = {"vllm": "vLLM 0.26.0", "sglang": "SGLang 0.5.17"}
+# Order of the layouts in the tables and in the rows of a bar.
+_LAYOUT_ORDER = ("full", "partial", "dedicated", "separate", "trl")
+
+
+# -- variants -----------------------------------------------------------------------------------
+def split_variant(variant: str) -> tuple[str, frozenset[str]]:
+    """("full", {"auto", "defer"}) for "full-auto-defer": the base layout and its settings."""
+    base, *mods = variant.split("-")
+    return base, frozenset(mods)
+
+
+def label_of(variant: str) -> str:
+    """`(a) full colocation, offload when short of memory, 64 prompts` for "full-auto-p64"."""
+    layout, *rest = variant.split("-")
+    parts = [LABELS.get(layout, layout)]
+    for part in rest:
+        if part == "auto":
+            parts.append("offload only when short of memory")
+        elif part in ENGINE_NAMES:
+            parts.append(f"{ENGINE_NAMES[part]} as the rollout engine")
+        elif part == "defer":
+            parts.append("a save finding the writer busy waits for a later step")
+        elif part.startswith("p") and part[1:].isdigit():
+            parts.append(f"{part[1:]} prompts")
+        else:
+            parts.append(part)
+    return ", ".join(parts)
+
+
+def run_key(run: dict) -> str:
+    """ "full-auto/1gpu": a run's name in the ratios and the notes."""
+    return f"{run['layout']}/{run['num_gpus']}gpu"
+
+
+def _order(run: dict) -> tuple:
+    base, mods = split_variant(run["layout"])
+    rank = _LAYOUT_ORDER.index(base) if base in _LAYOUT_ORDER else len(_LAYOUT_ORDER)
+    return (rank, len(mods), run["layout"], run["num_gpus"])
+
+
+def _runs_of(runs: list[dict], base: str, num_gpus: int | None = None) -> list[dict]:
+    found = [
+        r
+        for r in runs
+        if split_variant(r["layout"])[0] == base and num_gpus in (None, r["num_gpus"])
+    ]
+    return sorted(found, key=_order)
+
+
+# -- per-step statistics ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stat:
+    """Median, min and max of one metric over a run's timed steps (n of them). A run that kept
+    only its medians gives n=0 and no min/max."""
+
+    median: float
+    min: float | None
+    max: float | None
+    n: int
+
+
+Metric = Callable[[dict], float | None]
+
+
+def phase_metric(name: str) -> Metric:
+    """One phase's time in a step (None where the step has no such phase)."""
+    return lambda s: s.get("phases", {}).get(name)
+
+
+def step_time(s: dict) -> float | None:
+    return s.get("step_s")
+
+
+def step_without_ckpt(s: dict) -> float | None:
+    """TRL saves no checkpoint in its steps: the like-for-like yatt step leaves ours out."""
+    if "ckpt" not in s.get("phases", {}):
+        return None
+    return s["step_s"] - s["phases"]["ckpt"]
+
+
+def rollout_genrm(s: dict) -> float | None:
+    p = s.get("phases", {})
+    if "rollout+genrm" in p:
+        return p["rollout+genrm"]
+    if "rollout" in p or "genrm" in p:
+        return p.get("rollout", 0.0) + p.get("genrm", 0.0)
+    return None
+
+
+def rollout_only(s: dict) -> float | None:
+    """The rollout's own time: partial colocation times rollout and judge together."""
+    p = s.get("phases", {})
+    return p.get("rollout", p.get("rollout+genrm"))
+
+
+METRICS: dict[str, Metric] = {
+    "step": step_time,
+    "step_without_ckpt": step_without_ckpt,
+    "rollout+genrm": rollout_genrm,
+    "rollout": rollout_only,
+    "train": phase_metric("train"),
+}
+
+
+def stat(run: dict | None, mix: str, metric: Metric) -> Stat | None:
+    """`metric` over the timed steps of `run`'s `mix` (None where the run lacks it)."""
+    if run is None or mix not in run.get("mixes", {}):
+        return None
+    result = run["mixes"][mix]
+    values = [v for v in (metric(s) for s in result.get("steps", [])) if v is not None]
+    if values:
+        return Stat(statistics.median(values), min(values), max(values), len(values))
+    value = metric(result.get("median", {}))  # medians only (an older or a partial record)
+    return None if value is None else Stat(value, None, None, 0)
+
+
+# -- the guard ----------------------------------------------------------------------------------
+def overlaps(runs: list[dict]) -> dict[str, list[str]]:
+    """run_key -> the runs on the same host whose wall-clock interval overlapped its own."""
+    out: dict[str, list[str]] = {}
+    for a, b in itertools.combinations(runs, 2):
+        if not (_interval(a) and _interval(b)) or a.get("host") != b.get("host"):
+            continue
+        (a0, a1), (b0, b1) = _interval(a), _interval(b)
+        if a0 < b1 and b0 < a1:
+            out.setdefault(run_key(a), []).append(run_key(b))
+            out.setdefault(run_key(b), []).append(run_key(a))
+    return out
+
+
+def _interval(run: dict) -> tuple[float, float] | None:
+    if run.get("started_at") is None or run.get("ended_at") is None:
+        return None
+    return run["started_at"], run["ended_at"]
+
+
+def apply_guard(ratios: list[dict], runs: list[dict]) -> list[dict]:
+    """Set each ratio's verdict: REFUSED where a run of it overlapped another run on its host,
+    flagged where that cannot be checked or its runs ran on different hosts."""
+    by_key = {run_key(r): r for r in runs}
+    concurrent = overlaps(runs)
+    for ratio in ratios:
+        used = [by_key[k] for k in ratio.get("runs", []) if k in by_key]
+        flags = []
+        refused = [
+            f"{k} overlapped {', '.join(concurrent[k])}" for k in ratio["runs"] if k in concurrent
+        ]
+        unchecked = [run_key(r) for r in used if _interval(r) is None]
+        if unchecked:
+            flags.append(f"overlap unchecked: {', '.join(unchecked)} recorded no interval")
+        hosts = {r.get("host") for r in used if r.get("host")}
+        if len(hosts) > 1:
+            flags.append("runs on different hosts")
+        ratio["flags"] = flags
+        if ratio["value"] is None:
+            ratio["verdict"] = "not measured"
+        elif refused:
+            ratio["pass"] = None
+            ratio["verdict"] = "REFUSED: " + "; ".join(refused) + " on the same host"
+        else:
+            ratio["verdict"] = "PASS" if ratio["pass"] else "FAIL"
+        if flags and ratio["value"] is not None:
+            ratio["verdict"] += " (" + "; ".join(flags) + ")"
+    return ratios
+
+
+# -- the ratios ---------------------------------------------------------------------------------
+def _ratio(
+    name: str, what: str, bar: float, num: Stat | None, den: Stat | None, runs: list[dict]
+) -> dict:
+    value = None
+    if num is not None and den is not None and den.median > 0:
+        value = num.median / den.median
+    return {
+        "name": name,
+        "what": what,
+        "bar": bar,
+        "value": value,
+        "pass": None if value is None else value <= bar,
+        "runs": [run_key(r) for r in runs],
+        "num": num and asdict(num),
+        "den": den and asdict(den),
+    }
+
+
+def _unmeasured(name: str, what: str, bar: float) -> dict:
+    return _ratio(name, what, bar, None, None, [])
+
+
+def compute_ratios(runs: list[dict]) -> list[dict]:
+    out = []
+    out += _full_vs_dedicated(runs)
+    out += _partial_vs_full(runs)
+    out += _train_scaling(runs)
+    out += _yatt_vs_trl(runs)
+    out += _engine_ratios(runs)
+    return apply_guard(out, runs)
+
+
+def _full_vs_dedicated(runs: list[dict]) -> list[dict]:
+    bar, out = BARS["full_vs_dedicated"], []
+    pairs = [
+        (a, c)
+        for a in _runs_of(runs, "full", 2)
+        for c in _runs_of(runs, "dedicated", 2)
+        if split_variant(a["layout"])[1] == split_variant(c["layout"])[1]
+    ]
+    for mix in ("fixed", "longtail"):
+        rows = []
+        for a, c in pairs:
+            num, den = stat(a, mix, step_time), stat(c, mix, step_time)
+            if num and den:
+                what = f"{label_of(a['layout'])} step / {label_of(c['layout'])} step, 2 GPUs, {mix}"
+                name = f"{a['layout']}_vs_{c['layout']}_2gpu_{mix}"
+                rows.append(_ratio(name, what, bar, num, den, [a, c]))
+        what = f"(a) full colocation step / (c) dedicated GenRM GPU step, 2 GPUs, {mix}"
+        out += rows or [_unmeasured(f"full_vs_dedicated_2gpu_{mix}", what, bar)]
+    return out
+
+
+def _partial_vs_full(runs: list[dict]) -> list[dict]:
+    """Like for like, except that the offload setting may differ (the seed offloaded at every
+    switch; Plan(offload="auto") leaves full colocation no switch cost for (b) to save)."""
+    bar, out = BARS["partial_vs_full"], []
+    for n in (1, 2):
+        rows = []
+        for b in _runs_of(runs, "partial", n):
+            for a in _runs_of(runs, "full", n):
+                if split_variant(b["layout"])[1] - {"auto"} != split_variant(a["layout"])[1] - {
+                    "auto"
+                }:
+                    continue
+                num = stat(b, "longtail", rollout_genrm)
+                den = stat(a, "longtail", rollout_genrm)
+                if num and den:
+                    what = (
+                        f"{label_of(b['layout'])} rollout+genrm / {label_of(a['layout'])} "
+                        f"rollout+genrm, {n} GPU(s), longtail"
+                    )
+                    name = f"{b['layout']}_vs_{a['layout']}_rollout_genrm_{n}gpu_longtail"
+                    rows.append(_ratio(name, what, bar, num, den, [b, a]))
+        what = f"(b) rollout+genrm / (a) rollout+genrm, {n} GPU(s), longtail"
+        name = f"partial_vs_full_rollout_genrm_{n}gpu_longtail"
+        out += rows or [_unmeasured(name, what, bar)]
+    return out
+
+
+def _train_scaling(runs: list[dict]) -> list[dict]:
+    """The train phase of one variant on 2 GPUs (DP, balanced) against the same on 1 GPU."""
+    bar, out = BARS["train_scaling"], []
+    train = METRICS["train"]
+    for base in ("full", "partial"):
+        for two in _runs_of(runs, base, 2):
+            one = next((r for r in _runs_of(runs, base, 1) if r["layout"] == two["layout"]), None)
+            num, den = stat(two, "longtail", train), stat(one, "longtail", train)
+            if num and den:
+                what = f"{label_of(two['layout'])}: train phase on 2 GPUs / on 1 GPU, longtail"
+                name = f"train_{two['layout']}_2gpu_vs_1gpu_longtail"
+                out.append(_ratio(name, what, bar, num, den, [two, one]))
+    what = "(a) full colocation: train phase on 2 GPUs / on 1 GPU, longtail"
+    return out or [_unmeasured("train_full_2gpu_vs_1gpu_longtail", what, bar)]
+
+
+def _yatt_vs_trl(runs: list[dict]) -> list[dict]:
+    bar, out = BARS["yatt_vs_trl"], []
+    trl = next(iter(_runs_of(runs, "trl", 1)), None)
+    den = stat(trl, "fixed", step_time)
+    yatt = [r for r in runs if r["num_gpus"] == 1 and split_variant(r["layout"])[0] != "trl"]
+    for run in sorted(yatt, key=_order):
+        variant = run["layout"]
+        num = stat(run, "fixed", step_time)
+        if num is None:
+            continue
+        what = f"yatt {label_of(variant)} step / TRL GRPOTrainer step, 1 GPU, fixed 256 tokens"
+        name = f"yatt_{variant}_vs_trl_1gpu_fixed"
+        out.append(_ratio(name, what, bar, num, den, [run, trl] if trl else [run]))
+        bare = stat(run, "fixed", step_without_ckpt)
+        if bare is not None:
+            what += " (yatt without its per-step checkpoint; TRL saves none)"
+            name = f"yatt_{variant}_without_ckpt_vs_trl_1gpu_fixed"
+            out.append(_ratio(name, what, bar, bare, den, [run, trl] if trl else [run]))
+    what = "yatt (a) full colocation step / TRL GRPOTrainer step, 1 GPU, fixed 256 tokens"
+    return out or [_unmeasured("yatt_full_vs_trl_1gpu_fixed", what, bar)]
+
+
+def _engine_ratios(runs: list[dict]) -> list[dict]:
+    """yatt's built-in engine against vLLM/SGLang as the rollout backend, same layout, other
+    settings, GPU count and mix: step time and rollout time. Bar 1.0: the built-in engine
+    stays the default only where it is no slower."""
+    bar, out = BARS["builtin_vs_engine"], []
+    for run in sorted(runs, key=_order):
+        base, mods = split_variant(run["layout"])
+        for engine in sorted(mods & ENGINE_NAMES.keys()):
+            builtin = next(
+                (
+                    r
+                    for r in _runs_of(runs, base, run["num_gpus"])
+                    if split_variant(r["layout"])[1] == mods - {engine}
+                ),
+                None,
+            )
+            name_of = builtin["layout"] if builtin else run["layout"].replace(f"-{engine}", "")
+            n = run["num_gpus"]
+            for mix in run.get("mixes", {}):
+                where = f"{label_of(name_of)}, {n} GPU(s), {mix}"
+                for what in ("step", "rollout"):
+                    metric = METRICS[what]
+                    out.append(
+                        _ratio(
+                            f"builtin_vs_{engine}_{what}_{name_of}_{n}gpu_{mix}",
+                            f"built-in engine {what} / {ENGINE_NAMES[engine]} {what}, {where}",
+                            bar,
+                            stat(builtin, mix, metric),
+                            stat(run, mix, metric),
+                            [builtin, run] if builtin else [run],
+                        )
+                    )
+    return out
