@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# Issue #8's placement benchmark on a 2-GPU machine, in one command (carry .whl: trl, datasets,
-# dill, multiprocess and torch_memory_saver come as wheels; there is no network there):
-#   bash bench/step_gpu.sh            # writes under $OUT (default /tmp/yatt-step-out)
-# Order: 2-GPU runs first (the issue's first bar), then the 1-GPU runs two at a time, one per
-# GPU (full || TRL, full-auto || partial-auto, partial || separate), then the report. Each run has its own timeout, and
-# runs that would start after BUDGET_S seconds are skipped, so the whole script stays under
-# about 8 minutes; the report marks what was not measured.
+# Issue #8/#18's placement benchmark on the device machine (carry .whl: trl, datasets, dill,
+# multiprocess and torch_memory_saver come as wheels; there is no network there):
+#   ONLY=1gpu bash bench/step_gpu.sh   # writes under $OUT (default /tmp/yatt-step-out)
+# ONLY picks groups of runs, or single runs by name, comma-separated; each group fits one
+# 10-minute device call at the defaults (2 warm-up + 5 timed steps per mix):
+#   1gpu       full, TRL, partial          (yatt/TRL and (b)/(a) on 1 GPU)
+#   1gpu-auto  full-auto, partial-auto, separate
+#   2gpu       full, partial, dedicated    ((a)/(c), (b)/(a) on 2 GPUs; the train phase's
+#                                           2-GPU/1-GPU ratio wants full_1gpu in the same call)
+#   2gpu-auto  full-auto, dedicated-auto
+#   scale      full and dedicated at 64 prompts, fixed mix, offload auto
+#   all        every group but scale (longer than one call)
+# Every run has the host to itself: runs go one after another, 1-GPU runs on GPU 0 (the
+# report refuses ratios between runs whose wall-clock intervals overlapped on one host). Each
+# run has its own timeout, and runs that would start after BUDGET_S seconds are skipped; the
+# report marks what was not measured.
 set -uo pipefail
 OUT=${OUT:-/tmp/yatt-step-out}
-BUDGET_S=${BUDGET_S:-330}  # no run starts later; + RUN_TIMEOUT = worst case
-RUN_TIMEOUT=${RUN_TIMEOUT:-130}
+BUDGET_S=${BUDGET_S:-360}  # no run starts later; + RUN_TIMEOUT = worst case
+RUN_TIMEOUT=${RUN_TIMEOUT:-200}
 EXTRA=${STEP_EXTRA:-}  # every run, TRL's too: e.g. "--tiny --steps 1" for a CPU dry run
 YATT_EXTRA=${YATT_EXTRA:-}  # yatt's runs only: e.g. "--profile-phase train"
 RUNS=${RUNS:-/tmp/yatt-step-runs}  # per-run JSONs and logs; they come back as one archive
@@ -42,36 +51,43 @@ run() {
 # Models once (random weights, saved with save_pretrained), reused by every run.
 run models python3 $STEP --prepare
 
-# ONLY=2gpu|1gpu|scale runs one part (the whole set takes longer than one 10-minute device call).
+ONLY=${ONLY:-all}
+# want NAME GROUP...: whether ONLY names this run or one of its groups.
+want() {
+  local name=$1; shift
+  local g
+  for g in "$name" "$@"; do
+    [[ ",$ONLY," == *",$g,"* ]] && return 0
+  done
+  return 1
+}
+
 # Each yatt layout runs as the seed had it (offload at every switch: the bars' setting) and
 # with Plan(offload="auto") (a role sleeps only when the next phase would not fit).
-ONLY=${ONLY:-all}
-if [ "$ONLY" = all ] || [ "$ONLY" = 2gpu ]; then
-  run full_2gpu $TORCHRUN $STEP --layout full
-  run dedicated_2gpu python3 $STEP --layout dedicated --judge-gpu 1
-  run partial_2gpu $TORCHRUN $STEP --layout partial
-  run full_auto_2gpu $TORCHRUN $STEP --layout full --offload auto
+want full_2gpu 2gpu all && run full_2gpu $TORCHRUN $STEP --layout full
+want partial_2gpu 2gpu all && run partial_2gpu $TORCHRUN $STEP --layout partial
+want dedicated_2gpu 2gpu all && run dedicated_2gpu python3 $STEP --layout dedicated --judge-gpu 1
+want full_auto_2gpu 2gpu-auto all && run full_auto_2gpu $TORCHRUN $STEP --layout full --offload auto
+want dedicated_auto_2gpu 2gpu-auto all && \
   run dedicated_auto_2gpu python3 $STEP --layout dedicated --judge-gpu 1 --offload auto
-fi
 
-# 1-GPU runs, two at a time on different GPUs (each its own process and GPU).
-if [ "$ONLY" = all ] || [ "$ONLY" = 1gpu ]; then
-  CUDA_VISIBLE_DEVICES=0 run full_1gpu python3 $STEP --layout full &
-  CUDA_VISIBLE_DEVICES=1 run trl_1gpu python3 bench/step_trl.py --model-dir $MODELS --out-dir "$RUNS" $EXTRA &
-  wait
-  CUDA_VISIBLE_DEVICES=0 run full_auto_1gpu python3 $STEP --layout full --offload auto &
-  CUDA_VISIBLE_DEVICES=1 run partial_auto_1gpu python3 $STEP --layout partial --offload auto &
-  wait
-  CUDA_VISIBLE_DEVICES=0 run partial_1gpu python3 $STEP --layout partial &
-  CUDA_VISIBLE_DEVICES=1 run separate_1gpu python3 $STEP --layout dedicated &
-  wait
-fi
+# 1-GPU runs, one after another on GPU 0: two at once on one host (one per GPU) share its
+# CPUs and memory bandwidth, and their times are compared with each other.
+export CUDA_VISIBLE_DEVICES=0
+want full_1gpu 1gpu all && run full_1gpu python3 $STEP --layout full
+# TRL: as many steps as ours (its own defaults are 1 + 3); $EXTRA still overrides them.
+want trl_1gpu 1gpu all && run trl_1gpu python3 bench/step_trl.py --warmup 2 --steps 5 \
+  --model-dir $MODELS --out-dir "$RUNS" $EXTRA
+want partial_1gpu 1gpu all && run partial_1gpu python3 $STEP --layout partial
+want full_auto_1gpu 1gpu-auto all && run full_auto_1gpu python3 $STEP --layout full --offload auto
+want partial_auto_1gpu 1gpu-auto all && \
+  run partial_auto_1gpu python3 $STEP --layout partial --offload auto
+want separate_1gpu 1gpu-auto all && run separate_1gpu python3 $STEP --layout dedicated
+unset CUDA_VISIBLE_DEVICES
 
 # A 4x larger batch on 2 GPUs: does (a)/(c) move toward 0.5 once the GPUs have more work?
-if [ "$ONLY" = scale ]; then
-  run full_p64_2gpu $TORCHRUN $STEP --layout full --offload auto --prompts 64 --mix fixed
-  run dedicated_p64_2gpu python3 $STEP --layout dedicated --judge-gpu 1 --offload auto --prompts 64 --mix fixed
-fi
+want scale && run full_p64_2gpu $TORCHRUN $STEP --layout full --offload auto --prompts 64 --mix fixed
+want scale && run dedicated_p64_2gpu python3 $STEP --layout dedicated --judge-gpu 1 --offload auto --prompts 64 --mix fixed
 
 python3 bench/step.py --report --results-dir "$RUNS" 2>&1 | tee "$OUT/report.log" | tail -n 30
 cp "$RUNS"/step_nvidia_* "$RUNS"/step_cuda.* "$OUT"/ 2>/dev/null
