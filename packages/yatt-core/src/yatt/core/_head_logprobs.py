@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 # soft-capping or scaling after the head). Others keep the plain path: swapping their head
 # would silently skip that post-processing.
 HEAD_LOGPROB_MODEL_TYPES = frozenset(
-    {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+    {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl"}
 )
 # Logits held at once per chunk (float32 elements): 2**27 is 512 MiB, about 880 positions of a
 # 152k vocabulary.

@@ -2,11 +2,14 @@
 
     bins = pack(costs, max_tokens=cap, lengths=lengths)      yatt.balance: cost-balanced bins
     bins = split_padded(bins, lengths, cap)                  rows x longest row <= cap
+                                                             (+ the bin's image patches)
     with a count group: repeat with min_bins = the ranks' largest count until all agree;
                         a rank still short runs empty bins (zero-loss dummies)
 
 The costs are the policy's own (`estimate_costs`), the same that cross-rank balancing uses, so
-a sample weighs the same in both.
+a sample weighs the same in both. A vision-language sample's image patches (`extra_tokens`)
+count toward the memory cap on top of its padded row: the vision tower's activations grow with
+them, unpadded (it packs a micro-batch's images end to end).
 """
 
 from __future__ import annotations
@@ -22,22 +25,33 @@ from yatt.balance import pack
 _MAX_AGREEMENT_ROUNDS = 8
 
 
-def split_padded(bins: list[list[int]], lengths: list[int], cap: int) -> list[list[int]]:
-    """Split bins whose padded size (rows x longest row) exceeds `cap` into length-sorted parts.
+def split_padded(
+    bins: list[list[int]],
+    lengths: list[int],
+    cap: int,
+    extra_tokens: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """Split bins whose padded size (rows x longest row, plus the rows' `extra_tokens`: image
+    patches) exceeds `cap` into length-sorted parts.
 
     `pack` caps the sum of lengths and spreads long sequences over the bins, so a bin of one
     long and many short samples pads every row to the long one: memory (the float32 logits over
-    the vocabulary) follows the padded size. A sample longer than `cap` keeps a bin of its own.
+    the vocabulary) follows the padded size. A sample over `cap` keeps a bin of its own.
     """
+    extra = extra_tokens if extra_tokens is not None else [0] * len(lengths)
+
+    def size(index: list[int]) -> int:
+        return len(index) * max(lengths[i] for i in index) + sum(extra[i] for i in index)
+
     out: list[list[int]] = []
     for index in bins:
-        if not index or len(index) * max(lengths[i] for i in index) <= cap:
+        if not index or size(index) <= cap:
             out.append(index)
             continue
         part: list[int] = []
         for i in sorted(index, key=lambda i: -lengths[i]):
             # part[0] is the part's longest row: every row pads to it.
-            if part and (len(part) + 1) * lengths[part[0]] > cap:
+            if part and size([*part, i]) > cap:
                 out.append(part)
                 part = []
             part.append(i)
@@ -62,6 +76,7 @@ def plan_micro_batches(
     max_tokens: int,
     count_group: dist.ProcessGroup | None = None,
     device: torch.device | None = None,
+    extra_tokens: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Bins of sample indices, each at most `max_tokens` padded tokens (a longer sample alone).
 
@@ -69,8 +84,10 @@ def plan_micro_batches(
     every forward, so a rank with fewer would leave the others waiting); collective over it.
     Empty bins are then dummies to run with zero loss. None: this rank's count alone.
     device: where the count's all-reduce runs under NCCL (CPU under gloo).
+    extra_tokens: per sample, tokens that count toward the cap besides its padded row (a
+    vision-language sample's image patches); None: none.
     """
-    bins = _pack_padded(costs, lengths, max_tokens)
+    bins = _pack_padded(costs, lengths, max_tokens, extra_tokens=extra_tokens)
     if count_group is None or dist.get_world_size(count_group) == 1:
         return bins
     for _ in range(_MAX_AGREEMENT_ROUNDS):
@@ -79,17 +96,24 @@ def plan_micro_batches(
         smallest = -_all_reduce_max(-len(bins), count_group, device)
         if smallest == target:
             return bins
-        bins = _pack_padded(costs, lengths, max_tokens, min_bins=target)
+        bins = _pack_padded(costs, lengths, max_tokens, min_bins=target, extra_tokens=extra_tokens)
     # Splits can overshoot the agreed count: the short ranks run zero-loss dummies.
     target = _all_reduce_max(len(bins), count_group, device)
     return bins + [[] for _ in range(target - len(bins))]
 
 
 def _pack_padded(
-    costs: Sequence[float], lengths: list[int], cap: int, min_bins: int | None = None
+    costs: Sequence[float],
+    lengths: list[int],
+    cap: int,
+    min_bins: int | None = None,
+    extra_tokens: Sequence[int] | None = None,
 ) -> list[list[int]]:
-    bins = pack(costs, max_tokens=cap, lengths=lengths, min_bins=min_bins, allow_oversize=True)
-    return split_padded(bins, lengths, cap)
+    sizes = lengths
+    if extra_tokens is not None:
+        sizes = [length + extra for length, extra in zip(lengths, extra_tokens, strict=True)]
+    bins = pack(costs, max_tokens=cap, lengths=sizes, min_bins=min_bins, allow_oversize=True)
+    return split_padded(bins, lengths, cap, extra_tokens)
 
 
 def _all_reduce_max(value: int, group: dist.ProcessGroup, device: torch.device | None) -> int:

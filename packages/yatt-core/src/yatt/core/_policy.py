@@ -73,7 +73,8 @@ class PolicyBackend(Protocol):
 
 @dataclass(kw_only=True, frozen=True)
 class TorchPolicyConfig:
-    """A Hugging Face causal LM trained with AdamW under DDP or FSDP2."""
+    """A Hugging Face causal LM (or a Qwen2-VL-family vision-language model) trained with AdamW
+    under DDP or FSDP2."""
 
     model_dir: str  # a local directory with config.json and weights (save_pretrained output)
     lr: float = 1e-6  # AdamW peak learning rate (reached after warm-up; see lr_schedule)
@@ -93,6 +94,10 @@ class TorchPolicyConfig:
     temperature: float = 1.0  # the rollout's sampling temperature; logprobs use logits / it
     is_reference: bool = False  # frozen (no optimizer, no grads): a KL reference policy
     attn_implementation: str = "sdpa"  # passed to from_pretrained ("eager", "flash_attention_2")
+    # A vision-language model: also train its vision tower. Off by default: the reward speaks
+    # about the text, a weak and noisy signal for the encoder (its features are the prompt's
+    # context), and a frozen tower keeps no gradients or AdamW state.
+    should_train_vision: bool = False
 
     def __post_init__(self) -> None:
         model_dir = Path(self.model_dir)
@@ -117,6 +122,10 @@ class TorchPolicyConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"TorchPolicyConfig.dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
+        if not isinstance(self.should_train_vision, bool):
+            raise ValueError(
+                f"TorchPolicyConfig.should_train_vision={self.should_train_vision!r}: must be a bool"
+            )
         if not (self.temperature >= 0 and self.temperature < float("inf")):
             raise ValueError(
                 f"TorchPolicyConfig.temperature={self.temperature!r}: must be >= 0 (0 = greedy)"

@@ -4,6 +4,11 @@ generated into what the policy trains on.
     samples = rollout_samples(completions, rewards, group_ids)   # one dict per completion
     batch = rollout_batch(samples)                                # padded; also of no samples
 
+With a vision-language policy, `vision_inputs` gives each completion its prompt's images
+(yatt.core.VisionInputs, None for a prompt without images; the n completions of a prompt share
+one object, not copies): every sample then carries them under VISION_INPUTS_KEY, a per-sample
+metadata field of the Batch, which Batch.rebalance moves with the sample.
+
 A completion is anything with `prompt_ids`, `response_ids` and `logprobs` (one per response
 token), e.g. `yatt.rollout.Completion`: yatt-core does not depend on yatt-rollout.
 """
@@ -14,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from yatt.core._batch import Batch
+from yatt.core._vision_inputs import VISION_INPUTS_KEY, VisionInputs
 
 # Per-token fields of a rollout sample (the rest, group_id and reward, are per sample).
 ROLLOUT_TOKEN_KEYS = ("input_ids", "loss_mask", "rollout_logprobs")
@@ -29,12 +35,31 @@ def rollout_samples(
     completions: Iterable[CompletionLike],
     rewards: Iterable[float],
     group_ids: Iterable[int],
+    *,
+    vision_inputs: Iterable[VisionInputs | None] | None = None,
 ) -> list[dict[str, Any]]:
     """One training sample per completion: prompt + response tokens, the loss on the response
     only, the sampler's logprob per response token (0.0 on the prompt), its GRPO group and
-    reward."""
+    reward; and its prompt's images when `vision_inputs` is given (one entry per completion)."""
+    completions = list(completions)
+    images: list[VisionInputs | None] | None = None
+    if vision_inputs is not None:
+        images = list(vision_inputs)
+        if len(images) != len(completions):
+            raise ValueError(
+                f"vision_inputs has {len(images)} entries for {len(completions)} completions; "
+                "give one per completion (None for a prompt without images)"
+            )
+        for i, vision in enumerate(images):
+            if vision is not None and not isinstance(vision, VisionInputs):
+                raise ValueError(
+                    f"vision_inputs[{i}] is a {type(vision).__name__}; pass a "
+                    "yatt.core.VisionInputs (yatt.core.encode_vision_prompt makes one) or None"
+                )
     samples = []
-    for completion, reward, group_id in zip(completions, rewards, group_ids, strict=True):
+    for i, (completion, reward, group_id) in enumerate(
+        zip(completions, rewards, group_ids, strict=True)
+    ):
         prompt, response = list(completion.prompt_ids), list(completion.response_ids)
         if len(completion.logprobs) != len(response):
             raise ValueError(
@@ -50,6 +75,8 @@ def rollout_samples(
                 "reward": float(reward),
             }
         )
+        if images is not None:
+            samples[-1][VISION_INPUTS_KEY] = images[i]
     return samples
 
 

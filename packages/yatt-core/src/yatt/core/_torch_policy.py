@@ -10,6 +10,12 @@ this module gives them their hooks:
     grad_sync              DDP no_sync / FSDP2 requires_gradient_sync: reduce in the last only
     reduce_and_clip_grads  clip_grad_norm_ (global under DDP and FSDP2)
     step_optimizer         AdamW at the step's learning rate
+
+A vision-language model (Qwen2-VL family, see _vision_forward) trains the same way: each sample
+carries its images as meta[VISION_INPUTS_KEY] (yatt.core.VisionInputs, None without images),
+its patches count toward micro-batch memory and estimate_costs, and the forward concatenates
+the micro-batch's images in sample order. Its vision tower is frozen unless
+TorchPolicyConfig.should_train_vision.
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ from yatt.core._optimization import make_lr_schedule
 from yatt.core._policy import DTYPES, LossFn, TorchPolicyConfig
 from yatt.core._runtime import Runtime
 from yatt.core._train_step import StepCounts, compute_logprobs, run_train_step
+from yatt.core._vision_cost import estimate_vision_costs, vision_flops_shape
+from yatt.core._vision_forward import VisionLanguage, is_vision_language_config
+from yatt.core._vision_inputs import VISION_INPUTS_KEY
 from yatt.placement import TrainerRole, is_offloaded
 
 logger = logging.getLogger("yatt.core")
@@ -48,8 +57,6 @@ class TorchPolicy:
     memory_tags: tuple[str, ...] = ("weights", "optimizer")
 
     def __init__(self, config: TorchPolicyConfig, runtime: Runtime | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.config = config
         if runtime is None and config.parallel != "none":
             raise ValueError(
@@ -71,10 +78,18 @@ class TorchPolicy:
         self._compute_dtype = DTYPES[config.dtype]
         torch.manual_seed(config.seed)
         # Parameters and optimizer state in float32; compute runs in config.dtype.
-        model = AutoModelForCausalLM.from_pretrained(
-            config.model_dir, dtype=torch.float32, attn_implementation=config.attn_implementation
-        )
+        model = _load_model(config.model_dir, config.attn_implementation)
         model.config.use_cache = False
+        # The vision side of a vision-language model (None for a text-only one).
+        self._vision = VisionLanguage.of(model)
+        self._vision_cost_shape = None
+        if self._vision is not None:
+            tower = model.model.visual
+            if not config.should_train_vision:
+                tower.requires_grad_(False)
+            self._vision_cost_shape = vision_flops_shape(
+                model.config.vision_config, is_gated_mlp=has_gated_mlp(tower)
+            )
         if config.gradient_checkpointing:
             # transformers >= 5 renamed it; the older name still works there, with a warning.
             if hasattr(model, "activation_checkpointing_enable"):
@@ -144,11 +159,30 @@ class TorchPolicy:
         """The Hugging Face config of the trained model (for costs, use estimate_costs)."""
         return self._model_config
 
-    def estimate_costs(self, lengths: Sequence[int]) -> list[float]:
+    def estimate_costs(
+        self, lengths: Sequence[int], *, image_patches: Sequence[Sequence[int]] | None = None
+    ) -> list[float]:
         """Relative compute of each sample of these lengths (forward FLOPs of this model's
         shape: yatt.balance.flops_cost). Micro-batch packing uses it; pass it to
-        `Batch.rebalance(costs=...)` so that balancing across ranks weighs samples alike."""
-        return estimate_flops_costs(lengths, self._cost_shape)
+        `Batch.rebalance(costs=...)` so that balancing across ranks weighs samples alike.
+
+        image_patches: a vision-language model's samples, the patch count of each of sample
+        i's images (`image_patches_of(batch)`); adds the vision tower's FLOPs over them (the
+        image tokens are in the lengths already)."""
+        costs = estimate_flops_costs(lengths, self._cost_shape)
+        if image_patches is None or self._vision is None:
+            return costs
+        if len(image_patches) != len(costs):
+            raise ValueError(
+                f"image_patches has {len(image_patches)} entries for {len(costs)} lengths"
+            )
+        vision = estimate_vision_costs(image_patches, self._vision_cost_shape)
+        return [text + image for text, image in zip(costs, vision, strict=True)]
+
+    @property
+    def is_vision_language(self) -> bool:
+        """Whether the model takes images (samples' meta[VISION_INPUTS_KEY])."""
+        return self._vision is not None
 
     @property
     def max_context_tokens(self) -> int | None:
@@ -175,12 +209,15 @@ class TorchPolicy:
         """
         lengths = batch.lengths.tolist()
         check_context(lengths, self.max_context_tokens)
+        image_patches = image_patches_of(batch) if self._vision is not None else None
+        extra_tokens = [sum(p) for p in image_patches] if image_patches is not None else None
         return plan_micro_batches(
-            self.estimate_costs(lengths),
+            self.estimate_costs(lengths, image_patches=image_patches),
             lengths,
             max_tokens=self.config.max_tokens_per_microbatch,
             count_group=self._dp_group if self.dp_size > 1 else None,
             device=self.device,
+            extra_tokens=extra_tokens,
         )
 
     def forward_micro_batch(
@@ -190,18 +227,53 @@ class TorchPolicy:
         model = self._ddp if is_training and self._ddp is not None else self.module
         temperature = self.config.temperature
         inputs = dict(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])
+        images = self._images_of(mb)
         if self._is_head_logprobs:
             head = logprobs_in_head(
                 self.module, mb["input_ids"], temperature=temperature, needs_entropy=needs_entropy
             )
-            with self._autocast(), head:
+            with self._autocast(), head, images:
                 out_BTW = model(**inputs, use_cache=False).logits
             return out_BTW[..., 0], out_BTW[..., 1] if needs_entropy else None
-        with self._autocast():
+        with self._autocast(), images:
             logits_BTV = model(**inputs, use_cache=False).logits
         logprobs_BT = compute_token_logprobs(logits_BTV, mb["input_ids"], temperature=temperature)
         entropy_BT = compute_entropy(logits_BTV, temperature=temperature) if needs_entropy else None
         return logprobs_BT, entropy_BT
+
+    def _images_of(self, mb: Batch) -> contextlib.AbstractContextManager:
+        """A vision-language model's forward with the micro-batch's images (none: a text-only
+        model). Images move to the device here, per micro-batch."""
+        if self._vision is None:
+            return contextlib.nullcontext()
+        samples = mb[VISION_INPUTS_KEY] if VISION_INPUTS_KEY in mb else [None] * len(mb)
+        pixels, grid = self._vision.concat(samples)
+        if pixels is not None:
+            assert grid is not None
+            pixels = pixels.to(self.device, non_blocking=True)
+            grid = grid.to(self.device, non_blocking=True)
+        return self._vision.forward_with_images(self.module, pixels, grid)
+
+    def check_images(self, batch: Batch) -> None:
+        """Raise ValueError naming the first sample whose images do not fit its tokens or this
+        model (images for a text-only model, more images than image tokens, wrong shapes)."""
+        if VISION_INPUTS_KEY not in batch:
+            return
+        samples = batch[VISION_INPUTS_KEY]
+        if self._vision is None:
+            first = next((i for i, v in enumerate(samples) if v is not None), None)
+            if first is not None:
+                raise ValueError(
+                    f"sample {first} carries images (meta[{VISION_INPUTS_KEY!r}]) but "
+                    f"{type(self.module).__name__} is a text-only model; drop the images or "
+                    "train a vision-language model"
+                )
+            return
+        ids, lengths = batch["input_ids"], batch.lengths.tolist()
+        for i, vision in enumerate(samples):
+            problem = self._vision.check_sample(ids[i, : lengths[i]], vision)
+            if problem is not None:
+                raise ValueError(f"sample {i} ({VISION_INPUTS_KEY}): {problem}")
 
     def grad_sync(self, *, is_last: bool) -> contextlib.AbstractContextManager:
         # Gradients are reduced across ranks once, in the last micro-batch's backward.
@@ -237,6 +309,7 @@ class TorchPolicy:
         Collective under DDP and FSDP2 (every rank must call it, even with an empty batch).
         """
         self._check_awake("logprobs")
+        self.check_images(batch)
         self.module.eval()
         return compute_logprobs(self, batch)
 
@@ -250,6 +323,7 @@ class TorchPolicy:
         if self.optimizer is None:
             raise RuntimeError("train_step on a reference policy (is_reference=True)")
         self._check_awake("train_step")
+        self.check_images(batch)
         self.module.train()
         return run_train_step(
             self,
@@ -317,11 +391,37 @@ class TorchPolicy:
             )
 
 
+def image_patches_of(batch: Batch) -> list[list[int]]:
+    """Per sample, the patch count of each of its images (empty without images), from
+    meta[VISION_INPUTS_KEY]: what `TorchPolicy.estimate_costs(image_patches=...)` takes."""
+    if VISION_INPUTS_KEY not in batch:
+        return [[] for _ in range(len(batch))]
+    return [[] if v is None else v.patches_per_image() for v in batch[VISION_INPUTS_KEY]]
+
+
+def _load_model(model_dir: str, attn_implementation: str) -> torch.nn.Module:
+    """The Hugging Face model of `model_dir` in float32: a causal LM, or the image-text-to-text
+    class of a config with a vision tower (transformers maps Qwen2-VL there only)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    auto = (
+        AutoModelForImageTextToText
+        if is_vision_language_config(hf_config)
+        else AutoModelForCausalLM
+    )
+    return auto.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation=attn_implementation
+    )
+
+
 def _weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW parameter groups: decay on matrices, none on biases and norm weights (1-D), as
-    Megatron-Core and Hugging Face's Trainer do."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    Megatron-Core and Hugging Face's Trainer do. Frozen parameters (a frozen vision tower)
+    are left out."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trained if p.ndim >= 2]
+    no_decay = [p for p in trained if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
