@@ -23,6 +23,8 @@ Per slot s (S slots, L = max_seq_len):
   gen_len_S[s]    tokens generated so far; response g sits in response_SL[s, g]
   limit_S[s]      generation stops when gen_len reaches it: min(item's max_new_tokens, L - prompt)
   active_S[s]     still generating; idle slots compute garbage and write to column L (trash)
+  rope_delta_S[s] a vision-language prompt's mrope offset: the token at cache position p has
+                  text position p + rope_delta_S[s] (0 for text prompts; see _vision.py)
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 from yatt.rollout._types import Request, SamplingParams
 from yatt.rollout.builtin._sampling import sample_tokens
 from yatt.rollout.builtin._static_kv import DecodeWrite, PrefillWrite, StaticKVCache, writing_kv
+from yatt.rollout.builtin._vision import RequestImages, VisionPrefill
 
 MAX_STOP_TOKENS = 32
 MIN_SPAN = 64  # smallest attention bucket; below this a step is bound by launches, not reads
@@ -66,6 +69,7 @@ class WorkItem:
     key: int  # counter-based RNG key, from (its call's seed, request_index, sample_index)
     max_new_tokens: int  # the request's own limit if it sets one, else the call's
     owner: object = None  # the call it belongs to (several calls may share one loop)
+    images: RequestImages | None = None  # the request's images, encoded (a vision model)
 
 
 @dataclass(kw_only=True)
@@ -89,8 +93,10 @@ class SlotRunner:
         steps_per_sync: int,
         max_prefill_tokens: int,
         stream: torch.cuda.Stream | None = None,
+        vision: VisionPrefill | None = None,
     ) -> None:
         self.model = model
+        self.vision = vision
         self.cache = cache
         self.steps_per_sync = steps_per_sync
         self.max_prefill_tokens = max_prefill_tokens
@@ -104,6 +110,7 @@ class SlotRunner:
         self.gen_len_S = torch.zeros(S, **zeros)
         self.limit_S = torch.ones(S, **zeros)
         self.key_S = torch.zeros(S, **zeros)
+        self.rope_delta_S = torch.zeros(S, **zeros)
         self.top_k_S = torch.zeros(S, **zeros)
         self.active_S = torch.zeros(S, dtype=torch.bool, device=device)
         self.temperature_S = torch.ones(S, dtype=torch.float32, device=device)
@@ -124,10 +131,13 @@ class SlotRunner:
 
     # -- device steps -------------------------------------------------------------------------
 
-    def _forward_last_logits(self, input_ids, mask, position_ids, write) -> torch.Tensor:
+    def _forward_last_logits(
+        self, input_ids, mask, position_ids, write, inputs_embeds=None
+    ) -> torch.Tensor:
         with writing_kv(write):
             out = self.model(
-                input_ids=input_ids,
+                input_ids=input_ids if inputs_embeds is None else None,
+                inputs_embeds=inputs_embeds,
                 attention_mask=mask,
                 position_ids=position_ids,
                 use_cache=False,
@@ -144,7 +154,8 @@ class SlotRunner:
         logits_SV = self._forward_last_logits(
             self.input_tok_S[:, None],
             mask[:, None, None, :],
-            self.pos_S[:, None],
+            # The cache position, shifted by a vision prompt's mrope offset (0 for text).
+            (self.pos_S + self.rope_delta_S)[:, None],
             DecodeWrite(cache=self.cache, pos_S=self.pos_S, span=span),
         )
         token_S, logprob_S = sample_tokens(
@@ -175,6 +186,7 @@ class SlotRunner:
         # Samples of one request are adjacent in the queue: prefill their prompt once. Joined
         # calls share the queue, so a request is its call (owner) and its index in that call.
         rows: list[list[int]] = []
+        row_images: list[RequestImages | None] = []
         row_of_item: list[int] = []
         for i, item in enumerate(items):
             previous = items[i - 1] if i else None
@@ -184,6 +196,7 @@ class SlotRunner:
                 or item.request_index != previous.request_index
             ):
                 rows.append(item.request.prompt_ids)
+                row_images.append(item.images)
             row_of_item.append(len(rows) - 1)
         lengths_B = torch.tensor([len(r) for r in rows], device=device)
         T = max(len(r) for r in rows)
@@ -204,7 +217,16 @@ class SlotRunner:
         write = PrefillWrite(
             cache=self.cache, slot_J=slot_J, row_J=row_J, source_col_BT=source_col_BT
         )
-        logits_JV = self._forward_last_logits(ids_BT, mask[:, None], positions_BT, write)[row_J]
+        embeds_BTH = None
+        delta_B = torch.zeros_like(pad_B)
+        if self.vision is not None and any(im is not None for im in row_images):
+            # Eager, outside the KV write: the vision tower's attention is its own.
+            embeds_BTH, positions_BT, delta_B = self.vision.embed(
+                self.model, ids_BT, pad_B, row_images
+            )
+        logits_JV = self._forward_last_logits(
+            ids_BT, mask[:, None], positions_BT, write, inputs_embeds=embeds_BTH
+        )[row_J]
         self.key_S[slot_J] = torch.tensor([it.key for it in items], device=device)
         token_J, logprob_J = sample_tokens(
             logits_JV,
@@ -223,6 +245,7 @@ class SlotRunner:
         self.logprob_SL[slot_J, 0] = logprob_J
         self.gen_len_S[slot_J] = 1
         self.pos_S[slot_J] = prompt_len_J
+        self.rope_delta_S[slot_J] = delta_B[row_J]
         self.input_tok_S[slot_J] = token_J
         self.limit_S[slot_J] = limit_J
         is_stop_J = (token_J[:, None] == self.stop_ids_K[None, :]).any(dim=-1)
@@ -286,7 +309,14 @@ class SlotRunner:
         attention product with weight 0, and 0 * NaN is NaN.
         """
         self.cache.reset()
-        for buffer in (self.input_tok_S, self.pos_S, self.gen_len_S, self.key_S, self.top_k_S):
+        for buffer in (
+            self.input_tok_S,
+            self.pos_S,
+            self.gen_len_S,
+            self.key_S,
+            self.top_k_S,
+            self.rope_delta_S,
+        ):
             buffer.zero_()
         for buffer in (self.limit_S, self.temperature_S, self.top_p_S):
             buffer.fill_(1)

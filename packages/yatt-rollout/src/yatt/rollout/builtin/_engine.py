@@ -11,6 +11,9 @@ at its next allocation: the next wake_up of "kv_cache", or the start of the next
 
 Concurrency: on CUDA the engine's device work runs on its own stream (_device.py), so engines
 sharing a GPU overlap; a call that samples like the running one joins its loop (_joining.py).
+
+A Qwen2-VL-family model takes Request.images: they go through its image processor and the
+vision tower in the prefill, and decoding stays text-only (_vision.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 
 from yatt.placement import is_paused, pause, region, resume
 from yatt.rollout._keys import derive_key
@@ -43,6 +52,7 @@ from yatt.rollout.builtin._host_loop import Call, SlotLoop
 from yatt.rollout.builtin._joining import CallScheduler
 from yatt.rollout.builtin._kv_budget import KVLayout, check_memory_fraction, slots_for_fraction
 from yatt.rollout.builtin._static_kv import ATTN_IMPLEMENTATION, StaticKVCache, register_attention
+from yatt.rollout.builtin._vision import VisionPrefill, is_vision_language_config
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +64,9 @@ class BuiltinEngine:
 
     model: a local directory holding a Hugging Face causal LM (and usually its tokenizer), or a
         model object, which the engine takes over (its tensors move into the engine's regions
-        and its attention implementation is switched).
+        and its attention implementation is switched). A Qwen2-VL-family model also takes images.
+    image_processor: a vision-language model's image processor (default: the one saved in the
+        model directory, preprocessor_config.json).
     """
 
     memory_tags: tuple[str, ...] = _TAGS
@@ -68,6 +80,7 @@ class BuiltinEngine:
         *,
         config: EngineConfig | None = None,
         tokenizer: Any = None,
+        image_processor: Any = None,
     ) -> None:
         self.config = config = config if config is not None else EngineConfig()
         register_attention()
@@ -85,7 +98,12 @@ class BuiltinEngine:
                 )
             if tokenizer is None and any(path.glob("tokenizer*")):
                 tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(
+            # transformers maps Qwen2-VL to its image-text-to-text class only.
+            is_vision = is_vision_language_config(AutoConfig.from_pretrained(path))
+            if is_vision and image_processor is None:
+                image_processor = VisionPrefill.load_image_processor(path)
+            auto = AutoModelForImageTextToText if is_vision else AutoModelForCausalLM
+            model = auto.from_pretrained(
                 path, dtype=config.torch_dtype, attn_implementation=ATTN_IMPLEMENTATION
             )
         elif isinstance(model, PreTrainedModel):
@@ -98,6 +116,12 @@ class BuiltinEngine:
             )
         self.tokenizer = tokenizer
         self.model = model.eval().requires_grad_(False)
+        # The vision side of a vision-language model (None: text only, images refused).
+        self._vision = (
+            VisionPrefill(model, image_processor)
+            if is_vision_language_config(model.config)
+            else None
+        )
         text_config = model.config.get_text_config()
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = _eos_ids(model)
@@ -158,6 +182,11 @@ class BuiltinEngine:
             self._abort_event.set()
 
     @property
+    def accepts_images(self) -> bool:
+        """Whether the served model takes Request.images (a Qwen2-VL-family model)."""
+        return self._vision is not None
+
+    @property
     def num_joined_calls(self) -> int:
         """Calls so far that joined an already running loop instead of waiting for it."""
         return self._scheduler.num_joined_calls
@@ -169,8 +198,15 @@ class BuiltinEngine:
             sampling,
             vocab_size=self.vocab_size,
             max_seq_len=self.config.max_seq_len,
-            accepts_images=False,
+            accepts_images=self.accepts_images,
         )
+        # Each request's images through the image processor once (its n samples share them).
+        images = [
+            self._vision.encode(i, request.prompt_ids, request.images)
+            if self._vision is not None
+            else None
+            for i, request in enumerate(requests)
+        ]
         # No seed: a fresh one per call, so repeated calls give fresh samples.
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(62)
         return [
@@ -181,6 +217,7 @@ class BuiltinEngine:
                 request_id=request_id_of(request, i),
                 key=derive_key(seed, i, j),
                 max_new_tokens=max_new_tokens_of(request, sampling),
+                images=images[i],
             )
             for i, request in enumerate(requests)
             for j in range(sampling.n)
@@ -393,6 +430,7 @@ class BuiltinEngine:
                 steps_per_sync=self.config.steps_per_sync,
                 max_prefill_tokens=self.config.max_prefill_tokens,
                 stream=self._dev.stream,
+                vision=self._vision,
             )
 
     def close(self) -> None:
