@@ -41,7 +41,6 @@ class VisionLanguage:
     """What the policy needs to know of a Qwen2-VL-family model's vision side."""
 
     image_token_id: int
-    video_token_id: int | None
     merge_size: int  # spatial merge: merge_size**2 patches make one image token
     patch_dim: int  # D of pixel_values: channels x temporal patch x patch x patch
 
@@ -63,7 +62,6 @@ class VisionLanguage:
         patch = vision.patch_size
         return cls(
             image_token_id=int(config.image_token_id),
-            video_token_id=getattr(config, "video_token_id", None),
             merge_size=int(vision.spatial_merge_size),
             patch_dim=int(vision.in_channels * temporal * patch * patch),
         )
@@ -72,10 +70,10 @@ class VisionLanguage:
 
     def check_sample(self, input_ids: torch.Tensor, vision: VisionInputs | None) -> str | None:
         """Why one sample's tokens and images do not fit together, or None when they do."""
-        runs = _count_image_tokens(input_ids, self.image_token_id)
+        num_tokens = _count_image_tokens(input_ids, self.image_token_id)
         if vision is None:
-            if runs:
-                return f"{runs} image tokens but no images (vision_inputs is None)"
+            if num_tokens:
+                return f"{num_tokens} image tokens but no images (vision_inputs is None)"
             return None
         if not isinstance(vision, VisionInputs):
             return f"vision_inputs is a {type(vision).__name__}, not a yatt.core.VisionInputs"
@@ -91,9 +89,9 @@ class VisionLanguage:
         if pixels.shape[0] != num_patches:
             return f"pixel_values has {pixels.shape[0]} patches; image_grid_thw says {num_patches}"
         wanted = num_patches // self.merge_size**2
-        if runs != wanted:
+        if num_tokens != wanted:
             return (
-                f"{runs} image tokens for {grid.shape[0]} image(s) that take {wanted}; expand "
+                f"{num_tokens} image tokens for {grid.shape[0]} image(s) that take {wanted}; expand "
                 "the prompt's image placeholders for these images (yatt.core.encode_vision_prompt)"
             )
         return None
