@@ -209,10 +209,14 @@ class TorchPolicy:
         """
         lengths = batch.lengths.tolist()
         check_context(lengths, self.max_context_tokens)
-        image_patches = image_patches_of(batch) if self._vision is not None else None
-        extra_tokens = [sum(p) for p in image_patches] if image_patches is not None else None
+        if self._vision is None:
+            costs, extra_tokens = self.estimate_costs(lengths), None
+        else:
+            image_patches = image_patches_of(batch)
+            costs = self.estimate_costs(lengths, image_patches=image_patches)
+            extra_tokens = [sum(patches) for patches in image_patches]
         return plan_micro_batches(
-            self.estimate_costs(lengths, image_patches=image_patches),
+            costs,
             lengths,
             max_tokens=self.config.max_tokens_per_microbatch,
             count_group=self._dp_group if self.dp_size > 1 else None,
