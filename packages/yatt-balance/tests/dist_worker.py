@@ -16,7 +16,15 @@ import torch
 import torch.distributed as dist
 
 from yatt.balance import imbalance, partition
-from yatt.balance.dist import RebalancePlan, partition_destination, rebalance, restore
+from yatt.balance.dist import (
+    MovedRows,
+    RebalancePlan,
+    partition_destination,
+    rebalance,
+    rebalance_rows,
+    restore,
+    restore_rows,
+)
 
 Pair = namedtuple("Pair", ["first", "second"])
 
@@ -159,6 +167,70 @@ def check_balanced_input_moves_nothing(device: torch.device) -> None:
     assert [s["meta"]["origin"] for s in local] == [s["meta"]["origin"] for s in samples]
 
 
+def place(moved: MovedRows, local: list, unpack) -> list:
+    """The rows a rank holds after a move, from its own `local` rows and the payloads."""
+    out = [None] * moved.num_rows
+    for i, at in zip(moved.kept.tolist(), moved.kept_at.tolist(), strict=True):
+        out[at] = local[i]
+    for peer, payload in moved.received.items():
+        rows = unpack(peer, payload)
+        assert len(rows) == len(moved.received_at[peer])
+        for at, row in zip(moved.received_at[peer].tolist(), rows, strict=True):
+            out[at] = row
+    assert all(row is not None for row in out)
+    return out
+
+
+def check_rows_api(counts: list[int], device: torch.device, *, grouped: bool) -> None:
+    """rebalance_rows / restore_rows with rows kept as columns (one tensor and one list for
+    all rows): the plan and the order of rebalance, each peer's rows in one payload."""
+    rank = dist.get_rank()
+    samples = [make_sample(rank, i, device) for i in range(counts[rank])]
+    lengths = [len(s["ids"]) for s in samples]
+    labels = [i // 3 for i in range(len(samples))] if grouped else None
+    own = [(rank, i) for i in range(len(samples))]
+    keys_n2 = torch.tensor(own, dtype=torch.int64, device=device).reshape(-1, 2)
+    calls = []  # the rows of each take() call
+
+    def take(rows: np.ndarray) -> dict:
+        calls.append(rows.tolist())
+        keys = keys_n2[torch.from_numpy(rows).to(device)]
+        return {"key": keys, "text": [f"{r}-{i}" for r, i in keys.tolist()]}
+
+    def unpack(peer: int, payload: dict) -> list:
+        assert payload["key"].device == device
+        keys = [tuple(k) for k in payload["key"].tolist()]
+        assert payload["text"] == [f"{r}-{i}" for r, i in keys]
+        # A rebalance receives the sender's own rows; a restore receives this rank's.
+        assert all(r == (peer if is_rebalance else rank) for r, _ in keys), (peer, keys)
+        return keys
+
+    is_rebalance = True
+    moved, plan = rebalance_rows(take, lengths, groups=labels)
+    listed, list_plan = rebalance(samples, lengths, groups=labels)
+    assert np.array_equal(plan.destination, list_plan.destination)
+    for index in (moved.kept, moved.kept_at, *moved.received_at.values()):
+        assert index.dtype == np.int64 and (np.diff(index) > 0).all()
+    assert all(c == sorted(c) and c for c in calls), calls
+    mine = plan.destination[plan.offsets[rank] : plan.offsets[rank + 1]]
+    assert len(calls) == len(set(mine.tolist()) - {rank}), "one take() per receiving peer"
+    held = place(moved, own, unpack)
+    assert held == [s["meta"]["origin"] for s in listed]
+
+    calls.clear()
+    is_rebalance = False
+    keys_n2 = torch.tensor(held, dtype=torch.int64, device=device).reshape(-1, 2)
+    back = restore_rows(take, plan, num_rows=len(held))
+    home = place(back, held, unpack)
+    assert home == own
+    try:
+        restore_rows(take, plan, num_rows=len(held) + 1)
+    except ValueError as exc:
+        assert f"holds {len(held)} samples" in str(exc), exc
+    else:
+        raise AssertionError("restore_rows with the wrong num_rows must raise")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", default="gloo")
@@ -182,6 +254,8 @@ def main() -> None:
         check_bad_input_raises_everywhere(device)
         check_settings_must_agree(device)
         check_balanced_input_moves_nothing(device)
+        check_rows_api(uneven, device, grouped=False)
+        check_rows_api([6 * (r + 1) for r in range(world)], device, grouped=True)
         dist.barrier()
     finally:
         dist.destroy_process_group()

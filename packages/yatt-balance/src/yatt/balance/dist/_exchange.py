@@ -1,10 +1,11 @@
-"""Point-to-point exchange of per-sample payloads (tensors, dicts, lists) between ranks.
+"""Point-to-point exchange of payloads (tensors inside dicts, lists and tuples) between ranks.
 
-For each peer, the samples bound there travel as one uint8 buffer:
+Each peer gets one payload (whatever the caller groups for it: a list of samples, a dict of
+column tensors), sent as one uint8 buffer:
 
     [pickled header | pad to 16 B | tensor 0 bytes | pad | tensor 1 bytes | pad | ...]
 
-The header holds each sample's structure with its tensors replaced by _TensorRef(i), and each
+The header holds the payload's structure with its tensors replaced by _TensorRef(i), and each
 tensor's dtype, shape, byte offset and whether it lived on a GPU. Tensors are copied into the
 buffer raw (no pickling), so on NCCL CUDA tensors go GPU to GPU. Two rounds of batched
 isend/irecv: the buffer sizes first, then the buffers. Senders and receivers both know from the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -48,18 +50,17 @@ def comm_device(group: dist.ProcessGroup | None) -> torch.device:
 
 
 def exchange(
-    outgoing: dict[int, list[Any]],
-    incoming_counts: dict[int, int],
-    group: dist.ProcessGroup | None,
-) -> dict[int, list[Any]]:
-    """Send outgoing[peer] to each peer; return what each peer in incoming_counts sent.
+    outgoing: dict[int, Any], incoming: Sequence[int], group: dist.ProcessGroup | None
+) -> dict[int, Any]:
+    """Send outgoing[peer] (one payload) to each peer; return the payload each peer in
+    `incoming` sent.
 
-    Peers are ranks within `group`. Every rank must call this with matching arguments (what
-    rank a sends to b is what b expects from a), which the shared plan guarantees.
+    Peers are ranks within `group`. Every rank must call this with matching arguments (rank a
+    sends to b exactly when b expects a payload from a), which the shared plan guarantees.
     """
     device = comm_device(group)
-    send = {peer: _encode(objs, device) for peer, objs in outgoing.items() if objs}
-    recv_peers = [peer for peer, n in sorted(incoming_counts.items()) if n > 0]
+    send = {peer: _encode(payload, device) for peer, payload in outgoing.items()}
+    recv_peers = sorted(incoming)
 
     # Round 1: header and total sizes. Round 2: the buffers themselves.
     send_sizes = {
@@ -73,17 +74,7 @@ def exchange(
         for peer, sizes in recv_sizes.items()
     }
     _run_p2p({peer: buf for peer, (buf, _) in send.items()}, recv_bufs, group)
-
-    received = {}
-    for peer, buf in recv_bufs.items():
-        objs = _decode(buf, int(recv_sizes[peer][0]))
-        if len(objs) != incoming_counts[peer]:
-            raise RuntimeError(
-                f"rank sent {len(objs)} samples but the plan expects {incoming_counts[peer]}: "
-                "ranks called rebalance/restore with different arguments"
-            )
-        received[peer] = objs
-    return received
+    return {peer: _decode(buf, int(recv_sizes[peer][0])) for peer, buf in recv_bufs.items()}
 
 
 def _run_p2p(
@@ -107,16 +98,16 @@ def _global_rank(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def _encode(objs: list[Any], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+def _encode(payload: Any, device: torch.device) -> tuple[torch.Tensor, list[int]]:
     tensors: list[torch.Tensor] = []
-    skeletons = [_flatten(obj, tensors) for obj in objs]
+    skeleton = _flatten(payload, tensors)
     specs = []
     offset = 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
         specs.append(_TensorSpec(t.dtype, tuple(t.shape), offset, nbytes, t.is_cuda))
         offset += -(-nbytes // _ALIGN) * _ALIGN
-    header = pickle.dumps((skeletons, specs), protocol=pickle.HIGHEST_PROTOCOL)
+    header = pickle.dumps((skeleton, specs), protocol=pickle.HIGHEST_PROTOCOL)
     start = -(-len(header) // _ALIGN) * _ALIGN
     buf = torch.empty(start + offset, dtype=torch.uint8, device=device)
     buf[: len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
@@ -127,10 +118,10 @@ def _encode(objs: list[Any], device: torch.device) -> tuple[torch.Tensor, list[i
     return buf, [len(header), buf.numel()]
 
 
-def _decode(buf: torch.Tensor, header_nbytes: int) -> list[Any]:
+def _decode(buf: torch.Tensor, header_nbytes: int) -> Any:
     # Host/device sync on NCCL: the header must come to the CPU to be unpickled.
     header = buf[:header_nbytes].cpu().numpy().tobytes()
-    skeletons, specs = pickle.loads(header)
+    skeleton, specs = pickle.loads(header)
     start = -(-header_nbytes // _ALIGN) * _ALIGN
     tensors = []
     for spec in specs:
@@ -142,7 +133,7 @@ def _decode(buf: torch.Tensor, header_nbytes: int) -> list[Any]:
         elif not spec.is_cuda and t.is_cuda:
             t = t.cpu()
         tensors.append(t)
-    return [_unflatten(s, tensors) for s in skeletons]
+    return _unflatten(skeleton, tensors)
 
 
 def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
