@@ -7,13 +7,16 @@ Layout, for B samples whose longest has T tokens:
     meta[k]     list of B    Python objects (prompt text, image payloads, row ids)
 Padding positions hold 0 in every token field; read valid positions through attention_mask.
 
-A batch converts to and from a list of per-sample dicts (token fields unpadded), which is the
-unit that `yatt.balance.dist` moves between ranks: only the samples a plan moves ever leave
-the rank that produced them.
+A batch converts to and from a list of per-sample dicts (token fields unpadded). Rebalancing
+does not go through them: `yatt.balance.dist.rebalance_rows` moves only the rows a plan moves,
+the rows bound for one peer as one payload (`_take_rows`: token fields packed end to end,
+sample fields stacked, metadata as lists), and the receiver writes its kept rows and every
+payload straight into one new padded batch (`_assemble`): samples change shape once.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -274,27 +277,34 @@ class Batch:
         yatt.balance.dist.rebalance; 0 = best balance). Returns (this rank's batch, plan) for
         `restore`.
         """
-        from yatt.balance.dist import rebalance
+        from yatt.balance.dist import rebalance_rows
 
         groups = None if group_key is None else self[group_key].tolist()
-        rows, plan = rebalance(
-            _wrap_arrays(self.to_samples()),
-            self.lengths.tolist(),
+        lengths_B = self.lengths
+        moved, plan = rebalance_rows(
+            functools.partial(_take_rows_to_send, self, lengths_B),
+            lengths_B.cpu().numpy(),
             group=group,
             groups=groups,
             costs=costs,
             equal_size=is_equal_size,
             tolerance=tolerance,
         )
-        return Batch.from_samples(_unwrap_arrays(rows), token_keys=self.token_keys, like=self), plan
+        return _assemble(self, lengths_B, moved), plan
 
     def restore(self, plan: Any, *, group: Any = None) -> Batch:
         """Inverse of `rebalance` (same group): every sample back on its origin rank, in its
         original order, carrying any fields added since."""
-        from yatt.balance.dist import restore
+        from yatt.balance.dist import restore_rows
 
-        rows = restore(_wrap_arrays(self.to_samples()), plan, group=group)
-        return Batch.from_samples(_unwrap_arrays(rows), token_keys=self.token_keys, like=self)
+        lengths_B = self.lengths
+        moved = restore_rows(
+            functools.partial(_take_rows_to_send, self, lengths_B),
+            plan,
+            num_rows=len(self),
+            group=group,
+        )
+        return _assemble(self, lengths_B, moved)
 
     def __repr__(self) -> str:
         return (
@@ -316,28 +326,150 @@ def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([x, pad], dim=1)
 
 
+# -- rows on the move (Batch.rebalance / Batch.restore) ----------------------------------------
+#
+# The payload for some rows of a batch (rows bound for one peer, or the rows a rank keeps), n
+# rows holding N = sum(lengths) valid tokens:
+#     lengths        int64 [n]
+#     tokens[k]      [N, ...]   valid positions only, row after row (attention_mask is rebuilt)
+#     samples[k]     [n, ...]
+#     meta[k]        list of n
 # yatt.balance.dist moves tensors as raw bytes but pickles other objects (a pickle is a
 # second and third copy of an image). Numeric numpy arrays in metadata therefore travel as
 # zero-copy tensor views, tagged so the receiver turns them back into arrays.
 _ARRAY_TAG = "__yatt_ndarray__"
 
 
-def _wrap_arrays(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    def wrap(value: Any) -> Any:
-        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
-            with warnings.catch_warnings():
-                # Read-only arrays are fine: the view is only read (copied into a send buffer).
-                warnings.filterwarnings("ignore", message=".*not writable.*")
-                return (_ARRAY_TAG, torch.from_numpy(np.ascontiguousarray(value)))
-        return value
+def _take_rows(batch: Batch, lengths_B: torch.Tensor, rows: np.ndarray) -> dict[str, Any]:
+    """The payload for `rows` (ascending int64 indices) of `batch`; lengths_B is batch.lengths."""
+    rows_n = torch.from_numpy(rows).to(lengths_B.device)
+    lengths_n = lengths_B[rows_n]
+    width = batch.tokens["input_ids"].shape[1]
+    source_N = _flat_token_index(rows_n, lengths_n, width)
+    return {
+        "lengths": lengths_n,
+        "tokens": {
+            # flatten is a view of a contiguous field (a copy of any other).
+            k: v.flatten(0, 1).index_select(0, source_N.to(v.device))
+            for k, v in batch.tokens.items()
+            if k != "attention_mask"
+        },
+        "samples": {k: v.index_select(0, rows_n.to(v.device)) for k, v in batch.samples.items()},
+        "meta": {k: [v[i] for i in rows.tolist()] for k, v in batch.meta.items()},
+    }
 
-    return [{k: wrap(v) for k, v in row.items()} for row in rows]
+
+def _take_rows_to_send(batch: Batch, lengths_B: torch.Tensor, rows: np.ndarray) -> dict[str, Any]:
+    payload = _take_rows(batch, lengths_B, rows)
+    payload["meta"] = {k: [_wrap_array(x) for x in v] for k, v in payload["meta"].items()}
+    return payload
 
 
-def _unwrap_arrays(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _assemble(batch: Batch, lengths_B: torch.Tensor, moved: Any) -> Batch:
+    """The batch a rank holds after a move (a yatt.balance.dist.MovedRows): its kept rows of
+    `batch` and every received payload, written once into new padded tensors."""
+    if moved.num_rows == 0:
+        return batch.select([])
+    # (where the rows come from, their positions here, their payload)
+    parts = [
+        (f"rank {peer}", moved.received_at[peer], _unwrap_arrays(payload))
+        for peer, payload in moved.received.items()
+    ]
+    if moved.kept.size:
+        parts.insert(0, ("this rank", moved.kept_at, _take_rows(batch, lengths_B, moved.kept)))
+    first = parts[0][2]
+    for source, _, payload in parts[1:]:
+        _check_same_fields(payload, source, first, parts[0][0])
+    device = first["lengths"].device
+    at_by_part = [torch.from_numpy(at).to(device) for _, at, _ in parts]
+    lengths_by_part = [payload["lengths"].to(device) for _, _, payload in parts]
+    lengths_b = torch.empty(moved.num_rows, dtype=torch.int64, device=device)
+    for at_n, lengths_n in zip(at_by_part, lengths_by_part, strict=True):
+        lengths_b[at_n] = lengths_n
+    width = int(lengths_b.max())
+    target_by_part = [
+        _flat_token_index(at_n, lengths_n, width)
+        for at_n, lengths_n in zip(at_by_part, lengths_by_part, strict=True)
+    ]
+    tokens: dict[str, torch.Tensor] = {}
+    for k, like in first["tokens"].items():
+        values = [payload["tokens"][k] for _, _, payload in parts]
+        out = like.new_zeros((moved.num_rows, width, *like.shape[1:]), dtype=_common_dtype(values))
+        for target_N, value in zip(target_by_part, values, strict=True):
+            out.flatten(0, 1).index_copy_(0, target_N.to(out.device), value.to(out))
+        tokens[k] = out
+    mask = torch.zeros((moved.num_rows, width), dtype=torch.int64, device=device)
+    for target_N in target_by_part:
+        mask.view(-1).index_fill_(0, target_N, 1)
+    tokens["attention_mask"] = mask.to(tokens["input_ids"].device)
+    samples: dict[str, torch.Tensor] = {}
+    for k, like in first["samples"].items():
+        values = [payload["samples"][k] for _, _, payload in parts]
+        out = like.new_empty((moved.num_rows, *like.shape[1:]), dtype=_common_dtype(values))
+        for at_n, value in zip(at_by_part, values, strict=True):
+            out.index_copy_(0, at_n.to(out.device), value.to(out))
+        samples[k] = out
+    meta: dict[str, list[Any]] = {}
+    for k in first["meta"]:
+        meta[k] = [None] * moved.num_rows
+        for _, at, payload in parts:
+            for i, value in zip(at.tolist(), payload["meta"][k], strict=True):
+                meta[k][i] = value
+    return Batch(tokens=tokens, samples=samples, meta=meta)
+
+
+def _flat_token_index(rows_n: torch.Tensor, lengths_n: torch.Tensor, width: int) -> torch.Tensor:
+    """Where each valid token of `rows_n` sits in a [rows, width] tensor flattened to one
+    dimension, row after row: the packed order of a payload's token fields."""
+    starts_n = torch.cumsum(lengths_n, 0) - lengths_n
+    # Host/device sync on CUDA: the number of tokens sizes the output.
+    index_N = torch.repeat_interleave(rows_n * width - starts_n, lengths_n)
+    index_N += torch.arange(index_N.shape[0], device=index_N.device)
+    return index_N
+
+
+def _check_same_fields(
+    payload: dict[str, Any], source: str, first: dict[str, Any], first_source: str
+) -> None:
+    """Rows from different ranks can share one batch only if their fields agree."""
+    for kind in ("tokens", "samples", "meta"):
+        if set(payload[kind]) != set(first[kind]):
+            raise ValueError(
+                f"rows from {source} have {kind} fields {sorted(payload[kind])} but rows from "
+                f"{first_source} have {sorted(first[kind])}: every rank's batch needs the same "
+                "fields for rebalance/restore"
+            )
+    for kind in ("tokens", "samples"):
+        for k, value in payload[kind].items():
+            like = first[kind][k]
+            if value.shape[1:] != like.shape[1:]:
+                raise ValueError(
+                    f"{kind}[{k!r}] has trailing shape {tuple(value.shape[1:])} in rows from "
+                    f"{source} but {tuple(like.shape[1:])} in rows from {first_source}: every "
+                    "rank's batch needs the same shape per row (samples) or per token (tokens)"
+                )
+
+
+def _common_dtype(values: list[torch.Tensor]) -> torch.dtype:
+    # As torch.cat would: rows whose dtypes differ by rank (int rewards here, float there)
+    # share the promoted dtype.
+    return functools.reduce(torch.promote_types, (v.dtype for v in values))
+
+
+def _wrap_array(value: Any) -> Any:
+    if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+        with warnings.catch_warnings():
+            # Read-only arrays are fine: the view is only read (copied into a send buffer).
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            return (_ARRAY_TAG, torch.from_numpy(np.ascontiguousarray(value)))
+    return value
+
+
+def _unwrap_arrays(payload: dict[str, Any]) -> dict[str, Any]:
     def unwrap(value: Any) -> Any:
         if isinstance(value, tuple) and len(value) == 2 and value[0] == _ARRAY_TAG:
             return value[1].numpy()
         return value
 
-    return [{k: unwrap(v) for k, v in row.items()} for row in rows]
+    meta = {k: [unwrap(x) for x in v] for k, v in payload["meta"].items()}
+    return {**payload, "meta": meta}
