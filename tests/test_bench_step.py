@@ -285,3 +285,8 @@ def test_markdown_shows_spread_outliers_and_refusals(tmp_path):
     assert "1.90 (outlier)" in md and "full/1gpu longtail: first timed step 1.90x" in md
     assert "full/1gpu ran while partial/1gpu ran on the same host" in md
     assert "REFUSED: partial/1gpu overlapped full/1gpu" in md
+    # Steps of unequal work (the longtail mix: lengths differ per step) are never flagged.
+    for k, s in enumerate(full["mixes"]["longtail"]["steps"]):
+        s["response_tokens"] = 1000 + k
+    md = _step_report.markdown([full, partial], ratios, "cpu")
+    assert "1.90 |" in md and "(outlier)" not in md
