@@ -133,7 +133,7 @@ for step in "$@"; do
         run_step "step_${layout}_$backend" env PYTHONPATH="${site:+$site:}$PYTHONPATH" \
           python3 bench/step.py --layout "$layout" --rollout-backend "$backend" \
           --engine-kwargs "$kwargs" --model-dir /tmp/yatt-step --out-dir "$dir" \
-          --judge-tokens 128 --steps ${STEP_STEPS:-3} --mix fixed,longtail
+          --judge-tokens 128 --steps ${STEP_STEPS:-5} --mix fixed,longtail
       done
       python3 bench/step.py --report --results-dir "$dir" && cp "$dir"/step_* "$OUT/" ;;
     *) echo "unknown step $step" ;;

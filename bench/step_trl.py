@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import sys
 import tempfile
@@ -31,8 +32,8 @@ import _step_setup as setup  # bench/ is not a package
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=3, help="timed optimizer steps")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (first-touch memory)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument(
         "--mix", default="fixed", help="accepted for bench/step.py's flags; TRL runs 'fixed'"
@@ -56,6 +57,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> Path:
     args = parse_args(argv)
+    started_at = time.time()  # wall clock: the report refuses ratios of overlapping runs
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -166,6 +168,9 @@ def main(argv: list[str]) -> Path:
         "num_gpus": 1,
         "num_ranks": 1,
         "device": setup.device_name(),
+        "host": socket.gethostname(),
+        "started_at": started_at,
+        "ended_at": time.time(),
         "tiny": args.tiny,
         "workload": vars(work) | {"steps": args.steps, "warmup": args.warmup},
         "note": (
