@@ -6,8 +6,9 @@
 config is built and checked before the runtime, models or engines start: values are typed
 (exact conversions only: YAML reads 1e-3 as a string, which becomes 0.001), ranges checked,
 unknown keys refused with the closest known one, vLLM/SGLang backends checked for installation.
-Empty paths (policy.model_dir, data.path, reward.judge_dir) point at the embedded task
-(tiny_task.py), built under out_dir/embedded once every check has passed, then reused.
+Empty paths (policy.model_dir, data.path, reward.judge_dir, eval.path) point at the embedded
+task (tiny_task.py), built under out_dir/embedded once every check has passed, then reused.
+Model paths may be Hugging Face Hub ids already in the local cache (never downloaded).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import logging
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,7 +30,12 @@ from grpo_data import SAMPLE_FIELDS
 from yatt import core, genrm, rollout
 from yatt.ckpt import CkptConfig
 
+logger = logging.getLogger("train_grpo")
 ENGINE_CONFIGS = {"vllm": rollout.VLLMConfig, "sglang": rollout.SGLangConfig}
+# Judges: an engine loading reward.judge_dir, a served endpoint, or none (reward functions).
+JUDGE_BACKENDS = ("builtin", "vllm", "sglang", "openai", "none")
+LOCAL_JUDGES = ("builtin", "vllm", "sglang")
+EXPORT_DTYPES = ("", "float32", "bfloat16", "float16")
 # The trainer's policy defaults: the embedded task's tiny model (help lists them as defaults).
 DEFAULT_POLICY = {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512}
 
@@ -65,12 +72,29 @@ class DataConfig:
     path: str = ""  # JSONL/Parquet prompts; "" = the embedded task's prompts
     prompt_key: str = "prompt"  # row field holding the prompt: text or [{role, content}, ...]
     answer_key: str = "answer"  # row field holding the reference answer ("" = none)
+    # A split of a `datasets` DatasetDict saved with save_to_disk: read path/split.
+    split: str = ""
     prompts_per_rank: int = 8  # GRPO groups per rank per step
     # Message lists always go through the policy's chat template; True: plain text too.
     apply_chat_template: bool = False
 
     def __post_init__(self) -> None:
         check_at_least("data.prompts_per_rank", self.prompts_per_rank, 1)
+        if self.split:
+            self.path = split_path("data", self.path, self.split)
+
+
+def split_path(section: str, path: str, split: str) -> str:
+    """path/split for a DatasetDict saved with save_to_disk; a clear error naming its splits."""
+    if not path:
+        raise ValueError(f"{section}.split={split!r} needs {section}.path (a save_to_disk folder)")
+    root = Path(path)
+    if not (root / split).is_dir():
+        splits = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        raise ValueError(
+            f"{section}.split={split!r}: {path!r} has no such split folder; it has {splits}"
+        )
+    return str(root / split)
 
 
 @dataclass(kw_only=True)
@@ -102,19 +126,139 @@ class RewardConfig:
     judge_template: str = "{prompt}{response} ref {reference}"
     votes: int = 1  # judge samples per response, averaged
     rule_weight: float = 0.0  # weight of an exact-match rule reward added to the judge's
-    backend: str = "builtin"  # the judge's engine: "builtin", or "vllm"/"sglang" (GPU)
+    # The judge: an engine loading judge_dir ("builtin", or "vllm"/"sglang" on a GPU), a served
+    # OpenAI-compatible endpoint ("openai", see reward.openai), or "none" (functions only).
+    backend: str = "builtin"
     engine: rollout.EngineConfig = field(
         default_factory=lambda: rollout.EngineConfig(max_seq_len=96, region_prefix="genrm")
     )
     backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
+    # Python reward functions, "module:fn" or "path/file.py:fn": fn(prompt, response,
+    # reference, row) -> float, or None when it cannot score; added to the judge's reward.
+    functions: list = field(default_factory=list)
+    function_weights: list = field(default_factory=list)  # one per function; [] = 1.0 each
+    # backend=openai: OpenAIJudgeConfig fields (base_url, model, api_key_env, max_concurrency,
+    # timeout_s, max_retries, extra_body); the key is read from the api_key_env variable.
+    openai: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_at_least("reward.votes", self.votes, 1)
-        check_engine_backend("reward.backend", self.backend, self.backend_options)
+        if self.backend not in JUDGE_BACKENDS:
+            raise ValueError(f"reward.backend={self.backend!r}: use one of {JUDGE_BACKENDS}")
+        if self.backend in LOCAL_JUDGES:
+            check_engine_backend("reward.backend", self.backend, self.backend_options)
+        elif self.backend_options:
+            raise ValueError(
+                f"reward.backend_options={self.backend_options!r}: only for reward.backend="
+                f"'vllm' or 'sglang' (the judge engine's options), not {self.backend!r}"
+            )
         try:
             genrm.JudgeTemplate(user=self.judge_template)
         except ValueError as exc:
             raise ValueError(f"reward.judge_template={self.judge_template!r}: {exc}") from None
+        self.functions, self.function_weights = check_functions(
+            self.functions, self.function_weights
+        )
+        if self.backend == "openai":
+            self.openai_config()  # the endpoint's fields and its key, before anything starts
+        elif self.openai:
+            raise ValueError(
+                f"reward.openai={self.openai!r}: only for reward.backend='openai' "
+                f"(it is {self.backend!r})"
+            )
+        if self.backend == "none" and not self.functions and not self.rule_weight:
+            raise ValueError(
+                "reward.backend='none' loads no judge: give reward.functions (or "
+                "reward.rule_weight > 0 for the exact-match rule), or a judge backend"
+            )
+
+    def openai_config(self) -> genrm.OpenAIJudgeConfig:
+        """The endpoint's config (backend=openai); ValueError naming reward.openai's problem."""
+        if not isinstance(self.openai, Mapping):
+            raise ValueError(
+                f"reward.openai={self.openai!r}: a mapping of OpenAIJudgeConfig fields"
+            )
+        try:
+            config = genrm.OpenAIJudgeConfig(**self.openai)
+            config.read_api_key()
+        except TypeError as exc:  # a missing or unknown field
+            raise ValueError(f"reward.openai={dict(self.openai)!r}: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"reward.openai: {exc}") from None
+        return config
+
+    def load_functions(self) -> list[tuple[genrm.RewardFunction, float]]:
+        return [
+            (genrm.load_reward_function(spec), weight)
+            for spec, weight in zip(self.functions, self.function_weights, strict=True)
+        ]
+
+
+def check_functions(specs: Any, weights: Any) -> tuple[list[str], list[float]]:
+    """reward.functions loaded once (the module imports, the signature fits) and their weights,
+    before any model loads."""
+    if not isinstance(specs, list) or not all(isinstance(spec, str) for spec in specs):
+        raise ValueError(f"reward.functions={specs!r}: a list of 'module:fn' or 'file.py:fn'")
+    if not isinstance(weights, list):
+        raise ValueError(f"reward.function_weights={weights!r}: a list of numbers")
+    weights = [
+        core.coerce_value(weight, float, f"reward.function_weights[{index}]")
+        for index, weight in enumerate(weights)
+    ]
+    if weights and len(weights) != len(specs):
+        raise ValueError(
+            f"reward.function_weights={weights!r}: one weight per reward.functions entry "
+            f"({len(specs)}), or [] for 1.0 each"
+        )
+    for spec in specs:
+        try:
+            genrm.load_reward_function(spec)
+        except ValueError as exc:
+            raise ValueError(f"reward.functions: {exc}") from None
+    return specs, weights or [1.0] * len(specs)
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    every_steps: int = 20  # evaluate after every N steps and after the last (0: never)
+    # Held-out prompts (JSONL, Parquet, save_to_disk folder); "" = the embedded task's eval
+    # split when data.path is the embedded task's too, else no evaluation.
+    path: str = ""
+    split: str = ""  # a split of a DatasetDict saved with save_to_disk: read path/split
+    num_prompts: int = 64  # the file's first prompts, shared over the ranks
+    samples_per_prompt: int = 1  # responses per prompt
+    temperature: float = 0.0  # 0: greedy
+
+    def __post_init__(self) -> None:
+        check_at_least("eval.every_steps", self.every_steps, 0)
+        check_at_least("eval.num_prompts", self.num_prompts, 1)
+        check_at_least("eval.samples_per_prompt", self.samples_per_prompt, 1)
+        check_at_least("eval.temperature", self.temperature, 0.0)
+        if self.split:
+            self.path = split_path("eval", self.path, self.split)
+
+
+@dataclass(kw_only=True)
+class ExportConfig:
+    # The final policy as a Hugging Face folder (config, safetensors, tokenizer, generation
+    # config), relative to out_dir; "" = none. `--export` writes one from a checkpoint.
+    dir: str = "export"
+    dtype: str = ""  # "float32", "bfloat16" or "float16"; "" = the model's own
+
+    def __post_init__(self) -> None:
+        if self.dtype not in EXPORT_DTYPES:
+            raise ValueError(f"export.dtype={self.dtype!r}: use one of {EXPORT_DTYPES}")
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    wandb_project: str = ""  # also log to Weights & Biases (pip install wandb); "" = no
+    # Warn about failed judge verdicts at most once per this many steps (counts are metrics).
+    warn_every_steps: int = 20
+
+    def __post_init__(self) -> None:
+        core.check_wandb(self.wandb_project)
+        check_at_least("log.warn_every_steps", self.warn_every_steps, 1)
 
 
 @dataclass(kw_only=True)
@@ -136,14 +280,22 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         check_at_least("num_steps", self.num_steps, 0)
         for key, allowed in (("placement", ("full", "partial")), ("offload", ("always", "auto"))):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key}={getattr(self, key)!r}: use one of {allowed}")
+        if self.placement == "partial" and not self.uses_judge_model:
+            raise ValueError(
+                f"placement='partial' keeps the judge's engine beside the rollout's; "
+                f"reward.backend={self.reward.backend!r} has none: use placement='full'"
+            )
         fields = genrm.JudgeTemplate(user=self.reward.judge_template).fields
-        if "reference" in fields and not self.data.answer_key:
+        if "reference" in fields and not self.data.answer_key and self.reward.backend != "none":
             raise ValueError(
                 f"reward.judge_template={self.reward.judge_template!r} reads {{reference}} but "
                 "data.answer_key is '': name the rows' answer field, or drop {reference}"
@@ -159,19 +311,33 @@ class TrainConfig:
                 "temperature; build the policy config with temperature=rollout.temperature"
             )
 
+    @property
+    def uses_judge_model(self) -> bool:
+        """The judge is a local model (reward.judge_dir) run by an engine."""
+        return self.reward.backend in LOCAL_JUDGES
+
     def _make_policy_config(self, values: Mapping[str, Any]):
         if "temperature" in values:  # one source: rollout and policy can never disagree
             raise ValueError(
                 f"policy.temperature={values['temperature']!r}: set rollout.temperature instead "
                 "(the policy's logprobs use the sampling temperature)"
             )
+        if "is_reference" in values:
+            raise ValueError(
+                "policy.is_reference: the trainer builds its KL reference itself; set "
+                "loss.kl_coef > 0 for one"
+            )
         values = {**DEFAULT_POLICY, **values, "temperature": self.rollout.temperature}
+        if values.get("lr_schedule") == "cosine" and values.get("num_decay_steps") is None:
+            # Decay over the whole run (a run of no steps still gets a valid schedule).
+            values["num_decay_steps"] = max(self.num_steps, values.get("num_warmup_steps", 0) + 1)
         # Unknown keys fail here, naming the backend's config class.
         return core.policy_config_from_dict(self.backend, values)
 
 
-def read_config(argv: list[str]) -> tuple[TrainConfig, bool]:
-    """The config from the command line (see the module doc), and whether to resume."""
+def read_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
+    """The config from the command line (see the module doc), and the run's flags: resume,
+    export (write a Hugging Face folder from a checkpoint and stop), step (which one)."""
     parser = argparse.ArgumentParser(
         description="Reference GRPO trainer (examples/train_grpo.py)",
         epilog=describe_fields(),
@@ -179,14 +345,24 @@ def read_config(argv: list[str]) -> tuple[TrainConfig, bool]:
     )
     parser.add_argument("--config", help="YAML file of TrainConfig fields")
     parser.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
+    parser.add_argument(
+        "--export",
+        action="store_true",
+        help="write out_dir's newest checkpoint (or --step's) as a Hugging Face folder and stop",
+    )
+    parser.add_argument("--step", type=int, help="with --export: the checkpoint's step")
     parser.add_argument("overrides", nargs="*", help="e.g. rollout.temperature=0.7")
     args = parser.parse_intermixed_args(argv)
+    if args.step is not None and not args.export:
+        parser.error("--step goes with --export")
+    if args.export and args.resume:
+        parser.error("--export writes a checkpoint out and stops; it does not --resume")
     raw = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
     if not isinstance(raw, dict):
         raise ValueError(f"--config {args.config}: must hold a mapping of fields, got {raw!r}")
     for item in args.overrides:
         raw = with_override(raw, item)
-    return build_config(raw), args.resume
+    return build_config(raw), args
 
 
 def with_override(raw: dict, item: str) -> dict:
@@ -212,9 +388,11 @@ def with_override(raw: dict, item: str) -> dict:
 def build_config(raw: Mapping[str, Any]) -> TrainConfig:
     """A checked TrainConfig from plain values; empty paths point at the embedded task.
 
-    Every field is checked first, the embedded policy's against a stand-in directory (that
-    policy may not be built yet), and only then is the embedded task built (once).
+    Model paths that are Hub ids are resolved from the local cache first. Every field is then
+    checked, the embedded policy's against a stand-in directory (that policy may not be built
+    yet), and only then is the embedded task built (once).
     """
+    raw = with_local_models(raw)
     policy = raw.get("policy", {})
     if not isinstance(policy, Mapping):  # None ("policy:" alone) is refused by TrainConfig
         return core.config_from_dict(TrainConfig, raw)
@@ -225,7 +403,8 @@ def build_config(raw: Mapping[str, Any]) -> TrainConfig:
             checked = core.config_from_dict(
                 TrainConfig, {**raw, "policy": {**policy, "model_dir": stand_in}}
             )
-    if policy.get("model_dir") and checked.data.path and checked.reward.judge_dir:
+    needs_judge = checked.uses_judge_model and not checked.reward.judge_dir
+    if policy.get("model_dir") and checked.data.path and not needs_judge:
         return checked
     template = genrm.JudgeTemplate(user=checked.reward.judge_template)
     if not checked.data.path:  # before building: the judge is fitted on this template
@@ -235,17 +414,39 @@ def build_config(raw: Mapping[str, Any]) -> TrainConfig:
                 f"reward.judge_template={template.user!r} reads {sorted(unknown)}; the embedded "
                 f"task's rows have {list(tiny_task.COLUMNS)} (and {list(SAMPLE_FIELDS)})"
             )
-    paths = tiny_task.prepare_locked(Path(checked.out_dir) / "embedded", template)
+    workdir = Path(checked.out_dir) / "embedded"
+    if not tiny_task.is_prepared(workdir):
+        logger.info(
+            "building the embedded task once under %s: a tiny policy and judge fitted on this "
+            "CPU (about 1 min); later runs with this out_dir reuse them",
+            workdir,
+        )
+    paths = tiny_task.prepare_locked(workdir, template)
     filled = {
         **raw,
         "policy": {**policy, "model_dir": policy.get("model_dir") or str(paths["policy"])},
         "data": {**raw.get("data", {}), "path": checked.data.path or str(paths["prompts"])},
-        "reward": {
-            **raw.get("reward", {}),
-            "judge_dir": checked.reward.judge_dir or str(paths["judge"]),
-        },
     }
+    if needs_judge:
+        filled["reward"] = {**raw.get("reward", {}), "judge_dir": str(paths["judge"])}
+    if not checked.data.path and not checked.eval.path:  # the embedded task's held-out split
+        filled["eval"] = {**raw.get("eval", {}), "path": str(paths["eval"])}
     return core.config_from_dict(TrainConfig, filled)
+
+
+def with_local_models(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """`raw` with policy.model_dir and reward.judge_dir as local folders: a Hub id is looked up
+    in the Hugging Face cache (never downloaded); a clear error names what to fetch."""
+    out = dict(raw)
+    for section, key in (("policy", "model_dir"), ("reward", "judge_dir")):
+        values = raw.get(section)
+        if isinstance(values, Mapping) and isinstance(values.get(key), str) and values[key]:
+            try:
+                local = core.resolve_model_dir(values[key])
+            except ValueError as exc:
+                raise ValueError(f"{section}.{key}: {exc}") from None
+            out[section] = {**values, key: str(local)}
+    return out
 
 
 @contextlib.contextmanager
@@ -264,10 +465,12 @@ def describe_fields() -> str:
         name, _, rest = line.partition(" = ")
         key = name.removeprefix("policy.")
         doc = rest.partition("  # ")[2]
-        if key == "temperature":
-            continue  # rollout.temperature is the one source
+        if key in ("temperature", "is_reference"):
+            continue  # rollout.temperature is the one source; loss.kl_coef makes a reference
         if key == "model_dir":
-            line = f"{name} = ''  # {doc}; '' = the embedded task's policy"
+            line = f"{name} = ''  # a local folder or a Hub id in the HF cache; '' = embedded"
+        elif key == "num_decay_steps":
+            line = f"{name} = None  # cosine: steps (warm-up included) to its lowest lr; None = num_steps"
         elif key in DEFAULT_POLICY:
             line = f"{name} = {DEFAULT_POLICY[key]!r}  # {doc}"
         lines.append(line)

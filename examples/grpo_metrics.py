@@ -3,16 +3,19 @@
     stats = StepStats()                     # this rank's sums over the step's rollout rounds
     stats.add(scored, exact)                # after each round
     metrics = summarize(stats, ...)         # all ranks, one small collective
-    check_verdicts(step, metrics, stats.first_failure)
+    check_verdicts(step, metrics, stats.first_failure, warnings)
+    metrics |= eval_metrics(eval_stats, group)   # eval/* of the held-out prompts
 
-Verdict statuses are counted (genrm/verdicts, genrm/errors, genrm/unparsable) and the first
-failure's cause logged; a step whose every verdict failed raises, since it cannot learn (every
-reward is the default) and would otherwise run to the end and exit 0.
+Verdict statuses are counted (genrm/verdicts, genrm/errors, genrm/unparsable) and a failure's
+cause logged, at most once per log.warn_every_steps steps (the counts are in every step's
+metrics); a step whose every verdict failed raises, since it cannot learn (every reward is the
+default) and would otherwise run to the end and exit 0.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -95,15 +98,51 @@ def summarize(
     return metrics
 
 
-def check_verdicts(step: int, metrics: dict[str, float], first_failure: str | None) -> None:
+def eval_metrics(stats: StepStats, group) -> dict[str, float]:
+    """The held-out evaluation's metrics over all ranks (collective), as eval/*."""
+    metrics = summarize(stats, {}, {}, group)
+    keys = ("reward/mean", "reward/accuracy", "response/length_mean", "genrm/errors")
+    out = {f"eval/{key}": metrics[key] for key in keys}
+    out["eval/num_samples"] = metrics["genrm/verdicts"]
+    out["eval/time_s"] = metrics.get("time/eval_s", 0.0)
+    return out
+
+
+@dataclass
+class VerdictWarnings:
+    """When to log failed verdicts: a new cause at once, the same cause at most once per
+    `every_steps` steps (the counts are metrics every step; the log says why)."""
+
+    every_steps: int = 20
+    last_step: int | None = None
+    last_cause: str | None = None
+
+    def should_warn(self, step: int, cause: str) -> bool:
+        cause = re.sub(r"\d+", "#", cause)  # the same failure on another row is not new
+        is_due = self.last_step is None or step - self.last_step >= self.every_steps
+        if cause != self.last_cause or is_due:
+            self.last_step, self.last_cause = step, cause
+            return True
+        return False
+
+
+def check_verdicts(
+    step: int,
+    metrics: dict[str, float],
+    first_failure: str | None,
+    warnings: VerdictWarnings | None = None,
+) -> None:
     """A step whose every verdict failed cannot learn: stop and say why, never train on zeros."""
     num_failed = metrics["genrm/errors"] + metrics["genrm/unparsable"]
-    if num_failed and first_failure is not None:
+    warnings = warnings if warnings is not None else VerdictWarnings()
+    if num_failed and first_failure is not None and warnings.should_warn(step, first_failure):
         logger.warning(
-            "step %d: %d of %d verdicts failed; first: %s",
+            "step %d: %d of %d verdicts failed (counted in genrm/errors and genrm/unparsable "
+            "every step; logged again after %d steps or for a new cause); first: %s",
             step,
             num_failed,
             metrics["genrm/verdicts"],
+            warnings.every_steps,
             first_failure,
         )
     if metrics["genrm/verdicts"] and num_failed == metrics["genrm/verdicts"]:

@@ -2,7 +2,8 @@
 
 Everything is built locally in a setup step (no downloads) and cached under a work directory:
 
-    prompts.jsonl   {"prompt": "3+4=", "answer": "7"} rows
+    prompts.jsonl   {"prompt": "3+4=", "answer": "7"} rows, the training split
+    eval.jsonl      held-out rows: the sums of a digit with itself (2+2=), never in prompts.jsonl
     policy/         a tiny causal LM fine-tuned on *noisy* answers (right ~25% of the time), so
                     GRPO has something to improve and a signal to find
     judge/          a tiny causal LM fitted to say "Yes"/"No" after the GenRM's own verification
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -28,18 +30,39 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from yatt.genrm import JudgeTemplate
 from yatt.testing import make_tiny_causal_lm, make_tokenizer
 
+logger = logging.getLogger("train_grpo")
 MAX_DIGIT = 4
 COLUMNS = ("prompt", "answer")  # the fields of the task's rows
 _READY = "READY"
+NUM_EVAL_ROWS = 64
 
 
-def addition_rows(num_rows: int, seed: int) -> list[dict[str, str]]:
+def is_prepared(workdir: Path) -> bool:
+    """Built and complete (READY is written last; eval.jsonl is checked too: older builds
+    lacked it and are rebuilt)."""
+    return (workdir / _READY).exists() and (workdir / "eval.jsonl").exists()
+
+
+def is_held_out(a: int, b: int) -> bool:
+    """The eval split's pairs: RL never trains on them (the base policy's fit saw every pair)."""
+    return a == b
+
+
+def addition_rows(num_rows: int, seed: int, *, is_eval: bool = False) -> list[dict[str, str]]:
+    """Rows of the training split, or of the held-out eval split."""
     rng = random.Random(seed)
     rows = []
-    for _ in range(num_rows):
+    while len(rows) < num_rows:
         a, b = rng.randint(0, MAX_DIGIT), rng.randint(0, MAX_DIGIT)
-        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+        if is_held_out(a, b) == is_eval:
+            rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
     return rows
+
+
+def write_rows(path: Path, rows: list[dict[str, str]]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
 
 
 def is_correct(prompt: str, response: str) -> bool:
@@ -92,7 +115,13 @@ def _fit_completions(
         schedule.step()
         loss_value = loss.item()
         if step % 100 == 0:
-            print(f"[{model_dir.name}] fit step {step}/{steps} loss {loss_value:.3f}", flush=True)
+            logger.info(
+                "fitting the embedded %s: step %d/%d, loss %.3f",
+                model_dir.name,
+                step,
+                steps,
+                loss_value,
+            )
     model.eval()
     model.save_pretrained(model_dir)
     return loss_value
@@ -165,17 +194,17 @@ def prepare(
     workdir = Path(workdir)
     paths = {
         "prompts": workdir / "prompts.jsonl",
+        "eval": workdir / "eval.jsonl",
         "policy": workdir / "policy",
         "judge": workdir / "judge",
     }
-    if (workdir / _READY).exists():
+    if is_prepared(workdir):
         return paths
     if render is None:
         raise RuntimeError(f"{workdir} is not prepared and no judge prompt renderer was given")
     workdir.mkdir(parents=True, exist_ok=True)
-    with open(paths["prompts"], "w") as f:
-        for row in addition_rows(num_rows, seed):
-            f.write(json.dumps(row) + "\n")
+    write_rows(paths["prompts"], addition_rows(num_rows, seed))
+    write_rows(paths["eval"], addition_rows(NUM_EVAL_ROWS, seed + 1, is_eval=True))
     build_policy(paths["policy"], seed=seed)
     build_judge(paths["judge"], render, seed=seed)
     # Written last: an interrupted setup is redone rather than half-reused.

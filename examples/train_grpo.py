@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 2 examples/train_grpo.py              # 2 ranks (gloo or NCCL)
     python examples/train_grpo.py --config examples/configs/tiny_partial.yaml num_steps=5
     python examples/train_grpo.py --resume                          # continue from out_dir
+    python examples/train_grpo.py --export                          # newest checkpoint -> HF
     torchrun --nproc_per_node 2 examples/train_grpo.py backend=megatron policy.tp_size=2  # GPU
     python examples/train_grpo.py --help                            # every config field
 
@@ -15,6 +16,10 @@ One step, as the loop reads:
     batch       DAPO dynamic sampling: groups without reward variance dropped, then refilled
     train       advantages per group -> balance across ranks -> one optimizer step
     sync        the policy's weights into the rollout engine; metrics; checkpoint when due
+    eval        every eval.every_steps: held-out prompts through the same reward (eval/*)
+
+At the end the last step is always checkpointed and the policy written as a Hugging Face
+folder (out_dir/export) that transformers and vLLM load as it is.
 
 The config (grpo_config.py) is built and checked whole before anything starts. Unusable data
 rows are skipped and counted (data/skipped_rows/<cause>); failed judge verdicts are counted
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import sys
@@ -35,62 +41,32 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import transformers
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from yatt import core, genrm, rollout
-from yatt.balance import flops_cost
 from yatt.ckpt import Checkpointer
 from yatt.placement import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from grpo_config import ENGINE_CONFIGS, DataConfig, RewardConfig, RolloutConfig, read_config
-from grpo_data import check_judge_prompts, judge_sample, prompt_ids, row_fields_read_by
-from grpo_metrics import StepStats, check_verdicts, summarize
+from grpo_config import DataConfig, TrainConfig, read_config
+from grpo_data import check_judge_prompts, judge_sample, prompt_ids
+from grpo_metrics import StepStats, VerdictWarnings, check_verdicts, eval_metrics, summarize
+from grpo_setup import (
+    check_start,
+    close_all,
+    export_checkpoint,
+    export_dir,
+    load_eval_rows,
+    make_engine,
+    make_scorer,
+    required_row_fields,
+)
 
 logger = logging.getLogger("train_grpo")
-ENGINES = {"vllm": rollout.VLLMEngine, "sglang": rollout.SGLangEngine}
 PLANS = {"full": Plan.full_colocation, "partial": Plan.partial_colocation}
-JUDGE_MAX_NEW_TOKENS = 4  # "Yes"/"No" and an end token
-
-
-# -- setup helpers ------------------------------------------------------------------------------
-def make_engine(section: RolloutConfig | RewardConfig, model_dir: str, device: str):
-    """The policy's or the judge's engine: built-in by default, vLLM or SGLang by config (its
-    backend and options were checked when the config was built)."""
-    if section.backend == "builtin":
-        return rollout.BuiltinEngine(model_dir, config=replace(section.engine, device=device))
-    config = ENGINE_CONFIGS[section.backend](**section.backend_options)
-    return ENGINES[section.backend](model_dir, config=config)
-
-
-def make_scorer(reward: RewardConfig, judge_engine) -> tuple[Any, genrm.ExactMatch]:
-    """The reward: the judge's verdict (+1/-1), plus an exact-match rule when rule_weight > 0.
-    The exact match is also the accuracy metric's ground truth."""
-    judge = genrm.GenRM(
-        judge_engine,
-        template=genrm.JudgeTemplate(user=reward.judge_template),
-        parser=genrm.YesNoParser(),
-        votes=reward.votes,
-        sampling=rollout.SamplingParams(
-            temperature=float(reward.votes > 1), max_new_tokens=JUDGE_MAX_NEW_TOKENS
-        ),
-    )
-    exact = genrm.ExactMatch()
-    if reward.rule_weight:
-        return genrm.CombinedRM(judge, [(exact, reward.rule_weight)]), exact
-    return judge, exact
-
-
-def check_start(ckpt: Checkpointer, should_resume: bool, out_dir: str) -> None:
-    """Before any model loads: --resume needs a checkpoint; a fresh run never mixes with one."""
-    if should_resume and ckpt.latest() is None:
-        raise ValueError(
-            f"--resume: {out_dir}/checkpoints holds no checkpoint; run without --resume to "
-            "start fresh, or point out_dir at the run to continue"
-        )
-    if not should_resume and ckpt.latest() is not None:
-        raise ValueError(f"out_dir={out_dir!r} has checkpoints: pass --resume or a new out_dir")
 
 
 @contextlib.contextmanager
@@ -153,12 +129,15 @@ def generate_and_score(
             stream = engine.stream(requests, sampling)
             scored = asyncio.run(genrm.score_as_completed(stream, scorer, to_sample))
         completions, verdicts = scored
-        # The next split of memory between the two follows this round's measured token loads.
-        rollout_tokens = sum(
-            len(completion.prompt_ids) + len(completion.response_ids) for completion in completions
-        )
-        judge_tokens = scored.stats.num_judge_prompt_tokens
-        plan.update_load(rollout_pending_tokens=rollout_tokens, genrm_pending_tokens=judge_tokens)
+        if plan.has_memory_split:  # the next split follows this round's measured token loads
+            rollout_tokens = sum(
+                len(completion.prompt_ids) + len(completion.response_ids)
+                for completion in completions
+            )
+            judge_tokens = scored.stats.num_judge_prompt_tokens
+            plan.update_load(
+                rollout_pending_tokens=rollout_tokens, genrm_pending_tokens=judge_tokens
+            )
     else:
         with timed(timings, "rollout"), plan.phase("rollout"):
             completions = engine.generate(requests, sampling)
@@ -181,34 +160,48 @@ def to_batch(scored: Sequence[Scored], runtime: core.Runtime) -> core.Batch:
     return core.rollout_batch(samples)
 
 
-def close_all(closeables: Sequence[Any], *, should_raise: bool) -> None:
-    """Close each; a failure is logged, and raised only when no earlier error is propagating."""
-    errors = []
-    for closeable in closeables:
-        try:
-            closeable.close()
-        except Exception as exc:  # keep closing the rest
-            logger.exception("closing %s failed", type(closeable).__name__)
-            errors.append(exc)
-    if errors and should_raise:
-        raise errors[0]
+def evaluate(
+    rows: list[dict], *, step: int, cfg: TrainConfig, runtime: core.Runtime, exact, **generate
+) -> dict[str, float]:
+    """The held-out prompts through the rollout engine and the same reward: eval/* metrics over
+    all ranks (collective; a rank without rows still joins). Same seeds every time, so a change
+    between evaluations is the policy's."""
+    stats = StepStats()
+    if rows:
+        sampling = rollout.SamplingParams(
+            n=cfg.eval.samples_per_prompt,
+            temperature=cfg.eval.temperature,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            seed=(cfg.seed * 1_000_003 + runtime.dp_rank * 10_007 + 7) % 2**31,
+        )
+        with timed(stats.timings, "eval"):
+            scored = generate_and_score(rows, sampling, timings={}, **generate)
+        stats.add(scored, exact)
+    return eval_metrics(stats, runtime.dp_group)
 
 
 # -- the run --------------------------------------------------------------------------------------
 def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    cfg, should_resume = read_config(argv)  # built and checked whole before anything starts
+    transformers.utils.logging.disable_progress_bar()  # one bar: the run's
+    cfg, args = read_config(argv)  # built and checked whole before anything starts
+    if args.export:
+        export_checkpoint(cfg, args.step)
+        return
     runtime = core.init_runtime(seed=cfg.seed, tp_size=getattr(cfg.policy, "tp_size", 1))
     closeables: list[Any] = []  # closed in reverse, also after an error
     is_failed = True  # until the loop ends: a close() error must not hide the loop's own
     try:
         ckpt = Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
         closeables.append(ckpt)
-        check_start(ckpt, should_resume, cfg.out_dir)
+        check_start(ckpt, args.resume, cfg.out_dir)
 
         # -- data, checked before any model loads (tokenizers only) ------------------------------
         tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
-        judge_template = genrm.JudgeTemplate(user=cfg.reward.judge_template)
+
+        def count_tokens(prompt) -> int:
+            return len(prompt_ids(prompt, tokenizer, cfg.data.apply_chat_template))
+
         loader = core.ShardedLoader(
             cfg.data.path,
             batch_size=cfg.data.prompts_per_rank,
@@ -217,46 +210,74 @@ def main(argv: list[str]) -> None:
             prompt_key=cfg.data.prompt_key,
             seed=cfg.seed,
             max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
-            count_tokens=lambda prompt: len(
-                prompt_ids(prompt, tokenizer, cfg.data.apply_chat_template)
-            ),
-            required_keys=row_fields_read_by(judge_template, cfg.data.answer_key),
+            count_tokens=count_tokens,
+            required_keys=required_row_fields(cfg),
         )
-        is_judge_builtin = cfg.reward.backend == "builtin"
-        check_judge_prompts(
-            judge_template,
-            loader.first_rows(),
-            tokenizer=AutoTokenizer.from_pretrained(cfg.reward.judge_dir),
-            # GenRM's own limit for the built-in engine; vLLM/SGLang read the model's context.
-            max_prompt_tokens=cfg.reward.engine.max_seq_len - 1 if is_judge_builtin else None,
-            max_response_tokens=min(cfg.rollout.max_new_tokens, judge_template.max_response_tokens),
-            prompt_key=cfg.data.prompt_key,
-            answer_key=cfg.data.answer_key,
-            source=f"data.path={cfg.data.path!r}",
-        )
+        eval_rows = load_eval_rows(cfg, runtime, count_tokens)
+        if cfg.uses_judge_model:
+            judge_template = genrm.JudgeTemplate(user=cfg.reward.judge_template)
+            is_judge_builtin = cfg.reward.backend == "builtin"
+            check_judge_prompts(
+                judge_template,
+                loader.first_rows(),
+                tokenizer=AutoTokenizer.from_pretrained(cfg.reward.judge_dir),
+                # GenRM's own limit for the built-in engine; vLLM/SGLang read the model's context.
+                max_prompt_tokens=cfg.reward.engine.max_seq_len - 1 if is_judge_builtin else None,
+                max_response_tokens=min(
+                    cfg.rollout.max_new_tokens, judge_template.max_response_tokens
+                ),
+                prompt_key=cfg.data.prompt_key,
+                answer_key=cfg.data.answer_key,
+                source=f"data.path={cfg.data.path!r}",
+            )
 
-        # -- models: policy, rollout engine, judge, placement -----------------------------------
+        # -- models: policy, KL reference, rollout engine, judge, placement ----------------------
         device = str(runtime.device)
+        logger.info(
+            "loading the policy, its rollout engine and the reward (%s)", cfg.reward.backend
+        )
         policy = core.build_policy(cfg.backend, cfg.policy, runtime)
+        # A frozen copy of the starting policy, only when the loss reads it (kl_coef > 0).
+        reference = None
+        if cfg.loss.kl_coef > 0:
+            reference_config = replace(cfg.policy, is_reference=True)
+            reference = core.build_policy(cfg.backend, reference_config, runtime)
         engine = make_engine(cfg.rollout, cfg.policy.model_dir, device)
         closeables.append(engine)
-        judge_engine = make_engine(cfg.reward, cfg.reward.judge_dir, device)
-        closeables.append(judge_engine)
-        scorer, exact = make_scorer(cfg.reward, judge_engine)
-        roles = {"rollout": engine, "genrm": judge_engine, "train": policy}
+        judge_engine = None
+        if cfg.uses_judge_model:
+            judge_engine = make_engine(cfg.reward, cfg.reward.judge_dir, device)
+            closeables.append(judge_engine)
+        scorer, exact = make_scorer(cfg.reward, judge_engine, closeables)
+        roles = {"rollout": engine, "genrm": judge_engine, "train": policy, "reference": reference}
         plan = PLANS[cfg.placement](**roles, offload=cfg.offload)
-        # Stream responses to the judge while the rollout runs when both stay resident.
-        should_overlap = plan.is_resident_together("rollout", "genrm")
+        # Stream responses to the judge while the rollout runs when both stay resident (a
+        # judge without an engine of its own is always there).
+        should_overlap = judge_engine is None or plan.is_resident_together("rollout", "genrm")
         ckpt.install_signal_handlers()  # SIGTERM/SIGUSR1: final save at the next boundary
         start_step = 0
-        if should_resume:
+        if args.resume:
             extra = ckpt.load(policy.state())
             loader.load_state_dict(extra["loader"])
             start_step = extra["step"] + 1
             engine.update_weights(policy.named_weights())  # the engine starts from the saved policy
             logger.info("resumed after step %d", extra["step"])
-        run_log = core.RunLog(cfg.out_dir, is_writer=runtime.is_rank_zero, resume_step=start_step)
+        run_log = core.RunLog(
+            cfg.out_dir,
+            is_writer=runtime.is_rank_zero,
+            resume_step=start_step,
+            wandb_project=cfg.log.wandb_project or None,
+            wandb_config=dataclasses.asdict(cfg) if cfg.log.wandb_project else None,
+        )
         closeables.append(run_log)
+        generate = dict(
+            engine=engine,
+            scorer=scorer,
+            plan=plan,
+            tokenizer=tokenizer,
+            data=cfg.data,
+            should_overlap=should_overlap,
+        )
 
         def rollout_round(num_missing: int, *, step: int, stats: StepStats) -> core.Batch:
             """One DAPO round: `num_missing` more prompts, rolled out and judged."""
@@ -272,67 +293,75 @@ def main(argv: list[str]) -> None:
                 max_new_tokens=cfg.rollout.max_new_tokens,
                 seed=seed % 2**31,
             )
-            scored = generate_and_score(
-                rows,
-                sampling,
-                engine=engine,
-                scorer=scorer,
-                plan=plan,
-                tokenizer=tokenizer,
-                data=cfg.data,
-                should_overlap=should_overlap,
-                timings=stats.timings,
-            )
+            scored = generate_and_score(rows, sampling, timings=stats.timings, **generate)
             stats.add(scored, exact)
             return to_batch(scored, runtime)
 
         # -- the GRPO loop ----------------------------------------------------------------------
         last_save_s = 0.0  # a save's time is logged with the next step (it ends after the log)
+        last_step = cfg.num_steps - 1
+        is_stopped = False  # by a signal, after its final save
+        is_eval_on = bool(cfg.eval.every_steps and cfg.eval.path)  # every rank, rows or not
+        verdict_warnings = VerdictWarnings(every_steps=cfg.log.warn_every_steps)
         bar = tqdm(range(start_step, cfg.num_steps), disable=not runtime.is_rank_zero, desc="grpo")
-        for step in bar:
-            stats = StepStats(timings={"ckpt": last_save_s})
-            # rollout + GenRM; DAPO dynamic sampling drops zero-variance groups and refills
-            batch, sampling_stats = core.sample_dynamically(
-                functools.partial(rollout_round, step=step, stats=stats),
-                num_groups=cfg.data.prompts_per_rank,
-                max_rounds=cfg.rollout.max_sampling_rounds,
-                group=runtime.dp_group,
-            )
-            advantages = core.compute_grpo_advantages(
-                batch.samples["reward"], batch.samples["group_id"]
-            )
-            batch.samples["advantages"] = advantages  # local: a whole group lives on this rank
-            with timed(stats.timings, "balance"):  # lengths cross ranks; moved samples go p2p
-                costs = flops_cost(
-                    batch.lengths.tolist(),
-                    hidden_size=policy.model_config.hidden_size,
-                    num_layers=policy.model_config.num_hidden_layers,
+        with logging_redirect_tqdm():  # log lines print above the bar, never through it
+            for step in bar:
+                stats = StepStats(timings={"ckpt": last_save_s})
+                # rollout + GenRM; DAPO dynamic sampling drops zero-variance groups and refills
+                batch, sampling_stats = core.sample_dynamically(
+                    functools.partial(rollout_round, step=step, stats=stats),
+                    num_groups=cfg.data.prompts_per_rank,
+                    max_rounds=cfg.rollout.max_sampling_rounds,
+                    group=runtime.dp_group,
                 )
-                batch, _ = batch.rebalance(
-                    group=runtime.dp_group, group_key="group_id", costs=costs
+                advantages = core.compute_grpo_advantages(
+                    batch.samples["reward"], batch.samples["group_id"]
                 )
-            with timed(stats.timings, "train"), plan.phase("train"):
-                batch = batch.to(runtime.device)
-                if not cfg.loss.is_on_policy:  # else the loss reuses its forward's, detached
-                    batch.tokens["old_logprobs"] = policy.logprobs(batch)
-                train_metrics = policy.train_step(batch, cfg.loss)
-            with timed(stats.timings, "sync"), plan.phase("sync"):  # bucketed, no second copy
-                engine.update_weights(policy.named_weights())
-            metrics = summarize(stats, sampling_stats, loader.skipped_by_cause(), runtime.dp_group)
-            metrics |= {f"train/{key}": value for key, value in train_metrics.items()}
-            metrics |= plan.metrics()
-            run_log.log(step, metrics)
-            check_verdicts(step, metrics, stats.first_failure)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
-            # Saved after the step's metrics line, so a committed step k implies lines 0..k.
-            save_start = time.perf_counter()  # async: returns once tensors are staged
-            extra = {"step": step, "loader": loader.state_dict()}
-            decision = ckpt.maybe_save(step, policy.state(), phase="train", extra=extra)
-            last_save_s = time.perf_counter() - save_start
-            if decision.should_stop:
-                logger.info("stop requested: step %d saved, exiting", step)
-                break
+                batch.samples["advantages"] = advantages  # local: a whole group lives on this rank
+                with timed(stats.timings, "balance"):  # lengths cross ranks; moves go p2p
+                    # The policy's cost model: the same weights its micro-batch packing uses.
+                    costs = policy.estimate_costs(batch.lengths.tolist())
+                    batch, _ = batch.rebalance(
+                        group=runtime.dp_group, group_key="group_id", costs=costs
+                    )
+                with timed(stats.timings, "train"), plan.phase("train"):
+                    batch = batch.to(runtime.device)
+                    if not cfg.loss.is_on_policy:  # else the loss reuses its forward's, detached
+                        batch.tokens["old_logprobs"] = policy.logprobs(batch)
+                    if reference is not None:
+                        batch.tokens["ref_logprobs"] = reference.logprobs(batch)
+                    train_metrics = policy.train_step(batch, cfg.loss)
+                with timed(stats.timings, "sync"), plan.phase("sync"):  # bucketed, no 2nd copy
+                    engine.update_weights(policy.named_weights())
+                metrics = summarize(
+                    stats, sampling_stats, loader.skipped_by_cause(), runtime.dp_group
+                )
+                metrics |= {f"train/{key}": value for key, value in train_metrics.items()}
+                if is_eval_on and ((step + 1) % cfg.eval.every_steps == 0 or step == last_step):
+                    metrics |= evaluate(
+                        eval_rows, step=step, cfg=cfg, runtime=runtime, exact=exact, **generate
+                    )
+                metrics |= plan.metrics()
+                run_log.log(step, metrics)
+                check_verdicts(step, metrics, stats.first_failure, verdict_warnings)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
+                # Saved after the step's metrics line, so a committed step k implies lines 0..k.
+                save_start = time.perf_counter()  # async: returns once tensors are staged
+                extra = {"step": step, "loader": loader.state_dict()}
+                decision = ckpt.maybe_save(step, policy.state(), phase="train", extra=extra)
+                if not decision.is_saved and step == last_step:  # the final step, always
+                    ckpt.save(step, policy.state(), extra=extra)
+                last_save_s = time.perf_counter() - save_start
+                if decision.should_stop:
+                    logger.info("stop requested: step %d saved, exiting", step)
+                    is_stopped = True
+                    break
         ckpt.wait()
+        if cfg.export.dir and start_step <= last_step and not is_stopped:
+            out = core.export_hf(
+                policy, export_dir(cfg), dtype=cfg.export.dtype or None, should_overwrite=True
+            )
+            logger.info("the final policy, as a Hugging Face folder: %s", out)
         if runtime.is_rank_zero and (records := run_log.read()):
             first, last = records[0], records[-1]
             keys = ("reward/mean", "reward/accuracy")

@@ -485,12 +485,13 @@ def test_help_lists_every_config_field_and_the_set_is_frozen():
     )
     assert result.returncode == 0
     flags = set(re.findall(r"--[a-z-]+", result.stdout.split("config fields", 1)[0]))
-    assert flags == {"--help", "--config", "--resume"}
+    assert flags == {"--help", "--config", "--resume", "--export", "--step"}
     listed = result.stdout.split("config fields", 1)[1].splitlines()[1:]
     names = [line.strip().split(" = ")[0] for line in listed if " = " in line]
     frozen = (ROOT / "tests" / "trainer_config_fields.txt").read_text().split()
     assert names == frozen
-    assert "  policy.lr = 0.002  # AdamW learning rate (constant)" in result.stdout
+    assert "  policy.lr = 0.002  # AdamW peak learning rate" in result.stdout
+    assert "policy.is_reference" not in result.stdout  # loss.kl_coef > 0 makes the reference
     assert "policy.temperature" not in result.stdout  # rollout.temperature is the one source
     assert "  rollout.samples_per_prompt = 8  # GRPO group size n" in result.stdout
 
@@ -565,3 +566,226 @@ def test_a_round_decodes_each_response_once_and_pairs_it_with_its_verdict(embedd
     assert groups == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     batch = train_grpo.to_batch(scored, train_grpo.core.init_runtime(seed=0))
     assert batch.samples["reward"].tolist() == [item.verdict.reward for item in scored]
+
+
+# -- what users of TRL and verl expect (issue 16) ----------------------------------------------
+_REWARD_FUNCTIONS = """
+def exact(prompt, response, reference, row):
+    if reference is None:
+        return None  # cannot score: counted as unparsable
+    return 1.0 if response.strip() == reference else -1.0
+"""
+
+
+def _datasets_folder(tmp_path: Path, embedded: list[str]) -> Path:
+    """The embedded prompts as a DatasetDict saved with save_to_disk (train and test splits)."""
+    datasets = pytest.importorskip("datasets", reason="the datasets extra is not installed")
+    data = Path(_paths(embedded)["data"]["path"])
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    folder = tmp_path / "addition"
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(rows[:512]),
+            "test": datasets.Dataset.from_list(rows[512:576]),
+        }
+    ).save_to_disk(folder)
+    return folder
+
+
+def test_functions_only_reward_kl_reference_schedule_eval_datasets_and_export(tmp_path, embedded):
+    """2 ranks, no judge model: a reward function file, a KL reference, warm-up + cosine lr,
+    eval every 2 steps, prompts from a save_to_disk split; the final step is checkpointed
+    though not due, and exported as a folder transformers loads with the checkpoint's weights."""
+    from safetensors.torch import load_file
+
+    from yatt.core import compute_lr
+
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(_REWARD_FUNCTIONS)
+    folder = _datasets_folder(tmp_path, embedded)
+    policy_dir = _paths(embedded)["policy"]["model_dir"]
+    out = tmp_path / "run"
+    args = (
+        f"policy.model_dir={policy_dir}",
+        f"data.path={folder}",
+        "data.split=train",
+        f"eval.path={folder}",
+        "eval.split=test",
+        "eval.every_steps=2",
+        "eval.num_prompts=16",
+        "reward.backend=none",
+        f"reward.functions=[{rewards}:exact]",
+        "loss.kl_coef=0.05",
+        "policy.lr_schedule=cosine",
+        "policy.num_warmup_steps=1",
+        "num_steps=3",
+        "ckpt.every_steps=100",
+    )
+    subprocess.run(_command(out, [], *args), check=True, env=_env(), timeout=600)
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["genrm/errors"] == r["genrm/unparsable"] == 0 for r in records)
+    # Rewards come from the function alone: +1/-1 per sample, and its mean tracks accuracy.
+    for r in records:
+        assert r["reward/mean"] == pytest.approx(2 * r["reward/accuracy"] - 1)
+    # The KL reference is the starting policy: no divergence before the first update.
+    assert records[0]["train/kl"] == 0.0 and records[2]["train/kl"] > 0.0
+    expected_lr = [
+        compute_lr(step, lr=2e-3, num_warmup_steps=1, schedule="cosine", num_decay_steps=3)
+        for step in range(3)
+    ]
+    assert [r["train/lr"] for r in records] == pytest.approx(expected_lr)
+    # Eval after steps 2 and 3 (and the last): 16 held-out prompts over the 2 ranks, greedy.
+    assert "eval/reward/mean" not in records[0]
+    assert records[1]["eval/num_samples"] == records[2]["eval/num_samples"] == 16
+    assert (out / "checkpoints" / "step-00000002").is_dir()  # the last step, always
+    exported = load_file(out / "export" / "model.safetensors")
+    subprocess.run(
+        [sys.executable, str(TRAINER), "--export", f"out_dir={out}", *args],
+        check=True,
+        env=_env(),
+        timeout=300,
+    )
+    from_checkpoint = load_file(out / "export" / "model.safetensors")
+    assert exported.keys() == from_checkpoint.keys()
+    assert all(torch_equal(exported[k], from_checkpoint[k]) for k in exported)
+    initial = load_file(Path(policy_dir) / "model.safetensors")
+    assert any(not torch_equal(initial[k], exported[k]) for k in exported)  # it trained
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
+
+
+def _fake_chat_server(port: int, requests: list) -> None:
+    """An OpenAI-compatible /chat/completions judge for the addition task: 'Yes' when the
+    response after the prompt equals the reference ("{prompt}{response} ref {reference}")."""
+    import asyncio
+
+    from aiohttp import web
+
+    async def chat(request):
+        body = await request.json()
+        requests.append(body)
+        text = body["messages"][-1]["content"]
+        head, _, reference = text.rpartition(" ref ")
+        response = head.partition("=")[2]
+        verdict = "Yes" if response.strip() == reference.strip() else "No"
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": verdict}}
+            for i in range(body.get("n", 1))
+        ]
+        usage = {"prompt_tokens": len(text), "completion_tokens": 1}
+        return web.json_response({"choices": choices, "usage": usage})
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "judge"}]})
+
+    async def serve() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        app.router.add_get("/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()  # until the test process exits (a daemon thread)
+
+    asyncio.run(serve())
+
+
+def test_a_judge_served_over_an_openai_compatible_endpoint(tmp_path, embedded):
+    import threading
+
+    requests: list = []
+    port = free_port()
+    threading.Thread(target=_fake_chat_server, args=(port, requests), daemon=True).start()
+    paths = [a for a in embedded if not a.startswith("reward.judge_dir=")]
+    out = tmp_path / "run"
+    openai = f"reward.openai={{base_url: 'http://127.0.0.1:{port}/v1', model: judge}}"
+    command = _one_rank(out, paths, "num_steps=2", "reward.backend=openai", openai)
+    subprocess.run(command, check=True, env=_env(), timeout=300)
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:  # the endpoint's verdicts are exact: reward = 2 accuracy - 1
+        assert r["genrm/errors"] == 0
+        assert r["reward/mean"] == pytest.approx(2 * r["reward/accuracy"] - 1)
+    assert len(requests) >= records[0]["genrm/verdicts"]
+    assert all(body["model"] == "judge" for body in requests)
+
+
+@pytest.mark.parametrize(
+    ("reward", "match"),
+    [
+        ({"backend": "none"}, r"reward\.backend='none' loads no judge"),
+        ({"backend": "none", "functions": ["no_such_module:fn"]}, r"reward\.functions: "),
+        ({"functions": ["os:getcwd"]}, r"reward\.functions: .*os:getcwd"),
+        (
+            {"backend": "none", "functions": ["os.path:join"], "function_weights": [1, 2]},
+            r"function_weights=.*one weight per",
+        ),
+        ({"backend": "openai"}, r"reward\.openai="),
+        (
+            {
+                "backend": "openai",
+                "openai": {
+                    "base_url": "http://x/v1",
+                    "model": "m",
+                    "api_key_env": "YATT_NO_SUCH_KEY",
+                },
+            },
+            r"YATT_NO_SUCH_KEY.*not set",
+        ),
+        ({"openai": {"base_url": "http://x/v1"}}, r"only for reward\.backend='openai'"),
+        ({"backend": "tgi"}, r"reward\.backend='tgi'"),
+    ],
+)
+def test_reward_settings_fail_before_anything_loads(reward, match, monkeypatch):
+    monkeypatch.delenv("YATT_NO_SUCH_KEY", raising=False)
+    with pytest.raises(ValueError, match=match):
+        grpo_config.RewardConfig(**reward)
+
+
+def test_run_settings_fail_before_anything_loads(embedded, tmp_path):
+    paths = _paths(embedded)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (
+            {"placement": "partial", "reward": {"backend": "none", "rule_weight": 1.0}},
+            r"placement='partial' keeps the judge's engine",
+        ),
+        ({"data": {"path": str(empty), "split": "train"}}, r"data\.split='train'.*has \[\]"),
+        ({"eval": {"split": "test"}}, r"eval\.split='test' needs eval\.path"),
+        ({"export": {"dtype": "fp8"}}, r"export\.dtype='fp8'"),
+        ({"policy": {"is_reference": True}}, r"policy\.is_reference: .*loss\.kl_coef"),
+        ({"log": {"wandb_project": "p"}}, r"wandb_project='p' needs wandb"),
+        ({"policy": {"model_dir": "org/not-cached"}}, r"policy\.model_dir: .*hf download"),
+    ]
+    import importlib.util
+
+    has_wandb = importlib.util.find_spec("wandb") is not None
+    for override, match in cases:
+        if "log" in override and has_wandb:
+            continue  # installed: nothing to refuse
+        raw = dict(paths)
+        for key, value in override.items():  # sections merge with the paths; scalars replace
+            raw[key] = {**paths.get(key, {}), **value} if isinstance(value, dict) else value
+        with pytest.raises(ValueError, match=match):
+            grpo_config.build_config({**raw, "out_dir": str(tmp_path / "out")})
+
+
+def test_a_hub_id_in_the_local_cache_is_a_model_path(embedded, tmp_path, monkeypatch):
+    import shutil
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--tiny" / "snapshots" / ("0" * 40)
+    shutil.copytree(_paths(embedded)["policy"]["model_dir"], snapshot)
+    (cache / "models--org--tiny" / "refs").mkdir()
+    (cache / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    raw = {**_paths(embedded), "policy": {"model_dir": "org/tiny"}}
+    cfg = grpo_config.build_config(raw)
+    assert Path(cfg.policy.model_dir) == snapshot

@@ -1,0 +1,176 @@
+"""The reference trainer's setup: engines, the reward, held-out rows, start checks, export.
+
+    engine = make_engine(cfg.rollout, model_dir, device)       built-in, vLLM or SGLang
+    scorer, exact = make_scorer(cfg.reward, judge_engine)      judge (+ functions, + rule)
+    rows = load_eval_rows(cfg, runtime, count_tokens)          this rank's held-out prompts
+    export_checkpoint(cfg, step)                               `train_grpo.py --export`
+
+Everything here runs once, before the loop (or instead of it, for --export); the loop itself
+is in train_grpo.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from grpo_config import ENGINE_CONFIGS, LOCAL_JUDGES, RewardConfig, RolloutConfig, TrainConfig
+from grpo_data import row_fields_read_by
+
+from yatt import core, genrm, rollout
+from yatt.ckpt import Checkpointer
+
+logger = logging.getLogger("train_grpo")
+ENGINES = {"vllm": rollout.VLLMEngine, "sglang": rollout.SGLangEngine}
+JUDGE_MAX_NEW_TOKENS = 4  # "Yes"/"No" and an end token
+
+
+def make_engine(section: RolloutConfig | RewardConfig, model_dir: str, device: str):
+    """The policy's or the judge's engine: built-in by default, vLLM or SGLang by config (its
+    backend and options were checked when the config was built)."""
+    if section.backend == "builtin":
+        return rollout.BuiltinEngine(model_dir, config=replace(section.engine, device=device))
+    config = ENGINE_CONFIGS[section.backend](**section.backend_options)
+    return ENGINES[section.backend](model_dir, config=config)
+
+
+def make_scorer(
+    reward: RewardConfig, judge_engine, closeables: list[Any] | None = None
+) -> tuple[Any, genrm.ExactMatch]:
+    """The reward: the judge's verdict (+1/-1; a local engine, a served endpoint, or none),
+    plus the reward functions and, when rule_weight > 0, an exact-match rule. The exact match
+    is also the accuracy metric's ground truth. What owns threads goes into `closeables` (the
+    judge engine is the caller's)."""
+    template = genrm.JudgeTemplate(user=reward.judge_template)
+    sampling = rollout.SamplingParams(
+        temperature=float(reward.votes > 1), max_new_tokens=JUDGE_MAX_NEW_TOKENS
+    )
+    judge: Any = None
+    if reward.backend in LOCAL_JUDGES:
+        judge = genrm.GenRM(
+            judge_engine,
+            template=template,
+            parser=genrm.YesNoParser(),
+            votes=reward.votes,
+            sampling=sampling,
+        )
+    elif reward.backend == "openai":
+        judge = genrm.OpenAIJudge(
+            reward.openai_config(),
+            template=template,
+            parser=genrm.YesNoParser(),
+            votes=reward.votes,
+            sampling=sampling,
+        )
+        judge.check_endpoint()  # unreachable, refused key, unknown model: fail before training
+    exact = genrm.ExactMatch()
+    rules: list[tuple[Any, float]] = reward.load_functions()
+    owned = [function for function, _ in rules]
+    if reward.rule_weight:
+        rules.append((exact, reward.rule_weight))
+    scorer = genrm.CombinedRM(judge, rules) if rules else judge
+    if rules:
+        owned.append(scorer)
+    if closeables is not None:
+        closeables.extend(owned)
+    return scorer, exact
+
+
+def required_row_fields(cfg: TrainConfig) -> list[str]:
+    """Row fields every usable row holds: what the judge's prompt reads (no judge: none)."""
+    if cfg.reward.backend == "none":
+        return []
+    return row_fields_read_by(
+        genrm.JudgeTemplate(user=cfg.reward.judge_template), cfg.data.answer_key
+    )
+
+
+def load_eval_rows(
+    cfg: TrainConfig, runtime: core.Runtime, count_tokens: Callable[[Any], int]
+) -> list[dict]:
+    """This rank's share of the held-out prompts (the file's first eval.num_prompts usable
+    rows, in file order), loaded once; [] when evaluation is off."""
+    if not cfg.eval.every_steps or not cfg.eval.path:
+        return []
+    loader = core.ShardedLoader(
+        cfg.eval.path,
+        batch_size=1,
+        rank=runtime.dp_rank,
+        world_size=runtime.dp_size,
+        prompt_key=cfg.data.prompt_key,
+        should_shuffle=False,
+        max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
+        count_tokens=count_tokens,
+        required_keys=required_row_fields(cfg),
+    )
+    # One pass over this rank's shard at most: never the same prompt twice.
+    num_rows = min(math.ceil(cfg.eval.num_prompts / runtime.dp_size), loader.num_local_rows)
+    rows = loader.next_batch(num_rows)
+    if loader.num_skipped:
+        logger.warning(
+            "eval.path=%r: %d rows skipped on rank %d (%s)",
+            cfg.eval.path,
+            loader.num_skipped,
+            runtime.dp_rank,
+            {cause: count for cause, count in loader.skipped_by_cause().items() if count},
+        )
+    return rows
+
+
+def check_start(ckpt: Checkpointer, should_resume: bool, out_dir: str) -> None:
+    """Before any model loads: --resume needs a checkpoint; a fresh run never mixes with one."""
+    if should_resume and ckpt.latest() is None:
+        raise ValueError(
+            f"--resume: {out_dir}/checkpoints holds no checkpoint; run without --resume to "
+            "start fresh, or point out_dir at the run to continue"
+        )
+    if not should_resume and ckpt.latest() is not None:
+        raise ValueError(f"out_dir={out_dir!r} has checkpoints: pass --resume or a new out_dir")
+
+
+def export_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.out_dir) / (cfg.export.dir or "export")
+
+
+def export_checkpoint(cfg: TrainConfig, step: int | None) -> Path:
+    """`train_grpo.py --export [--step N]`: the checkpoint of `step` (default the newest) under
+    out_dir as a Hugging Face folder, in this one process; no model or engine starts."""
+    if cfg.backend != "torch":
+        raise ValueError(
+            f"--export reads TorchPolicy checkpoints; backend={cfg.backend!r} checkpoints hold "
+            "tensor-parallel shards: a run exports its final policy itself (export.dir)"
+        )
+    out = export_dir(cfg)
+    if step is not None:  # an earlier step: beside the final export, never over it
+        out = out.with_name(f"{out.name}-step{step}")
+    with Checkpointer(Path(cfg.out_dir) / "checkpoints") as ckpt:
+        step = ckpt.latest() if step is None else step
+        if step is None:
+            raise ValueError(f"--export: {cfg.out_dir}/checkpoints holds no checkpoint")
+        source = ckpt.step_path(step)
+    core.export_hf_from_checkpoint(
+        source,
+        out,
+        model_dir=cfg.policy.model_dir,
+        dtype=cfg.export.dtype or None,
+        should_overwrite=True,
+    )
+    logger.info("exported step %d of %s to %s", step, source.parent, out)
+    return out
+
+
+def close_all(closeables: Sequence[Any], *, should_raise: bool) -> None:
+    """Close each; a failure is logged, and raised only when no earlier error is propagating."""
+    errors = []
+    for closeable in closeables:
+        try:
+            closeable.close()
+        except Exception as exc:  # keep closing the rest
+            logger.exception("closing %s failed", type(closeable).__name__)
+            errors.append(exc)
+    if errors and should_raise:
+        raise errors[0]
