@@ -17,7 +17,7 @@ for step in "$@"; do
       run_step placement_bench python3 bench/placement.py --device cuda --out "$OUT/placement_cuda.json" ;;
     rollout)
       run_step rollout_tests python3 -m pytest -q -rs packages/yatt-rollout/tests/test_cuda_engine.py \
-        packages/yatt-rollout/tests/test_cuda_weights.py
+        packages/yatt-rollout/tests/test_cuda_weights.py packages/yatt-rollout/tests/test_builtin_vision.py
       run_step rollout_bench python3 bench/rollout_gpu.py --out-dir "$OUT" ;;
     ckpt)
       run_step ckpt_tests python3 -m pytest -q -rs packages/yatt-ckpt/tests/test_cuda.py
@@ -28,6 +28,9 @@ for step in "$@"; do
       run_step core_tests python3 -m pytest -q -rs packages/yatt-core/tests/test_cuda.py
       run_step head_logprobs python3 bench/head_logprobs.py --device cuda --tokens 16384 \
         --out "$OUT/head_logprobs_cuda.json" ;;
+    multimodal)
+      # Images through one RL step: the built-in engine (CUDA graphs) and the VLM policy on GPU.
+      run_step multimodal_tests python3 -m pytest -q -rs tests/test_multimodal_loop.py ;;
     genrm)
       run_step genrm_tests python3 -m pytest -q -rs packages/yatt-genrm/tests/test_cuda_judge.py ;;
     trainer)
@@ -41,7 +44,20 @@ for step in "$@"; do
         policy.model_dir=/tmp/yatt-runs/full/embedded/policy \
         data.path=/tmp/yatt-runs/full/embedded/prompts.jsonl \
         reward.judge_dir=/tmp/yatt-runs/full/embedded/judge
-      cp /tmp/yatt-runs/partial/metrics.jsonl "$OUT/trainer_partial_metrics.jsonl" 2>/dev/null ;;
+      cp /tmp/yatt-runs/partial/metrics.jsonl "$OUT/trainer_partial_metrics.jsonl" 2>/dev/null
+      # Issue 16's settings on the GPU: a KL reference (a placement role), warm-up + cosine lr,
+      # eval every 5 steps on the embedded held-out split, the export at the end, reloaded.
+      EMB=/tmp/yatt-runs/full/embedded
+      run_step trainer_features python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py out_dir=/tmp/yatt-runs/features num_steps=10 \
+        policy.model_dir=$EMB/policy data.path=$EMB/prompts.jsonl reward.judge_dir=$EMB/judge \
+        eval.path=$EMB/eval.jsonl eval.every_steps=5 loss.kl_coef=0.05 \
+        policy.lr_schedule=cosine policy.num_warmup_steps=2
+      cp /tmp/yatt-runs/features/metrics.jsonl "$OUT/trainer_features_metrics.jsonl" 2>/dev/null
+      run_step trainer_export_reload python3 -c "import torch; from transformers import \
+AutoModelForCausalLM as M; m = M.from_pretrained('/tmp/yatt-runs/features/export', \
+device_map='cuda'); ids = torch.tensor([[51, 43, 52, 61]], device='cuda'); \
+print('reloaded', type(m).__name__, m(ids).logits.shape)" ;;
     megatron)
       run_step megatron_parity python3 bench/megatron_parity.py --out-dir "$OUT" ;;
     trainer_megatron)

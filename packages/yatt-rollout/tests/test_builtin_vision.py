@@ -95,6 +95,22 @@ def test_greedy_generation_with_images_equals_the_model_forward(vlm_dir):
         np.testing.assert_allclose(completion.logprobs, logprobs, atol=1e-5, rtol=0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_greedy_generation_with_images_on_cuda_graphs_equals_the_model_forward(vlm_dir):
+    """The captured decode step (CUDA graphs) reads each slot's rope delta: the same tokens
+    as the CPU reference forward, logprobs within float32 kernel differences."""
+    requests, processed, image_id = _requests(vlm_dir)
+    engine = _engine(vlm_dir, device="cuda", use_cuda_graph=True)
+    sampling = SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    for _ in range(2):  # the second call replays the graphs captured by the first
+        completions = engine.generate(requests, sampling)
+        for request, vision, completion in zip(requests, processed, completions, strict=True):
+            tokens, logprobs = _greedy_reference(vlm_dir, request, vision, image_id)
+            assert completion.response_ids == tokens
+            np.testing.assert_allclose(completion.logprobs, logprobs, atol=1e-3, rtol=0)
+    engine.close()
+
+
 def test_samples_are_seeded_per_request_and_sample(vlm_dir):
     """Same seed, same samples: each draws from its (seed, request, sample) key, whether its
     prompt was prefilled with every other (image and text rows in one prefill) or alone in a
