@@ -1,10 +1,13 @@
 """TorchPolicy's train step still gives the outputs recorded before the shared skeleton
-(tests/golden/train_step.json, written by _train_step_golden.py): bit for bit on the machine
-kind and library versions it was recorded with, within float tolerance on other CPU kernels."""
+(tests/golden/train_step.json, written by _train_step_golden.py): within float tolerance on any
+CPU; bit for bit (hashes too) with YATT_GOLDEN_EXACT=1 on the machine that recorded it. The
+CPU capability name does not pin the kernels: two AVX512 machines were seen to differ in the
+last bits, so exactness is asked for, not guessed."""
 
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -38,7 +41,9 @@ def _differences(got, want, path: str, *, is_exact: bool) -> list[str]:
     if isinstance(want, float):
         if math.isnan(want) and isinstance(got, float) and math.isnan(got):
             return []
-        is_equal = got == want if is_exact else got == pytest.approx(want, rel=1e-4, abs=1e-6)
+        # A weight's sum cancels to near 0: its last-bit noise is absolute, not relative.
+        atol = 1e-4 if ".weight_sums." in path else 1e-6
+        is_equal = got == want if is_exact else got == pytest.approx(want, rel=1e-4, abs=atol)
         return [] if is_equal else [f"{path}: {got!r} != {want!r}"]
     if path.endswith("_sha") or "_sha[" in path:
         # Hashes of float tensors: only meaningful where the kernels are the recorded ones.
@@ -51,12 +56,13 @@ def test_train_step_gives_the_recorded_outputs(tmp_path):
     want = json.loads(golden.GOLDEN.read_text())
     recorded = want.pop("fingerprint")
     here = golden.fingerprint()
-    versions = ("torch", "transformers")
-    if any(here[key] != recorded[key] for key in versions):
-        # Another torch or transformers initialises the tiny model differently: no comparison.
+    if here["torch"].split("+")[0] != recorded["torch"].split("+")[0]:
+        # Another torch initialises and computes differently: no comparison.
         pytest.skip(f"golden recorded with {recorded}, running {here}; see _train_step_golden.py")
     model_dir = golden.make_model(tmp_path / "model")
     got = golden.compute_record(model_dir, tmp_path / "out")
-    is_exact = here["cpu_capability"] == recorded["cpu_capability"]
+    is_exact = os.environ.get("YATT_GOLDEN_EXACT") == "1"
+    if is_exact and here != recorded:
+        pytest.fail(f"YATT_GOLDEN_EXACT=1, but recorded with {recorded}, running {here}")
     differences = _differences(got, want, "record", is_exact=is_exact)
     assert not differences, "\n".join(differences[:20])
