@@ -11,8 +11,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/devic
 
 # run_step NAME CMD...: one step's log to $OUT/NAME.log (STEP_TIMEOUT s at most), then its tail
 # (TAIL_LINES); a failing step does not stop the next.
+# SKIP_STEPS="a b": step names to leave out (e.g. benches when device time is short).
 run_step() {
   local name=$1; shift
+  if [[ " ${SKIP_STEPS:-} " == *" $name "* ]]; then echo "=== $name skipped (SKIP_STEPS)"; return 0; fi
   local start=$SECONDS
   echo "=== $name"
   timeout "${STEP_TIMEOUT:-420}" "$@" >"$OUT/$name.log" 2>&1

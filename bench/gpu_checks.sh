@@ -37,7 +37,7 @@ for step in "$@"; do
       # The reference trainer on every visible GPU (one rank each), both placement modes.
       NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
       run_step trainer_full python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
-        examples/train_grpo.py out_dir=/tmp/yatt-runs/full num_steps=60
+        examples/train_grpo.py out_dir=/tmp/yatt-runs/full num_steps=${TRAINER_STEPS:-60}
       cp /tmp/yatt-runs/full/metrics.jsonl "$OUT/trainer_full_metrics.jsonl" 2>/dev/null
       run_step trainer_partial python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
         examples/train_grpo.py out_dir=/tmp/yatt-runs/partial num_steps=20 placement=partial \
