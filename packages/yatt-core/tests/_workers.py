@@ -108,7 +108,12 @@ def scenario_policy(rt, out: dict, *, model_dir: str, runs: list) -> None:
 def scenario_controller(rt, out: dict, *, data: str, batch_size: int) -> None:
     """Each rank loads its own shard, rebalances by length, restores; records what it held."""
     loader = ShardedLoader(
-        data, batch_size=batch_size, rank=rt.dp_rank, world_size=rt.dp_size, image_key="image"
+        data,
+        batch_size=batch_size,
+        rank=rt.dp_rank,
+        world_size=rt.dp_size,
+        image_key="image",
+        should_open_images=False,  # the payload is hex bytes, decoded below
     )
     rows = loader.next_batch()
     own = [row["_index"] for row in rows]

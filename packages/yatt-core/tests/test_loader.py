@@ -140,6 +140,8 @@ def test_bad_rows_are_counted_and_skipped(tmp_path, caplog):
         "bad_prompt": 1,
         "too_long": 1,
         "no_image": 0,
+        "bad_image": 0,
+        "image_too_large": 0,
         "no_field": 0,
     }
 
@@ -148,8 +150,11 @@ def test_missing_image_is_a_skip(tmp_path):
     path = _write_jsonl(
         tmp_path / "img.jsonl", [{"prompt": "a", "image": "xx"}, {"prompt": "b", "image": None}]
     )
-    loader = ShardedLoader(path, batch_size=2, image_key="image", should_shuffle=False)
-    assert [r["prompt"] for r in loader.next_batch()] == ["a"]
+    # should_open_images=False: the field passes as stored (a payload the caller decodes).
+    loader = ShardedLoader(
+        path, batch_size=2, image_key="image", should_shuffle=False, should_open_images=False
+    )
+    assert [(r["prompt"], r["image"]) for r in loader.next_batch()] == [("a", "xx")]
     assert loader.skipped["no 'image' field"] == 1
 
 

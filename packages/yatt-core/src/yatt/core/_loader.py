@@ -7,9 +7,14 @@
 Ranks never exchange rows: each builds the same light index (line offsets or row-group sizes),
 computes the same permutation, and parses only its own rows. The last num_rows % W rows of a
 permutation are left out of that epoch so every rank has the same number of steps. Rows that
-are unusable (bad JSON, no prompt, prompt too long, missing image, a required field missing)
-are skipped, counted per cause (`skipped_by_cause()`, fixed keys for metrics) and logged; the
-batch is then smaller on that rank. A rank that draws a whole epoch of its shard without one
+are unusable (bad JSON, no prompt, prompt too long, a required field missing, an image that is
+missing, does not decode or is too large) are skipped, counted per cause (`skipped_by_cause()`,
+fixed keys for metrics) and logged; the batch is then smaller on that rank.
+
+With `image_key`, a row's images are opened where the row is read (this rank): the field may
+hold a path (relative to the data file's folder, or absolute), bytes, a `datasets` Image
+feature ({"bytes", "path"} or a PIL image) or a list of these, and the row gives loaded PIL
+images in the same shape (see yatt.core._row_images). A rank that draws a whole epoch of its shard without one
 usable row stops with the data file and the counts: no number of draws could fill a batch.
 """
 
@@ -23,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from yatt.core._row_images import RowImageError, import_pil, open_row_images
 from yatt.core._sources import open_source
 
 logger = logging.getLogger("yatt.core")
@@ -31,7 +37,16 @@ ROW_INDEX_KEY = "_index"  # added to every row: its global index in the dataset
 _MAX_LOGGED_SKIPS = 20
 _NUM_ROWS_CHECKED = 16  # rows read at start-up to catch a misspelled key
 # Why a row was skipped, as metric keys (every rank reports all of them, zeros included).
-SKIP_CAUSES = ("unreadable", "no_prompt", "bad_prompt", "too_long", "no_image", "no_field")
+SKIP_CAUSES = (
+    "unreadable",
+    "no_prompt",
+    "bad_prompt",
+    "too_long",
+    "no_image",
+    "bad_image",
+    "image_too_large",
+    "no_field",
+)
 
 
 class ShardedLoader:
@@ -46,6 +61,8 @@ class ShardedLoader:
         world_size: int = 1,
         prompt_key: str = "prompt",
         image_key: str | None = None,
+        should_open_images: bool = True,
+        max_image_pixels: int | None = None,
         seed: int = 0,
         should_shuffle: bool = True,
         max_prompt_tokens: int | None = None,
@@ -56,7 +73,11 @@ class ShardedLoader:
         """batch_size: prompts per rank per step. max_prompt_tokens with count_tokens (e.g. a
         tokenizer applied to the prompt) skips rows whose prompt is longer. columns: Parquet
         columns to read (default all). required_keys: fields a row must hold as a string or a
-        number (e.g. the reference answer a judge reads); rows without them are skipped."""
+        number (e.g. the reference answer a judge reads); rows without them are skipped.
+        image_key: the field holding a row's image(s); rows without one are skipped.
+        should_open_images: open them into PIL images (default; see the module docstring),
+        or False to pass the field on as stored (a payload the caller decodes itself).
+        max_image_pixels: skip rows with an image of more pixels (width x height) than this."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(
                 f"batch_size={batch_size!r} must be an int >= 1 (prompts per rank per step)"
@@ -70,6 +91,22 @@ class ShardedLoader:
                 f"max_prompt_tokens={max_prompt_tokens} needs count_tokens=<prompt -> token count>, "
                 "e.g. lambda p: len(tokenizer.apply_chat_template(p))"
             )
+        if max_image_pixels is not None and (
+            isinstance(max_image_pixels, bool)
+            or not isinstance(max_image_pixels, int)
+            or max_image_pixels < 1
+        ):
+            raise ValueError(
+                f"max_image_pixels={max_image_pixels!r} must be an int >= 1 (width x height), "
+                "or None for no limit"
+            )
+        if max_image_pixels is not None and (image_key is None or not should_open_images):
+            raise ValueError(
+                f"max_image_pixels={max_image_pixels} is checked when images are opened; set "
+                "image_key (and leave should_open_images=True), or drop max_image_pixels"
+            )
+        if image_key is not None and should_open_images:
+            import_pil()  # ImportError now, naming the extra, not at the first row
         if columns is not None:
             missing = [k for k in (prompt_key, image_key) if k is not None and k not in columns]
             if missing:
@@ -79,6 +116,10 @@ class ShardedLoader:
         self.batch_size = batch_size
         self.prompt_key = prompt_key
         self.image_key = image_key
+        self.should_open_images = should_open_images
+        self.max_image_pixels = max_image_pixels
+        # Relative image paths are relative to the data file's folder (a folder of shards: itself).
+        self._image_dir = Path(path) if Path(path).is_dir() else Path(path).parent
         self.seed = seed
         self.should_shuffle = should_shuffle
         self.max_prompt_tokens = max_prompt_tokens
@@ -136,7 +177,7 @@ class ShardedLoader:
         reasons: Counter[str] = Counter()
         for index in range(min(_NUM_ROWS_CHECKED, self.num_rows)):
             row = self._source.read([index])[0]
-            problem = ("unreadable", row) if isinstance(row, str) else self._check_row(row)
+            row, problem = self._usable_row(row)
             if problem is not None:
                 reasons[problem[1]] += 1
                 continue
@@ -189,13 +230,11 @@ class ShardedLoader:
         self.num_rows_parsed += len(rows)
         out = []
         for index, row in zip(indices, rows, strict=True):
-            # The source gives a string for a row it could not decode (bad JSON, not an object).
-            problem = ("unreadable", row) if isinstance(row, str) else self._check_row(row)
+            row, problem = self._usable_row(row)
             if problem is not None:
                 self._skip(index, *problem)
                 continue
             self._num_unusable_in_a_row = 0
-            row = dict(row)
             row[ROW_INDEX_KEY] = index
             out.append(row)
         return out
@@ -204,6 +243,27 @@ class ShardedLoader:
         """Batches forever (epochs roll over); stop by step count in the training loop."""
         while True:
             yield self.next_batch()
+
+    def _usable_row(
+        self, row: dict[str, Any] | str
+    ) -> tuple[dict[str, Any], None] | tuple[None, tuple[str, str]]:
+        """(a copy of the row, its images opened, None), or (None, (cause, reason))."""
+        # The source gives a string for a row it could not decode (bad JSON, not an object).
+        if isinstance(row, str):
+            return None, ("unreadable", row)
+        problem = self._check_row(row)
+        if problem is not None:
+            return None, problem
+        row = dict(row)
+        if self.image_key is not None and self.should_open_images:
+            # Last: a row skipped for a cheaper cause never has its images decoded.
+            try:
+                row[self.image_key] = open_row_images(
+                    row[self.image_key], base_dir=self._image_dir, max_pixels=self.max_image_pixels
+                )
+            except RowImageError as err:
+                return None, (err.cause, f"{self.image_key!r}: {err}")
+        return row, None
 
     def _check_row(self, row: Mapping[str, Any]) -> tuple[str, str] | None:
         """(cause, reason) when `row` is unusable, else None."""

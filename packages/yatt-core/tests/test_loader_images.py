@@ -1,0 +1,154 @@
+"""ShardedLoader with image_key: paths (relative or absolute), bytes, datasets' {"bytes", "path"}
+dicts and PIL images open into PIL images on the rank that reads the row; a missing, damaged or
+oversized image is a counted skip with its cause, never an error in the middle of a run."""
+
+import io
+import json
+
+import pytest
+
+from yatt.core import ShardedLoader
+from yatt.core._loader import SKIP_CAUSES
+
+Image = pytest.importorskip("PIL.Image")
+
+NUM_GPUS = 0
+
+
+def _png(size=(4, 3), color="red") -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _load_all(path, **kwargs):
+    loader = ShardedLoader(path, batch_size=100, image_key="image", should_shuffle=False, **kwargs)
+    loader.batch_size = loader.num_local_rows
+    return loader, loader.next_batch()
+
+
+def test_paths_relative_and_absolute_open_as_pil_images(tmp_path):
+    (tmp_path / "data" / "images").mkdir(parents=True)
+    (tmp_path / "data" / "images" / "a.png").write_bytes(_png((4, 3), "red"))
+    absolute = tmp_path / "elsewhere.png"
+    absolute.write_bytes(_png((5, 2), "blue"))
+    rows = [
+        {"prompt": "relative", "image": "images/a.png"},
+        {"prompt": "absolute", "image": str(absolute)},
+        {"prompt": "two", "image": ["images/a.png", str(absolute)]},
+    ]
+    loader, got = _load_all(_write_jsonl(tmp_path / "data" / "d.jsonl", rows))
+    assert [r["prompt"] for r in got] == ["relative", "absolute", "two"]
+    assert isinstance(got[0]["image"], Image.Image)
+    assert got[0]["image"].size == (4, 3) and got[0]["image"].getpixel((0, 0)) == (255, 0, 0)
+    assert got[1]["image"].size == (5, 2) and got[1]["image"].getpixel((0, 0)) == (0, 0, 255)
+    assert [im.size for im in got[2]["image"]] == [(4, 3), (5, 2)]  # a list stays a list
+    assert loader.num_skipped == 0
+
+
+def test_relative_paths_in_a_folder_of_shards_are_relative_to_that_folder(tmp_path):
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "img.png").write_bytes(_png())
+    _write_jsonl(tmp_path / "ds" / "part-0.jsonl", [{"prompt": "q", "image": "img.png"}])
+    _, got = _load_all(tmp_path / "ds")
+    assert got[0]["image"].size == (4, 3)
+
+
+def test_bytes_dicts_and_pil_images_from_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    (tmp_path / "b.png").write_bytes(_png((6, 6), "green"))
+    rows = [
+        {"prompt": "bytes", "image": {"bytes": _png((3, 3)), "path": None}},
+        {"prompt": "path", "image": {"bytes": None, "path": "b.png"}},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    _, got = _load_all(tmp_path / "d.parquet")
+    assert [r["image"].size for r in got] == [(3, 3), (6, 6)]
+    assert all(isinstance(r["image"], Image.Image) for r in got)
+
+
+def test_datasets_image_feature_and_raw_bytes(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    features = datasets.Features({"prompt": datasets.Value("string"), "image": datasets.Image()})
+    rows = {"prompt": ["a", "b"], "image": [{"bytes": _png((2, 2)), "path": None}] * 2}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "hf"))
+    _, got = _load_all(tmp_path / "hf")
+    assert [r["image"].size for r in got] == [(2, 2), (2, 2)]  # decoded by datasets, loaded here
+    # Raw bytes in a binary column (no Image feature).
+    raw = datasets.Features({"prompt": datasets.Value("string"), "image": datasets.Value("binary")})
+    rows = {"prompt": ["c"], "image": [_png((7, 1))]}
+    datasets.Dataset.from_dict(rows, features=raw).save_to_disk(str(tmp_path / "raw"))
+    _, got = _load_all(tmp_path / "raw")
+    assert got[0]["image"].size == (7, 1)
+
+
+def test_bad_images_are_counted_skips_with_their_cause(tmp_path, caplog):
+    (tmp_path / "ok.png").write_bytes(_png())
+    (tmp_path / "big.png").write_bytes(_png((40, 30)))
+    (tmp_path / "text.png").write_text("not an image")
+    (tmp_path / "cut.png").write_bytes(_png((30, 30), "white")[:-40])  # header fine, data cut
+    rows = [
+        {"prompt": "ok", "image": "ok.png"},
+        {"prompt": "no such file", "image": "missing.png"},
+        {"prompt": "empty list", "image": []},
+        {"prompt": "null", "image": None},
+        {"prompt": "not an image", "image": "text.png"},
+        {"prompt": "truncated", "image": "cut.png"},
+        {"prompt": "a number", "image": 3},
+        {"prompt": "a url", "image": "https://example.com/a.png"},
+        {"prompt": "too large", "image": "big.png"},
+        {"prompt": "one bad of two", "image": ["ok.png", "missing.png"]},
+    ]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    loader, got = _load_all(path, max_image_pixels=1000)
+    assert [r["prompt"] for r in got] == ["ok"]
+    assert loader.skipped_by_cause() == {
+        **dict.fromkeys(SKIP_CAUSES, 0),
+        "no_image": 4,  # missing file, empty list, null, missing file in a list
+        "bad_image": 4,  # text, truncated, a number, a URL
+        "image_too_large": 1,
+    }
+    reasons = "\n".join(loader.skipped)
+    assert "missing.png' does not exist" in reasons
+    assert "image 1: image file" in reasons  # which image of the list
+    assert "40x30 image has 1200 pixels, over max_image_pixels=1000" in reasons
+    assert "is a URL" in reasons
+    # first_rows sees the same row as usable and skips the others without counting them.
+    assert [r["prompt"] for r in loader.first_rows(4)] == ["ok"]
+
+
+def test_without_opening_the_field_passes_as_stored(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "image": "not/a/file.npy"}])
+    _, got = _load_all(path, should_open_images=False)
+    assert got[0]["image"] == "not/a/file.npy"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param({"max_image_pixels": 0}, "max_image_pixels=0", id="zero"),
+        pytest.param({"max_image_pixels": 1.5}, "max_image_pixels=1.5", id="float"),
+        pytest.param(
+            {"max_image_pixels": 10, "should_open_images": False}, "is checked when", id="unopened"
+        ),
+    ],
+)
+def test_bad_image_settings_fail_at_construction(tmp_path, kwargs, match):
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "image": "a.png"}])
+    with pytest.raises(ValueError, match=match):
+        ShardedLoader(path, batch_size=1, image_key="image", **kwargs)
+
+
+def test_without_pillow_the_loader_says_how_to_install_it(tmp_path, monkeypatch):
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "q", "image": "a.png"}])
+    monkeypatch.setitem(__import__("sys").modules, "PIL", None)
+    with pytest.raises(ImportError, match=r"yatt-core\[vision\]"):
+        ShardedLoader(path, batch_size=1, image_key="image")
+    ShardedLoader(path, batch_size=1, image_key="image", should_open_images=False)  # no PIL needed
