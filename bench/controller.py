@@ -2,6 +2,15 @@
 
     python bench/controller.py                      # 1, 2 and 4 ranks; ~1-2 minutes on 2 cores
     python bench/controller.py --ranks 1 2 4 8 --prompts-per-rank 32 --steps 3
+    python bench/controller.py --full-step          # the whole GRPO step with a tiny VLM (CPU)
+    python bench/controller.py --full-step --device cuda --ranks 1 2    # on 2 GPUs
+
+--full-step measures the same claim with training in the loop (bench/_controller_step.py says
+what each mode does): rollout on the built-in engine with the images, a judge, balancing and a
+TorchPolicy train step on a tiny Qwen2-VL, per-rank controllers (yatt-step) against rank 0 as
+the driver of a single-controller framework (driver-step). On CPU its results go into a section
+of controller_cpu.md/.json (the section above stays); with --device cuda into
+controller_<gpu>x<ranks>.md/.json, with the peak GPU memory of every rank as well.
 
 Every prompt carries a 3x448x448 uint8 image (588 KiB), stored as an .npy file that the
 dataset row points to, as LLaVA-style JSONL datasets do. One step, per mode:
@@ -31,30 +40,31 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from _controller_step import IMAGE_SIZE as IMAGE_SIZE_STEP
+from _controller_step import (
+    STEP_MODES,
+    make_shape_dataset,
+    make_vlm,
+    measure_payload_mib,
+    reset_peak_rss,
+    rss_kib,
+    summarize_launch,
+)
+from _controller_step import run_worker as run_step_worker
 
 IMAGE_SHAPE = (3, 448, 448)
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("yatt", "yatt+balance", "baseline")
-
-
-def _rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    # Writing 5 resets VmHWM to the current RSS (Linux >= 4.0), so the peak excludes start-up.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+FULL_STEP_KEY = "full_step"  # controller_cpu.json's key for the --full-step results
+FULL_STEP_HEADING = "## Full step with a vision-language model"  # and its controller_cpu.md section
 
 
 def _make_dataset(root: Path, num_rows: int, num_images: int) -> Path:
@@ -98,17 +108,27 @@ def worker(mode: str, data: str, prompts_per_rank: int, steps: int, out: str) ->
         group = rt.dp_group
         if mode != "baseline":
             loader = ShardedLoader(
-                data, batch_size=prompts_per_rank, rank=rank, world_size=world, image_key="image"
+                data,
+                batch_size=prompts_per_rank,
+                rank=rank,
+                world_size=world,
+                image_key="image",
+                should_open_images=False,  # .npy files, decoded by _decode
             )
         elif rank == 0:
-            loader = ShardedLoader(data, batch_size=prompts_per_rank * world, image_key="image")
+            loader = ShardedLoader(
+                data,
+                batch_size=prompts_per_rank * world,
+                image_key="image",
+                should_open_images=False,
+            )
         # Import what the steps import lazily, so the peak counts data, not code.
         import yatt.balance.dist  # noqa: F401
 
         reduce_metrics({"warm": 0.0}, group=group)
         dist.barrier()
-        start_rss = _rss_kib("VmRSS")
-        _reset_peak()
+        start_rss = rss_kib("VmRSS")
+        reset_peak_rss()
         times = []
         moved_in: list[int] = []  # samples balancing brought to this rank, per step
         for _ in range(steps):
@@ -139,7 +159,7 @@ def worker(mode: str, data: str, prompts_per_rank: int, steps: int, out: str) ->
                 del received
             dist.barrier()
             times.append(time.perf_counter() - t0)
-        peak = _rss_kib("VmHWM")
+        peak = rss_kib("VmHWM")
         result = {
             "rank": rank,
             "peak_above_start_mib": (peak - start_rss) / 1024,
@@ -172,18 +192,252 @@ def launch(mode: str, world: int, data: Path, args: argparse.Namespace) -> dict:
     }
 
 
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _write_json(path: Path, summary: dict) -> None:
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _split_markdown(path: Path) -> tuple[str, str]:
+    """(the payload-only part, the full-step section with its leading blank line) of a report."""
+    text = path.read_text() if path.is_file() else ""
+    at = text.find(FULL_STEP_HEADING)
+    if at < 0:
+        return text, ""
+    return text[:at].rstrip("\n") + "\n", "\n" + text[at:]
+
+
+def _commit() -> str:
+    """The commit measured, "+dirty" when the bench's own files differ from it."""
+    root = Path(__file__).resolve().parents[1]
+
+    def git(*cmd: str) -> str:
+        done = subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    files = ["bench/controller.py", "bench/_controller_step.py"]
+    dirty = git("status", "--porcelain", "--", *files)
+    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+dirty" if dirty else "")
+
+
+def launch_step(mode: str, world: int, data: Path, model_dir: Path, args: argparse.Namespace):
+    from yatt.testing import run_ranks
+
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, __file__, "--worker", mode, str(data), out]
+        cmd += ["--prompts-per-rank", str(args.prompts_per_rank), "--steps", str(args.steps)]
+        cmd += ["--warmup", str(args.warmup), "--group-size", str(args.group_size)]
+        cmd += ["--max-new-tokens", str(args.max_new_tokens), "--device", args.device]
+        cmd += ["--model-dir", str(model_dir)]
+        env = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # see the module docstring
+        if args.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        run_ranks(cmd, world, env=env, timeout_s=900)  # fails with each failed rank's output
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    return summarize_launch(mode, world, ranks)
+
+
+def _device_slug(num_ranks: int) -> str:
+    import torch
+
+    name = torch.cuda.get_device_name(0).lower().replace(" ", "_")
+    return f"{re.sub(r'[^a-z0-9_]', '', name)}x{num_ranks}"
+
+
+def run_full_step(args: argparse.Namespace) -> None:
+    """--full-step: each mode of bench/_controller_step.py at each rank count; a report."""
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("--device cuda: no CUDA device here; skipped", flush=True)
+            return
+        if max(args.ranks) > torch.cuda.device_count():
+            raise SystemExit(
+                f"--ranks {max(args.ranks)} needs as many GPUs; {torch.cuda.device_count()} here"
+            )
+    results = []
+    t0 = time.perf_counter()
+    commit = _commit()
+    with tempfile.TemporaryDirectory() as root:
+        model_dir = make_vlm(Path(root, "vlm"))
+        rows = max(args.ranks) * args.prompts_per_rank * (args.warmup + args.steps)
+        data = make_shape_dataset(Path(root), rows + max(args.ranks))
+        sizes = measure_payload_mib(model_dir, data)
+        for world in args.ranks:
+            for mode in STEP_MODES:
+                results.append(launch_step(mode, world, data, model_dir, args))
+                r = results[-1]
+                gpu = ""
+                if "per_rank_gpu_peak_mib" in r:
+                    gpu = f"  GPU peak {max(r['per_rank_gpu_peak_mib']):.1f} MiB"
+                print(
+                    f"{mode:12s} ranks={world}  busiest peak {r['busiest_peak_mib']:7.1f} MiB"
+                    f"  (rank {r['busiest_rank']}){gpu}  step {r['step_s']:.3f} s",
+                    flush=True,
+                )
+    by = {(r["mode"], r["ranks"]): r for r in results}
+    share_mib = args.prompts_per_rank * sizes["image_mib"]
+    slope = {
+        m: _slope(args.ranks, [by[m, w]["busiest_peak_mib"] for w in args.ranks])
+        for m in STEP_MODES
+    }
+    passed = None
+    if len(args.ranks) > 1:
+        passed = slope["yatt-step"] < 0.25 * share_mib and slope["driver-step"] >= share_mib
+    summary = {
+        "commit": commit,
+        "device": args.device,
+        "config": {
+            "prompts_per_rank": args.prompts_per_rank,
+            "group_size": args.group_size,
+            "max_new_tokens": args.max_new_tokens,
+            "warmup_steps": args.warmup,
+            "timed_steps": args.steps,
+            "image_size": [IMAGE_SIZE_STEP, IMAGE_SIZE_STEP, 3],
+            **sizes,
+            "judge": "reward function (count_reward in bench/_controller_step.py)",
+            "cpu_count": os.cpu_count(),
+        },
+        "results": results,
+        "payload_share_mib": share_mib,
+        "peak_slope_mib_per_rank": slope,
+        "bar": "busiest-process peak slope per added rank: yatt < 0.25 share, driver >= 1 share",
+        "passed": passed,
+        "wall_s": time.perf_counter() - t0,
+    }
+    lines = _full_step_report(summary, args)
+    if args.device == "cuda":
+        stem = f"controller_{_device_slug(max(args.ranks))}"
+        _write_json(args.out_dir / f"{stem}.json", summary)
+        (args.out_dir / f"{stem}.md").write_text("\n".join(lines))
+    else:
+        path = args.out_dir / "controller_cpu.json"
+        _write_json(path, {**_read_json(path), FULL_STEP_KEY: summary})
+        md_path = args.out_dir / "controller_cpu.md"
+        head, _ = _split_markdown(md_path)
+        md_path.write_text(head + ("\n" if head else "") + "\n".join(lines))
+    print("\n".join(lines))
+
+
+def _slope(xs: list[int], ys: list[float]) -> float:
+    """Least-squares growth per added rank (0 with one rank count)."""
+    return float(np.polyfit(xs, ys, 1)[0]) if len(set(xs)) > 1 else 0.0
+
+
+def _full_step_report(summary: dict, args: argparse.Namespace) -> list[str]:
+    cfg = summary["config"]
+    by = {(r["mode"], r["ranks"]): r for r in summary["results"]}
+    is_cuda = args.device == "cuda"
+    lines = [
+        f"{FULL_STEP_HEADING} (commit {summary['commit']}, {args.device})",
+        "",
+        "`python bench/controller.py --full-step"
+        + (" --device cuda" if is_cuda else "")
+        + f" --ranks {' '.join(map(str, args.ranks))}`: every step is the whole GRPO step on a "
+        f"tiny Qwen2-VL (bench/_controller_step.py): {cfg['prompts_per_rank']} prompts per rank, "
+        f"each a drawn {IMAGE_SIZE_STEP}x{IMAGE_SIZE_STEP} RGB PNG of 1-4 shapes "
+        f"({cfg['image_mib'] * 1024:.0f} KiB decoded, {cfg['pixel_values_mib'] * 1024:.0f} KiB "
+        f"of float32 pixel_values after the image processor), {cfg['group_size']} samples each "
+        f"of up to {cfg['max_new_tokens']} tokens from the built-in engine with the image, a "
+        "reward-function judge (the shape count), GRPO advantages, balancing, old logprobs, "
+        "a TorchPolicy (DDP) train step and the weights back into the engine. "
+        f"{cfg['warmup_steps']} warm-up step(s), then {cfg['timed_steps']} measured: peak RSS "
+        "above each process's RSS before them (busiest process), median step time (max over "
+        f"ranks). {cfg['cpu_count']} CPU cores, "
+        + (
+            "NCCL + gloo."
+            if is_cuda
+            else "gloo; with more ranks than cores the step times "
+            "include time-sharing, for both modes alike."
+        ),
+        "",
+    ]
+    header = "| ranks | busiest peak RSS (MiB): yatt | driver | step (s): yatt | driver |"
+    rule = "|---:|---:|---:|---:|---:|"
+    if is_cuda:
+        header += " GPU peak above start per rank (MiB): yatt | driver |"
+        rule += "---:|---:|"
+    lines += [header, rule]
+    for world in args.ranks:
+        y, d = by["yatt-step", world], by["driver-step", world]
+        row = (
+            f"| {world} | {y['busiest_peak_mib']:.1f} | {d['busiest_peak_mib']:.1f} "
+            f"| {y['step_s']:.3f} | {d['step_s']:.3f} |"
+        )
+        if is_cuda:
+            row += " {} | {} |".format(
+                *(
+                    " / ".join(f"{x:.1f}" for x in r["per_rank_gpu_peak_above_start_mib"])
+                    for r in (y, d)
+                )
+            )
+        lines.append(row)
+    slope = summary["peak_slope_mib_per_rank"]
+    passed = summary["passed"]
+    verdict = "n/a (one rank count)" if passed is None else ("PASS" if passed else "FAIL")
+    lines += [
+        "",
+        "yatt: every rank loads its own rows and images, generates, judges and rebalances "
+        "them (Batch.rebalance moves the samples the plan moves, images included). driver: "
+        "rank 0 also drives, as a single-controller framework's driver does: it loads and "
+        "processes every rank's images, scatters each rank's prompts with their images, gets "
+        "every completion back, judges them all, balances over the ranks and scatters the "
+        "training batches (pickled objects).",
+        "",
+        f"Busiest-process peak per added rank (least squares): yatt {slope['yatt-step']:.1f} "
+        f"MiB, driver {slope['driver-step']:.1f} MiB; one rank's decoded images per step are "
+        f"{summary['payload_share_mib']:.1f} MiB. Bar (yatt < 0.25 share, driver >= 1 share): "
+        f"{verdict}.",
+        "",
+    ]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--prompts-per-rank", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--prompts-per-rank", type=int, help="default 32; 8 with --full-step (each has 2 samples)"
+    )
+    parser.add_argument("--steps", type=int, help="default 3; 2 timed with --full-step")
+    parser.add_argument(
+        "--full-step",
+        action="store_true",
+        help="the whole GRPO step with a tiny VLM (rollout, judge, balance, train) per mode",
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="--full-step")
+    parser.add_argument("--warmup", type=int, default=1, help="--full-step: untimed steps first")
+    parser.add_argument("--group-size", type=int, default=2, help="--full-step: samples/prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="--full-step")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS, help="where results go")
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)  # set by the parent for workers
     parser.add_argument("--worker", nargs=3, metavar=("MODE", "DATA", "OUT"))
     args = parser.parse_args()
+    if args.prompts_per_rank is None:
+        args.prompts_per_rank = 8 if args.full_step else 32
+    if args.steps is None:
+        args.steps = 2 if args.full_step else 3
+    if args.device == "cuda" and not args.full_step:
+        parser.error("--device cuda measures --full-step only (the payload-only mode is CPU)")
     if args.worker:
         mode, data, out = args.worker
-        worker(mode, data, args.prompts_per_rank, args.steps, out)
+        if mode in STEP_MODES:
+            run_step_worker(mode, data, out, args)
+        else:
+            worker(mode, data, args.prompts_per_rank, args.steps, out)
         return
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.full_step:
+        run_full_step(args)
+    else:
+        run_payload_only(args)
 
+
+def run_payload_only(args: argparse.Namespace) -> None:
+    """The payload-only measurement (the module docstring's modes) into controller_cpu.*."""
     rows_needed = max(args.ranks) * args.prompts_per_rank * args.steps
     image_mib = int(np.prod(IMAGE_SHAPE)) / 2**20
     results = []
@@ -224,8 +478,11 @@ def main() -> None:
         "passed": passed,
         "wall_s": time.perf_counter() - t0,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "controller_cpu.json").write_text(json.dumps(summary, indent=2) + "\n")
+    # The full-step section, when an earlier --full-step run wrote one, stays.
+    previous = _read_json(args.out_dir / "controller_cpu.json")
+    if FULL_STEP_KEY in previous:
+        summary[FULL_STEP_KEY] = previous[FULL_STEP_KEY]
+    _write_json(args.out_dir / "controller_cpu.json", summary)
     lines = [
         "# Controller memory: per-rank controllers (yatt) vs one driver (baseline), CPU",
         "",
@@ -258,7 +515,9 @@ def main() -> None:
         f"Bar (yatt < 0.25 share, baseline >= 1 share): {'PASS' if passed else 'FAIL'}.",
         "",
     ]
-    (RESULTS / "controller_cpu.md").write_text("\n".join(lines))
+    md_path = args.out_dir / "controller_cpu.md"
+    _, full_step_section = _split_markdown(md_path)
+    md_path.write_text("\n".join(lines) + full_step_section)
     print("\n".join(lines))
 
 

@@ -1,0 +1,382 @@
+"""bench/controller.py --full-step: one whole GRPO step with a tiny vision-language model, per mode.
+
+Each rank holds the same tiny Qwen2-VL twice, as a step needs it: the built-in rollout engine and a
+TorchPolicy under DDP. The prompts are locally drawn images of 1-4 shapes (PNG files that the
+JSONL rows point to) with the question "How many shapes?"; the judge is a reward function
+(yatt.genrm.RewardFunction: 1 for the right count as the response's first number, 0.2 for any
+number, else 0). One step, per mode:
+
+    yatt-step      every rank: ShardedLoader reads its own rows -> decodes its own images ->
+                   image processor -> built-in engine generates (images in the requests) ->
+                   judge -> GRPO advantages (a group lives on one rank) -> Batch.rebalance by
+                   the policy's costs (images move with the samples the plan moves) -> old
+                   logprobs -> train step -> weights to its engine -> all-reduced stats
+    driver-step    rank 0 is also the driver of a single-controller framework (a Ray driver in
+                   verl), the other ranks its workers: the driver reads every rank's rows,
+                   decodes and processes every image (the dataset runs in the driver) and
+                   scatters each rank's prompts with their images (pickled, as objects travel);
+                   every rank generates its share and sends the completions back; the driver
+                   judges all, computes advantages, partitions the samples by cost over the
+                   ranks (verl's seqlen balancing) and scatters each rank's training batch
+                   (images included); every rank trains, syncs its engine, and sends its
+                   metrics to the driver
+
+Generation runs on every rank in both modes (as verl's rollout workers do): what differs is only
+where the data goes. Measured per process over the timed steps (after warm-up steps that pay the
+one-time costs: AdamW state, lazy imports, allocator growth): peak RSS above its RSS before them,
+and on CUDA torch.cuda.max_memory_allocated above the allocation before them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+IMAGE_SIZE = 448  # pixels per side of each drawn image (RGB uint8: 588 KiB decoded)
+QUESTION = "How many shapes are in the image? Answer with a number."
+# The tiny VLM's image processor resizes to at most 224 x 224: 16 x 16 patches of 14 pixels
+# (1176 floats each: 3 channels x 2 temporal x 14 x 14), 64 image tokens after the 2 x 2 merge.
+# Small enough for 2 CPU cores, large enough that a prompt's tensors are not lost in RSS noise.
+VLM_PATCH_SIZE = 14
+VLM_MAX_PIXELS = 224 * 224
+STEP_MODES = ("yatt-step", "driver-step")
+
+
+def rss_kib(field: str) -> int:
+    """A memory field of /proc/self/status in KiB (VmRSS: now, VmHWM: the peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak_rss() -> None:
+    """Reset VmHWM to the current RSS (Linux >= 4.0), so the peak excludes what came before."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+# -- data and model (the parent process makes them once) ---------------------------------------
+
+
+def make_shape_dataset(root: Path, num_rows: int, *, seed: int = 0) -> Path:
+    """`num_rows` PNG images of 1-4 filled circles and squares, and a JSONL of prompts to them."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    path = root / "shapes.jsonl"
+    with open(path, "w") as f:
+        for i in range(num_rows):
+            image = Image.new("RGB", (IMAGE_SIZE, IMAGE_SIZE), tuple(rng.integers(0, 64, 3)))
+            draw = ImageDraw.Draw(image)
+            num_shapes = int(rng.integers(1, 5))
+            for _ in range(num_shapes):
+                x, y = rng.integers(0, IMAGE_SIZE - 96, 2)
+                size = int(rng.integers(40, 96))
+                box = [int(x), int(y), int(x) + size, int(y) + size]
+                colour = tuple(int(c) for c in rng.integers(128, 256, 3))
+                if rng.random() < 0.5:
+                    draw.ellipse(box, fill=colour)
+                else:
+                    draw.rectangle(box, fill=colour)
+            image_path = root / f"shapes{i}.png"
+            image.save(image_path)
+            row = {"prompt": QUESTION, "image": str(image_path), "answer": str(num_shapes)}
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def make_vlm(path: Path) -> Path:
+    """The tiny Qwen2-VL both modes load, with 224 x 224 images (256 patches each)."""
+    from yatt.testing import make_tiny_vlm
+
+    make_tiny_vlm(
+        path,
+        arch="qwen2_vl",
+        patch_size=VLM_PATCH_SIZE,
+        min_pixels=56 * 56,
+        max_pixels=VLM_MAX_PIXELS,
+        max_position_embeddings=512,
+    )
+    return path
+
+
+def measure_payload_mib(model_dir: Path, data: Path) -> dict[str, float]:
+    """The first row's decoded image and its pixel_values from the model's processor, in MiB."""
+    from PIL import Image
+
+    from yatt.core import load_image_processor
+
+    row = json.loads(data.read_text().splitlines()[0])
+    with Image.open(row["image"]) as image:
+        pixels = np.asarray(image.convert("RGB"))
+    out = load_image_processor(model_dir)(images=[pixels], return_tensors="pt")
+    return {
+        "image_mib": pixels.nbytes / 2**20,
+        "pixel_values_mib": out["pixel_values"].float().numpy().nbytes / 2**20,
+    }
+
+
+# -- the judge ---------------------------------------------------------------------------------
+
+
+def count_reward(prompt: str, response: str, reference: str | None, row: dict) -> float:
+    """1 when the response's first number is the shape count, 0.2 for another number, else 0."""
+    match = re.search(r"\d+", response)
+    if match is None:
+        return 0.0
+    return 1.0 if match.group() == reference else 0.2
+
+
+# -- one rank --------------------------------------------------------------------------------
+
+
+class _Rank:
+    """What a rank loads once: tokenizer, image processor, engine, policy, judge."""
+
+    def __init__(self, model_dir: str, runtime: Any, *, seed: int) -> None:
+        from transformers import AutoTokenizer
+
+        from yatt.core import TorchPolicy, TorchPolicyConfig, load_image_processor
+        from yatt.genrm import RewardFunction
+        from yatt.rollout import BuiltinEngine, EngineConfig
+
+        self.runtime = runtime
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.image_processor = load_image_processor(model_dir)
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        engine_config = EngineConfig(
+            device=str(runtime.device), dtype="float32", max_seq_len=256, max_batch_size=64
+        )
+        self.engine = BuiltinEngine(model_dir, config=engine_config)
+        self.policy = TorchPolicy(
+            TorchPolicyConfig(model_dir=model_dir, parallel="ddp", dtype="float32", lr=1e-3),
+            runtime,
+        )
+        self.judge = RewardFunction(count_reward, name="count")
+        self.seed = seed
+
+    def encode_prompt(self, row: dict) -> dict:
+        """A row's prompt ids (image placeholders expanded), decoded image and VisionInputs."""
+        from PIL import Image
+
+        from yatt.core import encode_vision_prompt
+
+        image = row["image"]
+        if isinstance(image, list):
+            (image,) = image
+        if isinstance(image, str):  # a path; a loader that opens images gives PIL images
+            image = Image.open(image)
+        with image:
+            pixels = np.asarray(image.convert("RGB"))  # a fresh HWC uint8 array per row
+        content = [{"type": "image"}, {"type": "text", "text": row["prompt"]}]
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, vision = encode_vision_prompt(
+            ids, [pixels], image_processor=self.image_processor, image_token_id=self.image_token_id
+        )
+        return {"ids": ids, "image": pixels, "vision": vision, "answer": row["answer"]}
+
+    def generate(self, prompts: list[dict], *, group_size: int, max_new_tokens: int, step: int):
+        from yatt.rollout import Request, SamplingParams
+
+        requests = [Request(prompt_ids=p["ids"], images=[p["image"]]) for p in prompts]
+        sampling = SamplingParams(
+            n=group_size, temperature=1.0, max_new_tokens=max_new_tokens, seed=self.seed + step
+        )
+        return self.engine.generate(requests, sampling)
+
+    def judge_rewards(self, prompts: list[dict], completions: list[Any]) -> list[float]:
+        from yatt.genrm import Sample
+
+        samples = [
+            Sample(
+                prompt=QUESTION,
+                response=self.tokenizer.decode(c.response_ids, skip_special_tokens=True),
+                reference=prompts[c.request_index]["answer"],
+            )
+            for c in completions
+        ]
+        return [verdict.reward for verdict in self.judge.score(samples)]
+
+    def train(self, batch: Any) -> dict[str, float]:
+        """Old logprobs, one optimizer step, then the trained weights into the engine."""
+        from yatt.core import PolicyLoss
+
+        batch = batch.to(self.runtime.device)
+        batch.tokens["old_logprobs"] = self.policy.logprobs(batch)
+        metrics = self.policy.train_step(batch, PolicyLoss())
+        self.engine.update_weights(self.policy.named_weights())
+        return metrics
+
+
+def _training_samples(prompts: list[dict], completions: list[Any], rewards: list[float]):
+    from yatt.core import rollout_samples
+
+    return rollout_samples(
+        completions,
+        rewards,
+        [c.request_index for c in completions],
+        vision_inputs=[prompts[c.request_index]["vision"] for c in completions],
+    )
+
+
+def _yatt_step(rank: _Rank, loader: Any, step: int, args: Any) -> dict[str, float]:
+    from yatt.core import compute_grpo_advantages, reduce_metrics, rollout_batch
+
+    prompts = [rank.encode_prompt(row) for row in loader.next_batch()]  # own shard only
+    completions = rank.generate(
+        prompts, group_size=args.group_size, max_new_tokens=args.max_new_tokens, step=step
+    )
+    rewards = rank.judge_rewards(prompts, completions)
+    batch = rollout_batch(_training_samples(prompts, completions, rewards))
+    batch.samples["advantages"] = compute_grpo_advantages(batch["reward"], batch["group_id"])
+    costs = rank.policy.estimate_costs(batch.lengths.tolist())
+    # Lengths (costs) cross ranks; the samples the plan moves travel point-to-point.
+    batch, _ = batch.rebalance(group=rank.runtime.dp_group, group_key="group_id", costs=costs)
+    metrics = rank.train(batch)
+    reward = float(np.mean(rewards))
+    return reduce_metrics({"reward": reward, "loss": metrics["loss"]}, group=rank.runtime.dp_group)
+
+
+def _driver_step(rank: _Rank, loader: Any, step: int, args: Any) -> dict[str, float]:
+    import torch.distributed as dist
+
+    from yatt.balance import partition
+    from yatt.core import compute_grpo_advantages, rollout_batch
+
+    group = rank.runtime.dp_group
+    world, me = rank.runtime.dp_size, rank.runtime.dp_rank
+    chunks = None
+    if me == 0:  # the driver: every rank's rows, images and processor outputs
+        prompts = [rank.encode_prompt(row) for row in loader.next_batch()]
+        chunks = [prompts[r::world] for r in range(world)]
+    received: list[Any] = [None]
+    dist.scatter_object_list(received, chunks, src=0, group=group)
+    mine = received[0]
+    completions = rank.generate(
+        mine, group_size=args.group_size, max_new_tokens=args.max_new_tokens, step=step
+    )
+    gathered = [None] * world if me == 0 else None
+    dist.gather_object(completions, gathered, dst=0, group=group)
+    del received, mine, completions
+    batches = None
+    if me == 0:  # the driver judges, computes advantages and balances everything
+        samples, rewards = [], []
+        for r in range(world):
+            local_rewards = rank.judge_rewards(chunks[r], gathered[r])
+            local = _training_samples(chunks[r], gathered[r], local_rewards)
+            for sample in local:
+                sample["group_id"] += r * args.prompts_per_rank  # unique over the ranks
+            samples += local
+            rewards += local_rewards
+        full = rollout_batch(samples)
+        advantages = compute_grpo_advantages(full["reward"], full["group_id"])
+        costs = rank.policy.estimate_costs(full.lengths.tolist())
+        parts = partition(costs, world, groups=full["group_id"].tolist())
+        batches = []
+        for part in parts:
+            batch = rollout_batch([samples[i] for i in part])
+            batch.samples["advantages"] = advantages[part]
+            batches.append(batch)
+        del full, samples
+    received = [None]
+    dist.scatter_object_list(received, batches, src=0, group=group)
+    del batches, chunks, gathered
+    metrics = rank.train(received[0])
+    del received
+    stats = [None] * world if me == 0 else None
+    dist.gather_object(metrics, stats, dst=0, group=group)
+    reward = float(np.mean(rewards)) if me == 0 else float("nan")
+    return {"reward": reward, "loss": float(np.mean([s["loss"] for s in stats])) if me == 0 else 0}
+
+
+def run_worker(mode: str, data: str, out: str, args: Any) -> None:
+    """One rank of `mode` (see the module docstring); writes out/rank<r>.json."""
+    import torch
+    import torch.distributed as dist
+
+    from yatt.core import ShardedLoader, init_runtime
+
+    if mode not in STEP_MODES:
+        raise ValueError(f"mode={mode!r}: use one of {STEP_MODES}")
+    with init_runtime(device=args.device) as rt:
+        rank, world = rt.dp_rank, rt.dp_size
+        is_cuda = rt.device.type == "cuda"
+        state = _Rank(args.model_dir, rt, seed=1000 * rank)
+        loader = None
+        if mode == "yatt-step":
+            loader = ShardedLoader(
+                data,
+                batch_size=args.prompts_per_rank,
+                rank=rank,
+                world_size=world,
+                image_key="image",
+                required_keys=("answer",),
+            )
+        elif rank == 0:
+            loader = ShardedLoader(
+                data,
+                batch_size=args.prompts_per_rank * world,
+                image_key="image",
+                required_keys=("answer",),
+            )
+        step_fn = _yatt_step if mode == "yatt-step" else _driver_step
+        times, rewards = [], []
+        for step in range(args.warmup + args.steps):
+            if step == args.warmup:  # the measured window starts here, on every rank at once
+                dist.barrier()
+                if is_cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    start_gpu = torch.cuda.memory_allocated()
+                start_rss = rss_kib("VmRSS")
+                reset_peak_rss()
+            t0 = time.perf_counter()
+            metrics = step_fn(state, loader, step, args)
+            dist.barrier()
+            if step >= args.warmup:
+                times.append(time.perf_counter() - t0)
+                rewards.append(metrics["reward"])
+        result: dict[str, Any] = {
+            "rank": rank,
+            "peak_above_start_mib": (rss_kib("VmHWM") - start_rss) / 1024,
+            "times": times,
+            "rewards": rewards,
+        }
+        if is_cuda:
+            torch.cuda.synchronize()
+            result["gpu_peak_above_start_mib"] = (
+                torch.cuda.max_memory_allocated() - start_gpu
+            ) / 2**20
+            result["gpu_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        state.judge.close()
+
+
+def summarize_launch(mode: str, world: int, ranks: list[dict]) -> dict:
+    """One (mode, world) run from its ranks' JSON: the busiest process and the step time."""
+    peaks = [r["peak_above_start_mib"] for r in ranks]
+    num_steps = len(ranks[0]["times"])
+    step_times = [max(r["times"][s] for r in ranks) for s in range(num_steps)]
+    out = {
+        "mode": mode,
+        "ranks": world,
+        "busiest_peak_mib": max(peaks),
+        "busiest_rank": int(np.argmax(peaks)),
+        "per_rank_peak_mib": peaks,
+        "step_s": float(np.median(step_times)),
+        "reward": float(np.nanmean([x for r in ranks for x in r["rewards"]])),
+    }
+    if "gpu_peak_mib" in ranks[0]:
+        out["per_rank_gpu_peak_above_start_mib"] = [r["gpu_peak_above_start_mib"] for r in ranks]
+        out["per_rank_gpu_peak_mib"] = [r["gpu_peak_mib"] for r in ranks]
+    return out
