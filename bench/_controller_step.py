@@ -4,7 +4,9 @@ Each rank holds the same tiny Qwen2-VL twice, as a step needs it: the built-in r
 TorchPolicy under DDP. The prompts are locally drawn images of 1-4 shapes (PNG files that the
 JSONL rows point to) with the question "How many shapes?"; the judge is a reward function
 (yatt.genrm.RewardFunction: 1 for the right count as the response's first number, 0.2 for any
-number, else 0). One step, per mode:
+number, else 0). The random tiny policy samples vision special tokens now and then: a response
+ends before one (counted as num_cut_responses), since TorchPolicy refuses an image token that
+has no image. One step, per mode:
 
     yatt-step      every rank: ShardedLoader reads its own rows -> decodes its own images ->
                    image processor -> built-in engine generates (images in the requests) ->
@@ -29,6 +31,7 @@ and on CUDA torch.cuda.max_memory_allocated above the allocation before them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -146,11 +149,14 @@ class _Rank:
         from yatt.core import TorchPolicy, TorchPolicyConfig, load_image_processor
         from yatt.genrm import RewardFunction
         from yatt.rollout import BuiltinEngine, EngineConfig
+        from yatt.testing import VISION_TOKENS
 
         self.runtime = runtime
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.image_processor = load_image_processor(model_dir)
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.vision_token_ids = set(self.tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)))
+        self.num_cut_responses = 0  # responses cut before a sampled vision token
         engine_config = EngineConfig(
             device=str(runtime.device), dtype="float32", max_seq_len=256, max_batch_size=64
         )
@@ -190,9 +196,29 @@ class _Rank:
 
         requests = [Request(prompt_ids=p["ids"], images=[p["image"]]) for p in prompts]
         sampling = SamplingParams(
-            n=group_size, temperature=1.0, max_new_tokens=max_new_tokens, seed=self.seed + step
+            n=group_size,
+            temperature=1.0,
+            max_new_tokens=max_new_tokens,
+            seed=self.seed + step,
+            stop_token_ids=tuple(self.vision_token_ids),
         )
-        return self.engine.generate(requests, sampling)
+        return [self._cut_at_vision_token(c) for c in self.engine.generate(requests, sampling)]
+
+    def _cut_at_vision_token(self, completion: Any) -> Any:
+        # The random tiny policy samples vision tokens now and then; an image token in a
+        # response is refused by TorchPolicy (more image tokens than images), so the response
+        # ends before it (generation stops there too: stop_token_ids).
+        cut = next(
+            (i for i, t in enumerate(completion.response_ids) if t in self.vision_token_ids), None
+        )
+        if cut is None:
+            return completion
+        self.num_cut_responses += 1
+        return dataclasses.replace(
+            completion,
+            response_ids=completion.response_ids[:cut],
+            logprobs=completion.logprobs[:cut],
+        )
 
     def judge_rewards(self, prompts: list[dict], completions: list[Any]) -> list[float]:
         from yatt.genrm import Sample
@@ -351,6 +377,7 @@ def run_worker(mode: str, data: str, out: str, args: Any) -> None:
             "peak_above_start_mib": (rss_kib("VmHWM") - start_rss) / 1024,
             "times": times,
             "rewards": rewards,
+            "num_cut_responses": state.num_cut_responses,
         }
         if is_cuda:
             torch.cuda.synchronize()
@@ -375,6 +402,7 @@ def summarize_launch(mode: str, world: int, ranks: list[dict]) -> dict:
         "per_rank_peak_mib": peaks,
         "step_s": float(np.median(step_times)),
         "reward": float(np.nanmean([x for r in ranks for x in r["rewards"]])),
+        "num_cut_responses": sum(r["num_cut_responses"] for r in ranks),
     }
     if "gpu_peak_mib" in ranks[0]:
         out["per_rank_gpu_peak_above_start_mib"] = [r["gpu_peak_above_start_mib"] for r in ranks]
