@@ -6,6 +6,11 @@
 `score()` is the blocking, whole-batch path (engine.generate). `submit()`/`results()` stream:
 they are built on `engine.stream()`, so a sample's verdict is out as soon as its votes finish,
 while later samples are still arriving (partial colocation overlaps this with the rollout).
+
+A template with `image_key` shows the judge the sample's images: the engine must take images
+(a vision-language judge), the chat template writes a placeholder per image, each placeholder
+is expanded to the image's tokens with the judge's image processor, and the request carries
+the images (see yatt.genrm._images).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from yatt.genrm._images import ImagePrompts
 from yatt.genrm._parsers import VerdictParser
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
 from yatt.genrm._templates import JudgeTemplate
@@ -66,6 +72,11 @@ class GenRM(StreamingScorer):
     A vote that does not parse is counted and logged; a sample none of whose votes parse gets
     `default_reward` and status "unparsable". Engine failures give status "error" and
     `default_reward`; nothing raises in the middle of a run.
+
+    With a template that shows images (`image_key`), `image_processor` is the judge model's
+    (default: `engine.image_processor` when the engine has one) and `image_token_id` its image
+    placeholder token (default: the model config's `image_token_id`); a sample without its
+    image gets an "error" verdict naming the field.
     """
 
     def __init__(
@@ -80,6 +91,8 @@ class GenRM(StreamingScorer):
         default_reward: float = 0.0,
         batching: BatchingConfig | None = None,
         max_prompt_tokens: int | None = None,
+        image_processor: Any = None,
+        image_token_id: int | None = None,
     ) -> None:
         if not isinstance(template, JudgeTemplate):
             raise ValueError(f"template must be a JudgeTemplate, got {type(template).__name__}")
@@ -93,6 +106,8 @@ class GenRM(StreamingScorer):
             raise ValueError(f"default_reward={default_reward!r}: must be finite")
         if getattr(engine, "tokenizer", None) is None:
             raise ValueError("engine has no tokenizer; GenRM renders and decodes text with it")
+        # Expands image placeholders for a template that shows images; None for a text judge.
+        self._image_prompts = _make_image_prompts(engine, template, image_processor, image_token_id)
         super().__init__(batching=batching, error_reward=default_reward)
         self.engine = engine
         self.template = template
@@ -129,10 +144,21 @@ class GenRM(StreamingScorer):
         for i, sample in enumerate(samples):
             try:
                 ids, is_truncated = self.template.render_ids(sample, tokenizer)
+                images = self.template.sample_images(sample)
             except Exception as e:
                 message = f"template: {e}"
                 rendered.failed[i] = error_verdict(sample.id, message, reward=self.default_reward)
                 continue
+            if images:
+                assert self._image_prompts is not None
+                try:
+                    ids = self._image_prompts.expand(ids, images)
+                except Exception as e:
+                    message = f"images: {e}"
+                    rendered.failed[i] = error_verdict(
+                        sample.id, message, reward=self.default_reward
+                    )
+                    continue
             rendered.num_truncated += int(is_truncated)
             if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
                 message = (
@@ -141,7 +167,9 @@ class GenRM(StreamingScorer):
                 )
                 rendered.failed[i] = error_verdict(sample.id, message, reward=self.default_reward)
                 continue
-            rendered.requests.append(Request(prompt_ids=ids, request_id=sample.id))
+            rendered.requests.append(
+                Request(prompt_ids=ids, request_id=sample.id, images=images or None)
+            )
             rendered.positions.append(i)
         return rendered
 
@@ -253,3 +281,45 @@ class GenRM(StreamingScorer):
         """Close the judge engine and the render thread."""
         self._render_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
+
+
+def _make_image_prompts(
+    engine: RolloutEngine, template: JudgeTemplate, image_processor: Any, image_token_id: Any
+) -> ImagePrompts | None:
+    """The placeholder expansion of a template that shows images; ValueError for a judge that
+    cannot see them (checked at construction, not at the first sample)."""
+    if not template.shows_images:
+        if image_processor is not None or image_token_id is not None:
+            raise ValueError(
+                "image_processor / image_token_id are for a template that shows images; set "
+                "JudgeTemplate(image_key=...) or drop them"
+            )
+        return None
+    if not getattr(engine, "accepts_images", False):
+        raise ValueError(
+            f"JudgeTemplate.image_key={template.image_key!r} shows the judge images, but the "
+            "judge engine takes none (accepts_images is False): serve a vision-language judge "
+            "(a Qwen2-VL-family model) or drop image_key for a text-only judge"
+        )
+    if not getattr(engine.tokenizer, "chat_template", None):
+        raise ValueError(
+            f"JudgeTemplate.image_key={template.image_key!r}: the judge tokenizer has no chat "
+            "template to write the image placeholders; load the judge's own tokenizer"
+        )
+    if image_processor is None:
+        image_processor = getattr(engine, "image_processor", None)
+    if image_processor is None:
+        raise ValueError(
+            f"JudgeTemplate.image_key={template.image_key!r}: GenRM needs the judge model's "
+            "image processor to size each image's tokens; pass "
+            "image_processor=AutoImageProcessor.from_pretrained(judge_model_dir)"
+        )
+    if image_token_id is None:
+        config = getattr(getattr(engine, "model", None), "config", None)
+        image_token_id = getattr(config, "image_token_id", None)
+    if image_token_id is None:
+        raise ValueError(
+            f"JudgeTemplate.image_key={template.image_key!r}: the judge engine does not say its "
+            "image token; pass image_token_id=<the model config's image_token_id>"
+        )
+    return ImagePrompts(image_processor, image_token_id)

@@ -11,6 +11,11 @@ Retry-After is honoured, up to `max_backoff_s`); what still fails, and a 4xx or 
 not a chat completion, becomes that sample's "error" verdict with the cause. Nothing raises in
 the middle of a run, and every request ends within `timeout_s`.
 
+A template with `image_key` sends the sample's images in the user message, each as an OpenAI
+image part ({"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}, or the
+image's own http(s) URL) before the text; the served model must take images (else the server's
+4xx is that sample's error verdict). A sample without its image is an error verdict, unsent.
+
 The API key is read from the environment variable named by `api_key_env` and sent as
 `Authorization: Bearer <key>`; it is never logged nor put in an error.
 """
@@ -33,6 +38,7 @@ from typing import Any
 
 import aiohttp
 
+from yatt.genrm._images import image_data_url
 from yatt.genrm._parsers import VerdictParser
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer, per_sample_batching
 from yatt.genrm._templates import JudgeTemplate
@@ -227,7 +233,7 @@ class OpenAIJudge(StreamingScorer):
         return f"OpenAIJudge(url={self.url!r}, model={self.config.model!r}, votes={self.votes})"
 
     # -- one request ---------------------------------------------------------------------------
-    def _body(self, messages: list[dict[str, str]]) -> dict[str, Any]:
+    def _body(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         sampling = self.sampling
         body: dict[str, Any] = {
             "model": self.config.model,
@@ -322,8 +328,15 @@ class OpenAIJudge(StreamingScorer):
         """The verdict of one sample; never raises (except cancellation)."""
         try:
             messages = self.template.render_messages(sample)
+            images = self.template.sample_images(sample)
         except Exception as e:
             return error_verdict(sample.id, f"template: {e}", reward=self.default_reward)
+        if images:
+            try:
+                # Encoding images (PNG, base64) is CPU work: off the event loop.
+                messages = await asyncio.to_thread(_with_image_urls, messages, images)
+            except Exception as e:
+                return error_verdict(sample.id, f"images: {e}", reward=self.default_reward)
         body = json.dumps(self._body(messages)).encode()
         http = self._http()
         retry_after_s: float | None = None
@@ -448,6 +461,23 @@ class OpenAIJudge(StreamingScorer):
         if http is not None and http.closer is not None:
             http.closer.cancel()
             await asyncio.gather(http.closer, return_exceptions=True)
+
+
+def _with_image_urls(messages: list[dict[str, Any]], images: list[Any]) -> list[dict[str, Any]]:
+    """`messages` with their {"type": "image"} parts, in order, as OpenAI image_url parts."""
+    urls = iter([image_data_url(image) for image in images])
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [
+                {"type": "image_url", "image_url": {"url": next(urls)}}
+                if part.get("type") == "image"
+                else part
+                for part in content
+            ]
+        out.append({**message, "content": content})
+    return out
 
 
 def _content(choice: Any) -> str:

@@ -5,6 +5,12 @@ of `Sample.metadata`. It is rendered as a chat (system + user message) through t
 tokenizer's chat template when the tokenizer has one, else as plain text. Long responses are cut
 in the middle (the head shows the approach, the tail holds the final answer) with a note, so a
 runaway rollout never overflows the judge's context nor fails the run.
+
+Images: by default the judge reads text only, whatever the row holds. With `image_key`, the
+sample's image(s) in `Sample.metadata[image_key]` (one image or a list) are shown before the
+user text, as {"type": "image"} parts of the user message (the Hugging Face multimodal message
+format): a vision-language judge's chat template writes their placeholders, and OpenAIJudge
+sends them as image_url parts.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+from yatt.genrm._images import images_of
 from yatt.genrm._types import Sample
 
 SAMPLE_FIELDS = ("prompt", "response", "reference")
@@ -48,6 +55,9 @@ class JudgeTemplate:
     user: str  # str.format text with named fields; write literal braces as {{ }}
     system: str | None = None  # system message (plain text; no fields)
     max_response_tokens: int = 4096  # responses longer than this are cut in the middle
+    # The Sample.metadata field whose image(s) the judge sees (a vision-language judge); None:
+    # text only, the default, even when the row holds images.
+    image_key: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.user, str) or not self.user.strip():
@@ -70,6 +80,37 @@ class JudgeTemplate:
                     f"JudgeTemplate.user field {{{name}}}: use named fields such as {{prompt}}, "
                     "{response}, {reference} (no positional or attribute/index fields)"
                 )
+        if self.image_key is not None:
+            if not isinstance(self.image_key, str) or not self.image_key:
+                raise ValueError(
+                    f"JudgeTemplate.image_key={self.image_key!r}: the Sample.metadata field "
+                    "holding the images (e.g. 'image'), or None for a text-only judge"
+                )
+            if self.image_key in self.fields:
+                raise ValueError(
+                    f"JudgeTemplate.user has the field {{{self.image_key}}}, which is image_key: "
+                    "the images are shown as image parts before the text; drop the field"
+                )
+
+    @property
+    def shows_images(self) -> bool:
+        """Whether the judge is shown the sample's images."""
+        return self.image_key is not None
+
+    def sample_images(self, sample: Sample) -> list[Any]:
+        """The images the judge is shown ([] for a text-only template); ValueError when the
+        sample has none."""
+        if self.image_key is None:
+            return []
+        value = sample.metadata.get(self.image_key)
+        images = [] if value is None else images_of(value)
+        if not images or any(image is None for image in images):
+            raise ValueError(
+                f"sample {sample.id!r} has no image in metadata[{self.image_key!r}], which "
+                "the judge template shows (image_key); give every sample its image(s), or use "
+                "a template without image_key"
+            )
+        return images
 
     @property
     def fields(self) -> frozenset[str]:
@@ -78,11 +119,14 @@ class JudgeTemplate:
             name for _, name, _, _ in string.Formatter().parse(self.user) if name is not None
         )
 
-    def render_messages(self, sample: Sample, *, tokenizer: Any = None) -> list[dict[str, str]]:
-        """The chat messages for `sample`; ValueError names a field the sample cannot fill."""
+    def render_messages(self, sample: Sample, *, tokenizer: Any = None) -> list[dict[str, Any]]:
+        """The chat messages for `sample`; ValueError names a field the sample cannot fill.
+
+        With image_key, the user message's content is a list: one {"type": "image"} part per
+        image, then {"type": "text", "text": ...}."""
         return self._render_messages(sample, tokenizer)[0]
 
-    def _render_messages(self, sample: Sample, tokenizer: Any) -> tuple[list[dict[str, str]], bool]:
+    def _render_messages(self, sample: Sample, tokenizer: Any) -> tuple[list[dict[str, Any]], bool]:
         response = truncate_middle(sample.response, self.max_response_tokens, tokenizer)
         is_truncated = response is not sample.response
         values: dict[str, Any] = dict(sample.metadata)
@@ -98,14 +142,30 @@ class JudgeTemplate:
                         else f"put {name!r} in Sample.metadata or drop {{{name}}} from the template"
                     )
                 )
-        messages = [] if self.system is None else [{"role": "system", "content": self.system}]
-        messages.append({"role": "user", "content": self.user.format(**values)})
+        messages: list[dict[str, Any]] = []
+        if self.system is not None:
+            messages.append({"role": "system", "content": self.system})
+        text = self.user.format(**values)
+        if self.image_key is None:
+            messages.append({"role": "user", "content": text})
+        else:
+            parts: list[dict[str, Any]] = [{"type": "image"} for _ in self.sample_images(sample)]
+            parts.append({"type": "text", "text": text})
+            messages.append({"role": "user", "content": parts})
         return messages, is_truncated
 
     def render_ids(self, sample: Sample, tokenizer: Any) -> tuple[list[int], bool]:
         """The judge's prompt token ids (chat template when the tokenizer has one), and whether
-        the response was cut to fit `max_response_tokens`."""
+        the response was cut to fit `max_response_tokens`.
+
+        With image_key the chat template writes one placeholder per image (a vision-language
+        judge's tokenizer); a tokenizer without a chat template cannot place them (ValueError)."""
         messages, is_truncated = self._render_messages(sample, tokenizer)
+        if self.image_key is not None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "JudgeTemplate.image_key is set but the judge tokenizer has no chat template to "
+                "place the images; use a vision-language judge's tokenizer"
+            )
         if getattr(tokenizer, "chat_template", None):
             text = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
