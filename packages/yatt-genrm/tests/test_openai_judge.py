@@ -1,6 +1,8 @@
 NUM_GPUS = 0
 
 import asyncio
+import base64
+import io
 import logging
 import re
 import socket
@@ -307,6 +309,97 @@ def test_template_error_fails_only_its_sample(server) -> None:
     assert ok.status == "ok"
     assert missing.status == "error" and "{reference}" in missing.error
     assert len(server.requests) == 1
+
+
+def _png(size, color) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", size, color).save(out, format="PNG")
+    return out.getvalue()
+
+
+def _says_yes_to_images(user: Any, vote: int) -> str:
+    return "Yes" if isinstance(user, list) and user[0]["type"] == "image_url" else "No"
+
+
+def test_an_image_template_sends_the_images_as_image_url_parts(server) -> None:
+    Image = pytest.importorskip("PIL.Image")
+    server.judge = _says_yes_to_images
+    config = OpenAIJudgeConfig(base_url=server.base_url, model="judge-7b")
+    judge = OpenAIJudge(
+        config,
+        template=JudgeTemplate(user="Q={prompt} R={response}", image_key="image"),
+        parser=YesNoParser(),
+    )
+    red = Image.new("RGB", (3, 2), "red")
+    blue_png = _png((2, 2), "blue")
+    samples = [
+        Sample(prompt="q0", response="4", metadata={"image": red}),
+        Sample(prompt="q1", response="4", metadata={"image": [blue_png, "https://x.org/a.png"]}),
+        Sample(prompt="q2", response="4", metadata={"label": "no image"}, id="no-image"),
+    ]
+    verdicts = judge.score(samples)
+    assert [(v.status, v.reward) for v in verdicts[:2]] == [("ok", 1.0), ("ok", 1.0)]
+    assert verdicts[2].status == "error"
+    assert "sample 'no-image' has no image in metadata['image']" in verdicts[2].error
+    assert len(server.requests) == 2  # the sample without its image was not sent
+    by_prompt = {
+        r["body"]["messages"][-1]["content"][-1]["text"]: r["body"] for r in server.requests
+    }
+    (image_part, text_part) = by_prompt["Q=q0 R=4"]["messages"][-1]["content"]
+    assert text_part == {"type": "text", "text": "Q=q0 R=4"}
+    assert image_part["type"] == "image_url"
+    url = image_part["image_url"]["url"]
+    assert url.startswith("data:image/png;base64,")
+    sent = Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+    assert sent.size == (3, 2) and sent.convert("RGB").getpixel((0, 0)) == (255, 0, 0)
+    # Image file bytes go as they are; an http(s) URL is the server's to fetch.
+    first, second, text = by_prompt["Q=q1 R=4"]["messages"][-1]["content"]
+    assert first["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(
+        blue_png
+    ).decode("ascii")
+    assert second["image_url"]["url"] == "https://x.org/a.png"
+    assert text["type"] == "text"
+
+
+def test_a_text_only_judge_sends_no_image_of_the_row(server) -> None:
+    Image = pytest.importorskip("PIL.Image")
+    server.judge = _says_yes_to_images
+    judge = _judge(server.base_url)
+    (verdict,) = judge.score(
+        [Sample(prompt="q", response="4", metadata={"image": Image.new("RGB", (2, 2))})]
+    )
+    assert verdict.reward == -1.0
+    assert server.requests[0]["body"]["messages"][-1] == {"role": "user", "content": "Q=q R=4"}
+
+
+def test_images_that_cannot_be_sent_are_error_verdicts(server) -> None:
+    np = pytest.importorskip("numpy")
+    pytest.importorskip("PIL")
+    torch = pytest.importorskip("torch")
+    server.judge = _says_yes_to_images
+    judge = OpenAIJudge(
+        OpenAIJudgeConfig(base_url=server.base_url, model="judge-7b"),
+        template=JudgeTemplate(user="{response}", image_key="image"),
+        parser=YesNoParser(),
+    )
+    images = [
+        np.zeros((4, 5, 3), dtype=np.uint8),  # HWC uint8: sent as PNG
+        torch.zeros(3, 4, 5, dtype=torch.uint8),  # CHW tensor: sent as PNG
+        b"not an image file",
+        "/no/such/image.png",
+        object(),
+    ]
+    verdicts = judge.score(
+        [Sample(prompt="q", response="r", metadata={"image": i}) for i in images]
+    )
+    assert [v.status for v in verdicts] == ["ok", "ok", "error", "error", "error"]
+    assert "not a PNG, JPEG, GIF or WebP file" in verdicts[2].error
+    assert "'/no/such/image.png' cannot be read" in verdicts[3].error
+    assert "is not an image" in verdicts[4].error
+    assert all(v.error.startswith("images: ") for v in verdicts[2:])
+    assert len(server.requests) == 2
 
 
 async def _stream(responses: list[str]):

@@ -333,3 +333,35 @@ def test_reward_function_is_a_rule_verifier(rewards_file) -> None:
     with pytest.raises(ValueError, match=r"returned '0\.5'"):
         fn.verify(_sample("4", "str"))
     assert repr(fn) == "RewardFunction('my_rewards:score')"
+
+
+def test_a_reward_function_sees_the_rows_image() -> None:
+    """The row travels whole: a function can score by the image (here: is it mostly red?)
+    while the text-only judge beside it is sent no image."""
+    Image = pytest.importorskip("PIL.Image")
+
+    def is_red(prompt, response, reference, row):
+        red, green, blue = row["image"].convert("RGB").getpixel((0, 0))
+        return float(red > 128 and green < 128 and blue < 128)
+
+    requests = []
+    engine = FakeJudgeEngine(judge=lambda p, k: "Yes")
+    generate = engine.generate
+
+    def recording_generate(batch, sampling):
+        requests.extend(batch)
+        return generate(batch, sampling)
+
+    engine.generate = recording_generate
+    judge = GenRM(engine, template=JudgeTemplate(user="R={response}"), parser=YesNoParser())
+    combined = CombinedRM(judge, [(RewardFunction(is_red, name="is_red"), 1.0)], judge_weight=0.5)
+    samples = [
+        Sample(prompt="q", response="r", metadata={"image": Image.new("RGB", (2, 2), color)})
+        for color in ("red", "blue")
+    ]
+    red, blue = combined.score(samples)
+    assert red.components == {"is_red": 1.0, "judge": 1.0}
+    assert blue.components == {"is_red": 0.0, "judge": 1.0}
+    assert [r.images for r in requests] == [None, None]
+    # Streaming hands the function the same row.
+    assert [v.reward for v in asyncio.run(RewardFunction(is_red).ascore(samples))] == [1.0, 0.0]

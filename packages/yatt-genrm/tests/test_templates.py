@@ -168,3 +168,61 @@ def test_templates_ask_for_what_their_parser_reads(template, parser, replies) ->
     # A judge that follows the instruction parses; one that echoes it does not.
     for reply, reward in replies.items():
         assert parser.parse(reply) == (pytest.approx(reward) if reward is not None else None)
+
+
+def test_an_image_template_puts_one_image_part_per_image_before_the_text() -> None:
+    template = JudgeTemplate(user="Q={prompt} R={response}", system="S", image_key="image")
+    assert template.shows_images and not verification_template().shows_images
+    one = _sample(metadata={"image": "pixels"})
+    two = _sample(metadata={"image": ["a", "b"]})
+    assert template.render_messages(one) == [
+        {"role": "system", "content": "S"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image"},
+                {"type": "text", "text": "Q=What is 2+2? R=It is \\boxed{4}."},
+            ],
+        },
+    ]
+    assert [p["type"] for p in template.render_messages(two)[-1]["content"]] == [
+        "image",
+        "image",
+        "text",
+    ]
+    assert template.sample_images(two) == ["a", "b"]
+    # Without image_key the row's image is never shown, the content stays a string.
+    assert isinstance(verification_template().render_messages(one)[-1]["content"], str)
+    for metadata in ({}, {"image": None}, {"image": []}, {"image": ["a", None]}):
+        with pytest.raises(ValueError, match=r"has no image in metadata\['image'\]"):
+            template.render_messages(_sample(metadata=metadata))
+
+
+def test_an_image_template_renders_placeholders_through_the_chat_template() -> None:
+    from yatt.testing import VISION_TOKENS, VLM_CHAT_TEMPLATE
+
+    tokenizer = make_tokenizer(extra_special_tokens=VISION_TOKENS)
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    template = JudgeTemplate(user="R={response}", image_key="image")
+    ids, _ = template.render_ids(_sample(metadata={"image": ["a", "b"]}), tokenizer)
+    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert ids.count(image_id) == 2
+    text = tokenizer.decode(ids)
+    assert "<|vision_start|><|image_pad|><|vision_end|>" * 2 + "R=It is" in text
+    with pytest.raises(ValueError, match="has no chat template to place the images"):
+        template.render_ids(_sample(metadata={"image": "a"}), ByteTokenizer())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param({"image_key": ""}, "image_key=''", id="empty"),
+        pytest.param({"image_key": 3}, "image_key=3", id="not-a-str"),
+        pytest.param(
+            {"image_key": "image", "user": "{image} {response}"}, "drop the field", id="field"
+        ),
+    ],
+)
+def test_bad_image_keys_are_rejected(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        JudgeTemplate(**{"user": "{response}", **kwargs})
