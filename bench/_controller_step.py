@@ -256,6 +256,8 @@ def _training_samples(prompts: list[dict], completions: list[Any], rewards: list
 
 
 def _yatt_step(rank: _Rank, loader: Any, step: int, args: Any) -> dict[str, float]:
+    import torch
+
     from yatt.core import compute_grpo_advantages, reduce_metrics, rollout_batch
 
     prompts = [rank.encode_prompt(row) for row in loader.next_batch()]  # own shard only
@@ -265,12 +267,16 @@ def _yatt_step(rank: _Rank, loader: Any, step: int, args: Any) -> dict[str, floa
     rewards = rank.judge_rewards(prompts, completions)
     batch = rollout_batch(_training_samples(prompts, completions, rewards))
     batch.samples["advantages"] = compute_grpo_advantages(batch["reward"], batch["group_id"])
+    me = rank.runtime.dp_rank
+    batch.samples["origin_rank"] = torch.full((len(batch),), me)
     costs = rank.policy.estimate_costs(batch.lengths.tolist())
     # Lengths (costs) cross ranks; the samples the plan moves travel point-to-point.
     batch, _ = batch.rebalance(group=rank.runtime.dp_group, group_key="group_id", costs=costs)
+    num_moved_in = int((batch["origin_rank"] != me).sum())
     metrics = rank.train(batch)
     reward = float(np.mean(rewards))
-    return reduce_metrics({"reward": reward, "loss": metrics["loss"]}, group=rank.runtime.dp_group)
+    out = reduce_metrics({"reward": reward, "loss": metrics["loss"]}, group=rank.runtime.dp_group)
+    return {**out, "num_moved_in": num_moved_in}
 
 
 def _driver_step(rank: _Rank, loader: Any, step: int, args: Any) -> dict[str, float]:
@@ -322,7 +328,8 @@ def _driver_step(rank: _Rank, loader: Any, step: int, args: Any) -> dict[str, fl
     stats = [None] * world if me == 0 else None
     dist.gather_object(metrics, stats, dst=0, group=group)
     reward = float(np.mean(rewards)) if me == 0 else float("nan")
-    return {"reward": reward, "loss": float(np.mean([s["loss"] for s in stats])) if me == 0 else 0}
+    loss = float(np.mean([s["loss"] for s in stats])) if me == 0 else 0.0
+    return {"reward": reward, "loss": loss, "num_moved_in": 0}  # the driver placed every sample
 
 
 def run_worker(mode: str, data: str, out: str, args: Any) -> None:
@@ -356,7 +363,7 @@ def run_worker(mode: str, data: str, out: str, args: Any) -> None:
                 required_keys=("answer",),
             )
         step_fn = _yatt_step if mode == "yatt-step" else _driver_step
-        times, rewards = [], []
+        times, rewards, moved_in = [], [], []  # moved_in: samples balancing brought
         for step in range(args.warmup + args.steps):
             if step == args.warmup:  # the measured window starts here, on every rank at once
                 dist.barrier()
@@ -372,12 +379,14 @@ def run_worker(mode: str, data: str, out: str, args: Any) -> None:
             if step >= args.warmup:
                 times.append(time.perf_counter() - t0)
                 rewards.append(metrics["reward"])
+                moved_in.append(metrics["num_moved_in"])
         result: dict[str, Any] = {
             "rank": rank,
             "peak_above_start_mib": (rss_kib("VmHWM") - start_rss) / 1024,
             "times": times,
             "rewards": rewards,
             "num_cut_responses": state.num_cut_responses,
+            "moved_in": moved_in,
         }
         if is_cuda:
             torch.cuda.synchronize()
@@ -403,6 +412,7 @@ def summarize_launch(mode: str, world: int, ranks: list[dict]) -> dict:
         "step_s": float(np.median(step_times)),
         "reward": float(np.nanmean([x for r in ranks for x in r["rewards"]])),
         "num_cut_responses": sum(r["num_cut_responses"] for r in ranks),
+        "max_moved_in_per_step": max(max(r["moved_in"]) for r in ranks),
     }
     if "gpu_peak_mib" in ranks[0]:
         out["per_rank_gpu_peak_above_start_mib"] = [r["gpu_peak_above_start_mib"] for r in ranks]

@@ -279,7 +279,9 @@ def run_full_step(args: argparse.Namespace) -> None:
                     flush=True,
                 )
     by = {(r["mode"], r["ranks"]): r for r in results}
-    share_mib = args.prompts_per_rank * sizes["image_mib"]
+    # One rank's payload per step, the unit in which growth is judged: its decoded images and
+    # their pixel_values (what a rank's controller holds of its own prompts).
+    share_mib = args.prompts_per_rank * (sizes["image_mib"] + sizes["pixel_values_mib"])
     slope = {
         m: _slope(args.ranks, [by[m, w]["busiest_peak_mib"] for w in args.ranks])
         for m in STEP_MODES
@@ -304,6 +306,7 @@ def run_full_step(args: argparse.Namespace) -> None:
         "results": results,
         "payload_share_mib": share_mib,
         "peak_slope_mib_per_rank": slope,
+        "payload_share_is": "prompts_per_rank x (image_mib + pixel_values_mib)",
         "bar": "busiest-process peak slope per added rank: yatt < 0.25 share, driver >= 1 share",
         "passed": passed,
         "wall_s": time.perf_counter() - t0,
@@ -355,8 +358,11 @@ def _full_step_report(summary: dict, args: argparse.Namespace) -> list[str]:
         ),
         "",
     ]
-    header = "| ranks | busiest peak RSS (MiB): yatt | driver | step (s): yatt | driver |"
-    rule = "|---:|---:|---:|---:|---:|"
+    header = (
+        "| ranks | busiest peak RSS (MiB): yatt | driver | step (s): yatt | driver "
+        "| samples moved in by balancing (yatt, max) |"
+    )
+    rule = "|---:|---:|---:|---:|---:|---:|"
     if is_cuda:
         header += " GPU peak above start per rank (MiB): yatt | driver |"
         rule += "---:|---:|"
@@ -365,7 +371,8 @@ def _full_step_report(summary: dict, args: argparse.Namespace) -> list[str]:
         y, d = by["yatt-step", world], by["driver-step", world]
         row = (
             f"| {world} | {y['busiest_peak_mib']:.1f} | {d['busiest_peak_mib']:.1f} "
-            f"| {y['step_s']:.3f} | {d['step_s']:.3f} |"
+            f"| {y['step_s']:.3f} | {d['step_s']:.3f} "
+            f"| {y['max_moved_in_per_step']} of {cfg['prompts_per_rank'] * cfg['group_size']} |"
         )
         if is_cuda:
             row += " {} | {} |".format(
@@ -388,9 +395,10 @@ def _full_step_report(summary: dict, args: argparse.Namespace) -> list[str]:
         "training batches (pickled objects).",
         "",
         f"Busiest-process peak per added rank (least squares): yatt {slope['yatt-step']:.1f} "
-        f"MiB, driver {slope['driver-step']:.1f} MiB; one rank's decoded images per step are "
-        f"{summary['payload_share_mib']:.1f} MiB. Bar (yatt < 0.25 share, driver >= 1 share): "
-        f"{verdict}.",
+        f"MiB, driver {slope['driver-step']:.1f} MiB; one rank's payload per step (decoded "
+        f"images + pixel_values) is {summary['payload_share_mib']:.1f} MiB, of which the "
+        f"decoded images are {cfg['prompts_per_rank'] * cfg['image_mib']:.1f} MiB. "
+        f"Bar (yatt < 0.25 share, driver >= 1 share): {verdict}.",
         "",
     ]
     return lines

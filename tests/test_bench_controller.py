@@ -52,6 +52,10 @@ def test_full_step_json_has_both_modes_at_two_ranks(out_dir):
         assert result["step_s"] > 0
         assert 0.0 <= result["reward"] <= 1.0
         assert "per_rank_gpu_peak_mib" not in result  # CPU: no GPU memory to report
+        assert 0 <= result["max_moved_in_per_step"] <= 4  # of 2 prompts x 2 samples
+        assert result["num_cut_responses"] >= 0
+    share = config["prompts_per_rank"] * (config["image_mib"] + config["pixel_values_mib"])
+    assert full["payload_share_mib"] == pytest.approx(share)
     # One rank count: no slope to judge.
     assert full["passed"] is None
     assert set(full["peak_slope_mib_per_rank"]) == {"yatt-step", "driver-step"}
