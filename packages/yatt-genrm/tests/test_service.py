@@ -109,6 +109,19 @@ def test_health_and_score_match_in_process(server) -> None:
     assert remote[0].num_judge_prompt_tokens > 0  # the judge's cost crosses the wire
 
 
+def test_a_sample_that_is_not_json_is_an_error_verdict_the_others_are_scored(server) -> None:
+    samples = _samples(3)
+    samples[1].metadata["image"] = object()  # a row's PIL image, say: not JSON
+    client = GenRMClient(server.url)
+    verdicts = client.score(samples)
+    streamed = asyncio.run(client.ascore(samples))
+    for got in (verdicts, streamed):
+        assert [v.status for v in got] == ["ok", "error", "ok"]
+        assert [v.reward for v in got[::2]] == [_expected(samples[0]), _expected(samples[2])]
+        assert "does not encode as JSON" in got[1].error
+        assert "drop images" in got[1].error
+
+
 def test_concurrent_clients_share_judge_batches(server) -> None:
     client = GenRMClient(server.url)
 

@@ -82,7 +82,29 @@ class GenRMClient(StreamingScorer):
         self, session: aiohttp.ClientSession, samples: Sequence[Sample]
     ) -> list[Verdict]:
         """POST one batch; retries transport errors and 5xx; never raises."""
-        body = json.dumps({"samples": [s.to_dict() for s in samples]})
+        # A sample whose metadata is not JSON (an image the row holds as a PIL image) gets its
+        # error verdict here; the others are sent.
+        encoded: dict[int, str] = {}
+        failed: dict[int, Verdict] = {}
+        for i, sample in enumerate(samples):
+            try:
+                encoded[i] = json.dumps(sample.to_dict())
+            except (TypeError, ValueError) as e:
+                message = (
+                    f"GenRM service: the sample does not encode as JSON ({e}); the service takes "
+                    "text and JSON metadata, so drop images and other objects from Sample.metadata"
+                )
+                failed[i] = error_verdict(sample.id, message, reward=self.default_reward)
+        if not failed:
+            return await self._post_json(session, samples, encoded)
+        sent = [samples[i] for i in encoded]
+        verdicts = iter(await self._post_json(session, sent, encoded) if sent else [])
+        return [failed[i] if i in failed else next(verdicts) for i in range(len(samples))]
+
+    async def _post_json(
+        self, session: aiohttp.ClientSession, samples: Sequence[Sample], encoded: dict[int, str]
+    ) -> list[Verdict]:
+        body = '{"samples": [' + ", ".join(encoded.values()) + "]}"
         error = "no attempt made"
         for attempt in range(self.max_retries + 1):
             if attempt:
