@@ -12,8 +12,9 @@ the driver of a single-controller framework (driver-step). On CPU its results go
 of controller_cpu.md/.json (the section above stays); with --device cuda into
 controller_<gpu>x<ranks>.md/.json, with the peak GPU memory of every rank as well.
 
-Every prompt carries a 3x448x448 uint8 image (588 KiB), stored as an .npy file that the
-dataset row points to, as LLaVA-style JSONL datasets do. One step, per mode:
+Without --full-step (payload only, no model): every prompt carries a 3x448x448 uint8 image
+(588 KiB), stored as an .npy file that the dataset row points to, as LLaVA-style JSONL
+datasets do. One step, per mode:
 
     yatt          every rank: ShardedLoader reads its own rows -> decodes its own images
                   -> processes them -> all-reduces scalar stats
