@@ -22,8 +22,10 @@ import torch.distributed as dist
 
 from yatt.core._advantages import mask_groups_with_reward_variance
 from yatt.core._batch import Batch
+from yatt.core._repeated_log import RepeatedWarning
 
 logger = logging.getLogger("yatt.core")
+_NOT_FILLED = RepeatedWarning(logger, metric="dynamic_sampling/is_filled")
 
 
 def _renumber(group_ids_B: torch.Tensor, offset: int) -> tuple[torch.Tensor, int]:
@@ -97,7 +99,7 @@ def sample_dynamically(
         batch = batch.select(batch.samples[group_key] < num_groups)
     is_filled = num_kept >= num_groups
     if not is_filled:
-        logger.warning(
+        _NOT_FILLED.warn(
             "dynamic sampling: %d of %d groups with reward variance after %d rounds",
             num_kept,
             num_groups,

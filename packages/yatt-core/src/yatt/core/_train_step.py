@@ -35,8 +35,10 @@ import torch
 from yatt.core._batch import Batch
 from yatt.core._metrics import reduce_metrics
 from yatt.core._policy import LossFn
+from yatt.core._repeated_log import RepeatedWarning
 
 logger = logging.getLogger("yatt.core")
+_NO_TOKENS = RepeatedWarning(logger, metric="is_skipped")
 
 
 class StepBackend(Protocol):
@@ -159,7 +161,7 @@ def run_train_step(
     )
     if totals["units"] == 0:
         # Legit in DAPO: every group solved (zero reward variance) was dropped on every rank.
-        logger.warning("train_step: the global batch has no response tokens; step skipped")
+        _NO_TOKENS.warn("train_step: the global batch has no response tokens; step skipped")
         counts.num_skipped_steps += 1
         return _step_metrics(
             {}, loss=0.0, grad_norm=0.0, lr=lr, num_micro_batches=0, num_tokens=0.0, is_skipped=True
