@@ -58,6 +58,27 @@ for step in "$@"; do
 AutoModelForCausalLM as M; m = M.from_pretrained('/tmp/yatt-runs/features/export', \
 device_map='cuda'); ids = torch.tensor([[51, 43, 52, 61]], device='cuda'); \
 print('reloaded', type(m).__name__, m(ids).logits.shape)" ;;
+    trainer_real)
+      # examples/configs/qwen_rewards_gpu.yaml (reward functions, KL reference, cosine lr, eval,
+      # export) on a locally saved Qwen2-shaped model (Qwen2.5-0.5B's layer shapes, random
+      # weights, a byte-level vocabulary) and the embedded task's prompts; then the export
+      # reloaded with transformers. Needs the embedded task of the `trainer` step.
+      EMB=/tmp/yatt-runs/full/embedded
+      run_step trainer_real_model python3 -c "from yatt.testing import make_tiny_causal_lm; \
+make_tiny_causal_lm('/tmp/yatt-runs/qwen2-0.5b', arch='qwen2', hidden_size=896, num_layers=24, \
+num_heads=14, num_kv_heads=2, intermediate_size=4864, max_position_embeddings=2048, \
+tie_word_embeddings=True)"
+      NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      run_step trainer_real python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py --config examples/configs/qwen_rewards_gpu.yaml \
+        out_dir=/tmp/yatt-runs/real num_steps=6 policy.model_dir=/tmp/yatt-runs/qwen2-0.5b \
+        data.path=$EMB/prompts.jsonl "data.split=''" eval.path=$EMB/eval.jsonl "eval.split=''" \
+        eval.every_steps=3 eval.num_prompts=32 data.prompts_per_rank=8 rollout.max_new_tokens=32 \
+        rollout.engine.max_seq_len=128
+      cp /tmp/yatt-runs/real/metrics.jsonl "$OUT/trainer_real_metrics.jsonl" 2>/dev/null
+      run_step trainer_real_reload python3 -c "import torch; from transformers import \
+AutoModelForCausalLM as M; m = M.from_pretrained('/tmp/yatt-runs/real/export', device_map='cuda'); \
+print('reloaded', type(m).__name__, m.dtype, m(torch.tensor([[51, 43, 52]], device='cuda')).logits.shape)" ;;
     megatron)
       run_step megatron_parity python3 bench/megatron_parity.py --out-dir "$OUT" ;;
     trainer_megatron)
