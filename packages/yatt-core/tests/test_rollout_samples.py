@@ -48,3 +48,24 @@ def test_mismatched_inputs_are_clear_errors():
         rollout_samples([FakeCompletion([1], [2], [-1.0, -2.0])], [0.0], [0])
     with pytest.raises(ValueError):  # one reward short
         rollout_samples([FakeCompletion([1], [2], [-1.0])], [], [0])
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        pytest.param([7, 8, 99], [7, 8], id="stopped-at-the-token"),
+        pytest.param([7, 98, 8, 99], [7], id="first-of-several"),
+        pytest.param([99, 7], [], id="nothing-left"),
+        pytest.param([7, 8], [7, 8], id="none-kept-whole"),
+    ],
+)
+def test_a_response_is_cut_before_the_first_cut_token_with_its_logprobs(response, expected):
+    logprobs = [-0.1 * (i + 1) for i in range(len(response))]
+    completion = FakeCompletion([5, 6], response, logprobs)
+    (sample,) = rollout_samples([completion], [1.0], [0], cut_at_token_ids={98, 99})
+    assert sample["input_ids"] == [5, 6, *expected]
+    assert sample["loss_mask"] == [0, 0] + [1] * len(expected)
+    assert sample["rollout_logprobs"] == [0.0, 0.0, *logprobs[: len(expected)]]
+    # The same tokens without the option stay in the response.
+    (whole,) = rollout_samples([completion], [1.0], [0])
+    assert whole["input_ids"] == [5, 6, *response]

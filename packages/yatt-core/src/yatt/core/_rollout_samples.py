@@ -9,13 +9,19 @@ With a vision-language policy, `vision_inputs` gives each completion its prompt'
 one object, not copies): every sample then carries them under VISION_INPUTS_KEY, a per-sample
 metadata field of the Batch, which Batch.rebalance moves with the sample.
 
+`cut_at_token_ids` ends a response before the first of these tokens, dropping it, what follows
+and their logprobs: e.g. a vision-language policy's vision special tokens (<|image_pad|>), which
+a sampler may emit but a response must never carry into training (the policy would read them as
+image tokens without an image). Stop generation at them too (SamplingParams.stop_token_ids) and
+count the cut responses.
+
 A completion is anything with `prompt_ids`, `response_ids` and `logprobs` (one per response
 token), e.g. `yatt.rollout.Completion`: yatt-core does not depend on yatt-rollout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from yatt.core._batch import Batch
@@ -37,10 +43,12 @@ def rollout_samples(
     group_ids: Iterable[int],
     *,
     vision_inputs: Iterable[VisionInputs | None] | None = None,
+    cut_at_token_ids: Collection[int] = (),
 ) -> list[dict[str, Any]]:
     """One training sample per completion: prompt + response tokens, the loss on the response
     only, the sampler's logprob per response token (0.0 on the prompt), its GRPO group and
-    reward; and its prompt's images when `vision_inputs` is given (one entry per completion)."""
+    reward; and its prompt's images when `vision_inputs` is given (one entry per completion).
+    A response is cut before the first of `cut_at_token_ids` (its logprobs with it)."""
     completions = list(completions)
     images: list[VisionInputs | None] | None = None
     if vision_inputs is not None:
@@ -66,11 +74,15 @@ def rollout_samples(
                 f"a completion has {len(completion.logprobs)} logprobs for {len(response)} "
                 "response tokens; the engine must return one per sampled token"
             )
+        logprobs = [float(x) for x in completion.logprobs]
+        cut = _first_index_of(response, cut_at_token_ids)
+        if cut is not None:
+            response, logprobs = response[:cut], logprobs[:cut]
         samples.append(
             {
                 "input_ids": prompt + response,
                 "loss_mask": [0] * len(prompt) + [1] * len(response),
-                "rollout_logprobs": [0.0] * len(prompt) + [float(x) for x in completion.logprobs],
+                "rollout_logprobs": [0.0] * len(prompt) + logprobs,
                 "group_id": int(group_id),
                 "reward": float(reward),
             }
@@ -78,6 +90,13 @@ def rollout_samples(
         if images is not None:
             samples[-1][VISION_INPUTS_KEY] = images[i]
     return samples
+
+
+def _first_index_of(token_ids: Sequence[int], wanted: Collection[int]) -> int | None:
+    if not wanted:
+        return None
+    wanted = set(wanted)
+    return next((i for i, token in enumerate(token_ids) if token in wanted), None)
 
 
 def rollout_batch(samples: Sequence[Mapping[str, Any]]) -> Batch:
