@@ -136,6 +136,11 @@ def test_shipped_configs_use_only_known_keys(config, embedded, monkeypatch):
     paths = _paths(embedded)
     for section, values in paths.items():  # the real paths of the GPU configs do not exist here
         raw[section] = {**raw.get(section, {}), **values}
+    # A real dataset's splits: the embedded prompts (a JSONL file, no splits) stand in.
+    raw["data"]["split"] = ""
+    if "eval" in raw:
+        raw["eval"] = {**raw["eval"], "path": paths["data"]["path"], "split": ""}
+    monkeypatch.chdir(ROOT)  # reward functions are named relative to the repository root
     cfg = grpo_config.build_config(raw)
     assert cfg.placement in ("full", "partial")
     assert cfg.policy.temperature == cfg.rollout.temperature

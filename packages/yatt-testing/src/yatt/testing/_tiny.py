@@ -158,6 +158,10 @@ def make_tiny_vlm(
     Qwen2VLProcessor itself is not saved: in transformers 5 it cannot be built without
     torchvision (its video processor needs it); the image processor and tokenizer are its parts.
     """
+    import importlib.util
+
+    if importlib.util.find_spec("PIL") is None:  # transformers' image processors need it
+        raise ImportError("make_tiny_vlm needs Pillow: pip install 'yatt-testing[vision]'")
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
