@@ -9,6 +9,7 @@ from yatt.core._batch import Batch
 from yatt.core._config import coerce_value, config_from_dict, describe_config
 from yatt.core._export import export_hf, export_hf_from_checkpoint
 from yatt.core._head_logprobs import logprobs_in_head, supports_head_logprobs
+from yatt.core._learning_guard import LearningGuard, NoLearningError
 from yatt.core._loader import ROW_INDEX_KEY, ShardedLoader
 from yatt.core._logits import compute_entropy, compute_token_logprobs
 from yatt.core._losses import (
@@ -44,9 +45,11 @@ __all__ = [
     "ROW_INDEX_KEY",
     "VISION_INPUTS_KEY",
     "Batch",
+    "LearningGuard",
     "LossFn",
     "MegatronPolicy",
     "MegatronPolicyConfig",
+    "NoLearningError",
     "PolicyBackend",
     "PolicyLoss",
     "RunLog",
