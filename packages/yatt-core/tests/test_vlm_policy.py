@@ -294,3 +294,24 @@ def test_data_parallel_vlm_steps_equal_single_process_step(qwen2_vl_dir, tmp_pat
         run = (parallel, should_train_vision)
         for name, tensor in ranks[0][run]["weights"].items():
             assert torch.equal(tensor, ranks[1][run]["weights"][name]), (run, name)
+
+
+def test_export_reloads_as_the_vision_language_model(qwen2_vl_dir, tmp_path):
+    """export_hf writes the image-text-to-text class (vision tower included), and a policy
+    built on the export computes the trained policy's logprobs on image prompts."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from yatt.core import export_hf
+
+    policy = _policy(qwen2_vl_dir, should_train_vision=True)
+    workers.run_step(policy, workers.make_global_batch(qwen2_vl_dir))
+    weights = dict(policy.named_weights())
+    out = export_hf(policy, tmp_path / "hf")
+    reloaded = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    got = dict(reloaded.named_parameters())
+    assert got.keys() == weights.keys() and any(".visual." in f".{n}" for n in got)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, weights[name]), name
+    assert AutoImageProcessor.from_pretrained(out) is not None  # the processor travels too
+    batch = workers.make_global_batch(qwen2_vl_dir)
+    assert torch.equal(_policy(str(out)).logprobs(batch), policy.logprobs(batch))

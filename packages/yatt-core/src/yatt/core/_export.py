@@ -33,6 +33,7 @@ import torch.distributed as dist
 from yatt.core._checkpoint_tensors import read_model_tensors
 from yatt.core._policy import DTYPES
 from yatt.core._torch_policy import TorchPolicy
+from yatt.core._vision_forward import is_vision_language_config
 from yatt.placement import offloaded_named_parameters
 
 logger = logging.getLogger("yatt.core")
@@ -229,15 +230,19 @@ def _write_folder(
     max_shard_bytes: int,
     should_overwrite: bool,
 ) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     config = AutoConfig.from_pretrained(model_dir)
+    # The class TorchPolicy loads (_load_model): a VLM's names include its vision tower.
+    auto = (
+        AutoModelForImageTextToText if is_vision_language_config(config) else AutoModelForCausalLM
+    )
     config.dtype = dtype
     if not isinstance(inspect.getattr_static(type(config), "torch_dtype", None), property):
         config.torch_dtype = dtype  # transformers < 4.56 reads and writes only this name
     with torch.device("meta"):
         # The architecture without memory: its names, tied weights and save logic.
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = auto.from_config(config)
     _check_names(tensors, skeleton, model_dir)
     # Counted now: save_pretrained may consume the state dict it is given (transformers 5).
     num_tensors, num_bytes = len(tensors), sum(t.nbytes for t in tensors.values())
