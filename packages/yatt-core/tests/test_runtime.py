@@ -124,6 +124,37 @@ class _Typed:
     inner: _Inner = field(default_factory=_Inner)
 
 
+@dataclass(kw_only=True)
+class _Engine:
+    max_seq_len: int = 64
+    region: str = "rollout"
+    inner: _Inner = field(default_factory=_Inner)
+
+    def __post_init__(self) -> None:
+        if self.max_seq_len < 1:
+            raise ValueError("max_seq_len must be >= 1")
+
+
+@dataclass(kw_only=True)
+class _Judge:
+    # The parent's own default for its nested section differs from the section's class defaults.
+    engine: _Engine = field(
+        default_factory=lambda: _Engine(max_seq_len=96, region="genrm", inner=_Inner(lr=3.0))
+    )
+
+
+def test_a_nested_section_is_laid_over_the_fields_own_default():
+    """Setting one key of a nested section keeps the rest of the parent's default for it (a
+    judge engine given only max_seq_len stayed a "rollout" region and shared its memory)."""
+    cfg = config_from_dict(_Judge, {"engine": {"max_seq_len": 16}})
+    assert cfg.engine == _Engine(max_seq_len=16, region="genrm", inner=_Inner(lr=3.0))
+    deeper = config_from_dict(_Judge, {"engine": {"inner": {}}})
+    assert deeper.engine.inner == _Inner(lr=3.0) and deeper.engine.region == "genrm"
+    assert config_from_dict(_Judge, {}).engine.max_seq_len == 96
+    with pytest.raises(ValueError, match="max_seq_len must be >= 1"):  # checked after the merge
+        config_from_dict(_Judge, {"engine": {"max_seq_len": 0}})
+
+
 def test_config_from_dict_coerces_exact_scalars():
     # YAML reads 1e-3 (no dot) as a string; 3.0 for an int field is exact.
     cfg = config_from_dict(_Typed, {"steps": "3", "lr": "1e-3", "limit": None, "inner": {"lr": 2}})

@@ -21,11 +21,17 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def config_from_dict(cls: type[T], values: Mapping[str, Any], *, path: str = "") -> T:
+def config_from_dict(
+    cls: type[T], values: Mapping[str, Any], *, path: str = "", base: T | None = None
+) -> T:
     """An instance of dataclass `cls` from `values`; nested dataclass fields take nested dicts.
 
-    Unknown keys raise ValueError naming the key and the closest known one. Values are not
-    coerced: validation belongs to the dataclass's own __post_init__.
+    A nested dict is laid over the field's own default (its default_factory's instance), not
+    over the nested class's defaults: `engine: {max_seq_len: 16}` keeps the other settings
+    the parent chose for that engine. `base`: the instance whose values the missing keys keep.
+    Unknown keys raise ValueError naming the key and the closest known one. Scalars are
+    coerced to the declared type (exact conversions only); other validation belongs to the
+    dataclass's own __post_init__.
     """
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"config_from_dict needs a dataclass type, got {cls!r}")
@@ -49,11 +55,23 @@ def config_from_dict(cls: type[T], values: Mapping[str, Any], *, path: str = "")
                     f"config section {dotted!r} is empty; give it fields or remove the line"
                 )
             if isinstance(value, Mapping):
-                value = config_from_dict(field_type, value, path=dotted)
+                default = getattr(base, key) if base is not None else _default_of(fields[key])
+                value = config_from_dict(field_type, value, path=dotted, base=default)
         else:
             value = coerce_value(value, field_type, dotted)
         kwargs[key] = value
+    if base is not None:
+        return dataclasses.replace(base, **kwargs)  # __post_init__ checks the merged values
     return cls(**kwargs)
+
+
+def _default_of(field: dataclasses.Field) -> Any:
+    """The field's default dataclass instance, or None when it has none."""
+    if field.default_factory is not dataclasses.MISSING:
+        default = field.default_factory()
+    else:
+        default = None if field.default is dataclasses.MISSING else field.default
+    return default if dataclasses.is_dataclass(default) else None
 
 
 _SCALARS = (bool, int, float, str)
