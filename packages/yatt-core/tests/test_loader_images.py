@@ -8,7 +8,7 @@ import json
 import pytest
 
 from yatt.core import ShardedLoader
-from yatt.core._loader import SKIP_CAUSES
+from yatt.core._loader import OTHER_REASONS, SKIP_CAUSES
 
 Image = pytest.importorskip("PIL.Image")
 
@@ -152,3 +152,15 @@ def test_without_pillow_the_loader_says_how_to_install_it(tmp_path, monkeypatch)
     with pytest.raises(ImportError, match=r"yatt-core\[vision\]"):
         ShardedLoader(path, batch_size=1, image_key="image")
     ShardedLoader(path, batch_size=1, image_key="image", should_open_images=False)  # no PIL needed
+
+
+def test_distinct_bad_paths_keep_the_reason_counter_bounded(tmp_path):
+    """Every row names its own missing file: the per-reason texts stop growing at a bound (the
+    rest counted together), the per-cause counts stay exact."""
+    rows = [{"prompt": f"q{i}", "image": f"missing_{i}.png"} for i in range(300)]
+    rows.append({"prompt": "ok", "image": "ok.png"})
+    (tmp_path / "ok.png").write_bytes(_png())
+    loader, got = _load_all(_write_jsonl(tmp_path / "d.jsonl", rows))
+    assert [r["prompt"] for r in got] == ["ok"]
+    assert loader.skipped_by_cause()["no_image"] == 300 == loader.num_skipped
+    assert len(loader.skipped) <= 101 and loader.skipped[OTHER_REASONS] >= 200

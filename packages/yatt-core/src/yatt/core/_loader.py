@@ -35,6 +35,10 @@ logger = logging.getLogger("yatt.core")
 
 ROW_INDEX_KEY = "_index"  # added to every row: its global index in the dataset
 _MAX_LOGGED_SKIPS = 20
+# Reason texts name a row's own value (an image path): past this many distinct ones, further
+# new reasons are counted under OTHER_REASONS, so a large bad dataset cannot grow the counter.
+_MAX_SKIP_REASONS = 100
+OTHER_REASONS = "(other reasons)"
 _NUM_ROWS_CHECKED = 16  # rows read at start-up to catch a misspelled key
 # Why a row was skipped, as metric keys (every rank reports all of them, zeros included).
 SKIP_CAUSES = (
@@ -136,7 +140,8 @@ class ShardedLoader:
         self.epoch = 0
         self.position = 0  # rows of this epoch consumed by each rank
         self.path = path
-        self.skipped: Counter[str] = Counter()  # by reason text (for logs and errors)
+        self.skipped: Counter[str] = Counter()  # by reason text, bounded (logs and errors)
+        self._first_reason: dict[str, str] = {}  # by cause
         self._skipped_by_cause: Counter[str] = Counter()
         self._num_unusable_in_a_row = 0
         self.num_rows_parsed = 0  # rows this rank materialised (its own, never another rank's)
@@ -292,8 +297,11 @@ class ShardedLoader:
         return None
 
     def _skip(self, index: int, cause: str, reason: str) -> None:
+        if reason not in self.skipped and len(self.skipped) >= _MAX_SKIP_REASONS:
+            reason = OTHER_REASONS
         self.skipped[reason] += 1
         self._skipped_by_cause[cause] += 1
+        self._first_reason.setdefault(cause, reason)
         self._num_unusable_in_a_row += 1
         if self._num_unusable_in_a_row >= 2 * self.num_local_rows:
             # Twice the shard without one usable row holds a whole epoch without one: no number
@@ -301,13 +309,19 @@ class ShardedLoader:
             raise ValueError(
                 f"dataset {str(self.path)!r}: the last {self._num_unusable_in_a_row} rows rank "
                 f"{self.rank} drew (a whole epoch of its {self.num_local_rows} rows) were "
-                f"unusable; skipped rows by cause: {dict(self.skipped)}"
+                f"unusable; skipped rows by cause (first reason): {self._describe_skips()}"
             )
         total = sum(self.skipped.values())
         if total <= _MAX_LOGGED_SKIPS:
             logger.warning("rank %d: skipping dataset row %d: %s", self.rank, index, reason)
             if total == _MAX_LOGGED_SKIPS:
                 logger.warning("rank %d: further skipped rows are only counted", self.rank)
+
+    def _describe_skips(self) -> str:
+        return "; ".join(
+            f"{cause} {count} ({self._first_reason[cause]})"
+            for cause, count in self._skipped_by_cause.items()
+        )
 
     @property
     def num_skipped(self) -> int:
