@@ -169,6 +169,20 @@ def test_phase_misuse_errors():
         plan.update_load(rollout_pending_tokens=1, genrm_pending_tokens=1)
 
 
+def test_roles_sharing_a_memory_region_are_refused():
+    """Regions pause by name: a judge engine in the rollout engine's region would put the
+    rollout engine to sleep with it (a judge engine config that lost its region_prefix)."""
+    rollout = RegionRole({"weights": ("rollout/weights",), "kv_cache": ("rollout/kv_cache",)})
+    judge = RegionRole({"weights": ("rollout/weights",), "kv_cache": ("genrm/kv_cache",)})
+    train = RecordingRole("train", [], {"weights": 400, "kv_cache": 0})
+    with pytest.raises(
+        ValueError, match="'rollout' and 'genrm' share the memory region 'rollout/weights'"
+    ):
+        Plan.full_colocation(rollout=rollout, genrm=judge, train=train)
+    judge = RegionRole({"weights": ("genrm/weights",), "kv_cache": ("genrm/kv_cache",)})
+    assert Plan.full_colocation(rollout=rollout, genrm=judge, train=train).mode == "full_colocation"
+
+
 def test_partial_colocation_keeps_engines_together_and_splits_by_load():
     log: list = []
     rollout, genrm, train = _engines(log)

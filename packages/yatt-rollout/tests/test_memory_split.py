@@ -233,3 +233,14 @@ def test_no_device_total_means_max_batch_size(tiny_model_dir):
     engine.generate(_requests(), SamplingParams(max_new_tokens=2))
     assert engine.num_slots == 3
     engine.close()
+
+
+def test_a_plan_refuses_two_engines_in_one_region(tiny_model_dir):
+    first = _engine(tiny_model_dir, "same-prefix")
+    second = _engine(tiny_model_dir, "same-prefix")
+    assert first.memory_regions == ("same-prefix/weights", "same-prefix/kv_cache")
+    assert first.image_processor is None  # a text model
+    with pytest.raises(ValueError, match="share the memory region 'same-prefix/weights'"):
+        Plan.full_colocation(rollout=first, genrm=second, train=TrainerRole(torch.nn.Linear(2, 2)))
+    first.close()
+    second.close()

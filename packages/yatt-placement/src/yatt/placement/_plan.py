@@ -54,6 +54,20 @@ def _rollout_weights(rollout: Role) -> PhaseEntry:
     return "rollout"
 
 
+def _check_distinct_regions(roles: Mapping[str, Role]) -> None:
+    """Two roles in one memory region would pause each other (regions sleep by name)."""
+    owner: dict[str, str] = {}
+    for name, role in roles.items():
+        for region_tag in getattr(role, "memory_regions", None) or ():
+            if region_tag in owner and roles[owner[region_tag]] is not role:
+                raise ValueError(
+                    f"roles {owner[region_tag]!r} and {name!r} share the memory region "
+                    f"{region_tag!r}, so putting one to sleep would put the other to sleep too; "
+                    "give each engine its own region (EngineConfig.region_prefix)"
+                )
+            owner[region_tag] = name
+
+
 def _ordered_roles(
     rollout: Role, genrm: Role | None, train: Role, reference: Role | None = None
 ) -> dict[str, Role]:
@@ -103,6 +117,7 @@ class Plan:
                 )
         if not phases:
             raise ValueError("Plan(phases={}) needs at least one phase")
+        _check_distinct_regions(roles)
         self.mode = mode
         self.offload = offload
         self._roles = dict(roles)

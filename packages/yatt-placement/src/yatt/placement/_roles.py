@@ -1,6 +1,6 @@
 """Roles: the things a placement plan puts to sleep and wakes up.
 
-A role is any object with `sleep()` and `wake_up(tags=None)`. Three optional members let a plan
+A role is any object with `sleep()` and `wake_up(tags=None)`. Optional members let a plan
 do more with it:
 
 - `memory_tags`: the tags `wake_up` understands, e.g. ("weights", "kv_cache"). A plan wakes
@@ -12,6 +12,9 @@ do more with it:
   colocation moves every step. The role applies it when it next sizes its KV cache.
   `resizes_while_awake = True` says it does so by itself while awake (at its next call), so
   offload="auto" need not put it to sleep to apply a new share.
+
+- `memory_regions`: the process-wide region tags its memory lives in. Regions are paused by
+  name, so two roles sharing one would sleep each other: a plan refuses that at construction.
 
 The rollout and GenRM engines implement these themselves; `TrainerRole` and `RegionRole` adapt
 a trainer and region-allocated memory.
@@ -104,6 +107,9 @@ class RegionRole:
                 )
         self._regions = {name: tuple(regions) for name, regions in tags.items()}
         self.memory_tags: tuple[str, ...] = tuple(self._regions)
+        self.memory_regions: tuple[str, ...] = tuple(
+            region for regions in self._regions.values() for region in regions
+        )
         self._asleep: set[str] = set()
 
     def sleep(self) -> None:

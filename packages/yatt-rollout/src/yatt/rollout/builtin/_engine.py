@@ -348,6 +348,17 @@ class BuiltinEngine:
             max_batch_size=self.config.max_batch_size,
         )
 
+    @property
+    def memory_regions(self) -> tuple[str, ...]:
+        """The placement regions its memory lives in ("<region_prefix>/weights", ...)."""
+        return tuple(self._tags.values())
+
+    @property
+    def image_processor(self) -> Any:
+        """The image processor a vision-language model's prompts go through (None: text only);
+        a GenRM judge on this engine takes it as `image_processor=`."""
+        return None if self._vision is None else self._vision.image_processor
+
     def resident_bytes(self) -> int:
         """Bytes of the engine's tensors on its device now (a sleeping part counts 0)."""
         weights = 0 if is_paused(self._tags["weights"]) else self._weight_bytes
