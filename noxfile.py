@@ -1,8 +1,11 @@
 """Sessions for the yatt monorepo.
 
-    nox                          # lint, every package's tests, cross-package tests
+    nox                          # lint, every package's tests, cross-package tests, readme
     nox -l                       # list sessions
     nox -s "tests(package='yatt-balance')"
+    nox -s build                 # every package's wheel and sdist into dist/
+    nox -s readme                # build, then each package installed BY NAME from dist/ into a
+                                 # fresh virtualenv runs its README's first example verbatim
 
 Every `tests` session builds a fresh virtualenv holding only that package, the yatt packages it
 depends on and its `test` extra, so a green session proves the package installs and works alone.
@@ -14,6 +17,9 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
+import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -22,9 +28,11 @@ import nox
 ROOT = Path(__file__).parent
 PACKAGES_DIR = ROOT / "packages"
 REPORTS_DIR = ROOT / ".reports"
+DIST_DIR = ROOT / "dist"
+TORCH_VERSION = "2.13.0"  # the version CI tests; the packages' floors say which they accept
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "tests", "integration"]
+nox.options.sessions = ["lint", "tests", "integration", "readme"]
 nox.options.reuse_existing_virtualenvs = False
 
 
@@ -74,12 +82,20 @@ def _needs_torch(packages: list[str]) -> bool:
 
 
 def _torch_spec() -> str:
-    # One CPU wheel on disk serves every session (uv hard-links it from its cache), instead of
-    # resolving `torch` from the index, which would pull a multi-GB CUDA build.
+    """The torch every session installs: $YATT_TORCH (a requirement or a wheel path), else a
+    CPU wheel of TORCH_VERSION found in the folders of $PIP_FIND_LINKS, else the pin itself.
+
+    One CPU wheel on disk serves every session (uv hard-links it from its cache), instead of
+    resolving `torch` from the index, which would pull a multi-GB CUDA build."""
     if os.environ.get("YATT_TORCH"):
         return os.environ["YATT_TORCH"]
-    wheels = sorted(glob.glob("/opt/wheels/torch-2.13.0+cpu-*.whl"))
-    return wheels[-1] if wheels else "torch==2.13.0"
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    for folder in os.environ.get("PIP_FIND_LINKS", "").split():
+        folder = folder.removeprefix("file://")
+        wheels = sorted(glob.glob(os.path.join(folder, f"torch-{TORCH_VERSION}+cpu-{tag}-*.whl")))
+        if wheels:
+            return wheels[-1]
+    return f"torch=={TORCH_VERSION}"
 
 
 def _install_packages(session: nox.Session, packages: list[str], extras: str = "test") -> None:
@@ -130,3 +146,52 @@ def integration(session: nox.Session) -> None:
         session.install(_torch_spec())
     session.install(*(f"{PACKAGES_DIR / name}[test]" for name in packages))
     _pytest(session, "integration", str(ROOT / "tests"))
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Every package's wheel (and sdist) into dist/, as a release would publish them."""
+    shutil.rmtree(DIST_DIR, ignore_errors=True)
+    session.install("build==1.3.0")
+    for package in _discover_packages():
+        session.run("python", "-m", "build", "--outdir", str(DIST_DIR), str(PACKAGES_DIR / package))
+
+
+def _runtime_requirements(package: str) -> set[str]:
+    """Names of what `pip install <package>` installs, through its yatt dependencies."""
+    names: set[str] = set()
+    pending = [package]
+    while pending:
+        for requirement in _read_project(pending.pop()).get("dependencies", []):
+            name = _requirement_name(requirement)
+            if name.startswith("yatt-") and name not in names:
+                pending.append(name)
+            names.add(name)
+    return names
+
+
+def _readme_example(package: str) -> str:
+    """The first python block of the package's README: the example a user copies."""
+    text = (PACKAGES_DIR / package / "README.md").read_text()
+    match = re.search(r"```python\n(.*?)```", text, re.DOTALL)
+    if match is None:
+        raise ValueError(f"packages/{package}/README.md has no python example")
+    return match.group(1)
+
+
+@nox.session(requires=["build"])
+@nox.parametrize("package", _discover_packages())
+def readme(session: nox.Session, package: str) -> None:
+    """Install the package BY NAME from dist/ into a fresh virtualenv, as a user would
+    (`pip install --find-links dist yatt-balance`), and run its README example verbatim."""
+    if "torch" in _runtime_requirements(package):  # else the resolver would pick a CUDA build
+        session.install(_torch_spec())
+    example = _readme_example(package)
+    # An example that builds a tiny stand-in model says so and imports yatt-testing for it.
+    extra = ["yatt-testing"] if "yatt.testing" in example and package != "yatt-testing" else []
+    session.install("--find-links", str(DIST_DIR), package, *extra)
+    with tempfile.TemporaryDirectory() as workdir:  # the example writes where it runs
+        script = Path(workdir) / "readme_example.py"
+        script.write_text(example)
+        session.chdir(workdir)
+        session.run("python", str(script))

@@ -39,7 +39,7 @@ def _version(pkg: Path) -> str:
 def _yatt_requirements(reqs: list[str]) -> dict[str, str]:
     out = {}
     for req in reqs:
-        m = re.match(r"(yatt-[a-z]+)\s*(.*)", req)
+        m = re.match(r"(yatt-[a-z]+)(?:\[[a-z,]+\])?\s*(.*)", req)  # extras allowed
         if m:
             out[m.group(1)] = m.group(2).strip()
     return out
