@@ -3,16 +3,20 @@ are named, and the guard that refuses ratios taken from runs that shared a host 
 
 Bars (issue 18, "Placement performance"; a ratio passes when value <= bar):
   full_vs_dedicated   (a) step / (c) step, 2 GPUs, per mix                          <= 0.55
+                      issue 19, 8 GPUs: (a) / (c) 6 policy + 2 judge GPUs           <= 0.5
+                                        (a) / (c') 4 + 4                          reported
   partial_vs_full     (b) rollout+genrm / (a) rollout+genrm, longtail, 1 and 2 GPUs <= 0.80
+                      (and at every other GPU count with a full or partial run: 8)
   train_scaling       train phase on 2 GPUs / on 1 GPU, same layout, longtail      <= 0.6
   yatt_vs_trl         yatt step / TRL GRPOTrainer step, 1 GPU, fixed 256 tokens     <= 0.3
   builtin_vs_engine   built-in engine / vLLM or SGLang, step and rollout time       <= 1.0
 
 A run is named by its variant (_step_setup.variant_key): the base layout, then what differs
-from the defaults ("full-auto-defer", "partial-vllm", "dedicated-p64"). Every bar pairs runs
-by base layout, like for like: the same settings on both sides (partial against full may also
-differ in the offload setting, the seed's comparison next to the like-for-like one; the engine
-ratios differ only in the engine). Each pair gets its own row, naming both variants; a bar with
+from the defaults ("full-auto-defer", "partial-vllm", "dedicated-p64", "dedicated-6+2-1.5b").
+Every bar pairs runs by base layout and GPU count, like for like: the same settings on both
+sides (a dedicated run's GPU split "6+2" and server count "s2" are its layout, not settings;
+partial against full may also differ in the offload setting, the seed's comparison next to the
+like-for-like one; the engine ratios differ only in the engine). Each pair gets its own row, naming both variants; a bar with
 no pair at all gets one "not measured" row.
 
 Values are ratios of medians over the timed steps; each row also carries both sides' median,
@@ -26,17 +30,21 @@ call each: their machines may differ).
 from __future__ import annotations
 
 import itertools
+import re
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 BARS = {
-    "full_vs_dedicated": 0.55,
+    "full_vs_dedicated": 0.55,  # 2 GPUs (issue 18); 8 GPUs: FULL_VS_DEDICATED_8GPU
     "partial_vs_full": 0.80,
     "train_scaling": 0.6,
     "yatt_vs_trl": 0.3,
     "builtin_vs_engine": 1.0,
 }
+
+# Issue 19 on 8 GPUs: (c) = 6 policy + 2 judge GPUs, with its bar; (c') = 4 + 4, reported.
+FULL_VS_DEDICATED_8GPU: dict[str, float | None] = {"6+2": 0.5, "4+4": None}
 
 LABELS = {
     "full": "(a) full colocation",
@@ -50,11 +58,29 @@ ENGINE_NAMES = {"vllm": "vLLM 0.26.0", "sglang": "SGLang 0.5.17"}
 _LAYOUT_ORDER = ("full", "partial", "dedicated", "separate", "trl")
 
 
+_GPU_SPLIT = re.compile(r"^(\d+)\+(\d+)$")  # dedicated: policy GPUs + judge GPUs
+_SERVERS = re.compile(r"^s(\d+)$")  # dedicated: judge servers, when more than judge GPUs
+_SHAPE = re.compile(r"^(j?)(\d+(?:\.\d+)?b)$")  # --shape, --judge-shape
+
+
 # -- variants -----------------------------------------------------------------------------------
 def split_variant(variant: str) -> tuple[str, frozenset[str]]:
     """("full", {"auto", "defer"}) for "full-auto-defer": the base layout and its settings."""
     base, *mods = variant.split("-")
     return base, frozenset(mods)
+
+
+def settings_of(variant: str) -> frozenset[str]:
+    """The settings to match like for like: a dedicated run's GPU split ("6+2") and server
+    count ("s2") are its placement, which the bars compare, not a setting."""
+    _, mods = split_variant(variant)
+    return frozenset(m for m in mods if not (_GPU_SPLIT.match(m) or _SERVERS.match(m)))
+
+
+def gpu_split(variant: str) -> str | None:
+    """ "6+2" for "dedicated-6+2-1.5b"; None where the name has none (the 2-GPU "dedicated":
+    1 + 1)."""
+    return next((m for m in variant.split("-")[1:] if _GPU_SPLIT.match(m)), None)
 
 
 def label_of(variant: str) -> str:
@@ -68,8 +94,17 @@ def label_of(variant: str) -> str:
             parts.append(f"{ENGINE_NAMES[part]} as the rollout engine")
         elif part == "defer":
             parts.append("a save finding the writer busy waits for a later step")
+        elif part.startswith("pr") and part[2:].isdigit():
+            parts.append(f"{part[2:]} prompts per GPU")
         elif part.startswith("p") and part[1:].isdigit():
             parts.append(f"{part[1:]} prompts")
+        elif m := _GPU_SPLIT.match(part):
+            parts.append(f"{m[1]} policy GPUs + {m[2]} judge GPUs")
+        elif m := _SERVERS.match(part):
+            parts.append(f"{m[1]} judge servers")
+        elif m := _SHAPE.match(part):
+            size = m[2].upper()
+            parts.append(f"{'judge ' if m[1] else ''}Qwen2.5-{size} shape")
         else:
             parts.append(part)
     return ", ".join(parts)
@@ -80,7 +115,7 @@ def run_key(run: dict) -> str:
     return f"{run['layout']}/{run['num_gpus']}gpu"
 
 
-def _order(run: dict) -> tuple:
+def run_order(run: dict) -> tuple:
     base, mods = split_variant(run["layout"])
     rank = _LAYOUT_ORDER.index(base) if base in _LAYOUT_ORDER else len(_LAYOUT_ORDER)
     return (rank, len(mods), run["layout"], run["num_gpus"])
@@ -92,7 +127,7 @@ def _runs_of(runs: list[dict], base: str, num_gpus: int | None = None) -> list[d
         for r in runs
         if split_variant(r["layout"])[0] == base and num_gpus in (None, r["num_gpus"])
     ]
-    return sorted(found, key=_order)
+    return sorted(found, key=run_order)
 
 
 # -- per-step statistics ------------------------------------------------------------------------
@@ -205,6 +240,8 @@ def apply_guard(ratios: list[dict], runs: list[dict]) -> list[dict]:
         elif refused:
             ratio["pass"] = None
             ratio["verdict"] = "REFUSED: " + "; ".join(refused) + " on the same host"
+        elif ratio["bar"] is None:
+            ratio["verdict"] = "reported (no bar)"
         else:
             ratio["verdict"] = "PASS" if ratio["pass"] else "FAIL"
         if flags and ratio["value"] is not None:
@@ -214,7 +251,7 @@ def apply_guard(ratios: list[dict], runs: list[dict]) -> list[dict]:
 
 # -- the ratios ---------------------------------------------------------------------------------
 def _ratio(
-    name: str, what: str, bar: float, num: Stat | None, den: Stat | None, runs: list[dict]
+    name: str, what: str, bar: float | None, num: Stat | None, den: Stat | None, runs: list[dict]
 ) -> dict:
     value = None
     if num is not None and den is not None and den.median > 0:
@@ -222,16 +259,16 @@ def _ratio(
     return {
         "name": name,
         "what": what,
-        "bar": bar,
+        "bar": bar,  # None: a ratio the issue asks for without a bar (reported only)
         "value": value,
-        "pass": None if value is None else value <= bar,
+        "pass": None if value is None or bar is None else value <= bar,
         "runs": [run_key(r) for r in runs],
         "num": num and asdict(num),
         "den": den and asdict(den),
     }
 
 
-def _unmeasured(name: str, what: str, bar: float) -> dict:
+def _unmeasured(name: str, what: str, bar: float | None) -> dict:
     return _ratio(name, what, bar, None, None, [])
 
 
@@ -245,24 +282,54 @@ def compute_ratios(runs: list[dict]) -> list[dict]:
     return apply_guard(out, runs)
 
 
+def _gpu_counts(runs: list[dict], bases: tuple[str, ...], always: tuple[int, ...]) -> list[int]:
+    """`always`, and every GPU count at which a run of one of `bases` exists."""
+    found = {r["num_gpus"] for r in runs if split_variant(r["layout"])[0] in bases}
+    return sorted(set(always) | found)
+
+
+def _full_vs_dedicated_bar(num_gpus: int, split: str | None) -> float | None:
+    if num_gpus == 8:
+        return FULL_VS_DEDICATED_8GPU.get(split)
+    return BARS["full_vs_dedicated"] if num_gpus == 2 else None
+
+
 def _full_vs_dedicated(runs: list[dict]) -> list[dict]:
-    bar, out = BARS["full_vs_dedicated"], []
-    pairs = [
-        (a, c)
-        for a in _runs_of(runs, "full", 2)
-        for c in _runs_of(runs, "dedicated", 2)
-        if split_variant(a["layout"])[1] == split_variant(c["layout"])[1]
-    ]
-    for mix in ("fixed", "longtail"):
-        rows = []
-        for a, c in pairs:
-            num, den = stat(a, mix, step_time), stat(c, mix, step_time)
-            if num and den:
-                what = f"{label_of(a['layout'])} step / {label_of(c['layout'])} step, 2 GPUs, {mix}"
-                name = f"{a['layout']}_vs_{c['layout']}_2gpu_{mix}"
-                rows.append(_ratio(name, what, bar, num, den, [a, c]))
-        what = f"(a) full colocation step / (c) dedicated GenRM GPU step, 2 GPUs, {mix}"
-        out += rows or [_unmeasured(f"full_vs_dedicated_2gpu_{mix}", what, bar)]
+    """(a) step / (c) step on as many GPUs, per mix: 2 GPUs (issue 18: 1 policy + 1 judge
+    GPU), 8 GPUs (issue 19: (c) 6+2 and (c') 4+4, each its own row), any other count found."""
+    out = []
+    # A dedicated judge needs a GPU besides the policy's: 2 GPUs at least.
+    for n in [n for n in _gpu_counts(runs, ("full", "dedicated"), always=(2,)) if n >= 2]:
+        pairs = [
+            (a, c)
+            for a in _runs_of(runs, "full", n)
+            for c in _runs_of(runs, "dedicated", n)
+            if settings_of(a["layout"]) == settings_of(c["layout"])
+        ]
+        # The placements the issues name, each with its row even when unmeasured.
+        expected = list(FULL_VS_DEDICATED_8GPU) if n == 8 else [None]
+        for mix in ("fixed", "longtail"):
+            rows, covered = [], set()
+            for a, c in pairs:
+                num, den = stat(a, mix, step_time), stat(c, mix, step_time)
+                if num and den:
+                    split = gpu_split(c["layout"])
+                    covered.add(split)
+                    what = (
+                        f"{label_of(a['layout'])} step / {label_of(c['layout'])} step, "
+                        f"{n} GPUs, {mix}"
+                    )
+                    name = f"{a['layout']}_vs_{c['layout']}_{n}gpu_{mix}"
+                    bar = _full_vs_dedicated_bar(n, split)
+                    rows.append(_ratio(name, what, bar, num, den, [a, c]))
+            for split in expected:
+                if split in covered or (split is None and rows):
+                    continue
+                layout = "dedicated" + (f"-{split}" if split else "")
+                what = f"(a) full colocation step / {label_of(layout)} step, {n} GPUs, {mix}"
+                name = f"full_vs_{layout}_{n}gpu_{mix}"
+                rows.append(_unmeasured(name, what, _full_vs_dedicated_bar(n, split)))
+            out += rows
     return out
 
 
@@ -270,7 +337,7 @@ def _partial_vs_full(runs: list[dict]) -> list[dict]:
     """Like for like, except that the offload setting may differ (the seed offloaded at every
     switch; Plan(offload="auto") leaves full colocation no switch cost for (b) to save)."""
     bar, out = BARS["partial_vs_full"], []
-    for n in (1, 2):
+    for n in _gpu_counts(runs, ("full", "partial"), always=(1, 2)):
         rows = []
         for b in _runs_of(runs, "partial", n):
             for a in _runs_of(runs, "full", n):
@@ -314,7 +381,7 @@ def _yatt_vs_trl(runs: list[dict]) -> list[dict]:
     trl = next(iter(_runs_of(runs, "trl", 1)), None)
     den = stat(trl, "fixed", step_time)
     yatt = [r for r in runs if r["num_gpus"] == 1 and split_variant(r["layout"])[0] != "trl"]
-    for run in sorted(yatt, key=_order):
+    for run in sorted(yatt, key=run_order):
         variant = run["layout"]
         num = stat(run, "fixed", step_time)
         if num is None:
@@ -336,7 +403,7 @@ def _engine_ratios(runs: list[dict]) -> list[dict]:
     settings, GPU count and mix: step time and rollout time. Bar 1.0: the built-in engine
     stays the default only where it is no slower."""
     bar, out = BARS["builtin_vs_engine"], []
-    for run in sorted(runs, key=_order):
+    for run in sorted(runs, key=run_order):
         base, mods = split_variant(run["layout"])
         for engine in sorted(mods & ENGINE_NAMES.keys()):
             builtin = next(

@@ -24,6 +24,7 @@ from _step_bars import (
     overlaps,
     phase_metric,
     run_key,
+    run_order,
     stat,
     step_time,
 )
@@ -54,17 +55,20 @@ def write_run(
     by_mix: dict[str, list[list[dict]]],
     started_at: float | None = None,
     ended_at: float | None = None,
+    judge_pool: list[dict] | None = None,
 ) -> Path:
     """One run's JSON (step_<layout>_<n>gpu.json): every rank's rows per mix, summarised.
 
     started_at/ended_at: the run's wall-clock interval (time.time(), from before its models
     load to after its last step), with this host's name: the report refuses ratios between
     runs whose intervals overlapped on one host (_step_bars.apply_guard).
+    judge_pool: the dedicated layout's servers (GPU, URL, the load each served).
     """
     from _step_setup import device_name
 
-    # dedicated: the judge's GPU counts (on CPU smoke runs its process stands for that GPU).
-    num_gpus = num_ranks + int(layout == "dedicated")
+    # dedicated: the judge pool's GPUs count (on CPU runs its processes stand for them).
+    judge_gpus = sorted({s["gpu"] for s in judge_pool or []})
+    num_gpus = num_ranks + len(judge_gpus)
     variant = variant or layout
     run = {
         "layout": variant,
@@ -72,6 +76,8 @@ def write_run(
         "label": label_of(variant),
         "num_gpus": num_gpus,
         "num_ranks": num_ranks,
+        "num_judge_gpus": len(judge_gpus),
+        "judge_pool": judge_pool,
         "device": device_name(),
         "tiny": tiny,
         "workload": workload,
@@ -109,7 +115,7 @@ def summarize_mix(ranks: list[list[dict]]) -> dict:
                     k: max(r.get("switches", {}).get(k, 0.0) for r in rows)
                     for k in sorted({k for r in rows for k in r.get("switches", {})})
                 },
-                "gpus": [g for r in rows for g in r["gpus"]],
+                "gpus": sorted((g for r in rows for g in r["gpus"]), key=lambda g: g["gpu"]),
                 "bad_lengths": sum(r["bad_lengths"] for r in rows),
                 "num_completions": sum(r["num_completions"] for r in rows),
                 "response_tokens": sum(r["response_tokens"] for r in rows),
@@ -193,21 +199,29 @@ def _switches(s: dict) -> float | None:
     return s.get("switch_s")
 
 
+def models_of(run: dict) -> str:
+    """ "1.5b/1.5b": the policy's and the judge's shapes (older runs: 0.5B, or tiny)."""
+    work = run.get("workload", {})
+    default = "tiny" if run.get("tiny") else "0.5b"
+    return f"{work.get('policy_shape', default)}/{work.get('judge_shape', default)}"
+
+
 def markdown(runs: list[dict], ratios: list[dict], device: str) -> str:
     lines = [
         f"# GRPO step by placement on {device}",
         "",
-        "`bash bench/step_gpu.sh` (bench/step.py, bench/step_trl.py): median (min-max) of the "
+        "`bash bench/step_gpu.sh` or `bench/step_gpu8.sh` (bench/step.py, bench/step_trl.py): "
+        "median (min-max) of the "
         "timed steps (after warm-up); phase times are the slowest rank's; busy = mean NVML "
         "utilization over the step; peak = NVML used memory; 1st/median = the first timed "
         f"step over the median (over {OUTLIER} where every step does the same work: an "
         "outlier, the warm-up missed something; the longtail mix's lengths differ per step).",
         "",
-        "| layout | GPUs | mix | timed steps | step s | "
+        "| layout | GPUs | models | mix | timed steps | step s | "
         + " | ".join(PHASES)
         + " | genrm tail | switches s | busy per GPU | peak GiB per GPU | lengths forced"
         + " | 1st/median |",
-        "|---|---:|---|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---|---|---|---:|",
+        "|---|---:|---|---|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---|---|---|---:|",
     ]
     outliers = []
     for run in sorted(runs, key=lambda r: (r["num_gpus"], r["layout"])):
@@ -224,7 +238,8 @@ def markdown(runs: list[dict], ratios: list[dict], device: str) -> str:
                 flag = " (outlier)"
                 outliers.append(f"{run_key(run)} {mix}: first timed step {first:.2f}x the median")
             lines.append(
-                f"| {run['label']} | {run['num_gpus']} | {mix} | {len(res.get('steps', []))} | "
+                f"| {run['label']} | {run['num_gpus']} | {models_of(run)} | {mix} | "
+                + f"{len(res.get('steps', []))} | "
                 + _cell(stat(run, mix, step_time))
                 + " | "
                 + " | ".join(phases)
@@ -246,11 +261,21 @@ def markdown(runs: list[dict], ratios: list[dict], device: str) -> str:
         verdict = r.get("verdict") or (
             "not measured" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
         )
+        bar = "none" if r["bar"] is None else f"<= {r['bar']}"
         lines.append(
             f"| {r['what']} | {_fmt(r['value'], '.3f')} | {_cell(r.get('num'))} | "
-            f"{_cell(r.get('den'))} | <= {r['bar']} | {verdict} |"
+            f"{_cell(r.get('den'))} | {bar} | {verdict} |"
         )
     notes = [run["note"] for run in runs if run.get("note")]
+    for run in runs:
+        if run.get("judge_pool"):
+            served = ", ".join(
+                f"GPU {s['gpu']}"
+                + (f" ({s['url']})" if s.get("url") else "")
+                + f": {s['num_samples']}"
+                for s in run["judge_pool"]
+            )
+            notes.append(f"{run_key(run)}: samples judged per judge server over the run: {served}.")
     for key, others in sorted(overlaps(runs).items()):
         notes.append(
             f"{key} ran while {', '.join(others)} ran on the same host: ratios using it are "
@@ -268,6 +293,11 @@ def markdown(runs: list[dict], ratios: list[dict], device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _bar_name(run: dict) -> str:
+    layout, _, settings = run["layout"].partition("-")
+    return "\n".join(x for x in (layout, settings, f"{run['num_gpus']} GPU") if x)
+
+
 def plot(runs: list[dict], path: Path) -> Path | None:
     try:
         import matplotlib
@@ -277,12 +307,18 @@ def plot(runs: list[dict], path: Path) -> Path | None:
     except ImportError:
         return None
     mixes = [m for m in ("fixed", "longtail") if any(m in r["mixes"] for r in runs)]
-    fig, axes = plt.subplots(1, len(mixes), figsize=(6 * len(mixes), 4.5), squeeze=False)
+    most = max((sum(m in r["mixes"] for r in runs) for m in mixes), default=1)  # fullest panel
+    width = max(6.0, 1.0 * most)
+    fig, axes = plt.subplots(1, len(mixes), figsize=(width * len(mixes), 5), squeeze=False)
     for ax, mix in zip(axes[0], mixes, strict=True):
+        # By GPU count, then (a), (b), (c), as the issues name them.
         bars = [
-            r for r in sorted(runs, key=lambda r: (r["num_gpus"], r["layout"])) if mix in r["mixes"]
+            r
+            for r in sorted(runs, key=lambda r: (r["num_gpus"], run_order(r)))
+            if mix in r["mixes"]
         ]
-        names = [f"{r['layout']}\n{r['num_gpus']} GPU" for r in bars]
+        # "dedicated\n6+2-pr64-1.5b\n8 GPU": the variant over two lines, then the GPU count.
+        names = [_bar_name(r) for r in bars]
         bottoms = [0.0] * len(bars)
         for phase in (*PHASES, "other"):
             heights = []

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-# Qwen2.5-0.5B's shape (random weights); --tiny: a 2-layer model with the same vocabulary.
+# Qwen2.5-0.5B's and -1.5B's shapes (random weights; --shape, --judge-shape); --tiny: a 2-layer
+# model (both roles). max_position_embeddings is cut to what the runs use (the RoPE table).
 QWEN25_05B = dict(
     hidden_size=896,
     num_hidden_layers=24,
@@ -35,9 +36,45 @@ QWEN25_05B = dict(
     rope_theta=1e6,
     max_position_embeddings=4096,
 )
+# Qwen/Qwen2.5-1.5B's config.json: 1536 wide, 28 layers, 12 query and 2 KV heads (head 128),
+# MLP 8960, tied embeddings (about 1.54B parameters, 0.23B of them the embedding).
+QWEN25_15B = dict(
+    QWEN25_05B,
+    hidden_size=1536,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    intermediate_size=8960,
+)
+SHAPES = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B}
 TINY = dict(QWEN25_05B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
 TINY["intermediate_size"] = 128
 TINY["vocab_size"] = 512
+
+
+def shape_names(args: Any) -> tuple[str, str]:
+    """(policy, judge) shape names of a run: --shape, --judge-shape (default: --shape); "tiny"
+    for both with --tiny."""
+    if getattr(args, "tiny", False):
+        return "tiny", "tiny"
+    policy = getattr(args, "shape", None) or "0.5b"
+    return policy, getattr(args, "judge_shape", None) or policy
+
+
+def shape_config(name: str) -> dict:
+    return TINY if name == "tiny" else SHAPES[name]
+
+
+def count_parameters(name: str) -> int:
+    """Parameters of shape `name` (tied embeddings counted once), built on the meta device:
+    nothing allocated."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape_config(name)))
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied one once
+
 
 JUDGE_USER = (
     "Question:\n{prompt}\n\nResponse:\n{response}\n\n"
@@ -61,13 +98,25 @@ class Workload:
         return self.num_prompts * self.group_size
 
 
-def workload(args: Any) -> Workload:
-    """The GPU workload, or a smaller batch (same lengths) for --tiny CPU runs."""
-    if getattr(args, "tiny", False):
-        return Workload(num_prompts=4, group_size=4, judge_tokens=args.judge_tokens)
-    # --prompts scales the batch (e.g. to see the 2-GPU ratio once the GPUs are saturated).
-    num_prompts = getattr(args, "prompts", None) or Workload.num_prompts
-    return Workload(num_prompts=num_prompts, judge_tokens=args.judge_tokens)
+def workload(args: Any, num_gpus: int = 1) -> Workload:
+    """The GPU workload, or a smaller batch (same lengths) for --tiny CPU runs.
+
+    --prompts N: N GRPO groups per step over all GPUs. --prompts-per-rank N: N per GPU of the
+    run, judge GPUs included (`num_gpus`), so every layout on as many GPUs does the same work
+    (8 GPUs: 8N prompts, whether 8 colocated ranks or 6 policy ranks and 2 judge GPUs)."""
+    tiny = getattr(args, "tiny", False)
+    default = 4 if tiny else Workload.num_prompts
+    num_prompts = getattr(args, "prompts", None) or default
+    if getattr(args, "prompts_per_rank", None):
+        num_prompts = args.prompts_per_rank * num_gpus
+    group_size = 4 if tiny else Workload.group_size
+    return Workload(num_prompts=num_prompts, group_size=group_size, judge_tokens=args.judge_tokens)
+
+
+def prompt_range(num_prompts: int, num_ranks: int, rank: int) -> range:
+    """The prompts of DP rank `rank`: contiguous, sizes differing by at most one (6 policy ranks
+    share 512 prompts as 85, 85, 86, 85, 85, 86; the train phase's balancing evens the rest)."""
+    return range(rank * num_prompts // num_ranks, (rank + 1) * num_prompts // num_ranks)
 
 
 # -- length mixes ------------------------------------------------------------------------------
@@ -107,12 +156,17 @@ def ids_to_text(ids: list[int]) -> str:
 
 
 # -- models ------------------------------------------------------------------------------------
-def make_models(root: Path, *, tiny: bool) -> tuple[Path, Path]:
-    """(policy_dir, judge_dir): random Qwen2 weights + the byte tokenizer, saved once."""
+def make_models(
+    root: Path, *, tiny: bool, shapes: tuple[str, str] = ("0.5b", "0.5b")
+) -> tuple[Path, Path]:
+    """(policy_dir, judge_dir): random Qwen2 weights + the byte tokenizer, saved once; made
+    again when `shapes` (policy, judge: shape_names) differ from the saved ones."""
     policy_dir, judge_dir = root / "policy", root / "judge"
     marker = root / "models.json"
-    shape = TINY if tiny else QWEN25_05B
-    if marker.is_file() and json.loads(marker.read_text()) == shape:
+    if tiny:
+        shapes = ("tiny", "tiny")
+    configs = {"policy": shape_config(shapes[0]), "judge": shape_config(shapes[1])}
+    if marker.is_file() and json.loads(marker.read_text()) == configs:
         return policy_dir, judge_dir
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -126,7 +180,7 @@ def make_models(root: Path, *, tiny: bool) -> tuple[Path, Path]:
         pad_token_id=tokenizer.pad_token_id,
     )
     dtype = torch.float32 if tiny else torch.bfloat16
-    for seed, path in ((1, policy_dir), (2, judge_dir)):
+    for seed, path, shape in ((1, policy_dir, configs["policy"]), (2, judge_dir, configs["judge"])):
         shutil.rmtree(path, ignore_errors=True)
         torch.manual_seed(seed)
         # Random init of 0.5B parameters takes ~25 s on the host, well under 1 s on a GPU.
@@ -135,7 +189,7 @@ def make_models(root: Path, *, tiny: bool) -> tuple[Path, Path]:
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
         del model
-    marker.write_text(json.dumps(shape))
+    marker.write_text(json.dumps(configs))
     return policy_dir, judge_dir
 
 
@@ -216,15 +270,33 @@ def make_rollout_engine(
     )
 
 
-def variant_key(layout: str, args: Any) -> str:
-    """A run's name in the results: the layout, then what differs from the defaults."""
+def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
+    """A run's name in the results: the layout, then what differs from the defaults.
+
+    dedicated with a pool: "-<policy GPUs>+<judge GPUs>" (dedicated-6+2; one policy rank and
+    one judge GPU, the 2-GPU run, stays "dedicated"), "-s<n>" when n judge servers share
+    fewer GPUs. Then "-pr<N>" (--prompts-per-rank), "-1.5b" (--shape), "-j<shape>" (a
+    --judge-shape unlike the policy's)."""
     key = layout
+    judge_gpus = getattr(args, "judge_gpus", None) or []
+    if layout == "dedicated" and judge_gpus:
+        num_judge_gpus = len(set(judge_gpus))
+        if (num_ranks, num_judge_gpus) != (1, 1):
+            key += f"-{num_ranks}+{num_judge_gpus}"
+        if len(judge_gpus) != num_judge_gpus:
+            key += f"-s{len(judge_gpus)}"
     if getattr(args, "rollout_backend", "builtin") != "builtin":
         key += f"-{args.rollout_backend}"
     if getattr(args, "offload", "always") != "always":
         key += f"-{args.offload}"
     if getattr(args, "prompts", None) not in (None, Workload.num_prompts):
         key += f"-p{args.prompts}"
+    if getattr(args, "prompts_per_rank", None):
+        key += f"-pr{args.prompts_per_rank}"
+    if not getattr(args, "tiny", False):
+        policy, judge = shape_names(args)
+        key += f"-{policy}" if policy != "0.5b" else ""
+        key += f"-j{judge}" if judge != policy else ""
     if getattr(args, "ckpt_when_busy", "wait") != "wait":
         key += f"-{args.ckpt_when_busy}"
     return key
@@ -236,10 +308,11 @@ def close_run(ctx: Any) -> None:
         if closeable is not None:
             with contextlib.suppress(Exception):
                 closeable.close()
-    if ctx.server is not None:
-        ctx.server.terminate()
+    for server in ctx.servers:
+        server.terminate()
+    for server in ctx.servers:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            ctx.server.wait(timeout=20)
+            server.wait(timeout=20)
     if ctx.runtime.is_rank_zero:
         shutil.rmtree(ctx.ckpt_root, ignore_errors=True)
 
@@ -337,7 +410,7 @@ def make_requests(ctx: Any, mix: str, step: int):
     tok = ctx.engine.tokenizer
     requests, expected, prompts = [], [], []
     # One request per sample (n=1), so lengths differ inside a GRPO group.
-    for p in range(ctx.first_prompt, ctx.first_prompt + ctx.local_prompts):
+    for p in ctx.prompts:
         ids = tok(texts[p], add_special_tokens=False)["input_ids"]
         for j in range(work.group_size):
             length = lengths[p * work.group_size + j]

@@ -1,16 +1,22 @@
-"""GRPO step time by GPU placement: full colocation, partial colocation, a dedicated GenRM GPU.
+"""GRPO step time by GPU placement: full colocation, partial colocation, dedicated GenRM GPUs.
 
     python bench/step.py --layout full --tiny --steps 2                  # CPU smoke run
     python3 bench/step.py --layout full --out-dir OUT                    # 1 GPU
     python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
         bench/step.py --layout partial --out-dir OUT                     # 2 GPUs, one rank each
     python3 bench/step.py --layout dedicated --judge-gpu 1 --out-dir OUT # judge alone on GPU 1
+    python3 -m torch.distributed.run --standalone --nproc_per_node 6 \
+        bench/step.py --layout dedicated --judge-gpus 6,7 --shape 1.5b \
+        --prompts-per-rank 64 --out-dir OUT                              # 6 policy + 2 judge GPUs
     python3 bench/step.py --report --results-dir OUT                     # tables, ratios, plot
     bash bench/step_gpu.sh                                               # all of it, on 2 GPUs
+    bash bench/step_gpu8.sh                                              # issue 19, on 8 GPUs
 
 Every layout runs the same work (_step_setup.py): a Qwen2.5-0.5B-shaped policy and a
-same-shaped generative judge (random weights), 16 prompts x 8 completions per step over all
-GPUs, prompts of 128 tokens, response lengths forced per sample (Request.max_new_tokens with
+same-shaped generative judge (random weights; --shape 1.5b for Qwen2.5-1.5B's shape, and
+--judge-shape for a judge of another one), 16 prompts x 8 completions per step over all GPUs
+(--prompts N over all; --prompts-per-rank N: N per GPU of the run, judge GPUs included, so
+every layout on as many GPUs does the same work), prompts of 128 tokens, response lengths forced per sample (Request.max_new_tokens with
 ignore_eos): `fixed` = 256 each, `longtail` = 90% in [64, 192] and 10% in [512, 1024]. The judge
 reads prompt + response (about 300-1300 tokens) and writes an 8-token verdict.
 
@@ -20,14 +26,22 @@ Layouts (one process per GPU; each step = rollout, GenRM, train, weight sync, ch
   partial    Plan.partial_colocation: rollout engine and judge resident together, the judge
              scoring each completion as it finishes (score_as_completed over engine.stream);
              the memory split follows the measured token loads.
-  dedicated  --judge-gpu N: the judge runs alone on GPU N for the whole step (its own process,
-             yatt.genrm's HTTP app + GenRMClient), the policy (rollout, train, sync: full
-             colocation of those) on this process's GPU does all prompts and waits for the
-             verdicts, as a framework whose reward model owns its GPUs does. Without
-             --judge-gpu (one GPU: nothing to dedicate) both stay resident with fixed memory
-             shares (Plan.separate), labelled so.
-Per step (after --warmup steps, 2 by default: see below): step time, phase times (max over ranks), GPU busy fraction
-and peak memory per GPU (NVML sampled every 20 ms; n/a on CPU), checkpoint blocked time
+  dedicated  --judge-gpus 6,7 (or --judge-gpu N, a pool of one): the judge runs alone on
+             those GPUs for the whole step, one server process per listed GPU (yatt.genrm's
+             HTTP app), data-parallel: every policy rank spreads its verdict requests over all
+             of them (GenRMClient with the pool's URLs). The policy (rollout, train, sync: full
+             colocation of those) runs data-parallel on the torchrun ranks, rank r on CUDA
+             device LOCAL_RANK (so: --nproc_per_node 6 on GPUs 0-5 and --judge-gpus 6,7; the
+             judge GPUs must not be policy GPUs) and waits for the verdicts, as a framework
+             whose reward model owns its GPUs does. The node's local rank 0 starts the node's
+             servers once, on ports --judge-port, +1, ...; every rank of the node waits for
+             all of them (127.0.0.1: one node; more nodes would each start their own pool,
+             untested). A GPU listed twice gets two servers (a smoke test of the pool on 2
+             GPUs). Without --judge-gpu(s) (one GPU: nothing to dedicate) both stay resident
+             with fixed memory shares (Plan.separate), labelled so.
+Per step (after --warmup steps, 2 by default: see below): step time, phase times (max over
+ranks), GPU busy fraction and peak memory per GPU, judge GPUs included (NVML sampled every 20
+ms; n/a on CPU), checkpoint blocked time
 (yatt.ckpt async save of the policy every step). One JSON per run, with the run's wall-clock
 interval and host; --report combines them (medians with min and max, the issue's ratios; a
 ratio between runs that overlapped on one host is refused: run them one after another).
@@ -78,12 +92,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="2-layer model (CPU smoke runs)")
     p.add_argument("--judge-tokens", type=int, default=8, help="forced verdict length")
     p.add_argument("--judge-gpu", type=int, default=None, help="dedicated: the judge's GPU")
+    p.add_argument(
+        "--judge-gpus",
+        type=_gpu_list,
+        default=None,
+        help="dedicated: the judge pool's GPUs, one server each (e.g. 6,7; a GPU twice: two "
+        "servers on it)",
+    )
+    p.add_argument("--shape", choices=tuple(setup.SHAPES), default="0.5b", help="policy's shape")
+    p.add_argument(
+        "--judge-shape", choices=tuple(setup.SHAPES), default=None, help="(default: --shape)"
+    )
     p.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
     p.add_argument("--profile-phase", default=None, help="--profile only this phase (e.g. train)")
     p.add_argument(
         "--offload", choices=("always", "auto"), default="always", help="Plan(offload=...)"
     )
     p.add_argument("--prompts", type=int, default=None, help="GRPO groups per step (16)")
+    p.add_argument(
+        "--prompts-per-rank",
+        type=int,
+        default=None,
+        help="GRPO groups per step per GPU of the run, judge GPUs included (instead of --prompts)",
+    )
     p.add_argument(
         "--no-keep-graphs",
         dest="keep_graphs",
@@ -113,6 +144,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ckpt-when-busy", choices=("wait", "defer"), default="wait")
     p.add_argument("--judge-port", type=int, default=18517)
     p.add_argument("--serve-judge", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--judge-slots", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--prepare", action="store_true", help="only save the models, then exit")
     p.add_argument("--model-dir", default=None, help="saved models (made once if missing)")
     p.add_argument("--out-dir", default="bench/results/step_runs")
@@ -124,15 +156,38 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("pass --layout, or --report")
     if args.rollout_backend != "builtin" and args.layout not in (None, "full", "partial"):
         p.error(f"--rollout-backend {args.rollout_backend}: only --layout full or partial")
+    if args.judge_gpu is not None and args.judge_gpus is not None:
+        p.error("pass --judge-gpu N or --judge-gpus LIST, not both")
+    if args.judge_gpu is not None:
+        args.judge_gpus = [args.judge_gpu]  # a pool of one
+    if args.judge_gpus and args.layout not in (None, "dedicated"):
+        p.error(f"--judge-gpu(s): only with --layout dedicated, not {args.layout}")
+    if args.prompts is not None and args.prompts_per_rank is not None:
+        p.error("pass --prompts (over all GPUs) or --prompts-per-rank, not both")
+    for name in ("prompts", "prompts_per_rank"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     args.mixes = [m for m in args.mix.split(",") if m]
     for mix in args.mixes:
         if mix not in setup.MIXES:
             p.error(f"--mix {mix!r}: use {setup.MIXES}")
     if args.model_dir is None:
+        shapes = setup.shape_names(args)
+        name = "yatt-step" + ("" if shapes == ("0.5b", "0.5b") else "-" + "-".join(shapes))
         args.model_dir = str(
-            Path(tempfile.gettempdir()) / ("yatt-step-tiny" if args.tiny else "yatt-step")
+            Path(tempfile.gettempdir()) / ("yatt-step-tiny" if args.tiny else name)
         )
     return args
+
+
+def _gpu_list(text: str) -> list[int]:
+    try:
+        gpus = [int(g) for g in text.split(",") if g.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: GPU indices, comma-separated (6,7)") from None
+    if not gpus or min(gpus) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: GPU indices >= 0, comma-separated (6,7)")
+    return gpus
 
 
 # -- one run ------------------------------------------------------------------------------------
@@ -144,36 +199,40 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
     from yatt.ckpt import Checkpointer
     from yatt.placement import Plan
 
-    work = setup.workload(args)
-    if runtime.is_rank_zero:
-        setup.make_models(Path(args.model_dir), tiny=args.tiny)
-    torch.distributed.barrier()
-    policy_dir, judge_dir = setup.make_models(Path(args.model_dir), tiny=args.tiny)
     layout = args.layout
-    if layout == "dedicated" and args.judge_gpu is None:
+    if layout == "dedicated" and not args.judge_gpus:
         layout = "separate"
-    if layout in ("dedicated", "separate") and runtime.dp_size > 1:
-        raise ValueError("--layout dedicated runs one policy process; launch it without torchrun")
-    if work.num_prompts % runtime.dp_size:
-        raise ValueError(f"{work.num_prompts} prompts do not split over {runtime.dp_size} ranks")
-    local_prompts = work.num_prompts // runtime.dp_size
-    slots = local_prompts * work.group_size
+    if layout == "separate" and runtime.dp_size > 1:
+        raise ValueError("--layout dedicated without --judge-gpu(s) runs one process (1 GPU)")
+    judge_gpus = args.judge_gpus if layout == "dedicated" else []
+    work = setup.workload(args, num_gpus=runtime.world_size + len(set(judge_gpus)))
+    shapes = setup.shape_names(args)
+    if runtime.is_rank_zero:
+        setup.make_models(Path(args.model_dir), tiny=args.tiny, shapes=shapes)
+    torch.distributed.barrier()
+    policy_dir, judge_dir = setup.make_models(Path(args.model_dir), tiny=args.tiny, shapes=shapes)
+    ctx = SimpleNamespace(args=args, work=work, runtime=runtime, layout=layout, servers=[])
+    ctx.shapes = shapes
+    ctx.prompts = setup.prompt_range(work.num_prompts, runtime.dp_size, runtime.dp_rank)
+    if not ctx.prompts:
+        raise ValueError(f"{work.num_prompts} prompts leave rank {runtime.dp_rank} none")
+    slots = len(ctx.prompts) * work.group_size
     device = str(runtime.device)
-    ctx = SimpleNamespace(args=args, work=work, runtime=runtime, layout=layout, server=None)
+    ctx.judge_gpus = judge_gpus
     if layout == "dedicated":
-        ctx.server = _step_judge.start_judge_server(args, __file__)
-        servers.append(ctx.server)  # killed by the caller if the rest of the build fails
-    ctx.first_prompt = runtime.dp_rank * local_prompts
-    ctx.local_prompts = local_prompts
+        _step_judge.check_judge_gpus(judge_gpus, runtime)
+        if runtime.local_rank == 0:  # the node's pool, started once
+            ctx.servers = _step_judge.start_judge_servers(args, __file__, work)
+            servers += ctx.servers  # killed by the caller if the rest of the build fails
     ctx.engine = setup.make_rollout_engine(
         args, policy_dir, device=device, work=work, max_batch_size=slots
     )
     ctx.judge_engine = None
     if layout == "dedicated":
-        url = _step_judge.wait_for_judge(ctx.server, args.judge_port)
-        ctx.judge = genrm.GenRMClient(
-            url, batching=genrm.BatchingConfig(max_batch_size=work.num_samples)
-        )
+        urls = _step_judge.wait_for_judges(ctx.servers, args.judge_port, len(judge_gpus))
+        # score() cuts this rank's samples into one request per server (at most `slots` each);
+        # a server joins the ranks' concurrent requests into its running decode.
+        ctx.judge = genrm.GenRMClient(urls, batching=genrm.BatchingConfig(max_batch_size=slots))
     else:
         ctx.judge, ctx.judge_engine = setup.build_judge(
             judge_dir,
@@ -294,10 +353,12 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
         ctx.ckpt.maybe_save(global_step + 1, policy.state(), extra={"step": global_step})
     torch.distributed.barrier()
     t1 = time.perf_counter()
-    # The judge's load this step (a GenRMClient asks its server: after the clock stopped).
-    metrics = judge.health()["metrics"] if ctx.layout == "dedicated" else judge.metrics
-    judge_prompt_tokens = metrics["num_prompt_tokens"] - ctx.judge_tokens_seen
-    ctx.judge_tokens_seen += judge_prompt_tokens
+    # The judge's load this step: this rank's (a pool's servers also judge the other ranks').
+    if ctx.layout == "dedicated":
+        judge_prompt_tokens = sum(v.num_judge_prompt_tokens for v in verdicts)
+    else:
+        judge_prompt_tokens = judge.metrics["num_prompt_tokens"] - ctx.judge_tokens_seen
+        ctx.judge_tokens_seen += judge_prompt_tokens
     metrics = plan.metrics()  # the latest switch into each phase: this step's
     switches = {k.split("/")[1]: v for k, v in metrics.items() if k.endswith("/switch_s")}
     return {
@@ -335,8 +396,8 @@ def run_layout(args: argparse.Namespace) -> Path | None:
         gpus = []
         if runtime.device.type == "cuda":
             gpus = [setup.physical_gpu(runtime.device.index)]
-            if ctx.layout == "dedicated":
-                gpus.append(args.judge_gpu)
+            if runtime.local_rank == 0:  # the judge pool's GPUs, sampled once
+                gpus += sorted(setup.physical_gpu(g) for g in set(ctx.judge_gpus))
         sampler = setup.GpuSampler(gpus).start()
         per_mix: dict[str, list[dict]] = {}
         global_step = 0
@@ -358,7 +419,7 @@ def run_layout(args: argparse.Namespace) -> Path | None:
                     )
             if args.profile or args.profile_phase:  # after the timed steps: counts in none
                 only = f"_{args.profile_phase}" if args.profile_phase else ""
-                variant = setup.variant_key(ctx.layout, args)
+                variant = setup.variant_key(ctx.layout, args, runtime.world_size)
                 name = f"profile_{variant}_{runtime.world_size}x_{mix}{only}.txt"
                 path = Path(args.out_dir) / name if runtime.is_rank_zero else None
                 with _step_profile.maybe_profile(path, phase=args.profile_phase):
@@ -373,10 +434,13 @@ def run_layout(args: argparse.Namespace) -> Path | None:
             return _step_report.write_run(
                 args.out_dir,
                 layout=ctx.layout,
-                variant=setup.variant_key(ctx.layout, args),
+                variant=setup.variant_key(ctx.layout, args, runtime.world_size),
                 num_ranks=runtime.world_size,
                 tiny=args.tiny,
+                judge_pool=_step_judge.pool_record(ctx) if ctx.layout == "dedicated" else None,
                 workload=vars(ctx.work)
+                | {"prompts_per_rank": args.prompts_per_rank}
+                | {"policy_shape": ctx.shapes[0], "judge_shape": ctx.shapes[1]}
                 | {"mixes": args.mixes, "steps": args.steps, "warmup": args.warmup}
                 | {"keep_graphs_asleep": args.keep_graphs, "offload": args.offload}
                 | {"micro_batch_tokens": args.micro_batch_tokens, "ckpt_writer": args.ckpt_writer}
@@ -407,7 +471,8 @@ def main(argv: list[str]) -> None:
     if args.report:
         _step_report.write_report(Path(args.results_dir or args.out_dir))
     elif args.prepare:
-        print(setup.make_models(Path(args.model_dir), tiny=args.tiny), flush=True)
+        shapes = setup.shape_names(args)
+        print(setup.make_models(Path(args.model_dir), tiny=args.tiny, shapes=shapes), flush=True)
     elif args.serve_judge:
         _step_judge.serve_judge(args)
     else:

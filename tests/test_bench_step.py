@@ -4,6 +4,9 @@ NUM_GPUS = 0
 
 import itertools
 import json
+import os
+import resource
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,9 +41,13 @@ def _run_step(
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def models(tmp_path_factory):
+    return tmp_path_factory.mktemp("step-models")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, models):
     out = tmp_path_factory.mktemp("step-runs")
-    models = tmp_path_factory.mktemp("step-models")
     return out, {
         "full": _run_step(out, models, "full", "fixed,longtail", steps=2),
         "partial": _run_step(out, models, "partial", "fixed,longtail", "--profile"),
@@ -290,3 +297,204 @@ def test_markdown_shows_spread_outliers_and_refusals(tmp_path):
         s["response_tokens"] = 1000 + k
     md = _step_report.markdown([full, partial], ratios, "cpu")
     assert "1.90 |" in md and "(outlier)" not in md
+
+
+# -- the dedicated judge pool (issue 19) ----------------------------------------------------------
+def _free_port_pair() -> int:
+    """A port p with p and p + 1 free (the pool's servers listen on --judge-port + k)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+@pytest.fixture(scope="module")
+def pool_run(tmp_path_factory, models):
+    """2 policy ranks (torchrun, gloo) + a judge pool of 2 servers (stand-ins for GPUs 1, 2),
+    2 prompts per GPU of the run: 4 GPUs, 8 prompts a step."""
+    out = tmp_path_factory.mktemp("step-pool")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        master_port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--master_port", str(master_port), str(ROOT / "bench" / "step.py")]
+    cmd += ["--layout", "dedicated", "--judge-gpus", "1,2", "--tiny", "--prompts-per-rank", "2"]
+    cmd += ["--steps", "1", "--warmup", "1", "--mix", "longtail", "--out-dir", str(out)]
+    cmd += ["--model-dir", str(models), "--ckpt-dir", str(out / "ckpt")]
+    cmd += ["--judge-port", str(_free_port_pair())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((out / "step_dedicated-2+2-pr2_4gpu.json").read_text())
+
+
+def test_dedicated_pool_spreads_every_rank_s_verdicts_over_every_server(pool_run):
+    run = pool_run
+    assert run["layout"] == "dedicated-2+2-pr2" and run["base_layout"] == "dedicated"
+    assert (run["num_gpus"], run["num_ranks"], run["num_judge_gpus"]) == (4, 2, 2)
+    assert (
+        run["label"] == "(c) dedicated GenRM GPU, 2 policy GPUs + 2 judge GPUs, 2 prompts per GPU"
+    )
+    work = run["workload"]
+    assert work["prompts_per_rank"] == 2 and work["num_prompts"] == 2 * 4
+    assert (work["policy_shape"], work["judge_shape"]) == ("tiny", "tiny")
+    pool = run["judge_pool"]
+    assert [s["gpu"] for s in pool] == [1, 2]
+    assert len({s["url"] for s in pool}) == 2
+    samples = work["num_prompts"] * work["group_size"]  # a step's, over both ranks
+    # Every server judged a share of each step (1 warm-up + 1 timed): rank 0 sent each server
+    # half of its samples, and the servers together judged all of both ranks' samples.
+    assert all(s["num_samples"] > 0 and s["num_prompt_tokens"] > 0 for s in pool)
+    per_rank_and_server = samples // 2 // 2
+    assert [s["sent_by_rank0"] for s in pool] == [2 * per_rank_and_server] * 2
+    assert sum(s["num_samples"] for s in pool) == 2 * samples
+    step = run["mixes"]["longtail"]["steps"][0]  # step index 1 (after the warm-up)
+    assert set(step["phases"]) == PHASES["dedicated"]
+    assert step["num_completions"] == samples
+    work_of_run = _step_setup.Workload(num_prompts=8, group_size=4)
+    assert step["response_tokens"] == sum(_step_setup.response_lengths("longtail", work_of_run, 1))
+    assert run["mixes"]["longtail"]["all_lengths_forced"] is True
+    # Both ranks' judge tokens of this step, each rank counting its own verdicts' (the servers'
+    # totals also hold the warm-up step's).
+    total = sum(s["num_prompt_tokens"] for s in pool)
+    assert step["response_tokens"] < step["judge_prompt_tokens"] < total
+
+
+def test_pool_options_parse_and_name_the_run():
+    args = step_cli.parse_args(["--layout", "dedicated", "--judge-gpu", "1"])
+    assert args.judge_gpus == [1]  # a pool of one
+    args = step_cli.parse_args(["--layout", "dedicated", "--judge-gpus", "6,7", "--shape", "1.5b"])
+    assert args.judge_gpus == [6, 7] and args.judge_shape is None
+    assert args.model_dir.endswith("yatt-step-1.5b-1.5b")
+    for bad in (
+        ["--layout", "dedicated", "--judge-gpu", "1", "--judge-gpus", "1"],
+        ["--layout", "full", "--judge-gpus", "1"],
+        ["--layout", "full", "--prompts", "8", "--prompts-per-rank", "2"],
+        ["--layout", "full", "--prompts-per-rank", "0"],
+        ["--layout", "dedicated", "--judge-gpus", "a,b"],
+        ["--layout", "full", "--shape", "7b"],
+    ):
+        with pytest.raises(SystemExit):
+            step_cli.parse_args(bad)
+    key = _step_setup.variant_key
+    pool = ["--layout", "dedicated", "--judge-gpus", "6,7", "--shape", "1.5b"]
+    pool = step_cli.parse_args([*pool, "--prompts-per-rank", "64"])
+    assert key("dedicated", pool, num_ranks=6) == "dedicated-6+2-pr64-1.5b"
+    assert key("full", step_cli.parse_args(["--layout", "full", "--shape", "1.5b"]), 8) == (
+        "full-1.5b"
+    )
+    one = step_cli.parse_args(["--layout", "dedicated", "--judge-gpu", "1"])
+    assert key("dedicated", one, num_ranks=1) == "dedicated"  # the 2-GPU runs keep their name
+    shared = step_cli.parse_args(["--layout", "dedicated", "--judge-gpus", "1,1"])
+    assert key("dedicated", shared, num_ranks=1) == "dedicated-s2"
+    mixed = step_cli.parse_args(["--layout", "full", "--shape", "1.5b", "--judge-shape", "0.5b"])
+    assert key("full", mixed) == "full-1.5b-j0.5b"
+    assert _step_bars.label_of("dedicated-s2-1.5b-j0.5b") == (
+        "(c) dedicated GenRM GPU, 2 judge servers, Qwen2.5-1.5B shape, judge Qwen2.5-0.5B shape"
+    )
+
+
+def test_prompts_per_rank_scale_with_every_gpu_of_the_run():
+    args = step_cli.parse_args(["--layout", "full", "--prompts-per-rank", "64"])
+    assert _step_setup.workload(args, num_gpus=8).num_prompts == 512
+    assert _step_setup.workload(args, num_gpus=8).num_samples == 4096
+    # 6 policy ranks share the same 512 prompts, contiguous, sizes within one of each other.
+    ranges = [_step_setup.prompt_range(512, 6, r) for r in range(6)]
+    assert [len(r) for r in ranges] == [85, 85, 86, 85, 85, 86]
+    assert [p for r in ranges for p in r] == list(range(512))
+    assert _step_setup.workload(step_cli.parse_args(["--layout", "full"])).num_prompts == 16
+
+
+def test_15b_shape_is_qwen25_15b_and_is_counted_without_allocating():
+    shape = _step_setup.SHAPES["1.5b"]
+    assert (shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]) == (
+        1536,
+        28,
+        8960,
+    )
+    assert (shape["num_attention_heads"], shape["num_key_value_heads"]) == (12, 2)
+    assert shape["vocab_size"] == 151936 and shape["tie_word_embeddings"] is True
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    n = _step_setup.count_parameters("1.5b")
+    grown_gib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20
+    assert grown_gib < 1.0  # 1.54B float32 parameters would be 5.8 GiB
+    # Qwen2.5-1.5B: 1.54B parameters, 1.31B without the (tied) embedding.
+    h, kv, layers = 1536, 2 * 128, 28
+    layer = h * h + h + 2 * (h * kv + kv) + h * h + 3 * h * 8960 + 2 * h
+    assert n == 151936 * h + layers * layer + h == 1_543_714_304
+    assert _step_setup.count_parameters("0.5b") == 494_032_768  # Qwen2.5-0.5B: 0.49B
+
+
+def _fake_8gpu_runs(suffix: str = "") -> list[dict]:
+    phases = {"rollout": 6.0, "genrm": 2.0, "train": 4.0}
+    return [
+        _fake_run(f"full{suffix}", 8, 14.0, phases),
+        _fake_run(f"partial{suffix}", 8, 12.0, {"rollout+genrm": 6.0, "train": 4.0}),
+        _fake_run(f"dedicated-6+2{suffix}", 8, 30.0, {"rollout": 9.0, "genrm": 1.0}),
+        _fake_run(f"dedicated-4+4{suffix}", 8, 20.0, {"rollout": 12.0, "genrm": 0.5}),
+    ]
+
+
+@pytest.mark.parametrize("suffix", ["", "-pr64-1.5b", "-pr64-1.5b-defer"])
+def test_issue19_ratios_at_8gpus_whatever_the_suffixes(suffix):
+    ratios = {r["name"]: r for r in _step_bars.compute_ratios(_fake_8gpu_runs(suffix))}
+    a_c = ratios[f"full{suffix}_vs_dedicated-6+2{suffix}_8gpu_longtail"]
+    assert a_c["value"] == pytest.approx(14.0 / 30.0) and a_c["bar"] == 0.5
+    assert a_c["verdict"] == "PASS" and a_c["runs"] == [
+        f"full{suffix}/8gpu",
+        f"dedicated-6+2{suffix}/8gpu",
+    ]
+    a_c2 = ratios[f"full{suffix}_vs_dedicated-4+4{suffix}_8gpu_longtail"]
+    assert a_c2["value"] == pytest.approx(14.0 / 20.0)
+    assert a_c2["bar"] is None and a_c2["pass"] is None and a_c2["verdict"] == "reported (no bar)"
+    b_a = ratios[f"partial{suffix}_vs_full{suffix}_rollout_genrm_8gpu_longtail"]
+    assert b_a["value"] == pytest.approx(6.0 / 8.0) and b_a["bar"] == 0.80
+    assert b_a["verdict"] == "PASS"
+    if "1.5b" in suffix:
+        assert "Qwen2.5-1.5B shape" in a_c["what"] and "64 prompts per GPU" in a_c["what"]
+    assert "6 policy GPUs + 2 judge GPUs" in a_c["what"] and "8 GPUs" in a_c["what"]
+    # Nothing at 8 GPUs is left unmeasured; the 2-GPU bars with no runs still get their row.
+    assert all(
+        r["value"] is not None for n, r in ratios.items() if "_8gpu_" in n and "longtail" in n
+    )
+    assert ratios["full_vs_dedicated_2gpu_longtail"]["verdict"] == "not measured"
+
+
+def test_issue19_ratios_missing_runs_and_a_failing_bar(tmp_path):
+    runs = _fake_8gpu_runs()
+    runs[2]["mixes"]["longtail"]["median"]["step_s"] = 20.0  # (a)/(c) = 0.7: over the bar
+    runs[2]["mixes"]["longtail"]["steps"][0]["step_s"] = 20.0
+    ratios = {r["name"]: r for r in _step_bars.compute_ratios(runs)}
+    assert ratios["full_vs_dedicated-6+2_8gpu_longtail"]["verdict"] == "FAIL"
+    # Without (c') and (b) at 8 GPUs: their rows say so.
+    ratios = {r["name"]: r for r in _step_bars.compute_ratios([runs[0], runs[2]])}
+    assert ratios["full_vs_dedicated-4+4_8gpu_longtail"]["verdict"] == "not measured"
+    assert ratios["partial_vs_full_rollout_genrm_8gpu_longtail"]["verdict"] == "not measured"
+    assert ratios["full_vs_dedicated-6+2_8gpu_fixed"]["verdict"] == "not measured"
+    # A (c) of other settings is no pair for (a): like for like only.
+    other = _fake_run("dedicated-6+2-auto", 8, 10.0, {"rollout": 5.0})
+    ratios = {r["name"]: r for r in _step_bars.compute_ratios([runs[0], other])}
+    assert ratios["full_vs_dedicated-6+2_8gpu_longtail"]["verdict"] == "not measured"
+    # The report: the bars, a ratio without one, the pool's load, the plot with every layout.
+    runs = _fake_8gpu_runs("-pr64-1.5b")
+    for run in runs:
+        run["label"] = _step_bars.label_of(run["layout"])
+        run["workload"] = {"policy_shape": "1.5b", "judge_shape": "1.5b"}
+    runs[2]["judge_pool"] = [{"gpu": 6, "num_samples": 10}, {"gpu": 7, "num_samples": 12}]
+    ratios = _step_bars.compute_ratios(runs)
+    md = _step_report.markdown(runs, ratios, "nvidia_h200")
+    assert "| <= 0.5 | PASS |" in md and "| none | reported (no bar) |" in md
+    assert "| 8 | 1.5b/1.5b | longtail |" in md
+    assert "dedicated-6+2-pr64-1.5b/8gpu: samples judged per judge server" in md
+    assert "GPU 6: 10, GPU 7: 12" in md
+    png = _step_report.plot(runs, tmp_path / "bars.png")
+    if png is not None:  # matplotlib installed
+        assert png.stat().st_size > 10_000
+    assert [_step_report._bar_name(r) for r in runs][2] == "dedicated\n6+2-pr64-1.5b\n8 GPU"

@@ -477,3 +477,97 @@ def test_serve_flags_reach_the_app(monkeypatch) -> None:
         "body_timeout_s": 3.0,
         "api_key": "k",
     }
+
+
+# -- a pool of servers (the judge data-parallel: one server per GPU) ------------------------------
+@pytest.fixture
+def pool():
+    servers = [ServerThread(_make_genrm(), max_batch=32) for _ in range(2)]
+    for srv in servers:
+        srv.start()
+    yield servers
+    for srv in servers:
+        srv.stop()
+
+
+def _served(srv: ServerThread) -> int:
+    return sum(c.num_requests for c in srv.genrm.engine.calls)
+
+
+def test_pool_score_gives_every_server_a_share_in_order(pool) -> None:
+    client = GenRMClient([srv.url for srv in pool])
+    assert client.urls == tuple(srv.url for srv in pool) and client.url == pool[0].url
+    samples = _samples(10)
+    verdicts = client.score(samples)
+    assert [v.sample_id for v in verdicts] == [s.id for s in samples]
+    assert [v.reward for v in verdicts] == [_expected(s) for s in samples]
+    assert [_served(srv) for srv in pool] == [5, 5]
+    assert client.num_samples_by_url == {pool[0].url: 5, pool[1].url: 5}
+    health = client.health_all()
+    assert [health[srv.url]["metrics"]["num_samples"] for srv in pool] == [5, 5]
+    # More requests than servers: each server takes the next one when it is free.
+    small = GenRMClient([srv.url for srv in pool], batching=BatchingConfig(max_batch_size=3))
+    samples = _samples(14, start=10)
+    verdicts = small.score(samples)
+    assert [v.reward for v in verdicts] == [_expected(s) for s in samples]
+    assert all(_served(srv) > 5 for srv in pool) and sum(map(_served, pool)) == 24
+    # One URL: one request per max_batch_size samples, one after another, as before.
+    one = GenRMClient(pool[0].url, batching=BatchingConfig(max_batch_size=4))
+    other = _served(pool[1])
+    assert [v.status for v in one.score(_samples(9))] == ["ok"] * 9
+    assert one.num_samples_by_url == {pool[0].url: 9} and _served(pool[1]) == other
+
+
+def test_pool_streaming_goes_to_the_least_busy_server(pool) -> None:
+    client = GenRMClient(
+        [srv.url for srv in pool], batching=BatchingConfig(max_batch_size=2, max_pending=64)
+    )
+    samples = _samples(20)
+
+    async def main() -> list:
+        got = await client.ascore(samples)
+        await client.aclose()
+        return got
+
+    verdicts = asyncio.run(main())
+    assert [v.reward for v in verdicts] == [_expected(s) for s in samples]
+    assert all(_served(srv) > 0 for srv in pool) and sum(map(_served, pool)) == 20
+    assert client._in_flight == [0, 0]
+    # The choice itself: fewest samples in flight; a tie goes to the next server in turn.
+    client._in_flight, client._turn = [4, 1], 0
+    assert client._least_busy_server() == 1
+    client._in_flight = [0, 0]
+    assert [client._least_busy_server() for _ in range(4)] == [0, 1, 0, 1]
+
+
+def test_pool_retries_a_dead_server_s_requests_on_the_next_one(server) -> None:
+    dead = f"http://127.0.0.1:{socket_free_port()}"
+    client = GenRMClient([dead, server.url], max_retries=2, backoff_s=0.01)
+    samples = _samples(6)
+    verdicts = client.score(samples)
+    assert [v.reward for v in verdicts] == [_expected(s) for s in samples]
+    assert client.metrics["num_retries"] == 1  # the dead server's share, once, elsewhere
+    assert client.num_samples_by_url == {dead: 3, server.url: 6}
+    # Every server down: bounded retries, then error verdicts, as with one URL.
+    down = GenRMClient([dead], max_retries=1, backoff_s=0.01)
+    assert [v.status for v in down.score(_samples(2))] == ["error", "error"]
+
+
+def socket_free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ([], "pass one URL"),
+        (["http://a:1", "ftp://b:2"], "must start with http"),
+        (["http://a:1", "http://a:1/"], "listed twice"),
+    ],
+    ids=["empty", "scheme", "twice"],
+)
+def test_pool_urls_are_checked(url, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        GenRMClient(url)

@@ -1,5 +1,11 @@
 """GenRMClient: the GenRM interface over HTTP (`python -m yatt.genrm.serve` on the other end).
 
+One URL, or a pool of them (several servers of the same judge, e.g. one per GPU: the judge
+data-parallel). With a pool, `score` cuts its samples into at least one request per server and
+each server takes the next request as soon as its previous one is answered; streamed batches
+(`submit`/`ascore`) go to the server with the fewest of this client's samples in flight (ties
+in turn). A request that fails on its server is retried on the next one.
+
 With `api_key` (default: the YATT_GENRM_API_KEY environment variable, as the server reads it)
 each request carries `Authorization: Bearer <key>`.
 
@@ -27,11 +33,16 @@ logger = logging.getLogger("yatt.genrm")
 
 
 class GenRMClient(StreamingScorer):
-    """score / submit / finish / results / ascore against a GenRM HTTP service at `url`."""
+    """score / submit / finish / results / ascore against a GenRM HTTP service at `url`, or
+    spread over a pool of services (`url` a sequence of URLs serving the same judge).
+
+    `url` is the first (or only) server's URL and `urls` all of them; `num_samples_by_url`
+    counts the samples sent to each (a retry counts again, on the server it went to).
+    """
 
     def __init__(
         self,
-        url: str,
+        url: str | Sequence[str],
         *,
         timeout_s: float = 300.0,
         max_retries: int = 4,
@@ -45,8 +56,15 @@ class GenRMClient(StreamingScorer):
             api_key = os.environ.get("YATT_GENRM_API_KEY") or None
         if api_key is not None and not api_key.strip():
             raise ValueError("api_key is empty: pass the server's key, or None for an open server")
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"url={url!r}: must start with http:// or https://")
+        urls = [url] if isinstance(url, str) else list(url)
+        if not urls:
+            raise ValueError("url=[]: pass one URL, or a list of the pool's URLs")
+        for u in urls:
+            if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+                raise ValueError(f"url={u!r}: must start with http:// or https://")
+        urls = [u.rstrip("/") for u in urls]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"url={urls!r}: a URL is listed twice; list each server once")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r}: must be > 0")
         if not isinstance(max_retries, int) or max_retries < 0:
@@ -56,7 +74,8 @@ class GenRMClient(StreamingScorer):
                 f"backoff_s={backoff_s!r}, max_backoff_s={max_backoff_s!r}: need 0 < backoff_s <= max_backoff_s"
             )
         super().__init__(batching=batching, error_reward=default_reward)
-        self.url = url.rstrip("/")
+        self.urls: tuple[str, ...] = tuple(urls)
+        self.url = self.urls[0]
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -66,6 +85,10 @@ class GenRMClient(StreamingScorer):
         if api_key is not None:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self.metrics["num_retries"] = 0
+        self.num_samples_by_url: dict[str, int] = dict.fromkeys(self.urls, 0)
+        # This client's samples in flight per server, and whose turn a tie is (streaming).
+        self._in_flight = [0] * len(self.urls)
+        self._turn = 0
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -79,9 +102,10 @@ class GenRMClient(StreamingScorer):
         return self._session
 
     async def _post(
-        self, session: aiohttp.ClientSession, samples: Sequence[Sample]
+        self, session: aiohttp.ClientSession, samples: Sequence[Sample], server: int = 0
     ) -> list[Verdict]:
-        """POST one batch; retries transport errors and 5xx; never raises."""
+        """POST one batch to server `server` (an index into `urls`); retries transport errors
+        and 5xx, each retry on the pool's next server; never raises."""
         # A sample whose metadata is not JSON (an image the row holds as a PIL image) gets its
         # error verdict here; the others are sent.
         encoded: dict[int, str] = {}
@@ -96,13 +120,17 @@ class GenRMClient(StreamingScorer):
                 )
                 failed[i] = error_verdict(sample.id, message, reward=self.default_reward)
         if not failed:
-            return await self._post_json(session, samples, encoded)
+            return await self._post_json(session, samples, encoded, server)
         sent = [samples[i] for i in encoded]
-        verdicts = iter(await self._post_json(session, sent, encoded) if sent else [])
+        verdicts = iter(await self._post_json(session, sent, encoded, server) if sent else [])
         return [failed[i] if i in failed else next(verdicts) for i in range(len(samples))]
 
     async def _post_json(
-        self, session: aiohttp.ClientSession, samples: Sequence[Sample], encoded: dict[int, str]
+        self,
+        session: aiohttp.ClientSession,
+        samples: Sequence[Sample],
+        encoded: dict[int, str],
+        server: int,
     ) -> list[Verdict]:
         body = '{"samples": [' + ", ".join(encoded.values()) + "]}"
         error = "no attempt made"
@@ -110,9 +138,11 @@ class GenRMClient(StreamingScorer):
             if attempt:
                 self.metrics["num_retries"] += 1
                 await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
+            url = self.urls[(server + attempt) % len(self.urls)]
+            self.num_samples_by_url[url] += len(samples)
             try:
                 async with session.post(
-                    f"{self.url}/score", data=body, headers=self._headers
+                    f"{url}/score", data=body, headers=self._headers
                 ) as response:
                     payload = await response.json(content_type=None)
                     if response.status == 200:
@@ -125,19 +155,34 @@ class GenRMClient(StreamingScorer):
                         break  # our request is wrong; sending it again will not help
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as e:
                 error = f"{type(e).__name__}: {e}"
-            logger.warning("GenRM request to %s failed (try %d): %s", self.url, attempt + 1, error)
+            logger.warning("GenRM request to %s failed (try %d): %s", url, attempt + 1, error)
         return [
             error_verdict(s.id, f"GenRM service: {error}", reward=self.default_reward)
             for s in samples
         ]
 
+    def _least_busy_server(self) -> int:
+        """The server with the fewest of this client's samples in flight; ties in turn."""
+        n = len(self.urls)
+        order = [(self._turn + k) % n for k in range(n)]
+        server = min(order, key=lambda i: self._in_flight[i])
+        self._turn = (server + 1) % n
+        return server
+
     async def _judge_batch(self, items: list[Item]) -> None:
-        verdicts = await self._post(self._get_session(), [item.sample for item in items])
+        server = self._least_busy_server()
+        self._in_flight[server] += len(items)
+        try:
+            verdicts = await self._post(self._get_session(), [it.sample for it in items], server)
+        finally:
+            self._in_flight[server] -= len(items)
         for item, verdict in zip(items, verdicts, strict=True):
             item.resolve(verdict)
 
     def score(self, samples: Sequence[Sample]) -> list[Verdict]:
-        """Blocking verdicts in order, one request per max_batch_size samples.
+        """Blocking verdicts in order, one request per max_batch_size samples; with a pool of
+        n servers, requests of at most ceil(len(samples) / n) samples, so every server gets
+        a share, each server taking the next request once it answered its last.
 
         Runs on its own thread and event loop, so it works inside a running loop too."""
 
@@ -145,12 +190,17 @@ class GenRMClient(StreamingScorer):
             async with aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s)
             ) as session:
-                size = self.batching.max_batch_size
-                chunks = [samples[i : i + size] for i in range(0, len(samples), size)]
-                out: list[Verdict] = []
-                for chunk in chunks:
-                    out += await self._post(session, chunk)
-                return out
+                size = min(self.batching.max_batch_size, -(-len(samples) // len(self.urls)))
+                chunks = [samples[i : i + size] for i in range(0, len(samples), max(size, 1))]
+                answers: list[list[Verdict]] = [[] for _ in chunks]
+                queue = iter(range(len(chunks)))  # shared: a free server takes the next one
+
+                async def serve(server: int) -> None:
+                    for k in queue:
+                        answers[k] = await self._post(session, chunks[k], server)
+
+                await asyncio.gather(*(serve(i) for i in range(len(self.urls))))
+                return [v for answer in answers for v in answer]
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             verdicts = pool.submit(asyncio.run, run()).result()
@@ -158,19 +208,25 @@ class GenRMClient(StreamingScorer):
             self._record(v)
         return verdicts
 
-    def health(self) -> dict[str, Any]:
-        """The server's /health payload; raises aiohttp.ClientError when it is unreachable."""
+    def health(self, url: str | None = None) -> dict[str, Any]:
+        """The /health payload of the server at `url` (default: the first); raises
+        aiohttp.ClientError when it is unreachable."""
+        url = self.url if url is None else url.rstrip("/")
 
         async def run() -> dict[str, Any]:
             async with (
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as s,
-                s.get(f"{self.url}/health", headers=self._headers) as response,
+                s.get(f"{url}/health", headers=self._headers) as response,
             ):
                 response.raise_for_status()
                 return await response.json()
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             return pool.submit(asyncio.run, run()).result()
+
+    def health_all(self) -> dict[str, dict[str, Any]]:
+        """Every server's /health payload, by URL (each server's own metrics: its load)."""
+        return {url: self.health(url) for url in self.urls}
 
     async def aclose(self) -> None:
         await super().aclose()
