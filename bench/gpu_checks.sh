@@ -58,6 +58,22 @@ for step in "$@"; do
 AutoModelForCausalLM as M; m = M.from_pretrained('/tmp/yatt-runs/features/export', \
 device_map='cuda'); ids = torch.tensor([[51, 43, 52, 61]], device='cuda'); \
 print('reloaded', type(m).__name__, m(ids).logits.shape)" ;;
+    trainer_vl)
+      # The embedded image task (task=vision: a tiny Qwen2-VL counting dots, exact-match reward)
+      # on every visible GPU, one rank each: images through the rollout, the train step and the
+      # eval; then with a KL reference (images in its forward too). Its reward is a rule, not a
+      # judge engine, so placement=partial (a judge beside the rollout) does not apply.
+      NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      run_step trainer_vl_full python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py task=vision out_dir=/tmp/yatt-runs/vl num_steps=${TRAINER_VL_STEPS:-40} \
+        eval.every_steps=20
+      cp /tmp/yatt-runs/vl/metrics.jsonl "$OUT/trainer_vl_full_metrics.jsonl" 2>/dev/null
+      VL=/tmp/yatt-runs/vl/embedded-vision
+      run_step trainer_vl_kl python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py task=vision out_dir=/tmp/yatt-runs/vl-kl num_steps=10 \
+        policy.model_dir=$VL/policy data.path=$VL/prompts.jsonl data.image_key=image \
+        eval.path=$VL/eval.jsonl eval.every_steps=5 loss.kl_coef=0.05
+      cp /tmp/yatt-runs/vl-kl/metrics.jsonl "$OUT/trainer_vl_kl_metrics.jsonl" 2>/dev/null ;;
     trainer_real)
       # examples/configs/qwen_rewards_gpu.yaml (reward functions, KL reference, cosine lr, eval,
       # export) on a locally saved Qwen2-shaped model (Qwen2.5-0.5B's layer shapes, random

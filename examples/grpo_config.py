@@ -7,7 +7,8 @@ config is built and checked before the runtime, models or engines start: values 
 (exact conversions only: YAML reads 1e-3 as a string, which becomes 0.001), ranges checked,
 unknown keys refused with the closest known one, vLLM/SGLang backends checked for installation.
 Empty paths (policy.model_dir, data.path, reward.judge_dir, eval.path) point at the embedded
-task (tiny_task.py), built under out_dir/embedded once every check has passed, then reused.
+task that `task` names: "text" (tiny_task.py, built under out_dir/embedded) or "vision"
+(tiny_vision_task.py, out_dir/embedded-vision), built once every check has passed, then reused.
 Model paths may be Hugging Face Hub ids already in the local cache (never downloaded).
 """
 
@@ -24,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import tiny_task
+import tiny_vision_task
 import yaml
 from grpo_data import SAMPLE_FIELDS
+from grpo_prompts import check_takes_images
 
 from yatt import core, genrm, rollout
 from yatt.ckpt import CkptConfig
@@ -36,6 +39,11 @@ ENGINE_CONFIGS = {"vllm": rollout.VLLMConfig, "sglang": rollout.SGLangConfig}
 JUDGE_BACKENDS = ("builtin", "vllm", "sglang", "openai", "none")
 LOCAL_JUDGES = ("builtin", "vllm", "sglang")
 EXPORT_DTYPES = ("", "float32", "bfloat16", "float16")
+# task=...: the embedded task's module, its folder under out_dir, and the row field of images.
+EMBEDDED_TASKS = {
+    "text": (tiny_task, "embedded", ""),
+    "vision": (tiny_vision_task, "embedded-vision", tiny_vision_task.IMAGE_KEY),
+}
 # The trainer's policy defaults: the embedded task's tiny model (help lists them as defaults).
 DEFAULT_POLICY = {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512}
 
@@ -77,9 +85,16 @@ class DataConfig:
     prompts_per_rank: int = 8  # GRPO groups per rank per step
     # Message lists always go through the policy's chat template; True: plain text too.
     apply_chat_template: bool = False
+    # Row field holding the prompt's image(s): a path (relative to the data file), bytes, a
+    # `datasets` Image, or a list of them; needs a vision-language policy. "" = text prompts.
+    image_key: str = ""
+    max_images: int = 4  # rows with more images are skipped (data/skipped_rows/too_many_images)
+    max_image_pixels: int = 4096 * 4096  # rows with a larger image (width x height) are skipped
 
     def __post_init__(self) -> None:
         check_at_least("data.prompts_per_rank", self.prompts_per_rank, 1)
+        check_at_least("data.max_images", self.max_images, 1)
+        check_at_least("data.max_image_pixels", self.max_image_pixels, 1)
         if self.split:
             self.path = split_path("data", self.path, self.split)
 
@@ -263,8 +278,14 @@ class LogConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
+    # The embedded task that empty paths point at: "text" (single-digit addition, a tiny LM)
+    # or "vision" (count the dots in 32 x 32 pictures, a tiny Qwen2-VL; sets data.image_key).
+    task: str = "text"
     seed: int = 0  # seeds the data order, the rollouts and the models
     num_steps: int = 120  # GRPO steps (0: build the embedded task and stop)
+    # Stop (an error naming the cause) after this many steps in a row that updated nothing:
+    # no group with reward variance, or a skipped non-finite step. 0: never stop for it.
+    max_idle_steps: int = 20
     out_dir: str = "runs/grpo"  # metrics, plot and checkpoints
     placement: str = "full"  # "full": phases in turn; "partial": rollout + GenRM resident
     offload: str = "always"  # "auto": a role sleeps only when the next phase would not fit
@@ -286,6 +307,14 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_at_least("num_steps", self.num_steps, 0)
+        check_at_least("max_idle_steps", self.max_idle_steps, 0)
+        if self.task not in EMBEDDED_TASKS:
+            raise ValueError(f"task={self.task!r}: use one of {tuple(EMBEDDED_TASKS)}")
+        if self.data.image_key and self.backend != "torch":
+            raise ValueError(
+                f"data.image_key={self.data.image_key!r}: images train with backend='torch' "
+                f"only (backend={self.backend!r} takes text prompts)"
+            )
         for key, allowed in (("placement", ("full", "partial")), ("offload", ("always", "auto"))):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key}={getattr(self, key)!r}: use one of {allowed}")
@@ -393,6 +422,9 @@ def build_config(raw: Mapping[str, Any]) -> TrainConfig:
     yet), and only then is the embedded task built (once).
     """
     raw = with_local_models(raw)
+    task_name = raw.get("task", "text")
+    if task_name in EMBEDDED_TASKS:  # the task's defaults under the run's own values
+        raw = with_defaults(raw, EMBEDDED_TASKS[task_name][0].CONFIG_DEFAULTS)
     policy = raw.get("policy", {})
     if not isinstance(policy, Mapping):  # None ("policy:" alone) is refused by TrainConfig
         return core.config_from_dict(TrainConfig, raw)
@@ -405,33 +437,61 @@ def build_config(raw: Mapping[str, Any]) -> TrainConfig:
             )
     needs_judge = checked.uses_judge_model and not checked.reward.judge_dir
     if policy.get("model_dir") and checked.data.path and not needs_judge:
-        return checked
+        return checked_images(checked)
+    task, folder, image_key = EMBEDDED_TASKS[checked.task]
     template = genrm.JudgeTemplate(user=checked.reward.judge_template)
     if not checked.data.path:  # before building: the judge is fitted on this template
-        unknown = template.fields - set(SAMPLE_FIELDS) - set(tiny_task.COLUMNS)
+        unknown = template.fields - set(SAMPLE_FIELDS) - set(task.COLUMNS)
         if unknown:
             raise ValueError(
                 f"reward.judge_template={template.user!r} reads {sorted(unknown)}; the embedded "
-                f"task's rows have {list(tiny_task.COLUMNS)} (and {list(SAMPLE_FIELDS)})"
+                f"task's rows have {list(task.COLUMNS)} (and {list(SAMPLE_FIELDS)})"
             )
-    workdir = Path(checked.out_dir) / "embedded"
-    if not tiny_task.is_prepared(workdir):
+    workdir = Path(checked.out_dir) / folder
+    if not task.is_prepared(workdir):
         logger.info(
-            "building the embedded task once under %s: a tiny policy and judge fitted on this "
-            "CPU (about 1 min); later runs with this out_dir reuse them",
+            "building the embedded %s task once under %s: its tiny models fitted on "
+            "this CPU (about 1 min); later runs with this out_dir reuse them",
+            checked.task,
             workdir,
         )
-    paths = tiny_task.prepare_locked(workdir, template)
+    if needs_judge and checked.task == "vision":
+        raise ValueError(
+            f"task={checked.task!r} has no embedded judge (its reward is the exact-match rule): "
+            "give reward.judge_dir, or leave reward.backend at the task's 'none'"
+        )
+    paths = task.prepare_locked(workdir, template)
+    data = {**raw.get("data", {}), "path": checked.data.path or str(paths["prompts"])}
+    if not checked.data.path and image_key and not checked.data.image_key:
+        data["image_key"] = image_key  # the embedded rows' pictures
     filled = {
         **raw,
         "policy": {**policy, "model_dir": policy.get("model_dir") or str(paths["policy"])},
-        "data": {**raw.get("data", {}), "path": checked.data.path or str(paths["prompts"])},
+        "data": data,
     }
     if needs_judge:
         filled["reward"] = {**raw.get("reward", {}), "judge_dir": str(paths["judge"])}
     if not checked.data.path and not checked.eval.path:  # the embedded task's held-out split
         filled["eval"] = {**raw.get("eval", {}), "path": str(paths["eval"])}
-    return core.config_from_dict(TrainConfig, filled)
+    return checked_images(core.config_from_dict(TrainConfig, filled))
+
+
+def with_defaults(raw: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """`raw` with `defaults` filled in where it has no value (sections merged, not replaced)."""
+    out = dict(raw)
+    for key, value in defaults.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key, {}), Mapping):
+            out[key] = with_defaults(out.get(key) or {}, value)
+        elif key not in out:
+            out[key] = value
+    return out
+
+
+def checked_images(cfg: TrainConfig) -> TrainConfig:
+    """An image dataset needs a policy that takes images: refused before anything loads."""
+    if cfg.data.image_key:
+        check_takes_images(cfg.policy.model_dir, cfg.data.image_key, cfg.backend)
+    return cfg
 
 
 def with_local_models(raw: Mapping[str, Any]) -> dict[str, Any]:

@@ -40,10 +40,14 @@ class StepStats:
     num_verdicts: int = 0
     num_errors: int = 0  # the judge failed (engine, template, context): default reward
     num_unparsable: int = 0  # no verdict in the judge's text: default reward
+    num_images: int = 0  # the images of the sampled responses' prompts
+    num_cut: int = 0  # responses ended before a sampled vision token
     first_failure: str | None = None  # the first failed verdict's cause, for the log
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
 
-    def add(self, scored: Sequence[Scored], exact: genrm.ExactMatch) -> None:
+    def add(
+        self, scored: Sequence[Scored], exact: genrm.ExactMatch, cut_token_ids: Sequence[int] = ()
+    ) -> None:
         verdict_stats = genrm.ScoreStats.from_verdicts(item.verdict for item in scored)
         self.num_verdicts += verdict_stats.num_verdicts
         self.num_errors += verdict_stats.num_errors
@@ -55,6 +59,8 @@ class StepStats:
             self.reward_sum += item.verdict.reward
             self.num_correct += exact.verify(item.sample) or 0.0
             self.num_response_tokens += len(item.completion.response_ids)
+            self.num_images += len(item.prompt.images or ())
+            self.num_cut += any(token in cut_token_ids for token in item.completion.response_ids)
 
 
 def summarize(
@@ -62,9 +68,12 @@ def summarize(
     sampling_stats: dict[str, float],
     skipped_by_cause: dict[str, int],
     group,
+    *,
+    has_images: bool = False,
 ) -> dict[str, float]:
     """The step's metrics over all ranks in one small collective (a host sync): sums of counts,
-    max of phase times (the slowest rank sets the pace), means of dynamic sampling's stats."""
+    max of phase times (the slowest rank sets the pace), means of dynamic sampling's stats.
+    has_images: also images/per_sample and response/cut_at_vision_token."""
     sums = {
         "samples": stats.num_samples,
         "reward": stats.reward_sum,
@@ -74,6 +83,8 @@ def summarize(
         "errors": stats.num_errors,
         "unparsable": stats.num_unparsable,
     }
+    if has_images:
+        sums |= {"images": stats.num_images, "cut": stats.num_cut}
     sums |= {f"skipped/{cause}": count for cause, count in skipped_by_cause.items()}
     local = {f"sum/{key}": float(value) for key, value in sums.items()}
     local |= {f"time/{key}_s": seconds for key, seconds in stats.timings.items()}
@@ -94,6 +105,10 @@ def summarize(
     metrics |= {
         f"data/skipped_rows/{cause}": total[f"sum/skipped/{cause}"] for cause in skipped_by_cause
     }
+    if has_images:
+        metrics["images/per_sample"] = total["sum/images"] / num_samples
+        # Responses that sampled a vision token, ended before it (grpo_prompts.py).
+        metrics["response/cut_at_vision_token"] = total["sum/cut"]
     metrics |= {key: value for key, value in total.items() if not key.startswith("sum/")}
     return metrics
 

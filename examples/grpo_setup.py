@@ -89,6 +89,13 @@ def required_row_fields(cfg: TrainConfig) -> list[str]:
     )
 
 
+def image_loading(cfg: TrainConfig) -> dict[str, Any]:
+    """The loader's image arguments: rows' images opened on their rank, oversized ones skipped."""
+    if not cfg.data.image_key:
+        return {}
+    return {"image_key": cfg.data.image_key, "max_image_pixels": cfg.data.max_image_pixels}
+
+
 def load_eval_rows(
     cfg: TrainConfig, runtime: core.Runtime, count_tokens: Callable[[Any], int]
 ) -> list[dict]:
@@ -106,6 +113,7 @@ def load_eval_rows(
         max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
         count_tokens=count_tokens,
         required_keys=required_row_fields(cfg),
+        **image_loading(cfg),
     )
     # One pass over this rank's shard at most: never the same prompt twice.
     num_rows = min(math.ceil(cfg.eval.num_prompts / runtime.dp_size), loader.num_local_rows)

@@ -33,6 +33,7 @@ from yatt.testing import make_tiny_causal_lm, make_tokenizer
 logger = logging.getLogger("train_grpo")
 MAX_DIGIT = 4
 COLUMNS = ("prompt", "answer")  # the fields of the task's rows
+CONFIG_DEFAULTS: dict = {}  # config defaults of task=text: the trainer's own
 _READY = "READY"
 NUM_EVAL_ROWS = 64
 
@@ -147,15 +148,27 @@ def _garbage(rng: random.Random, answer: str) -> str:
             return text
 
 
+def draw_addition(rng: random.Random) -> tuple[str, str, list[str]]:
+    """(prompt, right answer, wrong answers) of one addition, for fitting the judge."""
+    a, b = rng.randint(0, MAX_DIGIT), rng.randint(0, MAX_DIGIT)
+    return f"{a}+{b}=", str(a + b), [str(x) for x in range(2 * MAX_DIGIT + 1) if x != a + b]
+
+
 def build_judge(
-    model_dir: Path, render: Callable[[str, str, str], str], *, seed: int, steps: int = 800
+    model_dir: Path,
+    render: Callable[[str, str, str], str],
+    *,
+    seed: int,
+    steps: int = 800,
+    draw: Callable[[random.Random], tuple[str, str, list[str]]] = draw_addition,
 ) -> None:
     """A judge that answers the GenRM's own verification prompt with "Yes" or "No".
 
     `render(prompt, response, reference)` is the exact judge prompt the GenRM will send (its
     template and chat formatting), so the judge is fitted on what it will read at scoring time.
-    With the reference answer in its prompt the judge learns to compare, not to add: a skill a
-    tiny model picks up in seconds and that transfers to every prompt.
+    With the reference answer in its prompt the judge learns to compare, not to solve: a skill
+    a tiny model picks up in seconds and that transfers to every prompt. `draw(rng)` gives a
+    task's (prompt, right answer, wrong answers) (tiny_vision_task.py passes its own).
     """
     make_tiny_causal_lm(model_dir, arch="qwen2", hidden_size=96, num_layers=3, seed=seed + 1)
     # A judge tokenizer without a chat template: the GenRM then sends its plain template text,
@@ -167,18 +180,17 @@ def build_judge(
     config_path.write_text(json.dumps(tokenizer_config, indent=2))
 
     def pairs(rng: random.Random) -> tuple[str, str]:
-        a, b = rng.randint(0, MAX_DIGIT), rng.randint(0, MAX_DIGIT)
-        answer = str(a + b)
+        prompt, answer, wrong = draw(rng)
         kind = rng.random()
         if kind < 0.5:
             response = answer
         elif kind < 0.75:
-            response = str(rng.choice([x for x in range(2 * MAX_DIGIT + 1) if x != a + b]))
+            response = rng.choice(wrong)
         else:
             # Off-format text, including copies of the judge's own prompt: without these a
             # policy soon finds responses (e.g. "7 ref 7") that fool a judge fitted on digits.
             response = _garbage(rng, answer)
-        return render(f"{a}+{b}=", response, answer), "Yes" if response == answer else "No"
+        return render(prompt, response, answer), "Yes" if response == answer else "No"
 
     _fit_completions(model_dir, pairs, steps=steps, batch_size=64, lr=3e-3, seed=seed + 1)
 
@@ -215,8 +227,18 @@ def prepare(
 def prepare_locked(workdir: Path, template: JudgeTemplate) -> dict[str, Path]:
     """`prepare(workdir, ...)` under a file lock: the first process (of any rank) builds the
     task while the others wait, then they reuse it. No process group is needed, so the trainer
-    builds it before its runtime starts. The judge is fitted on prompts rendered exactly as the
-    trainer renders them (its judge_sample, through the GenRM's template)."""
+    builds it before its runtime starts."""
+    return locked_build(workdir, template, prepare)
+
+
+def locked_build(
+    workdir: Path,
+    template: JudgeTemplate,
+    prepare_fn: Callable[[Path, Callable[[str, str, str], str]], dict[str, Path]],
+) -> dict[str, Path]:
+    """`prepare_fn(workdir, render)` under workdir/.lock. The judge is fitted on prompts
+    rendered exactly as the trainer renders them (its judge_sample, through the GenRM's
+    template): `render(prompt, response, reference)`."""
     tokenizer = make_tokenizer()
     tokenizer.chat_template = None  # as the judge's saved tokenizer (see build_judge)
 
@@ -229,4 +251,4 @@ def prepare_locked(workdir: Path, template: JudgeTemplate) -> dict[str, Path]:
     workdir.mkdir(parents=True, exist_ok=True)
     with open(workdir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        return prepare(workdir, render)
+        return prepare_fn(workdir, render)

@@ -1,6 +1,7 @@
 """Reference GRPO trainer: every rank runs this same file (one controller per data-parallel rank).
 
     python examples/train_grpo.py                                   # embedded default, CPU
+    python examples/train_grpo.py task=vision                       # embedded image task, CPU
     torchrun --nproc_per_node 2 examples/train_grpo.py              # 2 ranks (gloo or NCCL)
     python examples/train_grpo.py --config examples/configs/tiny_partial.yaml num_steps=5
     python examples/train_grpo.py --resume                          # continue from out_dir
@@ -54,11 +55,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 from grpo_config import DataConfig, TrainConfig, read_config
 from grpo_data import check_judge_prompts, judge_sample, prompt_ids
 from grpo_metrics import StepStats, VerdictWarnings, check_verdicts, eval_metrics, summarize
+from grpo_prompts import Prompt, PromptEncoder
 from grpo_setup import (
     check_start,
     close_all,
     export_checkpoint,
     export_dir,
+    image_loading,
     load_eval_rows,
     make_engine,
     make_scorer,
@@ -84,19 +87,20 @@ class Scored:
     completion: rollout.Completion
     sample: genrm.Sample  # what the judge read: prompt text, the response decoded once, reference
     verdict: genrm.Verdict
+    prompt: Prompt  # the row, its token ids and its images
 
 
-def draw_rows(loader: core.ShardedLoader, num_rows: int) -> list[dict]:
-    """This rank's next rows. A draw of only unusable rows (skipped and counted) draws again;
-    the loader stops the run once a whole epoch of the shard had no usable row."""
-    rows = loader.next_batch(num_rows)
-    while not rows:
-        rows = loader.next_batch(num_rows)
-    return rows
+def draw_prompts(loader: core.ShardedLoader, encoder: PromptEncoder, num_rows: int) -> list[Prompt]:
+    """This rank's next prompts. A draw of only unusable rows (skipped and counted) draws
+    again; the loader stops the run once a whole epoch of the shard had no usable row."""
+    prompts = encoder.encode(loader.next_batch(num_rows))
+    while not prompts:
+        prompts = encoder.encode(loader.next_batch(num_rows))
+    return prompts
 
 
 def generate_and_score(
-    rows: list[dict],
+    prompts: list[Prompt],
     sampling: rollout.SamplingParams,
     *,
     engine,
@@ -107,19 +111,15 @@ def generate_and_score(
     should_overlap: bool,
     timings: dict[str, float],
 ) -> list[Scored]:
-    """n responses per row's prompt, each decoded once and judged. should_overlap (rollout and
-    judge resident together): each response is judged as soon as it finishes."""
-    requests = [
-        rollout.Request(
-            prompt_ids=prompt_ids(row[data.prompt_key], tokenizer, data.apply_chat_template)
-        )
-        for row in rows
-    ]
+    """n responses per prompt (with its images), each decoded once and judged. should_overlap
+    (rollout and judge resident together): each response is judged as soon as it finishes."""
+    requests = [rollout.Request(prompt_ids=p.ids, images=p.images) for p in prompts]
     samples: dict[tuple[int, int], genrm.Sample] = {}
 
     def to_sample(completion: rollout.Completion) -> genrm.Sample:
+        # A vision token ends the response (see grpo_prompts.py); decoding skips it.
         response = tokenizer.decode(completion.response_ids, skip_special_tokens=True)
-        row = rows[completion.request_index]
+        row = prompts[completion.request_index].row
         sample = judge_sample(row, response, prompt_key=data.prompt_key, answer_key=data.answer_key)
         samples[completion.request_index, completion.sample_index] = sample
         return sample
@@ -144,38 +144,55 @@ def generate_and_score(
         with timed(timings, "genrm"), plan.phase("genrm"):
             verdicts = scorer.score([to_sample(completion) for completion in completions])
     return [
-        Scored(completion, samples[completion.request_index, completion.sample_index], verdict)
+        Scored(
+            completion,
+            samples[completion.request_index, completion.sample_index],
+            verdict,
+            prompts[completion.request_index],
+        )
         for completion, verdict in zip(completions, verdicts, strict=True)
     ]
 
 
-def to_batch(scored: Sequence[Scored], runtime: core.Runtime) -> core.Batch:
-    """Training samples: prompt + response tokens, the loss on the response; a group per prompt."""
+def to_batch(scored: Sequence[Scored], runtime: core.Runtime, encoder: PromptEncoder) -> core.Batch:
+    """Training samples: prompt + response tokens, the loss on the response; a group per
+    prompt; a prompt's images (VisionInputs) with each of its samples; a response cut before
+    a vision token (a policy refuses an image token without its image)."""
     samples = core.rollout_samples(
         [item.completion for item in scored],
         rewards=[item.verdict.reward for item in scored],
         group_ids=[item.completion.request_index for item in scored],
+        vision_inputs=[item.prompt.vision for item in scored] if encoder.takes_images else None,
+        cut_at_token_ids=encoder.cut_token_ids,
     )
     samples = core.broadcast_to_tp_peers(samples, runtime)  # TP peers: one batch (host sync)
     return core.rollout_batch(samples)
 
 
 def evaluate(
-    rows: list[dict], *, step: int, cfg: TrainConfig, runtime: core.Runtime, exact, **generate
+    prompts: list[Prompt],
+    *,
+    step: int,
+    cfg: TrainConfig,
+    runtime: core.Runtime,
+    exact,
+    stop_token_ids: tuple[int, ...],
+    **generate,
 ) -> dict[str, float]:
     """The held-out prompts through the rollout engine and the same reward: eval/* metrics over
     all ranks (collective; a rank without rows still joins). Same seeds every time, so a change
     between evaluations is the policy's."""
     stats = StepStats()
-    if rows:
+    if prompts:
         sampling = rollout.SamplingParams(
             n=cfg.eval.samples_per_prompt,
             temperature=cfg.eval.temperature,
             max_new_tokens=cfg.rollout.max_new_tokens,
             seed=(cfg.seed * 1_000_003 + runtime.dp_rank * 10_007 + 7) % 2**31,
+            stop_token_ids=stop_token_ids,
         )
         with timed(stats.timings, "eval"):
-            scored = generate_and_score(rows, sampling, timings={}, **generate)
+            scored = generate_and_score(prompts, sampling, timings={}, **generate)
         stats.add(scored, exact)
     return eval_metrics(stats, runtime.dp_group)
 
@@ -212,8 +229,13 @@ def main(argv: list[str]) -> None:
             max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
             count_tokens=count_tokens,
             required_keys=required_row_fields(cfg),
+            **image_loading(cfg),  # data.image_key: images opened here, bad ones skipped
         )
-        eval_rows = load_eval_rows(cfg, runtime, count_tokens)
+        # Rows -> prompts (images through the policy's image processor); checks the policy.
+        encoder = PromptEncoder(cfg, tokenizer)
+        eval_prompts = encoder.encode(
+            load_eval_rows(cfg, runtime, count_tokens), should_count=False
+        )
         if cfg.uses_judge_model:
             judge_template = genrm.JudgeTemplate(user=cfg.reward.judge_template)
             is_judge_builtin = cfg.reward.backend == "builtin"
@@ -244,6 +266,8 @@ def main(argv: list[str]) -> None:
             reference = core.build_policy(cfg.backend, reference_config, runtime)
         engine = make_engine(cfg.rollout, cfg.policy.model_dir, device)
         closeables.append(engine)
+        if encoder.takes_images and not getattr(engine, "accepts_images", True):
+            raise ValueError(f"rollout.backend={cfg.rollout.backend!r} serves no images here")
         judge_engine = None
         if cfg.uses_judge_model:
             judge_engine = make_engine(cfg.reward, cfg.reward.judge_dir, device)
@@ -283,7 +307,7 @@ def main(argv: list[str]) -> None:
             """One DAPO round: `num_missing` more prompts, rolled out and judged."""
             if num_missing == 0:  # this rank is full; others may still be drawing
                 return core.rollout_batch([])
-            rows = draw_rows(loader, num_missing)
+            prompts = draw_prompts(loader, encoder, num_missing)
             stats.num_rounds += 1
             # Seeded by (seed, DP rank, step, round): a resumed run and TP peers draw alike.
             seed = cfg.seed * 1_000_003 + runtime.dp_rank * 10_007 + step * 101 + stats.num_rounds
@@ -292,10 +316,11 @@ def main(argv: list[str]) -> None:
                 temperature=cfg.rollout.temperature,
                 max_new_tokens=cfg.rollout.max_new_tokens,
                 seed=seed % 2**31,
+                stop_token_ids=encoder.cut_token_ids,  # a vision-language policy's (else none)
             )
-            scored = generate_and_score(rows, sampling, timings=stats.timings, **generate)
-            stats.add(scored, exact)
-            return to_batch(scored, runtime)
+            scored = generate_and_score(prompts, sampling, timings=stats.timings, **generate)
+            stats.add(scored, exact, cut_token_ids=encoder.cut_token_ids)
+            return to_batch(scored, runtime, encoder)
 
         # -- the GRPO loop ----------------------------------------------------------------------
         last_save_s = 0.0  # a save's time is logged with the next step (it ends after the log)
@@ -303,6 +328,7 @@ def main(argv: list[str]) -> None:
         is_stopped = False  # by a signal, after its final save
         is_eval_on = bool(cfg.eval.every_steps and cfg.eval.path)  # every rank, rows or not
         verdict_warnings = VerdictWarnings(every_steps=cfg.log.warn_every_steps)
+        idle_guard = core.LearningGuard(max_idle_steps=cfg.max_idle_steps)  # cannot learn: stop
         bar = tqdm(range(start_step, cfg.num_steps), disable=not runtime.is_rank_zero, desc="grpo")
         with logging_redirect_tqdm():  # log lines print above the bar, never through it
             for step in bar:
@@ -320,7 +346,10 @@ def main(argv: list[str]) -> None:
                 batch.samples["advantages"] = advantages  # local: a whole group lives on this rank
                 with timed(stats.timings, "balance"):  # lengths cross ranks; moves go p2p
                     # The policy's cost model: the same weights its micro-batch packing uses.
-                    costs = policy.estimate_costs(batch.lengths.tolist())
+                    images = {"image_patches": core.image_patches_of(batch)}  # vision tower's
+                    costs = policy.estimate_costs(
+                        batch.lengths.tolist(), **(images if encoder.takes_images else {})
+                    )
                     batch, _ = batch.rebalance(
                         group=runtime.dp_group, group_key="group_id", costs=costs
                     )
@@ -334,16 +363,29 @@ def main(argv: list[str]) -> None:
                 with timed(stats.timings, "sync"), plan.phase("sync"):  # bucketed, no 2nd copy
                     engine.update_weights(policy.named_weights())
                 metrics = summarize(
-                    stats, sampling_stats, loader.skipped_by_cause(), runtime.dp_group
+                    stats,
+                    sampling_stats,
+                    encoder.skipped_by_cause(loader),
+                    runtime.dp_group,
+                    has_images=encoder.takes_images,
                 )
                 metrics |= {f"train/{key}": value for key, value in train_metrics.items()}
+                idle_guard.update(step, train_metrics, sampling_stats)  # same on every rank
+                metrics |= idle_guard.metrics()
                 if is_eval_on and ((step + 1) % cfg.eval.every_steps == 0 or step == last_step):
                     metrics |= evaluate(
-                        eval_rows, step=step, cfg=cfg, runtime=runtime, exact=exact, **generate
+                        eval_prompts,
+                        step=step,
+                        cfg=cfg,
+                        runtime=runtime,
+                        exact=exact,
+                        stop_token_ids=encoder.cut_token_ids,
+                        **generate,
                     )
                 metrics |= plan.metrics()
                 run_log.log(step, metrics)
                 check_verdicts(step, metrics, stats.first_failure, verdict_warnings)
+                idle_guard.check(step)  # after the log: the stuck steps' metrics are kept
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
                 # Saved after the step's metrics line, so a committed step k implies lines 0..k.
                 save_start = time.perf_counter()  # async: returns once tensors are staged

@@ -351,6 +351,36 @@ def test_a_run_whose_every_verdict_fails_stops_and_says_why(tmp_path, embedded):
     assert records[0]["genrm/unparsable"] == records[0]["genrm/verdicts"] > 0
 
 
+def test_a_run_whose_steps_never_update_stops_and_says_why(tmp_path, embedded):
+    """A reward that never varies within a group (a constant function): dynamic sampling keeps
+    no group, no step updates, and the run stops after max_idle_steps instead of exiting 0."""
+    rewards = tmp_path / "constant.py"
+    rewards.write_text("def score(prompt, response, reference, row):\n    return 1.0\n")
+    args = [a for a in embedded if not a.startswith("reward.judge_dir=")]
+    out = tmp_path / "run"
+    result = subprocess.run(
+        _one_rank(
+            out,
+            args,
+            "reward.backend=none",
+            f"reward.functions=[{rewards}:score]",
+            "max_idle_steps=3",
+            "rollout.max_sampling_rounds=1",
+            "num_steps=10",
+        ),
+        env=_env(),
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0
+    assert "NoLearningError: step 2: 3 steps in a row updated nothing" in result.stderr
+    assert "no group with reward variance" in result.stderr
+    records = _metrics(out)  # the stuck steps' metrics were logged before the stop
+    assert [r["train/idle_steps_in_a_row"] for r in records] == [1.0, 2.0, 3.0]
+    assert all(r["train/is_skipped"] == 1.0 and r["reward/mean"] == 1.0 for r in records)
+
+
 @pytest.mark.parametrize(
     ("args", "match"),
     [
@@ -541,10 +571,11 @@ def test_a_round_decodes_each_response_once_and_pairs_it_with_its_verdict(embedd
     plan = make_plan(**roles, train=trainer_role)
     tokenizer = _CountingTokenizer(AutoTokenizer.from_pretrained(cfg.policy.model_dir))
     rows = [{"prompt": "1+2=", "answer": 3}, {"prompt": "4+0=", "answer": "4"}]
+    encoder = train_grpo.PromptEncoder(cfg, tokenizer)
     sampling = rollout.SamplingParams(n=3, temperature=1.0, max_new_tokens=4, seed=1)
     try:
         scored = train_grpo.generate_and_score(
-            rows,
+            encoder.encode(rows),
             sampling,
             engine=engine,
             scorer=scorer,
@@ -569,7 +600,7 @@ def test_a_round_decodes_each_response_once_and_pairs_it_with_its_verdict(embedd
         (item.completion.request_index, item.completion.sample_index) for item in scored
     )
     assert groups == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
-    batch = train_grpo.to_batch(scored, train_grpo.core.init_runtime(seed=0))
+    batch = train_grpo.to_batch(scored, train_grpo.core.init_runtime(seed=0), encoder)
     assert batch.samples["reward"].tolist() == [item.verdict.reward for item in scored]
 
 

@@ -40,11 +40,14 @@ def _idle_step():
 def test_consecutive_idle_steps_raise_at_the_limit_and_name_the_cause():
     train_metrics, sampling_stats = _idle_step()
     guard = LearningGuard(max_idle_steps=3)
-    guard.update(0, train_metrics, sampling_stats)
-    guard.update(1, train_metrics, sampling_stats)
+    for step in (0, 1):
+        guard.update(step, train_metrics, sampling_stats)
+        guard.check(step)
     assert guard.metrics() == {"train/idle_steps_in_a_row": 2.0, "train/idle_steps": 2.0}
+    guard.update(2, train_metrics, sampling_stats)
+    assert guard.metrics()["train/idle_steps_in_a_row"] == 3.0  # counted before the raise
     with pytest.raises(NoLearningError, match=r"step 2: 3 steps in a row.*reward variance"):
-        guard.update(2, train_metrics, sampling_stats)
+        guard.check(2)
 
 
 def test_an_update_restarts_the_count():
@@ -53,14 +56,16 @@ def test_an_update_restarts_the_count():
     guard = LearningGuard(max_idle_steps=2)
     for step in range(10):  # idle, updated, idle, updated...: never two in a row
         guard.update(step, idle if step % 2 == 0 else updated, sampling_stats)
+        guard.check(step)
     assert guard.num_idle_steps == 0 and guard.num_idle_steps_total == 5  # step 9 updated
 
 
 def test_a_skipped_optimizer_step_is_named_as_such():
     guard = LearningGuard(max_idle_steps=1)
     metrics = {"is_skipped": 1.0, "loss": float("nan"), "grad_norm": 3.0, "num_loss_tokens": 8.0}
+    guard.update(7, metrics, {"num_groups_kept": 2.0, "num_groups_generated": 2.0})
     with pytest.raises(NoLearningError, match=r"optimizer step was skipped.*loss=nan"):
-        guard.update(7, metrics, {"num_groups_kept": 2.0, "num_groups_generated": 2.0})
+        guard.check(7)
 
 
 def test_zero_turns_it_off_and_bad_limits_are_refused():
@@ -68,6 +73,7 @@ def test_zero_turns_it_off_and_bad_limits_are_refused():
     guard = LearningGuard(max_idle_steps=0)
     for step in range(100):
         guard.update(step, train_metrics, sampling_stats)
+        guard.check(step)
     assert guard.num_idle_steps == 100
     with pytest.raises(ValueError, match=">= 0"):
         LearningGuard(max_idle_steps=-1)

@@ -9,7 +9,9 @@ reward or the optimisation is broken, and the run would burn its budget producin
     for step in ...:
         batch, sampling_stats = sample_dynamically(...)
         train_metrics = policy.train_step(batch, loss)
-        guard.update(step, train_metrics, sampling_stats)   # raises NoLearningError
+        guard.update(step, train_metrics, sampling_stats)   # counts
+        log(step, metrics | guard.metrics())                 # the step's metrics are kept
+        guard.check(step)                                    # raises NoLearningError
 
 `train_metrics["is_skipped"]` is the same on every data-parallel rank (train_step decides it from
 globally reduced numbers), so every rank raises at the same step and none waits in a collective.
@@ -50,7 +52,7 @@ class LearningGuard:
         sampling_stats: Mapping[str, float] | None = None,
     ) -> None:
         """Record one step: train_step's metrics (unprefixed) and, with dynamic sampling,
-        sample_dynamically's stats of this rank. Raises NoLearningError on the limit."""
+        sample_dynamically's stats of this rank. `check` raises once the limit is reached."""
         if "is_skipped" not in train_metrics:
             raise KeyError("train_metrics needs 'is_skipped' (the dict train_step returns)")
         if not train_metrics["is_skipped"]:
@@ -61,6 +63,9 @@ class LearningGuard:
         self.num_idle_steps += 1
         self.num_idle_steps_total += 1
         self.causes[cause] = self.causes.get(cause, 0) + 1
+
+    def check(self, step: int) -> None:
+        """Raise NoLearningError when the last `max_idle_steps` steps updated nothing."""
         if self.max_idle_steps and self.num_idle_steps >= self.max_idle_steps:
             counted = "; ".join(f"{count} x {text}" for text, count in self.causes.items())
             raise NoLearningError(

@@ -1,0 +1,203 @@
+"""Data rows -> the policy's prompts, images included: what the trainer's rollouts read.
+
+    encoder = PromptEncoder(cfg, tokenizer)      before any model loads: checks the policy
+    prompts = encoder.encode(loader.next_batch())  rows -> Prompt(row, ids, images, vision)
+    Request(prompt_ids=p.ids, images=p.images)    the engine samples with the raw images
+    rollout_samples(..., vision_inputs=[p.vision ...], cut_at_token_ids=encoder.cut_token_ids)
+
+With data.image_key a row's images (opened by the loader: a path relative to the data file,
+bytes, a `datasets` Image, or a list of them) go into the prompt: the chat template writes one
+placeholder per image before the prompt's text, the image processor sizes each image and its
+placeholder becomes the image's tokens (yatt.core.encode_vision_prompt); the VisionInputs stay
+with the prompt's samples, for the train step, the KL reference and the cost model.
+
+A row the loader passed but whose images cannot be used (more than data.max_images, refused by
+the image processor, a prompt that with its image tokens no longer fits the rollout engine) is
+skipped and counted like the loader's skips (data/skipped_rows/<cause>), never a crash mid-run.
+A policy that takes no images given an image dataset is refused here, before models load.
+
+A vision-language policy may sample its vision special tokens (<|image_pad|>, ...): the policy
+refuses an image token without its image, so a response ends before one (cut_token_ids: the
+engine stops there, rollout_samples cuts it; counted as response/cut_at_vision_token).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grpo_data import prompt_ids
+
+from yatt import core
+
+logger = logging.getLogger("train_grpo")
+# Skip causes of the images in rows the loader passed; counted beside the loader's own.
+IMAGE_SKIP_CAUSES = ("too_many_images", "image_count")
+# yatt.core.VisionInputError causes -> skip causes.
+VISION_ERROR_CAUSES = {
+    "no_image": "no_image",
+    "bad_image": "bad_image",
+    "too_large": "image_too_large",
+    "image_count": "image_count",
+}
+# The model config's vision special tokens (Qwen2-VL family names).
+VISION_TOKEN_FIELDS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One row as the policy reads it: token ids (image tokens expanded) and its images."""
+
+    row: dict
+    ids: list[int]
+    images: list | None = None  # RGB PIL images, as the rollout engine takes them
+    vision: core.VisionInputs | None = None  # the same images as the policy takes them
+
+
+def read_model_config(model_dir: str) -> dict:
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def vision_token_ids(model_config: Mapping[str, Any]) -> tuple[int, ...]:
+    """The vision special tokens of a vision-language model's config; () for a text model."""
+    if "vision_config" not in model_config:
+        return ()
+    return tuple(
+        int(model_config[name])
+        for name in VISION_TOKEN_FIELDS
+        if isinstance(model_config.get(name), int)
+    )
+
+
+def check_takes_images(model_dir: str, image_key: str, backend: str) -> None:
+    """Before any model loads: an image dataset needs a policy with a vision tower and an
+    image processor saved beside it."""
+    if backend != "torch":
+        raise ValueError(
+            f"data.image_key={image_key!r}: images train with backend='torch' only "
+            f"(backend={backend!r} takes text prompts)"
+        )
+    if "vision_config" not in read_model_config(model_dir):
+        raise ValueError(
+            f"data.image_key={image_key!r} gives the prompts images, but policy.model_dir="
+            f"{model_dir!r} is a text model (no vision_config in its config.json); use a "
+            "vision-language policy (a Qwen2-VL family model), or set data.image_key='' for "
+            "text prompts"
+        )
+    if not (Path(model_dir) / "preprocessor_config.json").is_file():
+        raise ValueError(
+            f"data.image_key={image_key!r}: policy.model_dir={model_dir!r} has no "
+            "preprocessor_config.json (its image processor); save it beside the model"
+        )
+
+
+def with_images(prompt: Any, num_images: int) -> list[dict]:
+    """The prompt as messages whose first user turn starts with one image part per image."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    messages = [dict(message) for message in messages]
+    first_user = next((m for m in messages if m["role"] == "user"), messages[0])
+    first_user["content"] = [{"type": "image"}] * num_images + [
+        {"type": "text", "text": first_user["content"]}
+    ]
+    return messages
+
+
+class PromptEncoder:
+    """Rows -> Prompts for one rank; see the module docstring."""
+
+    def __init__(self, cfg, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.prompt_key = cfg.data.prompt_key
+        self.image_key = cfg.data.image_key or None
+        self.max_images = cfg.data.max_images
+        self.should_apply_chat_template = cfg.data.apply_chat_template
+        self.max_prompt_tokens = cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens
+        model_dir = cfg.policy.model_dir
+        # Any vision-language policy, images or not: it may sample these tokens.
+        self.cut_token_ids = vision_token_ids(read_model_config(model_dir))
+        self.skipped: Counter[str] = Counter()
+        self.num_cut = 0
+        if self.image_key is not None:
+            check_takes_images(model_dir, self.image_key, cfg.backend)
+            self.image_processor = core.load_image_processor(model_dir)
+            self.image_token_id = int(read_model_config(model_dir)["image_token_id"])
+
+    @property
+    def takes_images(self) -> bool:
+        return self.image_key is not None
+
+    def encode(self, rows: Sequence[dict], *, should_count: bool = True) -> list[Prompt]:
+        """The usable rows' prompts; the others skipped (counted when should_count)."""
+        prompts = []
+        for row in rows:
+            prompt, cause, reason = self._encode(row)
+            if prompt is not None:
+                prompts.append(prompt)
+                continue
+            if should_count:
+                self.skipped[cause] += 1
+            if not should_count or sum(self.skipped.values()) <= 20:
+                logger.warning("skipping dataset row %s: %s", row.get(core.ROW_INDEX_KEY), reason)
+        return prompts
+
+    def _encode(self, row: dict) -> tuple[Prompt | None, str, str]:
+        if self.image_key is None:
+            return Prompt(row, self._ids(row[self.prompt_key], 0)), "", ""
+        images = row[self.image_key]
+        images = [
+            image.convert("RGB") for image in (images if isinstance(images, list) else [images])
+        ]
+        if len(images) > self.max_images:
+            return (
+                None,
+                "too_many_images",
+                f"{len(images)} images, over data.max_images={self.max_images}",
+            )
+        try:
+            ids, vision = core.encode_vision_prompt(
+                self._ids(row[self.prompt_key], len(images)),
+                images,
+                image_processor=self.image_processor,
+                image_token_id=self.image_token_id,
+            )
+        except core.VisionInputError as err:
+            return None, VISION_ERROR_CAUSES.get(err.cause, "bad_image"), str(err)
+        if len(ids) > self.max_prompt_tokens:
+            return (
+                None,
+                "too_long",
+                (
+                    f"the prompt with its image tokens takes {len(ids)} tokens, over "
+                    f"rollout.engine.max_seq_len - rollout.max_new_tokens = {self.max_prompt_tokens}"
+                ),
+            )
+        return Prompt(row, ids, images, vision), "", ""
+
+    def _ids(self, prompt: Any, num_images: int) -> list[int]:
+        if num_images == 0:
+            return prompt_ids(prompt, self.tokenizer, self.should_apply_chat_template)
+        return prompt_ids(with_images(prompt, num_images), self.tokenizer, True)
+
+    def skipped_by_cause(self, loader: core.ShardedLoader) -> dict[str, int]:
+        """The loader's skip counts plus this encoder's (every cause present, zeros too)."""
+        counts = dict(loader.skipped_by_cause())
+        for cause in IMAGE_SKIP_CAUSES if self.takes_images else ():
+            counts.setdefault(cause, 0)
+        for cause, count in self.skipped.items():
+            counts[cause] = counts.get(cause, 0) + count
+        return counts
+
+    def cut_at_vision_token(self, response_ids: Sequence[int]) -> bool:
+        """Whether a response holds a vision token (it ends before it)."""
+        return any(token in self.cut_token_ids for token in response_ids)
