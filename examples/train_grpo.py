@@ -370,7 +370,9 @@ def main(argv: list[str]) -> None:
                     has_images=encoder.takes_images,
                 )
                 metrics |= {f"train/{key}": value for key, value in train_metrics.items()}
-                idle_guard.update(step, train_metrics, sampling_stats)  # same on every rank
+                # Same on every rank. Every sample right: solved, not stuck (a rule's accuracy).
+                is_solved = metrics["reward/accuracy"] >= 1.0
+                idle_guard.update(step, train_metrics, sampling_stats, is_solved=is_solved)
                 metrics |= idle_guard.metrics()
                 if is_eval_on and ((step + 1) % cfg.eval.every_steps == 0 or step == last_step):
                     metrics |= evaluate(

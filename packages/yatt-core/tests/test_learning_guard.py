@@ -60,6 +60,19 @@ def test_an_update_restarts_the_count():
     assert guard.num_idle_steps == 0 and guard.num_idle_steps_total == 5  # step 9 updated
 
 
+def test_solved_steps_are_not_failures():
+    train_metrics, sampling_stats = _idle_step()
+    guard = LearningGuard(max_idle_steps=2)
+    for step in range(10):  # every sample right: nothing to learn from, nothing wrong either
+        guard.update(step, train_metrics, sampling_stats, is_solved=True)
+        guard.check(step)
+    assert guard.num_idle_steps == 0
+    guard.update(10, train_metrics, sampling_stats)
+    guard.update(11, train_metrics, sampling_stats)
+    with pytest.raises(NoLearningError):
+        guard.check(11)
+
+
 def test_a_skipped_optimizer_step_is_named_as_such():
     guard = LearningGuard(max_idle_steps=1)
     metrics = {"is_skipped": 1.0, "loss": float("nan"), "grad_norm": 3.0, "num_loss_tokens": 8.0}

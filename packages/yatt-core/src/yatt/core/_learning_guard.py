@@ -50,12 +50,18 @@ class LearningGuard:
         step: int,
         train_metrics: Mapping[str, float],
         sampling_stats: Mapping[str, float] | None = None,
+        *,
+        is_solved: bool = False,
     ) -> None:
         """Record one step: train_step's metrics (unprefixed) and, with dynamic sampling,
-        sample_dynamically's stats of this rank. `check` raises once the limit is reached."""
+        sample_dynamically's stats of this rank. `check` raises once the limit is reached.
+
+        is_solved: every sample of the step was right (the same on every rank), so no group
+        had reward variance because the policy has learnt the prompts: not a failure, and it
+        restarts the count. Only the caller knows the rewards' meaning."""
         if "is_skipped" not in train_metrics:
             raise KeyError("train_metrics needs 'is_skipped' (the dict train_step returns)")
-        if not train_metrics["is_skipped"]:
+        if not train_metrics["is_skipped"] or is_solved:
             self.num_idle_steps = 0
             self.causes = {}
             return
