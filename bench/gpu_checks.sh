@@ -36,6 +36,7 @@ for step in "$@"; do
     trainer)
       # The reference trainer on every visible GPU (one rank each), both placement modes.
       NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      rm -rf /tmp/yatt-runs/full /tmp/yatt-runs/partial /tmp/yatt-runs/features  # warm machine
       run_step trainer_full python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
         examples/train_grpo.py out_dir=/tmp/yatt-runs/full num_steps=${TRAINER_STEPS:-60}
       cp /tmp/yatt-runs/full/metrics.jsonl "$OUT/trainer_full_metrics.jsonl" 2>/dev/null
@@ -64,6 +65,7 @@ print('reloaded', type(m).__name__, m(ids).logits.shape)" ;;
       # eval; then with a KL reference (images in its forward too). Its reward is a rule, not a
       # judge engine, so placement=partial (a judge beside the rollout) does not apply.
       NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      rm -rf /tmp/yatt-runs/vl /tmp/yatt-runs/vl-kl  # a warm machine keeps the last call's runs
       run_step trainer_vl_full python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
         examples/train_grpo.py task=vision out_dir=/tmp/yatt-runs/vl num_steps=${TRAINER_VL_STEPS:-40} \
         eval.every_steps=20
@@ -85,6 +87,7 @@ make_tiny_causal_lm('/tmp/yatt-runs/qwen2-0.5b', arch='qwen2', hidden_size=896, 
 num_heads=14, num_kv_heads=2, intermediate_size=4864, max_position_embeddings=2048, \
 tie_word_embeddings=True)"
       NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      rm -rf /tmp/yatt-runs/real  # a warm machine keeps the last call's run
       run_step trainer_real python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
         examples/train_grpo.py --config examples/configs/qwen_rewards_gpu.yaml \
         out_dir=/tmp/yatt-runs/real num_steps=6 policy.model_dir=/tmp/yatt-runs/qwen2-0.5b \
