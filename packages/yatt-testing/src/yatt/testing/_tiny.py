@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -94,13 +95,26 @@ def make_tiny_causal_lm(
     )
     if arch == "qwen3":
         config.head_dim = hidden_size // num_heads
+    return _build_and_save(AutoModelForCausalLM, config, tokenizer, path, seed=seed, dtype=dtype)
+
+
+def _build_and_save(
+    auto_cls: Any,
+    config: Any,
+    tokenizer: Any,
+    path: str | Path | None,
+    *,
+    seed: int,
+    dtype: torch.dtype,
+) -> PreTrainedModel:
+    """The model of `config`, seeded without touching the caller's RNG, saved with its
+    tokenizer under `path` when set."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto_cls.from_config(config, dtype=dtype)
     model.eval()
     if path is not None:
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
+        Path(path).mkdir(parents=True, exist_ok=True)
         model.save_pretrained(path)
         tokenizer.save_pretrained(path)
     return model
@@ -227,15 +241,9 @@ def make_tiny_vlm(
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForImageTextToText.from_config(config, dtype=dtype)
-    model.eval()
+    auto_cls = transformers.AutoModelForImageTextToText
+    model = _build_and_save(auto_cls, config, tokenizer, path, seed=seed, dtype=dtype)
     if path is not None:
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
         image_processor = Qwen2VLImageProcessorPil(
             patch_size=patch_size,
             merge_size=2,
