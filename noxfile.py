@@ -49,17 +49,18 @@ def _requirement_name(requirement: str) -> str:
     return re.split(r"[\s\[<>=!~;]", requirement, maxsplit=1)[0].lower()
 
 
-def _yatt_closure(package: str) -> list[str]:
-    """The package and every yatt package it needs, dependencies first."""
+def _yatt_closure(package: str, *, with_test_extra: bool = True) -> list[str]:
+    """The package and every yatt package it needs (for its tests too, unless
+    with_test_extra=False), dependencies first."""
     ordered: list[str] = []
 
     def visit(name: str) -> None:
         if name in ordered:
             return
         project = _read_project(name)
-        reqs = project.get("dependencies", []) + project.get("optional-dependencies", {}).get(
-            "test", []
-        )
+        reqs = list(project.get("dependencies", []))
+        if with_test_extra:
+            reqs += project.get("optional-dependencies", {}).get("test", [])
         for req in reqs:
             dep = _requirement_name(req)
             if dep.startswith("yatt-"):
@@ -159,15 +160,11 @@ def build(session: nox.Session) -> None:
 
 def _runtime_requirements(package: str) -> set[str]:
     """Names of what `pip install <package>` installs, through its yatt dependencies."""
-    names: set[str] = set()
-    pending = [package]
-    while pending:
-        for requirement in _read_project(pending.pop()).get("dependencies", []):
-            name = _requirement_name(requirement)
-            if name.startswith("yatt-") and name not in names:
-                pending.append(name)
-            names.add(name)
-    return names
+    return {
+        _requirement_name(requirement)
+        for name in _yatt_closure(package, with_test_extra=False)
+        for requirement in _read_project(name).get("dependencies", [])
+    }
 
 
 def _readme_example(package: str) -> str:

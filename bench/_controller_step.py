@@ -398,22 +398,30 @@ def run_worker(mode: str, data: str, out: str, args: Any) -> None:
         state.judge.close()
 
 
-def summarize_launch(mode: str, world: int, ranks: list[dict]) -> dict:
-    """One (mode, world) run from its ranks' JSON: the busiest process and the step time."""
+def busiest_process(mode: str, world: int, ranks: list[dict], first_step: int = 0) -> dict:
+    """The fields every controller run reports from its ranks' JSON: peak host memory per
+    rank and the busiest one, the median step time (the slowest rank's, from `first_step`)
+    and the most samples a rank received in one step."""
     peaks = [r["peak_above_start_mib"] for r in ranks]
     num_steps = len(ranks[0]["times"])
-    step_times = [max(r["times"][s] for r in ranks) for s in range(num_steps)]
-    out = {
+    step_times = [max(r["times"][s] for r in ranks) for s in range(first_step, num_steps)]
+    return {
         "mode": mode,
         "ranks": world,
         "busiest_peak_mib": max(peaks),
         "busiest_rank": int(np.argmax(peaks)),
         "per_rank_peak_mib": peaks,
         "step_s": float(np.median(step_times)),
-        "reward": float(np.nanmean([x for r in ranks for x in r["rewards"]])),
-        "num_cut_responses": sum(r["num_cut_responses"] for r in ranks),
-        "max_moved_in_per_step": max(max(r["moved_in"]) for r in ranks),
+        "max_moved_in_per_step": max((max(r["moved_in"], default=0) for r in ranks), default=0),
     }
+
+
+def summarize_launch(mode: str, world: int, ranks: list[dict]) -> dict:
+    """One (mode, world) full-step run from its ranks' JSON: the busiest process, the step
+    time, the reward and the responses cut at a vision token."""
+    out = busiest_process(mode, world, ranks)
+    out["reward"] = float(np.nanmean([x for r in ranks for x in r["rewards"]]))
+    out["num_cut_responses"] = sum(r["num_cut_responses"] for r in ranks)
     if "gpu_peak_mib" in ranks[0]:
         out["per_rank_gpu_peak_above_start_mib"] = [r["gpu_peak_above_start_mib"] for r in ranks]
         out["per_rank_gpu_peak_mib"] = [r["gpu_peak_mib"] for r in ranks]

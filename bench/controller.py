@@ -52,6 +52,7 @@ import numpy as np
 from _controller_step import IMAGE_SIZE as IMAGE_SIZE_STEP
 from _controller_step import (
     STEP_MODES,
+    busiest_process,
     make_shape_dataset,
     make_vlm,
     measure_payload_mib,
@@ -180,17 +181,7 @@ def launch(mode: str, world: int, data: Path, args: argparse.Namespace) -> dict:
         run_ranks(cmd, world, env=env, timeout_s=600)  # fails with each failed rank's output
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
     # The first step pays one-time costs (page cache, allocator growth); report the others.
-    step_times = [max(r["times"][s] for r in ranks) for s in range(1, args.steps)]
-    peaks = [r["peak_above_start_mib"] for r in ranks]
-    return {
-        "mode": mode,
-        "ranks": world,
-        "busiest_peak_mib": max(peaks),
-        "busiest_rank": int(np.argmax(peaks)),
-        "per_rank_peak_mib": peaks,
-        "step_s": float(np.median(step_times)),
-        "max_moved_in_per_step": max((max(r["moved_in"], default=0) for r in ranks), default=0),
-    }
+    return busiest_process(mode, world, ranks, first_step=1)
 
 
 def _read_json(path: Path) -> dict:

@@ -34,19 +34,7 @@ MODELS=/tmp/yatt-step
 STEP="bench/step.py --model-dir $MODELS --out-dir $RUNS $EXTRA $YATT_EXTRA"
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
 
-# One run: name, then the command; logs to $RUNS/<name>.log, progress lines echoed.
-run() {
-  local name=$1; shift
-  if (( SECONDS - START > BUDGET_S )); then
-    echo "=== $name SKIPPED: past the ${BUDGET_S}s budget"; return
-  fi
-  local t0=$SECONDS
-  echo "=== $name start at $((SECONDS - START))s"
-  timeout -k 10 "$RUN_TIMEOUT" "$@" >"$RUNS/$name.log" 2>&1
-  local rc=$?
-  grep -E "^\[|wrote|Error|error" "$RUNS/$name.log" | grep -v "Warning" | tail -n 14
-  echo "=== $name rc=$rc $((SECONDS - t0))s"
-}
+source "$(dirname "$0")/_step_run.sh"  # run NAME CMD...
 
 # Models once (random weights, saved with save_pretrained), reused by every run.
 run models python3 $STEP --prepare

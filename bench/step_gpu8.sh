@@ -58,19 +58,7 @@ STEP="bench/step.py --model-dir $MODELS --out-dir $RUNS $WORK $EXTRA"
 # $TORCHRUN N ...: N ranks on GPUs 0..N-1 (each rank's LOCAL_RANK), this host only.
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc_per_node"
 
-# One run: name, then the command; logs to $RUNS/<name>.log, progress lines echoed.
-run() {
-  local name=$1; shift
-  if (( SECONDS - START > BUDGET_S )); then
-    echo "=== $name SKIPPED: past the ${BUDGET_S}s budget"; return
-  fi
-  local t0=$SECONDS
-  echo "=== $name start at $((SECONDS - START))s"
-  timeout -k 10 "$RUN_TIMEOUT" "$@" >"$RUNS/$name.log" 2>&1
-  local rc=$?
-  grep -E "^\[|wrote|Error|error" "$RUNS/$name.log" | grep -v "Warning" | tail -n 14
-  echo "=== $name rc=$rc $((SECONDS - t0))s"
-}
+source "$(dirname "$0")/_step_run.sh"  # run NAME CMD...
 ONLY=${ONLY:-all}
 want() { [[ $ONLY == all || ",$ONLY," == *",$1,"* ]]; }
 

@@ -346,10 +346,13 @@ def main(argv: list[str]) -> None:
                 batch.samples["advantages"] = advantages  # local: a whole group lives on this rank
                 with timed(stats.timings, "balance"):  # lengths cross ranks; moves go p2p
                     # The policy's cost model: the same weights its micro-batch packing uses.
-                    images = {"image_patches": core.image_patches_of(batch)}  # vision tower's
-                    costs = policy.estimate_costs(
-                        batch.lengths.tolist(), **(images if encoder.takes_images else {})
+                    # A vision-language policy also counts its tower's work on the images.
+                    images = (
+                        {"image_patches": core.image_patches_of(batch)}
+                        if encoder.takes_images
+                        else {}
                     )
+                    costs = policy.estimate_costs(batch.lengths.tolist(), **images)
                     batch, _ = batch.rebalance(
                         group=runtime.dp_group, group_key="group_id", costs=costs
                     )

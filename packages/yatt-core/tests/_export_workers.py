@@ -29,12 +29,14 @@ from yatt.core import (
 )
 
 
-def make_batch(rank: int) -> Batch:
-    gen = torch.Generator().manual_seed(rank)
+def make_batch(lengths=(9, 14, 6, 11), seed: int = 0, prompt_len: int = 3) -> Batch:
+    """Random samples, two per GRPO group, the loss after `prompt_len` tokens, advantages
+    set (test_export.py builds its batches here too)."""
+    gen = torch.Generator().manual_seed(seed)
     rows = []
-    for i, length in enumerate([9, 14, 6, 11]):
+    for i, length in enumerate(lengths):
         mask = torch.zeros(length, dtype=torch.int64)
-        mask[3:] = 1
+        mask[prompt_len:] = 1
         ids = torch.randint(5, 200, (length,), generator=gen)
         rows.append({"input_ids": ids, "loss_mask": mask, "group_id": i // 2, "reward": i % 3})
     batch = Batch.from_samples(rows, token_keys=["input_ids", "loss_mask"])
@@ -50,7 +52,7 @@ def main() -> None:
             model_dir=kwargs["model_dir"], lr=1e-2, dtype="float32", parallel=kwargs["parallel"]
         )
         policy = TorchPolicy(config, rt)
-        batch = make_batch(rt.rank)
+        batch = make_batch(seed=rt.rank)
         batch.tokens["old_logprobs"] = policy.logprobs(batch)
         policy.train_step(batch, PolicyLoss(kl_coef=0.0))
         weights = {name: t.clone() for name, t in policy.named_weights()}

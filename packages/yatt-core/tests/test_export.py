@@ -4,6 +4,7 @@ checkpoints of one or several ranks; clear errors for missing and damaged checkp
 
 NUM_GPUS = 0
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -14,14 +15,17 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from yatt.core import (
-    Batch,
     PolicyLoss,
     TorchPolicy,
     TorchPolicyConfig,
-    compute_grpo_advantages,
     export_hf,
     export_hf_from_checkpoint,
 )
+
+WORKERS = Path(__file__).with_name("_export_workers.py")
+_spec = importlib.util.spec_from_file_location("_export_workers", WORKERS)
+workers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(workers)
 
 
 def _config(model_dir, **overrides):
@@ -30,16 +34,7 @@ def _config(model_dir, **overrides):
 
 
 def _batch(lengths=(7, 12, 5, 9), seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    rows = []
-    for i, length in enumerate(lengths):
-        mask = torch.zeros(length, dtype=torch.int64)
-        mask[2:] = 1
-        ids = torch.randint(5, 200, (length,), generator=gen)
-        rows.append({"input_ids": ids, "loss_mask": mask, "group_id": i // 2, "reward": i % 3})
-    batch = Batch.from_samples(rows, token_keys=["input_ids", "loss_mask"])
-    batch.samples["advantages"] = compute_grpo_advantages(batch["reward"], batch["group_id"])
-    return batch
+    return workers.make_batch(lengths, seed, prompt_len=2)
 
 
 def _trained_policy(model_dir, **overrides):
@@ -347,7 +342,7 @@ def launch_export(tmp_path):
     from yatt.testing import run_ranks
 
     def run(**kwargs):
-        script = Path(__file__).with_name("_export_workers.py")
+        script = WORKERS
         args = [sys.executable, str(script), json.dumps(kwargs)]
         try:
             run_ranks(args, 2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout_s=180)
