@@ -490,7 +490,7 @@ def with_defaults(raw: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[s
 def checked_images(cfg: TrainConfig) -> TrainConfig:
     """An image dataset needs a policy that takes images: refused before anything loads."""
     if cfg.data.image_key:
-        check_takes_images(cfg.policy.model_dir, cfg.data.image_key, cfg.backend)
+        check_takes_images(cfg.policy.model_dir, cfg.data.image_key)
     return cfg
 
 

@@ -80,14 +80,9 @@ def vision_token_ids(model_config: Mapping[str, Any]) -> tuple[int, ...]:
     )
 
 
-def check_takes_images(model_dir: str, image_key: str, backend: str) -> None:
+def check_takes_images(model_dir: str, image_key: str) -> None:
     """Before any model loads: an image dataset needs a policy with a vision tower and an
-    image processor saved beside it."""
-    if backend != "torch":
-        raise ValueError(
-            f"data.image_key={image_key!r}: images train with backend='torch' only "
-            f"(backend={backend!r} takes text prompts)"
-        )
+    image processor saved beside it (TrainConfig checks the backend is "torch")."""
     if "vision_config" not in read_model_config(model_dir):
         raise ValueError(
             f"data.image_key={image_key!r} gives the prompts images, but policy.model_dir="
@@ -123,15 +118,13 @@ class PromptEncoder:
         self.max_images = cfg.data.max_images
         self.should_apply_chat_template = cfg.data.apply_chat_template
         self.max_prompt_tokens = cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens
-        model_dir = cfg.policy.model_dir
+        model_config = read_model_config(cfg.policy.model_dir)
         # Any vision-language policy, images or not: it may sample these tokens.
-        self.cut_token_ids = vision_token_ids(read_model_config(model_dir))
+        self.cut_token_ids = vision_token_ids(model_config)
         self.skipped: Counter[str] = Counter()
-        self.num_cut = 0
-        if self.image_key is not None:
-            check_takes_images(model_dir, self.image_key, cfg.backend)
-            self.image_processor = core.load_image_processor(model_dir)
-            self.image_token_id = int(read_model_config(model_dir)["image_token_id"])
+        if self.image_key is not None:  # checked when the config was built (checked_images)
+            self.image_processor = core.load_image_processor(cfg.policy.model_dir)
+            self.image_token_id = int(model_config["image_token_id"])
 
     @property
     def takes_images(self) -> bool:
@@ -197,7 +190,3 @@ class PromptEncoder:
         for cause, count in self.skipped.items():
             counts[cause] = counts.get(cause, 0) + count
         return counts
-
-    def cut_at_vision_token(self, response_ids: Sequence[int]) -> bool:
-        """Whether a response holds a vision token (it ends before it)."""
-        return any(token in self.cut_token_ids for token in response_ids)
