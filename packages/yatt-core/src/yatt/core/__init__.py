@@ -23,10 +23,17 @@ from yatt.core._losses import (
 from yatt.core._metrics import reduce_metrics
 from yatt.core._model_paths import resolve_model_dir
 from yatt.core._optimization import LR_SCHEDULES, compute_lr
+from yatt.core._partial_rollouts import (
+    PartialGroup,
+    PartialRollouts,
+    PartialSample,
+    check_partial_resumption,
+)
 from yatt.core._policy import LossFn, PolicyBackend, TorchPolicyConfig
 from yatt.core._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
 from yatt.core._run_log import RunLog, check_wandb
 from yatt.core._runtime import Runtime, init_runtime, set_seed
+from yatt.core._sampler import DynamicSampler, UnfilledBatchError
 from yatt.core._sampling import sample_dynamically
 from yatt.core._torch_policy import TorchPolicy, image_patches_of
 from yatt.core._version import __version__
@@ -45,11 +52,15 @@ __all__ = [
     "ROW_INDEX_KEY",
     "VISION_INPUTS_KEY",
     "Batch",
+    "DynamicSampler",
     "LearningGuard",
     "LossFn",
     "MegatronPolicy",
     "MegatronPolicyConfig",
     "NoLearningError",
+    "PartialGroup",
+    "PartialRollouts",
+    "PartialSample",
     "PolicyBackend",
     "PolicyLoss",
     "RunLog",
@@ -57,12 +68,14 @@ __all__ = [
     "ShardedLoader",
     "TorchPolicy",
     "TorchPolicyConfig",
+    "UnfilledBatchError",
     "VisionInputError",
     "VisionInputs",
     "__version__",
     "aggregate",
     "broadcast_to_tp_peers",
     "build_policy",
+    "check_partial_resumption",
     "check_wandb",
     "coerce_value",
     "compute_clipped_policy_loss",
