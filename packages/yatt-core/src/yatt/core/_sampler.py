@@ -56,7 +56,6 @@ from yatt.core._repeated_log import RepeatedWarning
 from yatt.core._rollout_samples import rollout_batch
 
 logger = logging.getLogger("yatt.core")
-_NOT_FILLED = RepeatedWarning(logger, metric="dynamic_sampling/is_filled")
 
 SamplingMode = Literal["rounds", "stream"]
 OnUnfilled = Literal["train", "error"]
@@ -126,6 +125,8 @@ class DynamicSampler:
         # A stream has no rounds; it may draw what max_rounds rounds could at most.
         self.max_groups_per_step = max_rounds * _ceil(target_groups * max_factor)
         self.last_keep_rate: float | None = None  # the previous step's, over all ranks
+        # An unfilled step is logged the first time, then once per 50 (it is a metric too).
+        self.unfilled_warning = RepeatedWarning(logger, metric="dynamic_sampling/is_filled")
         self._start_step()
 
     def _start_step(self) -> None:
@@ -328,7 +329,9 @@ class DynamicSampler:
                     "stops here: raise max_rounds or max_oversample, check the reward, or set "
                     "on_unfilled='train' to train on what there is"
                 )
-            _NOT_FILLED.warn("dynamic sampling: training on an unfilled batch: %s", summary)
+            self.unfilled_warning.warn(
+                "dynamic sampling: training on an unfilled batch: %s", summary
+            )
         return batch, stats
 
     def _batch(self) -> Batch:

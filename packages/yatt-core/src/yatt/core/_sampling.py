@@ -20,7 +20,11 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from yatt.core._batch import Batch
-from yatt.core._sampler import DynamicSampler
+from yatt.core._repeated_log import RepeatedWarning
+from yatt.core._sampler import DynamicSampler, logger
+
+# One count across calls (each call builds a sampler): logged first, then once per 50.
+_NOT_FILLED = RepeatedWarning(logger, metric="dynamic_sampling/is_filled")
 
 
 def sample_dynamically(
@@ -49,6 +53,7 @@ def sample_dynamically(
         group_key=group_key,
         reward_key=reward_key,
     )
+    sampler.unfilled_warning = _NOT_FILLED
     while not sampler.is_done():
         sampler.add(generate(sampler.num_to_draw()))
     return sampler.take()

@@ -1,0 +1,302 @@
+"""DynamicSampler on one process: what it keeps, how many prompts it asks for, when a stream
+aborts, the unfilled policy; PartialRollouts' resumption and staleness bound. Expected values
+are worked out by hand from the rules in the module docstrings (keep rate = kept / judged
+groups; draw = ceil(missing / max(keep rate, 1 / max_oversample)))."""
+
+import logging
+import math
+import types
+
+import pytest
+
+from yatt.core import (
+    Batch,
+    DynamicSampler,
+    PartialGroup,
+    PartialRollouts,
+    PartialSample,
+    UnfilledBatchError,
+    check_partial_resumption,
+    rollout_samples,
+)
+
+NUM_GPUS = 0
+
+
+def _groups(rewards_per_group: list[list[float]], *, tag: str = "") -> Batch:
+    """One group per inner list (ids 0..G-1, repeated on purpose across calls); `text` tells
+    the groups apart after renumbering."""
+    rows = [
+        {"input_ids": [1, 2, 3], "group_id": g, "reward": float(r), "text": f"{tag}{g}"}
+        for g, rewards in enumerate(rewards_per_group)
+        for r in rewards
+    ]
+    return Batch.from_samples(rows)
+
+
+VARIED, FLAT = [0.0, 1.0], [1.0, 1.0]
+
+
+# -- rounds ----------------------------------------------------------------------------------
+
+
+def test_rounds_fill_keep_the_first_groups_in_arrival_order_and_drop_the_surplus():
+    sampler = DynamicSampler(target_groups=3, oversample=2.0, should_adapt=False, max_rounds=3)
+    assert not sampler.is_done()  # before any round: no decision yet
+    assert sampler.num_to_draw() == 6  # 3 missing x 2
+    kept = sampler.add(_groups([FLAT, VARIED, FLAT, VARIED, FLAT, FLAT], tag="a"))
+    assert kept == 2 and not sampler.is_done()
+    assert sampler.num_to_draw() == 2  # 1 missing x 2
+    # Both have variance: the first fills the batch, the second is surplus, dropped.
+    assert sampler.add(_groups([[0.0, 0.5], VARIED], tag="b")) == 1
+    assert sampler.is_done()
+    batch, stats = sampler.take()
+    assert batch["group_id"].tolist() == [0, 0, 1, 1, 2, 2]
+    assert batch["text"] == ["a1", "a1", "a3", "a3", "b0", "b0"]
+    assert batch["reward"].tolist() == [0.0, 1.0, 0.0, 1.0, 0.0, 0.5]
+    assert stats["num_rounds"] == 2 and stats["num_groups_drawn"] == 8
+    assert stats["num_groups_generated"] == 8 and stats["num_groups_kept"] == 3
+    assert stats["num_groups_dropped"] == 4 and stats["num_groups_surplus"] == 1
+    assert stats["keep_rate"] == 4 / 8 and stats["oversample_factor"] == 2.0
+    assert stats["is_filled"] == 1.0 and stats["is_filled_all_ranks"] == 1.0
+
+
+def test_rounds_adapt_the_factor_to_the_keep_rate_within_and_across_steps():
+    sampler = DynamicSampler(target_groups=4, oversample=1.0, max_oversample=8.0, max_rounds=3)
+    assert sampler.num_to_draw() == 4  # no keep rate seen yet: the initial factor, 1
+    sampler.add(_groups([VARIED, FLAT, FLAT, FLAT]))  # keep rate 1/4
+    assert not sampler.is_done()
+    assert sampler.oversample_factor == 4.0
+    assert sampler.num_to_draw() == 12  # 3 missing / 0.25
+    sampler.add(_groups([VARIED] * 2 + [FLAT] * 10))  # 3 of 16 so far
+    assert not sampler.is_done()
+    assert sampler.num_to_draw() == math.ceil(1 / (3 / 16))  # 1 missing / (3/16) = 5.33 -> 6
+    sampler.add(_groups([VARIED, FLAT, FLAT, FLAT, FLAT, FLAT]))  # 4 of 22
+    assert sampler.is_done()
+    _, stats = sampler.take()
+    assert stats["is_filled"] == 1.0 and stats["oversample_factor"] == 1.0
+    # The next step starts from this step's keep rate, 4/22: 4 / (4/22) = 22 prompts.
+    assert sampler.last_keep_rate == 4 / 22
+    assert sampler.num_to_draw() == 22
+
+
+@pytest.mark.parametrize(
+    ("num_kept", "num_judged", "missing", "expected"),
+    [
+        pytest.param(3, 10, 3, 10, id="rate-0.3-no-float-overshoot"),  # 3 / 0.3 = 10, not 11
+        pytest.param(1, 10, 2, 8, id="rate-0.1-clamped-at-max"),  # 1 / max(0.1, 1/4) = 4
+        pytest.param(0, 5, 2, 8, id="rate-0-max-factor"),
+        pytest.param(5, 5, 2, 2, id="rate-1-no-oversampling"),
+    ],
+)
+def test_draw_follows_the_previous_step_keep_rate(num_kept, num_judged, missing, expected):
+    sampler = DynamicSampler(target_groups=missing, oversample=2.0, max_oversample=4.0)
+    sampler.last_keep_rate = num_kept / num_judged
+    assert sampler.num_to_draw() == expected
+
+
+def test_fixed_factor_when_not_adapting():
+    sampler = DynamicSampler(target_groups=2, oversample=1.5, should_adapt=False)
+    sampler.last_keep_rate = 0.1
+    assert sampler.num_to_draw() == 3  # 2 x 1.5, whatever the keep rate
+
+
+def test_a_full_rank_draws_zero_and_max_rounds_end_the_step():
+    sampler = DynamicSampler(target_groups=1, max_rounds=2, should_adapt=False)
+    assert sampler.num_to_draw() == 1
+    sampler.add(_groups([VARIED]))
+    assert sampler.is_done()  # one rank: full is done
+    with pytest.raises(RuntimeError, match="take"):
+        sampler.num_to_draw()
+    sampler.take()
+    sampler.num_to_draw()
+    with pytest.raises(RuntimeError, match="is_done"):
+        sampler.num_to_draw()  # twice in one round
+
+
+def test_tolerance_counts_near_equal_rewards_as_equal():
+    near = [0.5, 0.5 + 1e-6]
+    strict = DynamicSampler(target_groups=1, tolerance=0.0)
+    strict.num_to_draw()
+    assert strict.add(_groups([near])) == 1
+    lenient = DynamicSampler(target_groups=1, tolerance=1e-5)
+    lenient.num_to_draw()
+    assert lenient.add(_groups([near])) == 0
+
+
+def test_nothing_offered_gives_an_empty_batch_with_the_rollout_fields():
+    sampler = DynamicSampler(target_groups=1, max_rounds=1)
+    sampler.num_to_draw()
+    assert sampler.is_done()
+    batch, stats = sampler.take()
+    assert len(batch) == 0 and {"reward", "group_id"} <= set(batch.samples)
+    assert stats["keep_rate"] == 0.0 and stats["is_filled"] == 0.0
+
+
+def test_add_refuses_a_batch_without_rewards():
+    sampler = DynamicSampler(target_groups=1)
+    batch = Batch.from_samples([{"input_ids": [1], "group_id": 0}])
+    with pytest.raises(ValueError, match="'reward'"):
+        sampler.add(batch)
+
+
+# -- the unfilled policy ---------------------------------------------------------------------
+
+
+def _unfilled_step(on_unfilled: str):
+    sampler = DynamicSampler(target_groups=2, max_rounds=1, on_unfilled=on_unfilled)
+    assert sampler.num_to_draw() == 2
+    sampler.add(_groups([VARIED, FLAT, FLAT, FLAT]))  # 1 of 4: keep rate 0.25
+    assert sampler.is_done()
+    return sampler.take()
+
+
+def test_unfilled_batch_trains_on_what_there_is_and_logs_the_keep_rate(caplog):
+    with caplog.at_level(logging.WARNING, logger="yatt.core"):
+        batch, stats = _unfilled_step("train")
+    assert batch["group_id"].tolist() == [0, 0]
+    assert stats["is_filled"] == 0.0 and stats["is_filled_all_ranks"] == 0.0
+    assert stats["num_groups_kept"] == 1 and stats["keep_rate"] == 0.25
+    assert "keep rate over all ranks 0.250" in caplog.text
+
+
+def test_unfilled_batch_raises_naming_the_keep_rate():
+    with pytest.raises(UnfilledBatchError, match=r"keep rate over all ranks 0\.250 \(1 of 4"):
+        _unfilled_step("error")
+
+
+# -- streaming -------------------------------------------------------------------------------
+
+
+def test_stream_tops_up_by_the_live_keep_rate_and_aborts_once_full():
+    sampler = DynamicSampler(target_groups=2, oversample=2.0, max_oversample=4.0, mode="stream")
+    assert sampler.num_to_draw() == 4  # 2 missing x 2
+    sampler.add(_groups([FLAT]))
+    assert not sampler.should_abort()
+    # Keep rate 0/1: factor 4, 8 wanted in flight; 3 are: draw 5.
+    assert sampler.num_to_draw(in_flight=3) == 5
+    sampler.add(_groups([VARIED]))  # 1 of 2: factor 2, 1 missing -> 2 wanted; 7 in flight
+    assert not sampler.should_abort()
+    assert sampler.num_to_draw(in_flight=7) == 0
+    sampler.add(_groups([VARIED]))
+    assert sampler.should_abort()  # full, and the only rank
+    assert sampler.num_to_draw(in_flight=6) == 0
+    sampler.add(_groups([VARIED]))  # arrived before the abort took effect: surplus
+    sampler.record_aborted(5)
+    batch, stats = sampler.take()
+    assert batch["group_id"].tolist() == [0, 0, 1, 1]
+    assert stats["num_rounds"] == 2 and stats["num_groups_drawn"] == 9
+    assert stats["num_groups_aborted"] == 5 and stats["num_groups_surplus"] == 1
+    assert stats["oversample_factor"] == 2.0  # the factor of the step's first draw
+
+
+def test_stream_draws_no_more_than_max_rounds_rounds_could():
+    sampler = DynamicSampler(
+        target_groups=2, oversample=1.0, max_oversample=2.0, max_rounds=2, mode="stream"
+    )
+    assert sampler.max_groups_per_step == 8  # 2 rounds x ceil(2 x 2)
+    assert sampler.num_to_draw() == 2
+    sampler.add(_groups([FLAT, FLAT]))
+    assert sampler.num_to_draw() == 4  # keep rate 0: factor 2
+    sampler.add(_groups([FLAT] * 4))
+    assert sampler.num_to_draw() == 2  # 4 wanted, 2 left in the budget
+    sampler.add(_groups([FLAT, FLAT]))
+    assert sampler.num_to_draw() == 0
+    assert not sampler.should_abort()  # not full: the stream ends, take() decides
+    _, stats = sampler.take()
+    assert stats["num_groups_drawn"] == 8 and stats["is_filled"] == 0.0
+
+
+def test_each_mode_refuses_the_other_modes_calls():
+    with pytest.raises(RuntimeError, match="should_abort"):
+        DynamicSampler(target_groups=1, mode="stream").is_done()
+    with pytest.raises(RuntimeError, match="is_done"):
+        DynamicSampler(target_groups=1).should_abort()
+    with pytest.raises(ValueError, match="in_flight"):
+        DynamicSampler(target_groups=1).num_to_draw(in_flight=2)
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        pytest.param({"oversample": 0.5}, "oversample", id="oversample-below-1"),
+        pytest.param({"oversample": 2.0, "max_oversample": 1.5}, "max_oversample", id="max-low"),
+        pytest.param({"target_groups": 9, "num_prompts": 8}, "target_groups", id="target-gt-data"),
+        pytest.param({"tolerance": -0.1}, "tolerance", id="tolerance-negative"),
+        pytest.param({"tolerance": float("nan")}, "tolerance", id="tolerance-nan"),
+        pytest.param({"target_groups": 0}, "target_groups", id="target-0"),
+        pytest.param({"max_rounds": 0}, "max_rounds", id="rounds-0"),
+        pytest.param({"on_unfilled": "skip"}, "on_unfilled", id="policy-unknown"),
+        pytest.param({"mode": "async"}, "mode", id="mode-unknown"),
+    ],
+)
+def test_bad_settings_name_their_field(kwargs, field):
+    settings = {"target_groups": 4, **kwargs}
+    with pytest.raises(ValueError, match=rf"^{field}="):
+        DynamicSampler(**settings)
+
+
+def test_a_target_that_fits_the_data_is_accepted():
+    DynamicSampler(target_groups=8, num_prompts=8)
+
+
+# -- partial rollouts ------------------------------------------------------------------------
+
+
+def _cut(prompt, response, logprobs, reason="abort"):
+    return PartialSample(
+        prompt_ids=prompt, response_ids=response, logprobs=logprobs, finish_reason=reason
+    )
+
+
+@pytest.mark.parametrize("setting", [None, False, "", "none", "Off"])
+def test_resumption_without_rollout_correction_is_refused(setting):
+    with pytest.raises(ValueError, match=r"^loss\.rollout_correction="):
+        check_partial_resumption(rollout_correction=setting, field_name="loss.rollout_correction")
+    with pytest.raises(ValueError, match=r"^rollout_correction="):
+        PartialRollouts(rollout_correction=setting)
+
+
+def test_resumed_response_keeps_the_old_engine_logprobs_and_appends_the_new():
+    cut = _cut([7, 8], [3, 4], [-0.5, -0.25])
+    assert cut.resume_prompt_ids() == [7, 8, 3, 4] and cut.num_tokens_left(5) == 3
+
+    # What an engine returns for the resumed request.
+    continuation = types.SimpleNamespace(
+        prompt_ids=[7, 8, 3, 4], response_ids=[9, 2], logprobs=[-1.0, -2.0], finish_reason="stop"
+    )
+    done = cut.resumed(continuation)
+    assert done.response_ids == (3, 4, 9, 2) and done.is_finished
+    assert done.logprobs == (-0.5, -0.25, -1.0, -2.0)
+    # It trains as a completion: the loss on every response token, each with its logprob.
+    (sample,) = rollout_samples([done], rewards=[1.0], group_ids=[0])
+    assert sample["input_ids"] == [7, 8, 3, 4, 9, 2]
+    assert sample["loss_mask"] == [0, 0, 1, 1, 1, 1]
+    assert sample["rollout_logprobs"] == [0.0, 0.0, -0.5, -0.25, -1.0, -2.0]
+    continuation.prompt_ids = [7, 8]
+    with pytest.raises(ValueError, match="resume_prompt_ids"):
+        cut.resumed(continuation)
+
+
+def test_partial_sample_needs_a_logprob_per_token():
+    with pytest.raises(ValueError, match="2 logprobs for 3"):
+        _cut([1], [1, 2, 3], [-0.1, -0.2])
+
+
+def test_partial_groups_are_resumed_one_step_later_and_dropped_after():
+    partials = PartialRollouts(rollout_correction="token_tis")
+    finished = _cut([1], [5, 6], [-0.1, -0.2], reason="stop")
+    cut = _cut([1], [5], [-0.3])
+    partials.put(PartialGroup(samples=[finished, cut], step=3, prompt="row-a"))
+    partials.put(PartialGroup(samples=[cut], step=2, prompt="row-b"))  # already resumed once
+    resumed = partials.take(step=4)
+    assert [group.prompt for group in resumed] == ["row-a"]
+    assert resumed[0].unfinished() == [cut]
+    assert resumed[0].samples[0].logprobs == (-0.1, -0.2)  # kept as the engine gave them
+    assert partials.num_resumed == 1 and partials.num_dropped_stale == 1 and len(partials) == 0
+    # Cut again at step 4, it keeps its first step (3): at step 5 it is two steps old.
+    partials.put(resumed[0])
+    assert partials.take(step=5) == [] and partials.num_dropped_stale == 2
