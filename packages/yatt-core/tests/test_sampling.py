@@ -182,11 +182,14 @@ def test_stream_tops_up_by_the_live_keep_rate_and_aborts_once_full():
     assert sampler.should_abort()  # full, and the only rank
     assert sampler.num_to_draw(in_flight=6) == 0
     sampler.add(_groups([VARIED]))  # arrived before the abort took effect: surplus
-    sampler.record_aborted(5)
+    sampler.record_aborted(5, num_tokens=70)
+    with pytest.raises(ValueError, match="num_tokens=-1"):
+        sampler.record_aborted(1, num_tokens=-1)
     batch, stats = sampler.take()
     assert batch["group_id"].tolist() == [0, 0, 1, 1]
     assert stats["num_rounds"] == 2 and stats["num_groups_drawn"] == 9
-    assert stats["num_groups_aborted"] == 5 and stats["num_groups_surplus"] == 1
+    assert stats["num_groups_aborted"] == 5 and stats["num_tokens_aborted"] == 70
+    assert stats["num_groups_surplus"] == 1
     assert stats["oversample_factor"] == 2.0  # the factor of the step's first draw
 
 

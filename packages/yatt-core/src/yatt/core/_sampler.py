@@ -37,7 +37,11 @@ rounds, so an engine whose generate() is itself collective stays in step; a full
 and still calls is_done(). Stream: a rank posts one non-blocking all_reduce when it is full (or,
 from take(), when it has nothing left to draw or wait for); should_abort() is True once every
 rank has posted, so all ranks abort at once. take() then reduces the step's counts in one
-all_reduce. The numbers are group counts (ints); nothing else crosses ranks.
+all_reduce. The numbers are group counts (ints); nothing else crosses ranks. In a stream, issue
+no other collective on `group` between the step's first draw and take(): ranks post the signal
+at different times, so another collective would pair with it. With a "cpu:gloo,cuda:nccl"
+group the signal is a gloo all_reduce on the host; on a NCCL-only group it is a pending NCCL
+kernel that other NCCL work on that communicator queues behind.
 """
 
 from __future__ import annotations
@@ -136,6 +140,7 @@ class DynamicSampler:
         self._num_judged = 0  # groups offered to add()
         self._num_drawn = 0
         self._num_aborted = 0
+        self._num_aborted_tokens = 0
         self._num_rounds = 0  # rounds: rounds begun; stream: draws of at least one prompt
         self._first_factor: float | None = None
         self._global_kept = self._global_judged = 0  # rounds: at the last round's all_reduce
@@ -236,11 +241,14 @@ class DynamicSampler:
             self._kept.append(kept.select(renumbered_B < self.target_groups))
         return min(count, room)
 
-    def record_aborted(self, num_groups: int) -> None:
-        """Count groups the abort cut (dropped, or kept as partial rollouts to resume)."""
-        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
-            raise ValueError(f"num_groups={num_groups!r}: must be an int >= 0")
+    def record_aborted(self, num_groups: int, *, num_tokens: int = 0) -> None:
+        """Count groups the abort cut (dropped, or kept as partial rollouts to resume) and the
+        response tokens they had generated."""
+        for name, value in (("num_groups", num_groups), ("num_tokens", num_tokens)):
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"{name}={value!r}: must be an int >= 0")
         self._num_aborted += num_groups
+        self._num_aborted_tokens += num_tokens
 
     # -- decisions (collective) --------------------------------------------------------------
 
@@ -308,6 +316,7 @@ class DynamicSampler:
             "num_groups_dropped": float(self._num_judged - self._num_kept),  # no variance
             "num_groups_surplus": float(self._num_kept - self.num_kept),
             "num_groups_aborted": float(self._num_aborted),
+            "num_tokens_aborted": float(self._num_aborted_tokens),
             "keep_rate": self._num_kept / self._num_judged if self._num_judged else 0.0,
             "oversample_factor": self._first_factor or self.oversample_factor,
             "is_filled": float(self.is_full),
