@@ -83,8 +83,8 @@ class CombinedRM(StreamingScorer):
             is_number = isinstance(weight, int | float) and not isinstance(weight, bool)
             if not (is_number and math.isfinite(weight) and abs(weight) <= FLOAT32_MAX):
                 raise ValueError(
-                    f"rules[{index}] ({getattr(rule, 'name', rule)!r}) weight={weight!r}: must be "
-                    f"a finite number within float32's range (|weight| <= {FLOAT32_MAX:.3g})"
+                    f"rules[{index}] ({getattr(rule, 'name', rule)!r}) weight={weight!r}: need a "
+                    f"finite weight within float32's range (|weight| <= {FLOAT32_MAX:.3g})"
                 )
         names = [rule.name for rule, _ in rules]
         if len(set(names)) != len(names) or "judge" in names:
