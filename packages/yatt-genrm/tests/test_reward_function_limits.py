@@ -97,6 +97,19 @@ def test_a_hung_call_times_out_and_the_next_sample_is_scored(rewards_file) -> No
         fn.close()
 
 
+def test_a_worker_that_died_while_idle_is_replaced_at_no_sample_s_cost(rewards_file) -> None:
+    fn = load_reward_function(f"{rewards_file}:worker_pid", timeout_s=20.0)
+    try:
+        (first,) = fn.score([_sample()])
+        os.kill(int(first.reward), signal.SIGKILL)  # e.g. the OOM killer, between steps
+        time.sleep(0.2)
+        (second,) = fn.score([_sample()])
+    finally:
+        fn.close()
+    assert second.status == "ok" and second.reward != first.reward
+    assert fn._workers[0].num_starts == 2
+
+
 def test_worker_failures_are_error_verdicts_worded_as_in_process(rewards_file) -> None:
     """The same causes with and without a worker; a crash or sys.exit() in a call ends only
     that sample."""

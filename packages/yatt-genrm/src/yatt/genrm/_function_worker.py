@@ -308,6 +308,7 @@ class FunctionWorker:
                             replies.append(("died", self._exit_cause()))
                         self._kill()
                         continue
+                    num_send_failures = 0
                     for _ in pending:
                         reply = self._receive(time.monotonic() + timeout_s)
                         if reply == "timeout":
