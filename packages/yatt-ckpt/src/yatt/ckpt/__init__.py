@@ -3,6 +3,7 @@
 from yatt.ckpt._checkpointer import Checkpointer
 from yatt.ckpt._config import CkptConfig
 from yatt.ckpt._layout import CheckpointError, CheckpointInfo
+from yatt.ckpt._runlock import RunLock, RunLockedError, RunLockHolder, acquire_run_lock
 from yatt.ckpt._schedule import SaveDecision
 from yatt.ckpt._version import __version__
 
@@ -11,6 +12,10 @@ __all__ = [
     "CheckpointInfo",
     "Checkpointer",
     "CkptConfig",
+    "RunLock",
+    "RunLockHolder",
+    "RunLockedError",
     "SaveDecision",
     "__version__",
+    "acquire_run_lock",
 ]
