@@ -43,6 +43,7 @@ from yatt.ckpt._layout import (
 )
 from yatt.ckpt._process_writer import ProcessWriter
 from yatt.ckpt._rng import capture_rng_state, restore_rng_state
+from yatt.ckpt._runlock import RunLock, RunLockedError, lock_file
 from yatt.ckpt._schedule import SaveDecision, SaveSchedule
 from yatt.ckpt._staging import HostStager
 from yatt.ckpt._state import (
@@ -55,6 +56,7 @@ from yatt.ckpt._state import (
 from yatt.ckpt._writer import create_stager, stage_to_cpu, write_and_commit
 
 logger = logging.getLogger("yatt.ckpt")
+WRITER_LOCK_FILE = ".yatt-ckpt-writer.lock"
 
 # DCP warns on every single-process save and load, even when asked for one with no_dist=True.
 # Narrow global filter (DCP's module, that message); catch_warnings() would not do, as it is not
@@ -81,6 +83,13 @@ class Checkpointer:
     states saved often beside a Python-heavy loop (a launch-bound GPU loop is one). The spawned
     process re-imports the launching script as `__mp_main__`: guard its entry point with
     `if __name__ == "__main__":`.
+
+    One writer per root: a writing Checkpointer (the default) holds an advisory lock on
+    `root/.yatt-ckpt-writer.lock` (rank 0, from construction to close()) and removes the `.tmp`
+    leftovers of killed saves; a second writer of the root gets `RunLockedError`, because its
+    clean-up would delete the first one's save in progress. read_only=True opens the root for
+    latest/load/verify/step_path only: it takes no lock and changes nothing on disk, so an
+    export or eval job can read beside a running trainer.
     """
 
     def __init__(
@@ -95,7 +104,10 @@ class Checkpointer:
         phases: tuple[str, ...] = (),
         writer: str = "thread",
         when_busy: str = "wait",
+        read_only: bool = False,
     ) -> None:
+        if not isinstance(read_only, bool):
+            raise ValueError(f"read_only={read_only!r} must be a bool")
         config = CkptConfig(
             keep_last=keep_last,
             keep_every=keep_every,
@@ -108,6 +120,7 @@ class Checkpointer:
         )
         self.config = config
         self.root = Path(root).expanduser().absolute()
+        self.read_only = read_only
         self._schedule = SaveSchedule(config)
         self._stager: HostStager | None = None
         # (the writing thread, or None for the writer process; the step being written)
@@ -116,31 +129,31 @@ class Checkpointer:
         self.num_deferred_saves = 0  # due saves that found the writer busy (when_busy="defer")
         self._process_writer: ProcessWriter | None = None
         self._is_closed = False
+        self._writer_lock: RunLock | None = None
         self._group = RankGroup()
         error = None
-        if self._group.rank == 0:
-            # Leftovers first: a save that failed on a full disk holds the space the write
-            # probe needs, and a refusal then would keep it held forever.
-            removed = []
-            if self.root.is_dir():
-                try:
-                    removed = remove_leftovers(self.root)
-                except OSError as exc:  # the probe below says what is wrong with the folder
-                    logger.warning("could not remove checkpoint leftovers: %s", exc)
-            if removed:
-                logger.info(
-                    "removed unfinished checkpoint leftovers under %s: %s", self.root, removed
-                )
-            error = check_root_writable(self.root)
+        lock_error: RunLockedError | None = None
+        if self._group.rank == 0 and not read_only:
+            try:
+                self._prepare_root()
+            except RunLockedError as e:
+                error, lock_error = str(e), e
+            except ValueError as e:
+                error = str(e)
         # Other ranks wait here until rank 0 cleaned up, so no rank writes into a folder that is
         # being removed.
         errors = self._group.gather_errors(error, on_io=False)
         if errors:
+            self._release_writer_lock()
             self._group.close()
+            if lock_error is not None:
+                raise lock_error
             raise ValueError("; ".join(errors))
 
     @classmethod
-    def from_config(cls, root: str | os.PathLike[str], config: CkptConfig) -> Checkpointer:
+    def from_config(
+        cls, root: str | os.PathLike[str], config: CkptConfig, *, read_only: bool = False
+    ) -> Checkpointer:
         return cls(
             root,
             keep_last=config.keep_last,
@@ -151,6 +164,7 @@ class Checkpointer:
             phases=config.phases,
             writer=config.writer,
             when_busy=config.when_busy,
+            read_only=read_only,
         )
 
     # -- saving -----------------------------------------------------------------------------------
@@ -163,7 +177,7 @@ class Checkpointer:
         waits for the previous save. Errors of a background save are raised by the next
         save/wait/close.
         """
-        self._check_open()
+        self._check_writable("save")
         _check_step(step)
         try:
             json.dumps(extra)
@@ -223,7 +237,7 @@ class Checkpointer:
     ) -> SaveDecision:
         """Save if the schedule says so (see `CkptConfig`); after a stop signal, save, wait for
         the commit and return should_stop=True."""
-        self._check_open()
+        self._check_writable("maybe_save")
         if not self._schedule.is_eligible(phase):
             return SaveDecision(is_saved=False, should_stop=False)
         should_stop = self._schedule.is_stop_requested
@@ -265,7 +279,7 @@ class Checkpointer:
     ) -> None:
         """Turn `signals` into a stop flag: the next eligible `maybe_save` does a final blocking
         save and returns should_stop=True. Call on every rank; `close()` restores the handlers."""
-        self._check_open()
+        self._check_writable("install_signal_handlers")
         self._schedule.install_signal_handlers(signals)
 
     # -- loading ----------------------------------------------------------------------------------
@@ -338,6 +352,7 @@ class Checkpointer:
                 self._stager.close()
                 self._stager = None
             self._group.close()
+            self._release_writer_lock()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -350,6 +365,48 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._is_closed:
             raise ValueError("this Checkpointer is closed; build a new one")
+
+    def _check_writable(self, method: str) -> None:
+        self._check_open()
+        if self.read_only:
+            raise ValueError(
+                f"{method}() on a Checkpointer built with read_only=True; build it without "
+                "read_only to save (one writer per root)"
+            )
+
+    def _prepare_root(self) -> None:
+        """Rank 0 of a writer: create root, take the writer lock, remove leftovers, probe."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._writer_lock = lock_file(
+                self.root / WRITER_LOCK_FILE,
+                purpose="checkpoint writer",
+                hint=(
+                    "a second writer of one root would delete its save in progress; read "
+                    "beside it with Checkpointer(root, read_only=True), or write elsewhere"
+                ),
+            )
+        except OSError:
+            error = check_root_writable(self.root)  # names the problem with the folder
+            raise ValueError(error or f"cannot lock checkpoint root {str(self.root)!r}") from None
+        # Leftovers first: a save that failed on a full disk holds the space the write probe
+        # needs, and a refusal then would keep it held forever. Only a lock holder removes
+        # them: they may be another writer's save in progress otherwise.
+        try:
+            removed = remove_leftovers(self.root)
+        except OSError as exc:  # the probe below says what is wrong with the folder
+            removed = []
+            logger.warning("could not remove checkpoint leftovers: %s", exc)
+        if removed:
+            logger.info("removed unfinished checkpoint leftovers under %s: %s", self.root, removed)
+        error = check_root_writable(self.root)
+        if error is not None:
+            raise ValueError(error)
+
+    def _release_writer_lock(self) -> None:
+        if self._writer_lock is not None:
+            self._writer_lock.release()
+            self._writer_lock = None
 
     def _write_in_background(self, step: int, staged: dict[str, Any], record: dict) -> None:
         try:

@@ -7,11 +7,13 @@
         __0_0.distcp ...      DCP's tensor data, one file per rank (per writer thread)
         rank-00000.json       per-rank record: RNG states and the caller's `extra`
         yatt_meta.json        written last: step, time, world size, versions, size of every file
-      step-00000123.tmp/      a save in progress (or killed): ignored by readers, removed at start-up
+      step-00000123.tmp/      a save in progress (or killed): ignored by readers, removed when
+                              the next writer opens the root
+      .yatt-ckpt-writer.lock  flock of the one writing Checkpointer (its rank 0), see _runlock.py
 
 A folder without `.tmp` exists only after every file in it was fsynced, so a reader that lists
 committed folders never sees a partial checkpoint. Deleting also goes through a `.tmp` rename,
-so a crash mid-delete leaves garbage that start-up removes, never a half-deleted "committed" one.
+so a crash mid-delete leaves garbage that the next writer removes, never a half-deleted "committed" one.
 """
 
 from __future__ import annotations

@@ -106,7 +106,16 @@ def acquire_run_lock(directory: str | os.PathLike[str], *, purpose: str = "train
         raise ValueError(f"purpose={purpose!r} must be a non-empty str, e.g. 'train' or 'export'")
     folder = Path(directory).expanduser().absolute()
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / RUN_LOCK_FILE
+    return lock_file(
+        folder / RUN_LOCK_FILE,
+        purpose=purpose,
+        hint=f"wait for it to finish or stop it, or point this {purpose} at another folder",
+    )
+
+
+def lock_file(path: Path, *, purpose: str, hint: str) -> RunLock:
+    """Take an exclusive flock on `path` (created if missing) without waiting; `hint` ends the
+    RunLockedError's message (what the caller can do instead)."""
     holder = RunLockHolder(
         pid=os.getpid(), host=socket.gethostname(), purpose=purpose, started_unix=time.time()
     )
@@ -119,35 +128,35 @@ def acquire_run_lock(directory: str | os.PathLike[str], *, purpose: str = "train
             other = _read_holder(path)
             who = "an unknown process" if other is None else other.describe()
             raise RunLockedError(
-                f"{str(folder)!r} is in use by {who} (lock file {str(path)!r}); wait for it "
-                f"to finish or stop it, or point this {purpose} at another folder",
+                f"{str(path.parent)!r} is in use by {who} (lock file {path.name}); {hint}",
                 path=path,
                 holder=other,
             ) from None
         if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
             logger.warning(
-                "the filesystem of %s does not support flock (%s); running without the run "
-                "lock: make sure no other job writes this folder",
-                folder,
+                "the filesystem of %s does not support flock (%s); running without the lock: "
+                "make sure no other job writes this folder",
+                path.parent,
                 e.strerror or e,
             )
             return RunLock(path, None, holder)
         raise
+    record = json.dumps(
+        {
+            "pid": holder.pid,
+            "host": holder.host,
+            "purpose": holder.purpose,
+            "started_unix": holder.started_unix,
+        }
+    ).encode()
     try:
-        record = json.dumps(
-            {
-                "pid": holder.pid,
-                "host": holder.host,
-                "purpose": holder.purpose,
-                "started_unix": holder.started_unix,
-            }
-        ).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, record, 0)
         os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        raise
+    except OSError as e:
+        # The lock is held all the same (a full disk must not stop a run that frees space by
+        # cleaning up); a contender then names the holder "an unknown process".
+        logger.warning("could not write the holder record into %s: %s", path, e)
     return RunLock(path, fd, holder)
 
 
