@@ -3,6 +3,7 @@
 NUM_GPUS = 0
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -22,11 +23,13 @@ def test_two_ranks_save_one_rank_loads(tmp_path, writer):
     out.mkdir()
     run_ranks([sys.executable, str(WORKER), str(root), str(out), writer], 2, timeout_s=240)
 
-    # Rank 1 alone received SIGUSR1; both ranks must agree to save step 3 and stop.
+    # Rank 1 alone received SIGUSR1; both ranks must agree to save step 3 and stop, and both
+    # report that signal (for one exit code on every rank).
     for rank in range(2):
         decision = json.loads((out / f"rank{rank}.json").read_text())
         deferred = decision.pop("deferred")
-        assert decision == {"is_saved": True, "should_stop": True}, rank
+        expected = {"is_saved": True, "should_stop": True, "stop_signal": int(signal.SIGUSR1)}
+        assert decision == expected, rank
         if writer == "thread":
             # Only rank 1's writer was busy at step 2: both ranks deferred (else rank 0 alone
             # would have entered the save's collectives and hung), then both saved step 3.

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import threading
 import warnings
 from pathlib import Path
@@ -44,7 +43,7 @@ from yatt.ckpt._layout import (
 from yatt.ckpt._process_writer import ProcessWriter
 from yatt.ckpt._rng import capture_rng_state, restore_rng_state
 from yatt.ckpt._runlock import RunLock, RunLockedError, lock_file
-from yatt.ckpt._schedule import SaveDecision, SaveSchedule
+from yatt.ckpt._schedule import DEFAULT_STOP_SIGNALS, SaveDecision, SaveSchedule
 from yatt.ckpt._staging import HostStager
 from yatt.ckpt._state import (
     apply_state_dict,
@@ -240,19 +239,27 @@ class Checkpointer:
         self._check_writable("maybe_save")
         if not self._schedule.is_eligible(phase):
             return SaveDecision(is_saved=False, should_stop=False)
-        should_stop = self._schedule.is_stop_requested
-        is_time_due = self._schedule.is_time_due()
+        local = [
+            int(self._schedule.is_stop_requested),
+            int(self._schedule.is_time_due()),
+            self._schedule.stop_signal or 0,
+        ]
         if self._group.is_distributed and (
             self.config.every_seconds is not None or self._schedule.has_signal_handlers
         ):
             # Clocks and signals differ per rank; save when any rank says so, or the ranks would
-            # enter the save's collectives at different steps and hang.
-            should_stop, is_time_due = self._group.any_rank([should_stop, is_time_due])
+            # enter the save's collectives at different steps and hang. The signal number rides
+            # along (max), so every rank reports the same one.
+            local = self._group.max_over_ranks(local)
+        should_stop, is_time_due, stop_signal = bool(local[0]), bool(local[1]), local[2]
         if should_stop:
             self._schedule.is_stop_requested = True
+            self._schedule.stop_signal = stop_signal or self._schedule.stop_signal
             self.save(step, state, extra=extra)
             self.wait()
-            return SaveDecision(is_saved=True, should_stop=True)
+            return SaveDecision(
+                is_saved=True, should_stop=True, stop_signal=self._schedule.stop_signal
+            )
         if not (is_time_due or self._schedule.is_step_due(step) or self._schedule.is_deferred):
             return SaveDecision(is_saved=False, should_stop=False)
         if self.config.when_busy == "defer":
@@ -274,13 +281,20 @@ class Checkpointer:
         assert self._process_writer is not None
         return self._process_writer.is_busy()
 
-    def install_signal_handlers(
-        self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
-    ) -> None:
-        """Turn `signals` into a stop flag: the next eligible `maybe_save` does a final blocking
-        save and returns should_stop=True. Call on every rank; `close()` restores the handlers."""
+    def install_signal_handlers(self, signals: tuple[int, ...] = DEFAULT_STOP_SIGNALS) -> None:
+        """Turn `signals` (default SIGTERM, SIGUSR1, SIGINT) into a stop flag: the next eligible
+        `maybe_save` does a final blocking save and returns should_stop=True with the signal in
+        `stop_signal` (exit with `decision.exit_code`, 128 + signum). A second SIGINT raises
+        KeyboardInterrupt at once, so Ctrl-C twice still aborts. Call on every rank from the
+        main thread; `close()` restores the previous handlers."""
         self._check_writable("install_signal_handlers")
         self._schedule.install_signal_handlers(signals)
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal that asked this run to stop (None before one arrived); after a stop
+        decision of a distributed run, the same on every rank."""
+        return self._schedule.stop_signal
 
     # -- loading ----------------------------------------------------------------------------------
 

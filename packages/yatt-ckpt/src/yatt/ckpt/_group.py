@@ -56,11 +56,15 @@ class RankGroup:
 
     def any_rank(self, flags: list[bool]) -> list[bool]:
         """Element-wise OR of `flags` over ranks (on the training thread's group)."""
+        return [bool(v) for v in self.max_over_ranks([int(f) for f in flags])]
+
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        """Element-wise max of `values` over ranks (on the training thread's group)."""
         if not self.is_distributed:
-            return flags
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl)
-        return [bool(v) for v in t.tolist()]
+        return [int(v) for v in t.tolist()]
 
     def close(self) -> None:
         # After the caller destroyed the default group, its subgroups are already gone.
