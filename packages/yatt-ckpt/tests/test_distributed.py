@@ -2,6 +2,7 @@
 
 NUM_GPUS = 0
 
+import hashlib
 import json
 import signal
 import sys
@@ -41,7 +42,16 @@ def test_two_ranks_save_one_rank_loads(tmp_path, writer):
     optim = torch.optim.AdamW(model.parameters(), lr=0.05)
     with Checkpointer(root) as ckpt:
         assert ckpt.latest() == 3
-        assert ckpt.verify(2).world_size == 2
+        info = ckpt.verify(2)  # hashes every file against the checksums the two ranks recorded
+        assert info.world_size == 2
+        # Both ranks' data files and records carry a checksum (each rank hashed its own).
+        files = {p.name for p in info.path.iterdir() if p.name != "yatt_meta.json"}
+        assert {"__0_0.distcp", "__1_0.distcp", "rank-00001.json"} <= files
+        assert set(info.checksums) == files
+        for name in files:
+            assert (
+                info.checksums[name] == hashlib.sha256((info.path / name).read_bytes()).hexdigest()
+            )
         with pytest.warns(UserWarning, match="written by 2 ranks and is loaded on 1"):
             extra = ckpt.load({"model": model, "optim": optim}, step=2)
         assert extra == {"rank": 0}

@@ -8,7 +8,8 @@ save(step, state)                        training thread
                                          or inline when synchronous
 
 load(state)                              newest committed step first
-  verify metadata and file sizes, read the rank record; damaged: warn, try the previous
+  verify metadata, file sizes and checksums (each rank hashes 1/world_size of the files, all
+  agree), read the rank record; damaged: warn, try the previous
   compare stored shapes with the live state (mismatch: ValueError, no fallback)
   dcp.load in place, set_state_dict, restore RNG, return extra
 """
@@ -39,6 +40,7 @@ from yatt.ckpt._layout import (
     read_rank_record,
     remove_leftovers,
     step_dirname,
+    verify_checksums,
 )
 from yatt.ckpt._process_writer import ProcessWriter
 from yatt.ckpt._rng import capture_rng_state, restore_rng_state
@@ -344,10 +346,12 @@ class Checkpointer:
         return self.root / step_dirname(step)
 
     def verify(self, step: int) -> CheckpointInfo:
-        """Check `step`'s metadata (step, time, world size, versions, file sizes, DCP index)
-        against the disk; raise CheckpointError naming the checkpoint and the problem."""
+        """Check `step`'s metadata (step, time, world size, versions, file sizes, DCP index) and
+        every file's checksum against the disk (reads the whole checkpoint, in this process);
+        raise CheckpointError naming the checkpoint, the file and the problem."""
         info = read_info(self.root, step)
         read_dcp_metadata(info)
+        verify_checksums(info, sorted(info.checksums))
         return info
 
     def close(self) -> None:
@@ -443,6 +447,17 @@ class Checkpointer:
         self, step: int, state: dict[str, Any], owners: dict, all_live_keys: set[str]
     ) -> Any:
         info = read_info(self.root, step)
+        # Contents, split over the ranks (each reads 1/world_size of the bytes), then agreed:
+        # every rank must fall back from the same checkpoint, or their collectives would part.
+        share = sorted(info.checksums)[self._group.rank :: self._group.world_size]
+        try:
+            verify_checksums(info, share)
+            error = None
+        except CheckpointError as e:
+            error = str(e)
+        errors = self._group.gather_errors(error, on_io=False)
+        if errors:
+            raise CheckpointError("; ".join(errors))
         source_rank = self._group.rank % info.world_size
         record = read_rank_record(info, source_rank)
         metadata = read_dcp_metadata(info)

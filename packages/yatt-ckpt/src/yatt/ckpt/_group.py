@@ -8,10 +8,14 @@ separate groups make the background write independent of whatever the trainer ru
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 
 from yatt.ckpt._layout import CheckpointError
+
+T = TypeVar("T")
 
 
 class RankGroup:
@@ -39,6 +43,21 @@ class RankGroup:
         errors: list[str | None] = [None] * self.world_size
         dist.all_gather_object(errors, local_error, group=self.io if on_io else self.ctl)
         return [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+
+    def agree_and_gather(self, local_error: str | None, payload: T, *, on_io: bool) -> list[T]:
+        """`agree`, and every rank's `payload` (picklable), in rank order, in one collective."""
+        if not self.is_distributed:
+            if local_error is not None:
+                raise CheckpointError(local_error)
+            return [payload]
+        gathered: list[tuple[str | None, T] | None] = [None] * self.world_size
+        dist.all_gather_object(
+            gathered, (local_error, payload), group=self.io if on_io else self.ctl
+        )
+        reported = [f"rank {r}: {item[0]}" for r, item in enumerate(gathered) if item[0]]
+        if reported:
+            raise CheckpointError("; ".join(reported))
+        return [item[1] for item in gathered]
 
     def agree(self, local_error: str | None, *, on_io: bool) -> None:
         """Raise CheckpointError on every rank if any rank reports an error (a barrier otherwise)."""
