@@ -2,6 +2,7 @@
 
 NUM_GPUS = 0
 
+import hashlib
 import json
 import random
 
@@ -94,8 +95,8 @@ DAMAGES = {
     "meta-garbage": (damage_meta_garbage, "yatt_meta.json is unreadable"),
     "meta-wrong-step": (damage_meta_wrong_step, "says step 99"),
     "data-truncated": (damage_data_truncated, r"__0_0.distcp has \d+ bytes"),
-    "index-scrambled": (damage_dcp_index_scrambled, r"\.metadata is damaged: its sha256"),
-    "data-scrambled": (damage_data_scrambled, r"__0_0\.distcp is damaged: its sha256"),
+    "index-scrambled": (damage_dcp_index_scrambled, r"\.metadata is damaged: its checksum"),
+    "data-scrambled": (damage_data_scrambled, r"__0_0\.distcp is damaged: its checksum"),
     "rank-file-missing": (damage_rank_file_missing, "rank-00000.json is missing"),
 }
 
@@ -157,17 +158,25 @@ def test_an_edited_rank_record_of_the_same_size_falls_back(tmp_path):
         assert ckpt.load({"value": torch.zeros(4)}) == {"step": 1}
 
 
-def test_recorded_checksums_are_the_sha256_of_every_file(tmp_path):
-    import hashlib
+def block_tree_sha256(data: bytes, block: int = 16 << 20) -> str:
+    """The rule the checksum's name states: sha256 over the sha256 digests of 16 MiB blocks."""
+    blocks = [data[i : i + block] for i in range(0, len(data), block)]
+    return hashlib.sha256(b"".join(hashlib.sha256(b).digest() for b in blocks)).hexdigest()
 
-    save_steps(tmp_path, [1])
+
+def test_recorded_checksums_follow_the_stated_rule_for_every_file(tmp_path):
+    # 40 MiB of float32: the data file spans three blocks (hashed on several threads).
+    value = torch.zeros(10 << 20)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"value": value.uniform_()})
     folder = tmp_path / "step-00000001"
     meta = json.loads((folder / "yatt_meta.json").read_text())
-    assert meta["checksums"]["algorithm"] == "sha256"
+    assert meta["checksums"]["algorithm"] == "sha256-of-16MiB-block-sha256s"
     files = sorted(p.name for p in folder.iterdir() if p.name != "yatt_meta.json")
     assert sorted(meta["checksums"]["files"]) == files
+    assert (folder / "__0_0.distcp").stat().st_size > 2 * (16 << 20)
     for name in files:
-        want = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        want = block_tree_sha256((folder / name).read_bytes())
         assert meta["checksums"]["files"][name] == want, name
 
 
