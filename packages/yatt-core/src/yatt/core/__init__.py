@@ -7,7 +7,7 @@ from yatt.core._advantages import compute_grpo_advantages, mask_groups_with_rewa
 from yatt.core._backends import broadcast_to_tp_peers, build_policy, policy_config_from_dict
 from yatt.core._batch import Batch
 from yatt.core._config import coerce_value, config_from_dict, describe_config
-from yatt.core._export import export_hf, export_hf_from_checkpoint
+from yatt.core._export import EXPORT_MARKER, check_export_dir, export_hf, export_hf_from_checkpoint
 from yatt.core._head_logprobs import logprobs_in_head, supports_head_logprobs
 from yatt.core._learning_guard import LearningGuard, NoLearningError
 from yatt.core._loader import ROW_INDEX_KEY, ShardedLoader
@@ -47,6 +47,7 @@ from yatt.core._vision_inputs import (
 from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
 
 __all__ = [
+    "EXPORT_MARKER",
     "LR_SCHEDULES",
     "ROLLOUT_TOKEN_KEYS",
     "ROW_INDEX_KEY",
@@ -75,6 +76,7 @@ __all__ = [
     "aggregate",
     "broadcast_to_tp_peers",
     "build_policy",
+    "check_export_dir",
     "check_partial_resumption",
     "check_wandb",
     "coerce_value",
