@@ -213,6 +213,8 @@ def open_source(path: str | Path, *, columns: Sequence[str] | None = None) -> Ro
             )
     else:
         files = [path]
+    for file in files:
+        _check_regular_file(file)
     suffixes = {f.suffix for f in files}
     if suffixes == {".jsonl"} or suffixes == {".json"}:
         return JsonlSource(files)
@@ -221,6 +223,16 @@ def open_source(path: str | Path, *, columns: Sequence[str] | None = None) -> Ro
     raise ValueError(
         f"dataset {str(path)!r}: files must all be .jsonl or all .parquet; got {sorted(suffixes)}"
     )
+
+
+def _check_regular_file(path: Path) -> None:
+    """ValueError unless `path` is a regular file (after symlinks). A FIFO, a socket or a
+    device such as /dev/zero would block or never end when the index is built."""
+    if not path.is_file():  # stat, not open: opening a FIFO blocks until a writer comes
+        raise ValueError(
+            f"dataset file {str(path)!r} is not a regular file (a FIFO, socket or device?); "
+            "pass a JSONL or Parquet file, a folder of them, or a datasets save_to_disk folder"
+        )
 
 
 def _dataset_dict_splits(folder: Path) -> list[str]:
