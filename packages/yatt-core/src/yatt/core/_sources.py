@@ -112,7 +112,13 @@ class ParquetSource:
         groups = []  # (file index, row group index, first global row)
         start = 0
         for i, f in enumerate(self._files):
-            meta = pq.ParquetFile(f).metadata
+            try:
+                meta = pq.ParquetFile(f).metadata
+            except Exception as err:  # pyarrow's errors do not name the file
+                raise ValueError(
+                    f"dataset file {str(f)!r} cannot be read as Parquet (truncated or not "
+                    f"Parquet?): {type(err).__name__}: {err}"
+                ) from err
             for g in range(meta.num_row_groups):
                 groups.append((i, g, start))
                 start += meta.row_group(g).num_rows
@@ -128,11 +134,18 @@ class ParquetSource:
             file_index, row_group, first = self._groups[g]
             positions = np.flatnonzero(group_of == g)
             # One row group at a time: the transient peak is one group's requested columns.
-            table = self._pq.ParquetFile(self._files[file_index]).read_row_group(
-                row_group, columns=self._columns
-            )
-            rows = table.take(index_arr[positions] - first).to_pylist()
-            del table
+            try:
+                table = self._pq.ParquetFile(self._files[file_index]).read_row_group(
+                    row_group, columns=self._columns
+                )
+                rows = table.take(index_arr[positions] - first).to_pylist()
+                del table
+            except Exception as err:  # a damaged page: this group's rows are skipped, counted
+                reason = (
+                    f"row group {row_group} of {str(self._files[file_index])!r} cannot be read "
+                    f"({type(err).__name__}: {err})"
+                )
+                rows = [BadRow(reason)] * len(positions)
             for pos, row in zip(positions.tolist(), rows, strict=True):
                 out[pos] = row
         return out  # type: ignore[return-value]
@@ -152,7 +165,13 @@ class HfDatasetSource:
                 "reading it needs the datasets package: pip install 'yatt-core[datasets]' "
                 "(or pip install datasets)"
             ) from err
-        dataset = datasets.load_from_disk(str(folder), keep_in_memory=False)
+        try:
+            dataset = datasets.load_from_disk(str(folder), keep_in_memory=False)
+        except Exception as err:  # e.g. a truncated Arrow file; datasets does not name it
+            raise ValueError(
+                f"dataset {str(folder)!r} cannot be loaded as a datasets folder: "
+                f"{_describe_arrow_problem(folder) or f'{type(err).__name__}: {err}'}"
+            ) from err
         if columns is not None:
             missing = sorted(set(columns) - set(dataset.column_names))
             if missing:
@@ -181,6 +200,19 @@ class HfDatasetSource:
             return dict(self._dataset[index])
         except Exception as err:
             return f"undecodable row ({type(err).__name__}: {err})"
+
+
+def _describe_arrow_problem(folder: Path) -> str | None:
+    """Which Arrow file of a save_to_disk folder cannot be read, and why; None if all can."""
+    import pyarrow as pa
+
+    for file in sorted(folder.glob("*.arrow")):
+        try:
+            with pa.memory_map(str(file)) as source:  # mapped: reading costs no memory
+                pa.ipc.open_stream(source).read_all()
+        except Exception as err:
+            return f"{str(file)!r} cannot be read (truncated?): {type(err).__name__}: {err}"
+    return None
 
 
 # The files `datasets` writes with save_to_disk: a Dataset folder, and a DatasetDict's root.
