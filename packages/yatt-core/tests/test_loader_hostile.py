@@ -6,6 +6,8 @@ more than a bounded number of bytes."""
 import json
 import os
 import stat
+import time
+import tracemalloc
 
 import pytest
 
@@ -89,3 +91,70 @@ def test_a_truncated_arrow_file_of_a_datasets_folder_is_named(tmp_path):
     os.truncate(arrow, os.path.getsize(arrow) // 2)
     with pytest.raises(ValueError, match=rf"{arrow.name}' cannot be read"):
         ShardedLoader(folder, batch_size=1)
+
+
+def _append_sparse_line(path, num_bytes):
+    """Append a JSONL row whose line is `num_bytes` long, mostly a hole in the file: a prompt
+    string of NUL bytes (no disk written), then a normal row after it."""
+    with open(path, "ab") as f:
+        f.write(b'{"prompt": "')
+        start = f.tell()
+    os.truncate(path, start + num_bytes - len(b'{"prompt": "') - 2)
+    with open(path, "ab") as f:
+        f.write(b'"}\n' + json.dumps({"prompt": "after"}).encode() + b"\n")
+
+
+def test_an_oversized_jsonl_line_is_skipped_unread(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "before"}])
+    _append_sparse_line(path, 100 << 20)  # 100 MiB on one line
+    loader = ShardedLoader(path, batch_size=3, should_shuffle=False, max_row_bytes=1 << 20)
+    tracemalloc.start()
+    started = time.perf_counter()
+    got = loader.next_batch()
+    seconds = time.perf_counter() - started
+    peak_bytes = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [r["prompt"] for r in got] == ["before", "after"]
+    assert loader.skipped_by_cause()["too_long"] == 1
+    assert any("over max_row_bytes=1048576" in reason for reason in loader.skipped)
+    assert peak_bytes < 8 << 20, peak_bytes  # the line was measured in chunks, never held
+    assert seconds < 5, seconds
+
+
+def test_a_line_at_the_row_cap_is_read_and_one_byte_over_is_not(tmp_path):
+    line = json.dumps({"prompt": "x" * 100})
+    path = tmp_path / "d.jsonl"
+    # The second row is followed by blank lines: they do not count towards its size.
+    path.write_text(f"{line}\n{line}\n" + " " * 500 + "\n\n" + f"{line}x\n")
+    loader = ShardedLoader(path, batch_size=3, should_shuffle=False, max_row_bytes=len(line))
+    assert [r["_index"] for r in loader.next_batch()] == [0, 1]
+    assert loader.skipped_by_cause()["too_long"] == 1
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        pytest.param("[" * 100_000 + "]" * 100_000, id="nested-past-the-recursion-limit"),
+        pytest.param('{"prompt": "q", "answer": ' + "9" * 5000 + "}", id="5000-digit-int"),
+        pytest.param('{"prompt": "q\\ud800"', id="cut-after-a-lone-surrogate"),
+    ],
+)
+def test_json_the_parser_refuses_is_an_unreadable_skip(tmp_path, line):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "ok"}) + "\n" + line + "\n")
+    loader = ShardedLoader(path, batch_size=2, should_shuffle=False)
+    assert [r["prompt"] for r in loader.next_batch()] == ["ok"]
+    assert loader.skipped_by_cause()["unreadable"] == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param({"max_row_bytes": 0}, "max_row_bytes=0", id="zero-row-bytes"),
+        pytest.param({"max_row_bytes": True}, "max_row_bytes=True", id="bool-row-bytes"),
+    ],
+)
+def test_bad_limits_fail_at_construction(tmp_path, kwargs, match):
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}"} for i in range(4)])
+    with pytest.raises(ValueError, match=match):
+        ShardedLoader(path, batch_size=1, **kwargs)

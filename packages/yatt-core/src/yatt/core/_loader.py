@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from yatt.core._row_images import RowImageError, import_pil, open_row_images
-from yatt.core._sources import open_source
+from yatt.core._sources import DEFAULT_MAX_ROW_BYTES, BadRow, open_source
 
 logger = logging.getLogger("yatt.core")
 
@@ -73,6 +73,7 @@ class ShardedLoader:
         count_tokens: Callable[[Any], int] | None = None,
         columns: Sequence[str] | None = None,
         required_keys: Sequence[str] = (),
+        max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
     ) -> None:
         """batch_size: prompts per rank per step. max_prompt_tokens with count_tokens (e.g. a
         tokenizer applied to the prompt) skips rows whose prompt is longer. columns: Parquet
@@ -81,7 +82,9 @@ class ShardedLoader:
         image_key: the field holding a row's image(s); rows without one are skipped.
         should_open_images: open them into PIL images (default; see the module docstring),
         or False to pass the field on as stored (a payload the caller decodes itself).
-        max_image_pixels: skip rows with an image of more pixels (width x height) than this."""
+        max_image_pixels: skip rows with an image of more pixels (width x height) than this.
+        max_row_bytes: a JSONL row whose line is longer is skipped as too_long without being
+        read (default 64 MiB; Parquet and datasets rows are decoded by their readers)."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(
                 f"batch_size={batch_size!r} must be an int >= 1 (prompts per rank per step)"
@@ -95,6 +98,7 @@ class ShardedLoader:
                 f"max_prompt_tokens={max_prompt_tokens} needs count_tokens=<prompt -> token count>, "
                 "e.g. lambda p: len(tokenizer.apply_chat_template(p))"
             )
+        _check_positive_int("max_row_bytes", max_row_bytes, "bytes of a JSONL line")
         if max_image_pixels is not None and (
             isinstance(max_image_pixels, bool)
             or not isinstance(max_image_pixels, int)
@@ -104,6 +108,7 @@ class ShardedLoader:
                 f"max_image_pixels={max_image_pixels!r} must be an int >= 1 (width x height), "
                 "or None for no limit"
             )
+        _check_positive_int("max_row_bytes", max_row_bytes, "bytes of a JSONL line")
         if max_image_pixels is not None and (image_key is None or not should_open_images):
             raise ValueError(
                 f"max_image_pixels={max_image_pixels} is checked when images are opened; set "
@@ -129,7 +134,7 @@ class ShardedLoader:
         self.max_prompt_tokens = max_prompt_tokens
         self.count_tokens = count_tokens
         self.required_keys = tuple(required_keys)
-        self._source = open_source(path, columns=columns)
+        self._source = open_source(path, columns=columns, max_row_bytes=max_row_bytes)
         self.num_rows = self._source.num_rows
         if self.num_rows < world_size:
             raise ValueError(
@@ -250,12 +255,12 @@ class ShardedLoader:
             yield self.next_batch()
 
     def _usable_row(
-        self, row: dict[str, Any] | str
+        self, row: dict[str, Any] | BadRow
     ) -> tuple[dict[str, Any], None] | tuple[None, tuple[str, str]]:
         """(a copy of the row, its images opened, None), or (None, (cause, reason))."""
-        # The source gives a string for a row it could not decode (bad JSON, not an object).
-        if isinstance(row, str):
-            return None, ("unreadable", row)
+        # The source gives a BadRow for a row it could not give (bad JSON, a line too long).
+        if isinstance(row, BadRow):
+            return None, (row.cause, row.reason)
         problem = self._check_row(row)
         if problem is not None:
             return None, problem
@@ -360,6 +365,11 @@ class ShardedLoader:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._perm = None
+
+
+def _check_positive_int(name: str, value: Any, unit: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1 ({unit})")
 
 
 def _is_message(item: Any) -> bool:
