@@ -152,9 +152,78 @@ def test_json_the_parser_refuses_is_an_unreadable_skip(tmp_path, line):
     [
         pytest.param({"max_row_bytes": 0}, "max_row_bytes=0", id="zero-row-bytes"),
         pytest.param({"max_row_bytes": True}, "max_row_bytes=True", id="bool-row-bytes"),
+        pytest.param({"max_prompt_bytes": 0}, "max_prompt_bytes=0", id="zero-prompt-bytes"),
+        pytest.param({"max_prompt_bytes": 1.5}, "max_prompt_bytes=1.5", id="float-prompt-bytes"),
     ],
 )
 def test_bad_limits_fail_at_construction(tmp_path, kwargs, match):
     path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}"} for i in range(4)])
     with pytest.raises(ValueError, match=match):
         ShardedLoader(path, batch_size=1, **kwargs)
+
+
+class _TokenCounter:
+    """count_tokens that records the size of every prompt it was given (1 token per char)."""
+
+    def __init__(self):
+        self.sizes = []
+
+    def __call__(self, prompt):
+        text = prompt if isinstance(prompt, str) else "".join(m["content"] for m in prompt)
+        self.sizes.append(len(text))
+        return len(text)
+
+
+def test_a_huge_prompt_is_skipped_before_the_tokenizer_sees_it(tmp_path):
+    rows = [{"prompt": "short"}, {"prompt": "x" * (5 << 20)}, {"prompt": "also short"}]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    counter = _TokenCounter()
+    # Derived cap: 100 tokens x 128 bytes per token at most = 12800 bytes.
+    loader = ShardedLoader(
+        path, batch_size=3, should_shuffle=False, max_prompt_tokens=100, count_tokens=counter
+    )
+    assert [r["prompt"] for r in loader.first_rows()] == ["short", "also short"]
+    assert [r["prompt"] for r in loader.next_batch()] == ["short", "also short"]
+    assert max(counter.sizes) == len("also short")  # the 5 MiB prompt never reached it
+    assert loader.skipped_by_cause()["too_long"] == 1
+    assert any("over max_prompt_bytes=12800" in reason for reason in loader.skipped)
+
+
+def test_the_byte_cap_counts_utf8_bytes_of_text_and_message_contents(tmp_path):
+    rows = [
+        {"prompt": "\u00e9" * 5},  # 10 bytes: at the cap
+        {"prompt": "\u00e9" * 6},  # 12 bytes in 6 characters: over
+        {"prompt": [{"role": "system", "content": "abcd"}, {"role": "user", "content": "efghij"}]},
+        {"prompt": [{"role": "system", "content": "abcd"}, {"role": "user", "content": "efghijk"}]},
+    ]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    counter = _TokenCounter()
+    loader = ShardedLoader(
+        path,
+        batch_size=4,
+        should_shuffle=False,
+        max_prompt_bytes=10,
+        max_prompt_tokens=1000,
+        count_tokens=counter,
+    )
+    assert [r["_index"] for r in loader.next_batch()] == [0, 2]
+    assert sorted(counter.sizes) == [5, 10]  # only the rows within the cap were tokenized
+    assert loader.skipped_by_cause()["too_long"] == 2
+    # Without a token limit the byte cap stands alone (no tokenizer needed).
+    loader = ShardedLoader(path, batch_size=4, should_shuffle=False, max_prompt_bytes=10)
+    assert [r["_index"] for r in loader.next_batch()] == [0, 2]
+
+
+def test_a_prompt_that_is_not_valid_unicode_is_a_bad_prompt(tmp_path):
+    # JSON may escape a lone surrogate; a tokenizer (UTF-8 in Rust) would raise on it mid-run.
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"prompt": "half of a pair: \\ud800"}\n')
+
+    def count_tokens(prompt):
+        return len(prompt.encode("utf-8"))  # raises on a lone surrogate, as a tokenizer would
+
+    loader = ShardedLoader(
+        path, batch_size=2, should_shuffle=False, max_prompt_tokens=100, count_tokens=count_tokens
+    )
+    assert [r["prompt"] for r in loader.next_batch()] == ["ok"]
+    assert loader.skipped_by_cause()["bad_prompt"] == 1

@@ -40,6 +40,12 @@ _MAX_LOGGED_SKIPS = 20
 _MAX_SKIP_REASONS = 100
 OTHER_REASONS = "(other reasons)"
 _NUM_ROWS_CHECKED = 16  # rows read at start-up to catch a misspelled key
+# Without max_prompt_bytes, a prompt of more UTF-8 bytes than max_prompt_tokens times this is
+# too long before it is tokenized (a tokenizer's time and memory grow with its input: a 50 MB
+# prompt took minutes and 20 GB). An assumed bound on the bytes one token covers, far above
+# real text (English about 4, CJK about 3 to 6); pass max_prompt_bytes for an exact one, e.g.
+# max_prompt_tokens x the vocabulary's longest token in bytes.
+MAX_BYTES_PER_TOKEN = 128
 # Why a row was skipped, as metric keys (every rank reports all of them, zeros included).
 SKIP_CAUSES = (
     "unreadable",
@@ -74,6 +80,7 @@ class ShardedLoader:
         columns: Sequence[str] | None = None,
         required_keys: Sequence[str] = (),
         max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+        max_prompt_bytes: int | None = None,
     ) -> None:
         """batch_size: prompts per rank per step. max_prompt_tokens with count_tokens (e.g. a
         tokenizer applied to the prompt) skips rows whose prompt is longer. columns: Parquet
@@ -84,7 +91,11 @@ class ShardedLoader:
         or False to pass the field on as stored (a payload the caller decodes itself).
         max_image_pixels: skip rows with an image of more pixels (width x height) than this.
         max_row_bytes: a JSONL row whose line is longer is skipped as too_long without being
-        read (default 64 MiB; Parquet and datasets rows are decoded by their readers)."""
+        read (default 64 MiB; Parquet and datasets rows are decoded by their readers).
+        max_prompt_bytes: a prompt of more UTF-8 bytes (a message list: its contents') is
+        skipped as too_long before count_tokens sees it; default max_prompt_tokens x
+        MAX_BYTES_PER_TOKEN (128), none without max_prompt_tokens. The bound assumes the chat
+        template keeps every message's content."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(
                 f"batch_size={batch_size!r} must be an int >= 1 (prompts per rank per step)"
@@ -99,6 +110,10 @@ class ShardedLoader:
                 "e.g. lambda p: len(tokenizer.apply_chat_template(p))"
             )
         _check_positive_int("max_row_bytes", max_row_bytes, "bytes of a JSONL line")
+        if max_prompt_bytes is not None:
+            _check_positive_int("max_prompt_bytes", max_prompt_bytes, "UTF-8 bytes, or None")
+        elif max_prompt_tokens is not None:
+            max_prompt_bytes = max_prompt_tokens * MAX_BYTES_PER_TOKEN
         if max_image_pixels is not None and (
             isinstance(max_image_pixels, bool)
             or not isinstance(max_image_pixels, int)
@@ -109,6 +124,10 @@ class ShardedLoader:
                 "or None for no limit"
             )
         _check_positive_int("max_row_bytes", max_row_bytes, "bytes of a JSONL line")
+        if max_prompt_bytes is not None:
+            _check_positive_int("max_prompt_bytes", max_prompt_bytes, "UTF-8 bytes, or None")
+        elif max_prompt_tokens is not None:
+            max_prompt_bytes = max_prompt_tokens * MAX_BYTES_PER_TOKEN
         if max_image_pixels is not None and (image_key is None or not should_open_images):
             raise ValueError(
                 f"max_image_pixels={max_image_pixels} is checked when images are opened; set "
@@ -132,6 +151,7 @@ class ShardedLoader:
         self.seed = seed
         self.should_shuffle = should_shuffle
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_bytes = max_prompt_bytes
         self.count_tokens = count_tokens
         self.required_keys = tuple(required_keys)
         self._source = open_source(path, columns=columns, max_row_bytes=max_row_bytes)
@@ -287,6 +307,9 @@ class ShardedLoader:
                 "bad_prompt",
                 f"{self.prompt_key!r} is a list but not of {{role, content}} string messages",
             )
+        problem = self._check_prompt_bytes(prompt)
+        if problem is not None:
+            return problem
         if self.image_key is not None and row.get(self.image_key) is None:
             return "no_image", f"no {self.image_key!r} field"
         for key in self.required_keys:
@@ -299,6 +322,25 @@ class ShardedLoader:
             num_tokens = self.count_tokens(prompt)
             if num_tokens > self.max_prompt_tokens:
                 return "too_long", f"prompt longer than max_prompt_tokens={self.max_prompt_tokens}"
+        return None
+
+    def _check_prompt_bytes(self, prompt: str | list[dict[str, str]]) -> tuple[str, str] | None:
+        """too_long past max_prompt_bytes, measured without tokenizing (and without encoding a
+        text whose character count is already over: a character is at least one byte);
+        bad_prompt for text that is not valid Unicode (a lone surrogate JSON can escape), which
+        a tokenizer would raise on."""
+        texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+        limit = self.max_prompt_bytes
+        num_bytes = 0
+        for text in texts:
+            if limit is not None and num_bytes + len(text) > limit:
+                return "too_long", f"prompt over max_prompt_bytes={limit} (not tokenized)"
+            try:
+                num_bytes += len(text.encode("utf-8"))
+            except UnicodeEncodeError as err:
+                return "bad_prompt", f"{self.prompt_key!r} is not valid Unicode text ({err.reason})"
+        if limit is not None and num_bytes > limit:
+            return "too_long", f"prompt of {num_bytes} bytes, over max_prompt_bytes={limit}"
         return None
 
     def _skip(self, index: int, cause: str, reason: str) -> None:
