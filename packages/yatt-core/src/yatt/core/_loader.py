@@ -28,7 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from yatt.core._row_images import RowImageError, import_pil, open_row_images
+from yatt.core._row_images import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    RowImageError,
+    import_pil,
+    open_row_images,
+)
 from yatt.core._sources import DEFAULT_MAX_ROW_BYTES, BadRow, open_source
 
 logger = logging.getLogger("yatt.core")
@@ -81,6 +86,7 @@ class ShardedLoader:
         required_keys: Sequence[str] = (),
         max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
         max_prompt_bytes: int | None = None,
+        max_image_bytes: int | None = None,
     ) -> None:
         """batch_size: prompts per rank per step. max_prompt_tokens with count_tokens (e.g. a
         tokenizer applied to the prompt) skips rows whose prompt is longer. columns: Parquet
@@ -95,7 +101,9 @@ class ShardedLoader:
         max_prompt_bytes: a prompt of more UTF-8 bytes (a message list: its contents') is
         skipped as too_long before count_tokens sees it; default max_prompt_tokens x
         MAX_BYTES_PER_TOKEN (128), none without max_prompt_tokens. The bound assumes the chat
-        template keeps every message's content."""
+        template keeps every message's content.
+        max_image_bytes: skip rows with an image file (or inline bytes) larger than this,
+        unread; default 32 MiB when images are opened."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(
                 f"batch_size={batch_size!r} must be an int >= 1 (prompts per rank per step)"
@@ -133,6 +141,13 @@ class ShardedLoader:
                 f"max_image_pixels={max_image_pixels} is checked when images are opened; set "
                 "image_key (and leave should_open_images=True), or drop max_image_pixels"
             )
+        if max_image_bytes is not None:
+            _check_positive_int("max_image_bytes", max_image_bytes, "bytes of an image file")
+            if image_key is None or not should_open_images:
+                raise ValueError(
+                    f"max_image_bytes={max_image_bytes} is checked when images are opened; set "
+                    "image_key (and leave should_open_images=True), or drop max_image_bytes"
+                )
         if image_key is not None and should_open_images:
             import_pil()  # ImportError now, naming the extra, not at the first row
         if columns is not None:
@@ -146,6 +161,9 @@ class ShardedLoader:
         self.image_key = image_key
         self.should_open_images = should_open_images
         self.max_image_pixels = max_image_pixels
+        self.max_image_bytes = (
+            DEFAULT_MAX_IMAGE_BYTES if max_image_bytes is None else max_image_bytes
+        )
         # Relative image paths are relative to the data file's folder (a folder of shards: itself).
         self._image_dir = Path(path) if Path(path).is_dir() else Path(path).parent
         self.seed = seed
@@ -289,7 +307,10 @@ class ShardedLoader:
             # Last: a row skipped for a cheaper cause never has its images decoded.
             try:
                 row[self.image_key] = open_row_images(
-                    row[self.image_key], base_dir=self._image_dir, max_pixels=self.max_image_pixels
+                    row[self.image_key],
+                    base_dir=self._image_dir,
+                    max_pixels=self.max_image_pixels,
+                    max_bytes=self.max_image_bytes,
                 )
             except RowImageError as err:
                 return None, (err.cause, f"{self.image_key!r}: {err}")
