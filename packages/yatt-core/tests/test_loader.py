@@ -136,8 +136,8 @@ def test_bad_rows_are_counted_and_skipped(tmp_path, caplog):
     # Fixed metric keys: every cause present, so ranks reduce the same keys.
     assert loader.skipped_by_cause() == {
         "unreadable": 2,  # bad JSON and a JSON list
-        "no_prompt": 1,
-        "bad_prompt": 1,
+        "no_prompt": 2,  # no field, and an empty one
+        "bad_prompt": 0,
         "too_long": 1,
         "no_image": 0,
         "bad_image": 0,
@@ -228,7 +228,9 @@ def test_a_shard_with_no_usable_row_stops_with_the_skip_counts(tmp_path):
     loader = ShardedLoader(path, batch_size=4, rank=1, world_size=2, seed=0)
     assert loader.next_batch() == []  # 4 of the rank's 6 rows, all unusable: draw again
     assert loader.next_batch() == []  # into the second epoch: a usable row could still come
-    with pytest.raises(ValueError, match=r"empty_prompts.jsonl.*epoch of its 6 rows.*non-empty"):
+    with pytest.raises(
+        ValueError, match=r"empty_prompts.jsonl.*epoch of its 6 rows.*no_prompt 12 .*no text"
+    ):
         loader.next_batch()
 
 

@@ -227,3 +227,22 @@ def test_a_prompt_that_is_not_valid_unicode_is_a_bad_prompt(tmp_path):
     )
     assert [r["prompt"] for r in loader.next_batch()] == ["ok"]
     assert loader.skipped_by_cause()["bad_prompt"] == 1
+
+
+def test_a_prompt_without_text_is_no_prompt(tmp_path):
+    blank_messages = [{"role": "system", "content": " "}, {"role": "user", "content": "\n\t"}]
+    rows = [
+        {"prompt": "ok"},
+        {"prompt": ""},
+        {"prompt": " \n\t\u3000"},  # whitespace only (an ideographic space too)
+        {"prompt": []},
+        {"prompt": blank_messages},
+        {"prompt": [{"role": "system", "content": " "}, {"role": "user", "content": "hi"}]},
+        {"prompt": 5},  # not text at all: bad_prompt, as before
+    ]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    loader = ShardedLoader(path, batch_size=7, should_shuffle=False)
+    assert [r["_index"] for r in loader.next_batch()] == [0, 5]
+    counts = loader.skipped_by_cause()
+    assert (counts["no_prompt"], counts["bad_prompt"]) == (4, 1)
+    assert loader.first_rows() == [{**rows[0], "_index": 0}, {**rows[5], "_index": 5}]

@@ -321,13 +321,18 @@ class ShardedLoader:
         prompt = row.get(self.prompt_key)
         if prompt is None:
             return "no_prompt", f"no {self.prompt_key!r} field"
-        if not isinstance(prompt, str | list) or len(prompt) == 0:
-            return "bad_prompt", f"{self.prompt_key!r} is not a non-empty string or message list"
+        if not isinstance(prompt, str | list):
+            return "bad_prompt", f"{self.prompt_key!r} is not a string or a message list"
         if isinstance(prompt, list) and not all(_is_message(m) for m in prompt):
             return (
                 "bad_prompt",
                 f"{self.prompt_key!r} is a list but not of {{role, content}} string messages",
             )
+        texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+        # Whitespace only would be trained on as a prompt of nothing (str.isspace() is
+        # Unicode-aware, and False for ""; a huge text stops at its first other character).
+        if not any(text and not text.isspace() for text in texts):
+            return "no_prompt", f"{self.prompt_key!r} holds no text (empty or whitespace only)"
         problem = self._check_prompt_bytes(prompt)
         if problem is not None:
             return problem
