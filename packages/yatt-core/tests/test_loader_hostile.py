@@ -246,3 +246,38 @@ def test_a_prompt_without_text_is_no_prompt(tmp_path):
     counts = loader.skipped_by_cause()
     assert (counts["no_prompt"], counts["bad_prompt"]) == (4, 1)
     assert loader.first_rows() == [{**rows[0], "_index": 0}, {**rows[5], "_index": 5}]
+
+
+def test_a_required_field_that_is_no_finite_number_or_blank_is_a_bad_field(tmp_path):
+    lines = [
+        '{"prompt": "a", "answer": 7}',
+        '{"prompt": "b", "answer": 2.5}',
+        '{"prompt": "c", "answer": NaN}',  # Python's json accepts these three
+        '{"prompt": "d", "answer": Infinity}',
+        '{"prompt": "e", "answer": -Infinity}',
+        '{"prompt": "f", "answer": 1e400}',  # overflows to inf
+        '{"prompt": "g", "answer": " \\n"}',
+        '{"prompt": "h", "answer": ""}',
+        '{"prompt": "i", "answer": "NaN"}',  # a string: text, kept
+        '{"prompt": "j"}',  # missing: no_field, as before
+    ]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    loader = ShardedLoader(path, batch_size=10, should_shuffle=False, required_keys=["answer"])
+    assert [r["prompt"] for r in loader.next_batch()] == ["a", "b", "i"]
+    counts = loader.skipped_by_cause()
+    assert (counts["bad_field"], counts["no_field"]) == (6, 1)
+    assert any("'answer' is inf, not a finite number" in r for r in loader.skipped)
+
+
+def test_a_non_finite_required_number_from_parquet_is_a_bad_field(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": "a", "answer": 1.0}, {"prompt": "b", "answer": float("nan")}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    loader = ShardedLoader(
+        tmp_path / "d.parquet", batch_size=2, should_shuffle=False, required_keys=["answer"]
+    )
+    assert [r["prompt"] for r in loader.next_batch()] == ["a"]
+    assert loader.skipped_by_cause()["bad_field"] == 1

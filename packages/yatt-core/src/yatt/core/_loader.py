@@ -21,6 +21,7 @@ usable row stops with the data file and the counts: no number of draws could fil
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -61,6 +62,7 @@ SKIP_CAUSES = (
     "bad_image",
     "image_too_large",
     "no_field",
+    "bad_field",
 )
 
 
@@ -91,7 +93,8 @@ class ShardedLoader:
         """batch_size: prompts per rank per step. max_prompt_tokens with count_tokens (e.g. a
         tokenizer applied to the prompt) skips rows whose prompt is longer. columns: Parquet
         columns to read (default all). required_keys: fields a row must hold as a string or a
-        number (e.g. the reference answer a judge reads); rows without them are skipped.
+        number (e.g. the reference answer a judge reads); rows without them are skipped
+        (no_field), as are rows where one is blank text or a non-finite number (bad_field).
         image_key: the field holding a row's image(s); rows without one are skipped.
         should_open_images: open them into PIL images (default; see the module docstring),
         or False to pass the field on as stored (a payload the caller decodes itself).
@@ -343,6 +346,11 @@ class ShardedLoader:
             # bool is an int in Python, never an answer; an int or float answer is used as text.
             if isinstance(value, bool) or not isinstance(value, str | int | float):
                 return "no_field", f"no {key!r} field with a string or number"
+            # JSON's NaN/Infinity (and 1e400, parsed as inf) would be a judge's reference "nan".
+            if isinstance(value, float) and not math.isfinite(value):
+                return "bad_field", f"{key!r} is {value}, not a finite number"
+            if isinstance(value, str) and (not value or value.isspace()):
+                return "bad_field", f"{key!r} holds no text (empty or whitespace only)"
         if self.max_prompt_tokens is not None:
             assert self.count_tokens is not None
             num_tokens = self.count_tokens(prompt)
