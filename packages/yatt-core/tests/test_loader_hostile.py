@@ -281,3 +281,26 @@ def test_a_non_finite_required_number_from_parquet_is_a_bad_field(tmp_path):
     )
     assert [r["prompt"] for r in loader.next_batch()] == ["a"]
     assert loader.skipped_by_cause()["bad_field"] == 1
+
+
+@pytest.mark.parametrize(
+    ("num_rows", "world_size", "batch_size", "shard"),
+    [
+        pytest.param(5, 1, 6, 5, id="one-rank"),
+        pytest.param(7, 2, 4, 3, id="two-ranks-7-rows"),  # 7 // 2 = 3 rows per rank per epoch
+    ],
+)
+def test_a_batch_larger_than_the_shard_fails_at_construction(
+    tmp_path, num_rows, world_size, batch_size, shard
+):
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}"} for i in range(num_rows)])
+    with pytest.raises(
+        ValueError,
+        match=rf"batch_size={batch_size} \(prompts per rank per step.*prompts_per_rank\).*"
+        rf"{shard} rows per rank",
+    ):
+        ShardedLoader(path, batch_size=batch_size, world_size=world_size)
+    # A batch of the whole shard is fine: each step one epoch, every prompt once.
+    loader = ShardedLoader(path, batch_size=shard, world_size=world_size, rank=world_size - 1)
+    indices = [r["_index"] for r in loader.next_batch()]
+    assert len(indices) == len(set(indices)) == shard

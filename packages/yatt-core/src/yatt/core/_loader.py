@@ -183,6 +183,14 @@ class ShardedLoader:
                 "data-parallel ranks; every rank needs at least one row"
             )
         self.num_local_rows = self.num_rows // world_size  # per rank per epoch
+        if batch_size > self.num_local_rows:
+            # Epochs would roll over inside one batch: the same prompt twice in a step.
+            raise ValueError(
+                f"batch_size={batch_size} (prompts per rank per step: the trainer's "
+                f"data.prompts_per_rank) is more than dataset {str(path)!r} gives each rank: "
+                f"{self.num_rows} rows // {world_size} ranks = {self.num_local_rows} rows per "
+                f"rank per epoch; lower it to at most {self.num_local_rows}, or use more data"
+            )
         self.epoch = 0
         self.position = 0  # rows of this epoch consumed by each rank
         self.path = path
