@@ -332,8 +332,13 @@ def test_an_undecodable_hf_row_is_a_counted_skip(tmp_path):
     rows = {"prompt": [f"q{i}" for i in range(4)], "image": images}
     features = datasets.Features({"prompt": datasets.Value("string"), "image": datasets.Image()})
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "hf"))
-    loader = ShardedLoader(tmp_path / "hf", batch_size=4, should_shuffle=False, image_key="image")
+    # Without image_key, datasets decodes the Image column, as `dataset[i]` does.
+    loader = ShardedLoader(tmp_path / "hf", batch_size=4, should_shuffle=False)
     got = loader.next_batch()
     assert [r[ROW_INDEX_KEY] for r in got] == [0, 1, 3]
-    assert got[0]["image"].size == (2, 2)  # decoded as `dataset[i]` decodes it
+    assert got[0]["image"].size == (2, 2)
     assert loader.skipped_by_cause()["unreadable"] == 1
+    # With image_key, the loader opens that column itself: the damaged image is a bad_image.
+    loader = ShardedLoader(tmp_path / "hf", batch_size=4, should_shuffle=False, image_key="image")
+    assert [r[ROW_INDEX_KEY] for r in loader.next_batch()] == [0, 1, 3]
+    assert loader.skipped_by_cause()["bad_image"] == 1

@@ -235,3 +235,19 @@ def test_max_image_bytes_applies_to_files_and_to_inline_bytes(tmp_path):
         with pytest.raises(RowImageError, match=f"over max_image_bytes={limit}") as err:
             open_row_images(value, base_dir=tmp_path, max_pixels=None, max_bytes=limit)
         assert err.value.cause == "image_too_large"
+
+
+def test_a_datasets_image_column_is_checked_before_datasets_decodes_it(tmp_path):
+    """The Image feature is read undecoded (bytes), so max_image_bytes and the header's pixel
+    count apply before any pixels are decoded, and a damaged image is a bad_image skip."""
+    datasets = pytest.importorskip("datasets")
+    features = datasets.Features({"prompt": datasets.Value("string"), "image": datasets.Image()})
+    small, large = _png((2, 2)), _png((64, 64), "white")
+    images = [{"bytes": b, "path": None} for b in (small, large, b"not an image", small)]
+    rows = {"prompt": ["small", "large", "broken", "small again"], "image": images}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "hf"))
+    loader, got = _load_all(tmp_path / "hf", max_image_bytes=len(small))
+    assert [r["prompt"] for r in got] == ["small", "small again"]
+    assert isinstance(got[0]["image"], Image.Image) and got[0]["image"].size == (2, 2)
+    counts = loader.skipped_by_cause()
+    assert (counts["image_too_large"], counts["bad_image"], counts["unreadable"]) == (1, 1, 0)

@@ -175,7 +175,12 @@ class ShardedLoader:
         self.max_prompt_bytes = max_prompt_bytes
         self.count_tokens = count_tokens
         self.required_keys = tuple(required_keys)
-        self._source = open_source(path, columns=columns, max_row_bytes=max_row_bytes)
+        # A datasets Image column is opened here, not by datasets: its size and header are
+        # checked before its pixels are decoded, as for any other image.
+        undecoded_images = [image_key] if image_key is not None and should_open_images else []
+        self._source = open_source(
+            path, columns=columns, max_row_bytes=max_row_bytes, undecoded_images=undecoded_images
+        )
         self.num_rows = self._source.num_rows
         if self.num_rows < world_size:
             raise ValueError(

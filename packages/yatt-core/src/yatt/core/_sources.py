@@ -209,9 +209,16 @@ class ParquetSource:
 class HfDatasetSource:
     """Rows of one split saved by `datasets`' `save_to_disk` (a folder with state.json and
     Arrow files). The files are memory-mapped; read() decodes only the rows asked for, with
-    the dataset's features (an Image column gives PIL images, as `dataset[i]` does)."""
+    the dataset's features (an Image column gives PIL images, as `dataset[i]` does), except
+    the `undecoded_images` columns of the Image feature: they give {"bytes", "path"} as stored,
+    for the caller to check its size and header before decoding."""
 
-    def __init__(self, folder: Path, columns: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        columns: Sequence[str] | None = None,
+        undecoded_images: Sequence[str] = (),
+    ) -> None:
         try:
             import datasets
         except ImportError as err:
@@ -235,6 +242,11 @@ class HfDatasetSource:
                     f"it has {dataset.column_names}"
                 )
             dataset = dataset.select_columns(list(columns))
+        for name in undecoded_images:
+            # Only a plain Image column: casting its decode flag only relabels the feature. A
+            # list of images would be rewritten whole by cast(); datasets decodes those.
+            if isinstance(dataset.features.get(name), datasets.Image):
+                dataset = dataset.cast_column(name, datasets.Image(decode=False))
         self._dataset = dataset
         self.num_rows = int(dataset.num_rows)
 
@@ -280,16 +292,18 @@ def open_source(
     *,
     columns: Sequence[str] | None = None,
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+    undecoded_images: Sequence[str] = (),
 ) -> RowSource:
     """A source for a JSONL or Parquet file, a directory of such files (sorted by name), or a
     Hugging Face `datasets` folder written by `save_to_disk` (for a DatasetDict: the folder of
     one split, e.g. "data/gsm8k/train"). max_row_bytes: JSONL lines longer than this are
-    BadRows (too_long), never read whole."""
+    BadRows (too_long), never read whole. undecoded_images: a datasets folder's Image columns
+    to give as stored ({"bytes", "path"}) instead of decoded."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"dataset path {str(path)!r} does not exist")
     if path.is_dir() and (path / _HF_DATASET_STATE).is_file():
-        return HfDatasetSource(path, columns=columns)
+        return HfDatasetSource(path, columns=columns, undecoded_images=undecoded_images)
     if path.is_dir() and (path / _HF_DATASET_DICT).is_file():
         splits = _dataset_dict_splits(path)
         example = str(path / splits[0]) if splits else str(path / "train")
