@@ -7,9 +7,13 @@
 Ranks never exchange rows: each builds the same light index (line offsets or row-group sizes),
 computes the same permutation, and parses only its own rows. The last num_rows % W rows of a
 permutation are left out of that epoch so every rank has the same number of steps. Rows that
-are unusable (bad JSON, no prompt, prompt too long, a required field missing, an image that is
-missing, does not decode or is too large) are skipped, counted per cause (`skipped_by_cause()`,
-fixed keys for metrics) and logged; the batch is then smaller on that rank.
+are unusable (bad JSON, no prompt text, a prompt or a JSONL line too long, a required field
+missing, blank or not finite, an image that is missing, does not decode or is too large) are
+skipped, counted per cause (`skipped_by_cause()`, fixed keys for metrics) and logged; the batch
+is then smaller on that rank. Sizes are checked before the costly step, so one bad row costs a
+bounded time and memory: a JSONL line's length before it is read (max_row_bytes), a prompt's
+UTF-8 bytes before it is tokenized (max_prompt_bytes), an image file's stat and size before it
+is opened (max_image_bytes) and its header's pixel count before it is decoded.
 
 With `image_key`, a row's images are opened where the row is read (this rank): the field may
 hold a path (relative to the data file's folder, or absolute), bytes, a `datasets` Image
