@@ -13,9 +13,9 @@ from yatt.core._learning_guard import LearningGuard, NoLearningError
 from yatt.core._loader import ROW_INDEX_KEY, ShardedLoader
 from yatt.core._logits import compute_entropy, compute_token_logprobs
 from yatt.core._losses import (
+    OBJECTIVES,
     PolicyLoss,
     aggregate,
-    compute_clipped_policy_loss,
     compute_kl,
     count_units,
     sum_over_units,
@@ -24,10 +24,21 @@ from yatt.core._metrics import reduce_metrics
 from yatt.core._model_paths import resolve_model_dir
 from yatt.core._optimization import LR_SCHEDULES, compute_lr
 from yatt.core._policy import LossFn, PolicyBackend, TorchPolicyConfig
+from yatt.core._rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    compute_mismatch_kl,
+    compute_rollout_weights,
+)
 from yatt.core._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
 from yatt.core._run_log import RunLog, check_wandb
 from yatt.core._runtime import Runtime, init_runtime, set_seed
 from yatt.core._sampling import sample_dynamically
+from yatt.core._surrogates import (
+    ClipRegions,
+    compute_cispo_policy_loss,
+    compute_clipped_policy_loss,
+    compute_gspo_policy_loss,
+)
 from yatt.core._torch_policy import TorchPolicy, image_patches_of
 from yatt.core._version import __version__
 from yatt.core._vision_inputs import (
@@ -41,10 +52,13 @@ from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
 
 __all__ = [
     "LR_SCHEDULES",
+    "OBJECTIVES",
+    "ROLLOUT_CORRECTIONS",
     "ROLLOUT_TOKEN_KEYS",
     "ROW_INDEX_KEY",
     "VISION_INPUTS_KEY",
     "Batch",
+    "ClipRegions",
     "LearningGuard",
     "LossFn",
     "MegatronPolicy",
@@ -65,11 +79,15 @@ __all__ = [
     "build_policy",
     "check_wandb",
     "coerce_value",
+    "compute_cispo_policy_loss",
     "compute_clipped_policy_loss",
     "compute_entropy",
     "compute_grpo_advantages",
+    "compute_gspo_policy_loss",
     "compute_kl",
     "compute_lr",
+    "compute_mismatch_kl",
+    "compute_rollout_weights",
     "compute_token_logprobs",
     "config_from_dict",
     "count_units",
