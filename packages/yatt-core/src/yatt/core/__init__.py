@@ -23,6 +23,12 @@ from yatt.core._losses import (
 from yatt.core._metrics import reduce_metrics
 from yatt.core._model_paths import resolve_model_dir
 from yatt.core._optimization import LR_SCHEDULES, compute_lr
+from yatt.core._overlong import (
+    OverlongConfig,
+    compute_overlong_penalty,
+    compute_truncation_metrics,
+    mask_truncated_responses,
+)
 from yatt.core._policy import LossFn, PolicyBackend, TorchPolicyConfig
 from yatt.core._rollout_correction import (
     ROLLOUT_CORRECTIONS,
@@ -64,6 +70,7 @@ __all__ = [
     "MegatronPolicy",
     "MegatronPolicyConfig",
     "NoLearningError",
+    "OverlongConfig",
     "PolicyBackend",
     "PolicyLoss",
     "RunLog",
@@ -87,8 +94,10 @@ __all__ = [
     "compute_kl",
     "compute_lr",
     "compute_mismatch_kl",
+    "compute_overlong_penalty",
     "compute_rollout_weights",
     "compute_token_logprobs",
+    "compute_truncation_metrics",
     "config_from_dict",
     "count_units",
     "describe_config",
@@ -100,6 +109,7 @@ __all__ = [
     "load_image_processor",
     "logprobs_in_head",
     "mask_groups_with_reward_variance",
+    "mask_truncated_responses",
     "policy_config_from_dict",
     "reduce_metrics",
     "resolve_model_dir",
