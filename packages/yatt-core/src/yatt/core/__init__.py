@@ -21,6 +21,7 @@ from yatt.core._losses import (
     sum_over_units,
 )
 from yatt.core._metrics import reduce_metrics
+from yatt.core._mini_batches import split_mini_batches
 from yatt.core._model_paths import resolve_model_dir
 from yatt.core._optimization import LR_SCHEDULES, compute_lr
 from yatt.core._overlong import (
@@ -46,6 +47,7 @@ from yatt.core._surrogates import (
     compute_gspo_policy_loss,
 )
 from yatt.core._torch_policy import TorchPolicy, image_patches_of
+from yatt.core._train_step import merge_step_metrics
 from yatt.core._version import __version__
 from yatt.core._vision_inputs import (
     VISION_INPUTS_KEY,
@@ -110,6 +112,7 @@ __all__ = [
     "logprobs_in_head",
     "mask_groups_with_reward_variance",
     "mask_truncated_responses",
+    "merge_step_metrics",
     "policy_config_from_dict",
     "reduce_metrics",
     "resolve_model_dir",
@@ -117,6 +120,7 @@ __all__ = [
     "rollout_samples",
     "sample_dynamically",
     "set_seed",
+    "split_mini_batches",
     "sum_over_units",
     "supports_head_logprobs",
 ]
