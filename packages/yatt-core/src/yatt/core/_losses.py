@@ -227,19 +227,15 @@ class PolicyLoss:
     should_compute_entropy: bool = False  # report entropy even when entropy_coef is 0
     # token_mean, seq_mean_token_mean or seq_mean_token_sum_norm (None: the objective's)
     aggregation: Aggregation | None = None
-    # seq_mean_token_sum_norm's constant length (Dr. GRPO): the rollout's max_new_tokens
+    # The constant length seq_mean_token_sum_norm divides by: the rollout's max_new_tokens
     max_response_tokens: int | None = None
     is_on_policy: bool = False  # old logprobs = the forward's, detached (one step per batch)
-    num_mini_batches: int = (
-        1  # optimizer steps per pass over a rollout batch (TRL steps_per_generation)
-    )
+    num_mini_batches: int = 1  # optimizer steps per pass over a batch (TRL steps_per_generation)
     num_epochs: int = 1  # passes over each rollout batch (PPO epochs, TRL num_iterations)
     # none, token_truncate, token_mask, sequence_truncate, sequence_mask
     rollout_correction: RolloutCorrection = "token_truncate"
     rollout_correction_cap: float = 2.0  # C of the rollout weight (> 1)
-    should_std_normalize: bool | None = (
-        None  # divide advantages by the group's std (None: objective's)
-    )
+    should_std_normalize: bool | None = None  # A divided by the group's std (None: objective's)
     advantage_eps: float = DEFAULT_ADVANTAGE_EPS  # A = (r - mean) / (std + eps)
     zero_variance_tolerance: float = DEFAULT_ZERO_VARIANCE_TOLERANCE  # closer rewards: A = 0
 
