@@ -1,14 +1,20 @@
-"""Golden outputs of TorchPolicy's train step, recorded before the shared train-step skeleton.
+"""Golden outputs of TorchPolicy's train step, first recorded before the shared train-step
+skeleton.
 
     python tests/_train_step_golden.py write      # regenerate tests/golden/train_step.json
 
 Regenerate only for an intended numeric change, and say why in the commit. The record holds,
 per case, every train_step metric (exact floats), a sha256 of the logprobs and of the updated
 weights, and each weight's float64 sum (for a readable diff when a hash changes). Cases: one
-process (several micro-batches, clipping, both aggregations, on-policy, bf16, a non-finite
-skip, an empty batch) and two gloo ranks (DDP and FSDP2, uneven shards). Every case runs in a
-subprocess with one thread (run_ranks sets OMP_NUM_THREADS=1), so the numbers do not depend on
-the pytest process's thread count.
+process (several micro-batches; DAPO over 2 mini-batches x 2 epochs with old logprobs taken
+once, so the ratio leaves 1 and the clip acts, with a rollout correction; both aggregations;
+on-policy; bf16; a non-finite skip; an empty batch) and two gloo ranks (DDP and FSDP2, uneven
+shards). Every case runs in a subprocess with one thread (run_ranks sets OMP_NUM_THREADS=1), so
+the numbers do not depend on the pytest process's thread count.
+
+Regenerated (issue 24) when the loss family came in: PolicyLoss() became GRPO's
+seq_mean_token_mean, advantages take eps 1e-4, and "token_mean_clipped" became several
+optimizer steps per rollout batch (its clip had never acted: one step per batch, ratio 1).
 
     python tests/_train_step_golden.py single OUT_DIR MODEL_DIR   # what `write` runs per rank
     python tests/_train_step_golden.py ranks OUT_DIR MODEL_DIR
@@ -85,6 +91,26 @@ def record_policy(policy, steps: list[dict]) -> dict:
     }
 
 
+def run_mini_batch_steps(policy, batch, loss_fn) -> dict:
+    """loss_fn.num_epochs passes of loss_fn.num_mini_batches train steps over `batch`, old
+    logprobs taken once before the first: the trainer's order of operations."""
+    from yatt.core import split_mini_batches
+
+    batch.tokens["old_logprobs"] = policy.logprobs(batch)
+    logprobs_sha = [tensor_sha(batch["old_logprobs"])]
+    # The engine's logprobs: the old ones, off by up to +-1 on loss tokens (seeded), so the
+    # rollout correction truncates some tokens at its cap.
+    gen = torch.Generator().manual_seed(1)
+    noise_BT = (torch.rand(batch["old_logprobs"].shape, generator=gen) * 2 - 1) * batch["loss_mask"]
+    batch.tokens["rollout_logprobs"] = batch["old_logprobs"] + noise_BT
+    costs = policy.estimate_costs(batch.lengths.tolist())
+    mini_batches = split_mini_batches(batch, loss_fn.num_mini_batches, costs=costs)
+    steps = [
+        policy.train_step(mb, loss_fn) for _ in range(loss_fn.num_epochs) for mb in mini_batches
+    ]
+    return record_policy(policy, steps) | {"logprobs_sha": logprobs_sha}
+
+
 def run_steps(policy, batch, loss_fn, num_steps: int) -> dict:
     """`num_steps` train steps, old logprobs recomputed before each (unless on-policy)."""
     steps, logprobs_sha = [], []
@@ -114,13 +140,14 @@ def single_cases(model_dir: str) -> dict:
     from yatt.core import PolicyLoss, TorchPolicy
 
     out = {}
-    policy = TorchPolicy(_config(model_dir))
-    loss = PolicyLoss(clip_high=0.28, entropy_coef=0.01)
-    out["token_mean_clipped"] = run_steps(policy, make_batch(), loss, 3)
+    policy = TorchPolicy(_config(model_dir, lr=2e-2))
+    loss = PolicyLoss(objective="dapo", entropy_coef=0.01, num_mini_batches=2, num_epochs=2)
+    out["token_mean_clipped"] = run_mini_batch_steps(policy, make_batch(), loss)
 
     policy = TorchPolicy(_config(model_dir, grad_clip=None, max_tokens_per_microbatch=4096))
     loss = PolicyLoss(
         aggregation="seq_mean_token_mean",
+        rollout_correction="none",
         is_on_policy=True,
         should_compute_entropy=True,
         dual_clip_c=3.0,
@@ -128,16 +155,18 @@ def single_cases(model_dir: str) -> dict:
     out["seq_mean_on_policy"] = run_steps(policy, make_batch(), loss, 2)
 
     policy = TorchPolicy(_config(model_dir, dtype="bfloat16", gradient_checkpointing=True))
-    out["bf16_checkpointed"] = run_steps(policy, make_batch(), PolicyLoss(), 1)
+    loss = PolicyLoss(objective="dapo", rollout_correction="none")
+    out["bf16_checkpointed"] = run_steps(policy, make_batch(), loss, 1)
 
     policy = TorchPolicy(_config(model_dir, max_tokens_per_microbatch=24))
     batch = make_batch()
     batch.tokens["old_logprobs"] = policy.logprobs(batch)
     batch.samples["advantages"][1] = float("nan")
-    skipped = policy.train_step(batch, PolicyLoss())
+    loss = PolicyLoss(rollout_correction="none")
+    skipped = policy.train_step(batch, loss)
     batch.samples["advantages"][1] = 0.5
-    healthy = policy.train_step(batch, PolicyLoss())
-    empty = policy.train_step(make_batch().select([]), PolicyLoss())
+    healthy = policy.train_step(batch, loss)
+    empty = policy.train_step(make_batch().select([]), loss)
     out["skips"] = record_policy(policy, [skipped, healthy, empty]) | {
         "num_steps": policy.num_steps,
         "num_skipped_steps": policy.num_skipped_steps,
@@ -154,7 +183,8 @@ def rank_cases(model_dir: str, rt) -> dict:
             _config(model_dir, parallel=parallel, max_tokens_per_microbatch=24), rt
         )
         batch = make_batch().select(SHARDS[rt.dp_rank])
-        out[parallel] = run_steps(policy, batch, PolicyLoss(clip_high=0.28), 2)
+        loss = PolicyLoss(objective="dapo", rollout_correction="none")
+        out[parallel] = run_steps(policy, batch, loss, 2)
     return out
 
 

@@ -52,7 +52,42 @@ def test_grpo_advantages(rewards, groups, normalize, expected):
         torch.tensor(rewards), torch.tensor(groups), should_std_normalize=normalize
     )
     assert adv.dtype == torch.float32
-    assert adv.tolist() == pytest.approx(expected, abs=1e-5)
+    # eps (1e-4) in the denominator: within 2e-4 relative of the exact ratio.
+    assert adv.tolist() == pytest.approx(expected, rel=2e-4, abs=1e-6)
+
+
+def _noisy_group():
+    # Four equal verdicts a GenRM scored with float noise of 1e-5.
+    return torch.tensor([0.5, 0.5 + 1e-5, 0.5 - 1e-5, 0.5 + 2e-5], dtype=torch.float64)
+
+
+def test_float_noise_within_a_group_gets_no_advantage():
+    rewards = _noisy_group()
+    groups = torch.zeros(4, dtype=torch.int64)
+    assert compute_grpo_advantages(rewards, groups).abs().max().item() == 0.0
+    # Without the tolerance and with verl's eps the noise becomes a full-size advantage:
+    # (r - mean) / (std + 1e-6), by hand.
+    mean = float(rewards.mean())
+    std = math.sqrt(sum((float(r) - mean) ** 2 for r in rewards) / 3)
+    old = compute_grpo_advantages(rewards, groups, eps=1e-6, zero_variance_tolerance=0.0)
+    expected = [(float(r) - mean) / (std + 1e-6) for r in rewards]
+    assert old.tolist() == pytest.approx(expected, rel=1e-4)
+    assert old.abs().max().item() > 1.0
+    # TRL's eps alone (std + 1e-4) shrinks it to about a tenth.
+    trl = compute_grpo_advantages(rewards, groups, eps=1e-4, zero_variance_tolerance=0.0)
+    assert trl.tolist() == pytest.approx([(float(r) - mean) / (std + 1e-4) for r in rewards])
+    assert trl.abs().max().item() < 0.2
+
+
+def test_tolerance_zeroes_only_the_groups_inside_it():
+    rewards = torch.tensor([0.0, 1e-5, 0.0, 1.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    adv = compute_grpo_advantages(rewards, groups, zero_variance_tolerance=1e-4)
+    # group 1: mean 0.5, std sqrt(0.5); +-0.5 / (sqrt(0.5) + 1e-4)
+    expected = 0.5 / (math.sqrt(0.5) + 1e-4)
+    assert adv.tolist() == pytest.approx([0.0, 0.0, -expected, expected], rel=1e-6)
+    dr = compute_grpo_advantages(rewards, groups, should_std_normalize=False)
+    assert dr.tolist() == pytest.approx([0.0, 0.0, -0.5, 0.5])
 
 
 def test_grpo_advantages_reject_bad_input():
@@ -60,6 +95,8 @@ def test_grpo_advantages_reject_bad_input():
         compute_grpo_advantages(torch.zeros(3), torch.zeros(2))
     with pytest.raises(ValueError, match="non-finite"):
         compute_grpo_advantages(torch.tensor([1.0, float("nan")]), torch.zeros(2))
+    with pytest.raises(ValueError, match="zero_variance_tolerance"):
+        compute_grpo_advantages(torch.zeros(2), torch.zeros(2), zero_variance_tolerance=-1.0)
 
 
 def test_variance_mask():

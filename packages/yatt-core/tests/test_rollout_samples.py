@@ -25,12 +25,36 @@ def test_samples_put_the_loss_on_the_response_and_keep_groups_and_rewards():
         "rollout_logprobs": [0.0, 0.0, -0.5, -1.0, -2.0],
         "group_id": 4,
         "reward": 1.0,
+        "is_truncated": False,  # a completion without finish_reason counts as finished
     }
     batch = rollout_batch(samples)
     assert batch.lengths.tolist() == [5, 2]
     assert batch.tokens["loss_mask"].sum(dim=1).tolist() == [3, 1]
     assert torch.equal(batch.samples["reward"], torch.tensor([1.0, -1.0]))
     assert batch.tokens["rollout_logprobs"][1, :2].tolist() == [0.0, -0.25]
+
+
+@dataclass
+class EngineCompletion(FakeCompletion):
+    finish_reason: str
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "cut_at", "is_truncated"),
+    [
+        pytest.param("length", (), True, id="length"),
+        pytest.param("stop", (), False, id="stop"),
+        pytest.param("abort", (), False, id="abort"),
+        pytest.param("length", (8,), False, id="cut-before-a-token-is-not-truncated"),
+    ],
+)
+def test_samples_carry_whether_the_engine_truncated_them(finish_reason, cut_at, is_truncated):
+    completion = EngineCompletion([5], [7, 8, 9], [-0.5, -1.0, -2.0], finish_reason)
+    samples = rollout_samples([completion], [1.0], [0], cut_at_token_ids=cut_at)
+    assert samples[0]["is_truncated"] is is_truncated
+    batch = rollout_batch(samples)
+    assert batch.samples["is_truncated"].dtype == torch.bool
+    assert batch.samples["is_truncated"].tolist() == [is_truncated]
 
 
 def test_an_empty_batch_has_the_same_fields_and_dtypes():

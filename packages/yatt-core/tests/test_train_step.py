@@ -95,9 +95,13 @@ def _expected_step(batch, loss_fn, lr):
         pytest.param([[2, 0], [], [3, 1], []], id="with-dummies"),
     ],
 )
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize(
+    "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+)
 def test_step_is_the_full_batch_mean_gradient_however_split(bins, aggregation):
-    loss_fn = PolicyLoss(aggregation=aggregation, is_on_policy=True, entropy_coef=0.1)
+    loss_fn = PolicyLoss(
+        aggregation=aggregation, max_response_tokens=9, is_on_policy=True, entropy_coef=0.1
+    )
     backend = FakeBackend(bins)
     counts = StepCounts()
     metrics = run_train_step(
@@ -122,7 +126,8 @@ def test_step_is_the_full_batch_mean_gradient_however_split(bins, aggregation):
 
 
 def test_metrics_are_token_means_and_the_loss_is_the_unit_mean():
-    loss_fn = PolicyLoss(is_on_policy=True)  # ratio 1: pg loss per token = -advantage
+    # ratio 1: pg loss per token = -advantage
+    loss_fn = PolicyLoss(objective="dapo", is_on_policy=True)
     metrics = run_train_step(
         FakeBackend([[0, 1], [2, 3]]),
         _batch(),
@@ -140,6 +145,9 @@ def test_metrics_are_token_means_and_the_loss_is_the_unit_mean():
         "loss",
         "pg_loss",
         "clip_frac",
+        "clip_frac_low",
+        "clip_frac_high",
+        "clip_frac_dual",
         "grad_norm",
         "lr",
         "num_micro_batches",
@@ -191,7 +199,7 @@ def test_batch_without_loss_tokens_skips_before_any_forward():
     )
     assert backend.calls == [] and metrics["is_skipped"] == 1.0 and metrics["lr"] == 0.1
     # Same bookkeeping keys as a step that ran (the loss's own metrics aside).
-    assert set(metrics) == set(healthy) - {"pg_loss", "clip_frac"}
+    assert set(metrics) == {k for k in healthy if not k.startswith(("pg_loss", "clip_frac"))}
     assert (counts.num_steps, counts.num_skipped_steps) == (0, 1)
 
 

@@ -66,3 +66,14 @@ def test_train_step_gives_the_recorded_outputs(tmp_path):
         pytest.fail(f"YATT_GOLDEN_EXACT=1, but recorded with {recorded}, running {here}")
     differences = _differences(got, want, "record", is_exact=is_exact)
     assert not differences, "\n".join(differences[:20])
+
+
+def test_the_recorded_clipped_case_clips():
+    # Several optimizer steps per rollout batch: the first is on-policy (ratio 1, no clip),
+    # the later ones clip on both sides (what "token_mean_clipped" is for).
+    steps = json.loads(golden.GOLDEN.read_text())["single"]["token_mean_clipped"]["steps"]
+    assert steps[0]["clip_frac"] == 0.0
+    assert all(step["clip_frac"] > 0 for step in steps[1:])
+    assert any(step["clip_frac_high"] > 0 for step in steps)
+    assert any(step["clip_frac_low"] > 0 for step in steps)
+    assert all(step["is_capped_frac"] > 0 for step in steps)  # the rollout correction acted

@@ -13,16 +13,23 @@ from yatt.core._learning_guard import LearningGuard, NoLearningError
 from yatt.core._loader import ROW_INDEX_KEY, ShardedLoader
 from yatt.core._logits import compute_entropy, compute_token_logprobs
 from yatt.core._losses import (
+    OBJECTIVES,
     PolicyLoss,
     aggregate,
-    compute_clipped_policy_loss,
     compute_kl,
     count_units,
     sum_over_units,
 )
 from yatt.core._metrics import reduce_metrics
+from yatt.core._mini_batches import split_mini_batches
 from yatt.core._model_paths import resolve_model_dir
 from yatt.core._optimization import LR_SCHEDULES, compute_lr
+from yatt.core._overlong import (
+    OverlongConfig,
+    compute_overlong_penalty,
+    compute_truncation_metrics,
+    mask_truncated_responses,
+)
 from yatt.core._partial_rollouts import (
     PartialGroup,
     PartialRollouts,
@@ -30,12 +37,24 @@ from yatt.core._partial_rollouts import (
     check_partial_resumption,
 )
 from yatt.core._policy import LossFn, PolicyBackend, TorchPolicyConfig
+from yatt.core._rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    compute_mismatch_kl,
+    compute_rollout_weights,
+)
 from yatt.core._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
 from yatt.core._run_log import RunLog, check_wandb
 from yatt.core._runtime import Runtime, init_runtime, set_seed
 from yatt.core._sampler import DynamicSampler, UnfilledBatchError
 from yatt.core._sampling import sample_dynamically
+from yatt.core._surrogates import (
+    ClipRegions,
+    compute_cispo_policy_loss,
+    compute_clipped_policy_loss,
+    compute_gspo_policy_loss,
+)
 from yatt.core._torch_policy import TorchPolicy, image_patches_of
+from yatt.core._train_step import merge_step_metrics
 from yatt.core._version import __version__
 from yatt.core._vision_inputs import (
     VISION_INPUTS_KEY,
@@ -49,16 +68,20 @@ from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
 __all__ = [
     "EXPORT_MARKER",
     "LR_SCHEDULES",
+    "OBJECTIVES",
+    "ROLLOUT_CORRECTIONS",
     "ROLLOUT_TOKEN_KEYS",
     "ROW_INDEX_KEY",
     "VISION_INPUTS_KEY",
     "Batch",
+    "ClipRegions",
     "DynamicSampler",
     "LearningGuard",
     "LossFn",
     "MegatronPolicy",
     "MegatronPolicyConfig",
     "NoLearningError",
+    "OverlongConfig",
     "PartialGroup",
     "PartialRollouts",
     "PartialSample",
@@ -80,12 +103,18 @@ __all__ = [
     "check_partial_resumption",
     "check_wandb",
     "coerce_value",
+    "compute_cispo_policy_loss",
     "compute_clipped_policy_loss",
     "compute_entropy",
     "compute_grpo_advantages",
+    "compute_gspo_policy_loss",
     "compute_kl",
     "compute_lr",
+    "compute_mismatch_kl",
+    "compute_overlong_penalty",
+    "compute_rollout_weights",
     "compute_token_logprobs",
+    "compute_truncation_metrics",
     "config_from_dict",
     "count_units",
     "describe_config",
@@ -97,6 +126,8 @@ __all__ = [
     "load_image_processor",
     "logprobs_in_head",
     "mask_groups_with_reward_variance",
+    "mask_truncated_responses",
+    "merge_step_metrics",
     "policy_config_from_dict",
     "reduce_metrics",
     "resolve_model_dir",
@@ -104,6 +135,7 @@ __all__ = [
     "rollout_samples",
     "sample_dynamically",
     "set_seed",
+    "split_mini_batches",
     "sum_over_units",
     "supports_head_logprobs",
 ]

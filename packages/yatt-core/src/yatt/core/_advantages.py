@@ -11,6 +11,13 @@ from __future__ import annotations
 
 import torch
 
+# TRL divides by std + 1e-4 (grpo_trainer.py); verl by std + 1e-6, which lets a group whose
+# rewards differ only by float noise (1e-5) reach |A| ~ 1.9.
+DEFAULT_ADVANTAGE_EPS = 1e-4
+# Rewards of one group closer than this are equal: advantage 0 (and no variance for DAPO's
+# dynamic sampling). Far below any real difference of a rule or a judge's vote mean (1/votes).
+DEFAULT_ZERO_VARIANCE_TOLERANCE = 1e-4
+
 
 def _group_index(group_ids_B: torch.Tensor) -> tuple[torch.Tensor, int]:
     if group_ids_B.dim() != 1:
@@ -25,15 +32,21 @@ def compute_grpo_advantages(
     group_ids_B: torch.Tensor,
     *,
     should_std_normalize: bool = True,
-    eps: float = 1e-6,
+    eps: float = DEFAULT_ADVANTAGE_EPS,
+    zero_variance_tolerance: float = DEFAULT_ZERO_VARIANCE_TOLERANCE,
 ) -> torch.Tensor:
     """Advantage of each sample relative to its group, [B] in float32.
 
-    GRPO outcome supervision (arXiv:2402.03300, sec. 4.1.2): A_i = (r_i - mean(r)) / std(r) over
-    the group, the same value for every token of response i. should_std_normalize=False drops the
-    division (Dr. GRPO, arXiv:2503.20783, sec. 3.1), which removes the bias toward groups whose
-    rewards barely differ. std is the unbiased sample std (as in TRL and verl); a group of one
-    sample, or with identical rewards, gets advantage 0.
+    GRPO outcome supervision (arXiv:2402.03300, sec. 4.1.2): A_i = (r_i - mean(r)) / (std(r) +
+    eps) over the group, the same value for every token of response i. should_std_normalize=False
+    drops the division (Dr. GRPO, arXiv:2503.20783, sec. 3.1), which removes the bias toward
+    groups whose rewards barely differ. std is the unbiased sample std (as in TRL and verl).
+
+    A group of one sample, or whose rewards all lie within `zero_variance_tolerance` of each
+    other (max - min <= tolerance), gets advantage 0: it holds no preference between its
+    responses, only float noise (a GenRM's scores can differ by 1e-5 for equal verdicts), which
+    the division by std would otherwise blow up to a full-size advantage. `eps` (TRL's 1e-4)
+    bounds the division for groups just above the tolerance.
     """
     if rewards_B.shape != group_ids_B.shape:
         raise ValueError(
@@ -42,6 +55,10 @@ def compute_grpo_advantages(
         )
     if not torch.isfinite(rewards_B).all():
         raise ValueError("rewards_B holds non-finite values; fix the reward function's output")
+    if not (eps >= 0.0 and zero_variance_tolerance >= 0.0):
+        raise ValueError(
+            f"eps={eps!r}, zero_variance_tolerance={zero_variance_tolerance!r}: both must be >= 0"
+        )
     rewards_B = rewards_B.to(torch.float64)
     index_B, num_groups = _group_index(group_ids_B.to(rewards_B.device))
     if num_groups == 0:
@@ -50,7 +67,10 @@ def compute_grpo_advantages(
     count_G.index_add_(0, index_B, torch.ones_like(rewards_B))
     sum_G = torch.zeros_like(count_G).index_add_(0, index_B, rewards_B)
     mean_G = sum_G / count_G
-    centered_B = rewards_B - mean_G[index_B]
+    has_variance_B = (
+        _reward_ranges(rewards_B, index_B, num_groups)[index_B] > zero_variance_tolerance
+    )
+    centered_B = torch.where(has_variance_B, rewards_B - mean_G[index_B], 0.0)
     if not should_std_normalize:
         return centered_B.to(torch.float32)
     sq_G = torch.zeros_like(count_G).index_add_(0, index_B, centered_B.square())
@@ -58,8 +78,20 @@ def compute_grpo_advantages(
     return (centered_B / (std_G[index_B] + eps)).to(torch.float32)
 
 
+def _reward_ranges(rewards_B: torch.Tensor, index_B: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """max - min of each group's rewards, [G] float64."""
+    max_G = torch.full((num_groups,), -torch.inf, dtype=torch.float64, device=rewards_B.device)
+    min_G = torch.full((num_groups,), torch.inf, dtype=torch.float64, device=rewards_B.device)
+    max_G = max_G.scatter_reduce(0, index_B, rewards_B, reduce="amax")
+    min_G = min_G.scatter_reduce(0, index_B, rewards_B, reduce="amin")
+    return max_G - min_G
+
+
 def mask_groups_with_reward_variance(
-    rewards_B: torch.Tensor, group_ids_B: torch.Tensor, *, tolerance: float = 0.0
+    rewards_B: torch.Tensor,
+    group_ids_B: torch.Tensor,
+    *,
+    tolerance: float = DEFAULT_ZERO_VARIANCE_TOLERANCE,
 ) -> torch.Tensor:
     """Bool [B]: True for samples whose group's rewards are not all equal.
 
@@ -76,8 +108,4 @@ def mask_groups_with_reward_variance(
     if num_groups == 0:
         return torch.zeros(0, dtype=torch.bool, device=rewards_B.device)
     rewards_B = rewards_B.to(torch.float64)
-    max_G = torch.full((num_groups,), -torch.inf, dtype=torch.float64, device=rewards_B.device)
-    min_G = torch.full((num_groups,), torch.inf, dtype=torch.float64, device=rewards_B.device)
-    max_G = max_G.scatter_reduce(0, index_B, rewards_B, reduce="amax")
-    min_G = min_G.scatter_reduce(0, index_B, rewards_B, reduce="amin")
-    return ((max_G - min_G) > tolerance)[index_B]
+    return (_reward_ranges(rewards_B, index_B, num_groups) > tolerance)[index_B]

@@ -1,4 +1,5 @@
-"""Policy-gradient losses for GRPO/DAPO: clipped surrogate, KL to a reference, entropy.
+"""The RL objective: `PolicyLoss` (GRPO, Dr. GRPO, DAPO, GSPO, CISPO), KL to a reference,
+entropy, rollout correction, and how the loss is aggregated.
 
 Shape legend (suffixes on tensor names):
     B  samples in a (micro-)batch
@@ -8,172 +9,398 @@ Token tensors are aligned with `input_ids`: `logprobs_BT[i, t] = log p(input_ids
 and `loss_mask_BT` is 1 on response tokens only (never on prompt or padding).
 
 Every loss here is written in "sum form": the sum over this micro-batch of per-unit losses, where
-a unit is a token ("token_mean") or a sequence ("seq_mean_token_mean"). The trainer divides by
-the number of units in the *global* batch (all micro-batches, all data-parallel ranks), which is
-what makes gradient accumulation and data parallelism give exactly the full-batch gradient.
+a unit is a token ("token_mean"), a sequence ("seq_mean_token_mean"), or a sequence's share of
+a constant token budget ("seq_mean_token_sum_norm"). The trainer divides by the number of units
+in the *global* batch (all micro-batches, all data-parallel ranks), which is what makes gradient
+accumulation and data parallelism give exactly the full-batch gradient.
+
+Per micro-batch, PolicyLoss computes:
+
+    old      = batch["old_logprobs"]  (or the forward's own, detached, when is_on_policy)
+    pg_BT    = surrogate(objective)(logprobs, old, advantages)     yatt.core._surrogates
+    pg_BT   *= rollout weight(old vs batch["rollout_logprobs"])    yatt.core._rollout_correction
+    loss_BT  = pg_BT + kl_coef * KL(pi || pi_ref) - entropy_coef * entropy
+    return sum_over_units(loss_BT), metric sums over loss tokens
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
-Aggregation = Literal["token_mean", "seq_mean_token_mean"]
+from yatt.core._advantages import (
+    DEFAULT_ADVANTAGE_EPS,
+    DEFAULT_ZERO_VARIANCE_TOLERANCE,
+    compute_grpo_advantages,
+)
+from yatt.core._repeated_log import RepeatedWarning
+from yatt.core._rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    RolloutCorrection,
+    compute_mismatch_kl,
+    compute_rollout_weights,
+)
+from yatt.core._surrogates import (
+    MAX_LOG_RATIO,
+    compute_cispo_policy_loss,
+    compute_clipped_policy_loss,
+    compute_gspo_policy_loss,
+)
+
+logger = logging.getLogger("yatt.core")
+_NO_ROLLOUT_LOGPROBS = RepeatedWarning(logger, metric="train/is_weight (absent)")
+
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
-AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean")
+Objective = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
+AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
-
-# exp() of a log-ratio beyond this overflows float32 or dominates the batch; the clamp bounds
-# the estimate, and such tokens carry no useful gradient anyway.
-_MAX_LOG_RATIO = 20.0
+OBJECTIVES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
 
 
-def compute_clipped_policy_loss(
-    logprobs_BT: torch.Tensor,
-    old_logprobs_BT: torch.Tensor,
-    advantages_BT: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip_c: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate loss and where the clip is active.
+@dataclass(frozen=True)
+class _ObjectiveDefaults:
+    clip_low: float
+    clip_high: float
+    aggregation: str
+    should_std_normalize: bool
 
-    PPO (arXiv:1707.06347, eq. 7): L = -min(r A, clip(r, 1 - eps, 1 + eps) A), r = pi / pi_old.
-    DAPO clip-higher (arXiv:2503.14476, eq. 10): separate eps_low / eps_high, e.g. 0.2 / 0.28.
-    Dual clip (arXiv:1912.09729, eq. 5), when dual_clip_c is set: for A < 0 the loss is also
-    capped at -c A, so a huge ratio on a bad token cannot blow up the step.
-    Returns (loss_BT, is_clipped_BT); gradient flows only into logprobs_BT.
-    """
-    log_ratio_BT = (logprobs_BT - old_logprobs_BT.detach()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio_BT = torch.exp(log_ratio_BT)
-    advantages_BT = advantages_BT.detach()
-    unclipped_BT = -advantages_BT * ratio_BT
-    clipped_BT = -advantages_BT * ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
-    loss_BT = torch.maximum(unclipped_BT, clipped_BT)
-    is_clipped_BT = clipped_BT > unclipped_BT
-    if dual_clip_c is not None:
-        cap_BT = -advantages_BT * dual_clip_c
-        is_capped_BT = (advantages_BT < 0) & (cap_BT < loss_BT)
-        loss_BT = torch.where(is_capped_BT, cap_BT, loss_BT)
-        is_clipped_BT = is_clipped_BT | is_capped_BT
-    return loss_BT, is_clipped_BT
+
+# What each paper uses where PolicyLoss's field is None (see PolicyLoss's docstring).
+OBJECTIVE_DEFAULTS: dict[str, _ObjectiveDefaults] = {
+    "grpo": _ObjectiveDefaults(0.2, 0.2, "seq_mean_token_mean", True),
+    "dr_grpo": _ObjectiveDefaults(0.2, 0.2, "seq_mean_token_sum_norm", False),
+    "dapo": _ObjectiveDefaults(0.2, 0.28, "token_mean", True),
+    "gspo": _ObjectiveDefaults(3e-4, 4e-4, "seq_mean_token_mean", True),
+    "cispo": _ObjectiveDefaults(1.0, 0.28, "token_mean", True),
+}
+# k3's value is clamped to this, as verl's kl_penalty "low_var_kl" does: at log-ratio 15 the
+# estimate is 3.3e6, one token then outweighs the whole batch.
+_MAX_K3 = 10.0
 
 
 def compute_kl(
     logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor, *, estimator: KLEstimator = "k3"
 ) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi.
+    """Per-token KL penalty between the policy pi and the reference pi_ref, on tokens sampled
+    from pi (on-policy; the rollout's samples approximate them).
 
     Schulman, "Approximating KL Divergence" (http://joschu.net/blog/kl-approx.html), with
     log r = log pi_ref - log pi:  k1 = -log r,  k2 = (log r)^2 / 2,  k3 = (r - 1) - log r.
-    k3 is unbiased and non-negative; GRPO uses it (arXiv:2402.03300, eq. 4).
+    Values: k1 and k3 are unbiased estimates of the reverse KL(pi || pi_ref), k3 with lower
+    variance and never negative; k2 is biased (exact to second order). GRPO uses k3
+    (arXiv:2402.03300, eq. 4). k3 is clamped to [-10, 10] as verl's "low_var_kl" does.
+    Gradients, as a loss term with the samples held fixed: k2's is an unbiased gradient of
+    KL(pi || pi_ref); k3's is, in expectation, the gradient of the *forward* KL(pi_ref || pi)
+    (d k3 = (1 - r) d log pi, E_pi[(1 - r) d log pi] = -E_pi_ref[d log pi]); k1's is zero in
+    expectation (E_pi[d log pi] = 0), so k1 penalises nothing on average.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator={estimator!r} is not known; use one of {KL_ESTIMATORS}")
-    log_r_BT = (ref_logprobs_BT.detach() - logprobs_BT).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_r_BT = (ref_logprobs_BT.detach() - logprobs_BT).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     if estimator == "k1":
         return -log_r_BT
     if estimator == "k2":
         return 0.5 * log_r_BT.square()
-    return torch.expm1(log_r_BT) - log_r_BT
+    return (torch.expm1(log_r_BT) - log_r_BT).clamp(-_MAX_K3, _MAX_K3)
+
+
+def _check_aggregation(aggregation: str, max_response_tokens: int | None) -> None:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation={aggregation!r} is not known; use one of {AGGREGATIONS}")
+    if aggregation == "seq_mean_token_sum_norm" and max_response_tokens is None:
+        raise ValueError(
+            "aggregation='seq_mean_token_sum_norm' divides by a constant length: pass "
+            "max_response_tokens (the rollout's max_new_tokens)"
+        )
 
 
 def sum_over_units(
-    values_BT: torch.Tensor, loss_mask_BT: torch.Tensor, *, aggregation: Aggregation
+    values_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    *,
+    aggregation: Aggregation,
+    max_response_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Sum of per-unit values: per token ("token_mean", DAPO eq. 12) or per sequence, each the
-    mean over its tokens ("seq_mean_token_mean", GRPO arXiv:2402.03300 eq. 3)."""
+    """Sum of per-unit values, to be divided by `count_units` of the global batch.
+
+    token_mean:              sum over loss tokens (DAPO arXiv:2503.14476, eq. 12)
+    seq_mean_token_mean:     sum over sequences of each one's token mean (GRPO
+                             arXiv:2402.03300, eq. 3)
+    seq_mean_token_sum_norm: sum over loss tokens; the units are sequences x
+                             max_response_tokens, a constant (Dr. GRPO arXiv:2503.20783, sec.
+                             3.1: no 1/|o_i|; TRL's loss_type="dr_grpo", verl's
+                             "seq-mean-token-sum-norm")
+    A row without a loss token adds 0 (and no unit).
+    """
+    _check_aggregation(aggregation, max_response_tokens)
     mask_BT = loss_mask_BT.to(values_BT.dtype)
-    if aggregation == "token_mean":
-        return (values_BT * mask_BT).sum()
     if aggregation == "seq_mean_token_mean":
         per_seq_B = (values_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
         return per_seq_B.sum()
-    raise ValueError(f"aggregation={aggregation!r} is not known; use one of {AGGREGATIONS}")
+    return (values_BT * mask_BT).sum()
 
 
-def count_units(loss_mask_BT: torch.Tensor, *, aggregation: Aggregation) -> torch.Tensor:
-    """Number of units `sum_over_units` sums over: tokens, or sequences with a response token."""
+def count_units(
+    loss_mask_BT: torch.Tensor,
+    *,
+    aggregation: Aggregation,
+    max_response_tokens: int | None = None,
+) -> torch.Tensor:
+    """Number of units `sum_over_units` sums over (float64): tokens, sequences with a loss
+    token, or those sequences times max_response_tokens."""
+    _check_aggregation(aggregation, max_response_tokens)
     if aggregation == "token_mean":
         return loss_mask_BT.sum().to(torch.float64)
+    num_sequences = (loss_mask_BT.sum(-1) > 0).sum().to(torch.float64)
     if aggregation == "seq_mean_token_mean":
-        return (loss_mask_BT.sum(-1) > 0).sum().to(torch.float64)
-    raise ValueError(f"aggregation={aggregation!r} is not known; use one of {AGGREGATIONS}")
+        return num_sequences
+    assert max_response_tokens is not None  # _check_aggregation
+    return num_sequences * float(max_response_tokens)
 
 
 def aggregate(
-    values_BT: torch.Tensor, loss_mask_BT: torch.Tensor, *, aggregation: Aggregation
+    values_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    *,
+    aggregation: Aggregation,
+    max_response_tokens: int | None = None,
 ) -> torch.Tensor:
     """Mean over units of this batch alone (for metrics and single-batch use)."""
-    num_units = count_units(loss_mask_BT, aggregation=aggregation).clamp(min=1.0)
-    return sum_over_units(values_BT, loss_mask_BT, aggregation=aggregation) / num_units.to(
-        values_BT.dtype
-    )
+    kwargs = {"aggregation": aggregation, "max_response_tokens": max_response_tokens}
+    num_units = count_units(loss_mask_BT, **kwargs).clamp(min=1.0)
+    return sum_over_units(values_BT, loss_mask_BT, **kwargs) / num_units.to(values_BT.dtype)
 
 
 @dataclass(kw_only=True, frozen=True)
 class PolicyLoss:
-    """The GRPO/DAPO objective as one callable for `TorchPolicy.train_step`.
+    """The RL objective as one callable for `policy.train_step`, and the update settings around it.
 
-    loss = clipped surrogate + kl_coef * KL(pi || pi_ref) - entropy_coef * entropy, aggregated
-    per token or per sequence. Reads from the micro-batch: "loss_mask" [B, T], "old_logprobs"
-    [B, T], "advantages" ([B] per sample or [B, T] per token) and, when kl_coef > 0,
-    "ref_logprobs" [B, T]. With "rollout_logprobs" [B, T] (the engine's, float) in the batch it
-    also reports "rollout_mismatch": the summed |trainer - engine| logprob gap on loss tokens.
+    objective picks the policy-gradient term; a field left None takes that paper's value:
+
+        objective  paper, equation                          clip low/high  aggregation          std
+        grpo       arXiv:2402.03300 eq. 3 (PPO clip)        0.2 / 0.2      seq_mean_token_mean  on
+        dr_grpo    arXiv:2503.20783 sec. 3.1                0.2 / 0.2      seq_mean_token_sum_norm off
+        dapo       arXiv:2503.14476 eqs. 8, 10, 12          0.2 / 0.28     token_mean           on
+        gspo       arXiv:2507.18071 eqs. 5-7 (seq. ratio)   3e-4 / 4e-4    seq_mean_token_mean  on
+        cispo      arXiv:2506.13585 eqs. 4-5 (clipped IS)   1.0 / 0.28     token_mean           on
+
+    (std: advantages divided by the group's reward std; cispo's clip_low 1.0 is the paper's "no
+    lower bound"; its eps_high is unpublished, 0.28 follows DAPO's clip-higher.)
+
+    loss = policy-gradient term x rollout weight + kl_coef * KL(pi || pi_ref)
+           - entropy_coef * entropy, aggregated per unit (see sum_over_units).
+    Reads from the micro-batch: "loss_mask" [B, T], "advantages" ([B] per sample or [B, T] per
+    token), "old_logprobs" [B, T] unless is_on_policy, "ref_logprobs" [B, T] when kl_coef > 0,
+    and "rollout_logprobs" [B, T] (the engine's) for the rollout correction.
+
+    Several optimizer steps per rollout batch (num_mini_batches x num_epochs > 1) are what let
+    the clip act (the ratio is 1 at the first step). The trainer then computes "old_logprobs"
+    once, before the first update, splits its batch with `split_mini_batches` and calls
+    train_step per mini-batch; each step's loss is normalised over that mini-batch's units
+    across all ranks.
 
     is_on_policy: one optimizer step per rollout batch (GRPO's usual setting; TRL's at
-    num_iterations=1). The old policy is then the current one, so "old_logprobs" are the training
-    forward's own logprobs, detached (ratio 1, same gradient), and the separate old-logprob
-    forward pass can be skipped. Wrong for several steps (PPO epochs, mini-batches) per rollout
-    batch: the later steps would not be clipped against the policy that sampled.
+    num_iterations=1). The old policy is then the current one, so "old_logprobs" are the
+    training forward's own logprobs, detached (ratio 1, same gradient), and the separate
+    old-logprob forward pass can be skipped. Refused with several steps per batch.
+
+    rollout_correction (on by default): the engine's sampler differs from the trainer's
+    forward (kernels, bf16), so each token's policy-gradient term is weighted by pi_old /
+    pi_rollout, truncated at rollout_correction_cap ("*_truncate", TIS) or masked above it
+    ("*_mask", MIS), per token or per sequence. Token-level truncation at 2 (TRL's first
+    default, verl's rollout_is="token" threshold 2.0) never drops data and only reweights
+    tokens the engine under-sampled by more than 2x; sequence-level weights multiply over
+    hundreds of tokens and mask most long responses at small mismatches. "none" turns it off.
     """
 
-    clip_low: float = 0.2  # eps_low; PPO and GRPO use 0.2
-    clip_high: float = 0.2  # eps_high; DAPO's clip-higher uses 0.28
+    objective: Objective = "grpo"  # grpo, dr_grpo, dapo, gspo or cispo (table in the docstring)
+    clip_low: float | None = None  # eps_low (None: the objective's); 1 or more: no lower clip
+    clip_high: float | None = None  # eps_high (None: the objective's); DAPO's clip-higher 0.28
     dual_clip_c: float | None = None  # cap for negative advantages (> 1), None = off
     kl_coef: float = 0.0  # beta in GRPO eq. 3; DAPO drops the KL term (0)
-    kl_estimator: KLEstimator = "k3"
+    kl_estimator: KLEstimator = "k3"  # k1, k2 or k3 (see compute_kl for their gradients)
     entropy_coef: float = 0.0  # bonus on the policy's entropy; 0 = off
     should_compute_entropy: bool = False  # report entropy even when entropy_coef is 0
-    aggregation: Aggregation = "token_mean"
-    is_on_policy: bool = False
+    # token_mean, seq_mean_token_mean or seq_mean_token_sum_norm (None: the objective's)
+    aggregation: Aggregation | None = None
+    # The constant length seq_mean_token_sum_norm divides by: the rollout's max_new_tokens
+    max_response_tokens: int | None = None
+    is_on_policy: bool = False  # old logprobs = the forward's, detached (one step per batch)
+    num_mini_batches: int = 1  # optimizer steps per pass over a batch (TRL steps_per_generation)
+    num_epochs: int = 1  # passes over each rollout batch (PPO epochs, TRL num_iterations)
+    # none, token_truncate, token_mask, sequence_truncate, sequence_mask
+    rollout_correction: RolloutCorrection = "token_truncate"
+    rollout_correction_cap: float = 2.0  # C of the rollout weight (> 1)
+    should_std_normalize: bool | None = None  # A divided by the group's std (None: objective's)
+    advantage_eps: float = DEFAULT_ADVANTAGE_EPS  # A = (r - mean) / (std + eps)
+    zero_variance_tolerance: float = DEFAULT_ZERO_VARIANCE_TOLERANCE  # closer rewards: A = 0
 
     def __post_init__(self) -> None:
-        for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef"):
-            value = getattr(self, name)
-            if not (value >= 0.0 and value < float("inf")):
-                raise ValueError(f"PolicyLoss.{name}={value!r}: must be a finite number >= 0")
-        if self.clip_low >= 1.0:
-            raise ValueError(f"PolicyLoss.clip_low={self.clip_low!r}: must be < 1 (e.g. 0.2)")
-        if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
-            raise ValueError(
-                f"PolicyLoss.dual_clip_c={self.dual_clip_c!r}: must be > 1 (e.g. 3.0) or None"
-            )
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"PolicyLoss.objective={self.objective!r}: use one of {OBJECTIVES}")
+        for name in ("kl_coef", "entropy_coef", "advantage_eps", "zero_variance_tolerance"):
+            _check_finite_nonnegative(name, getattr(self, name))
+        defaults = OBJECTIVE_DEFAULTS[self.objective]
+        resolved = {
+            "clip_low": defaults.clip_low if self.clip_low is None else self.clip_low,
+            "clip_high": defaults.clip_high if self.clip_high is None else self.clip_high,
+            "aggregation": defaults.aggregation if self.aggregation is None else self.aggregation,
+            "should_std_normalize": (
+                defaults.should_std_normalize
+                if self.should_std_normalize is None
+                else self.should_std_normalize
+            ),
+        }
+        for name in ("clip_low", "clip_high"):
+            _check_finite_nonnegative(name, resolved[name])
+        if self.dual_clip_c is not None:
+            if self.objective in ("gspo", "cispo"):
+                raise ValueError(
+                    f"PolicyLoss.dual_clip_c={self.dual_clip_c!r}: dual clip is PPO's "
+                    f"(grpo, dr_grpo, dapo); objective={self.objective!r} has none: set it to None"
+                )
+            if not self.dual_clip_c > 1.0:
+                raise ValueError(
+                    f"PolicyLoss.dual_clip_c={self.dual_clip_c!r}: must be > 1 (e.g. 3.0) or None"
+                )
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ValueError(
                 f"PolicyLoss.kl_estimator={self.kl_estimator!r}: use one of {KL_ESTIMATORS}"
             )
-        if self.aggregation not in AGGREGATIONS:
+        if resolved["aggregation"] not in AGGREGATIONS:
             raise ValueError(
                 f"PolicyLoss.aggregation={self.aggregation!r}: use one of {AGGREGATIONS}"
             )
+        if self.objective == "gspo" and resolved["aggregation"] != "seq_mean_token_mean":
+            raise ValueError(
+                f"PolicyLoss.aggregation={self.aggregation!r}: GSPO's ratio and loss are per "
+                "sequence (arXiv:2507.18071 eq. 5); use 'seq_mean_token_mean' or leave it None"
+            )
+        if self.max_response_tokens is not None and not (
+            isinstance(self.max_response_tokens, int) and self.max_response_tokens >= 1
+        ):
+            raise ValueError(
+                f"PolicyLoss.max_response_tokens={self.max_response_tokens!r}: must be an int >= 1 "
+                "(the rollout's max_new_tokens) or None"
+            )
+        for name in ("num_mini_batches", "num_epochs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PolicyLoss.{name}={value!r}: must be an int >= 1")
+        if self.is_on_policy and self.num_updates_per_batch > 1:
+            raise ValueError(
+                f"PolicyLoss.is_on_policy=True with num_mini_batches={self.num_mini_batches} and "
+                f"num_epochs={self.num_epochs}: only the first of the "
+                f"{self.num_updates_per_batch} steps is on-policy; set is_on_policy=False (the "
+                "trainer computes old_logprobs once per rollout batch)"
+            )
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(
+                f"PolicyLoss.rollout_correction={self.rollout_correction!r}: use one of "
+                f"{ROLLOUT_CORRECTIONS}"
+            )
+        cap = self.rollout_correction_cap
+        if not (cap > 1.0 and cap < float("inf")):
+            raise ValueError(
+                f"PolicyLoss.rollout_correction_cap={cap!r}: must be a finite number > 1 (e.g. "
+                "2.0); turn the correction off with rollout_correction='none'"
+            )
+        # Not fields: dataclasses.replace (and config overrides) re-resolve from the fields.
+        object.__setattr__(self, "_resolved", resolved)
+
+    # -- resolved settings ---------------------------------------------------------------------
+
+    @property
+    def resolved_clip_low(self) -> float:
+        """clip_low, or the objective's when None."""
+        return self._resolved["clip_low"]
+
+    @property
+    def resolved_clip_high(self) -> float:
+        """clip_high, or the objective's when None."""
+        return self._resolved["clip_high"]
+
+    @property
+    def resolved_aggregation(self) -> str:
+        """aggregation, or the objective's when None."""
+        return self._resolved["aggregation"]
+
+    @property
+    def resolved_should_std_normalize(self) -> bool:
+        """should_std_normalize, or the objective's when None."""
+        return self._resolved["should_std_normalize"]
+
+    @property
+    def num_updates_per_batch(self) -> int:
+        """Optimizer steps per rollout batch: num_mini_batches x num_epochs."""
+        return self.num_mini_batches * self.num_epochs
 
     @property
     def needs_entropy(self) -> bool:
         """Whether the policy must compute the entropy (costs a pass over the vocabulary)."""
         return self.entropy_coef > 0 or self.should_compute_entropy
 
+    # -- checks against the run ----------------------------------------------------------------
+
+    def check_rollout(self, *, prompts_per_rank: int, max_new_tokens: int) -> None:
+        """Raise ValueError when this loss does not fit the rollout: mini-batches that do not
+        divide a rank's groups (prompts_per_rank), or Dr. GRPO's length normaliser unset.
+        Call it once, when the trainer's config is built."""
+        if prompts_per_rank % self.num_mini_batches:
+            raise ValueError(
+                f"PolicyLoss.num_mini_batches={self.num_mini_batches} does not divide "
+                f"prompts_per_rank={prompts_per_rank}: each mini-batch keeps whole GRPO groups; "
+                "use a divisor of prompts_per_rank"
+            )
+        if self.resolved_aggregation == "seq_mean_token_sum_norm":
+            if self.max_response_tokens is None:
+                raise ValueError(
+                    "PolicyLoss.max_response_tokens is None: aggregation "
+                    "'seq_mean_token_sum_norm' (Dr. GRPO) divides by a constant length; set it "
+                    f"to the rollout's max_new_tokens ({max_new_tokens})"
+                )
+            if self.max_response_tokens < max_new_tokens:
+                raise ValueError(
+                    f"PolicyLoss.max_response_tokens={self.max_response_tokens} is below "
+                    f"max_new_tokens={max_new_tokens}: Dr. GRPO divides by the generation "
+                    f"budget; set it to {max_new_tokens}"
+                )
+
+    # -- advantages ----------------------------------------------------------------------------
+
+    def compute_advantages(
+        self, rewards_B: torch.Tensor, group_ids_B: torch.Tensor
+    ) -> torch.Tensor:
+        """GRPO group advantages [B] with this objective's std normalisation, eps and
+        zero-variance tolerance (compute_grpo_advantages)."""
+        return compute_grpo_advantages(
+            rewards_B,
+            group_ids_B,
+            should_std_normalize=self.resolved_should_std_normalize,
+            eps=self.advantage_eps,
+            zero_variance_tolerance=self.zero_variance_tolerance,
+        )
+
+    # -- the loss ------------------------------------------------------------------------------
+
     def count_units(self, batch: Any) -> torch.Tensor:
         """Units of `batch` that the loss averages over; the policy sums this over all ranks."""
-        return count_units(batch["loss_mask"], aggregation=self.aggregation)
+        return count_units(
+            batch["loss_mask"],
+            aggregation=self.resolved_aggregation,
+            max_response_tokens=self.max_response_tokens,
+        )
 
     def __call__(
         self, batch: Any, logprobs_BT: torch.Tensor, entropy_BT: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(loss summed over units, metric sums over loss tokens) for one micro-batch."""
+        """(loss summed over units, metric sums over loss tokens) for one micro-batch.
+
+        Metrics ending in "_max" are maxima over loss tokens, not sums."""
         for key in ("loss_mask", "advantages", *(() if self.is_on_policy else ("old_logprobs",))):
             if key not in batch:
                 raise ValueError(
@@ -183,26 +410,50 @@ class PolicyLoss:
                 )
         mask_BT = batch["loss_mask"].to(logprobs_BT.dtype)
         old_BT = logprobs_BT.detach() if self.is_on_policy else batch["old_logprobs"]
+        old_BT = old_BT.to(logprobs_BT.dtype)
         advantages = batch["advantages"].to(logprobs_BT.dtype)
         advantages_BT = (
             advantages[:, None].expand_as(logprobs_BT) if advantages.dim() == 1 else advantages
         )
-        pg_loss_BT, is_clipped_BT = compute_clipped_policy_loss(
-            logprobs_BT,
-            old_BT.to(logprobs_BT.dtype),
-            advantages_BT,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            dual_clip_c=self.dual_clip_c,
+        pg_loss_BT, regions = self._policy_gradient_loss(
+            logprobs_BT, old_BT, advantages_BT, mask_BT
         )
-        loss_BT = pg_loss_BT
         metrics = {
-            "pg_loss": (pg_loss_BT.detach() * mask_BT).sum(),
-            "clip_frac": (is_clipped_BT.to(mask_BT.dtype) * mask_BT).sum(),
+            "clip_frac_low": _masked_sum(regions.low_BT, mask_BT),
+            "clip_frac_high": _masked_sum(regions.high_BT, mask_BT),
+            "clip_frac_dual": _masked_sum(regions.dual_BT, mask_BT),
         }
+        metrics["clip_frac"] = sum(metrics.values())
         if "rollout_logprobs" in batch:
-            gap_BT = (logprobs_BT.detach() - batch["rollout_logprobs"].to(logprobs_BT.dtype)).abs()
-            metrics["rollout_mismatch"] = (gap_BT * mask_BT).sum()
+            rollout_BT = batch["rollout_logprobs"].to(logprobs_BT.dtype)
+            gap_BT = (logprobs_BT.detach() - rollout_BT).abs()
+            metrics["rollout_mismatch"] = _masked_sum(gap_BT, mask_BT)
+            if self.rollout_correction != "none":
+                weights_BT, is_capped_BT = compute_rollout_weights(
+                    old_BT,
+                    rollout_BT,
+                    mask_BT,
+                    mode=self.rollout_correction,
+                    cap=self.rollout_correction_cap,
+                )
+                weights_BT = weights_BT.to(pg_loss_BT.dtype)
+                pg_loss_BT = pg_loss_BT * weights_BT
+                metrics["mismatch_kl"] = _masked_sum(
+                    compute_mismatch_kl(old_BT, rollout_BT), mask_BT
+                )
+                metrics["is_weight"] = _masked_sum(weights_BT, mask_BT)
+                # Weights are >= 0, so a row of zeros (padding, a dummy) never raises the max.
+                metrics["is_weight_max"] = _masked_max(weights_BT, mask_BT)
+                metrics["is_capped_frac"] = _masked_sum(is_capped_BT, mask_BT)
+        elif self.rollout_correction != "none":
+            _NO_ROLLOUT_LOGPROBS.warn(
+                "PolicyLoss(rollout_correction=%r): the batch has no 'rollout_logprobs' (the "
+                "engine's), so no rollout correction applied; build the batch with "
+                "yatt.core.rollout_batch or set rollout_correction='none'",
+                self.rollout_correction,
+            )
+        metrics["pg_loss"] = _masked_sum(pg_loss_BT, mask_BT)
+        loss_BT = pg_loss_BT
         if self.kl_coef > 0:
             if "ref_logprobs" not in batch:
                 raise ValueError(
@@ -215,12 +466,45 @@ class PolicyLoss:
                 estimator=self.kl_estimator,
             )
             loss_BT = loss_BT + self.kl_coef * kl_BT
-            metrics["kl"] = (kl_BT.detach() * mask_BT).sum()
+            metrics["kl"] = _masked_sum(kl_BT, mask_BT)
         if self.needs_entropy:
             if entropy_BT is None:
                 raise ValueError("PolicyLoss needs entropy_BT; the policy did not compute it")
             if self.entropy_coef > 0:
                 loss_BT = loss_BT - self.entropy_coef * entropy_BT
-            metrics["entropy"] = (entropy_BT.detach() * mask_BT).sum()
-        loss = sum_over_units(loss_BT, mask_BT, aggregation=self.aggregation)
+            metrics["entropy"] = _masked_sum(entropy_BT, mask_BT)
+        loss = sum_over_units(
+            loss_BT,
+            mask_BT,
+            aggregation=self.resolved_aggregation,
+            max_response_tokens=self.max_response_tokens,
+        )
         return loss, metrics
+
+    def _policy_gradient_loss(self, logprobs_BT, old_BT, advantages_BT, mask_BT):
+        clip = {"clip_low": self.resolved_clip_low, "clip_high": self.resolved_clip_high}
+        if self.objective == "gspo":
+            return compute_gspo_policy_loss(logprobs_BT, old_BT, advantages_BT, mask_BT, **clip)
+        if self.objective == "cispo":
+            return compute_cispo_policy_loss(logprobs_BT, old_BT, advantages_BT, **clip)
+        return compute_clipped_policy_loss(
+            logprobs_BT, old_BT, advantages_BT, dual_clip_c=self.dual_clip_c, **clip
+        )
+
+
+def _masked_sum(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Sum of detached values over loss tokens (a metric's numerator)."""
+    return (values_BT.detach().to(mask_BT.dtype) * mask_BT).sum()
+
+
+def _masked_max(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    """Max of detached non-negative values over loss tokens (0 without any)."""
+    masked_BT = values_BT.detach().to(mask_BT.dtype) * mask_BT
+    return masked_BT.amax() if masked_BT.numel() else masked_BT.sum()
+
+
+def _check_finite_nonnegative(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"PolicyLoss.{name}={value!r}: must be a finite number >= 0")
+    if not (value >= 0.0 and value < float("inf")):
+        raise ValueError(f"PolicyLoss.{name}={value!r}: must be a finite number >= 0")

@@ -15,8 +15,13 @@ a sampler may emit but a response must never carry into training (the policy wou
 image tokens without an image). Stop generation at them too (SamplingParams.stop_token_ids) and
 count the cut responses.
 
-A completion is anything with `prompt_ids`, `response_ids` and `logprobs` (one per response
-token), e.g. `yatt.rollout.Completion`: yatt-core does not depend on yatt-rollout.
+Every sample carries "is_truncated" (bool): the engine stopped the response at its token
+budget (finish_reason "length"), so it has no end; DAPO filters or punishes such responses
+(yatt.core._overlong). A response cut before one of `cut_at_token_ids` is not truncated.
+
+A completion is anything with `prompt_ids`, `response_ids`, `logprobs` (one per response
+token) and `finish_reason`, e.g. `yatt.rollout.Completion`: yatt-core does not depend on
+yatt-rollout. A completion without `finish_reason` (a hand-made one) counts as finished.
 """
 
 from __future__ import annotations
@@ -25,16 +30,20 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from yatt.core._batch import Batch
+from yatt.core._overlong import IS_TRUNCATED_KEY
 from yatt.core._vision_inputs import VISION_INPUTS_KEY, VisionInputs
 
 # Per-token fields of a rollout sample (the rest, group_id and reward, are per sample).
 ROLLOUT_TOKEN_KEYS = ("input_ids", "loss_mask", "rollout_logprobs")
+# The engine's finish_reason for a response cut at max_new_tokens (yatt.rollout.FinishReason).
+_LENGTH_FINISH = "length"
 
 
 class CompletionLike(Protocol):
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
     logprobs: Sequence[float]
+    finish_reason: str | None  # "stop", "length" or "abort" (yatt.rollout.FinishReason)
 
 
 def rollout_samples(
@@ -47,7 +56,8 @@ def rollout_samples(
 ) -> list[dict[str, Any]]:
     """One training sample per completion: prompt + response tokens, the loss on the response
     only, the sampler's logprob per response token (0.0 on the prompt), its GRPO group and
-    reward; and its prompt's images when `vision_inputs` is given (one entry per completion).
+    reward, whether the engine truncated it (is_truncated); and its prompt's images when
+    `vision_inputs` is given (one entry per completion).
     A response is cut before the first of `cut_at_token_ids` (its logprobs with it)."""
     completions = list(completions)
     images: list[VisionInputs | None] | None = None
@@ -78,6 +88,7 @@ def rollout_samples(
         cut = _first_index_of(response, cut_at_token_ids)
         if cut is not None:
             response, logprobs = response[:cut], logprobs[:cut]
+        finish_reason = getattr(completion, "finish_reason", None)
         samples.append(
             {
                 "input_ids": prompt + response,
@@ -85,6 +96,7 @@ def rollout_samples(
                 "rollout_logprobs": [0.0] * len(prompt) + logprobs,
                 "group_id": int(group_id),
                 "reward": float(reward),
+                IS_TRUNCATED_KEY: finish_reason == _LENGTH_FINISH and cut is None,
             }
         )
         if images is not None:
@@ -112,5 +124,6 @@ def _empty_rollout_batch() -> Batch:
         "rollout_logprobs": [0.0],
         "group_id": 0,
         "reward": 0.0,
+        IS_TRUNCATED_KEY: False,
     }
     return Batch.from_samples([placeholder], token_keys=ROLLOUT_TOKEN_KEYS).select([])

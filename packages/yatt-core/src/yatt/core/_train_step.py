@@ -38,6 +38,9 @@ from yatt.core._policy import LossFn
 from yatt.core._repeated_log import RepeatedWarning
 
 logger = logging.getLogger("yatt.core")
+# A loss metric named "..._max" is a maximum over loss tokens (of non-negative values), reduced
+# with max across micro-batches and ranks; every other loss metric is a sum over loss tokens.
+MAX_METRIC_SUFFIX = "_max"
 _NO_TOKENS = RepeatedWarning(logger, metric="is_skipped")
 
 
@@ -148,8 +151,13 @@ def run_train_step(
     lr_at: the learning rate of an optimizer step (yatt.core._optimization.compute_lr), asked
     for counts.num_optimizer_steps. max_grad_norm: clip to it; None or 0: measure only.
     Returns globally reduced metrics: "loss" (mean over units), each loss metric averaged over
-    loss tokens, "grad_norm", "lr" (this step's), "num_micro_batches", "num_loss_tokens",
-    "is_skipped". Updates `counts`.
+    loss tokens (a "..._max" one: its maximum), "grad_norm", "lr" (this step's),
+    "num_micro_batches", "num_loss_tokens", "is_skipped". Updates `counts`.
+
+    Several optimizer steps per rollout batch: call it once per mini-batch
+    (yatt.core.split_mini_batches), with "old_logprobs" computed on the whole batch before the
+    first; each call normalises over its own mini-batch's global units, as one step should.
+    `merge_step_metrics` folds the calls' metrics into one dict.
     """
     lr = lr_at(counts.num_optimizer_steps)
     needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
@@ -186,10 +194,17 @@ def run_train_step(
         for key, value in mb_metrics.items():
             # Dummies add 0 but still add the key: every rank must report the same keys.
             value = value.detach().to(torch.float64) * (0.0 if is_dummy else 1.0)
-            metric_sums[key] = metric_sums.get(key, 0.0) + value
+            if key.endswith(MAX_METRIC_SUFFIX):  # a max of non-negative values: 0 is neutral
+                metric_sums[key] = torch.maximum(metric_sums.get(key, value), value)
+            else:
+                metric_sums[key] = metric_sums.get(key, 0.0) + value
     grad_norm, found_inf = backend.reduce_and_clip_grads(max_grad_norm or None)
+    max_keys = [key for key in metric_sums if key.endswith(MAX_METRIC_SUFFIX)]
     sums = reduce_metrics(
-        {"loss": loss_sum, **metric_sums}, group=backend.dp_group, default_op="sum"
+        {"loss": loss_sum, **metric_sums},
+        group=backend.dp_group,
+        ops=dict.fromkeys(max_keys, "max"),
+        default_op="sum",
     )
     loss = sums.pop("loss") / totals["units"]
     is_finite = math.isfinite(loss) and math.isfinite(grad_norm) and not found_inf
@@ -204,7 +219,10 @@ def run_train_step(
         )
     backend.zero_grad()
     counts.num_steps += 1
-    per_token = {key: value / max(totals["tokens"], 1.0) for key, value in sums.items()}
+    per_token = {
+        key: value if key in max_keys else value / max(totals["tokens"], 1.0)
+        for key, value in sums.items()
+    }
     return _step_metrics(
         per_token,
         loss=loss,
@@ -236,3 +254,45 @@ def _step_metrics(
         "num_loss_tokens": num_tokens,
         "is_skipped": float(is_skipped),
     }
+
+
+# Metrics of run_train_step that are not token averages of loss metrics.
+_STEP_KEYS = ("loss", "grad_norm", "lr", "num_micro_batches", "num_loss_tokens", "is_skipped")
+
+
+def merge_step_metrics(steps: list[dict[str, float]]) -> dict[str, float]:
+    """One metrics dict for several train steps over one rollout batch (mini-batches, epochs).
+
+    Loss metrics and "loss": means weighted by each step's loss tokens ("..._max": the max);
+    "grad_norm": the mean over steps with loss tokens; "lr": the last step's;
+    "num_micro_batches", "num_loss_tokens": sums; "is_skipped": 1 only if no step updated the
+    weights; "num_optimizer_steps": the steps that did. Every rank passes the same values
+    (each step's metrics are global), so the merge needs no collective.
+    """
+    if not steps:
+        raise ValueError("merge_step_metrics needs at least one step's metrics")
+    tokens = [step["num_loss_tokens"] for step in steps]
+    total_tokens = sum(tokens)
+    merged: dict[str, float] = {}
+    # A step skipped for want of loss tokens reports no loss metrics (and has no tokens).
+    loss_keys = dict.fromkeys(key for step in steps for key in step if key not in _STEP_KEYS)
+    for key in loss_keys:
+        values = [step.get(key, 0.0) for step in steps]
+        if key.endswith(MAX_METRIC_SUFFIX):
+            merged[key] = max(values)
+        else:
+            weighted = sum(v * n for v, n in zip(values, tokens, strict=True))
+            merged[key] = weighted / total_tokens if total_tokens else 0.0
+    weighted_loss = sum(step["loss"] * n for step, n in zip(steps, tokens, strict=True))
+    norms = [step["grad_norm"] for step, n in zip(steps, tokens, strict=True) if n]
+    num_updates = sum(1 for step in steps if not step["is_skipped"])
+    merged |= {
+        "loss": weighted_loss / total_tokens if total_tokens else 0.0,
+        "grad_norm": sum(norms) / len(norms) if norms else 0.0,
+        "lr": steps[-1]["lr"],
+        "num_micro_batches": float(sum(step["num_micro_batches"] for step in steps)),
+        "num_loss_tokens": float(total_tokens),
+        "is_skipped": float(num_updates == 0),
+        "num_optimizer_steps": float(num_updates),
+    }
+    return merged

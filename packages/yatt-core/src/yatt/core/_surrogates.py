@@ -1,0 +1,133 @@
+"""Per-token policy-gradient surrogates: PPO's clip (GRPO, Dr. GRPO, DAPO), GSPO, CISPO.
+
+Shape legend (suffixes on tensor names):
+    B  samples
+    T  token positions, aligned with input_ids (see yatt.core._losses)
+
+Each returns (loss_BT, regions): the loss to minimise at every position (the caller masks and
+aggregates it) and `ClipRegions`, where the clip acted. r = pi / pi_old is the ratio of the
+policy being trained to the one whose logprobs the batch carries as "old_logprobs"; with one
+optimizer step per rollout batch r = 1 everywhere and no clip can act. Gradients flow only into
+`logprobs_BT`: old logprobs and advantages are constants.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# exp() of a log-ratio beyond this overflows float32 or dominates the batch; the clamp bounds
+# the estimate, and such tokens carry no useful gradient anyway.
+MAX_LOG_RATIO = 20.0
+
+
+class ClipRegions(NamedTuple):
+    """Bool [B, T] masks of where a clip acted; disjoint, so their sum is the total.
+
+    low:  the ratio fell below 1 - clip_low (PPO: on a negative advantage; CISPO: any token)
+    high: the ratio rose above 1 + clip_high (PPO: on a positive advantage; CISPO: any token)
+    dual: dual clip capped a negative advantage's loss (ratio above dual_clip_c)
+    """
+
+    low_BT: torch.Tensor
+    high_BT: torch.Tensor
+    dual_BT: torch.Tensor
+
+
+def _ratio(logprobs_BT: torch.Tensor, old_logprobs_BT: torch.Tensor) -> torch.Tensor:
+    log_ratio_BT = logprobs_BT - old_logprobs_BT.detach()
+    return torch.exp(log_ratio_BT.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
+
+
+def compute_clipped_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip_c: float | None = None,
+) -> tuple[torch.Tensor, ClipRegions]:
+    """Per-token clipped surrogate loss and where the clip acted.
+
+    PPO (arXiv:1707.06347, eq. 7): L = -min(r A, clip(r, 1 - eps, 1 + eps) A), r = pi / pi_old.
+    DAPO clip-higher (arXiv:2503.14476, eq. 10): separate eps_low / eps_high, e.g. 0.2 / 0.28.
+    Dual clip (arXiv:1912.09729, eq. 5), when dual_clip_c is set: for A < 0 the loss is also
+    capped at -c A, so a huge ratio on a bad token cannot blow up the step.
+    """
+    ratio_BT = _ratio(logprobs_BT, old_logprobs_BT)
+    advantages_BT = advantages_BT.detach()
+    unclipped_BT = -advantages_BT * ratio_BT
+    clipped_BT = -advantages_BT * ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_BT = torch.maximum(unclipped_BT, clipped_BT)
+    # The clipped term wins (and the gradient vanishes) only outside the range on the side
+    # where moving further would help: above it for A > 0, below it for A < 0.
+    is_clipped_BT = clipped_BT > unclipped_BT
+    low_BT = is_clipped_BT & (advantages_BT < 0)
+    high_BT = is_clipped_BT & (advantages_BT > 0)
+    dual_BT = torch.zeros_like(is_clipped_BT)
+    if dual_clip_c is not None:
+        cap_BT = -advantages_BT * dual_clip_c
+        dual_BT = (advantages_BT < 0) & (cap_BT < loss_BT)
+        loss_BT = torch.where(dual_BT, cap_BT, loss_BT)
+    return loss_BT, ClipRegions(low_BT, high_BT, dual_BT)
+
+
+def compute_gspo_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[torch.Tensor, ClipRegions]:
+    """GSPO (arXiv:2507.18071, eqs. 5-7): one clipped ratio per sequence.
+
+    s_i = (pi(y_i) / pi_old(y_i)) ^ (1 / |y_i|) = exp(mean over y_i's tokens of log r_t)
+    L_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
+    The paper clips at 3e-4 / 4e-4 (sec. 5.1): s_i is a geometric mean, so it moves far less
+    than a token's ratio. L_i is written on every token of sequence i, so the per-sequence mean
+    ("seq_mean_token_mean") of loss_BT is L_i; A_i is the mean of the row's advantages on its
+    loss tokens (GRPO's per-sample advantage is the same on every token). Rows without a loss
+    token get loss 0.
+    """
+    mask_BT = loss_mask_BT.to(logprobs_BT.dtype)
+    num_tokens_B = mask_BT.sum(-1).clamp(min=1.0)
+    log_ratio_BT = (logprobs_BT - old_logprobs_BT.detach()) * mask_BT
+    log_seq_ratio_B = (log_ratio_BT.sum(-1) / num_tokens_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    seq_ratio_B = torch.exp(log_seq_ratio_B)
+    advantages_B = (advantages_BT.detach() * mask_BT).sum(-1) / num_tokens_B
+    unclipped_B = -advantages_B * seq_ratio_B
+    clipped_B = -advantages_B * seq_ratio_B.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_B = torch.maximum(unclipped_B, clipped_B)
+    is_clipped_B = clipped_B > unclipped_B
+    shape = logprobs_BT.shape
+    low_BT = (is_clipped_B & (advantages_B < 0))[:, None].expand(shape)
+    high_BT = (is_clipped_B & (advantages_B > 0))[:, None].expand(shape)
+    return loss_B[:, None].expand(shape), ClipRegions(low_BT, high_BT, torch.zeros_like(low_BT))
+
+
+def compute_cispo_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    *,
+    clip_low: float = 1.0,
+    clip_high: float = 0.28,
+) -> tuple[torch.Tensor, ClipRegions]:
+    """CISPO (MiniMax-M1, arXiv:2506.13585, eqs. 4-5): clip the importance weight, not the update.
+
+    L_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_t log pi(y_t)
+    The weight is a constant (stop-gradient), so every token keeps its gradient -w A d log pi,
+    where PPO's clip would zero it; the paper sets no lower bound (eps_low large: clip_low >= 1
+    makes the lower bound <= 0) and tunes eps_high only. The loss value is a log-likelihood
+    term, not comparable with PPO's surrogate value; its gradient is what matters.
+    """
+    ratio_BT = _ratio(logprobs_BT, old_logprobs_BT).detach()
+    weight_BT = ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_BT = -weight_BT * advantages_BT.detach() * logprobs_BT
+    low_BT = ratio_BT < 1.0 - clip_low
+    high_BT = ratio_BT > 1.0 + clip_high
+    return loss_BT, ClipRegions(low_BT, high_BT, torch.zeros_like(low_BT))
