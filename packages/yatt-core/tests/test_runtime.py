@@ -111,7 +111,7 @@ def test_config_from_dict_builds_nested_and_rejects_unknown_keys():
         config_from_dict(_Outer, {"zzz": 1})
     # The dataclass's own validation still runs.
     with pytest.raises(ValueError, match="clip_low"):
-        config_from_dict(PolicyLoss, {"clip_low": 2.0})
+        config_from_dict(PolicyLoss, {"clip_low": -0.1})
 
 
 @dataclass(kw_only=True)
