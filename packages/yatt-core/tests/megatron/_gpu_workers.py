@@ -149,7 +149,7 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
     ckpt.save(1, policy.state())
     snapshot = {
         k: v.detach().clone()
-        for k, v in policy.gpt.state_dict().items()
+        for k, v in policy.chunks[0].model.state_dict().items()
         if isinstance(v, torch.Tensor)
     }
     # Two steps from the saved state, then the same two after loading it: the second step's
@@ -159,7 +159,7 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
     ckpt.close()
     out["ckpt_weights_bitwise"] = all(
         torch.equal(v, snapshot[k])
-        for k, v in policy.gpt.state_dict().items()
+        for k, v in policy.chunks[0].model.state_dict().items()
         if isinstance(v, torch.Tensor)
     )
     resumed = [policy.train_step(batch, loss_fn)["loss"] for _ in range(2)]

@@ -135,6 +135,40 @@ def forward_logprobs(
     vocab-parallel logits. pad_to: T is padded to a multiple of it (sequence parallelism splits
     T over TP ranks; right-padding keeps the valid positions exact).
     """
+    out_BTW = forward_stage(
+        model,
+        gpt,
+        input_ids_BT,
+        is_last_stage=True,
+        pad_to=pad_to,
+        needs_entropy=needs_entropy,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        temperature=temperature,
+        tp_group=tp_group,
+    )
+    return out_BTW[..., 0], out_BTW[..., 1] if needs_entropy else None
+
+
+def forward_stage(
+    model: torch.nn.Module,
+    gpt: Any,
+    input_ids_BT: torch.Tensor,
+    *,
+    is_last_stage: bool,
+    pad_to: int,
+    needs_entropy: bool,
+    vocab_start: int,
+    vocab_size: int,
+    temperature: float,
+    tp_group: Any,
+) -> torch.Tensor:
+    """One pipeline stage's forward of a right-padded micro-batch.
+
+    The last stage returns [B, T, W] (logprob, entropy if needs_entropy); an earlier stage its
+    hidden states for the next one (Megatron's schedule feeds it the previous stage's through
+    set_input_tensor, and reads the mask and positions here on every stage).
+    """
     width = input_ids_BT.shape[1]
     ids_BT = torch.nn.functional.pad(input_ids_BT, (0, -width % pad_to))
     length = ids_BT.shape[1]
@@ -142,17 +176,18 @@ def forward_logprobs(
     # Megatron's mask: True = masked out. Right-padded rows need only causality (padding
     # follows all valid tokens); SDPAttention ignores it and runs is_causal kernels.
     causal_11TT = torch.ones(length, length, dtype=torch.bool, device=ids_BT.device).triu(1)
+    if not is_last_stage:
+        return model(ids_BT, position_ids_BT, causal_11TT[None, None])
     settings = dict(vocab_start=vocab_start, vocab_size=vocab_size, temperature=temperature)
     if gpt is not None:
         in_layer = logprobs_in_output_layer(
             gpt, ids_BT, needs_entropy=needs_entropy, tp_group=tp_group, **settings
         )
         with in_layer:
-            out_BTW = model(ids_BT, position_ids_BT, causal_11TT[None, None])[:, :width]
-        return out_BTW[..., 0], out_BTW[..., 1] if needs_entropy else None
+            return model(ids_BT, position_ids_BT, causal_11TT[None, None])[:, :width]
     logits_BTVl = model(ids_BT, position_ids_BT, causal_11TT[None, None])[:, :width]
     logprobs_BT = compute_vocab_parallel_logprobs(logits_BTVl, input_ids_BT, **settings)
-    entropy_BT = None
-    if needs_entropy:
-        entropy_BT = compute_vocab_parallel_entropy(logits_BTVl, tp_group=tp_group, **settings)
-    return logprobs_BT, entropy_BT
+    if not needs_entropy:
+        return logprobs_BT[..., None]
+    entropy_BT = compute_vocab_parallel_entropy(logits_BTVl, tp_group=tp_group, **settings)
+    return torch.stack([logprobs_BT, entropy_BT], dim=-1)

@@ -10,6 +10,7 @@ scores as Megatron's local DotProductAttention does.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -105,12 +106,55 @@ def build_gpt_model(
     config_overrides: dict[str, Any] | None = None,
 ) -> Any:
     """An uninitialised-weights GPTModel (pp=1) for this rank of the tensor-parallel group."""
+    (chunk,) = build_gpt_chunks(
+        layout,
+        tp_size=tp_size,
+        dtype=dtype,
+        attention=attention,
+        sequence_parallel=sequence_parallel,
+        vocab_divisible_by=vocab_divisible_by,
+        use_cpu_initialization=use_cpu_initialization,
+        config_overrides=config_overrides,
+    )
+    return chunk.model
+
+
+@dataclass(frozen=True)
+class ModelChunk:
+    """One GPTModel of this rank: its pipeline stage's layers (or one virtual stage's)."""
+
+    model: Any  # the bare GPTModel
+    layer_offset: int  # global index of its first decoder layer
+    vp_stage: int | None  # the virtual stage (interleaved schedule), None without
+
+
+def build_gpt_chunks(
+    layout: GPTLayout,
+    *,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    virtual_pp_size: int | None = None,
+    cp_size: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    attention: Attention = "sdpa",
+    sequence_parallel: bool = False,
+    vocab_divisible_by: int = 128,
+    use_cpu_initialization: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+) -> list[ModelChunk]:
+    """This rank's GPTModel chunks (one per virtual stage; one without interleaving), built
+    after megatron's parallel_state: the first stage has the embedding, the last the head."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     kwargs = transformer_config_kwargs(
         layout,
         tp_size=tp_size,
+        pp_size=pp_size,
+        virtual_pp_size=virtual_pp_size,
+        cp_size=cp_size,
         dtype=dtype,
         sequence_parallel=sequence_parallel,
         use_cpu_initialization=use_cpu_initialization,
@@ -119,11 +163,24 @@ def build_gpt_model(
     )
     kwargs.update(config_overrides or {})
     config = TransformerConfig(**kwargs)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=build_layer_spec(layout, attention=attention),
-        **gpt_model_kwargs(layout, tp_size=tp_size, vocab_divisible_by=vocab_divisible_by),
-    )
+    spec = build_layer_spec(layout, attention=attention)
+    chunks = []
+    for vp_stage in range(virtual_pp_size or 1) if virtual_pp_size else [None]:
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
+            vp_stage=vp_stage,
+            **gpt_model_kwargs(layout, tp_size=tp_size, vocab_divisible_by=vocab_divisible_by),
+        )
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage) if pp_size > 1 else 0
+        chunks.append(ModelChunk(model=model, layer_offset=offset, vp_stage=vp_stage))
+    return chunks
 
 
 class SafetensorsReader:
@@ -183,6 +240,10 @@ def load_hf_weights(
     loaded = 0
     for local_name, param in model.named_parameters():
         name = global_layer_name(local_name, layer_offset)
+        if name == "output_layer.weight" and layout.is_tied:
+            # A pipeline's last stage holds its own copy of the tied embedding (Megatron keeps
+            # the two equal by all-reducing their gradients over the embedding group).
+            name = "embedding.word_embeddings.weight"
         if name not in expected:
             raise ValueError(
                 f"the Megatron model has {local_name!r}, which the HF mapping does not know"

@@ -12,9 +12,12 @@ from yatt.core.megatron._model import ATTENTIONS, Attention
 
 @dataclass(kw_only=True, frozen=True)
 class MegatronPolicyConfig:
-    """A Llama/Qwen2/Qwen3 HF checkpoint trained with Megatron-Core (TP x DP, distributed Adam).
+    """A Llama/Qwen2/Qwen3 HF checkpoint trained with Megatron-Core (TP x PP x CP x DP,
+    distributed Adam).
 
-    The fields shared with TorchPolicyConfig mean the same thing there.
+    The fields shared with TorchPolicyConfig mean the same thing there. The ranks of one
+    model replica (tp_size x pp_size x cp_size, `model_parallel_size`) share a batch: build the
+    runtime with init_runtime(tp_size=config.model_parallel_size).
     """
 
     model_dir: str  # a local directory with config.json and *.safetensors (save_pretrained output)
@@ -31,7 +34,10 @@ class MegatronPolicyConfig:
     seed: int = 0  # Megatron's model-parallel RNG seed
     temperature: float = 1.0  # the rollout's sampling temperature; logprobs use logits / it
     is_reference: bool = False  # frozen (no DDP, no optimizer): a KL reference policy
-    tp_size: int = 1  # tensor-parallel size; must equal init_runtime(tp_size=...)
+    tp_size: int = 1  # tensor-parallel size (heads, groups and the MLP split over it)
+    pp_size: int = 1  # pipeline stages (layers split over them; Megatron's 1F1B schedule)
+    virtual_pp_size: int | None = None  # model chunks per stage: the interleaved schedule
+    cp_size: int = 1  # context-parallel size (each sequence split over it, 2 x cp chunks)
     sequence_parallel: bool = False  # split activations over TP ranks between TP regions
     use_distributed_optimizer: bool = True  # shard fp32 main params and Adam moments over DP
     attention: Attention = (
@@ -53,6 +59,8 @@ class MegatronPolicyConfig:
         for field in (
             "max_tokens_per_microbatch",
             "tp_size",
+            "pp_size",
+            "cp_size",
             "vocab_divisible_by",
             "weight_sync_bucket_bytes",
         ):
@@ -67,3 +75,33 @@ class MegatronPolicyConfig:
             raise ValueError(f"{name}.attention={self.attention!r}: use one of {ATTENTIONS}")
         if self.sequence_parallel and self.tp_size == 1:
             raise ValueError(f"{name}.sequence_parallel=True needs tp_size > 1")
+        if self.cp_size > 1 and self.attention != "sdpa":
+            raise ValueError(
+                f"{name}.cp_size={self.cp_size} with attention={self.attention!r}: Megatron-Core's "
+                "local attention has no context parallelism (its ring attention needs "
+                "TransformerEngine); use attention='sdpa' (all-gathered keys and values)"
+            )
+        self._check_model_split(model_dir)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one model replica (tp x pp x cp): they share one batch."""
+        return self.tp_size * self.pp_size * self.cp_size
+
+    def _check_model_split(self, model_dir: Path) -> None:
+        """The parallel sizes against the model's shape, before any weight is read."""
+        if (self.tp_size, self.pp_size, self.cp_size, self.virtual_pp_size) == (1, 1, 1, None):
+            return  # nothing to split
+        from transformers import AutoConfig
+
+        from yatt.core.megatron._config import check_parallel_sizes, layout_from_hf_config
+
+        layout = layout_from_hf_config(AutoConfig.from_pretrained(model_dir))
+        check_parallel_sizes(
+            layout,
+            tp_size=self.tp_size,
+            pp_size=self.pp_size,
+            virtual_pp_size=self.virtual_pp_size,
+            cp_size=self.cp_size,
+            prefix="MegatronPolicyConfig.",
+        )
