@@ -303,6 +303,8 @@ def _one_layout(model_dir: str, batch, **sizes) -> dict:
             "optimizer_keys": sorted(state["optimizer"]),
             "pp_rank": policy.pp_rank,
             "num_micro_batches": metrics[0]["num_micro_batches"],
+            "bins": policy.plan_micro_batches(batch),
+            "lengths": batch.lengths.tolist(),
         }
         # The model state of the whole pipeline (every stage's keys) loads into this stage:
         # each stage takes its own layers by global name.

@@ -53,7 +53,13 @@ def megatron_cpu_results(request, tmp_path_factory, tiny_model_dirs):
 
 # Layouts compared in one 2-rank launch (see _cpu_workers.layouts); {} is pp=1 (dp=2 on the
 # same batch: the same mean loss and gradient as one rank).
-LAYOUTS = [{}, {"pp_size": 2}, {"pp_size": 2, "virtual_pp_size": 2}]
+LAYOUTS = [
+    {},
+    {"pp_size": 2},
+    {"pp_size": 2, "virtual_pp_size": 2},
+    {"pack_sequences": True},
+    {"pp_size": 2, "pack_sequences": True},
+]
 
 
 @pytest.fixture(scope="session")

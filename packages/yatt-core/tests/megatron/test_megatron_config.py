@@ -137,6 +137,14 @@ def test_policy_config_validates(tmp_path):
         ({"pp_size": 2, "virtual_pp_size": 2}, r"virtual_pp_size=2 x pp_size=2 must divide"),
         ({"virtual_pp_size": 2}, r"virtual_pp_size=2: the interleaved schedule needs"),
         ({"cp_size": 2, "attention": "megatron"}, r"cp_size=2 with attention='megatron'"),
+        (
+            {"pack_sequences": True, "attention": "megatron"},
+            r"pack_sequences=True with attention='megatron'",
+        ),
+        (
+            {"pack_sequences": True, "pp_size": 2, "virtual_pp_size": 1},
+            r"pack_sequences=True with virtual_pp_size=1",
+        ),
     ],
 )
 def test_parallel_sizes_that_do_not_split_the_model_raise_before_it_loads(tmp_path, sizes, match):

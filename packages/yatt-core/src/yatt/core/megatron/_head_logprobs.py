@@ -162,13 +162,28 @@ def forward_stage(
     vocab_size: int,
     temperature: float,
     tp_group: Any,
+    lengths_B: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One pipeline stage's forward of a right-padded micro-batch.
 
     The last stage returns [B, T, W] (logprob, entropy if needs_entropy); an earlier stage its
     hidden states for the next one (Megatron's schedule feeds it the previous stage's through
     set_input_tensor, and reads the mask and positions here on every stage).
+    lengths_B: each row's valid tokens, to run the rows packed end to end (no padding; see
+    `forward_packed`); None: padded [B, T].
     """
+    settings = dict(vocab_start=vocab_start, vocab_size=vocab_size, temperature=temperature)
+    if lengths_B is not None:
+        return forward_packed(
+            model,
+            gpt,
+            input_ids_BT,
+            lengths_B,
+            is_last_stage=is_last_stage,
+            needs_entropy=needs_entropy,
+            tp_group=tp_group,
+            **settings,
+        )
     width = input_ids_BT.shape[1]
     ids_BT = torch.nn.functional.pad(input_ids_BT, (0, -width % pad_to))
     length = ids_BT.shape[1]
@@ -178,7 +193,6 @@ def forward_stage(
     causal_11TT = torch.ones(length, length, dtype=torch.bool, device=ids_BT.device).triu(1)
     if not is_last_stage:
         return model(ids_BT, position_ids_BT, causal_11TT[None, None])
-    settings = dict(vocab_start=vocab_start, vocab_size=vocab_size, temperature=temperature)
     if gpt is not None:
         in_layer = logprobs_in_output_layer(
             gpt, ids_BT, needs_entropy=needs_entropy, tp_group=tp_group, **settings
@@ -191,3 +205,68 @@ def forward_stage(
         return logprobs_BT[..., None]
     entropy_BT = compute_vocab_parallel_entropy(logits_BTVl, tp_group=tp_group, **settings)
     return torch.stack([logprobs_BT, entropy_BT], dim=-1)
+
+
+def pack_rows(
+    input_ids_BT: torch.Tensor, lengths_B: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded rows end to end: ([1, N] ids, [1, N] positions restarting at each row,
+    [B + 1] int32 cumulative lengths, [N] index of each token in the flattened [B * T])."""
+    _batch, width = input_ids_BT.shape
+    valid_BT = torch.arange(width, device=input_ids_BT.device) < lengths_B[:, None]
+    flat_index_N = valid_BT.reshape(-1).nonzero().squeeze(1)
+    ids_1N = input_ids_BT.reshape(-1)[flat_index_N][None]
+    positions_1N = (flat_index_N % width)[None]
+    cu_seqlens = torch.nn.functional.pad(lengths_B.cumsum(0), (1, 0)).to(torch.int32)
+    return ids_1N, positions_1N, cu_seqlens, flat_index_N
+
+
+def forward_packed(
+    model: torch.nn.Module,
+    gpt: Any,
+    input_ids_BT: torch.Tensor,
+    lengths_B: torch.Tensor,
+    *,
+    is_last_stage: bool,
+    needs_entropy: bool,
+    vocab_start: int,
+    vocab_size: int,
+    temperature: float,
+    tp_group: Any,
+) -> torch.Tensor:
+    """forward_stage on the rows packed end to end (THD, PackedSeqParams): attention stays
+    within each row (SDPAttention), rope restarts at each row, and the [1, N, W] result is
+    scattered back to [B, T, W] (zeros on padding). A row's first position would hold the
+    previous row's prediction of it: it is 0, as in the padded layout."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    batch, width = input_ids_BT.shape
+    ids_1N, positions_1N, cu_seqlens, flat_index_N = pack_rows(input_ids_BT, lengths_B)
+    longest = int(lengths_B.max())  # host sync: rope's table length
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
+    if not is_last_stage:
+        return model(ids_1N, positions_1N, None, packed_seq_params=params)
+    settings = dict(vocab_start=vocab_start, vocab_size=vocab_size, temperature=temperature)
+    if gpt is not None:
+        in_layer = logprobs_in_output_layer(
+            gpt, ids_1N, needs_entropy=needs_entropy, tp_group=tp_group, **settings
+        )
+        with in_layer:
+            out_1NW = model(ids_1N, positions_1N, None, packed_seq_params=params)
+    else:
+        logits_1NVl = model(ids_1N, positions_1N, None, packed_seq_params=params)
+        logprobs_1N = compute_vocab_parallel_logprobs(logits_1NVl, ids_1N, **settings)
+        parts = [logprobs_1N]
+        if needs_entropy:
+            parts.append(compute_vocab_parallel_entropy(logits_1NVl, tp_group=tp_group, **settings))
+        out_1NW = torch.stack(parts, dim=-1)
+    is_row_start_N = (flat_index_N % width) == 0
+    values_NW = out_1NW[0] * (~is_row_start_N)[:, None].to(out_1NW.dtype)
+    out_W = out_1NW.new_zeros(batch * width, out_1NW.shape[-1])
+    return out_W.index_copy(0, flat_index_N, values_NW).view(batch, width, -1)

@@ -9,6 +9,7 @@ scores as Megatron's local DotProductAttention does.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,11 @@ class SDPAttention(torch.nn.Module):
     q [sq, b, np, hn], k/v [sk, b, ng, hn] -> context [sq, b, np * hn]. The mask argument is
     ignored: batches are right-padded, so causal attention alone keeps every valid position
     exact (padding comes after all valid tokens and never reaches them).
+
+    Packed sequences (PackedSeqParams, qkv_format "thd": q [t, np, hn] for the t tokens of
+    several sequences end to end, cu_seqlens their boundaries) run causal attention within each
+    sequence, one kernel call per sequence: no padding is computed (Megatron's local attention
+    refuses packed input; its varlen path needs TransformerEngine).
     """
 
     def __init__(
@@ -71,8 +77,10 @@ class SDPAttention(torch.nn.Module):
         attention_bias: Any = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAttention supports neither packed sequences nor attention bias")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         sq, b, heads, head_dim = query.shape
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -80,6 +88,25 @@ class SDPAttention(torch.nn.Module):
             q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != heads
         )
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+    def _packed(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any
+    ) -> torch.Tensor:
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPAttention packs qkv_format 'thd' only, got {params.qkv_format!r}")
+        total, heads, head_dim = query.shape
+        bounds = params.cu_seqlens_q.tolist()  # host sync: the loop needs the boundaries
+        parts = []
+        for start, end in itertools.pairwise(bounds):
+            # [s, h, d] -> [1, h, s, d]
+            q, k, v = (t[start:end].permute(1, 0, 2)[None] for t in (query, key, value))
+            context = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != heads
+            )
+            parts.append(context[0].permute(1, 0, 2))
+        if bounds[-1] < total:  # tokens past the last sequence (none from yatt's packing)
+            parts.append(query.new_zeros(total - bounds[-1], heads, head_dim))
+        return torch.cat(parts).reshape(total, heads * head_dim)
 
 
 def build_layer_spec(layout: GPTLayout, *, attention: Attention = "sdpa") -> Any:

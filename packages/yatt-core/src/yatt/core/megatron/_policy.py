@@ -28,8 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from yatt.balance import pack
 from yatt.core._batch import Batch
 from yatt.core._cost_model import estimate_flops_costs, flops_shape
+from yatt.core._metrics import reduce_metrics
 from yatt.core._micro_batches import check_context, plan_micro_batches
 from yatt.core._optimization import make_lr_schedule
 from yatt.core._policy import DTYPES, LossFn
@@ -130,6 +132,7 @@ class MegatronPolicy:
         self._counts = StepCounts()  # also the lr schedule's position: in state()
         self._lr_at = make_lr_schedule(config)
         self._asleep: set[str] = set()
+        self._padding_tokens = 0  # the last plan's padding (see plan_micro_batches)
 
     def _wrap_for_training(self, models: list[torch.nn.Module], tf_config: Any) -> tuple[Any, Any]:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -207,9 +210,18 @@ class MegatronPolicy:
         lengths = batch.lengths.tolist()
         check_context(lengths, self.max_context_tokens)
         self._check_tp_batch(batch)
-        return plan_micro_batches(
-            self.estimate_costs(lengths), lengths, max_tokens=self.config.max_tokens_per_microbatch
+        costs = self.estimate_costs(lengths)
+        cap = self.config.max_tokens_per_microbatch
+        if self.config.pack_sequences:
+            # Packed rows cost their real tokens: the cap bounds the sum of lengths.
+            bins = pack(costs, max_tokens=cap, lengths=lengths, allow_oversize=True)
+        else:
+            bins = plan_micro_batches(costs, lengths, max_tokens=cap)
+        # What the padded layout of these bins would compute beyond the real tokens.
+        self._padding_tokens = sum(
+            len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b) for b in bins if b
         )
+        return bins
 
     def _check_tp_batch(self, batch: Batch) -> None:
         """TP ranks must run the same micro-batches, or their collectives pair up wrongly and hang."""
@@ -247,6 +259,7 @@ class MegatronPolicy:
             vocab_size=self.layout.vocab_size,
             temperature=self.config.temperature,
             tp_group=self._tp_group,
+            lengths_B=mb["attention_mask"].sum(1) if self.config.pack_sequences else None,
         )
 
     @property
@@ -310,7 +323,7 @@ class MegatronPolicy:
         for model in self.models:
             model.train()
         step = run_pipeline_train_step if self.uses_schedule else run_train_step
-        return step(
+        metrics = step(
             self,
             batch,
             loss_fn,
@@ -318,6 +331,13 @@ class MegatronPolicy:
             lr_at=self._lr_at,
             max_grad_norm=self.config.grad_clip,
         )
+        if self.config.pack_sequences:
+            # Summed over DP ranks (the TP, CP and PP peers of one DP rank share its batch).
+            saved = reduce_metrics(
+                {"padding": float(self._padding_tokens)}, group=self._dp_group, default_op="sum"
+            )
+            metrics["num_padding_tokens_saved"] = saved["padding"]
+        return metrics
 
     @property
     def num_steps(self) -> int:

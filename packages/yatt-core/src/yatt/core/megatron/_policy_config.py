@@ -39,6 +39,9 @@ class MegatronPolicyConfig:
     virtual_pp_size: int | None = None  # model chunks per stage: the interleaved schedule
     cp_size: int = 1  # context-parallel size (each sequence split over it, 2 x cp chunks)
     sequence_parallel: bool = False  # split activations over TP ranks between TP regions
+    # Train and score each micro-batch's rows end to end (THD, no padding computed); the cap
+    # max_tokens_per_microbatch then bounds real tokens. Needs attention="sdpa".
+    pack_sequences: bool = False
     use_distributed_optimizer: bool = True  # shard fp32 main params and Adam moments over DP
     attention: Attention = (
         "sdpa"  # "sdpa": torch flash/efficient kernels; "megatron": local unfused
@@ -81,6 +84,18 @@ class MegatronPolicyConfig:
                 "local attention has no context parallelism (its ring attention needs "
                 "TransformerEngine); use attention='sdpa' (all-gathered keys and values)"
             )
+        if self.pack_sequences:
+            for field, value, allowed in (
+                ("attention", self.attention, "sdpa"),
+                ("sequence_parallel", self.sequence_parallel, False),
+                ("cp_size", self.cp_size, 1),
+                ("virtual_pp_size", self.virtual_pp_size, None),
+            ):
+                if value != allowed:
+                    raise ValueError(
+                        f"{name}.pack_sequences=True with {field}={value!r}: packed sequences "
+                        f"need {field}={allowed!r} here (set pack_sequences=False otherwise)"
+                    )
         self._check_model_split(model_dir)
 
     @property
