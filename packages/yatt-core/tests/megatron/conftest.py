@@ -59,6 +59,7 @@ LAYOUTS = [
     {"pp_size": 2, "virtual_pp_size": 2},
     {"pack_sequences": True},
     {"pp_size": 2, "pack_sequences": True},
+    {"cp_size": 2},
 ]
 
 

@@ -18,6 +18,7 @@ PIPELINES = [
     json.dumps({"pp_size": 2, "pack_sequences": True}, sort_keys=True),
 ]
 PACKED = json.dumps({"pack_sequences": True}, sort_keys=True)
+CP2 = json.dumps({"cp_size": 2}, sort_keys=True)
 
 
 @pytest.fixture(params=PIPELINES, ids=["1f1b", "interleaved", "1f1b-packed"])
@@ -117,3 +118,22 @@ def test_optimizer_state_of_another_layout_is_refused(pipeline):
     for stage in stages:
         assert "another (tp, pp, cp, dp) layout" in stage["foreign_optimizer_error"]
         assert any(key.startswith(f"tp0.pp{stage['pp_rank']}.") for key in stage["optimizer_keys"])
+
+
+def test_context_parallel_gives_pp1_logprobs_losses_gradients_and_step(megatron_layout_results):
+    """cp=2: each rank runs two of four chunks of every row (all-gathered keys and values);
+    the gathered logprobs, the global loss and each rank's gradient share (DDP averages over
+    dp x cp) give one rank's numbers."""
+    reference = megatron_layout_results[PP1][0]
+    for rank in megatron_layout_results[CP2]:
+        torch.testing.assert_close(rank["logprobs"], reference["logprobs"], atol=1e-5, rtol=0)
+        for got, want in zip(rank["metrics"], reference["metrics"], strict=True):
+            for key in ("loss", "grad_norm", "pg_loss", "entropy"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+            # cp=2 is one DP rank (pp=1 here ran dp=2 on the same batch).
+            assert 2 * got["num_loss_tokens"] == want["num_loss_tokens"]
+        assert set(rank["grads"]) == set(reference["grads"])
+        for name, grad in reference["grads"].items():
+            torch.testing.assert_close(rank["grads"][name], grad, atol=3e-5, rtol=1e-4, msg=name)
+        for name, tensor in reference["weights"].items():
+            torch.testing.assert_close(rank["weights"][name], tensor, atol=5e-4, rtol=0, msg=name)

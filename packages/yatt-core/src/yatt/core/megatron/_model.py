@@ -22,6 +22,7 @@ from yatt.core.megatron._config import (
     gpt_model_kwargs,
     transformer_config_kwargs,
 )
+from yatt.core.megatron._context_parallel import cp_attention, gather_keys_values
 from yatt.core.megatron._weights import (
     global_layer_name,
     megatron_names,
@@ -45,6 +46,9 @@ class SDPAttention(torch.nn.Module):
     several sequences end to end, cu_seqlens their boundaries) run causal attention within each
     sequence, one kernel call per sequence: no padding is computed (Megatron's local attention
     refuses packed input; its varlen path needs TransformerEngine).
+
+    Context parallelism (cp > 1): keys and values are all-gathered over the CP group and each
+    rank attends its two load-balanced query chunks (see _context_parallel).
     """
 
     def __init__(
@@ -59,11 +63,14 @@ class SDPAttention(torch.nn.Module):
         pg_collection: Any = None,
     ) -> None:
         super().__init__()
-        if getattr(config, "context_parallel_size", 1) != 1:
-            raise ValueError(
-                "SDPAttention does not support context parallelism; use attention='megatron'"
-            )
         self.config = config
+        self.cp_size = getattr(config, "context_parallel_size", 1)
+        self.cp_group = None
+        if self.cp_size > 1:
+            from megatron.core import parallel_state
+
+            cp_group = getattr(pg_collection, "cp", None)
+            self.cp_group = cp_group or parallel_state.get_context_parallel_group()
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
 
@@ -81,6 +88,16 @@ class SDPAttention(torch.nn.Module):
             raise ValueError("SDPAttention does not support attention bias")
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
+        if self.cp_size > 1:
+            # This rank's two query chunks over the whole sequence's keys (_context_parallel).
+            return cp_attention(
+                query,
+                gather_keys_values(key, self.cp_group),
+                gather_keys_values(value, self.cp_group),
+                cp_size=self.cp_size,
+                cp_rank=torch.distributed.get_rank(self.cp_group),
+                scale=self.softmax_scale,
+            )
         sq, b, heads, head_dim = query.shape
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))

@@ -260,6 +260,7 @@ class MegatronPolicy:
             temperature=self.config.temperature,
             tp_group=self._tp_group,
             lengths_B=mb["attention_mask"].sum(1) if self.config.pack_sequences else None,
+            cp_group=self.cp_group if self.config.cp_size > 1 else None,
         )
 
     @property

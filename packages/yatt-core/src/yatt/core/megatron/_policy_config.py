@@ -78,6 +78,12 @@ class MegatronPolicyConfig:
             raise ValueError(f"{name}.attention={self.attention!r}: use one of {ATTENTIONS}")
         if self.sequence_parallel and self.tp_size == 1:
             raise ValueError(f"{name}.sequence_parallel=True needs tp_size > 1")
+        if self.cp_size > 1 and self.sequence_parallel:
+            raise ValueError(
+                f"{name}.cp_size={self.cp_size} with sequence_parallel=True is not supported "
+                "(context parallelism computes logprobs in the output layer, which sequence "
+                "parallelism does not yet); set one of them off"
+            )
         if self.cp_size > 1 and self.attention != "sdpa":
             raise ValueError(
                 f"{name}.cp_size={self.cp_size} with attention={self.attention!r}: Megatron-Core's "
