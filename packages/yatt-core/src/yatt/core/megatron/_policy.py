@@ -186,10 +186,11 @@ class MegatronPolicy:
         return self._hf_config
 
     def estimate_costs(self, lengths: Sequence[int]) -> list[float]:
-        """Relative compute of each sample of these lengths (forward FLOPs of this model's
-        shape: yatt.balance.flops_cost), as TorchPolicy estimates it for the same model.
-        Micro-batch packing uses it; pass it to `Batch.rebalance(costs=...)`."""
-        return estimate_flops_costs(lengths, self._cost_shape)
+        """Relative compute of each sample of these lengths on one rank (forward FLOPs of this
+        model's shape: yatt.balance.flops_cost, over cp_size with context parallelism), as
+        TorchPolicy estimates it for the same model at cp_size 1. Micro-batch packing uses it;
+        pass it to `Batch.rebalance(costs=...)`."""
+        return estimate_flops_costs(lengths, self._cost_shape, cp_size=self.config.cp_size)
 
     @property
     def max_context_tokens(self) -> int:
@@ -211,7 +212,8 @@ class MegatronPolicy:
         check_context(lengths, self.max_context_tokens)
         self._check_tp_batch(batch)
         costs = self.estimate_costs(lengths)
-        cap = self.config.max_tokens_per_microbatch
+        # The cap bounds one rank's tokens: a CP rank holds 1/cp of every row.
+        cap = self.config.max_tokens_per_microbatch * self.config.cp_size
         if self.config.pack_sequences:
             # Packed rows cost their real tokens: the cap bounds the sum of lengths.
             bins = pack(costs, max_tokens=cap, lengths=lengths, allow_oversize=True)

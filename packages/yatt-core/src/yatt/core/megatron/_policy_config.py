@@ -29,7 +29,8 @@ class MegatronPolicyConfig:
     betas: tuple[float, float] = (0.9, 0.999)  # Adam betas
     weight_decay: float = 0.0  # decoupled weight decay (not on biases and norm weights)
     grad_clip: float | None = 1.0  # max global grad norm; 0 or None: no clipping (norm logged)
-    max_tokens_per_microbatch: int = 8192  # token cap per forward/backward (padded b x T)
+    # Token cap per forward/backward and rank: padded b x T / cp_size (packed: real tokens).
+    max_tokens_per_microbatch: int = 8192
     dtype: str = "bfloat16"  # parameter/compute dtype; the optimizer keeps float32 main params
     seed: int = 0  # Megatron's model-parallel RNG seed
     temperature: float = 1.0  # the rollout's sampling temperature; logprobs use logits / it
