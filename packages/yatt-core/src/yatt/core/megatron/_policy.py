@@ -80,6 +80,8 @@ class MegatronPolicy:
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._dp_group = parallel_state.get_data_parallel_group()
+        # The runtime's "tp" ranks are the model copy's tp x pp x cp ranks: they share a batch.
+        self._batch_group = runtime.tp_group
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
         self.cp_group = parallel_state.get_context_parallel_group()
@@ -226,16 +228,18 @@ class MegatronPolicy:
         return bins
 
     def _check_tp_batch(self, batch: Batch) -> None:
-        """TP ranks must run the same micro-batches, or their collectives pair up wrongly and hang."""
-        if self.config.tp_size == 1:
+        """The tp x pp x cp ranks of a model copy must run the same micro-batches, or their
+        collectives pair up wrongly and hang."""
+        if self.config.model_parallel_size == 1:
             return
         local = torch.tensor([batch.num_tokens, len(batch)], dtype=torch.int64, device=self.device)
         high, low = local.clone(), -local
-        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self._tp_group)
-        dist.all_reduce(low, op=dist.ReduceOp.MAX, group=self._tp_group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self._batch_group)
+        dist.all_reduce(low, op=dist.ReduceOp.MAX, group=self._batch_group)
         if not torch.equal(high, -low):  # host sync: a hang is worse
             raise ValueError(
-                "tensor-parallel ranks got different batches; give every TP rank its DP rank's batch"
+                "the tp x pp x cp ranks of one model copy got different batches; give each of "
+                "them its DP rank's batch"
             )
 
     def forward_micro_batch(
