@@ -11,6 +11,7 @@ from yatt.balance import flops_cost
 from yatt.core import TorchPolicy, TorchPolicyConfig
 from yatt.core._cost_model import (
     estimate_flops_costs,
+    estimate_megatron_memory,
     flops_shape,
     flops_shape_from_hf_config,
     has_gated_mlp,
@@ -126,3 +127,83 @@ def test_a_config_without_a_shape_weighs_by_tokens_and_says_so(tiny_model_dir, c
         policy = TorchPolicy(TorchPolicyConfig(model_dir=tiny_model_dir, parallel="none"))
     assert "by token count" in caplog.text
     assert policy.estimate_costs([4, 9]) == [4.0, 9.0]
+
+
+def _causal_pairs_on_rank(length: int, cp_size: int, rank: int) -> int:
+    """Query-key pairs of causal attention that CP rank `rank` computes: its two chunks (r and
+    2cp-1-r of 2cp), query j seeing j + 1 keys; counted one query at a time."""
+    chunk = length // (2 * cp_size)
+    queries = [
+        j
+        for index in (rank, 2 * cp_size - 1 - rank)
+        for j in range(index * chunk, (index + 1) * chunk)
+    ]
+    return sum(j + 1 for j in queries)
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_context_parallel_cost_is_each_ranks_share(cp_size):
+    shape = flops_shape(hidden_size=64, num_layers=2, ffn_hidden_size=160, is_gated_mlp=True)
+    length = 48  # a multiple of 2 x cp: no padding
+    per_rank = estimate_flops_costs([length], shape, cp_size=cp_size)[0]
+    # Hand-built: linear FLOPs of length / cp tokens, attention of the rank's own pairs
+    # (2 FLOPs per multiply-add, scores and values, per layer: flops_cost's 2 h L (L + 1)).
+    linear_per_token = (flops_cost([1], **shape)[0] - 2 * 2 * 64 * 1 * 2) / 1
+    for rank in range(cp_size):
+        attention = 2 * 2 * 2 * 64 * _causal_pairs_on_rank(length, cp_size, rank)
+        expected = linear_per_token * length / cp_size + attention
+        assert per_rank == pytest.approx(expected, rel=1e-12)
+    # A length off the 2 x cp grid is padded up to it, as the policy pads the sequence.
+    assert estimate_flops_costs([length - 1], shape, cp_size=cp_size) == [per_rank]
+    assert estimate_flops_costs([10], None, cp_size=2) == [12 / 2]
+    with pytest.raises(ValueError, match="cp_size=0"):
+        estimate_flops_costs([10], shape, cp_size=0)
+
+
+QWEN25_7B = flops_shape(
+    hidden_size=3584,
+    num_layers=28,
+    ffn_hidden_size=18944,
+    num_heads=28,
+    num_kv_heads=4,
+    vocab_size=152064,
+    is_gated_mlp=True,
+)
+
+
+def test_memory_estimate_counts_parameters_and_activations_by_hand():
+    # Qwen2.5-7B's published size is 7.62e9 parameters (untied, 28 layers).
+    one = estimate_megatron_memory(QWEN25_7B, tokens=8192)
+    assert one.weights / 2 == pytest.approx(7.62e9, rel=0.01)
+    assert one.grads == 2 * one.weights and one.optimizer == 6 * one.weights
+    # Activations: 8192 tokens x 28 layers x 2 bytes x (6 h + 3 h + 3 kv + 4 f) values.
+    h, kv, f = 3584, 512, 18944
+    assert one.activations == pytest.approx(8192 * 28 * 2 * (9 * h + 3 * kv + 4 * f))
+    assert one.gathered_kv == 0
+    # TP 4 divides the weights (and the TP-region activations); the distributed optimizer
+    # shards over dp x cp; CP halves the tokens a rank holds but gathers the keys and values.
+    split = estimate_megatron_memory(QWEN25_7B, tokens=8192, tp_size=4, cp_size=2, dp_size=2)
+    assert split.weights == pytest.approx(one.weights / 4)
+    assert split.optimizer == pytest.approx(one.optimizer / 4 / 4)
+    assert split.activations == pytest.approx(
+        8192 / 2 * 28 * 2 * (6 * h + (3 * h + 3 * kv + 4 * f) / 4)
+    )
+    assert split.gathered_kv == pytest.approx(2 * 2 * kv / 4 * 8192 * 28)
+    # PP 4: the first stage holds 7 layers plus the embedding, and 4 micro-batches in flight.
+    staged = estimate_megatron_memory(QWEN25_7B, tokens=8192, pp_size=4)
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * f + 2 * h
+    assert staged.weights == pytest.approx(2 * (7 * per_layer + 152064 * h))
+    assert staged.activations == pytest.approx(one.activations)
+    assert estimate_megatron_memory(
+        QWEN25_7B, tokens=8192, pp_size=4, num_microbatches=1
+    ).activations == pytest.approx(one.activations / 4)
+    assert set(one.gib()) == {
+        "weights",
+        "grads",
+        "optimizer",
+        "activations",
+        "gathered_kv",
+        "total",
+    }
+    with pytest.raises(ValueError, match="cp_size=0"):
+        estimate_megatron_memory(QWEN25_7B, tokens=8, cp_size=0)

@@ -35,6 +35,7 @@ class _CpuTorch:
         def on_cpu(*args, **kwargs):
             if str(kwargs.get("device")) == "cuda":
                 kwargs["device"] = "cpu"
+            kwargs.pop("pin_memory", None)  # no pinned allocator without an accelerator
             return fn(*args, **kwargs)
 
         return on_cpu
@@ -43,19 +44,35 @@ class _CpuTorch:
 def install_for_policy() -> None:
     """Also let MegatronPolicy train on CPU: float32 and the non-distributed optimizer only
     (the distributed one insists on CUDA tensors), and no grad clipping (it asserts CUDA).
+    The pipeline schedule's device="cuda" counters land on CPU too, and context parallelism's
+    rope index (pinned) in plain memory.
     sleep()/wake_up() run, but the optimizer state stays where it is: in host memory already
     (Megatron's restore_from_cpu would call .cuda() on it)."""
+    import megatron.core.models.common.embeddings.rope_utils as rope_utils
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.pipeline_parallel.p2p_communication as p2p
+    import megatron.core.pipeline_parallel.schedules as schedules
     import megatron.core.tensor_parallel as tensor_parallel
     import megatron.core.utils as utils
 
+    import yatt.core.megatron._model as model_builder
     import yatt.core.megatron._policy as policy
 
     install()
-    for module in (optimizer, clip_grads, utils):
+    # Gloo matches point-to-point messages by (peer, tag): at pp=2 the interleaved schedule's
+    # batched send/receive pairs an activation and a gradient from the same peer in either
+    # order. Megatron's unbatched path posts them in a fixed even/odd order that pairs right.
+    kwargs_of = model_builder.transformer_config_kwargs
+    model_builder.transformer_config_kwargs = lambda *a, **k: {
+        **kwargs_of(*a, **k),
+        "batch_p2p_comm": False,
+    }
+    for module in (optimizer, clip_grads, utils, schedules, p2p, rope_utils):
         module.torch = _CpuTorch()
     tensor_parallel.model_parallel_cuda_manual_seed = lambda *args, **kwargs: None
+    # Context parallelism's rope index and a pipeline's tied output layer call .cuda().
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     policy._require_cuda = lambda device: None
     torch.cuda.synchronize = lambda *args, **kwargs: None
     torch.cuda.empty_cache = lambda *args, **kwargs: None

@@ -229,12 +229,114 @@ def policy_vs_torch(model_dir: str) -> dict:
         "model_config": policy.model_config.to_dict(),
         "costs": costs,
         "resident_bytes": policy.resident_bytes(),
-        "param_bytes": sum(p.numel() * p.element_size() for p in policy.gpt.parameters()),
+        "param_bytes": sum(
+            p.numel() * p.element_size() for c in policy.chunks for p in c.model.parameters()
+        ),
         "torch_losses": torch_losses,
         "weights": weights,
         "torch_weights": torch_weights,
         "state_restored": restored,
         "num_state_tensors": sum(len(sd) for sd in saved.values()),
+    }
+
+
+def _rl_batch(num_rows: int = 6, low: int = 10, high: int = 40):
+    """Rows of 10..40 tokens, the second half of each scored, advantages +-1."""
+    from yatt.core import Batch
+
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(num_rows):
+        n = int(torch.randint(low, high, (1,), generator=gen))
+        mask = torch.zeros(n, dtype=torch.int64)
+        mask[n // 2 :] = 1
+        ids = torch.randint(5, 260, (n,), generator=gen)
+        rows.append({"input_ids": ids, "loss_mask": mask, "advantages": float(1 - 2 * (i % 2))})
+    return Batch.from_samples(rows, token_keys=("input_ids", "loss_mask"))
+
+
+def _one_layout(model_dir: str, batch, **sizes) -> dict:
+    """Logprobs, two train steps (gradients of the first before its update), the exported HF
+    weights and the model state of MegatronPolicy at one parallel layout (float32)."""
+    from megatron.core import parallel_state
+
+    from yatt.core import PolicyLoss, init_runtime
+    from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
+    from yatt.core.megatron._weights import global_layer_name
+
+    config = MegatronPolicyConfig(
+        model_dir=model_dir,
+        dtype="float32",
+        lr=1e-3,
+        grad_clip=None,
+        max_tokens_per_microbatch=64,
+        use_distributed_optimizer=False,
+        **sizes,
+    )
+    loss_fn = PolicyLoss(entropy_coef=0.01)
+    with init_runtime(device="cpu", tp_size=config.model_parallel_size) as rt:
+        policy = MegatronPolicy(config, rt)
+        logprobs = policy.logprobs(batch)
+        batch.tokens["old_logprobs"] = logprobs
+        grads = {}
+        real_step = policy.step_optimizer
+
+        def step_and_record(lr):
+            if not grads:
+                for chunk in policy.chunks:
+                    for name, param in chunk.model.named_parameters():
+                        name = global_layer_name(name, chunk.layer_offset)
+                        grads[name] = param.main_grad.detach().clone()
+            real_step(lr)
+
+        policy.step_optimizer = step_and_record
+        metrics = [policy.train_step(batch, loss_fn) for _ in range(2)]
+        del batch.tokens["old_logprobs"]
+        weights = {k: v.clone() for k, v in policy.named_weights(bucket_bytes=3000)}
+        state = {k: v.state_dict() for k, v in policy.state().items()}
+        out = {
+            "logprobs": logprobs,
+            "metrics": metrics,
+            "grads": grads,
+            "weights": weights,
+            "model_state": {k: v.clone() for k, v in state["model"].items()},
+            "optimizer_keys": sorted(state["optimizer"]),
+            "pp_rank": policy.pp_rank,
+            "num_micro_batches": metrics[0]["num_micro_batches"],
+            "bins": policy.plan_micro_batches(batch),
+            "lengths": batch.lengths.tolist(),
+        }
+        # The model state of the whole pipeline (every stage's keys) loads into this stage:
+        # each stage takes its own layers by global name.
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, out["model_state"])
+        merged = {k: v for part in everyone for k, v in part.items()}
+        policy.state()["model"].load_state_dict(merged)
+        out["merged_model_keys"] = sorted(merged)
+        # Another stage's optimizer state does not fit: a clear error, not a silent mix.
+        opt_states = [None] * dist.get_world_size()
+        dist.all_gather_object(opt_states, state["optimizer"])
+        other = opt_states[(dist.get_rank() + 1) % dist.get_world_size()]
+        try:
+            policy.state()["optimizer"].load_state_dict(other)
+            out["foreign_optimizer_error"] = None
+        except ValueError as err:
+            out["foreign_optimizer_error"] = str(err)
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def layouts(model_dir: str, cases: list) -> dict:
+    """MegatronPolicy at each layout in `cases` ({"pp_size": 2, ...}), one after the other in
+    this world; a layout with fewer model-parallel ranks than the world runs data parallel on
+    the same batch (the same mean loss and gradient as one rank)."""
+    _cpu_shim.install_for_policy()
+    import yatt.core._head_logprobs as head_logprobs
+
+    head_logprobs.CHUNK_ELEMENTS = 2048
+    batch = _rl_batch()
+    return {
+        json.dumps(case, sort_keys=True): _one_layout(model_dir, batch, **case) for case in cases
     }
 
 
@@ -255,7 +357,7 @@ def main() -> None:
     scenario, out_dir, kwargs = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    result = {"all": run_all}[scenario](**kwargs)
+    result = {"all": run_all, "layouts": layouts}[scenario](**kwargs)
     torch.save(result, out_dir / f"rank{dist.get_rank()}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -149,7 +149,7 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
     ckpt.save(1, policy.state())
     snapshot = {
         k: v.detach().clone()
-        for k, v in policy.gpt.state_dict().items()
+        for k, v in policy.chunks[0].model.state_dict().items()
         if isinstance(v, torch.Tensor)
     }
     # Two steps from the saved state, then the same two after loading it: the second step's
@@ -159,7 +159,7 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
     ckpt.close()
     out["ckpt_weights_bitwise"] = all(
         torch.equal(v, snapshot[k])
-        for k, v in policy.gpt.state_dict().items()
+        for k, v in policy.chunks[0].model.state_dict().items()
         if isinstance(v, torch.Tensor)
     )
     resumed = [policy.train_step(batch, loss_fn)["loss"] for _ in range(2)]
@@ -175,6 +175,39 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
     return out
 
 
+def check_packing(model_dir: str, rt) -> dict:
+    """pack_sequences=True against the padded layout on the same batch, from the same weights:
+    logprobs and one train step's loss (bf16: per-row and batched SDPA kernels round apart)."""
+    from yatt.core import PolicyLoss
+    from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
+
+    out: dict = {}
+    for pack in (False, True):
+        config = MegatronPolicyConfig(
+            model_dir=model_dir, tp_size=rt.tp_size, lr=1e-4, pack_sequences=pack
+        )
+        policy = MegatronPolicy(config, rt)
+        batch = _global_batch(policy.layout.vocab_size)
+        logprobs = policy.logprobs(batch)
+        batch.tokens["old_logprobs"] = logprobs
+        metrics = policy.train_step(batch, PolicyLoss())
+        out[pack] = {
+            "logprobs": logprobs.cpu(),
+            "metrics": metrics,
+            "mask": batch["attention_mask"],
+        }
+        del policy
+        gc.collect()
+        torch.cuda.empty_cache()
+    stats = _masked_stats(out[True]["logprobs"], out[False]["logprobs"], out[False]["mask"].cpu())
+    return {
+        "logprobs_packed_vs_padded": stats,
+        "loss_padded": out[False]["metrics"]["loss"],
+        "loss_packed": out[True]["metrics"]["loss"],
+        "num_padding_tokens_saved": out[True]["metrics"]["num_padding_tokens_saved"],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
@@ -182,6 +215,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--torch-ref", action="store_true")
+    parser.add_argument("--pack-check", action="store_true")
     args = parser.parse_args()
 
     from yatt.core import init_runtime
@@ -197,6 +231,9 @@ def main() -> None:
                 torch_ref=args.torch_ref and rt.tp_size == 1,
                 attention=args.attention,
             )
+        if args.pack_check:
+            (model_dir,) = json.loads(args.model_dirs).values()
+            results["packing"] = check_packing(model_dir, rt)
         if rt.is_rank_zero:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

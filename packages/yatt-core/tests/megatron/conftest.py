@@ -49,3 +49,30 @@ def megatron_cpu_results(request, tmp_path_factory, tiny_model_dirs):
     out_dir = tmp_path_factory.mktemp("megatron-cpu") / f"tp{tp}"
     results = launch_megatron(out_dir, "all", tp, model_dirs=tiny_model_dirs, cases=CASES[tp])
     return tp, results
+
+
+# Layouts compared in one 2-rank launch (see _cpu_workers.layouts); {} is pp=1 (dp=2 on the
+# same batch: the same mean loss and gradient as one rank).
+LAYOUTS = [
+    {},
+    {"pp_size": 2},
+    {"pp_size": 2, "virtual_pp_size": 2},
+    {"pack_sequences": True},
+    {"pp_size": 2, "pack_sequences": True},
+    {"cp_size": 2},
+]
+
+
+@pytest.fixture(scope="session")
+def megatron_layout_results(tmp_path_factory):
+    """{layout key: [rank 0's result, rank 1's]} of a 4-layer Qwen2 (the interleaved schedule
+    needs layers divisible by pp x virtual stages)."""
+    pytest.importorskip(
+        "megatron.core", reason="megatron-core is not installed (yatt-core[megatron])"
+    )
+    model_dir = tmp_path_factory.mktemp("tiny-qwen2-4layers")
+    make_tiny_causal_lm(model_dir, arch="qwen2", num_heads=8, num_kv_heads=4, num_layers=4, seed=1)
+    out_dir = tmp_path_factory.mktemp("megatron-layouts") / "out"
+    results = launch_megatron(out_dir, "layouts", 2, model_dir=str(model_dir), cases=LAYOUTS)
+    keys = [json.dumps(case, sort_keys=True) for case in LAYOUTS]
+    return {key: [r[key] for r in results] for key in keys}

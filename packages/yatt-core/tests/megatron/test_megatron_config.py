@@ -120,8 +120,58 @@ def test_tp_must_divide_heads_groups_and_ffn():
 def test_policy_config_validates(tmp_path):
     with pytest.raises(ValueError, match="model_dir"):
         MegatronPolicyConfig(model_dir=str(tmp_path / "missing"))
-    (tmp_path / "config.json").write_text("{}")
+    _config("Qwen2Config").save_pretrained(tmp_path)  # 2 layers, 8 heads in 4 groups
     for field, value in [("tp_size", 0), ("attention", "flash"), ("lr", 0.0), ("dtype", "fp8")]:
         with pytest.raises(ValueError, match=field):
             MegatronPolicyConfig(model_dir=str(tmp_path), **{field: value})
     assert MegatronPolicyConfig(model_dir=str(tmp_path), tp_size=2).attention == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("sizes", "match"),
+    [
+        ({"tp_size": 8}, r"MegatronPolicyConfig\.tp_size=8 must divide num_key_value_heads=4"),
+        ({"pp_size": 4}, r"MegatronPolicyConfig\.pp_size=4 must divide num_hidden_layers=2"),
+        ({"pp_size": 0}, r"MegatronPolicyConfig\.pp_size=0"),
+        ({"cp_size": -1}, r"MegatronPolicyConfig\.cp_size=-1"),
+        ({"pp_size": 2, "virtual_pp_size": 2}, r"virtual_pp_size=2 x pp_size=2 must divide"),
+        ({"virtual_pp_size": 2}, r"virtual_pp_size=2: the interleaved schedule needs"),
+        ({"cp_size": 2, "attention": "megatron"}, r"cp_size=2 with attention='megatron'"),
+        (
+            {"pack_sequences": True, "attention": "megatron"},
+            r"pack_sequences=True with attention='megatron'",
+        ),
+        (
+            {"pack_sequences": True, "pp_size": 2, "virtual_pp_size": 1},
+            r"pack_sequences=True with virtual_pp_size=1",
+        ),
+    ],
+)
+def test_parallel_sizes_that_do_not_split_the_model_raise_before_it_loads(tmp_path, sizes, match):
+    _config("Qwen2Config").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        MegatronPolicyConfig(model_dir=str(tmp_path), **sizes)
+
+
+def test_model_parallel_size_and_world_checks(tmp_path):
+    from yatt.core.megatron._parallel import _init_megatron_parallel, megatron_rank_order
+
+    _config("Qwen2Config").save_pretrained(tmp_path)
+    config = MegatronPolicyConfig(model_dir=str(tmp_path), tp_size=2, pp_size=2, cp_size=2)
+    assert config.model_parallel_size == 8
+
+    class OneRank:  # a runtime of one process (no process group)
+        tp_size = 1
+
+    # Raised before megatron-core is imported or any weight is read.
+    with pytest.raises(ValueError, match="= 8 ranks, more than the world's 1"):
+        _init_megatron_parallel(OneRank(), config)
+    two = MegatronPolicyConfig(model_dir=str(tmp_path), pp_size=1, tp_size=1)
+    OneRank.tp_size = 2
+    with pytest.raises(ValueError, match=r"init_runtime\(tp_size=config\.model_parallel_size\)"):
+        _init_megatron_parallel(OneRank(), two)
+    # DP outermost, as yatt's runtime mesh; pp with cp only where every order agrees (dp = 1).
+    assert megatron_rank_order(2, 1, 4) == "tp-cp-ep-pp-dp"
+    assert megatron_rank_order(2, 2, 1) == "tp-cp-ep-dp-pp"
+    with pytest.raises(ValueError, match="pp_size=2 with cp_size=2 needs one data-parallel rank"):
+        megatron_rank_order(2, 2, 2)

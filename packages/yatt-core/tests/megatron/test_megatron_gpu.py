@@ -63,12 +63,15 @@ def _run(nproc: int, tp: int, model_dir: str, out: Path, *extra: str) -> dict:
         *extra,
     ]
     subprocess.run(cmd, check=True, timeout=600)
-    return json.loads(out.read_text())["families"]["qwen3"]
+    results = json.loads(out.read_text())
+    return {**results["families"]["qwen3"], "packing": results.get("packing")}
 
 
 @pytest.fixture(scope="module")
 def tp1(qwen3_dir, tmp_path_factory) -> dict:
-    return _run(1, 1, qwen3_dir, tmp_path_factory.mktemp("tp1") / "r.json", "--torch-ref")
+    return _run(
+        1, 1, qwen3_dir, tmp_path_factory.mktemp("tp1") / "r.json", "--torch-ref", "--pack-check"
+    )
 
 
 def test_logprobs_match_hf_in_bf16(tp1):
@@ -102,3 +105,11 @@ def test_tp2_equals_tp1(tp1, qwen3_dir, tmp_path):
     assert sum(diffs) / len(diffs) < 1e-2
     assert tp2["megatron_losses"][0] == pytest.approx(tp1["megatron_losses"][0], abs=1e-2)
     assert tp2["weights_bitwise_equal"] and tp2["ckpt_weights_bitwise"]
+
+
+def test_packed_sequences_match_padded(tp1):
+    """pack_sequences=True (THD, per-row SDPA) against the padded batch on one GPU, bf16."""
+    packing = tp1["packing"]
+    assert packing["logprobs_packed_vs_padded"]["mean_abs"] < 1e-2
+    assert packing["loss_packed"] == pytest.approx(packing["loss_padded"], abs=1e-2)
+    assert packing["num_padding_tokens_saved"] > 0

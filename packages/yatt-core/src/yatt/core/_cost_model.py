@@ -2,6 +2,7 @@
 
     shape = flops_shape(hidden_size=..., num_layers=..., ...)    checked once, at build
     costs = estimate_flops_costs(lengths, shape)                  yatt.balance.flops_cost
+    memory = estimate_megatron_memory(shape, tokens=32768, tp_size=8, pp_size=2, cp_size=2)
 
 A policy backend builds its shape from what it knows of its model (TorchPolicy from the
 Hugging Face config, MegatronPolicy from its layout) and exposes `estimate_costs(lengths)`.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from yatt.balance import flops_cost
@@ -86,11 +88,111 @@ def has_gated_mlp(module: Any) -> bool:
     )
 
 
-def estimate_flops_costs(lengths: Sequence[int], shape: dict[str, Any] | None) -> list[float]:
-    """Forward FLOPs per sample (the token count where `shape` is None), as floats."""
+def estimate_flops_costs(
+    lengths: Sequence[int], shape: dict[str, Any] | None, *, cp_size: int = 1
+) -> list[float]:
+    """Forward FLOPs per sample on one rank (the token count where `shape` is None), as floats.
+
+    cp_size: context parallelism splits each sample (padded to a multiple of 2 x cp_size) into
+    2 x cp_size chunks, rank r taking chunks r and 2cp - 1 - r. Every rank then runs 1/cp of the
+    linear layers' tokens and, causal attention being load-balanced by that pairing, exactly
+    1/cp of the attention's query-key pairs: the padded sample's cost over cp_size.
+    """
+    if cp_size < 1:
+        raise ValueError(f"cp_size={cp_size!r} must be >= 1")
+    if cp_size > 1:
+        multiple = 2 * cp_size
+        lengths = [-(-length // multiple) * multiple for length in lengths]
     if shape is None:
-        return [float(length) for length in lengths]
-    return flops_cost(list(lengths), **shape).tolist()
+        return [float(length) / cp_size for length in lengths]
+    return (flops_cost(list(lengths), **shape) / cp_size).tolist()
+
+
+@dataclass(kw_only=True, frozen=True)
+class MemoryEstimate:
+    """Bytes on the busiest GPU of a Megatron policy (see estimate_megatron_memory)."""
+
+    weights: float  # bf16 parameters
+    grads: float  # float32 gradient buffer (grad_reduce_in_fp32)
+    optimizer: float  # float32 main params + Adam's two moments, sharded over dp x cp
+    activations: float  # kept for the backward: micro-batches in flight x layers held
+    gathered_kv: float  # context parallelism's all-gathered keys and values (kept too)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.gathered_kv
+
+    def gib(self) -> dict[str, float]:
+        """Every term and the total in GiB, rounded to 0.1."""
+        fields = ("weights", "grads", "optimizer", "activations", "gathered_kv", "total")
+        return {name: round(getattr(self, name) / 2**30, 1) for name in fields}
+
+
+def estimate_megatron_memory(
+    shape: dict[str, Any],
+    *,
+    tokens: int,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    cp_size: int = 1,
+    dp_size: int = 1,
+    is_tied: bool = False,
+    use_distributed_optimizer: bool = True,
+    num_microbatches: int | None = None,
+) -> MemoryEstimate:
+    """Training memory per GPU of a dense GPT (flops_shape keywords) under TP x PP x CP x DP.
+
+    tokens: the (packed or padded) tokens of one micro-batch, e.g. one 32k-token sequence.
+    The busiest GPU is the first pipeline stage: its layers plus the embedding, and under
+    1F1B it keeps activations of up to pp micro-batches in flight (num_microbatches, if fewer).
+
+    Per parameter: 2 bytes bf16 weight, 4 bytes float32 gradient, 12 bytes float32 main copy
+    and Adam moments (over dp x cp with the distributed optimizer). Activations per token and
+    layer, bf16, with SDPA/flash attention (no [s, s] scores) and no recomputation: outside
+    the TP regions the layer input, two norm inputs and outputs and the residual (6 h values),
+    inside them (divided by tp) q, k, v, rope'd q and k, the attention context (3 h + 3 kv) and
+    the MLP's up, gate, activation and product (4 f, SwiGLU; 2 f + f otherwise). A CP rank
+    holds tokens / cp of them, plus the gathered keys and values of the whole sequence
+    (2 kv per token and layer, / tp). Logits never appear whole (logprobs are computed in
+    chunks in the output layer). Buffers of the allocator, NCCL and CUDA context come on top:
+    leave 10-20 % free.
+    """
+    for name, value in (
+        ("tokens", tokens),
+        ("tp_size", tp_size),
+        ("pp_size", pp_size),
+        ("cp_size", cp_size),
+        ("dp_size", dp_size),
+    ):
+        if not _is_count(value):
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    h, layers = shape["hidden_size"], shape["num_layers"]
+    f = shape.get("ffn_hidden_size", 4 * h)
+    kv = h
+    if "num_heads" in shape:
+        kv = shape.get("num_kv_heads", shape["num_heads"]) * (h // shape["num_heads"])
+    mlp_mats = 3 if shape.get("is_gated_mlp") else 2
+    per_layer = 2 * h * h + 2 * h * kv + mlp_mats * h * f + 2 * h  # q, o; k, v; mlp; 2 norms
+    embedding = shape.get("vocab_size", 0) * h
+    stage_params = (layers / pp_size * per_layer + embedding) / tp_size
+    if pp_size == 1 and not is_tied:
+        stage_params += embedding / tp_size  # the LM head shares the only stage
+    optimizer_shards = dp_size * cp_size if use_distributed_optimizer else 1
+    in_flight = min(pp_size, num_microbatches or pp_size)
+    rank_tokens = tokens / cp_size
+    mlp_values = 4 * f if shape.get("is_gated_mlp") else 3 * f
+    per_token_layer = 2 * (6 * h + (3 * h + 3 * kv + mlp_values) / tp_size)
+    layers_held = layers / pp_size * in_flight
+    gathered_kv = 0.0
+    if cp_size > 1:
+        gathered_kv = 2 * (2 * kv / tp_size) * tokens * layers_held
+    return MemoryEstimate(
+        weights=2.0 * stage_params,
+        grads=4.0 * stage_params,
+        optimizer=12.0 * stage_params / optimizer_shards,
+        activations=per_token_layer * rank_tokens * layers_held,
+        gathered_kv=gathered_kv,
+    )
 
 
 def warn_without_shape(owner: str) -> None:

@@ -165,20 +165,50 @@ def padded_vocab_size(vocab_size: int, *, tp_size: int, divisible_by: int = 128)
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def check_parallel_sizes(layout: GPTLayout, *, tp_size: int, pp_size: int = 1) -> None:
-    """Raise ValueError if the model cannot be split tp_size x pp_size ways."""
-    for name, value in (("tp_size", tp_size), ("pp_size", pp_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
+def check_parallel_sizes(
+    layout: GPTLayout,
+    *,
+    tp_size: int,
+    pp_size: int = 1,
+    virtual_pp_size: int | None = None,
+    cp_size: int = 1,
+    prefix: str = "",
+) -> None:
+    """Raise ValueError if the model cannot be split tp_size x pp_size (x virtual) x cp_size ways.
+
+    prefix: the dotted owner of the fields in the message (e.g. "MegatronPolicyConfig.").
+    Context parallelism (Megatron's p2p ring) splits the sequence, not the heads: it only needs
+    every sequence padded to a multiple of 2 x cp_size, which the policy does itself.
+    """
+    for name, value in (("tp_size", tp_size), ("pp_size", pp_size), ("cp_size", cp_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{prefix}{name}={value!r} must be an int >= 1")
     for what, count in (
         ("num_attention_heads", layout.num_heads),
         ("num_key_value_heads", layout.num_query_groups),
         ("intermediate_size", layout.ffn_hidden_size),
     ):
         if count % tp_size:
-            raise ValueError(f"tp_size={tp_size} must divide {what}={count}; pick a divisor")
+            raise ValueError(
+                f"{prefix}tp_size={tp_size} must divide {what}={count}; pick a divisor"
+            )
     if layout.num_layers % pp_size:
-        raise ValueError(f"pp_size={pp_size} must divide num_hidden_layers={layout.num_layers}")
+        raise ValueError(
+            f"{prefix}pp_size={pp_size} must divide num_hidden_layers={layout.num_layers}"
+        )
+    if virtual_pp_size is not None:
+        if not isinstance(virtual_pp_size, int) or isinstance(virtual_pp_size, bool):
+            raise ValueError(f"{prefix}virtual_pp_size={virtual_pp_size!r} must be an int or None")
+        if virtual_pp_size < 2 or pp_size < 2:
+            raise ValueError(
+                f"{prefix}virtual_pp_size={virtual_pp_size}: the interleaved schedule needs "
+                f"virtual_pp_size >= 2 and pp_size >= 2 (pp_size={pp_size}); use None otherwise"
+            )
+        if layout.num_layers % (pp_size * virtual_pp_size):
+            raise ValueError(
+                f"{prefix}virtual_pp_size={virtual_pp_size} x pp_size={pp_size} must divide "
+                f"num_hidden_layers={layout.num_layers}"
+            )
 
 
 def transformer_config_kwargs(
@@ -186,6 +216,8 @@ def transformer_config_kwargs(
     *,
     tp_size: int = 1,
     pp_size: int = 1,
+    virtual_pp_size: int | None = None,
+    cp_size: int = 1,
     dtype: torch.dtype = torch.bfloat16,
     sequence_parallel: bool = False,
     use_cpu_initialization: bool = False,
@@ -197,7 +229,9 @@ def transformer_config_kwargs(
     GPU machine has none of them, and each falls back to plain PyTorch anyway (named here so
     megatron-core does not try and warn). Dropout is 0: RL logprobs must be deterministic.
     """
-    check_parallel_sizes(layout, tp_size=tp_size, pp_size=pp_size)
+    check_parallel_sizes(
+        layout, tp_size=tp_size, pp_size=pp_size, virtual_pp_size=virtual_pp_size, cp_size=cp_size
+    )
     if sequence_parallel and tp_size == 1:
         raise ValueError("sequence_parallel=True needs tp_size > 1")
     return {
@@ -223,6 +257,14 @@ def transformer_config_kwargs(
         "fp16": dtype == torch.float16,
         "tensor_model_parallel_size": tp_size,
         "pipeline_model_parallel_size": pp_size,
+        "virtual_pipeline_model_parallel_size": virtual_pp_size,
+        "context_parallel_size": cp_size,
+        # Micro-batches differ in rows and length: 1F1B stages exchange each activation's shape
+        # first. The interleaved schedule pads them to one shape instead (see _schedule.py).
+        "variable_seq_lengths": pp_size > 1 and virtual_pp_size is None,
+        # Dense models have no experts; megatron-core only refuses variable sequence lengths
+        # with its default ("allgather") MoE dispatcher, unused here.
+        "moe_token_dispatcher_type": "alltoall",
         "sequence_parallel": sequence_parallel,
         "transformer_impl": "local",
         "masked_softmax_fusion": False,

@@ -9,7 +9,9 @@ scores as Megatron's local DotProductAttention does.
 
 from __future__ import annotations
 
+import itertools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,6 +22,7 @@ from yatt.core.megatron._config import (
     gpt_model_kwargs,
     transformer_config_kwargs,
 )
+from yatt.core.megatron._context_parallel import cp_attention, gather_keys_values
 from yatt.core.megatron._weights import (
     global_layer_name,
     megatron_names,
@@ -38,6 +41,14 @@ class SDPAttention(torch.nn.Module):
     q [sq, b, np, hn], k/v [sk, b, ng, hn] -> context [sq, b, np * hn]. The mask argument is
     ignored: batches are right-padded, so causal attention alone keeps every valid position
     exact (padding comes after all valid tokens and never reaches them).
+
+    Packed sequences (PackedSeqParams, qkv_format "thd": q [t, np, hn] for the t tokens of
+    several sequences end to end, cu_seqlens their boundaries) run causal attention within each
+    sequence, one kernel call per sequence: no padding is computed (Megatron's local attention
+    refuses packed input; its varlen path needs TransformerEngine).
+
+    Context parallelism (cp > 1): keys and values are all-gathered over the CP group and each
+    rank attends its two load-balanced query chunks (see _context_parallel).
     """
 
     def __init__(
@@ -52,11 +63,14 @@ class SDPAttention(torch.nn.Module):
         pg_collection: Any = None,
     ) -> None:
         super().__init__()
-        if getattr(config, "context_parallel_size", 1) != 1:
-            raise ValueError(
-                "SDPAttention does not support context parallelism; use attention='megatron'"
-            )
         self.config = config
+        self.cp_size = getattr(config, "context_parallel_size", 1)
+        self.cp_group = None
+        if self.cp_size > 1:
+            from megatron.core import parallel_state
+
+            cp_group = getattr(pg_collection, "cp", None)
+            self.cp_group = cp_group or parallel_state.get_context_parallel_group()
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
 
@@ -70,8 +84,20 @@ class SDPAttention(torch.nn.Module):
         attention_bias: Any = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPAttention supports neither packed sequences nor attention bias")
+        if attention_bias is not None:
+            raise ValueError("SDPAttention does not support attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
+        if self.cp_size > 1:
+            # This rank's two query chunks over the whole sequence's keys (_context_parallel).
+            return cp_attention(
+                query,
+                gather_keys_values(key, self.cp_group),
+                gather_keys_values(value, self.cp_group),
+                cp_size=self.cp_size,
+                cp_rank=torch.distributed.get_rank(self.cp_group),
+                scale=self.softmax_scale,
+            )
         sq, b, heads, head_dim = query.shape
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
@@ -79,6 +105,25 @@ class SDPAttention(torch.nn.Module):
             q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != heads
         )
         return context.permute(2, 0, 1, 3).reshape(sq, b, heads * head_dim)
+
+    def _packed(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any
+    ) -> torch.Tensor:
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPAttention packs qkv_format 'thd' only, got {params.qkv_format!r}")
+        total, heads, head_dim = query.shape
+        bounds = params.cu_seqlens_q.tolist()  # host sync: the loop needs the boundaries
+        parts = []
+        for start, end in itertools.pairwise(bounds):
+            # [s, h, d] -> [1, h, s, d]
+            q, k, v = (t[start:end].permute(1, 0, 2)[None] for t in (query, key, value))
+            context = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != heads
+            )
+            parts.append(context[0].permute(1, 0, 2))
+        if bounds[-1] < total:  # tokens past the last sequence (none from yatt's packing)
+            parts.append(query.new_zeros(total - bounds[-1], heads, head_dim))
+        return torch.cat(parts).reshape(total, heads * head_dim)
 
 
 def build_layer_spec(layout: GPTLayout, *, attention: Attention = "sdpa") -> Any:
@@ -105,12 +150,55 @@ def build_gpt_model(
     config_overrides: dict[str, Any] | None = None,
 ) -> Any:
     """An uninitialised-weights GPTModel (pp=1) for this rank of the tensor-parallel group."""
+    (chunk,) = build_gpt_chunks(
+        layout,
+        tp_size=tp_size,
+        dtype=dtype,
+        attention=attention,
+        sequence_parallel=sequence_parallel,
+        vocab_divisible_by=vocab_divisible_by,
+        use_cpu_initialization=use_cpu_initialization,
+        config_overrides=config_overrides,
+    )
+    return chunk.model
+
+
+@dataclass(frozen=True)
+class ModelChunk:
+    """One GPTModel of this rank: its pipeline stage's layers (or one virtual stage's)."""
+
+    model: Any  # the bare GPTModel
+    layer_offset: int  # global index of its first decoder layer
+    vp_stage: int | None  # the virtual stage (interleaved schedule), None without
+
+
+def build_gpt_chunks(
+    layout: GPTLayout,
+    *,
+    tp_size: int = 1,
+    pp_size: int = 1,
+    virtual_pp_size: int | None = None,
+    cp_size: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    attention: Attention = "sdpa",
+    sequence_parallel: bool = False,
+    vocab_divisible_by: int = 128,
+    use_cpu_initialization: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+) -> list[ModelChunk]:
+    """This rank's GPTModel chunks (one per virtual stage; one without interleaving), built
+    after megatron's parallel_state: the first stage has the embedding, the last the head."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     kwargs = transformer_config_kwargs(
         layout,
         tp_size=tp_size,
+        pp_size=pp_size,
+        virtual_pp_size=virtual_pp_size,
+        cp_size=cp_size,
         dtype=dtype,
         sequence_parallel=sequence_parallel,
         use_cpu_initialization=use_cpu_initialization,
@@ -119,11 +207,24 @@ def build_gpt_model(
     )
     kwargs.update(config_overrides or {})
     config = TransformerConfig(**kwargs)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=build_layer_spec(layout, attention=attention),
-        **gpt_model_kwargs(layout, tp_size=tp_size, vocab_divisible_by=vocab_divisible_by),
-    )
+    spec = build_layer_spec(layout, attention=attention)
+    chunks = []
+    for vp_stage in range(virtual_pp_size or 1) if virtual_pp_size else [None]:
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=vp_stage
+            ),
+            vp_stage=vp_stage,
+            **gpt_model_kwargs(layout, tp_size=tp_size, vocab_divisible_by=vocab_divisible_by),
+        )
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage) if pp_size > 1 else 0
+        chunks.append(ModelChunk(model=model, layer_offset=offset, vp_stage=vp_stage))
+    return chunks
 
 
 class SafetensorsReader:
@@ -183,6 +284,10 @@ def load_hf_weights(
     loaded = 0
     for local_name, param in model.named_parameters():
         name = global_layer_name(local_name, layer_offset)
+        if name == "output_layer.weight" and layout.is_tied:
+            # A pipeline's last stage holds its own copy of the tied embedding (Megatron keeps
+            # the two equal by all-reducing their gradients over the embedding group).
+            name = "embedding.word_embeddings.weight"
         if name not in expected:
             raise ValueError(
                 f"the Megatron model has {local_name!r}, which the HF mapping does not know"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 
 from yatt.core._runtime import Runtime
 
@@ -24,19 +27,63 @@ def _require_megatron() -> None:
         ) from err
 
 
-def _init_megatron_parallel(runtime: Runtime, tp_size: int, seed: int) -> None:
+def _init_megatron_parallel(runtime: Runtime, config: Any) -> None:
+    """Megatron's TP x CP x PP x DP groups for a MegatronPolicyConfig, matching yatt's runtime.
+
+    yatt's runtime mesh is (dp, tp): the "tp" ranks of a DP rank share its batch, adjacent. Here
+    they are the model replica's tp x cp x pp ranks, so the runtime must be built with
+    tp_size=config.model_parallel_size, and Megatron's order puts DP outermost ("tp-cp-ep-pp-dp").
+    """
+    replica = config.model_parallel_size
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if replica > world:
+        raise ValueError(
+            f"MegatronPolicyConfig: tp_size x pp_size x cp_size = {config.tp_size} x "
+            f"{config.pp_size} x {config.cp_size} = {replica} ranks, more than the world's {world}"
+        )
+    if runtime.tp_size != replica:
+        raise ValueError(
+            f"MegatronPolicyConfig.tp_size x pp_size x cp_size = {replica} but the runtime has "
+            f"tp_size={runtime.tp_size}; pass init_runtime(tp_size=config.model_parallel_size)"
+        )
+    order = megatron_rank_order(config.pp_size, config.cp_size, world // replica)
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    if runtime.tp_size != tp_size:
-        raise ValueError(
-            f"MegatronPolicyConfig.tp_size={tp_size} but the runtime has tp_size={runtime.tp_size}; "
-            "pass the same value to init_runtime(tp_size=...)"
-        )
+    sizes = (config.tp_size, config.pp_size, config.cp_size)
     if not parallel_state.model_parallel_is_initialized():
-        # Megatron's default order puts TP ranks adjacent, as yatt's (dp, tp) mesh does, so
-        # both agree on who shares a batch.
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size)
-    elif parallel_state.get_tensor_model_parallel_world_size() != tp_size:
-        raise ValueError("megatron parallel_state is already initialised with another tp size")
-    model_parallel_cuda_manual_seed(seed)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=config.tp_size,
+            pipeline_model_parallel_size=config.pp_size,
+            virtual_pipeline_model_parallel_size=config.virtual_pp_size,
+            context_parallel_size=config.cp_size,
+            order=order,
+        )
+    elif (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_context_parallel_world_size(),
+    ) != sizes:
+        raise ValueError(
+            f"megatron parallel_state is already initialised with other (tp, pp, cp) sizes "
+            f"than {sizes}"
+        )
+    model_parallel_cuda_manual_seed(config.seed)
+
+
+def megatron_rank_order(pp_size: int, cp_size: int, dp_size: int) -> str:
+    """Megatron's rank order with DP outermost, as yatt's runtime mesh has it.
+
+    megatron-core (0.16) refuses a non-pp-last order when the expert DP size (dp x cp for a
+    dense model) differs from DP, i.e. pp > 1 with cp > 1. Then only dp = 1 works: every order
+    groups the ranks alike.
+    """
+    if pp_size > 1 and cp_size > 1:
+        if dp_size > 1:
+            raise ValueError(
+                f"MegatronPolicyConfig: pp_size={pp_size} with cp_size={cp_size} needs one data-"
+                f"parallel rank (got dp={dp_size}): Megatron-Core's rank order would interleave "
+                "data-parallel ranks inside a model replica; use pp or cp alone, or dp=1"
+            )
+        return "tp-cp-ep-dp-pp"
+    return "tp-cp-ep-pp-dp"

@@ -1,7 +1,10 @@
-"""`MegatronPolicy`: a Megatron-Core GPT (tensor + data parallel) behind the policy protocol.
+"""`MegatronPolicy`: a Megatron-Core GPT (tensor, pipeline, context and data parallel) behind
+the policy protocol.
 
-The train step and the logprobs pass are yatt.core._train_step's, shared with TorchPolicy (TP
-ranks of one DP rank hold the same batch); this module gives them their hooks:
+At pp_size = 1 the train step and the logprobs pass are yatt.core._train_step's, shared with
+TorchPolicy (the tp x cp ranks of one DP rank hold the same batch); this module gives them
+their hooks. At pp_size > 1 Megatron's pipeline schedule runs the micro-batches (see
+_schedule.py), with the same hooks around it:
 
     plan_micro_batches     pack by estimate_costs; DP ranks may differ in count (no collective)
     forward_micro_batch    output layer -> vocab-parallel logprobs (see _head_logprobs)
@@ -10,9 +13,9 @@ ranks of one DP rank hold the same batch); this module gives them their hooks:
                            clip_grad_norm (global norm over DP x TP)
     step_optimizer         step_with_ready_grads, then all-gather params over DP
 
-Megatron's DDP averages gradients over DP like torch's, so the skeleton's dp / global-units
-scale gives the gradient of the mean loss over the whole global batch here too.
-Pipeline parallelism is not implemented (pp = 1); see the package notes.
+Megatron's DDP averages gradients over DP x CP, so `dp_size` (the skeleton's loss scale)
+is dp x cp here: each CP rank's gradient holds its own tokens' share of the global loss, and
+the dp x cp / global-units scale gives the gradient of the mean loss over the global batch.
 """
 
 from __future__ import annotations
@@ -25,19 +28,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from yatt.balance import pack
 from yatt.core._batch import Batch
 from yatt.core._cost_model import estimate_flops_costs, flops_shape
+from yatt.core._metrics import reduce_metrics
 from yatt.core._micro_batches import check_context, plan_micro_batches
 from yatt.core._optimization import make_lr_schedule
 from yatt.core._policy import DTYPES, LossFn
 from yatt.core._runtime import Runtime
 from yatt.core._train_step import StepCounts, compute_logprobs, run_train_step
 from yatt.core.megatron._config import layout_from_hf_config, padded_vocab_size
-from yatt.core.megatron._head_logprobs import forward_logprobs, supports_output_layer_logprobs
+from yatt.core.megatron._head_logprobs import forward_stage, supports_output_layer_logprobs
 from yatt.core.megatron._parallel import _init_megatron_parallel, _require_cuda, _require_megatron
 from yatt.core.megatron._policy_config import MegatronPolicyConfig
+from yatt.core.megatron._schedule import pipeline_logprobs, run_pipeline_train_step
 from yatt.core.megatron._state import MegatronModelState, MegatronOptimizerState
-from yatt.core.megatron._weights import export_hf_weights
+from yatt.core.megatron._weights import export_hf_weights, export_pipeline_hf_weights
 
 logger = logging.getLogger("yatt.core")
 
@@ -54,7 +60,7 @@ class MegatronPolicy:
         from megatron.core.transformer.module import Float16Module
         from transformers import AutoConfig
 
-        from yatt.core.megatron._model import build_gpt_model, load_hf_weights
+        from yatt.core.megatron._model import build_gpt_chunks, load_hf_weights
 
         self.config = config
         self.device = runtime.device
@@ -69,47 +75,68 @@ class MegatronPolicy:
             vocab_size=self.layout.vocab_size,
             is_gated_mlp=True,  # the families the layout accepts all use SwiGLU
         )
-        _init_megatron_parallel(runtime, config.tp_size, config.seed)
+        _init_megatron_parallel(runtime, config)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self._tp_group = parallel_state.get_tensor_model_parallel_group()
         self._dp_group = parallel_state.get_data_parallel_group()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
+        # The runtime's "tp" ranks are the model copy's tp x pp x cp ranks: they share a batch.
+        self._batch_group = runtime.tp_group
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+        self.cp_group = parallel_state.get_context_parallel_group()
+        # The skeleton's loss scale undoes DDP's gradient averaging, which is over DP x CP.
+        self.dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True)
         dtype = DTYPES[config.dtype]
         self.padded_vocab = padded_vocab_size(
             self.layout.vocab_size, tp_size=config.tp_size, divisible_by=config.vocab_divisible_by
         )
-        gpt = build_gpt_model(
+        self.chunks = build_gpt_chunks(
             self.layout,
             tp_size=config.tp_size,
+            pp_size=config.pp_size,
+            virtual_pp_size=config.virtual_pp_size,
+            cp_size=config.cp_size,
             dtype=dtype,
             attention=config.attention,
             sequence_parallel=config.sequence_parallel,
             vocab_divisible_by=config.vocab_divisible_by,
         )
-        gpt.to(self.device)
-        load_hf_weights(
-            gpt,
-            config.model_dir,
-            self.layout,
-            padded_vocab=self.padded_vocab,
-            tp_rank=self.tp_rank,
-            tp_size=config.tp_size,
-        )
-        self.gpt = gpt  # the bare GPTModel: its parameter names are the mapping's names
-        self._is_head_logprobs = supports_output_layer_logprobs(gpt)  # no [b, T, V/tp] logits
+        for chunk in self.chunks:
+            chunk.model.to(self.device)
+            load_hf_weights(
+                chunk.model,
+                config.model_dir,
+                self.layout,
+                padded_vocab=self.padded_vocab,
+                tp_rank=self.tp_rank,
+                tp_size=config.tp_size,
+                layer_offset=chunk.layer_offset,
+            )
+        self.is_last_stage = self.chunks[-1].model.post_process
+        self._is_head_logprobs = supports_output_layer_logprobs(self.chunks[-1].model)
         self._vocab_start = self.tp_rank * (self.padded_vocab // config.tp_size)
-        model: torch.nn.Module = Float16Module(gpt.config, gpt) if dtype != torch.float32 else gpt
+        models: list[torch.nn.Module] = [
+            Float16Module(chunk.model.config, chunk.model)
+            if dtype != torch.float32
+            else chunk.model
+            for chunk in self.chunks
+        ]
         self.optimizer: Any = None
         if config.is_reference:
-            gpt.requires_grad_(False)
+            for chunk in self.chunks:
+                chunk.model.requires_grad_(False)
         else:
-            model, self.optimizer = self._wrap_for_training(model, gpt.config)
-        self.model = model
+            models, self.optimizer = self._wrap_for_training(models, self.chunks[0].model.config)
+        self.models = models  # one per chunk, in the schedule's order
+        # Megatron's schedule at pp > 1; the shared skeleton (TorchPolicy's loop) otherwise.
+        self.uses_schedule = config.pp_size > 1
         self._counts = StepCounts()  # also the lr schedule's position: in state()
         self._lr_at = make_lr_schedule(config)
         self._asleep: set[str] = set()
+        self._padding_tokens = 0  # the last plan's padding (see plan_micro_batches)
 
-    def _wrap_for_training(self, model: torch.nn.Module, tf_config: Any) -> tuple[Any, Any]:
+    def _wrap_for_training(self, models: list[torch.nn.Module], tf_config: Any) -> tuple[Any, Any]:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -118,7 +145,16 @@ class MegatronPolicy:
             overlap_grad_reduce=False,
             use_distributed_optimizer=self.config.use_distributed_optimizer,
         )
-        ddp = DistributedDataParallel(config=tf_config, ddp_config=ddp_config, module=model)
+        ddps = [
+            DistributedDataParallel(
+                config=tf_config,
+                ddp_config=ddp_config,
+                module=model,
+                # Megatron-LM's rule: only the first chunk's buckets are not overlapped.
+                disable_bucketing=i > 0,
+            )
+            for i, model in enumerate(models)
+        ]
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=self.config.lr,
@@ -134,8 +170,8 @@ class MegatronPolicy:
             # Clipping is done here (clip_grad_norm) so a non-finite norm can skip the step.
             clip_grad=0.0,
         )
-        optimizer = get_megatron_optimizer(opt_config, [ddp])
-        return ddp, optimizer
+        optimizer = get_megatron_optimizer(opt_config, ddps)
+        return ddps, optimizer
 
     @property
     def _inner_optimizer(self) -> Any:
@@ -152,10 +188,11 @@ class MegatronPolicy:
         return self._hf_config
 
     def estimate_costs(self, lengths: Sequence[int]) -> list[float]:
-        """Relative compute of each sample of these lengths (forward FLOPs of this model's
-        shape: yatt.balance.flops_cost), as TorchPolicy estimates it for the same model.
-        Micro-batch packing uses it; pass it to `Batch.rebalance(costs=...)`."""
-        return estimate_flops_costs(lengths, self._cost_shape)
+        """Relative compute of each sample of these lengths on one rank (forward FLOPs of this
+        model's shape: yatt.balance.flops_cost, over cp_size with context parallelism), as
+        TorchPolicy estimates it for the same model at cp_size 1. Micro-batch packing uses it;
+        pass it to `Batch.rebalance(costs=...)`."""
+        return estimate_flops_costs(lengths, self._cost_shape, cp_size=self.config.cp_size)
 
     @property
     def max_context_tokens(self) -> int:
@@ -176,51 +213,87 @@ class MegatronPolicy:
         lengths = batch.lengths.tolist()
         check_context(lengths, self.max_context_tokens)
         self._check_tp_batch(batch)
-        return plan_micro_batches(
-            self.estimate_costs(lengths), lengths, max_tokens=self.config.max_tokens_per_microbatch
+        costs = self.estimate_costs(lengths)
+        # The cap bounds one rank's tokens: a CP rank holds 1/cp of every row.
+        cap = self.config.max_tokens_per_microbatch * self.config.cp_size
+        if self.config.pack_sequences:
+            # Packed rows cost their real tokens: the cap bounds the sum of lengths.
+            bins = pack(costs, max_tokens=cap, lengths=lengths, allow_oversize=True)
+        else:
+            bins = plan_micro_batches(costs, lengths, max_tokens=cap)
+        # What the padded layout of these bins would compute beyond the real tokens.
+        self._padding_tokens = sum(
+            len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b) for b in bins if b
         )
+        return bins
 
     def _check_tp_batch(self, batch: Batch) -> None:
-        """TP ranks must run the same micro-batches, or their collectives pair up wrongly and hang."""
-        if self.config.tp_size == 1:
+        """The tp x pp x cp ranks of a model copy must run the same micro-batches, or their
+        collectives pair up wrongly and hang."""
+        if self.config.model_parallel_size == 1:
             return
         local = torch.tensor([batch.num_tokens, len(batch)], dtype=torch.int64, device=self.device)
         high, low = local.clone(), -local
-        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self._tp_group)
-        dist.all_reduce(low, op=dist.ReduceOp.MAX, group=self._tp_group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self._batch_group)
+        dist.all_reduce(low, op=dist.ReduceOp.MAX, group=self._batch_group)
         if not torch.equal(high, -low):  # host sync: a hang is worse
             raise ValueError(
-                "tensor-parallel ranks got different batches; give every TP rank its DP rank's batch"
+                "the tp x pp x cp ranks of one model copy got different batches; give each of "
+                "them its DP rank's batch"
             )
 
     def forward_micro_batch(
         self, mb: Batch, *, needs_entropy: bool, is_training: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         del is_training  # the same wrapped model either way: DDP syncs in finalize only
-        return forward_logprobs(
-            self.model,
-            self.gpt if self._is_head_logprobs else None,
+        (model,), (chunk,) = self.models, self.chunks  # pp = 1 here
+        out_BTW = self.stage_forward(model, chunk, mb, needs_entropy=needs_entropy)
+        return out_BTW[..., 0], out_BTW[..., 1] if needs_entropy else None
+
+    def stage_forward(
+        self, model: torch.nn.Module, chunk: Any, mb: Batch, *, needs_entropy: bool
+    ) -> torch.Tensor:
+        """One chunk's forward: hidden states, or [B, T, W] logprob (entropy) on the last stage."""
+        return forward_stage(
+            model,
+            chunk.model if self._is_head_logprobs else None,
             mb["input_ids"],
+            is_last_stage=chunk.model.post_process,
             pad_to=self.config.tp_size if self.config.sequence_parallel else 1,
             needs_entropy=needs_entropy,
             vocab_start=self._vocab_start,
             vocab_size=self.layout.vocab_size,
             temperature=self.config.temperature,
             tp_group=self._tp_group,
+            lengths_B=mb["attention_mask"].sum(1) if self.config.pack_sequences else None,
+            cp_group=self.cp_group if self.config.cp_size > 1 else None,
         )
+
+    @property
+    def grad_average_size(self) -> int:
+        """The ranks Megatron's DDP averages gradients over (dp x cp)."""
+        return self.dp_size
 
     def grad_sync(self, *, is_last: bool) -> contextlib.AbstractContextManager:
         # With overlap_grad_reduce off, no_sync only defers the reduce to finalize_model_grads.
-        return contextlib.nullcontext() if is_last else self.model.no_sync()
+        if is_last:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for model in self.models:
+            stack.enter_context(model.no_sync())
+        return stack
 
     def zero_grad(self) -> None:
-        self.model.zero_grad_buffer()
+        for model in self.models:
+            model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     def reduce_and_clip_grads(self, max_norm: float | None) -> tuple[float, bool]:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
-        finalize_model_grads([self.model])  # reduce-scatter the gradients over DP
+        # Reduce-scatter the gradients over DP x CP; with pp > 1 also the tied embedding's
+        # gradient between the first and last stages.
+        finalize_model_grads(self.models)
         inner = self._inner_optimizer
         found_inf = bool(inner.prepare_grads())
         # clip_grad_norm(0.0) would zero the gradients on megatron-core 0.16 (it clips
@@ -243,7 +316,10 @@ class MegatronPolicy:
     def logprobs(self, batch: Batch) -> torch.Tensor:
         """[B, T] float32 logprobs of every input token (0 at t = 0), on the batch's device."""
         self._check_awake("logprobs", ("weights",))
-        self.model.eval()
+        for model in self.models:
+            model.eval()
+        if self.uses_schedule:
+            return pipeline_logprobs(self, batch)
         return compute_logprobs(self, batch)
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
@@ -251,8 +327,10 @@ class MegatronPolicy:
         if self.optimizer is None:
             raise RuntimeError("train_step on a reference policy (is_reference=True)")
         self._check_awake("train_step", self.memory_tags)
-        self.model.train()
-        return run_train_step(
+        for model in self.models:
+            model.train()
+        step = run_pipeline_train_step if self.uses_schedule else run_train_step
+        metrics = step(
             self,
             batch,
             loss_fn,
@@ -260,6 +338,13 @@ class MegatronPolicy:
             lr_at=self._lr_at,
             max_grad_norm=self.config.grad_clip,
         )
+        if self.config.pack_sequences:
+            # Summed over DP ranks (the TP, CP and PP peers of one DP rank share its batch).
+            saved = reduce_metrics(
+                {"padding": float(self._padding_tokens)}, group=self._dp_group, default_op="sum"
+            )
+            metrics["num_padding_tokens_saved"] = saved["padding"]
+        return metrics
 
     @property
     def num_steps(self) -> int:
@@ -272,13 +357,49 @@ class MegatronPolicy:
     def named_weights(
         self, *, bucket_bytes: int | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) pairs; TP shards gathered bucket by bucket. Collective over TP."""
+        """(HF name, full tensor) pairs of the whole model on every rank: TP shards gathered
+        bucket by bucket, then each pipeline stage's tensors broadcast to the other stages.
+        Collective over TP and PP."""
         self._check_awake("named_weights", ("weights",))
         size = bucket_bytes if bucket_bytes is not None else self.config.weight_sync_bucket_bytes
         group = self._tp_group if self.config.tp_size > 1 else None
-        yield from export_hf_weights(
-            self.gpt.named_parameters(), self.layout, bucket_bytes=size, tp_group=group
+
+        def local() -> Iterator[tuple[str, torch.Tensor]]:
+            for chunk in self.chunks:
+                yield from export_hf_weights(
+                    chunk.model.named_parameters(),
+                    self.layout,
+                    bucket_bytes=size,
+                    tp_group=group,
+                    layer_offset=chunk.layer_offset,
+                )
+
+        if self.config.pp_size == 1:
+            yield from local()
+            return
+        yield from export_pipeline_hf_weights(
+            local(),
+            self._local_hf_shapes(),
+            bucket_bytes=size,
+            pp_group=self.pp_group,
+            device=self.device,
         )
+
+    def _local_hf_shapes(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(HF name, full shape, dtype) of every tensor this stage exports, in no set order."""
+        from yatt.core.megatron._weights import global_layer_name, megatron_shapes, to_hf_params
+
+        full = megatron_shapes(self.layout, padded_vocab=self.padded_vocab)
+        out = []
+        for chunk in self.chunks:
+            for local_name, param in chunk.model.named_parameters():
+                name = global_layer_name(local_name, chunk.layer_offset)
+                if name == "output_layer.weight" and self.layout.is_tied:
+                    continue
+                meta = torch.empty(full[name], device="meta")
+                for hf_name, tensor in to_hf_params(name, meta, self.layout):
+                    out.append((hf_name, tuple(tensor.shape), param.dtype))
+        return out
 
     def state(self) -> dict[str, Any]:
         """Stateful objects for yatt.ckpt: this rank's shards, keyed by (tp, dp) rank.
@@ -287,11 +408,13 @@ class MegatronPolicy:
         """
         from megatron.core import parallel_state
 
-        out: dict[str, Any] = {"model": MegatronModelState(self.gpt, tp_rank=self.tp_rank)}
+        out: dict[str, Any] = {"model": MegatronModelState(self.chunks, tp_rank=self.tp_rank)}
         if self.optimizer is not None:
             out["optimizer"] = MegatronOptimizerState(
                 self._inner_optimizer,
                 tp_rank=self.tp_rank,
+                pp_rank=self.pp_rank,
+                cp_rank=parallel_state.get_context_parallel_rank(),
                 dp_rank=parallel_state.get_data_parallel_rank(),
             )
             out["schedule"] = self._counts  # the same on every rank
@@ -300,9 +423,12 @@ class MegatronPolicy:
     # -- placement role ------------------------------------------------------------------------
 
     def _buffers(self) -> list[Any]:
-        return list(getattr(self.model, "buffers", [])) + list(
-            getattr(self.model, "expert_parallel_buffers", [])
-        )
+        return [
+            buffer
+            for model in self.models
+            for buffer in list(getattr(model, "buffers", []))
+            + list(getattr(model, "expert_parallel_buffers", []))
+        ]
 
     def sleep(self) -> None:
         """Free the GPU: parameters (pinned host copy), gradient buffers (dropped: they are
@@ -322,7 +448,8 @@ class MegatronPolicy:
             if self.optimizer is None:
                 from yatt.placement import offload
 
-                offload(self.model, should_empty_cache=False)
+                for model in self.models:
+                    offload(model, should_empty_cache=False)
             else:
                 for buffer in self._buffers():
                     buffer.offload_to_cpu(move_params=True, move_grads=True)
@@ -348,7 +475,8 @@ class MegatronPolicy:
             if self.optimizer is None:
                 from yatt.placement import onload
 
-                onload(self.model)
+                for model in self.models:
+                    onload(model)
             else:
                 for buffer in self._buffers():
                     buffer.reload_from_cpu(move_params=True, move_grads=True)
@@ -364,7 +492,8 @@ class MegatronPolicy:
         # Parameters are views into a few shared buffers: count each storage once.
         storages = {
             p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-            for p in self.gpt.parameters()
+            for chunk in self.chunks
+            for p in chunk.model.parameters()
         }
         return sum(storages.values())
 

@@ -12,9 +12,12 @@ from yatt.core.megatron._model import ATTENTIONS, Attention
 
 @dataclass(kw_only=True, frozen=True)
 class MegatronPolicyConfig:
-    """A Llama/Qwen2/Qwen3 HF checkpoint trained with Megatron-Core (TP x DP, distributed Adam).
+    """A Llama/Qwen2/Qwen3 HF checkpoint trained with Megatron-Core (TP x PP x CP x DP,
+    distributed Adam).
 
-    The fields shared with TorchPolicyConfig mean the same thing there.
+    The fields shared with TorchPolicyConfig mean the same thing there. The ranks of one
+    model replica (tp_size x pp_size x cp_size, `model_parallel_size`) share a batch: build the
+    runtime with init_runtime(tp_size=config.model_parallel_size).
     """
 
     model_dir: str  # a local directory with config.json and *.safetensors (save_pretrained output)
@@ -26,13 +29,20 @@ class MegatronPolicyConfig:
     betas: tuple[float, float] = (0.9, 0.999)  # Adam betas
     weight_decay: float = 0.0  # decoupled weight decay (not on biases and norm weights)
     grad_clip: float | None = 1.0  # max global grad norm; 0 or None: no clipping (norm logged)
-    max_tokens_per_microbatch: int = 8192  # token cap per forward/backward (padded b x T)
+    # Token cap per forward/backward and rank: padded b x T / cp_size (packed: real tokens).
+    max_tokens_per_microbatch: int = 8192
     dtype: str = "bfloat16"  # parameter/compute dtype; the optimizer keeps float32 main params
     seed: int = 0  # Megatron's model-parallel RNG seed
     temperature: float = 1.0  # the rollout's sampling temperature; logprobs use logits / it
     is_reference: bool = False  # frozen (no DDP, no optimizer): a KL reference policy
-    tp_size: int = 1  # tensor-parallel size; must equal init_runtime(tp_size=...)
+    tp_size: int = 1  # tensor-parallel size (heads, groups and the MLP split over it)
+    pp_size: int = 1  # pipeline stages (layers split over them; Megatron's 1F1B schedule)
+    virtual_pp_size: int | None = None  # model chunks per stage: the interleaved schedule
+    cp_size: int = 1  # context-parallel size (each sequence split over it, 2 x cp chunks)
     sequence_parallel: bool = False  # split activations over TP ranks between TP regions
+    # Train and score each micro-batch's rows end to end (THD, no padding computed); the cap
+    # max_tokens_per_microbatch then bounds real tokens. Needs attention="sdpa".
+    pack_sequences: bool = False
     use_distributed_optimizer: bool = True  # shard fp32 main params and Adam moments over DP
     attention: Attention = (
         "sdpa"  # "sdpa": torch flash/efficient kernels; "megatron": local unfused
@@ -53,6 +63,8 @@ class MegatronPolicyConfig:
         for field in (
             "max_tokens_per_microbatch",
             "tp_size",
+            "pp_size",
+            "cp_size",
             "vocab_divisible_by",
             "weight_sync_bucket_bytes",
         ):
@@ -67,3 +79,51 @@ class MegatronPolicyConfig:
             raise ValueError(f"{name}.attention={self.attention!r}: use one of {ATTENTIONS}")
         if self.sequence_parallel and self.tp_size == 1:
             raise ValueError(f"{name}.sequence_parallel=True needs tp_size > 1")
+        if self.cp_size > 1 and self.sequence_parallel:
+            raise ValueError(
+                f"{name}.cp_size={self.cp_size} with sequence_parallel=True is not supported "
+                "(context parallelism computes logprobs in the output layer, which sequence "
+                "parallelism does not yet); set one of them off"
+            )
+        if self.cp_size > 1 and self.attention != "sdpa":
+            raise ValueError(
+                f"{name}.cp_size={self.cp_size} with attention={self.attention!r}: Megatron-Core's "
+                "local attention has no context parallelism (its ring attention needs "
+                "TransformerEngine); use attention='sdpa' (all-gathered keys and values)"
+            )
+        if self.pack_sequences:
+            for field, value, allowed in (
+                ("attention", self.attention, "sdpa"),
+                ("sequence_parallel", self.sequence_parallel, False),
+                ("cp_size", self.cp_size, 1),
+                ("virtual_pp_size", self.virtual_pp_size, None),
+            ):
+                if value != allowed:
+                    raise ValueError(
+                        f"{name}.pack_sequences=True with {field}={value!r}: packed sequences "
+                        f"need {field}={allowed!r} here (set pack_sequences=False otherwise)"
+                    )
+        self._check_model_split(model_dir)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one model replica (tp x pp x cp): they share one batch."""
+        return self.tp_size * self.pp_size * self.cp_size
+
+    def _check_model_split(self, model_dir: Path) -> None:
+        """The parallel sizes against the model's shape, before any weight is read."""
+        if (self.tp_size, self.pp_size, self.cp_size, self.virtual_pp_size) == (1, 1, 1, None):
+            return  # nothing to split
+        from transformers import AutoConfig
+
+        from yatt.core.megatron._config import check_parallel_sizes, layout_from_hf_config
+
+        layout = layout_from_hf_config(AutoConfig.from_pretrained(model_dir))
+        check_parallel_sizes(
+            layout,
+            tp_size=self.tp_size,
+            pp_size=self.pp_size,
+            virtual_pp_size=self.virtual_pp_size,
+            cp_size=self.cp_size,
+            prefix="MegatronPolicyConfig.",
+        )

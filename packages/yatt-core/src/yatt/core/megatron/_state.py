@@ -1,37 +1,59 @@
 """Checkpoint state of a Megatron policy as `Stateful` objects for yatt.ckpt (DCP underneath).
 
-Each rank saves its own shards under keys that carry its tensor- and data-parallel rank:
+Each rank saves its own shards under keys that carry its parallel ranks:
 
-    model:     "tp<t>.<megatron param name>"               replicated over DP: written once
-    optimizer: "tp<t>.dp<d>.g<group>.p<index>.<field>"     field: main, exp_avg, exp_avg_sq, step
+    model:     "tp<t>.<megatron param name>"         global layer index; replicated over DP, CP
+    optimizer: "tp<t>.pp<p>.cp<c>.dp<d>.g<group>.p<index>.<field>"
+                                                     field: main, exp_avg, exp_avg_sq, step
 
-so a resume with the same tp and dp sizes restores every bit (bf16 weights, fp32 main params,
-Adam moments and step). Loading into another layout fails on missing keys instead of silently
-mixing shards; resharding (Megatron's dist_checkpointing does it) is future work.
+so a resume with the same sizes restores every bit (bf16 weights, fp32 main params, Adam
+moments and step). The model's keys name layers by their global index, so the weights load
+at another pp_size (or cp or dp size; not another tp_size): each stage asks for its own
+layers. The optimizer's keys are positional, so its state loads only at the same layout:
+another one fails on missing keys (ValueError here) instead of silently mixing shards.
+Resharding the optimizer (Megatron's dist_checkpointing does it) is future work.
 The state dicts return the live tensors, so DCP loads into them in place.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 
 class MegatronModelState:
-    """The bare GPTModel's parameters of this TP rank (views into DDP's buffers, if wrapped)."""
+    """The bare GPTModels' parameters of this rank (views into DDP's buffers, if wrapped), by
+    global name: a chunk's `decoder.layers.<i>` renumbered with its layer offset."""
 
-    def __init__(self, model: torch.nn.Module, *, tp_rank: int) -> None:
-        self.model = model
+    def __init__(self, chunks: Sequence[Any], *, tp_rank: int) -> None:
+        self.chunks = chunks  # ModelChunk: .model, .layer_offset
         self.prefix = f"tp{tp_rank}."
 
+    def _named(self) -> list[tuple[str, torch.Tensor]]:
+        from yatt.core.megatron._weights import global_layer_name
+
+        return [
+            (self.prefix + global_layer_name(name, chunk.layer_offset), p)
+            for chunk in self.chunks
+            for name, p in chunk.model.named_parameters()
+        ]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {self.prefix + name: p.detach() for name, p in self.model.named_parameters()}
+        return {key: p.detach() for key, p in self._named()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        for name, param in self.model.named_parameters():
-            value = state[self.prefix + name]
+        named = self._named()
+        missing = [key for key, _ in named if key not in state]
+        if missing:
+            raise ValueError(
+                f"the checkpoint's model state lacks {len(missing)} of this rank's tensors "
+                f"(e.g. {missing[:2]}): it was saved at another tp_size or for another model"
+            )
+        for key, param in named:
+            value = state[key]
             if value.data_ptr() != param.data_ptr():
                 param.copy_(value)
 
@@ -41,9 +63,11 @@ class MegatronOptimizerState:
 
     FIELDS = ("exp_avg", "exp_avg_sq", "step")
 
-    def __init__(self, optimizer: Any, *, tp_rank: int, dp_rank: int) -> None:
+    def __init__(
+        self, optimizer: Any, *, tp_rank: int, dp_rank: int, pp_rank: int = 0, cp_rank: int = 0
+    ) -> None:
         self.optimizer = optimizer  # a MegatronOptimizer; .optimizer is the torch Adam inside
-        self.prefix = f"tp{tp_rank}.dp{dp_rank}."
+        self.prefix = f"tp{tp_rank}.pp{pp_rank}.cp{cp_rank}.dp{dp_rank}."
 
     def _params(self) -> list[tuple[str, torch.Tensor]]:
         torch_opt = self.optimizer.optimizer
@@ -82,6 +106,13 @@ class MegatronOptimizerState:
     def load_state_dict(self, loaded: dict[str, Any]) -> None:
         self._ensure_state()
         state = self.optimizer.optimizer.state
+        missing = [key + "main" for key, _ in self._params() if key + "main" not in loaded]
+        if missing:
+            raise ValueError(
+                f"the checkpoint's optimizer state lacks this rank's {missing[:2]}: it was saved "
+                "at another (tp, pp, cp, dp) layout; the optimizer state does not reshard "
+                "(the model weights do, across pp, cp and dp sizes)"
+            )
         for key, p in self._params():
             p.copy_(loaded[key + "main"])
             for field in self.FIELDS:

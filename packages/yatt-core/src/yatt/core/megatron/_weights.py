@@ -29,8 +29,10 @@ are replicated.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -336,3 +338,90 @@ def _gather_bucket(
     for i, (name, shard) in enumerate(bucket):
         shards = [per_rank[r][i].view(shard.shape) for r in range(tp_size)]
         yield from to_hf_params(name, tp_gather(name, shards), layout)
+
+
+# -- across pipeline stages -----------------------------------------------------------------------
+
+HFShape = tuple[str, tuple[int, ...], torch.dtype]  # (HF name, full shape, dtype)
+
+
+def plan_buckets(shapes: list[HFShape], bucket_bytes: int) -> list[list[HFShape]]:
+    """Consecutive runs of one dtype, each at most `bucket_bytes` (a larger tensor alone)."""
+    buckets: list[list[HFShape]] = []
+    size = 0
+    for item in shapes:
+        _, shape, dtype = item
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not buckets or size + nbytes > bucket_bytes or buckets[-1][0][2] != dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(item)
+        size += nbytes
+    return buckets
+
+
+def export_pipeline_hf_weights(
+    local: Iterable[tuple[str, torch.Tensor]],
+    local_shapes: list[HFShape],
+    *,
+    bucket_bytes: int,
+    pp_group: object,
+    device: torch.device,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every stage's HF (name, full tensor) pairs on every rank of `pp_group`, stage by stage.
+
+    local: this stage's pairs (already gathered over TP: export_hf_weights); local_shapes: what
+    it will yield, in parameter order. Each stage's list is shared first (one small
+    all_gather_object), so every rank cuts the same buckets; then the owning stage broadcasts
+    each bucket as one flat buffer. `local` may yield a little out of order (its own TP
+    buckets hold column-parallel tensors back while norms pass): a bucket is sent once all its
+    tensors have come. Collective over `pp_group` (and over TP, through `local`).
+    """
+    import torch.distributed as dist
+
+    pp_size = dist.get_world_size(pp_group)
+    my_stage = dist.get_rank(pp_group)
+    ranks = dist.get_process_group_ranks(pp_group)
+    stage_shapes: list[Any] = [None] * pp_size
+    dist.all_gather_object(stage_shapes, local_shapes, group=pp_group)
+    local_in_order = _InOrder(local)
+    for stage, shapes in enumerate(stage_shapes):
+        for bucket in plan_buckets(shapes, bucket_bytes):
+            names = [name for name, _, _ in bucket]
+            if stage == my_stage:
+                tensors = local_in_order.take(names)
+                flat = torch.cat([t.reshape(-1).to(device) for t in tensors])
+            else:
+                numel = sum(math.prod(shape) for _, shape, _ in bucket)
+                flat = torch.empty(numel, dtype=bucket[0][2], device=device)
+            dist.broadcast(flat, src=ranks[stage], group=pp_group)
+            parts = flat.split([math.prod(shape) for _, shape, _ in bucket])
+            for (name, shape, _), part in zip(bucket, parts, strict=True):
+                yield name, part.view(shape)
+    leftover = local_in_order.leftover()
+    if leftover is not None:
+        raise RuntimeError(f"{leftover} was exported but not announced to the other stages")
+
+
+class _InOrder:
+    """Takes named tensors from an iterator by name, keeping any that come early."""
+
+    def __init__(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._iter = iter(pairs)
+        self._ready: dict[str, torch.Tensor] = {}
+
+    def take(self, names: list[str]) -> list[torch.Tensor]:
+        while any(name not in self._ready for name in names):
+            try:
+                name, tensor = next(self._iter)
+            except StopIteration:
+                missing = [n for n in names if n not in self._ready]
+                raise RuntimeError(f"this stage did not export {missing[:3]}") from None
+            self._ready[name] = tensor
+        return [self._ready.pop(name) for name in names]
+
+    def leftover(self) -> str | None:
+        extra = next(self._iter, None)
+        if extra is not None:
+            return extra[0]
+        return next(iter(self._ready), None)
