@@ -165,3 +165,53 @@ def test_one_rank_trains_without_the_ddp_wrapper(tiny_model_dir):
         policy = TorchPolicy(_config(tiny_model_dir, parallel="ddp"), rt)
         assert policy._ddp is None  # no gradient buckets beside the gradients
         assert dist.is_initialized()
+
+
+def _batch(seed=0):
+    from yatt.core import Batch, compute_grpo_advantages
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, length in enumerate((6, 13, 4, 9)):
+        mask = torch.zeros(length, dtype=torch.int64)
+        mask[2:] = 1
+        ids = torch.randint(5, 200, (length,), generator=gen)
+        rows.append({"input_ids": ids, "loss_mask": mask, "group_id": i // 2, "reward": i % 3})
+    batch = Batch.from_samples(rows, token_keys=["input_ids", "loss_mask"])
+    batch.samples["advantages"] = compute_grpo_advantages(batch["reward"], batch["group_id"])
+    return batch
+
+
+def test_an_offloaded_optimizer_comes_in_for_the_step_only_and_trains_the_same(tiny_model_dir):
+    from yatt.core import PolicyLoss
+    from yatt.placement import is_offloaded
+
+    loss = PolicyLoss(is_on_policy=True, rollout_correction="none")
+    weights = []
+    for is_away in (False, True):
+        policy = TorchPolicy(_config(tiny_model_dir, should_offload_optimizer=is_away))
+        for step in range(2):
+            policy.sleep()
+            policy.wake_up()  # the plan's train phase wakes both tags
+            assert is_offloaded(policy.optimizer) == is_away  # stays on the host
+            policy.train_step(_batch(step), loss)
+            assert is_offloaded(policy.optimizer) == is_away  # out again after its step
+        weights.append(dict(policy.named_weights()))
+        if is_away:
+            state = policy.state()  # a checkpoint reads the state where it is real
+            assert not is_offloaded(state["optimizer"])
+            assert len(policy.optimizer.state) > 0
+    for name, tensor in weights[0].items():
+        torch.testing.assert_close(weights[1][name], tensor, atol=0, rtol=0)
+
+
+def test_an_offloaded_optimizer_is_part_of_the_peak_not_resident(tiny_model_dir):
+    policy = TorchPolicy(
+        _config(tiny_model_dir, should_offload_optimizer=True, max_tokens_per_microbatch=1)
+    )
+    policy._is_head_logprobs = False  # no fixed 1.5 GiB of head chunks: tokens only
+    param_bytes = sum(p.numel() * 4 for p in policy.module.parameters())
+    need = policy.memory_need()
+    assert need.resident["optimizer"] == 0
+    # One token's activations are far below AdamW's two moments: the step's state is the peak.
+    assert need.peak == {"gradients": param_bytes, "optimizer": 2 * param_bytes}

@@ -46,7 +46,14 @@ from yatt.core._train_step import StepCounts, compute_logprobs, run_train_step
 from yatt.core._vision_cost import estimate_vision_costs, vision_flops_shape
 from yatt.core._vision_forward import VisionLanguage, is_vision_language_config
 from yatt.core._vision_inputs import VISION_INPUTS_KEY
-from yatt.placement import MemoryNeed, TrainerRole, is_offloaded, read_cuda_free_bytes
+from yatt.placement import (
+    MemoryNeed,
+    TrainerRole,
+    is_offloaded,
+    offload,
+    onload,
+    read_cuda_free_bytes,
+)
 
 logger = logging.getLogger("yatt.core")
 
@@ -131,12 +138,18 @@ class TorchPolicy:
             self._shard(model, runtime)
         self.optimizer: torch.optim.Optimizer | None = None
         if not config.is_reference:
+            # Fused (CUDA): the step makes no parameter-sized temporaries, which a 7B policy
+            # with its state brought in for the step has no room for.
+            is_fused = config.should_offload_optimizer and self.device.type == "cuda"
             self.optimizer = torch.optim.AdamW(
                 _weight_decay_groups(model, config.weight_decay),
                 lr=config.lr,
                 betas=tuple(config.betas),
+                **({"fused": True} if is_fused else {}),
             )
         self._max_tokens = config.max_tokens_per_microbatch  # None: chosen at the first step
+        # Counted now: an offloaded parameter is an empty placeholder.
+        self._num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self._role = TrainerRole(
             model,
             self.optimizer,
@@ -318,7 +331,12 @@ class TorchPolicy:
         assert self.optimizer is not None
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        is_away = self.config.should_offload_optimizer and is_offloaded(self.optimizer)
+        if is_away:  # in for the step only (the activations are freed by now)
+            onload(self.optimizer)
         self.optimizer.step()
+        if self.config.should_offload_optimizer:
+            offload(self.optimizer)
 
     # -- the protocol --------------------------------------------------------------------------
 
@@ -379,6 +397,15 @@ class TorchPolicy:
         the module, AdamW, and the step counts the learning-rate schedule continues from.
         A reference policy has only "model"."""
         out: dict[str, Any] = {"model": self.module}
+        if (
+            self.optimizer is not None
+            and self.config.should_offload_optimizer
+            and is_offloaded(self.optimizer)
+            and not is_offloaded(self.module)
+        ):
+            # A checkpoint reads the state on the device (offloaded, it is placeholders there);
+            # the next optimizer step or sleep moves it out again.
+            onload(self.optimizer)
         if self.optimizer is not None:
             out["optimizer"] = self.optimizer
             out["schedule"] = self._counts
@@ -393,7 +420,10 @@ class TorchPolicy:
         self._role.sleep()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Onload "weights" and/or "optimizer" (default both)."""
+        """Onload "weights" and/or "optimizer" (default both); with
+        should_offload_optimizer the state stays on the host until the optimizer step."""
+        if self.config.should_offload_optimizer:
+            tags = [tag for tag in (tags or self.memory_tags) if tag != "optimizer"]
         self._role.wake_up(tags)
 
     def resident_bytes(self) -> int:
@@ -441,15 +471,20 @@ class TorchPolicy:
 
     def _activation_peak_bytes(self) -> int:
         """The train step's activations at the micro-batch cap (before a chosen cap: the
-        default one's), by `estimate_activation_bytes`."""
+        default one's), by `estimate_activation_bytes`, plus autocast's 16-bit copies of the
+        weights, which it keeps for the whole forward (2 bytes a parameter; not under FSDP2,
+        which casts per layer)."""
         if self._cost_shape is None:
             return 0
-        return estimate_activation_bytes(
+        activations = estimate_activation_bytes(
             self._max_tokens or DEFAULT_MAX_TOKENS,
             self._cost_shape,
             is_checkpointed=self.config.gradient_checkpointing,
             is_head_logprobs=self._is_head_logprobs,
         )
+        if self._compute_dtype != torch.float32 and self.config.parallel != "fsdp2":
+            activations += 2 * self._num_trainable
+        return activations
 
     def _memory_settings(self) -> dict[str, str]:
         cap = self.config.max_tokens_per_microbatch
@@ -469,17 +504,33 @@ class TorchPolicy:
         """What this policy needs on its device, for a placement plan (yatt.placement.MemoryNeed):
         weights and optimizer state resident; gradients and activations (estimated from the
         model's shape, the micro-batch cap and activation checkpointing) at the train step's
-        peak. None when the model's shape is unknown (no estimate)."""
+        peak. With should_offload_optimizer the state is not resident: it is part of the peak,
+        in place of the activations when larger. None when the model's shape is unknown."""
         if self._cost_shape is None:
             return None
-        return self._role.memory_need()
+        need = self._role.memory_need()
+        assert need is not None
+        if not self.config.should_offload_optimizer:
+            return need
+        state = need.resident.get("optimizer", 0)
+        peak = {k: v for k, v in need.peak.items() if k != "optimizer step"}
+        activations = peak.pop("activations", 0)
+        peak |= {"activations": activations} if activations >= state else {"optimizer": state}
+        return MemoryNeed(
+            resident={**need.resident, "optimizer": 0}, peak=peak, settings=need.settings
+        )
 
     def _check_awake(self, what: str) -> None:
         if is_offloaded(self.module):
             raise RuntimeError(
                 f"TorchPolicy.{what}: the weights are offloaded; call wake_up() first"
             )
-        if what == "train_step" and self.optimizer is not None and is_offloaded(self.optimizer):
+        if (
+            what == "train_step"
+            and self.optimizer is not None
+            and is_offloaded(self.optimizer)
+            and not self.config.should_offload_optimizer
+        ):
             raise RuntimeError(
                 "TorchPolicy.train_step: the optimizer is offloaded; call wake_up() first"
             )
