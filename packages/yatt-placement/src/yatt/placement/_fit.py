@@ -240,6 +240,11 @@ class FitBooks:
         if self._release_cache is not None:
             self._release_cache()
 
+    @property
+    def capacity_is_derived(self) -> bool:
+        """Whether capacity_bytes subtracts what the roles hold from the device's use."""
+        return self._capacity_bytes is None
+
     def capacity_bytes(self, roles_hold: int) -> int | None:
         """Bytes the roles may hold together (see FitConfig.capacity_bytes); None if unknown.
 

@@ -454,6 +454,10 @@ class Plan:
                 holding += needs[role_name].resident_bytes(
                     self._awake[role_name] - {_WHOLE} or None
                 )
+            elif self._fit.capacity_is_derived:
+                # Its memory would count as not the roles': the capacity would come out short
+                # and the check could refuse a phase that fits. Nothing to check by.
+                return []
         capacity = self._fit.capacity_bytes(holding)
         if capacity is None:
             return []
