@@ -445,12 +445,17 @@ class TorchPolicy:
         with torch.cuda.device(self.device):
             free = read_cuda_free_bytes()
             total = torch.cuda.mem_get_info()[1]
-        # What the step adds besides activations: gradients, and the optimizer's state the
-        # first step makes (the role's reports count it whether or not it exists yet).
+        # What the forward and backward hold besides activations: gradients, autocast's 16-bit
+        # weight copies, and the optimizer's state the first step makes (unless it waits on
+        # the host until the step, when the activations are gone).
         need = self._role.memory_need()
         assert need is not None
-        to_come = need.peak.get("gradients", 0)
-        if self.optimizer is not None and not self.optimizer.state:
+        to_come = need.peak.get("gradients", 0) + self._autocast_copy_bytes()
+        if (
+            self.optimizer is not None
+            and not self.optimizer.state
+            and not self.config.should_offload_optimizer
+        ):
             to_come += need.resident.get("optimizer", 0)
         margin = max(_MIN_MARGIN_BYTES, int(_MARGIN_FRACTION * total))
         cap = choose_max_tokens(
@@ -482,9 +487,12 @@ class TorchPolicy:
             is_checkpointed=self.config.gradient_checkpointing,
             is_head_logprobs=self._is_head_logprobs,
         )
-        if self._compute_dtype != torch.float32 and self.config.parallel != "fsdp2":
-            activations += 2 * self._num_trainable
-        return activations
+        return activations + self._autocast_copy_bytes()
+
+    def _autocast_copy_bytes(self) -> int:
+        if self._compute_dtype == torch.float32 or self.config.parallel == "fsdp2":
+            return 0
+        return 2 * self._num_trainable
 
     def _memory_settings(self) -> dict[str, str]:
         cap = self.config.max_tokens_per_microbatch
