@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import _step_memory
 from _step_bars import (
     Stat,
     compute_ratios,
@@ -125,6 +126,8 @@ def summarize_mix(ranks: list[list[dict]]) -> dict:
                 "judge_batches": sum(r.get("judge_batches", 0) for r in rows),
                 "judge_joined_calls": sum(r.get("judge_joined_calls", 0) for r in rows),
                 "max_reserved_gib": [r["max_reserved_gib"] for r in rows],
+                # The plan's memory timeline, rank 0's (_step_memory).
+                "memory": rows[0].get("memory"),
             }
         )
     med = statistics.median
@@ -361,6 +364,14 @@ def write_report(results_dir: Path, device: str | None = None) -> dict[str, Any]
     stem.with_suffix(".json").write_text(json.dumps(combined, indent=1))
     stem.with_suffix(".md").write_text(markdown(runs, ratios, device))
     png = plot(runs, stem.with_suffix(".png"))
-    print(markdown(runs, ratios, device), flush=True)
-    print(f"wrote {stem}.json, {stem}.md" + (f", {png}" if png else ""), flush=True)
+    ooms = _step_memory.load_ooms(results_dir)
+    combined["ooms"] = ooms
+    stem.with_suffix(".json").write_text(json.dumps(combined, indent=1))
+    memory_md = _step_memory.markdown(runs, ooms)
+    with stem.with_suffix(".md").open("a") as f:
+        f.write(memory_md)
+    memory_png = _step_memory.plot(runs, results_dir / f"step_memory_{device}.png")
+    print(markdown(runs, ratios, device) + memory_md, flush=True)
+    pngs = ", ".join(str(x) for x in (png, memory_png) if x)
+    print(f"wrote {stem}.json, {stem}.md" + (f", {pngs}" if pngs else ""), flush=True)
     return combined

@@ -46,7 +46,29 @@ QWEN25_15B = dict(
     num_key_value_heads=2,
     intermediate_size=8960,
 )
-SHAPES = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B}
+# Qwen/Qwen2.5-3B's config.json: 2048 wide, 36 layers, 16 query and 2 KV heads (head 128), MLP
+# 11008, tied embeddings (about 3.09B parameters).
+QWEN25_3B = dict(
+    QWEN25_05B,
+    hidden_size=2048,
+    num_hidden_layers=36,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    intermediate_size=11008,
+)
+# Qwen/Qwen2.5-7B's config.json: 3584 wide, 28 layers, 28 query and 4 KV heads (head 128), MLP
+# 18944, a 152064-row vocabulary and an untied head (about 7.62B parameters).
+QWEN25_7B = dict(
+    QWEN25_05B,
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    intermediate_size=18944,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+)
+SHAPES = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B, "3b": QWEN25_3B, "7b": QWEN25_7B}
 TINY = dict(QWEN25_05B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
 TINY["intermediate_size"] = 128
 TINY["vocab_size"] = 512

@@ -13,8 +13,8 @@
     bash bench/step_gpu8.sh                                              # issue 19, on 8 GPUs
 
 Every layout runs the same work (_step_setup.py): a Qwen2.5-0.5B-shaped policy and a
-same-shaped generative judge (random weights; --shape 1.5b for Qwen2.5-1.5B's shape, and
---judge-shape for a judge of another one), 16 prompts x 8 completions per step over all GPUs
+same-shaped generative judge (random weights; --shape 1.5b, 3b or 7b for Qwen2.5-1.5B's, -3B's
+or -7B's shape, and --judge-shape for a judge of another one), 16 prompts x 8 completions per step over all GPUs
 (--prompts N over all; --prompts-per-rank N: N per GPU of the run, judge GPUs included, so
 every layout on as many GPUs does the same work), prompts of 128 tokens, response lengths forced per sample (Request.max_new_tokens with
 ignore_eos): `fixed` = 256 each, `longtail` = 90% in [64, 192] and 10% in [512, 1024]. The judge
@@ -70,6 +70,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _step_judge  # bench/ is not a package: these are its helper modules
+import _step_memory
 import _step_profile
 import _step_report
 import _step_setup as setup
@@ -139,7 +140,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default={},
         help='vLLM/SGLang: more engine arguments as JSON, e.g. \'{"attention_backend": "triton"}\'',
     )
-    p.add_argument("--micro-batch-tokens", type=int, default=16384, help="trainer's cap")
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=_tokens_or_auto,
+        default=16384,
+        help="trainer's cap; 'auto': chosen from free memory at the first train step",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="TorchPolicyConfig(gradient_checkpointing=True)",
+    )
+    p.add_argument(
+        "--offload-optimizer",
+        action="store_true",
+        help="TorchPolicyConfig(should_offload_optimizer=True): AdamW's state on the host "
+        "except for its step (a 7B policy on one GPU)",
+    )
+    p.add_argument(
+        "--no-ckpt",
+        dest="ckpt",
+        action="store_false",
+        help="no checkpoint per step (a 7B policy's is 91 GB of weights and AdamW state)",
+    )
     p.add_argument("--ckpt-writer", choices=("thread", "process"), default="thread")
     p.add_argument("--ckpt-when-busy", choices=("wait", "defer"), default="wait")
     p.add_argument("--judge-port", type=int, default=18517)
@@ -178,6 +201,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             Path(tempfile.gettempdir()) / ("yatt-step-tiny" if args.tiny else name)
         )
     return args
+
+
+def _tokens_or_auto(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a token count or 'auto'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a token count >= 1, or 'auto'")
+    return value
 
 
 def _gpu_list(text: str) -> list[int]:
@@ -250,6 +285,8 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
             # 152k vocab: 16k tokens hold 10 GB of float32 logits (x3 with their gradient), but
             # fewer micro-batches cut the host's launch overhead, which bounds this small model.
             max_tokens_per_microbatch=2048 if args.tiny else args.micro_batch_tokens,
+            gradient_checkpointing=args.activation_checkpointing,
+            should_offload_optimizer=args.offload_optimizer,
         ),
         runtime,
     )
@@ -350,7 +387,8 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
     with _step_profile.timed(phases, "sync"), plan.phase("sync"):
         engine.update_weights(policy.named_weights())
     with _step_profile.timed(phases, "ckpt"):  # async: blocks until staged in host memory
-        ctx.ckpt.maybe_save(global_step + 1, policy.state(), extra={"step": global_step})
+        if ctx.args.ckpt:
+            ctx.ckpt.maybe_save(global_step + 1, policy.state(), extra={"step": global_step})
     torch.distributed.barrier()
     t1 = time.perf_counter()
     # The judge's load this step: this rank's (a pool's servers also judge the other ranks').
@@ -361,6 +399,7 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
         ctx.judge_tokens_seen += judge_prompt_tokens
     metrics = plan.metrics()  # the latest switch into each phase: this step's
     switches = {k.split("/")[1]: v for k, v in metrics.items() if k.endswith("/switch_s")}
+    memory = _step_memory.timeline(metrics, plan.phases)
     return {
         "t0": t0,
         "t1": t1,
@@ -372,9 +411,12 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
         "response_tokens": sum(len(c.response_ids) for c in completions),
         "judge_prompt_tokens": judge_prompt_tokens,
         "num_unparsable": sum(v.status != "ok" for v in verdicts),
-        "max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30
+        # The plan resets torch's peak stats at each switch (its peak reader): the step's peak is
+        # the highest phase peak of its timeline, device-wide.
+        "max_reserved_gib": _step_memory.step_peak_gib(memory)
         if torch.cuda.is_available()
         else None,
+        "memory": memory,
         **extra,
     }
 
@@ -404,7 +446,12 @@ def run_layout(args: argparse.Namespace) -> Path | None:
         for mix in args.mixes:
             rows = []
             for step in range(args.warmup + args.steps):
-                row = one_step(ctx, mix, step, global_step)
+                try:
+                    row = one_step(ctx, mix, step, global_step)
+                except Exception as exc:
+                    if _step_memory.is_out_of_memory(exc):  # the issue's bar counts them
+                        _step_memory.write_oom(args.out_dir, ctx, mix, step, exc)
+                    raise
                 global_step += 1
                 row["gpus"] = sampler.window(row["t0"], row["t1"])
                 row["is_warmup"] = step < args.warmup
@@ -444,6 +491,9 @@ def run_layout(args: argparse.Namespace) -> Path | None:
                 | {"mixes": args.mixes, "steps": args.steps, "warmup": args.warmup}
                 | {"keep_graphs_asleep": args.keep_graphs, "offload": args.offload}
                 | {"micro_batch_tokens": args.micro_batch_tokens, "ckpt_writer": args.ckpt_writer}
+                | {"chosen_micro_batch_tokens": ctx.policy.max_tokens_per_microbatch}
+                | {"activation_checkpointing": args.activation_checkpointing}
+                | {"offload_optimizer": args.offload_optimizer, "ckpt": args.ckpt}
                 | {"ckpt_when_busy": args.ckpt_when_busy}
                 | {"ckpt_deferred": ctx.ckpt.num_deferred_saves},
                 ckpt_root=str(ctx.ckpt_root.parent),

@@ -232,8 +232,9 @@ def test_bad_offload_and_fit_values_are_refused():
         Plan(roles=roles, phases={"p": ["a"]}, offload="sometimes")
     with pytest.raises(ValueError, match="offload='never'"):
         Plan.full_colocation(rollout=roles["a"], train=roles["a"], offload="never")
-    with pytest.raises(ValueError, match="offload='auto' only"):
-        Plan(roles=roles, phases={"p": ["a"]}, fit=FitConfig(headroom_bytes=0))
+    # With offload="always" a FitConfig only feeds the readings (the memory timeline).
+    plan = Plan(roles=roles, phases={"p": ["a"]}, fit=FitConfig(headroom_bytes=0))
+    assert plan.metrics()["placement/headroom_bytes"] == 0.0
     with pytest.raises(ValueError, match="headroom_bytes=-1"):
         FitConfig(headroom_bytes=-1)
 

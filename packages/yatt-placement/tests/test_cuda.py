@@ -413,3 +413,23 @@ def test_auto_offload_keeps_roles_awake_after_step_one_and_sleeps_for_a_large_pe
     assert torch.equal(a, expected_a)
     roles["b"].wake_up()  # leave nothing paused
     assert torch.equal(b, expected_b)
+
+
+def test_a_switch_that_wakes_returns_the_allocator_cache_first():
+    # Issue 27: a phase's freed activations stay in torch's cache, which a region's resume
+    # cannot use; a switch that wakes something must hand them back to the driver first.
+    with region("cache/engine", enable_cpu_backup=True):
+        engine = torch.ones(64 * MIB, dtype=torch.uint8, device="cuda")
+    plan = Plan(
+        roles={"engine": RegionRole({"weights": ("cache/engine",)})},
+        phases={"idle": [], "run": ["engine"]},
+        offload="auto",
+    )
+    plan.switch_to("idle")  # the engine sleeps (nothing measured yet)
+    activations = torch.ones(512 * MIB, dtype=torch.uint8, device="cuda")
+    del activations
+    cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert cached >= 512 * MIB
+    plan.switch_to("run")
+    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < cached - 256 * MIB
+    assert torch.equal(engine, torch.ones_like(engine))

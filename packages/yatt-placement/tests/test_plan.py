@@ -129,8 +129,16 @@ def test_metrics_have_fixed_keys_and_count_switches():
             "kept_awake",
             "kept_awake_bytes",
             "peak_growth_bytes",
+            "peak_bytes",
+            "need_bytes",
+            "free_bytes",
         )
-    }
+    } | {
+        f"placement/{phase}/role/{role}/{key}"
+        for phase in ("rollout", "train", "sync")
+        for role in ("rollout", "train")
+        for key in ("resident_bytes", "asleep_bytes", "is_awake")
+    } | {"placement/headroom_bytes"}
     for name in ("train", "rollout", "train"):
         with plan.phase(name):
             pass
@@ -142,6 +150,14 @@ def test_metrics_have_fixed_keys_and_count_switches():
     assert after["placement/train/resident_bytes"] == 400.0
     assert after["placement/train/released_bytes"] == 400.0  # the rollout's weights + KV
     assert after["placement/rollout/switch_s"] >= after["placement/rollout/wake_s"] >= 0.0
+    # The timeline: who is on the device in each phase, and what the asleep one would take.
+    assert after["placement/train/role/train/resident_bytes"] == 400.0
+    assert after["placement/train/role/train/is_awake"] == 1.0
+    assert after["placement/train/role/rollout/is_awake"] == 0.0
+    assert after["placement/train/role/rollout/resident_bytes"] == 0.0
+    assert after["placement/rollout/role/rollout/resident_bytes"] == 400.0
+    assert after["placement/rollout/role/train/is_awake"] == 0.0
+    assert after["placement/sync/role/train/is_awake"] == 0.0  # never entered: zeros
     assert [r.phase for r in plan.records] == ["train", "rollout", "train"]
 
 

@@ -36,7 +36,7 @@ from yatt.core._cost_model import (
     has_gated_mlp,
     warn_without_shape,
 )
-from yatt.core._head_logprobs import logprobs_in_head, supports_head_logprobs
+from yatt.core._head_logprobs import CHUNK_ELEMENTS, logprobs_in_head, supports_head_logprobs
 from yatt.core._logits import compute_entropy, compute_token_logprobs
 from yatt.core._micro_batches import check_context, plan_micro_batches
 from yatt.core._optimization import make_lr_schedule
@@ -46,9 +46,23 @@ from yatt.core._train_step import StepCounts, compute_logprobs, run_train_step
 from yatt.core._vision_cost import estimate_vision_costs, vision_flops_shape
 from yatt.core._vision_forward import VisionLanguage, is_vision_language_config
 from yatt.core._vision_inputs import VISION_INPUTS_KEY
-from yatt.placement import TrainerRole, is_offloaded
+from yatt.placement import (
+    MemoryNeed,
+    TrainerRole,
+    is_offloaded,
+    offload,
+    onload,
+    read_cuda_free_bytes,
+)
 
 logger = logging.getLogger("yatt.core")
+
+# max_tokens_per_microbatch=None: the cap without CUDA (nothing to measure), and the one whose
+# activations the policy reports before the first train step chooses its own.
+DEFAULT_MAX_TOKENS = 8192
+_CAP_MULTIPLE = 256  # a chosen cap is a multiple of this
+_MIN_MARGIN_BYTES = 2 << 30  # left free when choosing a cap: max(2 GiB, 5% of the device)
+_MARGIN_FRACTION = 0.05
 
 
 class TorchPolicy:
@@ -111,7 +125,9 @@ class TorchPolicy:
         if self._cost_shape is None:
             warn_without_shape("TorchPolicy")
         self._ddp: torch.nn.parallel.DistributedDataParallel | None = None
-        if config.parallel == "ddp" and not config.is_reference:
+        # One rank has nothing to all-reduce; DDP would still keep gradient buckets as large as
+        # the gradients on the device (28 GB at 7B), asleep or not.
+        if config.parallel == "ddp" and not config.is_reference and self.dp_size > 1:
             self._ddp = torch.nn.parallel.DistributedDataParallel(
                 model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -122,12 +138,24 @@ class TorchPolicy:
             self._shard(model, runtime)
         self.optimizer: torch.optim.Optimizer | None = None
         if not config.is_reference:
+            # Fused (CUDA): the step makes no parameter-sized temporaries, which a 7B policy
+            # with its state brought in for the step has no room for.
+            is_fused = config.should_offload_optimizer and self.device.type == "cuda"
             self.optimizer = torch.optim.AdamW(
                 _weight_decay_groups(model, config.weight_decay),
                 lr=config.lr,
                 betas=tuple(config.betas),
+                **({"fused": True} if is_fused else {}),
             )
-        self._role = TrainerRole(model, self.optimizer)
+        self._max_tokens = config.max_tokens_per_microbatch  # None: chosen at the first step
+        # Counted now: an offloaded parameter is an empty placeholder.
+        self._num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self._role = TrainerRole(
+            model,
+            self.optimizer,
+            activation_bytes=self._activation_peak_bytes,
+            settings=self._memory_settings(),
+        )
         self._counts = StepCounts()  # also the lr schedule's position: in state()
         self._lr_at = make_lr_schedule(config)
 
@@ -218,7 +246,7 @@ class TorchPolicy:
         return plan_micro_batches(
             costs,
             lengths,
-            max_tokens=self.config.max_tokens_per_microbatch,
+            max_tokens=self.max_tokens_per_microbatch,
             count_group=self._dp_group if self.dp_size > 1 else None,
             device=self.device,
             extra_tokens=extra_tokens,
@@ -303,7 +331,12 @@ class TorchPolicy:
         assert self.optimizer is not None
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        is_away = self.config.should_offload_optimizer and is_offloaded(self.optimizer)
+        if is_away:  # in for the step only (the activations are freed by now)
+            onload(self.optimizer)
         self.optimizer.step()
+        if self.config.should_offload_optimizer:
+            offload(self.optimizer)
 
     # -- the protocol --------------------------------------------------------------------------
 
@@ -364,6 +397,15 @@ class TorchPolicy:
         the module, AdamW, and the step counts the learning-rate schedule continues from.
         A reference policy has only "model"."""
         out: dict[str, Any] = {"model": self.module}
+        if (
+            self.optimizer is not None
+            and self.config.should_offload_optimizer
+            and is_offloaded(self.optimizer)
+            and not is_offloaded(self.module)
+        ):
+            # A checkpoint reads the state on the device (offloaded, it is placeholders there);
+            # the next optimizer step or sleep moves it out again.
+            onload(self.optimizer)
         if self.optimizer is not None:
             out["optimizer"] = self.optimizer
             out["schedule"] = self._counts
@@ -378,18 +420,125 @@ class TorchPolicy:
         self._role.sleep()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
-        """Onload "weights" and/or "optimizer" (default both)."""
+        """Onload "weights" and/or "optimizer" (default both); with
+        should_offload_optimizer the state stays on the host until the optimizer step."""
+        if self.config.should_offload_optimizer:
+            tags = [tag for tag in (tags or self.memory_tags) if tag != "optimizer"]
         self._role.wake_up(tags)
 
     def resident_bytes(self) -> int:
         return self._role.resident_bytes()
+
+    # -- memory --------------------------------------------------------------------------------
+
+    @property
+    def max_tokens_per_microbatch(self) -> int:
+        """The micro-batch token cap: the config's, or (config None) chosen from the device's
+        free memory the first time it is needed (see `choose_max_tokens`), then kept."""
+        if self._max_tokens is None:
+            self._max_tokens = self._choose_max_tokens()
+        return self._max_tokens
+
+    def _choose_max_tokens(self) -> int:
+        if self.device.type != "cuda" or self._cost_shape is None:
+            return DEFAULT_MAX_TOKENS
+        with torch.cuda.device(self.device):
+            free = read_cuda_free_bytes()
+            total = torch.cuda.mem_get_info()[1]
+        # What the forward and backward hold besides activations: gradients, autocast's 16-bit
+        # weight copies, and the optimizer's state the first step makes (unless it waits on
+        # the host until the step, when the activations are gone).
+        need = self._role.memory_need()
+        assert need is not None
+        to_come = need.peak.get("gradients", 0) + self._autocast_copy_bytes()
+        if (
+            self.optimizer is not None
+            and not self.optimizer.state
+            and not self.config.should_offload_optimizer
+        ):
+            to_come += need.resident.get("optimizer", 0)
+        margin = max(_MIN_MARGIN_BYTES, int(_MARGIN_FRACTION * total))
+        cap = choose_max_tokens(
+            free - to_come - margin,
+            self._cost_shape,
+            is_checkpointed=self.config.gradient_checkpointing,
+            is_head_logprobs=self._is_head_logprobs,
+        )
+        logger.info(
+            "TorchPolicy: max_tokens_per_microbatch=%d, chosen from %.1f GiB free "
+            "(gradients and optimizer state to come: %.1f GiB, margin %.1f GiB)",
+            cap,
+            free / 2**30,
+            to_come / 2**30,
+            margin / 2**30,
+        )
+        return cap
+
+    def _activation_peak_bytes(self) -> int:
+        """The train step's activations at the micro-batch cap (before a chosen cap: the
+        default one's), by `estimate_activation_bytes`, plus autocast's 16-bit copies of the
+        weights, which it keeps for the whole forward (2 bytes a parameter; not under FSDP2,
+        which casts per layer)."""
+        if self._cost_shape is None:
+            return 0
+        activations = estimate_activation_bytes(
+            self._max_tokens or DEFAULT_MAX_TOKENS,
+            self._cost_shape,
+            is_checkpointed=self.config.gradient_checkpointing,
+            is_head_logprobs=self._is_head_logprobs,
+        )
+        return activations + self._autocast_copy_bytes()
+
+    def _autocast_copy_bytes(self) -> int:
+        if self._compute_dtype == torch.float32 or self.config.parallel == "fsdp2":
+            return 0
+        return 2 * self._num_trainable
+
+    def _memory_settings(self) -> dict[str, str]:
+        cap = self.config.max_tokens_per_microbatch
+        how = "lower TorchPolicyConfig.max_tokens_per_microbatch" + (
+            f" (now {cap})" if cap is not None else ""
+        )
+        if not self.config.gradient_checkpointing:
+            how += " or set TorchPolicyConfig.gradient_checkpointing=True"
+        return {
+            "activations": how,
+            "weights": "a smaller policy, or parallel='fsdp2' over more GPUs",
+            "optimizer": "parallel='fsdp2' over more GPUs (shards the AdamW state)",
+            "gradients": "parallel='fsdp2' over more GPUs",
+        }
+
+    def memory_need(self) -> MemoryNeed | None:
+        """What this policy needs on its device, for a placement plan (yatt.placement.MemoryNeed):
+        weights and optimizer state resident; gradients and activations (estimated from the
+        model's shape, the micro-batch cap and activation checkpointing) at the train step's
+        peak. With should_offload_optimizer the state is not resident: it is part of the peak,
+        in place of the activations when larger. None when the model's shape is unknown."""
+        if self._cost_shape is None:
+            return None
+        need = self._role.memory_need()
+        assert need is not None
+        if not self.config.should_offload_optimizer:
+            return need
+        state = need.resident.get("optimizer", 0)
+        peak = {k: v for k, v in need.peak.items() if k != "optimizer step"}
+        activations = peak.pop("activations", 0)
+        peak |= {"activations": activations} if activations >= state else {"optimizer": state}
+        return MemoryNeed(
+            resident={**need.resident, "optimizer": 0}, peak=peak, settings=need.settings
+        )
 
     def _check_awake(self, what: str) -> None:
         if is_offloaded(self.module):
             raise RuntimeError(
                 f"TorchPolicy.{what}: the weights are offloaded; call wake_up() first"
             )
-        if what == "train_step" and self.optimizer is not None and is_offloaded(self.optimizer):
+        if (
+            what == "train_step"
+            and self.optimizer is not None
+            and is_offloaded(self.optimizer)
+            and not self.config.should_offload_optimizer
+        ):
             raise RuntimeError(
                 "TorchPolicy.train_step: the optimizer is offloaded; call wake_up() first"
             )
@@ -431,3 +580,85 @@ def _weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[di
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return [group for group in groups if group["params"]]
+
+
+# -- memory model --------------------------------------------------------------------------------
+# What a Hugging Face decoder layer keeps for backward, per token, under autocast to 16-bit with
+# float32 parameters (how TorchPolicy trains): the residual stream and the RMSNorms run in
+# float32 (4 bytes an element), the matmuls' inputs and outputs in 16 bits (2 bytes).
+#   attention: input norm (input + normalised, 8h), the q/k/v/o inputs cast to 16 bits (4 x 2h),
+#              q and k before and after RoPE and v (2 x 2h + 3 x 2kv), attention output (2h)
+#              -> 22h + 6kv
+#   MLP:       post-attention norm (8h), gate/up inputs (2 x 2h), gate and up outputs, SiLU's
+#              output and the product (4 x 2i) -> 12h + 8i (a plain MLP: 12h + 6i)
+# so 34h + 6kv + 8i bytes a token and layer: Korthikanti et al. (2022)'s 34sbh for a GPT layer
+# at 16 bits, with the float32 norms and the gated MLP's extra rows counted. With activation
+# checkpointing a layer keeps only its float32 input (4h) and one layer at a time is rebuilt
+# in backward. Outside the layers: the embedding output and the final norm (12h), and the head:
+# through yatt's head logprobs, one chunk of float32 logits, its softmax and gradient at a time
+# (3 x CHUNK_ELEMENTS x 4 bytes); through plain logits, 16-bit logits, their float32 copy and
+# its gradient per token (10 V bytes). An estimate for planning: the placement plan measures
+# the real peak from the first step on.
+
+
+def estimate_activation_bytes(
+    num_tokens: int,
+    shape: dict,
+    *,
+    is_checkpointed: bool,
+    is_head_logprobs: bool = True,
+) -> int:
+    """Bytes a train step's forward keeps for backward for a micro-batch of `num_tokens`
+    padded tokens, for a model of `shape` (the cost model's: yatt.core._cost_model's
+    flops_shape keys). See the memory model above."""
+    per_token, fixed = _activation_bytes_per_token(
+        shape, is_checkpointed=is_checkpointed, is_head_logprobs=is_head_logprobs
+    )
+    return num_tokens * per_token + fixed
+
+
+def choose_max_tokens(
+    budget_bytes: int,
+    shape: dict,
+    *,
+    is_checkpointed: bool,
+    is_head_logprobs: bool = True,
+    multiple: int = _CAP_MULTIPLE,
+) -> int:
+    """The largest micro-batch token cap (a multiple of `multiple`) whose activations
+    (`estimate_activation_bytes`) fit in `budget_bytes`; ValueError naming the settings to
+    change when not even `multiple` tokens fit."""
+    per_token, fixed = _activation_bytes_per_token(
+        shape, is_checkpointed=is_checkpointed, is_head_logprobs=is_head_logprobs
+    )
+    tokens = (budget_bytes - fixed) // per_token // multiple * multiple
+    if tokens < multiple:
+        hint = "" if is_checkpointed else " set TorchPolicyConfig.gradient_checkpointing=True,"
+        raise ValueError(
+            f"TorchPolicyConfig.max_tokens_per_microbatch=None: {max(0, budget_bytes) / 2**30:.2f}"
+            f" GiB are left for activations, less than {multiple} tokens need "
+            f"({(multiple * per_token + fixed) / 2**30:.2f} GiB);{hint} free the device (other "
+            "roles asleep: Plan(offload='always')), or train a smaller model"
+        )
+    return int(tokens)
+
+
+def _activation_bytes_per_token(
+    shape: dict, *, is_checkpointed: bool, is_head_logprobs: bool
+) -> tuple[int, int]:
+    """(bytes per token, fixed bytes) of the memory model above."""
+    h = shape["hidden_size"]
+    layers = shape["num_layers"]
+    i = shape.get("ffn_hidden_size", 4 * h)
+    heads = shape.get("num_heads")
+    kv = h * shape.get("num_kv_heads", heads) // heads if heads else h
+    mlp_rows = 8 * i if shape.get("is_gated_mlp") else 6 * i
+    layer = 34 * h + 6 * kv + mlp_rows
+    per_token = (4 * h * layers + layer) if is_checkpointed else layer * layers
+    per_token += 12 * h
+    fixed = 0
+    if is_head_logprobs:
+        fixed = 3 * CHUNK_ELEMENTS * 4
+    else:
+        per_token += 10 * shape.get("vocab_size", 0)
+    return per_token, fixed

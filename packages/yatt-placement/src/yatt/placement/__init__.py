@@ -1,6 +1,7 @@
 """GPU memory regions that pause and resume, offload/onload, and placement plans for RL steps."""
 
-from yatt.placement._fit import FitConfig
+from yatt.placement._fit import FitConfig, read_cuda_free_bytes
+from yatt.placement._needs import MemoryFitError, MemoryNeed, PhaseFit
 from yatt.placement._offload import (
     is_offload_placeholder,
     is_offloaded,
@@ -26,7 +27,10 @@ from yatt.placement._version import __version__
 
 __all__ = [
     "FitConfig",
+    "MemoryFitError",
+    "MemoryNeed",
     "MemorySplit",
+    "PhaseFit",
     "PhaseRecord",
     "Plan",
     "RegionRole",
@@ -42,6 +46,7 @@ __all__ = [
     "offloaded_named_parameters",
     "onload",
     "pause",
+    "read_cuda_free_bytes",
     "region",
     "region_tags",
     "resident_bytes",

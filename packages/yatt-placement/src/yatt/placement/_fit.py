@@ -3,30 +3,44 @@
 With offload="always" a switch into phase P sleeps every awake role P does not name. With
 "auto" those roles stay awake as long as P fits next to them:
 
-    need = bytes P's asleep roles (or tags) take to wake     measured at their last wake/sleep
-         + P's peak growth (activations, logits, caches)      measured the last times P ran
+    need = bytes P's asleep roles (or tags) take to wake     measured at their last wake/sleep,
+                                                          or as the role reports (the larger)
+         + P's peak growth (activations, logits, caches)      measured the last times P ran, or
+                                                          its roles' reported peaks (the larger)
          + headroom                                           default max(2 GiB, 5% of device)
     free = device free memory + bytes cached, unused, in torch's default pool (reusable)
 
+Before that reading, a switch that will wake something releases torch's allocator cache
+(`release_cache`, torch.cuda.empty_cache): a woken region (torch_memory_saver's resume, vLLM's
+cumem pool) and an onload into a private pool need memory the driver can hand out, and the
+previous phase's freed activations sitting in the default pool's cache are not that (issue 27:
+a 1.5B trainer kept awake beside its cached activations made the engine's resume run out).
+
 While need > free the switch sleeps one more role, in `sleep_order`, and reads free again. A
-phase never measured (the first step), or a role whose wake bytes are unknown, makes the switch
-sleep them all as "always" does, so the first step runs as "always" and measures safely.
+phase neither measured nor reported (the first step), or a role whose wake bytes are unknown,
+makes the switch sleep them all as "always" does, so the first step runs as "always" and
+measures safely. Roles that report their needs (`yatt.placement.MemoryNeed`) let even the first
+step keep roles awake, and let the plan refuse, before the step, a phase that cannot fit at all.
 
 Measurements (defaults on CUDA; `FitConfig` replaces the readers, e.g. by fakes on CPU):
 - wake bytes: the plan's meter around each wake call, per (role, tags); before a role's first
   such wake, what its last sleep from fully awake released.
+  A role that sleeps whole forgets its per-tag wake measurements (the optimizer's state, made
+  lazily in the first step, is not what its first wake measured); until its next wake, what
+  its sleep released counts.
 - peak growth: from the end of P's switch to the start of the next switch, torch's peak allocated
-  (or reserved, whichever grew more) over its level at the start, plus the device growth outside
-  torch (non-torch allocations) that mem_get_info saw. The largest of P's last
-  `_PEAK_WINDOW` runs counts, so one short batch does not lower the guard. The CUDA reader
-  resets torch.cuda's peak memory stats at every switch.
+  (or reserved, whichever grew more) over the higher of its levels at the start and the end
+  (what stays allocated at the end, e.g. optimizer state made lazily, belongs to a role's bytes
+  from then on), plus the device growth outside torch (non-torch allocations) that mem_get_info
+  saw. The largest of P's last `_PEAK_WINDOW` runs counts, so one short batch does not lower
+  the guard. The CUDA reader resets torch.cuda's peak memory stats at every switch.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,6 +72,13 @@ class FitConfig:
     # Room kept free beyond the estimate (fragmentation, a longer batch than the measured one).
     # Default: max(2 GiB, 5% of the device's memory); 2 GiB without CUDA.
     headroom_bytes: int | None = None
+    # Called before a switch wakes anything, so cached free blocks go back to the driver.
+    # Default on CUDA: torch.cuda.empty_cache; else nothing.
+    release_cache: Callable[[], None] | None = None
+    # Bytes the roles may hold together: the device's memory less what is not theirs (CUDA
+    # context, other processes). Default on CUDA: total - (used now - what the roles hold
+    # now), read at the first switch. Only the check of reported needs uses it.
+    capacity_bytes: Callable[[], int] | None = None
 
     def __post_init__(self) -> None:
         if self.headroom_bytes is not None and self.headroom_bytes < 0:
@@ -66,27 +87,21 @@ class FitConfig:
             )
 
 
-def make_fit_books(
-    offload: object, fit: FitConfig | None, meter: Callable[[], int]
-) -> FitBooks | None:
-    """The books of offload="auto", or None where switches sleep as "always" does."""
+def make_fit_books(offload: object, fit: FitConfig | None, meter: Callable[[], int]) -> FitBooks:
+    """The readings of a plan: what offload="auto" decides by, and the memory timeline of
+    either mode (a plan with offload="always" measures too; it only never keeps roles awake)."""
     if offload not in OFFLOAD_MODES:
         raise ValueError(
             f"offload={offload!r} is not known; use 'always' (a switch sleeps every role the "
             "phase does not name) or 'auto' (only when the phase would not fit beside them)"
         )
-    if fit is not None and offload != "auto":
-        raise ValueError(f"fit={fit!r} applies to offload='auto' only; pass offload='auto'")
-    if offload == "always":
-        return None
     books = FitBooks(fit or FitConfig(), meter)
-    if books.can_measure:
-        return books
-    logger.info(
-        "offload='auto' without CUDA needs FitConfig(free_bytes=...); without it every switch "
-        "sleeps the roles its phase does not name, as offload='always' does"
-    )
-    return None
+    if offload == "auto" and not books.can_measure:
+        logger.info(
+            "offload='auto' without CUDA needs FitConfig(free_bytes=...); without it every "
+            "switch sleeps the roles its phase does not name, as offload='always' does"
+        )
+    return books
 
 
 def make_default_meter(roles: Iterable[object]) -> Callable[[], int]:
@@ -125,6 +140,12 @@ def read_cuda_free_bytes() -> int:
     return free + max(0, cached)
 
 
+def release_cuda_cache() -> None:
+    """The default `FitConfig.release_cache` on CUDA."""
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 class CudaPeakGrowth:
     """The default `FitConfig.peak_growth` on CUDA (see the module doc)."""
 
@@ -137,9 +158,11 @@ class CudaPeakGrowth:
         if self._start is not None:
             allocated0, reserved0, used0 = self._start
             reserved = torch.cuda.memory_reserved(device)
+            allocated = torch.cuda.memory_allocated(device)
+            # Above the higher level: what stayed allocated is a role's own from now on.
             in_torch = max(
-                torch.cuda.max_memory_allocated(device) - allocated0,
-                torch.cuda.max_memory_reserved(device) - reserved0,
+                torch.cuda.max_memory_allocated(device) - max(allocated0, allocated),
+                torch.cuda.max_memory_reserved(device) - max(reserved0, reserved),
             )
             # What the device gained beyond this process's torch reservations.
             outside = (read_device_used_bytes() - used0) - (reserved - reserved0)
@@ -189,6 +212,8 @@ class FitBooks:
             CudaPeakGrowth() if on_cuda else MeterGrowth(meter)
         )
         self._headroom_bytes = config.headroom_bytes
+        self._release_cache = config.release_cache or (release_cuda_cache if on_cuda else None)
+        self._capacity_bytes = config.capacity_bytes
         self._growth: dict[str, deque[int]] = {}
         self._wake_bytes: dict[WakeCall, int] = {}
         self._released: dict[str, int] = {}
@@ -210,6 +235,31 @@ class FitBooks:
             else:
                 self._headroom_bytes = _MIN_HEADROOM_BYTES
         return self._headroom_bytes
+
+    def release_cache(self) -> None:
+        if self._release_cache is not None:
+            self._release_cache()
+
+    @property
+    def capacity_is_derived(self) -> bool:
+        """Whether capacity_bytes subtracts what the roles hold from the device's use."""
+        return self._capacity_bytes is None
+
+    def capacity_bytes(self, roles_hold: int) -> int | None:
+        """Bytes the roles may hold together (see FitConfig.capacity_bytes); None if unknown.
+
+        roles_hold: what the roles hold now (the CUDA default subtracts it from the device's
+        used memory to find what is not theirs)."""
+        if self._capacity_bytes is not None:
+            return self._capacity_bytes()
+        if not torch.cuda.is_available():
+            return None
+        free, total = torch.cuda.mem_get_info()
+        return total - max(0, (total - free) - roles_hold)
+
+    def latest_growth_bytes(self, phase: str) -> int | None:
+        runs = self._growth.get(phase)
+        return runs[-1] if runs else None
 
     def start_phase(self, phase: str) -> None:
         """`phase`'s roles are awake: its growth is measured from here to `end_phase`."""
@@ -249,8 +299,11 @@ class FitBooks:
         self._wake_bytes[call] = max(0, num_bytes)
 
     def record_sleep(self, role: str, num_bytes: int) -> None:
-        """What `role` released, put to sleep from fully awake."""
+        """What `role` released, put to sleep from fully awake; its wake measurements are stale
+        from here (it may have grown since: optimizer state made in its first step)."""
         self._released[role] = max(0, num_bytes)
+        for call in [call for call in self._wake_bytes if call[0] == role]:
+            del self._wake_bytes[call]
 
     def role_bytes(self, role: str) -> int | None:
         """Bytes `role` holds fully awake, as last measured."""
@@ -260,14 +313,25 @@ class FitBooks:
         return sum(woken) if woken else None
 
     def need_bytes(
-        self, phase: str, calls: Sequence[WakeCall], scales: dict[str, float]
+        self,
+        phase: str,
+        calls: Sequence[WakeCall],
+        scales: dict[str, float],
+        *,
+        reported_wake: Mapping[WakeCall, int] | None = None,
+        reported_peak: int | None = None,
     ) -> int | None:
-        """Free bytes `phase` needs after its wake `calls`; None if anything is unmeasured.
+        """Free bytes `phase` needs after its wake `calls`; None if anything is unknown.
 
-        scales: a factor per role on its wake bytes (a memory share grown since they were
-        measured).
+        scales: a factor per role on its measured wake bytes (a memory share grown since they
+        were measured). reported_wake: per call, the bytes its role reports for it (already at
+        its current share); reported_peak: the peak the phase's working roles report. Where
+        both a measurement and a report exist, the larger counts.
         """
+        reported_wake = reported_wake or {}
         growth = self.growth_bytes(phase)
+        if reported_peak is not None:
+            growth = max(growth or 0, reported_peak)
         if growth is None:
             return None
         by_role: dict[str, list[WakeCall]] = {}
@@ -276,12 +340,16 @@ class FitBooks:
         wake = 0
         for name, role_calls in by_role.items():
             known = [self._wake_bytes.get(call) for call in role_calls]
+            measured: int | None
             if None in known:
                 # A wake of these tags was never measured: the whole role, as its sleep released.
-                role_wake = self._released.get(name)
-                if role_wake is None:
-                    return None
+                measured = self._released.get(name)
             else:
-                role_wake = sum(n for n in known if n is not None)
-            wake += int(role_wake * scales.get(name, 1.0))
+                measured = sum(n for n in known if n is not None)
+            reported = [reported_wake.get(call) for call in role_calls]
+            report = None if None in reported else sum(n for n in reported if n is not None)
+            if measured is None and report is None:
+                return None
+            scaled = int((measured or 0) * scales.get(name, 1.0))
+            wake += max(scaled, report or 0)
         return wake + growth + self.headroom_bytes()

@@ -17,10 +17,14 @@ so memory fills in the order that keeps the peak lowest. Leaving a phase does no
 next switch decides what sleeps, so consecutive phases that share a role do not bounce it.
 A phase never puts part of a role to sleep: a role awake with more tags than asked stays so.
 With offload="auto" step (1) sleeps a role only when the phase would not fit beside it (`_fit`).
+Before a switch wakes anything it releases torch's allocator cache (a woken region needs memory
+the driver can hand out). Roles that report their needs (`MemoryNeed`) let offload="auto" check,
+at the first switch, that every phase can fit at all, and fail then, naming what to shrink.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,6 +33,7 @@ from contextlib import contextmanager
 import torch
 
 from yatt.placement._fit import FitConfig, OffloadMode, WakeCall, make_default_meter, make_fit_books
+from yatt.placement._needs import MemoryFitError, MemoryNeed, PhaseFit, phase_fit, role_need
 from yatt.placement._records import PhaseRecord, phase_metrics
 from yatt.placement._roles import Role
 from yatt.placement._split import MemorySplit, SplitState
@@ -39,6 +44,11 @@ _WHOLE = "*"  # the one tag of a role without memory_tags
 _MAX_RECORDS = 1024
 # Weights first: a KV cache sized from free memory must see every role's weights in place.
 _WAKE_STAGES = (("weights",), ("kv_cache",))
+# The factories' trainer and KL reference work (activations, gradients) in the train phase only:
+# in sync the trainer is awake but its reported peak does not happen.
+_TRAIN_PEAKS = {"train": ("train",), "reference": ("train",)}
+
+logger = logging.getLogger(__name__)
 
 
 def _synchronize() -> None:
@@ -94,7 +104,9 @@ class Plan:
         "auto": only when the phase would not fit beside them, as measured in earlier steps (see
         `yatt.placement._fit`); the first step runs as "always". Without CUDA and without
         `fit.free_bytes`, "auto" runs as "always".
-    fit: how "auto" reads memory and the headroom it keeps; defaults read the CUDA device.
+    fit: how the plan reads memory and the headroom "auto" keeps; defaults read the CUDA device.
+    peak_phases: role -> the phases where the peak it reports (`MemoryNeed.peak`) happens;
+        default: every phase that wakes the role whole.
     """
 
     def __init__(
@@ -108,6 +120,7 @@ class Plan:
         meter: Callable[[], int] | None = None,
         offload: OffloadMode = "always",
         fit: FitConfig | None = None,
+        peak_phases: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         for name, role in roles.items():
             if not isinstance(role, Role):
@@ -128,6 +141,10 @@ class Plan:
         self._current: str | None = None
         self._meter = meter if meter is not None else make_default_meter(self._roles.values())
         self._fit = make_fit_books(offload, fit, self._meter)
+        self._is_auto = offload == "auto" and self._fit.can_measure
+        self._working = self._working_roles(peak_phases or {})
+        self._is_checked = False
+        self._warned_short: set[str] = set()
         self._last_phase: str | None = None
         self._following: dict[str, str] = {}  # phase -> the phase that came after it last time
         self.records: deque[PhaseRecord] = deque(maxlen=_MAX_RECORDS)
@@ -166,6 +183,7 @@ class Plan:
             meter=meter,
             offload=offload,
             fit=fit,
+            peak_phases={name: _TRAIN_PEAKS[name] for name in _TRAIN_PEAKS if name in roles},
         )
 
     @classmethod
@@ -185,6 +203,7 @@ class Plan:
         """Rollout and GenRM resident together (memory split by load), trainer offloaded; a KL
         `reference` policy is awake in the train phase only."""
         engines: list[PhaseEntry] = ["rollout", "genrm"]
+        roles = _ordered_roles(rollout, genrm, train, reference)
         phases = {
             "rollout": engines,
             "genrm": engines,
@@ -192,8 +211,9 @@ class Plan:
             "sync": ["train", _rollout_weights(rollout)],
         }
         return cls(
-            roles=_ordered_roles(rollout, genrm, train, reference),
+            roles=roles,
             phases=phases,
+            peak_phases={name: _TRAIN_PEAKS[name] for name in _TRAIN_PEAKS if name in roles},
             mode="partial_colocation",
             split=split if split is not None else MemorySplit(),
             wake_stages=wake_stages,
@@ -279,8 +299,10 @@ class Plan:
         if name not in self._phases:
             raise ValueError(f"phase {name!r} is not in this plan; phases are {self.phases}")
         wanted = self._phases[name]
-        if self._fit is not None:
-            self._fit.end_phase()  # the previous phase's peak growth
+        if self._is_auto and not self._is_checked:
+            self._is_checked = True
+            self.check_fit()  # before anything moves: a phase that can never fit fails here
+        self._fit.end_phase()  # the previous phase's peak growth
         if self._last_phase is not None:
             self._following[self._last_phase] = name
         self._last_phase = name
@@ -288,8 +310,12 @@ class Plan:
         start = time.perf_counter()
         before = self._meter()
         stages = self._stages_for(wanted)
+        if any(stages):
+            # Woken regions and onloads need memory the driver can hand out; the previous
+            # phase's freed activations cached in torch's default pool are not that.
+            self._fit.release_cache()
         awake_others = [r for r in self._roles if r not in wanted and self._awake[r]]
-        kept = self._sleep_for(name, awake_others, stages)
+        kept, need, free = self._sleep_for(name, awake_others, stages)
         _synchronize()
         slept = time.perf_counter()
         after_sleep = self._meter()
@@ -300,8 +326,7 @@ class Plan:
         _synchronize()
         end = time.perf_counter()
         after_wake = self._meter()
-        if self._fit is not None:
-            self._fit.start_phase(name)
+        self._fit.start_phase(name)
         record = PhaseRecord(
             phase=name,
             switch_s=end - start,
@@ -312,25 +337,38 @@ class Plan:
             resident_bytes=after_wake,
             kept_awake=tuple(kept),
             kept_awake_bytes=sum(self._role_bytes(r) for r in kept),
+            need_bytes=need or 0,
+            free_bytes=free or 0,
+            role_resident_bytes={r: self._role_bytes(r) for r in self._roles if self._awake[r]},
+            role_asleep_bytes={r: self._asleep_bytes(r) for r in self._roles if not self._awake[r]},
         )
         self.records.append(record)
         self._latest[name] = record
         self._num_switches[name] += 1
         return record
 
-    def _sleep_for(self, phase: str, others: list[str], stages: list[list[WakeCall]]) -> list[str]:
+    def _sleep_for(
+        self, phase: str, others: list[str], stages: list[list[WakeCall]]
+    ) -> tuple[list[str], int | None, int | None]:
         """Put `others` (awake, not in `phase`) to sleep: all of them ("always", or nothing
-        measured yet), else those whose memory share moved and then more while `phase` would
-        not fit. Returns the ones kept awake."""
+        measured or reported yet), else those whose memory share moved and then more while
+        `phase` would not fit. Returns the ones kept awake, the bytes the phase needed free and
+        those free after the sleeps (None when it did not decide by them)."""
         need = None
-        if self._fit is not None:
+        if self._is_auto:
             calls = [call for stage in stages for call in stage]
             scales = self._split.wake_scales() if self._split is not None else {}
-            need = self._fit.need_bytes(phase, calls, scales)
+            need = self._fit.need_bytes(
+                phase,
+                calls,
+                scales,
+                reported_wake=self._reported_wake(calls),
+                reported_peak=self._reported_peak(phase),
+            )
         if need is None:
             for role_name in others:
                 self._sleep(role_name)
-            return []
+            return [], None, None
         # A new share applies when the KV cache is next woken, so the role must sleep first,
         # unless it resizes by itself while awake (the built-in engine, at its next call).
         moved = [
@@ -345,30 +383,129 @@ class Plan:
         following = self._following.get(phase)
         needed_next = self._phases[following] if following is not None else {}
         kept = [r for r in others if r not in moved]
-        return self._fit.sleep_until_fits(need, kept, needed_next, self._role_bytes, self._sleep)
+        kept = self._fit.sleep_until_fits(need, kept, needed_next, self._role_bytes, self._sleep)
+        free = self._fit.free_bytes()
+        if need > free and phase not in self._warned_short:
+            # Everything it could sleep is asleep: the estimate (a measured peak, a reported
+            # need) exceeds the device. The wake may still fit (estimates are upper bounds).
+            self._warned_short.add(phase)
+            logger.warning(
+                "phase %r needs %.1f GiB free (wake + peak + headroom) but only %.1f GiB are "
+                "after putting %s to sleep; a wake or its peak may run out of memory. Shrink "
+                "the micro-batch tokens, an engine's KV share, or use activation checkpointing.",
+                phase,
+                need / 2**30,
+                free / 2**30,
+                "every other role" if not kept else f"all but {kept}",
+            )
+        return kept, need, free
+
+    def _reported_wake(self, calls: Sequence[WakeCall]) -> dict[WakeCall, int]:
+        """Per wake call, the bytes its role reports for those tags (roles that report)."""
+        out = {}
+        for call in calls:
+            need = role_need(self._roles[call[0]])
+            if need is not None:
+                tags = None if call[1] == (_WHOLE,) else call[1]
+                out[call] = need.resident_bytes(tags)
+        return out
+
+    def _reported_peak(self, phase: str) -> int | None:
+        """The peak the roles working in `phase` report; None unless every one reports."""
+        total = 0
+        for role_name in self._working[phase]:
+            need = role_need(self._roles[role_name])
+            if need is None:
+                return None
+            total += need.peak_bytes
+        return total
+
+    def _working_roles(self, peak_phases: Mapping[str, Sequence[str]]) -> dict[str, set[str]]:
+        """Per phase, the roles whose reported peak happens in it."""
+        for role_name, phases in peak_phases.items():
+            unknown = [p for p in phases if p not in self._phases]
+            if role_name not in self._roles or unknown:
+                raise ValueError(
+                    f"peak_phases[{role_name!r}]={list(phases)!r}: roles are "
+                    f"{sorted(self._roles)}, phases {list(self._phases)}"
+                )
+        working: dict[str, set[str]] = {}
+        for phase, wanted in self._phases.items():
+            whole = {r for r, tags in wanted.items() if tags == set(self._tags_of(r))}
+            working[phase] = {r for r in whole if r not in peak_phases or phase in peak_phases[r]}
+        return working
+
+    def fit_report(self) -> list[PhaseFit]:
+        """Per phase, what it needs alone on the device (every other role asleep), from the
+        roles' reports; phases with a role that gives no report are left out."""
+        needs: dict[str, MemoryNeed] = {}
+        for role_name, role in self._roles.items():
+            need = role_need(role)
+            if need is not None:
+                needs[role_name] = need
+        holding = 0  # what the roles hold now: their own count, else their report
+        for role_name in self._roles:
+            if not self._awake[role_name]:
+                continue
+            reader = getattr(self._roles[role_name], "resident_bytes", None)
+            if reader is not None:
+                holding += reader()
+            elif role_name in needs:
+                holding += needs[role_name].resident_bytes(
+                    self._awake[role_name] - {_WHOLE} or None
+                )
+            elif self._fit.capacity_is_derived:
+                # Its memory would count as not the roles': the capacity would come out short
+                # and the check could refuse a phase that fits. Nothing to check by.
+                return []
+        capacity = self._fit.capacity_bytes(holding)
+        if capacity is None:
+            return []
+        fits = [
+            phase_fit(
+                phase,
+                wanted,
+                self._working[phase],
+                needs,
+                capacity_bytes=capacity,
+                headroom_bytes=self._fit.headroom_bytes(),
+                whole_tag=_WHOLE,
+            )
+            for phase, wanted in self._phases.items()
+        ]
+        return [fit for fit in fits if fit is not None]
+
+    def check_fit(self) -> list[PhaseFit]:
+        """Raise MemoryFitError if a phase cannot fit on the device even with every other role
+        asleep, by the roles' reports (`memory_need()`); returns the phases' requirements.
+
+        offload="auto" runs it at the first switch, before anything moves; call it yourself
+        before a run with offload="always". Without reports or a capacity reading (CPU without
+        FitConfig.capacity_bytes) it checks nothing."""
+        report = self.fit_report()
+        failing = [fit for fit in report if not fit.fits]
+        if failing:
+            raise MemoryFitError("\n".join(fit.explain() for fit in failing))
+        return report
 
     def _sleep(self, role_name: str) -> None:
         role = self._roles[role_name]
-        if self._fit is None:
-            role.sleep()
-        else:
-            is_whole = self._awake[role_name] == set(self._tags_of(role_name))
-            before = self._meter()
-            role.sleep()
-            if is_whole:
-                self._fit.record_sleep(role_name, before - self._meter())
+        is_whole = self._awake[role_name] == set(self._tags_of(role_name))
+        before = self._meter()
+        role.sleep()
+        if is_whole:
+            self._fit.record_sleep(role_name, before - self._meter())
         self._awake[role_name] = set()
 
     def _wake(self, call: WakeCall) -> None:
         role_name, tags = call
         role = self._roles[role_name]
-        before = self._meter() if self._fit is not None else 0
+        before = self._meter()
         if tags == (_WHOLE,):
             role.wake_up()
         else:
             role.wake_up(tags=tags)
-        if self._fit is not None:
-            self._fit.record_wake(call, self._meter() - before)
+        self._fit.record_wake(call, self._meter() - before)
         self._awake[role_name] |= set(tags)
         if self._split is not None:
             self._split.note_wake(role_name, sizes_kv_cache="kv_cache" in tags or tags == (_WHOLE,))
@@ -378,8 +515,14 @@ class Plan:
         reader = getattr(self._roles[role_name], "resident_bytes", None)
         if reader is not None:
             return reader()
-        known = self._fit.role_bytes(role_name) if self._fit is not None else None
-        return known or 0
+        return self._fit.role_bytes(role_name) or 0
+
+    def _asleep_bytes(self, role_name: str) -> int:
+        """What an asleep role would take to wake whole: its report, else as last measured."""
+        need = role_need(self._roles[role_name])
+        if need is not None:
+            return need.resident_bytes()
+        return self._fit.role_bytes(role_name) or 0
 
     def _stages_for(self, wanted: dict[str, set[str]]) -> list[list[WakeCall]]:
         """Wake calls grouped by stage: each role's tags in the configured stages, then the rest."""
@@ -406,8 +549,7 @@ class Plan:
 
     def sleep_all(self) -> None:
         """Put every awake role to sleep (end of run, or before handing the GPU elsewhere)."""
-        if self._fit is not None:
-            self._fit.end_phase()
+        self._fit.end_phase()
         for role_name in self._roles:
             if self._awake[role_name]:
                 self._sleep(role_name)
@@ -439,8 +581,15 @@ class Plan:
         """Latest switch into each phase as flat floats; the keys are fixed by the plan's phases."""
         out: dict[str, float] = {}
         for name in self._phases:
-            growth = self._fit.growth_bytes(name) if self._fit is not None else None
-            out |= phase_metrics(name, self._latest.get(name), self._num_switches[name], growth)
+            out |= phase_metrics(
+                name,
+                self._latest.get(name),
+                self._num_switches[name],
+                self._fit.growth_bytes(name),
+                roles=tuple(self._roles),
+                latest_growth_bytes=self._fit.latest_growth_bytes(name),
+            )
+        out["placement/headroom_bytes"] = float(self._fit.headroom_bytes())
         if self._split is not None:
             shares = self._split.shares()
             out["placement/rollout_memory_fraction"] = shares["rollout"]

@@ -22,13 +22,19 @@ a trainer and region-allocated memory.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
 
-from yatt.placement._offload import is_offloaded, offload_all, onload, tensor_bytes
+from yatt.placement._needs import MemoryNeed
+from yatt.placement._offload import is_offloaded, offload_all, offloaded_bytes, onload, tensor_bytes
+from yatt.placement._offload_dtensor import local_tensor
 from yatt.placement._regions import pause, resident_bytes, resume
+
+# Optimizer state per trainable parameter byte, for the classes whose state is known before
+# their first step creates it (Adam and AdamW: two moments of the parameter's dtype).
+_STATE_PER_PARAM_BYTE = {torch.optim.Adam: 2, torch.optim.AdamW: 2}
 
 
 @runtime_checkable
@@ -61,10 +67,24 @@ class TrainerRole:
     memory_tags: tuple[str, ...] = ("weights", "optimizer")
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        activation_bytes: int | Callable[[], int] | None = None,
+        settings: Mapping[str, str] | None = None,
     ) -> None:
+        """activation_bytes: the train phase's activation peak (bytes, or a function giving
+        them); given, the role reports `memory_need()`. settings: part -> the setting that
+        shrinks it ("activations", "weights", ...), for a plan's errors."""
         self.model = model
         self.optimizer = optimizer
+        self.activation_bytes = activation_bytes
+        self.settings = dict(settings or {})
+        # Read now, while the model is onloaded (an offloaded CUDA tensor is a placeholder).
+        params = list(model.parameters())
+        self._weight_bytes = sum(_local_bytes(t) for t in [*params, *model.buffers()])
+        self._trainable_bytes = sum(_local_bytes(p) for p in params if p.requires_grad)
 
     def _parts(self, tags: Sequence[str]) -> list[torch.nn.Module | torch.optim.Optimizer]:
         parts: list[torch.nn.Module | torch.optim.Optimizer] = []
@@ -86,6 +106,52 @@ class TrainerRole:
     def resident_bytes(self) -> int:
         parts = self._parts(self.memory_tags)
         return sum(tensor_bytes(part) for part in parts if not is_offloaded(part))
+
+    def optimizer_state_bytes(self) -> int:
+        """The optimizer's state, wherever it is; before its first step (no state yet), what
+        Adam or AdamW will make (two moments per trainable parameter), 0 for other classes."""
+        if self.optimizer is None:
+            return 0
+        if is_offloaded(self.optimizer):
+            return offloaded_bytes(self.optimizer)
+        made = tensor_bytes(self.optimizer)
+        if made:
+            return made
+        per_byte = next(
+            (n for cls, n in _STATE_PER_PARAM_BYTE.items() if type(self.optimizer) is cls), 0
+        )
+        return per_byte * self._trainable_bytes
+
+    def memory_need(self) -> MemoryNeed | None:
+        """Weights and optimizer state resident; at the train step's peak, the gradients and the
+        larger of the activations and the optimizer step's temporaries (a multi-tensor AdamW
+        step makes about one parameter-sized copy). None without `activation_bytes`."""
+        if self.activation_bytes is None:
+            return None
+        activations = (
+            self.activation_bytes() if callable(self.activation_bytes) else self.activation_bytes
+        )
+        peak = {}
+        if self.optimizer is not None:
+            peak["gradients"] = self._trainable_bytes
+            step_bytes = self._trainable_bytes
+            peak |= (
+                {"activations": int(activations)}
+                if activations >= step_bytes
+                else {"optimizer step": step_bytes}
+            )
+        else:  # a frozen reference: forward only
+            peak["activations"] = int(activations)
+        return MemoryNeed(
+            resident={"weights": self._weight_bytes, "optimizer": self.optimizer_state_bytes()},
+            peak=peak,
+            settings=self.settings,
+        )
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    """A tensor's bytes on this rank (an FSDP2 DTensor's local shard)."""
+    return local_tensor(tensor).nbytes
 
 
 class RegionRole:
