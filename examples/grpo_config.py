@@ -18,8 +18,9 @@ import argparse
 import contextlib
 import importlib.util
 import logging
+import math
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,11 +47,36 @@ EMBEDDED_TASKS = {
 }
 # The trainer's policy defaults: the embedded task's tiny model (help lists them as defaults).
 DEFAULT_POLICY = {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512}
+# Upper bounds on sizes that multiply the run's work; past them a typo (votes=1e9), not a plan.
+# Group sizes in published GRPO/DAPO runs are 4-64 (a few use 256-512): 1024 leaves room.
+MAX_SAMPLES_PER_PROMPT = 1024
+# Each vote is one more judge generation per response; 64 votes already bring the standard
+# error of the averaged verdict to 1/8 of one vote's.
+MAX_VOTES = 64
+# GRPO normalizes rewards within a group, so only the weights' ratios matter; past this a weight
+# is a units mistake, and weight x reward may no longer fit the float32 the batch holds.
+MAX_REWARD_WEIGHT = 1e6
+# Seeds fit a signed 32-bit int: what numpy's legacy seeding, torch and the serving engines take.
+MAX_SEED = 2**31 - 1
 
 
 def check_at_least(name: str, value: float, minimum: float) -> None:
     if value < minimum:
         raise ValueError(f"{name}={value!r}: must be >= {minimum}")
+
+
+def check_at_most(name: str, value: float, maximum: float, why: str) -> None:
+    if value > maximum:
+        raise ValueError(f"{name}={value!r}: must be <= {maximum} ({why})")
+
+
+def check_weight(name: str, value: float) -> None:
+    """A reward weight: finite, and small enough that weight x reward fits float32."""
+    if not math.isfinite(value) or abs(value) > MAX_REWARD_WEIGHT:
+        raise ValueError(
+            f"{name}={value!r}: must be a finite number within +-{MAX_REWARD_WEIGHT:g} (GRPO "
+            "normalizes rewards per group: only the weights' ratios matter)"
+        )
 
 
 def check_engine_backend(name: str, backend: str, options: dict) -> None:
@@ -127,6 +153,12 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         # GRPO's advantage is a sample's reward against its group's: one sample has none.
         check_at_least("rollout.samples_per_prompt", self.samples_per_prompt, 2)
+        check_at_most(
+            "rollout.samples_per_prompt",
+            self.samples_per_prompt,
+            MAX_SAMPLES_PER_PROMPT,
+            "responses per prompt and step; GRPO groups are 4-64 in practice",
+        )
         check_at_least("rollout.temperature", self.temperature, 0.0)
         check_at_least("rollout.max_new_tokens", self.max_new_tokens, 1)
         check_at_least("rollout.max_sampling_rounds", self.max_sampling_rounds, 1)
@@ -158,6 +190,13 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         check_at_least("reward.votes", self.votes, 1)
+        check_at_most(
+            "reward.votes",
+            self.votes,
+            MAX_VOTES,
+            "judge generations per response; 64 votes already average to 1/8 of one's noise",
+        )
+        check_weight("reward.rule_weight", self.rule_weight)
         if self.backend not in JUDGE_BACKENDS:
             raise ValueError(f"reward.backend={self.backend!r}: use one of {JUDGE_BACKENDS}")
         if self.backend in LOCAL_JUDGES:
@@ -220,17 +259,37 @@ def check_functions(specs: Any, weights: Any) -> tuple[list[str], list[float]]:
         core.coerce_value(weight, float, f"reward.function_weights[{index}]")
         for index, weight in enumerate(weights)
     ]
+    for index, weight in enumerate(weights):
+        check_weight(f"reward.function_weights[{index}]", weight)
     if weights and len(weights) != len(specs):
         raise ValueError(
             f"reward.function_weights={weights!r}: one weight per reward.functions entry "
             f"({len(specs)}), or [] for 1.0 each"
         )
+    seen: dict[tuple[str, str], str] = {}
+    for spec in specs:
+        key = function_identity(spec)
+        if key in seen:
+            raise ValueError(
+                f"reward.functions={specs!r}: {spec!r} is listed twice (as {seen[key]!r} "
+                "too); list it once and give it a larger weight in reward.function_weights"
+            )
+        seen[key] = spec
     for spec in specs:
         try:
             genrm.load_reward_function(spec)
         except ValueError as exc:
             raise ValueError(f"reward.functions: {exc}") from None
     return specs, weights or [1.0] * len(specs)
+
+
+def function_identity(spec: str) -> tuple[str, str]:
+    """What a 'module:fn' or 'file.py:fn' spec names: a file by its resolved path, so
+    'rewards.py:score' and './rewards.py:score' are one function."""
+    source, _, attr = spec.rpartition(":")
+    if source.endswith(".py") or "/" in source:
+        source = str(Path(source).resolve())
+    return source, attr
 
 
 @dataclass(kw_only=True)
@@ -248,6 +307,12 @@ class EvalConfig:
         check_at_least("eval.every_steps", self.every_steps, 0)
         check_at_least("eval.num_prompts", self.num_prompts, 1)
         check_at_least("eval.samples_per_prompt", self.samples_per_prompt, 1)
+        check_at_most(
+            "eval.samples_per_prompt",
+            self.samples_per_prompt,
+            MAX_SAMPLES_PER_PROMPT,
+            "responses per held-out prompt",
+        )
         check_at_least("eval.temperature", self.temperature, 0.0)
         if self.split:
             self.path = split_path("eval", self.path, self.split)
@@ -281,7 +346,7 @@ class TrainConfig:
     # The embedded task that empty paths point at: "text" (single-digit addition, a tiny LM)
     # or "vision" (count the dots in 32 x 32 pictures, a tiny Qwen2-VL; sets data.image_key).
     task: str = "text"
-    seed: int = 0  # seeds the data order, the rollouts and the models
+    seed: int = 0  # seeds the data order, the rollouts and the models (0 .. 2**31 - 1)
     num_steps: int = 120  # GRPO steps (0: build the embedded task and stop)
     # Stop (an error naming the cause) after this many steps in a row that updated nothing:
     # no group with reward variance, or a skipped non-finite step. 0: never stop for it.
@@ -306,6 +371,8 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
+        check_at_least("seed", self.seed, 0)
+        check_at_most("seed", self.seed, MAX_SEED, "a signed 32-bit int, as the engines take")
         check_at_least("num_steps", self.num_steps, 0)
         check_at_least("max_idle_steps", self.max_idle_steps, 0)
         if self.task not in EMBEDDED_TASKS:
@@ -386,12 +453,46 @@ def read_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
         parser.error("--step goes with --export")
     if args.export and args.resume:
         parser.error("--export writes a checkpoint out and stops; it does not --resume")
-    raw = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    raw = load_yaml(Path(args.config).read_text(), f"--config {args.config}") if args.config else {}
     if not isinstance(raw, dict):
         raise ValueError(f"--config {args.config}: must hold a mapping of fields, got {raw!r}")
     for item in args.overrides:
         raw = with_override(raw, item)
     return build_config(raw), args
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    silently: a second `rollout:` section would drop the first's fields)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` merges a mapping; its keys may be overridden
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                continue  # the safe loader's own error names it
+            if key in first_lines:
+                raise DuplicateKeyError(
+                    f"line {line}: duplicate key {key!r} (first at line {first_lines[key]}); "
+                    "give each key once"
+                )
+            first_lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+class DuplicateKeyError(ValueError):
+    """A YAML mapping with a key given twice (not a yaml.YAMLError: never read as plain text)."""
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """`text` as YAML; a duplicate key is a ValueError naming `source`, the key and its lines."""
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)
+    except DuplicateKeyError as exc:
+        raise ValueError(f"{source}: {exc}") from None
 
 
 def with_override(raw: dict, item: str) -> dict:
@@ -403,7 +504,7 @@ def with_override(raw: dict, item: str) -> dict:
         raise ValueError(f"override {item!r} must look like key.sub=value")
     key, _, rest = dotted.partition(".")
     try:
-        value = yaml.safe_load(text)
+        value = load_yaml(text, f"override {item!r}")
     except yaml.YAMLError:
         value = text
     if rest:

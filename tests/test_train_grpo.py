@@ -825,3 +825,74 @@ def test_a_hub_id_in_the_local_cache_is_a_model_path(embedded, tmp_path, monkeyp
     raw = {**_paths(embedded), "policy": {"model_dir": "org/tiny"}}
     cfg = grpo_config.build_config(raw)
     assert Path(cfg.policy.model_dir) == snapshot
+
+
+# -- reliability (issue 23): config values refused before anything loads -----------------------
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("reward.rule_weight=.nan", r"reward\.rule_weight=nan: must be a finite number"),
+        ("reward.rule_weight=1e300", r"reward\.rule_weight=1e\+300: must be a finite number"),
+        (
+            "reward.function_weights=[.inf]",
+            r"reward\.function_weights\[0\]=inf: must be a finite number",
+        ),
+        (
+            "reward.function_weights=[1, 1e300]",
+            r"reward\.function_weights\[1\]=1e\+300: must be a finite number within",
+        ),
+        ("seed=-1", r"seed=-1: must be >= 0"),
+        ("seed=2147483648", r"seed=2147483648: must be <= 2147483647"),
+        ("reward.votes=1e9", r"reward\.votes=1000000000: must be <= 64"),
+        ("rollout.samples_per_prompt=1e5", r"rollout\.samples_per_prompt=100000: must be <= 1024"),
+        ("eval.samples_per_prompt=5000", r"eval\.samples_per_prompt=5000: must be <= 1024"),
+        (
+            "reward.functions=[os.path:join, os.path:join]",
+            r"reward\.functions=.*'os\.path:join' is listed twice",
+        ),
+    ],
+)
+def test_absurd_or_non_finite_values_are_refused_when_the_config_is_read(tmp_path, override, match):
+    with pytest.raises(ValueError, match=match):
+        grpo_config.read_config([f"out_dir={tmp_path}", override])
+    assert not (tmp_path / "embedded").exists()  # refused before the embedded task is built
+
+
+def test_the_largest_allowed_sizes_and_seed_are_accepted():
+    grpo_config.RolloutConfig(samples_per_prompt=1024)
+    grpo_config.RewardConfig(votes=64, rule_weight=-1e6)
+    with grpo_config.stand_in_model_dir() as model_dir:
+        grpo_config.TrainConfig(policy={"model_dir": model_dir}, seed=2**31 - 1)
+
+
+def test_a_reward_file_listed_twice_under_two_spellings_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "rewards.py").write_text(
+        "def score(prompt, response, reference, row):\n    return 0.0\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"'\./rewards\.py:score' is listed twice"):
+        grpo_config.RewardConfig(
+            backend="none", functions=["rewards.py:score", "./rewards.py:score"]
+        )
+    grpo_config.RewardConfig(backend="none", functions=["rewards.py:score", "os.path:join"])
+
+
+def test_a_key_given_twice_in_yaml_is_refused_with_its_lines(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("rollout:\n  temperature: 0.5\nnum_steps: 3\nrollout:\n  max_new_tokens: 8\n")
+    with pytest.raises(
+        ValueError, match=r"run\.yaml: line 4: duplicate key 'rollout' \(first at line 1\)"
+    ):
+        grpo_config.read_config(["--config", str(config), f"out_dir={tmp_path}"])
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("reward:\n  votes: 2\n  votes: 3\n")
+    with pytest.raises(ValueError, match=r"line 3: duplicate key 'votes' \(first at line 2\)"):
+        grpo_config.read_config(["--config", str(nested), f"out_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"override .*duplicate key 'base_url'"):
+        grpo_config.read_config([f"out_dir={tmp_path}", "reward.openai={base_url: a, base_url: b}"])
+    # A YAML merge key may still be overridden: not a duplicate.
+    assert grpo_config.load_yaml("a: &b {v: 1}\nc:\n  <<: *b\n  v: 2\n", "t") == {
+        "a": {"v": 1},
+        "c": {"v": 2},
+    }
+    assert not (tmp_path / "embedded").exists()
