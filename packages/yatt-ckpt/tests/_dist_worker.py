@@ -88,7 +88,11 @@ def main() -> None:
     if rank == 0:
         torch.save({"model": full_model, "optim": full_optim}, os.path.join(out_dir, "full.pt"))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        result = {"is_saved": decision.is_saved, "should_stop": decision.should_stop}
+        result = {
+            "is_saved": decision.is_saved,
+            "should_stop": decision.should_stop,
+            "stop_signal": decision.stop_signal,
+        }
         json.dump(result | {"deferred": deferred}, f)
     dist.destroy_process_group()
 

@@ -33,6 +33,11 @@ def train_steps(model, optim, sched, num_steps: int) -> None:
         sched.step()
 
 
+def visible_names(root) -> list[str]:
+    """The entries of `root` but the writer's hidden lock file."""
+    return sorted(p.name for p in root.iterdir() if p.name != ".yatt-ckpt-writer.lock")
+
+
 def state_of(model, optim, sched, counter) -> dict:
     return {"model": model, "optim": optim, "sched": sched, "counter": counter}
 
@@ -123,7 +128,7 @@ def test_second_save_waits_for_first_and_both_commit(tmp_path, monkeypatch):
         ckpt.save(1, {"model": model})
         assert entered.wait(30)
         assert ckpt.latest() is None  # step 1 is held back just before its commit rename
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000001.tmp"]
+        assert visible_names(tmp_path) == ["step-00000001.tmp"]
         second = threading.Thread(target=ckpt.save, args=(2, {"model": model}))
         second.start()
         second.join(0.5)
@@ -161,7 +166,7 @@ def test_resaving_a_step_replaces_it(tmp_path):
         target = torch.zeros(1)
         assert ckpt.load({"counter": target}) == "second"
     assert target.item() == 2.0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000004"]
+    assert visible_names(tmp_path) == ["latest", "step-00000004"]
 
 
 def test_leftover_tmp_folders_removed_at_start_up(tmp_path):
@@ -173,7 +178,7 @@ def test_leftover_tmp_folders_removed_at_start_up(tmp_path):
     (tmp_path / "latest.tmp").write_text("step-00000002")
     with Checkpointer(tmp_path) as ckpt:
         assert ckpt.latest() == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-00000001"]
+    assert visible_names(tmp_path) == ["latest", "step-00000001"]
 
 
 @pytest.mark.parametrize(

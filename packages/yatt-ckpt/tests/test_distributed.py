@@ -2,7 +2,9 @@
 
 NUM_GPUS = 0
 
+import hashlib
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -22,11 +24,13 @@ def test_two_ranks_save_one_rank_loads(tmp_path, writer):
     out.mkdir()
     run_ranks([sys.executable, str(WORKER), str(root), str(out), writer], 2, timeout_s=240)
 
-    # Rank 1 alone received SIGUSR1; both ranks must agree to save step 3 and stop.
+    # Rank 1 alone received SIGUSR1; both ranks must agree to save step 3 and stop, and both
+    # report that signal (for one exit code on every rank).
     for rank in range(2):
         decision = json.loads((out / f"rank{rank}.json").read_text())
         deferred = decision.pop("deferred")
-        assert decision == {"is_saved": True, "should_stop": True}, rank
+        expected = {"is_saved": True, "should_stop": True, "stop_signal": int(signal.SIGUSR1)}
+        assert decision == expected, rank
         if writer == "thread":
             # Only rank 1's writer was busy at step 2: both ranks deferred (else rank 0 alone
             # would have entered the save's collectives and hung), then both saved step 3.
@@ -38,7 +42,16 @@ def test_two_ranks_save_one_rank_loads(tmp_path, writer):
     optim = torch.optim.AdamW(model.parameters(), lr=0.05)
     with Checkpointer(root) as ckpt:
         assert ckpt.latest() == 3
-        assert ckpt.verify(2).world_size == 2
+        info = ckpt.verify(2)  # hashes every file against the checksums the two ranks recorded
+        assert info.world_size == 2
+        # Both ranks' data files and records carry a checksum (each rank hashed its own).
+        files = {p.name for p in info.path.iterdir() if p.name != "yatt_meta.json"}
+        assert {"__0_0.distcp", "__1_0.distcp", "rank-00001.json"} <= files
+        assert set(info.checksums) == files
+        for name in files:
+            # Small files: one block, so the rule reduces to sha256(sha256(contents)).
+            digest = hashlib.sha256((info.path / name).read_bytes()).digest()
+            assert info.checksums[name] == hashlib.sha256(digest).hexdigest(), name
         with pytest.warns(UserWarning, match="written by 2 ranks and is loaded on 1"):
             extra = ckpt.load({"model": model, "optim": optim}, step=2)
         assert extra == {"rank": 0}

@@ -2,7 +2,9 @@
 
 NUM_GPUS = 0
 
+import hashlib
 import json
+import random
 
 import pytest
 import torch
@@ -93,8 +95,8 @@ DAMAGES = {
     "meta-garbage": (damage_meta_garbage, "yatt_meta.json is unreadable"),
     "meta-wrong-step": (damage_meta_wrong_step, "says step 99"),
     "data-truncated": (damage_data_truncated, r"__0_0.distcp has \d+ bytes"),
-    "index-scrambled": (damage_dcp_index_scrambled, ".metadata is unreadable"),
-    "data-scrambled": (damage_data_scrambled, "reading tensors failed"),
+    "index-scrambled": (damage_dcp_index_scrambled, r"\.metadata is damaged: its checksum"),
+    "data-scrambled": (damage_data_scrambled, r"__0_0\.distcp is damaged: its checksum"),
     "rank-file-missing": (damage_rank_file_missing, "rank-00000.json is missing"),
 }
 
@@ -113,6 +115,81 @@ def test_damaged_newest_falls_back_with_warning(tmp_path, damage):
             extra = ckpt.load({"value": target})
     assert extra == {"step": 1}
     assert torch.equal(target, torch.full((4,), 1.0))
+
+
+def save_large_steps(root, steps) -> torch.Tensor:
+    """Steps of a 64 KB tensor (value = step + index), so damage can land inside tensor bytes."""
+    value = torch.zeros(16384)
+    with Checkpointer(root) as ckpt:
+        for step in steps:
+            torch.arange(16384, out=value).add_(step)
+            ckpt.save(step, {"value": value}, extra={"step": step})
+    return value
+
+
+def test_same_size_random_bytes_in_a_shard_fall_back_naming_the_file(tmp_path):
+    save_large_steps(tmp_path, [1, 2])
+    data = tmp_path / "step-00000002" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    middle = len(raw) // 2  # inside the 64 KB of tensor data, past any header
+    raw[middle - 2048 : middle + 2048] = random.Random(0).randbytes(4096)
+    data.write_bytes(bytes(raw))  # same size: the size check passes
+    target = torch.zeros(16384)
+    with Checkpointer(tmp_path, read_only=True) as ckpt:
+        with pytest.warns(UserWarning, match=r"step-00000002.*__0_0\.distcp is damaged.*falling"):
+            extra = ckpt.load({"value": target})
+        with pytest.raises(CheckpointError, match=r"__0_0\.distcp is damaged"):
+            ckpt.verify(2)
+        ckpt.verify(1)
+    assert extra == {"step": 1}
+    assert torch.equal(target, torch.arange(16384, dtype=torch.float32) + 1)
+
+
+def test_an_edited_rank_record_of_the_same_size_falls_back(tmp_path):
+    save_steps(tmp_path, [1, 2])
+    record = tmp_path / "step-00000002" / "rank-00000.json"
+    text = record.read_text()
+    assert '"step": 2' in text
+    record.write_text(text.replace('"step": 2', '"step": 7'))
+    with (
+        Checkpointer(tmp_path) as ckpt,
+        pytest.warns(UserWarning, match="rank-00000.json is damaged"),
+    ):
+        assert ckpt.load({"value": torch.zeros(4)}) == {"step": 1}
+
+
+def block_tree_sha256(data: bytes, block: int = 16 << 20) -> str:
+    """The rule the checksum's name states: sha256 over the sha256 digests of 16 MiB blocks."""
+    blocks = [data[i : i + block] for i in range(0, len(data), block)]
+    return hashlib.sha256(b"".join(hashlib.sha256(b).digest() for b in blocks)).hexdigest()
+
+
+def test_recorded_checksums_follow_the_stated_rule_for_every_file(tmp_path):
+    # 40 MiB of float32: the data file spans three blocks (hashed on several threads).
+    value = torch.zeros(10 << 20)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, {"value": value.uniform_()})
+    folder = tmp_path / "step-00000001"
+    meta = json.loads((folder / "yatt_meta.json").read_text())
+    assert meta["checksums"]["algorithm"] == "sha256-of-16MiB-block-sha256s"
+    files = sorted(p.name for p in folder.iterdir() if p.name != "yatt_meta.json")
+    assert sorted(meta["checksums"]["files"]) == files
+    assert (folder / "__0_0.distcp").stat().st_size > 2 * (16 << 20)
+    for name in files:
+        want = block_tree_sha256((folder / name).read_bytes())
+        assert meta["checksums"]["files"][name] == want, name
+
+
+def test_a_checkpoint_without_checksums_still_loads(tmp_path):
+    """Checkpoints written before checksums were recorded: sizes only, as before."""
+    save_steps(tmp_path, [1])
+    meta_path = tmp_path / "step-00000001" / "yatt_meta.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["checksums"]
+    meta_path.write_text(json.dumps(meta))
+    with Checkpointer(tmp_path) as ckpt:
+        assert ckpt.verify(1).checksums == {}
+        assert ckpt.load({"value": torch.zeros(4)}) == {"step": 1}
 
 
 def test_all_damaged_raises_listing_each(tmp_path):

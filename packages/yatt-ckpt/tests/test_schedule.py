@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from yatt.ckpt import Checkpointer, CkptConfig, SaveDecision
+from yatt.ckpt import Checkpointer, CkptConfig, SaveDecision, exit_code_for_signal
 
 
 def committed(root) -> list[int]:
@@ -56,18 +56,27 @@ def test_no_schedule_never_saves(tmp_path):
     assert committed(tmp_path) == []
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
-def test_signal_triggers_final_blocking_save(tmp_path, signum):
+# Exit statuses a shell reports for a process killed by the signal (128 + its Linux number).
+@pytest.mark.parametrize(
+    ("signum", "exit_code"),
+    [(signal.SIGTERM, 143), (signal.SIGUSR1, 138), (signal.SIGINT, 130)],
+    ids=["SIGTERM", "SIGUSR1", "SIGINT"],
+)
+def test_signal_triggers_final_blocking_save(tmp_path, signum, exit_code):
     value = torch.zeros(2)
     previous = signal.getsignal(signum)
     with Checkpointer(tmp_path, every_steps=100) as ckpt:
-        ckpt.install_signal_handlers()
+        ckpt.install_signal_handlers()  # the defaults include all three
         decision = ckpt.maybe_save(1, {"v": value})
         assert not decision.is_saved and not decision.should_stop
+        assert decision.stop_signal is None and decision.exit_code == 0
+        assert ckpt.stop_signal is None
         value.fill_(5.0)
         os.kill(os.getpid(), signum)  # the handler only sets a flag: the process keeps running
         decision = ckpt.maybe_save(7, {"v": value}, extra={"why": "preempted"})
         assert decision.is_saved and decision.should_stop
+        assert decision.stop_signal == signum and ckpt.stop_signal == signum
+        assert decision.exit_code == exit_code == exit_code_for_signal(signum)
         # Blocking: the checkpoint is committed when maybe_save returns.
         assert ckpt.latest() == 7
         assert ckpt.verify(7).step == 7
@@ -75,6 +84,20 @@ def test_signal_triggers_final_blocking_save(tmp_path, signum):
         assert ckpt.load({"v": target}) == {"why": "preempted"}
         assert torch.equal(target, torch.full((2,), 5.0))
     assert signal.getsignal(signum) == previous, "close() restores the previous handler"
+
+
+def test_a_second_ctrl_c_aborts_at_once_and_the_first_signal_is_reported(tmp_path):
+    previous = signal.getsignal(signal.SIGINT)
+    with Checkpointer(tmp_path, phases=("train",)) as ckpt:
+        ckpt.install_signal_handlers()
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # a stop is already requested: abort now
+            for _ in range(1000):  # the handler runs between bytecodes
+                time.sleep(0.001)
+        assert ckpt.stop_signal == signal.SIGTERM  # the first one is the reason
+    assert committed(tmp_path) == []  # no save happened: the user chose not to wait
+    assert signal.getsignal(signal.SIGINT) == previous
 
 
 def test_signal_waits_for_an_eligible_phase(tmp_path):

@@ -6,6 +6,7 @@ NUM_GPUS = 0
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ from yatt.core import (
     export_hf,
     export_hf_from_checkpoint,
 )
+from yatt.core import _export as export_module
+from yatt.core._export import EXPORT_MARKER, check_export_dir
 
 WORKERS = Path(__file__).with_name("_export_workers.py")
 _spec = importlib.util.spec_from_file_location("_export_workers", WORKERS)
@@ -170,15 +173,158 @@ def test_a_sleeping_policy_exports_without_waking(tiny_model_dir, tmp_path):
         assert torch.equal(tensor, weights[name]), name
 
 
-def test_an_existing_folder_is_replaced_only_when_asked(tiny_model_dir, tmp_path):
-    policy = TorchPolicy(_config(tiny_model_dir))
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "stale.txt").write_text("old")
+def test_an_earlier_export_is_replaced_only_when_asked(tiny_model_dir, tmp_path):
+    initial = TorchPolicy(_config(tiny_model_dir))
+    first = export_hf(initial, tmp_path / "hf")
+    marker = json.loads((first / EXPORT_MARKER).read_text())
+    assert marker["source"] == "policy" and marker["dtype"] == "float32"
+    assert marker["model_dir"] == str(Path(tiny_model_dir).absolute())
     with pytest.raises(ValueError, match="should_overwrite=True"):
+        export_hf(initial, tmp_path / "hf")
+    trained = _trained_policy(tiny_model_dir)
+    weights = dict(trained.named_weights())
+    out = export_hf(trained, tmp_path / "hf", should_overwrite=True)
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    for name, tensor in reloaded.named_parameters():
+        assert torch.equal(tensor, weights[name]), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no old or tmp folder left
+    (tmp_path / "empty").mkdir()  # an empty folder holds nothing to lose
+    assert export_hf(trained, tmp_path / "empty", should_overwrite=True) == tmp_path / "empty"
+
+
+def _refuse_to_read(monkeypatch):
+    """Reading tensors fails the test: a refusal must come before anything expensive."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("read tensors before refusing the out_dir")
+
+    monkeypatch.setattr(export_module, "read_model_tensors", fail)
+    monkeypatch.setattr(export_module, "_full_named_weights", fail)
+
+
+def _snapshot(folder):
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize(
+    ("contents", "match"),
+    [
+        pytest.param({"notes.txt": "mine"}, "is not a yatt export", id="unmarked"),
+        pytest.param({EXPORT_MARKER: "{torn"}, "unreadable", id="torn-marker"),
+        pytest.param({EXPORT_MARKER: "[1, 2]"}, "did not write", id="foreign-marker"),
+    ],
+)
+def test_a_folder_yatt_did_not_export_is_never_replaced(
+    tiny_model_dir, tmp_path, monkeypatch, contents, match
+):
+    policy = TorchPolicy(_config(tiny_model_dir))
+    target = tmp_path / "data"  # an absolute path to someone's folder
+    target.mkdir()
+    for name, text in contents.items():
+        (target / name).write_text(text)
+    before = _snapshot(tmp_path)
+    _refuse_to_read(monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        export_hf(policy, target, should_overwrite=True)
+    with pytest.raises(ValueError, match=match):
+        check_export_dir(target, should_overwrite=True)
+    assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_out_dir_holding_the_checkpoint_or_the_model_is_refused(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """export.dir="checkpoints" and export.dir="." of a trainer: out_dir is (or holds) what the
+    export reads, and replacing it would delete that."""
+    run = tmp_path / "run"
+    model_dir = Path(shutil.copytree(tiny_model_dir, tmp_path / "model"))
+    ckpt = _save_checkpoint(TorchPolicy(_config(model_dir)), run / "checkpoints" / "step-1")
+    (run / "metrics.jsonl").write_text("{}\n")
+    before = _snapshot(tmp_path)
+    _refuse_to_read(monkeypatch)
+    monkeypatch.chdir(run)
+    for out, match in [
+        (run / "checkpoints", "holds the checkpoint"),
+        (ckpt, "is the checkpoint"),
+        (".", "holds the checkpoint"),  # relative: the working folder
+        ("model/..", "holds the checkpoint"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            export_hf_from_checkpoint(ckpt, out, model_dir=model_dir, should_overwrite=True)
+    # A live export knows no checkpoint; the model folder is still protected, and the run
+    # folder is not an export.
+    policy = TorchPolicy(_config(model_dir))
+    with pytest.raises(ValueError, match="holds the model_dir"):
+        export_hf(policy, tmp_path, should_overwrite=True)
+    with pytest.raises(ValueError, match="is not a yatt export"):
+        export_hf(policy, run, should_overwrite=True)
+    with pytest.raises(ValueError, match="is not a yatt export"):
+        export_hf(policy, run / "checkpoints", should_overwrite=True)
+    assert _snapshot(tmp_path) == before
+    # Checked up front too, before the checkpoint root exists (a trainer at start-up).
+    fresh = tmp_path / "fresh"
+    with pytest.raises(ValueError, match="holds the checkpoint"):
+        check_export_dir(fresh / ".", checkpoint_dir=fresh / "checkpoints")
+    assert check_export_dir(fresh / "export", checkpoint_dir=fresh / "checkpoints") == (
+        fresh / "export"
+    )
+
+
+def test_a_leftover_tmp_folder_is_removed_only_if_it_is_ours(tiny_model_dir, tmp_path):
+    policy = TorchPolicy(_config(tiny_model_dir))
+    foreign = tmp_path / "hf.export.tmp"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not an unfinished yatt export"):
         export_hf(policy, tmp_path / "hf")
-    out = export_hf(policy, tmp_path / "hf", should_overwrite=True)
-    assert not (out / "stale.txt").exists() and (out / "model.safetensors").exists()
+    assert (foreign / "notes.txt").exists()
+    (foreign / "notes.txt").unlink()
+    (foreign / EXPORT_MARKER).write_text('{"format": 1}')  # what a crashed export leaves
+    (foreign / "model.safetensors").write_bytes(b"half")
+    export_hf(policy, tmp_path / "hf")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+@pytest.mark.parametrize("can_swap", [True, False], ids=["renameat2-exchange", "rename-aside"])
+def test_replacing_an_export_keeps_one_at_every_moment(
+    tiny_model_dir, tmp_path, monkeypatch, can_swap
+):
+    policy = TorchPolicy(_config(tiny_model_dir))
+    out = export_hf(policy, tmp_path / "hf")
+    (out / "generation_config.json").write_text('{"old": true}')
+    real_exchange = export_module._exchange
+    swaps = []
+
+    def exchange(a, b):
+        assert (b / EXPORT_MARKER).is_file() and (a / "model.safetensors").is_file()
+        swapped = real_exchange(a, b) if can_swap else False
+        swaps.append(swapped)
+        return swapped
+
+    if can_swap and not _filesystem_can_swap(tmp_path):
+        pytest.skip("this filesystem has no renameat2 RENAME_EXCHANGE")
+    monkeypatch.setattr(export_module, "_exchange", exchange)
+    export_hf(policy, out, should_overwrite=True)
+    assert swaps == [can_swap]
+    assert json.loads((out / "generation_config.json").read_text()) != {"old": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def _filesystem_can_swap(folder):
+    (folder / "swap-a").mkdir()
+    (folder / "swap-b").mkdir()
+    (folder / "swap-a" / "x").write_text("a")
+    try:
+        if not export_module._exchange(folder / "swap-a", folder / "swap-b"):
+            return False
+        # An independent check of the swap: the file moved with its folder's name.
+        assert (folder / "swap-b" / "x").read_text() == "a"
+        assert not (folder / "swap-a" / "x").exists()
+        return True
+    finally:
+        shutil.rmtree(folder / "swap-a")
+        shutil.rmtree(folder / "swap-b")
 
 
 def test_a_failed_write_leaves_no_folder(tiny_model_dir, tmp_path, monkeypatch):

@@ -8,7 +8,8 @@ save(step, state)                        training thread
                                          or inline when synchronous
 
 load(state)                              newest committed step first
-  verify metadata and file sizes, read the rank record; damaged: warn, try the previous
+  verify metadata, file sizes and checksums (each rank hashes 1/world_size of the files, all
+  agree), read the rank record; damaged: warn, try the previous
   compare stored shapes with the live state (mismatch: ValueError, no fallback)
   dcp.load in place, set_state_dict, restore RNG, return extra
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import threading
 import warnings
 from pathlib import Path
@@ -40,10 +40,12 @@ from yatt.ckpt._layout import (
     read_rank_record,
     remove_leftovers,
     step_dirname,
+    verify_checksums,
 )
 from yatt.ckpt._process_writer import ProcessWriter
 from yatt.ckpt._rng import capture_rng_state, restore_rng_state
-from yatt.ckpt._schedule import SaveDecision, SaveSchedule
+from yatt.ckpt._runlock import RunLock, RunLockedError, lock_file
+from yatt.ckpt._schedule import DEFAULT_STOP_SIGNALS, SaveDecision, SaveSchedule
 from yatt.ckpt._staging import HostStager
 from yatt.ckpt._state import (
     apply_state_dict,
@@ -55,6 +57,7 @@ from yatt.ckpt._state import (
 from yatt.ckpt._writer import create_stager, stage_to_cpu, write_and_commit
 
 logger = logging.getLogger("yatt.ckpt")
+WRITER_LOCK_FILE = ".yatt-ckpt-writer.lock"
 
 # DCP warns on every single-process save and load, even when asked for one with no_dist=True.
 # Narrow global filter (DCP's module, that message); catch_warnings() would not do, as it is not
@@ -81,6 +84,13 @@ class Checkpointer:
     states saved often beside a Python-heavy loop (a launch-bound GPU loop is one). The spawned
     process re-imports the launching script as `__mp_main__`: guard its entry point with
     `if __name__ == "__main__":`.
+
+    One writer per root: a writing Checkpointer (the default) holds an advisory lock on
+    `root/.yatt-ckpt-writer.lock` (rank 0, from construction to close()) and removes the `.tmp`
+    leftovers of killed saves; a second writer of the root gets `RunLockedError`, because its
+    clean-up would delete the first one's save in progress. read_only=True opens the root for
+    latest/load/verify/step_path only: it takes no lock and changes nothing on disk, so an
+    export or eval job can read beside a running trainer.
     """
 
     def __init__(
@@ -95,7 +105,10 @@ class Checkpointer:
         phases: tuple[str, ...] = (),
         writer: str = "thread",
         when_busy: str = "wait",
+        read_only: bool = False,
     ) -> None:
+        if not isinstance(read_only, bool):
+            raise ValueError(f"read_only={read_only!r} must be a bool")
         config = CkptConfig(
             keep_last=keep_last,
             keep_every=keep_every,
@@ -108,6 +121,7 @@ class Checkpointer:
         )
         self.config = config
         self.root = Path(root).expanduser().absolute()
+        self.read_only = read_only
         self._schedule = SaveSchedule(config)
         self._stager: HostStager | None = None
         # (the writing thread, or None for the writer process; the step being written)
@@ -116,31 +130,31 @@ class Checkpointer:
         self.num_deferred_saves = 0  # due saves that found the writer busy (when_busy="defer")
         self._process_writer: ProcessWriter | None = None
         self._is_closed = False
+        self._writer_lock: RunLock | None = None
         self._group = RankGroup()
         error = None
-        if self._group.rank == 0:
-            # Leftovers first: a save that failed on a full disk holds the space the write
-            # probe needs, and a refusal then would keep it held forever.
-            removed = []
-            if self.root.is_dir():
-                try:
-                    removed = remove_leftovers(self.root)
-                except OSError as exc:  # the probe below says what is wrong with the folder
-                    logger.warning("could not remove checkpoint leftovers: %s", exc)
-            if removed:
-                logger.info(
-                    "removed unfinished checkpoint leftovers under %s: %s", self.root, removed
-                )
-            error = check_root_writable(self.root)
+        lock_error: RunLockedError | None = None
+        if self._group.rank == 0 and not read_only:
+            try:
+                self._prepare_root()
+            except RunLockedError as e:
+                error, lock_error = str(e), e
+            except ValueError as e:
+                error = str(e)
         # Other ranks wait here until rank 0 cleaned up, so no rank writes into a folder that is
         # being removed.
         errors = self._group.gather_errors(error, on_io=False)
         if errors:
+            self._release_writer_lock()
             self._group.close()
+            if lock_error is not None:
+                raise lock_error
             raise ValueError("; ".join(errors))
 
     @classmethod
-    def from_config(cls, root: str | os.PathLike[str], config: CkptConfig) -> Checkpointer:
+    def from_config(
+        cls, root: str | os.PathLike[str], config: CkptConfig, *, read_only: bool = False
+    ) -> Checkpointer:
         return cls(
             root,
             keep_last=config.keep_last,
@@ -151,6 +165,7 @@ class Checkpointer:
             phases=config.phases,
             writer=config.writer,
             when_busy=config.when_busy,
+            read_only=read_only,
         )
 
     # -- saving -----------------------------------------------------------------------------------
@@ -163,7 +178,7 @@ class Checkpointer:
         waits for the previous save. Errors of a background save are raised by the next
         save/wait/close.
         """
-        self._check_open()
+        self._check_writable("save")
         _check_step(step)
         try:
             json.dumps(extra)
@@ -223,22 +238,30 @@ class Checkpointer:
     ) -> SaveDecision:
         """Save if the schedule says so (see `CkptConfig`); after a stop signal, save, wait for
         the commit and return should_stop=True."""
-        self._check_open()
+        self._check_writable("maybe_save")
         if not self._schedule.is_eligible(phase):
             return SaveDecision(is_saved=False, should_stop=False)
-        should_stop = self._schedule.is_stop_requested
-        is_time_due = self._schedule.is_time_due()
+        local = [
+            int(self._schedule.is_stop_requested),
+            int(self._schedule.is_time_due()),
+            self._schedule.stop_signal or 0,
+        ]
         if self._group.is_distributed and (
             self.config.every_seconds is not None or self._schedule.has_signal_handlers
         ):
             # Clocks and signals differ per rank; save when any rank says so, or the ranks would
-            # enter the save's collectives at different steps and hang.
-            should_stop, is_time_due = self._group.any_rank([should_stop, is_time_due])
+            # enter the save's collectives at different steps and hang. The signal number rides
+            # along (max), so every rank reports the same one.
+            local = self._group.max_over_ranks(local)
+        should_stop, is_time_due, stop_signal = bool(local[0]), bool(local[1]), local[2]
         if should_stop:
             self._schedule.is_stop_requested = True
+            self._schedule.stop_signal = stop_signal or self._schedule.stop_signal
             self.save(step, state, extra=extra)
             self.wait()
-            return SaveDecision(is_saved=True, should_stop=True)
+            return SaveDecision(
+                is_saved=True, should_stop=True, stop_signal=self._schedule.stop_signal
+            )
         if not (is_time_due or self._schedule.is_step_due(step) or self._schedule.is_deferred):
             return SaveDecision(is_saved=False, should_stop=False)
         if self.config.when_busy == "defer":
@@ -260,13 +283,20 @@ class Checkpointer:
         assert self._process_writer is not None
         return self._process_writer.is_busy()
 
-    def install_signal_handlers(
-        self, signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1)
-    ) -> None:
-        """Turn `signals` into a stop flag: the next eligible `maybe_save` does a final blocking
-        save and returns should_stop=True. Call on every rank; `close()` restores the handlers."""
-        self._check_open()
+    def install_signal_handlers(self, signals: tuple[int, ...] = DEFAULT_STOP_SIGNALS) -> None:
+        """Turn `signals` (default SIGTERM, SIGUSR1, SIGINT) into a stop flag: the next eligible
+        `maybe_save` does a final blocking save and returns should_stop=True with the signal in
+        `stop_signal` (exit with `decision.exit_code`, 128 + signum). A second SIGINT raises
+        KeyboardInterrupt at once, so Ctrl-C twice still aborts. Call on every rank from the
+        main thread; `close()` restores the previous handlers."""
+        self._check_writable("install_signal_handlers")
         self._schedule.install_signal_handlers(signals)
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal that asked this run to stop (None before one arrived); after a stop
+        decision of a distributed run, the same on every rank."""
+        return self._schedule.stop_signal
 
     # -- loading ----------------------------------------------------------------------------------
 
@@ -316,10 +346,12 @@ class Checkpointer:
         return self.root / step_dirname(step)
 
     def verify(self, step: int) -> CheckpointInfo:
-        """Check `step`'s metadata (step, time, world size, versions, file sizes, DCP index)
-        against the disk; raise CheckpointError naming the checkpoint and the problem."""
+        """Check `step`'s metadata (step, time, world size, versions, file sizes, DCP index) and
+        every file's checksum against the disk (reads the whole checkpoint, in this process);
+        raise CheckpointError naming the checkpoint, the file and the problem."""
         info = read_info(self.root, step)
         read_dcp_metadata(info)
+        verify_checksums(info, sorted(info.checksums))
         return info
 
     def close(self) -> None:
@@ -338,6 +370,7 @@ class Checkpointer:
                 self._stager.close()
                 self._stager = None
             self._group.close()
+            self._release_writer_lock()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -350,6 +383,48 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._is_closed:
             raise ValueError("this Checkpointer is closed; build a new one")
+
+    def _check_writable(self, method: str) -> None:
+        self._check_open()
+        if self.read_only:
+            raise ValueError(
+                f"{method}() on a Checkpointer built with read_only=True; build it without "
+                "read_only to save (one writer per root)"
+            )
+
+    def _prepare_root(self) -> None:
+        """Rank 0 of a writer: create root, take the writer lock, remove leftovers, probe."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._writer_lock = lock_file(
+                self.root / WRITER_LOCK_FILE,
+                purpose="checkpoint writer",
+                hint=(
+                    "a second writer of one root would delete its save in progress; read "
+                    "beside it with Checkpointer(root, read_only=True), or write elsewhere"
+                ),
+            )
+        except OSError:
+            error = check_root_writable(self.root)  # names the problem with the folder
+            raise ValueError(error or f"cannot lock checkpoint root {str(self.root)!r}") from None
+        # Leftovers first: a save that failed on a full disk holds the space the write probe
+        # needs, and a refusal then would keep it held forever. Only a lock holder removes
+        # them: they may be another writer's save in progress otherwise.
+        try:
+            removed = remove_leftovers(self.root)
+        except OSError as exc:  # the probe below says what is wrong with the folder
+            removed = []
+            logger.warning("could not remove checkpoint leftovers: %s", exc)
+        if removed:
+            logger.info("removed unfinished checkpoint leftovers under %s: %s", self.root, removed)
+        error = check_root_writable(self.root)
+        if error is not None:
+            raise ValueError(error)
+
+    def _release_writer_lock(self) -> None:
+        if self._writer_lock is not None:
+            self._writer_lock.release()
+            self._writer_lock = None
 
     def _write_in_background(self, step: int, staged: dict[str, Any], record: dict) -> None:
         try:
@@ -372,6 +447,17 @@ class Checkpointer:
         self, step: int, state: dict[str, Any], owners: dict, all_live_keys: set[str]
     ) -> Any:
         info = read_info(self.root, step)
+        # Contents, split over the ranks (each reads 1/world_size of the bytes), then agreed:
+        # every rank must fall back from the same checkpoint, or their collectives would part.
+        share = sorted(info.checksums)[self._group.rank :: self._group.world_size]
+        try:
+            verify_checksums(info, share)
+            error = None
+        except CheckpointError as e:
+            error = str(e)
+        errors = self._group.gather_errors(error, on_io=False)
+        if errors:
+            raise CheckpointError("; ".join(errors))
         source_rank = self._group.rank % info.world_size
         record = read_rank_record(info, source_rank)
         metadata = read_dcp_metadata(info)

@@ -8,10 +8,14 @@ separate groups make the background write independent of whatever the trainer ru
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 import torch.distributed as dist
 
 from yatt.ckpt._layout import CheckpointError
+
+T = TypeVar("T")
 
 
 class RankGroup:
@@ -40,6 +44,21 @@ class RankGroup:
         dist.all_gather_object(errors, local_error, group=self.io if on_io else self.ctl)
         return [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
 
+    def agree_and_gather(self, local_error: str | None, payload: T, *, on_io: bool) -> list[T]:
+        """`agree`, and every rank's `payload` (picklable), in rank order, in one collective."""
+        if not self.is_distributed:
+            if local_error is not None:
+                raise CheckpointError(local_error)
+            return [payload]
+        gathered: list[tuple[str | None, T] | None] = [None] * self.world_size
+        dist.all_gather_object(
+            gathered, (local_error, payload), group=self.io if on_io else self.ctl
+        )
+        reported = [f"rank {r}: {item[0]}" for r, item in enumerate(gathered) if item[0]]
+        if reported:
+            raise CheckpointError("; ".join(reported))
+        return [item[1] for item in gathered]
+
     def agree(self, local_error: str | None, *, on_io: bool) -> None:
         """Raise CheckpointError on every rank if any rank reports an error (a barrier otherwise)."""
         reported = self.gather_errors(local_error, on_io=on_io)
@@ -56,11 +75,15 @@ class RankGroup:
 
     def any_rank(self, flags: list[bool]) -> list[bool]:
         """Element-wise OR of `flags` over ranks (on the training thread's group)."""
+        return [bool(v) for v in self.max_over_ranks([int(f) for f in flags])]
+
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        """Element-wise max of `values` over ranks (on the training thread's group)."""
         if not self.is_distributed:
-            return flags
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctl)
-        return [bool(v) for v in t.tolist()]
+        return [int(v) for v in t.tolist()]
 
     def close(self) -> None:
         # After the caller destroyed the default group, its subgroups are already gone.

@@ -11,6 +11,17 @@ from typing import Any
 
 from yatt.ckpt._config import CkptConfig
 
+# Signals install_signal_handlers turns into a final save by default: SIGTERM (schedulers'
+# preemption notice), SIGUSR1 (Slurm's --signal), SIGINT (Ctrl-C; a second one aborts at once).
+DEFAULT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+def exit_code_for_signal(signum: int) -> int:
+    """The exit status for a run stopped (after its final save) by signal `signum`: 128 +
+    signum, what a shell reports for a process killed by it (SIGTERM 143, SIGINT 130, SIGUSR1
+    138), so a scheduler or a script sees "stopped by that signal", not success."""
+    return 128 + int(signum)
+
 
 @dataclass(kw_only=True, frozen=True)
 class SaveDecision:
@@ -21,6 +32,15 @@ class SaveDecision:
     # A save was due but the previous one was still being written (when_busy="defer"): the
     # next eligible call saves instead.
     is_deferred: bool = False
+    # The signal that asked to stop (the same on every rank; the highest number when ranks got
+    # different ones), None when should_stop is False.
+    stop_signal: int | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """0, or `exit_code_for_signal(stop_signal)` after a stop signal: what the trainer's
+        process should exit with once it left its loop."""
+        return 0 if self.stop_signal is None else exit_code_for_signal(self.stop_signal)
 
 
 class SaveSchedule:
@@ -33,6 +53,7 @@ class SaveSchedule:
         # Set from a signal handler; a plain bool read once per maybe_save is enough, because
         # Python runs handlers between bytecodes of the main thread.
         self.is_stop_requested = False
+        self.stop_signal: int | None = None  # the first signal that set is_stop_requested
         self.is_deferred = False  # a due save waits for the writer (when_busy="defer")
         self._previous_handlers: dict[int, Any] = {}
 
@@ -79,5 +100,10 @@ class SaveSchedule:
         return bool(self._previous_handlers)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        del signum, frame
+        del frame
+        if signum == signal.SIGINT and self.is_stop_requested:
+            # A second Ctrl-C: the user does not want to wait for the final save.
+            raise KeyboardInterrupt
         self.is_stop_requested = True
+        if self.stop_signal is None:
+            self.stop_signal = signum

@@ -4,7 +4,9 @@ write, agree, commit and prune (run in a background thread for async saves).
     stage_to_cpu          training thread, the only part an async save blocks on
     write_and_commit      background thread (or inline when synchronous)
       rank 0: fresh step-N.tmp/                     all ranks agree (gloo, private group)
-      all: dcp.save (fsync per file) + rank-r.json  all ranks agree the files are complete
+      all: dcp.save (fsync per file) + rank-r.json,
+           sha256 of the files this rank wrote      all ranks agree the files are complete
+                                                    (and hand their checksums to rank 0)
       rank 0: yatt_meta.json, rename, `latest`      all ranks agree the commit happened
       rank 0: retention (failures only warn: the new checkpoint is already committed)
 """
@@ -28,6 +30,7 @@ from yatt.ckpt._layout import (
     TMP_SUFFIX,
     commit,
     delete_checkpoint,
+    hash_files_of_rank,
     list_committed_steps,
     rank_filename,
     read_info,
@@ -85,6 +88,8 @@ def write_and_commit(
         error = describe_failure(lambda: _fresh_folder(tmp))
     group.agree(error, on_io=True)
 
+    checksums: dict[str, str] = {}
+
     def write_files() -> None:
         dcp.save(
             state_dict,
@@ -93,13 +98,17 @@ def write_and_commit(
             no_dist=not group.is_distributed,
         )
         write_json_durable(tmp / rank_filename(group.rank), record)
+        # Here, in the writing thread or process: hashing does not block training, and each
+        # rank reads back only its own files, still in its page cache.
+        checksums.update(hash_files_of_rank(tmp, group.rank))
 
-    group.agree(describe_failure(write_files), on_io=True)
+    all_checksums = group.agree_and_gather(describe_failure(write_files), checksums, on_io=True)
     error = None
     if group.rank == 0:
 
         def commit_step() -> None:
-            write_meta(tmp, step=step, world_size=group.world_size)
+            merged = {name: digest for ranks in all_checksums for name, digest in ranks.items()}
+            write_meta(tmp, step=step, world_size=group.world_size, checksums=merged)
             commit(root, tmp, step)
 
         error = describe_failure(commit_step)

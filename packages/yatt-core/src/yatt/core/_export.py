@@ -8,9 +8,16 @@
       ranks) -> cast to dtype
     then, on rank 0 only:
       check the names against the architecture (built on the meta device: no memory)
-      out_dir.export.tmp/  <- config.json (dtype set), model*.safetensors (+ index if sharded)
+      out_dir.export.tmp/  <- .yatt-export.json (the marker: what was exported, when)
+                           <- config.json (dtype set), model*.safetensors (+ index if sharded)
                            <- tokenizer files, generation_config.json, ... copied from model_dir
       fsync, rename to out_dir                       a crash never leaves a complete-looking folder
+        out_dir exists (should_overwrite): swap the two names in one renameat2(RENAME_EXCHANGE),
+        then delete the old export; where the filesystem cannot swap, move it aside first
+
+Only a folder yatt exported (it holds the marker) or an empty one is ever replaced: out_dir is
+checked before any tensor is read, so `out_dir="."`, a checkpoint folder or a model folder is
+refused at once instead of deleted.
 
 The weights are written by the architecture's own `save_pretrained`, so tied embeddings are
 saved once and any renaming transformers applies on load is reverted on save. Rank 0 holds the
@@ -19,10 +26,15 @@ model once in host memory, in the exported dtype.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import inspect
+import json
 import logging
 import os
 import shutil
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +45,7 @@ import torch.distributed as dist
 from yatt.core._checkpoint_tensors import read_model_tensors
 from yatt.core._policy import DTYPES
 from yatt.core._torch_policy import TorchPolicy
+from yatt.core._version import __version__
 from yatt.core._vision_forward import is_vision_language_config
 from yatt.placement import offloaded_named_parameters
 
@@ -40,6 +53,9 @@ logger = logging.getLogger("yatt.core")
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000
 _TMP_SUFFIX = ".export.tmp"
+# Written into every export folder; its presence is what allows should_overwrite to replace it.
+EXPORT_MARKER = ".yatt-export.json"
+_MARKER_FORMAT = 1
 # Files of a model folder that are weights or the config: written anew, never copied.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -64,9 +80,9 @@ def export_hf(
     """
     model_dir = _policy_model_dir(policy)
     target = _check_dtype(dtype, model_dir)
-    out = Path(out_dir).expanduser().absolute()
+    out = _absolute(out_dir)
     is_writer = not dist.is_initialized() or dist.get_rank() == 0
-    error = _check_out_dir(out, model_dir, should_overwrite) if is_writer else None
+    error = _check_out_dir(out, should_overwrite, model_dir=model_dir) if is_writer else None
     error = _agree_on_error(error)  # every rank stops before the collectives if rank 0 cannot write
     if error is not None:
         raise ValueError(error)
@@ -85,7 +101,9 @@ def export_hf(
                 tensors.clear()
     if is_writer and error is None:
         try:
-            _write_folder(tensors, model_dir, out, target, max_shard_bytes, should_overwrite)
+            _write_folder(
+                tensors, model_dir, out, target, max_shard_bytes, should_overwrite, source="policy"
+            )
         except Exception as e:  # reported to every rank below
             if is_alone:
                 raise
@@ -117,12 +135,41 @@ def export_hf_from_checkpoint(
     """
     model_dir = _check_model_dir(Path(model_dir).expanduser())
     target = _check_dtype(dtype, model_dir)
-    out = Path(out_dir).expanduser().absolute()
-    error = _check_out_dir(out, model_dir, should_overwrite)
+    out = _absolute(out_dir)
+    checkpoint = Path(checkpoint_dir).expanduser()
+    error = _check_out_dir(out, should_overwrite, model_dir=model_dir, checkpoint_dir=checkpoint)
     if error is not None:
         raise ValueError(error)
-    tensors = read_model_tensors(Path(checkpoint_dir).expanduser(), state_key, dtype=target)
-    _write_folder(tensors, model_dir, out, target, max_shard_bytes, should_overwrite)
+    tensors = read_model_tensors(checkpoint, state_key, dtype=target)
+    source = f"checkpoint {checkpoint.absolute()}"
+    _write_folder(tensors, model_dir, out, target, max_shard_bytes, should_overwrite, source=source)
+    return out
+
+
+def check_export_dir(
+    out_dir: str | os.PathLike[str],
+    *,
+    should_overwrite: bool = False,
+    model_dir: str | os.PathLike[str] | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Raise ValueError if an export to `out_dir` would be refused; returns it as an absolute path.
+
+    The checks export_hf and export_hf_from_checkpoint run first, for a trainer to run when it
+    starts rather than when it exports: out_dir must not be (or hold) `model_dir` or
+    `checkpoint_dir` (pass the checkpoint root: it need not exist yet), must not be a file, and
+    may exist only with should_overwrite=True and only as an empty folder or an earlier yatt
+    export (a folder holding .yatt-export.json).
+    """
+    out = _absolute(out_dir)
+    error = _check_out_dir(
+        out,
+        should_overwrite,
+        model_dir=None if model_dir is None else Path(model_dir).expanduser(),
+        checkpoint_dir=None if checkpoint_dir is None else Path(checkpoint_dir).expanduser(),
+    )
+    if error is not None:
+        raise ValueError(error)
     return out
 
 
@@ -164,20 +211,77 @@ def _check_dtype(dtype: str | torch.dtype | None, model_dir: Path) -> torch.dtyp
     raise ValueError(f"dtype={dtype!r}: use one of {sorted(DTYPES)} (or None: model_dir's dtype)")
 
 
-def _check_out_dir(out: Path, model_dir: Path, should_overwrite: bool) -> str | None:
-    if out == model_dir.absolute():
-        return f"out_dir={str(out)!r} is the model_dir it copies from; pass another folder"
+def _absolute(path: str | os.PathLike[str]) -> Path:
+    # abspath, not Path.absolute(): "out/.." must name the folder it means (with_name on a
+    # path ending in ".." would not), and symlinks stay as they are (rename acts on the link).
+    return Path(os.path.abspath(os.path.expanduser(path)))
+
+
+def _check_out_dir(
+    out: Path,
+    should_overwrite: bool,
+    *,
+    model_dir: Path | None,
+    checkpoint_dir: Path | None = None,
+) -> str | None:
+    """Why `out` cannot receive an export (None: it can); nothing is changed but its parent
+    created."""
+    where = f"out_dir={str(out)!r}"
+    real = out.resolve()
+    for what, source in (("model_dir", model_dir), ("checkpoint", checkpoint_dir)):
+        if source is None:
+            continue
+        source_real = source.resolve()
+        if source_real == real:
+            return f"{where} is the {what} it reads from; pass another folder"
+        if source_real.is_relative_to(real):
+            return (
+                f"{where} holds the {what} {str(source_real)!r} it reads from; replacing it "
+                "would delete that: pass a folder of its own (e.g. out_dir/export)"
+            )
+    if out.is_symlink():
+        return f"{where} is a symbolic link; pass the folder itself"
     if out.exists() and not out.is_dir():
-        return f"out_dir={str(out)!r} is a file; pass a folder path"
-    if out.exists() and not should_overwrite:
-        return (
-            f"out_dir={str(out)!r} exists; pass should_overwrite=True to replace it, or a new path"
-        )
+        return f"{where} is a file; pass a folder path"
+    if out.exists():
+        if not should_overwrite:
+            return f"{where} exists; pass should_overwrite=True to replace it, or a new path"
+        reason = _why_not_replaceable(out)
+        if reason is not None:
+            return (
+                f"{where} exists and {reason}; an export replaces only a folder that yatt "
+                f"exported (one holding {EXPORT_MARKER}) or an empty one: pass a new path, or "
+                "move that folder away yourself"
+            )
+    tmp = _tmp_path(out)
+    if tmp.exists() and _why_not_replaceable(tmp) is not None:
+        return f"{where}: {str(tmp)!r} exists and is not an unfinished yatt export; move it away"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        return f"out_dir={str(out)!r}: cannot create its parent folder ({e.strerror or e})"
+        return f"{where}: cannot create its parent folder ({e.strerror or e})"
     return None
+
+
+def _why_not_replaceable(folder: Path) -> str | None:
+    """None for an empty folder or a yatt export (marked); else why it must not be deleted."""
+    if folder.is_symlink() or not folder.is_dir():
+        return "is not a folder"
+    if not any(folder.iterdir()):
+        return None
+    try:
+        marker = json.loads((folder / EXPORT_MARKER).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return f"is not a yatt export (it has no {EXPORT_MARKER})"
+    except (OSError, ValueError) as e:
+        return f"has an unreadable {EXPORT_MARKER} ({e})"
+    if not isinstance(marker, dict) or "format" not in marker:
+        return f"has a {EXPORT_MARKER} that yatt did not write"
+    return None
+
+
+def _tmp_path(out: Path) -> Path:
+    return out.with_name(out.name + _TMP_SUFFIX)
 
 
 def _agree_on_error(error: str | None) -> str | None:
@@ -229,6 +333,8 @@ def _write_folder(
     dtype: torch.dtype,
     max_shard_bytes: int,
     should_overwrite: bool,
+    *,
+    source: str,
 ) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -246,11 +352,16 @@ def _write_folder(
     _check_names(tensors, skeleton, model_dir)
     # Counted now: save_pretrained may consume the state dict it is given (transformers 5).
     num_tensors, num_bytes = len(tensors), sum(t.nbytes for t in tensors.values())
-    tmp = out.with_name(out.name + _TMP_SUFFIX)
+    tmp = _tmp_path(out)
     if tmp.exists():
+        reason = _why_not_replaceable(tmp)
+        if reason is not None:  # checked before the tensors were read; changed since
+            raise ValueError(f"{str(tmp)!r} {reason}; move it away")
         shutil.rmtree(tmp)  # an earlier export that crashed
     try:
         tmp.mkdir()
+        # First, so a leftover of a crash is recognisably ours.
+        _write_marker(tmp, source=source, model_dir=model_dir, dtype=dtype)
         skeleton.save_pretrained(tmp, state_dict=tensors, max_shard_size=max_shard_bytes)
         copied = _copy_side_files(model_dir, tmp)
         _fsync_tree(tmp)
@@ -325,16 +436,71 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _write_marker(folder: Path, *, source: str, model_dir: Path, dtype: torch.dtype) -> None:
+    marker = {
+        "format": _MARKER_FORMAT,
+        "written_by": f"yatt-core {__version__}",
+        "time_unix": time.time(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": source,
+        "model_dir": str(model_dir.absolute()),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+    (folder / EXPORT_MARKER).write_text(json.dumps(marker, indent=1) + "\n", encoding="utf-8")
+
+
 def _commit(tmp: Path, out: Path, should_overwrite: bool) -> None:
-    """Rename the finished folder into place (an existing one moved aside first)."""
-    if out.exists():
-        assert should_overwrite
-        old = out.with_name(out.name + ".old" + _TMP_SUFFIX)
-        if old.exists():
-            shutil.rmtree(old)
-        out.rename(old)
+    """Put the finished folder at `out`; an existing export there is replaced so that at every
+    moment one of the two is at `out` (or, where the filesystem cannot swap, beside it)."""
+    if not (out.exists() or out.is_symlink()):
         tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
+        _fsync_dir(out.parent)
+        return
+    assert should_overwrite
+    reason = _why_not_replaceable(out)
+    if reason is not None:  # checked before the tensors were read; changed since
+        raise ValueError(f"out_dir={str(out)!r} {reason}; it is not replaced")
+    if _exchange(tmp, out):
+        _fsync_dir(out.parent)
+        shutil.rmtree(tmp)  # now the old export
+        return
+    old = out.with_name(out.name + ".old" + _TMP_SUFFIX)
+    if old.exists():
+        if _why_not_replaceable(old) is not None:
+            raise ValueError(f"{str(old)!r} is in the way and is not a yatt export; move it away")
+        shutil.rmtree(old)
+    # A crash between these renames leaves the old export at `old`, beside out_dir.
+    out.rename(old)
+    tmp.rename(out)
     _fsync_dir(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths atomically (Linux renameat2 RENAME_EXCHANGE); False where the
+    kernel, libc or filesystem cannot (the caller falls back to two renames)."""
+    if sys.platform != "linux":
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    renameat2.restype = ctypes.c_int
+    code = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if code == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
