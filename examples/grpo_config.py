@@ -33,6 +33,7 @@ from grpo_prompts import check_takes_images
 
 from yatt import core, genrm, rollout
 from yatt.ckpt import CkptConfig
+from yatt.core._export import check_export_dir  # TODO(issue 23): public in yatt.core
 
 logger = logging.getLogger("train_grpo")
 ENGINE_CONFIGS = {"vllm": rollout.VLLMConfig, "sglang": rollout.SGLangConfig}
@@ -321,13 +322,43 @@ class EvalConfig:
 @dataclass(kw_only=True)
 class ExportConfig:
     # The final policy as a Hugging Face folder (config, safetensors, tokenizer, generation
-    # config), relative to out_dir; "" = none. `--export` writes one from a checkpoint.
+    # config): a folder name under out_dir, replaced only if it is yatt's earlier export; "" =
+    # none. `--export` writes one from a checkpoint.
     dir: str = "export"
     dtype: str = ""  # "float32", "bfloat16" or "float16"; "" = the model's own
 
     def __post_init__(self) -> None:
         if self.dtype not in EXPORT_DTYPES:
             raise ValueError(f"export.dtype={self.dtype!r}: use one of {EXPORT_DTYPES}")
+        if self.dir:
+            check_export_name(self.dir)
+
+
+# What the trainer writes under out_dir besides the export (embedded tasks, checkpoints,
+# RunLog's metrics, TensorBoard and W&B): an export there would replace or hide them.
+RUN_OUTPUTS = (
+    "checkpoints",
+    "tensorboard",
+    "wandb",
+    "metrics.jsonl",
+    "metrics.png",
+    "wandb_run_id",
+    *(folder for _, folder, _ in EMBEDDED_TASKS.values()),
+)
+
+
+def check_export_name(name: str) -> None:
+    """export.dir is one plain folder name under out_dir: replacing the folder (the end of a
+    run, `--export`) must never reach outside out_dir or into what the run itself wrote."""
+    problem = ""
+    if name in (".", "..") or name.startswith("."):
+        problem = "a plain folder name (not '.', '..' or hidden)"
+    elif Path(name).is_absolute() or Path(name).name != name or "\\" in name:
+        problem = "a folder name under out_dir, not a path"
+    elif name in RUN_OUTPUTS:
+        problem = f"the run writes {name!r} itself ({', '.join(RUN_OUTPUTS)})"
+    if problem:
+        raise ValueError(f"export.dir={name!r}: {problem}; use e.g. 'export', or '' for none")
 
 
 @dataclass(kw_only=True)
@@ -406,6 +437,18 @@ class TrainConfig:
                 f"{self.rollout.temperature}: the policy's logprobs must use the sampling "
                 "temperature; build the policy config with temperature=rollout.temperature"
             )
+        if self.export.dir:
+            # An existing folder there is replaced at the end only if it is yatt's own earlier
+            # export (or empty): anything else is refused now, not after the whole run.
+            try:
+                check_export_dir(
+                    Path(self.out_dir) / self.export.dir,
+                    should_overwrite=True,
+                    model_dir=self.policy.model_dir,
+                    checkpoint_dir=Path(self.out_dir) / "checkpoints",
+                )
+            except ValueError as exc:
+                raise ValueError(f"export.dir={self.export.dir!r}: {exc}") from None
 
     @property
     def uses_judge_model(self) -> bool:

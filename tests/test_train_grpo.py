@@ -896,3 +896,41 @@ def test_a_key_given_twice_in_yaml_is_refused_with_its_lines(tmp_path):
         "c": {"v": 2},
     }
     assert not (tmp_path / "embedded").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("/tmp/anything", r"a folder name under out_dir, not a path"),
+        ("..", r"not '\.', '\.\.' or hidden"),
+        (".", r"not '\.', '\.\.' or hidden"),
+        ("sub/export", r"not a path"),
+        ("checkpoints", r"the run writes 'checkpoints' itself"),
+        ("tensorboard", r"the run writes 'tensorboard' itself"),
+        ("embedded", r"the run writes 'embedded' itself"),
+        ("metrics.jsonl", r"the run writes 'metrics\.jsonl' itself"),
+    ],
+)
+def test_an_export_dir_outside_out_dir_or_over_the_runs_own_files_is_refused_when_read(
+    tmp_path, name, match
+):
+    with pytest.raises(ValueError, match=rf"export\.dir='{re.escape(name)}': .*(?:{match})"):
+        grpo_config.read_config([f"out_dir={tmp_path}", f"export.dir={name}"])
+    assert not (tmp_path / "embedded").exists()  # refused before anything is built
+
+
+def test_an_existing_export_dir_is_replaced_only_if_it_is_yatts_export(tmp_path, embedded):
+    out_dir = tmp_path / "run"
+    mine = out_dir / "mine"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("the user's own file")
+    raw = {**_paths(embedded), "out_dir": str(out_dir)}
+    with pytest.raises(ValueError, match=r"export\.dir='mine': .*notes|export\.dir='mine': "):
+        grpo_config.build_config({**raw, "export": {"dir": "mine"}})
+    assert (mine / "notes.txt").read_text() == "the user's own file"
+    (out_dir / "empty").mkdir()
+    grpo_config.build_config({**raw, "export": {"dir": "empty"}})  # nothing to lose
+    earlier = out_dir / "earlier"
+    earlier.mkdir()
+    (earlier / ".yatt-export.json").write_text("{}")  # the marker of a yatt export
+    grpo_config.build_config({**raw, "export": {"dir": "earlier"}})
