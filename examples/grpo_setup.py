@@ -22,7 +22,7 @@ from grpo_config import ENGINE_CONFIGS, LOCAL_JUDGES, RewardConfig, RolloutConfi
 from grpo_data import row_fields_read_by
 
 from yatt import core, genrm, rollout
-from yatt.ckpt import Checkpointer
+from yatt.ckpt import Checkpointer, acquire_run_lock
 
 logger = logging.getLogger("train_grpo")
 ENGINES = {"vllm": rollout.VLLMEngine, "sglang": rollout.SGLangEngine}
@@ -155,18 +155,24 @@ def export_checkpoint(cfg: TrainConfig, step: int | None) -> Path:
     out = export_dir(cfg)
     if step is not None:  # an earlier step: beside the final export, never over it
         out = out.with_name(f"{out.name}-step{step}")
-    with Checkpointer(Path(cfg.out_dir) / "checkpoints") as ckpt:
+    # The run lock while it reads and writes: never beside a trainer of this out_dir (which
+    # would be told who holds it); the checkpoints are only read, nothing in them changes.
+    with (
+        acquire_run_lock(cfg.out_dir, purpose="export"),
+        Checkpointer(Path(cfg.out_dir) / "checkpoints", read_only=True) as ckpt,
+    ):
         step = ckpt.latest() if step is None else step
         if step is None:
             raise ValueError(f"--export: {cfg.out_dir}/checkpoints holds no checkpoint")
         source = ckpt.step_path(step)
-    core.export_hf_from_checkpoint(
-        source,
-        out,
-        model_dir=cfg.policy.model_dir,
-        dtype=cfg.export.dtype or None,
-        should_overwrite=True,
-    )
+        # Replaces only yatt's own earlier export there (the library refuses anything else).
+        core.export_hf_from_checkpoint(
+            source,
+            out,
+            model_dir=cfg.policy.model_dir,
+            dtype=cfg.export.dtype or None,
+            should_overwrite=True,
+        )
     logger.info("exported step %d of %s to %s", step, source.parent, out)
     return out
 

@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -48,7 +49,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from yatt import core, genrm, rollout
-from yatt.ckpt import Checkpointer
+from yatt.ckpt import Checkpointer, RunLock, acquire_run_lock
 from yatt.placement import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -205,6 +206,11 @@ def main(argv: list[str]) -> None:
     if args.export:
         export_checkpoint(cfg, args.step)
         return
+    # One run per out_dir: global rank 0 (RANK, set by torchrun) holds the lock until the
+    # process exits; a second run fails here, naming this one, before anything loads.
+    run_lock: RunLock | None = None
+    if int(os.environ.get("RANK", "0")) == 0:
+        run_lock = acquire_run_lock(cfg.out_dir, purpose="train")
     runtime = core.init_runtime(seed=cfg.seed, tp_size=getattr(cfg.policy, "tp_size", 1))
     closeables: list[Any] = []  # closed in reverse, also after an error
     is_failed = True  # until the loop ends: a close() error must not hide the loop's own
@@ -419,6 +425,8 @@ def main(argv: list[str]) -> None:
     finally:
         close_all(closeables[::-1], should_raise=not is_failed)
         runtime.shutdown()
+        if run_lock is not None:
+            run_lock.release()
 
 
 if __name__ == "__main__":
