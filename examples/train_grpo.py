@@ -49,7 +49,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from yatt import core, genrm, rollout
-from yatt.ckpt import Checkpointer, RunLock, acquire_run_lock
+from yatt.ckpt import Checkpointer, RunLock, acquire_run_lock, exit_code_for_signal
 from yatt.placement import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -199,13 +199,15 @@ def evaluate(
 
 
 # -- the run --------------------------------------------------------------------------------------
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
+    """Train (or --export); the process's exit code: 0, or 128 + signum when a stop signal
+    (SIGTERM, SIGINT, SIGUSR1) ended the run after its final save."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     transformers.utils.logging.disable_progress_bar()  # one bar: the run's
     cfg, args = read_config(argv)  # built and checked whole before anything starts
     if args.export:
         export_checkpoint(cfg, args.step)
-        return
+        return 0
     # One run per out_dir: global rank 0 (RANK, set by torchrun) holds the lock until the
     # process exits; a second run fails here, naming this one, before anything loads.
     run_lock: RunLock | None = None
@@ -214,6 +216,7 @@ def main(argv: list[str]) -> None:
     runtime = core.init_runtime(seed=cfg.seed, tp_size=getattr(cfg.policy, "tp_size", 1))
     closeables: list[Any] = []  # closed in reverse, also after an error
     is_failed = True  # until the loop ends: a close() error must not hide the loop's own
+    stop_signal: int | None = None
     try:
         ckpt = Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
         closeables.append(ckpt)
@@ -284,7 +287,9 @@ def main(argv: list[str]) -> None:
         # Stream responses to the judge while the rollout runs when both stay resident (a
         # judge without an engine of its own is always there).
         should_overlap = judge_engine is None or plan.is_resident_together("rollout", "genrm")
-        ckpt.install_signal_handlers()  # SIGTERM/SIGUSR1: final save at the next boundary
+        # SIGTERM/SIGINT/SIGUSR1: a final save at the next step boundary, then a non-zero exit
+        # (a second Ctrl-C stops at once, unsaved).
+        ckpt.install_signal_handlers()
         start_step = 0
         if args.resume:
             extra = ckpt.load(policy.state())
@@ -406,7 +411,14 @@ def main(argv: list[str]) -> None:
                     ckpt.save(step, policy.state(), extra=extra)
                 last_save_s = time.perf_counter() - save_start
                 if decision.should_stop:
-                    logger.info("stop requested: step %d saved, exiting", step)
+                    stop_signal = decision.stop_signal
+                    logger.warning(
+                        "stopped by signal %s: step %d saved (--resume continues), exiting "
+                        "with code %d",
+                        stop_signal,
+                        step,
+                        decision.exit_code,
+                    )
                     is_stopped = True
                     break
         ckpt.wait()
@@ -427,7 +439,8 @@ def main(argv: list[str]) -> None:
         runtime.shutdown()
         if run_lock is not None:
             run_lock.release()
+    return 0 if stop_signal is None else exit_code_for_signal(stop_signal)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -934,3 +934,81 @@ def test_an_existing_export_dir_is_replaced_only_if_it_is_yatts_export(tmp_path,
     earlier.mkdir()
     (earlier / ".yatt-export.json").write_text("{}")  # the marker of a yatt export
     grpo_config.build_config({**raw, "export": {"dir": "earlier"}})
+
+
+def _wait_for_a_step(out: Path, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and metrics.read_text().count("\n") >= 1:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no step logged (rc {proc.poll()})")
+
+
+def test_one_run_per_out_dir_and_sigterm_saves_and_exits_non_zero(tmp_path, embedded):
+    """A second trainer or an --export beside a running trainer fails before anything loads,
+    naming the running one; SIGTERM then saves the step in progress and exits 128 + 15, and
+    the out_dir is free again (the --export that follows reads that checkpoint)."""
+    out = tmp_path / "run"
+    steps = ("num_steps=1000", "ckpt.every_steps=1000", "eval.every_steps=0")
+    first = subprocess.Popen(
+        _one_rank(out, embedded, *steps), env=_env(), stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for_a_step(out, first)
+        second = subprocess.run(
+            _one_rank(out, embedded, *steps, "--resume"),
+            env=_env(),
+            timeout=300,
+            capture_output=True,
+            text=True,
+        )
+        assert second.returncode != 0
+        assert f"is in use by pid {first.pid} on host" in second.stderr, second.stderr[-2000:]
+        assert "(train, since" in second.stderr
+        assert "Loading weights" not in second.stderr  # no model loaded
+        export = subprocess.run(
+            [*_one_rank(out, embedded, *steps), "--export"],
+            env=_env(),
+            timeout=300,
+            capture_output=True,
+            text=True,
+        )
+        assert export.returncode != 0
+        assert f"is in use by pid {first.pid}" in export.stderr, export.stderr[-2000:]
+        assert not (out / "export").exists()
+        first.send_signal(signal.SIGTERM)
+        _, stderr = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "stopped by signal 15" in stderr
+    steps_logged = [r["step"] for r in _metrics(out)]  # one writer: each step logged once
+    assert steps_logged == list(range(len(steps_logged)))
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert saved == [f"step-{steps_logged[-1]:08d}"]  # the step the signal interrupted
+    assert not (out / "export").exists()  # a stopped run is not a finished one
+    subprocess.run(
+        [*_one_rank(out, embedded, *steps), "--export"], check=True, env=_env(), timeout=300
+    )
+    assert (out / "export" / "model.safetensors").is_file()
+
+
+def test_ctrl_c_saves_and_exits_non_zero(tmp_path, embedded):
+    out = tmp_path / "run"
+    steps = ("num_steps=1000", "ckpt.every_steps=1000", "eval.every_steps=0")
+    proc = subprocess.Popen(
+        _one_rank(out, embedded, *steps), env=_env(), stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for_a_step(out, proc)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, stderr[-2000:]
+    last = _metrics(out)[-1]["step"]
+    assert (out / "checkpoints" / f"step-{last:08d}").is_dir()
