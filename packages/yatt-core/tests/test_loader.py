@@ -136,13 +136,14 @@ def test_bad_rows_are_counted_and_skipped(tmp_path, caplog):
     # Fixed metric keys: every cause present, so ranks reduce the same keys.
     assert loader.skipped_by_cause() == {
         "unreadable": 2,  # bad JSON and a JSON list
-        "no_prompt": 1,
-        "bad_prompt": 1,
+        "no_prompt": 2,  # no field, and an empty one
+        "bad_prompt": 0,
         "too_long": 1,
         "no_image": 0,
         "bad_image": 0,
         "image_too_large": 0,
         "no_field": 0,
+        "bad_field": 0,
     }
 
 
@@ -228,7 +229,9 @@ def test_a_shard_with_no_usable_row_stops_with_the_skip_counts(tmp_path):
     loader = ShardedLoader(path, batch_size=4, rank=1, world_size=2, seed=0)
     assert loader.next_batch() == []  # 4 of the rank's 6 rows, all unusable: draw again
     assert loader.next_batch() == []  # into the second epoch: a usable row could still come
-    with pytest.raises(ValueError, match=r"empty_prompts.jsonl.*epoch of its 6 rows.*non-empty"):
+    with pytest.raises(
+        ValueError, match=r"empty_prompts.jsonl.*epoch of its 6 rows.*no_prompt 12 .*no text"
+    ):
         loader.next_batch()
 
 
@@ -329,8 +332,13 @@ def test_an_undecodable_hf_row_is_a_counted_skip(tmp_path):
     rows = {"prompt": [f"q{i}" for i in range(4)], "image": images}
     features = datasets.Features({"prompt": datasets.Value("string"), "image": datasets.Image()})
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "hf"))
-    loader = ShardedLoader(tmp_path / "hf", batch_size=4, should_shuffle=False, image_key="image")
+    # Without image_key, datasets decodes the Image column, as `dataset[i]` does.
+    loader = ShardedLoader(tmp_path / "hf", batch_size=4, should_shuffle=False)
     got = loader.next_batch()
     assert [r[ROW_INDEX_KEY] for r in got] == [0, 1, 3]
-    assert got[0]["image"].size == (2, 2)  # decoded as `dataset[i]` decodes it
+    assert got[0]["image"].size == (2, 2)
     assert loader.skipped_by_cause()["unreadable"] == 1
+    # With image_key, the loader opens that column itself: the damaged image is a bad_image.
+    loader = ShardedLoader(tmp_path / "hf", batch_size=4, should_shuffle=False, image_key="image")
+    assert [r[ROW_INDEX_KEY] for r in loader.next_batch()] == [0, 1, 3]
+    assert loader.skipped_by_cause()["bad_image"] == 1

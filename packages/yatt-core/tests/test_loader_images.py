@@ -4,6 +4,8 @@ oversized image is a counted skip with its cause, never an error in the middle o
 
 import io
 import json
+import os
+import tracemalloc
 
 import pytest
 
@@ -27,7 +29,7 @@ def _write_jsonl(path, rows):
 
 
 def _load_all(path, **kwargs):
-    loader = ShardedLoader(path, batch_size=100, image_key="image", should_shuffle=False, **kwargs)
+    loader = ShardedLoader(path, batch_size=1, image_key="image", should_shuffle=False, **kwargs)
     loader.batch_size = loader.num_local_rows
     return loader, loader.next_batch()
 
@@ -138,6 +140,12 @@ def test_without_opening_the_field_passes_as_stored(tmp_path):
         pytest.param(
             {"max_image_pixels": 10, "should_open_images": False}, "is checked when", id="unopened"
         ),
+        pytest.param({"max_image_bytes": 0}, "max_image_bytes=0", id="zero-bytes"),
+        pytest.param(
+            {"max_image_bytes": 10, "should_open_images": False},
+            "max_image_bytes=10 is checked when",
+            id="bytes-unopened",
+        ),
     ],
 )
 def test_bad_image_settings_fail_at_construction(tmp_path, kwargs, match):
@@ -164,3 +172,82 @@ def test_distinct_bad_paths_keep_the_reason_counter_bounded(tmp_path):
     assert [r["prompt"] for r in got] == ["ok"]
     assert loader.skipped_by_cause()["no_image"] == 300 == loader.num_skipped
     assert len(loader.skipped) <= 101 and loader.skipped[OTHER_REASONS] >= 200
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo (POSIX)")
+def test_image_paths_that_are_not_regular_files_are_skipped_unread(tmp_path):
+    """A FIFO would block the open, /dev/zero never ends, a folder is no image: each is a
+    bad_image skip decided from the path's stat, before anything is read."""
+    (tmp_path / "ok.png").write_bytes(_png())
+    os.mkfifo(tmp_path / "fifo.png")
+    (tmp_path / "folder.png").mkdir()
+    rows = [
+        {"prompt": "ok", "image": "ok.png"},
+        {"prompt": "fifo", "image": "fifo.png"},
+        {"prompt": "folder", "image": "folder.png"},
+    ]
+    if os.path.exists("/dev/zero"):
+        rows.append({"prompt": "device", "image": "/dev/zero"})
+    loader, got = _load_all(_write_jsonl(tmp_path / "d.jsonl", rows))
+    assert [r["prompt"] for r in got] == ["ok"]
+    assert loader.skipped_by_cause()["bad_image"] == len(rows) - 1
+    assert sum("is not a regular file" in reason for reason in loader.skipped) == len(rows) - 1
+
+
+def test_an_image_file_over_max_image_bytes_is_skipped_unread(tmp_path):
+    (tmp_path / "ok.png").write_bytes(_png())
+    with open(tmp_path / "huge.png", "wb") as f:
+        f.write(_png()[:64])  # a PNG header, then a 3 GB hole: no disk written
+    os.truncate(tmp_path / "huge.png", 3 << 30)
+    rows = [{"prompt": "ok", "image": "ok.png"}, {"prompt": "huge", "image": "huge.png"}]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    loader = ShardedLoader(path, batch_size=2, image_key="image", should_shuffle=False)
+    tracemalloc.start()
+    got = loader.next_batch()  # the default cap, 32 MiB
+    peak_bytes = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert [r["prompt"] for r in got] == ["ok"]
+    assert loader.skipped_by_cause()["image_too_large"] == 1
+    assert any(f"{3 << 30} bytes, over max_image_bytes={32 << 20}" in r for r in loader.skipped)
+    assert peak_bytes < 8 << 20, peak_bytes
+
+
+def test_max_image_bytes_applies_to_files_and_to_inline_bytes(tmp_path):
+    small, large = _png((2, 2)), _png((64, 64), "white")
+    limit = len(small)
+    assert len(large) > limit
+    (tmp_path / "small.png").write_bytes(small)
+    (tmp_path / "large.png").write_bytes(large)
+    rows = [
+        {"prompt": "small file", "image": "small.png"},
+        {"prompt": "large file", "image": "large.png"},
+        {"prompt": "large dict", "image": {"bytes": large.hex(), "path": None}},
+    ]
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    loader, got = _load_all(path, max_image_bytes=limit)
+    assert [r["prompt"] for r in got] == ["small file"]
+    assert loader.skipped_by_cause()["image_too_large"] == 1  # the dict's hex str is no image
+    # Inline bytes: the same cap.
+    from yatt.core._row_images import RowImageError, open_row_images
+
+    assert open_row_images(small, base_dir=tmp_path, max_pixels=None, max_bytes=limit).size
+    for value in (large, {"bytes": large, "path": None}, [small, large]):
+        with pytest.raises(RowImageError, match=f"over max_image_bytes={limit}") as err:
+            open_row_images(value, base_dir=tmp_path, max_pixels=None, max_bytes=limit)
+        assert err.value.cause == "image_too_large"
+
+
+def test_a_datasets_image_column_is_checked_before_datasets_decodes_it(tmp_path):
+    """The Image feature is read undecoded (bytes), so max_image_bytes and the header's pixel
+    count apply before any pixels are decoded, and a damaged image is a bad_image skip."""
+    datasets = pytest.importorskip("datasets")
+    features = datasets.Features({"prompt": datasets.Value("string"), "image": datasets.Image()})
+    small, large = _png((2, 2)), _png((64, 64), "white")
+    images = [{"bytes": b, "path": None} for b in (small, large, b"not an image", small)]
+    rows = {"prompt": ["small", "large", "broken", "small again"], "image": images}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "hf"))
+    loader, got = _load_all(tmp_path / "hf", max_image_bytes=len(small))
+    assert [r["prompt"] for r in got] == ["small", "small again"]
+    assert isinstance(got[0]["image"], Image.Image) and got[0]["image"].size == (2, 2)
+    counts = loader.skipped_by_cause()
+    assert (counts["image_too_large"], counts["bad_image"], counts["unreadable"]) == (1, 1, 0)

@@ -7,9 +7,13 @@
 Ranks never exchange rows: each builds the same light index (line offsets or row-group sizes),
 computes the same permutation, and parses only its own rows. The last num_rows % W rows of a
 permutation are left out of that epoch so every rank has the same number of steps. Rows that
-are unusable (bad JSON, no prompt, prompt too long, a required field missing, an image that is
-missing, does not decode or is too large) are skipped, counted per cause (`skipped_by_cause()`,
-fixed keys for metrics) and logged; the batch is then smaller on that rank.
+are unusable (bad JSON, no prompt text, a prompt or a JSONL line too long, a required field
+missing, blank or not finite, an image that is missing, does not decode or is too large) are
+skipped, counted per cause (`skipped_by_cause()`, fixed keys for metrics) and logged; the batch
+is then smaller on that rank. Sizes are checked before the costly step, so one bad row costs a
+bounded time and memory: a JSONL line's length before it is read (max_row_bytes), a prompt's
+UTF-8 bytes before it is tokenized (max_prompt_bytes), an image file's stat and size before it
+is opened (max_image_bytes) and its header's pixel count before it is decoded.
 
 With `image_key`, a row's images are opened where the row is read (this rank): the field may
 hold a path (relative to the data file's folder, or absolute), bytes, a `datasets` Image
@@ -21,6 +25,7 @@ usable row stops with the data file and the counts: no number of draws could fil
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -28,8 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from yatt.core._row_images import RowImageError, import_pil, open_row_images
-from yatt.core._sources import open_source
+from yatt.core._row_images import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    RowImageError,
+    import_pil,
+    open_row_images,
+)
+from yatt.core._sources import DEFAULT_MAX_ROW_BYTES, BadRow, open_source
 
 logger = logging.getLogger("yatt.core")
 
@@ -40,6 +50,12 @@ _MAX_LOGGED_SKIPS = 20
 _MAX_SKIP_REASONS = 100
 OTHER_REASONS = "(other reasons)"
 _NUM_ROWS_CHECKED = 16  # rows read at start-up to catch a misspelled key
+# Without max_prompt_bytes, a prompt of more UTF-8 bytes than max_prompt_tokens times this is
+# too long before it is tokenized (a tokenizer's time and memory grow with its input: a 50 MB
+# prompt took minutes and 20 GB). An assumed bound on the bytes one token covers, far above
+# real text (English about 4, CJK about 3 to 6); pass max_prompt_bytes for an exact one, e.g.
+# max_prompt_tokens x the vocabulary's longest token in bytes.
+MAX_BYTES_PER_TOKEN = 128
 # Why a row was skipped, as metric keys (every rank reports all of them, zeros included).
 SKIP_CAUSES = (
     "unreadable",
@@ -50,6 +66,7 @@ SKIP_CAUSES = (
     "bad_image",
     "image_too_large",
     "no_field",
+    "bad_field",
 )
 
 
@@ -73,15 +90,27 @@ class ShardedLoader:
         count_tokens: Callable[[Any], int] | None = None,
         columns: Sequence[str] | None = None,
         required_keys: Sequence[str] = (),
+        max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+        max_prompt_bytes: int | None = None,
+        max_image_bytes: int | None = None,
     ) -> None:
         """batch_size: prompts per rank per step. max_prompt_tokens with count_tokens (e.g. a
         tokenizer applied to the prompt) skips rows whose prompt is longer. columns: Parquet
         columns to read (default all). required_keys: fields a row must hold as a string or a
-        number (e.g. the reference answer a judge reads); rows without them are skipped.
+        number (e.g. the reference answer a judge reads); rows without them are skipped
+        (no_field), as are rows where one is blank text or a non-finite number (bad_field).
         image_key: the field holding a row's image(s); rows without one are skipped.
         should_open_images: open them into PIL images (default; see the module docstring),
         or False to pass the field on as stored (a payload the caller decodes itself).
-        max_image_pixels: skip rows with an image of more pixels (width x height) than this."""
+        max_image_pixels: skip rows with an image of more pixels (width x height) than this.
+        max_row_bytes: a JSONL row whose line is longer is skipped as too_long without being
+        read (default 64 MiB; Parquet and datasets rows are decoded by their readers).
+        max_prompt_bytes: a prompt of more UTF-8 bytes (a message list: its contents') is
+        skipped as too_long before count_tokens sees it; default max_prompt_tokens x
+        MAX_BYTES_PER_TOKEN (128), none without max_prompt_tokens. The bound assumes the chat
+        template keeps every message's content.
+        max_image_bytes: skip rows with an image file (or inline bytes) larger than this,
+        unread; default 32 MiB when images are opened."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(
                 f"batch_size={batch_size!r} must be an int >= 1 (prompts per rank per step)"
@@ -95,6 +124,11 @@ class ShardedLoader:
                 f"max_prompt_tokens={max_prompt_tokens} needs count_tokens=<prompt -> token count>, "
                 "e.g. lambda p: len(tokenizer.apply_chat_template(p))"
             )
+        _check_positive_int("max_row_bytes", max_row_bytes, "bytes of a JSONL line")
+        if max_prompt_bytes is not None:
+            _check_positive_int("max_prompt_bytes", max_prompt_bytes, "UTF-8 bytes, or None")
+        elif max_prompt_tokens is not None:
+            max_prompt_bytes = max_prompt_tokens * MAX_BYTES_PER_TOKEN
         if max_image_pixels is not None and (
             isinstance(max_image_pixels, bool)
             or not isinstance(max_image_pixels, int)
@@ -104,11 +138,23 @@ class ShardedLoader:
                 f"max_image_pixels={max_image_pixels!r} must be an int >= 1 (width x height), "
                 "or None for no limit"
             )
+        _check_positive_int("max_row_bytes", max_row_bytes, "bytes of a JSONL line")
+        if max_prompt_bytes is not None:
+            _check_positive_int("max_prompt_bytes", max_prompt_bytes, "UTF-8 bytes, or None")
+        elif max_prompt_tokens is not None:
+            max_prompt_bytes = max_prompt_tokens * MAX_BYTES_PER_TOKEN
         if max_image_pixels is not None and (image_key is None or not should_open_images):
             raise ValueError(
                 f"max_image_pixels={max_image_pixels} is checked when images are opened; set "
                 "image_key (and leave should_open_images=True), or drop max_image_pixels"
             )
+        if max_image_bytes is not None:
+            _check_positive_int("max_image_bytes", max_image_bytes, "bytes of an image file")
+            if image_key is None or not should_open_images:
+                raise ValueError(
+                    f"max_image_bytes={max_image_bytes} is checked when images are opened; set "
+                    "image_key (and leave should_open_images=True), or drop max_image_bytes"
+                )
         if image_key is not None and should_open_images:
             import_pil()  # ImportError now, naming the extra, not at the first row
         if columns is not None:
@@ -122,14 +168,23 @@ class ShardedLoader:
         self.image_key = image_key
         self.should_open_images = should_open_images
         self.max_image_pixels = max_image_pixels
+        self.max_image_bytes = (
+            DEFAULT_MAX_IMAGE_BYTES if max_image_bytes is None else max_image_bytes
+        )
         # Relative image paths are relative to the data file's folder (a folder of shards: itself).
         self._image_dir = Path(path) if Path(path).is_dir() else Path(path).parent
         self.seed = seed
         self.should_shuffle = should_shuffle
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_bytes = max_prompt_bytes
         self.count_tokens = count_tokens
         self.required_keys = tuple(required_keys)
-        self._source = open_source(path, columns=columns)
+        # A datasets Image column is opened here, not by datasets: its size and header are
+        # checked before its pixels are decoded, as for any other image.
+        undecoded_images = [image_key] if image_key is not None and should_open_images else []
+        self._source = open_source(
+            path, columns=columns, max_row_bytes=max_row_bytes, undecoded_images=undecoded_images
+        )
         self.num_rows = self._source.num_rows
         if self.num_rows < world_size:
             raise ValueError(
@@ -137,6 +192,14 @@ class ShardedLoader:
                 "data-parallel ranks; every rank needs at least one row"
             )
         self.num_local_rows = self.num_rows // world_size  # per rank per epoch
+        if batch_size > self.num_local_rows:
+            # Epochs would roll over inside one batch: the same prompt twice in a step.
+            raise ValueError(
+                f"batch_size={batch_size} (prompts per rank per step: the trainer's "
+                f"data.prompts_per_rank) is more than dataset {str(path)!r} gives each rank: "
+                f"{self.num_rows} rows // {world_size} ranks = {self.num_local_rows} rows per "
+                f"rank per epoch; lower it to at most {self.num_local_rows}, or use more data"
+            )
         self.epoch = 0
         self.position = 0  # rows of this epoch consumed by each rank
         self.path = path
@@ -250,12 +313,12 @@ class ShardedLoader:
             yield self.next_batch()
 
     def _usable_row(
-        self, row: dict[str, Any] | str
+        self, row: dict[str, Any] | BadRow
     ) -> tuple[dict[str, Any], None] | tuple[None, tuple[str, str]]:
         """(a copy of the row, its images opened, None), or (None, (cause, reason))."""
-        # The source gives a string for a row it could not decode (bad JSON, not an object).
-        if isinstance(row, str):
-            return None, ("unreadable", row)
+        # The source gives a BadRow for a row it could not give (bad JSON, a line too long).
+        if isinstance(row, BadRow):
+            return None, (row.cause, row.reason)
         problem = self._check_row(row)
         if problem is not None:
             return None, problem
@@ -264,7 +327,10 @@ class ShardedLoader:
             # Last: a row skipped for a cheaper cause never has its images decoded.
             try:
                 row[self.image_key] = open_row_images(
-                    row[self.image_key], base_dir=self._image_dir, max_pixels=self.max_image_pixels
+                    row[self.image_key],
+                    base_dir=self._image_dir,
+                    max_pixels=self.max_image_pixels,
+                    max_bytes=self.max_image_bytes,
                 )
             except RowImageError as err:
                 return None, (err.cause, f"{self.image_key!r}: {err}")
@@ -275,13 +341,21 @@ class ShardedLoader:
         prompt = row.get(self.prompt_key)
         if prompt is None:
             return "no_prompt", f"no {self.prompt_key!r} field"
-        if not isinstance(prompt, str | list) or len(prompt) == 0:
-            return "bad_prompt", f"{self.prompt_key!r} is not a non-empty string or message list"
+        if not isinstance(prompt, str | list):
+            return "bad_prompt", f"{self.prompt_key!r} is not a string or a message list"
         if isinstance(prompt, list) and not all(_is_message(m) for m in prompt):
             return (
                 "bad_prompt",
                 f"{self.prompt_key!r} is a list but not of {{role, content}} string messages",
             )
+        texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+        # Whitespace only would be trained on as a prompt of nothing (str.isspace() is
+        # Unicode-aware, and False for ""; a huge text stops at its first other character).
+        if not any(text and not text.isspace() for text in texts):
+            return "no_prompt", f"{self.prompt_key!r} holds no text (empty or whitespace only)"
+        problem = self._check_prompt_bytes(prompt)
+        if problem is not None:
+            return problem
         if self.image_key is not None and row.get(self.image_key) is None:
             return "no_image", f"no {self.image_key!r} field"
         for key in self.required_keys:
@@ -289,11 +363,35 @@ class ShardedLoader:
             # bool is an int in Python, never an answer; an int or float answer is used as text.
             if isinstance(value, bool) or not isinstance(value, str | int | float):
                 return "no_field", f"no {key!r} field with a string or number"
+            # JSON's NaN/Infinity (and 1e400, parsed as inf) would be a judge's reference "nan".
+            if isinstance(value, float) and not math.isfinite(value):
+                return "bad_field", f"{key!r} is {value}, not a finite number"
+            if isinstance(value, str) and (not value or value.isspace()):
+                return "bad_field", f"{key!r} holds no text (empty or whitespace only)"
         if self.max_prompt_tokens is not None:
             assert self.count_tokens is not None
             num_tokens = self.count_tokens(prompt)
             if num_tokens > self.max_prompt_tokens:
                 return "too_long", f"prompt longer than max_prompt_tokens={self.max_prompt_tokens}"
+        return None
+
+    def _check_prompt_bytes(self, prompt: str | list[dict[str, str]]) -> tuple[str, str] | None:
+        """too_long past max_prompt_bytes, measured without tokenizing (and without encoding a
+        text whose character count is already over: a character is at least one byte);
+        bad_prompt for text that is not valid Unicode (a lone surrogate JSON can escape), which
+        a tokenizer would raise on."""
+        texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+        limit = self.max_prompt_bytes
+        num_bytes = 0
+        for text in texts:
+            if limit is not None and num_bytes + len(text) > limit:
+                return "too_long", f"prompt over max_prompt_bytes={limit} (not tokenized)"
+            try:
+                num_bytes += len(text.encode("utf-8"))
+            except UnicodeEncodeError as err:
+                return "bad_prompt", f"{self.prompt_key!r} is not valid Unicode text ({err.reason})"
+        if limit is not None and num_bytes > limit:
+            return "too_long", f"prompt of {num_bytes} bytes, over max_prompt_bytes={limit}"
         return None
 
     def _skip(self, index: int, cause: str, reason: str) -> None:
@@ -360,6 +458,11 @@ class ShardedLoader:
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self._perm = None
+
+
+def _check_positive_int(name: str, value: Any, unit: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be an int >= 1 ({unit})")
 
 
 def _is_message(item: Any) -> bool:

@@ -7,16 +7,24 @@
 
 Every image is read and decoded here, on the rank that loaded its row, so a missing, damaged
 or oversized file is found by the loader (a counted skip) instead of by the image processor in
-the middle of a rollout. The pixel count is checked from the file's header, before its pixels
-are decoded: an oversized image never costs its decoded size in memory.
+the middle of a rollout. Nothing is read that could block or not end: a path must stat as a
+regular file (a FIFO, a device such as /dev/zero or a folder is refused unopened) and its size
+must be within max_bytes before a byte is read. The pixel count is checked from the file's
+header, before its pixels are decoded: an oversized image never costs its decoded size in memory.
 """
 
 from __future__ import annotations
 
 import io
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+# The default of the loader's max_image_bytes: an encoded image file (or inline bytes) larger
+# than this is skipped unread. A 4096x4096 PNG of a photo is about 20-30 MiB.
+DEFAULT_MAX_IMAGE_BYTES = 32 << 20
 
 
 class RowImageError(ValueError):
@@ -39,23 +47,30 @@ def import_pil() -> Any:
     return Image
 
 
-def open_row_images(value: Any, *, base_dir: Path, max_pixels: int | None) -> Any:
+def open_row_images(
+    value: Any,
+    *,
+    base_dir: Path,
+    max_pixels: int | None,
+    max_bytes: int | None = DEFAULT_MAX_IMAGE_BYTES,
+) -> Any:
     """`value` (one image or a list of them, see the module docstring) as loaded PIL images.
 
     Raises RowImageError with cause "no_image" (no image, or a file that does not exist),
-    "bad_image" (not an image, or not one PIL can decode) or "image_too_large" (more pixels
-    than `max_pixels`)."""
+    "bad_image" (not an image, not one PIL can decode, or a path that is not a regular file)
+    or "image_too_large" (more pixels than `max_pixels`, or a file or inline bytes larger than
+    `max_bytes`)."""
+    limits = {"base_dir": base_dir, "max_pixels": max_pixels, "max_bytes": max_bytes}
     if isinstance(value, list | tuple):
         if not value:
             raise RowImageError("an empty list of images", cause="no_image")
-        return [
-            _open_one(item, base_dir=base_dir, max_pixels=max_pixels, where=f"image {i}: ")
-            for i, item in enumerate(value)
-        ]
-    return _open_one(value, base_dir=base_dir, max_pixels=max_pixels, where="")
+        return [_open_one(item, **limits, where=f"image {i}: ") for i, item in enumerate(value)]
+    return _open_one(value, **limits, where="")
 
 
-def _open_one(value: Any, *, base_dir: Path, max_pixels: int | None, where: str) -> Any:
+def _open_one(
+    value: Any, *, base_dir: Path, max_pixels: int | None, max_bytes: int | None, where: str
+) -> Any:
     image_module = import_pil()
     if value is None:
         raise RowImageError(f"{where}no image (None)", cause="no_image")
@@ -80,9 +95,15 @@ def _open_one(value: Any, *, base_dir: Path, max_pixels: int | None, where: str)
                 f"{where}an image dict with neither bytes nor path", cause="no_image"
             )
     if isinstance(value, bytes | bytearray | memoryview):
-        data, name = bytes(value), f"{len(value)} bytes"
+        num_bytes = len(value) if not isinstance(value, memoryview) else value.nbytes
+        if max_bytes is not None and num_bytes > max_bytes:
+            raise RowImageError(
+                f"{where}inline image of {num_bytes} bytes, over max_image_bytes={max_bytes}",
+                cause="image_too_large",
+            )
+        data, name = bytes(value), f"{num_bytes} bytes"
     elif isinstance(value, str | Path):
-        data, name = _read_file(value, base_dir, where), repr(str(value))
+        data, name = _read_file(value, base_dir, max_bytes, where), repr(str(value))
     else:
         raise RowImageError(
             f"{where}a {type(value).__name__} is not an image: give a path, bytes, "
@@ -106,7 +127,7 @@ def _open_one(value: Any, *, base_dir: Path, max_pixels: int | None, where: str)
     return image
 
 
-def _read_file(value: str | Path, base_dir: Path, where: str) -> bytes:
+def _read_file(value: str | Path, base_dir: Path, max_bytes: int | None, where: str) -> bytes:
     text = str(value)
     if "://" in text:
         raise RowImageError(
@@ -118,7 +139,30 @@ def _read_file(value: str | Path, base_dir: Path, where: str) -> bytes:
     if not path.is_absolute():
         path = base_dir / path
     try:
-        return path.read_bytes()
+        info = path.stat()  # follows symlinks: a link to /dev/zero is a device
+        if not stat.S_ISREG(info.st_mode):
+            raise RowImageError(
+                f"{where}image path {str(path)!r} is not a regular file (a FIFO, device or "
+                "folder?); it is not opened",
+                cause="bad_image",
+            )
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise RowImageError(
+                f"{where}image file {str(path)!r} has {info.st_size} bytes, over "
+                f"max_image_bytes={max_bytes}",
+                cause="image_too_large",
+            )
+        # O_NONBLOCK: should the path turn into a FIFO after the stat, the open cannot block.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise RowImageError(
+                    f"{where}image path {str(path)!r} is not a regular file", cause="bad_image"
+                )
+            # Sized by the file (read(n) allocates n up front), bounded should it have grown.
+            size = info.st_size if max_bytes is None else min(info.st_size, max_bytes)
+            data = f.read(size + 1)
     except FileNotFoundError:
         raise RowImageError(
             f"{where}image file {str(path)!r} does not exist", cause="no_image"
@@ -128,6 +172,12 @@ def _read_file(value: str | Path, base_dir: Path, where: str) -> bytes:
             f"{where}image file {str(path)!r} cannot be read ({type(err).__name__}: {err})",
             cause="bad_image",
         ) from None
+    if max_bytes is not None and len(data) > max_bytes:
+        raise RowImageError(
+            f"{where}image file {str(path)!r} has over max_image_bytes={max_bytes} bytes",
+            cause="image_too_large",
+        )
+    return data
 
 
 def _check_pixels(image: Any, max_pixels: int | None, where: str) -> None:

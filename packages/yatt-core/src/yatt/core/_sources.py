@@ -9,7 +9,9 @@ row, no payloads. `read(indices)` then materialises only the rows asked for, so 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,9 +19,19 @@ from typing import Any, Protocol
 import numpy as np
 
 _CHUNK_BYTES = 1 << 24
+_SCAN_BYTES = 1 << 20  # an oversized line is measured in pieces of this size, never held whole
+# A JSONL row's line past this many bytes is skipped unread (the default of max_row_bytes):
+# room for a row with an inline base64 image of 32 MiB (43 MiB of text), and a bound on what
+# one row can cost to parse.
+DEFAULT_MAX_ROW_BYTES = 64 << 20
 
-# What read() returns for a row that cannot be decoded; the loader counts and skips it.
-BadRow = str
+
+@dataclasses.dataclass(frozen=True)
+class BadRow:
+    """What read() gives for a row it cannot give: the loader counts and skips it."""
+
+    reason: str
+    cause: str = "unreadable"  # one of the loader's SKIP_CAUSES
 
 
 class RowSource(Protocol):
@@ -59,11 +71,30 @@ def _line_offsets(path: Path) -> np.ndarray:
     return np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
 
 
-class JsonlSource:
-    """Rows of one or more JSONL files; row i is the i-th non-blank line across the files."""
+def _line_length(handle: Any, start: int, limit: int) -> int:
+    """Bytes of the line at `start` (its newline excluded), counted up to limit + 1: read in
+    pieces and dropped, so a line of gigabytes costs neither its size in memory nor its read."""
+    handle.seek(start)
+    length = 0
+    while length <= limit:
+        piece = handle.read(min(_SCAN_BYTES, limit + 1 - length))
+        if not piece:
+            break
+        newline = piece.find(b"\n")
+        if newline >= 0:
+            return length + newline
+        length += len(piece)
+    return length
 
-    def __init__(self, files: Sequence[Path]) -> None:
+
+class JsonlSource:
+    """Rows of one or more JSONL files; row i is the i-th non-blank line across the files.
+    A row's line over `max_row_bytes` is a BadRow (too_long), never read whole."""
+
+    def __init__(self, files: Sequence[Path], max_row_bytes: int = DEFAULT_MAX_ROW_BYTES) -> None:
         self._files = list(files)
+        self._max_row_bytes = max_row_bytes
+        self._file_sizes = [os.path.getsize(f) for f in self._files]
         offsets = [_line_offsets(f) for f in self._files]
         self._file_of_row = np.concatenate(
             [np.full(len(o), i, dtype=np.int32) for i, o in enumerate(offsets)]
@@ -71,29 +102,53 @@ class JsonlSource:
         self._offset_of_row = np.concatenate(offsets)
         self.num_rows = int(self._offset_of_row.size)
 
+    def _max_line_bytes(self, index: int, file_index: int) -> int:
+        """An upper bound of row `index`'s line length, from the index alone: up to the next
+        row's start (blank lines between included) or the end of its file."""
+        start = int(self._offset_of_row[index])
+        is_last_of_file = (
+            index + 1 == self.num_rows or int(self._file_of_row[index + 1]) != file_index
+        )
+        end = self._file_sizes[file_index] if is_last_of_file else self._offset_of_row[index + 1]
+        return int(end) - start
+
     def read(self, indices: Sequence[int]) -> list[dict[str, Any] | BadRow]:
         out: list[dict[str, Any] | BadRow] = []
         handles: dict[int, Any] = {}
+        limit = self._max_row_bytes
         try:
             for index in indices:
                 file_index = int(self._file_of_row[index])
                 if file_index not in handles:
                     handles[file_index] = open(self._files[file_index], "rb")  # noqa: SIM115
                 handle = handles[file_index]
-                handle.seek(int(self._offset_of_row[index]))
-                line = handle.readline()
-                try:
-                    row = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                    out.append(f"invalid JSON ({err.msg if hasattr(err, 'msg') else err})")
-                    continue
-                out.append(
-                    row if isinstance(row, dict) else f"a JSON {type(row).__name__}, not an object"
-                )
+                start = int(self._offset_of_row[index])
+                # Most lines are shorter than the cap by the index alone; the others are measured.
+                if self._max_line_bytes(index, file_index) > limit:
+                    length = _line_length(handle, start, limit)
+                    if length > limit:
+                        reason = f"a JSONL line of over {limit} bytes, over max_row_bytes={limit}"
+                        out.append(BadRow(reason, cause="too_long"))
+                        continue
+                handle.seek(start)
+                out.append(_parse_row(handle.readline(limit + 1)))
         finally:
             for handle in handles.values():
                 handle.close()
         return out
+
+
+def _parse_row(line: bytes) -> dict[str, Any] | BadRow:
+    try:
+        row = json.loads(line)
+    # ValueError covers bad JSON, bad UTF-8 and an integer of more digits than Python converts;
+    # RecursionError, arrays or objects nested past the interpreter's recursion limit.
+    except (ValueError, RecursionError) as err:
+        detail = err.msg if isinstance(err, json.JSONDecodeError) else str(err)[:200]
+        return BadRow(f"invalid JSON ({detail})")
+    if not isinstance(row, dict):
+        return BadRow(f"a JSON {type(row).__name__}, not an object")
+    return row
 
 
 class ParquetSource:
@@ -112,7 +167,13 @@ class ParquetSource:
         groups = []  # (file index, row group index, first global row)
         start = 0
         for i, f in enumerate(self._files):
-            meta = pq.ParquetFile(f).metadata
+            try:
+                meta = pq.ParquetFile(f).metadata
+            except Exception as err:  # pyarrow's errors do not name the file
+                raise ValueError(
+                    f"dataset file {str(f)!r} cannot be read as Parquet (truncated or not "
+                    f"Parquet?): {type(err).__name__}: {err}"
+                ) from err
             for g in range(meta.num_row_groups):
                 groups.append((i, g, start))
                 start += meta.row_group(g).num_rows
@@ -128,11 +189,18 @@ class ParquetSource:
             file_index, row_group, first = self._groups[g]
             positions = np.flatnonzero(group_of == g)
             # One row group at a time: the transient peak is one group's requested columns.
-            table = self._pq.ParquetFile(self._files[file_index]).read_row_group(
-                row_group, columns=self._columns
-            )
-            rows = table.take(index_arr[positions] - first).to_pylist()
-            del table
+            try:
+                table = self._pq.ParquetFile(self._files[file_index]).read_row_group(
+                    row_group, columns=self._columns
+                )
+                rows = table.take(index_arr[positions] - first).to_pylist()
+                del table
+            except Exception as err:  # a damaged page: this group's rows are skipped, counted
+                reason = (
+                    f"row group {row_group} of {str(self._files[file_index])!r} cannot be read "
+                    f"({type(err).__name__}: {err})"
+                )
+                rows = [BadRow(reason)] * len(positions)
             for pos, row in zip(positions.tolist(), rows, strict=True):
                 out[pos] = row
         return out  # type: ignore[return-value]
@@ -141,9 +209,16 @@ class ParquetSource:
 class HfDatasetSource:
     """Rows of one split saved by `datasets`' `save_to_disk` (a folder with state.json and
     Arrow files). The files are memory-mapped; read() decodes only the rows asked for, with
-    the dataset's features (an Image column gives PIL images, as `dataset[i]` does)."""
+    the dataset's features (an Image column gives PIL images, as `dataset[i]` does), except
+    the `undecoded_images` columns of the Image feature: they give {"bytes", "path"} as stored,
+    for the caller to check its size and header before decoding."""
 
-    def __init__(self, folder: Path, columns: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        columns: Sequence[str] | None = None,
+        undecoded_images: Sequence[str] = (),
+    ) -> None:
         try:
             import datasets
         except ImportError as err:
@@ -152,7 +227,13 @@ class HfDatasetSource:
                 "reading it needs the datasets package: pip install 'yatt-core[datasets]' "
                 "(or pip install datasets)"
             ) from err
-        dataset = datasets.load_from_disk(str(folder), keep_in_memory=False)
+        try:
+            dataset = datasets.load_from_disk(str(folder), keep_in_memory=False)
+        except Exception as err:  # e.g. a truncated Arrow file; datasets does not name it
+            raise ValueError(
+                f"dataset {str(folder)!r} cannot be loaded as a datasets folder: "
+                f"{_describe_arrow_problem(folder) or f'{type(err).__name__}: {err}'}"
+            ) from err
         if columns is not None:
             missing = sorted(set(columns) - set(dataset.column_names))
             if missing:
@@ -161,6 +242,11 @@ class HfDatasetSource:
                     f"it has {dataset.column_names}"
                 )
             dataset = dataset.select_columns(list(columns))
+        for name in undecoded_images:
+            # Only a plain Image column: casting its decode flag only relabels the feature. A
+            # list of images would be rewritten whole by cast(); datasets decodes those.
+            if isinstance(dataset.features.get(name), datasets.Image):
+                dataset = dataset.cast_column(name, datasets.Image(decode=False))
         self._dataset = dataset
         self.num_rows = int(dataset.num_rows)
 
@@ -180,7 +266,20 @@ class HfDatasetSource:
         try:
             return dict(self._dataset[index])
         except Exception as err:
-            return f"undecodable row ({type(err).__name__}: {err})"
+            return BadRow(f"undecodable row ({type(err).__name__}: {err})")
+
+
+def _describe_arrow_problem(folder: Path) -> str | None:
+    """Which Arrow file of a save_to_disk folder cannot be read, and why; None if all can."""
+    import pyarrow as pa
+
+    for file in sorted(folder.glob("*.arrow")):
+        try:
+            with pa.memory_map(str(file)) as source:  # mapped: reading costs no memory
+                pa.ipc.open_stream(source).read_all()
+        except Exception as err:
+            return f"{str(file)!r} cannot be read (truncated?): {type(err).__name__}: {err}"
+    return None
 
 
 # The files `datasets` writes with save_to_disk: a Dataset folder, and a DatasetDict's root.
@@ -188,15 +287,23 @@ _HF_DATASET_STATE = "state.json"
 _HF_DATASET_DICT = "dataset_dict.json"
 
 
-def open_source(path: str | Path, *, columns: Sequence[str] | None = None) -> RowSource:
+def open_source(
+    path: str | Path,
+    *,
+    columns: Sequence[str] | None = None,
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+    undecoded_images: Sequence[str] = (),
+) -> RowSource:
     """A source for a JSONL or Parquet file, a directory of such files (sorted by name), or a
     Hugging Face `datasets` folder written by `save_to_disk` (for a DatasetDict: the folder of
-    one split, e.g. "data/gsm8k/train")."""
+    one split, e.g. "data/gsm8k/train"). max_row_bytes: JSONL lines longer than this are
+    BadRows (too_long), never read whole. undecoded_images: a datasets folder's Image columns
+    to give as stored ({"bytes", "path"}) instead of decoded."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"dataset path {str(path)!r} does not exist")
     if path.is_dir() and (path / _HF_DATASET_STATE).is_file():
-        return HfDatasetSource(path, columns=columns)
+        return HfDatasetSource(path, columns=columns, undecoded_images=undecoded_images)
     if path.is_dir() and (path / _HF_DATASET_DICT).is_file():
         splits = _dataset_dict_splits(path)
         example = str(path / splits[0]) if splits else str(path / "train")
@@ -213,14 +320,26 @@ def open_source(path: str | Path, *, columns: Sequence[str] | None = None) -> Ro
             )
     else:
         files = [path]
+    for file in files:
+        _check_regular_file(file)
     suffixes = {f.suffix for f in files}
     if suffixes == {".jsonl"} or suffixes == {".json"}:
-        return JsonlSource(files)
+        return JsonlSource(files, max_row_bytes=max_row_bytes)
     if suffixes == {".parquet"}:
         return ParquetSource(files, columns=columns)
     raise ValueError(
         f"dataset {str(path)!r}: files must all be .jsonl or all .parquet; got {sorted(suffixes)}"
     )
+
+
+def _check_regular_file(path: Path) -> None:
+    """ValueError unless `path` is a regular file (after symlinks). A FIFO, a socket or a
+    device such as /dev/zero would block or never end when the index is built."""
+    if not path.is_file():  # stat, not open: opening a FIFO blocks until a writer comes
+        raise ValueError(
+            f"dataset file {str(path)!r} is not a regular file (a FIFO, socket or device?); "
+            "pass a JSONL or Parquet file, a folder of them, or a datasets save_to_disk folder"
+        )
 
 
 def _dataset_dict_splits(folder: Path) -> list[str]:
