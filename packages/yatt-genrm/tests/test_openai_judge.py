@@ -42,7 +42,8 @@ class FakeOpenAIServer:
     """/v1/chat/completions on 127.0.0.1, on its own thread and event loop.
 
     `actions` are taken one per request, in arrival order (then "ok"): "ok", "garbage" (200
-    with a body that is not JSON), ("status", code, headers). Every answer is delayed by
+    with a body that is not JSON), ("status", code, headers), "endless" / "trickle" (200 and a
+    body that never ends, fast or slow). Every answer is delayed by
     `delay_s`, one whose user message holds "SLOW" by `slow_s`; choices are
     `judge(user message, choice index)`."""
 
@@ -56,6 +57,8 @@ class FakeOpenAIServer:
     requests: list[dict[str, Any]] = field(default_factory=list)  # body, headers, time
     num_active: int = 0
     peak_active: int = 0
+    num_streamed_bytes: int = 0  # sent by "endless" and "trickle" answers
+    num_streams_ended: int = 0  # endless answers the client hung up on
 
     def start(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -86,6 +89,22 @@ class FakeOpenAIServer:
             return web.json_response({"error": {"message": "bad key"}}, status=401)
         return web.json_response({"object": "list", "data": [{"id": "judge-7b"}]})
 
+    async def _stream_forever(self, request: web.Request, action: str) -> web.StreamResponse:
+        """200 and a body that never ends: 64 KiB chunks as fast as the client reads them
+        ("endless"), or a space every 20 ms ("trickle"); until the client hangs up."""
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        chunk = b" " * (1 << 16) if action == "endless" else b" "
+        try:
+            while True:
+                await response.write(chunk)
+                self.num_streamed_bytes += len(chunk)
+                if action == "trickle":
+                    await asyncio.sleep(0.02)
+        except (ConnectionError, RuntimeError):  # the client closed the connection
+            self.num_streams_ended += 1
+        return response
+
     async def _handle(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.requests.append({"body": body, "headers": dict(request.headers), "t": time.time()})
@@ -102,6 +121,8 @@ class FakeOpenAIServer:
                 return web.json_response(error, status=status, headers=headers)
             if action == "garbage":
                 return web.Response(text="<html>proxy error</html>", content_type="text/html")
+            if action in ("endless", "trickle"):
+                return await self._stream_forever(request, action)
         finally:
             self.num_active -= 1
         user = body["messages"][-1]["content"]
@@ -201,6 +222,48 @@ def test_timeout_is_retried_then_an_error_verdict(server) -> None:
     assert slow.error.endswith("no answer within timeout_s=0.2 (after 2 tries)")
     assert fast.status == "ok"
     assert len(server.requests) == 3 and judge.metrics["num_retries"] == 1
+
+
+def test_an_endless_body_is_cut_at_max_response_bytes_and_not_retried(server) -> None:
+    """A 200 that streams without end (the issue: 625 MiB in 20 s) costs at most the cap."""
+    server.actions = ["endless"]
+    judge = _judge(server.base_url, max_response_bytes=2**20, timeout_s=20.0, max_retries=2)
+    start = time.perf_counter()
+    endless, fine = judge.score(_samples(["4", "4"]))
+    assert time.perf_counter() - start < 10  # cut at the cap, not at the 20 s deadline
+    assert endless.status == "error" and fine.status == "ok"
+    assert "over max_response_bytes=1048576 (1 MiB) and reading stopped" in endless.error
+    assert judge.metrics["num_retries"] == 0 and len(server.requests) == 2
+    # The client hung up: the server's writes end, having sent about the cap (socket buffers
+    # hold some more), not an unbounded amount.
+    deadline = time.monotonic() + 5
+    while server.num_streams_ended < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.num_streams_ended == 1
+    assert server.num_streamed_bytes < 16 * 2**20
+
+
+def test_a_trickling_body_ends_at_timeout_s_and_is_retried(server) -> None:
+    """A body that trickles in under the cap still ends with the try's deadline."""
+    server.actions = ["trickle", "trickle"]
+    judge = _judge(server.base_url, timeout_s=0.3, max_retries=1)
+    start = time.perf_counter()
+    (verdict,) = judge.score(_samples(["4"]))
+    assert time.perf_counter() - start < 3
+    assert verdict.error.endswith("no answer within timeout_s=0.3 (after 2 tries)")
+    assert judge.metrics["num_retries"] == 1
+
+
+def test_check_endpoint_reads_at_most_max_response_bytes(server, monkeypatch) -> None:
+    async def endless_models(request: web.Request) -> web.StreamResponse:
+        return await server._stream_forever(request, "endless")
+
+    monkeypatch.setattr(server, "_models", endless_models)
+    server.stop()
+    server.start()
+    judge = _judge(server.base_url, max_response_bytes=2**20)
+    with pytest.raises(ValueError, match=r"/models: the response body went over max_response"):
+        judge.check_endpoint()
 
 
 @pytest.mark.parametrize("status", [500, 503, 429, 408])
@@ -496,6 +559,7 @@ def test_aclose_ends_in_flight_requests(server) -> None:
         ({"max_concurrency": 0}, "max_concurrency=0"),
         ({"max_retries": -1}, "max_retries=-1"),
         ({"timeout_s": 0}, "timeout_s=0"),
+        ({"max_response_bytes": 100}, r"max_response_bytes=100: must be an int >= 1024"),
         ({"backoff_s": 2.0, "max_backoff_s": 1.0}, "backoff_s <= max_backoff_s"),
         ({"extra_body": {"temperature": 1.0, "n": 2}}, r"sets \['n', 'temperature'\]"),
         ({"api_key_env": "YATT_TEST_UNSET_KEY_VAR"}, "'YATT_TEST_UNSET_KEY_VAR': that environment"),
@@ -507,6 +571,7 @@ def test_aclose_ends_in_flight_requests(server) -> None:
         "concurrency",
         "retries",
         "timeout",
+        "max_response_bytes",
         "backoff",
         "extra",
         "key",

@@ -252,6 +252,46 @@ def test_client_timeout_gives_error_verdicts_in_bounded_time() -> None:
     assert client.metrics["num_retries"] == 1
 
 
+async def _endless(request: web.Request) -> web.StreamResponse:
+    """200 and a JSON body that never ends (a space after another), until the client hangs up."""
+    response = web.StreamResponse(headers={"Content-Type": "application/json"})
+    await response.prepare(request)
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        while True:
+            await response.write(b" " * (1 << 16))
+    return response
+
+
+def test_client_stops_reading_an_endless_body_at_max_response_bytes() -> None:
+    srv = ServerThread(_make_genrm())
+    srv.start()
+
+    async def swap_routes() -> None:  # the same server, answering without end
+        await srv.runner.cleanup()
+        app = web.Application()
+        app.router.add_post("/score", _endless)
+        app.router.add_get("/health", _endless)
+        srv.runner = web.AppRunner(app)
+        await srv.runner.setup()
+        await web.TCPSite(srv.runner, "127.0.0.1", srv.port).start()
+
+    asyncio.run_coroutine_threadsafe(swap_routes(), srv.loop).result(10)
+    try:
+        client = GenRMClient(srv.url, timeout_s=20.0, max_retries=2, max_response_bytes=2**20)
+        start = time.perf_counter()
+        verdicts = client.score(_samples(2))
+        assert time.perf_counter() - start < 10  # at the cap, not the 20 s deadline
+        assert [v.status for v in verdicts] == ["error", "error"]
+        assert "went over max_response_bytes=1048576 (1 MiB)" in verdicts[0].error
+        assert client.metrics["num_retries"] == 0  # it would stream again
+        with pytest.raises(Exception, match="went over max_response_bytes"):
+            client.health()
+    finally:
+        srv.stop()
+    with pytest.raises(ValueError, match="max_response_bytes=10: must be an int >= 1024"):
+        GenRMClient(srv.url, max_response_bytes=10)
+
+
 def test_client_recovers_when_the_server_restarts() -> None:
     srv = ServerThread(_make_genrm())
     srv.start()

@@ -23,8 +23,15 @@ from yatt.rollout import (
     SGLangEngine,
     VLLMConfig,
     VLLMEngine,
+    _sglang,
+    _vllm,
 )
-from yatt.rollout._sglang import completion_from_sglang, sglang_memory_tags, sglang_sampling_params
+from yatt.rollout._sglang import (
+    completion_from_sglang,
+    sglang_memory_tags,
+    sglang_sampling_params,
+    sglang_status,
+)
 from yatt.rollout._vllm import finish_reason_of, sampled_logprobs, vllm_prompt, vllm_sampling_kwargs
 
 # -- vLLM -------------------------------------------------------------------------------------
@@ -87,15 +94,21 @@ class _FakeLLM:
             max_model_len=64, get_vocab_size=lambda: 100, is_multimodal_model=False
         )
         self.calls = []
+        self.rpc_results = []  # queued answers of collective_rpc (then: all loaded)
+        self.reset_results = []  # queued answers of reset_prefix_cache (then: True)
 
     def get_tokenizer(self):
         return "tok"
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.calls.append((method, [n for n, _ in args[0]]))
+        # One answer per worker: yatt_load_weights returns how many tensors it loaded.
+        return self.rpc_results.pop(0) if self.rpc_results else [len(args[0])]
 
     def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
         self.calls.append(("reset_prefix_cache",))
+        # False while KV blocks are still held (vLLM 0.26.0 BlockPool.reset_prefix_cache).
+        return self.reset_results.pop(0) if self.reset_results else True
 
     def sleep(self, level=1, mode="abort"):
         self.calls.append(("sleep", level))
@@ -283,6 +296,8 @@ class _FakeSGLEngine:
         self.loop = asyncio.new_event_loop()
         self.calls = []
         self.seen_params = []
+        self.update_results = []  # queued answers of update_weights_from_tensor
+        self.flush_results = []  # queued answers of flush_cache
 
     async def async_generate(
         self, prompt=None, sampling_params=None, input_ids=None, image_data=None,
@@ -313,9 +328,17 @@ class _FakeSGLEngine:
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         self.calls.append(("update", [n for n, _ in named_tensors], flush_cache))
+        # (success, message), as TokenizerManager.update_weights_from_tensor returns.
+        if self.update_results:
+            return self.update_results.pop(0)
+        return True, "Succeeded to update model weights."
 
     def flush_cache(self):
         self.calls.append(("flush",))
+        # A FlushCacheReqOutput; refused (success=False) while requests are pending.
+        if self.flush_results:
+            return self.flush_results.pop(0)
+        return types.SimpleNamespace(success=True, message="")
 
     def release_memory_occupation(self, tags=None):
         self.calls.append(("release",))
@@ -362,6 +385,65 @@ def test_sglang_engine_maps_calls(fake_sglang):
         ("resume", ["kv_cache", "cuda_graph"]),
     ]
     engine.close()
+
+
+def _refused_flush():
+    message = "Cache not flushed because there are pending requests."
+    return types.SimpleNamespace(success=False, message=message)
+
+
+def test_sglang_weight_update_failures_raise_with_the_engine_message(fake_sglang, monkeypatch):
+    monkeypatch.setattr(_sglang, "FLUSH_FIRST_WAIT_S", 0.0)
+    engine = SGLangEngine("/models/x")
+    inner = engine._engine
+    pairs = [(f"w{i}", torch.zeros(2)) for i in range(3)]
+    inner.update_results = [(True, "ok"), (False, "Update weights failed: shape mismatch")]
+    with pytest.raises(RuntimeError, match=r"bucket 1 \(1 tensors, from 'w2'\): Update weights "):
+        engine.update_weights(pairs, bucket_bytes=16)
+    assert [c[0] for c in inner.calls] == ["update", "update"]  # no flush after a failure
+    # A flush refused while requests drain is tried again; then it succeeds.
+    inner.calls.clear()
+    inner.flush_results = [_refused_flush(), _refused_flush()]
+    engine.update_weights(pairs, bucket_bytes=16)
+    assert [c[0] for c in inner.calls] == ["update", "update", "flush", "flush", "flush"]
+    # Refused every time: it raises, naming SGLang's message.
+    inner.flush_results = [_refused_flush()] * _sglang.FLUSH_TRIES
+    with pytest.raises(RuntimeError, match=r"flush_cache failed 5 times: Cache not flushed"):
+        engine.update_weights(pairs, bucket_bytes=16)
+    assert not inner.flush_results
+    engine.close()
+
+
+def test_sglang_status_reads_what_sglang_returns():
+    assert sglang_status((True, "done")) == (True, "done")
+    assert sglang_status((False, "bad shape")) == (False, "bad shape")
+    assert sglang_status(types.SimpleNamespace(success=False, message="busy")) == (False, "busy")
+    assert sglang_status(None) == (True, "")
+    with pytest.raises(RuntimeError, match="not a \\(success, message\\) status"):
+        sglang_status("weird")
+
+
+def test_vllm_weight_update_failures_raise(fake_vllm, monkeypatch):
+    monkeypatch.setattr(_vllm, "RESET_FIRST_WAIT_S", 0.0)
+    engine = VLLMEngine("/models/x")
+    llm = engine._llm
+    pairs = [(f"w{i}", torch.zeros(4)) for i in range(3)]
+    llm.rpc_results = [[2, 2], [0, 1]]  # two workers; the second bucket half loaded
+    with pytest.raises(RuntimeError, match=r"loaded \[0, 1\] of the 1 tensors of bucket 1"):
+        engine.update_weights(pairs, bucket_bytes=32)
+    assert ("reset_prefix_cache",) not in llm.calls
+    # A refused reset is tried again, then succeeds.
+    llm.calls.clear()
+    llm.reset_results = [False, False]
+    engine.update_weights(pairs, bucket_bytes=32)
+    assert llm.calls.count(("reset_prefix_cache",)) == 3
+    llm.reset_results = [False] * _vllm.RESET_TRIES
+    with pytest.raises(RuntimeError, match="reset_prefix_cache failed 5 times"):
+        engine.update_weights(pairs, bucket_bytes=32)
+    # Waking the KV cache resets it too, with the same check.
+    llm.reset_results = [False] * _vllm.RESET_TRIES
+    with pytest.raises(RuntimeError, match="reset_prefix_cache failed"):
+        engine.wake_up(tags=["kv_cache"])
 
 
 def test_adapters_honour_per_request_max_new_tokens(fake_vllm, fake_sglang):

@@ -11,7 +11,9 @@ each request carries `Authorization: Bearer <key>`.
 
 Transport failures (connection refused while the server restarts, timeouts, 5xx) are retried
 with a bounded exponential backoff; after the last try, or on a 4xx, each sample of the request
-gets a verdict with status "error" naming the cause. Like GenRM, nothing raises mid-run.
+gets a verdict with status "error" naming the cause. Like GenRM, nothing raises mid-run. A
+response body is read up to `max_response_bytes`; a longer one is cut off and is such an error,
+not retried (the server would send it again).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from yatt.genrm._http_body import ResponseTooLargeError, decode_body, read_body
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
 from yatt.genrm._types import Sample, Verdict, error_verdict
 
@@ -51,6 +54,7 @@ class GenRMClient(StreamingScorer):
         default_reward: float = 0.0,
         batching: BatchingConfig | None = None,
         api_key: str | None = None,
+        max_response_bytes: int = 64 * 2**20,
     ) -> None:
         if api_key is None:
             api_key = os.environ.get("YATT_GENRM_API_KEY") or None
@@ -67,6 +71,11 @@ class GenRMClient(StreamingScorer):
             raise ValueError(f"url={urls!r}: a URL is listed twice; list each server once")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r}: must be > 0")
+        if not isinstance(max_response_bytes, int) or max_response_bytes < 1024:
+            raise ValueError(
+                f"max_response_bytes={max_response_bytes!r}: must be an int >= 1024 (a batch of "
+                "verdicts, votes' text included; default 64 MiB)"
+            )
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries={max_retries!r}: must be an int >= 0")
         if not (0 < backoff_s <= max_backoff_s):
@@ -80,6 +89,7 @@ class GenRMClient(StreamingScorer):
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.max_response_bytes = max_response_bytes
         self.default_reward = default_reward
         self._headers = {"Content-Type": "application/json"}
         if api_key is not None:
@@ -144,7 +154,7 @@ class GenRMClient(StreamingScorer):
                 async with session.post(
                     f"{url}/score", data=body, headers=self._headers
                 ) as response:
-                    payload = await response.json(content_type=None)
+                    payload = json.loads(await self._read(response))
                     if response.status == 200:
                         verdicts = [Verdict.from_dict(v) for v in payload["verdicts"]]
                         if len(verdicts) != len(samples):
@@ -153,6 +163,10 @@ class GenRMClient(StreamingScorer):
                     error = f"HTTP {response.status}: {payload.get('error', payload)}"
                     if response.status < 500:
                         break  # our request is wrong; sending it again will not help
+            except ResponseTooLargeError as e:
+                error = str(e)
+                logger.warning("GenRM request to %s failed: %s", url, error)
+                break  # an endless or oversized answer would come again
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as e:
                 error = f"{type(e).__name__}: {e}"
             logger.warning("GenRM request to %s failed (try %d): %s", url, attempt + 1, error)
@@ -160,6 +174,14 @@ class GenRMClient(StreamingScorer):
             error_verdict(s.id, f"GenRM service: {error}", reward=self.default_reward)
             for s in samples
         ]
+
+    async def _read(self, response: aiohttp.ClientResponse) -> str:
+        """The body as text, at most max_response_bytes of it (ResponseTooLargeError past
+        that), within the session's total timeout_s like the rest of the request."""
+        body = await read_body(
+            response, max_bytes=self.max_response_bytes, what="max_response_bytes"
+        )
+        return decode_body(response, body)
 
     def _least_busy_server(self) -> int:
         """The server with the fewest of this client's samples in flight; ties in turn."""
@@ -210,7 +232,8 @@ class GenRMClient(StreamingScorer):
 
     def health(self, url: str | None = None) -> dict[str, Any]:
         """The /health payload of the server at `url` (default: the first); raises
-        aiohttp.ClientError when it is unreachable."""
+        aiohttp.ClientError when it is unreachable, ResponseTooLargeError when it sends more
+        than max_response_bytes."""
         url = self.url if url is None else url.rstrip("/")
 
         async def run() -> dict[str, Any]:
@@ -219,7 +242,7 @@ class GenRMClient(StreamingScorer):
                 s.get(f"{url}/health", headers=self._headers) as response,
             ):
                 response.raise_for_status()
-                return await response.json()
+                return json.loads(await self._read(response))
 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             return pool.submit(asyncio.run, run()).result()

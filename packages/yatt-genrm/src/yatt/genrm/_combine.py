@@ -7,9 +7,12 @@
                  "unparsable" (reward `default_reward`) when every rule returned None.
 
 A rule is an `ExactMatch`-like verifier or a `RewardFunction` (plain Python). A rule that raises
-or returns something other than a finite number adds 0 and makes the verdict's status "error",
-with the cause in `error` (so `ScoreStats` counts it with the judge's errors); the run goes on.
-Rules run on a worker thread while streaming, never on the event loop.
+or returns something other than a number within float32's range adds 0 and makes the verdict's
+status "error", with the cause in `error` (so `ScoreStats` counts it with the judge's errors);
+the run goes on. A weighted sum beyond float32's range is an "error" verdict with
+`default_reward` too. Weights are checked up front: finite, and their absolute sum within
+float32's range (rewards of magnitude 1 cannot overflow). Rules run on a worker thread while
+streaming, never on the event loop; a `RewardFunction` gets all of `score`'s samples at once.
 
 Gating saves judge work on answers a rule already rejects. `CombinedRM` has the interface of the
 judge it wraps (score, submit/finish/results, ascore), so the trainer does not care which it has.
@@ -24,9 +27,10 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from yatt.genrm._functions import FLOAT32_MAX, RewardFunction, check_float32_reward
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
 from yatt.genrm._types import Sample, Verdict
-from yatt.genrm._verifiers import RuleVerifier, call_rule
+from yatt.genrm._verifiers import InvalidRewardError, RuleVerifier, call_rule
 from yatt.genrm._votes import FailureLog
 
 CombineMode = Literal["sum", "gate"]
@@ -70,14 +74,17 @@ class CombinedRM(StreamingScorer):
             raise ValueError("mode='gate' gates a judge; with judge=None use mode='sum'")
         if not rules:
             raise ValueError("rules is empty: give at least one (verifier, weight) pair")
-        for pair in rules:
+        for index, pair in enumerate(rules):
             if not (isinstance(pair, tuple) and len(pair) == 2):
                 raise ValueError(f"rules: {pair!r} is not a (verifier, weight) pair")
             rule, weight = pair
-            is_weight = isinstance(weight, int | float) and math.isfinite(weight)
-            if not callable(getattr(rule, "verify", None)) or not is_weight:
+            if not callable(getattr(rule, "verify", None)):
+                raise ValueError(f"rules[{index}]: {rule!r} is not a verifier (no verify())")
+            is_number = isinstance(weight, int | float) and not isinstance(weight, bool)
+            if not (is_number and math.isfinite(weight) and abs(weight) <= FLOAT32_MAX):
                 raise ValueError(
-                    f"rule ({rule!r}, {weight!r}): need a verifier and a finite weight"
+                    f"rules[{index}] ({getattr(rule, 'name', rule)!r}) weight={weight!r}: need a "
+                    f"finite weight within float32's range (|weight| <= {FLOAT32_MAX:.3g})"
                 )
         names = [rule.name for rule, _ in rules]
         if len(set(names)) != len(names) or "judge" in names:
@@ -92,8 +99,19 @@ class CombinedRM(StreamingScorer):
             ("gate_reward", gate_reward),
             ("default_reward", default_reward),
         ):
-            if not math.isfinite(value):
-                raise ValueError(f"{name}={value!r}: must be finite")
+            if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+                raise ValueError(f"{name}={value!r}: must be finite, within float32's range")
+        # Rewards of magnitude 1 from every rule (and the judge) must not overflow float32.
+        weights = [(f"rules[{i}] ({rule.name!r})", w) for i, (rule, w) in enumerate(rules)]
+        if judge is not None and mode == "sum":
+            weights.append(("judge_weight", judge_weight))
+        if math.fsum(abs(w) for _, w in weights) > FLOAT32_MAX:
+            largest, weight = max(weights, key=lambda pair: abs(pair[1]))
+            raise ValueError(
+                f"the weights' absolute sum is over float32's max {FLOAT32_MAX:.3g}, so a reward "
+                f"of 1 from each would overflow the trainer's float32 rewards; the largest is "
+                f"{largest} weight={weight!r}: scale the weights down"
+            )
         inner = getattr(judge, "batching", None) or BatchingConfig()
         # No window of our own: the judge batches; we only hand samples over as they come.
         batching = dataclasses.replace(
@@ -114,15 +132,21 @@ class CombinedRM(StreamingScorer):
         )
         self._error_log = FailureLog("rule failure")
 
-    def _check(self, sample: Sample) -> _Checked:
-        values: dict[str, float | None] = {}
-        causes: list[str] = []
+    def _check_all(self, samples: Sequence[Sample]) -> list[_Checked]:
+        """Every rule on every sample; a RewardFunction gets them all in one call (one round
+        trip to its worker process)."""
+        checks = [_Checked({}, []) for _ in samples]
         for rule, _ in self.rules:
-            values[rule.name], cause = call_rule(rule, sample)
-            if cause is not None:
-                causes.append(cause)
-                self._error_log.record(sample.id, cause)
-        return _Checked(values, causes)
+            if isinstance(rule, RewardFunction):
+                results = rule.call_batch(samples)
+            else:
+                results = [_call_in_range(rule, sample) for sample in samples]
+            for sample, checked, (value, cause) in zip(samples, checks, results, strict=True):
+                checked.values[rule.name] = value
+                if cause is not None:
+                    checked.causes.append(cause)
+                    self._error_log.record(sample.id, cause)
+        return checks
 
     def _is_gated(self, checked: _Checked) -> bool:
         return self.mode == "gate" and any(v == 0.0 for v in checked.values.values())
@@ -131,7 +155,20 @@ class CombinedRM(StreamingScorer):
         return math.fsum(w * (checked.values[rule.name] or 0.0) for rule, w in self.rules)
 
     def _with_causes(self, verdict: Verdict, checked: _Checked) -> Verdict:
-        """`verdict`, made an error naming the rules that failed, if any did."""
+        """`verdict`, made an error naming the rules that failed, if any did, or with
+        `default_reward` when its weighted sum is beyond float32's range."""
+        if abs(verdict.reward) > FLOAT32_MAX:
+            cause = (
+                f"the weighted reward {verdict.reward!r} is beyond float32's range "
+                f"(components {verdict.components}); scale the rewards or weights down"
+            )
+            self._error_log.record(verdict.sample_id, cause)
+            verdict = dataclasses.replace(
+                verdict,
+                reward=self.default_reward,
+                status="error",
+                error="; ".join([verdict.error, cause]) if verdict.error else cause,
+            )
         if not checked.causes:
             return verdict
         self.metrics["num_rule_errors"] += len(checked.causes)
@@ -177,7 +214,7 @@ class CombinedRM(StreamingScorer):
 
     def score(self, samples: Sequence[Sample]) -> list[Verdict]:
         """Verdicts in order; gated samples never reach the judge."""
-        checks = [self._check(s) for s in samples]
+        checks = self._check_all(samples)
         if self.judge is None:
             out = [self._rules_only(s, c) for s, c in zip(samples, checks, strict=True)]
         else:
@@ -197,7 +234,7 @@ class CombinedRM(StreamingScorer):
         loop = asyncio.get_running_loop()
 
         async def judge_one(item: Item) -> None:
-            checked = await loop.run_in_executor(self._rule_pool, self._check, item.sample)
+            (checked,) = await loop.run_in_executor(self._rule_pool, self._check_all, [item.sample])
             if self.judge is None:
                 item.resolve(self._rules_only(item.sample, checked))
                 return
@@ -220,3 +257,12 @@ class CombinedRM(StreamingScorer):
         if self.judge is not None:
             await self.judge.aclose()
         self.close()
+
+
+def _call_in_range(rule: RuleVerifier, sample: Sample) -> tuple[float | None, str | None]:
+    """`call_rule`, with a value float32 cannot hold made a cause."""
+    value, cause = call_rule(rule, sample)
+    try:
+        return check_float32_reward(value), cause
+    except InvalidRewardError as e:
+        return None, f"{rule.name} {e}"

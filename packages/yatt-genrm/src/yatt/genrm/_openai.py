@@ -9,7 +9,9 @@ One request per sample, at most `max_concurrency` in flight per event loop. A re
 times out, cannot connect, or gets 408, 429 or 5xx is tried again after a backoff (a server's
 Retry-After is honoured, up to `max_backoff_s`); what still fails, and a 4xx or a body that is
 not a chat completion, becomes that sample's "error" verdict with the cause. Nothing raises in
-the middle of a run, and every request ends within `timeout_s`.
+the middle of a run, and every try ends within `timeout_s`, its body read included. A body
+over `max_response_bytes` is cut off and is an error without a retry (a server that streams
+without end would do it again); memory per request stays bounded.
 
 A template with `image_key` sends the sample's images in the user message, each as an OpenAI
 image part ({"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}, or the
@@ -38,6 +40,7 @@ from typing import Any
 
 import aiohttp
 
+from yatt.genrm._http_body import ResponseTooLargeError, decode_body, read_body
 from yatt.genrm._images import image_data_url
 from yatt.genrm._parsers import VerdictParser
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer, per_sample_batching
@@ -75,6 +78,9 @@ class OpenAIJudgeConfig:
     api_key_env: str | None = None  # the environment variable holding the key; None: no key
     max_concurrency: int = 32  # requests in flight at once (per event loop)
     timeout_s: float = 120.0  # one request, connect to last byte; a slower one is retried
+    # The longest response body read; past it the request is an error verdict, not retried. A
+    # chat completion is kilobytes; n votes of long reasoning a few MiB at most.
+    max_response_bytes: int = 8 * 2**20
     max_retries: int = 4  # tries after the first, on timeouts, connection errors, 408/429/5xx
     backoff_s: float = 0.5  # wait before the first retry, doubled each time (with jitter)
     max_backoff_s: float = 30.0  # longest wait between tries, a server's Retry-After included
@@ -105,6 +111,11 @@ class OpenAIJudgeConfig:
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ValueError(
                 f"OpenAIJudgeConfig.max_retries={self.max_retries!r}: must be an int >= 0"
+            )
+        if not (isinstance(self.max_response_bytes, int) and self.max_response_bytes >= 1024):
+            raise ValueError(
+                f"OpenAIJudgeConfig.max_response_bytes={self.max_response_bytes!r}: must be an "
+                "int >= 1024 (a chat completion's size; default 8 MiB)"
             )
         if not (isinstance(self.timeout_s, int | float) and self.timeout_s > 0):
             raise ValueError(f"OpenAIJudgeConfig.timeout_s={self.timeout_s!r}: must be > 0")
@@ -289,15 +300,27 @@ class OpenAIJudge(StreamingScorer):
                 self.metrics["peak_inflight_requests"], self._num_inflight
             )
             try:
-                async with http.session.post(
-                    self.url, data=body, headers=self._headers, timeout=timeout
-                ) as response:
-                    text = await response.text(errors="replace")
+                # The whole try, body included, under one deadline of our own: aiohttp's
+                # total timeout is kept too, but a trickling body must not outlive timeout_s.
+                async with (
+                    asyncio.timeout(self.config.timeout_s),
+                    http.session.post(
+                        self.url, data=body, headers=self._headers, timeout=timeout
+                    ) as response,
+                ):
+                    data = await read_body(
+                        response,
+                        max_bytes=self.config.max_response_bytes,
+                        what="max_response_bytes",
+                    )
+                    text = decode_body(response, data)
                     status, headers = response.status, response.headers
             except TimeoutError:
                 raise _Retryable(f"no answer within timeout_s={self.config.timeout_s}") from None
             except aiohttp.ClientError as e:
                 raise _Retryable(f"{type(e).__name__}: {e}") from None
+            except ResponseTooLargeError as e:
+                raise _Fatal(str(e)) from None
             finally:
                 self._num_inflight -= 1
         if status != 200:
@@ -416,15 +439,20 @@ class OpenAIJudge(StreamingScorer):
         async def run() -> tuple[int, str]:
             timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
             async with (
+                asyncio.timeout(self.config.timeout_s),
                 aiohttp.ClientSession(timeout=timeout) as session,
                 session.get(models_url, headers=self._headers) as response,
             ):
-                return response.status, await response.text(errors="replace")
+                max_bytes = self.config.max_response_bytes
+                body = await read_body(response, max_bytes=max_bytes, what="max_response_bytes")
+                return response.status, decode_body(response, body)
 
         models_url = self.config.base_url.rstrip("/") + "/models"
         try:
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 status, text = pool.submit(asyncio.run, run()).result()
+        except ResponseTooLargeError as e:
+            raise ValueError(f"judge endpoint {models_url}: {e}") from None
         except (aiohttp.ClientError, TimeoutError) as e:
             raise ValueError(
                 f"judge endpoint {models_url} cannot be reached ({type(e).__name__}: {e}); "

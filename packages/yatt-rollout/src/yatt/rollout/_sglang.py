@@ -17,13 +17,20 @@ Where SGLang differs from our protocol, the adapter bridges it:
   caps each request's `max_new_tokens` there, and refuses a longer prompt itself;
 - `ignore_eos=True` also disables SGLang's `stop_token_ids`; our protocol ignores only the
   model's EOS, so the stop tokens are then applied here, to the returned tokens;
-- sleep drops the weights unless enable_weights_cpu_backup is set (`weights_cpu_backup`).
+- sleep drops the weights unless enable_weights_cpu_backup is set (`weights_cpu_backup`);
+- failures come back as values, not exceptions: `update_weights_from_tensor` returns (success,
+  message) and `flush_cache` a FlushCacheReqOutput(success, message), refused while requests
+  are still pending. A failed bucket raises RuntimeError at once (the engine holds partly old
+  weights: no rollout may follow); a refused flush is tried again briefly (aborted requests
+  drain), then raises. `release_memory_occupation` and `resume_memory_occupation` return
+  nothing to check.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +50,28 @@ from yatt.rollout._types import (
     SamplingParams,
 )
 from yatt.rollout._weights import iter_buckets
+
+# A refused cache flush (requests still pending, e.g. draining after an abort) is tried again
+# after 0.05, 0.1, ... s: about 1.5 s in all before it raises.
+FLUSH_TRIES = 5
+FLUSH_FIRST_WAIT_S = 0.05
+
+
+def sglang_status(result: Any) -> tuple[bool, str]:
+    """(success, message) from what an SGLang 0.5.17 control call returns: a (success, message)
+    tuple (update_weights_from_tensor) or an object with `success` and `message`
+    (flush_cache's FlushCacheReqOutput). None (a call that reports nothing) counts as success."""
+    if result is None:
+        return True, ""
+    if isinstance(result, tuple | list) and result and isinstance(result[0], bool):
+        return result[0], str(result[1]) if len(result) > 1 else ""
+    if isinstance(result, bool):
+        return result, ""
+    success = getattr(result, "success", None)
+    if isinstance(success, bool):
+        return success, str(getattr(result, "message", "") or "")
+    raise RuntimeError(f"SGLang answered {result!r:.200}, not a (success, message) status")
+
 
 # Positions SGLang 0.5.17 keeps back from context_length: for prompt + new tokens (Scheduler:
 # max_req_len - input_len - 1, max_req_len = context - 1) and for a prompt (TpWorker: - 5 more).
@@ -233,10 +262,35 @@ class SGLangEngine(ThreadedAdapter):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         with self._lock:
-            for bucket in iter_buckets(named_tensors, bucket_bytes=bucket_bytes):
-                self._engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False)
+            for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes=bucket_bytes)):
+                result = self._engine.update_weights_from_tensor(
+                    named_tensors=bucket, flush_cache=False
+                )
+                success, message = sglang_status(result)
+                if not success:
+                    names = [name for name, _ in bucket]
+                    raise RuntimeError(
+                        f"SGLang update_weights_from_tensor failed on bucket {index} "
+                        f"({len(names)} tensors, from {names[0]!r}): {message or 'no message'}; "
+                        "the engine holds partly old weights: do not roll out with it"
+                    )
             # Cached prefixes hold keys/values computed with the old weights.
-            self._engine.flush_cache()
+            self._flush_cache()
+
+    def _flush_cache(self) -> None:
+        """flush_cache, tried again while SGLang refuses it; RuntimeError after the last."""
+        message = ""
+        for attempt in range(FLUSH_TRIES):
+            if attempt:
+                time.sleep(FLUSH_FIRST_WAIT_S * 2 ** (attempt - 1))
+            success, message = sglang_status(self._engine.flush_cache())
+            if success:
+                return
+        raise RuntimeError(
+            f"SGLang flush_cache failed {FLUSH_TRIES} times: {message or 'no message'} "
+            "(SGLang refuses while requests are pending); cached prefixes hold keys/values of "
+            "the old weights: do not roll out with it"
+        )
 
     def sleep(self) -> None:
         with self._lock:

@@ -12,6 +12,10 @@ our definition when top_p == 1 and top_k == 0 (vLLM has no untruncated tempered 
 Verified on vLLM 0.26.0 on an H100 (packages/yatt-rollout/tests/test_gpu_engines.py). A seed per
 sample sends vLLM's sampler down its per-request-generator path, one kernel per request and
 step: `seed_each_sample=False` trades reproducibility for speed (bench/engines.py measures it).
+Status: `collective_rpc` returns each worker's answer (the extension's count of tensors loaded,
+checked against the bucket) and raises a worker's exception; `reset_prefix_cache` returns False
+while blocks are still held (requests draining after an abort): it is tried again briefly, then
+RuntimeError, as is a short count. `sleep` and `wake_up` return nothing to check.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +48,10 @@ from yatt.rollout._weights import iter_buckets
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "yatt.rollout._vllm_worker.WeightLoaderExtension"
+# A refused prefix-cache reset (blocks still held, e.g. draining after an abort) is tried again
+# after 0.05, 0.1, ... s: about 1.5 s in all before it raises.
+RESET_TRIES = 5
+RESET_FIRST_WAIT_S = 0.05
 
 
 @dataclass(kw_only=True)
@@ -216,10 +225,32 @@ class VLLMEngine(ThreadedAdapter):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         with self._lock:
-            for bucket in iter_buckets(named_tensors, bucket_bytes=bucket_bytes):
-                self._llm.collective_rpc("yatt_load_weights", args=(bucket,))
+            for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes=bucket_bytes)):
+                loaded = self._llm.collective_rpc("yatt_load_weights", args=(bucket,))
+                # One count per worker; a worker that loaded fewer (or answered nothing) left
+                # old weights behind.
+                if not loaded or any(count != len(bucket) for count in loaded):
+                    raise RuntimeError(
+                        f"vLLM workers loaded {loaded!r} of the {len(bucket)} tensors of bucket "
+                        f"{index} (from {bucket[0][0]!r}); the engine holds partly old weights: "
+                        "do not roll out with it"
+                    )
             # Cached prefixes hold keys/values computed with the old weights.
-            self._llm.reset_prefix_cache()
+            self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        """reset_prefix_cache, tried again while vLLM refuses it; RuntimeError after the last."""
+        for attempt in range(RESET_TRIES):
+            if attempt:
+                time.sleep(RESET_FIRST_WAIT_S * 2 ** (attempt - 1))
+            # None: a version that reports nothing (0.26.0 returns a bool).
+            if self._llm.reset_prefix_cache() is not False:
+                return
+        raise RuntimeError(
+            f"vLLM reset_prefix_cache failed {RESET_TRIES} times (it refuses while KV blocks "
+            "are still held; its log names how many); cached prefixes hold keys/values of the "
+            "old weights: do not roll out with it"
+        )
 
     def sleep(self) -> None:
         with self._lock:
@@ -232,7 +263,7 @@ class VLLMEngine(ThreadedAdapter):
         with self._lock:
             self._llm.wake_up(tags=[t for t in ("weights", "kv_cache") if t in names])
             if "kv_cache" in names:
-                self._llm.reset_prefix_cache()
+                self._reset_prefix_cache()
 
     def close(self) -> None:
         self.abort()

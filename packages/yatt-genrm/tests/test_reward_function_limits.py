@@ -1,0 +1,345 @@
+"""Reward functions that hang, crash, exit or overflow: the run goes on, or stops when asked."""
+
+NUM_GPUS = 0
+
+import asyncio
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from yatt.genrm import CombinedRM, RewardFunction, Sample, ScoreStats, load_reward_function
+
+pytestmark = pytest.mark.timeout(60)
+
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
+
+REWARDS_PY = """
+import os
+import sys
+import time
+
+
+def score(prompt, response, reference, row):
+    mode = row.get("mode", "")
+    if mode == "hang":
+        if row.get("pid_file"):
+            with open(row["pid_file"], "w") as f:
+                f.write(str(os.getpid()))
+        while True:
+            time.sleep(0.01)
+    if mode == "crash":
+        os._exit(3)
+    if mode == "exit":
+        sys.exit(0)
+    if mode == "print":
+        print("a reward function that prints", flush=True)
+        os.write(1, b"raw bytes to fd 1")
+    if mode == "huge":
+        return 1e39
+    if mode == "-huge":
+        return -1e39
+    if mode == "image":
+        red, green, blue = row["image"].convert("RGB").getpixel((0, 0))
+        return float(red > 128 and blue < 128)
+    if mode == "str":
+        return "0.5"
+    if mode == "raise":
+        return 1 / 0
+    if mode == "none":
+        return None
+    return float(response == reference)
+
+
+def worker_pid(prompt, response, reference, row):
+    return float(os.getpid())
+"""
+
+
+@pytest.fixture
+def rewards_file(tmp_path: Path) -> Path:
+    path = tmp_path / "limit_rewards.py"
+    path.write_text(REWARDS_PY)
+    return path
+
+
+def _sample(response: str = "4", mode: str = "", **row) -> Sample:
+    return Sample(prompt="2+2?", response=response, reference="4", metadata={"mode": mode, **row})
+
+
+def test_a_hung_call_times_out_and_the_next_sample_is_scored(rewards_file) -> None:
+    fn = load_reward_function(f"{rewards_file}:score", timeout_s=0.5, default_reward=-1.0)
+    try:
+        begin = time.monotonic()
+        verdicts = fn.score([_sample("4"), _sample("4", "hang"), _sample("4"), _sample("5")])
+        elapsed = time.monotonic() - begin
+        assert [v.status for v in verdicts] == ["ok", "error", "ok", "ok"]
+        assert [v.reward for v in verdicts] == [1.0, -1.0, 1.0, 0.0]
+        assert verdicts[1].error == (
+            "limit_rewards:score took over timeout_s=0.5 s; its worker process was killed "
+            "(the next call starts a new one)"
+        )
+        assert fn.metrics["num_timeouts"] == 1 and fn.metrics["num_errors"] == 1
+        assert elapsed < 15  # one 0.5 s wait and two worker starts, not a hang
+        assert ScoreStats.from_verdicts(verdicts).num_errors == 1
+        # The next call reuses the replacement worker: one start per kill, not per call.
+        (worker,) = fn._workers
+        num_starts = worker.num_starts
+        assert [v.reward for v in fn.score([_sample("4"), _sample("5")])] == [1.0, 0.0]
+        assert worker.num_starts == num_starts == 2
+    finally:
+        fn.close()
+
+
+def test_a_worker_that_died_while_idle_is_replaced_at_no_sample_s_cost(rewards_file) -> None:
+    fn = load_reward_function(f"{rewards_file}:worker_pid", timeout_s=20.0)
+    try:
+        (first,) = fn.score([_sample()])
+        os.kill(int(first.reward), signal.SIGKILL)  # e.g. the OOM killer, between steps
+        time.sleep(0.2)
+        (second,) = fn.score([_sample()])
+    finally:
+        fn.close()
+    assert second.status == "ok" and second.reward != first.reward
+    assert fn._workers[0].num_starts == 2
+
+
+def test_worker_failures_are_error_verdicts_worded_as_in_process(rewards_file) -> None:
+    """The same causes with and without a worker; a crash or sys.exit() in a call ends only
+    that sample."""
+    in_process = load_reward_function(f"{rewards_file}:score")
+    in_worker = load_reward_function(f"{rewards_file}:score", timeout_s=20.0)
+    modes = ["raise", "str", "none", "huge", "-huge", "exit", "print", ""]
+    try:
+        here = in_process.score([_sample("4", mode) for mode in modes])
+        there = in_worker.score([_sample("4", mode) for mode in modes] + [_sample("4", "crash")])
+    finally:
+        in_worker.close()
+    for verdicts in (here, there):
+        statuses = [v.status for v in verdicts[: len(modes)]]
+        assert statuses == ["error", "error", "unparsable", "error", "error", "error", "ok", "ok"]
+        raised, text, _, huge, negative, exited = (v.error for v in verdicts[:6])
+        assert raised.startswith("limit_rewards:score raised ZeroDivisionError: division by zero")
+        assert raised.endswith("in score)")
+        assert "returned '0.5' (a str)" in text
+        assert huge.startswith("limit_rewards:score returned 1e+39, beyond float32's range")
+        assert negative.startswith("limit_rewards:score returned -1e+39, beyond float32's range")
+        assert exited.startswith("limit_rewards:score raised SystemExit: 0")
+    assert [v.error for v in here] == [v.error for v in there[: len(modes)]]
+    assert there[-1].status == "error"
+    assert there[-1].error == (
+        "limit_rewards:score's worker process exited with code 3 while scoring this sample"
+    )
+
+
+def test_a_worker_scores_image_rows_and_streams(rewards_file) -> None:
+    Image = pytest.importorskip("PIL.Image")
+    fn = load_reward_function(f"{rewards_file}:score", timeout_s=20.0, num_threads=2)
+    samples = [
+        _sample("x", "image", image=Image.new("RGB", (4, 4), color)) for color in ("red", "blue")
+    ]
+    samples.append(_sample("4", "hang"))
+
+    async def main():
+        try:
+            return await fn.ascore(samples)
+        finally:
+            await fn.aclose()
+
+    fn.timeout_s = 1.0  # streaming applies it per call as score() does
+    verdicts = asyncio.run(main())
+    assert [v.reward for v in verdicts[:2]] == [1.0, 0.0]
+    assert verdicts[2].status == "error" and "took over timeout_s=1 s" in verdicts[2].error
+
+
+def test_combined_rm_sends_a_reward_function_its_samples_at_once(rewards_file) -> None:
+    pid = load_reward_function(f"{rewards_file}:worker_pid", timeout_s=20.0)
+    score = load_reward_function(f"{rewards_file}:score", timeout_s=0.5)
+    combined = CombinedRM(None, [(score, 2.0), (pid, 0.0)])
+    try:
+        verdicts = combined.score([_sample("4"), _sample("4", "hang"), _sample("5")])
+    finally:
+        score.close()
+        pid.close()
+    assert [v.status for v in verdicts] == ["ok", "error", "ok"]
+    assert [v.reward for v in verdicts] == [2.0, 0.0, 0.0]
+    assert "took over timeout_s=0.5 s" in verdicts[1].error
+    # One worker process scored all three: one message, not one per sample.
+    assert len({v.components["limit_rewards:worker_pid"] for v in verdicts}) == 1
+    assert verdicts[0].components["limit_rewards:worker_pid"] != os.getpid()
+
+
+def test_directly_given_functions_go_to_the_worker_by_reference(tmp_path, monkeypatch) -> None:
+    (tmp_path / "yatt_test_limit_rewards.py").write_text(REWARDS_PY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import yatt_test_limit_rewards
+
+    fn = RewardFunction(yatt_test_limit_rewards.worker_pid, timeout_s=20.0)
+    # A function of a file load_reward_function ran: the worker loads that file.
+    loaded = load_reward_function(f"{tmp_path / 'yatt_test_limit_rewards.py'}:score")
+    again = RewardFunction(loaded.fn, timeout_s=20.0)
+    try:
+        assert fn.score([_sample()])[0].reward not in (0.0, float(os.getpid()))
+        assert again.score([_sample("4"), _sample("5")])[0].reward == 1.0
+    finally:
+        fn.close()
+        again.close()
+    sys.modules.pop("yatt_test_limit_rewards", None)
+    with pytest.raises(ValueError, match=r"cannot be pickled.*load_reward_function"):
+        RewardFunction(lambda prompt, response, reference, row: 1.0, timeout_s=1.0)
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, math.inf, math.nan, "5", True])
+def test_timeout_must_be_positive_seconds(rewards_file, timeout_s) -> None:
+    with pytest.raises(ValueError, match=r"timeout_s=.*seconds a call may take"):
+        load_reward_function(f"{rewards_file}:score", timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize(
+    ("code", "match"),
+    [
+        ("import sys\nsys.exit(0)\n", r"running .*exits\.py failed: it called sys\.exit\(0\)"),
+        ("raise KeyboardInterrupt\n", r"running .*exits\.py failed: KeyboardInterrupt"),
+    ],
+    ids=["sys_exit", "keyboard_interrupt"],
+)
+def test_a_file_that_exits_at_import_is_a_load_error(tmp_path, code, match) -> None:
+    path = tmp_path / "exits.py"
+    path.write_text(code + "def score(prompt, response, reference, row):\n    return 1.0\n")
+    with pytest.raises(ValueError, match=f"reward function '{path}:score': {match}"):
+        load_reward_function(f"{path}:score")
+
+
+def test_a_module_that_exits_at_import_is_a_load_error(tmp_path, monkeypatch) -> None:
+    (tmp_path / "yatt_test_exits.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"importing 'yatt_test_exits' failed: .*sys\.exit\(0\)"):
+        load_reward_function("yatt_test_exits:score")
+
+
+def test_weights_that_overflow_float32_are_refused(rewards_file) -> None:
+    fn = load_reward_function(f"{rewards_file}:score")
+    with pytest.raises(ValueError, match=r"rules\[0\] \('limit_rewards:score'\) weight=1e\+300"):
+        CombinedRM(None, [(fn, 1e300)])
+    with pytest.raises(ValueError, match=r"rules\[0\] .* weight=inf"):
+        CombinedRM(None, [(fn, math.inf)])
+    # Each fits, their sum does not: a reward of 1 from both would overflow.
+    pid = load_reward_function(f"{rewards_file}:worker_pid")
+    with pytest.raises(ValueError, match=r"absolute sum is over float32's max.*weight=3e\+38"):
+        CombinedRM(None, [(fn, 3e38), (pid, -2e38)])
+    CombinedRM(None, [(fn, 3e38)])  # within range: allowed
+
+
+def test_a_weighted_sum_beyond_float32_is_an_error_verdict(rewards_file) -> None:
+    def ten(prompt, response, reference, row):
+        return 10.0
+
+    def one(prompt, response, reference, row):
+        return 1.0
+
+    combined = CombinedRM(
+        None,
+        [(RewardFunction(ten, name="ten"), 1e38), (RewardFunction(one, name="one"), 1.0)],
+        default_reward=-1.0,
+    )
+    (verdict,) = combined.score([_sample()])
+    assert (verdict.status, verdict.reward) == ("error", -1.0)
+    assert "the weighted reward 1e+39 is beyond float32's range" in verdict.error
+    assert verdict.components == {"ten": 10.0, "one": 1.0}
+
+
+# -- signals: the scripts below run in a process of their own ----------------------------------
+
+HANG_SCRIPT = """
+import sys, threading, time
+from yatt.genrm import Sample, load_reward_function
+
+fn = load_reward_function(sys.argv[1] + ":score", timeout_s=600.0)
+sample = Sample(prompt="q", response="r", metadata={"mode": "hang", "pid_file": sys.argv[2]})
+if sys.argv[3] == "main":
+    fn.score([sample])  # waits on the worker on the main thread
+else:
+    # A pool thread waits on the hung worker while the main thread ends without close().
+    threading.Thread(target=fn.score, args=([sample],)).start()
+    while True:
+        try:
+            open(sys.argv[2]).read() and time.sleep(0.2)
+            break
+        except FileNotFoundError:
+            time.sleep(0.05)
+"""
+
+
+def _start_hung(rewards_file: Path, tmp_path: Path, where: str) -> tuple[subprocess.Popen, int]:
+    """A process whose reward function hangs in its worker; (the process, the worker's pid)."""
+    pid_file = tmp_path / "worker.pid"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(HANG_SCRIPT),
+            str(rewards_file),
+            str(pid_file),
+            where,
+        ],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 45
+    while not (pid_file.exists() and pid_file.read_text()):
+        assert process.poll() is None, process.stderr.read()
+        assert time.monotonic() < deadline, "the worker never started"
+        time.sleep(0.05)
+    return process, int(pid_file.read_text())
+
+
+def _is_gone(pid: int, within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow  # each starts a Python that imports yatt.genrm (torch): seconds
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_the_run_while_a_worker_hangs_and_the_worker_dies(
+    rewards_file, tmp_path, sig
+) -> None:
+    if sig == signal.SIGTERM and not sys.platform.startswith("linux"):
+        pytest.skip("a killed parent takes its busy worker along only on Linux (PDEATHSIG)")
+    process, worker_pid = _start_hung(rewards_file, tmp_path, "main")
+    process.send_signal(sig)
+    try:
+        code = process.wait(timeout=10)
+    finally:
+        process.kill()
+    assert code == -sig  # Python ends an unhandled KeyboardInterrupt by SIGINT too
+    if sig == signal.SIGINT:
+        assert "KeyboardInterrupt" in process.stderr.read()
+    assert _is_gone(worker_pid)
+
+
+@pytest.mark.slow
+def test_the_interpreter_exits_while_a_thread_waits_on_a_hung_worker(
+    rewards_file, tmp_path
+) -> None:
+    process, worker_pid = _start_hung(rewards_file, tmp_path, "thread")
+    try:
+        # The main thread has ended; without killing workers first, the exit would wait out
+        # the 600 s timeout in the pool thread.
+        assert process.wait(timeout=15) == 0
+    finally:
+        process.kill()
+    assert _is_gone(worker_pid)
