@@ -78,7 +78,7 @@ def test_unparsable_votes_are_skipped_then_defaulted_and_logged(caplog) -> None:
     genrm = GenRM(
         engine,
         template=verification_template(),
-        parser=YesNoParser(yes_words=("yes",), no_words=("nope",)),
+        parser=YesNoParser(yes_label="yes", no_label="nope"),
         votes=3,
         sampling=SamplingParams(temperature=1.0),
         default_reward=-0.5,

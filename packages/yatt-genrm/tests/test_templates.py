@@ -141,7 +141,16 @@ def test_runaway_response_is_cut_by_characters_before_tokenizing() -> None:
         (
             verification_template(),
             YesNoParser(),
-            {"Yes": 1.0, "No.": -1.0, "**No**": -1.0, "Reply with one word: Yes or No.": None},
+            {"Yes": 1.0, "No.": -1.0, "**No**": None, "Reply with one word: Yes or No.": None},
+        ),
+        (
+            verification_template(parser=YesNoParser(is_boxed=True)),
+            YesNoParser(is_boxed=True),
+            {
+                "Wrong sum.\nVerdict: \\boxed{No}": -1.0,
+                "\\boxed{Yes}": 1.0,
+                "Yes": None,
+            },
         ),
         (
             verification_template(with_reference=False),
@@ -154,20 +163,27 @@ def test_runaway_response_is_cut_by_characters_before_tokenizing() -> None:
             {
                 "Clear and right.\nScore: 10": 1.0,
                 "Score: 4": 1 / 3,
-                "End with 'Score: N' where N is an integer from 1 to 10.": None,
+                "Score: 4\nThanks!": None,
+                "End your reply with a last line that is exactly 'Score: N'": None,
             },
         ),
     ],
-    ids=["verification", "verification_no_reference", "pointwise"],
+    ids=["verification", "verification_no_reference", "verification_boxed", "pointwise"],
 )
 def test_templates_ask_for_what_their_parser_reads(template, parser, replies) -> None:
     (*_, user) = template.render_messages(_sample())
     instruction = user["content"].rsplit("\n\n", 1)[-1]
-    assert ("Yes or No" in instruction) == isinstance(parser, YesNoParser)
+    is_yes_no = "Yes or No" in instruction or "\\boxed{Yes}" in instruction
+    assert is_yes_no == isinstance(parser, YesNoParser)
     assert ("'Score: N'" in instruction) == isinstance(parser, ScoreParser)
     # A judge that follows the instruction parses; one that echoes it does not.
     for reply, reward in replies.items():
         assert parser.parse(reply) == (pytest.approx(reward) if reward is not None else None)
+
+
+def test_pointwise_template_refuses_a_parser_of_another_range() -> None:
+    with pytest.raises(ValueError, match="same range"):
+        pointwise_template(low=1, high=10, parser=ScoreParser(low=0, high=5))
 
 
 def test_an_image_template_puts_one_image_part_per_image_before_the_text() -> None:

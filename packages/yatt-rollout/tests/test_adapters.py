@@ -32,7 +32,14 @@ from yatt.rollout._sglang import (
     sglang_sampling_params,
     sglang_status,
 )
-from yatt.rollout._vllm import finish_reason_of, sampled_logprobs, vllm_prompt, vllm_sampling_kwargs
+from yatt.rollout._vllm import (
+    finish_reason_of,
+    label_logprobs_from_vllm,
+    sampled_logprobs,
+    vllm_label_probe_kwargs,
+    vllm_prompt,
+    vllm_sampling_kwargs,
+)
 
 # -- vLLM -------------------------------------------------------------------------------------
 
@@ -69,6 +76,12 @@ class _FakeVLLMEngine:
     def step(self):
         out = []
         for rid, r in list(self.requests.items()):
+            allowed = getattr(r["params"], "allowed_token_ids", None)
+            if allowed is not None:  # a label probe: one token, every allowed id's logprob
+                lp = [{t: _Logprob(-t / 10) for t in allowed}]
+                out.append(_Output(rid, [_Sample([allowed[0]], lp, "length")], True))
+                del self.requests[rid]
+                continue
             token = r["prompt"]["prompt_token_ids"][0] + r["n"]
             r["n"] += 1
             stop = token in r["params"].stop_token_ids
@@ -318,13 +331,16 @@ class _FakeSGLEngine:
             cut = next((i for i, t in enumerate(tokens) if t in stops), None)
             if cut is not None:
                 tokens, reason = tokens[: cut + 1], "stop"
-        return {
-            "output_ids": tokens,
-            "meta_info": {
-                "output_token_logprobs": [(-1.0, t, None) for t in tokens],
-                "finish_reason": {"type": reason},
-            },
+        meta = {
+            "output_token_logprobs": [(-1.0, t, None) for t in tokens],
+            "finish_reason": {"type": reason},
         }
+        if kwargs.get("token_ids_logprob"):  # asked ids, listed in reverse: mapped by id
+            ids = kwargs["token_ids_logprob"]
+            meta["output_token_ids_logprobs"] = [
+                [[-t / 10, t, None] for t in reversed(ids)] for _ in tokens
+            ]
+        return {"output_ids": tokens, "meta_info": meta}
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         self.calls.append(("update", [n for n, _ in named_tensors], flush_cache))
@@ -444,6 +460,30 @@ def test_vllm_weight_update_failures_raise(fake_vllm, monkeypatch):
     llm.reset_results = [False] * _vllm.RESET_TRIES
     with pytest.raises(RuntimeError, match="reset_prefix_cache failed"):
         engine.wake_up(tags=["kv_cache"])
+
+
+def test_adapters_report_label_logprobs(fake_vllm, fake_sglang):
+    reqs = [Request(prompt_ids=[10, 1]), Request(prompt_ids=[20])]
+    sampling = SamplingParams(n=2, max_new_tokens=3, label_token_ids=(7, 3))
+    for engine in (VLLMEngine("/models/x"), SGLangEngine("/models/x")):
+        assert engine.supports_label_logprobs
+        out = engine.generate(reqs, sampling)
+        # The fakes give id t the logprob -t/10: each completion's labels, in the asked order.
+        assert [(c.request_index, c.sample_index) for c in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert all(c.label_logprobs == [-0.7, -0.3] for c in out)
+        plain = engine.generate(reqs, SamplingParams(max_new_tokens=2))
+        assert all(c.label_logprobs is None for c in plain)
+        engine.close()
+
+
+def test_vllm_label_probe_is_one_token_over_the_labels_only():
+    kwargs = vllm_label_probe_kwargs((7, 3))
+    assert (kwargs["max_tokens"], kwargs["allowed_token_ids"], kwargs["logprobs"]) == (1, [7, 3], 2)
+    assert kwargs["temperature"] == 1.0
+    entry = {7: types.SimpleNamespace(logprob=-0.2), 3: types.SimpleNamespace(logprob=-1.7)}
+    assert label_logprobs_from_vllm([entry], (3, 7)) == [-1.7, -0.2]
+    assert label_logprobs_from_vllm([entry], (3, 8)) is None
+    assert label_logprobs_from_vllm(None, (3,)) is None
 
 
 def test_adapters_honour_per_request_max_new_tokens(fake_vllm, fake_sglang):

@@ -23,10 +23,15 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from yatt.genrm._images import ImagePrompts
-from yatt.genrm._parsers import VerdictParser
+from yatt.genrm._label_verdict import (
+    LabelProbe,
+    LabelVerdicts,
+    supports_label_logprobs,
+)
+from yatt.genrm._parsers import VerdictParser, YesNoParser
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
 from yatt.genrm._templates import JudgeTemplate
 from yatt.genrm._types import Sample, Verdict, Vote, error_verdict
@@ -41,6 +46,9 @@ from yatt.genrm._votes import (
 from yatt.rollout import Completion, Request, RolloutEngine, SamplingParams
 
 logger = logging.getLogger("yatt.genrm")
+
+VerdictFrom = Literal["auto", "label_logprobs", "text"]
+VERDICT_FROM: tuple[str, ...] = ("auto", "label_logprobs", "text")
 
 
 @dataclass
@@ -73,6 +81,13 @@ class GenRM(StreamingScorer):
     `default_reward` and status "unparsable". Engine failures give status "error" and
     `default_reward`; nothing raises in the middle of a run.
 
+    `verdict_from`: "label_logprobs" scores a YesNoParser verdict from the judge's probability
+    of the yes label at the declared place (yatt.genrm._label_verdict: reward = no_reward +
+    P(yes) * (yes_reward - no_reward), 2P - 1 for +1/-1), "text" from the sampled label;
+    "auto" (default) picks label_logprobs for a YesNoParser on an engine that reports label
+    logprobs (`engine.supports_label_logprobs`: the built-in engine does), else text.
+    `parser` defaults to YesNoParser().
+
     With a template that shows images (`image_key`), `image_processor` is the judge model's
     (default: `engine.image_processor` when the engine has one) and `image_token_id` its image
     placeholder token (default: the model config's `image_token_id`); a sample without its
@@ -84,7 +99,8 @@ class GenRM(StreamingScorer):
         engine: RolloutEngine,
         *,
         template: JudgeTemplate,
-        parser: VerdictParser,
+        parser: VerdictParser | None = None,
+        verdict_from: VerdictFrom = "auto",
         votes: int = 1,
         sampling: SamplingParams | None = None,
         aggregate: Aggregate = "mean",
@@ -96,6 +112,10 @@ class GenRM(StreamingScorer):
     ) -> None:
         if not isinstance(template, JudgeTemplate):
             raise ValueError(f"template must be a JudgeTemplate, got {type(template).__name__}")
+        if parser is None:
+            parser = YesNoParser()
+        if verdict_from not in VERDICT_FROM:
+            raise ValueError(f"verdict_from={verdict_from!r}: use one of {VERDICT_FROM}")
         if not callable(getattr(parser, "parse", None)):
             raise ValueError(f"parser={parser!r} has no parse(text) method")
         if not isinstance(votes, int) or votes < 1:
@@ -116,6 +136,12 @@ class GenRM(StreamingScorer):
         self.aggregate: Aggregate = aggregate
         self.default_reward = default_reward
         self.sampling = make_judge_sampling(sampling, votes)
+        self._labels = _make_label_verdicts(engine, parser, verdict_from)
+        if self._labels is not None:
+            # A judge whose first token is its label gets the label logprobs with its vote.
+            self.sampling = dataclasses.replace(
+                self.sampling, label_token_ids=self._labels.first_token_ids
+            )
         if max_prompt_tokens is None:
             # The built-in engine's context; a longer prompt would fail its whole batch.
             max_seq_len = getattr(getattr(engine, "config", None), "max_seq_len", None)
@@ -185,14 +211,68 @@ class GenRM(StreamingScorer):
         """What one sample's judge request costs: every vote reads the prompt."""
         return len(request.prompt_ids) * self.votes
 
-    def _vote(self, completion: Completion) -> Vote:
+    @property
+    def verdict_from(self) -> str:
+        """ "label_logprobs" or "text": how this judge's votes are scored."""
+        return "text" if self._labels is None else "label_logprobs"
+
+    def _vote(self, completion: Completion) -> Vote | LabelProbe:
+        """A vote, or (label_logprobs) the forced step that will score it."""
         text = self.engine.tokenizer.decode(completion.response_ids, skip_special_tokens=True)
+        if self._labels is not None:
+            located = self._labels.locate(completion, text)
+            if isinstance(located, LabelProbe):
+                return located
+            return self._count_vote(located, completion.request_id)
         vote = parse_vote(text, self.parser, completion.finish_reason)
+        return self._count_vote(vote, completion.request_id)
+
+    def _count_vote(self, vote: Vote, request_id: str | None) -> Vote:
         self.metrics["num_votes"] += 1
         if vote.status == "unparsable":
             self.metrics["num_unparsable_votes"] += 1
-            self._unparsable_log.record(completion.request_id or "?", text)
+            self._unparsable_log.record(request_id or "?", vote.text)
         return vote
+
+    def _probe_calls(self, probes: list[LabelProbe]):
+        """(requests, sampling, indices into probes) of the forced steps, one per label pair."""
+        assert self._labels is not None
+        for sampling, indices in self._labels.requests(probes):
+            requests = [
+                Request(prompt_ids=probes[i].prompt_ids, request_id=f"label-{i}") for i in indices
+            ]
+            yield requests, sampling, indices
+
+    def _score_probes(self, probes: list[LabelProbe]) -> list[Vote]:
+        """The forced steps' votes (blocking); a failed step makes its votes unparsable."""
+        assert self._labels is not None
+        found: dict[int, Completion] = {}
+        for requests, sampling, indices in self._probe_calls(probes):
+            try:
+                for c in self.engine.generate(requests, sampling):
+                    found[indices[c.request_index]] = c
+            except Exception as e:
+                logger.warning("judge forced label step failed: %s: %s", type(e).__name__, e)
+        return [
+            self._count_vote(self._labels.vote(probe, found.get(i)), None)
+            for i, probe in enumerate(probes)
+        ]
+
+    async def _ascore_probes(self, probes: list[LabelProbe]) -> list[Vote]:
+        """`_score_probes` over engine.stream, for the streaming path."""
+        assert self._labels is not None
+        found: dict[int, Completion] = {}
+        for requests, sampling, indices in self._probe_calls(probes):
+            try:
+                async for c in self.engine.stream(requests, sampling):
+                    if 0 <= c.request_index < len(indices):
+                        found[indices[c.request_index]] = c
+            except Exception as e:
+                logger.warning("judge forced label step failed: %s: %s", type(e).__name__, e)
+        return [
+            self._count_vote(self._labels.vote(probe, found.get(i)), None)
+            for i, probe in enumerate(probes)
+        ]
 
     def _verdict(self, sample: Sample, votes: list[Vote]) -> Verdict:
         return build_verdict(
@@ -216,7 +296,7 @@ class GenRM(StreamingScorer):
         rendered = self._render(samples, self.engine.tokenizer)
         self._count_rendered(rendered)
         requests, positions = rendered.requests, rendered.positions
-        votes: list[list[Vote]] = [[] for _ in requests]
+        votes: list[list[Vote | LabelProbe]] = [[] for _ in requests]
         response_tokens = [0] * len(requests)
         error: str | None = None
         if requests:
@@ -228,13 +308,19 @@ class GenRM(StreamingScorer):
             except Exception as e:
                 error = f"judge failed: {type(e).__name__}: {e}"
                 logger.warning("judge engine raised on a batch of %d: %s", len(requests), error)
+        probes = [v for row in votes for v in row if isinstance(v, LabelProbe)]
+        if probes and error is None:
+            scored = iter(self._score_probes(probes))
+            votes = [
+                [next(scored) if isinstance(v, LabelProbe) else v for v in row] for row in votes
+            ]
         out: list[Verdict | None] = [rendered.failed.get(i) for i in range(len(samples))]
         for j, i in enumerate(positions):
             if error is not None or len(votes[j]) < self.votes:
                 message = error or f"engine returned {len(votes[j])} of {self.votes} votes"
                 verdict = error_verdict(samples[i].id, message, reward=self.default_reward)
             else:
-                verdict = self._verdict(samples[i], votes[j][: self.votes])
+                verdict = self._verdict(samples[i], votes[j][: self.votes])  # type: ignore[arg-type]
             out[i] = dataclasses.replace(
                 verdict,
                 num_judge_prompt_tokens=self._prompt_tokens(requests[j]),
@@ -260,7 +346,8 @@ class GenRM(StreamingScorer):
             return
         for j, i in enumerate(positions):
             items[i].num_judge_prompt_tokens = self._prompt_tokens(requests[j])
-        votes: list[list[Vote]] = [[] for _ in requests]
+        votes: list[list[Vote | LabelProbe]] = [[] for _ in requests]
+        waiting: list[int] = []  # requests whose votes wait on forced label steps
         async for c in self.engine.stream(requests, self.sampling):
             if not 0 <= c.request_index < len(requests):
                 logger.warning(
@@ -274,13 +361,41 @@ class GenRM(StreamingScorer):
             item.num_judge_response_tokens += len(c.response_ids)
             votes[j].append(self._vote(c))
             if len(votes[j]) == self.votes:
+                if any(isinstance(v, LabelProbe) for v in votes[j]):
+                    waiting.append(j)
+                    continue
                 # Out as soon as this sample's votes are in, not when the whole batch is.
-                item.resolve(item.with_tokens(self._verdict(item.sample, votes[j])))
+                item.resolve(item.with_tokens(self._verdict(item.sample, votes[j])))  # type: ignore[arg-type]
+        if waiting:
+            # One forced step for every vote that needs one, after the batch's generation.
+            probes = [v for j in waiting for v in votes[j] if isinstance(v, LabelProbe)]
+            scored = iter(await self._ascore_probes(probes))
+            for j in waiting:
+                row = [next(scored) if isinstance(v, LabelProbe) else v for v in votes[j]]
+                item = items[positions[j]]
+                item.resolve(item.with_tokens(self._verdict(item.sample, row)))  # type: ignore[arg-type]
 
     def close(self) -> None:
         """Close the judge engine and the render thread."""
         self._render_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
+
+
+def _make_label_verdicts(
+    engine: RolloutEngine, parser: VerdictParser, verdict_from: str
+) -> LabelVerdicts | None:
+    """The label-probability scorer when `verdict_from` asks for it (or "auto" allows it)."""
+    if verdict_from == "text":
+        return None
+    is_possible = isinstance(parser, YesNoParser) and supports_label_logprobs(engine)
+    if verdict_from == "auto" and not is_possible:
+        return None
+    if not supports_label_logprobs(engine):
+        raise ValueError(
+            "verdict_from='label_logprobs': the judge engine does not report label logprobs "
+            "(engine.supports_label_logprobs); use the built-in engine or verdict_from='text'"
+        )
+    return LabelVerdicts(parser, engine.tokenizer)  # type: ignore[arg-type]
 
 
 def _make_image_prompts(

@@ -1,31 +1,36 @@
-"""Verdict text -> reward.
+"""Verdict text -> reward, read from one declared place.
 
-Judges write free text: "**Yes**", "\\boxed{No}", "Verdict: No", "Score: 8/10.", "Incorrect. The
-correct answer is 7." A parser reads the verdict only from designated positions, never from
-wherever a verdict word happens to appear last, and returns a float, or None when it finds no
-verdict or an ambiguous one (the GenRM then applies its default reward and counts the miss;
-parsing never raises on model output).
+A judge is told the format of its verdict (the judge templates state it) and the parser reads
+that format only, at that place only: the LAST non-empty line of the judge's output, after any
+reasoning. Everything else is unparsable (the GenRM applies its default reward and counts the
+miss; parsing never raises on model output).
 
-    text --quoted text blanked--> "...", curly quotes, 'a b', ```fences```, "> " lines drop out
-         --markdown stripped----> plain
-         1. a \\boxed{} whose whole content is a verdict    (`occurrence` picks among several)
-         2. a marker and its value: a line "Verdict: No";   (`occurrence` picks among several)
-            "Score: 7" anywhere
-         3. else the text's first and last words: either one decides, both must agree
-            (each parser's docstring says which words count there)
+    text --last non-empty line--> "Verdict: Yes"  NFKC-normalized, it must match the
+                                                   declared grammar whole, with no invisible
+                                                   format character (zero-width, bidi)
+         --an earlier line that matches with another value?--> unparsable (a reversal)
+         --> the label's reward / the score
 
-A verdict phrase reads negation ("not correct", "isn't correct") and is ambiguous when it joins
-both readings ("Yes and no", "Yes or No", "7 or 8"). Text the judge quotes (usually the response
-under review) never decides, except a bare quoted verdict that is the whole text or follows a
-marker (`Verdict: "Yes"`). Every scan here is linear in the text's length: verdict texts come
-from a model and may be huge or adversarial.
+The grammar of a YesNoParser line (case-insensitive, spaces and tabs around its parts):
+
+    [PREFIX] LABEL [.]            "Verdict: Yes", "Yes", "verdict: no."
+    [PREFIX] \\boxed{LABEL} [.]    with is_boxed=True ("$\\boxed{No}$" too)
+
+and of a ScoreParser line: `PREFIX N [/ HIGH] [.]` ("Score: 7", "Score: 7/10"), N in [low, high].
+Nothing else reads as a verdict: no negation ("not correct" is not a label), no quotes, no
+markdown, no verdict words in the middle of a sentence, no text after the verdict line. A
+policy whose response talks the judge into writing "Yes" somewhere, or "not incorrect", or
+"Verdict: Yes" followed by anything, gains nothing.
+
+`find_boxed` and `strip_markup` stay here for the rule verifiers, which extract answers (not
+verdicts) from responses.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -35,42 +40,17 @@ _MARKDOWN = re.compile(r"[*_`#>~|]")
 _TEXT_WRAPPER_OR_BRACE = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\s*\{|[{}]")
 _BOXED_OR_BRACE = re.compile(r"\\(?:boxed|fbox)\s*\{|[{}]")
 
-# Quoted spans, leftmost first. Each alternative stops at the next opening mark, so a text full
-# of unclosed quotes is still scanned once. Single quotes count only around words ('Yes'), not
-# as apostrophes ("response's"). A "> " line is a Markdown block quote.
-_QUOTED = re.compile(
-    r"```.*?```"
-    r"|\"[^\"]*\""
-    r"|\u201c[^\u201c\u201d]*\u201d"
-    r"|\u2018[^\u2018\u2019\n]*\u2019"
-    r"|(?<!\w)'[^'\n]*'(?!\w)"
-    r"|(?P<block_quote>^[^\S\n]*>[^\n]*)",
-    re.DOTALL | re.MULTILINE,
+# Unicode format characters (category Cf: zero-width spaces and joiners, bidi controls, soft
+# hyphen, tags...), as of Unicode 15. They are invisible: "Ye\u200bs" shows as "Yes". Dropped
+# before matching; a test checks this class against unicodedata.
+_FORMAT_CHARS = re.compile(
+    "[\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e\u200b-\u200f"
+    "\u202a-\u202e\u2060-\u2064\u2066-\u206f\ufeff\ufff9-\ufffb\U000110bd\U000110cd"
+    "\U00013430-\U0001343f\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0001"
+    "\U000e0020-\U000e007f]"
 )
-_QUOTE_PLACEHOLDER = ' " '
-_WORD = re.compile(r"\w")
-# How far before a quoted verdict its marker may start ("**Final verdict:** " fits), and how much
-# of a text's end may hold its closing verdict phrase; both keep the scans linear.
-_MARKER_LOOKBACK_CHARS = 64
-_TAIL_CHARS = 256
-
-# Words allowed between a negation and the verdict word: "not entirely correct", "not the
-# correct answer".
-_NEGATION = (
-    r"(?:(?<![\w-])(?:not|never)|n't)\s+"
-    r"(?:(?:entirely|fully|completely|quite|exactly|totally|really|actually|necessarily"
-    r"|the|a|an)\s+){0,2}"
-)
-# A verdict phrase counts only where it ends a clause: at the end, before a line break or before
-# punctuation. "No doubt it is right" and "No errors found" are not verdicts.
-_CLAUSE_END = r"(?=[^\S\n]*(?:\Z|\n|[^\w\s]))"
-# What may sit between a marker and its value on the marker's line ("Verdict:", "Verdict -",
-# "The verdict is"), plus one line break for a heading ("### Verdict\nNo"). Signs are not
-# separators: "Score: -3" is a negative score.
-_MARKER_SEPARATOR = (
-    r"[^\w\n+\-]*(?:-[^\S\n]+[^\w\n+\-]*)?(?:(?:is|was|of)\b[^\w\n+\-]*)?(?:\n[^\w\n+\-]*)?"
-)
-_MARKER_PREFIX = r"^[^\w\n]*(?:(?:my|the|our|overall|final|revised)\s+)*"
+_SPACE = r"[ \t]*"
+_NUMBER = r"[+-]?\d{1,12}(?:\.\d{1,12})?"
 
 
 @runtime_checkable
@@ -80,15 +60,223 @@ class VerdictParser(Protocol):
     def parse(self, text: str) -> float | None: ...
 
 
-class _Ambiguous:
-    """A verdict position that holds both readings; parses to None, and is not skipped."""
-
-    def __repr__(self) -> str:
-        return "AMBIGUOUS"
+def normalize_verdict_text(text: str) -> str:
+    """`text` without format characters, NFKC-normalized (full-width "Ｙｅｓ" -> "Yes")."""
+    return unicodedata.normalize("NFKC", _FORMAT_CHARS.sub("", text))
 
 
-AMBIGUOUS = _Ambiguous()
-_Reading = float | _Ambiguous | None  # None: this position holds no verdict
+def _last_line(lines: list[str]) -> int | None:
+    """Index of the last line holding more than whitespace."""
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].strip():
+            return i
+    return None
+
+
+def _declared_line(
+    prefix: str, value: str, *, is_prefix_required: bool, is_boxed: bool, after_value: str = ""
+) -> str:
+    """The regex of a whole verdict line; group `value` holds the label or number, and
+    `after_value` (outside a box) may follow it ("/10")."""
+    words = prefix.split()
+    head = r"\s+".join(re.escape(w) for w in words)
+    head = rf"{head}{_SPACE}" if words else ""
+    if head and not is_prefix_required:
+        head = f"(?:{head})?"
+    body = rf"(?P<value>{value})"
+    if is_boxed:
+        body = rf"(?P<dollar>\$?)\\boxed\{{{_SPACE}{body}{_SPACE}\}}(?P=dollar)"
+    else:
+        body += after_value
+    # One optional period, then spaces: no two adjacent space runs, so no backtracking.
+    return rf"{_SPACE}{head}{body}{_SPACE}(?:\.{_SPACE})?"
+
+
+def _read_line(pattern: re.Pattern[str], text: str) -> tuple[re.Match[str], int] | None:
+    """The declared line's match and the line's index; None when the last line does not match
+    or another line matches with a different value (the judge wrote two verdicts).
+
+    The last line may hold no format character at all: an invisible character in a verdict is
+    a trick ("1\u200b0" shows as 10), never a judge's plain answer. Earlier lines are read
+    without them, so a hidden earlier verdict still counts as a reversal."""
+    lines = text.splitlines()
+    last = _last_line(lines)
+    if last is None or _FORMAT_CHARS.search(lines[last]) is not None:
+        return None
+    match = pattern.fullmatch(unicodedata.normalize("NFKC", lines[last]))
+    if match is None:
+        return None
+    value = match.group("value").lower()
+    for line in lines[:last]:
+        other = pattern.fullmatch(normalize_verdict_text(line))
+        if other is not None and other.group("value").lower() != value:
+            return None
+    return match, last
+
+
+def _check_prefix(owner: str, prefix: str, is_prefix_required: bool) -> None:
+    if not isinstance(prefix, str):
+        raise ValueError(f"{owner}.prefix={prefix!r}: must be a str ('' for none)")
+    if is_prefix_required and not prefix.strip():
+        raise ValueError(f"{owner}.is_prefix_required=True needs a non-empty prefix")
+
+
+def _check_occurrence(owner: str, occurrence: str) -> None:
+    if occurrence != "last":
+        raise ValueError(
+            f"{owner}.occurrence={occurrence!r}: the verdict is read from the judge's last "
+            "line only; leave occurrence='last'"
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class YesNoParser:
+    """A binary verdict on the judge's last line: `yes_label` gives `yes_reward`, `no_label`
+    gives `no_reward`, anything else is unparsable.
+
+    The line is `[prefix] label [.]` (module docstring): "Verdict: Yes", or the bare label
+    ("Yes") unless `is_prefix_required`; with `is_boxed` the label is boxed ("Verdict:
+    \\boxed{No}"). Case, surrounding spaces and full-width forms do not matter; an invisible
+    format character (zero-width space, bidi control) on the line makes it unparsable. Earlier lines are the judge's reasoning and never decide, except that an
+    earlier line in the same grammar with the other label makes the text unparsable (a judge
+    that reverses itself has no single verdict).
+    """
+
+    yes_label: str = "Yes"
+    no_label: str = "No"
+    yes_reward: float = 1.0
+    no_reward: float = -1.0
+    prefix: str = "Verdict:"  # what opens the verdict line; '' for a bare label
+    is_prefix_required: bool = False  # False: a bare label line also counts
+    is_boxed: bool = False  # True: the label is written \boxed{Yes}
+    occurrence: Occurrence = "last"  # kept for old callers; only "last" is accepted
+    _pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_occurrence("YesNoParser", self.occurrence)
+        _check_prefix("YesNoParser", self.prefix, self.is_prefix_required)
+        for name in ("yes_label", "no_label"):
+            label = getattr(self, name)
+            if not isinstance(label, str) or not label.strip() or label != label.strip():
+                raise ValueError(
+                    f"YesNoParser.{name}={label!r}: give a non-empty label without outer spaces"
+                )
+        if self.yes_label.lower() == self.no_label.lower():
+            raise ValueError(
+                f"YesNoParser: yes_label={self.yes_label!r} and no_label={self.no_label!r} "
+                "are the same word"
+            )
+        for name in ("yes_reward", "no_reward"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"YesNoParser.{name}={getattr(self, name)!r}: must be finite")
+        labels = "|".join(re.escape(label) for label in (self.yes_label, self.no_label))
+        line = _declared_line(
+            self.prefix,
+            labels,
+            is_prefix_required=self.is_prefix_required,
+            is_boxed=self.is_boxed,
+        )
+        object.__setattr__(self, "_pattern", re.compile(line, re.IGNORECASE))
+
+    @property
+    def format_instruction(self) -> str:
+        """The sentence that tells a judge this parser's format (templates append it)."""
+        yes, no = self.yes_label, self.no_label
+        if self.is_boxed:
+            yes, no = f"\\boxed{{{yes}}}", f"\\boxed{{{no}}}"
+        head = f"{self.prefix} " if self.prefix.strip() else ""
+        return (
+            f"End your reply with a last line that is exactly '{head}{yes}' or '{head}{no}', "
+            "and nothing after it."
+        )
+
+    def parse(self, text: str) -> float | None:
+        read = _read_line(self._pattern, text)
+        if read is None:
+            return None
+        is_yes = read[0].group("value").lower() == self.yes_label.lower()
+        return self.yes_reward if is_yes else self.no_reward
+
+    def label_start(self, text: str) -> int | None:
+        """Where the label starts in `text` (a character index), for reading the judge's label
+        probabilities there; None when `text` does not parse or its verdict line is not written
+        verbatim (normalization changed it, so its characters and tokens cannot be matched)."""
+        read = _read_line(self._pattern, text)
+        if read is None:
+            return None
+        match, index = read
+        raw_lines = text.splitlines(keepends=True)
+        if raw_lines[index].splitlines()[0] != match.string:
+            return None
+        offset = sum(len(line) for line in raw_lines[:index])
+        return offset + match.start("value")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ScoreParser:
+    """A pointwise score on the judge's last line, in [low, high], normalized to [0, 1].
+
+    The line is `prefix N [/ high] [.]` ("Score: 7", "Score: 7/10", "score: 8.5."); with
+    `is_boxed` the number is boxed ("Score: \\boxed{7}"). A score out of range, a scale other
+    than `high`, a range ("7-8"), words after the number, or an earlier score line with another
+    value do not parse. A "Score:" anywhere but the last line is reasoning, not the score.
+    """
+
+    low: float = 1.0
+    high: float = 10.0
+    should_normalize: bool = True  # False returns the raw score
+    prefix: str = "Score:"
+    is_prefix_required: bool = True  # False: a bare number line also counts
+    is_boxed: bool = False
+    occurrence: Occurrence = "last"  # kept for old callers; only "last" is accepted
+    _pattern: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_occurrence("ScoreParser", self.occurrence)
+        _check_prefix("ScoreParser", self.prefix, self.is_prefix_required)
+        if not (math.isfinite(self.low) and math.isfinite(self.high) and self.low < self.high):
+            raise ValueError(
+                f"ScoreParser: low={self.low!r}, high={self.high!r}; need finite low < high"
+            )
+        line = _declared_line(
+            self.prefix,
+            _NUMBER,
+            is_prefix_required=self.is_prefix_required,
+            is_boxed=self.is_boxed,
+            after_value=rf"(?:{_SPACE}/{_SPACE}(?P<scale>{_NUMBER}))?",
+        )
+        object.__setattr__(self, "_pattern", re.compile(line, re.IGNORECASE))
+
+    @property
+    def format_instruction(self) -> str:
+        """The sentence that tells a judge this parser's format (templates append it)."""
+        number = "\\boxed{N}" if self.is_boxed else "N"
+        low, high = _plain(self.low), _plain(self.high)
+        head = f"{self.prefix} " if self.prefix.strip() else ""
+        return (
+            f"End your reply with a last line that is exactly '{head}{number}', where N is a "
+            f"number from {low} to {high}, and nothing after it."
+        )
+
+    def parse(self, text: str) -> float | None:
+        read = _read_line(self._pattern, text)
+        if read is None:
+            return None
+        match = read[0]
+        scale = match.groupdict().get("scale")
+        if scale is not None and float(scale) != self.high:
+            return None
+        value = float(match.group("value"))
+        if not (self.low <= value <= self.high):
+            return None
+        if not self.should_normalize:
+            return value
+        return (value - self.low) / (self.high - self.low)
+
+
+def _plain(number: float) -> str:
+    """7.0 -> '7', 0.5 -> '0.5'."""
+    return str(int(number)) if float(number).is_integer() else str(number)
 
 
 def _boxed_spans(text: str) -> list[tuple[int, int]]:
@@ -146,293 +334,3 @@ def _unwrap_text_commands(text: str) -> str:
 def strip_markup(text: str) -> str:
     """Drop markdown emphasis/heading/code marks and LaTeX text wrappers; keep the words."""
     return _MARKDOWN.sub(" ", _unwrap_text_commands(text))
-
-
-def _blank_quotes(
-    text: str, is_bare_verdict: Callable[[str], bool], marker_tail: re.Pattern[str]
-) -> str:
-    """`text` with each quoted span replaced by a placeholder, except a bare quoted verdict that
-    is the whole text (`"Yes"`) or follows a marker on its line (`Verdict: "Yes"`)."""
-    first_word = _WORD.search(text)
-    first = first_word.start() if first_word else len(text)
-    last = _end_of_words(text)
-    out: list[str] = []
-    position = 0
-    for match in _QUOTED.finditer(text):
-        start, end = match.span()
-        if match.lastgroup != "block_quote" and is_bare_verdict(text[start + 1 : end - 1]):
-            is_whole = first >= start and last <= end
-            # A marker sits within a short distance before its value: a bounded look back
-            # keeps a line of many quoted verdicts linear.
-            window = max(0, start - _MARKER_LOOKBACK_CHARS)
-            if is_whole or marker_tail.search(text, window, start) is not None:
-                continue
-        out.append(text[position:start])
-        out.append(_QUOTE_PLACEHOLDER)
-        position = end
-    out.append(text[position:])
-    return "".join(out)
-
-
-def _end_of_words(text: str) -> int:
-    """The index just past the last word character of `text` (0 when there is none)."""
-    end = len(text)
-    while end and not (text[end - 1].isalnum() or text[end - 1] == "_"):
-        end -= 1
-    return end
-
-
-def _pick(readings: Sequence[_Reading], occurrence: Occurrence) -> _Reading:
-    found = [r for r in readings if r is not None]
-    if not found:
-        return None
-    return found[0] if occurrence == "first" else found[-1]
-
-
-def _agree(lead: _Reading, tail: _Reading) -> _Reading:
-    """The text's first and last positions: one alone decides; two that differ are ambiguous."""
-    if lead is AMBIGUOUS or tail is AMBIGUOUS:
-        return AMBIGUOUS
-    if lead is None:
-        return tail
-    if tail is None or tail == lead:
-        return lead
-    return AMBIGUOUS
-
-
-def _read_in_order(parser, plain: str) -> _Reading:
-    """The module docstring's order: a boxed verdict, else a marker's value, else the ends."""
-    boxed = [parser._reading(parser._whole.fullmatch(b)) for b in find_boxed(plain)]
-    reading = _pick(boxed, parser.occurrence)
-    if reading is None:
-        markers = [parser._reading(m) for m in parser._marker.finditer(plain)]
-        reading = _pick(markers, parser.occurrence)
-    if reading is None:
-        reading = parser._ends(plain)
-    return reading
-
-
-def _reward(reading: _Reading) -> float | None:
-    return None if reading is None or isinstance(reading, _Ambiguous) else reading
-
-
-def _check_occurrence(occurrence: str) -> None:
-    if occurrence not in ("first", "last"):
-        raise ValueError(f"occurrence={occurrence!r}: use 'first' or 'last'")
-
-
-def _check_markers(owner: str, markers: tuple[str, ...]) -> None:
-    if not markers or not all(isinstance(m, str) and m.strip() for m in markers):
-        raise ValueError(f"{owner}.markers={markers!r}: give one or more non-empty words")
-
-
-def _alternatives(words: Sequence[str]) -> str:
-    # Longest first so "incorrect" is not read as its suffix "correct".
-    return "|".join(re.escape(w) for w in sorted(set(words), key=len, reverse=True))
-
-
-def _marker_words(markers: Sequence[str]) -> str:
-    return "|".join(r"\s+".join(re.escape(part) for part in m.split()) for m in markers)
-
-
-def _yes_no_phrase(words: str) -> str:
-    """A verdict phrase: groups (negation, word) and, for "X and/or Y", (negation2, word2)."""
-    one = rf"({_NEGATION})?(?<![\w-])({words})(?![\w-])"
-    return rf"{one}(?:[^\S\n]*(?:\band\b|\bor\b|/|&)[^\S\n]*{one})?"
-
-
-@dataclass(kw_only=True, frozen=True)
-class YesNoParser:
-    """A binary verdict: a yes-word gives `yes_reward`, a no-word gives `no_reward`.
-
-    Read, in order: a `\\boxed{}` verdict; a line that starts with a marker ("Verdict: No",
-    "**Final answer:** Yes"); else the first and the last words of the text, which must agree
-    when both are verdicts ("No, the correct answer is 7." reads No: "7" is no verdict). Words
-    match whole and case-insensitively ("Yesterday", "nobody", "yes-man" are not verdicts), a
-    negation flips them ("not correct", "isn't correct"), and a phrase with both readings ("Yes
-    and no", "Yes or No") does not parse. `occurrence` picks among several boxed or marker
-    verdicts: judges that revise write the final one last.
-    """
-
-    yes_words: tuple[str, ...] = ("yes", "correct")
-    no_words: tuple[str, ...] = ("no", "incorrect")
-    yes_reward: float = 1.0
-    no_reward: float = -1.0
-    occurrence: Occurrence = "last"
-    # Line openers whose value is the verdict; matched case-insensitively, after markdown. Not a
-    # bare "answer": judges restate the response's answer ("Answer: No") on lines of their own.
-    markers: tuple[str, ...] = ("verdict", "final verdict", "final answer", "judgment", "judgement")
-    # Built from the fields above in __post_init__.
-    _yes: frozenset[str] = field(init=False, repr=False, compare=False)
-    _leading: re.Pattern[str] = field(init=False, repr=False, compare=False)
-    _phrase_at_end: re.Pattern[str] = field(init=False, repr=False, compare=False)
-    _whole: re.Pattern[str] = field(init=False, repr=False, compare=False)
-    _marker: re.Pattern[str] = field(init=False, repr=False, compare=False)
-    _marker_tail: re.Pattern[str] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        _check_occurrence(self.occurrence)
-        if not self.yes_words or not self.no_words:
-            raise ValueError("YesNoParser: yes_words and no_words must both be non-empty")
-        overlap = {w.lower() for w in self.yes_words} & {w.lower() for w in self.no_words}
-        if overlap:
-            raise ValueError(f"YesNoParser: words {sorted(overlap)} are both yes and no words")
-        for name in ("yes_reward", "no_reward"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"YesNoParser.{name}={getattr(self, name)!r}: must be finite")
-        _check_markers("YesNoParser", self.markers)
-        phrase = _yes_no_phrase(_alternatives((*self.yes_words, *self.no_words)))
-        marker = rf"{_MARKER_PREFIX}(?:{_marker_words(self.markers)})\b"
-        flags = re.IGNORECASE | re.MULTILINE
-        patterns = {
-            "_yes": frozenset(w.lower() for w in self.yes_words),
-            "_leading": re.compile(rf"[\W_]*{phrase}{_CLAUSE_END}", flags),
-            "_phrase_at_end": re.compile(rf"{phrase}\Z", flags),
-            "_whole": re.compile(rf"[\W_]*{phrase}[\W_]*", flags),
-            "_marker": re.compile(rf"{marker}{_MARKER_SEPARATOR}(?:{phrase}{_CLAUSE_END})?", flags),
-            "_marker_tail": re.compile(rf"{marker}[^\w\n]*(?:(?:is|was)\b[^\w\n]*)?\Z", flags),
-        }
-        for name, value in patterns.items():
-            object.__setattr__(self, name, value)  # frozen: set once, here
-
-    def _reading(self, match: re.Match[str] | None) -> _Reading:
-        """The verdict of a phrase match (its groups 1-4); None when the phrase is absent."""
-        if match is None or match.group(2) is None:
-            return None
-        negation, word, negation2, word2 = match.group(1, 2, 3, 4)
-        is_yes = (word.lower() in self._yes) != (negation is not None)
-        if word2 is not None:
-            is_yes2 = (word2.lower() in self._yes) != (negation2 is not None)
-            if is_yes2 != is_yes:
-                return AMBIGUOUS
-        return self.yes_reward if is_yes else self.no_reward
-
-    def _is_bare_verdict(self, text: str) -> bool:
-        return self._whole.fullmatch(text) is not None
-
-    def _ends(self, plain: str) -> _Reading:
-        lead = self._reading(self._leading.match(plain))
-        end = _end_of_words(plain)
-        # A verdict phrase is short: search only the text's tail (lookbehind sees before pos).
-        tail = self._reading(self._phrase_at_end.search(plain, max(0, end - _TAIL_CHARS), end))
-        return _agree(lead, tail)
-
-    def parse(self, text: str) -> float | None:
-        plain = strip_markup(_blank_quotes(text, self._is_bare_verdict, self._marker_tail))
-        return _reward(_read_in_order(self, plain))
-
-
-# A number and its optional scale ("8/10", "8 out of 10", so the scale is not read as a second
-# score), not part of a version string or a longer decimal; "7 or 8" is caught as ambiguous.
-# Groups: (score, scale, alternative score).
-_NUMBER = r"[-+]?\d+(?:\.\d+)?"
-_SCORE_PHRASE = (
-    rf"(?<![\w.])({_NUMBER})(?!\w|\.\d)(?:\s*(?:/|out\s+of)\s*(\d+(?:\.\d+)?)(?!\w|\.\d))?"
-    rf"(?:[^\S\n]+or[^\S\n]+({_NUMBER})(?!\w|\.\d))?"
-)
-# "1-10", "1 to 10", "between 1 and 10": the judge quoting the scale, not giving a score.
-_RANGE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?\s*(?:-|to|and)\s*\d+(?:\.\d+)?(?![\w.])")
-# A bare number that ends the text is a score only in a sentence about scoring ("I rate it 7",
-# "on a scale of 1-10 this is a 6"), not in "... so the correct answer is 5."
-_SCORE_CUE = re.compile(
-    r"\b(?:scor(?:e|es|ed|ing)|rat(?:e|es|ed|ing)|grad(?:e|es|ed|ing)|scale|giv(?:e|es|ing))\b",
-    re.IGNORECASE,
-)
-_SENTENCE_END = re.compile(r"[.!?\n](?=\s|\Z)")
-
-
-@dataclass(kw_only=True, frozen=True)
-class ScoreParser:
-    """A pointwise score in [low, high], normalized to [0, 1]; out-of-range scores do not parse.
-
-    Read, in order: a `\\boxed{}` score; a marker and its value anywhere ("Score: 7", "**Final
-    score:** 8/10", "revised score 9"); else a score with its scale at the start ("7/10. Good")
-    or a score at the end ("I'd say 7 out of 10", "On a scale of 1-10 I rate it 6"), which
-    must agree when both are there. A bare number ends the text as a score only when it is the
-    whole text or its sentence talks of scoring. "7/10" and "7 out of 10" read as 7; a stated
-    scale other than `high` (e.g. "3/5") is rescaled to [low, high]; a scale the judge quotes
-    ("on a scale of 1-10") is skipped; "7 or 8" and a designated score out of range do not
-    parse. `occurrence` picks among several boxed or marker scores.
-    """
-
-    low: float = 1.0
-    high: float = 10.0
-    occurrence: Occurrence = "last"
-    should_normalize: bool = True  # False returns the raw score
-    # Words whose value is the score; matched case-insensitively anywhere, after markdown.
-    markers: tuple[str, ...] = ("score", "rating", "grade")
-    # Built from the fields above in __post_init__.
-    _marker: re.Pattern[str] = field(init=False, repr=False, compare=False)
-    _marker_tail: re.Pattern[str] = field(init=False, repr=False, compare=False)
-    _whole: re.Pattern[str] = field(init=False, repr=False, compare=False)
-    _leading: re.Pattern[str] = field(init=False, repr=False, compare=False)
-    _phrase_at_end: re.Pattern[str] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        _check_occurrence(self.occurrence)
-        if not (math.isfinite(self.low) and math.isfinite(self.high) and self.low < self.high):
-            raise ValueError(
-                f"ScoreParser: low={self.low!r}, high={self.high!r}; need finite low < high"
-            )
-        _check_markers("ScoreParser", self.markers)
-        marker = rf"(?<![\w-])(?:{_marker_words(self.markers)})\b"
-        patterns = {
-            "_marker": re.compile(
-                rf"{marker}{_MARKER_SEPARATOR}(?:{_SCORE_PHRASE})?", re.IGNORECASE
-            ),
-            "_marker_tail": re.compile(
-                rf"{marker}[^\w\n+\-]*(?:(?:is|of)\b[^\w\n+\-]*)?\Z", re.IGNORECASE
-            ),
-            "_whole": re.compile(rf"[^\w+\-]*{_SCORE_PHRASE}[\W_]*"),
-            "_leading": re.compile(rf"[^\w+\-]*{_SCORE_PHRASE}"),
-            "_phrase_at_end": re.compile(rf"{_SCORE_PHRASE}\Z"),
-        }
-        for name, value in patterns.items():
-            object.__setattr__(self, name, value)  # frozen: set once, here
-
-    def _reading(self, match: re.Match[str] | None) -> _Reading:
-        """The score of a score-phrase match (groups 1-3), normalized. An invalid score in a
-        designated position is ambiguous, so no other number stands in for it."""
-        if match is None or match.group(1) is None:
-            return None
-        if match.group(3) is not None:
-            return AMBIGUOUS  # "7 or 8"
-        value = float(match.group(1))
-        if match.group(2) is not None:
-            scale = float(match.group(2))
-            if scale <= 0:
-                return AMBIGUOUS
-            if scale != self.high:
-                value = self.low + value / scale * (self.high - self.low)
-        if not (self.low <= value <= self.high):
-            return AMBIGUOUS
-        if not self.should_normalize:
-            return value
-        return (value - self.low) / (self.high - self.low)
-
-    def _is_bare_verdict(self, text: str) -> bool:
-        return self._whole.fullmatch(text) is not None
-
-    def _ends(self, plain: str) -> _Reading:
-        whole = self._whole.fullmatch(plain)
-        if whole is not None:
-            return self._reading(whole)
-        leading = self._leading.match(plain)
-        # A leading bare number is too often a list item ("1. The response..."); with its scale
-        # ("7/10. Good") it is a score.
-        lead = self._reading(leading) if leading and leading.group(2) else None
-        end = _end_of_words(plain)
-        trailing = self._phrase_at_end.search(plain, max(0, end - _TAIL_CHARS), end)
-        tail: _Reading = None
-        if trailing is not None:
-            sentence_start = max(0, end - _TAIL_CHARS)
-            for stop in _SENTENCE_END.finditer(plain, sentence_start, trailing.start()):
-                sentence_start = stop.end()
-            if trailing.group(2) is not None or _SCORE_CUE.search(plain, sentence_start, end):
-                tail = self._reading(trailing)
-        return _agree(lead, tail)
-
-    def parse(self, text: str) -> float | None:
-        plain = strip_markup(_blank_quotes(text, self._is_bare_verdict, self._marker_tail))
-        plain = _RANGE.sub(" ", plain)
-        return _reward(_read_in_order(self, plain))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from yatt.genrm._images import images_of
+from yatt.genrm._parsers import ScoreParser, YesNoParser
 from yatt.genrm._types import Sample
 
 SAMPLE_FIELDS = ("prompt", "response", "reference")
@@ -33,18 +34,18 @@ _VERIFICATION_USER = (
     "Reference answer:\n{reference}\n\n"
     "Response to grade:\n{response}\n\n"
     "Is the response's final answer correct (equivalent to the reference answer)? "
-    "Reply with one word: Yes or No."
 )
 _VERIFICATION_USER_NO_REFERENCE = (
     "Question:\n{prompt}\n\n"
     "Response to grade:\n{response}\n\n"
-    "Is the response's final answer correct? Reply with one word: Yes or No."
+    "Is the response's final answer correct? "
 )
+# The default parsers read a bare label line, so "one word" is one of their formats.
+_ONE_WORD = "Reply with one word: Yes or No."
 _POINTWISE_USER = (
     "Question:\n{prompt}\n\n"
     "Response to rate:\n{response}\n\n"
     "Rate the response's correctness and helpfulness on a scale from {low} to {high}. "
-    "End with 'Score: N' where N is an integer from {low} to {high}."
 )
 
 
@@ -212,25 +213,55 @@ def _join_around_note(head: str, omitted: str, tail: str) -> str:
     return f"{head}\n[... {omitted} omitted: response too long for the judge ...]\n{tail}"
 
 
+def _literal(text: str) -> str:
+    """`text` as str.format text that renders to itself (a parser's instruction may hold braces:
+    "\\boxed{Yes}")."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
 def verification_template(
-    *, with_reference: bool = True, system: str | None = None, max_response_tokens: int = 4096
+    *,
+    with_reference: bool = True,
+    system: str | None = None,
+    max_response_tokens: int = 4096,
+    parser: YesNoParser | None = None,
 ) -> JudgeTemplate:
-    """'Is the answer correct? Yes/No'; pair it with `YesNoParser()` (+1 / -1)."""
+    """'Is the answer correct? Yes/No'; pair it with `YesNoParser()` (+1 / -1).
+
+    Without `parser` the judge is asked for one word, Yes or No (a bare label line, which the
+    default YesNoParser reads). With one, the prompt ends with `parser.format_instruction`: the
+    exact last line that parser reads ("Verdict: Yes" after reasoning, a boxed label...)."""
+    instruction = _ONE_WORD if parser is None else _literal(parser.format_instruction)
+    question = _VERIFICATION_USER if with_reference else _VERIFICATION_USER_NO_REFERENCE
     return JudgeTemplate(
-        user=_VERIFICATION_USER if with_reference else _VERIFICATION_USER_NO_REFERENCE,
+        user=question + instruction,
         system=system or "You are a careful, strict grader of answers.",
         max_response_tokens=max_response_tokens,
     )
 
 
 def pointwise_template(
-    *, low: int = 1, high: int = 10, system: str | None = None, max_response_tokens: int = 4096
+    *,
+    low: int = 1,
+    high: int = 10,
+    system: str | None = None,
+    max_response_tokens: int = 4096,
+    parser: ScoreParser | None = None,
 ) -> JudgeTemplate:
-    """A score from `low` to `high`; pair it with `ScoreParser(low=low, high=high)` ([0, 1])."""
+    """A score from `low` to `high`; pair it with `ScoreParser(low=low, high=high)` ([0, 1]).
+    The prompt ends with the parser's format instruction (default: that ScoreParser's)."""
     if not low < high:
         raise ValueError(f"pointwise_template: low={low!r}, high={high!r}; need low < high")
+    if parser is None:
+        parser = ScoreParser(low=low, high=high)
+    if (parser.low, parser.high) != (low, high):
+        raise ValueError(
+            f"pointwise_template: parser reads scores from {parser.low} to {parser.high}, "
+            f"the template asks for {low} to {high}; give both the same range"
+        )
+    user = _POINTWISE_USER.replace("{low}", str(low)).replace("{high}", str(high))
     return JudgeTemplate(
-        user=_POINTWISE_USER.replace("{low}", str(low)).replace("{high}", str(high)),
+        user=user + _literal(parser.format_instruction),
         system=system or "You are a careful, strict grader of answers.",
         max_response_tokens=max_response_tokens,
     )

@@ -24,6 +24,10 @@ Where SGLang differs from our protocol, the adapter bridges it:
   weights: no rollout may follow); a refused flush is tried again briefly (aborted requests
   drain), then raises. `release_memory_occupation` and `resume_memory_occupation` return
   nothing to check.
+- label logprobs (SamplingParams.label_token_ids): SGLang's `token_ids_logprob`, read from
+  meta_info["output_token_ids_logprobs"][0]. Not yet run on a GPU; SGLang computes them from
+  the logits it samples with, which may be temperature-scaled (our contract: unscaled), so a
+  judge scored this way should sample greedily (the GenRM default for one vote).
 """
 
 from __future__ import annotations
@@ -121,6 +125,20 @@ def sglang_sampling_params(
     return params
 
 
+def label_logprobs_from_sglang(
+    meta: dict[str, Any], label_token_ids: Sequence[int]
+) -> list[float] | None:
+    """The first position's logprobs of `label_token_ids`, in their order, from SGLang's
+    output_token_ids_logprobs ([logprob, token_id, text] per asked id); None if absent."""
+    positions = meta.get("output_token_ids_logprobs") or []
+    if not label_token_ids or not positions or not positions[0]:
+        return None
+    by_id = {int(entry[1]): float(entry[0]) for entry in positions[0]}
+    if any(t not in by_id for t in label_token_ids):
+        return None
+    return [by_id[t] for t in label_token_ids]
+
+
 def completion_from_sglang(
     output: dict[str, Any],
     *,
@@ -128,6 +146,7 @@ def completion_from_sglang(
     sample_index: int,
     request: Request,
     stop_token_ids: Sequence[int] = (),
+    label_token_ids: Sequence[int] = (),
 ) -> Completion:
     """One SGLang output dict (output_ids, meta_info) as a Completion.
 
@@ -158,6 +177,7 @@ def completion_from_sglang(
         finish_reason=finish,
         request_id=request_id_of(request, request_index),
         metadata=dict(request.metadata),
+        label_logprobs=label_logprobs_from_sglang(meta, label_token_ids) if tokens else None,
     )
 
 
@@ -203,6 +223,11 @@ class SGLangEngine(ThreadedAdapter):
         self.is_multimodal = bool(getattr(manager.model_config, "is_multimodal", False))
         self._lock = threading.Lock()
 
+    @property
+    def supports_label_logprobs(self) -> bool:
+        """Completions carry `label_logprobs` (SGLang's token_ids_logprob)."""
+        return True
+
     def abort(self) -> None:
         if self._lock.locked():
             manager = self._engine.tokenizer_manager
@@ -230,22 +255,33 @@ class SGLangEngine(ThreadedAdapter):
                     sample_seed=derive_key(seed, i, j) if is_seeded else None,
                     max_new_tokens=min(wanted, room),
                 )
-                jobs.append((i, j, request, params, local_stops))
+                jobs.append((i, j, request, params, local_stops, sampling.label_token_ids))
         return jobs
 
     def _run(self, jobs: list[tuple], emit) -> None:
         async def one(
-            i: int, j: int, request: Request, params: dict[str, Any], stops: tuple[int, ...]
+            i: int,
+            j: int,
+            request: Request,
+            params: dict[str, Any],
+            stops: tuple[int, ...],
+            labels: tuple[int, ...],
         ) -> None:
             output = await self._engine.async_generate(
                 input_ids=list(request.prompt_ids),
                 sampling_params=params,
                 image_data=list(request.images) if request.images else None,
                 return_logprob=True,
+                **({"token_ids_logprob": list(labels)} if labels else {}),
             )
             emit(
                 completion_from_sglang(
-                    output, request_index=i, sample_index=j, request=request, stop_token_ids=stops
+                    output,
+                    request_index=i,
+                    sample_index=j,
+                    request=request,
+                    stop_token_ids=stops,
+                    label_token_ids=labels,
                 )
             )
 

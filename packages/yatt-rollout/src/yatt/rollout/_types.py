@@ -32,6 +32,10 @@ class SamplingParams:
     # False: the model's EOS token(s) (generation_config.eos_token_id) end generation as well,
     # as in vLLM and SGLang. True: only `stop_token_ids` and the length limits do.
     ignore_eos: bool = False
+    # Token ids whose logprobs each Completion reports at its first response position
+    # (Completion.label_logprobs): a judge's verdict labels ("Yes", "No"), scored from its
+    # probabilities instead of its sampled text. () asks for none.
+    label_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -57,7 +61,19 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.seed={self.seed!r}: must be None or an int >= 0")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"SamplingParams.ignore_eos={self.ignore_eos!r}: must be a bool")
+        if any(
+            isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.label_token_ids
+        ):
+            raise ValueError(
+                f"SamplingParams.label_token_ids={self.label_token_ids!r}: must be "
+                "non-negative ints"
+            )
+        if len(set(self.label_token_ids)) != len(self.label_token_ids):
+            raise ValueError(
+                f"SamplingParams.label_token_ids={self.label_token_ids!r}: give each id once"
+            )
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "label_token_ids", tuple(self.label_token_ids))
 
 
 @dataclass(kw_only=True)
@@ -81,6 +97,11 @@ class Completion:
     `logprobs[i]` is log softmax(logits / temperature)[response_ids[i]] (unscaled logits when
     temperature is 0), without top-p/top-k truncation: the quantity the trainer recomputes as the
     old policy's logprob.
+
+    `label_logprobs[k]` is log softmax(logits)[SamplingParams.label_token_ids[k]] at the first
+    response position (the distribution response_ids[0] was drawn from), from the model's own
+    logits: no temperature, top-p or top-k. None when no label ids were asked for, or the
+    sample was aborted before its first token.
     """
 
     request_index: int  # position of the request in the call's `requests`
@@ -91,6 +112,7 @@ class Completion:
     finish_reason: FinishReason
     request_id: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    label_logprobs: list[float] | None = None
 
 
 @runtime_checkable

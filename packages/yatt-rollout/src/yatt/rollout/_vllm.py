@@ -9,6 +9,11 @@ Weights load through a worker extension (`_vllm_worker.WeightLoaderExtension`) c
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), so buckets pass by reference, not through a pipe.
 Logprobs are vLLM's "processed_logprobs": log softmax(logits / T) after top-k/top-p, which is
 our definition when top_p == 1 and top_k == 0 (vLLM has no untruncated tempered mode).
+Label logprobs (SamplingParams.label_token_ids) come from one extra 1-token request per
+request (its prompt is prefix-cached): `allowed_token_ids` = the labels, `logprobs` = their
+number, so with processed logprobs they are log softmax over the LABELS ONLY (renormalized:
+their ratios, which a verdict's P(yes) uses, equal the full vocabulary's; their values do not).
+vLLM has no per-request "logprobs of these ids". Not yet run on a GPU.
 Verified on vLLM 0.26.0 on an H100 (packages/yatt-rollout/tests/test_gpu_engines.py). A seed per
 sample sends vLLM's sampler down its per-request-generator path, one kernel per request and
 step: `seed_each_sample=False` trades reproducibility for speed (bench/engines.py measures it).
@@ -99,6 +104,29 @@ def vllm_sampling_kwargs(
     }
 
 
+def vllm_label_probe_kwargs(label_token_ids: Sequence[int]) -> dict[str, Any]:
+    """A one-token vLLM request whose first-position logprobs are the labels' (module docstring):
+    only the labels may be sampled, so the top len(labels) logprobs are exactly theirs."""
+    return {
+        "n": 1,
+        "temperature": 1.0,  # the model's own distribution
+        "max_tokens": 1,
+        "allowed_token_ids": list(label_token_ids),
+        "logprobs": len(label_token_ids),
+        "detokenize": False,
+        "skip_special_tokens": False,
+    }
+
+
+def label_logprobs_from_vllm(
+    logprobs: Sequence[Any] | None, label_token_ids: Sequence[int]
+) -> list[float] | None:
+    """The labels' logprobs, in their order, from a probe's first {token_id: Logprob}."""
+    if not logprobs or any(t not in logprobs[0] for t in label_token_ids):
+        return None
+    return [float(logprobs[0][t].logprob) for t in label_token_ids]
+
+
 def vllm_prompt(request: Request) -> dict[str, Any]:
     """A `TokensPrompt` (a TypedDict, so a plain dict) with images as multi-modal data."""
     prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_ids)}
@@ -156,6 +184,11 @@ class VLLMEngine(ThreadedAdapter):
         self._lock = threading.Lock()
         self._abort_event = threading.Event()
 
+    @property
+    def supports_label_logprobs(self) -> bool:
+        """Completions carry `label_logprobs` (through one probe request per request)."""
+        return True
+
     def abort(self) -> None:
         if self._lock.locked():
             self._abort_event.set()
@@ -174,6 +207,10 @@ class VLLMEngine(ThreadedAdapter):
                 )
                 params = self._vllm.SamplingParams(**kwargs, output_kind=output_kind)
                 jobs.append((i, j, request, vllm_prompt(request), params))
+            if sampling.label_token_ids:  # sample index -1: the request's label probe
+                probe = vllm_label_probe_kwargs(sampling.label_token_ids)
+                params = self._vllm.SamplingParams(**probe, output_kind=output_kind)
+                jobs.append((i, -1, request, vllm_prompt(request), params))
         return jobs
 
     def _run(self, jobs: list[tuple], emit) -> None:
@@ -182,7 +219,10 @@ class VLLMEngine(ThreadedAdapter):
             engine = self._llm.llm_engine
             call = uuid.uuid4().hex[:8]
             pending: dict[str, tuple[int, int, Request, list[int], list[float]]] = {}
+            labels = self._run_label_probes([job for job in jobs if job[1] < 0], call)
             for i, j, request, prompt, params in jobs:
+                if j < 0:
+                    continue
                 rid = f"yatt-{call}-{i}-{j}"
                 engine.add_request(rid, prompt, params)
                 pending[rid] = (i, j, request, [], [])
@@ -201,8 +241,30 @@ class VLLMEngine(ThreadedAdapter):
                     entry[4].extend(sampled_logprobs(sample.token_ids, sample.logprobs))
                     if output.finished:
                         reason = finish_reason_of(sample.finish_reason)
-                        emit(self._completion(pending.pop(output.request_id), reason))
+                        completion = self._completion(pending.pop(output.request_id), reason)
+                        if completion.response_ids:
+                            completion.label_logprobs = labels.get(completion.request_index)
+                        emit(completion)
             self._abort_event.clear()
+
+    def _run_label_probes(self, probes: list[tuple], call: str) -> dict[int, list[float] | None]:
+        """Each probe's label logprobs by request index, before the samples run (one token
+        each; an abort leaves the rest None)."""
+        engine = self._llm.llm_engine
+        pending: dict[str, tuple[int, Sequence[int]]] = {}
+        for i, _, _, prompt, params in probes:
+            rid = f"yatt-{call}-{i}-labels"
+            engine.add_request(rid, prompt, params)
+            pending[rid] = (i, params.allowed_token_ids)
+        found: dict[int, list[float] | None] = {}
+        while pending and not self._abort_event.is_set():
+            for output in engine.step():
+                if output.request_id in pending and output.finished:
+                    i, label_ids = pending.pop(output.request_id)
+                    found[i] = label_logprobs_from_vllm(output.outputs[0].logprobs, label_ids)
+        if pending:
+            engine.abort_request(list(pending))
+        return found
 
     @staticmethod
     def _completion(entry: tuple, reason: FinishReason) -> Completion:

@@ -40,6 +40,7 @@ from yatt.rollout.builtin._static_kv import DecodeWrite, PrefillWrite, StaticKVC
 from yatt.rollout.builtin._vision import RequestImages, VisionPrefill
 
 MAX_STOP_TOKENS = 32
+MAX_LABEL_TOKENS = 16  # SamplingParams.label_token_ids per call
 MIN_SPAN = 64  # smallest attention bucket; below this a step is bound by launches, not reads
 # One CUDA-graph capture at a time in the process: entering torch.cuda.graph synchronises the
 # device and empties the allocator's cache, which asserts that no capture is underway (two
@@ -70,6 +71,7 @@ class WorkItem:
     max_new_tokens: int  # the request's own limit if it sets one, else the call's
     owner: object = None  # the call it belongs to (several calls may share one loop)
     images: RequestImages | None = None  # the request's images, encoded (a vision model)
+    label_token_ids: tuple[int, ...] = ()  # logprobs reported at the first response position
 
 
 @dataclass(kw_only=True)
@@ -118,6 +120,9 @@ class SlotRunner:
         self.stop_ids_K = torch.full((MAX_STOP_TOKENS,), -1, **zeros)
         self.response_SL = torch.zeros(S, L + 1, **zeros)
         self.logprob_SL = torch.zeros(S, L + 1, dtype=torch.float32, device=device)
+        # Per slot: the logprobs of its item's label_token_ids at the first response position,
+        # written at prefill (eager, no graph) and read at harvest.
+        self.label_logprob_SK = torch.zeros(S, MAX_LABEL_TOKENS, dtype=torch.float32, device=device)
         self.slot_ids_S = torch.arange(S, device=device)
         self.arange_L = torch.arange(L, device=device)
         self.spans = span_buckets(L)
@@ -238,6 +243,8 @@ class SlotRunner:
             is_greedy=flags.is_greedy,
             is_truncated=flags.is_truncated,
         )
+        if any(item.label_token_ids for item in items):
+            self._write_label_logprobs(logits_JV, items, slot_J)
         prompt_len_J = lengths_B[row_J]
         max_new_J = torch.tensor([item.max_new_tokens for item in items], device=device)
         limit_J = torch.minimum(L - prompt_len_J, max_new_J)
@@ -250,6 +257,21 @@ class SlotRunner:
         self.limit_S[slot_J] = limit_J
         is_stop_J = (token_J[:, None] == self.stop_ids_K[None, :]).any(dim=-1)
         self.active_S[slot_J] = ~is_stop_J & (limit_J > 1)
+
+    def _write_label_logprobs(
+        self, logits_JV: torch.Tensor, items: list[WorkItem], slot_J: torch.Tensor
+    ) -> None:
+        """log softmax of the unscaled logits at each item's label ids (0-padded to K)."""
+        label_JK = torch.zeros(len(items), MAX_LABEL_TOKENS, dtype=torch.long)
+        for j, item in enumerate(items):
+            label_JK[j, : len(item.label_token_ids)] = torch.tensor(item.label_token_ids)
+        logprob_JV = torch.log_softmax(logits_JV.float(), dim=-1)
+        self.label_logprob_SK[slot_J] = logprob_JV.gather(-1, label_JK.to(self.device))
+
+    def read_label_logprobs(self, slots: list[int]) -> list[list[float]]:
+        """Each slot's label logprobs row (MAX_LABEL_TOKENS; its item's ids come first)."""
+        index = torch.tensor(slots, device=self.device)
+        return self.label_logprob_SK[index].cpu().tolist()
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from yatt.rollout._weights import (
     move_into_current_region,
     named_targets,
 )
-from yatt.rollout.builtin._batcher import CAPTURE_LOCK, SlotRunner, WorkItem
+from yatt.rollout.builtin._batcher import CAPTURE_LOCK, MAX_LABEL_TOKENS, SlotRunner, WorkItem
 from yatt.rollout.builtin._config import EngineConfig
 from yatt.rollout.builtin._device import EngineDevice
 from yatt.rollout.builtin._host_loop import Call, SlotLoop
@@ -187,6 +187,11 @@ class BuiltinEngine:
         return self._vision is not None
 
     @property
+    def supports_label_logprobs(self) -> bool:
+        """Completions carry `label_logprobs` when SamplingParams.label_token_ids asks."""
+        return True
+
+    @property
     def num_joined_calls(self) -> int:
         """Calls so far that joined an already running loop instead of waiting for it."""
         return self._scheduler.num_joined_calls
@@ -200,6 +205,12 @@ class BuiltinEngine:
             max_seq_len=self.config.max_seq_len,
             accepts_images=self.accepts_images,
         )
+        labels = sampling.label_token_ids
+        if len(labels) > MAX_LABEL_TOKENS or any(t >= self.vocab_size for t in labels):
+            raise ValueError(
+                f"SamplingParams.label_token_ids={labels!r}: the built-in engine takes at most "
+                f"{MAX_LABEL_TOKENS} ids, each below the vocabulary size {self.vocab_size}"
+            )
         # Each request's images through the image processor once (its n samples share them).
         images = [
             self._vision.encode(i, request.prompt_ids, request.images)
@@ -218,6 +229,7 @@ class BuiltinEngine:
                 key=derive_key(seed, i, j),
                 max_new_tokens=max_new_tokens_of(request, sampling),
                 images=images[i],
+                label_token_ids=sampling.label_token_ids,
             )
             for i, request in enumerate(requests)
             for j in range(sampling.n)

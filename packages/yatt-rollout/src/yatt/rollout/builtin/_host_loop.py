@@ -128,6 +128,9 @@ class SlotLoop:
 
     def _harvest(self, done: list[int], gen_len: list[int], active: list[int]) -> None:
         tokens, logprobs = self.runner.read_responses(done, max(gen_len[s] for s in done))
+        labels = None
+        if any(self.occupant[s].label_token_ids for s in done):  # type: ignore[union-attr]
+            labels = self.runner.read_label_logprobs(done)
         for row, s in enumerate(done):
             item, n = self.occupant[s], gen_len[s]
             assert item is not None
@@ -138,7 +141,10 @@ class SlotLoop:
                 reason = "abort"
             else:
                 reason = "length"
-            _deliver(item, _completion(item, response, logprobs[row][:n], reason))
+            completion = _completion(item, response, logprobs[row][:n], reason)
+            if labels is not None and item.label_token_ids and n:
+                completion.label_logprobs = labels[row][: len(item.label_token_ids)]
+            _deliver(item, completion)
             self.occupant[s] = None
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from yatt.rollout.builtin._batcher import MAX_STOP_TOKENS
+from yatt.rollout.builtin._batcher import MAX_LABEL_TOKENS, MAX_STOP_TOKENS
 
 # Per-slot scalars of the slot runner: eight int64 (rope_delta_S included), two float32, one
 # bool; plus one int64 row base per KV head in the cache's index table (in KVLayout.slot_bytes).
@@ -41,6 +41,7 @@ class KVLayout:
         element = torch.empty((), dtype=self.dtype).element_size()
         kv_row = 2 * self.num_layers * self.num_kv_heads * self.max_seq_len * self.head_dim
         runner_rows = (self.max_seq_len + 1) * (8 + 4)  # response ids int64, logprobs float32
+        runner_rows += MAX_LABEL_TOKENS * 4  # label logprobs float32
         return kv_row * element + runner_rows + _RUNNER_SCALAR_BYTES + self.num_kv_heads * 8
 
     @property
