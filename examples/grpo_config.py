@@ -117,11 +117,20 @@ class DataConfig:
     image_key: str = ""
     max_images: int = 4  # rows with more images are skipped (data/skipped_rows/too_many_images)
     max_image_pixels: int = 4096 * 4096  # rows with a larger image (width x height) are skipped
+    # Rows are measured before they are read whole or tokenized; past these, counted skips.
+    max_row_bytes: int = 64 << 20  # a longer JSONL line is skipped unread (too_long)
+    # A prompt of more UTF-8 bytes is skipped before the tokenizer sees it (too_long);
+    # 0 = 128 bytes per token of rollout.engine.max_seq_len - rollout.max_new_tokens.
+    max_prompt_bytes: int = 0
+    max_image_bytes: int = 32 << 20  # a larger image file is skipped unread (image_too_large)
 
     def __post_init__(self) -> None:
         check_at_least("data.prompts_per_rank", self.prompts_per_rank, 1)
         check_at_least("data.max_images", self.max_images, 1)
         check_at_least("data.max_image_pixels", self.max_image_pixels, 1)
+        check_at_least("data.max_row_bytes", self.max_row_bytes, 1)
+        check_at_least("data.max_prompt_bytes", self.max_prompt_bytes, 0)
+        check_at_least("data.max_image_bytes", self.max_image_bytes, 1)
         if self.split:
             self.path = split_path("data", self.path, self.split)
 

@@ -89,11 +89,20 @@ def required_row_fields(cfg: TrainConfig) -> list[str]:
     )
 
 
-def image_loading(cfg: TrainConfig) -> dict[str, Any]:
-    """The loader's image arguments: rows' images opened on their rank, oversized ones skipped."""
-    if not cfg.data.image_key:
-        return {}
-    return {"image_key": cfg.data.image_key, "max_image_pixels": cfg.data.max_image_pixels}
+def row_limits(cfg: TrainConfig) -> dict[str, Any]:
+    """The loader's size limits (rows, prompts; images: opened on their rank, oversized ones
+    skipped), each checked before the row, prompt or image is read whole."""
+    limits: dict[str, Any] = {
+        "max_row_bytes": cfg.data.max_row_bytes,
+        "max_prompt_bytes": cfg.data.max_prompt_bytes or None,  # None: the loader's default
+    }
+    if cfg.data.image_key:
+        limits |= {
+            "image_key": cfg.data.image_key,
+            "max_image_pixels": cfg.data.max_image_pixels,
+            "max_image_bytes": cfg.data.max_image_bytes,
+        }
+    return limits
 
 
 def load_eval_rows(
@@ -113,7 +122,7 @@ def load_eval_rows(
         max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
         count_tokens=count_tokens,
         required_keys=required_row_fields(cfg),
-        **image_loading(cfg),
+        **row_limits(cfg),
     )
     # One pass over this rank's shard at most: never the same prompt twice.
     num_rows = min(math.ceil(cfg.eval.num_prompts / runtime.dp_size), loader.num_local_rows)

@@ -54,7 +54,7 @@ from yatt.placement import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_config import DataConfig, TrainConfig, read_config
-from grpo_data import check_judge_prompts, judge_sample, prompt_ids
+from grpo_data import PromptError, check_judge_prompts, judge_sample, prompt_ids
 from grpo_metrics import StepStats, VerdictWarnings, check_verdicts, eval_metrics, summarize
 from grpo_prompts import Prompt, PromptEncoder
 from grpo_setup import (
@@ -62,11 +62,11 @@ from grpo_setup import (
     close_all,
     export_checkpoint,
     export_dir,
-    image_loading,
     load_eval_rows,
     make_engine,
     make_scorer,
     required_row_fields,
+    row_limits,
 )
 
 logger = logging.getLogger("train_grpo")
@@ -93,10 +93,20 @@ class Scored:
 
 def draw_prompts(loader: core.ShardedLoader, encoder: PromptEncoder, num_rows: int) -> list[Prompt]:
     """This rank's next prompts. A draw of only unusable rows (skipped and counted) draws
-    again; the loader stops the run once a whole epoch of the shard had no usable row."""
-    prompts = encoder.encode(loader.next_batch(num_rows))
+    again; once a whole epoch of the shard gave no usable prompt (the loader's skips or the
+    encoder's) no number of draws could, and the run stops naming the counts."""
+    num_drawn = 0
+    prompts: list[Prompt] = []
     while not prompts:
-        prompts = encoder.encode(loader.next_batch(num_rows))
+        if num_drawn >= 2 * loader.num_local_rows:  # twice the shard: a whole epoch in it
+            raise ValueError(
+                f"data.path: the last {num_drawn} rows rank {loader.rank} drew (a whole epoch "
+                f"of its {loader.num_local_rows} rows) gave no usable prompt; skipped rows by "
+                f"cause: {encoder.skipped_by_cause(loader)}"
+            )
+        rows = loader.next_batch(num_rows)
+        num_drawn += max(len(rows), 1)
+        prompts = encoder.encode(rows)
     return prompts
 
 
@@ -226,7 +236,10 @@ def main(argv: list[str]) -> int:
         tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
 
         def count_tokens(prompt) -> int:
-            return len(prompt_ids(prompt, tokenizer, cfg.data.apply_chat_template))
+            try:
+                return len(prompt_ids(prompt, tokenizer, cfg.data.apply_chat_template))
+            except PromptError:  # refused by the chat template: the encoder skips it (bad_prompt)
+                return 0
 
         loader = core.ShardedLoader(
             cfg.data.path,
@@ -238,10 +251,11 @@ def main(argv: list[str]) -> int:
             max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
             count_tokens=count_tokens,
             required_keys=required_row_fields(cfg),
-            **image_loading(cfg),  # data.image_key: images opened here, bad ones skipped
+            **row_limits(cfg),  # sizes checked before reading; data.image_key: images opened here
         )
         # Rows -> prompts (images through the policy's image processor); checks the policy.
         encoder = PromptEncoder(cfg, tokenizer)
+        encoder.check(loader.first_rows(), source=f"data.path={cfg.data.path!r}")
         eval_prompts = encoder.encode(
             load_eval_rows(cfg, runtime, count_tokens), should_count=False
         )

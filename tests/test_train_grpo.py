@@ -1012,3 +1012,65 @@ def test_ctrl_c_saves_and_exits_non_zero(tmp_path, embedded):
     assert proc.returncode == 128 + signal.SIGINT, stderr[-2000:]
     last = _metrics(out)[-1]["step"]
     assert (out / "checkpoints" / f"step-{last:08d}").is_dir()
+
+
+STRICT_TEMPLATE = (  # raises on a role other than user/assistant, as Gemma's and Mistral's do
+    "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('Conversation roles must be user/assistant') }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_row_the_strict_chat_template_refuses_is_a_counted_skip_not_a_crash(tmp_path, embedded):
+    """A policy whose chat template raises on an unknown role (Gemma/Mistral style), given
+    rows with a 'tool' message: those rows are bad_prompt skips; the run trains on the rest."""
+    import shutil
+
+    policy = tmp_path / "strict-policy"
+    shutil.copytree(_paths(embedded)["policy"]["model_dir"], policy)
+    (policy / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+    lines = Path(_paths(embedded)["data"]["path"]).read_text().splitlines()
+    rows = [json.loads(line) for line in lines[:32]]
+    data = tmp_path / "chat.jsonl"
+    with data.open("w") as f:
+        for i, row in enumerate(rows):
+            messages = [{"role": "user", "content": row["prompt"]}]
+            if i % 2:
+                messages.insert(0, {"role": "tool", "content": "7"})
+            f.write(json.dumps({**row, "prompt": messages}) + "\n")
+    kept = [a for a in embedded if a.split("=", 1)[0] not in ("policy.model_dir", "data.path")]
+    out = tmp_path / "run"
+    args = [f"policy.model_dir={policy}", f"data.path={data}", *kept]
+    subprocess.run(
+        _one_rank(out, args, "num_steps=2", "eval.every_steps=0", "rollout.engine.max_seq_len=96"),
+        check=True,
+        env=_env(),
+        timeout=600,
+    )
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1]
+    assert records[-1]["data/skipped_rows/bad_prompt"] > 0
+    assert all(r["genrm/verdicts"] > 0 for r in records)
+
+
+def test_the_loaders_size_limits_are_config_fields(tmp_path, embedded):
+    from grpo_setup import row_limits
+
+    raw = {**_paths(embedded), "data": {**_paths(embedded)["data"], "max_row_bytes": 200}}
+    cfg = grpo_config.build_config(raw)
+    assert row_limits(cfg) == {"max_row_bytes": 200, "max_prompt_bytes": None}
+    data = tmp_path / "rows.jsonl"
+    data.write_text(
+        json.dumps({"prompt": "1+2=", "answer": "3"})
+        + "\n"
+        + json.dumps({"prompt": "1+2=" + " pad" * 100, "answer": "3"})
+        + "\n"
+    )
+    loader = grpo_config.core.ShardedLoader(
+        data, batch_size=1, should_shuffle=False, **row_limits(cfg)
+    )
+    loader.next_batch(2)
+    assert loader.skipped_by_cause()["too_long"] == 1  # the 400-byte line, unread
+    with pytest.raises(ValueError, match=r"data\.max_prompt_bytes=-1: must be >= 0"):
+        grpo_config.DataConfig(max_prompt_bytes=-1)
