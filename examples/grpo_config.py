@@ -192,14 +192,24 @@ class RewardConfig:
     backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
     # Python reward functions, "module:fn" or "path/file.py:fn": fn(prompt, response,
     # reference, row) -> float, or None when it cannot score; added to the judge's reward.
+    # A reward file is Python code that runs, with the trainer's permissions, when it loads.
     functions: list = field(default_factory=list)
     function_weights: list = field(default_factory=list)  # one per function; [] = 1.0 each
+    # Seconds one reward function call may take: calls run in a worker process, killed past
+    # this (that sample's verdict is an error, counted; the run goes on). 0 = no limit, calls
+    # in the trainer's process (a call that never returns hangs the run).
+    function_timeout_s: float = 60.0
     # backend=openai: OpenAIJudgeConfig fields (base_url, model, api_key_env, max_concurrency,
     # timeout_s, max_retries, extra_body); the key is read from the api_key_env variable.
     openai: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_at_least("reward.votes", self.votes, 1)
+        check_at_least("reward.function_timeout_s", self.function_timeout_s, 0.0)
+        if not math.isfinite(self.function_timeout_s):
+            raise ValueError(
+                f"reward.function_timeout_s={self.function_timeout_s!r}: seconds, or 0 for no limit"
+            )
         check_at_most(
             "reward.votes",
             self.votes,
@@ -252,8 +262,10 @@ class RewardConfig:
         return config
 
     def load_functions(self) -> list[tuple[genrm.RewardFunction, float]]:
+        """The functions, each with its weight; they own worker processes: close() them."""
+        timeout_s = self.function_timeout_s or None
         return [
-            (genrm.load_reward_function(spec), weight)
+            (genrm.load_reward_function(spec, timeout_s=timeout_s), weight)
             for spec, weight in zip(self.functions, self.function_weights, strict=True)
         ]
 

@@ -1074,3 +1074,58 @@ def test_the_loaders_size_limits_are_config_fields(tmp_path, embedded):
     assert loader.skipped_by_cause()["too_long"] == 1  # the 400-byte line, unread
     with pytest.raises(ValueError, match=r"data\.max_prompt_bytes=-1: must be >= 0"):
         grpo_config.DataConfig(max_prompt_bytes=-1)
+
+
+def test_a_reward_file_that_exits_while_it_loads_is_a_start_up_error(tmp_path):
+    rewards = tmp_path / "exits.py"
+    rewards.write_text(
+        "import sys\nsys.exit(0)\ndef score(prompt, response, reference, row):\n    return 1.0\n"
+    )
+    with pytest.raises(ValueError, match=r"reward\.functions: .*exits\.py:score"):
+        grpo_config.read_config(
+            [f"out_dir={tmp_path}", "reward.backend=none", f"reward.functions=[{rewards}:score]"]
+        )
+    with pytest.raises(ValueError, match=r"reward\.function_timeout_s=-1: must be >= 0"):
+        grpo_config.RewardConfig(function_timeout_s=-1)
+
+
+_HANGS_ONCE = """
+import time
+from pathlib import Path
+
+MARKER = Path(__file__).with_suffix(".hung")
+
+
+def exact(prompt, response, reference, row):
+    if not MARKER.exists():  # the first call of the run hangs
+        MARKER.touch()
+        time.sleep(3600)
+    return 1.0 if response.strip() == reference else -1.0
+"""
+
+
+def test_a_reward_function_that_hangs_is_an_error_verdict_after_its_timeout(tmp_path, embedded):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(_HANGS_ONCE)
+    out = tmp_path / "run"
+    paths = [arg for arg in embedded if not arg.startswith("reward.judge_dir=")]
+    started = time.monotonic()
+    subprocess.run(
+        _one_rank(
+            out,
+            paths,
+            "reward.backend=none",
+            f"reward.functions=[{rewards}:exact]",
+            "reward.function_timeout_s=2",
+            "num_steps=2",
+            "eval.every_steps=0",
+        ),
+        check=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert time.monotonic() - started < 400  # not the hour the call sleeps
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1]
+    assert records[0]["genrm/errors"] >= 1  # the hung call, cut off
+    assert (tmp_path / "rewards.hung").exists()
