@@ -40,6 +40,7 @@ ENGINE_CONFIGS = {"vllm": rollout.VLLMConfig, "sglang": rollout.SGLangConfig}
 # Judges: an engine loading reward.judge_dir, a served endpoint, or none (reward functions).
 JUDGE_BACKENDS = ("builtin", "vllm", "sglang", "openai", "none")
 LOCAL_JUDGES = ("builtin", "vllm", "sglang")
+VERDICT_FROM = ("auto", "label_logprobs", "text")  # GenRM's verdict_from values
 EXPORT_DTYPES = ("", "float32", "bfloat16", "float16")
 # task=...: the embedded task's module, its folder under out_dir, and the row field of images.
 EMBEDDED_TASKS = {
@@ -182,6 +183,12 @@ class RewardConfig:
     # and any other column of the data rows.
     judge_template: str = "{prompt}{response} ref {reference}"
     votes: int = 1  # judge samples per response, averaged
+    # How a verdict becomes a reward. The judge's last line must be its label ("Yes"/"No",
+    # optionally "Verdict: Yes"; anything else is unparsable, counted). "label_logprobs": the
+    # reward is 2 P(Yes) - 1 from the judge's probabilities at that label (no text decides);
+    # "text": +1/-1 from the label written; "auto": label_logprobs on an engine that gives
+    # them (builtin, vLLM, SGLang), else text (openai).
+    verdict_from: str = "auto"
     rule_weight: float = 0.0  # weight of an exact-match rule reward added to the judge's
     # The judge: an engine loading judge_dir ("builtin", or "vllm"/"sglang" on a GPU), a served
     # OpenAI-compatible endpoint ("openai", see reward.openai), or "none" (functions only).
@@ -219,6 +226,16 @@ class RewardConfig:
         check_weight("reward.rule_weight", self.rule_weight)
         if self.backend not in JUDGE_BACKENDS:
             raise ValueError(f"reward.backend={self.backend!r}: use one of {JUDGE_BACKENDS}")
+        if self.verdict_from not in VERDICT_FROM:
+            raise ValueError(
+                f"reward.verdict_from={self.verdict_from!r}: use one of {VERDICT_FROM}"
+            )
+        if self.verdict_from == "label_logprobs" and self.backend not in LOCAL_JUDGES:
+            raise ValueError(
+                f"reward.verdict_from='label_logprobs' reads the judge engine's token "
+                f"probabilities; reward.backend={self.backend!r} gives text only: use 'auto' "
+                "or 'text'"
+            )
         if self.backend in LOCAL_JUDGES:
             check_engine_backend("reward.backend", self.backend, self.backend_options)
         elif self.backend_options:

@@ -41,7 +41,8 @@ def make_engine(section: RolloutConfig | RewardConfig, model_dir: str, device: s
 def make_scorer(
     reward: RewardConfig, judge_engine, closeables: list[Any] | None = None
 ) -> tuple[Any, genrm.ExactMatch]:
-    """The reward: the judge's verdict (+1/-1; a local engine, a served endpoint, or none),
+    """The reward: the judge's verdict (in [-1, 1]: 2 P(Yes) - 1 from a local engine's label
+    probabilities, +1/-1 from the text; a local engine, a served endpoint, or none),
     plus the reward functions and, when rule_weight > 0, an exact-match rule. The exact match
     is also the accuracy metric's ground truth. What owns threads goes into `closeables` (the
     judge engine is the caller's)."""
@@ -51,10 +52,13 @@ def make_scorer(
     )
     judge: Any = None
     if reward.backend in LOCAL_JUDGES:
+        # The declared verdict: the judge's last line is its label (the embedded judge answers
+        # "Yes"/"No" alone, that line); its probability there is the reward unless "text".
         judge = genrm.GenRM(
             judge_engine,
             template=template,
             parser=genrm.YesNoParser(),
+            verdict_from=reward.verdict_from,
             votes=reward.votes,
             sampling=sampling,
         )

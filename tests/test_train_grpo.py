@@ -595,13 +595,16 @@ def test_a_round_decodes_each_response_once_and_pairs_it_with_its_verdict(embedd
         assert item.sample.reference == str(row["answer"])  # an integer answer read as text
         decoded = tokenizer.tokenizer.decode(item.completion.response_ids, skip_special_tokens=True)
         assert item.sample.response == decoded
-        assert item.verdict.status == "ok" and item.verdict.reward in (-1.0, 1.0)
+        # The judge's label probabilities: 2 P(Yes) - 1, the sign that of the label it wrote.
+        assert item.verdict.status == "ok" and -1.0 <= item.verdict.reward <= 1.0
+        assert (item.verdict.reward > 0) == (item.verdict.votes[0].text.strip() == "Yes")
     groups = sorted(
         (item.completion.request_index, item.completion.sample_index) for item in scored
     )
     assert groups == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     batch = train_grpo.to_batch(scored, train_grpo.core.init_runtime(seed=0), encoder)
-    assert batch.samples["reward"].tolist() == [item.verdict.reward for item in scored]
+    rewards = [item.verdict.reward for item in scored]
+    assert batch.samples["reward"].tolist() == pytest.approx(rewards, rel=1e-6)  # as float32
 
 
 # -- what users of TRL and verl expect (issue 16) ----------------------------------------------
