@@ -20,7 +20,8 @@ One step, as the loop reads:
     eval        every eval.every_steps: held-out prompts through the same reward (eval/*)
 
 At the end the last step is always checkpointed and the policy written as a Hugging Face
-folder (out_dir/export) that transformers and vLLM load as it is.
+folder (out_dir/export) that transformers and vLLM load as it is. One run per out_dir (a lock
+rank 0 holds); SIGTERM or Ctrl-C saves the step in progress and exits with 128 + the signal.
 
 The config (grpo_config.py) is built and checked whole before anything starts. Unusable data
 rows are skipped and counted (data/skipped_rows/<cause>); failed judge verdicts are counted

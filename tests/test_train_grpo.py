@@ -400,6 +400,11 @@ def test_a_run_whose_steps_never_update_stops_and_says_why(tmp_path, embedded):
             id="judge-context-too-short",
         ),
         pytest.param(
+            ["data.prompts_per_rank=100000"],
+            r"batch_size=100000 \(prompts per rank per step: the trainer's data\.prompts_per_rank\)",
+            id="more-prompts-per-step-than-data",
+        ),
+        pytest.param(
             ["data.path=EMPTY"],
             r"empty\.jsonl': none of its first 16 rows is usable.*non-empty",
             id="no-usable-row",
