@@ -18,8 +18,9 @@ import argparse
 import contextlib
 import importlib.util
 import logging
+import math
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,12 +33,14 @@ from grpo_prompts import check_takes_images
 
 from yatt import core, genrm, rollout
 from yatt.ckpt import CkptConfig
+from yatt.core._export import check_export_dir  # TODO(issue 23): public in yatt.core
 
 logger = logging.getLogger("train_grpo")
 ENGINE_CONFIGS = {"vllm": rollout.VLLMConfig, "sglang": rollout.SGLangConfig}
 # Judges: an engine loading reward.judge_dir, a served endpoint, or none (reward functions).
 JUDGE_BACKENDS = ("builtin", "vllm", "sglang", "openai", "none")
 LOCAL_JUDGES = ("builtin", "vllm", "sglang")
+VERDICT_FROM = ("auto", "label_logprobs", "text")  # GenRM's verdict_from values
 EXPORT_DTYPES = ("", "float32", "bfloat16", "float16")
 # task=...: the embedded task's module, its folder under out_dir, and the row field of images.
 EMBEDDED_TASKS = {
@@ -46,11 +49,36 @@ EMBEDDED_TASKS = {
 }
 # The trainer's policy defaults: the embedded task's tiny model (help lists them as defaults).
 DEFAULT_POLICY = {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512}
+# Upper bounds on sizes that multiply the run's work; past them a typo (votes=1e9), not a plan.
+# Group sizes in published GRPO/DAPO runs are 4-64 (a few use 256-512): 1024 leaves room.
+MAX_SAMPLES_PER_PROMPT = 1024
+# Each vote is one more judge generation per response; 64 votes already bring the standard
+# error of the averaged verdict to 1/8 of one vote's.
+MAX_VOTES = 64
+# GRPO normalizes rewards within a group, so only the weights' ratios matter; past this a weight
+# is a units mistake, and weight x reward may no longer fit the float32 the batch holds.
+MAX_REWARD_WEIGHT = 1e6
+# Seeds fit a signed 32-bit int: what numpy's legacy seeding, torch and the serving engines take.
+MAX_SEED = 2**31 - 1
 
 
 def check_at_least(name: str, value: float, minimum: float) -> None:
     if value < minimum:
         raise ValueError(f"{name}={value!r}: must be >= {minimum}")
+
+
+def check_at_most(name: str, value: float, maximum: float, why: str) -> None:
+    if value > maximum:
+        raise ValueError(f"{name}={value!r}: must be <= {maximum} ({why})")
+
+
+def check_weight(name: str, value: float) -> None:
+    """A reward weight: finite, and small enough that weight x reward fits float32."""
+    if not math.isfinite(value) or abs(value) > MAX_REWARD_WEIGHT:
+        raise ValueError(
+            f"{name}={value!r}: must be a finite number within +-{MAX_REWARD_WEIGHT:g} (GRPO "
+            "normalizes rewards per group: only the weights' ratios matter)"
+        )
 
 
 def check_engine_backend(name: str, backend: str, options: dict) -> None:
@@ -90,11 +118,20 @@ class DataConfig:
     image_key: str = ""
     max_images: int = 4  # rows with more images are skipped (data/skipped_rows/too_many_images)
     max_image_pixels: int = 4096 * 4096  # rows with a larger image (width x height) are skipped
+    # Rows are measured before they are read whole or tokenized; past these, counted skips.
+    max_row_bytes: int = 64 << 20  # a longer JSONL line is skipped unread (too_long)
+    # A prompt of more UTF-8 bytes is skipped before the tokenizer sees it (too_long);
+    # 0 = 128 bytes per token of rollout.engine.max_seq_len - rollout.max_new_tokens.
+    max_prompt_bytes: int = 0
+    max_image_bytes: int = 32 << 20  # a larger image file is skipped unread (image_too_large)
 
     def __post_init__(self) -> None:
         check_at_least("data.prompts_per_rank", self.prompts_per_rank, 1)
         check_at_least("data.max_images", self.max_images, 1)
         check_at_least("data.max_image_pixels", self.max_image_pixels, 1)
+        check_at_least("data.max_row_bytes", self.max_row_bytes, 1)
+        check_at_least("data.max_prompt_bytes", self.max_prompt_bytes, 0)
+        check_at_least("data.max_image_bytes", self.max_image_bytes, 1)
         if self.split:
             self.path = split_path("data", self.path, self.split)
 
@@ -127,6 +164,12 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         # GRPO's advantage is a sample's reward against its group's: one sample has none.
         check_at_least("rollout.samples_per_prompt", self.samples_per_prompt, 2)
+        check_at_most(
+            "rollout.samples_per_prompt",
+            self.samples_per_prompt,
+            MAX_SAMPLES_PER_PROMPT,
+            "responses per prompt and step; GRPO groups are 4-64 in practice",
+        )
         check_at_least("rollout.temperature", self.temperature, 0.0)
         check_at_least("rollout.max_new_tokens", self.max_new_tokens, 1)
         check_at_least("rollout.max_sampling_rounds", self.max_sampling_rounds, 1)
@@ -140,6 +183,12 @@ class RewardConfig:
     # and any other column of the data rows.
     judge_template: str = "{prompt}{response} ref {reference}"
     votes: int = 1  # judge samples per response, averaged
+    # How a verdict becomes a reward. The judge's last line must be its label ("Yes"/"No",
+    # optionally "Verdict: Yes"; anything else is unparsable, counted). "label_logprobs": the
+    # reward is 2 P(Yes) - 1 from the judge's probabilities at that label (no text decides);
+    # "text": +1/-1 from the label written; "auto": label_logprobs on an engine that gives
+    # them (builtin, vLLM, SGLang), else text (openai).
+    verdict_from: str = "auto"
     rule_weight: float = 0.0  # weight of an exact-match rule reward added to the judge's
     # The judge: an engine loading judge_dir ("builtin", or "vllm"/"sglang" on a GPU), a served
     # OpenAI-compatible endpoint ("openai", see reward.openai), or "none" (functions only).
@@ -150,16 +199,43 @@ class RewardConfig:
     backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
     # Python reward functions, "module:fn" or "path/file.py:fn": fn(prompt, response,
     # reference, row) -> float, or None when it cannot score; added to the judge's reward.
+    # A reward file is Python code that runs, with the trainer's permissions, when it loads.
     functions: list = field(default_factory=list)
     function_weights: list = field(default_factory=list)  # one per function; [] = 1.0 each
+    # Seconds one reward function call may take: calls run in a worker process, killed past
+    # this (that sample's verdict is an error, counted; the run goes on). 0 = no limit, calls
+    # in the trainer's process (a call that never returns hangs the run).
+    function_timeout_s: float = 60.0
     # backend=openai: OpenAIJudgeConfig fields (base_url, model, api_key_env, max_concurrency,
     # timeout_s, max_retries, extra_body); the key is read from the api_key_env variable.
     openai: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_at_least("reward.votes", self.votes, 1)
+        check_at_least("reward.function_timeout_s", self.function_timeout_s, 0.0)
+        if not math.isfinite(self.function_timeout_s):
+            raise ValueError(
+                f"reward.function_timeout_s={self.function_timeout_s!r}: seconds, or 0 for no limit"
+            )
+        check_at_most(
+            "reward.votes",
+            self.votes,
+            MAX_VOTES,
+            "judge generations per response; 64 votes already average to 1/8 of one's noise",
+        )
+        check_weight("reward.rule_weight", self.rule_weight)
         if self.backend not in JUDGE_BACKENDS:
             raise ValueError(f"reward.backend={self.backend!r}: use one of {JUDGE_BACKENDS}")
+        if self.verdict_from not in VERDICT_FROM:
+            raise ValueError(
+                f"reward.verdict_from={self.verdict_from!r}: use one of {VERDICT_FROM}"
+            )
+        if self.verdict_from == "label_logprobs" and self.backend not in LOCAL_JUDGES:
+            raise ValueError(
+                f"reward.verdict_from='label_logprobs' reads the judge engine's token "
+                f"probabilities; reward.backend={self.backend!r} gives text only: use 'auto' "
+                "or 'text'"
+            )
         if self.backend in LOCAL_JUDGES:
             check_engine_backend("reward.backend", self.backend, self.backend_options)
         elif self.backend_options:
@@ -203,8 +279,10 @@ class RewardConfig:
         return config
 
     def load_functions(self) -> list[tuple[genrm.RewardFunction, float]]:
+        """The functions, each with its weight; they own worker processes: close() them."""
+        timeout_s = self.function_timeout_s or None
         return [
-            (genrm.load_reward_function(spec), weight)
+            (genrm.load_reward_function(spec, timeout_s=timeout_s), weight)
             for spec, weight in zip(self.functions, self.function_weights, strict=True)
         ]
 
@@ -220,17 +298,37 @@ def check_functions(specs: Any, weights: Any) -> tuple[list[str], list[float]]:
         core.coerce_value(weight, float, f"reward.function_weights[{index}]")
         for index, weight in enumerate(weights)
     ]
+    for index, weight in enumerate(weights):
+        check_weight(f"reward.function_weights[{index}]", weight)
     if weights and len(weights) != len(specs):
         raise ValueError(
             f"reward.function_weights={weights!r}: one weight per reward.functions entry "
             f"({len(specs)}), or [] for 1.0 each"
         )
+    seen: dict[tuple[str, str], str] = {}
+    for spec in specs:
+        key = function_identity(spec)
+        if key in seen:
+            raise ValueError(
+                f"reward.functions={specs!r}: {spec!r} is listed twice (as {seen[key]!r} "
+                "too); list it once and give it a larger weight in reward.function_weights"
+            )
+        seen[key] = spec
     for spec in specs:
         try:
             genrm.load_reward_function(spec)
         except ValueError as exc:
             raise ValueError(f"reward.functions: {exc}") from None
     return specs, weights or [1.0] * len(specs)
+
+
+def function_identity(spec: str) -> tuple[str, str]:
+    """What a 'module:fn' or 'file.py:fn' spec names: a file by its resolved path, so
+    'rewards.py:score' and './rewards.py:score' are one function."""
+    source, _, attr = spec.rpartition(":")
+    if source.endswith(".py") or "/" in source:
+        source = str(Path(source).resolve())
+    return source, attr
 
 
 @dataclass(kw_only=True)
@@ -248,6 +346,12 @@ class EvalConfig:
         check_at_least("eval.every_steps", self.every_steps, 0)
         check_at_least("eval.num_prompts", self.num_prompts, 1)
         check_at_least("eval.samples_per_prompt", self.samples_per_prompt, 1)
+        check_at_most(
+            "eval.samples_per_prompt",
+            self.samples_per_prompt,
+            MAX_SAMPLES_PER_PROMPT,
+            "responses per held-out prompt",
+        )
         check_at_least("eval.temperature", self.temperature, 0.0)
         if self.split:
             self.path = split_path("eval", self.path, self.split)
@@ -256,13 +360,43 @@ class EvalConfig:
 @dataclass(kw_only=True)
 class ExportConfig:
     # The final policy as a Hugging Face folder (config, safetensors, tokenizer, generation
-    # config), relative to out_dir; "" = none. `--export` writes one from a checkpoint.
+    # config): a folder name under out_dir, replaced only if it is yatt's earlier export; "" =
+    # none. `--export` writes one from a checkpoint.
     dir: str = "export"
     dtype: str = ""  # "float32", "bfloat16" or "float16"; "" = the model's own
 
     def __post_init__(self) -> None:
         if self.dtype not in EXPORT_DTYPES:
             raise ValueError(f"export.dtype={self.dtype!r}: use one of {EXPORT_DTYPES}")
+        if self.dir:
+            check_export_name(self.dir)
+
+
+# What the trainer writes under out_dir besides the export (embedded tasks, checkpoints,
+# RunLog's metrics, TensorBoard and W&B): an export there would replace or hide them.
+RUN_OUTPUTS = (
+    "checkpoints",
+    "tensorboard",
+    "wandb",
+    "metrics.jsonl",
+    "metrics.png",
+    "wandb_run_id",
+    *(folder for _, folder, _ in EMBEDDED_TASKS.values()),
+)
+
+
+def check_export_name(name: str) -> None:
+    """export.dir is one plain folder name under out_dir: replacing the folder (the end of a
+    run, `--export`) must never reach outside out_dir or into what the run itself wrote."""
+    problem = ""
+    if name in (".", "..") or name.startswith("."):
+        problem = "a plain folder name (not '.', '..' or hidden)"
+    elif Path(name).is_absolute() or Path(name).name != name or "\\" in name:
+        problem = "a folder name under out_dir, not a path"
+    elif name in RUN_OUTPUTS:
+        problem = f"the run writes {name!r} itself ({', '.join(RUN_OUTPUTS)})"
+    if problem:
+        raise ValueError(f"export.dir={name!r}: {problem}; use e.g. 'export', or '' for none")
 
 
 @dataclass(kw_only=True)
@@ -281,7 +415,7 @@ class TrainConfig:
     # The embedded task that empty paths point at: "text" (single-digit addition, a tiny LM)
     # or "vision" (count the dots in 32 x 32 pictures, a tiny Qwen2-VL; sets data.image_key).
     task: str = "text"
-    seed: int = 0  # seeds the data order, the rollouts and the models
+    seed: int = 0  # seeds the data order, the rollouts and the models (0 .. 2**31 - 1)
     num_steps: int = 120  # GRPO steps (0: build the embedded task and stop)
     # Stop (an error naming the cause) after this many steps in a row that updated nothing:
     # no group with reward variance, or a skipped non-finite step. 0: never stop for it.
@@ -306,6 +440,8 @@ class TrainConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
+        check_at_least("seed", self.seed, 0)
+        check_at_most("seed", self.seed, MAX_SEED, "a signed 32-bit int, as the engines take")
         check_at_least("num_steps", self.num_steps, 0)
         check_at_least("max_idle_steps", self.max_idle_steps, 0)
         if self.task not in EMBEDDED_TASKS:
@@ -339,6 +475,18 @@ class TrainConfig:
                 f"{self.rollout.temperature}: the policy's logprobs must use the sampling "
                 "temperature; build the policy config with temperature=rollout.temperature"
             )
+        if self.export.dir:
+            # An existing folder there is replaced at the end only if it is yatt's own earlier
+            # export (or empty): anything else is refused now, not after the whole run.
+            try:
+                check_export_dir(
+                    Path(self.out_dir) / self.export.dir,
+                    should_overwrite=True,
+                    model_dir=self.policy.model_dir,
+                    checkpoint_dir=Path(self.out_dir) / "checkpoints",
+                )
+            except ValueError as exc:
+                raise ValueError(f"export.dir={self.export.dir!r}: {exc}") from None
 
     @property
     def uses_judge_model(self) -> bool:
@@ -386,12 +534,46 @@ def read_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
         parser.error("--step goes with --export")
     if args.export and args.resume:
         parser.error("--export writes a checkpoint out and stops; it does not --resume")
-    raw = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    raw = load_yaml(Path(args.config).read_text(), f"--config {args.config}") if args.config else {}
     if not isinstance(raw, dict):
         raise ValueError(f"--config {args.config}: must hold a mapping of fields, got {raw!r}")
     for item in args.overrides:
         raw = with_override(raw, item)
     return build_config(raw), args
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    silently: a second `rollout:` section would drop the first's fields)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_lines: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *base` merges a mapping; its keys may be overridden
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, Hashable):
+                continue  # the safe loader's own error names it
+            if key in first_lines:
+                raise DuplicateKeyError(
+                    f"line {line}: duplicate key {key!r} (first at line {first_lines[key]}); "
+                    "give each key once"
+                )
+            first_lines[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+class DuplicateKeyError(ValueError):
+    """A YAML mapping with a key given twice (not a yaml.YAMLError: never read as plain text)."""
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """`text` as YAML; a duplicate key is a ValueError naming `source`, the key and its lines."""
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader)
+    except DuplicateKeyError as exc:
+        raise ValueError(f"{source}: {exc}") from None
 
 
 def with_override(raw: dict, item: str) -> dict:
@@ -403,7 +585,7 @@ def with_override(raw: dict, item: str) -> dict:
         raise ValueError(f"override {item!r} must look like key.sub=value")
     key, _, rest = dotted.partition(".")
     try:
-        value = yaml.safe_load(text)
+        value = load_yaml(text, f"override {item!r}")
     except yaml.YAMLError:
         value = text
     if rest:

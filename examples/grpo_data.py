@@ -5,7 +5,8 @@
     judge_sample(row, response, prompt_key="prompt", answer_key="answer")  # what the judge reads
 
 A prompt that is a list of {role, content} messages always goes through the policy tokenizer's
-chat template (plain text only when asked: instruct models); the judge reads the messages as
+chat template (plain text only when asked: instruct models); a template that refuses a row's
+messages (an unknown role) makes it a bad_prompt skip. The judge reads the messages as
 "role: content" lines. The loader has already skipped rows whose prompt or answer is unusable
 (`yatt.core.ShardedLoader`, counted by cause); a numeric answer is read as text.
 """
@@ -16,6 +17,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jinja2
+
 from yatt import core, genrm
 
 logger = logging.getLogger("train_grpo")
@@ -23,13 +26,23 @@ logger = logging.getLogger("train_grpo")
 Prompt = str | list[dict[str, str]]
 
 
+class PromptError(ValueError):
+    """The policy's chat template refused a row's messages (a strict template, Gemma or
+    Mistral style, raises on a role it does not know or on roles that do not alternate)."""
+
+
 def prompt_ids(prompt: Prompt, tokenizer: Any, should_apply_chat_template: bool) -> list[int]:
     """Token ids of a row's prompt: a message list (or, when asked, plain text as one user
-    message) through the tokenizer's chat template, with the assistant turn opened."""
+    message) through the tokenizer's chat template, with the assistant turn opened. Raises
+    PromptError when the template refuses the messages: the row is a bad_prompt skip."""
     if isinstance(prompt, str) and not should_apply_chat_template:
         return tokenizer(prompt, add_special_tokens=False)["input_ids"]
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as exc:  # raise_exception(...) in the template, or an undefined
+        roles = [message.get("role") for message in messages]
+        raise PromptError(f"the policy's chat template refused roles {roles}: {exc}") from None
     # The chat template already wrote any BOS it wants; don't add a second one.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 

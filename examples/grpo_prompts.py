@@ -1,6 +1,7 @@
 """Data rows -> the policy's prompts, images included: what the trainer's rollouts read.
 
     encoder = PromptEncoder(cfg, tokenizer)      before any model loads: checks the policy
+    encoder.check(loader.first_rows(), source=...)  and that the data's first rows give prompts
     prompts = encoder.encode(loader.next_batch())  rows -> Prompt(row, ids, images, vision)
     Request(prompt_ids=p.ids, images=p.images)    the engine samples with the raw images
     rollout_samples(..., vision_inputs=[p.vision ...], cut_at_token_ids=encoder.cut_token_ids)
@@ -11,9 +12,10 @@ placeholder per image before the prompt's text, the image processor sizes each i
 placeholder becomes the image's tokens (yatt.core.encode_vision_prompt); the VisionInputs stay
 with the prompt's samples, for the train step, the KL reference and the cost model.
 
-A row the loader passed but whose images cannot be used (more than data.max_images, refused by
-the image processor, a prompt that with its image tokens no longer fits the rollout engine) is
-skipped and counted like the loader's skips (data/skipped_rows/<cause>), never a crash mid-run.
+A row the loader passed but that cannot be used (messages the chat template refuses, more than
+data.max_images images, an image the processor refuses, a prompt that with its image tokens no
+longer fits the rollout engine) is skipped and counted like the loader's skips
+(data/skipped_rows/<cause>), never a crash mid-run.
 A policy that takes no images given an image dataset is refused here, before models load.
 
 A vision-language policy may sample its vision special tokens (<|image_pad|>, ...): the policy
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_data import prompt_ids
+from grpo_data import PromptError, prompt_ids
 
 from yatt import core
 
@@ -144,7 +146,28 @@ class PromptEncoder:
                 logger.warning("skipping dataset row %s: %s", row.get(core.ROW_INDEX_KEY), reason)
         return prompts
 
+    def check(self, rows: Sequence[dict], *, source: str) -> None:
+        """Before any model loads: the data's first usable rows (the loader's first_rows())
+        give at least one prompt, else a ValueError with the causes (a chat template that
+        refuses every row's roles) instead of a run that skips every row it draws."""
+        reasons: Counter[str] = Counter()
+        for row in rows:
+            prompt, cause, reason = self._encode(row)
+            if prompt is not None:
+                return
+            reasons[f"{cause}: {reason}"] += 1
+        raise ValueError(
+            f"{source}: none of its first {len(rows)} usable rows gives a prompt the policy "
+            f"takes; {dict(reasons)}"
+        )
+
     def _encode(self, row: dict) -> tuple[Prompt | None, str, str]:
+        try:
+            return self._encode_row(row)
+        except PromptError as err:  # the chat template refused the row's messages
+            return None, "bad_prompt", str(err)
+
+    def _encode_row(self, row: dict) -> tuple[Prompt | None, str, str]:
         if self.image_key is None:
             return Prompt(row, self._ids(row[self.prompt_key], 0)), "", ""
         images = row[self.image_key]

@@ -22,7 +22,7 @@ from grpo_config import ENGINE_CONFIGS, LOCAL_JUDGES, RewardConfig, RolloutConfi
 from grpo_data import row_fields_read_by
 
 from yatt import core, genrm, rollout
-from yatt.ckpt import Checkpointer
+from yatt.ckpt import Checkpointer, acquire_run_lock
 
 logger = logging.getLogger("train_grpo")
 ENGINES = {"vllm": rollout.VLLMEngine, "sglang": rollout.SGLangEngine}
@@ -41,7 +41,8 @@ def make_engine(section: RolloutConfig | RewardConfig, model_dir: str, device: s
 def make_scorer(
     reward: RewardConfig, judge_engine, closeables: list[Any] | None = None
 ) -> tuple[Any, genrm.ExactMatch]:
-    """The reward: the judge's verdict (+1/-1; a local engine, a served endpoint, or none),
+    """The reward: the judge's verdict (in [-1, 1]: 2 P(Yes) - 1 from a local engine's label
+    probabilities, +1/-1 from the text; a local engine, a served endpoint, or none),
     plus the reward functions and, when rule_weight > 0, an exact-match rule. The exact match
     is also the accuracy metric's ground truth. What owns threads goes into `closeables` (the
     judge engine is the caller's)."""
@@ -51,10 +52,13 @@ def make_scorer(
     )
     judge: Any = None
     if reward.backend in LOCAL_JUDGES:
+        # The declared verdict: the judge's last line is its label (the embedded judge answers
+        # "Yes"/"No" alone, that line); its probability there is the reward unless "text".
         judge = genrm.GenRM(
             judge_engine,
             template=template,
             parser=genrm.YesNoParser(),
+            verdict_from=reward.verdict_from,
             votes=reward.votes,
             sampling=sampling,
         )
@@ -89,11 +93,20 @@ def required_row_fields(cfg: TrainConfig) -> list[str]:
     )
 
 
-def image_loading(cfg: TrainConfig) -> dict[str, Any]:
-    """The loader's image arguments: rows' images opened on their rank, oversized ones skipped."""
-    if not cfg.data.image_key:
-        return {}
-    return {"image_key": cfg.data.image_key, "max_image_pixels": cfg.data.max_image_pixels}
+def row_limits(cfg: TrainConfig) -> dict[str, Any]:
+    """The loader's size limits (rows, prompts; images: opened on their rank, oversized ones
+    skipped), each checked before the row, prompt or image is read whole."""
+    limits: dict[str, Any] = {
+        "max_row_bytes": cfg.data.max_row_bytes,
+        "max_prompt_bytes": cfg.data.max_prompt_bytes or None,  # None: the loader's default
+    }
+    if cfg.data.image_key:
+        limits |= {
+            "image_key": cfg.data.image_key,
+            "max_image_pixels": cfg.data.max_image_pixels,
+            "max_image_bytes": cfg.data.max_image_bytes,
+        }
+    return limits
 
 
 def load_eval_rows(
@@ -113,7 +126,7 @@ def load_eval_rows(
         max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
         count_tokens=count_tokens,
         required_keys=required_row_fields(cfg),
-        **image_loading(cfg),
+        **row_limits(cfg),
     )
     # One pass over this rank's shard at most: never the same prompt twice.
     num_rows = min(math.ceil(cfg.eval.num_prompts / runtime.dp_size), loader.num_local_rows)
@@ -155,18 +168,24 @@ def export_checkpoint(cfg: TrainConfig, step: int | None) -> Path:
     out = export_dir(cfg)
     if step is not None:  # an earlier step: beside the final export, never over it
         out = out.with_name(f"{out.name}-step{step}")
-    with Checkpointer(Path(cfg.out_dir) / "checkpoints") as ckpt:
+    # The run lock while it reads and writes: never beside a trainer of this out_dir (which
+    # would be told who holds it); the checkpoints are only read, nothing in them changes.
+    with (
+        acquire_run_lock(cfg.out_dir, purpose="export"),
+        Checkpointer(Path(cfg.out_dir) / "checkpoints", read_only=True) as ckpt,
+    ):
         step = ckpt.latest() if step is None else step
         if step is None:
             raise ValueError(f"--export: {cfg.out_dir}/checkpoints holds no checkpoint")
         source = ckpt.step_path(step)
-    core.export_hf_from_checkpoint(
-        source,
-        out,
-        model_dir=cfg.policy.model_dir,
-        dtype=cfg.export.dtype or None,
-        should_overwrite=True,
-    )
+        # Replaces only yatt's own earlier export there (the library refuses anything else).
+        core.export_hf_from_checkpoint(
+            source,
+            out,
+            model_dir=cfg.policy.model_dir,
+            dtype=cfg.export.dtype or None,
+            should_overwrite=True,
+        )
     logger.info("exported step %d of %s to %s", step, source.parent, out)
     return out
 

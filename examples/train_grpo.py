@@ -20,7 +20,8 @@ One step, as the loop reads:
     eval        every eval.every_steps: held-out prompts through the same reward (eval/*)
 
 At the end the last step is always checkpointed and the policy written as a Hugging Face
-folder (out_dir/export) that transformers and vLLM load as it is.
+folder (out_dir/export) that transformers and vLLM load as it is. One run per out_dir (a lock
+rank 0 holds); SIGTERM or Ctrl-C saves the step in progress and exits with 128 + the signal.
 
 The config (grpo_config.py) is built and checked whole before anything starts. Unusable data
 rows are skipped and counted (data/skipped_rows/<cause>); failed judge verdicts are counted
@@ -35,6 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -48,12 +50,12 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from yatt import core, genrm, rollout
-from yatt.ckpt import Checkpointer
+from yatt.ckpt import Checkpointer, RunLock, acquire_run_lock, exit_code_for_signal
 from yatt.placement import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_config import DataConfig, TrainConfig, read_config
-from grpo_data import check_judge_prompts, judge_sample, prompt_ids
+from grpo_data import PromptError, check_judge_prompts, judge_sample, prompt_ids
 from grpo_metrics import StepStats, VerdictWarnings, check_verdicts, eval_metrics, summarize
 from grpo_prompts import Prompt, PromptEncoder
 from grpo_setup import (
@@ -61,11 +63,11 @@ from grpo_setup import (
     close_all,
     export_checkpoint,
     export_dir,
-    image_loading,
     load_eval_rows,
     make_engine,
     make_scorer,
     required_row_fields,
+    row_limits,
 )
 
 logger = logging.getLogger("train_grpo")
@@ -92,10 +94,20 @@ class Scored:
 
 def draw_prompts(loader: core.ShardedLoader, encoder: PromptEncoder, num_rows: int) -> list[Prompt]:
     """This rank's next prompts. A draw of only unusable rows (skipped and counted) draws
-    again; the loader stops the run once a whole epoch of the shard had no usable row."""
-    prompts = encoder.encode(loader.next_batch(num_rows))
+    again; once a whole epoch of the shard gave no usable prompt (the loader's skips or the
+    encoder's) no number of draws could, and the run stops naming the counts."""
+    num_drawn = 0
+    prompts: list[Prompt] = []
     while not prompts:
-        prompts = encoder.encode(loader.next_batch(num_rows))
+        if num_drawn >= 2 * loader.num_local_rows:  # twice the shard: a whole epoch in it
+            raise ValueError(
+                f"data.path: the last {num_drawn} rows rank {loader.rank} drew (a whole epoch "
+                f"of its {loader.num_local_rows} rows) gave no usable prompt; skipped rows by "
+                f"cause: {encoder.skipped_by_cause(loader)}"
+            )
+        rows = loader.next_batch(num_rows)
+        num_drawn += max(len(rows), 1)
+        prompts = encoder.encode(rows)
     return prompts
 
 
@@ -198,16 +210,24 @@ def evaluate(
 
 
 # -- the run --------------------------------------------------------------------------------------
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
+    """Train (or --export); the process's exit code: 0, or 128 + signum when a stop signal
+    (SIGTERM, SIGINT, SIGUSR1) ended the run after its final save."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     transformers.utils.logging.disable_progress_bar()  # one bar: the run's
     cfg, args = read_config(argv)  # built and checked whole before anything starts
     if args.export:
         export_checkpoint(cfg, args.step)
-        return
+        return 0
+    # One run per out_dir: global rank 0 (RANK, set by torchrun) holds the lock until the
+    # process exits; a second run fails here, naming this one, before anything loads.
+    run_lock: RunLock | None = None
+    if int(os.environ.get("RANK", "0")) == 0:
+        run_lock = acquire_run_lock(cfg.out_dir, purpose="train")
     runtime = core.init_runtime(seed=cfg.seed, tp_size=getattr(cfg.policy, "tp_size", 1))
     closeables: list[Any] = []  # closed in reverse, also after an error
     is_failed = True  # until the loop ends: a close() error must not hide the loop's own
+    stop_signal: int | None = None
     try:
         ckpt = Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
         closeables.append(ckpt)
@@ -217,7 +237,10 @@ def main(argv: list[str]) -> None:
         tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
 
         def count_tokens(prompt) -> int:
-            return len(prompt_ids(prompt, tokenizer, cfg.data.apply_chat_template))
+            try:
+                return len(prompt_ids(prompt, tokenizer, cfg.data.apply_chat_template))
+            except PromptError:  # refused by the chat template: the encoder skips it (bad_prompt)
+                return 0
 
         loader = core.ShardedLoader(
             cfg.data.path,
@@ -229,10 +252,11 @@ def main(argv: list[str]) -> None:
             max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
             count_tokens=count_tokens,
             required_keys=required_row_fields(cfg),
-            **image_loading(cfg),  # data.image_key: images opened here, bad ones skipped
+            **row_limits(cfg),  # sizes checked before reading; data.image_key: images opened here
         )
         # Rows -> prompts (images through the policy's image processor); checks the policy.
         encoder = PromptEncoder(cfg, tokenizer)
+        encoder.check(loader.first_rows(), source=f"data.path={cfg.data.path!r}")
         eval_prompts = encoder.encode(
             load_eval_rows(cfg, runtime, count_tokens), should_count=False
         )
@@ -278,7 +302,9 @@ def main(argv: list[str]) -> None:
         # Stream responses to the judge while the rollout runs when both stay resident (a
         # judge without an engine of its own is always there).
         should_overlap = judge_engine is None or plan.is_resident_together("rollout", "genrm")
-        ckpt.install_signal_handlers()  # SIGTERM/SIGUSR1: final save at the next boundary
+        # SIGTERM/SIGINT/SIGUSR1: a final save at the next step boundary, then a non-zero exit
+        # (a second Ctrl-C stops at once, unsaved).
+        ckpt.install_signal_handlers()
         start_step = 0
         if args.resume:
             extra = ckpt.load(policy.state())
@@ -400,7 +426,14 @@ def main(argv: list[str]) -> None:
                     ckpt.save(step, policy.state(), extra=extra)
                 last_save_s = time.perf_counter() - save_start
                 if decision.should_stop:
-                    logger.info("stop requested: step %d saved, exiting", step)
+                    stop_signal = decision.stop_signal
+                    logger.warning(
+                        "stopped by signal %s: step %d saved (--resume continues), exiting "
+                        "with code %d",
+                        stop_signal,
+                        step,
+                        decision.exit_code,
+                    )
                     is_stopped = True
                     break
         ckpt.wait()
@@ -419,7 +452,10 @@ def main(argv: list[str]) -> None:
     finally:
         close_all(closeables[::-1], should_raise=not is_failed)
         runtime.shutdown()
+        if run_lock is not None:
+            run_lock.release()
+    return 0 if stop_signal is None else exit_code_for_signal(stop_signal)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

@@ -77,3 +77,51 @@ def test_a_judge_prompt_that_cannot_fit_the_judges_context_fails_with_the_fix():
         grpo_data.check_judge_prompts(
             template, rows, max_prompt_tokens=12, max_response_tokens=4, **check
         )
+
+
+# A strict chat template (Gemma and Mistral raise like this on a role they do not know).
+STRICT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('Conversation roles must be user/assistant') }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _strict_encoder(tmp_path):
+    from types import SimpleNamespace
+
+    import grpo_prompts
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = STRICT_TEMPLATE
+    cfg = SimpleNamespace(
+        data=SimpleNamespace(
+            prompt_key="prompt", image_key="", max_images=4, apply_chat_template=False
+        ),
+        rollout=SimpleNamespace(engine=SimpleNamespace(max_seq_len=64), max_new_tokens=4),
+        policy=SimpleNamespace(model_dir=str(tmp_path)),  # no config.json: a text policy
+    )
+    return grpo_prompts.PromptEncoder(cfg, tokenizer), tokenizer
+
+
+def test_a_chat_template_that_refuses_a_row_makes_it_a_counted_bad_prompt_skip(tmp_path):
+    encoder, tokenizer = _strict_encoder(tmp_path)
+    tool = [{"role": "tool", "content": "42"}, {"role": "user", "content": "3+4="}]
+    with pytest.raises(grpo_data.PromptError, match=r"refused roles \['tool', 'user'\]: Conv"):
+        grpo_data.prompt_ids(tool, tokenizer, should_apply_chat_template=False)
+    user = [{"role": "user", "content": "3+4="}]
+    rows = [
+        {"prompt": tool, core.ROW_INDEX_KEY: 0},
+        {"prompt": user, core.ROW_INDEX_KEY: 1},
+        {"prompt": "1+1=", core.ROW_INDEX_KEY: 2},  # plain text: no template
+    ]
+    prompts = encoder.encode(rows)
+    assert [p.row[core.ROW_INDEX_KEY] for p in prompts] == [1, 2]
+    assert encoder.skipped == {"bad_prompt": 1}
+    assert tokenizer.decode(prompts[0].ids).endswith("3+4=<|im_end|>\n<|im_start|>assistant\n")
+    encoder.check(rows, source="data.path='x'")  # one usable row is enough
+    with pytest.raises(
+        ValueError, match=r"data\.path='x': none of its first 2 usable rows .*bad_prompt"
+    ):
+        encoder.check([rows[0], rows[0]], source="data.path='x'")

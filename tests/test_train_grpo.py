@@ -400,6 +400,11 @@ def test_a_run_whose_steps_never_update_stops_and_says_why(tmp_path, embedded):
             id="judge-context-too-short",
         ),
         pytest.param(
+            ["data.prompts_per_rank=100000"],
+            r"batch_size=100000 \(prompts per rank per step: the trainer's data\.prompts_per_rank\)",
+            id="more-prompts-per-step-than-data",
+        ),
+        pytest.param(
             ["data.path=EMPTY"],
             r"empty\.jsonl': none of its first 16 rows is usable.*non-empty",
             id="no-usable-row",
@@ -595,13 +600,16 @@ def test_a_round_decodes_each_response_once_and_pairs_it_with_its_verdict(embedd
         assert item.sample.reference == str(row["answer"])  # an integer answer read as text
         decoded = tokenizer.tokenizer.decode(item.completion.response_ids, skip_special_tokens=True)
         assert item.sample.response == decoded
-        assert item.verdict.status == "ok" and item.verdict.reward in (-1.0, 1.0)
+        # The judge's label probabilities: 2 P(Yes) - 1, the sign that of the label it wrote.
+        assert item.verdict.status == "ok" and -1.0 <= item.verdict.reward <= 1.0
+        assert (item.verdict.reward > 0) == (item.verdict.votes[0].text.strip() == "Yes")
     groups = sorted(
         (item.completion.request_index, item.completion.sample_index) for item in scored
     )
     assert groups == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
     batch = train_grpo.to_batch(scored, train_grpo.core.init_runtime(seed=0), encoder)
-    assert batch.samples["reward"].tolist() == [item.verdict.reward for item in scored]
+    rewards = [item.verdict.reward for item in scored]
+    assert batch.samples["reward"].tolist() == pytest.approx(rewards, rel=1e-6)  # as float32
 
 
 # -- what users of TRL and verl expect (issue 16) ----------------------------------------------
@@ -825,3 +833,307 @@ def test_a_hub_id_in_the_local_cache_is_a_model_path(embedded, tmp_path, monkeyp
     raw = {**_paths(embedded), "policy": {"model_dir": "org/tiny"}}
     cfg = grpo_config.build_config(raw)
     assert Path(cfg.policy.model_dir) == snapshot
+
+
+# -- reliability (issue 23): config values refused before anything loads -----------------------
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("reward.rule_weight=.nan", r"reward\.rule_weight=nan: must be a finite number"),
+        ("reward.rule_weight=1e300", r"reward\.rule_weight=1e\+300: must be a finite number"),
+        (
+            "reward.function_weights=[.inf]",
+            r"reward\.function_weights\[0\]=inf: must be a finite number",
+        ),
+        (
+            "reward.function_weights=[1, 1e300]",
+            r"reward\.function_weights\[1\]=1e\+300: must be a finite number within",
+        ),
+        ("seed=-1", r"seed=-1: must be >= 0"),
+        ("seed=2147483648", r"seed=2147483648: must be <= 2147483647"),
+        ("reward.votes=1e9", r"reward\.votes=1000000000: must be <= 64"),
+        ("rollout.samples_per_prompt=1e5", r"rollout\.samples_per_prompt=100000: must be <= 1024"),
+        ("eval.samples_per_prompt=5000", r"eval\.samples_per_prompt=5000: must be <= 1024"),
+        (
+            "reward.functions=[os.path:join, os.path:join]",
+            r"reward\.functions=.*'os\.path:join' is listed twice",
+        ),
+    ],
+)
+def test_absurd_or_non_finite_values_are_refused_when_the_config_is_read(tmp_path, override, match):
+    with pytest.raises(ValueError, match=match):
+        grpo_config.read_config([f"out_dir={tmp_path}", override])
+    assert not (tmp_path / "embedded").exists()  # refused before the embedded task is built
+
+
+def test_the_largest_allowed_sizes_and_seed_are_accepted():
+    grpo_config.RolloutConfig(samples_per_prompt=1024)
+    grpo_config.RewardConfig(votes=64, rule_weight=-1e6)
+    with grpo_config.stand_in_model_dir() as model_dir:
+        grpo_config.TrainConfig(policy={"model_dir": model_dir}, seed=2**31 - 1)
+
+
+def test_a_reward_file_listed_twice_under_two_spellings_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "rewards.py").write_text(
+        "def score(prompt, response, reference, row):\n    return 0.0\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"'\./rewards\.py:score' is listed twice"):
+        grpo_config.RewardConfig(
+            backend="none", functions=["rewards.py:score", "./rewards.py:score"]
+        )
+    grpo_config.RewardConfig(backend="none", functions=["rewards.py:score", "os.path:join"])
+
+
+def test_a_key_given_twice_in_yaml_is_refused_with_its_lines(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("rollout:\n  temperature: 0.5\nnum_steps: 3\nrollout:\n  max_new_tokens: 8\n")
+    with pytest.raises(
+        ValueError, match=r"run\.yaml: line 4: duplicate key 'rollout' \(first at line 1\)"
+    ):
+        grpo_config.read_config(["--config", str(config), f"out_dir={tmp_path}"])
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("reward:\n  votes: 2\n  votes: 3\n")
+    with pytest.raises(ValueError, match=r"line 3: duplicate key 'votes' \(first at line 2\)"):
+        grpo_config.read_config(["--config", str(nested), f"out_dir={tmp_path}"])
+    with pytest.raises(ValueError, match=r"override .*duplicate key 'base_url'"):
+        grpo_config.read_config([f"out_dir={tmp_path}", "reward.openai={base_url: a, base_url: b}"])
+    # A YAML merge key may still be overridden: not a duplicate.
+    assert grpo_config.load_yaml("a: &b {v: 1}\nc:\n  <<: *b\n  v: 2\n", "t") == {
+        "a": {"v": 1},
+        "c": {"v": 2},
+    }
+    assert not (tmp_path / "embedded").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        ("/tmp/anything", r"a folder name under out_dir, not a path"),
+        ("..", r"not '\.', '\.\.' or hidden"),
+        (".", r"not '\.', '\.\.' or hidden"),
+        ("sub/export", r"not a path"),
+        ("checkpoints", r"the run writes 'checkpoints' itself"),
+        ("tensorboard", r"the run writes 'tensorboard' itself"),
+        ("embedded", r"the run writes 'embedded' itself"),
+        ("metrics.jsonl", r"the run writes 'metrics\.jsonl' itself"),
+    ],
+)
+def test_an_export_dir_outside_out_dir_or_over_the_runs_own_files_is_refused_when_read(
+    tmp_path, name, match
+):
+    with pytest.raises(ValueError, match=rf"export\.dir='{re.escape(name)}': .*(?:{match})"):
+        grpo_config.read_config([f"out_dir={tmp_path}", f"export.dir={name}"])
+    assert not (tmp_path / "embedded").exists()  # refused before anything is built
+
+
+def test_an_existing_export_dir_is_replaced_only_if_it_is_yatts_export(tmp_path, embedded):
+    out_dir = tmp_path / "run"
+    mine = out_dir / "mine"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("the user's own file")
+    raw = {**_paths(embedded), "out_dir": str(out_dir)}
+    with pytest.raises(ValueError, match=r"export\.dir='mine': .*notes|export\.dir='mine': "):
+        grpo_config.build_config({**raw, "export": {"dir": "mine"}})
+    assert (mine / "notes.txt").read_text() == "the user's own file"
+    (out_dir / "empty").mkdir()
+    grpo_config.build_config({**raw, "export": {"dir": "empty"}})  # nothing to lose
+    earlier = out_dir / "earlier"
+    earlier.mkdir()
+    (earlier / ".yatt-export.json").write_text("{}")  # the marker of a yatt export
+    grpo_config.build_config({**raw, "export": {"dir": "earlier"}})
+
+
+def _wait_for_a_step(out: Path, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.is_file() and metrics.read_text().count("\n") >= 1:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no step logged (rc {proc.poll()})")
+
+
+def test_one_run_per_out_dir_and_sigterm_saves_and_exits_non_zero(tmp_path, embedded):
+    """A second trainer or an --export beside a running trainer fails before anything loads,
+    naming the running one; SIGTERM then saves the step in progress and exits 128 + 15, and
+    the out_dir is free again (the --export that follows reads that checkpoint)."""
+    out = tmp_path / "run"
+    steps = ("num_steps=1000", "ckpt.every_steps=1000", "eval.every_steps=0")
+    first = subprocess.Popen(
+        _one_rank(out, embedded, *steps), env=_env(), stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for_a_step(out, first)
+        second = subprocess.run(
+            _one_rank(out, embedded, *steps, "--resume"),
+            env=_env(),
+            timeout=300,
+            capture_output=True,
+            text=True,
+        )
+        assert second.returncode != 0
+        assert f"is in use by pid {first.pid} on host" in second.stderr, second.stderr[-2000:]
+        assert "(train, since" in second.stderr
+        assert "Loading weights" not in second.stderr  # no model loaded
+        export = subprocess.run(
+            [*_one_rank(out, embedded, *steps), "--export"],
+            env=_env(),
+            timeout=300,
+            capture_output=True,
+            text=True,
+        )
+        assert export.returncode != 0
+        assert f"is in use by pid {first.pid}" in export.stderr, export.stderr[-2000:]
+        assert not (out / "export").exists()
+        first.send_signal(signal.SIGTERM)
+        _, stderr = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "stopped by signal 15" in stderr
+    steps_logged = [r["step"] for r in _metrics(out)]  # one writer: each step logged once
+    assert steps_logged == list(range(len(steps_logged)))
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert saved == [f"step-{steps_logged[-1]:08d}"]  # the step the signal interrupted
+    assert not (out / "export").exists()  # a stopped run is not a finished one
+    subprocess.run(
+        [*_one_rank(out, embedded, *steps), "--export"], check=True, env=_env(), timeout=300
+    )
+    assert (out / "export" / "model.safetensors").is_file()
+
+
+def test_ctrl_c_saves_and_exits_non_zero(tmp_path, embedded):
+    out = tmp_path / "run"
+    steps = ("num_steps=1000", "ckpt.every_steps=1000", "eval.every_steps=0")
+    proc = subprocess.Popen(
+        _one_rank(out, embedded, *steps), env=_env(), stderr=subprocess.PIPE, text=True
+    )
+    try:
+        _wait_for_a_step(out, proc)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, stderr[-2000:]
+    last = _metrics(out)[-1]["step"]
+    assert (out / "checkpoints" / f"step-{last:08d}").is_dir()
+
+
+STRICT_TEMPLATE = (  # raises on a role other than user/assistant, as Gemma's and Mistral's do
+    "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+    "{{ raise_exception('Conversation roles must be user/assistant') }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_row_the_strict_chat_template_refuses_is_a_counted_skip_not_a_crash(tmp_path, embedded):
+    """A policy whose chat template raises on an unknown role (Gemma/Mistral style), given
+    rows with a 'tool' message: those rows are bad_prompt skips; the run trains on the rest."""
+    import shutil
+
+    policy = tmp_path / "strict-policy"
+    shutil.copytree(_paths(embedded)["policy"]["model_dir"], policy)
+    (policy / "chat_template.jinja").write_text(STRICT_TEMPLATE)
+    lines = Path(_paths(embedded)["data"]["path"]).read_text().splitlines()
+    rows = [json.loads(line) for line in lines[:32]]
+    data = tmp_path / "chat.jsonl"
+    with data.open("w") as f:
+        for i, row in enumerate(rows):
+            messages = [{"role": "user", "content": row["prompt"]}]
+            if i % 2:
+                messages.insert(0, {"role": "tool", "content": "7"})
+            f.write(json.dumps({**row, "prompt": messages}) + "\n")
+    kept = [a for a in embedded if a.split("=", 1)[0] not in ("policy.model_dir", "data.path")]
+    out = tmp_path / "run"
+    args = [f"policy.model_dir={policy}", f"data.path={data}", *kept]
+    subprocess.run(
+        _one_rank(out, args, "num_steps=2", "eval.every_steps=0", "rollout.engine.max_seq_len=96"),
+        check=True,
+        env=_env(),
+        timeout=600,
+    )
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1]
+    assert records[-1]["data/skipped_rows/bad_prompt"] > 0
+    assert all(r["genrm/verdicts"] > 0 for r in records)
+
+
+def test_the_loaders_size_limits_are_config_fields(tmp_path, embedded):
+    from grpo_setup import row_limits
+
+    raw = {**_paths(embedded), "data": {**_paths(embedded)["data"], "max_row_bytes": 200}}
+    cfg = grpo_config.build_config(raw)
+    assert row_limits(cfg) == {"max_row_bytes": 200, "max_prompt_bytes": None}
+    data = tmp_path / "rows.jsonl"
+    data.write_text(
+        json.dumps({"prompt": "1+2=", "answer": "3"})
+        + "\n"
+        + json.dumps({"prompt": "1+2=" + " pad" * 100, "answer": "3"})
+        + "\n"
+    )
+    loader = grpo_config.core.ShardedLoader(
+        data, batch_size=1, should_shuffle=False, **row_limits(cfg)
+    )
+    loader.next_batch(2)
+    assert loader.skipped_by_cause()["too_long"] == 1  # the 400-byte line, unread
+    with pytest.raises(ValueError, match=r"data\.max_prompt_bytes=-1: must be >= 0"):
+        grpo_config.DataConfig(max_prompt_bytes=-1)
+
+
+def test_a_reward_file_that_exits_while_it_loads_is_a_start_up_error(tmp_path):
+    rewards = tmp_path / "exits.py"
+    rewards.write_text(
+        "import sys\nsys.exit(0)\ndef score(prompt, response, reference, row):\n    return 1.0\n"
+    )
+    with pytest.raises(ValueError, match=r"reward\.functions: .*exits\.py:score"):
+        grpo_config.read_config(
+            [f"out_dir={tmp_path}", "reward.backend=none", f"reward.functions=[{rewards}:score]"]
+        )
+    with pytest.raises(ValueError, match=r"reward\.function_timeout_s=-1: must be >= 0"):
+        grpo_config.RewardConfig(function_timeout_s=-1)
+
+
+_HANGS_ONCE = """
+import time
+from pathlib import Path
+
+MARKER = Path(__file__).with_suffix(".hung")
+
+
+def exact(prompt, response, reference, row):
+    if not MARKER.exists():  # the first call of the run hangs
+        MARKER.touch()
+        time.sleep(3600)
+    return 1.0 if response.strip() == reference else -1.0
+"""
+
+
+def test_a_reward_function_that_hangs_is_an_error_verdict_after_its_timeout(tmp_path, embedded):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(_HANGS_ONCE)
+    out = tmp_path / "run"
+    paths = [arg for arg in embedded if not arg.startswith("reward.judge_dir=")]
+    started = time.monotonic()
+    subprocess.run(
+        _one_rank(
+            out,
+            paths,
+            "reward.backend=none",
+            f"reward.functions=[{rewards}:exact]",
+            "reward.function_timeout_s=2",
+            "num_steps=2",
+            "eval.every_steps=0",
+        ),
+        check=True,
+        env=_env(),
+        timeout=600,
+    )
+    assert time.monotonic() - started < 400  # not the hour the call sleeps
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1]
+    assert records[0]["genrm/errors"] >= 1  # the hung call, cut off
+    assert (tmp_path / "rewards.hung").exists()

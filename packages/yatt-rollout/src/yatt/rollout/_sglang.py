@@ -18,19 +18,16 @@ Where SGLang differs from our protocol, the adapter bridges it:
 - `ignore_eos=True` also disables SGLang's `stop_token_ids`; our protocol ignores only the
   model's EOS, so the stop tokens are then applied here, to the returned tokens;
 - sleep drops the weights unless enable_weights_cpu_backup is set (`weights_cpu_backup`);
-<<<<<<< HEAD
 - failures come back as values, not exceptions: `update_weights_from_tensor` returns (success,
   message) and `flush_cache` a FlushCacheReqOutput(success, message), refused while requests
   are still pending. A failed bucket raises RuntimeError at once (the engine holds partly old
   weights: no rollout may follow); a refused flush is tried again briefly (aborted requests
   drain), then raises. `release_memory_occupation` and `resume_memory_occupation` return
   nothing to check.
-=======
 - label logprobs (SamplingParams.label_token_ids): SGLang's `token_ids_logprob`, read from
   meta_info["output_token_ids_logprobs"][0]. Not yet run on a GPU; SGLang computes them from
   the logits it samples with, which may be temperature-scaled (our contract: unscaled), so a
   judge scored this way should sample greedily (the GenRM default for one vote).
->>>>>>> genrm-verdict
 """
 
 from __future__ import annotations
