@@ -33,7 +33,6 @@ from grpo_prompts import check_takes_images
 
 from yatt import core, genrm, rollout
 from yatt.ckpt import CkptConfig
-from yatt.core._export import check_export_dir  # TODO(issue 23): public in yatt.core
 
 logger = logging.getLogger("train_grpo")
 ENGINE_CONFIGS = {"vllm": rollout.VLLMConfig, "sglang": rollout.SGLangConfig}
@@ -479,7 +478,7 @@ class TrainConfig:
             # An existing folder there is replaced at the end only if it is yatt's own earlier
             # export (or empty): anything else is refused now, not after the whole run.
             try:
-                check_export_dir(
+                core.check_export_dir(
                     Path(self.out_dir) / self.export.dir,
                     should_overwrite=True,
                     model_dir=self.policy.model_dir,
