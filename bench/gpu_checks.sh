@@ -55,6 +55,16 @@ for step in "$@"; do
         eval.path=$EMB/eval.jsonl eval.every_steps=5 loss.kl_coef=0.05 \
         policy.lr_schedule=cosine policy.num_warmup_steps=2
       cp /tmp/yatt-runs/features/metrics.jsonl "$OUT/trainer_features_metrics.jsonl" 2>/dev/null
+      # Issue 24: DAPO's recipe (several mini-batches per rollout batch, so the clip acts; rollout
+      # correction of the bf16 engine's logprobs; the overlong buffer) on the same embedded task.
+      rm -rf /tmp/yatt-runs/dapo
+      run_step trainer_dapo python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py --config examples/configs/dapo.yaml out_dir=/tmp/yatt-runs/dapo \
+        num_steps=${TRAINER_STEPS:-60} policy.model_dir=$EMB/policy data.path=$EMB/prompts.jsonl \
+        reward.judge_dir=$EMB/judge
+      cp /tmp/yatt-runs/dapo/metrics.jsonl "$OUT/trainer_dapo_metrics.jsonl" 2>/dev/null
+      python3 bench/rl_metrics_summary.py "$OUT"/trainer_full_metrics.jsonl \
+        "$OUT"/trainer_dapo_metrics.jsonl | tee "$OUT/trainer_rl_summary.txt"
       run_step trainer_export_reload python3 -c "import torch; from transformers import \
 AutoModelForCausalLM as M; m = M.from_pretrained('/tmp/yatt-runs/features/export', \
 device_map='cuda'); ids = torch.tensor([[51, 43, 52, 61]], device='cuda'); \
