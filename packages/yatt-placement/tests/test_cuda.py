@@ -426,10 +426,13 @@ def test_a_switch_that_wakes_returns_the_allocator_cache_first():
         offload="auto",
     )
     plan.switch_to("idle")  # the engine sleeps (nothing measured yet)
+    assert is_paused("cache/engine"), "auto kept the engine awake: no wake to test"
     activations = torch.ones(512 * MIB, dtype=torch.uint8, device="cuda")
     del activations
     cached = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
     assert cached >= 512 * MIB
     plan.switch_to("run")
-    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() < cached - 256 * MIB
+    assert not is_paused("cache/engine")
+    after = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+    assert after < cached - 256 * MIB, f"cache {cached} -> {after} bytes across the wake"
     assert torch.equal(engine, torch.ones_like(engine))
