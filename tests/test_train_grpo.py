@@ -406,7 +406,7 @@ def test_a_run_whose_steps_never_update_stops_and_says_why(tmp_path, embedded):
         ),
         pytest.param(
             ["data.path=EMPTY"],
-            r"empty\.jsonl': none of its first 16 rows is usable.*non-empty",
+            r"empty\.jsonl': none of its first 16 rows is usable.*holds no text",
             id="no-usable-row",
         ),
     ],
@@ -933,9 +933,12 @@ def test_an_existing_export_dir_is_replaced_only_if_it_is_yatts_export(tmp_path,
     mine.mkdir(parents=True)
     (mine / "notes.txt").write_text("the user's own file")
     raw = {**_paths(embedded), "out_dir": str(out_dir)}
-    with pytest.raises(ValueError, match=r"export\.dir='mine': .*notes|export\.dir='mine': "):
+    with pytest.raises(ValueError, match=r"export\.dir='mine': .* holds files yatt did not export"):
         grpo_config.build_config({**raw, "export": {"dir": "mine"}})
     assert (mine / "notes.txt").read_text() == "the user's own file"
+    (out_dir / "link").symlink_to(tmp_path)  # a link: replacing it could reach anywhere
+    with pytest.raises(ValueError, match=r"export\.dir='link': .* is not a folder"):
+        grpo_config.build_config({**raw, "export": {"dir": "link"}})
     (out_dir / "empty").mkdir()
     grpo_config.build_config({**raw, "export": {"dir": "empty"}})  # nothing to lose
     earlier = out_dir / "earlier"
