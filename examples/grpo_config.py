@@ -57,6 +57,9 @@ MAX_VOTES = 64
 # GRPO normalizes rewards within a group, so only the weights' ratios matter; past this a weight
 # is a units mistake, and weight x reward may no longer fit the float32 the batch holds.
 MAX_REWARD_WEIGHT = 1e6
+# Dynamic sampling's draw factor: at 64 prompts per kept group the reward is nearly constant.
+MAX_OVERSAMPLE = 64.0
+ON_UNFILLED = ("train", "error")  # core.DynamicSampler's on_unfilled
 # Seeds fit a signed 32-bit int: what numpy's legacy seeding, torch and the serving engines take.
 MAX_SEED = 2**31 - 1
 
@@ -154,6 +157,11 @@ class RolloutConfig:
     temperature: float = 1.0  # sampling temperature; the policy's logprobs use the same
     max_new_tokens: int = 4  # response length cap
     max_sampling_rounds: int = 3  # DAPO dynamic sampling: rollout rounds to fill the batch
+    # Dynamic sampling's draw (core.DynamicSampler): prompts per missing group at first, then
+    # adapted to the keep rate up to max_oversample (1.0 and 1.0: exactly the missing number).
+    oversample: float = 1.0  # prompts drawn per missing group before a keep rate is known
+    max_oversample: float = 1.0  # the adapted factor's ceiling (>= oversample)
+    on_unfilled: str = "train"  # unfilled after max_sampling_rounds: "train" on it, or "error"
     backend: str = "builtin"  # "builtin", or "vllm"/"sglang" (GPU; yatt-rollout[vllm|sglang])
     engine: rollout.EngineConfig = field(
         default_factory=lambda: rollout.EngineConfig(max_seq_len=64)
@@ -172,6 +180,16 @@ class RolloutConfig:
         check_at_least("rollout.temperature", self.temperature, 0.0)
         check_at_least("rollout.max_new_tokens", self.max_new_tokens, 1)
         check_at_least("rollout.max_sampling_rounds", self.max_sampling_rounds, 1)
+        check_at_least("rollout.oversample", self.oversample, 1.0)
+        check_at_least("rollout.max_oversample", self.max_oversample, self.oversample)
+        check_at_most(
+            "rollout.max_oversample",
+            self.max_oversample,
+            MAX_OVERSAMPLE,
+            "prompts drawn per missing group; past it most of the rollout is thrown away",
+        )
+        if self.on_unfilled not in ON_UNFILLED:
+            raise ValueError(f"rollout.on_unfilled={self.on_unfilled!r}: use one of {ON_UNFILLED}")
         check_engine_backend("rollout.backend", self.backend, self.backend_options)
 
 
@@ -426,10 +444,15 @@ class TrainConfig:
     # The backend's config fields (TorchPolicyConfig or MegatronPolicyConfig); a dict here is
     # turned into that class, its temperature taken from rollout.temperature.
     policy: dict | core.TorchPolicyConfig | core.MegatronPolicyConfig = field(default_factory=dict)
-    # One optimizer step per batch: the loss takes old logprobs from its own forward pass.
+    # The RL objective and its update: DAPO's token-mean loss, clip 0.2/0.28. One optimizer
+    # step per batch by default, on-policy (old logprobs from the loss's own forward); with
+    # loss.num_mini_batches x loss.num_epochs > 1, loss.is_on_policy defaults to False and the
+    # trainer computes the old logprobs once, before the first update.
     loss: core.PolicyLoss = field(
-        default_factory=lambda: core.PolicyLoss(clip_high=0.28, is_on_policy=True)
+        default_factory=lambda: core.PolicyLoss(objective="dapo", is_on_policy=True)
     )
+    # Responses cut at rollout.max_new_tokens: DAPO's soft punishment and overlong filter.
+    overlong: core.OverlongConfig = field(default_factory=core.OverlongConfig)
     ckpt: CkptConfig = field(default_factory=lambda: CkptConfig(every_steps=20, phases=("train",)))
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -464,6 +487,23 @@ class TrainConfig:
                 f"reward.judge_template={self.reward.judge_template!r} reads {{reference}} but "
                 "data.answer_key is '': name the rows' answer field, or drop {reference}"
             )
+        # The loss against the rollout: mini-batches of whole groups, Dr. GRPO's normaliser,
+        # the overlong buffer inside max_new_tokens.
+        try:
+            self.loss.check_rollout(
+                prompts_per_rank=self.data.prompts_per_rank,
+                max_new_tokens=self.rollout.max_new_tokens,
+            )
+            self.overlong.check_rollout(max_new_tokens=self.rollout.max_new_tokens)
+        except ValueError as exc:
+            message = (
+                str(exc).replace("PolicyLoss.", "loss.").replace("OverlongConfig.", "overlong.")
+            )
+            raise ValueError(
+                message.replace("prompts_per_rank=", "data.prompts_per_rank=").replace(
+                    "max_new_tokens=", "rollout.max_new_tokens="
+                )
+            ) from None
         if self.policy is None:
             raise ValueError("config section 'policy' is empty; give it fields or remove the line")
         if isinstance(self.policy, Mapping):
@@ -505,8 +545,11 @@ class TrainConfig:
             )
         values = {**DEFAULT_POLICY, **values, "temperature": self.rollout.temperature}
         if values.get("lr_schedule") == "cosine" and values.get("num_decay_steps") is None:
-            # Decay over the whole run (a run of no steps still gets a valid schedule).
-            values["num_decay_steps"] = max(self.num_steps, values.get("num_warmup_steps", 0) + 1)
+            # Decay over the whole run: the schedule advances once per optimizer step, of which
+            # a step of the run takes loss.num_updates_per_batch (a run of no steps still gets
+            # a valid schedule).
+            num_updates = self.num_steps * self.loss.num_updates_per_batch
+            values["num_decay_steps"] = max(num_updates, values.get("num_warmup_steps", 0) + 1)
         # Unknown keys fail here, naming the backend's config class.
         return core.policy_config_from_dict(self.backend, values)
 
@@ -602,7 +645,7 @@ def build_config(raw: Mapping[str, Any]) -> TrainConfig:
     checked, the embedded policy's against a stand-in directory (that policy may not be built
     yet), and only then is the embedded task built (once).
     """
-    raw = with_local_models(raw)
+    raw = with_local_models(with_loss_defaults(raw))
     task_name = raw.get("task", "text")
     if task_name in EMBEDDED_TASKS:  # the task's defaults under the run's own values
         raw = with_defaults(raw, EMBEDDED_TASKS[task_name][0].CONFIG_DEFAULTS)
@@ -655,6 +698,23 @@ def build_config(raw: Mapping[str, Any]) -> TrainConfig:
     if not checked.data.path and not checked.eval.path:  # the embedded task's held-out split
         filled["eval"] = {**raw.get("eval", {}), "path": str(paths["eval"])}
     return checked_images(core.config_from_dict(TrainConfig, filled))
+
+
+def with_loss_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """`raw` with loss.is_on_policy False when the loss section asks for several optimizer
+    steps per batch and leaves is_on_policy unset: only one step per batch is on-policy, so
+    the default's True holds for the default's one step only."""
+    loss = raw.get("loss")
+    if not isinstance(loss, Mapping) or "is_on_policy" in loss:
+        return dict(raw)
+    num_updates = 1
+    for key in ("num_mini_batches", "num_epochs"):
+        value = loss.get(key, 1)
+        if isinstance(value, int) and not isinstance(value, bool):
+            num_updates *= value  # anything else: PolicyLoss names the field
+    if num_updates > 1:
+        return {**raw, "loss": {**loss, "is_on_policy": False}}
+    return dict(raw)
 
 
 def with_defaults(raw: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
@@ -711,7 +771,10 @@ def describe_fields() -> str:
         if key == "model_dir":
             line = f"{name} = ''  # a local folder or a Hub id in the HF cache; '' = embedded"
         elif key == "num_decay_steps":
-            line = f"{name} = None  # cosine: steps (warm-up included) to its lowest lr; None = num_steps"
+            line = (
+                f"{name} = None  # cosine: optimizer steps (warm-up included) to its lowest "
+                "lr; None = num_steps x loss.num_mini_batches x loss.num_epochs"
+            )
         elif key in DEFAULT_POLICY:
             line = f"{name} = {DEFAULT_POLICY[key]!r}  # {doc}"
         lines.append(line)

@@ -14,8 +14,10 @@ One step, as the loop reads:
     rows        this rank's next prompts (a draw of only unusable rows draws again)
     scored      n responses per prompt, each judged by the GenRM (placement=partial: judged as
                 soon as it finishes, while the rollout's long tail still runs)
-    batch       DAPO dynamic sampling: groups without reward variance dropped, then refilled
-    train       advantages per group -> balance across ranks -> one optimizer step
+    batch       DAPO dynamic sampling (core.DynamicSampler): each round's rewards get the
+                overlong penalty, groups without reward variance are dropped, rounds refill
+    train       advantages per group -> balance across ranks -> old logprobs once -> for each
+                epoch, for each mini-batch of whole groups: one optimizer step (loss.*)
     sync        the policy's weights into the rollout engine; metrics; checkpoint when due
     eval        every eval.every_steps: held-out prompts through the same reward (eval/*)
 
@@ -34,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import sys
@@ -224,7 +225,10 @@ def main(argv: list[str]) -> int:
     run_lock: RunLock | None = None
     if int(os.environ.get("RANK", "0")) == 0:
         run_lock = acquire_run_lock(cfg.out_dir, purpose="train")
-    runtime = core.init_runtime(seed=cfg.seed, tp_size=getattr(cfg.policy, "tp_size", 1))
+    # A megatron policy's model-parallel replica (tp x pp x cp) shares one rollout batch.
+    model_parallel_size = getattr(cfg.policy, "model_parallel_size", None)
+    tp_size = model_parallel_size or getattr(cfg.policy, "tp_size", 1)
+    runtime = core.init_runtime(seed=cfg.seed, tp_size=tp_size)
     closeables: list[Any] = []  # closed in reverse, also after an error
     is_failed = True  # until the loop ends: a close() error must not hide the loop's own
     stop_signal: int | None = None
@@ -329,24 +333,29 @@ def main(argv: list[str]) -> int:
             should_overlap=should_overlap,
         )
 
-        def rollout_round(num_missing: int, *, step: int, stats: StepStats) -> core.Batch:
-            """One DAPO round: `num_missing` more prompts, rolled out and judged."""
-            if num_missing == 0:  # this rank is full; others may still be drawing
-                return core.rollout_batch([])
-            prompts = draw_prompts(loader, encoder, num_missing)
-            stats.num_rounds += 1
+        def round_sampling(step: int, num_round: int) -> rollout.SamplingParams:
             # Seeded by (seed, DP rank, step, round): a resumed run and TP peers draw alike.
-            seed = cfg.seed * 1_000_003 + runtime.dp_rank * 10_007 + step * 101 + stats.num_rounds
-            sampling = rollout.SamplingParams(
+            seed = cfg.seed * 1_000_003 + runtime.dp_rank * 10_007 + step * 101 + num_round
+            return rollout.SamplingParams(
                 n=cfg.rollout.samples_per_prompt,
                 temperature=cfg.rollout.temperature,
                 max_new_tokens=cfg.rollout.max_new_tokens,
                 seed=seed % 2**31,
                 stop_token_ids=encoder.cut_token_ids,  # a vision-language policy's (else none)
             )
-            scored = generate_and_score(prompts, sampling, timings=stats.timings, **generate)
-            stats.add(scored, exact, cut_token_ids=encoder.cut_token_ids)
-            return to_batch(scored, runtime, encoder)
+
+        # DAPO dynamic sampling, rounds (partial colocation overlaps the judge with the
+        # rollout inside each round). One sampler for the run: its keep rate carries over.
+        sampler = core.DynamicSampler(
+            target_groups=cfg.data.prompts_per_rank,
+            oversample=cfg.rollout.oversample,
+            max_oversample=cfg.rollout.max_oversample,
+            max_rounds=cfg.rollout.max_sampling_rounds,
+            tolerance=cfg.loss.zero_variance_tolerance,
+            on_unfilled=cfg.rollout.on_unfilled,
+            group=runtime.dp_group,
+        )
+        max_new_tokens = cfg.rollout.max_new_tokens
 
         # -- the GRPO loop ----------------------------------------------------------------------
         last_save_s = 0.0  # a save's time is logged with the next step (it ends after the log)
@@ -359,17 +368,39 @@ def main(argv: list[str]) -> int:
         with logging_redirect_tqdm():  # log lines print above the bar, never through it
             for step in bar:
                 stats = StepStats(timings={"ckpt": last_save_s})
-                # rollout + GenRM; DAPO dynamic sampling drops zero-variance groups and refills
-                batch, sampling_stats = core.sample_dynamically(
-                    functools.partial(rollout_round, step=step, stats=stats),
-                    num_groups=cfg.data.prompts_per_rank,
-                    max_rounds=cfg.rollout.max_sampling_rounds,
-                    group=runtime.dp_group,
-                )
-                advantages = core.compute_grpo_advantages(
+                # rollout + GenRM in rounds until every rank has its groups with reward
+                # variance (collective: a full rank draws 0 and still joins each round)
+                while not sampler.is_done():
+                    num_prompts = sampler.num_to_draw()
+                    groups = core.rollout_batch([])
+                    if num_prompts:
+                        prompts = draw_prompts(loader, encoder, num_prompts)
+                        stats.num_rounds += 1
+                        sampling = round_sampling(step, stats.num_rounds)
+                        scored = generate_and_score(  # generate -> score
+                            prompts, sampling, timings=stats.timings, **generate
+                        )
+                        stats.add(scored, exact, cut_token_ids=encoder.cut_token_ids)
+                        groups = to_batch(scored, runtime, encoder)
+                        # DAPO's soft overlong punishment (0 when off), before the variance test
+                        groups.samples["reward"] += cfg.overlong.compute_penalties(
+                            groups, max_new_tokens=max_new_tokens
+                        )
+                    sampler.add(groups)  # keep: whole groups with reward variance
+                batch, sampling_stats = sampler.take()
+                # Over all ranks (collective): the trained responses cut at max_new_tokens.
+                truncation = core.compute_truncation_metrics(batch, group=runtime.dp_group)
+                if cfg.overlong.should_filter_truncated:  # their tokens out of the loss
+                    num_masked = core.mask_truncated_responses(batch)
+                    truncation |= core.reduce_metrics(
+                        {"response/num_truncated_masked": num_masked},
+                        group=runtime.dp_group,
+                        default_op="sum",
+                    )
+                # local: a whole group lives on this rank
+                batch.samples["advantages"] = cfg.loss.compute_advantages(
                     batch.samples["reward"], batch.samples["group_id"]
                 )
-                batch.samples["advantages"] = advantages  # local: a whole group lives on this rank
                 with timed(stats.timings, "balance"):  # lengths cross ranks; moves go p2p
                     # The policy's cost model: the same weights its micro-batch packing uses.
                     # A vision-language policy also counts its tower's work on the images.
@@ -382,13 +413,31 @@ def main(argv: list[str]) -> int:
                     batch, _ = batch.rebalance(
                         group=runtime.dp_group, group_key="group_id", costs=costs
                     )
+                    if cfg.loss.num_mini_batches > 1:  # the rebalanced batch's own costs
+                        images = (
+                            {"image_patches": core.image_patches_of(batch)}
+                            if encoder.takes_images
+                            else {}
+                        )
+                        costs = policy.estimate_costs(batch.lengths.tolist(), **images)
                 with timed(stats.timings, "train"), plan.phase("train"):
                     batch = batch.to(runtime.device)
-                    if not cfg.loss.is_on_policy:  # else the loss reuses its forward's, detached
+                    # pi_old, once, before the first update (is_on_policy: one update, and the
+                    # loss reuses its own forward's logprobs, detached)
+                    if not cfg.loss.is_on_policy:
                         batch.tokens["old_logprobs"] = policy.logprobs(batch)
                     if reference is not None:
                         batch.tokens["ref_logprobs"] = reference.logprobs(batch)
-                    train_metrics = policy.train_step(batch, cfg.loss)
+                    # num_epochs passes, each num_mini_batches optimizer steps of whole groups
+                    # (every rank the same count: the steps' collectives pair up)
+                    steps = []
+                    for _epoch in range(cfg.loss.num_epochs):
+                        mini_batches = core.split_mini_batches(
+                            batch, cfg.loss.num_mini_batches, costs=costs
+                        )
+                        for mini_batch in mini_batches:
+                            steps.append(policy.train_step(mini_batch, cfg.loss))
+                    train_metrics = core.merge_step_metrics(steps)
                 with timed(stats.timings, "sync"), plan.phase("sync"):  # bucketed, no 2nd copy
                     engine.update_weights(policy.named_weights())
                 metrics = summarize(
@@ -398,6 +447,7 @@ def main(argv: list[str]) -> int:
                     runtime.dp_group,
                     has_images=encoder.takes_images,
                 )
+                metrics |= truncation
                 metrics |= {f"train/{key}": value for key, value in train_metrics.items()}
                 # Same on every rank. Every sample right: solved, not stuck (a rule's accuracy).
                 is_solved = metrics["reward/accuracy"] >= 1.0
