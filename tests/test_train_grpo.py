@@ -477,6 +477,11 @@ def test_a_close_error_never_hides_the_loops_own(caplog):
         ("policy.temperature=0.5", r"policy\.temperature=0\.5: set rollout\.temperature"),
         ("rollout.backend_options.dtype=bfloat16", r"rollout\.backend_options=.*only for"),
         ("data.answer_key=''", r"reads \{reference\} but data\.answer_key is ''"),
+        # 8 groups per rank (the default) cannot split into 3 mini-batches of whole groups
+        ("loss.num_mini_batches=3", r"loss\.num_mini_batches=3 does not divide data\.prompts"),
+        ("overlong.buffer_tokens=5", r"overlong\.buffer_tokens=5 is longer than rollout\.max_new"),
+        ("rollout.max_oversample=0.5", r"rollout\.max_oversample=0\.5: must be >= 1\.0"),
+        ("rollout.on_unfilled=drop", r"rollout\.on_unfilled='drop': use one of"),
     ],
 )
 def test_bad_config_values_fail_before_anything_loads(tmp_path, override, match):
@@ -1142,3 +1147,49 @@ def test_a_reward_function_that_hangs_is_an_error_verdict_after_its_timeout(tmp_
     assert [r["step"] for r in records] == [0, 1]
     assert records[0]["genrm/errors"] >= 1  # the hung call, cut off
     assert (tmp_path / "rewards.hung").exists()
+
+
+def test_the_default_loss_is_todays_dapo_step_and_several_updates_are_off_policy(embedded):
+    cfg = grpo_config.build_config(_paths(embedded))
+    # Today's update: DAPO's token-mean loss, clip 0.2 / 0.28, one on-policy step per batch.
+    assert (cfg.loss.resolved_clip_low, cfg.loss.resolved_clip_high) == (0.2, 0.28)
+    assert cfg.loss.resolved_aggregation == "token_mean"
+    assert cfg.loss.is_on_policy and cfg.loss.num_updates_per_batch == 1
+    # Only the first of several steps per batch is on-policy: the default turns False.
+    raw = {**_paths(embedded), "loss": {"num_mini_batches": 2, "num_epochs": 2}}
+    assert not grpo_config.build_config(raw).loss.is_on_policy
+    raw["loss"] = {"num_mini_batches": 2, "is_on_policy": True}  # asked for: refused
+    with pytest.raises(ValueError, match=r"is_on_policy=True with num_mini_batches=2"):
+        grpo_config.build_config(raw)
+    # The cosine schedule decays over optimizer steps: 10 steps x 2 x 2 updates = 40.
+    raw = {**_paths(embedded), "num_steps": 10, "loss": {"num_mini_batches": 2, "num_epochs": 2}}
+    raw["policy"] = {**raw["policy"], "lr_schedule": "cosine"}
+    assert grpo_config.build_config(raw).policy.num_decay_steps == 40
+
+
+def test_the_dapo_recipe_clips_and_logs_truncation(tmp_path, embedded):
+    # DAPO's 4 mini-batches per rollout batch move the ratio off 1: the clip-higher bound acts.
+    out = tmp_path / "dapo"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(TRAINER),
+            "--config",
+            str(ROOT / "examples" / "configs" / "dapo.yaml"),
+            f"out_dir={out}",
+            *embedded,
+            "num_steps=3",
+            "eval.every_steps=0",
+            "export.dir=",
+        ],
+        env=_env(),
+        timeout=600,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(r["train/num_optimizer_steps"] == 4 for r in records)
+    assert all(0.0 <= r["response/truncated_frac"] <= 1.0 for r in records)
+    assert any(r["train/clip_frac_high"] > 0 for r in records)
