@@ -950,7 +950,8 @@ def test_an_existing_export_dir_is_replaced_only_if_it_is_yatts_export(tmp_path,
     grpo_config.build_config({**raw, "export": {"dir": "empty"}})  # nothing to lose
     earlier = out_dir / "earlier"
     earlier.mkdir()
-    (earlier / ".yatt-export.json").write_text("{}")  # the marker of a yatt export
+    # the marker yatt's export writes (its "format" key is what marks it as yatt's)
+    (earlier / ".yatt-export.json").write_text('{"format": "yatt-hf-export"}')
     grpo_config.build_config({**raw, "export": {"dir": "earlier"}})
 
 
@@ -1180,7 +1181,7 @@ def test_the_dapo_recipe_clips_and_logs_truncation(tmp_path, embedded):
             *embedded,
             "num_steps=3",
             "eval.every_steps=0",
-            "export.dir=",
+            "export.dir=''",
         ],
         env=_env(),
         timeout=600,
