@@ -137,6 +137,27 @@ def compute_logprobs(backend: StepBackend, batch: Batch) -> torch.Tensor:
     return out_BT
 
 
+def reduce_step_units(loss_fn: LossFn, batch: Batch, group: Any) -> dict[str, float]:
+    """{"units": the loss's units, "tokens": loss tokens} summed over the data-parallel group:
+    what every micro-batch's loss sum is divided by (collective)."""
+    local_tokens = float(batch["loss_mask"].sum()) if "loss_mask" in batch else 0.0
+    return reduce_metrics(
+        {"units": float(loss_fn.count_units(batch)), "tokens": local_tokens},
+        group=group,
+        default_op="sum",
+    )
+
+
+def skip_empty_step(counts: StepCounts, lr: float) -> dict[str, float]:
+    """A step whose global batch has no loss units: counted as skipped, nothing updated.
+    Legit in DAPO: every group solved (zero reward variance) was dropped on every rank."""
+    _NO_TOKENS.warn("train_step: the global batch has no response tokens; step skipped")
+    counts.num_skipped_steps += 1
+    return _step_metrics(
+        {}, loss=0.0, grad_norm=0.0, lr=lr, num_micro_batches=0, num_tokens=0.0, is_skipped=True
+    )
+
+
 def run_train_step(
     backend: StepBackend,
     batch: Batch,
@@ -161,19 +182,9 @@ def run_train_step(
     """
     lr = lr_at(counts.num_optimizer_steps)
     needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-    local_tokens = float(batch["loss_mask"].sum()) if "loss_mask" in batch else 0.0
-    totals = reduce_metrics(
-        {"units": float(loss_fn.count_units(batch)), "tokens": local_tokens},
-        group=backend.dp_group,
-        default_op="sum",
-    )
+    totals = reduce_step_units(loss_fn, batch, backend.dp_group)
     if totals["units"] == 0:
-        # Legit in DAPO: every group solved (zero reward variance) was dropped on every rank.
-        _NO_TOKENS.warn("train_step: the global batch has no response tokens; step skipped")
-        counts.num_skipped_steps += 1
-        return _step_metrics(
-            {}, loss=0.0, grad_norm=0.0, lr=lr, num_micro_batches=0, num_tokens=0.0, is_skipped=True
-        )
+        return skip_empty_step(counts, lr)
     scale = backend.dp_size / totals["units"]
     backend.zero_grad()  # a failed step or a wake_up may have left gradients behind
     bins = backend.plan_micro_batches(batch)

@@ -33,7 +33,13 @@ from yatt.core._metrics import reduce_metrics
 from yatt.core._policy import LossFn
 
 # The skeleton's own result builder and no-token warning, so both paths report alike.
-from yatt.core._train_step import _NO_TOKENS, StepCounts, _step_metrics, select_micro_batch
+from yatt.core._train_step import (
+    StepCounts,
+    _step_metrics,
+    reduce_step_units,
+    select_micro_batch,
+    skip_empty_step,
+)
 
 logger = logging.getLogger("yatt.core")
 
@@ -183,18 +189,9 @@ def run_pipeline_train_step(
     docstring); the same metrics. Collective over the whole world."""
     lr = lr_at(counts.num_optimizer_steps)
     needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-    local_tokens = float(batch["loss_mask"].sum()) if "loss_mask" in batch else 0.0
-    totals = reduce_metrics(
-        {"units": float(loss_fn.count_units(batch)), "tokens": local_tokens},
-        group=policy.dp_group,
-        default_op="sum",
-    )
+    totals = reduce_step_units(loss_fn, batch, policy.dp_group)
     if totals["units"] == 0:
-        _NO_TOKENS.warn("train_step: the global batch has no response tokens; step skipped")
-        counts.num_skipped_steps += 1
-        return _step_metrics(
-            {}, loss=0.0, grad_norm=0.0, lr=lr, num_micro_batches=0, num_tokens=0.0, is_skipped=True
-        )
+        return skip_empty_step(counts, lr)
     # The shared rule (run_train_step): the loss sum over the global units, times the ranks
     # Megatron's DDP averages gradients over (dp x cp: each CP rank's gradient holds its own
     # tokens' share).
