@@ -56,12 +56,13 @@ for step in "$@"; do
         policy.lr_schedule=cosine policy.num_warmup_steps=2
       cp /tmp/yatt-runs/features/metrics.jsonl "$OUT/trainer_features_metrics.jsonl" 2>/dev/null
       # Issue 24: DAPO's recipe (several mini-batches per rollout batch, so the clip acts; rollout
-      # correction of the bf16 engine's logprobs; the overlong buffer) on the same embedded task.
+      # correction of the engine's logprobs, with the engine in bf16 beside the fp32 trainer so the
+      # IS weights differ from 1; the overlong buffer) on the same embedded task.
       rm -rf /tmp/yatt-runs/dapo
       run_step trainer_dapo python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
         examples/train_grpo.py --config examples/configs/dapo.yaml out_dir=/tmp/yatt-runs/dapo \
         num_steps=${TRAINER_STEPS:-60} policy.model_dir=$EMB/policy data.path=$EMB/prompts.jsonl \
-        reward.judge_dir=$EMB/judge
+        reward.judge_dir=$EMB/judge rollout.engine.dtype=bfloat16
       cp /tmp/yatt-runs/dapo/metrics.jsonl "$OUT/trainer_dapo_metrics.jsonl" 2>/dev/null
       python3 bench/rl_metrics_summary.py "$OUT"/trainer_full_metrics.jsonl \
         "$OUT"/trainer_dapo_metrics.jsonl | tee "$OUT/trainer_rl_summary.txt"
