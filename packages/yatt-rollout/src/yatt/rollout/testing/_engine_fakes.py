@@ -33,6 +33,10 @@ import torch.distributed as dist
 
 VLLM_VERSION = "0.26.0"
 SGLANG_VERSION = "0.5.17"
+# What the fakes' model registries list (both engines serve these families).
+SUPPORTED_ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2VLForConditionalGeneration"}
+)
 
 
 def _tp_blocks(tp_size: int) -> tuple[int, Any]:
@@ -202,6 +206,9 @@ def vllm_modules() -> dict[str, types.ModuleType]:
     module.__version__ = VLLM_VERSION
     module.LLM = FakeLLM
     module.SamplingParams = FakeVLLMSamplingParams
+    module.ModelRegistry = types.SimpleNamespace(
+        get_supported_archs=lambda: set(SUPPORTED_ARCHITECTURES)
+    )
     module.sampling_params = types.SimpleNamespace(
         RequestOutputKind=types.SimpleNamespace(DELTA="delta")
     )
@@ -337,7 +344,14 @@ def sglang_modules() -> dict[str, types.ModuleType]:
     executor = types.ModuleType("sglang.srt.model_executor")
     runner = types.ModuleType("sglang.srt.model_executor.model_runner")
     runner.LocalSerializedTensor = LocalSerializedTensor
+    models = types.ModuleType("sglang.srt.models")
+    registry = types.ModuleType("sglang.srt.models.registry")
+    registry.ModelRegistry = types.SimpleNamespace(
+        get_supported_archs=lambda: set(SUPPORTED_ARCHITECTURES)
+    )
     return {
+        "sglang.srt.models": models,
+        "sglang.srt.models.registry": registry,
         "sglang": module,
         "sglang.srt": srt,
         "sglang.srt.utils": utils,
