@@ -71,9 +71,11 @@ def check_engine_tp(
     world_size: int | None = None,
 ) -> None:
     """ValueError naming `field` when an engine TP size cannot serve: not a positive int, more
-    ranks than the world or not dividing it, another size than the policy's TP group (the
-    group's ranks would hold different batches), or heads the size does not divide (vLLM and
-    SGLang split query heads evenly, and key/value heads evenly or replicated)."""
+    ranks than the world or not dividing it, another size than `policy_tp_size` (the ranks that
+    share a batch, the runtime's tp dimension: a smaller engine group would leave several
+    groups sampling one batch apart, a larger one would mix batches), or heads the size does
+    not divide (vLLM and SGLang split query heads evenly, key/value heads evenly or
+    replicated)."""
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
         raise ValueError(f"{field}={tp_size!r}: must be an int >= 1 (1: one GPU per engine)")
     world = world_size_of_launch() if world_size is None else world_size
@@ -84,8 +86,9 @@ def check_engine_tp(
         )
     if policy_tp_size is not None and tp_size != policy_tp_size:
         raise ValueError(
-            f"{field}={tp_size} differs from the policy's tp_size={policy_tp_size}: an engine "
-            "group serves the batch of one policy TP group, so the two sizes must be equal; "
+            f"{field}={tp_size} differs from the policy's tp_size={policy_tp_size} (the ranks "
+            "sharing a batch: the runtime's tp_size; tp x pp x cp for MegatronPolicy): an "
+            "engine group serves the batch of one such group, so the two sizes must be equal; "
             f"set {field}={policy_tp_size}"
         )
     heads = attention_heads(model_dir) if model_dir is not None else None
