@@ -184,6 +184,10 @@ def test_engine_tp_sizes_that_cannot_serve_are_refused_before_the_engine_loads(
         VLLMConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match=r"SGLangConfig.tp_size=True"):
         SGLangConfig(tp_size=True)
+    with pytest.raises(ValueError, match=r"llm_kwargs sets \['tensor_parallel_size'\]"):
+        VLLMConfig(llm_kwargs={"tensor_parallel_size": 2})
+    with pytest.raises(ValueError, match=r"engine_kwargs sets \['tp_size'\]"):
+        SGLangConfig(engine_kwargs={"tp_size": 2})
     # More ranks than the world (a plain process: a world of one).
     with pytest.raises(ValueError, match=r"VLLMConfig.tensor_parallel_size=2 must divide"):
         VLLMEngine("/models/x", config=VLLMConfig(tensor_parallel_size=2))

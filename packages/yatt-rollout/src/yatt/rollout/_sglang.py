@@ -122,6 +122,12 @@ class SGLangConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        taken = sorted(set(self.engine_kwargs) & {"tp_size", "base_gpu_id"})
+        if taken:
+            raise ValueError(
+                f"SGLangConfig.engine_kwargs sets {taken}: the adapter sets them from "
+                "SGLangConfig.tp_size and this rank's GPU; use that field"
+            )
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"SGLangConfig.tp_size={self.tp_size!r}: must be an int >= 1")
         if not 0.0 < self.mem_fraction_static <= 1.0:

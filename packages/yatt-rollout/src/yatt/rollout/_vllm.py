@@ -97,6 +97,14 @@ class VLLMConfig:
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        taken = sorted(
+            set(self.llm_kwargs) & {"tensor_parallel_size", "distributed_executor_backend"}
+        )
+        if taken:
+            raise ValueError(
+                f"VLLMConfig.llm_kwargs sets {taken}: the adapter sets them from "
+                "VLLMConfig.tensor_parallel_size (and torchrun); use that field"
+            )
         if (
             not isinstance(self.tensor_parallel_size, int)
             or isinstance(self.tensor_parallel_size, bool)
