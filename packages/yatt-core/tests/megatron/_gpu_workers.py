@@ -70,12 +70,12 @@ def _policy_cuda_bytes(policy) -> int:
     allocator): DDP's parameter and gradient buffers, the parameters themselves (views into
     those buffers, or their own storage without one), and the optimizer's fp32 main
     parameters and Adam state. Each storage once."""
-    tensors = []
-    for model in policy.models:
-        for buffer in list(getattr(model, "buffers", [])):
-            tensors += [buffer.param_data, buffer.grad_data]
-        tensors += list(model.parameters())
+    tensors = [p for model in policy.models for p in model.parameters()]
     if policy.optimizer is not None:
+        # Megatron DDP's contiguous buffers (param_data is None without the distributed
+        # optimizer); `_buffers()` is the list sleep() offloads.
+        for buffer in policy._buffers():
+            tensors += [buffer.param_data, buffer.grad_data]
         inner = policy._inner_optimizer.optimizer  # the torch Adam inside Megatron's wrapper
         for group in inner.param_groups:
             tensors += list(group["params"])
