@@ -86,6 +86,9 @@ def vllm_scenario(tp_size: int) -> dict:
     if rank == 0:
         llm.rpc_results = [[0]]
     out["short_error"] = _error(lambda: engine.update_weights(_full_weights()))
+    # The last rank passes one tensor fewer: caught after the load, on every rank.
+    fewer = _full_weights()[: 1 if rank == dist.get_world_size() - 1 else 2]
+    out["names_error"] = _error(lambda: engine.update_weights(fewer))
     engine.close()
     fast = VLLMEngine(
         "/models/x",
@@ -124,6 +127,9 @@ def sglang_scenario(tp_size: int) -> dict:
         out["worker_weights"] = [dict(w) for w in inner.worker_weights]
         inner.update_results = [(False, "shape mismatch")]
     out["update_error"] = _error(lambda: engine.update_weights(_full_weights()))
+    # The last rank passes another shape: refused before SGLang loads anything, on every rank.
+    other = [(n, t[:2] if rank == dist.get_world_size() - 1 else t) for n, t in _full_weights()]
+    out["names_error"] = _error(lambda: engine.update_weights(other))
     started = time.monotonic()
     engine.sleep()
     engine.wake_up(tags=["weights"])

@@ -86,6 +86,7 @@ def test_vllm_tp2_weight_sync_gives_each_worker_its_slice_of_the_full_tensor(ran
         torch.testing.assert_close(weights["model.norm.weight"], full["model.norm.weight"])
         # A bucket short on rank 0 only raised on both ranks.
         assert "partly old weights" in rank["short_error"]
+        assert "ranks [1] of this engine's TP group loaded other tensors" in rank["names_error"]
 
 
 def test_vllm_tp1_on_two_ranks_is_one_engine_per_rank_through_the_same_path(ranks):
@@ -96,6 +97,7 @@ def test_vllm_tp1_on_two_ranks_is_one_engine_per_rank_through_the_same_path(rank
         # A group of one checks nothing across ranks: another batch is its own business.
         assert rank["mismatch_error"] is None
         assert "partly old weights" in (rank["short_error"] or "") or r == 1
+        assert rank["names_error"] is None  # groups of one: each rank loads its own
     assert ranks["vllm_tp1"][1]["short_error"] is None  # only rank 0's bucket was short
 
 
@@ -130,6 +132,9 @@ def test_sglang_tp2_worker_r_loads_rank_r_copy(ranks):
     for rank in (first, second):
         assert "failed on bucket 0" in rank["update_error"]
         assert "shape mismatch" in rank["update_error"]
+        assert "ranks [1] passed other tensors" in rank["names_error"]
+    # Refused before SGLang was asked: no third update call.
+    assert [c[0] for c in first["calls"]].count("update") == 2
 
 
 def test_sglang_tp2_control_calls_run_once_and_failures_reach_every_rank(ranks):

@@ -157,6 +157,15 @@ class EngineTPGroup:
             )
         return int(gathered[0][1])
 
+    def differing_ranks(self, value: Any) -> list[int]:
+        """The global ranks whose `value` (small, picklable) differs from the first rank's;
+        the same list on every rank."""
+        if self.size == 1:
+            return []
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, value, group=self.group)
+        return [self.ranks[i] for i, v in enumerate(gathered) if v != gathered[0]]
+
     def any(self, flag: bool) -> bool:
         """True on every rank when any rank's flag is set (an abort every rank takes at the
         same engine step, so their schedules, and the engine's collectives, stay in step)."""

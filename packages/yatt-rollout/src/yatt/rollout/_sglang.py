@@ -481,12 +481,22 @@ class SGLangEngine(ThreadedAdapter):
             for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes=bucket_bytes)):
                 # Every rank's handles on the first rank; the peers' tensors stay alive (held
                 # by `bucket`) until the status broadcast says SGLang has loaded them.
-                handles = self._group.gather_to_first(_serialize_bucket(bucket))
+                names = [(name, tuple(tensor.shape)) for name, tensor in bucket]
+                gathered = self._group.gather_to_first((names, _serialize_bucket(bucket)))
 
-                def load(handles=handles, bucket=bucket):
+                def load(gathered=gathered, names=names):
+                    differing = [
+                        self._group.ranks[r] for r, (n, _) in enumerate(gathered) if n != names
+                    ]
+                    if differing:
+                        raise ValueError(
+                            f"ranks {differing} passed other tensors (names or shapes) than "
+                            f"rank {self._group.ranks[0]}; every rank must pass the same full "
+                            "tensors"
+                        )
                     named = [
-                        (name, LocalSerializedTensor(values=[rank[k] for rank in handles]))
-                        for k, (name, _) in enumerate(bucket)
+                        (name, LocalSerializedTensor(values=[h[k] for _, h in gathered]))
+                        for k, (name, _) in enumerate(names)
                     ]
                     return self._engine.update_weights_from_tensor(
                         named_tensors=named, flush_cache=False

@@ -40,6 +40,7 @@ launched by torchrun serves N = 1 with vLLM's default executor.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -419,7 +420,9 @@ class VLLMEngine(ThreadedAdapter):
         raises on every rank (the group agrees after each bucket), so none rolls out on a
         partly old model while its peers wait."""
         with self._lock:
+            synced = hashlib.sha256()  # names and shapes loaded, compared across the group
             for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes=bucket_bytes)):
+                synced.update(repr([(n, tuple(t.shape)) for n, t in bucket]).encode())
                 error: BaseException | None = None
                 try:
                     loaded = self._llm.collective_rpc("yatt_load_weights", args=(bucket,))
@@ -441,6 +444,13 @@ class VLLMEngine(ThreadedAdapter):
                         + ("" if is_short else " on this rank, but not on a TP peer")
                         + "; the engine holds partly old weights: do not roll out with it"
                     )
+            differing = self._group.differing_ranks(synced.hexdigest())
+            if differing:
+                raise RuntimeError(
+                    f"update_weights: ranks {differing} of this engine's TP group loaded other "
+                    f"tensors (names or shapes) than rank {self._group.ranks[0]}; every rank "
+                    "must pass the same full tensors: do not roll out with this engine"
+                )
             # Cached prefixes hold keys/values computed with the old weights.
             self._reset_prefix_cache()
 
