@@ -1,6 +1,6 @@
 """The vLLM and SGLang adapters against fakes of the engines' public APIs (no GPU, no install).
 
-The fakes mirror vLLM 0.26.0 and SGLang 0.5.17, the versions the adapters were verified on with a
+The fakes (yatt.rollout.testing) mirror vLLM 0.26.0 and SGLang 0.5.17, the versions the adapters were verified on with a
 GPU (tests/test_gpu_engines.py): their method signatures, and the behaviours the adapters must
 bridge (SGLang refuses prompt + max_new_tokens beyond its context, skips stop_token_ids under
 ignore_eos, and reads a sampling_seed only in deterministic mode).
@@ -11,7 +11,6 @@ NUM_GPUS = 0
 import asyncio
 import sys
 import types
-from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -40,113 +39,23 @@ from yatt.rollout._vllm import (
     vllm_prompt,
     vllm_sampling_kwargs,
 )
+from yatt.rollout.testing import VLLMLogprob, sglang_modules, vllm_modules
 
 # -- vLLM -------------------------------------------------------------------------------------
 
 
-@dataclass
-class _Logprob:
-    logprob: float
-
-
-@dataclass
-class _Sample:
-    token_ids: list
-    logprobs: list
-    finish_reason: str | None
-
-
-@dataclass
-class _Output:
-    request_id: str
-    outputs: list
-    finished: bool
-
-
-@dataclass
-class _FakeVLLMEngine:
-    """LLMEngine: each step emits one token (id = step + prompt[0]) per request, as a DELTA."""
-
-    requests: dict = field(default_factory=dict)
-    aborted: list = field(default_factory=list)
-
-    def add_request(self, rid, prompt, params):
-        self.requests[rid] = {"prompt": prompt, "params": params, "n": 0}
-
-    def step(self):
-        out = []
-        for rid, r in list(self.requests.items()):
-            allowed = getattr(r["params"], "allowed_token_ids", None)
-            if allowed is not None:  # a label probe: one token, every allowed id's logprob
-                lp = [{t: _Logprob(-t / 10) for t in allowed}]
-                out.append(_Output(rid, [_Sample([allowed[0]], lp, "length")], True))
-                del self.requests[rid]
-                continue
-            token = r["prompt"]["prompt_token_ids"][0] + r["n"]
-            r["n"] += 1
-            stop = token in r["params"].stop_token_ids
-            done = stop or r["n"] >= r["params"].max_tokens
-            reason = ("stop" if stop else "length") if done else None
-            lp = [{token: _Logprob(-0.5 - r["n"])}]
-            out.append(_Output(rid, [_Sample([token], lp, reason)], done))
-            if done:
-                del self.requests[rid]
-        return out
-
-    def abort_request(self, rids):
-        self.aborted += rids
-        for rid in rids:
-            self.requests.pop(rid, None)
-
-
-class _FakeLLM:
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
-        self.llm_engine = _FakeVLLMEngine()
-        self.llm_engine.model_config = types.SimpleNamespace(
-            max_model_len=64, get_vocab_size=lambda: 100, is_multimodal_model=False
-        )
-        self.calls = []
-        self.rpc_results = []  # queued answers of collective_rpc (then: all loaded)
-        self.reset_results = []  # queued answers of reset_prefix_cache (then: True)
-
-    def get_tokenizer(self):
-        return "tok"
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.calls.append((method, [n for n, _ in args[0]]))
-        # One answer per worker: yatt_load_weights returns how many tensors it loaded.
-        return self.rpc_results.pop(0) if self.rpc_results else [len(args[0])]
-
-    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
-        self.calls.append(("reset_prefix_cache",))
-        # False while KV blocks are still held (vLLM 0.26.0 BlockPool.reset_prefix_cache).
-        return self.reset_results.pop(0) if self.reset_results else True
-
-    def sleep(self, level=1, mode="abort"):
-        self.calls.append(("sleep", level))
-
-    def wake_up(self, tags=None):
-        self.calls.append(("wake_up", tags))
-
-
-class _FakeVLLMSamplingParams:
-    def __init__(self, **kwargs):
-        self.__dict__.update(kwargs)
+_Logprob = VLLMLogprob
 
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    module = types.ModuleType("vllm")
-    module.__version__ = "0.26.0"
-    module.LLM = _FakeLLM
-    module.SamplingParams = _FakeVLLMSamplingParams
-    module.sampling_params = types.SimpleNamespace(
-        RequestOutputKind=types.SimpleNamespace(DELTA="delta")
-    )
-    monkeypatch.setitem(sys.modules, "vllm", module)
+    modules = vllm_modules()
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    return module
+    for name in ("RANK", "WORLD_SIZE"):  # one process, not launched: the default executor
+        monkeypatch.delenv(name, raising=False)
+    return modules["vllm"]
 
 
 def test_vllm_sampling_translation():
@@ -286,121 +195,12 @@ def test_sglang_sampling_and_output_translation():
     assert sglang_memory_tags(["weights"], has_cuda_graph_tag=True) == ["weights"]
 
 
-class _FakeTokenizerManager:
-    def __init__(self):
-        self.tokenizer = "tok"
-        self.context_len = 32
-        self.model_config = types.SimpleNamespace(vocab_size=100, is_multimodal=False)
-        self.aborted = []
-
-    def abort_request(self, rid="", abort_all=False):
-        self.aborted.append(abort_all)
-
-
-class _FakeSGLEngine:
-    """sglang.Engine: emits tokens 0, 1, 2, ... (a stop token ends it unless ignore_eos)."""
-
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
-        self.tokenizer_manager = _FakeTokenizerManager()
-        if kwargs.get("context_length"):
-            self.tokenizer_manager.context_len = kwargs["context_length"]
-        self.max_req_len = self.tokenizer_manager.context_len - 1  # TpWorker
-        self.loop = asyncio.new_event_loop()
-        self.calls = []
-        self.seen_params = []
-        self.update_results = []  # queued answers of update_weights_from_tensor
-        self.flush_results = []  # queued answers of flush_cache
-
-    async def async_generate(
-        self, prompt=None, sampling_params=None, input_ids=None, image_data=None,
-        return_logprob=False, **kwargs,
-    ):  # fmt: skip
-        await asyncio.sleep(0.001 * input_ids[0])
-        self.seen_params.append(sampling_params)
-        n = sampling_params["max_new_tokens"]
-        context = self.tokenizer_manager.context_len
-        if len(input_ids) + n > context:  # TokenizerManager._validate_one_request
-            raise ValueError("Requested token count exceeds the model's maximum context length")
-        if len(input_ids) > self.max_req_len - 5:  # TpWorker's max_req_input_len
-            raise ValueError("Input length exceeds the maximum allowed length")
-        n = min(n, self.max_req_len - len(input_ids) - 1)  # Scheduler
-        tokens, reason = list(range(n)), "length"
-        stops = sampling_params.get("stop_token_ids") or []
-        if not sampling_params.get("ignore_eos"):  # Req._check_token_based_finish
-            cut = next((i for i, t in enumerate(tokens) if t in stops), None)
-            if cut is not None:
-                tokens, reason = tokens[: cut + 1], "stop"
-        meta = {
-            "output_token_logprobs": [(-1.0, t, None) for t in tokens],
-            "finish_reason": {"type": reason},
-        }
-        if kwargs.get("token_ids_logprob"):  # asked ids, listed in reverse: mapped by id
-            ids = kwargs["token_ids_logprob"]
-            meta["output_token_ids_logprobs"] = [
-                [[-t / 10, t, None] for t in reversed(ids)] for _ in tokens
-            ]
-        return {"output_ids": tokens, "meta_info": meta}
-
-    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self.calls.append(("update", [n for n, _ in named_tensors], flush_cache))
-        # (success, message), as TokenizerManager.update_weights_from_tensor returns.
-        if self.update_results:
-            return self.update_results.pop(0)
-        return True, "Succeeded to update model weights."
-
-    def flush_cache(self):
-        self.calls.append(("flush",))
-        # A FlushCacheReqOutput; refused (success=False) while requests are pending.
-        if self.flush_results:
-            return self.flush_results.pop(0)
-        return types.SimpleNamespace(success=True, message="")
-
-    def release_memory_occupation(self, tags=None):
-        self.calls.append(("release",))
-
-    def resume_memory_occupation(self, tags=None):
-        self.calls.append(("resume", tags))
-
-    def shutdown(self):
-        self.loop.close()
-
-
 @pytest.fixture
 def fake_sglang(monkeypatch):
-    module = types.ModuleType("sglang")
-    module.__version__ = "0.5.17"
-    module.Engine = _FakeSGLEngine
-    srt = types.ModuleType("sglang.srt")
-    srt.constants = types.SimpleNamespace(GPU_MEMORY_TYPE_CUDA_GRAPH="cuda_graph")
-    monkeypatch.setitem(sys.modules, "sglang", module)
-    monkeypatch.setitem(sys.modules, "sglang.srt", srt)
-    return module
-
-
-def test_sglang_engine_maps_calls(fake_sglang):
-    engine = SGLangEngine("/models/x")
-    inner = engine._engine
-    assert inner.kwargs["enable_memory_saver"] is True and inner.kwargs["model_path"] == "/models/x"
-    reqs = [Request(prompt_ids=[9]), Request(prompt_ids=[1])]
-    out = engine.generate(reqs, SamplingParams(n=2, max_new_tokens=3))
-    assert [(c.request_index, c.sample_index) for c in out] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert all(c.response_ids == [0, 1, 2] and c.logprobs == [-1.0] * 3 for c in out)
-    streamed = asyncio.run(_collect(engine.stream(reqs, SamplingParams(max_new_tokens=2))))
-    assert [c.request_index for c in streamed] == [1, 0]  # in finishing order
-    engine.update_weights([(f"w{i}", torch.zeros(2)) for i in range(3)], bucket_bytes=16)
-    engine.sleep()
-    engine.wake_up(tags=["weights"])
-    engine.wake_up(tags=["kv_cache"])
-    assert inner.calls == [
-        ("update", ["w0", "w1"], False),
-        ("update", ["w2"], False),
-        ("flush",),
-        ("release",),
-        ("resume", ["weights"]),
-        ("resume", ["kv_cache", "cuda_graph"]),
-    ]
-    engine.close()
+    modules = sglang_modules()
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return modules["sglang"]
 
 
 def _refused_flush():

@@ -7,7 +7,9 @@ Each rank writes OUT_DIR/rank<r>.pt with what the test checks.
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -326,6 +328,57 @@ def _one_layout(model_dir: str, batch, **sizes) -> dict:
     return out
 
 
+def _checkpoint_at(model_dir: str, pp_size: int, root: Path, *, load_from: Path | None) -> dict:
+    """At pp_size: load `load_from` (saved at the other pp size) whole, then its model state
+    alone; take one step; save under root/pp<pp_size>. Returns the error of the whole load,
+    the weights after the model-alone load, and the weights saved."""
+    from megatron.core import parallel_state
+
+    from yatt.ckpt import Checkpointer
+    from yatt.core import PolicyLoss, init_runtime
+    from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
+
+    config = MegatronPolicyConfig(
+        model_dir=model_dir,
+        dtype="float32",
+        lr=1e-3,
+        grad_clip=None,
+        max_tokens_per_microbatch=64,
+        use_distributed_optimizer=False,
+        pp_size=pp_size,
+    )
+    out: dict = {}
+    with init_runtime(device="cpu", tp_size=config.model_parallel_size) as rt:
+        policy = MegatronPolicy(config, rt)
+        if load_from is not None:
+            loader = Checkpointer(load_from, async_save=False)
+            try:
+                loader.load(policy.state())
+                out["whole_load_error"] = None
+            except ValueError as err:
+                out["whole_load_error"] = str(err)
+            loader.load({"model": policy.state()["model"]})
+            loader.close()
+            out["loaded_weights"] = {k: v.clone() for k, v in policy.named_weights()}
+        batch = _rl_batch()
+        batch.tokens["old_logprobs"] = policy.logprobs(batch)
+        policy.train_step(batch, PolicyLoss())
+        saver = Checkpointer(root / f"pp{pp_size}", async_save=False)
+        saver.save(1, policy.state())
+        saver.close()
+        out["saved_weights"] = {k: v.clone() for k, v in policy.named_weights()}
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def cross_pp_checkpoints(model_dir: str, root: Path) -> dict:
+    """Saved at pp=2, loaded at pp=1; saved at pp=1, loaded at pp=2 (through yatt.ckpt)."""
+    pp2 = _checkpoint_at(model_dir, 2, root, load_from=None)
+    pp1 = _checkpoint_at(model_dir, 1, root, load_from=root / "pp2")
+    back = _checkpoint_at(model_dir, 2, root, load_from=root / "pp1")
+    return {"pp2": pp2, "pp1": pp1, "pp2_again": back}
+
+
 def layouts(model_dir: str, cases: list) -> dict:
     """MegatronPolicy at each layout in `cases` ({"pp_size": 2, ...}), one after the other in
     this world; a layout with fewer model-parallel ranks than the world runs data parallel on
@@ -335,9 +388,17 @@ def layouts(model_dir: str, cases: list) -> dict:
 
     head_logprobs.CHUNK_ELEMENTS = 2048
     batch = _rl_batch()
-    return {
+    out = {
         json.dumps(case, sort_keys=True): _one_layout(model_dir, batch, **case) for case in cases
     }
+    # One directory for every rank (DCP writes each rank's shards beside the others').
+    holder = [tempfile.mkdtemp(prefix="yatt-mg-pp-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    out["checkpoints"] = cross_pp_checkpoints(model_dir, Path(holder[0]))
+    dist.barrier()  # every rank done with the directory
+    if dist.get_rank() == 0:
+        shutil.rmtree(holder[0])
+    return out
 
 
 def run_all(model_dirs: dict, cases: list) -> dict:

@@ -65,6 +65,40 @@ def _masked_stats(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> dict[
     return {"max_abs": float(diff.max()), "mean_abs": float(diff.mean())}
 
 
+def _policy_cuda_bytes(policy) -> int:
+    """Bytes of the CUDA storages the policy owns, counted from its objects (not from the
+    allocator): DDP's parameter and gradient buffers, the parameters themselves (views into
+    those buffers, or their own storage without one), and the optimizer's fp32 main
+    parameters and Adam state. Each storage once."""
+    tensors = [p for model in policy.models for p in model.parameters()]
+    if policy.optimizer is not None:
+        # Megatron DDP's contiguous buffers (param_data is None without the distributed
+        # optimizer); `_buffers()` is the list sleep() offloads.
+        for buffer in policy._buffers():
+            tensors += [buffer.param_data, buffer.grad_data]
+        inner = policy._inner_optimizer.optimizer  # the torch Adam inside Megatron's wrapper
+        for group in inner.param_groups:
+            tensors += list(group["params"])
+        for state in inner.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    storages = {}
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _warm_up_cublas(device) -> None:
+    """Create cuBLAS's workspaces before the baseline: one per (handle, stream), and a handle
+    per thread, so a bf16 matmul on this thread AND its backward (autograd's device thread) run
+    once. The workspaces stay allocated for the process's life (64 MiB each on an H200)."""
+    a = torch.ones(64, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    (a @ a).sum().backward()
+    torch.cuda.synchronize(device)
+    del a
+
+
 def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: str) -> dict:
     from yatt.ckpt import Checkpointer
     from yatt.core import PolicyLoss, TorchPolicy, TorchPolicyConfig
@@ -77,11 +111,9 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
         attention=attention,
         weight_sync_bucket_bytes=1 << 20,
     )
-    # What this process holds before the policy, so the sleep check sees the policy's own bytes.
-    # A bf16 matmul first: cuBLAS's workspaces (64 MiB on an H200) belong to the baseline.
-    ones = torch.ones(64, 64, device=rt.device, dtype=torch.bfloat16)
-    (ones @ ones).sum().item()
-    del ones
+    # What this process holds before the policy (reported, for the record). cuBLAS's
+    # workspaces belong to it: made here, not by the policy's first matmul.
+    _warm_up_cublas(rt.device)
     gc.collect()
     torch.cuda.empty_cache()
     allocated_baseline = torch.cuda.memory_allocated()
@@ -128,7 +160,9 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
     before = policy.logprobs(batch).cpu()
     torch.cuda.synchronize()
     allocated_awake = torch.cuda.memory_allocated()
+    policy_bytes = _policy_cuda_bytes(policy)
     policy.sleep()
+    torch.cuda.synchronize()
     allocated_asleep = torch.cuda.memory_allocated()
     policy.wake_up()
     after = policy.logprobs(batch).cpu()
@@ -136,6 +170,7 @@ def check_family(arch: str, model_dir: str, rt, *, torch_ref: bool, attention: s
         "allocated_baseline_bytes": allocated_baseline,
         "allocated_awake_bytes": allocated_awake,
         "allocated_asleep_bytes": allocated_asleep,
+        "policy_bytes": policy_bytes,
         "logprobs_bitwise_after_wake": bool(torch.equal(before, after)),
     }
     metrics = policy.train_step(batch, loss_fn)

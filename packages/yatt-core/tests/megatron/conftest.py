@@ -53,6 +53,8 @@ def megatron_cpu_results(request, tmp_path_factory, tiny_model_dirs):
 
 # Layouts compared in one 2-rank launch (see _cpu_workers.layouts); {} is pp=1 (dp=2 on the
 # same batch: the same mean loss and gradient as one rank).
+# The cross-layout checkpoint scenario's key in the layouts' results (_cpu_workers).
+CHECKPOINTS = "checkpoints"
 LAYOUTS = [
     {},
     {"pp_size": 2},
@@ -74,5 +76,5 @@ def megatron_layout_results(tmp_path_factory):
     make_tiny_causal_lm(model_dir, arch="qwen2", num_heads=8, num_kv_heads=4, num_layers=4, seed=1)
     out_dir = tmp_path_factory.mktemp("megatron-layouts") / "out"
     results = launch_megatron(out_dir, "layouts", 2, model_dir=str(model_dir), cases=LAYOUTS)
-    keys = [json.dumps(case, sort_keys=True) for case in LAYOUTS]
+    keys = [json.dumps(case, sort_keys=True) for case in LAYOUTS] + [CHECKPOINTS]
     return {key: [r[key] for r in results] for key in keys}

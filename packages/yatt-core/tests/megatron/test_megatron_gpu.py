@@ -88,7 +88,14 @@ def test_first_step_loss_matches_torch_policy(tp1):
 def test_weight_export_sleep_and_checkpoint_are_exact(tp1):
     assert tp1["weights_bitwise_equal"]
     assert tp1["sleep"]["logprobs_bitwise_after_wake"]
-    assert tp1["sleep"]["allocated_asleep_bytes"] < tp1["sleep"]["allocated_awake_bytes"] / 4
+    # Sleep frees what the policy owns (its buffers, parameters, optimizer state, counted from
+    # its objects): the allocator's drop must cover nearly all of it. Comparing the totals
+    # instead counts memory that is not the policy's (cuBLAS's workspaces, 64 MiB each on an
+    # H200, stay for the process's life), which made a tiny model's sleep look like a failure.
+    sleep = tp1["sleep"]
+    freed = sleep["allocated_awake_bytes"] - sleep["allocated_asleep_bytes"]
+    assert sleep["policy_bytes"] > 0
+    assert freed >= 0.9 * sleep["policy_bytes"], sleep
     assert tp1["ckpt_weights_bitwise"]
     resumed, continued = tp1["ckpt_loss_resumed_vs_continued"]
     assert resumed == pytest.approx(continued, abs=1e-6)

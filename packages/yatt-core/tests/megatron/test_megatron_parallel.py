@@ -137,3 +137,27 @@ def test_context_parallel_gives_pp1_logprobs_losses_gradients_and_step(megatron_
             torch.testing.assert_close(rank["grads"][name], grad, atol=3e-5, rtol=1e-4, msg=name)
         for name, tensor in reference["weights"].items():
             torch.testing.assert_close(rank["weights"][name], tensor, atol=5e-4, rtol=0, msg=name)
+
+
+def test_a_checkpoint_loads_its_model_at_another_pp_size_and_refuses_its_optimizer(
+    megatron_layout_results,
+):
+    """Through yatt.ckpt (DCP): saved at pp=2 and loaded at pp=1, then the other way. The
+    model state alone loads (each stage reads its layers by global name), giving the saving
+    run's weights; the whole state fails on every rank, naming this run's pp_size, before any
+    tensor is read."""
+    for rank in megatron_layout_results["checkpoints"]:
+        for loaded, saved, now in (
+            (rank["pp1"], rank["pp2"], "pp_size=1"),
+            (rank["pp2_again"], rank["pp1"], "pp_size=2"),
+        ):
+            assert "layout(" in loaded["whole_load_error"]
+            assert now in loaded["whole_load_error"]
+            assert set(loaded["loaded_weights"]) == set(saved["saved_weights"])
+            for name, tensor in saved["saved_weights"].items():
+                assert torch.equal(loaded["loaded_weights"][name], tensor), name
+        # The step after the load moved the weights (the saved state is not the initial one).
+        first = next(iter(rank["pp2"]["saved_weights"]))
+        assert not torch.equal(
+            rank["pp1"]["saved_weights"][first], rank["pp2"]["saved_weights"][first]
+        )

@@ -28,11 +28,29 @@ Where SGLang differs from our protocol, the adapter bridges it:
   meta_info["output_token_ids_logprobs"][0]. Not yet run on a GPU; SGLang computes them from
   the logits it samples with, which may be temperature-scaled (our contract: unscaled), so a
   judge scored this way should sample greedily (the GenRM default for one vote).
+
+Tensor parallelism (SGLangConfig.tp_size = N, `_engine_tp.py`), as verl and slime run SGLang per
+TP group: the group's first rank builds `sglang.Engine(tp_size=N, base_gpu_id=<its GPU>)`,
+which starts one SGLang TP worker per GPU of the group (N consecutive yatt ranks on one node:
+the policy's TP group); the other ranks hold no engine. Every rank of the group is given the same
+requests (TP peers share a batch; checked, and the first rank's seed taken); the first rank
+runs them and broadcasts each completion as it finishes, so every rank streams the same results
+in the same order. Weight sync: each rank passes FULL Hugging Face tensors on its own GPU (what
+MegatronPolicy.named_weights gathers), serialized as CUDA IPC handles
+(`MultiprocessingSerializer`); the first rank hands SGLang one `LocalSerializedTensor` per name
+holding every rank's handle, so SGLang's TP worker r reads rank r's copy on its own GPU (no
+cross-GPU copy) and its weight loaders cut its shard (Megatron's shards are not laid out like
+SGLang's: full tensors let the engine shard its own way). Control calls (weights, flush, sleep,
+wake) run on the first rank and their status is broadcast: every rank returns once the engine
+is done on every GPU, and raises alike. Aborting is the first rank's call (its peers receive
+the aborted completions). At N = 1 the same path runs without collectives.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -42,8 +60,15 @@ from typing import Any
 
 import torch
 
+from yatt.placement import MemoryNeed
 from yatt.rollout._adapter import ThreadedAdapter
 from yatt.rollout._engine_deps import require_engine
+from yatt.rollout._engine_memory import (
+    CUDA_GRAPH_BYTES_ESTIMATE,
+    engine_memory_need,
+    served_weight_bytes,
+)
+from yatt.rollout._engine_tp import check_engine_tp, create_engine_tp_group
 from yatt.rollout._keys import derive_key
 from yatt.rollout._requests import request_id_of
 from yatt.rollout._types import (
@@ -92,9 +117,19 @@ class SGLangConfig:
     context_length: int | None = None  # None: the model's own; serves 2 positions less
     seed_each_sample: bool = True  # reproducible samples (SGLang's deterministic mode)
     weights_cpu_backup: bool = True  # sleep keeps the weights on the host (else: sync on wake)
+    # GPUs (yatt ranks, on one node) serving one model: the policy's TP size; 1: one per GPU.
+    tp_size: int = 1
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        taken = sorted(set(self.engine_kwargs) & {"tp_size", "base_gpu_id"})
+        if taken:
+            raise ValueError(
+                f"SGLangConfig.engine_kwargs sets {taken}: the adapter sets them from "
+                "SGLangConfig.tp_size and this rank's GPU; use that field"
+            )
+        if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
+            raise ValueError(f"SGLangConfig.tp_size={self.tp_size!r}: must be an int >= 1")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(
                 f"SGLangConfig.mem_fraction_static={self.mem_fraction_static!r}: must be in (0, 1]"
@@ -189,57 +224,141 @@ def sglang_memory_tags(names: Sequence[str], *, has_cuda_graph_tag: bool) -> lis
     return tags
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One generate/stream call, validated; its jobs are built once the TP group agreed."""
+
+    requests: Sequence[Request]
+    sampling: SamplingParams
+    local_seed: int
+
+
+_DONE = ("done", None)  # the end of a call's broadcast stream of completions
+
+
+def _serialize_bucket(bucket: list[tuple[str, torch.Tensor]]) -> list[bytes]:
+    """This rank's tensors as SGLang's MultiprocessingSerializer handles (CUDA IPC on a GPU:
+    a pointer to the tensor, not its bytes)."""
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    # SGLang's own patch, so a handle names its GPU by UUID (verl and slime apply it too); the
+    # module moved between releases.
+    for where in ("sglang.srt.utils.patch_torch", "sglang.srt.patch_torch"):
+        try:
+            importlib.import_module(where).monkey_patch_torch_reductions()
+            break
+        except (ImportError, AttributeError):
+            continue
+    return [MultiprocessingSerializer.serialize(tensor.detach()) for _, tensor in bucket]
+
+
 class SGLangEngine(ThreadedAdapter):
-    """RolloutEngine over an in-process `sglang.Engine` with the memory saver enabled."""
+    """RolloutEngine over an in-process `sglang.Engine` with the memory saver enabled.
+
+    policy_tp_size: the policy's TP size, when the caller knows it: SGLangConfig.tp_size must
+        equal it (checked before anything loads).
+    device_total_bytes: the GPU's memory, read at construction (None on a CPU-only host);
+        `memory_need()` sizes the engine's pool from it.
+    """
 
     _thread_name = "yatt-sglang"
 
-    def __init__(self, model: str | Path, *, config: SGLangConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        config: SGLangConfig | None = None,
+        policy_tp_size: int | None = None,
+    ) -> None:
         self.config = config = config if config is not None else SGLangConfig()
+        tp_size = config.tp_size
+        check_engine_tp(
+            "SGLangConfig.tp_size", tp_size, model_dir=model, policy_tp_size=policy_tp_size
+        )
+        check_one_node("SGLangConfig.tp_size", tp_size)
         # Lazy: an optional, GPU-only dependency; checked before any GPU memory is taken.
         sglang = require_engine("sglang", model)
-        from sglang.srt import constants
+        self._model_dir = model
+        self._group = group = create_engine_tp_group(tp_size)
+        self._engine = None
+        self._has_cuda_graph_tag = False
+        facts = None
+        if group.is_first:
+            from sglang.srt import constants
 
-        kwargs = {
-            "model_path": str(model),
-            "enable_memory_saver": True,
-            "enable_weights_cpu_backup": config.weights_cpu_backup,
-            # SGLang reads a request's sampling_seed only in deterministic mode (0.5.17:
-            # SamplingBatchInfo.from_schedule_batch); without it every seed draws alike.
-            "enable_deterministic_inference": config.seed_each_sample,
-            "dtype": config.dtype,
-            "mem_fraction_static": config.mem_fraction_static,
-            **({"context_length": config.context_length} if config.context_length else {}),
-            **config.engine_kwargs,
-        }
-        self._engine = sglang.Engine(**kwargs)
-        self._has_cuda_graph_tag = hasattr(constants, "GPU_MEMORY_TYPE_CUDA_GRAPH")
-        manager = self._engine.tokenizer_manager
-        self.tokenizer = manager.tokenizer
+            kwargs = {
+                "model_path": str(model),
+                "enable_memory_saver": True,
+                "enable_weights_cpu_backup": config.weights_cpu_backup,
+                # SGLang reads a request's sampling_seed only in deterministic mode (0.5.17:
+                # SamplingBatchInfo.from_schedule_batch); without it every seed draws alike.
+                "enable_deterministic_inference": config.seed_each_sample,
+                "dtype": config.dtype,
+                "mem_fraction_static": config.mem_fraction_static,
+                # One TP worker per GPU of the group, from this rank's GPU on.
+                "tp_size": tp_size,
+                "base_gpu_id": local_gpu_index(),
+                **({"context_length": config.context_length} if config.context_length else {}),
+                **config.engine_kwargs,
+            }
+            self._engine = sglang.Engine(**kwargs)
+            self._has_cuda_graph_tag = hasattr(constants, "GPU_MEMORY_TYPE_CUDA_GRAPH")
+            manager = self._engine.tokenizer_manager
+            facts = (
+                manager.tokenizer,
+                manager.context_len,
+                manager.model_config.vocab_size,
+                bool(getattr(manager.model_config, "is_multimodal", False)),
+            )
+        # The peers hold no engine: what they validate against comes from the first rank.
+        self.tokenizer, context_len, self.vocab_size, self.is_multimodal = group.broadcast(facts)
         # SGLang reserves positions: prompt + new tokens <= context - 2, prompt <= context - 6.
-        self.max_seq_len = manager.context_len - CONTEXT_RESERVED
-        self.max_prompt_len = manager.context_len - PROMPT_RESERVED
-        self.vocab_size = manager.model_config.vocab_size
-        self.is_multimodal = bool(getattr(manager.model_config, "is_multimodal", False))
+        self.max_seq_len = context_len - CONTEXT_RESERVED
+        self.max_prompt_len = context_len - PROMPT_RESERVED
         self._lock = threading.Lock()
+        self.device_total_bytes: int | None = (
+            torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
+        )
+
+    @property
+    def tp_group(self):
+        """The ranks serving this engine (`_engine_tp.EngineTPGroup`)."""
+        return self._group
 
     @property
     def supports_label_logprobs(self) -> bool:
         """Completions carry `label_logprobs` (SGLang's token_ids_logprob)."""
         return True
 
+    def memory_need(self) -> MemoryNeed | None:
+        """This GPU's share (yatt.placement.MemoryNeed): the weights of one TP rank, the KV
+        cache filling mem_fraction_static x the GPU's memory, and the CUDA graphs (an estimate;
+        none with engine_kwargs disable_cuda_graph). Every rank of a group reports it: each GPU
+        holds one SGLang TP worker. None when the GPU or the checkpoint is unknown."""
+        config = self.config
+        weights = served_weight_bytes(self._model_dir, config.dtype, tp_size=config.tp_size)
+        if weights is None or self.device_total_bytes is None:
+            return None
+        is_eager = bool(config.engine_kwargs.get("disable_cuda_graph"))
+        return engine_memory_need(
+            weight_bytes=weights,
+            pool_fraction=config.mem_fraction_static,
+            device_total_bytes=self.device_total_bytes,
+            graph_bytes=0 if is_eager else CUDA_GRAPH_BYTES_ESTIMATE,
+            settings={
+                "weights": "SGLangConfig.tp_size (more GPUs per engine)",
+                "kv_cache": "SGLangConfig.mem_fraction_static (lower it)",
+                "cuda_graph": "SGLangConfig.engine_kwargs['disable_cuda_graph']=True",
+            },
+        )
+
     def abort(self) -> None:
-        if self._lock.locked():
+        if self._engine is not None and self._lock.locked():
             manager = self._engine.tokenizer_manager
             # The tokenizer manager belongs to the engine's loop: ask that loop to abort.
             self._engine.loop.call_soon_threadsafe(manager.abort_request, "", True)
 
-    def _prepare(self, requests: Sequence[Request], sampling: SamplingParams) -> list[tuple]:
-        seed = self._validate_and_seed(requests, sampling)
-        is_seeded = self.config.seed_each_sample
-        # With ignore_eos SGLang skips stop_token_ids: they are applied to the output instead.
-        local_stops = tuple(sampling.stop_token_ids) if sampling.ignore_eos else ()
-        jobs = []
+    def _prepare(self, requests: Sequence[Request], sampling: SamplingParams) -> _Call:
         for i, request in enumerate(requests):
             if len(request.prompt_ids) > self.max_prompt_len:
                 raise ValueError(
@@ -247,6 +366,15 @@ class SGLangEngine(ThreadedAdapter):
                     f"most {self.max_prompt_len} (its context_length - {PROMPT_RESERVED}): "
                     "shorten the prompt or raise SGLangConfig.context_length"
                 )
+        return _Call(requests, sampling, self._validate_and_seed(requests, sampling))
+
+    def _jobs(self, call: _Call, seed: int) -> list[tuple]:
+        requests, sampling = call.requests, call.sampling
+        is_seeded = self.config.seed_each_sample
+        # With ignore_eos SGLang skips stop_token_ids: they are applied to the output instead.
+        local_stops = tuple(sampling.stop_token_ids) if sampling.ignore_eos else ()
+        jobs = []
+        for i, request in enumerate(requests):
             wanted = request.max_new_tokens or sampling.max_new_tokens
             room = self.max_seq_len - len(request.prompt_ids)
             for j in range(sampling.n):
@@ -258,7 +386,23 @@ class SGLangEngine(ThreadedAdapter):
                 jobs.append((i, j, request, params, local_stops, sampling.label_token_ids))
         return jobs
 
-    def _run(self, jobs: list[tuple], emit) -> None:
+    def _run(self, call: _Call, emit) -> None:
+        with self._lock:
+            # Collective (TP > 1): the group checks the call and takes its first rank's seed.
+            seed = self._group.agree_on_call(call.requests, call.sampling, call.local_seed)
+            if self._group.is_first:
+                self._run_engine(self._jobs(call, seed), emit)
+            else:
+                self._receive(emit)
+
+    def _run_engine(self, jobs: list[tuple], emit) -> None:
+        """Drive the engine; each completion goes to this rank's caller and to its peers."""
+        group = self._group
+
+        def emit_everywhere(completion: Completion) -> None:
+            group.broadcast(("completion", completion))
+            emit(completion)
+
         async def one(
             i: int,
             j: int,
@@ -274,7 +418,7 @@ class SGLangEngine(ThreadedAdapter):
                 return_logprob=True,
                 **({"token_ids_logprob": list(labels)} if labels else {}),
             )
-            emit(
+            emit_everywhere(
                 completion_from_sglang(
                     output,
                     request_index=i,
@@ -288,8 +432,40 @@ class SGLangEngine(ThreadedAdapter):
         async def all_jobs() -> None:
             await asyncio.gather(*(one(*job) for job in jobs))
 
-        with self._lock:
+        try:
             self._engine.loop.run_until_complete(all_jobs())
+        except BaseException as exc:
+            # The peers wait for the stream's end: tell them it failed, then raise here.
+            group.broadcast(("error", f"{type(exc).__name__}: {exc}"))
+            raise
+        group.broadcast(_DONE)
+
+    def _receive(self, emit) -> None:
+        """A peer's share of a call: the first rank's completions, in its order."""
+        while True:
+            kind, value = self._group.broadcast()
+            if kind == "done":
+                return
+            if kind == "error":
+                raise RuntimeError(
+                    f"SGLang failed on rank {self._group.ranks[0]}, the first of this engine's "
+                    f"TP group: {value}"
+                )
+            emit(value)
+
+    def _on_first(self, what: str, action) -> tuple[bool, str]:
+        """Run `action` (returning an SGLang status) on the first rank; its (success, message),
+        or its exception, on every rank."""
+        outcome = None
+        if self._group.is_first:
+            try:
+                outcome = ("status", sglang_status(action()))
+            except Exception as exc:
+                outcome = ("error", f"{type(exc).__name__}: {exc}")
+        kind, value = self._group.broadcast(outcome)
+        if kind == "error":
+            raise RuntimeError(f"SGLang {what} failed on rank {self._group.ranks[0]}: {value}")
+        return value
 
     def update_weights(
         self,
@@ -297,12 +473,36 @@ class SGLangEngine(ThreadedAdapter):
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
+        """Load Hugging Face-named FULL tensors, bucket by bucket: every rank of a TP group
+        passes the same names, each its own copy on its own GPU (module docstring)."""
+        from sglang.srt.model_executor.model_runner import LocalSerializedTensor
+
         with self._lock:
             for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes=bucket_bytes)):
-                result = self._engine.update_weights_from_tensor(
-                    named_tensors=bucket, flush_cache=False
-                )
-                success, message = sglang_status(result)
+                # Every rank's handles on the first rank; the peers' tensors stay alive (held
+                # by `bucket`) until the status broadcast says SGLang has loaded them.
+                names = [(name, tuple(tensor.shape)) for name, tensor in bucket]
+                gathered = self._group.gather_to_first((names, _serialize_bucket(bucket)))
+
+                def load(gathered=gathered, names=names):
+                    differing = [
+                        self._group.ranks[r] for r, (n, _) in enumerate(gathered) if n != names
+                    ]
+                    if differing:
+                        raise ValueError(
+                            f"ranks {differing} passed other tensors (names or shapes) than "
+                            f"rank {self._group.ranks[0]}; every rank must pass the same full "
+                            "tensors"
+                        )
+                    named = [
+                        (name, LocalSerializedTensor(values=[h[k] for _, h in gathered]))
+                        for k, (name, _) in enumerate(names)
+                    ]
+                    return self._engine.update_weights_from_tensor(
+                        named_tensors=named, flush_cache=False
+                    )
+
+                success, message = self._on_first("update_weights_from_tensor", load)
                 if not success:
                     names = [name for name, _ in bucket]
                     raise RuntimeError(
@@ -319,7 +519,7 @@ class SGLangEngine(ThreadedAdapter):
         for attempt in range(FLUSH_TRIES):
             if attempt:
                 time.sleep(FLUSH_FIRST_WAIT_S * 2 ** (attempt - 1))
-            success, message = sglang_status(self._engine.flush_cache())
+            success, message = self._on_first("flush_cache", lambda: self._engine.flush_cache())
             if success:
                 return
         raise RuntimeError(
@@ -329,19 +529,46 @@ class SGLangEngine(ThreadedAdapter):
         )
 
     def sleep(self) -> None:
+        """Release the engine's memory on every GPU of the group (returns on every rank once
+        it is released)."""
         with self._lock:
-            self._engine.release_memory_occupation()
+            self._on_first(
+                "release_memory_occupation", lambda: self._engine.release_memory_occupation()
+            )
 
     def wake_up(self, tags: Sequence[str] | None = ("weights", "kv_cache")) -> None:
         names = ["weights", "kv_cache"] if tags is None else list(tags)
         if isinstance(tags, str) or any(t not in ("weights", "kv_cache") for t in names):
             raise ValueError(f"wake_up(tags={tags!r}): use a sequence of 'weights', 'kv_cache'")
         with self._lock:
-            self._engine.resume_memory_occupation(
-                tags=sglang_memory_tags(names, has_cuda_graph_tag=self._has_cuda_graph_tag)
+            self._on_first(
+                "resume_memory_occupation",
+                lambda: self._engine.resume_memory_occupation(
+                    tags=sglang_memory_tags(names, has_cuda_graph_tag=self._has_cuda_graph_tag)
+                ),
             )
 
     def close(self) -> None:
         self.abort()
         with self._lock:
-            self._engine.shutdown()
+            if self._engine is not None:
+                self._engine.shutdown()
+
+
+def local_gpu_index() -> int:
+    """This process's GPU among the visible ones (set by yatt.core.init_runtime), else its
+    LOCAL_RANK: where an SGLang engine's first TP worker goes."""
+    if torch.cuda.is_available():
+        return torch.cuda.current_device()
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def check_one_node(field: str, tp_size: int) -> None:
+    """SGLang's Engine starts its TP workers on the GPUs of its own node: a group must not
+    cross a node boundary (torchrun's LOCAL_WORLD_SIZE ranks per node)."""
+    per_node = os.environ.get("LOCAL_WORLD_SIZE")
+    if tp_size > 1 and per_node is not None and int(per_node) % tp_size:
+        raise ValueError(
+            f"{field}={tp_size} does not divide the {per_node} ranks per node: an SGLang "
+            "engine's TP workers run on one node; use a divisor of the GPUs per node"
+        )

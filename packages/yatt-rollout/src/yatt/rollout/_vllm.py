@@ -21,10 +21,26 @@ Status: `collective_rpc` returns each worker's answer (the extension's count of 
 checked against the bucket) and raises a worker's exception; `reset_prefix_cache` returns False
 while blocks are still held (requests draining after an abort): it is tried again briefly, then
 RuntimeError, as is a short count. `sleep` and `wake_up` return nothing to check.
+
+Tensor parallelism (VLLMConfig.tensor_parallel_size = N, `_engine_tp.py`): under torchrun every
+rank builds `LLM(..., tensor_parallel_size=N, distributed_executor_backend="external_launcher")`,
+vLLM's documented way of running under an external launcher: one worker per process, the ranks
+of a TP group (N consecutive ranks, the policy's TP group) serving one model, further groups
+vLLM's "external DP" ranks, each generating on its own. Every rank of a group is given the same
+requests (TP peers share a batch) and must step its engine alike: the group checks the call,
+takes its first rank's seed, seeds the engine alike (VLLMConfig.seed) and agrees on an abort
+once per step, so results are identical on every rank. Weight sync: each rank passes FULL
+Hugging Face tensors (what MegatronPolicy.named_weights gathers on every rank) and vLLM's own
+weight loaders cut this rank's shard (fused QKV and gate/up, padded vocabulary): mapping
+Megatron's shards onto vLLM's directly would need their layouts to agree, which they do not
+(Megatron interleaves QKV per group). Sleep, wake and the weight load are per rank. Under
+torchrun the external launcher is used at N = 1 too (each rank its own engine); a process not
+launched by torchrun serves N = 1 with vLLM's default executor.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -37,8 +53,15 @@ from typing import Any
 
 import torch
 
+from yatt.placement import MemoryNeed
 from yatt.rollout._adapter import ThreadedAdapter
 from yatt.rollout._engine_deps import require_engine
+from yatt.rollout._engine_memory import (
+    CUDA_GRAPH_BYTES_ESTIMATE,
+    engine_memory_need,
+    served_weight_bytes,
+)
+from yatt.rollout._engine_tp import check_engine_tp, create_engine_tp_group, is_launched
 from yatt.rollout._keys import derive_key
 from yatt.rollout._requests import request_id_of
 from yatt.rollout._types import (
@@ -69,9 +92,29 @@ class VLLMConfig:
     sleep_level: int = 1  # 1: weights to CPU, KV dropped; 2: both dropped (sync weights on wake)
     enforce_eager: bool = False  # True disables vLLM's CUDA graphs
     seed_each_sample: bool = True  # reproducible samples (vLLM's per-request generators)
+    # GPUs (yatt ranks) serving one model: the policy's TP size; 1 serves a model per GPU.
+    tensor_parallel_size: int = 1
+    seed: int = 0  # the engine's global seed: the same on every rank of a TP group
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        taken = sorted(
+            set(self.llm_kwargs) & {"tensor_parallel_size", "distributed_executor_backend"}
+        )
+        if taken:
+            raise ValueError(
+                f"VLLMConfig.llm_kwargs sets {taken}: the adapter sets them from "
+                "VLLMConfig.tensor_parallel_size (and torchrun); use that field"
+            )
+        if (
+            not isinstance(self.tensor_parallel_size, int)
+            or isinstance(self.tensor_parallel_size, bool)
+            or self.tensor_parallel_size < 1
+        ):
+            raise ValueError(
+                f"VLLMConfig.tensor_parallel_size={self.tensor_parallel_size!r}: must be an "
+                "int >= 1"
+            )
         if self.sleep_level not in (1, 2):
             raise ValueError(f"VLLMConfig.sleep_level={self.sleep_level!r}: use 1 or 2")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -148,13 +191,46 @@ def finish_reason_of(vllm_reason: str | None) -> FinishReason:
     raise RuntimeError(f"vLLM finished a request with unknown reason {vllm_reason!r}")
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One generate/stream call, validated; its jobs are built once the TP group agreed."""
+
+    requests: Sequence[Request]
+    sampling: SamplingParams
+    local_seed: int
+
+
 class VLLMEngine(ThreadedAdapter):
-    """RolloutEngine over an in-process `vllm.LLM` with sleep mode enabled."""
+    """RolloutEngine over an in-process `vllm.LLM` with sleep mode enabled.
+
+    policy_tp_size: the policy's TP size, when the caller knows it: the engine's
+        VLLMConfig.tensor_parallel_size must equal it (checked before anything loads).
+    device_total_bytes: the GPU's memory, read at construction (None on a CPU-only host);
+        `memory_need()` sizes the engine's pool from it.
+    """
 
     _thread_name = "yatt-vllm"
 
-    def __init__(self, model: str | Path, *, config: VLLMConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        config: VLLMConfig | None = None,
+        policy_tp_size: int | None = None,
+    ) -> None:
         self.config = config = config if config is not None else VLLMConfig()
+        tp_size = config.tensor_parallel_size
+        check_engine_tp(
+            "VLLMConfig.tensor_parallel_size",
+            tp_size,
+            model_dir=model,
+            policy_tp_size=policy_tp_size,
+        )
+        if tp_size > 1 and not is_launched():
+            raise ValueError(
+                f"VLLMConfig.tensor_parallel_size={tp_size} runs vLLM under torchrun (its "
+                "external launcher): launch with torchrun, or set it to 1"
+            )
         mode = os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if mode != "0":
             raise ValueError(
@@ -164,8 +240,16 @@ class VLLMEngine(ThreadedAdapter):
         # Lazy: an optional, GPU-only dependency; checked before any GPU memory is taken.
         vllm = require_engine("vllm", model)
         self._vllm = vllm
+        self._model_dir = model
+        self._group = create_engine_tp_group(tp_size)
+        # Under torchrun every rank builds its engine; vLLM's external launcher then makes
+        # blocks of tp_size ranks one model (the policy's TP groups), the rest its external DP.
+        executor = {"distributed_executor_backend": "external_launcher"} if is_launched() else {}
         kwargs = {
             "model": str(model),
+            "tensor_parallel_size": tp_size,
+            "seed": config.seed,
+            **executor,
             "enable_sleep_mode": True,
             "worker_extension_cls": WORKER_EXTENSION,
             "logprobs_mode": "processed_logprobs",
@@ -183,6 +267,39 @@ class VLLMEngine(ThreadedAdapter):
         self.is_multimodal = bool(getattr(model_config, "is_multimodal_model", False))
         self._lock = threading.Lock()
         self._abort_event = threading.Event()
+        self._num_calls = 0
+        # Distinguishes two engines' requests in logs; the group's first rank's, on every rank.
+        self._engine_tag = self._group.broadcast(uuid.uuid4().hex[:6])
+        self.device_total_bytes: int | None = (
+            torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
+        )
+
+    @property
+    def tp_group(self):
+        """The ranks serving this engine (`_engine_tp.EngineTPGroup`)."""
+        return self._group
+
+    def memory_need(self) -> MemoryNeed | None:
+        """This GPU's share (yatt.placement.MemoryNeed): the weights of one TP rank, the KV
+        cache filling gpu_memory_utilization x the GPU's memory, and the CUDA graphs (an
+        estimate; none with enforce_eager). None when the GPU or the checkpoint is unknown."""
+        config = self.config
+        weights = served_weight_bytes(
+            self._model_dir, config.dtype, tp_size=config.tensor_parallel_size
+        )
+        if weights is None or self.device_total_bytes is None:
+            return None
+        return engine_memory_need(
+            weight_bytes=weights,
+            pool_fraction=config.gpu_memory_utilization,
+            device_total_bytes=self.device_total_bytes,
+            graph_bytes=0 if config.enforce_eager else CUDA_GRAPH_BYTES_ESTIMATE,
+            settings={
+                "weights": "VLLMConfig.tensor_parallel_size (more GPUs per engine)",
+                "kv_cache": "VLLMConfig.gpu_memory_utilization (lower it)",
+                "cuda_graph": "VLLMConfig.enforce_eager=True",
+            },
+        )
 
     @property
     def supports_label_logprobs(self) -> bool:
@@ -193,8 +310,11 @@ class VLLMEngine(ThreadedAdapter):
         if self._lock.locked():
             self._abort_event.set()
 
-    def _prepare(self, requests: Sequence[Request], sampling: SamplingParams) -> list[tuple]:
-        seed = self._validate_and_seed(requests, sampling)
+    def _prepare(self, requests: Sequence[Request], sampling: SamplingParams) -> _Call:
+        return _Call(requests, sampling, self._validate_and_seed(requests, sampling))
+
+    def _jobs(self, call: _Call, seed: int) -> list[tuple]:
+        requests, sampling = call.requests, call.sampling
         config = self.config
         output_kind = self._vllm.sampling_params.RequestOutputKind.DELTA
         jobs = []
@@ -213,21 +333,30 @@ class VLLMEngine(ThreadedAdapter):
                 jobs.append((i, -1, request, vllm_prompt(request), params))
         return jobs
 
-    def _run(self, jobs: list[tuple], emit) -> None:
+    def _should_abort(self) -> bool:
+        """An abort asked on any rank of the group, taken by all at the same step."""
+        return self._group.any(self._abort_event.is_set())
+
+    def _run(self, call: _Call, emit) -> None:
         with self._lock:
+            # Collective (TP > 1): the group checks the call and takes its first rank's seed.
             self._abort_event.clear()
+            seed = self._group.agree_on_call(call.requests, call.sampling, call.local_seed)
+            jobs = self._jobs(call, seed)
             engine = self._llm.llm_engine
-            call = uuid.uuid4().hex[:8]
+            # The same ids on every rank of a TP group (their engines schedule alike).
+            self._num_calls += 1
+            tag = f"{self._engine_tag}{self._num_calls}"
             pending: dict[str, tuple[int, int, Request, list[int], list[float]]] = {}
-            labels = self._run_label_probes([job for job in jobs if job[1] < 0], call)
+            labels = self._run_label_probes([job for job in jobs if job[1] < 0], tag)
             for i, j, request, prompt, params in jobs:
                 if j < 0:
                     continue
-                rid = f"yatt-{call}-{i}-{j}"
+                rid = f"yatt-{tag}-{i}-{j}"
                 engine.add_request(rid, prompt, params)
                 pending[rid] = (i, j, request, [], [])
             while pending:
-                if self._abort_event.is_set():
+                if self._should_abort():
                     engine.abort_request(list(pending))
                     for rid in list(pending):
                         emit(self._completion(pending.pop(rid), "abort"))
@@ -257,7 +386,7 @@ class VLLMEngine(ThreadedAdapter):
             engine.add_request(rid, prompt, params)
             pending[rid] = (i, params.allowed_token_ids)
         found: dict[int, list[float] | None] = {}
-        while pending and not self._abort_event.is_set():
+        while pending and not self._should_abort():
             for output in engine.step():
                 if output.request_id in pending and output.finished:
                     i, label_ids = pending.pop(output.request_id)
@@ -286,17 +415,42 @@ class VLLMEngine(ThreadedAdapter):
         *,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
+        """Load Hugging Face-named FULL tensors, bucket by bucket; every rank of a TP group
+        passes the same names (its worker keeps its own shard). A bucket that failed on any rank
+        raises on every rank (the group agrees after each bucket), so none rolls out on a
+        partly old model while its peers wait."""
         with self._lock:
+            synced = hashlib.sha256()  # names and shapes loaded, compared across the group
             for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes=bucket_bytes)):
-                loaded = self._llm.collective_rpc("yatt_load_weights", args=(bucket,))
+                synced.update(repr([(n, tuple(t.shape)) for n, t in bucket]).encode())
+                error: BaseException | None = None
+                try:
+                    loaded = self._llm.collective_rpc("yatt_load_weights", args=(bucket,))
+                except Exception as exc:  # raised below, once the group knows
+                    loaded, error = None, exc
                 # One count per worker; a worker that loaded fewer (or answered nothing) left
                 # old weights behind.
-                if not loaded or any(count != len(bucket) for count in loaded):
+                is_short = not loaded or any(count != len(bucket) for count in loaded)
+                if self._group.any(is_short):
+                    where = f"bucket {index} (from {bucket[0][0]!r})"
+                    if error is not None:
+                        raise RuntimeError(
+                            f"vLLM failed to load {where}: {error!r}; the engine holds partly "
+                            "old weights: do not roll out with it"
+                        ) from error
                     raise RuntimeError(
-                        f"vLLM workers loaded {loaded!r} of the {len(bucket)} tensors of bucket "
-                        f"{index} (from {bucket[0][0]!r}); the engine holds partly old weights: "
-                        "do not roll out with it"
+                        f"vLLM workers loaded {loaded!r} of the {len(bucket)} tensors of "
+                        f"{where}"
+                        + ("" if is_short else " on this rank, but not on a TP peer")
+                        + "; the engine holds partly old weights: do not roll out with it"
                     )
+            differing = self._group.differing_ranks(synced.hexdigest())
+            if differing:
+                raise RuntimeError(
+                    f"update_weights: ranks {differing} of this engine's TP group loaded other "
+                    f"tensors (names or shapes) than rank {self._group.ranks[0]}; every rank "
+                    "must pass the same full tensors: do not roll out with this engine"
+                )
             # Cached prefixes hold keys/values computed with the old weights.
             self._reset_prefix_cache()
 

@@ -14,6 +14,8 @@ class WeightLoaderExtension:
         """Load one bucket of Hugging Face-named tensors; returns how many were given.
 
         vLLM's `load_weights` maps HF names onto its fused layers (qkv_proj, gate_up_proj).
+        Under tensor parallelism (external launcher: one worker per yatt rank) the tensors are
+        the FULL ones on every rank: each layer's weight loader keeps this rank's slice.
         """
         device = self.device
         moved = [(name, tensor.to(device, non_blocking=True)) for name, tensor in named_tensors]

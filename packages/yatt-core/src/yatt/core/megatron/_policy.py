@@ -404,7 +404,9 @@ class MegatronPolicy:
     def state(self) -> dict[str, Any]:
         """Stateful objects for yatt.ckpt: this rank's shards, keyed by (tp, dp) rank.
 
-        Resume is exact with the same tp and dp sizes; resharding a checkpoint is not supported.
+        Resume is exact at the same layout. The model state alone loads at another pp_size,
+        cp_size or dp_size; the optimizer state does not reshard: at another layout the load
+        fails on every rank before any tensor is read (its layout marker, `_state.py`).
         """
         from megatron.core import parallel_state
 
@@ -416,6 +418,13 @@ class MegatronPolicy:
                 pp_rank=self.pp_rank,
                 cp_rank=parallel_state.get_context_parallel_rank(),
                 dp_rank=parallel_state.get_data_parallel_rank(),
+                layout={
+                    "tp_size": self.config.tp_size,
+                    "pp_size": self.config.pp_size,
+                    "virtual_pp_size": self.config.virtual_pp_size or 1,
+                    "cp_size": self.config.cp_size,
+                    "dp_size": parallel_state.get_data_parallel_world_size(),
+                },
             )
             out["schedule"] = self._counts  # the same on every rank
         return out
