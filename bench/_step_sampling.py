@@ -80,13 +80,9 @@ class _Group:
     # sample index -> what the engine gave back (a Completion, or a core.PartialSample joined
     # from last step's part and this step's continuation)
     completions: dict[int, Any] = field(default_factory=dict)
-    rewards: dict[int, float] = field(default_factory=dict)
     aborted: dict[int, Any] = field(default_factory=dict)  # cut samples (partial outputs)
     parts: dict[int, Any] = field(default_factory=dict)  # resumed: last step's PartialSample
     first_step: int | None = None  # resumed: the step its oldest tokens come from
-
-    def is_judged(self, group_size: int) -> bool:
-        return len(self.rewards) == group_size
 
     def budget(self, j: int) -> int:
         """Response tokens sample j still has to generate (its forced length, less its part)."""
@@ -166,7 +162,7 @@ def _group_batch(groups: list[_Group], group_size: int) -> Any:
     for g in groups:
         for j in range(group_size):
             completions.append(g.completions[j])
-            rewards.append(g.rewards[j])
+            rewards.append(float(g.seed.labels[j]))  # the hidden label decides
             ids.append(g.seed.key)
     return core.rollout_batch(core.rollout_samples(completions, rewards=rewards, group_ids=ids))
 
@@ -182,10 +178,9 @@ def _finish(group: _Group, j: int, completion: Any, tally: _Tally) -> Any:
     return completion
 
 
-def _record_verdict(group: _Group, j: int, verdict: Any, tally: _Tally) -> None:
+def _record_verdict(verdict: Any, tally: _Tally) -> None:
     tally.judge_prompt_tokens += verdict.num_judge_prompt_tokens
     tally.num_unparsable += verdict.status != "ok"
-    group.rewards[j] = float(group.seed.labels[j])  # the hidden label decides
 
 
 # -- rounds: full colocation (new and old) and today's partial ------------------------------------
@@ -232,7 +227,7 @@ def rounds_step(ctx: Any, step: int, phases: dict[str, float]) -> tuple[Any, dic
             for c, v in zip(completions, verdicts, strict=True):
                 g, j = by_key[c.metadata["group"]], c.metadata["sample"]
                 _finish(g, j, c, tally)
-                _record_verdict(g, j, v, tally)
+                _record_verdict(v, tally)
             batch = _group_batch(groups, work.group_size)
             if ctx.layout == "partial":
                 r_tokens = sum(len(c.prompt_ids) + len(c.response_ids) for c in completions)
@@ -248,6 +243,7 @@ class _Stream:
     """One step's stream (see the module docstring); run() is the whole rollout+GenRM."""
 
     def __init__(self, ctx: Any, step: int) -> None:
+        from yatt import genrm
         from yatt.placement import PendingLoad
 
         self.ctx, self.step = ctx, step
@@ -256,10 +252,13 @@ class _Stream:
         self.group_size = ctx.work.group_size
         self.tally = _Tally()
         self.load = PendingLoad()
-        self.in_flight: dict[int, _Group] = {}  # fed, not yet judged whole
-        self.judged: asyncio.Queue[_Group] = asyncio.Queue()
+        self.groups: dict[int, _Group] = {}  # every group fed this step, by key
+        self.texts: dict[int, str] = {}  # id(completion) -> its prompt's text (for the judge)
+        self.judging = genrm.GroupJudging(
+            ctx.judge, self._to_sample, group_size=self.group_size, on_verdict=self._on_verdict
+        )
+        self.num_in_flight = 0  # groups fed and not yet handed back judged
         self.pumps: set[asyncio.Task] = set()
-        self.judging: set[asyncio.Task] = set()
         # The live queues: response tokens the rollout still owes, tokens the judge still
         # has to read and write (its prompt: template + question + response, and its verdict).
         self.rollout_pending = 0
@@ -274,17 +273,46 @@ class _Stream:
             genrm_tokens=self.genrm_pending,
         )
 
+    def _judge_cost(self, completion: Any) -> int:
+        work = self.ctx.work
+        return (
+            setup.JUDGE_TEMPLATE_TOKENS
+            + work.prompt_tokens
+            + len(completion.response_ids)
+            + work.judge_tokens
+        )
+
+    def _to_sample(self, completion: Any) -> Any:
+        from yatt import genrm
+
+        text = self.texts[id(completion)]
+        return genrm.Sample(prompt=text, response=setup.ids_to_text(completion.response_ids))
+
+    def _on_verdict(self, key: int, completion: Any, verdict: Any) -> None:
+        self.genrm_pending -= self._judge_cost(completion)
+        self._note()
+        _record_verdict(verdict, self.tally)
+
+    def _add(self, g: _Group, j: int, completion: Any) -> None:
+        """To the judge (an aborted one is set aside there)."""
+        if completion.finish_reason != "abort":
+            self.texts[id(completion)] = g.seed.text
+            self.genrm_pending += self._judge_cost(completion)
+            self._note()
+        self.judging.add(completion, group=g.seed.key, index=j)
+
     def _feed(self, groups: list[_Group]) -> None:
         if not groups:
             return
+        self.num_in_flight += len(groups)
         for g in groups:
-            self.in_flight[g.seed.key] = g
+            self.groups[g.seed.key] = g
         requests = _requests(self.ctx, groups, self.sampling.max_new_tokens)
         self.rollout_pending += sum(r.max_new_tokens for r in requests)
         self._note()
         for g in groups:  # samples finished last step go straight to the judge
             for j, c in g.completions.items():
-                self._judge(g, j, c)
+                self._add(g, j, c)
         if requests:
             stream = self.ctx.engine.stream(requests, self.sampling)
             task = asyncio.get_running_loop().create_task(self._pump(stream))
@@ -293,51 +321,32 @@ class _Stream:
 
     async def _pump(self, stream) -> None:
         async for c in stream:
-            g, j = self.in_flight[c.metadata["group"]], c.metadata["sample"]
+            g, j = self.groups[c.metadata["group"]], c.metadata["sample"]
             self.rollout_pending -= g.budget(j)
             self.last_completion_t = time.perf_counter()
             if c.finish_reason == "abort":
-                g.aborted[j] = c
                 self.tally.response_tokens += len(c.response_ids)
                 self.tally.aborted_tokens += len(c.response_ids)
-                continue
-            self._judge(g, j, _finish(g, j, c, self.tally))
-
-    def _judge(self, g: _Group, j: int, completion: Any) -> None:
-        work = self.ctx.work
-        cost = setup.JUDGE_TEMPLATE_TOKENS + work.prompt_tokens + len(completion.response_ids)
-        cost += work.judge_tokens
-        self.genrm_pending += cost
-        self._note()
-
-        async def judge_one() -> None:
-            try:
-                (verdict,) = await self.ctx.judge.ascore([_to_sample(g, completion)])
-            finally:
-                self.genrm_pending -= cost
-                self._note()
-            _record_verdict(g, j, verdict, self.tally)
-            if g.is_judged(self.group_size) and g.seed.key in self.in_flight:
-                del self.in_flight[g.seed.key]
-                self.judged.put_nowait(g)
-
-        task = asyncio.get_running_loop().create_task(judge_one())
-        self.judging.add(task)
-        task.add_done_callback(self.judging.discard)
+                self._add(g, j, c)
+            else:
+                self._add(g, j, _finish(g, j, c, self.tally))
 
     async def run(self, resumed: list[_Group]) -> None:
-        sampler = self.sampler
+        sampler, judging = self.sampler, self.judging
         self._feed(resumed)
-        self._feed(_draw(self.ctx, self.step, sampler.num_to_draw(in_flight=len(self.in_flight))))
+        self._feed(_draw(self.ctx, self.step, sampler.num_to_draw(in_flight=self.num_in_flight)))
         while True:
-            with contextlib.suppress(TimeoutError):
-                g = await asyncio.wait_for(self.judged.get(), POLL_S)
+            judged = await judging.next_group(timeout_s=POLL_S)
+            if judged is not None:
+                self.num_in_flight -= 1
+                g = self.groups[judged.group]
+                g.completions = dict(enumerate(judged.completions))
                 sampler.add(_group_batch([g], self.group_size))
             if sampler.should_abort():
                 break
-            more = sampler.num_to_draw(in_flight=len(self.in_flight))
+            more = sampler.num_to_draw(in_flight=self.num_in_flight)
             self._feed(_draw(self.ctx, self.step, more))
-            if not self.in_flight and not self.judged.qsize():
+            if not self.num_in_flight:
                 break  # nothing in flight and nothing more to draw: take() waits for the rest
         await self._cut()
 
@@ -353,12 +362,20 @@ class _Stream:
             self.rollout_end = self.last_completion_t
         self.rollout_pending = 0
         self._note()
-        while self.judging:
-            if ctx.judge_engine is not None:
-                ctx.judge_engine.abort()  # a judge batch started after an abort is cut too
-            await asyncio.wait(set(self.judging), timeout=POLL_S)
+        abort = ctx.judge_engine.abort if ctx.judge_engine is not None else None
+        await self.judging.drain(abort=abort)  # a judge batch started late is cut too
         self.genrm_pending = 0
         self._note()
+
+    def cut_groups(self) -> list[_Group]:
+        """The groups the abort cut: their finished samples and their cut ones."""
+        out = []
+        for key, (judged, aborted) in self.judging.unfinished().items():
+            g = self.groups[key]
+            g.completions = {j: c for j, (c, _) in judged.items()}
+            g.aborted = dict(aborted)
+            out.append(g)
+        return out
 
 
 def stream_step(ctx: Any, step: int, phases: dict[str, float]) -> tuple[Any, dict, _Tally]:
@@ -373,7 +390,7 @@ def stream_step(ctx: Any, step: int, phases: dict[str, float]) -> tuple[Any, dic
         end = time.perf_counter()
     run.tally.genrm_tail_s = end - (run.rollout_end or end)
     # Cut groups: counted, and with --keep-partial held for the next step.
-    cut = list(run.in_flight.values())  # after the cut: the groups with a cut sample
+    cut = run.cut_groups()
     sampler.record_aborted(len(cut), num_tokens=run.tally.aborted_tokens)
     if ctx.partials is not None:
         for g in cut:
