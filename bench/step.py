@@ -20,6 +20,18 @@ every layout on as many GPUs does the same work), prompts of 128 tokens, respons
 ignore_eos): `fixed` = 256 each, `longtail` = 90% in [64, 192] and 10% in [512, 1024]. The judge
 reads prompt + response (about 300-1300 tokens) and writes an 8-token verdict.
 
+The seed mix (issue 26, `--mix seed`; _step_sampling.py): DAPO dynamic sampling by
+core.DynamicSampler over an endless sequence of groups, half of them without reward variance
+(--no-variance-share; each sample's verdict fixed by a hidden label, so every layout keeps the
+same groups), longtail lengths, and by default a 1.5B-shaped judge writing a 384-token chain of
+thought. full: rounds with adaptive over-sampling; partial: a stream (engine fed while verdicts
+come back, groups judged as their samples finish, engine.abort() once every rank is full;
+--keep-partial resumes the cut groups next step); --sampler old: the round-based sampler
+drawing only the missing groups, the baseline of issue 26's bars (per kept group):
+
+    python3 bench/step.py --layout partial --mix seed --offload auto --out-dir OUT
+    ONLY=seed bash bench/step_gpu.sh                                     # the bars, 1 GPU
+
 Layouts (one process per GPU; each step = rollout, GenRM, train, weight sync, checkpoint):
   full       Plan.full_colocation: every rank holds trainer (DDP), rollout engine and judge;
              phases in turn, each sleeping the others (--offload auto: only when short).
