@@ -259,8 +259,11 @@ class _Stream:
         )
         self.num_in_flight = 0  # groups fed and not yet handed back judged
         self.pumps: set[asyncio.Task] = set()
-        # The live queues: response tokens the rollout still owes, tokens the judge still
-        # has to read and write (its prompt: template + question + response, and its verdict).
+        # The live queues, in tokens a KV cache holds: the rollout's unfinished requests
+        # (prompt + the response tokens they may still generate: counted whole until they
+        # finish), the judge's samples without a verdict (its prompt: template + question +
+        # response, and its verdict).
+        self.request_tokens: dict[tuple[int, int], int] = {}
         self.rollout_pending = 0
         self.genrm_pending = 0
         self.rollout_end: float | None = None
@@ -308,7 +311,10 @@ class _Stream:
         for g in groups:
             self.groups[g.seed.key] = g
         requests = _requests(self.ctx, groups, self.sampling.max_new_tokens)
-        self.rollout_pending += sum(r.max_new_tokens for r in requests)
+        for r in requests:  # the KV it will hold: prompt (and part) + the tokens it owes
+            key = (r.metadata["group"], r.metadata["sample"])
+            self.request_tokens[key] = len(r.prompt_ids) + r.max_new_tokens
+            self.rollout_pending += self.request_tokens[key]
         self._note()
         for g in groups:  # samples finished last step go straight to the judge
             for j, c in g.completions.items():
@@ -322,7 +328,7 @@ class _Stream:
     async def _pump(self, stream) -> None:
         async for c in stream:
             g, j = self.groups[c.metadata["group"]], c.metadata["sample"]
-            self.rollout_pending -= g.budget(j)
+            self.rollout_pending -= self.request_tokens.pop((g.seed.key, j))
             self.last_completion_t = time.perf_counter()
             if c.finish_reason == "abort":
                 self.tally.response_tokens += len(c.response_ids)
