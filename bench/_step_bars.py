@@ -10,6 +10,10 @@ Bars (issue 18, "Placement performance"; a ratio passes when value <= bar):
   train_scaling       train phase on 2 GPUs / on 1 GPU, same layout, longtail      <= 0.6
   yatt_vs_trl         yatt step / TRL GRPOTrainer step, 1 GPU, fixed 256 tokens     <= 0.3
   builtin_vs_engine   built-in engine / vLLM or SGLang, step and rollout time       <= 1.0
+  seed (issue 26, the seed mix; rollout+GenRM time per kept group, 1 GPU and any count run):
+    partial_vs_full     (b) new sampler, stream + abort / (a) new sampler, rounds        <= 0.75
+    full_new_vs_old     (a) new sampler / (a) the round-based sampler before ("-old")    <= 0.80
+    partial_new_vs_old  (b) new sampler / (b) the round-based sampler before             <= 0.65
 
 A run is named by its variant (_step_setup.variant_key): the base layout, then what differs
 from the defaults ("full-auto-defer", "partial-vllm", "dedicated-p64", "dedicated-6+2-1.5b").
@@ -41,6 +45,10 @@ BARS = {
     "train_scaling": 0.6,
     "yatt_vs_trl": 0.3,
     "builtin_vs_engine": 1.0,
+    # issue 26, the seed mix: rollout+GenRM time per kept group
+    "seed_partial_vs_full": 0.75,
+    "seed_full_new_vs_old": 0.80,
+    "seed_partial_new_vs_old": 0.65,
 }
 
 # Issue 19 on 8 GPUs: (c) = 6 policy + 2 judge GPUs, with its bar; (c') = 4 + 4, reported.
@@ -92,6 +100,12 @@ def label_of(variant: str) -> str:
             parts.append("offload only when short of memory")
         elif part in ENGINE_NAMES:
             parts.append(f"{ENGINE_NAMES[part]} as the rollout engine")
+        elif part == "old":
+            parts.append("round-based sampler drawing only the missing groups (before issue 26)")
+        elif part == "keep":
+            parts.append("cut groups resumed next step")
+        elif part.startswith("nv") and part[2:]:
+            parts.append(f"{part[2:]} of groups without reward variance")
         elif part == "defer":
             parts.append("a save finding the writer busy waits for a later step")
         elif part.startswith("pr") and part[2:].isdigit():
@@ -174,6 +188,25 @@ def rollout_only(s: dict) -> float | None:
     """The rollout's own time: partial colocation times rollout and judge together."""
     p = s.get("phases", {})
     return p.get("rollout", p.get("rollout+genrm"))
+
+
+def sampling_metric(name: str) -> Metric:
+    """One of the seed mix's dynamic-sampling stats (over all ranks) in a step."""
+    return lambda s: s.get("sampling", {}).get(name)
+
+
+def _per_kept_group(metric: Metric) -> Metric:
+    def per_group(s: dict) -> float | None:
+        value, kept = metric(s), s.get("sampling", {}).get("num_groups_kept")
+        return None if value is None or not kept else value / kept
+
+    return per_group
+
+
+# The seed mix's bars: time per group kept (over all ranks), so a sampler that keeps fewer
+# groups (an unfilled batch) is not faster for it.
+rollout_genrm_per_kept_group = _per_kept_group(rollout_genrm)
+step_per_kept_group = _per_kept_group(step_time)
 
 
 METRICS: dict[str, Metric] = {
@@ -279,6 +312,7 @@ def compute_ratios(runs: list[dict]) -> list[dict]:
     out += _train_scaling(runs)
     out += _yatt_vs_trl(runs)
     out += _engine_ratios(runs)
+    out += _seed_sampling(runs)
     return apply_guard(out, runs)
 
 
@@ -430,4 +464,64 @@ def _engine_ratios(runs: list[dict]) -> list[dict]:
                             [builtin, run] if builtin else [run],
                         )
                     )
+    return out
+
+
+def _seed_sampling(runs: list[dict]) -> list[dict]:
+    """Issue 26's three bars on the seed mix, per GPU count, like for like except the sampler
+    ("-old") and, for partial, resuming cut groups ("-keep": its own row)."""
+    metric, out = rollout_genrm_per_kept_group, []
+
+    def seeded(base: str, n: int, old: bool) -> list[dict]:
+        return [
+            r
+            for r in _runs_of(runs, base, n)
+            if "seed" in r.get("mixes", {}) and ("old" in settings_of(r["layout"])) == old
+        ]
+
+    def pair(name: str, bar: float, num_runs: list, den_runs: list, match) -> list[dict]:
+        rows = []
+        for num_run in num_runs:
+            for den_run in den_runs:
+                if not match(settings_of(num_run["layout"]), settings_of(den_run["layout"])):
+                    continue
+                num, den = stat(num_run, "seed", metric), stat(den_run, "seed", metric)
+                if num and den:
+                    what = (
+                        f"{label_of(num_run['layout'])} / {label_of(den_run['layout'])}: "
+                        f"rollout+GenRM s per kept group, {n} GPU(s), seed mix"
+                    )
+                    key = f"{num_run['layout']}_vs_{den_run['layout']}_{n}gpu_seed"
+                    rows.append(_ratio(key, what, bar, num, den, [num_run, den_run]))
+        return rows
+
+    for n in _gpu_counts(runs, ("full", "partial"), always=(1,)):
+        specs = (
+            (
+                "seed_partial_vs_full",
+                "(b) stream + abort / (a) rounds, new sampler",
+                seeded("partial", n, False),
+                seeded("full", n, False),
+                lambda b, a: b - {"keep"} == a,
+            ),
+            (
+                "seed_full_new_vs_old",
+                "(a) new sampler / (a) round-based sampler before",
+                seeded("full", n, False),
+                seeded("full", n, True),
+                lambda new, old: new | {"old"} == old,
+            ),
+            (
+                "seed_partial_new_vs_old",
+                "(b) new sampler / (b) round-based sampler before",
+                seeded("partial", n, False),
+                seeded("partial", n, True),
+                lambda new, old: (new - {"keep"}) | {"old"} == old,
+            ),
+        )
+        for name, what, nums, dens, match in specs:
+            bar = BARS[name]
+            rows = pair(name, bar, nums, dens, match)
+            what = f"{what}: rollout+GenRM s per kept group, {n} GPU(s), seed mix"
+            out += rows or [_unmeasured(f"{name}_{n}gpu", what, bar)]
     return out

@@ -24,9 +24,13 @@ from _step_bars import (
     label_of,
     overlaps,
     phase_metric,
+    rollout_genrm,
+    rollout_genrm_per_kept_group,
     run_key,
     run_order,
+    sampling_metric,
     stat,
+    step_per_kept_group,
     step_time,
 )
 
@@ -130,6 +134,8 @@ def summarize_mix(ranks: list[list[dict]]) -> dict:
                 "memory": rows[0].get("memory"),
             }
         )
+        if any("sampling" in r for r in rows):  # the seed mix: dynamic sampling's counts
+            steps[-1]["sampling"] = sampling_over_ranks([r["sampling"] for r in rows])
     med = statistics.median
     gpu_ids = [g["gpu"] for g in steps[0]["gpus"]]
     gpus = []
@@ -162,6 +168,24 @@ def summarize_mix(ranks: list[list[dict]]) -> dict:
         "steps": steps,
         "all_lengths_forced": all(s["bad_lengths"] == 0 for s in steps),
     }
+
+
+def sampling_over_ranks(per_rank: list[dict[str, float]]) -> dict[str, Any]:
+    """One step's dynamic-sampling stats over all ranks: counts summed ("num_*"), the keep
+    rate over them, the rest (factor, split, filled) rank 0's, and every rank's own."""
+    out: dict[str, Any] = {
+        k: sum(r[k] for r in per_rank) for k in per_rank[0] if k.startswith("num_")
+    }
+    judged = out.get("num_groups_generated", 0.0)
+    out["keep_rate"] = (out.get("num_groups_kept", 0.0) + out.get("num_groups_surplus", 0.0)) / (
+        judged or 1.0
+    )
+    for k, v in per_rank[0].items():
+        out.setdefault(k, v)
+    out["is_filled_all_ranks"] = min(r["is_filled"] for r in per_rank)
+    if len(per_rank) > 1:
+        out["ranks"] = per_rank
+    return out
 
 
 def load_runs(results_dir: Path) -> list[dict[str, Any]]:
@@ -251,6 +275,7 @@ def markdown(runs: list[dict], ratios: list[dict], device: str) -> str:
                 + f" | {busy or 'n/a'} | {peak or 'n/a'} | {res.get('all_lengths_forced')}"
                 + f" | {_fmt(first)}{flag} |"
             )
+    lines += seed_table(runs)
     lines += [
         "",
         "## Bars",
@@ -296,9 +321,68 @@ def markdown(runs: list[dict], ratios: list[dict], device: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def judge_tail(s: dict) -> float | None:
+    """The judge's work after the rollout stopped: partial's tail, full's GenRM phases."""
+    p = s.get("phases", {})
+    return p.get("genrm_tail", p.get("genrm"))
+
+
+SEED_COLUMNS = (
+    ("step s", step_time),
+    ("rollout+GenRM s", rollout_genrm),
+    ("per kept group s", rollout_genrm_per_kept_group),
+    ("step per kept group s", step_per_kept_group),
+    ("judge tail s", judge_tail),
+    ("groups kept", sampling_metric("num_groups_kept")),
+    ("groups judged", sampling_metric("num_groups_generated")),
+    ("rounds (stream: draws)", sampling_metric("num_rounds")),
+    ("tokens generated", sampling_metric("num_tokens_generated")),
+    ("tokens aborted", sampling_metric("num_tokens_aborted")),
+    ("groups aborted", sampling_metric("num_groups_aborted")),
+    ("rollout memory share", sampling_metric("split_rollout_fraction")),
+)
+
+
+def seed_table(runs: list[dict]) -> list[str]:
+    """The seed mix (issue 26): dynamic sampling's work per layout and sampler."""
+    seeded = [r for r in sorted(runs, key=run_order) if "seed" in r.get("mixes", {})]
+    if not seeded:
+        return []
+    lines = [
+        "",
+        "## Seed mix: dynamic sampling",
+        "",
+        "Medians (min-max) over the timed steps; per kept group = rollout+GenRM time / groups "
+        "kept over all ranks; judge tail = the judge's work after the rollout stopped (partial: "
+        "after the abort or the last response; full: its GenRM phases); rollout memory share = "
+        "the split after the step (partial colocation; the live queues' pending tokens).",
+        "",
+        "| layout | GPUs | models | "
+        + " | ".join(name for name, _ in SEED_COLUMNS)
+        + " | busy per GPU |",
+        "|---|---:|---|" + "---:|" * len(SEED_COLUMNS) + "---|",
+    ]
+    for run in seeded:
+        med = run["mixes"]["seed"]["median"]
+        busy = ", ".join(_fmt(g["busy"]) for g in med.get("gpus", []))
+        cells = [_cell(stat(run, "seed", metric)) for _, metric in SEED_COLUMNS]
+        lines.append(
+            f"| {run['label']} | {run['num_gpus']} | {models_of(run)} | "
+            + " | ".join(cells)
+            + f" | {busy or 'n/a'} |"
+        )
+    return lines
+
+
 def _bar_name(run: dict) -> str:
     layout, _, settings = run["layout"].partition("-")
     return "\n".join(x for x in (layout, settings, f"{run['num_gpus']} GPU") if x)
+
+
+def setup_mixes() -> tuple[str, ...]:
+    from _step_setup import MIXES
+
+    return MIXES
 
 
 def plot(runs: list[dict], path: Path) -> Path | None:
@@ -309,7 +393,9 @@ def plot(runs: list[dict], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    mixes = [m for m in ("fixed", "longtail") if any(m in r["mixes"] for r in runs)]
+    mixes = [m for m in setup_mixes() if any(m in r["mixes"] for r in runs)]
+    if not mixes:
+        return None
     most = max((sum(m in r["mixes"] for r in runs) for m in mixes), default=1)  # fullest panel
     width = max(6.0, 1.0 * most)
     fig, axes = plt.subplots(1, len(mixes), figsize=(width * len(mixes), 5), squeeze=False)

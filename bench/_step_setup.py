@@ -104,6 +104,12 @@ JUDGE_USER = (
 )
 JUDGE_TEMPLATE_TOKENS = 160  # chat template + the text above, rounded up (engine context)
 
+# The seed mix's defaults (issue 26): half the groups without reward variance, a 1.5B judge
+# writing a 384-token chain of thought (the middle of the seed's 256-512) before its verdict.
+SEED_NO_VARIANCE_SHARE = 0.5
+SEED_JUDGE_TOKENS = 384
+SEED_JUDGE_SHAPE = "1.5b"
+
 
 @dataclass(kw_only=True, frozen=True)
 class Workload:
@@ -114,6 +120,9 @@ class Workload:
     prompt_tokens: int = 128
     judge_tokens: int = 8  # verdict tokens, forced (ignore_eos) so every run judges the same
     seed: int = 0
+    # The seed mix: the share of drawn groups whose hidden labels are all equal (no reward
+    # variance: dynamic sampling drops them).
+    no_variance_share: float = SEED_NO_VARIANCE_SHARE
 
     @property
     def num_samples(self) -> int:
@@ -132,7 +141,13 @@ def workload(args: Any, num_gpus: int = 1) -> Workload:
     if getattr(args, "prompts_per_rank", None):
         num_prompts = args.prompts_per_rank * num_gpus
     group_size = 4 if tiny else Workload.group_size
-    return Workload(num_prompts=num_prompts, group_size=group_size, judge_tokens=args.judge_tokens)
+    share = getattr(args, "no_variance_share", None)
+    return Workload(
+        num_prompts=num_prompts,
+        group_size=group_size,
+        judge_tokens=args.judge_tokens,
+        no_variance_share=SEED_NO_VARIANCE_SHARE if share is None else share,
+    )
 
 
 def prompt_range(num_prompts: int, num_ranks: int, rank: int) -> range:
@@ -142,7 +157,7 @@ def prompt_range(num_prompts: int, num_ranks: int, rank: int) -> range:
 
 
 # -- length mixes ------------------------------------------------------------------------------
-MIXES = ("fixed", "longtail")
+MIXES = ("fixed", "longtail", "seed")
 MAX_RESPONSE_TOKENS = 1024
 
 
@@ -153,16 +168,64 @@ def response_lengths(mix: str, work: Workload, step: int) -> list[int]:
     longtail: 90% uniform in [64, 192] (median about 128), 10% uniform in [512, 1024], i.e.
               4-8x the median; drawn per sample (lengths differ inside a group), seeded by
               (seed, step), so every layout and GPU count sees the same lengths.
+    seed:     dynamic sampling draws its groups one by one (seed_group); this is the lengths
+              of the first num_prompts of them on one rank, for a look at the distribution.
     """
     if mix == "fixed":
         return [256] * work.num_samples
+    if mix == "seed":
+        groups = [seed_group(work, step, 0, k) for k in range(work.num_prompts)]
+        return [n for g in groups for n in g.lengths]
     if mix != "longtail":
         raise ValueError(f"mix={mix!r}: use one of {MIXES}")
     rng = np.random.default_rng([work.seed, step, 1])
-    is_long = rng.random(work.num_samples) < 0.10
-    short = rng.integers(64, 193, work.num_samples)
-    long = rng.integers(512, MAX_RESPONSE_TOKENS + 1, work.num_samples)
+    return _longtail_lengths(rng, work.num_samples)
+
+
+def _longtail_lengths(rng: np.random.Generator, count: int) -> list[int]:
+    is_long = rng.random(count) < 0.10
+    short = rng.integers(64, 193, count)
+    long = rng.integers(512, MAX_RESPONSE_TOKENS + 1, count)
     return [int(v) for v in np.where(is_long, long, short)]
+
+
+@dataclass(frozen=True)
+class SeedGroup:
+    """One GRPO group of the seed mix: a prompt, each sample's forced length, and each
+    sample's hidden label (1: the judge's verdict counts as correct, 0: as wrong)."""
+
+    key: int  # unique in the run: (step, rank, draw index) folded into one int
+    text: str
+    lengths: tuple[int, ...]
+    labels: tuple[int, ...]
+
+    @property
+    def has_variance(self) -> bool:
+        return len(set(self.labels)) > 1
+
+
+def seed_group(work: Workload, step: int, rank: int, index: int) -> SeedGroup:
+    """The `index`-th group rank `rank` draws in step `step` of the seed mix, the same in every
+    layout and sampler (seeded by all four), so every run sees the same pattern in the same
+    order: with probability work.no_variance_share all its labels are equal (0 or 1, even
+    odds: the group has no reward variance), else they are drawn per sample with at least one
+    of each; lengths are the longtail mix's, per sample."""
+    rng = np.random.default_rng([work.seed, step, rank, index, 26])
+    letters = rng.integers(0, 26, work.prompt_tokens)
+    lengths = _longtail_lengths(rng, work.group_size)
+    if rng.random() < work.no_variance_share:
+        labels = [int(rng.integers(0, 2))] * work.group_size
+    else:
+        labels = [int(v) for v in rng.integers(0, 2, work.group_size)]
+        if len(set(labels)) == 1:  # a group with variance has both verdicts
+            labels[int(rng.integers(0, work.group_size))] ^= 1
+    key = ((step * 1024 + rank) << 20) + index
+    return SeedGroup(
+        key=key,
+        text="".join(chr(97 + int(c)) for c in letters),
+        lengths=tuple(lengths),
+        labels=tuple(labels),
+    )
 
 
 def prompt_texts(work: Workload, step: int) -> list[str]:
@@ -321,6 +384,14 @@ def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
         key += f"-j{judge}" if judge != policy else ""
     if getattr(args, "ckpt_when_busy", "wait") != "wait":
         key += f"-{args.ckpt_when_busy}"
+    if "seed" in (getattr(args, "mixes", None) or []):  # issue 26's sampler settings
+        if getattr(args, "sampler", "new") == "old":
+            key += "-old"
+        if getattr(args, "keep_partial", False):
+            key += "-keep"
+        share = getattr(args, "no_variance_share", None)
+        if share is not None and share != SEED_NO_VARIANCE_SHARE:
+            key += f"-nv{share:g}"
     return key
 
 

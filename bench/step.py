@@ -20,6 +20,18 @@ every layout on as many GPUs does the same work), prompts of 128 tokens, respons
 ignore_eos): `fixed` = 256 each, `longtail` = 90% in [64, 192] and 10% in [512, 1024]. The judge
 reads prompt + response (about 300-1300 tokens) and writes an 8-token verdict.
 
+The seed mix (issue 26, `--mix seed`; _step_sampling.py): DAPO dynamic sampling by
+core.DynamicSampler over an endless sequence of groups, half of them without reward variance
+(--no-variance-share; each sample's verdict fixed by a hidden label, so every layout keeps the
+same groups), longtail lengths, and by default a 1.5B-shaped judge writing a 384-token chain of
+thought. full: rounds with adaptive over-sampling; partial: a stream (engine fed while verdicts
+come back, groups judged as their samples finish, engine.abort() once every rank is full;
+--keep-partial resumes the cut groups next step); --sampler old: the round-based sampler
+drawing only the missing groups, the baseline of issue 26's bars (per kept group):
+
+    python3 bench/step.py --layout partial --mix seed --offload auto --out-dir OUT
+    ONLY=seed bash bench/step_gpu.sh                                     # the bars, 1 GPU
+
 Layouts (one process per GPU; each step = rollout, GenRM, train, weight sync, checkpoint):
   full       Plan.full_colocation: every rank holds trainer (DDP), rollout engine and judge;
              phases in turn, each sleeping the others (--offload auto: only when short).
@@ -73,6 +85,7 @@ import _step_judge  # bench/ is not a package: these are its helper modules
 import _step_memory
 import _step_profile
 import _step_report
+import _step_sampling
 import _step_setup as setup
 
 logger = logging.getLogger("bench.step")
@@ -91,7 +104,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "time, into new pinned host memory, which made the first timed step an outlier)",
     )
     p.add_argument("--tiny", action="store_true", help="2-layer model (CPU smoke runs)")
-    p.add_argument("--judge-tokens", type=int, default=8, help="forced verdict length")
+    p.add_argument(
+        "--judge-tokens",
+        type=int,
+        default=None,
+        help=f"forced verdict length (8; with the seed mix {setup.SEED_JUDGE_TOKENS})",
+    )
+    p.add_argument(
+        "--sampler",
+        choices=_step_sampling.SAMPLERS,
+        default="new",
+        help="seed mix: core.DynamicSampler over-sampling (full: rounds, partial: stream with "
+        "abort) or 'old', the round-based sampler drawing only the missing groups",
+    )
+    p.add_argument(
+        "--keep-partial",
+        action="store_true",
+        help="seed mix, partial: keep the groups the abort cut and resume them next step",
+    )
+    p.add_argument(
+        "--no-variance-share",
+        type=float,
+        default=None,
+        help=f"seed mix: share of groups without reward variance ({setup.SEED_NO_VARIANCE_SHARE})",
+    )
     p.add_argument("--judge-gpu", type=int, default=None, help="dedicated: the judge's GPU")
     p.add_argument(
         "--judge-gpus",
@@ -102,7 +138,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--shape", choices=tuple(setup.SHAPES), default="0.5b", help="policy's shape")
     p.add_argument(
-        "--judge-shape", choices=tuple(setup.SHAPES), default=None, help="(default: --shape)"
+        "--judge-shape",
+        choices=tuple(setup.SHAPES),
+        default=None,
+        help=f"(default: --shape; with the seed mix {setup.SEED_JUDGE_SHAPE})",
     )
     p.add_argument("--profile", action="store_true", help="one more step under torch.profiler")
     p.add_argument("--profile-phase", default=None, help="--profile only this phase (e.g. train)")
@@ -194,6 +233,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for mix in args.mixes:
         if mix not in setup.MIXES:
             p.error(f"--mix {mix!r}: use {setup.MIXES}")
+    is_seed = "seed" in args.mixes
+    # The seed mix's workload (issue 26): a 1.5B judge writing a chain of thought.
+    if args.judge_tokens is None:
+        args.judge_tokens = setup.SEED_JUDGE_TOKENS if is_seed else 8
+    if args.judge_tokens < 1:
+        p.error(f"--judge-tokens {args.judge_tokens}: must be >= 1")
+    if is_seed and args.judge_shape is None and not args.tiny:
+        args.judge_shape = setup.SEED_JUDGE_SHAPE
+    if args.no_variance_share is not None and not 0.0 <= args.no_variance_share < 1.0:
+        p.error(f"--no-variance-share {args.no_variance_share}: must be in [0, 1)")
+    if args.keep_partial and (args.layout != "partial" or args.sampler != "new" or not is_seed):
+        p.error("--keep-partial: only with --layout partial, --sampler new and the seed mix")
     if args.model_dir is None:
         shapes = setup.shape_names(args)
         name = "yatt-step" + ("" if shapes == ("0.5b", "0.5b") else "-" + "-".join(shapes))
@@ -252,6 +303,8 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
     if not ctx.prompts:
         raise ValueError(f"{work.num_prompts} prompts leave rank {runtime.dp_rank} none")
     slots = len(ctx.prompts) * work.group_size
+    if "seed" in args.mixes:  # over-sampling: about 1 / keep rate as many samples at once
+        slots *= 2
     device = str(runtime.device)
     ctx.judge_gpus = judge_gpus
     if layout == "dedicated":
@@ -313,15 +366,81 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
     # One optimizer step per batch (as TRL at num_iterations=1): no old-logprob forward pass.
     ctx.loss = core.PolicyLoss(is_on_policy=True)
     ctx.judge_tokens_seen = ctx.judge_batches_seen = ctx.judge_joins_seen = 0
+    # The seed mix: one dynamic sampler for the run (its keep rate carries over), and the
+    # groups an abort cut when they are resumed (--keep-partial).
+    ctx.sampler = _step_sampling.make_sampler(ctx) if "seed" in args.mixes else None
+    ctx.partials = _step_sampling.make_partials(ctx) if "seed" in args.mixes else None
     return ctx
 
 
 def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
     import torch
 
-    from yatt import core, genrm
+    from yatt import core
 
     rt, plan, engine, judge, policy = ctx.runtime, ctx.plan, ctx.engine, ctx.judge, ctx.policy
+    phases: dict[str, float] = {}
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    torch.distributed.barrier()
+    t0 = time.perf_counter()
+    if mix == "seed":
+        batch, counts, extra = _seed_rollout(ctx, step, phases)
+    else:
+        batch, counts, extra = _rollout(ctx, mix, step, phases)
+    batch.samples["advantages"] = core.compute_grpo_advantages(
+        batch.samples["reward"], batch.samples["group_id"]
+    )
+    with _step_profile.timed(phases, "train"):
+        # The policy's own cost model: balancing weighs samples as its micro-batch packing does.
+        costs = policy.estimate_costs(batch.lengths.tolist())
+        batch, _ = batch.rebalance(group=rt.dp_group, group_key="group_id", costs=costs)
+        with plan.phase("train"):
+            policy.train_step(batch.to(rt.device), ctx.loss)
+    with _step_profile.timed(phases, "sync"), plan.phase("sync"):
+        engine.update_weights(policy.named_weights())
+    with _step_profile.timed(phases, "ckpt"):  # async: blocks until staged in host memory
+        if ctx.args.ckpt:
+            ctx.ckpt.maybe_save(global_step + 1, policy.state(), extra={"step": global_step})
+    torch.distributed.barrier()
+    t1 = time.perf_counter()
+    # The judge's load this step: this rank's (a pool's servers also judge the other ranks').
+    if ctx.layout != "dedicated":
+        judge_prompt_tokens = judge.metrics["num_prompt_tokens"] - ctx.judge_tokens_seen
+        ctx.judge_tokens_seen += judge_prompt_tokens
+    if "judge_prompt_tokens" in counts:  # the seed mix counts its verdicts' own
+        judge_prompt_tokens = counts["judge_prompt_tokens"]
+    elif ctx.layout == "dedicated":
+        judge_prompt_tokens = sum(v.num_judge_prompt_tokens for v in counts["verdicts"])
+    metrics = plan.metrics()  # the latest switch into each phase: this step's
+    switches = {k.split("/")[1]: v for k, v in metrics.items() if k.endswith("/switch_s")}
+    memory = _step_memory.timeline(metrics, plan.phases)
+    return {
+        "t0": t0,
+        "t1": t1,
+        "phases": phases,
+        "switch_s": sum(switches.values()),
+        "switches": switches,
+        "bad_lengths": counts["bad_lengths"],
+        "num_completions": counts["num_completions"],
+        "response_tokens": counts["response_tokens"],
+        "judge_prompt_tokens": judge_prompt_tokens,
+        "num_unparsable": counts["num_unparsable"],
+        # The plan resets torch's peak stats at each switch (its peak reader): the step's peak is
+        # the highest phase peak of its timeline, device-wide.
+        "max_reserved_gib": _step_memory.step_peak_gib(memory)
+        if torch.cuda.is_available()
+        else None,
+        "memory": memory,
+        **extra,
+    }
+
+
+def _rollout(ctx, mix: str, step: int, phases: dict[str, float]):
+    """Every prompt of this rank, once (fixed, longtail): (batch, counts, extra)."""
+    from yatt import core, genrm
+
+    plan, engine, judge = ctx.plan, ctx.engine, ctx.judge
     requests, sampling, expected, prompts = setup.make_requests(ctx, mix, step)
 
     def to_sample(c):
@@ -329,11 +448,6 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
             prompt=prompts[c.request_index], response=setup.ids_to_text(c.response_ids)
         )
 
-    phases: dict[str, float] = {}
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    torch.distributed.barrier()
-    t0 = time.perf_counter()
     if ctx.layout == "partial":
         marks: dict[str, float] = {}
 
@@ -375,50 +489,37 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
         group_ids=[c.metadata["group"] for c in completions],
     )
     batch = core.rollout_batch(samples)
-    batch.samples["advantages"] = core.compute_grpo_advantages(
-        batch.samples["reward"], batch.samples["group_id"]
-    )
-    with _step_profile.timed(phases, "train"):
-        # The policy's own cost model: balancing weighs samples as its micro-batch packing does.
-        costs = policy.estimate_costs(batch.lengths.tolist())
-        batch, _ = batch.rebalance(group=rt.dp_group, group_key="group_id", costs=costs)
-        with plan.phase("train"):
-            policy.train_step(batch.to(rt.device), ctx.loss)
-    with _step_profile.timed(phases, "sync"), plan.phase("sync"):
-        engine.update_weights(policy.named_weights())
-    with _step_profile.timed(phases, "ckpt"):  # async: blocks until staged in host memory
-        if ctx.args.ckpt:
-            ctx.ckpt.maybe_save(global_step + 1, policy.state(), extra={"step": global_step})
-    torch.distributed.barrier()
-    t1 = time.perf_counter()
-    # The judge's load this step: this rank's (a pool's servers also judge the other ranks').
-    if ctx.layout == "dedicated":
-        judge_prompt_tokens = sum(v.num_judge_prompt_tokens for v in verdicts)
-    else:
-        judge_prompt_tokens = judge.metrics["num_prompt_tokens"] - ctx.judge_tokens_seen
-        ctx.judge_tokens_seen += judge_prompt_tokens
-    metrics = plan.metrics()  # the latest switch into each phase: this step's
-    switches = {k.split("/")[1]: v for k, v in metrics.items() if k.endswith("/switch_s")}
-    memory = _step_memory.timeline(metrics, plan.phases)
-    return {
-        "t0": t0,
-        "t1": t1,
-        "phases": phases,
-        "switch_s": sum(switches.values()),
-        "switches": switches,
+    counts = {
         "bad_lengths": bad_lengths,
         "num_completions": len(completions),
         "response_tokens": sum(len(c.response_ids) for c in completions),
-        "judge_prompt_tokens": judge_prompt_tokens,
         "num_unparsable": sum(v.status != "ok" for v in verdicts),
-        # The plan resets torch's peak stats at each switch (its peak reader): the step's peak is
-        # the highest phase peak of its timeline, device-wide.
-        "max_reserved_gib": _step_memory.step_peak_gib(memory)
-        if torch.cuda.is_available()
-        else None,
-        "memory": memory,
-        **extra,
+        "verdicts": verdicts,
     }
+    return batch, counts, extra
+
+
+def _seed_rollout(ctx, step: int, phases: dict[str, float]):
+    """The seed mix: dynamic sampling (_step_sampling.py): (kept batch, counts, extra)."""
+    if ctx.sampler.mode == "stream":
+        batch, stats, tally = _step_sampling.stream_step(ctx, step, phases)
+    else:
+        batch, stats, tally = _step_sampling.rounds_step(ctx, step, phases)
+    if ctx.layout == "partial":  # the judge's work after the rollout stopped
+        phases["genrm_tail"] = tally.genrm_tail_s
+    counts = {
+        "bad_lengths": tally.bad_lengths,
+        "num_completions": tally.num_completions,
+        "response_tokens": tally.response_tokens,
+        "num_unparsable": tally.num_unparsable,
+        "judge_prompt_tokens": tally.judge_prompt_tokens,
+    }
+    sampling = stats | {
+        "num_tokens_generated": float(tally.response_tokens),
+        "num_groups_resumed": float(tally.num_resumed_groups),
+        "num_groups_kept_partial": float(tally.num_kept_partial),
+    }
+    return batch, counts, {"sampling": sampling}
 
 
 def run_layout(args: argparse.Namespace) -> Path | None:

@@ -10,7 +10,11 @@
 #                                           2-GPU/1-GPU ratio wants full_1gpu in the same call)
 #   2gpu-auto  full-auto, dedicated-auto
 #   scale      full and dedicated at 64 prompts, fixed mix, offload auto
-#   all        every group but scale (longer than one call)
+#   seed       issue 26's bars, 1 GPU, the seed mix (0.5B policy, 1.5B judge writing 384
+#              tokens, half the groups without reward variance), offload auto: full and
+#              partial with the new sampler, then both with the round-based one ("-old")
+#   seed-keep  partial, cut groups resumed next step (--keep-partial)
+#   all        every group but scale and seed (longer than one call)
 # Every run has the host to itself: runs go one after another, 1-GPU runs on GPU 0 (the
 # report refuses ratios between runs whose wall-clock intervals overlapped on one host). Each
 # run has its own timeout, and runs that would start after BUDGET_S seconds are skipped; the
@@ -36,10 +40,10 @@ TORCHRUN="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
 
 source "$(dirname "$0")/_step_run.sh"  # run NAME CMD...
 
-# Models once (random weights, saved with save_pretrained), reused by every run.
-run models python3 $STEP --prepare
-
 ONLY=${ONLY:-all}
+# Models once (random weights, saved with save_pretrained), reused by every run; the seed
+# mix has its own (a 1.5B judge).
+[[ ",$ONLY," =~ ^(,seed(-keep)?)+,$ ]] || run models python3 $STEP --prepare
 # want NAME GROUP...: whether ONLY names this run or one of its groups.
 want() {
   local name=$1; shift
@@ -71,6 +75,18 @@ want full_auto_1gpu 1gpu-auto all && run full_auto_1gpu python3 $STEP --layout f
 want partial_auto_1gpu 1gpu-auto all && \
   run partial_auto_1gpu python3 $STEP --layout partial --offload auto
 want separate_1gpu 1gpu-auto all && run separate_1gpu python3 $STEP --layout dedicated
+
+# Issue 26 (the seed mix): SEED_STEPS timed steps after one warm-up each (offload auto has no
+# first offload of AdamW's state to warm up for).
+SEED="$STEP --mix seed --offload auto --model-dir /tmp/yatt-step-seed --warmup 1 --steps ${SEED_STEPS:-3}"
+if want seed_models seed seed-keep; then run seed_models python3 $SEED --prepare; fi
+want seed_full_1gpu seed && run seed_full_1gpu python3 $SEED --layout full
+want seed_partial_1gpu seed && run seed_partial_1gpu python3 $SEED --layout partial
+want seed_full_old_1gpu seed && run seed_full_old_1gpu python3 $SEED --layout full --sampler old
+want seed_partial_old_1gpu seed && \
+  run seed_partial_old_1gpu python3 $SEED --layout partial --sampler old
+want seed_partial_keep_1gpu seed-keep && \
+  run seed_partial_keep_1gpu python3 $SEED --layout partial --keep-partial
 unset CUDA_VISIBLE_DEVICES
 
 # A 4x larger batch on 2 GPUs: does (a)/(c) move toward 0.5 once the GPUs have more work?

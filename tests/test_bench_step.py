@@ -498,3 +498,152 @@ def test_issue19_ratios_missing_runs_and_a_failing_bar(tmp_path):
     if png is not None:  # matplotlib installed
         assert png.stat().st_size > 10_000
     assert [_step_report._bar_name(r) for r in runs][2] == "dedicated\n6+2-pr64-1.5b\n8 GPU"
+
+
+# -- the seed mix (issue 26): dynamic sampling --------------------------------------------------
+def test_seed_groups_have_the_asked_share_without_variance_and_are_the_same_everywhere():
+    work = _step_setup.Workload(group_size=8, no_variance_share=0.5)
+    groups = [_step_setup.seed_group(work, 3, 0, k) for k in range(2000)]
+    assert groups[7] == _step_setup.seed_group(work, 3, 0, 7)  # every layout draws the same
+    assert groups[7] != _step_setup.seed_group(work, 4, 0, 7)
+    assert groups[7].key != _step_setup.seed_group(work, 3, 1, 7).key  # ranks differ
+    share = sum(not g.has_variance for g in groups) / len(groups)
+    assert 0.46 < share < 0.54  # binomial(2000, 0.5): 4.5 standard deviations
+    for g in groups:
+        assert len(g.labels) == len(g.lengths) == 8 and set(g.labels) <= {0, 1}
+        assert all(64 <= n <= 192 or 512 <= n <= 1024 for n in g.lengths)
+    # A group with variance holds both verdicts (else DAPO would drop it as well).
+    assert all(len(set(g.labels)) == 2 for g in groups if g.has_variance)
+    none = _step_setup.Workload(no_variance_share=0.0)
+    assert all(_step_setup.seed_group(none, 0, 0, k).has_variance for k in range(200))
+
+
+def test_seed_mix_defaults_and_bad_options():
+    args = step_cli.parse_args(["--layout", "partial", "--mix", "seed"])
+    assert (args.judge_tokens, args.judge_shape, args.sampler) == (384, "1.5b", "new")
+    assert step_cli.parse_args(["--layout", "full"]).judge_tokens == 8  # the other mixes
+    args = step_cli.parse_args(["--layout", "full", "--mix", "seed", "--sampler", "old"])
+    assert _step_setup.variant_key("full", args) == "full-j1.5b-old"
+    for bad in (
+        ["--layout", "full", "--mix", "seed", "--keep-partial"],  # no stream, nothing cut
+        ["--layout", "partial", "--mix", "seed", "--sampler", "old", "--keep-partial"],
+        ["--layout", "partial", "--mix", "seed", "--no-variance-share", "1.0"],
+    ):
+        with pytest.raises(SystemExit):
+            step_cli.parse_args(bad)
+
+
+def _seed_run(variant: str, rollout_genrm_s: float, kept: int) -> dict:
+    phases = (
+        {"rollout+genrm": rollout_genrm_s}
+        if variant.startswith("partial")
+        else {"rollout": rollout_genrm_s / 2, "genrm": rollout_genrm_s / 2}
+    )
+    run = _fake_run(variant, 1, rollout_genrm_s + 1.0, phases, "seed")
+    for s in run["mixes"]["seed"]["steps"]:
+        s["sampling"] = {"num_groups_kept": kept}
+    return run
+
+
+def test_seed_bars_are_rollout_genrm_time_per_kept_group():
+    runs = [
+        _seed_run("full-auto", 12.0, 16),  # 0.75 s per kept group
+        _seed_run("full-auto-old", 14.0, 14),  # unfilled: 1.0 s per kept group
+        _seed_run("partial-auto", 6.0, 16),  # 0.375
+        _seed_run("partial-auto-keep", 4.8, 16),  # 0.3
+        _seed_run("partial-auto-old", 10.5, 14),  # 0.75
+    ]
+    ratios = {r["name"]: r for r in _step_bars.compute_ratios(runs)}
+    row = ratios["partial-auto_vs_full-auto_1gpu_seed"]
+    assert row["value"] == pytest.approx(0.375 / 0.75) and row["pass"] is True  # bar 0.75
+    assert ratios["partial-auto-keep_vs_full-auto_1gpu_seed"]["value"] == pytest.approx(0.4)
+    row = ratios["full-auto_vs_full-auto-old_1gpu_seed"]
+    assert row["value"] == pytest.approx(0.75) and row["pass"] is True  # bar 0.80
+    row = ratios["partial-auto_vs_partial-auto-old_1gpu_seed"]
+    assert row["value"] == pytest.approx(0.5) and row["pass"] is True  # bar 0.65
+    assert ratios["partial-auto-keep_vs_partial-auto-old_1gpu_seed"]["value"] == pytest.approx(0.4)
+    # The old sampler is never the "new" side of a bar.
+    assert "partial-auto-old_vs_full-auto-old_1gpu_seed" not in ratios
+    # Without the baseline runs the two new/old bars say "not measured".
+    ratios = {r["name"]: r for r in _step_bars.compute_ratios(runs[:1] + runs[2:3])}
+    assert ratios["seed_full_new_vs_old_1gpu"]["verdict"] == "not measured"
+    assert ratios["seed_partial_new_vs_old_1gpu"]["verdict"] == "not measured"
+
+
+def _hand_kept_by_old_rule(work, step: int, target: int, max_rounds: int) -> tuple[int, int]:
+    """DAPO's rounds without over-sampling, stated by hand: each round draws the missing
+    number of groups, in order; a group is kept when its labels differ. (kept, rounds)."""
+    kept = drawn = rounds = 0
+    while kept < target and rounds < max_rounds:
+        missing = target - kept
+        rounds += 1
+        for k in range(drawn, drawn + missing):
+            kept += _step_setup.seed_group(work, step, 0, k).has_variance
+        drawn += missing
+    return min(kept, target), rounds
+
+
+@pytest.fixture(scope="module")
+def seed_runs(tmp_path_factory, models):
+    out = tmp_path_factory.mktemp("seed-runs")
+    fast = ("--mix", "seed", "--judge-tokens", "8")
+    return out, {
+        # The stream: abort once full, cut groups resumed in the next step.
+        "partial-keep": _seed_step(out, models, "partial", *fast, "--keep-partial", steps=2),
+        "full-old": _seed_step(out, models, "full", *fast, "--sampler", "old"),
+    }
+
+
+def _seed_step(out_dir, model_dir, layout, *extra, steps=1) -> dict:
+    cmd = [sys.executable, str(ROOT / "bench" / "step.py"), "--layout", layout, "--tiny"]
+    cmd += ["--steps", str(steps), "--warmup", "1", "--out-dir", str(out_dir)]
+    cmd += ["--model-dir", str(model_dir), "--ckpt-dir", str(out_dir / "ckpt"), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    variant = layout + ("-keep" if "--keep-partial" in extra else "")
+    variant += "-old" if "old" in extra else ""
+    return json.loads((out_dir / f"step_{variant}_1gpu.json").read_text())
+
+
+def test_old_sampler_keeps_what_the_rounds_rule_keeps(seed_runs):
+    _, runs = seed_runs
+    work = _step_setup.Workload(num_prompts=4, group_size=4)
+    (step,) = runs["full-old"]["mixes"]["seed"]["steps"]  # step index 1 (after one warm-up)
+    kept, rounds = _hand_kept_by_old_rule(work, 1, target=4, max_rounds=3)
+    s = step["sampling"]
+    assert (s["num_groups_kept"], s["num_rounds"]) == (kept, rounds)
+    assert s["oversample_factor"] == 1.0 and s["num_groups_aborted"] == 0
+    assert set(step["phases"]) == PHASES["full"]
+    assert step["bad_lengths"] == 0  # every response its forced length
+
+
+def test_stream_fills_aborts_the_tail_and_resumes_cut_groups(seed_runs):
+    _, runs = seed_runs
+    run = runs["partial-keep"]
+    steps = run["mixes"]["seed"]["steps"]
+    assert len(steps) == 2
+    for s in steps:
+        assert set(s["phases"]) == PHASES["partial"]
+        m = s["sampling"]
+        assert m["num_groups_kept"] == 4 and m["is_filled_all_ranks"] == 1.0
+        # Every judged group is kept, dropped for no variance, or surplus.
+        judged = m["num_groups_kept"] + m["num_groups_dropped"] + m["num_groups_surplus"]
+        assert judged == m["num_groups_generated"]
+        assert 0 <= m["num_tokens_aborted"] <= m["num_tokens_generated"]
+        assert m["num_groups_kept_partial"] == m["num_groups_aborted"]  # all kept to resume
+        assert 0.3 <= m["split_rollout_fraction"] <= 0.8  # MemorySplit's default bounds
+        assert m["split_rollout_pending_tokens"] > 0 and m["split_genrm_pending_tokens"] > 0
+        # Resumed responses are the old part + the continuation: still their forced length.
+        assert s["bad_lengths"] == 0
+    # The second timed step resumes what the first cut (at most: older ones are dropped).
+    first, second = (s["sampling"] for s in steps)
+    assert 0 < second["num_groups_resumed"] <= first["num_groups_kept_partial"]
+
+
+def test_report_has_the_seed_table_and_bars(seed_runs):
+    out, _ = seed_runs
+    _step_report.write_report(out, device="cpu")
+    md = (out / "step_cpu.md").read_text()
+    assert "## Seed mix: dynamic sampling" in md and "per kept group s" in md
+    assert "cut groups resumed next step" in md  # the partial-keep row's label
+    assert "round-based sampler" in md

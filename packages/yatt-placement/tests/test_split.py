@@ -1,6 +1,6 @@
 import pytest
 
-from yatt.placement import MemorySplit
+from yatt.placement import MemorySplit, PendingLoad
 from yatt.placement._split import next_rollout_fraction
 
 NUM_GPUS = 0
@@ -51,3 +51,37 @@ def test_rejects_negative_load():
 def test_config_validation_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         MemorySplit(**kwargs)
+
+
+def test_pending_load_is_the_time_weighted_mean_of_the_queues():
+    # Hand-built step: 3000 rollout tokens pending for 1 s, then 1000 for 3 s while the judge
+    # queue grows to 2000 tokens, then nothing for the last 1 s (end at t=15).
+    load = PendingLoad()
+    load.record(10.0, rollout_tokens=3000, genrm_tokens=0)
+    load.record(11.0, rollout_tokens=1000, genrm_tokens=2000)
+    load.record(14.0, rollout_tokens=0, genrm_tokens=0)
+    means = load.pending_tokens(15.0)
+    # rollout: (3000*1 + 1000*3 + 0*1) / 5 = 1200; genrm: (2000*3) / 5 = 1200
+    assert means == pytest.approx(
+        {"rollout_pending_tokens": 1200.0, "genrm_pending_tokens": 1200.0}
+    )
+    # ...so an even split of the engines' memory, as its target.
+    target = next_rollout_fraction(MemorySplit(smoothing=0.0), 0.7, **means)
+    assert target == pytest.approx(0.5)
+
+
+def test_pending_load_without_time_keeps_the_split():
+    load = PendingLoad()
+    assert load.pending_tokens(1.0) == {"rollout_pending_tokens": 0.0, "genrm_pending_tokens": 0.0}
+    load.record(1.0, rollout_tokens=5, genrm_tokens=5)
+    means = load.pending_tokens(1.0)  # no time passed
+    assert next_rollout_fraction(MemorySplit(), 0.4, **means) == 0.4
+
+
+def test_pending_load_refuses_negative_tokens_and_time_going_back():
+    load = PendingLoad()
+    with pytest.raises(ValueError, match="genrm_tokens=-2"):
+        load.record(0.0, rollout_tokens=1, genrm_tokens=-2)
+    load.record(2.0, rollout_tokens=1, genrm_tokens=1)
+    with pytest.raises(ValueError, match="before the last"):
+        load.record(1.0, rollout_tokens=1, genrm_tokens=1)

@@ -10,6 +10,13 @@ call's own verdicts say what it cost and what went wrong, however many calls sha
     scored.stats.num_judge_prompt_tokens  # this call's judge load, no counter differencing
     ScoreStats.from_verdicts(genrm.score(samples))  # the same for a blocking call
 
+Dynamic sampling in a stream: `GroupJudging` judges each finished completion at once, hands
+back whole groups once all their samples are judged, and sets aborted completions aside:
+
+    judging = GroupJudging(genrm, to_sample, group_size=8)
+    judging.add(completion, group=key, index=j)      # as the engine yields it
+    group = await judging.next_group(timeout_s=0.01) # whole, judged; None after the wait
+
 Rewards without a judge model: `load_reward_function("my_module:score")` is a scorer of its own
 and a rule for `CombinedRM(None, [(fn, weight), ...])`. A judge served elsewhere (vLLM, SGLang,
 a hosted model): `OpenAIJudge(OpenAIJudgeConfig(base_url=..., model=...), template=, parser=)`.
@@ -20,6 +27,7 @@ from yatt.genrm._client import GenRMClient
 from yatt.genrm._combine import CombinedRM
 from yatt.genrm._functions import RewardFunction, load_reward_function
 from yatt.genrm._genrm import GenRM
+from yatt.genrm._groups import GroupJudging, JudgedGroup
 from yatt.genrm._openai import OpenAIJudge, OpenAIJudgeConfig
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
 from yatt.genrm._server import create_app
@@ -36,7 +44,9 @@ __all__ = [
     "ExactMatch",
     "GenRM",
     "GenRMClient",
+    "GroupJudging",
     "JudgeTemplate",
+    "JudgedGroup",
     "NumericMatch",
     "OpenAIJudge",
     "OpenAIJudgeConfig",

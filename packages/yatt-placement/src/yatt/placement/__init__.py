@@ -22,7 +22,7 @@ from yatt.placement._regions import (
     resume,
 )
 from yatt.placement._roles import RegionRole, Role, TrainerRole
-from yatt.placement._split import MemorySplit
+from yatt.placement._split import MemorySplit, PendingLoad
 from yatt.placement._version import __version__
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "MemoryFitError",
     "MemoryNeed",
     "MemorySplit",
+    "PendingLoad",
     "PhaseFit",
     "PhaseRecord",
     "Plan",

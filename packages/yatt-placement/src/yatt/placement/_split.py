@@ -8,6 +8,15 @@ both caches back and forth:
     target   = clip(rollout_tokens / (rollout_tokens + genrm_tokens), min, max)
     fraction = smoothing * fraction + (1 - smoothing) * target
     rollout share of the device = total_fraction * fraction, GenRM share = the rest of it
+
+The load is best measured on the live queues while the step runs (`PendingLoad`): the
+tokens the rollout still has to generate and the tokens the judge still has to read and
+write, sampled at every change (a request fed or finished, a sample sent to or back from the
+judge) and averaged over time, so a queue that stayed long counts more than a burst:
+
+    load = PendingLoad()
+    load.record(now, rollout_tokens=..., genrm_tokens=...)   # at each change of the queues
+    plan.update_load(**load.pending_tokens(end))             # the time-weighted means
 """
 
 from __future__ import annotations
@@ -68,6 +77,43 @@ def next_rollout_fraction(
     target = rollout_pending_tokens / total
     target = min(max(target, split.min_rollout_fraction), split.max_rollout_fraction)
     return split.smoothing * current + (1.0 - split.smoothing) * target
+
+
+class PendingLoad:
+    """Pending rollout and GenRM tokens over one step, as a step function of time: each
+    record() holds until the next one (or `end`). pending_tokens(end) gives the time-weighted
+    means, the arguments of Plan.update_load."""
+
+    def __init__(self) -> None:
+        self._samples: list[tuple[float, float, float]] = []  # (time, rollout, genrm)
+
+    def record(self, now: float, *, rollout_tokens: float, genrm_tokens: float) -> None:
+        """The queues from `now` on (times never go back)."""
+        if rollout_tokens < 0 or genrm_tokens < 0:
+            raise ValueError(
+                f"pending tokens must be >= 0, got rollout_tokens={rollout_tokens}, "
+                f"genrm_tokens={genrm_tokens}"
+            )
+        if self._samples and now < self._samples[-1][0]:
+            raise ValueError(
+                f"record(now={now}) is before the last record's {self._samples[-1][0]}"
+            )
+        self._samples.append((float(now), float(rollout_tokens), float(genrm_tokens)))
+
+    def pending_tokens(self, end: float) -> dict[str, float]:
+        """{"rollout_pending_tokens": mean, "genrm_pending_tokens": mean} over [first record,
+        end]; zeros when nothing was recorded or no time passed (update_load keeps the split)."""
+        sums = [0.0, 0.0]
+        span = 0.0
+        next_times = [t for t, _, _ in self._samples[1:]] + [end]
+        for (t, rollout, genrm), t_next in zip(self._samples, next_times, strict=False):
+            dt = max(min(t_next, end) - t, 0.0)
+            sums[0] += rollout * dt
+            sums[1] += genrm * dt
+            span += dt
+        if span <= 0:
+            return {"rollout_pending_tokens": 0.0, "genrm_pending_tokens": 0.0}
+        return {"rollout_pending_tokens": sums[0] / span, "genrm_pending_tokens": sums[1] / span}
 
 
 class SplitState:
