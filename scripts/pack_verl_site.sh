@@ -80,9 +80,10 @@ python3 -m pip install -q --no-deps --no-compile --ignore-requires-python --only
   --python-version 3.12 --implementation cp "${PLATFORM_ARGS[@]}" --target "$DEST/$SITE" \
   -r "$DEST/keep_verl.txt" --find-links "$DEST/wheels_verl" --no-index
 # Ray's dashboard front end and its bundled thirdparty jars/binaries are never started
-# (include_dashboard=False in bench/verl_step.py); verl's tests and docs are not on the path.
+# (include_dashboard=False in bench/verl_step.py); verl's wheel ships a top-level `tests`
+# package that would shadow others.
 rm -rf "$DEST/$SITE/bin" "$DEST/$SITE/ray/dashboard/client" "$DEST/$SITE/ray/jars" \
-  "$DEST/$SITE/ray/tests" "$DEST/$SITE/ray/core/src/ray/raylet/"*.debug
+  "$DEST/$SITE/ray/tests" "$DEST/$SITE/tests"
 find "$DEST/$SITE" -name '__pycache__' -prune -exec rm -rf {} +
 du -sh "$DEST/$SITE"
 rm -f "$DEST/verl_site.tar.xz" "$DEST/verl_site.tar.xz.part-"*

@@ -1,0 +1,120 @@
+"""verl-side pieces of bench/verl_step.py, loaded inside verl's Ray workers (never by yatt).
+
+Two classes plug bench/step.py's workload into verl 0.9.1 without touching verl's code paths
+that are timed:
+
+ForcedLengthAgentLoop: verl's single-turn agent loop with each request's `max_tokens` set to
+  its forced length and `ignore_eos=True` (vLLM's own per-request sampling parameters, the way
+  yatt's engines force lengths: no logits processor, no early stop check of ours in the
+  decode loop). verl repeats each prompt `rollout.n` times, interleaved, and hands the agent
+  loop only the dataset row; the row carries the group's forced lengths (prompt-major,
+  group-minor, from _step_setup.response_lengths) and the k-th copy of row `index` that this
+  worker process sees takes the k-th length. Which copy gets which length does not matter
+  (every verdict and reward is the same); each group's set of lengths does, so a prompt's
+  copies must land in one agent-loop worker: verl splits the batch into contiguous chunks per
+  worker, and verl_step.py sets agent.num_workers to a divisor of the prompt count.
+
+JudgeRewardManager: the reward loop's manager with the GenRM judge served by verl's reward
+  model server (vLLM, colocated: woken after the rollout, slept after the reward phase). Each
+  sample's judge prompt is rendered as yatt's GenRM renders it (_step_setup.JUDGE_USER in the
+  judge tokenizer's chat template, the response shown one letter per token), posted as token ids
+  to the reward router's /v1/completions with max_tokens = the forced verdict length,
+  ignore_eos and greedy decoding. Random-weight verdicts never parse: reward 0, as in yatt.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _step_setup import JUDGE_USER, ids_to_text  # noqa: E402  (bench/ is not a package)
+
+# Copies of each dataset row seen by this agent-loop worker process.
+_copies_seen: dict[int, int] = {}
+
+
+def forced_length(extra_info: dict[str, Any], copies_seen: dict[int, int]) -> int:
+    """The forced response length of the next copy of this row (and count the copy)."""
+    lengths = [int(n) for n in extra_info["forced_lengths"]]
+    row = int(extra_info["index"])
+    k = copies_seen.get(row, 0)
+    copies_seen[row] = k + 1
+    return lengths[k % len(lengths)]
+
+
+class ForcedLengthAgentLoop(SingleTurnAgentLoop):
+    async def run(self, sampling_params: dict[str, Any], **kwargs) -> Any:
+        length = forced_length(kwargs["extra_info"], _copies_seen)
+        params = dict(sampling_params, max_tokens=length, ignore_eos=True)
+        return await super().run(params, **kwargs)
+
+
+def judge_prompt_ids(tokenizer: Any, prompt: str, response_ids: list[int]) -> list[int]:
+    """The judge's prompt token ids, as yatt.genrm.JudgeTemplate(user=JUDGE_USER).render_ids
+    makes them with a chat-template tokenizer."""
+    content = JUDGE_USER.format(prompt=prompt, response=ids_to_text(response_ids))
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class JudgeRewardManager(RewardManagerBase):
+    def __init__(
+        self,
+        config,
+        tokenizer,
+        compute_score,
+        reward_router_address: str | None = None,
+        reward_model_tokenizer=None,
+    ):
+        super().__init__(config, tokenizer, compute_score)
+        if reward_router_address is None or reward_model_tokenizer is None:
+            raise ValueError(
+                "JudgeRewardManager needs the reward model server: set "
+                "reward.reward_model.enable=True and reward.reward_model.model_path"
+            )
+        self.router = reward_router_address
+        self.judge_tokenizer = reward_model_tokenizer
+        self.model_name = config.reward.reward_model.model_path
+
+    async def run_single(self, data) -> dict:
+        item = data[-1:][0]
+        info = item.non_tensor_batch["extra_info"]  # the dataset row's (verl_step.write_dataset)
+        responses = item.batch["responses"]
+        valid = int(item.batch["attention_mask"][-responses.shape[-1] :].sum())
+        ids = judge_prompt_ids(self.judge_tokenizer, info["prompt_text"], responses[:valid].tolist())
+        verdict_tokens = int(info["judge_tokens"])
+        payload = {
+            "model": self.model_name,
+            "prompt": ids,
+            "max_tokens": verdict_tokens,
+            "min_tokens": verdict_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            async with session.post(f"http://{self.router}/v1/completions", json=payload) as r:
+                r.raise_for_status()
+                out = await r.json()
+        usage = out.get("usage") or {}
+        return {
+            "reward_score": 0.0,  # random weights never write Yes/No: yatt's default_reward
+            "reward_extra_info": {
+                "judge_prompt_tokens": len(ids),
+                "judge_tokens": int(usage.get("completion_tokens", -1)),
+                "response_tokens": valid,
+            },
+        }
+
+
+def compute_score(**kwargs) -> float:
+    """verl routes samples to the manager's run_single only when a custom reward function is
+    set (else it takes the reward model for a classifier): this one is named, never called."""
+    raise RuntimeError("JudgeRewardManager.run_single scores every sample")
