@@ -33,19 +33,10 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _step_setup import JUDGE_USER, ids_to_text  # noqa: E402  (bench/ is not a package)
+from verl_workload import forced_length, judge_prompt_ids  # bench/ is not a package
 
 # Copies of each dataset row seen by this agent-loop worker process.
 _copies_seen: dict[int, int] = {}
-
-
-def forced_length(extra_info: dict[str, Any], copies_seen: dict[int, int]) -> int:
-    """The forced response length of the next copy of this row (and count the copy)."""
-    lengths = [int(n) for n in extra_info["forced_lengths"]]
-    row = int(extra_info["index"])
-    k = copies_seen.get(row, 0)
-    copies_seen[row] = k + 1
-    return lengths[k % len(lengths)]
 
 
 class ForcedLengthAgentLoop(SingleTurnAgentLoop):
@@ -53,16 +44,6 @@ class ForcedLengthAgentLoop(SingleTurnAgentLoop):
         length = forced_length(kwargs["extra_info"], _copies_seen)
         params = dict(sampling_params, max_tokens=length, ignore_eos=True)
         return await super().run(params, **kwargs)
-
-
-def judge_prompt_ids(tokenizer: Any, prompt: str, response_ids: list[int]) -> list[int]:
-    """The judge's prompt token ids, as yatt.genrm.JudgeTemplate(user=JUDGE_USER).render_ids
-    makes them with a chat-template tokenizer."""
-    content = JUDGE_USER.format(prompt=prompt, response=ids_to_text(response_ids))
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
-    )
-    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class JudgeRewardManager(RewardManagerBase):
@@ -89,7 +70,9 @@ class JudgeRewardManager(RewardManagerBase):
         info = item.non_tensor_batch["extra_info"]  # the dataset row's (verl_step.write_dataset)
         responses = item.batch["responses"]
         valid = int(item.batch["attention_mask"][-responses.shape[-1] :].sum())
-        ids = judge_prompt_ids(self.judge_tokenizer, info["prompt_text"], responses[:valid].tolist())
+        ids = judge_prompt_ids(
+            self.judge_tokenizer, info["prompt_text"], responses[:valid].tolist()
+        )
         verdict_tokens = int(info["judge_tokens"])
         payload = {
             "model": self.model_name,
@@ -99,10 +82,14 @@ class JudgeRewardManager(RewardManagerBase):
             "ignore_eos": True,
             "temperature": 0.0,
         }
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-            async with session.post(f"http://{self.router}/v1/completions", json=payload) as r:
-                r.raise_for_status()
-                out = await r.json()
+        url = f"http://{self.router}/v1/completions"
+        timeout = aiohttp.ClientTimeout(total=None)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.post(url, json=payload) as r,
+        ):
+            r.raise_for_status()
+            out = await r.json()
         usage = out.get("usage") or {}
         return {
             "reward_score": 0.0,  # random weights never write Yes/No: yatt's default_reward

@@ -1,0 +1,34 @@
+"""The parts of bench/verl_plugins.py that need no verl (tested on the CPU): which forced length
+a copy of a dataset row gets, and the judge's prompt ids as yatt's GenRM renders them."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _step_setup import JUDGE_USER, ids_to_text  # bench/ is not a package
+
+
+def forced_length(extra_info: dict[str, Any], copies_seen: dict[int, int]) -> int:
+    """The forced response length of the next copy of this dataset row, counted in
+    `copies_seen` (row index -> copies seen so far): the k-th copy takes the k-th of the row's
+    `forced_lengths` (its GRPO group's, prompt-major, group-minor)."""
+    lengths = [int(n) for n in extra_info["forced_lengths"]]
+    if not lengths:
+        raise ValueError(f"extra_info.forced_lengths of row {extra_info.get('index')} is empty")
+    row = int(extra_info["index"])
+    k = copies_seen.get(row, 0)
+    copies_seen[row] = k + 1
+    return lengths[k % len(lengths)]
+
+
+def judge_prompt_ids(tokenizer: Any, prompt: str, response_ids: list[int]) -> list[int]:
+    """The judge's prompt token ids, as yatt.genrm.JudgeTemplate(user=JUDGE_USER).render_ids
+    makes them with a chat-template tokenizer: the response shown one letter per token."""
+    content = JUDGE_USER.format(prompt=prompt, response=ids_to_text(response_ids))
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
