@@ -7,23 +7,27 @@ ForcedLengthAgentLoop: verl's single-turn agent loop with each request's `max_to
   its forced length and `ignore_eos=True` (vLLM's own per-request sampling parameters, the way
   yatt's engines force lengths: no logits processor, no early stop check of ours in the
   decode loop). verl repeats each prompt `rollout.n` times, interleaved, and hands the agent
-  loop only the dataset row; the row carries the group's forced lengths (prompt-major,
-  group-minor, from _step_setup.response_lengths) and the k-th copy of row `index` that this
-  worker process sees takes the k-th length. Which copy gets which length does not matter
-  (every verdict and reward is the same); each group's set of lengths does, so a prompt's
-  copies must land in one agent-loop worker: verl splits the batch into contiguous chunks per
-  worker, and verl_step.py sets agent.num_workers to a divisor of the prompt count.
+  loop the dataset row; the row carries the group's forced lengths (prompt-major, group-minor,
+  from _step_setup.response_lengths). verl's V1 trainer (its default) numbers a prompt's copies
+  (session_id 0..n-1): copy k takes length k. The V0 trainer gives no number: the k-th copy of
+  row `index` that this worker process sees takes the k-th length. Which copy gets which length
+  does not matter (every verdict and reward is the same); each group's set of lengths does, so
+  under V0 a prompt's copies must land in one agent-loop worker: verl splits the batch into
+  contiguous chunks per worker, and verl_step.py sets agent.num_workers to a divisor of the
+  prompt count.
 
 JudgeRewardManager: the reward loop's manager with the GenRM judge served by verl's reward
   model server (vLLM, colocated: woken after the rollout, slept after the reward phase). Each
   sample's judge prompt is rendered as yatt's GenRM renders it (_step_setup.JUDGE_USER in the
   judge tokenizer's chat template, the response shown one letter per token), posted as token ids
-  to the reward router's /v1/completions with max_tokens = the forced verdict length,
-  ignore_eos and greedy decoding. Random-weight verdicts never parse: reward 0, as in yatt.
+  to the reward router's /v1/completions with max_tokens = min_tokens = the forced verdict
+  length (YATT_JUDGE_TOKENS, set in the Ray actors' environment by verl_step.py), ignore_eos
+  and greedy decoding. Random-weight verdicts never parse: reward 0, as in yatt.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +37,7 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from verl_workload import forced_length, judge_prompt_ids  # bench/ is not a package
+from verl_workload import forced_length, judge_prompt_ids, prompt_text  # bench/: no package
 
 # Copies of each dataset row seen by this agent-loop worker process.
 _copies_seen: dict[int, int] = {}
@@ -41,7 +45,7 @@ _copies_seen: dict[int, int] = {}
 
 class ForcedLengthAgentLoop(SingleTurnAgentLoop):
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> Any:
-        length = forced_length(kwargs["extra_info"], _copies_seen)
+        length = forced_length(kwargs["extra_info"], _copies_seen, kwargs.get("session_id"))
         params = dict(sampling_params, max_tokens=length, ignore_eos=True)
         return await super().run(params, **kwargs)
 
@@ -64,16 +68,21 @@ class JudgeRewardManager(RewardManagerBase):
         self.router = reward_router_address
         self.judge_tokenizer = reward_model_tokenizer
         self.model_name = config.reward.reward_model.model_path
+        # verl's V1 trainer hands the reward loop prompts, responses and raw_prompt only (no
+        # dataset fields): the verdict length comes through the Ray actors' environment.
+        if "YATT_JUDGE_TOKENS" not in os.environ:
+            raise ValueError(
+                "JudgeRewardManager: YATT_JUDGE_TOKENS (the forced verdict length) unset"
+            )
+        self.judge_tokens = int(os.environ["YATT_JUDGE_TOKENS"])
 
     async def run_single(self, data) -> dict:
         item = data[-1:][0]
-        info = item.non_tensor_batch["extra_info"]  # the dataset row's (verl_step.write_dataset)
         responses = item.batch["responses"]
         valid = int(item.batch["attention_mask"][-responses.shape[-1] :].sum())
-        ids = judge_prompt_ids(
-            self.judge_tokenizer, info["prompt_text"], responses[:valid].tolist()
-        )
-        verdict_tokens = int(info["judge_tokens"])
+        prompt = prompt_text(item.non_tensor_batch["raw_prompt"])
+        ids = judge_prompt_ids(self.judge_tokenizer, prompt, responses[:valid].tolist())
+        verdict_tokens = self.judge_tokens
         payload = {
             "model": self.model_name,
             "prompt": ids,

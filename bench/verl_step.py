@@ -82,6 +82,9 @@ class VerlBenchConfig:
     micro_batch_tokens: int = 16384  # yatt's --micro-batch-tokens; verl's ppo_max_token_len
     actor_dtype: str = "fp32"  # verl's FSDP master weights (bf16 compute either way)
     agent_workers: int = 8  # must divide the prompt count (see verl_plugins)
+    # v1: verl 0.9.1's default trainer (TransferQueue between the stages); v0: its legacy
+    # ray_trainer loop, deprecated, kept as the fallback if TransferQueue fails there.
+    trainer: str = "v1"
     reward_workers: int = 8
 
     def __post_init__(self) -> None:
@@ -95,6 +98,8 @@ class VerlBenchConfig:
             raise ValueError(
                 f"VerlBenchConfig.old_log_prob={self.old_log_prob!r}: use 'bypass' or 'recompute'"
             )
+        if self.trainer not in ("v1", "v0"):
+            raise ValueError(f"VerlBenchConfig.trainer={self.trainer!r}: use 'v1' or 'v0'")
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(
                 f"VerlBenchConfig.steps={self.steps}, warmup={self.warmup}: need steps >= 1, "
@@ -121,6 +126,7 @@ class VerlBenchConfig:
         key = f"verl_{self.mix}"
         key += f"-j{self.judge_shape}" if self.judge_shape != "0.5b" else ""
         key += "-recompute" if self.old_log_prob == "recompute" else ""
+        key += "-v0" if self.trainer == "v0" else ""
         return key
 
 
@@ -288,6 +294,8 @@ def verl_overrides(
         f"reward.reward_model.rollout.response_length={cfg.judge_tokens}",
         "reward.reward_model.rollout.skip_tokenizer_init=False",
         # the trainer: one GPU, every step timed by verl, nothing else in the loop
+        f"trainer.use_v1={cfg.trainer == 'v1'}",
+        "trainer.v1.trainer_mode=sync",
         "trainer.nnodes=1",
         "trainer.n_gpus_per_node=1",
         "trainer.total_epochs=1",
@@ -305,6 +313,7 @@ def verl_overrides(
         "+ray_kwargs.ray_init.runtime_env.env_vars.NCCL_NVLS_ENABLE='0'",
         "+ray_kwargs.ray_init.runtime_env.env_vars.TORCH_SYMM_MEM_DISABLE_MULTICAST='1'",
         "+ray_kwargs.ray_init.runtime_env.env_vars.NVSHMEM_DISABLE_NVLS='1'",
+        f"+ray_kwargs.ray_init.runtime_env.env_vars.YATT_JUDGE_TOKENS='{cfg.judge_tokens}'",
     ]
     if pythonpath:
         out.append(f"+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH={_quote(pythonpath)}")
@@ -456,7 +465,12 @@ def run(cfg: VerlBenchConfig, *, model_dir: Path, out_dir: Path, dry_run: bool) 
 
     log_path = work_dir / "metrics.jsonl"
     log_path.unlink(missing_ok=True)
-    env = dict(os.environ, VERL_FILE_LOGGER_PATH=str(log_path), PYTHONPATH=pythonpath)
+    env = dict(
+        os.environ,
+        VERL_FILE_LOGGER_PATH=str(log_path),
+        PYTHONPATH=pythonpath,
+        YATT_JUDGE_TOKENS=str(cfg.judge_tokens),
+    )
     sampler = setup.GpuSampler([setup.physical_gpu(0)]).start()
     clock = LineClock(log_path).start()
     try:
@@ -539,6 +553,7 @@ def parse_args(argv: list[str]) -> tuple[VerlBenchConfig, argparse.Namespace]:
     p.add_argument("--judge-memory", type=float, default=0.3)
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--actor-dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--trainer", choices=("v1", "v0"), default="v1", help="verl's trainer loop")
     p.add_argument("--model-dir", default=None, help="bench/step.py's saved models")
     p.add_argument("--out-dir", default="bench/results/step_runs")
     p.add_argument("--dry-run", action="store_true", help="compose and validate the config only")
@@ -554,6 +569,7 @@ def parse_args(argv: list[str]) -> tuple[VerlBenchConfig, argparse.Namespace]:
         judge_memory=args.judge_memory,
         micro_batch_tokens=args.micro_batch_tokens,
         actor_dtype=args.actor_dtype,
+        trainer=args.trainer,
     )
     if args.model_dir is None:
         name = "yatt-step" + ("" if cfg.judge_shape == "0.5b" else f"-0.5b-{cfg.judge_shape}")

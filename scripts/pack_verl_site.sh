@@ -17,9 +17,9 @@
 # 2. Keep only what vLLM's site does not already hold (its own lock, as pack_engine_site.sh
 #    makes it), plus transformers and the tokenizers it accepts (the vLLM site carries neither).
 # 3. Drop what verl never imports on this path (trainer.logger=[console,file], FSDP engine,
-#    vLLM rollout and reward model, no Megatron/TransferQueue/W&B): wandb (and its sentry,
+#    vLLM rollout and reward model, no Megatron, no W&B): wandb (and its sentry,
 #    gitpython), Ray's dashboard extras (ray[default]: opencensus, py-spy, smart-open,
-#    virtualenv, aiohttp-cors, colorful), mbridge, TransferQueue, torchcodec, qwen-vl-utils.
+#    virtualenv, aiohttp-cors, colorful), mbridge, torchcodec, qwen-vl-utils.
 # 4. `pip install --target` (no deps), tar | xz, 56 MiB pieces (a device call carries 64 MiB).
 set -euo pipefail
 DEST=${1:-/work/packs}
@@ -50,14 +50,16 @@ compile() {  # compile OUT SPEC...: the cp312 manylinux lock of SPEC minus the i
     --excludes "$DEST/present_verl.txt" --no-header --no-annotate -o "$out" -q
 }
 # Ray 2.54.1: the version seen starting a local cluster and placing GPU actors there.
-compile "$DEST/lock_verl_vllm.txt" "$VERL" "$VLLM" "$TRANSFORMERS" "${RAY_SPEC:-ray==2.54.1}" orjson
+# TransferQueue: verl 0.9.1's default trainer (trainer.use_v1=true) moves every batch through it.
+compile "$DEST/lock_verl_vllm.txt" "$VERL" "$VLLM" "$TRANSFORMERS" "${RAY_SPEC:-ray==2.54.1}" \
+  "${TQ_SPEC:-TransferQueue==0.1.11}" orjson
 # What site_vllm already holds: vLLM's own lock against the full PRESENT (as pack_engine_site.sh).
 uv pip compile <(echo "$VLLM") --python-version 3.12 --python-platform x86_64-manylinux_2_34 \
   --excludes "$PRESENT" --no-header --no-annotate -o "$DEST/lock_vllm_only.txt" -q
 names() { sed -E 's/[=<>!~; ].*//' "$1" | tr 'A-Z_.' 'a-z--' | grep -v '^$' | sort -u; }
 names "$DEST/lock_vllm_only.txt" >"$DEST/in_vllm_site.txt"
 
-SKIP='wandb|cwevals|distro|python-discovery|sentry-sdk|gitpython|gitdb|smmap|docker-pycreds|setproctitle|opencensus|opencensus-context|py-spy|smart-open|virtualenv|distlib|platformdirs|aiohttp-cors|colorful|google-api-core|googleapis-common-protos|proto-plus|google-auth|pyasn1|pyasn1-modules|rsa|py-cpuinfo|mbridge|transferqueue|torchcodec|qwen-vl-utils|av|mathruler|pytest.*|pre-commit'
+SKIP='wandb|cwevals|distro|python-discovery|sentry-sdk|gitpython|gitdb|smmap|docker-pycreds|setproctitle|opencensus|opencensus-context|py-spy|smart-open|virtualenv|distlib|platformdirs|aiohttp-cors|colorful|google-api-core|googleapis-common-protos|proto-plus|google-auth|pyasn1|pyasn1-modules|rsa|py-cpuinfo|mbridge|torchcodec|qwen-vl-utils|av|mathruler|pytest.*|pre-commit'
 : >"$DEST/keep_verl.txt"
 while IFS= read -r line; do
   name=$(echo "$line" | sed -E 's/[=<>!~; ].*//' | tr 'A-Z_.' 'a-z--')

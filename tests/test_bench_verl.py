@@ -74,6 +74,20 @@ def test_forced_length_gives_each_copy_of_a_row_the_next_length():
     assert verl_workload.forced_length(row, seen) == 64  # the next step's copy: starts again
     with pytest.raises(ValueError, match="forced_lengths"):
         verl_workload.forced_length({"index": 5, "forced_lengths": []}, seen)
+    # verl's V1 trainer numbers the copies: the number picks the length, no counting
+    fresh: dict[int, int] = {}
+    assert [verl_workload.forced_length(row, fresh, session_id=k) for k in (2, 0, 1)] == [
+        100,
+        64,
+        900,
+    ]
+    assert fresh == {}
+
+
+def test_prompt_text_is_the_rows_user_message():
+    assert verl_workload.prompt_text([{"role": "user", "content": "abc"}]) == "abc"
+    with pytest.raises(ValueError, match="raw_prompt"):
+        verl_workload.prompt_text([])
 
 
 def test_groups_keep_their_lengths_when_verl_splits_the_batch_over_agent_workers():
@@ -165,6 +179,18 @@ def test_config_errors_name_the_field():
         verl_step.VerlBenchConfig(old_log_prob="none")
     with pytest.raises(ValueError, match=r"VerlBenchConfig\.judge_shape"):
         verl_step.VerlBenchConfig(judge_shape="70b")
+    with pytest.raises(ValueError, match=r"VerlBenchConfig\.trainer"):
+        verl_step.VerlBenchConfig(trainer="v2")
+
+
+@pytest.mark.parametrize("trainer,use_v1", [("v1", "True"), ("v0", "False")])
+def test_trainer_choice_and_verdict_length_reach_verl(trainer, use_v1):
+    cfg = verl_step.VerlBenchConfig(trainer=trainer, judge_tokens=96)
+    o = _overrides(cfg)
+    assert o["trainer.use_v1"] == use_v1
+    assert o["+ray_kwargs.ray_init.runtime_env.env_vars.YATT_JUDGE_TOKENS"] == "'96'"
+    assert o["reward.reward_model.rollout.response_length"] == "96"
+    assert cfg.variant == "verl_fixed" + ("-v0" if trainer == "v0" else "")
 
 
 def test_quoted_paths_survive_hydras_override_parser():
