@@ -392,6 +392,7 @@ def parse_steps(lines: list[tuple[float, str]]) -> list[dict[str, Any]]:
     """verl's JSONL lines ({"step": n, "data": metrics}) -> one row per step: t0/t1 on this
     process's clock, the raw timing_s, the phases in yatt's names, the response lengths."""
     rows = []
+    last_arrival = None
     for arrived, line in lines:
         record = json.loads(line)
         data = record["data"]
@@ -406,6 +407,9 @@ def parse_steps(lines: list[tuple[float, str]]) -> list[dict[str, Any]]:
                 "t0": arrived - timing["step"],
                 "t1": arrived,
                 "step_s": timing["step"],
+                # line to line: verl's step plus what its loop does outside the step timer
+                # (metrics, TransferQueue clean-up, logging, the next batch's loading)
+                "wall_s": None if last_arrival is None else arrived - last_arrival,
                 "phases": phases_of(timing),
                 "timing_s": timing,
                 "response_length": {
@@ -415,6 +419,7 @@ def parse_steps(lines: list[tuple[float, str]]) -> list[dict[str, Any]]:
                 },
             }
         )
+        last_arrival = arrived
     return rows
 
 
@@ -517,6 +522,7 @@ def write_run(
             cfg.mix: {
                 **summarize(timed),
                 "warmup_step_s": [r["step_s"] for r in rows if r["is_warmup"]],
+                "median_wall_s": _median([r["wall_s"] for r in timed if r["wall_s"] is not None]),
                 "steps": timed,
                 "all_lengths_forced": lengths_forced(rows, cfg, work),
             }
@@ -526,6 +532,12 @@ def write_run(
     out.write_text(json.dumps(run, indent=1))
     print(f"[{cfg.variant}] steps {[round(r['step_s'], 2) for r in rows]}; wrote {out}")
     return out
+
+
+def _median(values: list[float]) -> float | None:
+    import statistics
+
+    return statistics.median(values) if values else None
 
 
 def package_version(name: str) -> str | None:

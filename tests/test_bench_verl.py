@@ -232,6 +232,7 @@ def test_parse_steps_maps_verls_timing_onto_yatts_phases():
     rows = verl_step.parse_steps(lines)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["t0"] == 90.0 and rows[0]["t1"] == 100.0
+    assert rows[0]["wall_s"] is None and rows[1]["wall_s"] == 20.0  # line to line
     first = rows[0]["phases"]
     assert first["rollout"] == 4.0 and first["genrm"] == 2.0 and first["sync"] == 0.4
     assert first["train"] == pytest.approx(2.6)
@@ -360,3 +361,24 @@ def test_step_trl_vllm_colocate_forces_lengths_through_sampling_params():
     assert hf == {"use_vllm": False, "generation_kwargs": {"min_new_tokens": 256}}
     with pytest.raises(SystemExit):
         step_trl.parse_args(["--use-vllm", "--vllm-memory", "1.5"])
+
+
+def test_a_verl_runs_json_is_what_the_report_reads(tmp_path):
+    cfg = verl_step.VerlBenchConfig(mix="fixed", steps=2, warmup=1)
+    work = setup.Workload(judge_tokens=128)
+    lines = [
+        (10.0 * k, _line(k, step=s, gen=s / 2, reward=1.0, update_actor=1.0, update_weights=0.1))
+        for k, s in ((1, 9.0), (2, 4.0), (3, 6.0))
+    ]
+    rows = verl_step.parse_steps(lines)
+    for row in rows:
+        row["gpus"], row["is_warmup"] = [], row["step"] <= cfg.warmup
+    path = verl_step.write_run(cfg, rows, tmp_path, work)
+    assert path.name == "verl_fixed_1gpu.json"
+    (run,) = verl_report.load_runs(tmp_path)
+    assert run["framework"] == "verl"
+    mix = run["mixes"]["fixed"]
+    assert mix["median"]["step_s"] == 5.0 and mix["num_timed"] == 2  # the warm-up step left out
+    assert mix["warmup_step_s"] == [9.0] and mix["median_wall_s"] == 10.0
+    assert mix["all_lengths_forced"]  # fixed: 256 each, as _line reports
+    assert verl_report.step_time(run, "fixed") == 5.0
