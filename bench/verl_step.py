@@ -10,7 +10,7 @@ prompts of 128 random letters (128 tokens), forced response lengths (`fixed` 256
 drawn per sample as _step_setup.response_lengths draws them, the same per step), forced
 128-token verdicts, one optimizer step per batch, no KL, bf16 engines.
 
-How verl is driven (bench/configs/verl/README.md has the settings and why):
+How verl is driven (bench/configs/verl/README.md: the settings, why, and what differs):
   * verl's own entry point, `python -m verl.trainer.main_ppo` with Hydra overrides
     (verl_overrides), trainer.logger=[console,file]: verl writes each step's metrics, its
     timing_raw as timing_s/<name> among them, to a JSONL file. This driver timestamps each
@@ -50,6 +50,7 @@ import _step_setup as setup  # bench/ is not a package
 
 BENCH = Path(__file__).resolve().parent
 PLUGINS = BENCH / "verl_plugins.py"
+AGENT_LOOPS = BENCH / "configs" / "verl" / "agent_loops.yaml"  # registers AGENT_LOOP_NAME
 AGENT_LOOP_NAME = "yatt_forced"
 # A chat template that writes the messages' content and nothing else: verl's prompt ids are then
 # the prompt's own 128 tokens, as yatt's engines get them.
@@ -184,12 +185,6 @@ def policy_view(policy_dir: Path, out: Path) -> Path:
     tokenizer.chat_template = CONTENT_ONLY_TEMPLATE
     tokenizer.save_pretrained(out)
     return out
-
-
-def agent_loop_yaml(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"- name: {AGENT_LOOP_NAME}\n  _target_: verl_plugins.ForcedLengthAgentLoop\n")
-    return path
 
 
 # -- verl's configuration ----------------------------------------------------------------------
@@ -448,7 +443,6 @@ def run(cfg: VerlBenchConfig, *, model_dir: Path, out_dir: Path, dry_run: bool) 
     work_dir = out_dir / f"{cfg.variant}_work"
     work_dir.mkdir(parents=True, exist_ok=True)
     data_file = write_dataset(dataset_rows(cfg, work), work_dir / "train.parquet")
-    loop_yaml = agent_loop_yaml(work_dir / "agent_loops.yaml")
     # Dry run: 2-layer models (verl's model config reads their config and tokenizer).
     policy_dir, judge = setup.make_models(model_dir, tiny=dry_run, shapes=shapes)
     policy = policy_view(policy_dir, model_dir / "policy_verl")
@@ -458,7 +452,7 @@ def run(cfg: VerlBenchConfig, *, model_dir: Path, out_dir: Path, dry_run: bool) 
         policy_dir=policy,
         judge_dir=judge,
         data_file=data_file,
-        agent_loop_config=loop_yaml,
+        agent_loop_config=AGENT_LOOPS,
         work=work,
         pythonpath=pythonpath,
     )

@@ -382,3 +382,11 @@ def test_a_verl_runs_json_is_what_the_report_reads(tmp_path):
     assert mix["warmup_step_s"] == [9.0] and mix["median_wall_s"] == 10.0
     assert mix["all_lengths_forced"]  # fixed: 256 each, as _line reports
     assert verl_report.step_time(run, "fixed") == 5.0
+
+
+def test_the_committed_agent_loop_entry_names_the_plugin_class():
+    yaml = pytest.importorskip("yaml")
+    (entry,) = yaml.safe_load(verl_step.AGENT_LOOPS.read_text())
+    assert entry["name"] == verl_step.AGENT_LOOP_NAME
+    module, cls = entry["_target_"].rsplit(".", 1)
+    assert (ROOT / "bench" / f"{module}.py").read_text().count(f"class {cls}(") == 1
