@@ -86,6 +86,7 @@ class VerlBenchConfig:
     # v1: verl 0.9.1's default trainer (TransferQueue between the stages); v0: its legacy
     # ray_trainer loop, deprecated, kept as the fallback if TransferQueue fails there.
     trainer: str = "v1"
+    ray_cpus: int = 64
     reward_workers: int = 8
 
     def __post_init__(self) -> None:
@@ -305,6 +306,10 @@ def verl_overrides(
         # Ray: no dashboard (its extras are not carried); the bench's path and the NVLink
         # multicast switches in every actor's environment (the device README asks for them)
         "+ray_kwargs.ray_init.include_dashboard=False",
+        # Logical CPUs for Ray's placement: verl starts ~30 mostly idle actors (agent-loop,
+        # reward and TransferQueue workers, servers, routers), each holding one CPU while
+        # placed; the machine's 16 cores would leave some pending forever.
+        f"ray_kwargs.ray_init.num_cpus={cfg.ray_cpus}",
         "+ray_kwargs.ray_init.runtime_env.env_vars.NCCL_NVLS_ENABLE='0'",
         "+ray_kwargs.ray_init.runtime_env.env_vars.TORCH_SYMM_MEM_DISABLE_MULTICAST='1'",
         "+ray_kwargs.ray_init.runtime_env.env_vars.NVSHMEM_DISABLE_NVLS='1'",
