@@ -101,7 +101,9 @@ verl_run() {  # verl_run MIX[:1.5b|:recompute]
   esac
   run_step "verl_${spec//:/_}" env PYTHONPATH="$VERL_PATH" python3 bench/verl_step.py \
     --mix "$mix" "${extra[@]}" --steps "$STEPS" --warmup "$WARMUP" --judge-tokens 128 \
-    --model-dir "$models" --out-dir "$RUNS_DIR"
+    --model-dir "$models" --out-dir "$RUNS_DIR" --timeout $((STEP_TIMEOUT - 30))
+  # The Ray cluster this run started, if anything of it is left (it holds GPU memory)
+  PYTHONPATH=$VERL_PATH python3 -m ray.scripts.scripts stop --force >/dev/null 2>&1
   # verl's own log and metrics, for a failed run too
   cp "$RUNS_DIR/${variant}_work/verl.log" "$OUT/${variant}_verl.log" 2>/dev/null
 }

@@ -33,9 +33,11 @@ mapped onto yatt's names (PHASES); bench/verl_report.py puts it beside yatt's an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -441,7 +443,42 @@ def lengths_forced(rows: list[dict[str, Any]], cfg: VerlBenchConfig, work) -> bo
     return True
 
 
-def run(cfg: VerlBenchConfig, *, model_dir: Path, out_dir: Path, dry_run: bool) -> Path:
+def run_in_own_group(cmd: list[str], *, env: dict, log, timeout_s: float | None) -> int:
+    """Run verl in a process group of its own and end that whole group (verl's Ray workers and
+    engine servers are its children) on a timeout or when this process is told to stop: a
+    leftover vLLM server would hold GPU memory through the next run of the device call."""
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+    def end_group(*_):
+        for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=wait_s)
+                return
+
+    previous = signal.signal(signal.SIGTERM, lambda *a: (end_group(), sys.exit(143)))
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        end_group()
+        return 124
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:
+            end_group()
+
+
+def run(
+    cfg: VerlBenchConfig,
+    *,
+    model_dir: Path,
+    out_dir: Path,
+    dry_run: bool,
+    timeout_s: float | None = None,
+) -> Path:
     started_at = time.time()
     work = setup.Workload(judge_tokens=cfg.judge_tokens)
     shapes = ("0.5b", cfg.judge_shape)
@@ -480,7 +517,7 @@ def run(cfg: VerlBenchConfig, *, model_dir: Path, out_dir: Path, dry_run: bool) 
     try:
         cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
         with (work_dir / "verl.log").open("w") as log:
-            rc = subprocess.call(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            rc = run_in_own_group(cmd, env=env, log=log, timeout_s=timeout_s)
     finally:
         clock.stop()
         sampler.stop()
@@ -568,6 +605,9 @@ def parse_args(argv: list[str]) -> tuple[VerlBenchConfig, argparse.Namespace]:
     p.add_argument("--model-dir", default=None, help="bench/step.py's saved models")
     p.add_argument("--out-dir", default="bench/results/step_runs")
     p.add_argument("--dry-run", action="store_true", help="compose and validate the config only")
+    p.add_argument(
+        "--timeout", type=float, default=None, help="seconds for verl's run; then its group ends"
+    )
     args = p.parse_args(argv)
     cfg = VerlBenchConfig(
         mix=args.mix,
@@ -593,7 +633,13 @@ def main(argv: list[str]) -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        run(cfg, model_dir=Path(args.model_dir), out_dir=out_dir, dry_run=args.dry_run)
+        run(
+            cfg,
+            model_dir=Path(args.model_dir),
+            out_dir=out_dir,
+            dry_run=args.dry_run,
+            timeout_s=args.timeout,
+        )
     finally:
         if not args.dry_run:
             shutil.rmtree(out_dir / f"{cfg.variant}_work" / "ckpt", ignore_errors=True)

@@ -390,3 +390,20 @@ def test_the_committed_agent_loop_entry_names_the_plugin_class():
     assert entry["name"] == verl_step.AGENT_LOOP_NAME
     module, cls = entry["_target_"].rsplit(".", 1)
     assert (ROOT / "bench" / f"{module}.py").read_text().count(f"class {cls}(") == 1
+
+
+def test_a_verl_run_past_its_timeout_ends_with_its_children(tmp_path):
+    import os
+
+    pid_file = tmp_path / "child.pid"
+    cmd = ["bash", "-c", f"sleep 60 & echo $! > {pid_file}; wait"]
+    with (tmp_path / "log").open("w") as log:
+        t0 = time.perf_counter()
+        rc = verl_step.run_in_own_group(cmd, env=dict(os.environ), log=log, timeout_s=1.0)
+    assert rc == 124 and time.perf_counter() - t0 < 30
+    child = int(pid_file.read_text())
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # the grandchild went with the group
+    with (tmp_path / "log").open("w") as log:
+        assert verl_step.run_in_own_group(["true"], env=dict(os.environ), log=log, timeout_s=5) == 0
