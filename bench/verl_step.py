@@ -233,10 +233,13 @@ def verl_overrides(
         "data.truncation=error",
         "data.dataloader_num_workers=0",
         # the policy: same weights, content-only chat template; no activation checkpointing
-        # (yatt's TorchPolicy runs without), padding removed (packed micro-batches, as yatt)
+        # (yatt's TorchPolicy runs without); SDPA on micro-batches padded to their longest
+        # sample, as yatt's TorchPolicy: verl's padding-free path needs flash-attn (its default
+        # attention), which the machine lacks and no wheel for torch 2.11 + CUDA 13 is carried
         f"actor_rollout_ref.model.path={_quote(str(policy_dir))}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
-        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         "actor_rollout_ref.actor.strategy=fsdp",
         "actor_rollout_ref.actor.optim.lr=1e-6",
         "actor_rollout_ref.actor.optim.weight_decay=0.0",

@@ -159,6 +159,9 @@ def test_overrides_describe_the_workload(mix, response):
     assert o["algorithm.adv_estimator"] == "grpo"
     assert o["actor_rollout_ref.rollout.ignore_eos"] == "True"
     assert o["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] == "16384"
+    # no flash-attn on the machine: SDPA on padded micro-batches, as yatt's TorchPolicy
+    assert o["+actor_rollout_ref.model.override_config.attn_implementation"] == "sdpa"
+    assert o["actor_rollout_ref.model.use_remove_padding"] == "False"
     # the judge's context holds prompt + the longest response + template + verdict
     assert int(o["reward.reward_model.rollout.max_model_len"]) >= 128 + 1024 + 128
     assert o["reward.reward_model.enable"] == "True"
