@@ -404,9 +404,17 @@ def test_a_verl_run_past_its_timeout_ends_with_its_children(tmp_path):
         t0 = time.perf_counter()
         rc = verl_step.run_in_own_group(cmd, env=dict(os.environ), log=log, timeout_s=1.0)
     assert rc == 124 and time.perf_counter() - t0 < 30
-    child = int(pid_file.read_text())
-    time.sleep(0.2)
-    with pytest.raises(ProcessLookupError):
-        os.kill(child, 0)  # the grandchild went with the group
+    child = Path(f"/proc/{int(pid_file.read_text())}/stat")
+
+    def gone() -> bool:  # ended: no process, or a zombie its new parent has not reaped yet
+        try:
+            return child.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        except FileNotFoundError:
+            return True
+
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone()  # the grandchild went with the group
     with (tmp_path / "log").open("w") as log:
         assert verl_step.run_in_own_group(["true"], env=dict(os.environ), log=log, timeout_s=5) == 0
