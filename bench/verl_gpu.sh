@@ -62,13 +62,14 @@ import importlib, importlib.metadata as md
 from packaging.requirements import Requirement
 for m in ["verl", "ray", "vllm", "transformers", "tensordict", "hydra", "torchdata", "codetiming",
           "verl.trainer.main_ppo", "verl.workers.rollout.vllm_rollout.vllm_async_server",
-          "verl.experimental.reward_loop.reward_loop", "verl.workers.engine_workers"]:
+          "verl.experimental.reward_loop.reward_loop", "verl.workers.engine_workers",
+          "transfer_queue", "verl.trainer.ppo.v1"]:
     try:
         mod = importlib.import_module(m)
         print("import ok", m, getattr(mod, "__version__", ""))
     except Exception as e:
         print("import FAIL", m, type(e).__name__, str(e)[:300])
-for dist in ("verl", "vllm"):
+for dist in ("verl", "vllm", "transformers", "datasets", "ray", "transferqueue", "tensordict", "hydra-core"):
     for req in md.requires(dist) or []:
         r = Requirement(req)
         if r.marker and not r.marker.evaluate({"extra": ""}):
