@@ -92,6 +92,7 @@ ray.shutdown()
 EOF
   PYTHONPATH=$VERL_PATH python3 bench/verl_step.py --dry-run --mix longtail \
     --model-dir /tmp/verl-dry-models --out-dir /tmp/verl-dry
+  PYTHONPATH=bench:$VERL_PATH python3 -c "import verl_plugins; print('plugins import ok')"
 }
 
 verl_run() {  # verl_run MIX[:1.5b|:recompute]
