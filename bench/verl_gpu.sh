@@ -20,7 +20,8 @@
 # step copies what it made to $OUT as one archive (a call returns at most 8 files).
 #   VERL_RUNS   verl runs of step verl_runs: "longtail,fixed,longtail:1.5b,longtail:recompute"
 #   YATT_RUNS   yatt runs of step yatt: "layout:backend" pairs (default full:builtin,
-#               partial:builtin,full:vllm), each with --judge-tokens 128 --no-ckpt, both mixes
+#               partial:builtin,full:vllm), each with --judge-tokens 128 --no-ckpt, YATT_MIX
+#               (default fixed,longtail)
 #   STEPS/WARMUP  timed and warm-up steps of every run (default 5 and 2)
 set -uo pipefail
 OUT=${OUT:-/tmp/verl-gpu-out}
@@ -130,7 +131,7 @@ for step in "$@"; do
         [ "$backend" = vllm ] && path=$VLLM_PATH
         run_step "yatt_${layout}_$backend" env PYTHONPATH="$path" python3 bench/step.py \
           --layout "$layout" --rollout-backend "$backend" --judge-tokens 128 --no-ckpt \
-          --mix fixed,longtail --steps "$STEPS" --warmup "$WARMUP" \
+          --mix "${YATT_MIX:-fixed,longtail}" --steps "$STEPS" --warmup "$WARMUP" \
           --model-dir "$MODELS" --out-dir "$RUNS_DIR"
       done ;;
     yatt_1.5b)
