@@ -2,6 +2,7 @@
 
     python3 bench/step_trl.py --out-dir OUT                 # 1 GPU (trl from .whl/ wheels)
     python bench/step_trl.py --tiny --steps 1 --out-dir /tmp/o   # CPU, catches API mistakes
+    python3 bench/step_trl.py --use-vllm --judge-tokens 128 --out-dir OUT  # TRL + vLLM colocate
 
 trl is imported lazily (it is no yatt dependency). Settings: trl's GRPOTrainer without vLLM
 (transformers `generate`), beta=0 (no reference model), 16 prompts x 8 completions per optimizer
@@ -13,6 +14,14 @@ Reward: the same GenRM judge as yatt's layouts (a yatt.genrm.GenRM on a BuiltinE
 on the same GPU) called as a plain python reward function, so both sides judge the same texts.
 Per-step time: a TrainerCallback timestamps on_step_begin/on_step_end; rollout+reward is the time
 inside _generate_and_score_completions, reward alone the judge call.
+
+--use-vllm: GRPOTrainer(use_vllm=True, vllm_mode="colocate"), the mode TRL documents for one
+GPU (TRL 1.16 takes vLLM 0.22 to 0.31: the carried 0.26.0). vLLM in bf16 takes --vllm-memory of
+the GPU (TRL's default 0.3, yatt's --engine-memory default too); lengths forced by vLLM's own
+SamplingParams(ignore_eos=True) with max_tokens = 256 (TRL passes generation_kwargs to
+SamplingParams). TRL syncs the policy's weights into vLLM before each generation (inside the
+rollout time here). --vllm-sleep: vllm_enable_sleep_mode (off by default, as in TRL). Writes
+trl_vllm_1gpu.json (not step_*.json: bench/step.py's report keeps reading the HF run as (d)).
 """
 
 from __future__ import annotations
@@ -46,9 +55,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="turn off trl's default activation checkpointing (yatt's TorchPolicy runs without)",
     )
+    p.add_argument("--use-vllm", action="store_true", help="vLLM colocate mode for generation")
+    p.add_argument("--vllm-memory", type=float, default=0.3, help="vllm_gpu_memory_utilization")
+    p.add_argument("--vllm-sleep", action="store_true", help="vllm_enable_sleep_mode")
     p.add_argument("--model-dir", default=None)
     p.add_argument("--out-dir", default="bench/results/step_runs")
     args = p.parse_args(argv)
+    if not 0.0 < args.vllm_memory < 1.0:
+        p.error(f"--vllm-memory {args.vllm_memory}: a GPU share in (0, 1)")
     if args.model_dir is None:
         name = "yatt-step-tiny" if args.tiny else "yatt-step"
         args.model_dir = str(Path(tempfile.gettempdir()) / name)
@@ -122,10 +136,9 @@ def main(argv: list[str]) -> Path:
         gradient_accumulation_steps=work.num_samples // batch,
         num_generations=work.group_size,
         max_completion_length=256,
-        generation_kwargs={"min_new_tokens": 256},
         temperature=1.0,
         beta=0.0,
-        use_vllm=False,
+        **generation_settings(args, work),
         learning_rate=1e-6,
         bf16=is_cuda,
         max_steps=num_steps,
@@ -163,8 +176,10 @@ def main(argv: list[str]) -> Path:
     }
     forced = all(n == 256 for n in lengths)
     run = {
-        "layout": "trl",
-        "label": "(d) TRL GRPOTrainer (no vLLM, beta=0)",
+        "layout": "trl-vllm" if args.use_vllm else "trl",
+        "label": "(d) TRL GRPOTrainer "
+        + (f"(vLLM {_version('vllm')} colocate, beta=0)" if args.use_vllm else "(no vLLM, beta=0)"),
+        "versions": {k: _version(k) for k in ("trl", "vllm", "transformers")},
         "num_gpus": 1,
         "num_ranks": 1,
         "device": setup.device_name(),
@@ -179,6 +194,13 @@ def main(argv: list[str]) -> Path:
             + f"; micro-batch {batch} x {ga} accumulation; gradient checkpointing "
             + ("off" if args.no_gradient_checkpointing else "on (trl's default)")
             + "; 'train' = step - rollout - reward"
+            + (
+                f"; vLLM colocate, gpu_memory_utilization {args.vllm_memory}, sleep mode "
+                + ("on" if args.vllm_sleep else "off")
+                + ", weight sync inside 'rollout'"
+                if args.use_vllm
+                else ""
+            )
         ),
         "mixes": {
             "fixed": {
@@ -188,13 +210,37 @@ def main(argv: list[str]) -> Path:
             }
         },
     }
-    out = Path(args.out_dir) / "step_trl_1gpu.json"
+    out = Path(args.out_dir) / ("trl_vllm_1gpu.json" if args.use_vllm else "step_trl_1gpu.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(run, indent=1))
     print(
-        f"[trl x1 fixed] steps {[round(s, 2) for s in step_s]} lengths forced {forced}; wrote {out}"
+        f"[{run['layout']} x1 fixed] steps {[round(s, 2) for s in step_s]} lengths forced {forced}; wrote {out}"
     )
     return out
+
+
+def generation_settings(args: argparse.Namespace, work) -> dict:
+    """GRPOConfig's generation fields: HF `generate` forcing 256 tokens with min_new_tokens, or
+    vLLM colocate forcing them with SamplingParams(ignore_eos=True) and max_tokens = 256."""
+    if not args.use_vllm:
+        return {"use_vllm": False, "generation_kwargs": {"min_new_tokens": 256}}
+    return {
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "vllm_gpu_memory_utilization": args.vllm_memory,
+        "vllm_enable_sleep_mode": args.vllm_sleep,
+        "vllm_max_model_length": work.prompt_tokens + 256,
+        "generation_kwargs": {"ignore_eos": True},
+    }
+
+
+def _version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 if __name__ == "__main__":
