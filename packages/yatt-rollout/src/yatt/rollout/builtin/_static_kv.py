@@ -76,6 +76,9 @@ class DecodeWrite:
     cache: StaticKVCache
     pos_S: torch.Tensor  # int64 [S], clamped into [0, L) by the engine
     span: int  # cache positions attended; > every active slot's position
+    # "sdpa": one SDPA call over the grouped query (the eager path). "matmul": two batched
+    # matmuls with the masked softmax between them, which the compiled decode step fuses.
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         # Row of each (slot, head) in a layer viewed as [S * H_kv * L, D]: the same for every
@@ -154,8 +157,54 @@ def decode_attention(
     return out.reshape(num_slots, 1, num_heads, head_dim)
 
 
+def decode_attention_matmul(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    span: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """`decode_attention` as q K^T, masked float32 softmax, P V (HF's eager attention's order).
+
+    Why: for a one-token query SDPA on CUDA picks a flash *prefill* kernel whose 64-128-row
+    query tiles hold G = H_q / H_kv rows (7 for Qwen2.5), about 5x off the KV-read roofline.
+    Two batched GEMMs read K and V once each (cuBLAS, memory-bound at M = G), and under
+    torch.compile the scale, mask, softmax and cast between them fuse into one kernel. The
+    scores are rounded to the activations' dtype before the softmax (as HF's eager path does).
+    Same arguments and result layout as `decode_attention`.
+    """
+    num_slots, num_heads, _, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    rows = num_slots * num_kv_heads
+    # [S, H_kv, :span, D] -> [S * H_kv, span, D] is a view: the slot stride is H_kv rows.
+    keys_RPD = keys[:, :, :span].reshape(rows, span, head_dim)
+    values_RPD = values[:, :, :span].reshape(rows, span, head_dim)
+    query_RGD = query.reshape(rows, group, head_dim)
+    scale = scaling if scaling is not None else head_dim**-0.5
+    scores = torch.matmul(query_RGD, keys_RPD.transpose(1, 2)).view(
+        num_slots, num_kv_heads, group, span
+    )
+    if mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, float("-inf"))
+    scores = scores.float() * scale + mask.float()
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(rows, group, span)
+    out = torch.matmul(probs, values_RPD)
+    return out.reshape(num_slots, 1, num_heads, head_dim)
+
+
+# Keyword argument of the model's forward that carries the KV write to the attention layers
+# (HF passes the forward's extra kwargs down to them): unlike the ContextVar of `writing_kv`,
+# torch.compile traces through it, and it is as thread-safe (a call's own argument).
+KV_WRITE_KWARG = "yatt_kv_write"
+
+
 def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
-    write = _ACTIVE_WRITE.get()
+    write = kwargs.pop(KV_WRITE_KWARG, None)
+    if write is None:
+        write = _ACTIVE_WRITE.get()
     if write is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     for name in ("sliding_window", "softcap", "position_bias"):
@@ -166,7 +215,8 @@ def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
             )
     key, value = write.write(module.layer_idx, key, value)
     if isinstance(write, DecodeWrite):
-        out = decode_attention(
+        attend = decode_attention_matmul if write.attention == "matmul" else decode_attention
+        out = attend(
             query, key, value, attention_mask, span=write.span, scaling=kwargs.get("scaling")
         )
         return out, None
