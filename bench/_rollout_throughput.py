@@ -8,6 +8,7 @@ import gc
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -94,11 +95,11 @@ def bench_prefill() -> dict:
         ]
         config = engine_config(batch, max_seq_len=max(lengths) + new)
         engine = BuiltinEngine(build_model(seed=0), config=config)
-        first = SamplingParams(max_new_tokens=1, seed=0)
         engine.generate(reqs, SamplingParams(max_new_tokens=16, ignore_eos=True, seed=0))
-        prefill_s = min(time_call(lambda: engine.generate(reqs, first)) for _ in range(2))
+        first = SamplingParams(max_new_tokens=1, seed=0)
         forced = SamplingParams(max_new_tokens=new, ignore_eos=True, seed=0)
-        total_s = time_call(lambda: engine.generate(reqs, forced))
+        prefill_s = min(time_call(partial(engine.generate, reqs, first)) for _ in range(2))
+        total_s = time_call(partial(engine.generate, reqs, forced))
         engine.close()
         out[name] = row = {
             "batch": batch,

@@ -179,7 +179,7 @@ class SlotRunner:
         arange_P = self.arange_L[:span]
         if self._compiled_step is not None:
             # Dynamic in the span (one compiled graph for every bucket), static in the rest.
-            torch._dynamo.maybe_mark_dynamic(arange_P, 0)
+            torch._dynamo.mark_dynamic(arange_P, 0)
             try:
                 with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
                     self._compiled_step(arange_P, flags.is_greedy, flags.is_truncated)

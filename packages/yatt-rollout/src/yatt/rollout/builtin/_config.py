@@ -32,9 +32,10 @@ class EngineConfig:
     # The first call pays the compile (tens of seconds); if compiling fails the engine logs it
     # once and decodes eagerly. None: on for CUDA, off for CPU.
     compile_decode: bool | None = None
-    # Decode attention over the static KV cache: "sdpa" (one SDPA call over the grouped query),
-    # "matmul" (q K^T, fused masked softmax, P V: faster for a one-token query on CUDA), or
-    # "auto" ("matmul" when the step is compiled, else "sdpa").
+    # Decode attention over the static KV cache: "sdpa" (one SDPA call over the grouped query;
+    # on CUDA a flash prefill kernel), "triton" (a split-K decode kernel, _decode_kernel.py;
+    # CUDA only, SDPA elsewhere), "matmul" (q K^T, float32 softmax, P V), or "auto" ("triton"
+    # on CUDA, "sdpa" on CPU). Prefill attention is SDPA whatever this says.
     decode_attention: str = "auto"
     steps_per_sync: int = 8  # decode steps between host checks for finished slots
     # A call that samples like the running one (same temperature, top-p, top-k, stop ids; n,
@@ -101,10 +102,10 @@ class EngineConfig:
                 f"EngineConfig.compile_decode={self.compile_decode!r}: must be a bool or None "
                 "(None: compile on CUDA only)"
             )
-        if self.decode_attention not in ("auto", "sdpa", "matmul"):
+        if self.decode_attention not in ("auto", "sdpa", "triton", "matmul"):
             raise ValueError(
-                f"EngineConfig.decode_attention={self.decode_attention!r}: use 'auto', 'sdpa' "
-                "or 'matmul'"
+                f"EngineConfig.decode_attention={self.decode_attention!r}: use 'auto', 'sdpa', "
+                "'triton' or 'matmul'"
             )
         if not isinstance(self.should_join_calls, bool):
             raise ValueError(
@@ -124,9 +125,9 @@ class EngineConfig:
 
     @property
     def decode_attention_kernel(self) -> str:
-        """"sdpa" or "matmul": what `decode_attention` resolves to."""
+        """ "sdpa", "triton" or "matmul": what `decode_attention` resolves to."""
         if self.decode_attention == "auto":
-            return "matmul" if self.should_compile_decode else "sdpa"
+            return "triton" if torch.device(self.device).type == "cuda" else "sdpa"
         return self.decode_attention
 
     @property

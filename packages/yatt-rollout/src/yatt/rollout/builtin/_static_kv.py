@@ -18,6 +18,7 @@ k/v G times over the whole cache on every layer and step (7x the cache in copies
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -28,6 +29,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
+
+from yatt.rollout.builtin._decode_kernel import triton_decode_attention
+
+logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "yatt_static_kv"
 
@@ -76,8 +81,8 @@ class DecodeWrite:
     cache: StaticKVCache
     pos_S: torch.Tensor  # int64 [S], clamped into [0, L) by the engine
     span: int  # cache positions attended; > every active slot's position
-    # "sdpa": one SDPA call over the grouped query (the eager path). "matmul": two batched
-    # matmuls with the masked softmax between them, which the compiled decode step fuses.
+    # "sdpa": one SDPA call over the grouped query; "matmul": q K^T, masked float32 softmax,
+    # P V; "triton": the split-K kernel of _decode_kernel.py (CUDA; else SDPA).
     attention: str = "sdpa"
 
     def __post_init__(self) -> None:
@@ -87,11 +92,84 @@ class DecodeWrite:
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         cache = self.cache
-        # key: [S, H_kv, 1, D] -> one row per (slot, head) of the flattened layer buffer.
-        flat_shape = (-1, cache.head_dim)
-        cache.keys[layer].view(flat_shape).index_copy_(0, self.rows_SH, key.reshape(flat_shape))
-        cache.values[layer].view(flat_shape).index_copy_(0, self.rows_SH, value.reshape(flat_shape))
+        _write_rows(cache.keys[layer], self.rows_SH, key)
+        _write_rows(cache.values[layer], self.rows_SH, value)
         return cache.keys[layer], cache.values[layer]
+
+    def write_and_attend(self, layer, query, key, value, mask, scaling) -> torch.Tensor:
+        """The layer's KV write and decode attention as one custom op: opaque to torch.compile,
+        which would otherwise functionalize the write into a copy of the whole layer cache."""
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return torch.ops.yatt_rollout.decode_kv_attention(
+            query,
+            key,
+            value,
+            self.cache.keys[layer],
+            self.cache.values[layer],
+            self.rows_SH,
+            self.pos_S,
+            mask,
+            float(scale),
+            self.attention,
+        )
+
+
+def _write_rows(buffer: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> None:
+    # new: [S, H_kv, 1, D] -> one row per (slot, head) of the layer buffer viewed [S*H_kv*L, D].
+    flat_shape = (-1, buffer.shape[-1])
+    buffer.view(flat_shape).index_copy_(0, rows, new.reshape(flat_shape))
+
+
+@torch.library.custom_op(
+    "yatt_rollout::decode_kv_attention", mutates_args=("key_cache", "value_cache")
+)
+def decode_kv_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    rows_SH: torch.Tensor,
+    pos_S: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    kernel: str,
+) -> torch.Tensor:
+    """Write a decode step's keys/values at rows_SH, then attend to positions [0, mask's span).
+
+    query [S, H_q, 1, D]; key/value [S, H_kv, 1, D]; caches [S, H_kv, L, D]; mask [S, 1, 1,
+    span] additive (what the engine builds from pos_S: position p visible iff p <= pos_S[s]).
+    Returns [S, 1, H_q, D].
+    """
+    _write_rows(key_cache, rows_SH, key)
+    _write_rows(value_cache, rows_SH, value)
+    span = mask.shape[-1]
+    if kernel == "triton":
+        out = triton_decode_attention(query, key_cache, value_cache, pos_S, span=span, scale=scale)
+        if out is not None:
+            return out
+        _log_triton_fallback()
+        kernel = "sdpa"
+    attend = decode_attention_matmul if kernel == "matmul" else decode_attention
+    return attend(query, key_cache, value_cache, mask, span=span, scaling=scale)
+
+
+@decode_kv_attention.register_fake
+def _(query, key, value, key_cache, value_cache, rows_SH, pos_S, mask, scale, kernel):
+    S, Hq, _, D = query.shape
+    return query.new_empty((S, 1, Hq, D))
+
+
+_TRITON_FALLBACK_LOGGED = []
+
+
+def _log_triton_fallback() -> None:
+    if not _TRITON_FALLBACK_LOGGED:
+        _TRITON_FALLBACK_LOGGED.append(True)
+        logger.warning(
+            "decode attention 'triton' is unavailable here (no Triton, not CUDA, or an "
+            "unsupported head size); using SDPA"
+        )
 
 
 @dataclass(kw_only=True)
@@ -213,13 +291,12 @@ def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
                 f"{type(module).__name__} passes {name} to its attention, which the built-in "
                 "engine does not implement; use the vLLM or SGLang engine"
             )
-    key, value = write.write(module.layer_idx, key, value)
     if isinstance(write, DecodeWrite):
-        attend = decode_attention_matmul if write.attention == "matmul" else decode_attention
-        out = attend(
-            query, key, value, attention_mask, span=write.span, scaling=kwargs.get("scaling")
+        out = write.write_and_attend(
+            module.layer_idx, query, key, value, attention_mask, kwargs.get("scaling")
         )
         return out, None
+    key, value = write.write(module.layer_idx, key, value)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
