@@ -261,35 +261,18 @@ class SlotRunner:
                 rows.append(item.request.prompt_ids)
                 row_images.append(item.images)
             row_of_item.append(len(rows) - 1)
-        lengths_B = torch.tensor([len(r) for r in rows], device=device)
-        T = max(len(r) for r in rows)
-        # Left padding puts every row's last token in column T-1, so `logits_to_keep=1` works.
-        ids_BT = torch.zeros(len(rows), T, dtype=torch.long)
-        for b, row in enumerate(rows):
-            ids_BT[b, T - len(row) :] = torch.tensor(row)
-        ids_BT = ids_BT.to(device)
-        pad_B = T - lengths_B
-        col_T = torch.arange(T, device=device)
-        positions_BT = (col_T[None, :] - pad_B[:, None]).clamp(min=0)
-        source_col_BT = (col_T[None, :] + pad_B[:, None]).clamp(max=T - 1)
-        q, k = col_T[:, None], col_T[None, :]
-        # Padding queries attend to themselves only, so no row of the softmax is empty (NaN).
-        mask = (k <= q)[None] & ((k >= pad_B[:, None, None]) | (k == q)[None])
+        lengths = [len(r) for r in rows]
+        lengths_B = torch.tensor(lengths, device=device)
         slot_J = torch.tensor(slots, device=device)
         row_J = torch.tensor(row_of_item, device=device)
-        write = PrefillWrite(
-            cache=self.cache, slot_J=slot_J, row_J=row_J, source_col_BT=source_col_BT
-        )
-        embeds_BTH = None
-        delta_B = torch.zeros_like(pad_B)
         if self.vision is not None and any(im is not None for im in row_images):
-            # Eager, outside the KV write: the vision tower's attention is its own.
-            embeds_BTH, positions_BT, delta_B = self.vision.embed(
-                self.model, ids_BT, pad_B, row_images
+            logits_BV, delta_B = self._prefill_left_padded(
+                rows, lengths_B, slot_J, row_J, row_images
             )
-        logits_JV = self._forward_last_logits(
-            ids_BT, mask[:, None], positions_BT, write, inputs_embeds=embeds_BTH
-        )[row_J]
+        else:
+            logits_BV = self._prefill_right_padded(rows, lengths, slot_J, row_J)
+            delta_B = torch.zeros_like(lengths_B)
+        logits_JV = logits_BV[row_J]
         self.key_S[slot_J] = torch.tensor([it.key for it in items], device=device)
         token_J, logprob_J = sample_tokens(
             logits_JV,
@@ -315,6 +298,67 @@ class SlotRunner:
         self.limit_S[slot_J] = limit_J
         is_stop_J = (token_J[:, None] == self.stop_ids_K[None, :]).any(dim=-1)
         self.active_S[slot_J] = ~is_stop_J & (limit_J > 1)
+
+    def _prefill_right_padded(
+        self,
+        rows: list[list[int]],
+        lengths: list[int],
+        slot_J: torch.Tensor,
+        row_J: torch.Tensor,
+    ) -> torch.Tensor:
+        """Text prompts, right-padded: each row's last-token logits [B, V].
+
+        Every prompt starts at column 0, so a causal mask alone is exact for its tokens (padding
+        only ever follows them): no mask tensor goes to attention, and SDPA runs its flash
+        kernel with is_causal (skipping the upper triangle) instead of a masked kernel that
+        reads a [B, T, T] mask. Positions past a row's end are cache garbage that decode masks.
+        """
+        device = self.device
+        T = max(lengths)
+        ids_BT = torch.zeros(len(rows), T, dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids_BT[b, : len(row)] = torch.tensor(row)
+        col_BT = torch.arange(T, device=device)[None, :].expand(len(rows), T)
+        write = PrefillWrite(cache=self.cache, slot_J=slot_J, row_J=row_J, source_col_BT=col_BT)
+        # Logits at each distinct last column only (not [B, T, V]), then each row's own.
+        last_cols = sorted({n - 1 for n in lengths})
+        keep_K = torch.tensor(last_cols, device=device)
+        which_B = torch.tensor([last_cols.index(n - 1) for n in lengths], device=device)
+        with writing_kv(write):
+            logits_BKV = self.model(
+                input_ids=ids_BT.to(device),
+                attention_mask=None,
+                position_ids=col_BT,
+                use_cache=False,
+                logits_to_keep=keep_K,
+            ).logits
+        return logits_BKV[torch.arange(len(rows), device=device), which_B]
+
+    def _prefill_left_padded(self, rows, lengths_B, slot_J, row_J, row_images):
+        """Prompts with images, left-padded under an explicit mask (the vision prefill's mrope
+        positions assume it): last-token logits [B, V] and each row's mrope offset [B]."""
+        device = self.device
+        T = max(len(r) for r in rows)
+        # Left padding puts every row's last token in column T-1, so `logits_to_keep=1` works.
+        ids_BT = torch.zeros(len(rows), T, dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids_BT[b, T - len(row) :] = torch.tensor(row)
+        ids_BT = ids_BT.to(device)
+        pad_B = T - lengths_B
+        col_T = torch.arange(T, device=device)
+        source_col_BT = (col_T[None, :] + pad_B[:, None]).clamp(max=T - 1)
+        q, k = col_T[:, None], col_T[None, :]
+        # Padding queries attend to themselves only, so no row of the softmax is empty (NaN).
+        mask = (k <= q)[None] & ((k >= pad_B[:, None, None]) | (k == q)[None])
+        write = PrefillWrite(
+            cache=self.cache, slot_J=slot_J, row_J=row_J, source_col_BT=source_col_BT
+        )
+        # Eager, outside the KV write: the vision tower's attention is its own.
+        embeds_BTH, positions_BT, delta_B = self.vision.embed(self.model, ids_BT, pad_B, row_images)
+        logits_BV = self._forward_last_logits(
+            ids_BT, mask[:, None], positions_BT, write, inputs_embeds=embeds_BTH
+        )
+        return logits_BV, delta_B
 
     def _write_label_logprobs(
         self, logits_JV: torch.Tensor, items: list[WorkItem], slot_J: torch.Tensor
