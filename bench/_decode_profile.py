@@ -11,7 +11,11 @@ import re
 
 import torch
 
-KERNEL_GROUPS = [  # first match wins; names of cuBLAS/cutlass/SDPA/ATen kernels
+KERNEL_GROUPS = [  # first match wins; names of cuBLAS/cutlass/SDPA/ATen/Triton kernels
+    # The engine's split-K decode kernel (_decode_kernel.py), before inductor's fused kernels,
+    # whose names may mention the decode_kv_attention op they feed.
+    ("attention", re.compile(r"^_split_kernel|^_merge_kernel")),
+    ("fused (inductor)", re.compile(r"^triton_")),
     ("attention", re.compile(r"fmha|attention|flash|cutlassF|efficient", re.I)),
     ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|splitk", re.I)),
     ("scan/sort", re.compile(r"scan|cumsum|sort|search|radix", re.I)),

@@ -23,6 +23,13 @@ class Settings:
     new_tokens: int = 512
     # HF generate forces the same length as yatt: the workload
     hf_tokens: dict[int, int] = field(default_factory=lambda: {64: 512, 256: 512})
+    throughput_only: bool = False  # --throughput-only: skip the checks and HF generate
+    # The judge-like prefill load: batch and new tokens; prompts of one fixed length, and mixed
+    # lengths in [lo, hi] (the judge reads prompt + response, 300-1,300 tokens).
+    prefill_batch: int = 256
+    prefill_new_tokens: int = 128
+    prefill_fixed_len: int = 1024
+    prefill_mixed_lens: tuple[int, int] = (300, 1300)
 
 
 RUN = Settings()
@@ -136,8 +143,10 @@ def greedy(n_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_new_tokens=n_tokens, ignore_eos=True)
 
 
-def engine_config(batch: int, dtype: str = "bfloat16", **kwargs) -> EngineConfig:
-    seq_len = RUN.prompt_len + RUN.new_tokens
+def engine_config(
+    batch: int, dtype: str = "bfloat16", max_seq_len: int | None = None, **kwargs
+) -> EngineConfig:
+    seq_len = max_seq_len or RUN.prompt_len + RUN.new_tokens
     # keep_graphs_asleep=False: the memory check expects sleep to return every byte.
     kwargs.setdefault("keep_graphs_asleep", False)
     return EngineConfig(

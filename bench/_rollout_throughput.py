@@ -8,11 +8,12 @@ import gc
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from yatt.rollout import BuiltinEngine, SamplingParams
+from yatt.rollout import BuiltinEngine, Request, SamplingParams
 from yatt.rollout.builtin import sample_tokens
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -48,8 +49,18 @@ def bench_throughput(results: dict, skip_static: bool) -> None:
         "measured_copy_Bps": measured_bw,
     }
     for batch in (64, 256):
-        row = rows[batch] = _bench_hf(model, batch, skip_static)
+        row = rows[batch] = _bench_hf(model, batch, skip_static) if not RUN.throughput_only else {}
+        # The path before issue 28 (eager step, SDPA decode attention) beside the default one.
+        old = _bench_engine(batch, compile_decode=False, decode_attention="sdpa", profile=False)
+        row.update({f"old_{k}": v for k, v in old.items() if k.startswith("yatt_")})
         row.update(_bench_engine(batch))
+        print(
+            f"batch {batch}: decode {row['old_yatt_tok_s']:.0f} tok/s before (eager step, "
+            f"SDPA attention) -> {row['yatt_tok_s']:.0f} tok/s now "
+            f"({row['yatt_tok_s'] / row['old_yatt_tok_s']:.2f}x); step "
+            f"{row['old_yatt_decode_step_ms']:.2f} -> {row['yatt_decode_step_ms']:.2f} ms",
+            flush=True,
+        )
         for label, bw in (("nominal", nominal), ("measured", measured_bw)):
             if bw:
                 row[f"roofline_weights_{label}_tok_s"] = batch / (weight_bytes / bw)
@@ -58,8 +69,52 @@ def bench_throughput(results: dict, skip_static: bool) -> None:
                 row[f"roofline_weights_kv_{label}_tok_s"] = batch / (step_bytes / bw)
         rounded = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
         print(f"batch {batch}: {json.dumps(rounded)}", flush=True)
-    ratio = rows[256]["yatt_tok_s"] / rows[256]["hf_dynamic_tok_s"]
-    check(">= 10x HF generate at batch 256", ratio >= 10, f"{ratio:.1f}x")
+    del model
+    results["prefill"] = bench_prefill()
+    if not RUN.throughput_only:
+        ratio = rows[256]["yatt_tok_s"] / rows[256]["hf_dynamic_tok_s"]
+        check(">= 10x HF generate at batch 256", ratio >= 10, f"{ratio:.1f}x")
+
+
+def bench_prefill() -> dict:
+    """A judge-like load: prompts of 1,024 tokens (and of 300-1,300 mixed), 128 new tokens.
+
+    Prefill tokens/s counts prompt tokens (no padding) over a call of one new token each;
+    the full call's generated tokens/s is reported beside it.
+    """
+    out = {}
+    batch, new = RUN.prefill_batch, RUN.prefill_new_tokens
+    (lo, hi), fixed = RUN.prefill_mixed_lens, RUN.prefill_fixed_len
+    g = torch.Generator().manual_seed(7)
+    mixed = torch.randint(lo, hi + 1, (batch,), generator=g).tolist()
+    loads = {f"fixed_{fixed}": [fixed] * batch, f"mixed_{lo}_{hi}": mixed}
+    for name, lengths in loads.items():
+        reqs = [
+            Request(prompt_ids=torch.randint(1000, 150000, (n,), generator=g).tolist())
+            for n in lengths
+        ]
+        config = engine_config(batch, max_seq_len=max(lengths) + new)
+        engine = BuiltinEngine(build_model(seed=0), config=config)
+        engine.generate(reqs, SamplingParams(max_new_tokens=16, ignore_eos=True, seed=0))
+        first = SamplingParams(max_new_tokens=1, seed=0)
+        forced = SamplingParams(max_new_tokens=new, ignore_eos=True, seed=0)
+        prefill_s = min(time_call(partial(engine.generate, reqs, first)) for _ in range(2))
+        total_s = time_call(partial(engine.generate, reqs, forced))
+        engine.close()
+        out[name] = row = {
+            "batch": batch,
+            "prompt_tokens": sum(lengths),
+            "new_tokens": new,
+            "prefill_s": prefill_s,
+            "prefill_tok_s": sum(lengths) / prefill_s,
+            "total_s": total_s,
+            "generated_tok_s": batch * new / total_s,
+        }
+        print(f"prefill {name}: {json.dumps({k: round(v, 3) for k, v in row.items()})}")
+        gc.collect()
+        if RUN.device == "cuda":
+            torch.cuda.empty_cache()
+    return out
 
 
 def _bench_hf(model, batch: int, skip_static: bool) -> dict:
@@ -84,10 +139,12 @@ def _bench_hf(model, batch: int, skip_static: bool) -> dict:
     return row
 
 
-def _bench_engine(batch: int) -> dict:
+def _bench_engine(batch: int, *, profile: bool = True, **config) -> dict:
     reqs = prompts(batch, RUN.prompt_len, seed=batch)
-    engine = BuiltinEngine(build_model(seed=0), config=engine_config(batch))
+    engine = BuiltinEngine(build_model(seed=0), config=engine_config(batch, **config))
+    t0 = time.perf_counter()
     engine.generate(reqs, SamplingParams(max_new_tokens=16, ignore_eos=True, seed=0))  # capture
+    first_call_s = time.perf_counter() - t0  # compile (if any) and graph capture
     first_token = SamplingParams(max_new_tokens=1, seed=0)
     prefill_s = time_call(lambda: engine.generate(reqs, first_token))
     forced = SamplingParams(max_new_tokens=RUN.new_tokens, ignore_eos=True, seed=0)
@@ -96,16 +153,20 @@ def _bench_engine(batch: int) -> dict:
         "yatt_tok_s": batch * RUN.new_tokens / total_s,
         "yatt_total_s": total_s,
         "yatt_prefill_s": prefill_s,
+        "yatt_first_call_s": first_call_s,
         "yatt_decode_step_ms": (total_s - prefill_s) / (RUN.new_tokens - 1) * 1e3,
         "kv_cache_bytes": engine.kv_cache_bytes,
         "mean_span_fraction": _mean_span_fraction(engine),
     }
     try:
-        row.update(profile_decode(engine, with_kernels=batch == 256))
+        if profile:
+            row.update(profile_decode(engine, with_kernels=batch == 256))
     except Exception as exc:  # the profile is diagnostics; never lose the measurements for it
         row["profile_error"] = repr(exc)
         print(f"profile failed: {exc!r}", flush=True)
     engine.close()
+    if not profile:
+        return row
     logits = torch.randn(batch, 151936, device=RUN.device, dtype=torch.bfloat16)
     row["sampling_ms"] = _time_sampling(logits) * 1e3
     gc.collect()

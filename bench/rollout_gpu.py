@@ -211,21 +211,36 @@ def markdown(results: dict) -> str:
     lines = [
         f"device: {results['device']} (torch {results['torch']})",
         "",
-        "| batch | yatt tok/s | HF dynamic tok/s | HF static tok/s | x HF dynamic | "
-        "roofline (weights) tok/s | roofline (weights+KV read) tok/s | decode step ms | "
-        "sampling ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| batch | yatt tok/s | before (eager step, SDPA) tok/s | speed-up | HF dynamic tok/s | "
+        "HF static tok/s | x HF dynamic | roofline (weights) tok/s | "
+        "roofline (weights+KV read) tok/s | decode step ms | before: step ms | sampling ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    nan = float("nan")
     for batch, r in results.get("throughput", {}).items():
         key = "nominal" if "roofline_weights_nominal_tok_s" in r else "measured"
+        hf = r.get("hf_dynamic_tok_s", nan)
         lines.append(
-            f"| {batch} | {r['yatt_tok_s']:.0f} | {r['hf_dynamic_tok_s']:.0f} | "
-            f"{r.get('hf_static_tok_s', float('nan')):.0f} | "
-            f"{r['yatt_tok_s'] / r['hf_dynamic_tok_s']:.1f} | "
+            f"| {batch} | {r['yatt_tok_s']:.0f} | {r['old_yatt_tok_s']:.0f} | "
+            f"{r['yatt_tok_s'] / r['old_yatt_tok_s']:.2f} | {hf:.0f} | "
+            f"{r.get('hf_static_tok_s', nan):.0f} | {r['yatt_tok_s'] / hf:.1f} | "
             f"{r[f'roofline_weights_{key}_tok_s']:.0f} | "
             f"{r[f'roofline_weights_kv_{key}_tok_s']:.0f} | "
-            f"{r['yatt_decode_step_ms']:.2f} | {r['sampling_ms']:.2f} |"
+            f"{r['yatt_decode_step_ms']:.2f} | {r['old_yatt_decode_step_ms']:.2f} | "
+            f"{r['sampling_ms']:.2f} |"
         )
+    if results.get("prefill"):
+        lines += [
+            "",
+            "| judge-like load | batch | prompt tokens | prefill tok/s | new tokens | "
+            "generated tok/s (whole call) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, r in results["prefill"].items():
+            lines.append(
+                f"| {name} | {r['batch']} | {r['prompt_tokens']} | {r['prefill_tok_s']:.0f} | "
+                f"{r['new_tokens']} | {r['generated_tok_s']:.0f} |"
+            )
     lines.append("")
     for batch, r in results.get("throughput", {}).items():
         if "graph_step_ms_by_span" in r:
@@ -241,7 +256,7 @@ def markdown(results: dict) -> str:
     lines.append("")
     lines += [
         f"- {'PASS' if ok else 'FAIL'}: {name}: {CHECK_DETAILS.get(name, '')}"
-        for name, ok in results["checks"].items()
+        for name, ok in results.get("checks", {}).items()
     ]
     return "\n".join(lines)
 
@@ -253,10 +268,18 @@ def main() -> int:
         "--skip-static", action="store_true", help="skip HF generate with static cache"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU; no results")
+    parser.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="decode (before/after) and prefill throughput only: no checks, no HF generate",
+    )
     args = parser.parse_args()
+    RUN.throughput_only = args.throughput_only
     if args.smoke:
         RUN.device, RUN.smoke, RUN.prompt_len, RUN.new_tokens = "cpu", True, 8, 8
         RUN.hf_tokens = {64: 4, 256: 4}
+        RUN.prefill_batch, RUN.prefill_new_tokens = 8, 4
+        RUN.prefill_fixed_len, RUN.prefill_mixed_lens = 32, (8, 40)
         from yatt.placement import configure_regions
 
         configure_regions(backend="cpu")
@@ -271,8 +294,9 @@ def main() -> int:
     name = torch.cuda.get_device_name() if RUN.device == "cuda" else "cpu-smoke"
     results: dict = {"device": name, "torch": torch.__version__}
     t0 = time.perf_counter()
-    bench_memory_and_weights(results)
-    bench_graph_matches_eager(results)
+    if not RUN.throughput_only:
+        bench_memory_and_weights(results)
+        bench_graph_matches_eager(results)
     bench_throughput(results, args.skip_static)
     results["checks"] = CHECKS
     results["check_details"] = CHECK_DETAILS
@@ -281,6 +305,8 @@ def main() -> int:
     out = Path(args.out_dir) / f"rollout_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     table = markdown(results)
+    if RUN.throughput_only:
+        out = out.with_name(out.stem + "_throughput.json")
     if not RUN.smoke:
         out.write_text(json.dumps(results, indent=2, default=str) + "\n")
         out.with_suffix(".md").write_text(f"# yatt-rollout built-in engine on a GPU\n\n{table}\n")

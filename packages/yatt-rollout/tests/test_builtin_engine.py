@@ -371,3 +371,94 @@ def test_config_rejects_bad_values(field, value):
 def test_model_path_must_be_a_model_directory(tmp_path):
     with pytest.raises(ValueError, match=r"config\.json"):
         BuiltinEngine(tmp_path)
+
+
+# -- the decode step's fast path (issue 28): compiled step, decode attention kernels ----------
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("compile_decode", "yes"), ("decode_attention", "flash")]
+)
+def test_fast_decode_config_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
+        EngineConfig(**{field: value})
+
+
+def test_fast_decode_is_off_on_cpu_by_default():
+    config = EngineConfig()
+    assert not config.should_compile_decode and config.decode_attention_kernel == "sdpa"
+    assert EngineConfig(compile_decode=True).should_compile_decode
+    assert EngineConfig(decode_attention="matmul").decode_attention_kernel == "matmul"
+
+
+def _generate_both(tiny_model_dir, prefix, **overrides):
+    config = EngineConfig(max_batch_size=3, max_seq_len=128, region_prefix=prefix, **overrides)
+    engine = BuiltinEngine(tiny_model_dir, config=config)
+    # 2-5 prompt tokens + 70 new ones cross the 64-position span bucket mid-run.
+    sampled = engine.generate(
+        _requests(PROMPTS[:4]),
+        SamplingParams(n=2, temperature=0.9, top_k=40, max_new_tokens=70, seed=4, ignore_eos=True),
+    )
+    greedy = engine.generate(
+        _requests(PROMPTS[:4]), SamplingParams(temperature=0, max_new_tokens=9)
+    )
+    return engine, sampled + greedy
+
+
+def _assert_same_samples(got, expected, atol):
+    assert [c.response_ids for c in got] == [c.response_ids for c in expected]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=atol, rtol=0
+        )
+
+
+@pytest.fixture(scope="module")
+def eager_sdpa_samples(tiny_model_dir):
+    engine, samples = _generate_both(tiny_model_dir, "ref-sdpa")
+    engine.close()
+    return samples
+
+
+@pytest.mark.parametrize("attention", ["matmul", "triton"])  # triton: SDPA on CPU (logged)
+def test_decode_attention_kernels_give_the_same_samples(
+    tiny_model_dir, eager_sdpa_samples, attention
+):
+    engine, samples = _generate_both(tiny_model_dir, f"att-{attention}", decode_attention=attention)
+    engine.close()
+    _assert_same_samples(samples, eager_sdpa_samples, atol=1e-5)
+
+
+def test_compiled_decode_step_gives_the_same_samples(tiny_model_dir, eager_sdpa_samples):
+    # torch.compile (inductor, C++ on CPU) of the whole step: forward, sampling, bookkeeping.
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    engine, samples = _generate_both(tiny_model_dir, "compiled", compile_decode=True)
+    assert engine._runner._compiled_step is not None, "compiling fell back to eager"
+    engine.close()
+    _assert_same_samples(samples, eager_sdpa_samples, atol=1e-5)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # One graph per sampling mode (sampled, greedy): spans 64 and 128 share one (dynamic).
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_decode_step_falls_back_to_eager_when_compiling_fails(
+    tiny_model_dir, eager_sdpa_samples, monkeypatch, caplog
+):
+    import yatt.rollout.builtin._batcher as batcher
+
+    def broken_compile(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("inductor: no C++ compiler (planted)")
+
+        return compiled
+
+    monkeypatch.setattr(batcher.torch, "compile", broken_compile)
+    with caplog.at_level("WARNING", logger=batcher.__name__):
+        engine, samples = _generate_both(tiny_model_dir, "fallback", compile_decode=True)
+    assert engine._runner._compiled_step is None
+    engine.close()
+    _assert_same_samples(samples, eager_sdpa_samples, atol=0.0)
+    warnings = [r for r in caplog.records if "decoding eagerly" in r.getMessage()]
+    assert len(warnings) == 1, "the fallback is logged once"

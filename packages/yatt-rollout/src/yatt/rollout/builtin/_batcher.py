@@ -29,6 +29,7 @@ Per slot s (S slots, L = max_seq_len):
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -36,8 +37,16 @@ import torch
 
 from yatt.rollout._types import Request, SamplingParams
 from yatt.rollout.builtin._sampling import sample_tokens
-from yatt.rollout.builtin._static_kv import DecodeWrite, PrefillWrite, StaticKVCache, writing_kv
+from yatt.rollout.builtin._static_kv import (
+    KV_WRITE_KWARG,
+    DecodeWrite,
+    PrefillWrite,
+    StaticKVCache,
+    writing_kv,
+)
 from yatt.rollout.builtin._vision import RequestImages, VisionPrefill
+
+logger = logging.getLogger(__name__)
 
 MAX_STOP_TOKENS = 32
 MAX_LABEL_TOKENS = 16  # SamplingParams.label_token_ids per call
@@ -47,6 +56,9 @@ MIN_SPAN = 64  # smallest attention bucket; below this a step is bound by launch
 # engines starting their first calls together in two threads would both capture). The engine
 # also holds it around its own empty_cache() calls (sleep, close) for the same reason.
 CAPTURE_LOCK = threading.Lock()
+# Compiled decode graphs one code object may hold: one per (sampling mode, batch size, dtype,
+# model shape) met in the process; dynamo's default (8) would quietly fall back to eager.
+_RECOMPILE_LIMIT = 64
 
 
 def span_buckets(max_seq_len: int) -> list[int]:
@@ -93,6 +105,8 @@ class SlotRunner:
         *,
         use_cuda_graph: bool,
         steps_per_sync: int,
+        compile_decode: bool = False,
+        decode_attention: str = "sdpa",
         max_prefill_tokens: int,
         stream: torch.cuda.Stream | None = None,
         vision: VisionPrefill | None = None,
@@ -133,35 +147,79 @@ class SlotRunner:
         # The engine's stream (None on CPU): graphs are captured on it, so the cuBLAS workspaces
         # baked into them belong to it, and replays on it never race another engine's.
         self.stream = stream
+        self.decode_attention = decode_attention
+        self._compile_decode = compile_decode
+        # One compiled function per runner; dynamo's cache (per code object) is shared, so a
+        # new engine of the same shapes reuses an earlier engine's compiled graph.
+        self._compiled_step = (
+            torch.compile(self._decode_step_body, dynamic=False) if compile_decode else None
+        )
 
     # -- device steps -------------------------------------------------------------------------
 
     def _forward_last_logits(
-        self, input_ids, mask, position_ids, write, inputs_embeds=None
+        self, input_ids, mask, position_ids, write, inputs_embeds=None, *, as_kwarg=False
     ) -> torch.Tensor:
+        kwargs = dict(
+            input_ids=input_ids if inputs_embeds is None else None,
+            inputs_embeds=inputs_embeds,
+            attention_mask=mask,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        if as_kwarg:
+            return self.model(**kwargs, **{KV_WRITE_KWARG: write}).logits[:, -1]
         with writing_kv(write):
-            out = self.model(
-                input_ids=input_ids if inputs_embeds is None else None,
-                inputs_embeds=inputs_embeds,
-                attention_mask=mask,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=1,
-            )
+            out = self.model(**kwargs)
         return out.logits[:, -1]
 
     def _decode_step(self, flags: Flags, span: int) -> None:
+        """One decode step: compiled when the engine compiles it, else eager."""
+        arange_P = self.arange_L[:span]
+        if self._compiled_step is not None:
+            # Dynamic in the span (one compiled graph for every bucket), static in the rest.
+            torch._dynamo.mark_dynamic(arange_P, 0)
+            try:
+                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                    self._compiled_step(arange_P, flags.is_greedy, flags.is_truncated)
+                return
+            except Exception as exc:
+                if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise  # a broken capture: _capture reports it
+                # Compiling happens before the step runs, so the state is untouched: redo the
+                # step eagerly, and stay eager from now on.
+                logger.warning(
+                    "compiling the decode step failed (%s: %s); decoding eagerly from now on "
+                    "(EngineConfig.compile_decode=False skips the attempt)",
+                    type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                )
+                self._compiled_step = None
+        self._decode_step_body(arange_P, flags.is_greedy, flags.is_truncated)
+
+    def _decode_step_body(self, arange_P: torch.Tensor, is_greedy: bool, is_truncated: bool):
+        """The decode step over the cache positions arange_P = [0, span) (what gets compiled)."""
         L = self.cache.max_seq_len
-        visible_SP = self.arange_L[None, :span] <= self.pos_S[:, None]
+        visible_SP = arange_P[None, :] <= self.pos_S[:, None]
         # Additive, in the activations' dtype: what SDPA's fused kernels take without a
         # conversion per layer. Position 0 is always visible, so no softmax row is empty.
         mask = torch.where(visible_SP, 0.0, float("-inf")).to(self.cache.keys[0].dtype)
+        write = DecodeWrite(
+            cache=self.cache,
+            pos_S=self.pos_S,
+            span=arange_P.shape[0],
+            attention=self.decode_attention,
+        )
         logits_SV = self._forward_last_logits(
             self.input_tok_S[:, None],
             mask[:, None, None, :],
             # The cache position, shifted by a vision prompt's mrope offset (0 for text).
             (self.pos_S + self.rope_delta_S)[:, None],
-            DecodeWrite(cache=self.cache, pos_S=self.pos_S, span=span),
+            write,
+            # Compiled: the write travels as a forward kwarg (dynamo does not trace the
+            # ContextVar of writing_kv); eager keeps the ContextVar, as before.
+            as_kwarg=self._compile_decode,
         )
         token_S, logprob_S = sample_tokens(
             logits_SV,
@@ -170,8 +228,8 @@ class SlotRunner:
             top_k_S=self.top_k_S,
             key_S=self.key_S,
             counter_S=self.gen_len_S,
-            is_greedy=flags.is_greedy,
-            is_truncated=flags.is_truncated,
+            is_greedy=is_greedy,
+            is_truncated=is_truncated,
         )
         active_S = self.active_S
         column_S = self.slot_ids_S * (L + 1) + torch.where(active_S, self.gen_len_S, L)
@@ -203,35 +261,18 @@ class SlotRunner:
                 rows.append(item.request.prompt_ids)
                 row_images.append(item.images)
             row_of_item.append(len(rows) - 1)
-        lengths_B = torch.tensor([len(r) for r in rows], device=device)
-        T = max(len(r) for r in rows)
-        # Left padding puts every row's last token in column T-1, so `logits_to_keep=1` works.
-        ids_BT = torch.zeros(len(rows), T, dtype=torch.long)
-        for b, row in enumerate(rows):
-            ids_BT[b, T - len(row) :] = torch.tensor(row)
-        ids_BT = ids_BT.to(device)
-        pad_B = T - lengths_B
-        col_T = torch.arange(T, device=device)
-        positions_BT = (col_T[None, :] - pad_B[:, None]).clamp(min=0)
-        source_col_BT = (col_T[None, :] + pad_B[:, None]).clamp(max=T - 1)
-        q, k = col_T[:, None], col_T[None, :]
-        # Padding queries attend to themselves only, so no row of the softmax is empty (NaN).
-        mask = (k <= q)[None] & ((k >= pad_B[:, None, None]) | (k == q)[None])
+        lengths = [len(r) for r in rows]
+        lengths_B = torch.tensor(lengths, device=device)
         slot_J = torch.tensor(slots, device=device)
         row_J = torch.tensor(row_of_item, device=device)
-        write = PrefillWrite(
-            cache=self.cache, slot_J=slot_J, row_J=row_J, source_col_BT=source_col_BT
-        )
-        embeds_BTH = None
-        delta_B = torch.zeros_like(pad_B)
         if self.vision is not None and any(im is not None for im in row_images):
-            # Eager, outside the KV write: the vision tower's attention is its own.
-            embeds_BTH, positions_BT, delta_B = self.vision.embed(
-                self.model, ids_BT, pad_B, row_images
+            logits_BV, delta_B = self._prefill_left_padded(
+                rows, lengths_B, slot_J, row_J, row_images
             )
-        logits_JV = self._forward_last_logits(
-            ids_BT, mask[:, None], positions_BT, write, inputs_embeds=embeds_BTH
-        )[row_J]
+        else:
+            logits_BV = self._prefill_right_padded(rows, lengths, slot_J, row_J)
+            delta_B = torch.zeros_like(lengths_B)
+        logits_JV = logits_BV[row_J]
         self.key_S[slot_J] = torch.tensor([it.key for it in items], device=device)
         token_J, logprob_J = sample_tokens(
             logits_JV,
@@ -257,6 +298,67 @@ class SlotRunner:
         self.limit_S[slot_J] = limit_J
         is_stop_J = (token_J[:, None] == self.stop_ids_K[None, :]).any(dim=-1)
         self.active_S[slot_J] = ~is_stop_J & (limit_J > 1)
+
+    def _prefill_right_padded(
+        self,
+        rows: list[list[int]],
+        lengths: list[int],
+        slot_J: torch.Tensor,
+        row_J: torch.Tensor,
+    ) -> torch.Tensor:
+        """Text prompts, right-padded: each row's last-token logits [B, V].
+
+        Every prompt starts at column 0, so a causal mask alone is exact for its tokens (padding
+        only ever follows them): no mask tensor goes to attention, and SDPA runs its flash
+        kernel with is_causal (skipping the upper triangle) instead of a masked kernel that
+        reads a [B, T, T] mask. Positions past a row's end are cache garbage that decode masks.
+        """
+        device = self.device
+        T = max(lengths)
+        ids_BT = torch.zeros(len(rows), T, dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids_BT[b, : len(row)] = torch.tensor(row)
+        col_BT = torch.arange(T, device=device)[None, :].expand(len(rows), T)
+        write = PrefillWrite(cache=self.cache, slot_J=slot_J, row_J=row_J, source_col_BT=col_BT)
+        # Logits at each distinct last column only (not [B, T, V]), then each row's own.
+        last_cols = sorted({n - 1 for n in lengths})
+        keep_K = torch.tensor(last_cols, device=device)
+        which_B = torch.tensor([last_cols.index(n - 1) for n in lengths], device=device)
+        with writing_kv(write):
+            logits_BKV = self.model(
+                input_ids=ids_BT.to(device),
+                attention_mask=None,
+                position_ids=col_BT,
+                use_cache=False,
+                logits_to_keep=keep_K,
+            ).logits
+        return logits_BKV[torch.arange(len(rows), device=device), which_B]
+
+    def _prefill_left_padded(self, rows, lengths_B, slot_J, row_J, row_images):
+        """Prompts with images, left-padded under an explicit mask (the vision prefill's mrope
+        positions assume it): last-token logits [B, V] and each row's mrope offset [B]."""
+        device = self.device
+        T = max(len(r) for r in rows)
+        # Left padding puts every row's last token in column T-1, so `logits_to_keep=1` works.
+        ids_BT = torch.zeros(len(rows), T, dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids_BT[b, T - len(row) :] = torch.tensor(row)
+        ids_BT = ids_BT.to(device)
+        pad_B = T - lengths_B
+        col_T = torch.arange(T, device=device)
+        source_col_BT = (col_T[None, :] + pad_B[:, None]).clamp(max=T - 1)
+        q, k = col_T[:, None], col_T[None, :]
+        # Padding queries attend to themselves only, so no row of the softmax is empty (NaN).
+        mask = (k <= q)[None] & ((k >= pad_B[:, None, None]) | (k == q)[None])
+        write = PrefillWrite(
+            cache=self.cache, slot_J=slot_J, row_J=row_J, source_col_BT=source_col_BT
+        )
+        # Eager, outside the KV write: the vision tower's attention is its own.
+        embeds_BTH, positions_BT, delta_B = self.vision.embed(self.model, ids_BT, pad_B, row_images)
+        logits_BV = self._forward_last_logits(
+            ids_BT, mask[:, None], positions_BT, write, inputs_embeds=embeds_BTH
+        )
+        return logits_BV, delta_B
 
     def _write_label_logprobs(
         self, logits_JV: torch.Tensor, items: list[WorkItem], slot_J: torch.Tensor

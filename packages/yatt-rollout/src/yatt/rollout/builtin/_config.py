@@ -25,6 +25,18 @@ class EngineConfig:
     # and step on an H200; test_kept_graphs_survive_sleep_and_wake passed there). False gives
     # back every byte at sleep, at the price of recapturing on the next call.
     keep_graphs_asleep: bool = True
+    # Compile the decode step (model forward + sampling + slot bookkeeping) with torch.compile
+    # (inductor), once per sampling mode and batch size, attention span dynamic; on CUDA it is
+    # then captured in the engine's CUDA graphs as before. Fuses RMSNorm, residual adds, rotary,
+    # SwiGLU, the KV write and the sampler's elementwise work (about 45 kernels a layer eager).
+    # The first call pays the compile (tens of seconds); if compiling fails the engine logs it
+    # once and decodes eagerly. None: on for CUDA, off for CPU.
+    compile_decode: bool | None = None
+    # Decode attention over the static KV cache: "sdpa" (one SDPA call over the grouped query;
+    # on CUDA a flash prefill kernel), "triton" (a split-K decode kernel, _decode_kernel.py;
+    # CUDA only, SDPA elsewhere), "matmul" (q K^T, float32 softmax, P V), or "auto" ("triton"
+    # on CUDA, "sdpa" on CPU). Prefill attention is SDPA whatever this says.
+    decode_attention: str = "auto"
     steps_per_sync: int = 8  # decode steps between host checks for finished slots
     # A call that samples like the running one (same temperature, top-p, top-k, stop ids; n,
     # seed and max_new_tokens may differ) joins its loop: its samples take free slots at the
@@ -85,6 +97,16 @@ class EngineConfig:
                 f"EngineConfig.stream_priority={self.stream_priority!r}: must be an int (0 = "
                 "normal, negative = more urgent, e.g. -1 for the policy beside a judge)"
             )
+        if self.compile_decode is not None and not isinstance(self.compile_decode, bool):
+            raise ValueError(
+                f"EngineConfig.compile_decode={self.compile_decode!r}: must be a bool or None "
+                "(None: compile on CUDA only)"
+            )
+        if self.decode_attention not in ("auto", "sdpa", "triton", "matmul"):
+            raise ValueError(
+                f"EngineConfig.decode_attention={self.decode_attention!r}: use 'auto', 'sdpa', "
+                "'triton' or 'matmul'"
+            )
         if not isinstance(self.should_join_calls, bool):
             raise ValueError(
                 f"EngineConfig.should_join_calls={self.should_join_calls!r}: must be a bool"
@@ -94,6 +116,19 @@ class EngineConfig:
                 f"EngineConfig.region_prefix={self.region_prefix!r}: must be a non-empty name "
                 "without '/', unique per engine in the process (e.g. 'rollout', 'genrm')"
             )
+
+    @property
+    def should_compile_decode(self) -> bool:
+        if self.compile_decode is None:
+            return torch.device(self.device).type == "cuda"
+        return self.compile_decode
+
+    @property
+    def decode_attention_kernel(self) -> str:
+        """ "sdpa", "triton" or "matmul": what `decode_attention` resolves to."""
+        if self.decode_attention == "auto":
+            return "triton" if torch.device(self.device).type == "cuda" else "sdpa"
+        return self.decode_attention
 
     @property
     def torch_dtype(self) -> torch.dtype | str:

@@ -18,6 +18,7 @@ k/v G times over the whole cache on every layer and step (7x the cache in copies
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -28,6 +29,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
+
+from yatt.rollout.builtin._decode_kernel import triton_decode_attention
+
+logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "yatt_static_kv"
 
@@ -76,6 +81,9 @@ class DecodeWrite:
     cache: StaticKVCache
     pos_S: torch.Tensor  # int64 [S], clamped into [0, L) by the engine
     span: int  # cache positions attended; > every active slot's position
+    # "sdpa": one SDPA call over the grouped query; "matmul": q K^T, masked float32 softmax,
+    # P V; "triton": the split-K kernel of _decode_kernel.py (CUDA; else SDPA).
+    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         # Row of each (slot, head) in a layer viewed as [S * H_kv * L, D]: the same for every
@@ -84,11 +92,84 @@ class DecodeWrite:
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         cache = self.cache
-        # key: [S, H_kv, 1, D] -> one row per (slot, head) of the flattened layer buffer.
-        flat_shape = (-1, cache.head_dim)
-        cache.keys[layer].view(flat_shape).index_copy_(0, self.rows_SH, key.reshape(flat_shape))
-        cache.values[layer].view(flat_shape).index_copy_(0, self.rows_SH, value.reshape(flat_shape))
+        _write_rows(cache.keys[layer], self.rows_SH, key)
+        _write_rows(cache.values[layer], self.rows_SH, value)
         return cache.keys[layer], cache.values[layer]
+
+    def write_and_attend(self, layer, query, key, value, mask, scaling) -> torch.Tensor:
+        """The layer's KV write and decode attention as one custom op: opaque to torch.compile,
+        which would otherwise functionalize the write into a copy of the whole layer cache."""
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return torch.ops.yatt_rollout.decode_kv_attention(
+            query,
+            key,
+            value,
+            self.cache.keys[layer],
+            self.cache.values[layer],
+            self.rows_SH,
+            self.pos_S,
+            mask,
+            float(scale),
+            self.attention,
+        )
+
+
+def _write_rows(buffer: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> None:
+    # new: [S, H_kv, 1, D] -> one row per (slot, head) of the layer buffer viewed [S*H_kv*L, D].
+    flat_shape = (-1, buffer.shape[-1])
+    buffer.view(flat_shape).index_copy_(0, rows, new.reshape(flat_shape))
+
+
+@torch.library.custom_op(
+    "yatt_rollout::decode_kv_attention", mutates_args=("key_cache", "value_cache")
+)
+def decode_kv_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    rows_SH: torch.Tensor,
+    pos_S: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    kernel: str,
+) -> torch.Tensor:
+    """Write a decode step's keys/values at rows_SH, then attend to positions [0, mask's span).
+
+    query [S, H_q, 1, D]; key/value [S, H_kv, 1, D]; caches [S, H_kv, L, D]; mask [S, 1, 1,
+    span] additive (what the engine builds from pos_S: position p visible iff p <= pos_S[s]).
+    Returns [S, 1, H_q, D].
+    """
+    _write_rows(key_cache, rows_SH, key)
+    _write_rows(value_cache, rows_SH, value)
+    span = mask.shape[-1]
+    if kernel == "triton":
+        out = triton_decode_attention(query, key_cache, value_cache, pos_S, span=span, scale=scale)
+        if out is not None:
+            return out
+        _log_triton_fallback()
+        kernel = "sdpa"
+    attend = decode_attention_matmul if kernel == "matmul" else decode_attention
+    return attend(query, key_cache, value_cache, mask, span=span, scaling=scale)
+
+
+@decode_kv_attention.register_fake
+def _(query, key, value, key_cache, value_cache, rows_SH, pos_S, mask, scale, kernel):
+    S, Hq, _, D = query.shape
+    return query.new_empty((S, 1, Hq, D))
+
+
+_TRITON_FALLBACK_LOGGED = []
+
+
+def _log_triton_fallback() -> None:
+    if not _TRITON_FALLBACK_LOGGED:
+        _TRITON_FALLBACK_LOGGED.append(True)
+        logger.warning(
+            "decode attention 'triton' is unavailable here (no Triton, not CUDA, or an "
+            "unsupported head size); using SDPA"
+        )
 
 
 @dataclass(kw_only=True)
@@ -154,8 +235,54 @@ def decode_attention(
     return out.reshape(num_slots, 1, num_heads, head_dim)
 
 
+def decode_attention_matmul(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    span: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """`decode_attention` as q K^T, masked float32 softmax, P V (HF's eager attention's order).
+
+    Why: for a one-token query SDPA on CUDA picks a flash *prefill* kernel whose 64-128-row
+    query tiles hold G = H_q / H_kv rows (7 for Qwen2.5), about 5x off the KV-read roofline.
+    Two batched GEMMs read K and V once each (cuBLAS, memory-bound at M = G), and under
+    torch.compile the scale, mask, softmax and cast between them fuse into one kernel. The
+    scores are rounded to the activations' dtype before the softmax (as HF's eager path does).
+    Same arguments and result layout as `decode_attention`.
+    """
+    num_slots, num_heads, _, head_dim = query.shape
+    num_kv_heads = keys.shape[1]
+    group = num_heads // num_kv_heads
+    rows = num_slots * num_kv_heads
+    # [S, H_kv, :span, D] -> [S * H_kv, span, D] is a view: the slot stride is H_kv rows.
+    keys_RPD = keys[:, :, :span].reshape(rows, span, head_dim)
+    values_RPD = values[:, :, :span].reshape(rows, span, head_dim)
+    query_RGD = query.reshape(rows, group, head_dim)
+    scale = scaling if scaling is not None else head_dim**-0.5
+    scores = torch.matmul(query_RGD, keys_RPD.transpose(1, 2)).view(
+        num_slots, num_kv_heads, group, span
+    )
+    if mask.dtype == torch.bool:
+        mask = torch.where(mask, 0.0, float("-inf"))
+    scores = scores.float() * scale + mask.float()
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(rows, group, span)
+    out = torch.matmul(probs, values_RPD)
+    return out.reshape(num_slots, 1, num_heads, head_dim)
+
+
+# Keyword argument of the model's forward that carries the KV write to the attention layers
+# (HF passes the forward's extra kwargs down to them): unlike the ContextVar of `writing_kv`,
+# torch.compile traces through it, and it is as thread-safe (a call's own argument).
+KV_WRITE_KWARG = "yatt_kv_write"
+
+
 def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
-    write = _ACTIVE_WRITE.get()
+    write = kwargs.pop(KV_WRITE_KWARG, None)
+    if write is None:
+        write = _ACTIVE_WRITE.get()
     if write is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     for name in ("sliding_window", "softcap", "position_bias"):
@@ -164,12 +291,12 @@ def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
                 f"{type(module).__name__} passes {name} to its attention, which the built-in "
                 "engine does not implement; use the vLLM or SGLang engine"
             )
-    key, value = write.write(module.layer_idx, key, value)
     if isinstance(write, DecodeWrite):
-        out = decode_attention(
-            query, key, value, attention_mask, span=write.span, scaling=kwargs.get("scaling")
+        out = write.write_and_attend(
+            module.layer_idx, query, key, value, attention_mask, kwargs.get("scaling")
         )
         return out, None
+    key, value = write.write(module.layer_idx, key, value)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
