@@ -206,7 +206,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ckpt-when-busy", choices=("wait", "defer"), default="wait")
     p.add_argument("--judge-port", type=int, default=18517)
     p.add_argument("--serve-judge", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--judge-slots", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--judge-slots",
+        type=int,
+        default=None,
+        help="the colocated judge engine's slots (default: the rollout engine's: 8 x prompts, "
+        "x2 in the seed mix); every step decodes all of them, used or not",
+    )
     p.add_argument(
         "--run-budget-s",
         type=float,
@@ -233,7 +239,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--judge-gpu(s): only with --layout dedicated, not {args.layout}")
     if args.prompts is not None and args.prompts_per_rank is not None:
         p.error("pass --prompts (over all GPUs) or --prompts-per-rank, not both")
-    for name in ("prompts", "prompts_per_rank"):
+    for name in ("prompts", "prompts_per_rank", "judge_slots"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     args.mixes = [m for m in args.mix.split(",") if m]
@@ -336,7 +342,7 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
             device=device,
             tiny=args.tiny,
             work=work,
-            slots=slots,
+            slots=args.judge_slots or slots,
             keep_graphs=args.keep_graphs,
         )
     ctx.policy = core.TorchPolicy(

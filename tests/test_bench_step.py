@@ -716,3 +716,12 @@ def test_run_budget_leaves_out_steps_that_would_end_past_it():
     assert not step_cli.past_budget(None, 1e6, [warm, timed])
     with pytest.raises(SystemExit):
         step_cli.parse_args(["--layout", "full", "--run-budget-s", "0"])
+
+
+def test_judge_slots_size_the_colocated_judge_and_name_the_run():
+    args = step_cli.parse_args(["--layout", "partial", "--mix", "seed", "--judge-slots", "320"])
+    assert _step_setup.variant_key("partial", args) == "partial-j1.5b-js320"
+    default = step_cli.parse_args(["--layout", "partial", "--mix", "seed"])
+    assert _step_setup.variant_key("partial", default) == "partial-j1.5b"
+    with pytest.raises(SystemExit):
+        step_cli.parse_args(["--layout", "full", "--judge-slots", "0"])
