@@ -7,7 +7,8 @@ once the phase's roles are awake), .../is_awake, .../asleep_bytes (what it would
 placement/<phase>/peak_bytes (resident + the phase's growth in its latest run: device-wide on
 CUDA), need_bytes and free_bytes (offload="auto": what the switch needed and found free).
 A phase's peak is measured when the next switch starts, so the last phase of a step (sync)
-shows the previous step's peak.
+shows the previous step's peak. Only phases that ran are shown: partial colocation's plan has a
+genrm phase that the step never enters (rollout and GenRM run as one phase).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def timeline(metrics: dict[str, float], phases: Sequence[str]) -> dict[str, dict
     out: dict[str, dict[str, Any]] = {}
     for phase in phases:
         prefix = f"placement/{phase}/"
+        if metrics.get(prefix + "num_switches", 1.0) == 0:  # never entered (partial's genrm)
+            continue
         roles: dict[str, dict[str, Any]] = {}
         for key, value in metrics.items():
             if not key.startswith(prefix + "role/"):
@@ -54,6 +57,18 @@ def timeline(metrics: dict[str, float], phases: Sequence[str]) -> dict[str, dict
             "switch_s": metrics.get(prefix + "switch_s", 0.0),
         }
     return out
+
+
+def phases_that_ran(memory: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The timeline without phases that never ran: results written before timeline() left them
+    out hold them as all zeros (no role awake, nothing resident, no peak)."""
+    return {
+        name: phase
+        for name, phase in memory.items()
+        if phase["resident_gib"]
+        or phase["peak_gib"]
+        or any(r.get("is_awake") for r in phase["roles"].values())
+    }
 
 
 def step_peak_gib(memory: dict[str, dict[str, Any]]) -> float | None:
@@ -99,7 +114,7 @@ def last_timeline(run: dict) -> tuple[str, dict[str, dict[str, Any]]] | None:
     for mix in ("longtail", "fixed", *run["mixes"]):
         steps = run["mixes"].get(mix, {}).get("steps") or []
         if steps and steps[-1].get("memory"):
-            return mix, steps[-1]["memory"]
+            return mix, phases_that_ran(steps[-1]["memory"])
     return None
 
 

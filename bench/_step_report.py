@@ -340,6 +340,11 @@ SEED_COLUMNS = (
     ("tokens aborted", sampling_metric("num_tokens_aborted")),
     ("groups aborted", sampling_metric("num_groups_aborted")),
     ("rollout memory share", sampling_metric("split_rollout_fraction")),
+    ("stream: rollout end s", sampling_metric("stream_rollout_end_s")),
+    (
+        "stream: judge after the last kept response s",
+        sampling_metric("stream_judge_after_last_kept_s"),
+    ),
 )
 
 
@@ -355,7 +360,10 @@ def seed_table(runs: list[dict]) -> list[str]:
         "Medians (min-max) over the timed steps; per kept group = rollout+GenRM time / groups "
         "kept over all ranks; judge tail = the judge's work after the rollout stopped (partial: "
         "after the abort or the last response; full: its GenRM phases); rollout memory share = "
-        "the split after the step (partial colocation; the live queues' pending tokens).",
+        "the split after the step (partial colocation; the live queues' pending tokens); "
+        "stream: rollout end = its last response or the abort, from the stream's start; judge "
+        "after the last kept response = from the last response of a kept group to the target "
+        "reached (that response's whole verdict: the stream's floor on one GPU).",
         "",
         "| layout | GPUs | models | "
         + " | ".join(name for name, _ in SEED_COLUMNS)

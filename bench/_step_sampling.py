@@ -17,7 +17,10 @@ reward is the sample's hidden label, so what is kept does not depend on the judg
                requests end with their partial output) and so is the judge's leftover work.
                Cut groups are dropped, or with --keep-partial kept (core.PartialRollouts) and
                resumed first in the next step, their tokens' logprobs the old engine's.
-               The memory split follows the live queues (placement.PendingLoad).
+               The memory split follows the live queues (placement.PendingLoad). Top-ups use
+               a keep rate steadied by last step's (stream_draw: the step's own rate after one
+               dropped group is 0, which drew 4x the missing groups at once). The step's
+               timeline goes into the stats (stream_*_s: seconds from the stream's start).
     --sampler old   the round-based sampler before issue 26 (core.sample_dynamically: each
                round draws only the missing groups, no over-sampling); partial overlaps the
                judge with the rollout inside each round (score_as_completed), nothing aborted.
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +42,8 @@ SAMPLERS = ("new", "old")
 MAX_ROUNDS = 3  # DAPO's and the trainer's default
 MAX_OVERSAMPLE = 4.0
 POLL_S = 0.01  # the stream's wait for the next judged group, between abort checks
+# stream_draw's prior: last step's keep rate weighs as much as this many steps' groups.
+PRIOR_STEPS = 1.0
 
 
 def make_sampler(ctx: Any) -> Any:
@@ -60,6 +66,33 @@ def make_sampler(ctx: Any) -> Any:
         mode="stream" if is_stream else "rounds",
         group=ctx.runtime.dp_group,
     )
+
+
+def steady_factor(sampler: Any, num_judged: int) -> float:
+    """Groups to draw per missing group, from a keep rate steadied by a prior.
+
+    The stream's own estimate (core.DynamicSampler: this step's kept / judged) is the rate of
+    the first few groups judged: one dropped group makes it 0 and the factor max_oversample, so
+    the next top-up draws ~4x the missing groups at once (issue 26's H200 run: 31-32 groups
+    drawn on the first drop, 64-65 drawn in all for 16 kept, twice the rollout's tokens).
+    Here the rate is (kept + n0 * prior) / (judged + n0): prior = last step's rate over all
+    ranks (else 1 / oversample), n0 = PRIOR_STEPS steps' target groups (a Beta prior)."""
+    prior = sampler.last_keep_rate
+    if prior is None:
+        prior = 1.0 / sampler.oversample
+    n0 = PRIOR_STEPS * sampler.target_groups
+    rate = (sampler.num_kept + n0 * prior) / (num_judged + n0)
+    return 1.0 / max(rate, 1.0 / sampler.max_oversample)
+
+
+def stream_draw(sampler: Any, *, in_flight: int, num_judged: int) -> int:
+    """sampler.num_to_draw(in_flight=...) with steady_factor's count: ceil(missing x factor)
+    less the groups in flight (its budget, full and done checks stay core's)."""
+    wanted = math.ceil(sampler.num_missing * steady_factor(sampler, num_judged) - 1e-9)
+    core_wanted = math.ceil(sampler.num_missing * sampler.oversample_factor - 1e-9)
+    # core draws max(min(core_wanted - in_flight, budget), 0): shifting in_flight by what core
+    # wants beyond ours (or short of it) makes that wanted - in_flight.
+    return sampler.num_to_draw(in_flight=max(0, in_flight + core_wanted - wanted))
 
 
 def make_partials(ctx: Any) -> Any:
@@ -103,6 +136,10 @@ class _Tally:
     num_resumed_groups: int = 0
     num_kept_partial: int = 0
     genrm_tail_s: float = 0.0
+    # The stream's timeline, seconds from its start (None: did not happen): the first group
+    # judged, the last response of a kept group, the target reached (abort), the rollout's
+    # end (its last response, or the abort's), and the end (the judge drained).
+    timeline: dict[str, float | None] = field(default_factory=dict)
 
 
 def _requests(ctx: Any, groups: list[_Group], sampling_max: int) -> list[Any]:
@@ -268,6 +305,10 @@ class _Stream:
         self.genrm_pending = 0
         self.rollout_end: float | None = None
         self.last_completion_t: float | None = None
+        self.arrived: dict[tuple[int, int], float] = {}  # (group, sample) -> response's time
+        self.num_judged = 0  # groups offered to the sampler
+        self.start = time.perf_counter()
+        self.marks: dict[str, float] = {}  # first_judged, last_kept_response, full
 
     def _note(self) -> None:
         self.load.record(
@@ -330,6 +371,7 @@ class _Stream:
             g, j = self.groups[c.metadata["group"]], c.metadata["sample"]
             self.rollout_pending -= self.request_tokens.pop((g.seed.key, j))
             self.last_completion_t = time.perf_counter()
+            self.arrived[(g.seed.key, j)] = self.last_completion_t
             if c.finish_reason == "abort":
                 self.tally.response_tokens += len(c.response_ids)
                 self.tally.aborted_tokens += len(c.response_ids)
@@ -337,24 +379,47 @@ class _Stream:
             else:
                 self._add(g, j, _finish(g, j, c, self.tally))
 
+    def _top_up(self) -> None:
+        more = stream_draw(self.sampler, in_flight=self.num_in_flight, num_judged=self.num_judged)
+        self._feed(_draw(self.ctx, self.step, more))
+
+    def _offer(self, judged: Any) -> None:
+        """A judged group to the sampler; a kept one's last response marks the timeline."""
+        now = time.perf_counter()
+        self.marks.setdefault("first_judged", now)
+        self.num_in_flight -= 1
+        self.num_judged += 1
+        g = self.groups[judged.group]
+        g.completions = dict(enumerate(judged.completions))
+        if self.sampler.add(_group_batch([g], self.group_size)):
+            arrivals = [self.arrived.get((g.seed.key, j)) for j in range(self.group_size)]
+            last = max((t for t in arrivals if t is not None), default=None)
+            if last is not None:  # (resumed samples arrived last step)
+                self.marks["last_kept_response"] = max(
+                    last, self.marks.get("last_kept_response", last)
+                )
+
     async def run(self, resumed: list[_Group]) -> None:
         sampler, judging = self.sampler, self.judging
+        self.start = time.perf_counter()  # in the phase: after the switch
         self._feed(resumed)
-        self._feed(_draw(self.ctx, self.step, sampler.num_to_draw(in_flight=self.num_in_flight)))
+        self._top_up()
         while True:
             judged = await judging.next_group(timeout_s=POLL_S)
             if judged is not None:
-                self.num_in_flight -= 1
-                g = self.groups[judged.group]
-                g.completions = dict(enumerate(judged.completions))
-                sampler.add(_group_batch([g], self.group_size))
+                self._offer(judged)
             if sampler.should_abort():
+                self.marks["full"] = time.perf_counter()
                 break
-            more = sampler.num_to_draw(in_flight=self.num_in_flight)
-            self._feed(_draw(self.ctx, self.step, more))
+            self._top_up()
             if not self.num_in_flight:
                 break  # nothing in flight and nothing more to draw: take() waits for the rest
         await self._cut()
+
+    def timeline(self, end: float) -> dict[str, float | None]:
+        """The step's marks in seconds from the stream's start (see _Tally.timeline)."""
+        marks = self.marks | {"rollout_end": self.rollout_end, "end": end}
+        return {k: None if t is None else t - self.start for k, t in marks.items()}
 
     async def _cut(self) -> None:
         """Abort what is left: the rollout's in-flight requests (their partial outputs come
@@ -395,6 +460,7 @@ def stream_step(ctx: Any, step: int, phases: dict[str, float]) -> tuple[Any, dic
         _step_profile._sync()
         end = time.perf_counter()
     run.tally.genrm_tail_s = end - (run.rollout_end or end)
+    run.tally.timeline = run.timeline(end)
     # Cut groups: counted, and with --keep-partial held for the next step.
     cut = run.cut_groups()
     sampler.record_aborted(len(cut), num_tokens=run.tally.aborted_tokens)
@@ -407,7 +473,19 @@ def stream_step(ctx: Any, step: int, phases: dict[str, float]) -> tuple[Any, dic
     batch, stats = sampler.take()
     stats |= {f"split_{k}": v for k, v in pending.items()}
     stats["split_rollout_fraction"] = fraction
+    stats |= stream_stats(run.tally.timeline)
     return batch, stats, run.tally
+
+
+def stream_stats(timeline: dict[str, float | None]) -> dict[str, float]:
+    """The timeline as stats (stream_<mark>_s), and the judge's time after the last kept
+    group's last response (stream_judge_after_last_kept_s): on one GPU the floor of the
+    stream's tail, as that response's verdict alone takes the judge's whole decode."""
+    out = {f"stream_{k}_s": float(v) for k, v in timeline.items() if v is not None}
+    last, full = timeline.get("last_kept_response"), timeline.get("full")
+    if last is not None and full is not None:
+        out["stream_judge_after_last_kept_s"] = float(full - last)
+    return out
 
 
 def _partial_group(g: _Group, step: int) -> Any:

@@ -361,7 +361,7 @@ def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
     dedicated with a pool: "-<policy GPUs>+<judge GPUs>" (dedicated-6+2; one policy rank and
     one judge GPU, the 2-GPU run, stays "dedicated"), "-s<n>" when n judge servers share
     fewer GPUs. Then "-pr<N>" (--prompts-per-rank), "-1.5b" (--shape), "-j<shape>" (a
-    --judge-shape unlike the policy's)."""
+    --judge-shape unlike the policy's), "-js<N>" (--judge-slots, colocated judges)."""
     key = layout
     judge_gpus = getattr(args, "judge_gpus", None) or []
     if layout == "dedicated" and judge_gpus:
@@ -382,6 +382,8 @@ def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
         policy, judge = shape_names(args)
         key += f"-{policy}" if policy != "0.5b" else ""
         key += f"-j{judge}" if judge != policy else ""
+    if getattr(args, "judge_slots", None) and layout != "dedicated":
+        key += f"-js{args.judge_slots}"
     if getattr(args, "ckpt_when_busy", "wait") != "wait":
         key += f"-{args.ckpt_when_busy}"
     if "seed" in (getattr(args, "mixes", None) or []):  # issue 26's sampler settings

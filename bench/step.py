@@ -206,7 +206,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ckpt-when-busy", choices=("wait", "defer"), default="wait")
     p.add_argument("--judge-port", type=int, default=18517)
     p.add_argument("--serve-judge", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--judge-slots", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--judge-slots",
+        type=int,
+        default=None,
+        help="the colocated judge engine's slots (default: the rollout engine's: 8 x prompts, "
+        "x2 in the seed mix); every step decodes all of them, used or not",
+    )
+    p.add_argument(
+        "--run-budget-s",
+        type=float,
+        default=None,
+        help="seconds this run may take from its start: no timed step starts that would end "
+        "past it (at least one runs); the JSON records how many were left out",
+    )
     p.add_argument("--prepare", action="store_true", help="only save the models, then exit")
     p.add_argument("--model-dir", default=None, help="saved models (made once if missing)")
     p.add_argument("--out-dir", default="bench/results/step_runs")
@@ -226,7 +239,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--judge-gpu(s): only with --layout dedicated, not {args.layout}")
     if args.prompts is not None and args.prompts_per_rank is not None:
         p.error("pass --prompts (over all GPUs) or --prompts-per-rank, not both")
-    for name in ("prompts", "prompts_per_rank"):
+    for name in ("prompts", "prompts_per_rank", "judge_slots"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     args.mixes = [m for m in args.mix.split(",") if m]
@@ -243,6 +256,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.judge_shape = setup.SEED_JUDGE_SHAPE
     if args.no_variance_share is not None and not 0.0 <= args.no_variance_share < 1.0:
         p.error(f"--no-variance-share {args.no_variance_share}: must be in [0, 1)")
+    if args.run_budget_s is not None and not args.run_budget_s > 0:
+        p.error(f"--run-budget-s {args.run_budget_s}: must be > 0 (seconds), e.g. 110")
     if args.keep_partial and (args.layout != "partial" or args.sampler != "new" or not is_seed):
         p.error("--keep-partial: only with --layout partial, --sampler new and the seed mix")
     if args.model_dir is None:
@@ -327,7 +342,7 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
             device=device,
             tiny=args.tiny,
             work=work,
-            slots=slots,
+            slots=args.judge_slots or slots,
             keep_graphs=args.keep_graphs,
         )
     ctx.policy = core.TorchPolicy(
@@ -462,10 +477,7 @@ def _rollout(ctx, mix: str, step: int, phases: dict[str, float]):
             completions, verdicts = asyncio.run(genrm.score_as_completed(stream, judge, to_sample))
         phases["genrm_tail"] = time.perf_counter() - marks["rollout_end"]
         # Did the judge's batches join its running decode (yatt.rollout), or run one by one?
-        extra = {"judge_batches": judge.metrics["num_batches"] - ctx.judge_batches_seen}
-        extra["judge_joined_calls"] = ctx.judge_engine.num_joined_calls - ctx.judge_joins_seen
-        ctx.judge_batches_seen += extra["judge_batches"]
-        ctx.judge_joins_seen += extra["judge_joined_calls"]
+        extra = _judge_calls(ctx)
         r_tokens = sum(len(c.prompt_ids) + len(c.response_ids) for c in completions)
         j_tokens = judge.metrics["num_prompt_tokens"] - ctx.judge_tokens_seen
         plan.update_load(rollout_pending_tokens=r_tokens, genrm_pending_tokens=j_tokens)
@@ -519,7 +531,19 @@ def _seed_rollout(ctx, step: int, phases: dict[str, float]):
         "num_groups_resumed": float(tally.num_resumed_groups),
         "num_groups_kept_partial": float(tally.num_kept_partial),
     }
-    return batch, counts, {"sampling": sampling}
+    return batch, counts, {"sampling": sampling} | _judge_calls(ctx)
+
+
+def _judge_calls(ctx) -> dict[str, int]:
+    """This step's judge batches and the engine calls that joined its running decode (a
+    judge fed sample by sample: few joins would mean its batches ran one after another)."""
+    if ctx.judge_engine is None:  # dedicated: the servers' own
+        return {}
+    extra = {"judge_batches": ctx.judge.metrics["num_batches"] - ctx.judge_batches_seen}
+    extra["judge_joined_calls"] = ctx.judge_engine.num_joined_calls - ctx.judge_joins_seen
+    ctx.judge_batches_seen += extra["judge_batches"]
+    ctx.judge_joins_seen += extra["judge_joined_calls"]
+    return extra
 
 
 def run_layout(args: argparse.Namespace) -> Path | None:
@@ -543,10 +567,14 @@ def run_layout(args: argparse.Namespace) -> Path | None:
                 gpus += sorted(setup.physical_gpu(g) for g in set(ctx.judge_gpus))
         sampler = setup.GpuSampler(gpus).start()
         per_mix: dict[str, list[dict]] = {}
+        num_skipped = 0  # timed steps --run-budget-s left out
         global_step = 0
         for mix in args.mixes:
             rows = []
             for step in range(args.warmup + args.steps):
+                if _past_budget(args, runtime, started_at, rows):
+                    num_skipped += args.warmup + args.steps - step
+                    break
                 try:
                     row = one_step(ctx, mix, step, global_step)
                 except Exception as exc:
@@ -596,7 +624,8 @@ def run_layout(args: argparse.Namespace) -> Path | None:
                 | {"activation_checkpointing": args.activation_checkpointing}
                 | {"offload_optimizer": args.offload_optimizer, "ckpt": args.ckpt}
                 | {"ckpt_when_busy": args.ckpt_when_busy}
-                | {"ckpt_deferred": ctx.ckpt.num_deferred_saves},
+                | {"ckpt_deferred": ctx.ckpt.num_deferred_saves}
+                | {"run_budget_s": args.run_budget_s, "steps_left_out": num_skipped},
                 ckpt_root=str(ctx.ckpt_root.parent),
                 by_mix={mix: [g[mix] for g in gathered] for mix in args.mixes},
                 started_at=started_at,
@@ -612,6 +641,25 @@ def run_layout(args: argparse.Namespace) -> Path | None:
             if server.poll() is None:
                 server.kill()
         runtime.shutdown()
+
+
+def past_budget(budget_s: float | None, elapsed_s: float, rows: list[dict]) -> bool:
+    """Whether the next step would end past `budget_s` (seconds from the run's start), judged
+    by the last step's length; never before one timed step has run."""
+    timed = [r for r in rows if not r["is_warmup"]]
+    if budget_s is None or not timed:
+        return False
+    return elapsed_s + (rows[-1]["t1"] - rows[-1]["t0"]) > budget_s
+
+
+def _past_budget(args, runtime, started_at: float, rows: list[dict]) -> bool:
+    """past_budget on rank 0's clock, the same answer on every rank."""
+    import torch
+
+    answer = [past_budget(args.run_budget_s, time.time() - started_at, rows)]
+    if runtime.world_size > 1 and args.run_budget_s is not None:
+        torch.distributed.broadcast_object_list(answer, src=0)
+    return bool(answer[0])
 
 
 def main(argv: list[str]) -> None:

@@ -46,6 +46,33 @@ def test_timeline_reads_each_role_per_phase_from_the_plans_metrics():
     assert _step_memory.step_peak_gib(memory) == 120.0
 
 
+def test_only_phases_that_ran_are_shown():
+    # Partial colocation's plan has a genrm phase the step never enters: all zeros, every role
+    # "asleep (0.0)" in the table unless left out.
+    m = _metrics()
+    for key in list(m):
+        if key.startswith("placement/train/"):
+            m[key.replace("/train/", "/genrm/", 1)] = 0.0
+    m["placement/rollout/num_switches"] = m["placement/train/num_switches"] = 3.0
+    m["placement/genrm/num_switches"] = 0.0
+    memory = _step_memory.timeline(m, ("rollout", "genrm", "train"))
+    assert list(memory) == ["rollout", "train"]
+    # A result written before: the phase is there, as zeros; the report leaves it out.
+    old = _step_memory.timeline(_metrics(), ("rollout", "train"))
+    old["genrm"] = {
+        "roles": {"rollout": {"resident_gib": 0.0, "asleep_gib": 0.0, "is_awake": False}},
+        "resident_gib": 0.0,
+        "peak_gib": 0.0,
+        "need_gib": 0.0,
+        "free_gib": 0.0,
+        "switch_s": 0.0,
+    }
+    run = {"layout": "partial-auto", "num_gpus": 1, "mixes": {"seed": {"steps": []}}}
+    run["mixes"]["seed"]["steps"] = [{"step_s": 1.0, "phases": {}, "switches": {}, "memory": old}]
+    text = _step_memory.markdown([run], [])
+    assert "| rollout |" in text and "| train |" in text and "| genrm |" not in text
+
+
 def test_switch_share_counts_switches_and_the_sync_phase():
     # Switches 1 + 2 s (rollout, train) and the sync phase (its switch 0.5 s inside its 3 s):
     # (3 + 3) / 60 = 10% per step; the median of the steps.

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import _step_bars
 import _step_report
+import _step_sampling
 import _step_setup
 import step as step_cli
 
@@ -635,6 +636,12 @@ def test_stream_fills_aborts_the_tail_and_resumes_cut_groups(seed_runs):
         assert m["split_rollout_pending_tokens"] > 0 and m["split_genrm_pending_tokens"] > 0
         # Resumed responses are the old part + the continuation: still their forced length.
         assert s["bad_lengths"] == 0
+        # The timeline: a kept group's last response, then the target, then the end; the judge
+        # fed sample by sample joined its running decode.
+        assert 0 <= m["stream_last_kept_response_s"] <= m["stream_full_s"] <= m["stream_end_s"]
+        assert m["stream_judge_after_last_kept_s"] >= 0
+        assert m["stream_rollout_end_s"] <= m["stream_end_s"]
+        assert s["judge_batches"] > 0
     # The second timed step resumes what the first cut (at most: older ones are dropped).
     first, second = (s["sampling"] for s in steps)
     assert 0 < second["num_groups_resumed"] <= first["num_groups_kept_partial"]
@@ -647,3 +654,74 @@ def test_report_has_the_seed_table_and_bars(seed_runs):
     assert "## Seed mix: dynamic sampling" in md and "per kept group s" in md
     assert "cut groups resumed next step" in md  # the partial-keep row's label
     assert "round-based sampler" in md
+
+
+# -- the stream's top-ups, timeline and the run budget (issue 26's H200 run) --------------------
+def _flat_or_varied(*has_variance: bool):
+    from yatt.core import Batch
+
+    rows = [
+        {"input_ids": [1, 2], "group_id": g, "reward": float(r)}
+        for g, varied in enumerate(has_variance)
+        for r in ((0.0, 1.0) if varied else (1.0, 1.0))
+    ]
+    return Batch.from_samples(rows)
+
+
+def _stream_sampler(last_keep_rate: float):
+    from yatt import core
+
+    sampler = core.DynamicSampler(target_groups=16, max_oversample=4.0, mode="stream")
+    sampler.last_keep_rate = last_keep_rate  # as a previous step over all ranks left it
+    return sampler
+
+
+def test_one_dropped_group_does_not_draw_four_times_the_missing_groups():
+    ours, core_only = _stream_sampler(0.5), _stream_sampler(0.5)
+    assert _step_sampling.stream_draw(ours, in_flight=0, num_judged=0) == 32  # 16 / 0.5
+    assert core_only.num_to_draw(in_flight=0) == 32
+    for sampler in (ours, core_only):
+        sampler.add(_flat_or_varied(False))  # the first group judged: no variance
+    # The step's own rate is 0/1: core's factor jumps to 4, 16 * 4 - 31 in flight.
+    assert core_only.num_to_draw(in_flight=31) == 33
+    # Last step's 0.5 weighs as 16 groups: (0 + 8) / (1 + 16), ceil(16 * 17 / 8) - 31 = 3.
+    assert _step_sampling.stream_draw(ours, in_flight=31, num_judged=1) == 3
+
+
+def test_a_lucky_start_does_not_starve_the_stream():
+    sampler = _stream_sampler(0.5)
+    assert _step_sampling.stream_draw(sampler, in_flight=0, num_judged=0) == 32
+    sampler.add(_flat_or_varied(True, True, True, True))  # 4 of 4 kept: the step's rate is 1
+    # (4 + 8) / (4 + 16) = 0.6: ceil(12 / 0.6) = 20 wanted, 10 in flight: 10 more (core's
+    # own rate, 1.0, would want 12 and draw 2).
+    assert _step_sampling.stream_draw(sampler, in_flight=10, num_judged=4) == 10
+
+
+def test_stream_stats_time_the_judge_after_the_last_kept_response():
+    timeline = {"first_judged": 5.0, "last_kept_response": 6.5, "full": 11.25}
+    timeline |= {"rollout_end": 11.3, "end": 11.4}
+    stats = _step_sampling.stream_stats(timeline)
+    assert stats["stream_judge_after_last_kept_s"] == pytest.approx(4.75)
+    assert stats["stream_rollout_end_s"] == 11.3 and stats["stream_end_s"] == 11.4
+    never_full = _step_sampling.stream_stats({"rollout_end": None, "end": 3.0})
+    assert never_full == {"stream_end_s": 3.0}
+
+
+def test_run_budget_leaves_out_steps_that_would_end_past_it():
+    warm = {"is_warmup": True, "t0": 0.0, "t1": 45.0}
+    timed = {"is_warmup": False, "t0": 45.0, "t1": 65.0}  # 20 s
+    assert not step_cli.past_budget(60.0, 70.0, [warm])  # no timed step yet: one runs
+    assert not step_cli.past_budget(90.0, 66.0, [warm, timed])  # 66 + 20 <= 90
+    assert step_cli.past_budget(85.0, 66.0, [warm, timed])
+    assert not step_cli.past_budget(None, 1e6, [warm, timed])
+    with pytest.raises(SystemExit):
+        step_cli.parse_args(["--layout", "full", "--run-budget-s", "0"])
+
+
+def test_judge_slots_size_the_colocated_judge_and_name_the_run():
+    args = step_cli.parse_args(["--layout", "partial", "--mix", "seed", "--judge-slots", "320"])
+    assert _step_setup.variant_key("partial", args) == "partial-j1.5b-js320"
+    default = step_cli.parse_args(["--layout", "partial", "--mix", "seed"])
+    assert _step_setup.variant_key("partial", default) == "partial-j1.5b"
+    with pytest.raises(SystemExit):
+        step_cli.parse_args(["--layout", "full", "--judge-slots", "0"])

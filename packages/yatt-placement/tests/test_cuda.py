@@ -390,7 +390,7 @@ def test_auto_offload_keeps_roles_awake_after_step_one_and_sleeps_for_a_large_pe
         roles=roles,
         phases={"a": ["a"], "b": ["b"]},
         offload="auto",
-        fit=FitConfig(peak_growth=lambda: measured() + extra[0]),
+        fit=FitConfig(peak_growth=lambda: measured().in_use + extra[0]),
     )
 
     def run(phase: str) -> tuple[str, ...]:

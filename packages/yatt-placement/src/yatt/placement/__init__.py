@@ -1,6 +1,6 @@
 """GPU memory regions that pause and resume, offload/onload, and placement plans for RL steps."""
 
-from yatt.placement._fit import FitConfig, read_cuda_free_bytes
+from yatt.placement._fit import FitConfig, PeakGrowth, read_cuda_free_bytes
 from yatt.placement._needs import MemoryFitError, MemoryNeed, PhaseFit
 from yatt.placement._offload import (
     is_offload_placeholder,
@@ -30,6 +30,7 @@ __all__ = [
     "MemoryFitError",
     "MemoryNeed",
     "MemorySplit",
+    "PeakGrowth",
     "PendingLoad",
     "PhaseFit",
     "PhaseRecord",

@@ -34,6 +34,13 @@ Measurements (defaults on CUDA; `FitConfig` replaces the readers, e.g. by fakes 
   from then on), plus the device growth outside torch (non-torch allocations) that mem_get_info
   saw. The largest of P's last `_PEAK_WINDOW` runs counts, so one short batch does not lower
   the guard. The CUDA reader resets torch.cuda's peak memory stats at every switch.
+- the memory timeline's peak of P (`placement/<P>/peak_bytes`): the device's used memory once
+  P's roles are awake + how far the device's use rose above it (`PeakGrowth.device`). Not the
+  allocated growth above: torch serves a phase's new tensors first from blocks it already
+  caches, and those are in the device's used memory already (a trainer's activations reuse the
+  previous step's cache: counted twice, a 1.5B+1.5B train phase showed 193 GiB on a 141 GiB
+  H200). The device's rise is torch's reserved peak over its start plus the growth outside
+  torch, at most what was free at the start, so the peak never exceeds the device.
 """
 
 from __future__ import annotations
@@ -57,6 +64,28 @@ _HEADROOM_FRACTION = 0.05
 WakeCall = tuple[str, tuple[str, ...]]  # (role, tags) as the plan passes them to wake_up
 
 
+@dataclass(frozen=True)
+class PeakGrowth:
+    """One phase run's growth, read two ways (a `FitConfig.peak_growth` may return this).
+
+    in_use: what the phase's new tensors took at their highest, above the higher of the
+        window's start and end levels: what offload="auto" plans by (its free bytes count
+        torch's cached blocks as reusable, so cached blocks must not be subtracted here).
+    device: how far the device's used memory rose above its level at the start: the memory
+        timeline's peak is that level + this (cached blocks reused are not new memory).
+    """
+
+    in_use: int
+    device: int
+
+
+def split_growth(reading: int | PeakGrowth) -> PeakGrowth:
+    """A `peak_growth` reading as a PeakGrowth: a plain int is both (a meter without a cache)."""
+    if isinstance(reading, PeakGrowth):
+        return PeakGrowth(in_use=max(0, int(reading.in_use)), device=max(0, int(reading.device)))
+    return PeakGrowth(in_use=max(0, int(reading)), device=max(0, int(reading)))
+
+
 @dataclass(kw_only=True)
 class FitConfig:
     """How offload="auto" reads memory; a field left None takes the CUDA default."""
@@ -67,8 +96,9 @@ class FitConfig:
     free_bytes: Callable[[], int] | None = None
     # Bytes the memory in use rose, at its highest, above its level at the previous call, since
     # that call; each call starts a new window. Read at the end of a switch and at the next one.
-    # Default on CUDA: torch's peak stats plus growth outside torch; else the meter's growth.
-    peak_growth: Callable[[], int] | None = None
+    # An int, or a PeakGrowth when what auto plans by and what the device saw differ (a caching
+    # allocator). Default on CUDA: CudaPeakGrowth; else the meter's growth.
+    peak_growth: Callable[[], int | PeakGrowth] | None = None
     # Room kept free beyond the estimate (fragmentation, a longer batch than the measured one).
     # Default: max(2 GiB, 5% of the device's memory); 2 GiB without CUDA.
     headroom_bytes: int | None = None
@@ -146,33 +176,72 @@ def release_cuda_cache() -> None:
         torch.cuda.empty_cache()
 
 
+@dataclass(frozen=True)
+class AllocatorStats:
+    """What CudaPeakGrowth reads at each window's edge (bytes, this process's device)."""
+
+    allocated: int  # torch: in tensors now
+    reserved: int  # torch: held from the driver now (tensors + cached blocks)
+    peak_allocated: int  # since the last reset
+    peak_reserved: int
+    device_used: int  # the device's used memory (every process, every allocator)
+    device_total: int
+
+
+def read_cuda_allocator_stats() -> AllocatorStats:
+    device = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(device)
+    return AllocatorStats(
+        allocated=torch.cuda.memory_allocated(device),
+        reserved=torch.cuda.memory_reserved(device),
+        peak_allocated=torch.cuda.max_memory_allocated(device),
+        peak_reserved=torch.cuda.max_memory_reserved(device),
+        device_used=total - free,
+        device_total=total,
+    )
+
+
+def reset_cuda_peaks() -> None:
+    torch.cuda.reset_peak_memory_stats(torch.cuda.current_device())
+
+
 class CudaPeakGrowth:
-    """The default `FitConfig.peak_growth` on CUDA (see the module doc)."""
+    """The default `FitConfig.peak_growth` on CUDA (see the module doc): a PeakGrowth per window.
 
-    def __init__(self) -> None:
-        self._start: tuple[int, int, int] | None = None
+    read/reset: the allocator's readers (torch.cuda's by default; fakes in tests)."""
 
-    def __call__(self) -> int:
-        device = torch.cuda.current_device()
-        growth = 0
-        if self._start is not None:
-            allocated0, reserved0, used0 = self._start
-            reserved = torch.cuda.memory_reserved(device)
-            allocated = torch.cuda.memory_allocated(device)
+    def __init__(
+        self,
+        read: Callable[[], AllocatorStats] = read_cuda_allocator_stats,
+        reset: Callable[[], None] = reset_cuda_peaks,
+    ) -> None:
+        self._read = read
+        self._reset = reset
+        self._start: AllocatorStats | None = None
+
+    def __call__(self) -> PeakGrowth:
+        now = self._read()
+        growth = PeakGrowth(in_use=0, device=0)
+        if (start := self._start) is not None:
             # Above the higher level: what stayed allocated is a role's own from now on.
             in_torch = max(
-                torch.cuda.max_memory_allocated(device) - max(allocated0, allocated),
-                torch.cuda.max_memory_reserved(device) - max(reserved0, reserved),
+                now.peak_allocated - max(start.allocated, now.allocated),
+                now.peak_reserved - max(start.reserved, now.reserved),
             )
             # What the device gained beyond this process's torch reservations.
-            outside = (read_device_used_bytes() - used0) - (reserved - reserved0)
-            growth = max(0, in_torch) + max(0, outside)
-        torch.cuda.reset_peak_memory_stats(device)
-        self._start = (
-            torch.cuda.memory_allocated(device),
-            torch.cuda.memory_reserved(device),
-            read_device_used_bytes(),
-        )
+            outside = max(
+                0, (now.device_used - start.device_used) - (now.reserved - start.reserved)
+            )
+            # The device's rise: new reservations only (tensors placed in cached blocks were
+            # in device_used already), never beyond what was free at the start.
+            rise = max(0, now.peak_reserved - start.reserved) + outside
+            growth = PeakGrowth(
+                in_use=max(0, in_torch) + outside,
+                device=min(rise, max(0, start.device_total - start.device_used)),
+            )
+        self._reset()
+        # Read after the reset: the next window's peaks start at the levels read here.
+        self._start = self._read()
         return growth
 
 
@@ -214,7 +283,8 @@ class FitBooks:
         self._headroom_bytes = config.headroom_bytes
         self._release_cache = config.release_cache or (release_cuda_cache if on_cuda else None)
         self._capacity_bytes = config.capacity_bytes
-        self._growth: dict[str, deque[int]] = {}
+        self._growth: dict[str, deque[int]] = {}  # PeakGrowth.in_use of P's recent runs
+        self._device_growth: dict[str, int] = {}  # PeakGrowth.device of P's latest run
         self._wake_bytes: dict[WakeCall, int] = {}
         self._released: dict[str, int] = {}
         self._measuring: str | None = None
@@ -257,9 +327,9 @@ class FitBooks:
         free, total = torch.cuda.mem_get_info()
         return total - max(0, (total - free) - roles_hold)
 
-    def latest_growth_bytes(self, phase: str) -> int | None:
-        runs = self._growth.get(phase)
-        return runs[-1] if runs else None
+    def latest_device_growth_bytes(self, phase: str) -> int | None:
+        """How far the device's use rose in `phase`'s latest run (its timeline peak's part)."""
+        return self._device_growth.get(phase)
 
     def start_phase(self, phase: str) -> None:
         """`phase`'s roles are awake: its growth is measured from here to `end_phase`."""
@@ -269,8 +339,9 @@ class FitBooks:
     def end_phase(self) -> None:
         if self._measuring is None:
             return
-        growth = max(0, int(self._peak_growth()))
-        self._growth.setdefault(self._measuring, deque(maxlen=_PEAK_WINDOW)).append(growth)
+        growth = split_growth(self._peak_growth())
+        self._growth.setdefault(self._measuring, deque(maxlen=_PEAK_WINDOW)).append(growth.in_use)
+        self._device_growth[self._measuring] = growth.device
         self._measuring = None
 
     def growth_bytes(self, phase: str) -> int | None:

@@ -587,7 +587,7 @@ class Plan:
                 self._num_switches[name],
                 self._fit.growth_bytes(name),
                 roles=tuple(self._roles),
-                latest_growth_bytes=self._fit.latest_growth_bytes(name),
+                latest_device_growth_bytes=self._fit.latest_device_growth_bytes(name),
             )
         out["placement/headroom_bytes"] = float(self._fit.headroom_bytes())
         if self._split is not None:

@@ -36,12 +36,13 @@ def phase_metrics(
     peak_growth_bytes: int | None,
     *,
     roles: Sequence[str] = (),
-    latest_growth_bytes: int | None = None,
+    latest_device_growth_bytes: int | None = None,
 ) -> dict[str, float]:
     """`placement/<phase>/...` floats for the latest switch into `phase` (zeros before any).
 
-    roles: the plan's role names (the per-role keys are fixed by them). latest_growth_bytes:
-    the phase's growth in its latest run, for its peak."""
+    roles: the plan's role names (the per-role keys are fixed by them).
+    latest_device_growth_bytes: how far the device's use rose in the phase's latest run
+    (PeakGrowth.device), for its peak."""
     prefix = f"placement/{phase}/"
     resident = float(record.resident_bytes if record else 0)
     out = {
@@ -56,8 +57,9 @@ def phase_metrics(
         prefix + "kept_awake_bytes": float(record.kept_awake_bytes if record else 0),
         # Largest growth of the phase's recent runs over its start, as offload="auto" measured it.
         prefix + "peak_growth_bytes": float(peak_growth_bytes or 0),
-        # The phase's highest use in its latest run: resident after the switch + its growth.
-        prefix + "peak_bytes": resident + float(latest_growth_bytes or 0) if record else 0.0,
+        # The phase's highest use in its latest run: resident after the switch + the device's
+        # rise (not the allocated growth: tensors placed in cached blocks are resident already).
+        prefix + "peak_bytes": resident + float(latest_device_growth_bytes or 0) if record else 0.0,
         prefix + "need_bytes": float(record.need_bytes if record else 0),
         prefix + "free_bytes": float(record.free_bytes if record else 0),
     }
