@@ -52,6 +52,7 @@ from yatt.core._surrogates import (
     compute_cispo_policy_loss,
     compute_clipped_policy_loss,
     compute_gspo_policy_loss,
+    compute_gspo_token_policy_loss,
 )
 from yatt.core._torch_policy import TorchPolicy, image_patches_of
 from yatt.core._train_step import merge_step_metrics
@@ -108,6 +109,7 @@ __all__ = [
     "compute_entropy",
     "compute_grpo_advantages",
     "compute_gspo_policy_loss",
+    "compute_gspo_token_policy_loss",
     "compute_kl",
     "compute_lr",
     "compute_mismatch_kl",

@@ -1,4 +1,4 @@
-"""The RL objective: `PolicyLoss` (GRPO, Dr. GRPO, DAPO, GSPO, CISPO), KL to a reference,
+"""The RL objective: `PolicyLoss` (GRPO, Dr. GRPO, DAPO, GSPO, GSPO-token, CISPO), KL to a reference,
 entropy, rollout correction, and how the loss is aggregated.
 
 Shape legend (suffixes on tensor names):
@@ -48,6 +48,7 @@ from yatt.core._surrogates import (
     compute_cispo_policy_loss,
     compute_clipped_policy_loss,
     compute_gspo_policy_loss,
+    compute_gspo_token_policy_loss,
 )
 
 logger = logging.getLogger("yatt.core")
@@ -55,10 +56,10 @@ _NO_ROLLOUT_LOGPROBS = RepeatedWarning(logger, metric="train/is_weight (absent)"
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
-Objective = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
+Objective = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
-OBJECTIVES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
+OBJECTIVES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo")
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ OBJECTIVE_DEFAULTS: dict[str, _ObjectiveDefaults] = {
     "dr_grpo": _ObjectiveDefaults(0.2, 0.2, "seq_mean_token_sum_norm", False),
     "dapo": _ObjectiveDefaults(0.2, 0.28, "token_mean", True),
     "gspo": _ObjectiveDefaults(3e-4, 4e-4, "seq_mean_token_mean", True),
+    "gspo_token": _ObjectiveDefaults(3e-4, 4e-4, "seq_mean_token_mean", True),
     "cispo": _ObjectiveDefaults(1.0, 0.28, "token_mean", True),
 }
 # k3's value is clamped to this, as verl's kl_penalty "low_var_kl" does: at log-ratio 15 the
@@ -186,10 +188,14 @@ class PolicyLoss:
         dr_grpo    arXiv:2503.20783 sec. 3.1                0.2 / 0.2      seq_mean_token_sum_norm off
         dapo       arXiv:2503.14476 eqs. 8, 10, 12          0.2 / 0.28     token_mean           on
         gspo       arXiv:2507.18071 eqs. 5-7 (seq. ratio)   3e-4 / 4e-4    seq_mean_token_mean  on
+        gspo_token arXiv:2507.18071 eqs. 16-17 (per token)  3e-4 / 4e-4    seq_mean_token_mean  on
         cispo      arXiv:2506.13585 eqs. 4-5 (clipped IS)   1.0 / 0.28     token_mean           on
 
     (std: advantages divided by the group's reward std; cispo's clip_low 1.0 is the paper's "no
-    lower bound"; its eps_high is unpublished, 0.28 follows DAPO's clip-higher.)
+    lower bound"; its eps_high is unpublished, 0.28 follows DAPO's clip-higher. gspo_token
+    gives each token GSPO's sequence ratio in value and its own logprob's gradient, so a
+    per-token advantage [B, T] weighs each token; with GRPO's one advantage per sample its
+    gradient is GSPO's.)
 
     loss = policy-gradient term x rollout weight + kl_coef * KL(pi || pi_ref)
            - entropy_coef * entropy, aggregated per unit (see sum_over_units).
@@ -217,7 +223,8 @@ class PolicyLoss:
     hundreds of tokens and mask most long responses at small mismatches. "none" turns it off.
     """
 
-    objective: Objective = "grpo"  # grpo, dr_grpo, dapo, gspo or cispo (table in the docstring)
+    # grpo, dr_grpo, dapo, gspo, gspo_token or cispo (table in the docstring)
+    objective: Objective = "grpo"
     clip_low: float | None = None  # eps_low (None: the objective's); 1 or more: no lower clip
     clip_high: float | None = None  # eps_high (None: the objective's); DAPO's clip-higher 0.28
     dual_clip_c: float | None = None  # cap for negative advantages (> 1), None = off
@@ -258,7 +265,7 @@ class PolicyLoss:
         for name in ("clip_low", "clip_high"):
             _check_finite_nonnegative(name, resolved[name])
         if self.dual_clip_c is not None:
-            if self.objective in ("gspo", "cispo"):
+            if self.objective in ("gspo", "gspo_token", "cispo"):
                 raise ValueError(
                     f"PolicyLoss.dual_clip_c={self.dual_clip_c!r}: dual clip is PPO's "
                     f"(grpo, dr_grpo, dapo); objective={self.objective!r} has none: set it to None"
@@ -275,10 +282,12 @@ class PolicyLoss:
             raise ValueError(
                 f"PolicyLoss.aggregation={self.aggregation!r}: use one of {AGGREGATIONS}"
             )
-        if self.objective == "gspo" and resolved["aggregation"] != "seq_mean_token_mean":
+        is_gspo = self.objective in ("gspo", "gspo_token")
+        if is_gspo and resolved["aggregation"] != "seq_mean_token_mean":
             raise ValueError(
-                f"PolicyLoss.aggregation={self.aggregation!r}: GSPO's ratio and loss are per "
-                "sequence (arXiv:2507.18071 eq. 5); use 'seq_mean_token_mean' or leave it None"
+                f"PolicyLoss.aggregation={self.aggregation!r}: objective={self.objective!r} "
+                "averages each sequence's tokens, then the sequences (arXiv:2507.18071 eqs. 5 "
+                "and 16); use 'seq_mean_token_mean' or leave it None"
             )
         if self.max_response_tokens is not None and not (
             isinstance(self.max_response_tokens, int) and self.max_response_tokens >= 1
@@ -485,6 +494,10 @@ class PolicyLoss:
         clip = {"clip_low": self.resolved_clip_low, "clip_high": self.resolved_clip_high}
         if self.objective == "gspo":
             return compute_gspo_policy_loss(logprobs_BT, old_BT, advantages_BT, mask_BT, **clip)
+        if self.objective == "gspo_token":
+            return compute_gspo_token_policy_loss(
+                logprobs_BT, old_BT, advantages_BT, mask_BT, **clip
+            )
         if self.objective == "cispo":
             return compute_cispo_policy_loss(logprobs_BT, old_BT, advantages_BT, **clip)
         return compute_clipped_policy_loss(
