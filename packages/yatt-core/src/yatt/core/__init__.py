@@ -14,6 +14,7 @@ from yatt.core._loader import ROW_INDEX_KEY, ShardedLoader
 from yatt.core._logits import compute_entropy, compute_token_logprobs
 from yatt.core._losses import (
     OBJECTIVES,
+    OLD_LOGPROBS_FROM,
     PolicyLoss,
     aggregate,
     compute_kl,
@@ -41,6 +42,7 @@ from yatt.core._rollout_correction import (
     ROLLOUT_CORRECTIONS,
     compute_mismatch_kl,
     compute_rollout_weights,
+    engine_old_logprobs,
 )
 from yatt.core._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
 from yatt.core._run_log import RunLog, check_wandb
@@ -70,6 +72,7 @@ __all__ = [
     "EXPORT_MARKER",
     "LR_SCHEDULES",
     "OBJECTIVES",
+    "OLD_LOGPROBS_FROM",
     "ROLLOUT_CORRECTIONS",
     "ROLLOUT_TOKEN_KEYS",
     "ROW_INDEX_KEY",
@@ -121,6 +124,7 @@ __all__ = [
     "count_units",
     "describe_config",
     "encode_vision_prompt",
+    "engine_old_logprobs",
     "export_hf",
     "export_hf_from_checkpoint",
     "image_patches_of",

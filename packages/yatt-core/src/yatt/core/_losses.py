@@ -56,6 +56,8 @@ _NO_ROLLOUT_LOGPROBS = RepeatedWarning(logger, metric="train/is_weight (absent)"
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
+OldLogprobsFrom = Literal["trainer", "engine"]
+OLD_LOGPROBS_FROM: tuple[str, ...] = ("trainer", "engine")
 Objective = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
@@ -209,6 +211,16 @@ class PolicyLoss:
     train_step per mini-batch; each step's loss is normalised over that mini-batch's units
     across all ranks.
 
+    old_logprobs_from: where pi_old's logprobs come from. "trainer" (default): the trainer's
+    own forward, once per rollout batch, and rollout_correction weighs the engine's sampler
+    against it (verl's "decoupled" mode: three policies, engine / old / current). "engine":
+    the engine's sampled-token logprobs ("rollout_logprobs") are pi_old (verl's rollout
+    correction "bypass_mode", slime's --use-rollout-logprobs): no old-logprob forward, and
+    the ratio pi / pi_rollout is clipped directly, so the clip also bounds the engine-trainer
+    mismatch. pi_old is then the engine's policy, so there is nothing left for a rollout
+    correction: old_logprobs_from="engine" requires rollout_correction="none" and
+    is_on_policy=False (both refused otherwise, naming the field).
+
     is_on_policy: one optimizer step per rollout batch (GRPO's usual setting; TRL's at
     num_iterations=1). The old policy is then the current one, so "old_logprobs" are the
     training forward's own logprobs, detached (ratio 1, same gradient), and the separate
@@ -237,6 +249,9 @@ class PolicyLoss:
     # The constant length seq_mean_token_sum_norm divides by: the rollout's max_new_tokens
     max_response_tokens: int | None = None
     is_on_policy: bool = False  # old logprobs = the forward's, detached (one step per batch)
+    # pi_old: "trainer" (a forward before the first update) or "engine" (the rollout's own
+    # logprobs, no forward; needs rollout_correction='none' and is_on_policy=False)
+    old_logprobs_from: OldLogprobsFrom = "trainer"
     num_mini_batches: int = 1  # optimizer steps per pass over a batch (TRL steps_per_generation)
     num_epochs: int = 1  # passes over each rollout batch (PPO epochs, TRL num_iterations)
     # none, token_truncate, token_mask, sequence_truncate, sequence_mask
@@ -306,6 +321,24 @@ class PolicyLoss:
                 f"num_epochs={self.num_epochs}: only the first of the "
                 f"{self.num_updates_per_batch} steps is on-policy; set is_on_policy=False (the "
                 "trainer computes old_logprobs once per rollout batch)"
+            )
+        if self.old_logprobs_from not in OLD_LOGPROBS_FROM:
+            raise ValueError(
+                f"PolicyLoss.old_logprobs_from={self.old_logprobs_from!r}: use one of "
+                f"{OLD_LOGPROBS_FROM}"
+            )
+        if self.old_logprobs_from == "engine" and self.is_on_policy:
+            raise ValueError(
+                "PolicyLoss.is_on_policy=True with old_logprobs_from='engine': on-policy takes "
+                "pi_old from the loss's own forward, 'engine' from the rollout; set "
+                "is_on_policy=False (or old_logprobs_from='trainer')"
+            )
+        if self.old_logprobs_from == "engine" and self.rollout_correction != "none":
+            raise ValueError(
+                f"PolicyLoss.rollout_correction={self.rollout_correction!r} with "
+                "old_logprobs_from='engine': pi_old is then the engine's own policy, so the "
+                "correction pi_old / pi_rollout is 1 everywhere; set rollout_correction='none' "
+                "(or old_logprobs_from='trainer' to correct against the trainer's forward)"
             )
         if self.rollout_correction not in ROLLOUT_CORRECTIONS:
             raise ValueError(
@@ -415,6 +448,7 @@ class PolicyLoss:
                 raise ValueError(
                     f"PolicyLoss: the batch has no {key!r}; set it before train_step (e.g. "
                     "batch.tokens['old_logprobs'] = policy.logprobs(batch), or "
+                    "yatt.core.engine_old_logprobs(batch) with old_logprobs_from='engine', or "
                     "PolicyLoss(is_on_policy=True) for one optimizer step per rollout batch)"
                 )
         mask_BT = batch["loss_mask"].to(logprobs_BT.dtype)
