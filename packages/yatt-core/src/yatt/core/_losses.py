@@ -249,8 +249,7 @@ class PolicyLoss:
     # The constant length seq_mean_token_sum_norm divides by: the rollout's max_new_tokens
     max_response_tokens: int | None = None
     is_on_policy: bool = False  # old logprobs = the forward's, detached (one step per batch)
-    # pi_old: "trainer" (a forward before the first update) or "engine" (the rollout's own
-    # logprobs, no forward; needs rollout_correction='none' and is_on_policy=False)
+    # pi_old: "trainer" (a forward) or "engine" (its logprobs; rollout_correction='none')
     old_logprobs_from: OldLogprobsFrom = "trainer"
     num_mini_batches: int = 1  # optimizer steps per pass over a batch (TRL steps_per_generation)
     num_epochs: int = 1  # passes over each rollout batch (PPO epochs, TRL num_iterations)
