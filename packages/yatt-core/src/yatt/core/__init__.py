@@ -56,7 +56,12 @@ from yatt.core._surrogates import (
     compute_gspo_policy_loss,
     compute_gspo_token_policy_loss,
 )
-from yatt.core._torch_policy import TorchPolicy, image_patches_of
+from yatt.core._torch_policy import (
+    TorchPolicy,
+    choose_max_tokens,
+    estimate_activation_bytes,
+    image_patches_of,
+)
 from yatt.core._train_step import merge_step_metrics
 from yatt.core._version import __version__
 from yatt.core._vision_inputs import (
@@ -106,6 +111,7 @@ __all__ = [
     "check_export_dir",
     "check_partial_resumption",
     "check_wandb",
+    "choose_max_tokens",
     "coerce_value",
     "compute_cispo_policy_loss",
     "compute_clipped_policy_loss",
@@ -125,6 +131,7 @@ __all__ = [
     "describe_config",
     "encode_vision_prompt",
     "engine_old_logprobs",
+    "estimate_activation_bytes",
     "export_hf",
     "export_hf_from_checkpoint",
     "image_patches_of",
