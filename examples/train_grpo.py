@@ -212,11 +212,11 @@ def evaluate(
     return eval_metrics(stats, runtime.dp_group)
 
 
-def mini_batch_seed(seed: int, step: int, epoch: int, num_epochs: int) -> int | None:
+def mini_batch_seed(seed: int, step: int, epoch: int, loss: core.PolicyLoss) -> int | None:
     """The seed of an epoch's split into mini-batches: None (the best-balanced split, the
-    same each time) for a single epoch; with several, one per (seed, step, epoch), so each
-    pass over a batch groups its GRPO groups differently."""
-    if num_epochs == 1:
+    same each time) for a single epoch or loss.should_reshuffle_epochs=False; else one per
+    (seed, step, epoch), so each pass over a batch groups its GRPO groups differently."""
+    if loss.num_epochs == 1 or not loss.should_reshuffle_epochs:
         return None
     return (seed * 1_000_003 + step * 1_009 + epoch) % 2**31
 
@@ -452,7 +452,7 @@ def main(argv: list[str]) -> int:
                             batch,
                             cfg.loss.num_mini_batches,
                             costs=costs,
-                            seed=mini_batch_seed(cfg.seed, step, epoch, cfg.loss.num_epochs),
+                            seed=mini_batch_seed(cfg.seed, step, epoch, cfg.loss),
                         )
                         for mini_batch in mini_batches:
                             steps.append(policy.train_step(mini_batch, cfg.loss))

@@ -1289,3 +1289,19 @@ def test_engine_old_logprobs_are_the_batchs_and_each_epoch_reshuffles(
     record = _metrics(tmp_path)[0]
     assert record["train/num_optimizer_steps"] == 4
     assert "train/is_weight" not in record  # nothing to correct
+
+
+def test_each_epoch_splits_with_its_own_seed_unless_told_not_to():
+    import train_grpo
+
+    from yatt import core
+
+    two = core.PolicyLoss(num_mini_batches=2, num_epochs=2)
+    seeds = [train_grpo.mini_batch_seed(0, 5, epoch, two) for epoch in range(2)]
+    assert None not in seeds and seeds[0] != seeds[1]
+    assert train_grpo.mini_batch_seed(0, 5, 0, two) == seeds[0]  # a resumed run splits alike
+    assert train_grpo.mini_batch_seed(0, 6, 0, two) != seeds[0]  # another step, another split
+    one = core.PolicyLoss(num_mini_batches=2)
+    fixed = core.PolicyLoss(num_mini_batches=2, num_epochs=2, should_reshuffle_epochs=False)
+    assert train_grpo.mini_batch_seed(0, 5, 0, one) is None  # the best-balanced split
+    assert train_grpo.mini_batch_seed(0, 5, 1, fixed) is None

@@ -253,6 +253,8 @@ class PolicyLoss:
     old_logprobs_from: OldLogprobsFrom = "trainer"
     num_mini_batches: int = 1  # optimizer steps per pass over a batch (TRL steps_per_generation)
     num_epochs: int = 1  # passes over each rollout batch (PPO epochs, TRL num_iterations)
+    # num_epochs > 1: each epoch a new seeded split of the groups (False: the same split)
+    should_reshuffle_epochs: bool = True
     # none, token_truncate, token_mask, sequence_truncate, sequence_mask
     rollout_correction: RolloutCorrection = "token_truncate"
     rollout_correction_cap: float = 2.0  # C of the rollout weight (> 1)
@@ -314,6 +316,11 @@ class PolicyLoss:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"PolicyLoss.{name}={value!r}: must be an int >= 1")
+        if not isinstance(self.should_reshuffle_epochs, bool):
+            raise ValueError(
+                f"PolicyLoss.should_reshuffle_epochs={self.should_reshuffle_epochs!r}: must be "
+                "a bool"
+            )
         if self.is_on_policy and self.num_updates_per_batch > 1:
             raise ValueError(
                 f"PolicyLoss.is_on_policy=True with num_mini_batches={self.num_mini_batches} and "
