@@ -48,6 +48,20 @@ EMBEDDED_TASKS = {
 }
 # The trainer's policy defaults: the embedded task's tiny model (help lists them as defaults).
 DEFAULT_POLICY = {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512}
+# --help lines for TorchPolicyConfig's memory options, whose own comments run to several lines.
+POLICY_HELP = {
+    "max_tokens_per_microbatch": (
+        "cap per forward/backward on padded tokens; null = chosen from the GPU's free memory "
+        "at the first train step (8192 on CPU)"
+    ),
+    "gradient_checkpointing": (
+        "recompute each decoder layer in backward: ~1/10 of the activations, ~1/3 more compute"
+    ),
+    "should_offload_optimizer": (
+        "AdamW's state in pinned host memory except during the optimizer step (large "
+        "policies on one GPU beside their engines)"
+    ),
+}
 # Upper bounds on sizes that multiply the run's work; past them a typo (votes=1e9), not a plan.
 # Group sizes in published GRPO/DAPO runs are 4-64 (a few use 256-512): 1024 leaves room.
 MAX_SAMPLES_PER_PROMPT = 1024
@@ -447,7 +461,9 @@ class TrainConfig:
     # The RL objective and its update: DAPO's token-mean loss, clip 0.2/0.28. One optimizer
     # step per batch by default, on-policy (old logprobs from the loss's own forward); with
     # loss.num_mini_batches x loss.num_epochs > 1, loss.is_on_policy defaults to False and the
-    # trainer computes the old logprobs once, before the first update.
+    # trainer computes the old logprobs once, before the first update. With
+    # loss.old_logprobs_from=engine they are the engine's (no forward), and is_on_policy and
+    # rollout_correction default to False and 'none' (a rollout correction is refused).
     loss: core.PolicyLoss = field(
         default_factory=lambda: core.PolicyLoss(objective="dapo", is_on_policy=True)
     )
@@ -701,20 +717,32 @@ def build_config(raw: Mapping[str, Any]) -> TrainConfig:
 
 
 def with_loss_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """`raw` with loss.is_on_policy False when the loss section asks for several optimizer
-    steps per batch and leaves is_on_policy unset: only one step per batch is on-policy, so
-    the default's True holds for the default's one step only."""
+    """`raw` with the loss fields the rest of the loss section implies, where it leaves them
+    unset: loss.is_on_policy False when it asks for several optimizer steps per batch (only
+    one step per batch is on-policy, so the default's True holds for one step only), and
+    with loss.old_logprobs_from='engine' (pi_old is the engine's, not the loss's own
+    forward) also loss.rollout_correction 'none' (pi_old is then the engine's policy: there
+    is nothing to correct). A value the user gave is never changed: PolicyLoss refuses a
+    combination that cannot hold, naming the field."""
     loss = raw.get("loss")
-    if not isinstance(loss, Mapping) or "is_on_policy" in loss:
+    if not isinstance(loss, Mapping):
         return dict(raw)
+    filled = dict(loss)
     num_updates = 1
     for key in ("num_mini_batches", "num_epochs"):
         value = loss.get(key, 1)
         if isinstance(value, int) and not isinstance(value, bool):
             num_updates *= value  # anything else: PolicyLoss names the field
-    if num_updates > 1:
-        return {**raw, "loss": {**loss, "is_on_policy": False}}
-    return dict(raw)
+    is_from_engine = loss.get("old_logprobs_from") == "engine"
+    if (num_updates > 1 or is_from_engine) and "is_on_policy" not in loss:
+        filled["is_on_policy"] = False
+    if is_from_engine and "rollout_correction" not in loss:
+        logger.info(
+            "loss.old_logprobs_from='engine': loss.rollout_correction='none' (pi_old is the "
+            "engine's own policy; the clip acts on pi / pi_engine)"
+        )
+        filled["rollout_correction"] = "none"
+    return {**raw, "loss": filled}
 
 
 def with_defaults(raw: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
@@ -775,6 +803,10 @@ def describe_fields() -> str:
                 f"{name} = None  # cosine: optimizer steps (warm-up included) to its lowest "
                 "lr; None = num_steps x loss.num_mini_batches x loss.num_epochs"
             )
+        elif key in POLICY_HELP:
+            default = DEFAULT_POLICY.get(key, rest.partition("  # ")[0])
+            line = f"{name} = {default if key not in DEFAULT_POLICY else repr(default)}  # "
+            line += POLICY_HELP[key]
         elif key in DEFAULT_POLICY:
             line = f"{name} = {DEFAULT_POLICY[key]!r}  # {doc}"
         lines.append(line)

@@ -16,8 +16,10 @@ One step, as the loop reads:
                 soon as it finishes, while the rollout's long tail still runs)
     batch       DAPO dynamic sampling (core.DynamicSampler): each round's rewards get the
                 overlong penalty, groups without reward variance are dropped, rounds refill
-    train       advantages per group -> balance across ranks -> old logprobs once -> for each
-                epoch, for each mini-batch of whole groups: one optimizer step (loss.*)
+    train       advantages per group -> balance across ranks -> old logprobs once (the
+                trainer's forward, or the engine's with loss.old_logprobs_from=engine) -> for
+                each epoch, for each mini-batch of whole groups (reshuffled each epoch): one
+                optimizer step (loss.*)
     sync        the policy's weights into the rollout engine; metrics; checkpoint when due
     eval        every eval.every_steps: held-out prompts through the same reward (eval/*)
 
@@ -208,6 +210,15 @@ def evaluate(
             scored = generate_and_score(prompts, sampling, timings={}, **generate)
         stats.add(scored, exact)
     return eval_metrics(stats, runtime.dp_group)
+
+
+def mini_batch_seed(seed: int, step: int, epoch: int, loss: core.PolicyLoss) -> int | None:
+    """The seed of an epoch's split into mini-batches: None (the best-balanced split, the
+    same each time) for a single epoch or loss.should_reshuffle_epochs=False; else one per
+    (seed, step, epoch), so each pass over a batch groups its GRPO groups differently."""
+    if loss.num_epochs == 1 or not loss.should_reshuffle_epochs:
+        return None
+    return (seed * 1_000_003 + step * 1_009 + epoch) % 2**31
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -422,18 +433,26 @@ def main(argv: list[str]) -> int:
                         costs = policy.estimate_costs(batch.lengths.tolist(), **images)
                 with timed(stats.timings, "train"), plan.phase("train"):
                     batch = batch.to(runtime.device)
-                    # pi_old, once, before the first update (is_on_policy: one update, and the
+                    # pi_old, once, before the first update: the engine's own logprobs (no
+                    # forward), or the trainer's forward (is_on_policy: one update, and the
                     # loss reuses its own forward's logprobs, detached)
-                    if not cfg.loss.is_on_policy:
+                    if cfg.loss.old_logprobs_from == "engine":
+                        batch.tokens["old_logprobs"] = core.engine_old_logprobs(batch)
+                    elif not cfg.loss.is_on_policy:
                         batch.tokens["old_logprobs"] = policy.logprobs(batch)
                     if reference is not None:
                         batch.tokens["ref_logprobs"] = reference.logprobs(batch)
                     # num_epochs passes, each num_mini_batches optimizer steps of whole groups
-                    # (every rank the same count: the steps' collectives pair up)
+                    # (every rank the same count: the steps' collectives pair up); with several
+                    # epochs each pass reshuffles the groups (seeded by seed, step and epoch,
+                    # the same rule on every rank, so a resumed run splits alike)
                     steps = []
-                    for _epoch in range(cfg.loss.num_epochs):
+                    for epoch in range(cfg.loss.num_epochs):
                         mini_batches = core.split_mini_batches(
-                            batch, cfg.loss.num_mini_batches, costs=costs
+                            batch,
+                            cfg.loss.num_mini_batches,
+                            costs=costs,
+                            seed=mini_batch_seed(cfg.seed, step, epoch, cfg.loss),
                         )
                         for mini_batch in mini_batches:
                             steps.append(policy.train_step(mini_batch, cfg.loss))

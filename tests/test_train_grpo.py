@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ROOT / "examples" / "train_grpo.py"
@@ -1194,3 +1195,113 @@ def test_the_dapo_recipe_clips_and_logs_truncation(tmp_path, embedded):
     assert all(r["train/num_optimizer_steps"] == 4 for r in records)
     assert all(0.0 <= r["response/truncated_frac"] <= 1.0 for r in records)
     assert any(r["train/clip_frac_high"] > 0 for r in records)
+
+
+def test_old_logprobs_from_the_engine_fill_their_defaults_and_refuse_a_correction(embedded):
+    raw = {**_paths(embedded), "loss": {"old_logprobs_from": "engine"}}
+    loss = grpo_config.build_config(raw).loss
+    assert loss.old_logprobs_from == "engine"
+    assert not loss.is_on_policy and loss.rollout_correction == "none"
+    for given, named in (
+        ({"rollout_correction": "token_truncate"}, r"loss\.rollout_correction='token_truncate'"),
+        ({"is_on_policy": True}, r"loss\.is_on_policy=True"),
+        ({"old_logprobs_from": "vllm"}, r"loss\.old_logprobs_from='vllm'"),
+    ):
+        raw = {**_paths(embedded), "loss": {"old_logprobs_from": "engine", **given}}
+        with pytest.raises(ValueError, match=named):
+            grpo_config.build_config(raw)
+
+
+def test_the_policys_memory_options_are_config_fields(embedded):
+    # TorchPolicy's options for large models: a micro-batch cap chosen from free memory
+    # (null), activation checkpointing and AdamW's state offloaded to the host.
+    args = [
+        "policy.max_tokens_per_microbatch=null",
+        "policy.gradient_checkpointing=true",
+        "policy.should_offload_optimizer=true",
+    ]
+    raw = _paths(embedded)
+    for arg in args:
+        raw = grpo_config.with_override(raw, arg)
+    policy = grpo_config.build_config(raw).policy
+    assert policy.max_tokens_per_microbatch is None
+    assert policy.gradient_checkpointing and policy.should_offload_optimizer
+    with pytest.raises(ValueError, match=r"gradient_checkpointing='sometimes'"):
+        grpo_config.build_config(
+            grpo_config.with_override(raw, "policy.gradient_checkpointing=sometimes")
+        )
+
+
+def test_engine_old_logprobs_are_the_batchs_and_each_epoch_reshuffles(
+    tmp_path, embedded, monkeypatch
+):
+    # One step in this process: old_logprobs_from=engine puts the engine's logprobs in the
+    # batch as pi_old, with no trainer forward for them; 2 epochs x 2 mini-batches split with
+    # a different seed per epoch.
+    import train_grpo
+
+    from yatt import core
+
+    splits: list[dict] = []
+    real_split = core.split_mini_batches
+
+    def recording_split(batch, num_mini_batches, **kwargs):
+        mask = batch["loss_mask"].bool()
+        splits.append(
+            {
+                "seed": kwargs.get("seed"),
+                "is_engine_old": torch.equal(
+                    batch["old_logprobs"][mask], batch["rollout_logprobs"][mask]
+                ),
+                "num_loss_tokens": int(mask.sum()),
+            }
+        )
+        return real_split(batch, num_mini_batches, **kwargs)
+
+    num_logprob_calls = []
+    real_logprobs = core.TorchPolicy.logprobs
+
+    def counting_logprobs(self, batch):
+        num_logprob_calls.append(len(batch))
+        return real_logprobs(self, batch)
+
+    monkeypatch.setattr(core, "split_mini_batches", recording_split)
+    monkeypatch.setattr(core.TorchPolicy, "logprobs", counting_logprobs)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    code = train_grpo.main(
+        [
+            f"out_dir={tmp_path}",
+            *embedded,
+            "num_steps=1",
+            "eval.every_steps=0",
+            "export.dir=''",
+            "data.prompts_per_rank=4",
+            "loss.old_logprobs_from=engine",
+            "loss.num_mini_batches=2",
+            "loss.num_epochs=2",
+        ]
+    )
+    assert code == 0
+    assert len(splits) == 2  # one split per epoch
+    assert all(split["is_engine_old"] and split["num_loss_tokens"] > 0 for split in splits)
+    assert splits[0]["seed"] is not None and splits[0]["seed"] != splits[1]["seed"]
+    assert num_logprob_calls == []  # no old-logprob forward
+    record = _metrics(tmp_path)[0]
+    assert record["train/num_optimizer_steps"] == 4
+    assert "train/is_weight" not in record  # nothing to correct
+
+
+def test_each_epoch_splits_with_its_own_seed_unless_told_not_to():
+    import train_grpo
+
+    from yatt import core
+
+    two = core.PolicyLoss(num_mini_batches=2, num_epochs=2)
+    seeds = [train_grpo.mini_batch_seed(0, 5, epoch, two) for epoch in range(2)]
+    assert None not in seeds and seeds[0] != seeds[1]
+    assert train_grpo.mini_batch_seed(0, 5, 0, two) == seeds[0]  # a resumed run splits alike
+    assert train_grpo.mini_batch_seed(0, 6, 0, two) != seeds[0]  # another step, another split
+    one = core.PolicyLoss(num_mini_batches=2)
+    fixed = core.PolicyLoss(num_mini_batches=2, num_epochs=2, should_reshuffle_epochs=False)
+    assert train_grpo.mini_batch_seed(0, 5, 0, one) is None  # the best-balanced split
+    assert train_grpo.mini_batch_seed(0, 5, 1, fixed) is None

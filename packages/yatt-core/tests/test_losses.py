@@ -265,6 +265,9 @@ def test_each_objective_takes_its_papers_settings(
         pytest.param({"num_mini_batches": 0}, "num_mini_batches", id="no-mini-batches"),
         pytest.param({"num_epochs": 1.5}, "num_epochs", id="fractional-epochs"),
         pytest.param(
+            {"should_reshuffle_epochs": "yes"}, "should_reshuffle_epochs", id="reshuffle-str"
+        ),
+        pytest.param(
             {"is_on_policy": True, "num_mini_batches": 2}, "is_on_policy", id="on-policy-2-steps"
         ),
         pytest.param({"advantage_eps": -1e-4}, "advantage_eps", id="negative-eps"),

@@ -63,6 +63,48 @@ def test_split_with_fewer_groups_than_mini_batches_gives_empty_ones_last():
     assert [len(part) for part in empty] == [0, 0]
 
 
+def _group_partition(parts):
+    """The split as a set of frozensets of group ids (mini-batch order ignored)."""
+    return {frozenset(part["group_id"].tolist()) for part in parts if len(part)}
+
+
+def test_seeded_split_reshuffles_per_seed_and_covers_every_group_once():
+    # Eight groups, costs 5..12: many splits into two halves are near-balanced.
+    lengths = [[2 + g, 3] for g in range(8)]
+    batch = _groups_batch(lengths)
+    group_costs = {10 + g: sum(ls) for g, ls in enumerate(lengths)}
+    splits = {}
+    for seed in (0, 1, 2):
+        parts = split_mini_batches(batch, 2, seed=seed)
+        # every sample once, every group whole in exactly one mini-batch
+        rows = sorted(i for part in parts for i in part["input_ids"][:, 0].tolist())
+        assert rows == sorted(batch["input_ids"][:, 0].tolist())
+        groups_per_part = [part["group_id"].tolist() for part in parts]
+        assert sorted(g for part in groups_per_part for g in set(part)) == sorted(group_costs)
+        # balance: heaviest - lightest <= the smallest group cost in the heaviest part
+        loads = [sum(part.lengths.tolist()) for part in parts]
+        heavy = groups_per_part[loads.index(max(loads))]
+        assert max(loads) - min(loads) <= min(group_costs[g] for g in heavy)
+        # same seed, same split (any rank, any run)
+        again = split_mini_batches(batch, 2, seed=seed)
+        assert _group_partition(again) == _group_partition(parts)
+        splits[seed] = _group_partition(parts)
+    assert len({frozenset(split) for split in splits.values()}) > 1, splits
+    assert splits[0] != splits[1]
+
+
+def test_seeded_split_narrows_a_bad_deal_by_moves_and_swaps():
+    # One heavy group (30) and six light ones (5): any deal that starts the heavy group late
+    # leaves parts like 35/15; the search must end within the bound (gap <= 5 here: 30 alone
+    # against 6 x 5 = 30 is the only balanced split).
+    lengths = [[15, 15]] + [[2, 3]] * 6
+    batch = _groups_batch(lengths)
+    for seed in range(6):
+        parts = split_mini_batches(batch, 2, seed=seed)
+        loads = sorted(int(part.lengths.sum()) for part in parts)
+        assert loads == [30, 30], (seed, loads)
+
+
 def test_split_rejects_bad_input():
     batch = _groups_batch([[3, 4]])
     with pytest.raises(ValueError, match="num_mini_batches"):
@@ -71,6 +113,8 @@ def test_split_rejects_bad_input():
         split_mini_batches(batch, 2, group_key="prompt")
     with pytest.raises(ValueError, match="costs"):
         split_mini_batches(batch, 2, costs=[1.0])
+    with pytest.raises(ValueError, match=r"seed=1\.5"):
+        split_mini_batches(batch, 2, seed=1.5)
 
 
 class OneVectorPolicy:

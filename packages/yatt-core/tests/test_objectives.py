@@ -1,4 +1,4 @@
-"""The loss family (Dr. GRPO, GSPO, CISPO, DAPO's clip) against re-implementations written
+"""The loss family (Dr. GRPO, GSPO, GSPO-token, CISPO, DAPO's clip) against re-implementations written
 token by token from each paper's equation, values and gradients, and the clip fractions on a
 batch where the clip must act on known tokens."""
 
@@ -127,6 +127,90 @@ def test_gspo_clips_the_sequence_ratio():
     assert grad[2, 2:].tolist() == pytest.approx([-s2 * 2.0 / (3 * 3)] * 3, rel=1e-4)
     assert metrics["clip_frac_high"].item() == 3  # row 0's three loss tokens
     assert metrics["clip_frac_low"].item() == 0
+
+
+# GSPO-token's per-token advantages (arXiv:2507.18071 eq. 16 allows A_{i,t} to vary with t).
+TOKEN_ADVANTAGES_BT = torch.tensor(
+    [[0.0, 1.0, -2.0, 0.5, 0.0], [0.0, -0.5, 0.0, 0.0, 0.0], [0.0, 0.0, 2.0, -1.0, 3.0]]
+)
+
+
+def _gspo_offsets_batch(advantages_BT: torch.Tensor):
+    """Logprobs, and a batch whose old logprobs put row 0's sequence ratio above 1 + 4e-4,
+    row 1's at 1 - 1e-4 and row 2's at 1 + 2e-4 (spread between its tokens)."""
+    logprobs_BT = -torch.rand(3, 5, generator=torch.Generator().manual_seed(4)) - 0.2
+    offsets_BT = torch.tensor(
+        [[0, 1e-3, 1e-3, 1e-3, 0], [0, -1e-4, 0, 0, 0], [0, 0, -3e-4, 2e-4, 7e-4]]
+    )
+    rows = [
+        {
+            "input_ids": list(range(5)),
+            "loss_mask": MASK[i].tolist(),
+            "advantages": advantages_BT[i].tolist(),
+        }
+        for i in range(3)
+    ]
+    batch = Batch.from_samples(rows, token_keys=["input_ids", "loss_mask", "advantages"])
+    batch.tokens["old_logprobs"] = logprobs_BT - offsets_BT
+    return logprobs_BT, batch
+
+
+def test_gspo_token_matches_the_papers_equation_with_per_token_advantages():
+    # GSPO-token (arXiv:2507.18071 eqs. 16-17):
+    #   s_{i,t} = sg[s_i] * pi(y_{i,t}) / sg[pi(y_{i,t})],  s_i = exp(mean_t log r_{i,t})
+    #   L = -(1/G) sum_i (1/|y_i|) sum_t min(s_{i,t} A_{i,t}, clip(s_{i,t}, 1-3e-4, 1+4e-4) A_{i,t})
+    logprobs_BT, batch = _gspo_offsets_batch(TOKEN_ADVANTAGES_BT)
+    old_BT = batch["old_logprobs"]
+
+    def reference(lp_BT):
+        total = 0.0
+        for i in range(3):
+            tokens = _tokens(i)
+            mean_log = sum(lp_BT[i, t].detach() - old_BT[i, t] for t in tokens) / len(tokens)
+            s_i = torch.exp(mean_log)  # sg[s_i]: built from detached logprobs
+            seq = 0.0
+            for t in tokens:
+                pi = torch.exp(lp_BT[i, t])
+                s_it = s_i * pi / pi.detach()
+                adv = TOKEN_ADVANTAGES_BT[i, t]
+                seq = seq + torch.minimum(s_it * adv, s_it.clamp(1 - 3e-4, 1 + 4e-4) * adv)
+            total = total + seq / len(tokens)
+        return -total / 3
+
+    loss_fn = PolicyLoss(objective="gspo_token", rollout_correction="none")
+    value, grad, metrics = _mean_loss_and_grad(loss_fn, batch, logprobs_BT)
+    expected_value, expected_grad = _reference_grad(reference, logprobs_BT)
+    assert value == pytest.approx(expected_value, rel=1e-6)
+    assert torch.allclose(grad, expected_grad, atol=1e-8)
+    # Row 0 (s_0 > 1 + 4e-4): its A > 0 tokens (t = 1, 3) are clipped, its A < 0 token is not,
+    # and gets -s_0 A / (G |y_0|) = s_0 * 2 / 9.
+    s_0 = math.exp(1e-3)
+    assert grad[0, 1] == 0 and grad[0, 3] == 0
+    assert grad[0, 2].item() == pytest.approx(s_0 * 2.0 / 9, rel=1e-5)
+    assert metrics["clip_frac_high"].item() == 2
+    assert metrics["clip_frac_low"].item() == 0
+
+
+def test_gspo_token_with_one_advantage_per_sequence_has_gspos_gradient():
+    # Equal A_{i,t} = A_i on a sequence's tokens: eq. 18's gradient is GSPO's (eq. 11).
+    per_sample_BT = torch.tensor(ADVANTAGES)[:, None].expand(3, 5).clone()
+    logprobs_BT, batch = _gspo_offsets_batch(per_sample_BT)
+    gspo = PolicyLoss(objective="gspo", rollout_correction="none")
+    token = PolicyLoss(objective="gspo_token", rollout_correction="none")
+    gspo_value, gspo_grad, gspo_metrics = _mean_loss_and_grad(gspo, batch, logprobs_BT)
+    token_value, token_grad, token_metrics = _mean_loss_and_grad(token, batch, logprobs_BT)
+    assert token_value == pytest.approx(gspo_value, rel=1e-6)
+    assert torch.allclose(token_grad, gspo_grad, atol=1e-8)
+    assert gspo_grad[0].abs().sum() == 0 and gspo_grad[2].abs().sum() > 0  # clipped, not
+    for key in ("clip_frac_low", "clip_frac_high"):
+        assert token_metrics[key].item() == gspo_metrics[key].item()
+
+
+def test_gspo_token_refuses_token_level_aggregation():
+    with pytest.raises(ValueError, match=r"PolicyLoss\.aggregation='token_mean'"):
+        PolicyLoss(objective="gspo_token", aggregation="token_mean")
+    with pytest.raises(ValueError, match=r"PolicyLoss\.dual_clip_c"):
+        PolicyLoss(objective="gspo_token", dual_clip_c=3.0)
 
 
 def test_cispo_keeps_the_gradient_of_clipped_tokens():

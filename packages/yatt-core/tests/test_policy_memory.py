@@ -7,12 +7,14 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-from yatt.core import TorchPolicy, TorchPolicyConfig, init_runtime
-from yatt.core._torch_policy import (
-    DEFAULT_MAX_TOKENS,
+from yatt.core import (
+    TorchPolicy,
+    TorchPolicyConfig,
     choose_max_tokens,
     estimate_activation_bytes,
+    init_runtime,
 )
+from yatt.core._torch_policy import DEFAULT_MAX_TOKENS
 from yatt.placement import MemoryNeed
 
 NUM_GPUS = 0

@@ -7,7 +7,13 @@ import math
 import pytest
 import torch
 
-from yatt.core import Batch, PolicyLoss, compute_mismatch_kl, compute_rollout_weights
+from yatt.core import (
+    Batch,
+    PolicyLoss,
+    compute_mismatch_kl,
+    compute_rollout_weights,
+    engine_old_logprobs,
+)
 
 NUM_GPUS = 0
 
@@ -105,3 +111,51 @@ def test_policy_loss_is_on_by_default_and_off_by_one_field():
     assert on.item() == pytest.approx(-(E(0.1) + 2.0 + E(-0.5)) + 2 * E(0.3), rel=1e-6)
     assert off.item() == pytest.approx(-3 + 2, rel=1e-6)
     assert "is_weight" in metrics_on and "is_weight" not in metrics_off
+
+
+def test_engine_old_logprobs_make_the_ratio_pi_over_the_engines():
+    # old_logprobs_from="engine" (verl's bypass mode): r_t = pi(y_t) / pi_rollout(y_t), clipped
+    # as DAPO's 0.2 / 0.28, with no correction weight. Token log-ratios log pi - log pi_rollout
+    # on row 0: 0.1 (inside), 1.0 (A > 0: clipped at 1.28), -0.5 (A > 0: inside); row 1: 0.3
+    # with A < 0 (inside: the low clip is for ratios under 0.8).
+    batch = _batch()
+    batch.tokens["old_logprobs"] = engine_old_logprobs(batch)
+    assert torch.equal(batch["old_logprobs"], ROLLOUT)
+    logprobs = OLD.clone().requires_grad_(True)
+    loss_fn = PolicyLoss(objective="dapo", old_logprobs_from="engine", rollout_correction="none")
+    loss_sum, metrics = loss_fn(batch, logprobs)
+    (loss_sum / loss_fn.count_units(batch)).backward()
+    ratios = [E(0.1), E(1.0), E(-0.5), E(0.3)]
+    advantages = [1.0, 1.0, 1.0, -2.0]
+    is_clipped = [False, True, False, False]
+    expected = [
+        0.0 if clipped else -r * a / 4
+        for r, a, clipped in zip(ratios, advantages, is_clipped, strict=True)
+    ]
+    got = [logprobs.grad[0, 1], logprobs.grad[0, 2], logprobs.grad[0, 3], logprobs.grad[1, 1]]
+    assert [g.item() for g in got] == pytest.approx(expected, rel=1e-6)
+    assert metrics["clip_frac_high"].item() == 1
+    assert "is_weight" not in metrics
+
+
+def test_engine_old_logprobs_need_the_engines_logprobs():
+    batch = Batch.from_samples(
+        [{"input_ids": [1, 2], "loss_mask": [0, 1], "advantages": 1.0}],
+        token_keys=["input_ids", "loss_mask"],
+    )
+    with pytest.raises(ValueError, match=r"old_logprobs_from='engine'.*rollout_logprobs"):
+        engine_old_logprobs(batch)
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        pytest.param({"rollout_correction": "token_truncate"}, "rollout_correction", id="tis"),
+        pytest.param({"rollout_correction": "none", "is_on_policy": True}, "is_on_policy", id="on"),
+        pytest.param({"rollout_correction": "none", "old_logprobs_from": "both"}, "from", id="bad"),
+    ],
+)
+def test_engine_old_logprobs_refuse_what_cannot_hold(fields, named):
+    fields = {"old_logprobs_from": "engine", **fields}
+    with pytest.raises(ValueError, match=rf"PolicyLoss\.\w*{named}="):
+        PolicyLoss(**fields)

@@ -109,9 +109,17 @@ def test_config_from_dict_builds_nested_and_rejects_unknown_keys():
         config_from_dict(_Outer, {"inner": {"lrr": 0.5}})
     with pytest.raises(ValueError, match="unknown config key 'zzz'"):
         config_from_dict(_Outer, {"zzz": 1})
-    # The dataclass's own validation still runs.
-    with pytest.raises(ValueError, match="clip_low"):
+    # The dataclass's own validation still runs; in a nested section its error names the
+    # dotted path the user typed, not the class.
+    with pytest.raises(ValueError, match=r"^PolicyLoss\.clip_low=-0\.1"):
         config_from_dict(PolicyLoss, {"clip_low": -0.1})
+
+    @dataclass(kw_only=True)
+    class _Run:
+        loss: PolicyLoss = field(default_factory=PolicyLoss)
+
+    with pytest.raises(ValueError, match=r"^loss\.clip_low=-0\.1: must be"):
+        config_from_dict(_Run, {"loss": {"clip_low": -0.1}})
 
 
 @dataclass(kw_only=True)

@@ -14,6 +14,7 @@ from yatt.core._loader import ROW_INDEX_KEY, ShardedLoader
 from yatt.core._logits import compute_entropy, compute_token_logprobs
 from yatt.core._losses import (
     OBJECTIVES,
+    OLD_LOGPROBS_FROM,
     PolicyLoss,
     aggregate,
     compute_kl,
@@ -41,6 +42,7 @@ from yatt.core._rollout_correction import (
     ROLLOUT_CORRECTIONS,
     compute_mismatch_kl,
     compute_rollout_weights,
+    engine_old_logprobs,
 )
 from yatt.core._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
 from yatt.core._run_log import RunLog, check_wandb
@@ -52,8 +54,14 @@ from yatt.core._surrogates import (
     compute_cispo_policy_loss,
     compute_clipped_policy_loss,
     compute_gspo_policy_loss,
+    compute_gspo_token_policy_loss,
 )
-from yatt.core._torch_policy import TorchPolicy, image_patches_of
+from yatt.core._torch_policy import (
+    TorchPolicy,
+    choose_max_tokens,
+    estimate_activation_bytes,
+    image_patches_of,
+)
 from yatt.core._train_step import merge_step_metrics
 from yatt.core._version import __version__
 from yatt.core._vision_inputs import (
@@ -69,6 +77,7 @@ __all__ = [
     "EXPORT_MARKER",
     "LR_SCHEDULES",
     "OBJECTIVES",
+    "OLD_LOGPROBS_FROM",
     "ROLLOUT_CORRECTIONS",
     "ROLLOUT_TOKEN_KEYS",
     "ROW_INDEX_KEY",
@@ -102,12 +111,14 @@ __all__ = [
     "check_export_dir",
     "check_partial_resumption",
     "check_wandb",
+    "choose_max_tokens",
     "coerce_value",
     "compute_cispo_policy_loss",
     "compute_clipped_policy_loss",
     "compute_entropy",
     "compute_grpo_advantages",
     "compute_gspo_policy_loss",
+    "compute_gspo_token_policy_loss",
     "compute_kl",
     "compute_lr",
     "compute_mismatch_kl",
@@ -119,6 +130,8 @@ __all__ = [
     "count_units",
     "describe_config",
     "encode_vision_prompt",
+    "engine_old_logprobs",
+    "estimate_activation_bytes",
     "export_hf",
     "export_hf_from_checkpoint",
     "image_patches_of",

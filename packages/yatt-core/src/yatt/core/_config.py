@@ -31,7 +31,8 @@ def config_from_dict(
     the parent chose for that engine. `base`: the instance whose values the missing keys keep.
     Unknown keys raise ValueError naming the key and the closest known one. Scalars are
     coerced to the declared type (exact conversions only); other validation belongs to the
-    dataclass's own __post_init__.
+    dataclass's own __post_init__, whose "ClassName.field" in a nested section's error becomes
+    the dotted path ("loss.field").
     """
     if not dataclasses.is_dataclass(cls):
         raise TypeError(f"config_from_dict needs a dataclass type, got {cls!r}")
@@ -60,9 +61,17 @@ def config_from_dict(
         else:
             value = coerce_value(value, field_type, dotted)
         kwargs[key] = value
-    if base is not None:
-        return dataclasses.replace(base, **kwargs)  # __post_init__ checks the merged values
-    return cls(**kwargs)
+    try:
+        if base is not None:
+            return dataclasses.replace(base, **kwargs)  # __post_init__ checks the merged values
+        return cls(**kwargs)
+    except ValueError as exc:
+        if not path:
+            raise
+        # A nested section's own check names its class ("PolicyLoss.clip_low=..."): the user
+        # typed the dotted path ("loss.clip_low"), so the message names that instead.
+        message = re.sub(rf"\b{re.escape(cls.__name__)}\.", f"{path}.", str(exc))
+        raise ValueError(message) from None
 
 
 def _default_of(field: dataclasses.Field) -> Any:

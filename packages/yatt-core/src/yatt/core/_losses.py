@@ -1,4 +1,4 @@
-"""The RL objective: `PolicyLoss` (GRPO, Dr. GRPO, DAPO, GSPO, CISPO), KL to a reference,
+"""The RL objective: `PolicyLoss` (GRPO, Dr. GRPO, DAPO, GSPO, GSPO-token, CISPO), KL to a reference,
 entropy, rollout correction, and how the loss is aggregated.
 
 Shape legend (suffixes on tensor names):
@@ -48,6 +48,7 @@ from yatt.core._surrogates import (
     compute_cispo_policy_loss,
     compute_clipped_policy_loss,
     compute_gspo_policy_loss,
+    compute_gspo_token_policy_loss,
 )
 
 logger = logging.getLogger("yatt.core")
@@ -55,10 +56,12 @@ _NO_ROLLOUT_LOGPROBS = RepeatedWarning(logger, metric="train/is_weight (absent)"
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
-Objective = Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"]
+OldLogprobsFrom = Literal["trainer", "engine"]
+OLD_LOGPROBS_FROM: tuple[str, ...] = ("trainer", "engine")
+Objective = Literal["grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
-OBJECTIVES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
+OBJECTIVES: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "gspo", "gspo_token", "cispo")
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ OBJECTIVE_DEFAULTS: dict[str, _ObjectiveDefaults] = {
     "dr_grpo": _ObjectiveDefaults(0.2, 0.2, "seq_mean_token_sum_norm", False),
     "dapo": _ObjectiveDefaults(0.2, 0.28, "token_mean", True),
     "gspo": _ObjectiveDefaults(3e-4, 4e-4, "seq_mean_token_mean", True),
+    "gspo_token": _ObjectiveDefaults(3e-4, 4e-4, "seq_mean_token_mean", True),
     "cispo": _ObjectiveDefaults(1.0, 0.28, "token_mean", True),
 }
 # k3's value is clamped to this, as verl's kl_penalty "low_var_kl" does: at log-ratio 15 the
@@ -186,10 +190,14 @@ class PolicyLoss:
         dr_grpo    arXiv:2503.20783 sec. 3.1                0.2 / 0.2      seq_mean_token_sum_norm off
         dapo       arXiv:2503.14476 eqs. 8, 10, 12          0.2 / 0.28     token_mean           on
         gspo       arXiv:2507.18071 eqs. 5-7 (seq. ratio)   3e-4 / 4e-4    seq_mean_token_mean  on
+        gspo_token arXiv:2507.18071 eqs. 16-17 (per token)  3e-4 / 4e-4    seq_mean_token_mean  on
         cispo      arXiv:2506.13585 eqs. 4-5 (clipped IS)   1.0 / 0.28     token_mean           on
 
     (std: advantages divided by the group's reward std; cispo's clip_low 1.0 is the paper's "no
-    lower bound"; its eps_high is unpublished, 0.28 follows DAPO's clip-higher.)
+    lower bound"; its eps_high is unpublished, 0.28 follows DAPO's clip-higher. gspo_token
+    gives each token GSPO's sequence ratio in value and its own logprob's gradient, so a
+    per-token advantage [B, T] weighs each token; with GRPO's one advantage per sample its
+    gradient is GSPO's.)
 
     loss = policy-gradient term x rollout weight + kl_coef * KL(pi || pi_ref)
            - entropy_coef * entropy, aggregated per unit (see sum_over_units).
@@ -202,6 +210,16 @@ class PolicyLoss:
     once, before the first update, splits its batch with `split_mini_batches` and calls
     train_step per mini-batch; each step's loss is normalised over that mini-batch's units
     across all ranks.
+
+    old_logprobs_from: where pi_old's logprobs come from. "trainer" (default): the trainer's
+    own forward, once per rollout batch, and rollout_correction weighs the engine's sampler
+    against it (verl's "decoupled" mode: three policies, engine / old / current). "engine":
+    the engine's sampled-token logprobs ("rollout_logprobs") are pi_old (verl's rollout
+    correction "bypass_mode", slime's --use-rollout-logprobs): no old-logprob forward, and
+    the ratio pi / pi_rollout is clipped directly, so the clip also bounds the engine-trainer
+    mismatch. pi_old is then the engine's policy, so there is nothing left for a rollout
+    correction: old_logprobs_from="engine" requires rollout_correction="none" and
+    is_on_policy=False (both refused otherwise, naming the field).
 
     is_on_policy: one optimizer step per rollout batch (GRPO's usual setting; TRL's at
     num_iterations=1). The old policy is then the current one, so "old_logprobs" are the
@@ -217,7 +235,8 @@ class PolicyLoss:
     hundreds of tokens and mask most long responses at small mismatches. "none" turns it off.
     """
 
-    objective: Objective = "grpo"  # grpo, dr_grpo, dapo, gspo or cispo (table in the docstring)
+    # grpo, dr_grpo, dapo, gspo, gspo_token or cispo (table in the docstring)
+    objective: Objective = "grpo"
     clip_low: float | None = None  # eps_low (None: the objective's); 1 or more: no lower clip
     clip_high: float | None = None  # eps_high (None: the objective's); DAPO's clip-higher 0.28
     dual_clip_c: float | None = None  # cap for negative advantages (> 1), None = off
@@ -230,8 +249,12 @@ class PolicyLoss:
     # The constant length seq_mean_token_sum_norm divides by: the rollout's max_new_tokens
     max_response_tokens: int | None = None
     is_on_policy: bool = False  # old logprobs = the forward's, detached (one step per batch)
+    # pi_old: "trainer" (a forward) or "engine" (its logprobs; rollout_correction='none')
+    old_logprobs_from: OldLogprobsFrom = "trainer"
     num_mini_batches: int = 1  # optimizer steps per pass over a batch (TRL steps_per_generation)
     num_epochs: int = 1  # passes over each rollout batch (PPO epochs, TRL num_iterations)
+    # num_epochs > 1: each epoch a new seeded split of the groups (False: the same split)
+    should_reshuffle_epochs: bool = True
     # none, token_truncate, token_mask, sequence_truncate, sequence_mask
     rollout_correction: RolloutCorrection = "token_truncate"
     rollout_correction_cap: float = 2.0  # C of the rollout weight (> 1)
@@ -258,7 +281,7 @@ class PolicyLoss:
         for name in ("clip_low", "clip_high"):
             _check_finite_nonnegative(name, resolved[name])
         if self.dual_clip_c is not None:
-            if self.objective in ("gspo", "cispo"):
+            if self.objective in ("gspo", "gspo_token", "cispo"):
                 raise ValueError(
                     f"PolicyLoss.dual_clip_c={self.dual_clip_c!r}: dual clip is PPO's "
                     f"(grpo, dr_grpo, dapo); objective={self.objective!r} has none: set it to None"
@@ -275,10 +298,12 @@ class PolicyLoss:
             raise ValueError(
                 f"PolicyLoss.aggregation={self.aggregation!r}: use one of {AGGREGATIONS}"
             )
-        if self.objective == "gspo" and resolved["aggregation"] != "seq_mean_token_mean":
+        is_gspo = self.objective in ("gspo", "gspo_token")
+        if is_gspo and resolved["aggregation"] != "seq_mean_token_mean":
             raise ValueError(
-                f"PolicyLoss.aggregation={self.aggregation!r}: GSPO's ratio and loss are per "
-                "sequence (arXiv:2507.18071 eq. 5); use 'seq_mean_token_mean' or leave it None"
+                f"PolicyLoss.aggregation={self.aggregation!r}: objective={self.objective!r} "
+                "averages each sequence's tokens, then the sequences (arXiv:2507.18071 eqs. 5 "
+                "and 16); use 'seq_mean_token_mean' or leave it None"
             )
         if self.max_response_tokens is not None and not (
             isinstance(self.max_response_tokens, int) and self.max_response_tokens >= 1
@@ -291,12 +316,35 @@ class PolicyLoss:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"PolicyLoss.{name}={value!r}: must be an int >= 1")
+        if not isinstance(self.should_reshuffle_epochs, bool):
+            raise ValueError(
+                f"PolicyLoss.should_reshuffle_epochs={self.should_reshuffle_epochs!r}: must be "
+                "a bool"
+            )
         if self.is_on_policy and self.num_updates_per_batch > 1:
             raise ValueError(
                 f"PolicyLoss.is_on_policy=True with num_mini_batches={self.num_mini_batches} and "
                 f"num_epochs={self.num_epochs}: only the first of the "
                 f"{self.num_updates_per_batch} steps is on-policy; set is_on_policy=False (the "
                 "trainer computes old_logprobs once per rollout batch)"
+            )
+        if self.old_logprobs_from not in OLD_LOGPROBS_FROM:
+            raise ValueError(
+                f"PolicyLoss.old_logprobs_from={self.old_logprobs_from!r}: use one of "
+                f"{OLD_LOGPROBS_FROM}"
+            )
+        if self.old_logprobs_from == "engine" and self.is_on_policy:
+            raise ValueError(
+                "PolicyLoss.is_on_policy=True with old_logprobs_from='engine': on-policy takes "
+                "pi_old from the loss's own forward, 'engine' from the rollout; set "
+                "is_on_policy=False (or old_logprobs_from='trainer')"
+            )
+        if self.old_logprobs_from == "engine" and self.rollout_correction != "none":
+            raise ValueError(
+                f"PolicyLoss.rollout_correction={self.rollout_correction!r} with "
+                "old_logprobs_from='engine': pi_old is then the engine's own policy, so the "
+                "correction pi_old / pi_rollout is 1 everywhere; set rollout_correction='none' "
+                "(or old_logprobs_from='trainer' to correct against the trainer's forward)"
             )
         if self.rollout_correction not in ROLLOUT_CORRECTIONS:
             raise ValueError(
@@ -406,6 +454,7 @@ class PolicyLoss:
                 raise ValueError(
                     f"PolicyLoss: the batch has no {key!r}; set it before train_step (e.g. "
                     "batch.tokens['old_logprobs'] = policy.logprobs(batch), or "
+                    "yatt.core.engine_old_logprobs(batch) with old_logprobs_from='engine', or "
                     "PolicyLoss(is_on_policy=True) for one optimizer step per rollout batch)"
                 )
         mask_BT = batch["loss_mask"].to(logprobs_BT.dtype)
@@ -485,6 +534,10 @@ class PolicyLoss:
         clip = {"clip_low": self.resolved_clip_low, "clip_high": self.resolved_clip_high}
         if self.objective == "gspo":
             return compute_gspo_policy_loss(logprobs_BT, old_BT, advantages_BT, mask_BT, **clip)
+        if self.objective == "gspo_token":
+            return compute_gspo_token_policy_loss(
+                logprobs_BT, old_BT, advantages_BT, mask_BT, **clip
+            )
         if self.objective == "cispo":
             return compute_cispo_policy_loss(logprobs_BT, old_BT, advantages_BT, **clip)
         return compute_clipped_policy_loss(

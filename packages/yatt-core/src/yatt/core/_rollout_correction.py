@@ -22,7 +22,7 @@ masked alike). The weight is a constant of the loss (no gradient flows through i
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -88,3 +88,16 @@ def compute_mismatch_kl(
     log_r_BT = (old_logprobs_BT.detach() - rollout_logprobs_BT.detach()).to(torch.float32)
     log_r_BT = log_r_BT.clamp(-_MAX_LOG_WEIGHT, _MAX_LOG_WEIGHT)
     return torch.expm1(log_r_BT) - log_r_BT
+
+
+def engine_old_logprobs(batch: Any) -> torch.Tensor:
+    """The batch's engine logprobs ("rollout_logprobs" [B, T], 0 off the response) as pi_old's,
+    for PolicyLoss(old_logprobs_from="engine"): no forward pass. ValueError when the batch
+    has none (an engine or batch builder that gave no logprobs)."""
+    if "rollout_logprobs" not in batch:
+        raise ValueError(
+            "loss.old_logprobs_from='engine' needs the engine's logprobs, and the batch has no "
+            "'rollout_logprobs': build it with yatt.core.rollout_samples/rollout_batch from "
+            "completions that carry them, or set old_logprobs_from='trainer'"
+        )
+    return batch["rollout_logprobs"].detach().to(torch.float32)

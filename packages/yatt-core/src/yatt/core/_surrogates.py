@@ -1,4 +1,5 @@
-"""Per-token policy-gradient surrogates: PPO's clip (GRPO, Dr. GRPO, DAPO), GSPO, CISPO.
+"""Per-token policy-gradient surrogates: PPO's clip (GRPO, Dr. GRPO, DAPO), GSPO, GSPO-token,
+CISPO.
 
 Shape legend (suffixes on tensor names):
     B  samples
@@ -56,7 +57,24 @@ def compute_clipped_policy_loss(
     Dual clip (arXiv:1912.09729, eq. 5), when dual_clip_c is set: for A < 0 the loss is also
     capped at -c A, so a huge ratio on a bad token cannot blow up the step.
     """
-    ratio_BT = _ratio(logprobs_BT, old_logprobs_BT)
+    return _clip_surrogate(
+        _ratio(logprobs_BT, old_logprobs_BT),
+        advantages_BT,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip_c=dual_clip_c,
+    )
+
+
+def _clip_surrogate(
+    ratio_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip_c: float | None = None,
+) -> tuple[torch.Tensor, ClipRegions]:
+    """PPO's clipped surrogate on a given ratio (see compute_clipped_policy_loss)."""
     advantages_BT = advantages_BT.detach()
     unclipped_BT = -advantages_BT * ratio_BT
     clipped_BT = -advantages_BT * ratio_BT.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -107,6 +125,38 @@ def compute_gspo_policy_loss(
     low_BT = (is_clipped_B & (advantages_B < 0))[:, None].expand(shape)
     high_BT = (is_clipped_B & (advantages_B > 0))[:, None].expand(shape)
     return loss_B[:, None].expand(shape), ClipRegions(low_BT, high_BT, torch.zeros_like(low_BT))
+
+
+def compute_gspo_token_policy_loss(
+    logprobs_BT: torch.Tensor,
+    old_logprobs_BT: torch.Tensor,
+    advantages_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[torch.Tensor, ClipRegions]:
+    """GSPO-token (arXiv:2507.18071, sec. 4.3, eqs. 16-18): GSPO with an advantage per token.
+
+    s_{i,t} = sg[s_i] * pi(y_{i,t}) / sg[pi(y_{i,t})]                            (eq. 17)
+    L_{i,t} = -min(s_{i,t} A_{i,t}, clip(s_{i,t}, 1 - eps_low, 1 + eps_high) A_{i,t})
+    J = 1/G sum_i 1/|y_i| sum_t (-L_{i,t})                                       (eq. 16)
+    s_i is GSPO's sequence ratio (compute_gspo_policy_loss), sg a stop-gradient. s_{i,t}
+    equals s_i in value, so the clip acts where GSPO's would (per token now, by the sign of
+    A_{i,t}); its gradient is s_i d log pi(y_{i,t}), each token's own advantage weighing its
+    own term (eq. 18). With A_{i,t} = A_i on every token that is GSPO's gradient (eq. 11).
+    The loss is per token; aggregate it per sequence ("seq_mean_token_mean") for eq. 16.
+    """
+    mask_BT = loss_mask_BT.to(logprobs_BT.dtype)
+    num_tokens_B = mask_BT.sum(-1).clamp(min=1.0)
+    log_ratio_BT = (logprobs_BT.detach() - old_logprobs_BT.detach()) * mask_BT
+    log_seq_ratio_B = (log_ratio_BT.sum(-1) / num_tokens_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    # sg[s_i] * pi / sg[pi] in log space: log s_i + (log pi - sg[log pi]); the bracket is 0
+    # in value and carries d log pi.
+    log_token_ratio_BT = log_seq_ratio_B[:, None] + (logprobs_BT - logprobs_BT.detach())
+    return _clip_surrogate(
+        torch.exp(log_token_ratio_BT), advantages_BT, clip_low=clip_low, clip_high=clip_high
+    )
 
 
 def compute_cispo_policy_loss(
