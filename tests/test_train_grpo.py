@@ -1279,6 +1279,7 @@ def test_engine_old_logprobs_are_the_batchs_and_each_epoch_reshuffles(
             "loss.old_logprobs_from=engine",
             "loss.num_mini_batches=2",
             "loss.num_epochs=2",
+            "loss.should_reshuffle_epochs=true",
         ]
     )
     assert code == 0
@@ -1296,7 +1297,7 @@ def test_each_epoch_splits_with_its_own_seed_unless_told_not_to():
 
     from yatt import core
 
-    two = core.PolicyLoss(num_mini_batches=2, num_epochs=2)
+    two = core.PolicyLoss(num_mini_batches=2, num_epochs=2, should_reshuffle_epochs=True)
     seeds = [train_grpo.mini_batch_seed(0, 5, epoch, two) for epoch in range(2)]
     assert None not in seeds and seeds[0] != seeds[1]
     assert train_grpo.mini_batch_seed(0, 5, 0, two) == seeds[0]  # a resumed run splits alike
