@@ -47,7 +47,7 @@ def test_torch_backend_builds_a_torch_policy_from_fields(tiny_model_dir, cpu_run
         ),
         # tp_size is Megatron's: the torch backend rejects it instead of ignoring it.
         ("torch", {"tp_size": 2}, r"unknown config key 'policy\.tp_size' for TorchPolicyConfig"),
-        ("megatron", {"tp_size": 0}, r"MegatronPolicyConfig\.tp_size=0: must be an int >= 1"),
+        ("megatron", {"tp_size": 0}, r"policy\.tp_size=0: must be an int >= 1"),  # the dotted path
     ],
     ids=["unknown-backend", "megatron-typo", "torch-tp", "megatron-bad-value"],
 )

@@ -142,7 +142,7 @@ def test_context_parallel_gives_pp1_logprobs_losses_gradients_and_step(megatron_
 def test_a_checkpoint_loads_its_model_at_another_pp_size_and_refuses_its_optimizer(
     megatron_layout_results,
 ):
-    """Through yatt.ckpt (DCP): saved at pp=2 and loaded at pp=1, then the other way. The
+    """Through torch.distributed.checkpoint (what yatt.ckpt writes): saved at pp=2 and loaded at pp=1, then the other way. The
     model state alone loads (each stage reads its layers by global name), giving the saving
     run's weights; the whole state fails on every rank, naming this run's pp_size, before any
     tensor is read."""
