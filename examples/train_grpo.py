@@ -15,7 +15,11 @@ One step, as the loop reads:
     scored      n responses per prompt, each judged by the GenRM (placement=partial: judged as
                 soon as it finishes, while the rollout's long tail still runs)
     batch       DAPO dynamic sampling (core.DynamicSampler): each round's rewards get the
-                overlong penalty, groups without reward variance are dropped, rounds refill
+                overlong penalty, groups without reward variance are dropped, rounds refill.
+                rollout.sampling_mode=stream (placement=partial, grpo_stream.py): no rounds;
+                prompts keep entering the engine, each judged group goes to the sampler as it
+                arrives, and once every rank is full the long tail is aborted (counted; with
+                rollout.keep_partial finished first next step)
     train       advantages per group -> balance across ranks -> old logprobs once (the
                 trainer's forward, or the engine's with loss.old_logprobs_from=engine) -> for
                 each epoch, for each mini-batch of whole groups (reshuffled each epoch): one
