@@ -477,6 +477,10 @@ def main(argv: list[str]) -> int:
             sampling_stats |= {
                 "num_groups_resumed": float(stream.num_resumed),
                 "num_groups_kept_partial": float(len(cut) if partials is not None else 0),
+                # since the start: cut again when resumed, so too old to resume once more
+                "num_partial_groups_dropped_stale": float(
+                    partials.num_dropped_stale if partials is not None else 0
+                ),
                 "num_engine_calls": float(stream.num_calls),
                 **{key: float(value) for key, value in pending.items()},
             }

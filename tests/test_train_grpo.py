@@ -1461,3 +1461,21 @@ def test_a_resumed_sample_keeps_its_old_tokens_and_logprobs():
     scored = train_grpo.scored_group(group, stream)
     assert [item.sample.response for item in scored] == ["[5, 6, 7]", "[9]"]
     assert all(item.prompt is prompt for item in scored)
+
+
+def test_the_policys_vllm_or_sglang_engine_is_told_the_policys_tp_size(monkeypatch):
+    # The adapters check their tensor-parallel size against it before any model loads.
+    import importlib.util
+
+    import grpo_setup
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    made = []
+    for backend in ("vllm", "sglang"):
+        monkeypatch.setitem(
+            grpo_setup.ENGINES, backend, lambda model_dir, **kwargs: made.append(kwargs)
+        )
+        section = grpo_config.RolloutConfig(backend=backend)
+        grpo_setup.make_engine(section, "model", "cuda:0", policy_tp_size=2)
+        grpo_setup.make_engine(section, "judge", "cuda:0")  # a judge shares no policy's batch
+    assert [kwargs["policy_tp_size"] for kwargs in made] == [2, None, 2, None]
