@@ -46,6 +46,16 @@ for step in "$@"; do
         data.path=/tmp/yatt-runs/full/embedded/prompts.jsonl \
         reward.judge_dir=/tmp/yatt-runs/full/embedded/judge
       cp /tmp/yatt-runs/partial/metrics.jsonl "$OUT/trainer_partial_metrics.jsonl" 2>/dev/null
+      # Issue 26: partial colocation streamed (rollout.sampling_mode=stream): prompts keep entering
+      # the engine while verdicts come back, the long tail cut once every rank is full.
+      rm -rf /tmp/yatt-runs/stream
+      run_step trainer_stream python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py out_dir=/tmp/yatt-runs/stream num_steps=10 placement=partial \
+        rollout.sampling_mode=stream rollout.oversample=1.5 rollout.max_oversample=4 \
+        policy.model_dir=/tmp/yatt-runs/full/embedded/policy \
+        data.path=/tmp/yatt-runs/full/embedded/prompts.jsonl \
+        reward.judge_dir=/tmp/yatt-runs/full/embedded/judge
+      cp /tmp/yatt-runs/stream/metrics.jsonl "$OUT/trainer_stream_metrics.jsonl" 2>/dev/null
       # Issue 16's settings on the GPU: a KL reference (a placement role), warm-up + cosine lr,
       # eval every 5 steps on the embedded held-out split, the export at the end, reloaded.
       EMB=/tmp/yatt-runs/full/embedded

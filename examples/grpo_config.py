@@ -74,6 +74,7 @@ MAX_REWARD_WEIGHT = 1e6
 # Dynamic sampling's draw factor: at 64 prompts per kept group the reward is nearly constant.
 MAX_OVERSAMPLE = 64.0
 ON_UNFILLED = ("train", "error")  # core.DynamicSampler's on_unfilled
+SAMPLING_MODES = ("rounds", "stream")  # core.DynamicSampler's mode
 # Seeds fit a signed 32-bit int: what numpy's legacy seeding, torch and the serving engines take.
 MAX_SEED = 2**31 - 1
 
@@ -176,6 +177,13 @@ class RolloutConfig:
     oversample: float = 1.0  # prompts drawn per missing group before a keep rate is known
     max_oversample: float = 1.0  # the adapted factor's ceiling (>= oversample)
     on_unfilled: str = "train"  # unfilled after max_sampling_rounds: "train" on it, or "error"
+    # "rounds": generate, judge, keep, per round. "stream" (placement=partial only): prompts
+    # keep entering the engine while verdicts come back; once every rank has its groups the
+    # rollout and the judge are aborted (the long tail cut, counted).
+    sampling_mode: str = "rounds"  # "rounds" or "stream" (placement=partial)
+    # stream: the groups the abort cut are finished first in the next step, their old tokens
+    # and logprobs kept (off-policy by a step: needs loss.rollout_correction); else dropped.
+    keep_partial: bool = False
     backend: str = "builtin"  # "builtin", or "vllm"/"sglang" (GPU; yatt-rollout[vllm|sglang])
     engine: rollout.EngineConfig = field(
         default_factory=lambda: rollout.EngineConfig(max_seq_len=64)
@@ -204,6 +212,17 @@ class RolloutConfig:
         )
         if self.on_unfilled not in ON_UNFILLED:
             raise ValueError(f"rollout.on_unfilled={self.on_unfilled!r}: use one of {ON_UNFILLED}")
+        if self.sampling_mode not in SAMPLING_MODES:
+            raise ValueError(
+                f"rollout.sampling_mode={self.sampling_mode!r}: use one of {SAMPLING_MODES}"
+            )
+        if not isinstance(self.keep_partial, bool):
+            raise ValueError(f"rollout.keep_partial={self.keep_partial!r}: must be true or false")
+        if self.keep_partial and self.sampling_mode != "stream":
+            raise ValueError(
+                "rollout.keep_partial=True resumes what a stream's abort cut: set "
+                "rollout.sampling_mode='stream' (rounds abort nothing)"
+            )
         check_engine_backend("rollout.backend", self.backend, self.backend_options)
 
 
@@ -497,6 +516,17 @@ class TrainConfig:
                 f"placement='partial' keeps the judge's engine beside the rollout's; "
                 f"reward.backend={self.reward.backend!r} has none: use placement='full'"
             )
+        if self.rollout.sampling_mode == "stream" and self.placement != "partial":
+            raise ValueError(
+                f"rollout.sampling_mode='stream' judges responses while the rollout runs, which "
+                f"needs the rollout and judge engines resident together: set placement='partial' "
+                f"(placement={self.placement!r}), or rollout.sampling_mode='rounds'"
+            )
+        if self.rollout.keep_partial:
+            core.check_partial_resumption(
+                rollout_correction=self.loss.rollout_correction,
+                field_name="loss.rollout_correction",
+            )
         fields = genrm.JudgeTemplate(user=self.reward.judge_template).fields
         if "reference" in fields and not self.data.answer_key and self.reward.backend != "none":
             raise ValueError(
@@ -529,6 +559,16 @@ class TrainConfig:
                 f"policy.temperature={self.policy.temperature} != rollout.temperature="
                 f"{self.rollout.temperature}: the policy's logprobs must use the sampling "
                 "temperature; build the policy config with temperature=rollout.temperature"
+            )
+        model_parallel_size = getattr(self.policy, "model_parallel_size", None)
+        if (
+            self.rollout.sampling_mode == "stream"
+            and (model_parallel_size or getattr(self.policy, "tp_size", 1)) > 1
+        ):
+            raise ValueError(
+                "rollout.sampling_mode='stream': each rank streams its own rollout, and the ranks "
+                "of a model-parallel policy (policy.tp_size x pp x cp > 1) share one batch: use "
+                "rollout.sampling_mode='rounds'"
             )
         if self.export.dir:
             # An existing folder there is replaced at the end only if it is yatt's own earlier

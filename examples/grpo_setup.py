@@ -29,13 +29,22 @@ ENGINES = {"vllm": rollout.VLLMEngine, "sglang": rollout.SGLangEngine}
 JUDGE_MAX_NEW_TOKENS = 4  # "Yes"/"No" and an end token
 
 
-def make_engine(section: RolloutConfig | RewardConfig, model_dir: str, device: str):
+def make_engine(
+    section: RolloutConfig | RewardConfig,
+    model_dir: str,
+    device: str,
+    *,
+    policy_tp_size: int | None = None,
+):
     """The policy's or the judge's engine: built-in by default, vLLM or SGLang by config (its
-    backend and options were checked when the config was built)."""
+    backend and options were checked when the config was built). policy_tp_size (the policy's
+    engine only: the ranks sharing a batch, the runtime's tp_size): a vLLM/SGLang engine's
+    tensor-parallel size must equal it, checked before its model loads (the built-in engine
+    serves one rank)."""
     if section.backend == "builtin":
         return rollout.BuiltinEngine(model_dir, config=replace(section.engine, device=device))
     config = ENGINE_CONFIGS[section.backend](**section.backend_options)
-    return ENGINES[section.backend](model_dir, config=config)
+    return ENGINES[section.backend](model_dir, config=config, policy_tp_size=policy_tp_size)
 
 
 def make_scorer(

@@ -15,7 +15,11 @@ One step, as the loop reads:
     scored      n responses per prompt, each judged by the GenRM (placement=partial: judged as
                 soon as it finishes, while the rollout's long tail still runs)
     batch       DAPO dynamic sampling (core.DynamicSampler): each round's rewards get the
-                overlong penalty, groups without reward variance are dropped, rounds refill
+                overlong penalty, groups without reward variance are dropped, rounds refill.
+                rollout.sampling_mode=stream (placement=partial, grpo_stream.py): no rounds;
+                prompts keep entering the engine, each judged group goes to the sampler as it
+                arrives, and once every rank is full the long tail is aborted (counted; with
+                rollout.keep_partial finished first next step)
     train       advantages per group -> balance across ranks -> old logprobs once (the
                 trainer's forward, or the engine's with loss.old_logprobs_from=engine) -> for
                 each epoch, for each mini-batch of whole groups (reshuffled each epoch): one
@@ -42,7 +46,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -72,6 +76,7 @@ from grpo_setup import (
     required_row_fields,
     row_limits,
 )
+from grpo_stream import RolloutStream
 
 logger = logging.getLogger("train_grpo")
 PLANS = {"full": Plan.full_colocation, "partial": Plan.partial_colocation}
@@ -114,6 +119,17 @@ def draw_prompts(loader: core.ShardedLoader, encoder: PromptEncoder, num_rows: i
     return prompts
 
 
+def judge_view(
+    prompt: Prompt, completion: rollout.Completion, tokenizer, data: DataConfig
+) -> genrm.Sample:
+    """What the judge reads of a response: its row's question and reference, the response
+    decoded once (a vision token ends a response, see grpo_prompts.py; decoding skips it)."""
+    response = tokenizer.decode(completion.response_ids, skip_special_tokens=True)
+    return judge_sample(
+        prompt.row, response, prompt_key=data.prompt_key, answer_key=data.answer_key
+    )
+
+
 def generate_and_score(
     prompts: list[Prompt],
     sampling: rollout.SamplingParams,
@@ -132,10 +148,7 @@ def generate_and_score(
     samples: dict[tuple[int, int], genrm.Sample] = {}
 
     def to_sample(completion: rollout.Completion) -> genrm.Sample:
-        # A vision token ends the response (see grpo_prompts.py); decoding skips it.
-        response = tokenizer.decode(completion.response_ids, skip_special_tokens=True)
-        row = prompts[completion.request_index].row
-        sample = judge_sample(row, response, prompt_key=data.prompt_key, answer_key=data.answer_key)
+        sample = judge_view(prompts[completion.request_index], completion, tokenizer, data)
         samples[completion.request_index, completion.sample_index] = sample
         return sample
 
@@ -167,6 +180,45 @@ def generate_and_score(
         )
         for completion, verdict in zip(completions, verdicts, strict=True)
     ]
+
+
+# -- one streamed step (rollout.sampling_mode=stream, placement=partial) -------------------------
+def scored_group(group: genrm.JudgedGroup, stream: RolloutStream) -> list[Scored]:
+    """A judged group's responses, each with what the judge read and its verdict."""
+    prompt = stream.groups[group.group].prompt
+    return [
+        Scored(completion, stream.samples[id(completion)], verdict, prompt)
+        for completion, verdict in zip(group.completions, group.verdicts, strict=True)
+    ]
+
+
+async def stream_generate_score_keep(
+    step: int,
+    stream: RolloutStream,
+    sampler: core.DynamicSampler,
+    *,
+    draw: Callable[[int], list[Prompt]],
+    keep: Callable[[list[Scored]], None],
+    partials: core.PartialRollouts | None,
+) -> None:
+    """Prompts keep entering the engine while verdicts come back; each group whose responses
+    are all judged goes to the sampler at once; once every rank has its groups (should_abort:
+    polls, never blocks) the rollout's long tail and the judge's leftover work are cut."""
+    if partials is not None:  # last step's cut groups first, their old tokens kept
+        stream.resume(partials.take(step))
+    if first := sampler.num_to_draw(in_flight=stream.num_in_flight):
+        stream.feed(draw(first))  # generate
+    while True:
+        group = await stream.next_group()  # score: a group whose every response is judged
+        if group is not None:
+            keep(scored_group(group, stream))  # keep: sampler.add
+        if sampler.should_abort():  # every rank is full
+            break
+        if more := sampler.num_to_draw(in_flight=stream.num_in_flight):
+            stream.feed(draw(more))  # keep the engine fed
+        if not stream.num_in_flight:  # nothing in flight, nothing to draw: take() decides
+            break
+    await stream.cut()
 
 
 def to_batch(scored: Sequence[Scored], runtime: core.Runtime, encoder: PromptEncoder) -> core.Batch:
@@ -303,7 +355,9 @@ def main(argv: list[str]) -> int:
         if cfg.loss.kl_coef > 0:
             reference_config = replace(cfg.policy, is_reference=True)
             reference = core.build_policy(cfg.backend, reference_config, runtime)
-        engine = make_engine(cfg.rollout, cfg.policy.model_dir, device)
+        engine = make_engine(
+            cfg.rollout, cfg.policy.model_dir, device, policy_tp_size=runtime.tp_size
+        )
         closeables.append(engine)
         if encoder.takes_images and not getattr(engine, "accepts_images", True):
             raise ValueError(f"rollout.backend={cfg.rollout.backend!r} serves no images here")
@@ -356,7 +410,9 @@ def main(argv: list[str]) -> int:
             )
 
         # DAPO dynamic sampling, rounds (partial colocation overlaps the judge with the
-        # rollout inside each round). One sampler for the run: its keep rate carries over.
+        # rollout inside each round), or a stream (rollout.sampling_mode=stream). One sampler
+        # for the run: its keep rate carries over.
+        is_stream = cfg.rollout.sampling_mode == "stream"
         sampler = core.DynamicSampler(
             target_groups=cfg.data.prompts_per_rank,
             oversample=cfg.rollout.oversample,
@@ -364,9 +420,71 @@ def main(argv: list[str]) -> int:
             max_rounds=cfg.rollout.max_sampling_rounds,
             tolerance=cfg.loss.zero_variance_tolerance,
             on_unfilled=cfg.rollout.on_unfilled,
+            mode=cfg.rollout.sampling_mode,
+            # a stream draws as it goes: a target larger than this rank's rows is refused now
+            num_prompts=loader.num_local_rows if is_stream else None,
             group=runtime.dp_group,
         )
+        # rollout.keep_partial: the groups a stream's abort cut, finished first next step
+        partials = (
+            core.PartialRollouts(rollout_correction=cfg.loss.rollout_correction)
+            if cfg.rollout.keep_partial
+            else None
+        )
         max_new_tokens = cfg.rollout.max_new_tokens
+
+        def keep(scored: list[Scored], stats: StepStats) -> None:
+            """A round's or a group's judged responses to the sampler (keep), counted."""
+            stats.add(scored, exact, cut_token_ids=encoder.cut_token_ids)
+            groups = to_batch(scored, runtime, encoder)
+            # DAPO's soft overlong punishment (0 when off), before the variance test
+            groups.samples["reward"] += cfg.overlong.compute_penalties(
+                groups, max_new_tokens=max_new_tokens
+            )
+            sampler.add(groups)  # keep: whole groups with reward variance
+
+        def stream_step(step: int, stats: StepStats) -> tuple[core.Batch, dict[str, float]]:
+            """generate -> score -> keep as one stream; the cut groups counted (kept with
+            keep_partial); the memory split moved by the step's live queues."""
+            stream = RolloutStream(
+                engine=engine,
+                judge_engine=judge_engine,
+                scorer=scorer,
+                to_sample=lambda prompt, c: judge_view(prompt, c, tokenizer, cfg.data),
+                sampling=round_sampling(step, 0),
+                step=step,
+            )
+            with timed(stats.timings, "rollout+genrm"), plan.phase("rollout"):
+                asyncio.run(
+                    stream_generate_score_keep(
+                        step,
+                        stream,
+                        sampler,
+                        draw=lambda count: draw_prompts(loader, encoder, count),
+                        keep=lambda scored: keep(scored, stats),
+                        partials=partials,
+                    )
+                )
+            cut = stream.cut_groups()
+            sampler.record_aborted(len(cut), num_tokens=stream.num_aborted_tokens)
+            for group in cut if partials is not None else ():
+                partials.put(group)
+            pending = stream.pending_tokens()
+            if plan.has_memory_split:  # the next split follows the step's live queues
+                plan.update_load(**pending)
+            batch, sampling_stats = sampler.take()  # waits for every rank's stream
+            stats.num_rounds = int(sampling_stats["num_rounds"])
+            sampling_stats |= {
+                "num_groups_resumed": float(stream.num_resumed),
+                "num_groups_kept_partial": float(len(cut) if partials is not None else 0),
+                # since the start: cut again when resumed, so too old to resume once more
+                "num_partial_groups_dropped_stale": float(
+                    partials.num_dropped_stale if partials is not None else 0
+                ),
+                "num_engine_calls": float(stream.num_calls),
+                **{key: float(value) for key, value in pending.items()},
+            }
+            return batch, sampling_stats
 
         # -- the GRPO loop ----------------------------------------------------------------------
         last_save_s = 0.0  # a save's time is logged with the next step (it ends after the log)
@@ -379,26 +497,24 @@ def main(argv: list[str]) -> int:
         with logging_redirect_tqdm():  # log lines print above the bar, never through it
             for step in bar:
                 stats = StepStats(timings={"ckpt": last_save_s})
-                # rollout + GenRM in rounds until every rank has its groups with reward
-                # variance (collective: a full rank draws 0 and still joins each round)
-                while not sampler.is_done():
-                    num_prompts = sampler.num_to_draw()
-                    groups = core.rollout_batch([])
-                    if num_prompts:
-                        prompts = draw_prompts(loader, encoder, num_prompts)
-                        stats.num_rounds += 1
-                        sampling = round_sampling(step, stats.num_rounds)
-                        scored = generate_and_score(  # generate -> score
-                            prompts, sampling, timings=stats.timings, **generate
-                        )
-                        stats.add(scored, exact, cut_token_ids=encoder.cut_token_ids)
-                        groups = to_batch(scored, runtime, encoder)
-                        # DAPO's soft overlong punishment (0 when off), before the variance test
-                        groups.samples["reward"] += cfg.overlong.compute_penalties(
-                            groups, max_new_tokens=max_new_tokens
-                        )
-                    sampler.add(groups)  # keep: whole groups with reward variance
-                batch, sampling_stats = sampler.take()
+                if is_stream:  # generate -> score -> keep, streamed; the long tail cut
+                    batch, sampling_stats = stream_step(step, stats)
+                else:
+                    # rollout + GenRM in rounds until every rank has its groups with reward
+                    # variance (collective: a full rank draws 0 and still joins each round)
+                    while not sampler.is_done():
+                        num_prompts = sampler.num_to_draw()
+                        if num_prompts:
+                            prompts = draw_prompts(loader, encoder, num_prompts)
+                            stats.num_rounds += 1
+                            sampling = round_sampling(step, stats.num_rounds)
+                            scored = generate_and_score(  # generate -> score
+                                prompts, sampling, timings=stats.timings, **generate
+                            )
+                            keep(scored, stats)  # keep: whole groups with reward variance
+                        else:
+                            sampler.add(core.rollout_batch([]))  # a full rank joins the round
+                    batch, sampling_stats = sampler.take()
                 # Over all ranks (collective): the trained responses cut at max_new_tokens.
                 truncation = core.compute_truncation_metrics(batch, group=runtime.dp_group)
                 if cfg.overlong.should_filter_truncated:  # their tokens out of the loss

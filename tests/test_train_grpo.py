@@ -1306,3 +1306,177 @@ def test_each_epoch_splits_with_its_own_seed_unless_told_not_to():
     fixed = core.PolicyLoss(num_mini_batches=2, num_epochs=2, should_reshuffle_epochs=False)
     assert train_grpo.mini_batch_seed(0, 5, 0, one) is None  # the best-balanced split
     assert train_grpo.mini_batch_seed(0, 5, 1, fixed) is None
+
+
+# -- rollout.sampling_mode=stream (placement=partial) ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        ({"rollout": {"sampling_mode": "stream"}}, r"sampling_mode='stream'.*placement='partial'"),
+        ({"rollout": {"sampling_mode": "streams"}}, r"rollout\.sampling_mode='streams': use one"),
+        (
+            {"placement": "partial", "rollout": {"keep_partial": True}},
+            r"rollout\.keep_partial=True .* rollout\.sampling_mode='stream'",
+        ),
+        (
+            {
+                "placement": "partial",
+                "rollout": {"sampling_mode": "stream", "keep_partial": True},
+                "loss": {"rollout_correction": "none"},
+            },
+            r"loss\.rollout_correction='none': resuming aborted responses",
+        ),
+        (
+            {"placement": "partial", "backend": "megatron", "policy": {"tp_size": 2}},
+            r"rollout\.sampling_mode='stream': .* model-parallel policy",
+        ),
+    ],
+    ids=["full_placement", "unknown_mode", "keep_partial_in_rounds", "no_correction", "tp2"],
+)
+def test_stream_settings_are_checked_when_the_config_is_built(embedded, raw, match):
+    base = _paths(embedded)
+    if raw.get("backend") == "megatron":
+        raw = {**raw, "rollout": {"sampling_mode": "stream"}}
+    merged = {**base, **raw}
+    merged["policy"] = {**base.get("policy", {}), **raw.get("policy", {})}
+    with pytest.raises(ValueError, match=match):
+        grpo_config.build_config(merged)
+    # the default stays rounds, and a stream with placement=partial is accepted
+    assert grpo_config.build_config(base).rollout.sampling_mode == "rounds"
+    stream = {**base, "placement": "partial", "rollout": {"sampling_mode": "stream"}}
+    assert grpo_config.build_config(stream).rollout.sampling_mode == "stream"
+
+
+def test_a_streamed_run_fills_its_batch_and_logs_the_cut_groups(tmp_path, embedded):
+    # 3 prompts drawn per missing group, 8 engine slots: the abort finds groups still queued.
+    args = (
+        "num_steps=2",
+        "placement=partial",
+        "rollout.sampling_mode=stream",
+        "rollout.keep_partial=true",
+        "rollout.oversample=3",
+        "rollout.max_oversample=4",
+        "rollout.engine.max_batch_size=8",
+    )
+    out = tmp_path / "stream"
+    subprocess.run(_one_rank(out, embedded, *args), check=True, env=_env(), timeout=600)
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1]
+    for r in records:
+        assert r["dynamic_sampling/num_groups_kept"] == 4  # data.prompts_per_rank: full
+        assert r["dynamic_sampling/is_filled_all_ranks"] == 1.0
+        assert r["train/num_loss_tokens"] > 0
+        for key in ("num_tokens_aborted", "rollout_pending_tokens", "genrm_pending_tokens"):
+            assert r[f"dynamic_sampling/{key}"] >= 0
+        assert 0 < r["placement/rollout_memory_fraction"] < 1
+    first, second = records
+    assert first["dynamic_sampling/num_groups_drawn"] == 12  # 4 missing x 3
+    # Every drawn group was judged, or cut by the abort (counted), or judged after it.
+    judged = first["dynamic_sampling/num_groups_generated"]
+    assert judged + first["dynamic_sampling/num_groups_aborted"] <= 12
+    # keep_partial: what step 0 cut is what step 1 resumed first.
+    kept_partial = first["dynamic_sampling/num_groups_kept_partial"]
+    assert kept_partial == first["dynamic_sampling/num_groups_aborted"]
+    assert second["dynamic_sampling/num_groups_resumed"] == kept_partial
+
+
+class _ContinuingEngine:
+    """Continues each request with one token (7, logprob -0.3); records what it was asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list, object]] = []
+
+    def stream(self, requests, sampling):
+        from yatt import rollout
+
+        self.calls.append((list(requests), sampling))
+
+        async def completions():
+            for i, request in enumerate(requests):
+                yield rollout.Completion(
+                    request_index=i,
+                    sample_index=0,
+                    prompt_ids=list(request.prompt_ids),
+                    response_ids=[7],
+                    logprobs=[-0.3],
+                    finish_reason="stop",
+                    metadata=dict(request.metadata),
+                )
+
+        return completions()
+
+    def abort(self) -> None:
+        pass
+
+
+class _Judge:
+    async def ascore(self, samples):
+        from yatt import genrm
+
+        return [genrm.Verdict(sample_id="s", reward=1.0, status="ok") for _ in samples]
+
+
+def test_a_resumed_sample_keeps_its_old_tokens_and_logprobs():
+    import asyncio
+
+    import train_grpo
+    from grpo_prompts import Prompt
+    from grpo_stream import RolloutStream
+
+    from yatt import core, genrm, rollout
+
+    prompt = Prompt(row={"prompt": "1+1"}, ids=[1, 2])
+    cut = core.PartialSample(
+        prompt_ids=[1, 2], response_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="abort"
+    )
+    done = core.PartialSample(
+        prompt_ids=[1, 2], response_ids=[9], logprobs=[-0.5], finish_reason="stop"
+    )
+    engine = _ContinuingEngine()
+    stream = RolloutStream(
+        engine=engine,
+        judge_engine=None,
+        scorer=_Judge(),
+        to_sample=lambda p, c: genrm.Sample(prompt=p.row["prompt"], response=str(c.response_ids)),
+        sampling=rollout.SamplingParams(n=2, max_new_tokens=5, seed=3),
+        step=4,
+    )
+
+    async def resume_one_step():
+        stream.resume([core.PartialGroup(samples=[cut, done], step=3, prompt=prompt)])
+        group = await stream.next_group(timeout_s=30)
+        await stream.cut()
+        return group
+
+    group = asyncio.run(resume_one_step())
+    ((request,), sampling) = engine.calls[0]  # only the cut sample is continued
+    assert request.prompt_ids == [1, 2, 5, 6]  # the prompt and what it had
+    assert request.max_new_tokens == 3 and sampling.n == 1  # 5 - 2 tokens left, one response
+    resumed, finished = group.completions
+    assert (resumed.prompt_ids, resumed.response_ids) == ([1, 2], [5, 6, 7])
+    assert resumed.logprobs == [-0.1, -0.2, -0.3]  # the old engine's, then the new
+    assert (finished.response_ids, finished.logprobs) == ([9], [-0.5])  # judged as it was
+    assert stream.num_resumed == 1 and stream.num_in_flight == 0 and not stream.cut_groups()
+    scored = train_grpo.scored_group(group, stream)
+    assert [item.sample.response for item in scored] == ["[5, 6, 7]", "[9]"]
+    assert all(item.prompt is prompt for item in scored)
+
+
+def test_the_policys_vllm_or_sglang_engine_is_told_the_policys_tp_size(monkeypatch):
+    # The adapters check their tensor-parallel size against it before any model loads.
+    import importlib.util
+
+    import grpo_setup
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    made = []
+    for backend in ("vllm", "sglang"):
+        monkeypatch.setitem(
+            grpo_setup.ENGINES, backend, lambda model_dir, **kwargs: made.append(kwargs)
+        )
+        section = grpo_config.RolloutConfig(backend=backend)
+        grpo_setup.make_engine(section, "model", "cuda:0", policy_tp_size=2)
+        grpo_setup.make_engine(section, "judge", "cuda:0")  # a judge shares no policy's batch
+    assert [kwargs["policy_tp_size"] for kwargs in made] == [2, None, 2, None]

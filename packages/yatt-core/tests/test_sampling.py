@@ -173,11 +173,12 @@ def test_stream_tops_up_by_the_live_keep_rate_and_aborts_once_full():
     assert sampler.num_to_draw() == 4  # 2 missing x 2
     sampler.add(_groups([FLAT]))
     assert not sampler.should_abort()
-    # Keep rate 0/1: factor 4, 8 wanted in flight; 3 are: draw 5.
-    assert sampler.num_to_draw(in_flight=3) == 5
-    sampler.add(_groups([VARIED]))  # 1 of 2: factor 2, 1 missing -> 2 wanted; 7 in flight
+    # Keep rate with the prior 1/2 weighing 2 groups: (0 + 1) / (1 + 2) = 1/3, factor 3:
+    # 6 wanted in flight; 3 are: draw 3.
+    assert sampler.num_to_draw(in_flight=3) == 3
+    sampler.add(_groups([VARIED]))  # (1 + 1) / (2 + 2): factor 2, 1 missing -> 2; 5 in flight
     assert not sampler.should_abort()
-    assert sampler.num_to_draw(in_flight=7) == 0
+    assert sampler.num_to_draw(in_flight=5) == 0
     sampler.add(_groups([VARIED]))
     assert sampler.should_abort()  # full, and the only rank
     assert sampler.num_to_draw(in_flight=6) == 0
@@ -187,10 +188,29 @@ def test_stream_tops_up_by_the_live_keep_rate_and_aborts_once_full():
         sampler.record_aborted(1, num_tokens=-1)
     batch, stats = sampler.take()
     assert batch["group_id"].tolist() == [0, 0, 1, 1]
-    assert stats["num_rounds"] == 2 and stats["num_groups_drawn"] == 9
+    assert stats["num_rounds"] == 2 and stats["num_groups_drawn"] == 7
     assert stats["num_groups_aborted"] == 5 and stats["num_tokens_aborted"] == 70
     assert stats["num_groups_surplus"] == 1
     assert stats["oversample_factor"] == 2.0  # the factor of the step's first draw
+
+
+def test_stream_keep_rate_leans_on_last_step_rate_so_one_dropped_group_draws_little():
+    # Step 1 keeps 2 of 4 groups: last step's rate 1/2.
+    sampler = DynamicSampler(target_groups=4, oversample=1.0, max_oversample=4.0, mode="stream")
+    assert sampler.num_to_draw() == 4
+    sampler.add(_groups([VARIED, FLAT, VARIED, FLAT]))
+    sampler.take()
+    # Step 2: the prior 1/2 weighs as 4 judged groups. Before any arrival: rate 1/2, factor 2.
+    assert sampler.num_to_draw() == 8
+    # One dropped group: (0 + 4 x 1/2) / (1 + 4) = 2/5, factor 5/2, 4 missing -> 10 wanted,
+    # 7 in flight: 3 more (this step's own rate 0/1 would want 16: 9 more).
+    sampler.add(_groups([FLAT]))
+    assert sampler.keep_rate == pytest.approx(0.4)
+    assert sampler.num_to_draw(in_flight=7) == 3
+    # Three kept of four: (3 + 2) / (4 + 4) = 5/8, factor 8/5, 1 missing -> 2 wanted.
+    sampler.add(_groups([VARIED, VARIED, VARIED]))
+    assert sampler.keep_rate == pytest.approx(5 / 8)
+    assert sampler.num_to_draw(in_flight=1) == 1
 
 
 def test_stream_draws_no_more_than_max_rounds_rounds_could():

@@ -23,10 +23,12 @@ Streaming (partial colocation: prompts keep entering while verdicts come back):
     batch, stats = sampler.take()                 # waits until every rank is done
 
 Over-sampling: a draw asks for ceil(missing * factor) prompts, factor = 1 / max(keep rate,
-1 / max_oversample), so between 1 and max_oversample. The keep rate is kept / judged groups of
-this step so far (over all ranks at the last round's all_reduce in rounds; this rank's own in a
-stream, which has no per-round collective), else the previous step's over all ranks, else the
-factor is `oversample` (the first step's). should_adapt=False keeps `oversample` throughout.
+1 / max_oversample), so between 1 and max_oversample. Rounds: the keep rate is kept / judged
+groups of this step so far (over all ranks at the last round's all_reduce), else the previous
+step's over all ranks, else the factor is `oversample` (the first step's). Stream (this rank's
+own counts: no per-round collective): (kept + n0 * prior) / (judged + n0), prior = the previous
+step's rate over all ranks (else 1 / oversample), n0 = target_groups, so the first dropped
+group does not set the rate to 0. should_adapt=False keeps `oversample` throughout.
 
 Surplus: groups with variance beyond the target are dropped, deterministically: the first
 `target_groups` in order of arrival are kept (a stream's arrival order is the engine's). They
@@ -169,11 +171,20 @@ class DynamicSampler:
         """The estimate the next draw uses (see the module docstring); None before any."""
         if self.mode == "rounds":
             kept, judged = self._global_kept, self._global_judged
-        else:
-            kept, judged = self._num_kept, self._num_judged
-        if judged:
-            return kept / judged
-        return self.last_keep_rate
+            if judged:
+                return kept / judged
+            return self.last_keep_rate
+        if not self._num_judged and self.last_keep_rate is None:
+            return None
+        # A stream's own rate is that of its first few groups: one dropped group would make it
+        # 0 and the next top-up draw max_oversample x the missing groups at once. So the
+        # previous step's rate (else 1 / oversample) weighs as target_groups judged groups
+        # (a Beta prior): (kept + n0 * prior) / (judged + n0).
+        prior = self.last_keep_rate
+        if prior is None:
+            prior = 1.0 / self.oversample
+        n0 = self.target_groups
+        return (self._num_kept + n0 * prior) / (self._num_judged + n0)
 
     @property
     def oversample_factor(self) -> float:
