@@ -18,8 +18,8 @@ reward is the sample's hidden label, so what is kept does not depend on the judg
                Cut groups are dropped, or with --keep-partial kept (core.PartialRollouts) and
                resumed first in the next step, their tokens' logprobs the old engine's.
                The memory split follows the live queues (placement.PendingLoad). Top-ups use
-               a keep rate steadied by last step's (stream_draw: the step's own rate after one
-               dropped group is 0, which drew 4x the missing groups at once). The step's
+               core's stream keep rate, steadied by last step's (before, the step's own rate
+               after one dropped group was 0, which drew 4x the missing groups at once). The step's
                timeline goes into the stats (stream_*_s: seconds from the stream's start).
     --sampler old   the round-based sampler before issue 26 (core.sample_dynamically: each
                round draws only the missing groups, no over-sampling); partial overlaps the
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,8 +41,6 @@ SAMPLERS = ("new", "old")
 MAX_ROUNDS = 3  # DAPO's and the trainer's default
 MAX_OVERSAMPLE = 4.0
 POLL_S = 0.01  # the stream's wait for the next judged group, between abort checks
-# stream_draw's prior: last step's keep rate weighs as much as this many steps' groups.
-PRIOR_STEPS = 1.0
 
 
 def make_sampler(ctx: Any) -> Any:
@@ -66,33 +63,6 @@ def make_sampler(ctx: Any) -> Any:
         mode="stream" if is_stream else "rounds",
         group=ctx.runtime.dp_group,
     )
-
-
-def steady_factor(sampler: Any, num_judged: int) -> float:
-    """Groups to draw per missing group, from a keep rate steadied by a prior.
-
-    The stream's own estimate (core.DynamicSampler: this step's kept / judged) is the rate of
-    the first few groups judged: one dropped group makes it 0 and the factor max_oversample, so
-    the next top-up draws ~4x the missing groups at once (issue 26's H200 run: 31-32 groups
-    drawn on the first drop, 64-65 drawn in all for 16 kept, twice the rollout's tokens).
-    Here the rate is (kept + n0 * prior) / (judged + n0): prior = last step's rate over all
-    ranks (else 1 / oversample), n0 = PRIOR_STEPS steps' target groups (a Beta prior)."""
-    prior = sampler.last_keep_rate
-    if prior is None:
-        prior = 1.0 / sampler.oversample
-    n0 = PRIOR_STEPS * sampler.target_groups
-    rate = (sampler.num_kept + n0 * prior) / (num_judged + n0)
-    return 1.0 / max(rate, 1.0 / sampler.max_oversample)
-
-
-def stream_draw(sampler: Any, *, in_flight: int, num_judged: int) -> int:
-    """sampler.num_to_draw(in_flight=...) with steady_factor's count: ceil(missing x factor)
-    less the groups in flight (its budget, full and done checks stay core's)."""
-    wanted = math.ceil(sampler.num_missing * steady_factor(sampler, num_judged) - 1e-9)
-    core_wanted = math.ceil(sampler.num_missing * sampler.oversample_factor - 1e-9)
-    # core draws max(min(core_wanted - in_flight, budget), 0): shifting in_flight by what core
-    # wants beyond ours (or short of it) makes that wanted - in_flight.
-    return sampler.num_to_draw(in_flight=max(0, in_flight + core_wanted - wanted))
 
 
 def make_partials(ctx: Any) -> Any:
@@ -380,7 +350,7 @@ class _Stream:
                 self._add(g, j, _finish(g, j, c, self.tally))
 
     def _top_up(self) -> None:
-        more = stream_draw(self.sampler, in_flight=self.num_in_flight, num_judged=self.num_judged)
+        more = self.sampler.num_to_draw(in_flight=self.num_in_flight)
         self._feed(_draw(self.ctx, self.step, more))
 
     def _offer(self, judged: Any) -> None:

@@ -677,24 +677,21 @@ def _stream_sampler(last_keep_rate: float):
 
 
 def test_one_dropped_group_does_not_draw_four_times_the_missing_groups():
-    ours, core_only = _stream_sampler(0.5), _stream_sampler(0.5)
-    assert _step_sampling.stream_draw(ours, in_flight=0, num_judged=0) == 32  # 16 / 0.5
-    assert core_only.num_to_draw(in_flight=0) == 32
-    for sampler in (ours, core_only):
-        sampler.add(_flat_or_varied(False))  # the first group judged: no variance
-    # The step's own rate is 0/1: core's factor jumps to 4, 16 * 4 - 31 in flight.
-    assert core_only.num_to_draw(in_flight=31) == 33
-    # Last step's 0.5 weighs as 16 groups: (0 + 8) / (1 + 16), ceil(16 * 17 / 8) - 31 = 3.
-    assert _step_sampling.stream_draw(ours, in_flight=31, num_judged=1) == 3
+    sampler = _stream_sampler(0.5)
+    assert sampler.num_to_draw(in_flight=0) == 32  # 16 / 0.5
+    sampler.add(_flat_or_varied(False))  # the first group judged: no variance
+    # Last step's 0.5 weighs as 16 groups: (0 + 8) / (1 + 16), ceil(16 * 17 / 8) - 31 = 3
+    # (the step's own rate, 0/1, would make the factor 4: 16 * 4 - 31 = 33 at once).
+    assert sampler.num_to_draw(in_flight=31) == 3
 
 
 def test_a_lucky_start_does_not_starve_the_stream():
     sampler = _stream_sampler(0.5)
-    assert _step_sampling.stream_draw(sampler, in_flight=0, num_judged=0) == 32
+    assert sampler.num_to_draw(in_flight=0) == 32
     sampler.add(_flat_or_varied(True, True, True, True))  # 4 of 4 kept: the step's rate is 1
-    # (4 + 8) / (4 + 16) = 0.6: ceil(12 / 0.6) = 20 wanted, 10 in flight: 10 more (core's
-    # own rate, 1.0, would want 12 and draw 2).
-    assert _step_sampling.stream_draw(sampler, in_flight=10, num_judged=4) == 10
+    # (4 + 8) / (4 + 16) = 0.6: ceil(12 / 0.6) = 20 wanted, 10 in flight: 10 more (the
+    # step's own rate, 1.0, would want 12 and draw 2).
+    assert sampler.num_to_draw(in_flight=10) == 10
 
 
 def test_stream_stats_time_the_judge_after_the_last_kept_response():
