@@ -33,30 +33,10 @@ unpack() {
 }
 
 probe() {  # what each engine imports, and which of its requirements the machine does not meet
-  for engine in vllm sglang; do
-    with_engine "$engine" python3 - "$engine" <<'EOF'
-import importlib, importlib.metadata as md, sys
-from packaging.requirements import Requirement
-engine = sys.argv[1]
-mods = {"vllm": ["vllm", "vllm.entrypoints.llm", "vllm.v1.worker.gpu_worker"],
-        "sglang": ["sglang", "sglang.srt.entrypoints.engine", "sgl_kernel"]}[engine]
-for m in mods:
-    try:
-        importlib.import_module(m); print(engine, "import ok", m)
-    except Exception as e:
-        print(engine, "import FAIL", m, type(e).__name__, str(e)[:300])
-for req in md.requires(engine) or []:
-    r = Requirement(req)
-    if r.marker and not r.marker.evaluate({"extra": ""}):
-        continue
-    try:
-        got = md.version(r.name)
-        if got not in r.specifier:
-            print(engine, "version", r.name, got, "wanted", r.specifier)
-    except md.PackageNotFoundError:
-        print(engine, "missing", r.name)
-EOF
-  done
+  with_engine vllm python3 bench/_probe_site.py --tag vllm --dists vllm \
+    --modules vllm,vllm.entrypoints.llm,vllm.v1.worker.gpu_worker
+  with_engine sglang python3 bench/_probe_site.py --tag sglang --dists sglang \
+    --modules sglang,sglang.srt.entrypoints.engine,sgl_kernel
 }
 
 for step in "$@"; do

@@ -58,29 +58,10 @@ unpack() {
 }
 
 probe() {  # imports, unmet requirements, a Ray cluster, and verl's own check of the config
+  PYTHONPATH=$VERL_PATH python3 bench/_probe_site.py \
+    --modules verl,ray,vllm,transformers,tensordict,hydra,torchdata,codetiming,verl.trainer.main_ppo,verl.workers.rollout.vllm_rollout.vllm_async_server,verl.experimental.reward_loop.reward_loop,verl.workers.engine_workers,transfer_queue,verl.trainer.ppo.v1 \
+    --dists verl,vllm,transformers,datasets,ray,transferqueue,tensordict,hydra-core
   PYTHONPATH=$VERL_PATH python3 - <<'EOF'
-import importlib, importlib.metadata as md
-from packaging.requirements import Requirement
-for m in ["verl", "ray", "vllm", "transformers", "tensordict", "hydra", "torchdata", "codetiming",
-          "verl.trainer.main_ppo", "verl.workers.rollout.vllm_rollout.vllm_async_server",
-          "verl.experimental.reward_loop.reward_loop", "verl.workers.engine_workers",
-          "transfer_queue", "verl.trainer.ppo.v1"]:
-    try:
-        mod = importlib.import_module(m)
-        print("import ok", m, getattr(mod, "__version__", ""))
-    except Exception as e:
-        print("import FAIL", m, type(e).__name__, str(e)[:300])
-for dist in ("verl", "vllm", "transformers", "datasets", "ray", "transferqueue", "tensordict", "hydra-core"):
-    for req in md.requires(dist) or []:
-        r = Requirement(req)
-        if r.marker and not r.marker.evaluate({"extra": ""}):
-            continue
-        try:
-            got = md.version(r.name)
-            if got not in r.specifier:
-                print(dist, "version", r.name, got, "wanted", r.specifier)
-        except md.PackageNotFoundError:
-            print(dist, "missing", r.name)
 import time, ray
 t0 = time.time()
 ray.init(include_dashboard=False)
