@@ -65,6 +65,42 @@ def make_sampler(ctx: Any) -> Any:
     )
 
 
+def generate_and_score(
+    ctx: Any, phases: dict, requests: list, sampling: Any, to_sample: Any
+) -> tuple[list, list, float | None]:
+    """One rollout of `requests` and its verdicts: (completions, verdicts, the judge's tail).
+
+    Partial colocation: one "rollout+genrm" phase, the judge scoring each completion as it
+    lands (genrm.score_as_completed) while the rollout's tail decodes; the tail is the seconds
+    from the rollout's last completion to the last verdict. Otherwise the rollout phase, then
+    the genrm phase (none on a GPU whose judge is elsewhere, dedicated), and no tail (None)."""
+    from yatt import genrm
+
+    plan, engine, judge = ctx.plan, ctx.engine, ctx.judge
+    if ctx.layout == "partial":
+        marks: dict[str, float] = {}
+
+        async def tracked(stream):
+            async for c in stream:
+                yield c
+            marks["rollout_end"] = time.perf_counter()
+
+        with _step_profile.timed(phases, "rollout+genrm"), plan.phase("rollout"):
+            stream = tracked(engine.stream(requests, sampling))
+            completions, verdicts = asyncio.run(genrm.score_as_completed(stream, judge, to_sample))
+            _step_profile._sync()
+        return completions, verdicts, time.perf_counter() - marks["rollout_end"]
+    with _step_profile.timed(phases, "rollout"), plan.phase("rollout"):
+        completions = engine.generate(requests, sampling)
+    has_genrm = "genrm" in plan.phases
+    with (
+        _step_profile.timed(phases, "genrm"),
+        plan.phase("genrm") if has_genrm else contextlib.nullcontext(),
+    ):
+        verdicts = judge.score([to_sample(c) for c in completions])
+    return completions, verdicts, None
+
+
 def make_partials(ctx: Any) -> Any:
     """--keep-partial: cut groups held for the next step (refused without rollout correction)."""
     from yatt import core
@@ -192,9 +228,9 @@ def _record_verdict(verdict: Any, tally: _Tally) -> None:
 
 # -- rounds: full colocation (new and old) and today's partial ------------------------------------
 def rounds_step(ctx: Any, step: int, phases: dict[str, float]) -> tuple[Any, dict, _Tally]:
-    from yatt import core, genrm
+    from yatt import core
 
-    sampler, plan, engine, judge = ctx.sampler, ctx.plan, ctx.engine, ctx.judge
+    sampler, plan = ctx.sampler, ctx.plan
     work, tally, sampling = ctx.work, _Tally(), _sampling(step)
     ctx.num_drawn = 0
     while not sampler.is_done():
@@ -207,30 +243,11 @@ def rounds_step(ctx: Any, step: int, phases: dict[str, float]) -> tuple[Any, dic
             def to_sample(c, by_key=by_key):
                 return _to_sample(by_key[c.metadata["group"]], c)
 
-            if ctx.layout == "partial":  # today's partial: the judge overlaps inside the round
-                marks: dict[str, float] = {}
-
-                async def tracked(stream, marks=marks):
-                    async for c in stream:
-                        yield c
-                    marks["rollout_end"] = time.perf_counter()
-
-                with _step_profile.timed(phases, "rollout+genrm"), plan.phase("rollout"):
-                    stream = tracked(engine.stream(requests, sampling))
-                    scored = asyncio.run(genrm.score_as_completed(stream, judge, to_sample))
-                    completions, verdicts = scored
-                    _step_profile._sync()
-                    tally.genrm_tail_s += time.perf_counter() - marks["rollout_end"]
-            else:
-                with _step_profile.timed(phases, "rollout"), plan.phase("rollout"):
-                    completions = engine.generate(requests, sampling)
-                # dedicated: the judge's own GPUs (no genrm phase on this one)
-                has_genrm = "genrm" in plan.phases
-                with (
-                    _step_profile.timed(phases, "genrm"),
-                    plan.phase("genrm") if has_genrm else contextlib.nullcontext(),
-                ):
-                    verdicts = judge.score([to_sample(c) for c in completions])
+            completions, verdicts, tail_s = generate_and_score(
+                ctx, phases, requests, sampling, to_sample
+            )
+            if tail_s is not None:  # today's partial: the judge overlaps inside the round
+                tally.genrm_tail_s += tail_s
             for c, v in zip(completions, verdicts, strict=True):
                 g, j = by_key[c.metadata["group"]], c.metadata["sample"]
                 _finish(g, j, c, tally)

@@ -68,8 +68,6 @@ default). Two warm-up steps per mix put that first touch before the timed steps;
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import logging
 import shutil
@@ -455,7 +453,7 @@ def _rollout(ctx, mix: str, step: int, phases: dict[str, float]):
     """Every prompt of this rank, once (fixed, longtail): (batch, counts, extra)."""
     from yatt import core, genrm
 
-    plan, engine, judge = ctx.plan, ctx.engine, ctx.judge
+    plan, judge = ctx.plan, ctx.judge
     requests, sampling, expected, prompts = setup.make_requests(ctx, mix, step)
 
     def to_sample(c):
@@ -463,35 +461,17 @@ def _rollout(ctx, mix: str, step: int, phases: dict[str, float]):
             prompt=prompts[c.request_index], response=setup.ids_to_text(c.response_ids)
         )
 
-    if ctx.layout == "partial":
-        marks: dict[str, float] = {}
-
-        async def tracked(stream):
-            async for c in stream:
-                yield c
-            marks["rollout_end"] = time.perf_counter()
-
-        with _step_profile.timed(phases, "rollout+genrm"), plan.phase("rollout"):
-            # The judge scores each completion as it lands, while the rollout's tail decodes.
-            stream = tracked(engine.stream(requests, sampling))
-            completions, verdicts = asyncio.run(genrm.score_as_completed(stream, judge, to_sample))
-        phases["genrm_tail"] = time.perf_counter() - marks["rollout_end"]
+    completions, verdicts, tail_s = _step_sampling.generate_and_score(
+        ctx, phases, requests, sampling, to_sample
+    )
+    extra = {}
+    if tail_s is not None:  # partial: the judge scored each completion as it landed
+        phases["genrm_tail"] = tail_s
         # Did the judge's batches join its running decode (yatt.rollout), or run one by one?
         extra = _judge_calls(ctx)
         r_tokens = sum(len(c.prompt_ids) + len(c.response_ids) for c in completions)
         j_tokens = judge.metrics["num_prompt_tokens"] - ctx.judge_tokens_seen
         plan.update_load(rollout_pending_tokens=r_tokens, genrm_pending_tokens=j_tokens)
-    else:
-        extra = {}
-        with _step_profile.timed(phases, "rollout"), plan.phase("rollout"):
-            completions = engine.generate(requests, sampling)
-        # dedicated: this GPU idles while the judge's GPU scores (an HTTP round trip).
-        has_genrm = "genrm" in plan.phases
-        with (
-            _step_profile.timed(phases, "genrm"),
-            plan.phase("genrm") if has_genrm else contextlib.nullcontext(),
-        ):
-            verdicts = judge.score([to_sample(c) for c in completions])
     bad_lengths = sum(len(c.response_ids) != expected[c.request_index] for c in completions) + abs(
         len(completions) - len(expected)
     )
