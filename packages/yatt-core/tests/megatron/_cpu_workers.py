@@ -257,16 +257,12 @@ def _rl_batch(num_rows: int = 6, low: int = 10, high: int = 40):
     return Batch.from_samples(rows, token_keys=("input_ids", "loss_mask"))
 
 
-def _one_layout(model_dir: str, batch, **sizes) -> dict:
-    """Logprobs, two train steps (gradients of the first before its update), the exported HF
-    weights and the model state of MegatronPolicy at one parallel layout (float32)."""
-    from megatron.core import parallel_state
+def _float32_config(model_dir: str, **sizes):
+    """The MegatronPolicyConfig every layout scenario here runs: float32, no grad clip, small
+    micro-batches, the plain optimizer (its state is what the checkpoint tests compare)."""
+    from yatt.core.megatron import MegatronPolicyConfig
 
-    from yatt.core import PolicyLoss, init_runtime
-    from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
-    from yatt.core.megatron._weights import global_layer_name
-
-    config = MegatronPolicyConfig(
+    return MegatronPolicyConfig(
         model_dir=model_dir,
         dtype="float32",
         lr=1e-3,
@@ -275,6 +271,18 @@ def _one_layout(model_dir: str, batch, **sizes) -> dict:
         use_distributed_optimizer=False,
         **sizes,
     )
+
+
+def _one_layout(model_dir: str, batch, **sizes) -> dict:
+    """Logprobs, two train steps (gradients of the first before its update), the exported HF
+    weights and the model state of MegatronPolicy at one parallel layout (float32)."""
+    from megatron.core import parallel_state
+
+    from yatt.core import PolicyLoss, init_runtime
+    from yatt.core.megatron import MegatronPolicy
+    from yatt.core.megatron._weights import global_layer_name
+
+    config = _float32_config(model_dir, **sizes)
     loss_fn = PolicyLoss(entropy_coef=0.01)
     with init_runtime(device="cpu", tp_size=config.model_parallel_size) as rt:
         policy = MegatronPolicy(config, rt)
@@ -336,17 +344,9 @@ def _checkpoint_at(model_dir: str, pp_size: int, root: Path, *, load_from: Path 
     from megatron.core import parallel_state
 
     from yatt.core import PolicyLoss, init_runtime
-    from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
+    from yatt.core.megatron import MegatronPolicy
 
-    config = MegatronPolicyConfig(
-        model_dir=model_dir,
-        dtype="float32",
-        lr=1e-3,
-        grad_clip=None,
-        max_tokens_per_microbatch=64,
-        use_distributed_optimizer=False,
-        pp_size=pp_size,
-    )
+    config = _float32_config(model_dir, pp_size=pp_size)
     out: dict = {}
     with init_runtime(device="cpu", tp_size=config.model_parallel_size) as rt:
         policy = MegatronPolicy(config, rt)
