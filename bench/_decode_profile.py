@@ -3,11 +3,16 @@
 `profile_decode(engine, with_kernels=...)` times one graph replay per attention span and, with
 kernels, groups the CUDA kernels of a full-span step (graph replay and eager) by kind. The steps
 run through the engine's public diagnostics (`attention_spans`, `run_decode_steps`).
+
+`decode_ms_by_active_count(engine, counts)` times a step with k sequences active two ways: every
+slot decoding (the engine before batch buckets: one graph over all slots, whatever k) and the
+batch bucket the engine now picks for k (`decode_batch_buckets`).
 """
 
 from __future__ import annotations
 
 import re
+import time
 
 import torch
 
@@ -82,3 +87,44 @@ def profile_decode(engine, *, with_kernels: bool) -> dict:
     out["eager_profile_full_span"] = _kernel_table(prof, 3)
     print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30), flush=True)
     return out
+
+
+def _step_ms(engine, *, span: int, batch: int, num_steps: int = 20) -> float:
+    """Mean ms of one decode step of `batch` rows (graph replays on CUDA, eager on CPU)."""
+    engine.run_decode_steps(span=span, num_steps=2, batch=batch)  # warm (first replay, caches)
+    if torch.device(engine.config.device).type != "cuda":
+        t0 = time.perf_counter()
+        engine.run_decode_steps(span=span, num_steps=num_steps, batch=batch)
+        return (time.perf_counter() - t0) / num_steps * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    engine.run_decode_steps(span=span, num_steps=num_steps, batch=batch)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / num_steps
+
+
+def decode_ms_by_active_count(engine, counts=(8, 32, 128, 256), *, span: int | None = None) -> dict:
+    """Decode ms per step with k of the engine's slots active, before and with batch buckets.
+
+    Run it after a call that filled the slots to the length of interest: every row reads its
+    slot's KV up to that slot's last position (finished slots keep theirs, as in a rollout's
+    tail). span: the attention span of the steps (default: the longest).
+    """
+    span = span or engine.attention_spans[-1]
+    buckets = engine.decode_batch_buckets
+    slots = buckets[-1]
+    every_slot_ms = _step_ms(engine, span=span, batch=slots)
+    out = {}
+    for k in counts:
+        if k > slots:
+            continue
+        bucket = next(b for b in buckets if b >= k)
+        bucket_ms = every_slot_ms if bucket == slots else _step_ms(engine, span=span, batch=bucket)
+        out[k] = {
+            "bucket": bucket,
+            "every_slot_ms": round(every_slot_ms, 4),
+            "bucket_ms": round(bucket_ms, 4),
+            "speedup": round(every_slot_ms / bucket_ms, 3),
+        }
+    return {"span": span, "slots": slots, "by_active_count": out}

@@ -17,7 +17,7 @@ from yatt.rollout import BuiltinEngine, Request, SamplingParams
 from yatt.rollout.builtin import sample_tokens
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _decode_profile import profile_decode
+from _decode_profile import decode_ms_by_active_count, profile_decode
 from _rollout_checks import RUN, build_model, check, engine_config, prompts, sync
 
 NOMINAL_HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12}
@@ -70,10 +70,50 @@ def bench_throughput(results: dict, skip_static: bool) -> None:
         rounded = {k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}
         print(f"batch {batch}: {json.dumps(rounded)}", flush=True)
     del model
+    results["tail"] = bench_tail(max(rows))
     results["prefill"] = bench_prefill()
     if not RUN.throughput_only:
         ratio = rows[256]["yatt_tok_s"] / rows[256]["hf_dynamic_tok_s"]
         check(">= 10x HF generate at batch 256", ratio >= 10, f"{ratio:.1f}x")
+
+
+def bench_tail(batch: int) -> dict:
+    """A call with a long tail: `batch` samples, 1 in 32 forced to RUN.new_tokens, the rest to
+    RUN.new_tokens // 16, through the engine without batch buckets (every step decodes every
+    slot) and with them (the default): whole-call seconds, same seeds, same tokens."""
+    long_every = 32
+    reqs = [
+        Request(
+            prompt_ids=r.prompt_ids,
+            max_new_tokens=RUN.new_tokens if i % long_every == 0 else max(1, RUN.new_tokens // 16),
+        )
+        for i, r in enumerate(prompts(batch, RUN.prompt_len, seed=batch + 1))
+    ]
+    forced = SamplingParams(max_new_tokens=RUN.new_tokens, ignore_eos=True, seed=0)
+    out: dict = {"batch": batch, "long": len(reqs[::long_every]), "new_tokens": RUN.new_tokens}
+    tokens = {}
+    for name, buckets in (("every_slot", ()), ("buckets", None)):
+        config = engine_config(batch, decode_batch_buckets=buckets)
+        engine = BuiltinEngine(build_model(seed=0), config=config)
+        engine.generate(reqs[:8], SamplingParams(max_new_tokens=16, ignore_eos=True, seed=0))
+        engine._runner.bucket_steps.clear()
+        completions: list = []
+        out[f"{name}_s"] = time_call(
+            partial(lambda e, sink: sink.extend(e.generate(reqs, forced)), engine, completions)
+        )
+        out[f"{name}_steps_by_batch"] = dict(sorted(engine._runner.bucket_steps.items()))
+        tokens[name] = [c.response_ids for c in completions]
+        engine.close()
+        gc.collect()
+        if RUN.device == "cuda":
+            torch.cuda.empty_cache()
+    out["speedup"] = out["every_slot_s"] / out["buckets_s"]
+    # Diagnostics, not a check: bf16 kernels of another batch size may round a near-tie apart.
+    out["same_tokens_fraction"] = sum(
+        a == b for a, b in zip(tokens["every_slot"], tokens["buckets"], strict=True)
+    ) / len(reqs)
+    print(f"tail call: {json.dumps(out)}", flush=True)
+    return out
 
 
 def bench_prefill() -> dict:
@@ -160,6 +200,9 @@ def _bench_engine(batch: int, *, profile: bool = True, **config) -> dict:
     }
     try:
         if profile:
+            # After the forced run every slot holds prompt + new tokens: the rollout's tail.
+            row["active_decode"] = decode_ms_by_active_count(engine)
+            print(f"batch {batch}, decode by active count: {row['active_decode']}", flush=True)
             row.update(profile_decode(engine, with_kernels=batch == 256))
     except Exception as exc:  # the profile is diagnostics; never lose the measurements for it
         row["profile_error"] = repr(exc)

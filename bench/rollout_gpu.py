@@ -18,7 +18,9 @@ PASS/FAIL (the script exits 1 if any fails):
      forced new tokens, against HF generate (dynamic and static cache, the same 512 tokens; reported
      as tokens/s) and the memory-bandwidth roofline. Bar: >= 10x HF generate (dynamic cache)
      at batch 256. Also: decode-graph time per attention span, and a kernel-time profile of
-     the decode step (where the time goes).
+     the decode step (where the time goes); decode ms per step with 8/32/128/256 of 256 slots
+     active, every slot decoding (before batch buckets) vs the bucket for that count (now); a
+     long-tail call (1 in 32 samples long) without and with batch buckets.
 
 Random-weight bf16 models have near-ties in their logits everywhere (logits are rounded to bf16
 before the argmax), so two correct runs whose kernels round differently can pick different
@@ -241,6 +243,33 @@ def markdown(results: dict) -> str:
                 f"| {name} | {r['batch']} | {r['prompt_tokens']} | {r['prefill_tok_s']:.0f} | "
                 f"{r['new_tokens']} | {r['generated_tok_s']:.0f} |"
             )
+    for batch, r in results.get("throughput", {}).items():
+        active = r.get("active_decode")
+        if not active:
+            continue
+        lines += [
+            "",
+            f"Decode step with k of {active['slots']} slots active (span {active['span']}, "
+            f"batch {batch}): every slot decoding (before) vs the batch bucket for k (now)",
+            "",
+            "| active k | bucket | every slot ms | bucket ms | speed-up |",
+            "|---|---|---|---|---|",
+        ]
+        for k, a in active["by_active_count"].items():
+            lines.append(
+                f"| {k} | {a['bucket']} | {a['every_slot_ms']:.3f} | {a['bucket_ms']:.3f} | "
+                f"{a['speedup']:.2f} |"
+            )
+    tail = results.get("tail")
+    if tail:
+        lines += [
+            "",
+            f"- long-tail call (batch {tail['batch']}, {tail['long']} samples of "
+            f"{tail['new_tokens']} tokens, the rest 1/16 of that): every slot decoding "
+            f"{tail['every_slot_s']:.2f} s, batch buckets {tail['buckets_s']:.2f} s "
+            f"({tail['speedup']:.2f}x); same tokens: {tail['same_tokens_fraction']:.2f}; "
+            f"steps by batch: {tail['buckets_steps_by_batch']}",
+        ]
     lines.append("")
     for batch, r in results.get("throughput", {}).items():
         if "graph_step_ms_by_span" in r:

@@ -388,3 +388,93 @@ def test_joined_calls_match_separate_calls_with_cuda_graphs(
     assert_same_samples(out["a"], expected_a)
     assert_same_samples(got_b, expected_b)
     engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_slots", "slots", "span"), [(4, [2], 64), (9, [7, 0, 3, 8, 5], 200)])
+def test_triton_decode_attention_reads_through_slot_indices(dtype, num_slots, slots, span):
+    # Batch row b is cache slot slot_B[b] at position pos_B[b] (a bucket of the running slots):
+    # the reference, in float64, reads that slot's row for positions 0..min(pos_B[b], span-1).
+    from yatt.rollout.builtin._decode_kernel import triton_decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(num_slots)
+    B, Hq, Hkv, D, L = len(slots), 14, 2, 64, span + 37
+    q = torch.randn((B, Hq, 1, D), device="cuda", generator=g).to(dtype)
+    k, v = (torch.randn((num_slots, Hkv, L, D), device="cuda", generator=g).to(dtype) for _ in "kv")
+    slot_B = torch.tensor(slots, device="cuda")
+    pos_B = torch.randint(0, L, (B,), device="cuda", generator=g)
+    pos_B[0] = 0
+    out = triton_decode_attention(q, k, v, pos_B, span=span, scale=D**-0.5, slot_B=slot_B)
+    assert out is not None and out.shape == (B, 1, Hq, D) and out.dtype == dtype
+    ref = torch.empty(B, 1, Hq, D, dtype=torch.float64, device="cuda")
+    for b, s in enumerate(slots):
+        n = min(int(pos_B[b]) + 1, span)
+        keys = k[s, :, :n].double().repeat_interleave(Hq // Hkv, dim=0)  # [Hq, n, D]
+        values = v[s, :, :n].double().repeat_interleave(Hq // Hkv, dim=0)
+        weights = torch.softmax((q[b, :, 0].double()[:, None] * keys).sum(-1) * D**-0.5, -1)
+        ref[b, 0] = (weights[:, :, None] * values).sum(1)
+    atol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
+
+
+# Per-request limits, low slots longest: the running count falls through every bucket mid-run
+# (and the running slots are never a prefix of the slots).
+_BUCKET_LIMITS = [90, 7, 70, 12, 50, 20, 33, 3, 61, 15]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        dict(),  # the CUDA defaults: compiled step, Triton attention, CUDA graphs
+        dict(compile_decode=False, decode_attention="sdpa"),  # gathers a bucket's KV rows
+        dict(compile_decode=False, decode_attention="matmul", use_cuda_graph=False),
+    ],
+    ids=["default", "sdpa-graphs", "matmul-eager"],
+)
+def test_batch_buckets_match_every_slot_decoding_on_cuda(tiny_model_dir, path):
+    # The bucketed engine against the same engine without buckets (every step over every
+    # slot, the engine before buckets) on the same seeds: same tokens, logprobs to float32
+    # noise (a bucket's GEMMs and split-K attention may round differently from the full batch).
+    requests = [
+        Request(prompt_ids=[5 + i, 6, 7][: 1 + i % 3], max_new_tokens=n)
+        for i, n in enumerate(_BUCKET_LIMITS)
+    ]
+    calls = [
+        SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=90, seed=3, ignore_eos=True),
+        SamplingParams(n=1, temperature=1.0, max_new_tokens=90, seed=5, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_new_tokens=90, ignore_eos=True),
+    ]
+    outputs, steps = {}, {}
+    for name, buckets in (("every-slot", ()), ("bucketed", (1, 2, 4, 8))):
+        config = EngineConfig(
+            device="cuda",
+            max_batch_size=16,
+            max_seq_len=256,
+            region_prefix=f"b{name}",
+            decode_batch_buckets=buckets,
+            **path,
+        )
+        engine = BuiltinEngine(tiny_model_dir, config=config)
+        outputs[name] = [c for sampling in calls for c in engine.generate(requests, sampling)]
+        runner = engine._runner
+        steps[name] = dict(runner.bucket_steps)
+        if name == "bucketed":
+            assert engine.decode_batch_buckets == [1, 2, 4, 8, 16]
+            if config.should_compile_decode:
+                assert runner._compiled_step is not None, "compiling fell back to eager"
+            if runner.use_cuda_graph:  # one graph per (sampling mode, span, batch bucket)
+                spans, buckets_all = engine.attention_spans, engine.decode_batch_buckets
+                modes = {key[:2] for key in runner._graphs}
+                assert len(modes) == 3
+                assert len(runner._graphs) == 3 * len(spans) * len(buckets_all)
+        engine.close()
+    assert set(steps["every-slot"]) == {16}
+    assert {1, 2, 4, 8, 16} <= set(steps["bucketed"]), steps["bucketed"]
+    # The host checks are the same, so the number of steps is too; only their width differs.
+    assert sum(steps["bucketed"].values()) == sum(steps["every-slot"].values())
+    old, new = outputs["every-slot"], outputs["bucketed"]
+    assert [c.response_ids for c in new] == [c.response_ids for c in old]
+    for a, b in zip(new, old, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
+        )

@@ -18,7 +18,17 @@ Attention reads cache positions [0, span) only. Spans are buckets (64, 128, ...,
 each; at every host check the smallest bucket that holds the longest active sequence for the
 next k steps is chosen, so short sequences do not pay for a long max_seq_len.
 
+A step decodes a batch of B rows, not every slot: B is the smallest batch bucket (by default
+8, 16, 32, ... below S, then S) that holds the slots active at the host check, and
+row_slot_S[:B] names the slot of each row (the active ones, then idle ones as padding; the full
+bucket is the identity). The step gathers its rows' state through that index, reads and writes
+their KV rows through it, and scatters the new state back, so the step's cost follows the
+number of active sequences (the long tail of a rollout no longer pays for a full batch) and no
+KV moves between slots. Each (span, batch bucket) pair is its own CUDA graph; the compiled step
+is dynamic in both. A slot that finishes between host checks stays in the batch, idle.
+
 Per slot s (S slots, L = max_seq_len):
+  row_slot_S[b]   the slot that batch row b decodes (the first B entries are the step's batch)
   input_tok_S[s]  last token, whose key/value the next step writes at position pos_S[s]
   gen_len_S[s]    tokens generated so far; response g sits in response_SL[s, g]
   limit_S[s]      generation stops when gen_len reaches it: min(item's max_new_tokens, L - prompt)
@@ -31,6 +41,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +63,9 @@ logger = logging.getLogger(__name__)
 MAX_STOP_TOKENS = 32
 MAX_LABEL_TOKENS = 16  # SamplingParams.label_token_ids per call
 MIN_SPAN = 64  # smallest attention bucket; below this a step is bound by launches, not reads
+# Smallest default batch bucket: below it a step is bound by launches and weight reads, so a
+# smaller batch would save little and cost graphs.
+MIN_BATCH_BUCKET = 8
 # One CUDA-graph capture at a time in the process: entering torch.cuda.graph synchronises the
 # device and empties the allocator's cache, which asserts that no capture is underway (two
 # engines starting their first calls together in two threads would both capture). The engine
@@ -69,6 +84,18 @@ def span_buckets(max_seq_len: int) -> list[int]:
         spans.append(span)
         span *= 2
     return [*spans, max_seq_len]
+
+
+def batch_buckets(num_slots: int, sizes: Sequence[int] | None = None) -> list[int]:
+    """Batch sizes with one decode graph each (per span): `sizes` below num_slots, then
+    num_slots. None: powers of two from MIN_BATCH_BUCKET; () : num_slots alone (no buckets)."""
+    if sizes is None:
+        sizes = []
+        size = MIN_BATCH_BUCKET
+        while size < num_slots:
+            sizes.append(size)
+            size *= 2
+    return sorted({size for size in sizes if size < num_slots} | {num_slots})
 
 
 @dataclass(kw_only=True)
@@ -110,6 +137,7 @@ class SlotRunner:
         max_prefill_tokens: int,
         stream: torch.cuda.Stream | None = None,
         vision: VisionPrefill | None = None,
+        decode_batch_buckets: Sequence[int] | None = None,
     ) -> None:
         self.model = model
         self.vision = vision
@@ -137,12 +165,17 @@ class SlotRunner:
         # Per slot: the logprobs of its item's label_token_ids at the first response position,
         # written at prefill (eager, no graph) and read at harvest.
         self.label_logprob_SK = torch.zeros(S, MAX_LABEL_TOKENS, dtype=torch.float32, device=device)
-        self.slot_ids_S = torch.arange(S, device=device)
+        self.row_slot_S = torch.arange(S, device=device)
         self.arange_L = torch.arange(L, device=device)
         self.spans = span_buckets(L)
+        self.batch_buckets = batch_buckets(S, decode_batch_buckets)
+        # Decode steps run per batch bucket (a diagnostic: tests and benchmarks read it).
+        self.bucket_steps: Counter[int] = Counter()
+        self._rows: tuple[int, ...] | None = None  # what row_slot_S[:B] holds now
+        self.batch = S  # the decode steps' batch bucket, as set_decode_rows set it
         self.last_flags: Flags | None = None  # of the last call begun (what a profile replays)
         self.reset_state()
-        self._graphs: dict[tuple[bool, bool, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[bool, bool, int, int], torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         # The engine's stream (None on CPU): graphs are captured on it, so the cuBLAS workspaces
         # baked into them belong to it, and replays on it never race another engine's.
@@ -174,15 +207,19 @@ class SlotRunner:
             out = self.model(**kwargs)
         return out.logits[:, -1]
 
-    def _decode_step(self, flags: Flags, span: int) -> None:
-        """One decode step: compiled when the engine compiles it, else eager."""
+    def _decode_step(self, flags: Flags, span: int, batch: int) -> None:
+        """One decode step over rows row_slot_S[:batch]: compiled when the engine compiles it,
+        else eager."""
         arange_P = self.arange_L[:span]
+        slot_B = self.row_slot_S[:batch]
         if self._compiled_step is not None:
-            # Dynamic in the span (one compiled graph for every bucket), static in the rest.
+            # Dynamic in the span and the batch (one compiled graph for every span and batch
+            # bucket), static in the rest. "maybe": a batch of 1 specialises instead of failing.
             torch._dynamo.mark_dynamic(arange_P, 0)
+            torch._dynamo.maybe_mark_dynamic(slot_B, 0)
             try:
                 with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-                    self._compiled_step(arange_P, flags.is_greedy, flags.is_truncated)
+                    self._compiled_step(arange_P, slot_B, flags.is_greedy, flags.is_truncated)
                 return
             except Exception as exc:
                 if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -196,52 +233,64 @@ class SlotRunner:
                     str(exc).splitlines()[0] if str(exc) else "",
                 )
                 self._compiled_step = None
-        self._decode_step_body(arange_P, flags.is_greedy, flags.is_truncated)
+        self._decode_step_body(arange_P, slot_B, flags.is_greedy, flags.is_truncated)
 
-    def _decode_step_body(self, arange_P: torch.Tensor, is_greedy: bool, is_truncated: bool):
-        """The decode step over the cache positions arange_P = [0, span) (what gets compiled)."""
+    def _decode_step_body(
+        self, arange_P: torch.Tensor, slot_B: torch.Tensor, is_greedy: bool, is_truncated: bool
+    ):
+        """The decode step of the slots slot_B (distinct) over the cache positions arange_P =
+        [0, span) (what gets compiled): gather their state, decode, scatter it back."""
         L = self.cache.max_seq_len
-        visible_SP = arange_P[None, :] <= self.pos_S[:, None]
+        pos_B = self.pos_S.index_select(0, slot_B)
+        gen_len_B = self.gen_len_S.index_select(0, slot_B)
+        active_B = self.active_S.index_select(0, slot_B)
+        visible_BP = arange_P[None, :] <= pos_B[:, None]
         # Additive, in the activations' dtype: what SDPA's fused kernels take without a
         # conversion per layer. Position 0 is always visible, so no softmax row is empty.
-        mask = torch.where(visible_SP, 0.0, float("-inf")).to(self.cache.keys[0].dtype)
+        mask = torch.where(visible_BP, 0.0, float("-inf")).to(self.cache.keys[0].dtype)
         write = DecodeWrite(
             cache=self.cache,
-            pos_S=self.pos_S,
+            pos_B=pos_B,
+            slot_B=slot_B,
             span=arange_P.shape[0],
             attention=self.decode_attention,
         )
-        logits_SV = self._forward_last_logits(
-            self.input_tok_S[:, None],
+        logits_BV = self._forward_last_logits(
+            self.input_tok_S.index_select(0, slot_B)[:, None],
             mask[:, None, None, :],
             # The cache position, shifted by a vision prompt's mrope offset (0 for text).
-            (self.pos_S + self.rope_delta_S)[:, None],
+            (pos_B + self.rope_delta_S.index_select(0, slot_B))[:, None],
             write,
             # Compiled: the write travels as a forward kwarg (dynamo does not trace the
             # ContextVar of writing_kv); eager keeps the ContextVar, as before.
             as_kwarg=self._compile_decode,
         )
-        token_S, logprob_S = sample_tokens(
-            logits_SV,
-            temperature_S=self.temperature_S,
-            top_p_S=self.top_p_S,
-            top_k_S=self.top_k_S,
-            key_S=self.key_S,
-            counter_S=self.gen_len_S,
+        # Per row: its own slot's sampling state; the draw hashes (key, counter), so a sample's
+        # tokens do not depend on its row, its bucket or its slot.
+        token_B, logprob_B = sample_tokens(
+            logits_BV,
+            temperature_S=self.temperature_S.index_select(0, slot_B),
+            top_p_S=self.top_p_S.index_select(0, slot_B),
+            top_k_S=self.top_k_S.index_select(0, slot_B),
+            key_S=self.key_S.index_select(0, slot_B),
+            counter_S=gen_len_B,
             is_greedy=is_greedy,
             is_truncated=is_truncated,
         )
-        active_S = self.active_S
-        column_S = self.slot_ids_S * (L + 1) + torch.where(active_S, self.gen_len_S, L)
-        self.response_SL.view(-1).index_copy_(0, column_S, token_S)
-        self.logprob_SL.view(-1).index_copy_(0, column_S, logprob_S)
-        gen_len_S = self.gen_len_S + active_S.long()
-        is_stop_S = (token_S[:, None] == self.stop_ids_K[None, :]).any(dim=-1)
-        # active_S aliases the buffer: every read of it comes before it is overwritten (last).
-        self.pos_S.copy_(torch.where(active_S, self.pos_S + 1, self.pos_S).clamp(max=L - 1))
-        self.gen_len_S.copy_(gen_len_S)
-        self.input_tok_S.copy_(token_S)
-        self.active_S.copy_(active_S & ~is_stop_S & (gen_len_S < self.limit_S))
+        column_B = slot_B * (L + 1) + torch.where(active_B, gen_len_B, L)
+        self.response_SL.view(-1).index_copy_(0, column_B, token_B)
+        self.logprob_SL.view(-1).index_copy_(0, column_B, logprob_B)
+        new_gen_len_B = gen_len_B + active_B.long()
+        is_stop_B = (token_B[:, None] == self.stop_ids_K[None, :]).any(dim=-1)
+        new_pos_B = torch.where(active_B, pos_B + 1, pos_B).clamp(max=L - 1)
+        limit_B = self.limit_S.index_select(0, slot_B)
+        new_active_B = active_B & ~is_stop_B & (new_gen_len_B < limit_B)
+        # Every read of the slot buffers is above; the slots are distinct, so each scatter
+        # writes each slot once (no order between duplicates to depend on).
+        self.pos_S.index_copy_(0, slot_B, new_pos_B)
+        self.gen_len_S.index_copy_(0, slot_B, new_gen_len_B)
+        self.input_tok_S.index_copy_(0, slot_B, token_B)
+        self.active_S.index_copy_(0, slot_B, new_active_B)
 
     def prefill(self, items: list[WorkItem], slots: list[int], flags: Flags) -> None:
         """Prompts of `items` into `slots`, and each slot's first token sampled."""
@@ -377,29 +426,58 @@ class SlotRunner:
 
     # -- CUDA graphs ----------------------------------------------------------------------------
 
+    def set_decode_rows(self, slots: Sequence[int]) -> int:
+        """Make the next decode steps' batch the smallest bucket that holds `slots` (distinct,
+        e.g. the active ones), padded with other slots; returns the bucket (the batch size).
+
+        Padding rows are slots outside `slots`, so a step never writes one slot twice; they
+        compute what an idle slot does (trash column, KV rows nobody reads) when idle.
+        """
+        S = self.cache.num_slots
+        batch = next(b for b in self.batch_buckets if b >= len(slots))
+        if batch == S:
+            rows = tuple(range(S))  # the identity: the fallbacks read the cache as it lies
+        else:
+            chosen = set(slots)
+            padding = [s for s in range(S) if s not in chosen][: batch - len(slots)]
+            rows = (*slots, *padding)
+        if rows != self._rows:  # one small host-to-device copy, ordered on the engine's stream
+            self.row_slot_S[:batch].copy_(torch.tensor(rows, dtype=torch.long))
+            self._rows = rows
+        self.batch = batch
+        return batch
+
     def run_decode_step(self, flags: Flags, span: int, *, use_graph: bool = True) -> None:
-        """One decode step: the captured graph's replay, or eager without graphs (or asked)."""
+        """One decode step over the rows set_decode_rows chose: the captured graph's replay, or
+        eager without graphs (or asked)."""
+        batch = self.batch
+        self.bucket_steps[batch] += 1
         if not (use_graph and self.use_cuda_graph):
-            self._decode_step(flags, span)
+            self._decode_step(flags, span, batch)
             return
-        self._graphs[(*flags.as_key(), span)].replay()
+        self._graphs[(*flags.as_key(), span, batch)].replay()
 
     def _capture_all(self, flags: Flags) -> None:
-        """One graph per span bucket for these flags, if not captured yet."""
-        missing = [span for span in self.spans if (*flags.as_key(), span) not in self._graphs]
+        """One graph per (span, batch bucket) for these flags, if not captured yet."""
+        missing = [
+            (span, batch)
+            for span in self.spans
+            for batch in self.batch_buckets
+            if (*flags.as_key(), span, batch) not in self._graphs
+        ]
         if missing:
             with CAPTURE_LOCK:
-                for span in missing:
-                    self._capture(flags, span)
+                for span, batch in missing:
+                    self._capture(flags, span, batch)
 
-    def _capture(self, flags: Flags, span: int) -> None:
+    def _capture(self, flags: Flags, span: int, batch: int) -> None:
         # Called with every slot idle (start of a run): warm-up steps then change nothing that
         # matters (idle slots write to the trash column and to KV rows no sequence owns).
         assert not bool(self.active_S.any()), "CUDA graph capture needs every slot idle"
         assert self.stream is not None, "CUDA graphs need the engine's stream"
         with torch.cuda.stream(self.stream):
             for _ in range(2):  # lets cuBLAS and SDPA pick and allocate their workspaces
-                self._decode_step(flags, span)
+                self._decode_step(flags, span, batch)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -410,14 +488,14 @@ class SlotRunner:
             with torch.cuda.graph(
                 graph, pool=self._graph_pool, stream=self.stream, capture_error_mode="thread_local"
             ):
-                self._decode_step(flags, span)
+                self._decode_step(flags, span, batch)
         except RuntimeError as exc:
             raise RuntimeError(
                 "capturing the decode step in a CUDA graph failed (an op synchronised with the "
                 "host or is not capturable for this model); pass EngineConfig(use_cuda_graph="
                 "False) to run it eagerly"
             ) from exc
-        self._graphs[(*flags.as_key(), span)] = graph
+        self._graphs[(*flags.as_key(), span, batch)] = graph
 
     def release_graphs(self) -> None:
         """Drop captured graphs and their memory pool (before sleep); recaptured on next use."""
@@ -447,7 +525,8 @@ class SlotRunner:
         self.active_S.zero_()
         self.response_SL.zero_()
         self.logprob_SL.zero_()
-        self.slot_ids_S.copy_(torch.arange(self.cache.num_slots))
+        self.row_slot_S.copy_(torch.arange(self.cache.num_slots))
+        self._rows, self.batch = None, self.cache.num_slots
         self.arange_L.copy_(torch.arange(self.cache.max_seq_len))
 
     # -- what the host loop calls ---------------------------------------------------------------
@@ -470,6 +549,8 @@ class SlotRunner:
             is_truncated=sampling.top_p < 1.0 or sampling.top_k > 0,
         )
         self.active_S.zero_()
+        # Distinct rows in every bucket's prefix (the captures' warm-up steps write their rows).
+        self.set_decode_rows(range(self.cache.num_slots))
         if self.use_cuda_graph:
             self._capture_all(flags)
         self.last_flags = flags

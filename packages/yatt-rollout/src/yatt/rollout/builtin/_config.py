@@ -38,6 +38,13 @@ class EngineConfig:
     # on CUDA, "sdpa" on CPU). Prefill attention is SDPA whatever this says.
     decode_attention: str = "auto"
     steps_per_sync: int = 8  # decode steps between host checks for finished slots
+    # Batch sizes a decode step may run (one CUDA graph each per attention span): each host
+    # check decodes only the running slots, in the smallest size that holds them (the slot
+    # count always closes the list), so a step's cost follows the number of active sequences.
+    # None: powers of two from 8 below the slot count (256 slots: 8, 16, ..., 128, 256; six
+    # graphs per span instead of one, captured at the first call, sharing one memory pool,
+    # one compile: the compiled step is dynamic in the batch). (): every step runs every slot.
+    decode_batch_buckets: tuple[int, ...] | None = None
     # A call that samples like the running one (same temperature, top-p, top-k, stop ids; n,
     # seed and max_new_tokens may differ) joins its loop: its samples take free slots at the
     # next host check instead of waiting for the whole running call. False: one call at a time.
@@ -106,6 +113,15 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.decode_attention={self.decode_attention!r}: use 'auto', 'sdpa', "
                 "'triton' or 'matmul'"
+            )
+        buckets = self.decode_batch_buckets
+        if buckets is not None and (
+            not isinstance(buckets, (tuple, list))
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets)
+        ):
+            raise ValueError(
+                f"EngineConfig.decode_batch_buckets={buckets!r}: must be a tuple of ints >= 1 "
+                "(e.g. (8, 32, 128)), () for no buckets, or None for powers of two from 8"
             )
         if not isinstance(self.should_join_calls, bool):
             raise ValueError(

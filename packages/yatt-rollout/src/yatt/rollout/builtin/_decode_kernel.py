@@ -7,6 +7,10 @@ the cache once for all G query heads of that KV head, with an online softmax in 
 stretch [0, span) is split so that small batches still fill the GPU, and a second kernel merges
 the splits. Visibility is the engine's rule: slot s sees cache positions 0..pos_S[s] (and < span).
 
+Batch rows and cache slots are decoupled: row b of the query reads the cache row of slot
+`slot_B[b]` (the engine decodes a bucket of its active slots, not every slot), at its position
+`pos_B[b]`.
+
 `triton_decode_attention` returns None when Triton is missing (the caller falls back to SDPA).
 """
 
@@ -37,13 +41,14 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(
-        Q,  # [S * H_kv, G, D] contiguous
+        Q,  # [B * H_kv, G, D] contiguous
         K,  # [S, H_kv, L, D], last dim contiguous
         V,
-        Pos,  # int64 [S]
-        Acc,  # float32 [S * H_kv, SPLITS, G_PAD, D]
-        M,  # float32 [S * H_kv, SPLITS, G_PAD]
-        Lse,  # float32 [S * H_kv, SPLITS, G_PAD] (sum of exp)
+        Pos,  # int64 [B]: the position each batch row writes (sees 0..Pos)
+        Slot,  # int64 [B]: the cache slot each batch row reads
+        Acc,  # float32 [B * H_kv, SPLITS, G_PAD, D]
+        M,  # float32 [B * H_kv, SPLITS, G_PAD]
+        Lse,  # float32 [B * H_kv, SPLITS, G_PAD] (sum of exp)
         stride_ks,
         stride_kh,
         stride_kl,
@@ -61,11 +66,12 @@ if triton is not None:
         BLOCK: tl.constexpr,
         PRECISION: tl.constexpr,  # "ieee" for float32 caches (no TF32), else "tf32" (unused)
     ):
-        row = tl.program_id(0)  # slot * H_kv + head
+        row = tl.program_id(0)  # batch row * H_kv + head
         split = tl.program_id(1)
-        slot = row // NUM_KV_HEADS
+        batch_row = row // NUM_KV_HEADS
         head = row % NUM_KV_HEADS
-        visible = tl.minimum(tl.load(Pos + slot) + 1, span)
+        slot = tl.load(Slot + batch_row)
+        visible = tl.minimum(tl.load(Pos + batch_row) + 1, span)
         start = split * chunk
         end = tl.minimum(start + chunk, visible)
         offs_g = tl.arange(0, G_PAD)
@@ -152,15 +158,19 @@ def triton_decode_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    pos_S: torch.Tensor,
+    pos_B: torch.Tensor,
     *,
     span: int,
     scale: float,
+    slot_B: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """query [S, H_q, 1, D]; keys/values [S, H_kv, L, D]; returns [S, 1, H_q, D] (or None)."""
+    """query [B, H_q, 1, D]; keys/values [S, H_kv, L, D]; pos_B, slot_B int64 [B] (slot_B None:
+    row b reads slot b, B == S); returns [B, 1, H_q, D] (or None when Triton cannot run it)."""
     if not available(query.device):
         return None
-    S, Hq, _, D = query.shape
+    S, Hq, _, D = query.shape  # S: batch rows (B)
+    if slot_B is None:
+        slot_B = torch.arange(S, device=query.device)
     Hkv = keys.shape[1]
     G = Hq // Hkv
     if D & (D - 1) or D < 16 or keys.stride(-1) != 1 or values.stride(-1) != 1:
@@ -179,7 +189,8 @@ def triton_decode_attention(
         q,
         keys,
         values,
-        pos_S,
+        pos_B,
+        slot_B,
         acc,
         m,
         lse,

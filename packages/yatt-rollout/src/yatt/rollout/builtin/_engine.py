@@ -1,5 +1,11 @@
 """The built-in rollout engine: any Hugging Face causal LM, on CPU or CUDA, no extra install.
 
+It serves one device (one GPU): a model sharded over GPUs (engine tensor parallelism) is vLLM's
+or SGLang's job (issue #30); several GPUs run one engine each.
+
+Each decode step runs only the running sequences, in the smallest batch bucket that holds them
+(EngineConfig.decode_batch_buckets), so its cost follows the number of active sequences.
+
 Memory lives in two placement regions, so `sleep()` gives it back on CUDA:
   "<prefix>/weights"  parameters and buffers (CPU backup: restored on wake-up)
   "<prefix>/kv_cache" the static KV cache and per-slot state (contents dropped on sleep)
@@ -395,19 +401,36 @@ class BuiltinEngine:
         """
         return list(self._runner.spans)
 
-    def run_decode_steps(self, *, span: int, num_steps: int, use_graph: bool = True) -> None:
+    @property
+    def decode_batch_buckets(self) -> list[int]:
+        """Batch sizes a decode step runs, one CUDA graph each per span (the last: every slot).
+
+        At each host check the engine picks the smallest that holds the running sequences.
+        """
+        return list(self._runner.batch_buckets)
+
+    def run_decode_steps(
+        self, *, span: int, num_steps: int, use_graph: bool = True, batch: int | None = None
+    ) -> None:
         """Run `num_steps` decode steps attending to `span` positions, outside any call.
 
-        For timing and profiling the step (bench/rollout_gpu.py does both): every slot computes
-        what a running one would (fixed shapes), idle slots write only where no call reads, and
-        the sampling configuration is the last call's. `use_graph` replays its captured graphs
-        (when the engine captures them: EngineConfig.use_cuda_graph on CUDA), else it runs eagerly.
-        The work is queued on the engine's stream and ordered before the caller's later work,
-        so CUDA events recorded on the caller's stream around this call time it.
+        For timing and profiling the step (bench/rollout_gpu.py does both): each of the `batch`
+        rows (one of engine.decode_batch_buckets; None: every slot, what a step cost before the
+        buckets) computes what a running one would (fixed shapes), idle slots write only where
+        no call reads, and the sampling configuration is the last call's. `use_graph` replays
+        its captured graphs (when the engine captures them: EngineConfig.use_cuda_graph on
+        CUDA), else it runs eagerly. The work is queued on the engine's stream and ordered
+        before the caller's later work, so CUDA events recorded on the caller's stream around
+        this call time it.
         """
         self._check_open()
         if span not in self._runner.spans:
             raise ValueError(f"span={span}: use one of engine.attention_spans {self._runner.spans}")
+        buckets = self._runner.batch_buckets
+        if batch is None:
+            batch = buckets[-1]
+        if batch not in buckets:
+            raise ValueError(f"batch={batch}: use one of engine.decode_batch_buckets {buckets}")
         with self._scheduler.exclusive():
             self._check_awake()
             flags = self._runner.last_flags
@@ -416,6 +439,7 @@ class BuiltinEngine:
                     "run_decode_steps replays the last call's decode step; call generate first"
                 )
             with self._dev.scope():
+                self._runner.set_decode_rows(range(batch))
                 for _ in range(num_steps):
                     self._runner.run_decode_step(flags, span, use_graph=use_graph)
 
@@ -456,6 +480,7 @@ class BuiltinEngine:
                 max_prefill_tokens=self.config.max_prefill_tokens,
                 stream=self._dev.stream,
                 vision=self._vision,
+                decode_batch_buckets=self.config.decode_batch_buckets,
             )
 
     def close(self) -> None:

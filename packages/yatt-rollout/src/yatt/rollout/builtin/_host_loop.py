@@ -8,7 +8,8 @@ Each `step()` is one host check: take the items of calls that joined since the l
 drop those of cancelled calls, admit queued items into free slots, read which slots finished
 (the one small device-to-host copy), hand each finished sample to its own call, then run
 `steps_per_sync` decode steps. Every sample carries its own call (`WorkItem.owner`), key and
-limit, so a sample is the same whichever calls shared its loop.
+limit, so a sample is the same whichever calls shared its loop. The decode steps run over the
+running slots only (the smallest batch bucket that holds them; see _batcher.py).
 """
 
 from __future__ import annotations
@@ -94,11 +95,14 @@ class SlotLoop:
                 item = self.queue.popleft()
                 _deliver(item, _completion(item, [], [], "abort"))
             return
-        running = [pos[s] for s in range(S) if occupant[s] is not None and active[s]]
+        running = [s for s in range(S) if occupant[s] is not None and active[s]]
         if running:
             # The k steps until the next check write positions up to max(pos) + k - 1.
-            needed = min(max(running) + runner.steps_per_sync, L)
+            needed = min(max(pos[s] for s in running) + runner.steps_per_sync, L)
             span = next(span for span in runner.spans if span >= needed)
+            # Only the running slots decode (in the smallest batch bucket that holds them):
+            # between checks slots only finish, never start, so the bucket stays big enough.
+            runner.set_decode_rows(running)
             for _ in range(runner.steps_per_sync):
                 runner.run_decode_step(self.flags, span)
 

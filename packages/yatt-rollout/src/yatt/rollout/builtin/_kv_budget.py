@@ -20,8 +20,9 @@ import torch
 
 from yatt.rollout.builtin._batcher import MAX_LABEL_TOKENS, MAX_STOP_TOKENS
 
-# Per-slot scalars of the slot runner: eight int64 (rope_delta_S included), two float32, one
-# bool; plus one int64 row base per KV head in the cache's index table (in KVLayout.slot_bytes).
+# Per-slot scalars of the slot runner: eight int64 (rope_delta_S and the batch rows' slot index
+# row_slot_S included), two float32, one bool; plus one int64 row base per KV head in the
+# cache's index table (in KVLayout.slot_bytes).
 _RUNNER_SCALAR_BYTES = 8 * 8 + 2 * 4 + 1
 
 

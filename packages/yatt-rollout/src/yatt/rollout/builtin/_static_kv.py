@@ -9,6 +9,12 @@ object still works for ordinary forward passes.
 Layout, per layer: k and v are [S, H_kv, L, D] (S slots, L = max_seq_len). Slot s holds the
 sequence in positions 0..len-1; positions past the length hold stale values that the mask hides.
 
+A decode step runs a batch of B rows (a bucket of the active slots, B <= S): row b is cache slot
+`slot_B[b]`, writes its new key/value at `pos_B[b]` and reads that slot's row. The full bucket
+(B == S) is always the identity (row s = slot s), so the SDPA/matmul fallbacks read the cache
+as it lies there and gather the B slots' rows only for a smaller bucket; the Triton kernel
+reads through the index either way.
+
 Decode attention reads only the first `span` positions of every row (the engine picks the
 smallest bucket that covers the longest active sequence) and never expands the grouped KV
 heads: the H_q query heads of a slot are regrouped as [H_kv, G, D], i.e. G "query rows" per KV
@@ -75,25 +81,28 @@ class StaticKVCache:
 
 @dataclass(kw_only=True)
 class DecodeWrite:
-    """Decode step: every slot writes one token at its own position `pos_S`, then attends to
-    cache positions [0, span) under the additive mask the engine passes ([S, 1, 1, span])."""
+    """Decode step: each batch row writes one token into its slot `slot_B` at its position
+    `pos_B`, then attends to cache positions [0, span) under the additive mask the engine
+    passes ([B, 1, 1, span])."""
 
     cache: StaticKVCache
-    pos_S: torch.Tensor  # int64 [S], clamped into [0, L) by the engine
+    pos_B: torch.Tensor  # int64 [B], clamped into [0, L) by the engine
+    slot_B: torch.Tensor  # int64 [B], distinct slots; arange(S) when B == S
     span: int  # cache positions attended; > every active slot's position
     # "sdpa": one SDPA call over the grouped query; "matmul": q K^T, masked float32 softmax,
     # P V; "triton": the split-K kernel of _decode_kernel.py (CUDA; else SDPA).
     attention: str = "sdpa"
 
     def __post_init__(self) -> None:
-        # Row of each (slot, head) in a layer viewed as [S * H_kv * L, D]: the same for every
-        # layer, so computed once per step.
-        self.rows_SH = (self.cache.row_base_SH + self.pos_S[:, None]).reshape(-1)
+        # Row of each (batch row's slot, head) in a layer viewed as [S * H_kv * L, D]: the same
+        # for every layer, so computed once per step.
+        base_BH = self.cache.row_base_SH.index_select(0, self.slot_B)
+        self.rows_BH = (base_BH + self.pos_B[:, None]).reshape(-1)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         cache = self.cache
-        _write_rows(cache.keys[layer], self.rows_SH, key)
-        _write_rows(cache.values[layer], self.rows_SH, value)
+        _write_rows(cache.keys[layer], self.rows_BH, key)
+        _write_rows(cache.values[layer], self.rows_BH, value)
         return cache.keys[layer], cache.values[layer]
 
     def write_and_attend(self, layer, query, key, value, mask, scaling) -> torch.Tensor:
@@ -106,8 +115,9 @@ class DecodeWrite:
             value,
             self.cache.keys[layer],
             self.cache.values[layer],
-            self.rows_SH,
-            self.pos_S,
+            self.rows_BH,
+            self.pos_B,
+            self.slot_B,
             mask,
             float(scale),
             self.attention,
@@ -115,7 +125,7 @@ class DecodeWrite:
 
 
 def _write_rows(buffer: torch.Tensor, rows: torch.Tensor, new: torch.Tensor) -> None:
-    # new: [S, H_kv, 1, D] -> one row per (slot, head) of the layer buffer viewed [S*H_kv*L, D].
+    # new: [B, H_kv, 1, D] -> one row per (row's slot, head) of the buffer viewed [S*H_kv*L, D].
     flat_shape = (-1, buffer.shape[-1])
     buffer.view(flat_shape).index_copy_(0, rows, new.reshape(flat_shape))
 
@@ -129,35 +139,42 @@ def decode_kv_attention(
     value: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    rows_SH: torch.Tensor,
-    pos_S: torch.Tensor,
+    rows_BH: torch.Tensor,
+    pos_B: torch.Tensor,
+    slot_B: torch.Tensor,
     mask: torch.Tensor,
     scale: float,
     kernel: str,
 ) -> torch.Tensor:
-    """Write a decode step's keys/values at rows_SH, then attend to positions [0, mask's span).
+    """Write a decode step's keys/values at rows_BH, then attend to positions [0, mask's span).
 
-    query [S, H_q, 1, D]; key/value [S, H_kv, 1, D]; caches [S, H_kv, L, D]; mask [S, 1, 1,
-    span] additive (what the engine builds from pos_S: position p visible iff p <= pos_S[s]).
-    Returns [S, 1, H_q, D].
+    query [B, H_q, 1, D]; key/value [B, H_kv, 1, D]; caches [S, H_kv, L, D]; batch row b is
+    slot slot_B[b] (B == S: the identity); mask [B, 1, 1, span] additive (what the engine
+    builds from pos_B: position p visible iff p <= pos_B[b]). Returns [B, 1, H_q, D].
     """
-    _write_rows(key_cache, rows_SH, key)
-    _write_rows(value_cache, rows_SH, value)
+    _write_rows(key_cache, rows_BH, key)
+    _write_rows(value_cache, rows_BH, value)
     span = mask.shape[-1]
     if kernel == "triton":
-        out = triton_decode_attention(query, key_cache, value_cache, pos_S, span=span, scale=scale)
+        out = triton_decode_attention(
+            query, key_cache, value_cache, pos_B, span=span, scale=scale, slot_B=slot_B
+        )
         if out is not None:
             return out
         _log_triton_fallback()
         kernel = "sdpa"
+    if query.shape[0] != key_cache.shape[0]:
+        # A smaller bucket: its slots' rows, up to the span (a copy the Triton kernel avoids).
+        key_cache = key_cache[:, :, :span].index_select(0, slot_B)
+        value_cache = value_cache[:, :, :span].index_select(0, slot_B)
     attend = decode_attention_matmul if kernel == "matmul" else decode_attention
     return attend(query, key_cache, value_cache, mask, span=span, scaling=scale)
 
 
 @decode_kv_attention.register_fake
-def _(query, key, value, key_cache, value_cache, rows_SH, pos_S, mask, scale, kernel):
-    S, Hq, _, D = query.shape
-    return query.new_empty((S, 1, Hq, D))
+def _(query, key, value, key_cache, value_cache, rows_BH, pos_B, slot_B, mask, scale, kernel):
+    B, Hq, _, D = query.shape
+    return query.new_empty((B, 1, Hq, D))
 
 
 _TRITON_FALLBACK_LOGGED = []
