@@ -1,8 +1,16 @@
 """GPU memory regions that pause and resume, offload/onload, and placement plans for RL steps."""
 
 from yatt.placement._fit import FitConfig, PeakGrowth, read_cuda_free_bytes
-from yatt.placement._needs import MemoryFitError, MemoryNeed, PhaseFit
+from yatt.placement._needs import (
+    HostFit,
+    HostNeed,
+    MemoryFitError,
+    MemoryNeed,
+    PhaseFit,
+    read_host_available_bytes,
+)
 from yatt.placement._offload import (
+    host_bytes_of,
     is_offload_placeholder,
     is_offloaded,
     offload,
@@ -13,6 +21,7 @@ from yatt.placement._offload import (
 from yatt.placement._plan import Plan
 from yatt.placement._records import PhaseRecord
 from yatt.placement._regions import (
+    backup_bytes,
     configure_regions,
     is_paused,
     pause,
@@ -27,6 +36,8 @@ from yatt.placement._version import __version__
 
 __all__ = [
     "FitConfig",
+    "HostFit",
+    "HostNeed",
     "MemoryFitError",
     "MemoryNeed",
     "MemorySplit",
@@ -39,7 +50,9 @@ __all__ = [
     "Role",
     "TrainerRole",
     "__version__",
+    "backup_bytes",
     "configure_regions",
+    "host_bytes_of",
     "is_offload_placeholder",
     "is_offloaded",
     "is_paused",
@@ -49,6 +62,7 @@ __all__ = [
     "onload",
     "pause",
     "read_cuda_free_bytes",
+    "read_host_available_bytes",
     "region",
     "region_tags",
     "resident_bytes",
