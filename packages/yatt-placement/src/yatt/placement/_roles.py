@@ -139,7 +139,8 @@ class TrainerRole:
     def host_need(self) -> HostNeed:
         """Host memory while asleep: the weights' and the optimizer state's offloaded copies as
         offload packs them (`host_bytes_of`); before the first step, the state Adam or AdamW
-        will make (two moments per trainable parameter, packed alike)."""
+        will make (two moments and a float32 step count per trainable parameter, packed
+        alike)."""
         optimizer = 0
         if self.optimizer is not None:
             optimizer = host_bytes_of(self.optimizer)
@@ -151,10 +152,11 @@ class TrainerRole:
                     for p in group["params"]
                     if p.requires_grad
                 ]
+                steps = [4] * len(sizes) if per_byte else []
                 optimizer = (
-                    per_byte * sum(sizes)
+                    per_byte * sum(sizes) + sum(steps)
                     if moves_by_to(self.optimizer)
-                    else pinned_host_bytes(sizes * per_byte)
+                    else pinned_host_bytes(sizes * per_byte + steps)
                 )
         return HostNeed(
             parts={"weights": self._weight_host_bytes, "optimizer": optimizer},
