@@ -70,8 +70,10 @@ class BuiltinEngine:
         model directory, preprocessor_config.json).
     should_back_up_weights: keep the weights in (pinned) host memory while asleep (default).
         False for a rollout engine whose weights the trainer's weight sync overwrites after
-        every wake: its host copy (15 GB at 7B) is never read. Generation then refuses to run
-        after a wake of the weights until update_weights has refilled them.
+        every wake: its host copy (15 GB at 7B) is never read. Not for a step with several
+        rollout phases (dynamic-sampling rounds under full colocation wake it again before any
+        sync): generation refuses to run after a wake of the weights until update_weights has
+        refilled them.
     """
 
     memory_tags: tuple[str, ...] = _TAGS
