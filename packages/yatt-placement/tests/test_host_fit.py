@@ -120,11 +120,18 @@ def test_roles_without_a_report_or_an_unreadable_host_check_nothing():
     assert unknown.host_fit_report() is None
 
 
-def test_mem_available_is_read_from_meminfo(tmp_path):
+def test_mem_available_is_read_from_meminfo(tmp_path, monkeypatch):
+    monkeypatch.delenv("YATT_HOST_MEMORY_BYTES", raising=False)
     meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal:       131072000 kB\nMemAvailable:   125829120 kB\n")
-    assert read_host_available_bytes(str(meminfo)) == 125829120 * 1024
+    meminfo.write_text("MemTotal:       33554432 kB\nMemAvailable:   29360128 kB\n")
+    assert read_host_available_bytes(str(meminfo)) == 28 * GIB
     assert read_host_available_bytes(str(tmp_path / "missing")) is None
+    # A VM whose MemTotal (32 GiB here) grows toward its 128 GiB limit: 4 GiB in use.
+    monkeypatch.setenv("YATT_HOST_MEMORY_BYTES", str(128 * GIB))
+    assert read_host_available_bytes(str(meminfo)) == 124 * GIB
+    monkeypatch.setenv("YATT_HOST_MEMORY_BYTES", "128G")
+    with pytest.raises(ValueError, match="YATT_HOST_MEMORY_BYTES='128G'"):
+        read_host_available_bytes(str(meminfo))
 
 
 def test_trainer_role_reports_its_packed_host_copies():

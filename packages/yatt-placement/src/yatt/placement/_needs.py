@@ -23,6 +23,7 @@ roles (every other role asleep: the best any placement can do). A phase that can
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -205,17 +206,41 @@ def role_host_need(role: object) -> HostNeed | None:
     return need
 
 
+HOST_MEMORY_ENV = "YATT_HOST_MEMORY_BYTES"
+
+
 def read_host_available_bytes(path: str = _MEMINFO) -> int | None:
-    """The kernel's MemAvailable (what can be allocated without swapping), None where there is
-    no /proc/meminfo (not Linux)."""
+    """Host bytes that can still be allocated: the kernel's MemAvailable; None where there is no
+    /proc/meminfo (not Linux).
+
+    Where the environment sets YATT_HOST_MEMORY_BYTES (the machine's memory limit), that limit
+    less the memory in use (MemTotal - MemAvailable): for virtual machines whose MemTotal
+    starts low and grows as memory is used (memory hotplug), where MemAvailable alone would
+    refuse a plan that fits.
+    """
+    fields: dict[str, int] = {}
     try:
         with open(path) as meminfo:
             for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "MemAvailable"):
+                    fields[name] = int(rest.split()[0]) * 1024  # kB
     except OSError:
         return None
-    return None
+    if "MemAvailable" not in fields:
+        return None
+    limit = os.environ.get(HOST_MEMORY_ENV)
+    if not limit:
+        return fields["MemAvailable"]
+    try:
+        limit_bytes = int(limit)
+    except ValueError:
+        raise ValueError(
+            f"{HOST_MEMORY_ENV}={limit!r}: the host's memory limit in bytes, e.g. "
+            f"{128 << 30} for 128 GiB"
+        ) from None
+    in_use = fields.get("MemTotal", 0) - fields["MemAvailable"]
+    return max(0, limit_bytes - in_use)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -237,7 +262,8 @@ class HostFit:
         lines = [
             f"host memory: the roles that sleep hold {_fmt(self.need_bytes)} in host RAM while "
             f"asleep (headroom {_fmt(self.headroom_bytes)} included), but the host has "
-            f"{_fmt(self.available_bytes)} available (MemAvailable): {_fmt(over)} too many. "
+            f"{_fmt(self.available_bytes)} available (MemAvailable, or {HOST_MEMORY_ENV} less "
+            f"what is in use): {_fmt(over)} too many. "
             "Largest parts:"
         ]
         for name, num_bytes in sorted(self.parts.items(), key=lambda kv: -kv[1])[:6]:
