@@ -77,8 +77,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 import _step_setup as setup
-from yatt.placement import read_host_available_bytes
-from yatt.placement._offload import pinned_host_bytes
+from yatt.placement import pinned_host_bytes, read_host_available_bytes
 
 GIB = 2**30
 with torch.device("meta"):  # nothing allocated

@@ -17,6 +17,8 @@ from yatt.placement._offload import (
     offloaded_bytes,
     offloaded_named_parameters,
     onload,
+    pinned_host_bytes,
+    plan_host_slabs,
 )
 from yatt.placement._plan import Plan
 from yatt.placement._records import PhaseRecord
@@ -61,6 +63,8 @@ __all__ = [
     "offloaded_named_parameters",
     "onload",
     "pause",
+    "pinned_host_bytes",
+    "plan_host_slabs",
     "read_cuda_free_bytes",
     "read_host_available_bytes",
     "region",
