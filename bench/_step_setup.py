@@ -352,6 +352,10 @@ def make_rollout_engine(
             keep_graphs_asleep=args.keep_graphs,
             stream_priority=-1,  # beside the judge (partial), the rollout's tail goes first
         ),
+        # One rollout phase per step, after the weight sync that follows each wake of its
+        # weights: no pinned host copy of them (15 GB at 7B) is needed. The seed mix's sampling
+        # rounds wake the engine again before any sync (full colocation), so it keeps one.
+        should_back_up_weights="seed" in getattr(args, "mixes", ("seed",)),
     )
 
 

@@ -217,3 +217,26 @@ def test_an_offloaded_optimizer_is_part_of_the_peak_not_resident(tiny_model_dir)
     assert need.resident["optimizer"] == 0
     # One token's activations are far below AdamW's two moments: the step's state is the peak.
     assert need.peak == {"gradients": param_bytes, "optimizer": 2 * param_bytes}
+
+
+def test_the_host_memory_reported_before_anything_moves_is_what_sleep_then_holds(tiny_model_dir):
+    from yatt.core import PolicyLoss
+    from yatt.placement import HostNeed, host_bytes_of
+
+    loss = PolicyLoss(is_on_policy=True, rollout_correction="none")
+    policy = TorchPolicy(_config(tiny_model_dir, should_offload_optimizer=True))
+    param_bytes = sum(p.numel() * 4 for p in policy.module.parameters())
+    before = policy.host_need()
+    assert isinstance(before, HostNeed)
+    # Packed copies: at least the bytes, at most twice (one power-of-two rounding of the whole).
+    assert param_bytes <= before.parts["weights"] < 2 * param_bytes + (1 << 20)
+    assert 2 * param_bytes <= before.parts["optimizer"] < 4 * param_bytes + (1 << 20)
+    assert "fsdp2" in before.settings["optimizer"]
+    policy.train_step(_batch(0), loss)  # makes the state; it goes to the host after the step
+    policy.sleep()
+    held = {
+        "weights": host_bytes_of(policy.module),
+        "optimizer": host_bytes_of(policy.optimizer),
+    }
+    assert held == dict(before.parts)
+    assert policy.host_need().parts == held

@@ -1,4 +1,5 @@
 import copy
+import itertools
 
 import pytest
 import torch
@@ -11,7 +12,13 @@ from yatt.placement import (
     offloaded_named_parameters,
     onload,
 )
-from yatt.placement._offload import offload_all, tensor_bytes
+from yatt.placement._offload import (
+    host_bytes_of,
+    offload_all,
+    pinned_host_bytes,
+    plan_host_slabs,
+    tensor_bytes,
+)
 
 NUM_GPUS = 0
 
@@ -182,3 +189,61 @@ def test_a_tensor_that_is_empty_for_real_is_no_placeholder():
     assert is_offload_placeholder(model["full"])
     assert not is_offload_placeholder(torch.empty(0))  # not offloaded at all
     onload(model)
+
+
+def _qwen25_7b_fp32_sizes() -> list[int]:
+    """Bytes of each float32 tensor of Qwen2.5-7B (hidden 3584, MLP 18944, 28 layers, 4 KV
+    heads of 128, vocabulary 152064, untied head), from its published shapes."""
+    h, i, kv, vocab = 3584, 18944, 4 * 128, 152064
+    layer = [h * h, h, kv * h, kv, kv * h, kv, h * h, i * h, i * h, h * i, h, h]
+    return [4 * n for n in [vocab * h, vocab * h, h, *layer * 28]]
+
+
+def test_host_slabs_are_powers_of_two_that_hold_every_tensor_apart():
+    sizes = [700, 3, 5000, 512, 1, 4096]
+    slabs = plan_host_slabs(sizes)
+    assert all(size & (size - 1) == 0 for size in slabs.sizes)
+    spans = {}
+    for size, (k, offset) in zip(sizes, slabs.places, strict=True):
+        assert offset % 512 == 0  # any dtype's alignment
+        assert offset + size <= slabs.sizes[k]
+        spans.setdefault(k, []).append((offset, offset + size))
+    for ranges in spans.values():  # no two copies overlap within a slab
+        ranges.sort()
+        assert all(end <= start for (_, end), (start, _) in itertools.pairwise(ranges))
+
+
+def test_host_slabs_of_a_7b_model_pin_about_what_they_hold():
+    sizes = _qwen25_7b_fp32_sizes()
+    held = sum(sizes)
+    assert 28.3 * 2**30 < held < 28.5 * 2**30  # 7.6B parameters x 4 bytes
+    # One power-of-two block per tensor (torch's pinned allocator) would pin 54 GiB.
+    assert sum(1 << (s - 1).bit_length() for s in sizes) > 1.8 * held
+    assert pinned_host_bytes(sizes) < held * 1.03
+
+
+def test_offloaded_copies_share_slabs_and_come_back_bit_exact():
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer, seed=1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    offload(model)
+    hosts = dict(offloaded_named_parameters(model))
+    storages = {h.untyped_storage().data_ptr() for h in hosts.values()}
+    assert len(storages) < len(hosts)  # packed, not one block per tensor
+    # Parameters, their gradients (the step left them) and the 2-float buffer.
+    sizes = [4 * p.numel() for p in model.parameters()] * 2 + [8]
+    assert host_bytes_of(model) == pinned_host_bytes(sizes)
+    onload(model)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name])
+    _train_step(model, optimizer, seed=2)  # trains on after the round trip
+
+
+def test_host_bytes_of_an_onloaded_object_is_what_its_offload_will_hold():
+    model, optimizer = _model_and_optimizer()
+    _train_step(model, optimizer, seed=1)
+    expected = host_bytes_of(optimizer)
+    assert expected > 0
+    offload(optimizer)
+    assert host_bytes_of(optimizer) == expected
+    onload(optimizer)

@@ -47,6 +47,7 @@ from yatt.core._vision_cost import estimate_vision_costs, vision_flops_shape
 from yatt.core._vision_forward import VisionLanguage, is_vision_language_config
 from yatt.core._vision_inputs import VISION_INPUTS_KEY
 from yatt.placement import (
+    HostNeed,
     MemoryNeed,
     TrainerRole,
     is_offloaded,
@@ -333,6 +334,11 @@ class TorchPolicy:
             group["lr"] = lr
         is_away = self.config.should_offload_optimizer and is_offloaded(self.optimizer)
         if is_away:  # in for the step only (the activations are freed by now)
+            if self.device.type == "cuda":
+                # The state comes back into a private pool (yatt.placement's onload), which
+                # cannot reuse the freed activations cached in torch's default pool: hand those
+                # back first (at 7B, ~60 GiB of them next to 57 GiB of AdamW state).
+                torch.cuda.empty_cache()
             onload(self.optimizer)
         self.optimizer.step()
         if self.config.should_offload_optimizer:
@@ -527,6 +533,14 @@ class TorchPolicy:
         return MemoryNeed(
             resident={**need.resident, "optimizer": 0}, peak=peak, settings=need.settings
         )
+
+    def host_need(self) -> HostNeed:
+        """What this policy holds in host memory asleep, for a placement plan's host check
+        (yatt.placement.HostNeed): the float32 weights and the AdamW state as offload packs them
+        (pinned on CUDA; kept cached from the first sleep on). With should_offload_optimizer the
+        state lives there between steps as well; the total is the same. Gradients are freed at
+        the end of each train step, so they are not offloaded."""
+        return self._role.host_need()
 
     def _check_awake(self, what: str) -> None:
         if is_offloaded(self.module):

@@ -1,18 +1,29 @@
 """GPU memory regions that pause and resume, offload/onload, and placement plans for RL steps."""
 
 from yatt.placement._fit import FitConfig, PeakGrowth, read_cuda_free_bytes
-from yatt.placement._needs import MemoryFitError, MemoryNeed, PhaseFit
+from yatt.placement._needs import (
+    HostFit,
+    HostNeed,
+    MemoryFitError,
+    MemoryNeed,
+    PhaseFit,
+    read_host_available_bytes,
+)
 from yatt.placement._offload import (
+    host_bytes_of,
     is_offload_placeholder,
     is_offloaded,
     offload,
     offloaded_bytes,
     offloaded_named_parameters,
     onload,
+    pinned_host_bytes,
+    plan_host_slabs,
 )
 from yatt.placement._plan import Plan
 from yatt.placement._records import PhaseRecord
 from yatt.placement._regions import (
+    backup_bytes,
     configure_regions,
     is_paused,
     pause,
@@ -27,6 +38,8 @@ from yatt.placement._version import __version__
 
 __all__ = [
     "FitConfig",
+    "HostFit",
+    "HostNeed",
     "MemoryFitError",
     "MemoryNeed",
     "MemorySplit",
@@ -39,7 +52,9 @@ __all__ = [
     "Role",
     "TrainerRole",
     "__version__",
+    "backup_bytes",
     "configure_regions",
+    "host_bytes_of",
     "is_offload_placeholder",
     "is_offloaded",
     "is_paused",
@@ -48,7 +63,10 @@ __all__ = [
     "offloaded_named_parameters",
     "onload",
     "pause",
+    "pinned_host_bytes",
+    "plan_host_slabs",
     "read_cuda_free_bytes",
+    "read_host_available_bytes",
     "region",
     "region_tags",
     "resident_bytes",

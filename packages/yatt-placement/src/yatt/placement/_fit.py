@@ -53,6 +53,8 @@ from typing import Literal
 
 import torch
 
+from yatt.placement._needs import _DEFAULT_HOST_HEADROOM_BYTES, read_host_available_bytes
+
 logger = logging.getLogger(__name__)
 
 OffloadMode = Literal["always", "auto"]
@@ -109,12 +111,18 @@ class FitConfig:
     # context, other processes). Default on CUDA: total - (used now - what the roles hold
     # now), read at the first switch. Only the check of reported needs uses it.
     capacity_bytes: Callable[[], int] | None = None
+    # Host bytes the roles may pin while asleep: read once, at the plan's first switch, before
+    # any role sleeps. Default: the kernel's MemAvailable (/proc/meminfo); None where that
+    # cannot be read (the host check is then skipped).
+    host_available_bytes: Callable[[], int | None] | None = None
+    # Host room kept beyond the roles' reports (batches, tokenizer, Python). Default: 4 GiB.
+    host_headroom_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.headroom_bytes is not None and self.headroom_bytes < 0:
-            raise ValueError(
-                f"FitConfig.headroom_bytes={self.headroom_bytes} must be >= 0, e.g. 2 << 30"
-            )
+        for name in ("headroom_bytes", "host_headroom_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"FitConfig.{name}={value} must be >= 0, e.g. 2 << 30")
 
 
 def make_fit_books(offload: object, fit: FitConfig | None, meter: Callable[[], int]) -> FitBooks:
@@ -283,6 +291,12 @@ class FitBooks:
         self._headroom_bytes = config.headroom_bytes
         self._release_cache = config.release_cache or (release_cuda_cache if on_cuda else None)
         self._capacity_bytes = config.capacity_bytes
+        self.host_available_bytes = config.host_available_bytes or read_host_available_bytes
+        self.host_headroom_bytes = (
+            _DEFAULT_HOST_HEADROOM_BYTES
+            if config.host_headroom_bytes is None
+            else config.host_headroom_bytes
+        )
         self._growth: dict[str, deque[int]] = {}  # PeakGrowth.in_use of P's recent runs
         self._device_growth: dict[str, int] = {}  # PeakGrowth.device of P's latest run
         self._wake_bytes: dict[WakeCall, int] = {}

@@ -23,6 +23,7 @@ roles (every other role asleep: the best any placement can do). A phase that can
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -154,6 +155,143 @@ def phase_fit(
         phase=phase,
         need_bytes=sum(parts.values()) + headroom_bytes,
         capacity_bytes=capacity_bytes,
+        headroom_bytes=headroom_bytes,
+        parts=parts,
+        settings=settings,
+    )
+
+
+# -- host memory -----------------------------------------------------------------------------
+# A role asleep keeps what it must not lose in host memory: an offloaded trainer's parameters
+# and optimizer state (pinned), an engine's weights in a region with CPU backup (torch_memory_
+# saver's pinned shadow, kept from one pause to the next by default). Pinned pages cannot be
+# swapped: a plan whose roles pin more than the host has left fails at a pause (cudaHostAlloc
+# out of memory) or brings the kernel's OOM killer, long after the models loaded. Roles report
+# it with `host_need()`; the plan checks the sum before anything sleeps.
+
+_DEFAULT_HOST_HEADROOM_BYTES = 4 << 30
+_MEMINFO = "/proc/meminfo"
+
+
+@dataclass(kw_only=True, frozen=True)
+class HostNeed:
+    """Host bytes a role holds while asleep (and, retained, from its first sleep on), per part."""
+
+    # Part name ("weights", "optimizer", "weights backup") -> bytes.
+    parts: Mapping[str, int]
+    # Part name -> the setting that shrinks it, for error messages.
+    settings: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, num_bytes in self.parts.items():
+            if not isinstance(num_bytes, int) or num_bytes < 0:
+                raise ValueError(f"HostNeed.parts[{name!r}]={num_bytes!r}: bytes, an int >= 0")
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.parts.values())
+
+
+def role_host_need(role: object) -> HostNeed | None:
+    """The role's report (`host_need()`), or None if it gives none."""
+    reader = getattr(role, "host_need", None)
+    if reader is None:
+        return None
+    need = reader()
+    if need is not None and not isinstance(need, HostNeed):
+        raise TypeError(
+            f"{type(role).__name__}.host_need() returned a {type(need).__name__}; "
+            "return a yatt.placement.HostNeed or None"
+        )
+    return need
+
+
+HOST_MEMORY_ENV = "YATT_HOST_MEMORY_BYTES"
+
+
+def read_host_available_bytes(path: str = _MEMINFO) -> int | None:
+    """Host bytes that can still be allocated: the kernel's MemAvailable; None where there is no
+    /proc/meminfo (not Linux).
+
+    Where the environment sets YATT_HOST_MEMORY_BYTES (the machine's memory limit), that limit
+    less the memory in use (MemTotal - MemAvailable): for virtual machines whose MemTotal
+    starts low and grows as memory is used (memory hotplug), where MemAvailable alone would
+    refuse a plan that fits.
+    """
+    fields: dict[str, int] = {}
+    try:
+        with open(path) as meminfo:
+            for line in meminfo:
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "MemAvailable"):
+                    fields[name] = int(rest.split()[0]) * 1024  # kB
+    except OSError:
+        return None
+    if "MemAvailable" not in fields:
+        return None
+    limit = os.environ.get(HOST_MEMORY_ENV)
+    if not limit:
+        return fields["MemAvailable"]
+    try:
+        limit_bytes = int(limit)
+    except ValueError:
+        raise ValueError(
+            f"{HOST_MEMORY_ENV}={limit!r}: the host's memory limit in bytes, e.g. "
+            f"{128 << 30} for 128 GiB"
+        ) from None
+    in_use = fields.get("MemTotal", 0) - fields["MemAvailable"]
+    return max(0, limit_bytes - in_use)
+
+
+@dataclass(kw_only=True, frozen=True)
+class HostFit:
+    """What the roles that sleep hold in host memory together, against what the host has."""
+
+    need_bytes: int  # parts + headroom
+    available_bytes: int
+    headroom_bytes: int
+    parts: Mapping[str, int]  # "role part" -> bytes
+    settings: Mapping[str, str]
+
+    @property
+    def fits(self) -> bool:
+        return self.need_bytes <= self.available_bytes
+
+    def explain(self) -> str:
+        over = self.need_bytes - self.available_bytes
+        lines = [
+            f"host memory: the roles that sleep hold {_fmt(self.need_bytes)} in host RAM while "
+            f"asleep (headroom {_fmt(self.headroom_bytes)} included), but the host has "
+            f"{_fmt(self.available_bytes)} available (MemAvailable, or {HOST_MEMORY_ENV} less "
+            f"what is in use): {_fmt(over)} too many. "
+            "Largest parts:"
+        ]
+        for name, num_bytes in sorted(self.parts.items(), key=lambda kv: -kv[1])[:6]:
+            setting = self.settings.get(name)
+            how = f"; change {setting}" if setting else ""
+            lines.append(f"  {name}: {_fmt(num_bytes)}{how}")
+        lines.append(
+            "Shrink one of these, free host memory (other processes), or use a host with more "
+            "RAM (or more GPUs: FSDP2 shards what each rank offloads)."
+        )
+        return "\n".join(lines)
+
+
+def host_fit(
+    needs: Mapping[str, HostNeed], *, available_bytes: int, headroom_bytes: int
+) -> HostFit:
+    """The roles' host needs (role -> report) summed, with the headroom, against the host."""
+    parts: dict[str, int] = {}
+    settings: dict[str, str] = {}
+    for name, need in needs.items():
+        for part, num_bytes in need.parts.items():
+            key = f"{name} {part}"
+            parts[key] = num_bytes
+            if part in need.settings:
+                settings[key] = need.settings[part]
+    return HostFit(
+        need_bytes=sum(parts.values()) + headroom_bytes,
+        available_bytes=available_bytes,
         headroom_bytes=headroom_bytes,
         parts=parts,
         settings=settings,

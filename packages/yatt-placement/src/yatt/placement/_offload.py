@@ -31,6 +31,15 @@ contents wait in `_Moved.hosts`; only the device-less CPU case swaps in the host
 Code that reads an offloaded model's values (weight sync) therefore goes through
 `offloaded_named_parameters`, and `is_offload_placeholder` tells such a placeholder apart.
 
+Why host copies are views into shared slabs: torch's caching host allocator rounds each pinned
+allocation up to a power of two (unless torch's pinned_max_round_threshold_mb says otherwise),
+and keeps the rounded block cached after onload. A 7B model's float32 matrices (272 MB MLP
+rows, 2.2 GB embeddings) then pin 54 GiB for 28 GiB of weights, and the AdamW state 108 GiB
+for 57. Offload therefore packs an object's contiguous tensors into slabs whose sizes are
+powers of two already (`plan_host_slabs`), so the allocator rounds nothing and host RAM pinned
+is the bytes moved plus at most one slab's tail. `pinned_host_bytes` is what it pins, for a
+host-memory check before anything moves.
+
 FSDP2 modules, and optimizers whose state is sharded, move with `.to()` instead: see
 `_offload_dtensor`.
 """
@@ -53,6 +62,10 @@ Offloadable = torch.nn.Module | torch.optim.Optimizer
 # An offload that returns less than this share of the bytes it moved is reported.
 _MIN_SHORTFALL_BYTES = 2**20
 _SHORT_RELEASE_FRACTION = 0.9
+# Host slabs: a tensor's copy starts at a multiple of this (any dtype's alignment), and a slab
+# is at least this large unless the whole object is smaller (see plan_host_slabs).
+_SLAB_ALIGN_BYTES = 512
+_SLAB_BYTES = 1 << 30
 
 
 @dataclass(kw_only=True)
@@ -65,6 +78,7 @@ class _Moved:
     num_bytes: int
     device_bytes: int  # of num_bytes, those that left a CUDA device
     by_to: bool = False  # moved with .to() (FSDP2): tensors/hosts are empty, devices[0] is home
+    host_bytes: int = 0  # host memory held: the slabs, and the unpacked tensors' copies
 
 
 # Keyed weakly so an offloaded object that the user drops is not kept alive by the books.
@@ -134,6 +148,97 @@ def _release_device_memory(devices: list[torch.device], *, moved_bytes: int, bef
         )
 
 
+def _next_power_of_two(num_bytes: int) -> int:
+    return 1 << max(0, num_bytes - 1).bit_length()
+
+
+def _aligned(num_bytes: int) -> int:
+    return -(-num_bytes // _SLAB_ALIGN_BYTES) * _SLAB_ALIGN_BYTES
+
+
+@dataclass(frozen=True)
+class HostSlabs:
+    """Where offload puts an object's host copies: `sizes[k]` bytes per slab (each a power of
+    two, so torch's pinned allocator rounds nothing), and per tensor (slab, byte offset)."""
+
+    sizes: list[int]
+    places: list[tuple[int, int]]
+
+
+def plan_host_slabs(tensor_sizes: Sequence[int]) -> HostSlabs:
+    """Pack tensors of `tensor_sizes` bytes (each > 0) into power-of-two slabs, largest first.
+
+    A slab has the size of the next power of two of the largest tensor, or of
+    min(total, `_SLAB_BYTES`) if larger; each tensor goes into the first slab with room (each
+    copy starts on a `_SLAB_ALIGN_BYTES` boundary), and each slab then shrinks to the next
+    power of two of what it holds. What is pinned beyond the bytes moved: the alignment, the
+    slabs' unfilled tails (small tensors fill the big ones' gaps) and the last slab's rounding.
+    """
+    if any(size <= 0 for size in tensor_sizes):
+        raise ValueError(f"plan_host_slabs: sizes must be > 0, got {list(tensor_sizes)[:8]}")
+    if not tensor_sizes:
+        return HostSlabs(sizes=[], places=[])
+    total = sum(_aligned(size) for size in tensor_sizes)
+    slab = _next_power_of_two(max(_aligned(max(tensor_sizes)), min(total, _SLAB_BYTES)))
+    used: list[int] = []
+    places: list[tuple[int, int]] = [(0, 0)] * len(tensor_sizes)
+    for index in sorted(range(len(tensor_sizes)), key=lambda i: -tensor_sizes[i]):
+        need = _aligned(tensor_sizes[index])
+        k = next((k for k, u in enumerate(used) if u + need <= slab), len(used))
+        if k == len(used):
+            used.append(0)
+        places[index] = (k, used[k])
+        used[k] += need
+    return HostSlabs(sizes=[_next_power_of_two(u) for u in used], places=places)
+
+
+def _packs(tensor: torch.Tensor) -> bool:
+    """Whether offload copies `tensor` into a slab: contiguous, not empty, and bound for pinned
+    memory (a CUDA tensor), or any tensor without CUDA (the same path, unpinned, for tests)."""
+    return (
+        tensor.is_contiguous()
+        and tensor.nbytes > 0
+        and (tensor.is_cuda or not torch.cuda.is_available())
+    )
+
+
+def pinned_host_bytes(tensor_sizes: Sequence[int]) -> int:
+    """Host bytes offload holds for tensors of these sizes (bytes): its slabs. Tensors that are
+    not packed (non-contiguous) take their own, rounded, block; not counted here."""
+    return sum(plan_host_slabs([size for size in tensor_sizes if size > 0]).sizes)
+
+
+def host_bytes_of(obj: Offloadable) -> int:
+    """Host bytes offloading `obj` as it is now holds (its slabs), wherever it is now."""
+    moved = _OFFLOADED.get(obj)
+    if moved is not None:
+        return moved.host_bytes
+    if _offload_dtensor.moves_by_to(obj):
+        return sum(_offload_dtensor.local_tensor(t).nbytes for t in _tensors_of(obj))
+    return pinned_host_bytes([t.nbytes for t in _tensors_of(obj) if _packs(t)])
+
+
+def _host_copies(tensors: Sequence[torch.Tensor], pin: bool) -> tuple[list[torch.Tensor], int]:
+    """An empty host tensor per tensor, packed ones as views into shared slabs; and the slabs'
+    bytes."""
+    packed = [i for i, tensor in enumerate(tensors) if _packs(tensor)]
+    slabs = plan_host_slabs([tensors[i].nbytes for i in packed])
+    buffers = [
+        torch.empty(size, dtype=torch.uint8, device="cpu", pin_memory=pin) for size in slabs.sizes
+    ]
+    hosts: list[torch.Tensor | None] = [None] * len(tensors)
+    for i, (k, offset) in zip(packed, slabs.places, strict=True):
+        tensor = tensors[i]
+        flat = buffers[k][offset : offset + tensor.nbytes]
+        hosts[i] = flat.view(tensor.dtype).view(tensor.shape)
+    for i, tensor in enumerate(tensors):
+        if hosts[i] is None:
+            hosts[i] = torch.empty_like(
+                tensor.data, device="cpu", pin_memory=pin and tensor.is_cuda
+            )
+    return [host for host in hosts if host is not None], sum(slabs.sizes)
+
+
 def _move_to_host(obj: Offloadable) -> _Moved:
     if _offload_dtensor.moves_by_to(obj):
         home = _offload_dtensor.device_of(obj)
@@ -146,21 +251,19 @@ def _move_to_host(obj: Offloadable) -> _Moved:
             num_bytes=num_bytes,
             device_bytes=num_bytes if home.type == "cuda" else 0,
             by_to=True,
+            host_bytes=num_bytes,
         )
         _OFFLOADED[obj] = moved
         return moved
     tensors = list(_tensors_of(obj))
-    pin = torch.cuda.is_available()
-    hosts = []
-    for tensor in tensors:
-        # Pinned blocks come from torch's caching host allocator: freed at onload they stay cached
-        # (sizes rounded up to powers of two), and the next offload of the same tensors takes
-        # them back, so cudaMallocHost runs in the first cycle only; the cache keeps that host
-        # RAM pinned while the object is onloaded.
-        host = torch.empty_like(tensor.data, device="cpu", pin_memory=pin and tensor.is_cuda)
+    # Pinned slabs come from torch's caching host allocator: freed at onload they stay cached,
+    # and the next offload of the same tensors asks for the same sizes and takes them back, so
+    # cudaMallocHost runs in the first cycle only; the cache keeps that host RAM pinned while
+    # the object is onloaded.
+    hosts, slab_bytes = _host_copies(tensors, pin=torch.cuda.is_available())
+    for tensor, host in zip(tensors, hosts, strict=True):
         # Device-to-pinned copies are asynchronous; the synchronize below completes them.
         host.copy_(tensor.data, non_blocking=True)
-        hosts.append(host)
     _synchronize_all()
     devices = [tensor.device for tensor in tensors]
     for tensor, host in zip(tensors, hosts, strict=True):
@@ -174,6 +277,8 @@ def _move_to_host(obj: Offloadable) -> _Moved:
         hosts=hosts,
         num_bytes=sum(h.nbytes for h in hosts),
         device_bytes=sum(h.nbytes for h, d in zip(hosts, devices, strict=True) if d.type == "cuda"),
+        host_bytes=slab_bytes
+        + sum(h.nbytes for h, t in zip(hosts, tensors, strict=True) if not _packs(t)),
     )
     _OFFLOADED[obj] = moved
     # Without its pools nothing keeps the object's old segments; empty_cache can return them.

@@ -33,7 +33,17 @@ from contextlib import contextmanager
 import torch
 
 from yatt.placement._fit import FitConfig, OffloadMode, WakeCall, make_default_meter, make_fit_books
-from yatt.placement._needs import MemoryFitError, MemoryNeed, PhaseFit, phase_fit, role_need
+from yatt.placement._needs import (
+    HostFit,
+    HostNeed,
+    MemoryFitError,
+    MemoryNeed,
+    PhaseFit,
+    host_fit,
+    phase_fit,
+    role_host_need,
+    role_need,
+)
 from yatt.placement._records import PhaseRecord, phase_metrics
 from yatt.placement._roles import Role
 from yatt.placement._split import MemorySplit, SplitState
@@ -299,9 +309,14 @@ class Plan:
         if name not in self._phases:
             raise ValueError(f"phase {name!r} is not in this plan; phases are {self.phases}")
         wanted = self._phases[name]
-        if self._is_auto and not self._is_checked:
+        if not self._is_checked:
             self._is_checked = True
-            self.check_fit()  # before anything moves: a phase that can never fit fails here
+            # Before anything moves: a phase that can never fit, or roles that would pin more
+            # host memory asleep than the host has, fail here.
+            if self._is_auto:
+                self.check_fit()
+            else:
+                self._raise_unless_fits([], self.host_fit_report())
         self._fit.end_phase()  # the previous phase's peak growth
         if self._last_phase is not None:
             self._following[self._last_phase] = name
@@ -477,16 +492,49 @@ class Plan:
 
     def check_fit(self) -> list[PhaseFit]:
         """Raise MemoryFitError if a phase cannot fit on the device even with every other role
-        asleep, by the roles' reports (`memory_need()`); returns the phases' requirements.
+        asleep, by the roles' reports (`memory_need()`), or if the roles that sleep would hold
+        more host memory than the host has (`host_fit_report`); returns the phases' requirements.
 
         offload="auto" runs it at the first switch, before anything moves; call it yourself
         before a run with offload="always". Without reports or a capacity reading (CPU without
         FitConfig.capacity_bytes) it checks nothing."""
         report = self.fit_report()
-        failing = [fit for fit in report if not fit.fits]
-        if failing:
-            raise MemoryFitError("\n".join(fit.explain() for fit in failing))
+        self._raise_unless_fits(report, self.host_fit_report())
         return report
+
+    @staticmethod
+    def _raise_unless_fits(report: list[PhaseFit], host: HostFit | None) -> None:
+        failing = [fit.explain() for fit in report if not fit.fits]
+        if host is not None and not host.fits:
+            failing.append(host.explain())
+        if failing:
+            raise MemoryFitError("\n".join(failing))
+
+    def host_fit_report(self) -> HostFit | None:
+        """What the roles that some phase puts to sleep hold in host memory while asleep (their
+        `host_need()` reports, summed: a pinned copy stays cached from the first sleep on), with
+        `FitConfig.host_headroom_bytes`, against the host's available memory
+        (`FitConfig.host_available_bytes`, read now). None when no such role reports or the
+        host cannot be read. Meant before any role sleeps: what they pin by then counts as used.
+        The plan's first switch raises MemoryFitError when it does not fit, in either offload
+        mode; `check_fit` includes it."""
+        needs: dict[str, HostNeed] = {}
+        for role_name, role in self._roles.items():
+            sleeps = any(
+                wanted.get(role_name) != set(self._tags_of(role_name))
+                for wanted in self._phases.values()
+            )
+            need = role_host_need(role) if sleeps else None
+            if need is not None:
+                needs[role_name] = need
+        if not needs:
+            return None
+        available = self._fit.host_available_bytes()
+        if available is None:
+            return None
+        return host_fit(
+            needs, available_bytes=available, headroom_bytes=self._fit.host_headroom_bytes
+        )
 
     def _sleep(self, role_name: str) -> None:
         role = self._roles[role_name]

@@ -142,6 +142,10 @@ class _Registry:
         state = self._state(tag)
         return 0 if state.is_paused else self.backend().allocated_bytes(tag)
 
+    def backup_bytes(self, tag: str) -> int:
+        state = self._state(tag)
+        return self.backend().allocated_bytes(tag) if state.enable_cpu_backup else 0
+
     def tags(self) -> tuple[str, ...]:
         return tuple(self._tags)
 
@@ -206,6 +210,13 @@ def is_paused(tag: str) -> bool:
 def resident_bytes(tag: str) -> int:
     """Bytes the tag holds on its device now: 0 while paused."""
     return _REGISTRY.resident_bytes(tag)
+
+
+def backup_bytes(tag: str) -> int:
+    """Host bytes `tag` needs while paused: its bytes if it has CPU backup, else 0. On CUDA the
+    backup is torch_memory_saver's pinned shadow, kept from one pause to the next by default
+    (`configure_regions(retain_cpu_backup=...)`)."""
+    return _REGISTRY.backup_bytes(tag)
 
 
 def region_tags() -> tuple[str, ...]:

@@ -27,10 +27,18 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from yatt.placement._needs import MemoryNeed
-from yatt.placement._offload import is_offloaded, offload_all, offloaded_bytes, onload, tensor_bytes
-from yatt.placement._offload_dtensor import local_tensor
-from yatt.placement._regions import pause, resident_bytes, resume
+from yatt.placement._needs import HostNeed, MemoryNeed
+from yatt.placement._offload import (
+    host_bytes_of,
+    is_offloaded,
+    offload_all,
+    offloaded_bytes,
+    onload,
+    pinned_host_bytes,
+    tensor_bytes,
+)
+from yatt.placement._offload_dtensor import local_tensor, moves_by_to
+from yatt.placement._regions import backup_bytes, pause, resident_bytes, resume
 
 # Optimizer state per trainable parameter byte, for the classes whose state is known before
 # their first step creates it (Adam and AdamW: two moments of the parameter's dtype).
@@ -85,6 +93,12 @@ class TrainerRole:
         params = list(model.parameters())
         self._weight_bytes = sum(_local_bytes(t) for t in [*params, *model.buffers()])
         self._trainable_bytes = sum(_local_bytes(p) for p in params if p.requires_grad)
+        # What its offload will hold on the host (gradients, absent when asleep, left out).
+        self._weight_host_bytes = (
+            self._weight_bytes
+            if moves_by_to(model)
+            else pinned_host_bytes([_local_bytes(t) for t in [*params, *model.buffers()]])
+        )
 
     def _parts(self, tags: Sequence[str]) -> list[torch.nn.Module | torch.optim.Optimizer]:
         parts: list[torch.nn.Module | torch.optim.Optimizer] = []
@@ -121,6 +135,33 @@ class TrainerRole:
             (n for cls, n in _STATE_PER_PARAM_BYTE.items() if type(self.optimizer) is cls), 0
         )
         return per_byte * self._trainable_bytes
+
+    def host_need(self) -> HostNeed:
+        """Host memory while asleep: the weights' and the optimizer state's offloaded copies as
+        offload packs them (`host_bytes_of`); before the first step, the state Adam or AdamW
+        will make (two moments and a float32 step count per trainable parameter, packed
+        alike)."""
+        optimizer = 0
+        if self.optimizer is not None:
+            optimizer = host_bytes_of(self.optimizer)
+            if not optimizer and not tensor_bytes(self.optimizer):
+                per_byte = _STATE_PER_PARAM_BYTE.get(type(self.optimizer), 0)
+                sizes = [
+                    _local_bytes(p)
+                    for group in self.optimizer.param_groups
+                    for p in group["params"]
+                    if p.requires_grad
+                ]
+                steps = [4] * len(sizes) if per_byte else []
+                optimizer = (
+                    per_byte * sum(sizes) + sum(steps)
+                    if moves_by_to(self.optimizer)
+                    else pinned_host_bytes(sizes * per_byte + steps)
+                )
+        return HostNeed(
+            parts={"weights": self._weight_host_bytes, "optimizer": optimizer},
+            settings=self.settings,
+        )
 
     def memory_need(self) -> MemoryNeed | None:
         """Weights and optimizer state resident; at the train step's peak, the gradients and the
@@ -193,3 +234,12 @@ class RegionRole:
 
     def resident_bytes(self) -> int:
         return sum(resident_bytes(tag) for regions in self._regions.values() for tag in regions)
+
+    def host_need(self) -> HostNeed:
+        """Host memory while asleep: the tags with CPU backup (per memory tag)."""
+        return HostNeed(
+            parts={
+                name: sum(backup_bytes(tag) for tag in regions)
+                for name, regions in self._regions.items()
+            }
+        )

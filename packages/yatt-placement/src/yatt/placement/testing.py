@@ -1,7 +1,8 @@
 """Fakes for tests of plans (yours or ours) without a model or a GPU.
 
 `RecordingRole` holds fixed bytes per memory tag and logs every sleep and wake; given `peak`, it
-also reports its needs (`memory_need()`). `FakeDevice` is a device of fixed capacity with a
+also reports its needs (`memory_need()`), and given `host`, what it holds in host memory while
+asleep (`host_need()`). `FakeDevice` is a device of fixed capacity with a
 caching allocator like torch's: a phase's transient allocations (`run`) stay cached after they
 are freed, reusable by later transient allocations but not by a role's wake, which needs memory
 the device can hand out; a wake or a run that does not fit raises `FakeOutOfMemory`.
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from yatt.placement._fit import FitConfig
-from yatt.placement._needs import MemoryNeed
+from yatt.placement._needs import HostNeed, MemoryNeed
 
 
 class FakeOutOfMemory(RuntimeError):
@@ -26,7 +27,8 @@ class RecordingRole:
     fractions the plan set, and `kv_fraction` the one in force when the KV cache last woke.
     peak: bytes per part its work adds while its phase runs; given (even empty), the role
     reports `memory_need()` (its sizes, this peak and `settings`). device: a FakeDevice whose
-    free memory each wake must fit in.
+    free memory each wake must fit in. host: bytes per part it holds in host memory asleep;
+    given, it reports `host_need()` (with `settings`).
     """
 
     def __init__(
@@ -38,8 +40,10 @@ class RecordingRole:
         peak: Mapping[str, int] | None = None,
         settings: Mapping[str, str] | None = None,
         device: FakeDevice | None = None,
+        host: Mapping[str, int] | None = None,
     ) -> None:
         self.name, self.log, self.sizes = name, log, sizes
+        self.host = None if host is None else dict(host)
         self.memory_tags: tuple[str, ...] = tuple(sizes)
         self.awake = set(self.memory_tags)
         self.fractions: list[float] = []
@@ -78,6 +82,11 @@ class RecordingRole:
         if self.peak is None:
             return None
         return MemoryNeed(resident=dict(self.sizes), peak=self.peak, settings=self.settings)
+
+    def host_need(self) -> HostNeed | None:
+        if self.host is None:
+            return None
+        return HostNeed(parts=self.host, settings=self.settings)
 
 
 class FakeDevice:

@@ -7,7 +7,8 @@ Each decode step runs only the running sequences, in the smallest batch bucket t
 (EngineConfig.decode_batch_buckets), so its cost follows the number of active sequences.
 
 Memory lives in two placement regions, so `sleep()` gives it back on CUDA:
-  "<prefix>/weights"  parameters and buffers (CPU backup: restored on wake-up)
+  "<prefix>/weights"  parameters and buffers (CPU backup: restored on wake-up; without it,
+                      should_back_up_weights=False, refilled by update_weights after each wake)
   "<prefix>/kv_cache" the static KV cache and per-slot state (contents dropped on sleep)
 CUDA graphs are freed on sleep and recaptured on the next call (EngineConfig.keep_graphs_asleep).
 
@@ -40,7 +41,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from yatt.placement import is_paused, pause, region, resume
+from yatt.placement import HostNeed, backup_bytes, is_paused, pause, region, resume
 from yatt.rollout._keys import derive_key
 from yatt.rollout._requests import max_new_tokens_of, request_id_of, validate_requests
 from yatt.rollout._streaming import stream_from_thread
@@ -73,6 +74,12 @@ class BuiltinEngine:
         and its attention implementation is switched). A Qwen2-VL-family model also takes images.
     image_processor: a vision-language model's image processor (default: the one saved in the
         model directory, preprocessor_config.json).
+    should_back_up_weights: keep the weights in (pinned) host memory while asleep (default).
+        False for a rollout engine whose weights the trainer's weight sync overwrites after
+        every wake: its host copy (15 GB at 7B) is never read. Not for a step with several
+        rollout phases (dynamic-sampling rounds under full colocation wake it again before any
+        sync): generation refuses to run after a wake of the weights until update_weights has
+        refilled them.
     """
 
     memory_tags: tuple[str, ...] = _TAGS
@@ -87,6 +94,7 @@ class BuiltinEngine:
         config: EngineConfig | None = None,
         tokenizer: Any = None,
         image_processor: Any = None,
+        should_back_up_weights: bool = True,
     ) -> None:
         self.config = config = config if config is not None else EngineConfig()
         register_attention()
@@ -131,8 +139,17 @@ class BuiltinEngine:
         text_config = model.config.get_text_config()
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.eos_token_ids = _eos_ids(model)
-        with region(self._tags["weights"], enable_cpu_backup=True):
+        self._should_back_up_weights = should_back_up_weights
+        self._are_weights_lost = False  # woken without backup, not refilled yet
+        with region(self._tags["weights"], enable_cpu_backup=should_back_up_weights):
             self._weight_bytes = move_into_current_region(model, self._device)
+        # Buffers (RoPE's inv_freq) are not in a weight sync: without the region's backup they
+        # are restored from these host copies (a few KB) at each wake.
+        self._buffer_copies = (
+            []
+            if should_back_up_weights
+            else [(b, b.detach().to("cpu", copy=True)) for b in model.buffers()]
+        )
         num_heads = text_config.num_attention_heads
         self._kv_layout = KVLayout(
             num_layers=text_config.num_hidden_layers,
@@ -300,6 +317,7 @@ class BuiltinEngine:
                     copy_bucket(targets, bucket)
                     if self._device.type == "cuda":
                         torch.cuda.synchronize(self._device)
+            self._are_weights_lost = False
 
     def sleep(self) -> None:
         """Release the weights' and KV cache's memory (weights are backed up on the CPU)."""
@@ -329,6 +347,11 @@ class BuiltinEngine:
             for name in _TAGS:  # weights before KV cache, whatever order was given
                 if name in names and is_paused(self._tags[name]):
                     resume(self._tags[name])
+                    if name == "weights" and not self._should_back_up_weights:
+                        self._are_weights_lost = True
+                        with self._dev.scope():
+                            for buffer, copy in self._buffer_copies:
+                                buffer.copy_(copy)
                     if name == "kv_cache" and not self._resize_kv_cache_if_asked():
                         with self._dev.scope():
                             self._runner.reset_state()
@@ -376,6 +399,18 @@ class BuiltinEngine:
         """The image processor a vision-language model's prompts go through (None: text only);
         a GenRM judge on this engine takes it as `image_processor=`."""
         return None if self._vision is None else self._vision.image_processor
+
+    def host_need(self) -> HostNeed:
+        """Host memory while asleep, for a placement plan's host check: the weights' backup
+        (none with should_back_up_weights=False; the KV cache is never backed up)."""
+        buffers = sum(copy.nbytes for _, copy in self._buffer_copies)
+        return HostNeed(
+            parts={"weights backup": backup_bytes(self._tags["weights"]) + buffers},
+            settings={
+                "weights backup": "BuiltinEngine(should_back_up_weights=False) for an engine "
+                "whose weights the trainer syncs after every wake (the rollout engine)"
+            },
+        )
 
     def resident_bytes(self) -> int:
         """Bytes of the engine's tensors on its device now (a sleeping part counts 0)."""
@@ -513,6 +548,12 @@ class BuiltinEngine:
                 f"generation needs the whole engine but its {list(asleep)} are asleep; call "
                 f"wake_up(tags={asleep}) first (or generate inside a placement phase that names "
                 "the engine whole, such as 'rollout')"
+            )
+        if self._are_weights_lost:
+            raise RuntimeError(
+                "generation after the weights woke without a backup "
+                "(should_back_up_weights=False) and before update_weights refilled them; sync "
+                "the trainer's weights first, or build the engine with should_back_up_weights=True"
             )
 
 
