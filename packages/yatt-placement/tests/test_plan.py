@@ -276,6 +276,19 @@ def test_trainer_role_wakes_weights_apart_from_optimizer():
     assert not is_offloaded(optimizer)
 
 
+def test_trainer_role_asleep_before_its_first_step_still_reports_adamw_state():
+    # AdamW keeps two float32 moments per trainable parameter (Loshchilov & Hutter); put to
+    # sleep before the first step, the optimizer holds nothing yet, but the step will make them.
+    model = torch.nn.Linear(8, 4)  # 36 float32 parameters
+    role = TrainerRole(model, torch.optim.AdamW(model.parameters()), activation_bytes=0)
+    expected = 2 * 4 * 36
+    assert role.optimizer_state_bytes() == expected
+    role.sleep()
+    assert role.optimizer_state_bytes() == expected
+    need = role.memory_need()
+    assert need is not None and need.resident["optimizer"] == expected
+
+
 def test_full_colocation_with_a_tagless_engine_syncs_it_whole():
     log: list = []
     _, _, train = _engines(log)

@@ -126,9 +126,11 @@ class TrainerRole:
         Adam or AdamW will make (two moments per trainable parameter), 0 for other classes."""
         if self.optimizer is None:
             return 0
-        if is_offloaded(self.optimizer):
-            return offloaded_bytes(self.optimizer)
-        made = tensor_bytes(self.optimizer)
+        # An optimizer put to sleep before its first step is offloaded with nothing in it: its
+        # state is still to come, not 0 (issue 27: a 7B trainer's 57 GiB of AdamW state went
+        # uncounted, so "auto" kept the judge awake and the first optimizer step ran out).
+        made = offloaded_bytes(self.optimizer) if is_offloaded(self.optimizer) else 0
+        made = made or tensor_bytes(self.optimizer)
         if made:
             return made
         per_byte = next(
