@@ -1,7 +1,8 @@
 """Each engine satisfies the capability protocols it has (yatt.rollout.Abortable,
 AcceptsImages, SupportsLabelLogprobs), so callers check isinstance instead of getattr.
 
-Expected per engine, from what each documents: all three abort in-flight requests; all three
+Expected per engine, from what each documents (and, as placement roles, yatt.placement's
+protocols): all three abort in-flight requests; all three
 fill label_logprobs (the built-in engine from its own logits, vLLM through a probe request,
 SGLang through token_ids_logprob); the built-in engine says whether its model takes images
 (a text model: no, a Qwen2-VL: yes). The vLLM and SGLang adapters say it as `is_multimodal`,
@@ -15,6 +16,7 @@ import types
 
 import pytest
 
+from yatt import placement
 from yatt.rollout import (
     Abortable,
     AcceptsImages,
@@ -47,6 +49,18 @@ def test_builtin_engine_has_every_capability(tiny_model_dir):
         assert isinstance(engine, Abortable)
         assert isinstance(engine, SupportsLabelLogprobs) and engine.supports_label_logprobs is True
         assert isinstance(engine, AcceptsImages) and engine.accepts_images is False  # text model
+        # As a placement role: tagged wake-ups, its own regions and byte count, a KV-cache share
+        # it applies by itself while awake, its host need.
+        for capability in (
+            placement.MemoryTagged,
+            placement.InMemoryRegions,
+            placement.MeasuresResidentBytes,
+            placement.ResizableMemory,
+            placement.ResizesWhileAwake,
+            placement.ReportsHostNeed,
+        ):
+            assert isinstance(engine, capability), capability.__name__
+        assert engine.resizes_while_awake is True
     finally:
         engine.close()
 
@@ -73,6 +87,9 @@ def test_adapters_abort_and_report_label_logprobs(fake_backends, engine_cls):
         assert isinstance(engine, Abortable)
         assert isinstance(engine, SupportsLabelLogprobs) and engine.supports_label_logprobs is True
         assert not isinstance(engine, AcceptsImages)  # they say is_multimodal (module docstring)
+        # As a placement role: a device need from their own settings, no byte count of their own.
+        assert isinstance(engine, placement.ReportsMemoryNeed)
+        assert not isinstance(engine, placement.MeasuresResidentBytes)
     finally:
         engine.close()
 

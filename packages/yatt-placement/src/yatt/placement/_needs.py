@@ -27,6 +27,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from yatt.placement._capabilities import ReportsHostNeed, ReportsMemoryNeed
+
 _GIB = float(1 << 30)
 
 
@@ -70,10 +72,9 @@ class MemoryNeed:
 
 def role_need(role: object) -> MemoryNeed | None:
     """The role's report (`memory_need()`), or None if it gives none."""
-    reader = getattr(role, "memory_need", None)
-    if reader is None:
+    if not isinstance(role, ReportsMemoryNeed):
         return None
-    need = reader()
+    need = role.memory_need()
     if need is not None and not isinstance(need, MemoryNeed):
         raise TypeError(
             f"{type(role).__name__}.memory_need() returned a {type(need).__name__}; "
@@ -194,10 +195,9 @@ class HostNeed:
 
 def role_host_need(role: object) -> HostNeed | None:
     """The role's report (`host_need()`), or None if it gives none."""
-    reader = getattr(role, "host_need", None)
-    if reader is None:
+    if not isinstance(role, ReportsHostNeed):
         return None
-    need = reader()
+    need = role.host_need()
     if need is not None and not isinstance(need, HostNeed):
         raise TypeError(
             f"{type(role).__name__}.host_need() returned a {type(need).__name__}; "
