@@ -4,8 +4,6 @@ from yatt.placement._capabilities import (
     InMemoryRegions,
     MeasuresResidentBytes,
     MemoryTagged,
-    ReportsHostNeed,
-    ReportsMemoryNeed,
     ResizableMemory,
     ResizesWhileAwake,
 )
@@ -16,6 +14,8 @@ from yatt.placement._needs import (
     MemoryFitError,
     MemoryNeed,
     PhaseFit,
+    ReportsHostNeed,
+    ReportsMemoryNeed,
     read_host_available_bytes,
 )
 from yatt.placement._offload import (

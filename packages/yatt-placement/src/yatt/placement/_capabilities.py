@@ -1,15 +1,13 @@
 """The optional members of a role (see `_roles`' docstring), as typed protocols a plan checks
 with isinstance instead of probing attribute names with getattr. A role has `sleep()` and
-`wake_up(tags)` (`Role`); each protocol here is one thing more a plan can do with it.
+`wake_up(tags)` (`Role`); each protocol here is one thing more a plan can do with it. The two
+that report needs (ReportsMemoryNeed, ReportsHostNeed) live in `_needs`, beside what they return.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
-
-if TYPE_CHECKING:  # for annotations only: _needs does not import this module back at run time
-    from yatt.placement._needs import HostNeed, MemoryNeed
+from typing import Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -47,17 +45,3 @@ class ResizesWhileAwake(Protocol):
     (at its next call), so offload="auto" need not put it to sleep to apply it."""
 
     resizes_while_awake: bool
-
-
-@runtime_checkable
-class ReportsMemoryNeed(Protocol):
-    """A role that says what its phases need on the device (None: unknown)."""
-
-    def memory_need(self) -> MemoryNeed | None: ...
-
-
-@runtime_checkable
-class ReportsHostNeed(Protocol):
-    """A role that says what its offload needs in host memory (None: unknown)."""
-
-    def host_need(self) -> HostNeed | None: ...

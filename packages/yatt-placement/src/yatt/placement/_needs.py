@@ -26,8 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-
-from yatt.placement._capabilities import ReportsHostNeed, ReportsMemoryNeed
+from typing import Protocol, runtime_checkable
 
 _GIB = float(1 << 30)
 
@@ -68,6 +67,13 @@ class MemoryNeed:
         if tags is None:
             return sum(self.resident.values())
         return sum(self.resident.get(tag, 0) for tag in tags)  # type: ignore[union-attr]
+
+
+@runtime_checkable
+class ReportsMemoryNeed(Protocol):
+    """A role that says what its phases need on the device (None: unknown)."""
+
+    def memory_need(self) -> MemoryNeed | None: ...
 
 
 def role_need(role: object) -> MemoryNeed | None:
@@ -191,6 +197,13 @@ class HostNeed:
     @property
     def total_bytes(self) -> int:
         return sum(self.parts.values())
+
+
+@runtime_checkable
+class ReportsHostNeed(Protocol):
+    """A role that says what its offload needs in host memory (None: unknown)."""
+
+    def host_need(self) -> HostNeed | None: ...
 
 
 def role_host_need(role: object) -> HostNeed | None:
