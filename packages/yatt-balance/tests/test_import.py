@@ -1,4 +1,4 @@
-"""yatt.balance works with numpy alone; only yatt.balance.dist needs torch."""
+"""yatt.balance works with numpy alone; only yatt.balance.across_ranks needs torch."""
 
 NUM_GPUS = 0
 
@@ -33,6 +33,6 @@ def test_core_api_works_without_torch():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-def test_dist_needs_torch():
-    out = run("import yatt.balance.dist\n")
+def test_across_ranks_needs_torch():
+    out = run("import yatt.balance.across_ranks\n")
     assert out.returncode != 0 and "torch is blocked" in out.stderr

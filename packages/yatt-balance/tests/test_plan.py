@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from yatt.balance import partition
-from yatt.balance.dist import make_plan, partition_destination
+from yatt.balance.across_ranks import make_plan, partition_destination
 
 
 def plan_for(costs_by_rank, groups_by_rank=None, equal_size=False, tolerance=1e-3):

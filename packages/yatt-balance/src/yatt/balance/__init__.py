@@ -1,6 +1,6 @@
 """Balance sequences across data-parallel ranks and micro-batches by estimated compute.
 
-numpy only; `yatt.balance.dist` (rebalance/restore across ranks) needs torch.
+numpy only; `yatt.balance.across_ranks` (rebalance/restore across ranks) needs torch.
 """
 
 from yatt.balance._cost import cost, flops_cost

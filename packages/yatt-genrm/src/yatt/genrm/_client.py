@@ -29,6 +29,15 @@ from typing import Any
 import aiohttp
 
 from yatt.genrm._http_body import ResponseTooLargeError, decode_body, read_body
+from yatt.genrm._retry import (
+    SERVER_ERROR_STATUSES,
+    Backoff,
+    FatalError,
+    GaveUp,
+    RetryableError,
+    status_error,
+    with_retries,
+)
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
 from yatt.genrm._types import Sample, Verdict, error_verdict
 
@@ -143,11 +152,9 @@ class GenRMClient(StreamingScorer):
         server: int,
     ) -> list[Verdict]:
         body = '{"samples": [' + ", ".join(encoded.values()) + "]}"
-        error = "no attempt made"
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                self.metrics["num_retries"] += 1
-                await asyncio.sleep(min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s))
+
+        async def try_once(attempt: int) -> list[Verdict]:
+            # Each retry goes to the pool's next server.
             url = self.urls[(server + attempt) % len(self.urls)]
             self.num_samples_by_url[url] += len(samples)
             try:
@@ -160,20 +167,40 @@ class GenRMClient(StreamingScorer):
                         if len(verdicts) != len(samples):
                             raise ValueError(f"{len(verdicts)} verdicts for {len(samples)} samples")
                         return verdicts
-                    error = f"HTTP {response.status}: {payload.get('error', payload)}"
-                    if response.status < 500:
-                        break  # our request is wrong; sending it again will not help
+                    # A 5xx is tried again (there, or on the next server); a 4xx is not: our
+                    # request is wrong and sending it again will not help.
+                    raise status_error(
+                        response.status,
+                        f"HTTP {response.status}: {payload.get('error', payload)}",
+                        retry_statuses=SERVER_ERROR_STATUSES,
+                    )
             except ResponseTooLargeError as e:
-                error = str(e)
-                logger.warning("GenRM request to %s failed: %s", url, error)
-                break  # an endless or oversized answer would come again
+                logger.warning("GenRM request to %s failed: %s", url, e)
+                raise FatalError(str(e)) from None  # an endless or oversized answer comes again
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as e:
-                error = f"{type(e).__name__}: {e}"
-            logger.warning("GenRM request to %s failed (try %d): %s", url, attempt + 1, error)
-        return [
-            error_verdict(s.id, f"GenRM service: {error}", reward=self.default_reward)
-            for s in samples
-        ]
+                raise RetryableError(f"{type(e).__name__}: {e}") from None
+
+        def log_retryable(attempt: int, error: RetryableError | FatalError) -> None:
+            if isinstance(error, RetryableError):
+                url = self.urls[(server + attempt) % len(self.urls)]
+                logger.warning("GenRM request to %s failed (try %d): %s", url, attempt + 1, error)
+
+        try:
+            return await with_retries(
+                try_once,
+                max_retries=self.max_retries,
+                backoff=Backoff(self.backoff_s, self.max_backoff_s),
+                on_failure=log_retryable,
+                on_retry=self._count_retry,
+            )
+        except GaveUp as e:
+            return [
+                error_verdict(s.id, f"GenRM service: {e.cause}", reward=self.default_reward)
+                for s in samples
+            ]
+
+    def _count_retry(self, attempt: int) -> None:
+        self.metrics["num_retries"] += 1
 
     async def _read(self, response: aiohttp.ClientResponse) -> str:
         """The body as text, at most max_response_bytes of it (ResponseTooLargeError past

@@ -43,7 +43,7 @@ from yatt.genrm._votes import (
     make_judge_sampling,
     parse_vote,
 )
-from yatt.rollout import Completion, Request, RolloutEngine, SamplingParams
+from yatt.rollout import AcceptsImages, Completion, Request, RolloutEngine, SamplingParams
 
 logger = logging.getLogger("yatt.genrm")
 
@@ -410,7 +410,7 @@ def _make_image_prompts(
                 "JudgeTemplate(image_key=...) or drop them"
             )
         return None
-    if not getattr(engine, "accepts_images", False):
+    if not (isinstance(engine, AcceptsImages) and engine.accepts_images):
         raise ValueError(
             f"JudgeTemplate.image_key={template.image_key!r} shows the judge images, but the "
             "judge engine takes none (accepts_images is False): serve a vision-language judge "

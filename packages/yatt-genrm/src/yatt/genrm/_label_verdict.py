@@ -30,7 +30,7 @@ from typing import Any
 
 from yatt.genrm._parsers import YesNoParser
 from yatt.genrm._types import Vote
-from yatt.rollout import Completion, SamplingParams
+from yatt.rollout import Completion, SamplingParams, SupportsLabelLogprobs
 
 # How many response tokens back from the end the label may start: a verdict line is short.
 MAX_VERDICT_LINE_TOKENS = 64
@@ -62,7 +62,7 @@ def reward_from_label_logprobs(parser: YesNoParser, yes_logprob: float, no_logpr
 
 def supports_label_logprobs(engine: Any) -> bool:
     """Whether `engine` fills Completion.label_logprobs (it says so itself)."""
-    return bool(getattr(engine, "supports_label_logprobs", False))
+    return isinstance(engine, SupportsLabelLogprobs) and bool(engine.supports_label_logprobs)
 
 
 class LabelVerdicts:

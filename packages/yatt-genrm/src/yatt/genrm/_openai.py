@@ -32,7 +32,6 @@ import json
 import logging
 import math
 import os
-import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +42,14 @@ import aiohttp
 from yatt.genrm._http_body import ResponseTooLargeError, decode_body, read_body
 from yatt.genrm._images import image_data_url
 from yatt.genrm._parsers import VerdictParser
+from yatt.genrm._retry import (
+    Backoff,
+    FatalError,
+    GaveUp,
+    RetryableError,
+    status_error,
+    with_retries,
+)
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer, per_sample_batching
 from yatt.genrm._templates import JudgeTemplate
 from yatt.genrm._types import Sample, Verdict, Vote, error_verdict
@@ -164,18 +171,6 @@ class _Http:
     closer: asyncio.Task[None] | None = None
 
 
-class _Retryable(Exception):
-    """A failed try worth repeating; `retry_after_s` is the server's Retry-After, if any."""
-
-    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class _Fatal(Exception):
-    """A failed try that would fail again (4xx, a body that is not a chat completion)."""
-
-
 class OpenAIJudge(StreamingScorer):
     """An LLM judge over an OpenAI-compatible chat-completions endpoint.
 
@@ -227,6 +222,8 @@ class OpenAIJudge(StreamingScorer):
         self._headers = {"Content-Type": "application/json"}
         if api_key is not None:
             self._headers["Authorization"] = f"Bearer {api_key}"
+        # Jitter: samples that failed together (a 429 burst) do not all come back together.
+        self._backoff = Backoff(config.backoff_s, config.max_backoff_s, jitter=True)
         self._http_by_loop: dict[asyncio.AbstractEventLoop, _Http] = {}
         self._unparsable_log = UnparsableLog()
         self._failure_log = FailureLog("judge request failed")
@@ -291,7 +288,7 @@ class OpenAIJudge(StreamingScorer):
             await http.session.close()
 
     async def _post_once(self, http: _Http, body: bytes) -> dict[str, Any]:
-        """One try: the chat completion, or _Retryable / _Fatal saying why not."""
+        """One try: the chat completion, or RetryableError / FatalError saying why not."""
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
         async with http.slots:
             self.metrics["num_requests"] += 1
@@ -316,36 +313,34 @@ class OpenAIJudge(StreamingScorer):
                     text = decode_body(response, data)
                     status, headers = response.status, response.headers
             except TimeoutError:
-                raise _Retryable(f"no answer within timeout_s={self.config.timeout_s}") from None
+                raise RetryableError(
+                    f"no answer within timeout_s={self.config.timeout_s}"
+                ) from None
             except aiohttp.ClientError as e:
-                raise _Retryable(f"{type(e).__name__}: {e}") from None
+                raise RetryableError(f"{type(e).__name__}: {e}") from None
             except ResponseTooLargeError as e:
-                raise _Fatal(str(e)) from None
+                raise FatalError(str(e)) from None
             finally:
                 self._num_inflight -= 1
         if status != 200:
             message = f"HTTP {status}: {_error_message(text)}"
-            if status in RETRY_STATUSES:
-                raise _Retryable(message, _retry_after_s(headers))
-            raise _Fatal(message)
+            raise status_error(
+                status,
+                message,
+                retry_statuses=RETRY_STATUSES,
+                retry_after_s=_retry_after_s(headers),
+            )
         try:
             payload = json.loads(text)
             choices = payload.get("choices") if isinstance(payload, dict) else None
             if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
                 raise ValueError("no 'choices' list of objects")
         except ValueError as e:
-            raise _Fatal(
+            raise FatalError(
                 f"HTTP 200 with a body that is not a chat completion ({e}): "
                 f"{text[:_ERROR_BODY_CHARS]!r}"
             ) from None
         return payload
-
-    def _backoff_s(self, attempt: int, retry_after_s: float | None) -> float:
-        if retry_after_s is not None:
-            return min(retry_after_s, self.config.max_backoff_s)
-        delay = min(self.config.backoff_s * 2 ** (attempt - 1), self.config.max_backoff_s)
-        # Jitter: samples that failed together (a 429 burst) do not all come back together.
-        return delay * random.uniform(0.5, 1.0)
 
     async def _judge_one(self, sample: Sample) -> Verdict:
         """The verdict of one sample; never raises (except cancellation)."""
@@ -362,30 +357,34 @@ class OpenAIJudge(StreamingScorer):
                 return error_verdict(sample.id, f"images: {e}", reward=self.default_reward)
         body = json.dumps(self._body(messages)).encode()
         http = self._http()
-        retry_after_s: float | None = None
-        cause = "no try made"
-        for attempt in range(self.config.max_retries + 1):
-            if attempt:
-                self.metrics["num_retries"] += 1
-                await asyncio.sleep(self._backoff_s(attempt, retry_after_s))
-            try:
-                payload = await self._post_once(http, body)
-                return self._verdict(sample, payload)
-            except _Retryable as e:
-                cause, retry_after_s = str(e), e.retry_after_s
-                self._failure_log.record(sample.id, f"try {attempt + 1}: {cause}")
-            except _Fatal as e:
-                cause = str(e)
-                self._failure_log.record(sample.id, cause)
-                break
-        else:
-            cause += f" (after {self.config.max_retries + 1} tries)"
-        return error_verdict(sample.id, f"judge at {self.url}: {cause}", reward=self.default_reward)
+
+        async def try_once(attempt: int) -> Verdict:
+            return self._verdict(sample, await self._post_once(http, body))
+
+        def record(attempt: int, error: RetryableError | FatalError) -> None:
+            if isinstance(error, RetryableError):
+                self._failure_log.record(sample.id, f"try {attempt + 1}: {error}")
+            else:
+                self._failure_log.record(sample.id, str(error))
+
+        try:
+            return await with_retries(
+                try_once,
+                max_retries=self.config.max_retries,
+                backoff=self._backoff,
+                on_failure=record,
+                on_retry=self._count_retry,
+            )
+        except GaveUp as e:
+            return error_verdict(sample.id, f"judge at {self.url}: {e}", reward=self.default_reward)
+
+    def _count_retry(self, attempt: int) -> None:
+        self.metrics["num_retries"] += 1
 
     def _verdict(self, sample: Sample, payload: dict[str, Any]) -> Verdict:
         choices = sorted(payload["choices"], key=lambda c: c.get("index", 0))
         if len(choices) < self.votes:
-            raise _Fatal(
+            raise FatalError(
                 f"{len(choices)} choices for n={self.votes}: the server may not support n; "
                 "use votes=1"
             )

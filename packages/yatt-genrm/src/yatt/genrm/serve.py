@@ -25,6 +25,8 @@ from yatt.genrm._stream import BatchingConfig
 from yatt.genrm._templates import JudgeTemplate, pointwise_template, verification_template
 from yatt.rollout import SamplingParams
 
+__all__ = ["TEMPLATES", "build_genrm", "build_parser", "load_engine", "main"]
+
 TEMPLATES = ("verification", "verification-no-reference", "pointwise")
 
 

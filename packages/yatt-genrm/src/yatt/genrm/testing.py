@@ -14,6 +14,8 @@ from typing import Any
 
 from yatt.rollout import DEFAULT_BUCKET_BYTES, Completion, Request, SamplingParams
 
+__all__ = ["ByteTokenizer", "EngineCall", "FakeJudgeEngine", "always_yes"]
+
 
 class ByteTokenizer:
     """UTF-8 bytes as token ids; no chat template (so templates render as plain text)."""

@@ -1,5 +1,12 @@
 """GPU memory regions that pause and resume, offload/onload, and placement plans for RL steps."""
 
+from yatt.placement._capabilities import (
+    InMemoryRegions,
+    MeasuresResidentBytes,
+    MemoryTagged,
+    ResizableMemory,
+    ResizesWhileAwake,
+)
 from yatt.placement._fit import FitConfig, PeakGrowth, read_cuda_free_bytes
 from yatt.placement._needs import (
     HostFit,
@@ -7,6 +14,8 @@ from yatt.placement._needs import (
     MemoryFitError,
     MemoryNeed,
     PhaseFit,
+    ReportsHostNeed,
+    ReportsMemoryNeed,
     read_host_available_bytes,
 )
 from yatt.placement._offload import (
@@ -40,15 +49,22 @@ __all__ = [
     "FitConfig",
     "HostFit",
     "HostNeed",
+    "InMemoryRegions",
+    "MeasuresResidentBytes",
     "MemoryFitError",
     "MemoryNeed",
     "MemorySplit",
+    "MemoryTagged",
     "PeakGrowth",
     "PendingLoad",
     "PhaseFit",
     "PhaseRecord",
     "Plan",
     "RegionRole",
+    "ReportsHostNeed",
+    "ReportsMemoryNeed",
+    "ResizableMemory",
+    "ResizesWhileAwake",
     "Role",
     "TrainerRole",
     "__version__",

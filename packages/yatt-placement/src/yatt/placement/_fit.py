@@ -53,6 +53,7 @@ from typing import Literal
 
 import torch
 
+from yatt.placement._capabilities import MeasuresResidentBytes
 from yatt.placement._needs import _DEFAULT_HOST_HEADROOM_BYTES, read_host_available_bytes
 
 logger = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ def make_default_meter(roles: Iterable[object]) -> Callable[[], int]:
     else the sum of `resident_bytes()` over the roles that have it."""
     if torch.cuda.is_available():
         return read_device_used_bytes
-    measured = [role for role in roles if hasattr(role, "resident_bytes")]
+    measured = [role for role in roles if isinstance(role, MeasuresResidentBytes)]
     return lambda: sum(role.resident_bytes() for role in measured)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 _GIB = float(1 << 30)
 
@@ -68,12 +69,18 @@ class MemoryNeed:
         return sum(self.resident.get(tag, 0) for tag in tags)  # type: ignore[union-attr]
 
 
+@runtime_checkable
+class ReportsMemoryNeed(Protocol):
+    """A role that says what its phases need on the device (None: unknown)."""
+
+    def memory_need(self) -> MemoryNeed | None: ...
+
+
 def role_need(role: object) -> MemoryNeed | None:
     """The role's report (`memory_need()`), or None if it gives none."""
-    reader = getattr(role, "memory_need", None)
-    if reader is None:
+    if not isinstance(role, ReportsMemoryNeed):
         return None
-    need = reader()
+    need = role.memory_need()
     if need is not None and not isinstance(need, MemoryNeed):
         raise TypeError(
             f"{type(role).__name__}.memory_need() returned a {type(need).__name__}; "
@@ -192,12 +199,18 @@ class HostNeed:
         return sum(self.parts.values())
 
 
+@runtime_checkable
+class ReportsHostNeed(Protocol):
+    """A role that says what its offload needs in host memory (None: unknown)."""
+
+    def host_need(self) -> HostNeed | None: ...
+
+
 def role_host_need(role: object) -> HostNeed | None:
     """The role's report (`host_need()`), or None if it gives none."""
-    reader = getattr(role, "host_need", None)
-    if reader is None:
+    if not isinstance(role, ReportsHostNeed):
         return None
-    need = reader()
+    need = role.host_need()
     if need is not None and not isinstance(need, HostNeed):
         raise TypeError(
             f"{type(role).__name__}.host_need() returned a {type(need).__name__}; "

@@ -32,6 +32,12 @@ from contextlib import contextmanager
 
 import torch
 
+from yatt.placement._capabilities import (
+    InMemoryRegions,
+    MeasuresResidentBytes,
+    MemoryTagged,
+    ResizesWhileAwake,
+)
 from yatt.placement._fit import FitConfig, OffloadMode, WakeCall, make_default_meter, make_fit_books
 from yatt.placement._needs import (
     HostFit,
@@ -69,16 +75,21 @@ def _synchronize() -> None:
 
 def _rollout_weights(rollout: Role) -> PhaseEntry:
     """The sync phase needs only the engine's weights, if the engine can wake them alone."""
-    if "weights" in (getattr(rollout, "memory_tags", None) or ()):
+    if isinstance(rollout, MemoryTagged) and "weights" in (rollout.memory_tags or ()):
         return ("rollout", ("weights",))
     return "rollout"
+
+
+def _resizes_while_awake(role: Role) -> bool:
+    return isinstance(role, ResizesWhileAwake) and bool(role.resizes_while_awake)
 
 
 def _check_distinct_regions(roles: Mapping[str, Role]) -> None:
     """Two roles in one memory region would pause each other (regions sleep by name)."""
     owner: dict[str, str] = {}
     for name, role in roles.items():
-        for region_tag in getattr(role, "memory_regions", None) or ():
+        regions = role.memory_regions if isinstance(role, InMemoryRegions) else ()
+        for region_tag in regions or ():
             if region_tag in owner and roles[owner[region_tag]] is not role:
                 raise ValueError(
                     f"roles {owner[region_tag]!r} and {name!r} share the memory region "
@@ -251,7 +262,8 @@ class Plan:
         return cls(roles=roles, phases=phases, mode="separate", meter=meter)
 
     def _tags_of(self, role_name: str) -> tuple[str, ...]:
-        return tuple(getattr(self._roles[role_name], "memory_tags", None) or (_WHOLE,))
+        role = self._roles[role_name]
+        return tuple((role.memory_tags if isinstance(role, MemoryTagged) else None) or (_WHOLE,))
 
     def _parse_phase(self, phase: str, entries: Sequence[PhaseEntry]) -> dict[str, set[str]]:
         wanted: dict[str, set[str]] = {}
@@ -391,7 +403,7 @@ class Plan:
             for r in others
             if self._split is not None
             and self._split.has_moved(r)
-            and not getattr(self._roles[r], "resizes_while_awake", False)
+            and not _resizes_while_awake(self._roles[r])
         ]
         for role_name in moved:
             self._sleep(role_name)
@@ -462,9 +474,9 @@ class Plan:
         for role_name in self._roles:
             if not self._awake[role_name]:
                 continue
-            reader = getattr(self._roles[role_name], "resident_bytes", None)
-            if reader is not None:
-                holding += reader()
+            role = self._roles[role_name]
+            if isinstance(role, MeasuresResidentBytes):
+                holding += role.resident_bytes()
             elif role_name in needs:
                 holding += needs[role_name].resident_bytes(
                     self._awake[role_name] - {_WHOLE} or None
@@ -560,9 +572,9 @@ class Plan:
 
     def _role_bytes(self, role_name: str) -> int:
         """What an awake role holds: its own count if it keeps one, else as last measured."""
-        reader = getattr(self._roles[role_name], "resident_bytes", None)
-        if reader is not None:
-            return reader()
+        role = self._roles[role_name]
+        if isinstance(role, MeasuresResidentBytes):
+            return role.resident_bytes()
         return self._fit.role_bytes(role_name) or 0
 
     def _asleep_bytes(self, role_name: str) -> int:

@@ -16,7 +16,9 @@ do more with it:
 - `memory_regions`: the process-wide region tags its memory lives in. Regions are paused by
   name, so two roles sharing one would sleep each other: a plan refuses that at construction.
 
-The rollout and GenRM engines implement these themselves; `TrainerRole` and `RegionRole` adapt
+Each optional member is a protocol in `_capabilities` (MemoryTagged, MeasuresResidentBytes,
+ResizableMemory, ResizesWhileAwake, InMemoryRegions, ReportsMemoryNeed, ReportsHostNeed) that a
+plan checks with isinstance. The rollout and GenRM engines implement these themselves; `TrainerRole` and `RegionRole` adapt
 a trainer and region-allocated memory.
 """
 

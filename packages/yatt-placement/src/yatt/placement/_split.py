@@ -24,6 +24,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from yatt.placement._capabilities import ResizableMemory
+
 
 @dataclass(kw_only=True)
 class MemorySplit:
@@ -142,9 +144,9 @@ class SplitState:
 
     def apply(self) -> None:
         for name, share in self.shares().items():
-            setter = getattr(self._roles[name], "set_memory_fraction", None)
-            if setter is not None:
-                setter(share)
+            role = self._roles[name]
+            if isinstance(role, ResizableMemory):
+                role.set_memory_fraction(share)
 
     def update(self, rollout_pending_tokens: float, genrm_pending_tokens: float) -> float:
         self.rollout_fraction = next_rollout_fraction(

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from yatt.placement._fit import FitConfig
 from yatt.placement._needs import HostNeed, MemoryNeed
 
+__all__ = ["FakeDevice", "FakeOutOfMemory", "RecordingRole"]
+
 
 class FakeOutOfMemory(RuntimeError):
     """A wake or a phase's allocation that the FakeDevice could not hold."""

@@ -4,6 +4,7 @@ adapters (imported lazily: `import yatt.rollout` needs neither), and weight sync
 The built-in engine's modules live in `yatt.rollout.builtin`; its two public names are here too.
 """
 
+from yatt.rollout._capabilities import Abortable, AcceptsImages, SupportsLabelLogprobs
 from yatt.rollout._sglang import SGLangConfig, SGLangEngine
 from yatt.rollout._types import (
     DEFAULT_BUCKET_BYTES,
@@ -20,6 +21,8 @@ from yatt.rollout.builtin import BuiltinEngine, EngineConfig
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "Abortable",
+    "AcceptsImages",
     "BuiltinEngine",
     "Completion",
     "EngineConfig",
@@ -30,6 +33,7 @@ __all__ = [
     "SGLangConfig",
     "SGLangEngine",
     "SamplingParams",
+    "SupportsLabelLogprobs",
     "VLLMConfig",
     "VLLMEngine",
     "__version__",

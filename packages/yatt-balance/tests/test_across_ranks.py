@@ -9,7 +9,7 @@ import pytest
 
 from yatt.testing import run_ranks
 
-WORKER = Path(__file__).with_name("dist_worker.py")
+WORKER = Path(__file__).with_name("across_ranks_worker.py")
 
 
 @pytest.mark.parametrize("world_size", [2, 4], ids=["2-ranks", "4-ranks"])

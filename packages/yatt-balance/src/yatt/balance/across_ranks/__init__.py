@@ -5,8 +5,8 @@ The only public module that imports torch: `import yatt.balance` stays numpy-onl
 that the caller keeps in its own layout (e.g. padded tensors), so it assembles them once.
 """
 
-from yatt.balance.dist._plan import RebalancePlan, make_plan, partition_destination
-from yatt.balance.dist._rebalance import (
+from yatt.balance.across_ranks._plan import RebalancePlan, make_plan, partition_destination
+from yatt.balance.across_ranks._rebalance import (
     MovedRows,
     rebalance,
     rebalance_rows,

@@ -1,6 +1,6 @@
-"""One rank of the rebalance/restore checks; launched by test_dist.py and test_dist_cuda.py.
+"""One rank of the rebalance/restore checks; launched by test_across_ranks.py and test_across_ranks_cuda.py.
 
-    python dist_worker.py --backend gloo   (with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
+    python across_ranks_worker.py --backend gloo   (with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set)
 
 Exits non-zero (with the assertion's traceback) if any check fails on this rank.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from yatt.balance import imbalance, partition
-from yatt.balance.dist import (
+from yatt.balance.across_ranks import (
     MovedRows,
     RebalancePlan,
     partition_destination,

@@ -10,7 +10,7 @@ import torch
 
 from yatt.testing import run_ranks
 
-WORKER = Path(__file__).with_name("dist_worker.py")
+WORKER = Path(__file__).with_name("across_ranks_worker.py")
 
 pytestmark = [
     pytest.mark.cuda,

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from yatt.balance.dist._moves import place_with_few_moves
 from yatt.balance._partition import partition
+from yatt.balance.across_ranks._moves import place_with_few_moves
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -53,7 +53,7 @@ def make_plan(
     groups and equal_size), the best balance we know how to reach; the target is
     T = L* * (1 + tolerance). Candidate A starts from the current placement (nothing moves)
     and moves or swaps units (samples, or whole groups) from ranks above T to ranks below it
-    (dist/_moves.py) until every rank is within T; if that greedy stalls, it is run once more
+    (across_ranks/_moves.py) until every rank is within T; if that greedy stalls, it is run once more
     trying swaps before moves. Candidate B is the balanced partition itself, each part given
     to the rank already holding most of its volume. A is taken if its heaviest rank, summed
     exactly, is within T and it moves no more volume than B; otherwise B. So the plan is

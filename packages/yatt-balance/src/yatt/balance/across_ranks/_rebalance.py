@@ -22,8 +22,8 @@ import numpy as np
 import torch.distributed as dist
 
 from yatt.balance._checks import as_nonnegative_array
-from yatt.balance.dist._exchange import exchange
-from yatt.balance.dist._plan import RebalancePlan, make_plan
+from yatt.balance.across_ranks._exchange import exchange
+from yatt.balance.across_ranks._plan import RebalancePlan, make_plan
 
 # take(indices) -> the payload for those local rows (int64 indices, ascending).
 Take = Callable[[np.ndarray], Any]

@@ -1,0 +1,145 @@
+"""The public names of yatt.core and its public submodules, frozen: adding, renaming or removing
+one is a deliberate edit of PUBLIC_NAMES below (and of the README), never a side effect.
+
+A module's public names are its `__all__` (else every name in dir() without a leading "_").
+A new public submodule must be listed too.
+"""
+
+NUM_GPUS = 0
+
+import importlib
+import pkgutil
+
+import pytest
+
+PUBLIC_NAMES: dict[str, list[str]] = {
+    "yatt.core": [
+        "Batch",
+        "ClipRegions",
+        "DynamicSampler",
+        "EXPORT_MARKER",
+        "LR_SCHEDULES",
+        "LearningGuard",
+        "LossFn",
+        "MegatronPolicy",
+        "MegatronPolicyConfig",
+        "NoLearningError",
+        "OBJECTIVES",
+        "OLD_LOGPROBS_FROM",
+        "OverlongConfig",
+        "PartialGroup",
+        "PartialRollouts",
+        "PartialSample",
+        "PolicyBackend",
+        "PolicyLoss",
+        "ROLLOUT_CORRECTIONS",
+        "ROLLOUT_TOKEN_KEYS",
+        "ROW_INDEX_KEY",
+        "RunLog",
+        "Runtime",
+        "ShardedLoader",
+        "TorchPolicy",
+        "TorchPolicyConfig",
+        "UnfilledBatchError",
+        "VISION_INPUTS_KEY",
+        "VisionInputError",
+        "VisionInputs",
+        "__version__",
+        "aggregate",
+        "broadcast_to_tp_peers",
+        "build_policy",
+        "check_export_dir",
+        "check_partial_resumption",
+        "check_wandb",
+        "choose_max_tokens",
+        "coerce_value",
+        "compute_cispo_policy_loss",
+        "compute_clipped_policy_loss",
+        "compute_entropy",
+        "compute_grpo_advantages",
+        "compute_gspo_policy_loss",
+        "compute_gspo_token_policy_loss",
+        "compute_kl",
+        "compute_lr",
+        "compute_mismatch_kl",
+        "compute_overlong_penalty",
+        "compute_rollout_weights",
+        "compute_token_logprobs",
+        "compute_truncation_metrics",
+        "config_from_dict",
+        "count_units",
+        "describe_config",
+        "encode_vision_prompt",
+        "engine_old_logprobs",
+        "estimate_activation_bytes",
+        "export_hf",
+        "export_hf_from_checkpoint",
+        "image_patches_of",
+        "init_runtime",
+        "load_image_processor",
+        "logprobs_in_head",
+        "mask_groups_with_reward_variance",
+        "mask_truncated_responses",
+        "merge_step_metrics",
+        "policy_config_from_dict",
+        "reduce_metrics",
+        "resolve_model_dir",
+        "rollout_batch",
+        "rollout_samples",
+        "sample_dynamically",
+        "set_seed",
+        "split_mini_batches",
+        "sum_over_units",
+        "supports_head_logprobs",
+    ],
+    "yatt.core.megatron": [
+        "FAMILIES",
+        "GPTLayout",
+        "MegatronPolicy",
+        "MegatronPolicyConfig",
+        "export_hf_weights",
+        "gpt_model_kwargs",
+        "hf_to_megatron",
+        "layout_from_hf_config",
+        "megatron_to_hf",
+        "padded_vocab_size",
+        "tp_gather",
+        "tp_split",
+        "transformer_config_kwargs",
+    ],
+}
+
+
+def _public_names(module) -> list[str]:
+    names = getattr(module, "__all__", None)
+    if names is None:
+        names = [n for n in dir(module) if not n.startswith("_")]
+    return sorted(names)
+
+
+def _how_to_fix(what: str) -> str:
+    return f"{what}; if that is deliberate, edit PUBLIC_NAMES in {__file__} to match"
+
+
+@pytest.mark.parametrize("module_name", sorted(PUBLIC_NAMES))
+def test_public_names_are_frozen(module_name):
+    module = importlib.import_module(module_name)
+    got, frozen = set(_public_names(module)), set(PUBLIC_NAMES[module_name])
+    added, removed = sorted(got - frozen), sorted(frozen - got)
+    assert not (added or removed), _how_to_fix(
+        f"{module_name}'s public names changed: new {added}, gone {removed}"
+    )
+    missing = sorted(n for n in got if not hasattr(module, n))
+    assert not missing, f"{module_name}.__all__ lists {missing}, which it does not define"
+
+
+def test_every_public_submodule_is_frozen():
+    top = importlib.import_module("yatt.core")
+    found = {"yatt.core"}
+    for info in pkgutil.walk_packages(top.__path__, "yatt.core."):
+        if not any(part.startswith("_") for part in info.name.split(".")):
+            found.add(info.name)
+    unlisted, gone = sorted(found - set(PUBLIC_NAMES)), sorted(set(PUBLIC_NAMES) - found)
+    assert not (unlisted or gone), _how_to_fix(
+        f"public modules not in PUBLIC_NAMES: {unlisted}; listed but gone: {gone}"
+    )
