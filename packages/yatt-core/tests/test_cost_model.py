@@ -9,7 +9,7 @@ from transformers import GPT2Config, LlamaConfig, Qwen2VLConfig
 
 from yatt.balance import flops_cost
 from yatt.core import TorchPolicy, TorchPolicyConfig
-from yatt.core._cost_model import (
+from yatt.core.cost._cost_model import (
     estimate_flops_costs,
     estimate_megatron_memory,
     flops_shape,
@@ -120,7 +120,7 @@ def test_micro_batches_are_packed_by_the_policy_costs(tiny_model_dir, monkeypatc
 
 
 def test_a_config_without_a_shape_weighs_by_tokens_and_says_so(tiny_model_dir, caplog, monkeypatch):
-    import yatt.core._torch_policy as torch_policy
+    import yatt.core.policy._torch_policy as torch_policy
 
     monkeypatch.setattr(torch_policy, "flops_shape_from_hf_config", lambda *a, **k: None)
     with caplog.at_level(logging.WARNING, logger="yatt.core"):

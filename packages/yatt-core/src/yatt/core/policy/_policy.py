@@ -13,8 +13,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from yatt.core._batch import Batch
-from yatt.core._optimization import LRSchedule, check_optimizer_fields
+from yatt.core.data._batch import Batch
+from yatt.core.policy._optimization import LRSchedule, check_optimizer_fields
 
 Parallel = Literal["ddp", "fsdp2", "none"]
 PARALLEL_MODES: tuple[str, ...] = ("ddp", "fsdp2", "none")

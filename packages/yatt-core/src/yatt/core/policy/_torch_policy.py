@@ -1,6 +1,6 @@
 """`TorchPolicy`: a Hugging Face causal LM under DDP or FSDP2, as a policy backend.
 
-The train step and the logprobs pass are yatt.core._train_step's, shared with MegatronPolicy;
+The train step and the logprobs pass are yatt.core.policy._train_step's, shared with MegatronPolicy;
 this module gives them their hooks:
 
     plan_micro_batches     pack by estimate_costs (same count on every DP rank: FSDP2
@@ -29,23 +29,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from yatt.core._batch import Batch
-from yatt.core._cost_model import (
+from yatt.core._vision_cost import estimate_vision_costs, vision_flops_shape
+from yatt.core._vision_forward import VisionLanguage, is_vision_language_config
+from yatt.core._vision_inputs import VISION_INPUTS_KEY
+from yatt.core.cost._cost_model import (
     estimate_flops_costs,
     flops_shape_from_hf_config,
     has_gated_mlp,
     warn_without_shape,
 )
-from yatt.core._head_logprobs import CHUNK_ELEMENTS, logprobs_in_head, supports_head_logprobs
-from yatt.core._logits import compute_entropy, compute_token_logprobs
-from yatt.core._micro_batches import check_context, plan_micro_batches
-from yatt.core._optimization import make_lr_schedule
-from yatt.core._policy import DTYPES, LossFn, TorchPolicyConfig
-from yatt.core._runtime import Runtime
-from yatt.core._train_step import StepCounts, compute_logprobs, run_train_step
-from yatt.core._vision_cost import estimate_vision_costs, vision_flops_shape
-from yatt.core._vision_forward import VisionLanguage, is_vision_language_config
-from yatt.core._vision_inputs import VISION_INPUTS_KEY
+from yatt.core.data._batch import Batch
+from yatt.core.data._micro_batches import check_context, plan_micro_batches
+from yatt.core.policy._head_logprobs import CHUNK_ELEMENTS, logprobs_in_head, supports_head_logprobs
+from yatt.core.policy._logits import compute_entropy, compute_token_logprobs
+from yatt.core.policy._optimization import make_lr_schedule
+from yatt.core.policy._policy import DTYPES, LossFn, TorchPolicyConfig
+from yatt.core.policy._train_step import StepCounts, compute_logprobs, run_train_step
+from yatt.core.runtime._runtime import Runtime
 from yatt.placement import (
     HostNeed,
     MemoryNeed,
@@ -224,7 +224,7 @@ class TorchPolicy:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self._compute_dtype)
 
-    # -- the train-step skeleton's hooks (yatt.core._train_step.StepBackend) ------------------
+    # -- the train-step skeleton's hooks (yatt.core.policy._train_step.StepBackend) -----------
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -357,7 +357,7 @@ class TorchPolicy:
         return compute_logprobs(self, batch)
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over this rank's batch (yatt.core._train_step); collective.
+        """One optimizer step over this rank's batch (yatt.core.policy._train_step); collective.
 
         Returns globally reduced metrics: "loss" (mean over units), each loss metric averaged
         over loss tokens, "grad_norm", "lr", "num_micro_batches", "num_loss_tokens",
@@ -623,7 +623,7 @@ def estimate_activation_bytes(
     is_head_logprobs: bool = True,
 ) -> int:
     """Bytes a train step's forward keeps for backward for a micro-batch of `num_tokens`
-    padded tokens, for a model of `shape` (the cost model's: yatt.core._cost_model's
+    padded tokens, for a model of `shape` (the cost model's: yatt.core.cost._cost_model's
     flops_shape keys). See the memory model above."""
     per_token, fixed = _activation_bytes_per_token(
         shape, is_checkpointed=is_checkpointed, is_head_logprobs=is_head_logprobs

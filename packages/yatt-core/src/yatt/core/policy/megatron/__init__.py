@@ -4,7 +4,7 @@ Importing this package needs no megatron-core: the config translation and the HF
 weight mapping are plain torch. `MegatronPolicy` imports megatron-core when it is built.
 """
 
-from yatt.core.megatron._config import (
+from yatt.core.policy.megatron._config import (
     FAMILIES,
     GPTLayout,
     gpt_model_kwargs,
@@ -12,9 +12,9 @@ from yatt.core.megatron._config import (
     padded_vocab_size,
     transformer_config_kwargs,
 )
-from yatt.core.megatron._policy import MegatronPolicy
-from yatt.core.megatron._policy_config import MegatronPolicyConfig
-from yatt.core.megatron._weights import (
+from yatt.core.policy.megatron._policy import MegatronPolicy
+from yatt.core.policy.megatron._policy_config import MegatronPolicyConfig
+from yatt.core.policy.megatron._weights import (
     export_hf_weights,
     hf_to_megatron,
     megatron_to_hf,
