@@ -222,6 +222,10 @@ def policy_vs_torch(model_dir: str) -> dict:
         torch_weights = {n: p.detach().clone() for n, p in reference.module.named_parameters()}
         cost_lengths = [5, 40, 300]
         costs = (policy.estimate_costs(cost_lengths), reference.estimate_costs(cost_lengths))
+        batch_costs = (
+            policy.estimate_batch_costs(batch),
+            reference.estimate_costs(batch.lengths.tolist()),
+        )
     return {
         "losses": losses,
         "is_head_logprobs": is_head,
@@ -230,6 +234,7 @@ def policy_vs_torch(model_dir: str) -> dict:
         "skipped": skipped,
         "model_config": policy.model_config.to_dict(),
         "costs": costs,
+        "batch_costs": batch_costs,
         "resident_bytes": policy.resident_bytes(),
         "param_bytes": sum(
             p.numel() * p.element_size() for c in policy.chunks for p in c.model.parameters()

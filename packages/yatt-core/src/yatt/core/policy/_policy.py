@@ -62,6 +62,12 @@ class PolicyBackend(Protocol):
         and what to pass to Batch.rebalance(costs=...) so ranks are balanced alike."""
         ...
 
+    def estimate_batch_costs(self, batch: Batch) -> list[float]:
+        """Relative compute of each of this batch's samples, read from the batch itself: its
+        tokens and, for a model that takes images, its images. What to pass to
+        Batch.rebalance(costs=...) and split_mini_batches(costs=...), with or without images."""
+        ...
+
     def state(self) -> dict[str, Any]:
         """{"model": module, "optimizer": optimizer} for torch.distributed.checkpoint."""
         ...

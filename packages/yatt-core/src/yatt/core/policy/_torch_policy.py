@@ -208,6 +208,16 @@ class TorchPolicy:
         vision = estimate_vision_costs(image_patches, self._vision_cost_shape)
         return [text + image for text, image in zip(costs, vision, strict=True)]
 
+    def estimate_batch_costs(self, batch: Batch) -> list[float]:
+        """`estimate_costs` of this batch's samples, their images included for a
+        vision-language model (read from meta[VISION_INPUTS_KEY]): what micro-batch packing
+        weighs, so `Batch.rebalance(costs=...)` and `split_mini_batches(costs=...)` weigh
+        alike without the caller knowing whether the model takes images."""
+        lengths = batch.lengths.tolist()
+        if self._vision is None:
+            return self.estimate_costs(lengths)
+        return self.estimate_costs(lengths, image_patches=image_patches_of(batch))
+
     @property
     def is_vision_language(self) -> bool:
         """Whether the model takes images (samples' meta[VISION_INPUTS_KEY])."""
@@ -238,12 +248,8 @@ class TorchPolicy:
         """
         lengths = batch.lengths.tolist()
         check_context(lengths, self.max_context_tokens)
-        if self._vision is None:
-            costs, extra_tokens = self.estimate_costs(lengths), None
-        else:
-            image_patches = image_patches_of(batch)
-            costs = self.estimate_costs(lengths, image_patches=image_patches)
-            extra_tokens = [sum(patches) for patches in image_patches]
+        costs = self.estimate_batch_costs(batch)
+        extra_tokens = None if self._vision is None else [sum(p) for p in image_patches_of(batch)]
         return plan_micro_batches(
             costs,
             lengths,

@@ -198,6 +198,10 @@ class MegatronPolicy:
         pass it to `Batch.rebalance(costs=...)`."""
         return estimate_flops_costs(lengths, self._cost_shape, cp_size=self.config.cp_size)
 
+    def estimate_batch_costs(self, batch: Batch) -> list[float]:
+        """`estimate_costs` of this batch's samples (a GPT model: its tokens are its cost)."""
+        return self.estimate_costs(batch.lengths.tolist())
+
     @property
     def max_context_tokens(self) -> int:
         return self.layout.max_position_embeddings
