@@ -89,7 +89,7 @@ def run_policy_step(policy: TorchPolicy, batch: Batch, loss_fn: PolicyLoss) -> d
 
 
 def scenario_policy(rt, out: dict, *, model_dir: str, runs: list) -> None:
-    import yatt.core._head_logprobs as head_logprobs
+    import yatt.core.policy._head_logprobs as head_logprobs
 
     # Logprobs in the head, several chunks per micro-batch: DDP and FSDP2 must see the head
     # weight's gradient once, summed over the chunks' recomputes.

@@ -2,14 +2,15 @@
 TorchPolicy.estimate_costs as the one weight of micro-batch packing and rank balancing."""
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig, Qwen2VLConfig
 
 from yatt.balance import flops_cost
-from yatt.core import TorchPolicy, TorchPolicyConfig
-from yatt.core._cost_model import (
+from yatt.core import VISION_INPUTS_KEY, TorchPolicy, TorchPolicyConfig
+from yatt.core.cost._cost_model import (
     estimate_flops_costs,
     estimate_megatron_memory,
     flops_shape,
@@ -18,6 +19,8 @@ from yatt.core._cost_model import (
 )
 
 NUM_GPUS = 0
+
+VLM_WORKERS = Path(__file__).with_name("_vlm_workers.py")
 
 
 @pytest.mark.parametrize(
@@ -119,8 +122,60 @@ def test_micro_batches_are_packed_by_the_policy_costs(tiny_model_dir, monkeypatc
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
 
 
+def test_batch_costs_are_the_costs_of_its_samples_lengths(tiny_model_dir):
+    from yatt.core import Batch
+
+    policy = TorchPolicy(TorchPolicyConfig(model_dir=tiny_model_dir, parallel="none"))
+    lengths = [7, 2, 40, 2, 13]  # right-padded to 40 in the batch: padding is no cost
+    batch = Batch.from_samples([{"input_ids": torch.arange(n)} for n in lengths])
+    c = policy.model_config
+    expected = flops_cost(
+        lengths,
+        hidden_size=c.hidden_size,
+        num_layers=c.num_hidden_layers,
+        ffn_hidden_size=c.intermediate_size,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        vocab_size=c.vocab_size,
+        is_gated_mlp=True,
+    )
+    assert policy.estimate_batch_costs(batch) == expected.tolist()
+
+
+def test_a_vision_language_policy_costs_the_images_its_batch_holds(tmp_path):
+    # The trainer passes the batch alone; the policy finds the images (or none) in it.
+    import importlib.util
+
+    from yatt.testing import make_tiny_vlm
+
+    spec = importlib.util.spec_from_file_location("_vlm_workers", VLM_WORKERS)
+    workers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(workers)
+    make_tiny_vlm(tmp_path, arch="qwen2_vl")
+    policy = TorchPolicy(workers.policy_config(str(tmp_path), "none", 10_000))
+    batch = workers.make_global_batch(str(tmp_path))
+    lengths = batch.lengths.tolist()
+    # Each image's patches, straight from its (t, h, w) grid.
+    patches = [
+        [] if v is None else [int(t * h * w) for t, h, w in v.image_grid_thw.tolist()]
+        for v in batch[VISION_INPUTS_KEY]
+    ]
+    assert any(patches) and not all(patches)
+    costs = policy.estimate_batch_costs(batch)
+    assert costs == policy.estimate_costs(lengths, image_patches=patches)
+    text = policy.estimate_costs(lengths)
+    for cost, text_cost, images in zip(costs, text, patches, strict=True):
+        assert (cost > text_cost) if images else (cost == text_cost)
+    # A text-only batch (no vision field at all) costs its tokens.
+    text_batch = workers.make_global_batch(str(tmp_path), images_per_prompt=(0, 0))
+    assert VISION_INPUTS_KEY not in text_batch
+    assert policy.estimate_batch_costs(text_batch) == policy.estimate_costs(
+        text_batch.lengths.tolist()
+    )
+
+
 def test_a_config_without_a_shape_weighs_by_tokens_and_says_so(tiny_model_dir, caplog, monkeypatch):
-    import yatt.core._torch_policy as torch_policy
+    import yatt.core.policy._torch_policy as torch_policy
 
     monkeypatch.setattr(torch_policy, "flops_shape_from_hf_config", lambda *a, **k: None)
     with caplog.at_level(logging.WARNING, logger="yatt.core"):

@@ -22,8 +22,8 @@ from yatt.core import (
     export_hf,
     export_hf_from_checkpoint,
 )
-from yatt.core import _export as export_module
-from yatt.core._export import EXPORT_MARKER, check_export_dir
+from yatt.core.policy import _export as export_module
+from yatt.core.policy._export import EXPORT_MARKER, check_export_dir
 
 WORKERS = Path(__file__).with_name("_export_workers.py")
 _spec = importlib.util.spec_from_file_location("_export_workers", WORKERS)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from yatt.core import compute_entropy, compute_token_logprobs
-from yatt.core._head_logprobs import logprobs_in_head, supports_head_logprobs
+from yatt.core.policy._head_logprobs import logprobs_in_head, supports_head_logprobs
 from yatt.testing import make_tiny_causal_lm
 
 NUM_GPUS = 0

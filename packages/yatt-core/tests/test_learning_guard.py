@@ -6,7 +6,7 @@ import types
 import pytest
 
 from yatt.core import Batch, LearningGuard, NoLearningError, PolicyLoss, sample_dynamically
-from yatt.core._train_step import StepCounts, run_train_step
+from yatt.core.policy._train_step import StepCounts, run_train_step
 
 NUM_GPUS = 0
 

@@ -10,7 +10,7 @@ import tracemalloc
 import pytest
 
 from yatt.core import ShardedLoader
-from yatt.core._loader import OTHER_REASONS, SKIP_CAUSES
+from yatt.core.data._loader import OTHER_REASONS, SKIP_CAUSES
 
 Image = pytest.importorskip("PIL.Image")
 

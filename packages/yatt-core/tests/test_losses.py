@@ -15,7 +15,7 @@ from yatt.core import (
     count_units,
     sum_over_units,
 )
-from yatt.core._losses import AGGREGATIONS
+from yatt.core.rl._losses import AGGREGATIONS
 
 NUM_GPUS = 0
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from yatt.core import Batch, PolicyLoss, merge_step_metrics, split_mini_batches
-from yatt.core._train_step import StepCounts, compute_logprobs, run_train_step
+from yatt.core.policy._train_step import StepCounts, compute_logprobs, run_train_step
 
 NUM_GPUS = 0
 VOCAB = 6

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from yatt.core._repeated_log import RepeatedWarning
+from yatt.core.runtime._repeated_log import RepeatedWarning
 
 NUM_GPUS = 0
 

@@ -124,7 +124,7 @@ def test_on_policy_loss_skips_the_old_logprob_pass_with_the_same_step(tiny_model
 
 
 def test_policy_step_is_the_same_through_the_head_or_the_logits(tiny_model_dir, monkeypatch):
-    import yatt.core._head_logprobs as head_logprobs
+    import yatt.core.policy._head_logprobs as head_logprobs
 
     monkeypatch.setattr(head_logprobs, "CHUNK_ELEMENTS", 2048)  # several chunks per micro-batch
     config = _config(tiny_model_dir, max_tokens_per_microbatch=13, temperature=0.8)

@@ -1,4 +1,4 @@
-"""The shared train step (yatt.core._train_step) through a fake backend of its hooks: a
+"""The shared train step (yatt.core.policy._train_step) through a fake backend of its hooks: a
 "model" that is one logit vector, so the full-batch gradient has a closed form. Checks the
 loss normalisation against it whatever the micro-batching, dummy micro-batches, both skips,
 the metrics' keys, the logprobs pass, and that both real backends provide every hook."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from yatt.core import Batch, MegatronPolicy, PolicyLoss, TorchPolicy
-from yatt.core._train_step import StepBackend, StepCounts, compute_logprobs, run_train_step
+from yatt.core.policy._train_step import StepBackend, StepCounts, compute_logprobs, run_train_step
 
 NUM_GPUS = 0
 VOCAB = 7

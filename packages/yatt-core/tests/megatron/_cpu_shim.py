@@ -56,8 +56,8 @@ def install_for_policy() -> None:
     import megatron.core.tensor_parallel as tensor_parallel
     import megatron.core.utils as utils
 
-    import yatt.core.megatron._model as model_builder
-    import yatt.core.megatron._policy as policy
+    import yatt.core.policy.megatron._model as model_builder
+    import yatt.core.policy.megatron._policy as policy
 
     install()
     # Gloo matches point-to-point messages by (peer, tag): at pp=2 the interleaved schedule's

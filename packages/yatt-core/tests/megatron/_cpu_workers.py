@@ -30,9 +30,9 @@ def _setup(tp_size: int):
 
 
 def shapes(arch: str) -> dict:
-    from yatt.core.megatron._config import layout_from_hf_config, padded_vocab_size
-    from yatt.core.megatron._model import build_gpt_model
-    from yatt.core.megatron._weights import megatron_shapes
+    from yatt.core.policy.megatron._config import layout_from_hf_config, padded_vocab_size
+    from yatt.core.policy.megatron._model import build_gpt_model
+    from yatt.core.policy.megatron._weights import megatron_shapes
     from yatt.testing import make_tiny_causal_lm
 
     tp = dist.get_world_size()
@@ -62,14 +62,14 @@ def parity(arch: str, model_dir: str, attention: str, temperature: float) -> dic
     del arch  # the key of the result
     from transformers import AutoModelForCausalLM
 
-    from yatt.core._logits import compute_entropy, compute_token_logprobs
-    from yatt.core.megatron._config import layout_from_hf_config, padded_vocab_size
-    from yatt.core.megatron._model import build_gpt_model, load_hf_weights
-    from yatt.core.megatron._vocab_parallel import (
+    from yatt.core.policy._logits import compute_entropy, compute_token_logprobs
+    from yatt.core.policy.megatron._config import layout_from_hf_config, padded_vocab_size
+    from yatt.core.policy.megatron._model import build_gpt_model, load_hf_weights
+    from yatt.core.policy.megatron._vocab_parallel import (
         compute_vocab_parallel_entropy,
         compute_vocab_parallel_logprobs,
     )
-    from yatt.core.megatron._weights import export_hf_weights
+    from yatt.core.policy.megatron._weights import export_hf_weights
 
     tp = dist.get_world_size()
     tp_rank = _setup(tp)
@@ -160,7 +160,7 @@ def policy_vs_torch(model_dir: str) -> dict:
     from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
 
     _cpu_shim.install_for_policy()
-    import yatt.core._head_logprobs as head_logprobs  # the chunking both backends use
+    import yatt.core.policy._head_logprobs as head_logprobs  # the chunking both backends use
 
     # Chunks of a few hundred logits: every micro-batch runs several (collectives in each).
     head_logprobs.CHUNK_ELEMENTS = 2048
@@ -222,6 +222,10 @@ def policy_vs_torch(model_dir: str) -> dict:
         torch_weights = {n: p.detach().clone() for n, p in reference.module.named_parameters()}
         cost_lengths = [5, 40, 300]
         costs = (policy.estimate_costs(cost_lengths), reference.estimate_costs(cost_lengths))
+        batch_costs = (
+            policy.estimate_batch_costs(batch),
+            reference.estimate_costs(batch.lengths.tolist()),
+        )
     return {
         "losses": losses,
         "is_head_logprobs": is_head,
@@ -230,6 +234,7 @@ def policy_vs_torch(model_dir: str) -> dict:
         "skipped": skipped,
         "model_config": policy.model_config.to_dict(),
         "costs": costs,
+        "batch_costs": batch_costs,
         "resident_bytes": policy.resident_bytes(),
         "param_bytes": sum(
             p.numel() * p.element_size() for c in policy.chunks for p in c.model.parameters()
@@ -280,7 +285,7 @@ def _one_layout(model_dir: str, batch, **sizes) -> dict:
 
     from yatt.core import PolicyLoss, init_runtime
     from yatt.core.megatron import MegatronPolicy
-    from yatt.core.megatron._weights import global_layer_name
+    from yatt.core.policy.megatron._weights import global_layer_name
 
     config = _float32_config(model_dir, **sizes)
     loss_fn = PolicyLoss(entropy_coef=0.01)
@@ -382,7 +387,7 @@ def layouts(model_dir: str, cases: list) -> dict:
     this world; a layout with fewer model-parallel ranks than the world runs data parallel on
     the same batch (the same mean loss and gradient as one rank)."""
     _cpu_shim.install_for_policy()
-    import yatt.core._head_logprobs as head_logprobs
+    import yatt.core.policy._head_logprobs as head_logprobs
 
     head_logprobs.CHUNK_ELEMENTS = 2048
     batch = _rl_batch()

@@ -70,7 +70,7 @@ def test_megatron_on_a_cpu_runtime_fails_before_importing_megatron(tiny_model_di
 
 
 def test_missing_megatron_core_is_a_clear_import_error(tiny_model_dir, cpu_runtime, monkeypatch):
-    import yatt.core.megatron._policy as megatron_policy
+    import yatt.core.policy.megatron._policy as megatron_policy
 
     monkeypatch.setattr(megatron_policy, "_require_cuda", lambda device: None)
     for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:

@@ -1,13 +1,13 @@
 NUM_GPUS = 0
 
-"""The context-parallel split and attention (yatt.core.megatron._context_parallel) in one
+"""The context-parallel split and attention (yatt.core.policy.megatron._context_parallel) in one
 process: the load-balanced chunks against Megatron's published rule, their inverse, and each
 rank's attention against full causal attention. Plain torch (no megatron-core)."""
 
 import pytest
 import torch
 
-from yatt.core.megatron._context_parallel import (
+from yatt.core.policy.megatron._context_parallel import (
     cp_attention,
     cp_chunks,
     split_for_cp,

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from yatt.core.megatron import MegatronPolicyConfig
-from yatt.core.megatron._config import (
+from yatt.core.policy.megatron._config import (
     gpt_model_kwargs,
     layout_from_hf_config,
     padded_vocab_size,
@@ -154,7 +154,7 @@ def test_parallel_sizes_that_do_not_split_the_model_raise_before_it_loads(tmp_pa
 
 
 def test_model_parallel_size_and_world_checks(tmp_path):
-    from yatt.core.megatron._parallel import _init_megatron_parallel, megatron_rank_order
+    from yatt.core.policy.megatron._parallel import _init_megatron_parallel, megatron_rank_order
 
     _config("Qwen2Config").save_pretrained(tmp_path)
     config = MegatronPolicyConfig(model_dir=str(tmp_path), tp_size=2, pp_size=2, cp_size=2)

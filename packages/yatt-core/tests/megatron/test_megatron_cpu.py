@@ -82,5 +82,7 @@ def test_policy_train_steps_and_weights_equal_torch_policy(megatron_cpu_results)
         # Both backends weigh a sample alike (packing and rank balancing use estimate_costs).
         megatron_costs, torch_costs = p["costs"]
         assert megatron_costs == torch_costs and megatron_costs[2] > 60 * megatron_costs[0]
+        # A batch's costs are its samples' lengths' (a GPT model's tokens), as TorchPolicy's.
+        assert p["batch_costs"][0] == p["batch_costs"][1]
         # resident_bytes counts each parameter storage once (shared DDP buffers, padding aside).
         assert p["param_bytes"] <= p["resident_bytes"] < 1.5 * p["param_bytes"]

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from yatt.core.megatron._state import MegatronOptimizerState, layout_key, parse_layout_key
+from yatt.core.policy.megatron._state import MegatronOptimizerState, layout_key, parse_layout_key
 
 LAYOUT = {"tp_size": 1, "pp_size": 2, "virtual_pp_size": 1, "cp_size": 1, "dp_size": 1}
 

@@ -5,8 +5,8 @@ NUM_GPUS = 0
 import pytest
 import torch
 
-from yatt.core.megatron._config import layout_from_hf_config, padded_vocab_size
-from yatt.core.megatron._weights import (
+from yatt.core.policy.megatron._config import layout_from_hf_config, padded_vocab_size
+from yatt.core.policy.megatron._weights import (
     global_layer_name,
     hf_to_megatron,
     megatron_names,

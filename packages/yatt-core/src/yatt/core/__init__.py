@@ -1,68 +1,12 @@
 """The parallel controller for RL post-training: every data-parallel rank runs the same loop.
 
-Runtime and process groups, sharded prompt data, batches, GRPO/DAPO math and policy backends.
+Its code lives in families, each a folder that imports only the ones below it (never this
+package): runtime (process groups, config, metrics, logs) and cost (the cost model) at the
+bottom, then vision, data (sources, loader, batches), rl (advantages, losses, sampling,
+rollout samples) and policy (the protocol, the train step, the torch and megatron backends).
+Users import from here (and `yatt.core.megatron`); the modules under the families are private.
 """
 
-from yatt.core._advantages import compute_grpo_advantages, mask_groups_with_reward_variance
-from yatt.core._backends import broadcast_to_tp_peers, build_policy, policy_config_from_dict
-from yatt.core._batch import Batch
-from yatt.core._config import coerce_value, config_from_dict, describe_config
-from yatt.core._export import EXPORT_MARKER, check_export_dir, export_hf, export_hf_from_checkpoint
-from yatt.core._head_logprobs import logprobs_in_head, supports_head_logprobs
-from yatt.core._learning_guard import LearningGuard, NoLearningError
-from yatt.core._loader import ROW_INDEX_KEY, ShardedLoader
-from yatt.core._logits import compute_entropy, compute_token_logprobs
-from yatt.core._losses import (
-    OBJECTIVES,
-    OLD_LOGPROBS_FROM,
-    PolicyLoss,
-    aggregate,
-    compute_kl,
-    count_units,
-    sum_over_units,
-)
-from yatt.core._metrics import reduce_metrics
-from yatt.core._mini_batches import split_mini_batches
-from yatt.core._model_paths import resolve_model_dir
-from yatt.core._optimization import LR_SCHEDULES, compute_lr
-from yatt.core._overlong import (
-    OverlongConfig,
-    compute_overlong_penalty,
-    compute_truncation_metrics,
-    mask_truncated_responses,
-)
-from yatt.core._partial_rollouts import (
-    PartialGroup,
-    PartialRollouts,
-    PartialSample,
-    check_partial_resumption,
-)
-from yatt.core._policy import LossFn, PolicyBackend, TorchPolicyConfig
-from yatt.core._rollout_correction import (
-    ROLLOUT_CORRECTIONS,
-    compute_mismatch_kl,
-    compute_rollout_weights,
-    engine_old_logprobs,
-)
-from yatt.core._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
-from yatt.core._run_log import RunLog, check_wandb
-from yatt.core._runtime import Runtime, init_runtime, set_seed
-from yatt.core._sampler import DynamicSampler, UnfilledBatchError
-from yatt.core._sampling import sample_dynamically
-from yatt.core._surrogates import (
-    ClipRegions,
-    compute_cispo_policy_loss,
-    compute_clipped_policy_loss,
-    compute_gspo_policy_loss,
-    compute_gspo_token_policy_loss,
-)
-from yatt.core._torch_policy import (
-    TorchPolicy,
-    choose_max_tokens,
-    estimate_activation_bytes,
-    image_patches_of,
-)
-from yatt.core._train_step import merge_step_metrics
 from yatt.core._version import __version__
 from yatt.core._vision_inputs import (
     VISION_INPUTS_KEY,
@@ -71,7 +15,72 @@ from yatt.core._vision_inputs import (
     encode_vision_prompt,
     load_image_processor,
 )
+from yatt.core.data._batch import Batch
+from yatt.core.data._loader import ROW_INDEX_KEY, ShardedLoader
+from yatt.core.data._mini_batches import split_mini_batches
+from yatt.core.data._model_paths import resolve_model_dir
 from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
+from yatt.core.policy._backends import broadcast_to_tp_peers, build_policy, policy_config_from_dict
+from yatt.core.policy._export import (
+    EXPORT_MARKER,
+    check_export_dir,
+    export_hf,
+    export_hf_from_checkpoint,
+)
+from yatt.core.policy._head_logprobs import logprobs_in_head, supports_head_logprobs
+from yatt.core.policy._logits import compute_entropy, compute_token_logprobs
+from yatt.core.policy._optimization import LR_SCHEDULES, compute_lr
+from yatt.core.policy._policy import LossFn, PolicyBackend, TorchPolicyConfig
+from yatt.core.policy._torch_policy import (
+    TorchPolicy,
+    choose_max_tokens,
+    estimate_activation_bytes,
+    image_patches_of,
+)
+from yatt.core.policy._train_step import merge_step_metrics
+from yatt.core.rl._advantages import compute_grpo_advantages, mask_groups_with_reward_variance
+from yatt.core.rl._losses import (
+    OBJECTIVES,
+    OLD_LOGPROBS_FROM,
+    PolicyLoss,
+    aggregate,
+    compute_kl,
+    count_units,
+    sum_over_units,
+)
+from yatt.core.rl._overlong import (
+    OverlongConfig,
+    compute_overlong_penalty,
+    compute_truncation_metrics,
+    mask_truncated_responses,
+)
+from yatt.core.rl._partial_rollouts import (
+    PartialGroup,
+    PartialRollouts,
+    PartialSample,
+    check_partial_resumption,
+)
+from yatt.core.rl._rollout_correction import (
+    ROLLOUT_CORRECTIONS,
+    compute_mismatch_kl,
+    compute_rollout_weights,
+    engine_old_logprobs,
+)
+from yatt.core.rl._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
+from yatt.core.rl._sampler import DynamicSampler, UnfilledBatchError
+from yatt.core.rl._sampling import sample_dynamically
+from yatt.core.rl._surrogates import (
+    ClipRegions,
+    compute_cispo_policy_loss,
+    compute_clipped_policy_loss,
+    compute_gspo_policy_loss,
+    compute_gspo_token_policy_loss,
+)
+from yatt.core.runtime._config import coerce_value, config_from_dict, describe_config
+from yatt.core.runtime._learning_guard import LearningGuard, NoLearningError
+from yatt.core.runtime._metrics import reduce_metrics
+from yatt.core.runtime._run_log import RunLog, check_wandb
+from yatt.core.runtime._runtime import Runtime, init_runtime, set_seed
 
 __all__ = [
     "EXPORT_MARKER",

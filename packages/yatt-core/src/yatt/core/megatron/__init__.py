@@ -1,25 +1,23 @@
-"""The Megatron-Core policy backend (`pip install yatt-core[megatron]`).
+"""The Megatron-Core policy backend (`pip install yatt-core[megatron]`): its public path.
 
-Importing this package needs no megatron-core: the config translation and the HF <-> Megatron
-weight mapping are plain torch. `MegatronPolicy` imports megatron-core when it is built.
+The backend lives in the policy family, beside the torch one (yatt.core.policy.megatron); this
+package re-exports its public names, so `yatt.core.megatron` stays what users import.
 """
 
-from yatt.core.megatron._config import (
+from yatt.core.policy.megatron import (
     FAMILIES,
     GPTLayout,
-    gpt_model_kwargs,
-    layout_from_hf_config,
-    padded_vocab_size,
-    transformer_config_kwargs,
-)
-from yatt.core.megatron._policy import MegatronPolicy
-from yatt.core.megatron._policy_config import MegatronPolicyConfig
-from yatt.core.megatron._weights import (
+    MegatronPolicy,
+    MegatronPolicyConfig,
     export_hf_weights,
+    gpt_model_kwargs,
     hf_to_megatron,
+    layout_from_hf_config,
     megatron_to_hf,
+    padded_vocab_size,
     tp_gather,
     tp_split,
+    transformer_config_kwargs,
 )
 
 __all__ = [

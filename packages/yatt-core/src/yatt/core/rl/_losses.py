@@ -17,8 +17,8 @@ accumulation and data parallelism give exactly the full-batch gradient.
 Per micro-batch, PolicyLoss computes:
 
     old      = batch["old_logprobs"]  (or the forward's own, detached, when is_on_policy)
-    pg_BT    = surrogate(objective)(logprobs, old, advantages)     yatt.core._surrogates
-    pg_BT   *= rollout weight(old vs batch["rollout_logprobs"])    yatt.core._rollout_correction
+    pg_BT    = surrogate(objective)(logprobs, old, advantages)     yatt.core.rl._surrogates
+    pg_BT   *= rollout weight(old vs batch["rollout_logprobs"])    yatt.core.rl._rollout_correction
     loss_BT  = pg_BT + kl_coef * KL(pi || pi_ref) - entropy_coef * entropy
     return sum_over_units(loss_BT), metric sums over loss tokens
 """
@@ -31,25 +31,25 @@ from typing import Any, Literal
 
 import torch
 
-from yatt.core._advantages import (
+from yatt.core.rl._advantages import (
     DEFAULT_ADVANTAGE_EPS,
     DEFAULT_ZERO_VARIANCE_TOLERANCE,
     compute_grpo_advantages,
 )
-from yatt.core._repeated_log import RepeatedWarning
-from yatt.core._rollout_correction import (
+from yatt.core.rl._rollout_correction import (
     ROLLOUT_CORRECTIONS,
     RolloutCorrection,
     compute_mismatch_kl,
     compute_rollout_weights,
 )
-from yatt.core._surrogates import (
+from yatt.core.rl._surrogates import (
     MAX_LOG_RATIO,
     compute_cispo_policy_loss,
     compute_clipped_policy_loss,
     compute_gspo_policy_loss,
     compute_gspo_token_policy_loss,
 )
+from yatt.core.runtime._repeated_log import RepeatedWarning
 
 logger = logging.getLogger("yatt.core")
 _NO_ROLLOUT_LOGPROBS = RepeatedWarning(logger, metric="train/is_weight (absent)")

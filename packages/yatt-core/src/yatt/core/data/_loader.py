@@ -39,7 +39,7 @@ from yatt.core._row_images import (
     import_pil,
     open_row_images,
 )
-from yatt.core._sources import DEFAULT_MAX_ROW_BYTES, BadRow, open_source
+from yatt.core.data._sources import DEFAULT_MAX_ROW_BYTES, BadRow, open_source
 
 logger = logging.getLogger("yatt.core")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from yatt.core._optimization import LRSchedule, check_optimizer_fields
-from yatt.core._policy import DTYPES
-from yatt.core.megatron._model import ATTENTIONS, Attention
+from yatt.core.policy._optimization import LRSchedule, check_optimizer_fields
+from yatt.core.policy._policy import DTYPES
+from yatt.core.policy.megatron._model import ATTENTIONS, Attention
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -116,7 +116,7 @@ class MegatronPolicyConfig:
             return  # nothing to split
         from transformers import AutoConfig
 
-        from yatt.core.megatron._config import check_parallel_sizes, layout_from_hf_config
+        from yatt.core.policy.megatron._config import check_parallel_sizes, layout_from_hf_config
 
         layout = layout_from_hf_config(AutoConfig.from_pretrained(model_dir))
         check_parallel_sizes(

@@ -1,6 +1,6 @@
 """Vocabulary-parallel logprobs (and entropy) computed inside Megatron's output layer, in chunks.
 
-The same idea as `yatt.core._head_logprobs` for the Hugging Face path: the output layer's
+The same idea as `yatt.core.policy._head_logprobs` for the Hugging Face path: the output layer's
 `forward` is swapped, for one model call, for one that turns the hidden states into the
 numbers the loss needs, a chunk of positions at a time under activation checkpointing. No
 [b, T, V/tp] float32 logits (and their softmax copy in Megatron's cross entropy) are kept for
@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from yatt.core._head_logprobs import in_chunks
-from yatt.core.megatron._vocab_parallel import (
+from yatt.core.policy._head_logprobs import in_chunks
+from yatt.core.policy.megatron._vocab_parallel import (
     compute_vocab_parallel_entropy,
     compute_vocab_parallel_logprobs,
     vocab_parallel_rows,
@@ -316,7 +316,7 @@ def forward_context_parallel(
     every CP rank returns the same [B, T, W] and computes the same (global) loss."""
     import torch.distributed as dist
 
-    from yatt.core.megatron._context_parallel import gather_sequence, split_for_cp
+    from yatt.core.policy.megatron._context_parallel import gather_sequence, split_for_cp
 
     if gpt is None:
         raise ValueError("context parallelism computes logprobs in the output layer only")

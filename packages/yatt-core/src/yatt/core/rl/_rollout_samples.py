@@ -17,7 +17,7 @@ count the cut responses.
 
 Every sample carries "is_truncated" (bool): the engine stopped the response at its token
 budget (finish_reason "length"), so it has no end; DAPO filters or punishes such responses
-(yatt.core._overlong). A response cut before one of `cut_at_token_ids` is not truncated.
+(yatt.core.rl._overlong). A response cut before one of `cut_at_token_ids` is not truncated.
 
 A completion is anything with `prompt_ids`, `response_ids`, `logprobs` (one per response
 token) and `finish_reason`, e.g. `yatt.rollout.Completion`: yatt-core does not depend on
@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from yatt.core._batch import Batch
-from yatt.core._overlong import IS_TRUNCATED_KEY
 from yatt.core._vision_inputs import VISION_INPUTS_KEY, VisionInputs
+from yatt.core.data._batch import Batch
+from yatt.core.rl._overlong import IS_TRUNCATED_KEY
 
 # Per-token fields of a rollout sample (the rest, group_id and reward, are per sample).
 ROLLOUT_TOKEN_KEYS = ("input_ids", "loss_mask", "rollout_logprobs")

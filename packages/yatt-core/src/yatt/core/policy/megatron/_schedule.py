@@ -3,7 +3,7 @@
 With pipeline parallelism no rank runs a micro-batch end to end: Megatron's schedule
 (`get_forward_backward_func`: 1F1B, or interleaved with virtual stages) calls our forward step
 on every stage and our loss function on the last one, and runs the backward itself. So the
-micro-batch loop of yatt.core._train_step.run_train_step is replaced by one schedule call;
+micro-batch loop of yatt.core.policy._train_step.run_train_step is replaced by one schedule call;
 everything around it (the global unit count, the skip rules, the metrics) is the same:
 
     units = all_reduce over DP(loss units)                      as run_train_step
@@ -28,18 +28,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from yatt.core._batch import Batch
-from yatt.core._metrics import reduce_metrics
-from yatt.core._policy import LossFn
+from yatt.core.data._batch import Batch
+from yatt.core.policy._policy import LossFn
 
 # The skeleton's own result builder and no-token warning, so both paths report alike.
-from yatt.core._train_step import (
+from yatt.core.policy._train_step import (
     StepCounts,
     _step_metrics,
     reduce_step_units,
     select_micro_batch,
     skip_empty_step,
 )
+from yatt.core.runtime._metrics import reduce_metrics
 
 logger = logging.getLogger("yatt.core")
 

@@ -1,7 +1,7 @@
 """`MegatronPolicy`: a Megatron-Core GPT (tensor, pipeline, context and data parallel) behind
 the policy protocol.
 
-At pp_size = 1 the train step and the logprobs pass are yatt.core._train_step's, shared with
+At pp_size = 1 the train step and the logprobs pass are yatt.core.policy._train_step's, shared with
 TorchPolicy (the tp x cp ranks of one DP rank hold the same batch); this module gives them
 their hooks. At pp_size > 1 Megatron's pipeline schedule runs the micro-batches (see
 _schedule.py), with the same hooks around it:
@@ -29,21 +29,25 @@ import torch
 import torch.distributed as dist
 
 from yatt.balance import pack
-from yatt.core._batch import Batch
-from yatt.core._cost_model import estimate_flops_costs, flops_shape
-from yatt.core._metrics import reduce_metrics
-from yatt.core._micro_batches import check_context, plan_micro_batches
-from yatt.core._optimization import make_lr_schedule
-from yatt.core._policy import DTYPES, LossFn
-from yatt.core._runtime import Runtime
-from yatt.core._train_step import StepCounts, compute_logprobs, run_train_step
-from yatt.core.megatron._config import layout_from_hf_config, padded_vocab_size
-from yatt.core.megatron._head_logprobs import forward_stage, supports_output_layer_logprobs
-from yatt.core.megatron._parallel import _init_megatron_parallel, _require_cuda, _require_megatron
-from yatt.core.megatron._policy_config import MegatronPolicyConfig
-from yatt.core.megatron._schedule import pipeline_logprobs, run_pipeline_train_step
-from yatt.core.megatron._state import MegatronModelState, MegatronOptimizerState
-from yatt.core.megatron._weights import export_hf_weights, export_pipeline_hf_weights
+from yatt.core.cost._cost_model import estimate_flops_costs, flops_shape
+from yatt.core.data._batch import Batch
+from yatt.core.data._micro_batches import check_context, plan_micro_batches
+from yatt.core.policy._optimization import make_lr_schedule
+from yatt.core.policy._policy import DTYPES, LossFn
+from yatt.core.policy._train_step import StepCounts, compute_logprobs, run_train_step
+from yatt.core.policy.megatron._config import layout_from_hf_config, padded_vocab_size
+from yatt.core.policy.megatron._head_logprobs import forward_stage, supports_output_layer_logprobs
+from yatt.core.policy.megatron._parallel import (
+    _init_megatron_parallel,
+    _require_cuda,
+    _require_megatron,
+)
+from yatt.core.policy.megatron._policy_config import MegatronPolicyConfig
+from yatt.core.policy.megatron._schedule import pipeline_logprobs, run_pipeline_train_step
+from yatt.core.policy.megatron._state import MegatronModelState, MegatronOptimizerState
+from yatt.core.policy.megatron._weights import export_hf_weights, export_pipeline_hf_weights
+from yatt.core.runtime._metrics import reduce_metrics
+from yatt.core.runtime._runtime import Runtime
 
 logger = logging.getLogger("yatt.core")
 
@@ -60,7 +64,7 @@ class MegatronPolicy:
         from megatron.core.transformer.module import Float16Module
         from transformers import AutoConfig
 
-        from yatt.core.megatron._model import build_gpt_chunks, load_hf_weights
+        from yatt.core.policy.megatron._model import build_gpt_chunks, load_hf_weights
 
         self.config = config
         self.device = runtime.device
@@ -194,11 +198,15 @@ class MegatronPolicy:
         pass it to `Batch.rebalance(costs=...)`."""
         return estimate_flops_costs(lengths, self._cost_shape, cp_size=self.config.cp_size)
 
+    def estimate_batch_costs(self, batch: Batch) -> list[float]:
+        """`estimate_costs` of this batch's samples (a GPT model: its tokens are its cost)."""
+        return self.estimate_costs(batch.lengths.tolist())
+
     @property
     def max_context_tokens(self) -> int:
         return self.layout.max_position_embeddings
 
-    # -- the train-step skeleton's hooks (yatt.core._train_step.StepBackend) ------------------
+    # -- the train-step skeleton's hooks (yatt.core.policy._train_step.StepBackend) -----------
 
     @property
     def dp_group(self) -> Any:
@@ -323,7 +331,7 @@ class MegatronPolicy:
         return compute_logprobs(self, batch)
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step (yatt.core._train_step); TorchPolicy's metrics. Collective."""
+        """One optimizer step (yatt.core.policy._train_step); TorchPolicy's metrics. Collective."""
         if self.optimizer is None:
             raise RuntimeError("train_step on a reference policy (is_reference=True)")
         self._check_awake("train_step", self.memory_tags)
@@ -387,7 +395,11 @@ class MegatronPolicy:
 
     def _local_hf_shapes(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(HF name, full shape, dtype) of every tensor this stage exports, in no set order."""
-        from yatt.core.megatron._weights import global_layer_name, megatron_shapes, to_hf_params
+        from yatt.core.policy.megatron._weights import (
+            global_layer_name,
+            megatron_shapes,
+            to_hf_params,
+        )
 
         full = megatron_shapes(self.layout, padded_vocab=self.padded_vocab)
         out = []

@@ -13,8 +13,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from yatt.core._batch import Batch
-from yatt.core._optimization import LRSchedule, check_optimizer_fields
+from yatt.core.data._batch import Batch
+from yatt.core.policy._optimization import LRSchedule, check_optimizer_fields
 
 Parallel = Literal["ddp", "fsdp2", "none"]
 PARALLEL_MODES: tuple[str, ...] = ("ddp", "fsdp2", "none")
@@ -60,6 +60,12 @@ class PolicyBackend(Protocol):
     def estimate_costs(self, lengths: Sequence[int]) -> list[float]:
         """Relative compute per sample of these lengths: the weights of micro-batch packing,
         and what to pass to Batch.rebalance(costs=...) so ranks are balanced alike."""
+        ...
+
+    def estimate_batch_costs(self, batch: Batch) -> list[float]:
+        """Relative compute of each of this batch's samples, read from the batch itself: its
+        tokens and, for a model that takes images, its images. What to pass to
+        Batch.rebalance(costs=...) and split_mini_batches(costs=...), with or without images."""
         ...
 
     def state(self) -> dict[str, Any]:

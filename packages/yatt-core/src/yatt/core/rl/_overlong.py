@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from yatt.core._batch import Batch
-from yatt.core._metrics import reduce_metrics
+from yatt.core.data._batch import Batch
+from yatt.core.runtime._metrics import reduce_metrics
 
 IS_TRUNCATED_KEY = "is_truncated"
 

@@ -4,7 +4,7 @@
       -> split_mini_batches(batch, n, costs=policy.estimate_costs(lengths), seed=epoch's)
       -> n batches of near-equal cost, GRPO groups kept whole; each goes to one train_step
 
-Not to be confused with micro-batches (yatt.core._micro_batches): those split one optimizer
+Not to be confused with micro-batches (yatt.core.data._micro_batches): those split one optimizer
 step's forward/backward to fit memory; a mini-batch is a whole optimizer step. Every rank
 splits into the same n (a config constant), so the ranks' train_step calls pair up; a rank
 short of groups (DAPO filtering) gets empty mini-batches, which train_step runs as dummies.
@@ -23,7 +23,7 @@ import random
 from collections.abc import Sequence
 
 from yatt.balance import partition
-from yatt.core._batch import Batch
+from yatt.core.data._batch import Batch
 
 # Local search steps per group: each step strictly lowers the sum of squared loads, so it
 # stops by itself; the bound only guards against float ties cycling.

@@ -17,13 +17,13 @@ from typing import Any, Literal
 
 import torch
 
-from yatt.core.megatron._config import (
+from yatt.core.policy.megatron._config import (
     GPTLayout,
     gpt_model_kwargs,
     transformer_config_kwargs,
 )
-from yatt.core.megatron._context_parallel import cp_attention, gather_keys_values
-from yatt.core.megatron._weights import (
+from yatt.core.policy.megatron._context_parallel import cp_attention, gather_keys_values
+from yatt.core.policy.megatron._weights import (
     global_layer_name,
     megatron_names,
     to_megatron_param,

@@ -1,6 +1,6 @@
 """`TorchPolicy`: a Hugging Face causal LM under DDP or FSDP2, as a policy backend.
 
-The train step and the logprobs pass are yatt.core._train_step's, shared with MegatronPolicy;
+The train step and the logprobs pass are yatt.core.policy._train_step's, shared with MegatronPolicy;
 this module gives them their hooks:
 
     plan_micro_batches     pack by estimate_costs (same count on every DP rank: FSDP2
@@ -29,23 +29,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from yatt.core._batch import Batch
-from yatt.core._cost_model import (
+from yatt.core._vision_cost import estimate_vision_costs, vision_flops_shape
+from yatt.core._vision_forward import VisionLanguage, is_vision_language_config
+from yatt.core._vision_inputs import VISION_INPUTS_KEY
+from yatt.core.cost._cost_model import (
     estimate_flops_costs,
     flops_shape_from_hf_config,
     has_gated_mlp,
     warn_without_shape,
 )
-from yatt.core._head_logprobs import CHUNK_ELEMENTS, logprobs_in_head, supports_head_logprobs
-from yatt.core._logits import compute_entropy, compute_token_logprobs
-from yatt.core._micro_batches import check_context, plan_micro_batches
-from yatt.core._optimization import make_lr_schedule
-from yatt.core._policy import DTYPES, LossFn, TorchPolicyConfig
-from yatt.core._runtime import Runtime
-from yatt.core._train_step import StepCounts, compute_logprobs, run_train_step
-from yatt.core._vision_cost import estimate_vision_costs, vision_flops_shape
-from yatt.core._vision_forward import VisionLanguage, is_vision_language_config
-from yatt.core._vision_inputs import VISION_INPUTS_KEY
+from yatt.core.data._batch import Batch
+from yatt.core.data._micro_batches import check_context, plan_micro_batches
+from yatt.core.policy._head_logprobs import CHUNK_ELEMENTS, logprobs_in_head, supports_head_logprobs
+from yatt.core.policy._logits import compute_entropy, compute_token_logprobs
+from yatt.core.policy._optimization import make_lr_schedule
+from yatt.core.policy._policy import DTYPES, LossFn, TorchPolicyConfig
+from yatt.core.policy._train_step import StepCounts, compute_logprobs, run_train_step
+from yatt.core.runtime._runtime import Runtime
 from yatt.placement import (
     HostNeed,
     MemoryNeed,
@@ -208,6 +208,16 @@ class TorchPolicy:
         vision = estimate_vision_costs(image_patches, self._vision_cost_shape)
         return [text + image for text, image in zip(costs, vision, strict=True)]
 
+    def estimate_batch_costs(self, batch: Batch) -> list[float]:
+        """`estimate_costs` of this batch's samples, their images included for a
+        vision-language model (read from meta[VISION_INPUTS_KEY]): what micro-batch packing
+        weighs, so `Batch.rebalance(costs=...)` and `split_mini_batches(costs=...)` weigh
+        alike without the caller knowing whether the model takes images."""
+        lengths = batch.lengths.tolist()
+        if self._vision is None:
+            return self.estimate_costs(lengths)
+        return self.estimate_costs(lengths, image_patches=image_patches_of(batch))
+
     @property
     def is_vision_language(self) -> bool:
         """Whether the model takes images (samples' meta[VISION_INPUTS_KEY])."""
@@ -224,7 +234,7 @@ class TorchPolicy:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self._compute_dtype)
 
-    # -- the train-step skeleton's hooks (yatt.core._train_step.StepBackend) ------------------
+    # -- the train-step skeleton's hooks (yatt.core.policy._train_step.StepBackend) -----------
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -238,12 +248,8 @@ class TorchPolicy:
         """
         lengths = batch.lengths.tolist()
         check_context(lengths, self.max_context_tokens)
-        if self._vision is None:
-            costs, extra_tokens = self.estimate_costs(lengths), None
-        else:
-            image_patches = image_patches_of(batch)
-            costs = self.estimate_costs(lengths, image_patches=image_patches)
-            extra_tokens = [sum(patches) for patches in image_patches]
+        costs = self.estimate_batch_costs(batch)
+        extra_tokens = None if self._vision is None else [sum(p) for p in image_patches_of(batch)]
         return plan_micro_batches(
             costs,
             lengths,
@@ -357,7 +363,7 @@ class TorchPolicy:
         return compute_logprobs(self, batch)
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over this rank's batch (yatt.core._train_step); collective.
+        """One optimizer step over this rank's batch (yatt.core.policy._train_step); collective.
 
         Returns globally reduced metrics: "loss" (mean over units), each loss metric averaged
         over loss tokens, "grad_norm", "lr", "num_micro_batches", "num_loss_tokens",
@@ -623,7 +629,7 @@ def estimate_activation_bytes(
     is_head_logprobs: bool = True,
 ) -> int:
     """Bytes a train step's forward keeps for backward for a micro-batch of `num_tokens`
-    padded tokens, for a model of `shape` (the cost model's: yatt.core._cost_model's
+    padded tokens, for a model of `shape` (the cost model's: yatt.core.cost._cost_model's
     flops_shape keys). See the memory model above."""
     per_token, fixed = _activation_bytes_per_token(
         shape, is_checkpointed=is_checkpointed, is_head_logprobs=is_head_logprobs

@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from yatt.core._config import config_from_dict
-from yatt.core._policy import PolicyBackend, TorchPolicyConfig
-from yatt.core._runtime import Runtime
-from yatt.core.megatron._policy_config import MegatronPolicyConfig
+from yatt.core.policy._policy import PolicyBackend, TorchPolicyConfig
+from yatt.core.policy.megatron._policy_config import MegatronPolicyConfig
+from yatt.core.runtime._config import config_from_dict
+from yatt.core.runtime._runtime import Runtime
 
 BACKENDS: dict[str, type] = {"torch": TorchPolicyConfig, "megatron": MegatronPolicyConfig}
 PolicyConfig = TorchPolicyConfig | MegatronPolicyConfig
@@ -62,10 +62,10 @@ def build_policy(
             f"pass backend={_backend_of(config)!r} or a {cls.__name__}"
         )
     if backend == "torch":
-        from yatt.core._torch_policy import TorchPolicy
+        from yatt.core.policy._torch_policy import TorchPolicy
 
         return TorchPolicy(config, runtime)
-    from yatt.core.megatron._policy import MegatronPolicy
+    from yatt.core.policy.megatron._policy import MegatronPolicy
 
     return MegatronPolicy(config, runtime)
 

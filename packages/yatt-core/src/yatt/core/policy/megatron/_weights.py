@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from yatt.core.megatron._config import GPTLayout
+from yatt.core.policy.megatron._config import GPTLayout
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")

@@ -32,10 +32,10 @@ from typing import Any, Protocol
 
 import torch
 
-from yatt.core._batch import Batch
-from yatt.core._metrics import reduce_metrics
-from yatt.core._policy import LossFn
-from yatt.core._repeated_log import RepeatedWarning
+from yatt.core.data._batch import Batch
+from yatt.core.policy._policy import LossFn
+from yatt.core.runtime._metrics import reduce_metrics
+from yatt.core.runtime._repeated_log import RepeatedWarning
 
 logger = logging.getLogger("yatt.core")
 # A loss metric named "..._max" is a maximum over loss tokens (of non-negative values), reduced
@@ -57,7 +57,7 @@ class StepBackend(Protocol):
 
     def plan_micro_batches(self, batch: Batch) -> list[list[int]]:
         """Sample indices per micro-batch; an empty list is a dummy micro-batch. Collective
-        where ranks must run the same count (yatt.core._micro_batches.plan_micro_batches)."""
+        where ranks must run the same count (yatt.core.data._micro_batches.plan_micro_batches)."""
         ...
 
     def forward_micro_batch(
@@ -169,7 +169,7 @@ def run_train_step(
 ) -> dict[str, float]:
     """One optimizer step over this rank's batch (see the module docstring); collective.
 
-    lr_at: the learning rate of an optimizer step (yatt.core._optimization.compute_lr), asked
+    lr_at: the learning rate of an optimizer step (yatt.core.policy._optimization.compute_lr), asked
     for counts.num_optimizer_steps. max_grad_norm: clip to it; None or 0: measure only.
     Returns globally reduced metrics: "loss" (mean over units), each loss metric averaged over
     loss tokens (a "..._max" one: its maximum), "grad_norm", "lr" (this step's),

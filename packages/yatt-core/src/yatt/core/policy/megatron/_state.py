@@ -43,7 +43,7 @@ class MegatronModelState:
         self.prefix = f"tp{tp_rank}."
 
     def _named(self) -> list[tuple[str, torch.Tensor]]:
-        from yatt.core.megatron._weights import global_layer_name
+        from yatt.core.policy.megatron._weights import global_layer_name
 
         return [
             (self.prefix + global_layer_name(name, chunk.layer_offset), p)

@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from yatt.core._batch import Batch
-from yatt.core._repeated_log import RepeatedWarning
-from yatt.core._sampler import DynamicSampler, logger
+from yatt.core.data._batch import Batch
+from yatt.core.rl._sampler import DynamicSampler, logger
+from yatt.core.runtime._repeated_log import RepeatedWarning
 
 # One count across calls (each call builds a sampler): logged first, then once per 50.
 _NOT_FILLED = RepeatedWarning(logger, metric="dynamic_sampling/is_filled")

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from yatt.core._runtime import Runtime
+from yatt.core.runtime._runtime import Runtime
 
 
 def _require_cuda(device: torch.device) -> None:

@@ -56,10 +56,10 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from yatt.core._advantages import mask_groups_with_reward_variance
-from yatt.core._batch import Batch
-from yatt.core._repeated_log import RepeatedWarning
-from yatt.core._rollout_samples import rollout_batch
+from yatt.core.data._batch import Batch
+from yatt.core.rl._advantages import mask_groups_with_reward_variance
+from yatt.core.rl._rollout_samples import rollout_batch
+from yatt.core.runtime._repeated_log import RepeatedWarning
 
 logger = logging.getLogger("yatt.core")
 

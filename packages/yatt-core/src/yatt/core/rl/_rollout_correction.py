@@ -2,7 +2,7 @@
 
 Shape legend (suffixes on tensor names):
     B  samples
-    T  token positions, aligned with input_ids (see yatt.core._losses)
+    T  token positions, aligned with input_ids (see yatt.core.rl._losses)
 
 The rollout engine (vLLM, SGLang, the built-in one in bf16) samples from pi_rollout, which
 differs from the trainer's pi_old by kernels and precision even at equal weights. The policy

@@ -42,11 +42,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from yatt.core._checkpoint_tensors import read_model_tensors
-from yatt.core._policy import DTYPES
-from yatt.core._torch_policy import TorchPolicy
 from yatt.core._version import __version__
 from yatt.core._vision_forward import is_vision_language_config
+from yatt.core.policy._checkpoint_tensors import read_model_tensors
+from yatt.core.policy._policy import DTYPES
+from yatt.core.policy._torch_policy import TorchPolicy
 from yatt.placement import offloaded_named_parameters
 
 logger = logging.getLogger("yatt.core")

@@ -3,7 +3,7 @@ CISPO.
 
 Shape legend (suffixes on tensor names):
     B  samples
-    T  token positions, aligned with input_ids (see yatt.core._losses)
+    T  token positions, aligned with input_ids (see yatt.core.rl._losses)
 
 Each returns (loss_BT, regions): the loss to minimise at every position (the caller masks and
 aggregates it) and `ClipRegions`, where the clip acted. r = pi / pi_old is the ratio of the

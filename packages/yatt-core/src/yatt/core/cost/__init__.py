@@ -1,0 +1,7 @@
+"""The cost model: a sample's relative compute (and a layout's memory) from a model's shape.
+
+    _cost_model      flops_shape, estimate_flops_costs, estimate_megatron_memory
+
+It imports no other family, so every policy backend (torch, megatron) and the vision tower's
+cost can build on it without an import running back up.
+"""

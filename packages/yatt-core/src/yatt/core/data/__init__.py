@@ -1,0 +1,11 @@
+"""The data family: prompt rows in, batches of samples out, split for the optimizer and the device.
+
+    _sources         random access to JSONL, Parquet and `datasets` rows
+    _loader          ShardedLoader: each rank reads only its own prompts, resumably
+    _model_paths     a model folder or a Hub id already in the cache
+    _batch           Batch: padded tensors + per-sample metadata; cross-rank rebalancing
+    _mini_batches    a rollout batch split into optimizer steps of whole groups
+    _micro_batches   a policy's batch packed into micro-batches by cost, bounded in size
+
+It imports the vision family (a row's images) and nothing above it.
+"""

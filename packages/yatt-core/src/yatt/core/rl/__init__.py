@@ -1,0 +1,13 @@
+"""The RL math family: from rollout completions and rewards to the loss the policy minimises.
+
+    _rollout_samples     completions -> training samples (the one place a trainer does it)
+    _advantages          group-relative advantages, the zero-variance filter
+    _sampler, _sampling  DAPO dynamic sampling (the object the loop drives; its callback form)
+    _partial_rollouts    aborted responses kept to be finished next step
+    _overlong            DAPO's overlong penalty and filter
+    _rollout_correction  importance weights of the trainer's old policy against the engine's
+    _surrogates          per-token policy-gradient terms: PPO's clip, GSPO, CISPO
+    _losses              PolicyLoss: the objective, KL, entropy, aggregation
+
+It imports the data, runtime and vision families; no policy backend.
+"""

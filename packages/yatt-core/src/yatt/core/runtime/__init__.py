@@ -1,0 +1,11 @@
+"""The runtime family: what every other family may use, and which uses none of them.
+
+    _runtime         rank, device, process groups, the (dp, tp) mesh; seeding
+    _config          config dataclasses from plain dicts (unknown keys and wrong types refused)
+    _metrics         scalar statistics reduced across ranks in one collective
+    _repeated_log    a warning that can fire every step, logged readably
+    _run_log         a run's metrics: JSON lines, TensorBoard, Weights & Biases, a plot
+    _learning_guard  stop a run whose steps update nothing
+
+Public names are re-exported by `yatt.core`; import them from there.
+"""
