@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from yatt.balance import cost
-from yatt.balance.dist import make_plan
+from yatt.balance.across_ranks import make_plan
 from yatt.core import Batch
 
 Key = tuple[int, int]  # (origin rank, index there)

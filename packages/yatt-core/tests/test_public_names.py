@@ -107,7 +107,15 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "tp_split",
         "transformer_config_kwargs",
     ],
+    # The family folders (issue 25) export nothing of their own: yatt.core's names are the API.
+    "yatt.core.cost": [],
+    "yatt.core.data": [],
+    "yatt.core.policy": [],
+    "yatt.core.rl": [],
+    "yatt.core.runtime": [],
 }
+# The megatron backend lives under policy/; yatt.core.megatron re-exports the same names.
+PUBLIC_NAMES["yatt.core.policy.megatron"] = PUBLIC_NAMES["yatt.core.megatron"]
 
 
 def _public_names(module) -> list[str]:

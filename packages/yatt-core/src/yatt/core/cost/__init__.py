@@ -5,3 +5,5 @@
 It imports no other family, so every policy backend (torch, megatron) and the vision tower's
 cost can build on it without an import running back up.
 """
+
+__all__: list[str] = []  # a family folder: its public names are yatt.core's

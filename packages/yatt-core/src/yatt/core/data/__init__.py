@@ -9,3 +9,5 @@
 
 It imports the vision family (a row's images) and nothing above it.
 """
+
+__all__: list[str] = []  # a family folder: its public names are yatt.core's

@@ -8,7 +8,7 @@ Layout, for B samples whose longest has T tokens:
 Padding positions hold 0 in every token field; read valid positions through attention_mask.
 
 A batch converts to and from a list of per-sample dicts (token fields unpadded). Rebalancing
-does not go through them: `yatt.balance.dist.rebalance_rows` moves only the rows a plan moves,
+does not go through them: `yatt.balance.across_ranks.rebalance_rows` moves only the rows a plan moves,
 the rows bound for one peer as one payload (`_take_rows`: token fields packed end to end,
 sample fields stacked, metadata as lists), and the receiver writes its kept rows and every
 payload straight into one new padded batch (`_assemble`): samples change shape once.
@@ -270,14 +270,14 @@ class Batch:
         """Balance samples across the data-parallel ranks of `group` (collective).
 
         Only lengths (and costs) are all-gathered; the samples the plan moves travel
-        point-to-point through yatt.balance.dist, tensors as raw bytes. group_key names a sample
+        point-to-point through yatt.balance.across_ranks, tensors as raw bytes. group_key names a sample
         field whose equal values stay on one rank (a GRPO group); costs default to the lengths
         (pass yatt.balance.flops_cost(...) to weigh attention); is_equal_size gives every rank
         the same number of samples; tolerance trades balance for fewer moved samples (see
-        yatt.balance.dist.rebalance; 0 = best balance). Returns (this rank's batch, plan) for
+        yatt.balance.across_ranks.rebalance; 0 = best balance). Returns (this rank's batch, plan) for
         `restore`.
         """
-        from yatt.balance.dist import rebalance_rows
+        from yatt.balance.across_ranks import rebalance_rows
 
         groups = None if group_key is None else self[group_key].tolist()
         lengths_B = self.lengths
@@ -295,7 +295,7 @@ class Batch:
     def restore(self, plan: Any, *, group: Any = None) -> Batch:
         """Inverse of `rebalance` (same group): every sample back on its origin rank, in its
         original order, carrying any fields added since."""
-        from yatt.balance.dist import restore_rows
+        from yatt.balance.across_ranks import restore_rows
 
         lengths_B = self.lengths
         moved = restore_rows(
@@ -334,7 +334,7 @@ def _pad_to(x: torch.Tensor, width: int) -> torch.Tensor:
 #     tokens[k]      [N, ...]   valid positions only, row after row (attention_mask is rebuilt)
 #     samples[k]     [n, ...]
 #     meta[k]        list of n
-# yatt.balance.dist moves tensors as raw bytes but pickles other objects (a pickle is a
+# yatt.balance.across_ranks moves tensors as raw bytes but pickles other objects (a pickle is a
 # second and third copy of an image). Numeric numpy arrays in metadata therefore travel as
 # zero-copy tensor views, tagged so the receiver turns them back into arrays.
 _ARRAY_TAG = "__yatt_ndarray__"
@@ -366,7 +366,7 @@ def _take_rows_to_send(batch: Batch, lengths_B: torch.Tensor, rows: np.ndarray) 
 
 
 def _assemble(batch: Batch, lengths_B: torch.Tensor, moved: Any) -> Batch:
-    """The batch a rank holds after a move (a yatt.balance.dist.MovedRows): its kept rows of
+    """The batch a rank holds after a move (a yatt.balance.across_ranks.MovedRows): its kept rows of
     `batch` and every received payload, written once into new padded tensors."""
     if moved.num_rows == 0:
         return batch.select([])

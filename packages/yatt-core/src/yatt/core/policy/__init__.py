@@ -13,3 +13,5 @@
 
 It imports the data, runtime, cost and vision families; nothing imports it but `yatt.core`.
 """
+
+__all__: list[str] = []  # a family folder: its public names are yatt.core's

@@ -25,6 +25,14 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+@runtime_checkable
+class NeedsEntropy(Protocol):
+    """A loss that reads the policy's entropy: the backend computes entropy_BT only for one."""
+
+    @property
+    def needs_entropy(self) -> bool: ...
+
+
 class LossFn(Protocol):
     """What `train_step` needs of a loss (`yatt.core.PolicyLoss` is one).
 

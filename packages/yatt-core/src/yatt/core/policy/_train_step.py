@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from yatt.core.data._batch import Batch
-from yatt.core.policy._policy import LossFn
+from yatt.core.policy._policy import LossFn, NeedsEntropy
 from yatt.core.runtime._metrics import reduce_metrics
 from yatt.core.runtime._repeated_log import RepeatedWarning
 
@@ -181,7 +181,7 @@ def run_train_step(
     `merge_step_metrics` folds the calls' metrics into one dict.
     """
     lr = lr_at(counts.num_optimizer_steps)
-    needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+    needs_entropy = isinstance(loss_fn, NeedsEntropy) and bool(loss_fn.needs_entropy)
     totals = reduce_step_units(loss_fn, batch, backend.dp_group)
     if totals["units"] == 0:
         return skip_empty_step(counts, lr)

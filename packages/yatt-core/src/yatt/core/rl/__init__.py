@@ -11,3 +11,5 @@
 
 It imports the data, runtime and vision families; no policy backend.
 """
+
+__all__: list[str] = []  # a family folder: its public names are yatt.core's

@@ -9,3 +9,5 @@
 
 Public names are re-exported by `yatt.core`; import them from there.
 """
+
+__all__: list[str] = []  # a family folder: its public names are yatt.core's

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from yatt.core.data._batch import Batch
-from yatt.core.policy._policy import LossFn
+from yatt.core.policy._policy import LossFn, NeedsEntropy
 
 # The skeleton's own result builder and no-token warning, so both paths report alike.
 from yatt.core.policy._train_step import (
@@ -188,7 +188,7 @@ def run_pipeline_train_step(
     """run_train_step with the micro-batch loop run by Megatron's schedule (see the module
     docstring); the same metrics. Collective over the whole world."""
     lr = lr_at(counts.num_optimizer_steps)
-    needs_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+    needs_entropy = isinstance(loss_fn, NeedsEntropy) and bool(loss_fn.needs_entropy)
     totals = reduce_step_units(loss_fn, batch, policy.dp_group)
     if totals["units"] == 0:
         return skip_empty_step(counts, lr)
