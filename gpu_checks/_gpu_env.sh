@@ -1,4 +1,5 @@
-# Sourced by bench/gpu_checks.sh and bench/step_gpu.sh: the device machine's environment.
+# Sourced by every GPU script (gpu_checks/gpu_checks.sh; bench/step/step_gpu*.sh, bench/rollout/engines_gpu.sh,
+# bench/verl/verl_gpu.sh): the device machine's environment. Run from the repository root.
 # Carried wheels (.whl/) go to /tmp/site and our packages come from their src/ folders, so the
 # machine's torch is never replaced; NVLink multicast stays off (the device README says why).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the CUDA tests and GPU benchmarks on the device machine, one step per argument:
-#   bash bench/gpu_checks.sh placement rollout ckpt balance_nccl
-#   bash bench/gpu_checks.sh megatron trainer_megatron mfu      # the Megatron backend (2 GPUs)
+#   bash gpu_checks/gpu_checks.sh placement rollout ckpt balance_nccl
+#   bash gpu_checks/gpu_checks.sh megatron trainer_megatron mfu      # the Megatron backend (2 GPUs)
 # Each step logs to $OUT/<step>.log and writes its JSON under $OUT; a failing step does not stop
 # the others. Our packages come from their src/ folders, so the machine's torch is never replaced.
 set -uo pipefail
@@ -14,19 +14,19 @@ for step in "$@"; do
   case $step in
     placement)
       run_step placement_tests python3 -m pytest -q -rs packages/yatt-placement/tests/test_cuda.py
-      run_step placement_bench python3 bench/placement.py --device cuda --out "$OUT/placement_cuda.json" ;;
+      run_step placement_bench python3 bench/placement/placement.py --device cuda --out "$OUT/placement_cuda.json" ;;
     rollout)
       run_step rollout_tests python3 -m pytest -q -rs packages/yatt-rollout/tests/test_cuda_engine.py \
         packages/yatt-rollout/tests/test_cuda_weights.py packages/yatt-rollout/tests/test_builtin_vision.py
-      run_step rollout_bench python3 bench/rollout_gpu.py --out-dir "$OUT" ;;
+      run_step rollout_bench python3 bench/rollout/rollout_gpu.py --out-dir "$OUT" ;;
     ckpt)
       run_step ckpt_tests python3 -m pytest -q -rs packages/yatt-ckpt/tests/test_cuda.py
-      run_step ckpt_bench python3 bench/ckpt.py --device cuda --out "$OUT/ckpt_cuda.json" ;;
+      run_step ckpt_bench python3 bench/ckpt/ckpt.py --device cuda --out "$OUT/ckpt_cuda.json" ;;
     balance_nccl)
       run_step balance_nccl python3 -m pytest -q -rs packages/yatt-balance/tests/test_dist_cuda.py ;;
     core)
       run_step core_tests python3 -m pytest -q -rs packages/yatt-core/tests/test_cuda.py
-      run_step head_logprobs python3 bench/head_logprobs.py --device cuda --tokens 16384 \
+      run_step head_logprobs python3 bench/logprobs/head_logprobs.py --device cuda --tokens 16384 \
         --out "$OUT/head_logprobs_cuda.json" ;;
     multimodal)
       # Images through one RL step: the built-in engine (CUDA graphs) and the VLM policy on GPU.
@@ -74,7 +74,7 @@ for step in "$@"; do
         num_steps=${TRAINER_STEPS:-60} policy.model_dir=$EMB/policy data.path=$EMB/prompts.jsonl \
         reward.judge_dir=$EMB/judge rollout.engine.dtype=bfloat16
       cp /tmp/yatt-runs/dapo/metrics.jsonl "$OUT/trainer_dapo_metrics.jsonl" 2>/dev/null
-      python3 bench/rl_metrics_summary.py "$OUT"/trainer_full_metrics.jsonl \
+      python3 gpu_checks/rl_metrics_summary.py "$OUT"/trainer_full_metrics.jsonl \
         "$OUT"/trainer_dapo_metrics.jsonl | tee "$OUT/trainer_rl_summary.txt"
       run_step trainer_export_reload python3 -c "import torch; from transformers import \
 AutoModelForCausalLM as M; m = M.from_pretrained('/tmp/yatt-runs/features/export', \
@@ -120,7 +120,7 @@ tie_word_embeddings=True)"
 AutoModelForCausalLM as M; m = M.from_pretrained('/tmp/yatt-runs/real/export', device_map='cuda'); \
 print('reloaded', type(m).__name__, m.dtype, m(torch.tensor([[51, 43, 52]], device='cuda')).logits.shape)" ;;
     megatron)
-      run_step megatron_parity python3 bench/megatron_parity.py --out-dir "$OUT" ;;
+      run_step megatron_parity python3 bench/megatron/megatron_parity.py --out-dir "$OUT" ;;
     trainer_megatron)
       # The reference trainer with backend=megatron (examples/configs/tiny_megatron.yaml, bf16),
       # 8 steps, a checkpoint at step 4: 1 GPU in both placement modes (side by side, one GPU
@@ -172,7 +172,7 @@ PY
     mfu)
       # Train-phase MFU of MegatronPolicy (~0.5B Qwen2 shape, seq 2048, sdpa and Megatron's
       # attention) and the memory it frees asleep, on one GPU.
-      CUDA_VISIBLE_DEVICES=0 STEP_TIMEOUT=300 run_step megatron_mfu python3 bench/megatron_mfu.py --out-dir "$OUT" ;;
+      CUDA_VISIBLE_DEVICES=0 STEP_TIMEOUT=300 run_step megatron_mfu python3 bench/megatron/megatron_mfu.py --out-dir "$OUT" ;;
     *)
       echo "unknown step $step"; exit 2 ;;
   esac

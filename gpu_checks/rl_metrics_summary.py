@@ -1,7 +1,7 @@
 """The RL-fidelity numbers of trainer runs: clip fractions, engine-vs-trainer mismatch, IS weights,
 truncation, and the reward's change, per metrics.jsonl given (median, min, max over steps).
 
-    python bench/rl_metrics_summary.py runs/grpo/metrics.jsonl runs/dapo/metrics.jsonl
+    python gpu_checks/rl_metrics_summary.py runs/grpo/metrics.jsonl runs/dapo/metrics.jsonl
 """
 
 from __future__ import annotations

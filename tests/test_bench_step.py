@@ -1,4 +1,4 @@
-"""bench/step.py on CPU: tiny models, every layout's JSON, forced lengths and the report's ratios."""
+"""bench/step/step.py on CPU: tiny models, every layout's JSON, forced lengths and the report's ratios."""
 
 NUM_GPUS = 0
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "step"))
 import _step_bars
 import _step_report
 import _step_sampling
@@ -31,7 +31,7 @@ PHASES = {
 def _run_step(
     out_dir: Path, model_dir: Path, layout: str, mixes: str, *extra: str, steps: int = 1
 ) -> dict:
-    cmd = [sys.executable, str(ROOT / "bench" / "step.py"), "--layout", layout, "--tiny"]
+    cmd = [sys.executable, str(ROOT / "bench" / "step" / "step.py"), "--layout", layout, "--tiny"]
     cmd += ["--steps", str(steps), "--warmup", "1", "--mix", mixes, "--out-dir", str(out_dir)]
     cmd += ["--model-dir", str(model_dir), "--ckpt-dir", str(out_dir / "ckpt"), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -220,7 +220,7 @@ def test_variants_are_named_and_get_their_own_ratio_rows():
 
 
 def test_suffixed_runs_still_meet_every_bar():
-    """Runs all named with a suffix (-defer, as bench/step_gpu.sh's YATT_EXTRA makes them):
+    """Runs all named with a suffix (-defer, as bench/step/step_gpu.sh's YATT_EXTRA makes them):
     each bar is computed from them and names the variant, none left "not measured"."""
     long = {"rollout": 4.0, "genrm": 2.0, "train": 2.0}
     runs = [
@@ -325,7 +325,7 @@ def pool_run(tmp_path_factory, models):
         s.bind(("127.0.0.1", 0))
         master_port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_port", str(master_port), str(ROOT / "bench" / "step.py")]
+    cmd += ["--master_port", str(master_port), str(ROOT / "bench" / "step" / "step.py")]
     cmd += ["--layout", "dedicated", "--judge-gpus", "1,2", "--tiny", "--prompts-per-rank", "2"]
     cmd += ["--steps", "1", "--warmup", "1", "--mix", "longtail", "--out-dir", str(out)]
     cmd += ["--model-dir", str(models), "--ckpt-dir", str(out / "ckpt")]
@@ -596,7 +596,7 @@ def seed_runs(tmp_path_factory, models):
 
 
 def _seed_step(out_dir, model_dir, layout, *extra, steps=1) -> dict:
-    cmd = [sys.executable, str(ROOT / "bench" / "step.py"), "--layout", layout, "--tiny"]
+    cmd = [sys.executable, str(ROOT / "bench" / "step" / "step.py"), "--layout", layout, "--tiny"]
     cmd += ["--steps", str(steps), "--warmup", "1", "--out-dir", str(out_dir)]
     cmd += ["--model-dir", str(model_dir), "--ckpt-dir", str(out_dir / "ckpt"), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -1,9 +1,9 @@
 """What a carried site-packages gives the device machine: each module imported (ok or the error),
 and each requirement of the named distributions that the machine does not meet.
 
-    python3 bench/_probe_site.py --tag vllm --modules vllm,vllm.entrypoints.llm --dists vllm
+    python3 bench/_common/probe_site.py --tag vllm --modules vllm,vllm.entrypoints.llm --dists vllm
 
-bench/engines_gpu.sh and bench/verl_gpu.sh run it with the site first on PYTHONPATH.
+bench/rollout/engines_gpu.sh and bench/verl/verl_gpu.sh run it with the site first on PYTHONPATH.
 """
 
 from __future__ import annotations

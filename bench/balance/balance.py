@@ -1,7 +1,7 @@
 """Benchmark of yatt.balance.partition against plain Karmarkar-Karp and greedy LPT.
 
-    python bench/balance.py            # full grid, writes bench/results/balance_cpu.{json,md}
-    python bench/balance.py --quick    # n <= 1024 only, for a smoke run
+    python bench/balance/balance.py            # full grid, writes bench/results/balance_cpu.{json,md}
+    python bench/balance/balance.py --quick    # n <= 1024 only, for a smoke run
 
 Items are sequences whose cost is the forward FLOPs of a Qwen2.5-7B-shaped model
 (flops_cost), lengths drawn from: uniform, lognormal (long tail), bimodal (short answers plus
@@ -39,7 +39,7 @@ QWEN25_7B = dict(
     vocab_size=152064, is_gated_mlp=True,
 )  # fmt: skip
 MAX_LEN = 32768
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results
 
 
 def draw_lengths(

@@ -1,8 +1,8 @@
 """Batch.rebalance and Batch.restore at 4096 samples on CPU: the padded batch moved as rows
 (now) against the per-sample dicts it used to go through (before issue 15, item 5).
 
-    python bench/rebalance.py                  # 4 gloo ranks x 1024 samples, 9 repeats
-    python bench/rebalance.py --repeats 3 --samples-per-rank 256 --no-write   # a smoke run
+    python bench/balance/rebalance.py                  # 4 gloo ranks x 1024 samples, 9 repeats
+    python bench/balance/rebalance.py --repeats 3 --samples-per-rank 256 --no-write   # a smoke run
 
 Each rank holds a trainer's batch: input_ids and loss_mask (int64), rollout_logprobs and
 advantages (float32, per token), group_id and reward per sample; GRPO groups of 8 kept whole
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from yatt.balance.dist import rebalance, restore
 from yatt.core import Batch
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results
 MAX_LEN = 2048
 GROUP_SIZE = 8
 CASES = {
@@ -236,7 +236,7 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
 
 
 def git_commit() -> str:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=False
     )

@@ -1,8 +1,8 @@
 """How long a checkpoint blocks the training loop: async vs synchronous save, side by side.
 
-    python bench/ckpt.py                          # ~1 GB CPU state, writes bench/results/ckpt_cpu.json
-    python bench/ckpt.py --size-mb 128 --repeats 2    # quick check
-    python bench/ckpt.py --device cuda            # state on the GPU, writes bench/results/ckpt_cuda.json
+    python bench/ckpt/ckpt.py                          # ~1 GB CPU state, writes bench/results/ckpt_cpu.json
+    python bench/ckpt/ckpt.py --size-mb 128 --repeats 2    # quick check
+    python bench/ckpt/ckpt.py --device cuda            # state on the GPU, writes bench/results/ckpt_cuda.json
 
 The state is a stack of bias-free Linear layers plus AdamW (params + exp_avg + exp_avg_sq, so
 ~3x the parameter bytes). Each round does one synchronous save, then one async save; "blocked" is
@@ -162,7 +162,7 @@ def main() -> None:
         parser.error(f"--repeats={args.repeats} must be >= 1")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; run on the GPU machine or use --device cpu")
-    out = args.out or Path(__file__).parent / "results" / f"ckpt_{args.device}.json"
+    out = args.out or Path(__file__).resolve().parents[1] / "results" / f"ckpt_{args.device}.json"
     with tempfile.TemporaryDirectory(dir=args.root) as tmp:
         result = run(args.size_mb, args.device, args.repeats, Path(tmp))
     print_table(result)

@@ -1,6 +1,6 @@
 """Write time of an async save, thread vs process writer, with an idle vs a Python-busy trainer.
 
-    python bench/ckpt_writer.py [--gb 2] [--repeats 3] [--device cpu|cuda]
+    python bench/ckpt/ckpt_writer.py [--gb 2] [--repeats 3] [--device cpu|cuda]
         [--root /dev/shm/yatt-bench-writer]
 
 "write" is the time from save() returning to wait() returning: how long the next save would

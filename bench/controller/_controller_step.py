@@ -1,4 +1,4 @@
-"""bench/controller.py --full-step: one whole GRPO step with a tiny vision-language model, per mode.
+"""bench/controller/controller.py --full-step: one whole GRPO step with a tiny vision-language model, per mode.
 
 Each rank holds the same tiny Qwen2-VL twice, as a step needs it: the built-in rollout engine and a
 TorchPolicy under DDP. The prompts are locally drawn images of 1-4 shapes (PNG files that the

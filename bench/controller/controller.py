@@ -1,11 +1,11 @@
 """Per-rank controllers (yatt) against a single controller, with multimodal prompts, on CPU.
 
-    python bench/controller.py                      # 1, 2 and 4 ranks; ~1-2 minutes on 2 cores
-    python bench/controller.py --ranks 1 2 4 8 --prompts-per-rank 32 --steps 3
-    python bench/controller.py --full-step          # the whole GRPO step with a tiny VLM (CPU)
-    python bench/controller.py --full-step --device cuda --ranks 1 2    # on 2 GPUs
+    python bench/controller/controller.py                      # 1, 2 and 4 ranks; ~1-2 minutes on 2 cores
+    python bench/controller/controller.py --ranks 1 2 4 8 --prompts-per-rank 32 --steps 3
+    python bench/controller/controller.py --full-step          # the whole GRPO step with a tiny VLM (CPU)
+    python bench/controller/controller.py --full-step --device cuda --ranks 1 2    # on 2 GPUs
 
---full-step measures the same claim with training in the loop (bench/_controller_step.py says
+--full-step measures the same claim with training in the loop (bench/controller/_controller_step.py says
 what each mode does): rollout on the built-in engine with the images, a judge, balancing and a
 TorchPolicy train step on a tiny Qwen2-VL, per-rank controllers (yatt-step) against rank 0 as
 the driver of a single-controller framework (driver-step). On CPU its results go into a section
@@ -63,7 +63,7 @@ from _controller_step import (
 from _controller_step import run_worker as run_step_worker
 
 IMAGE_SHAPE = (3, 448, 448)
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results
 MODES = ("yatt", "yatt+balance", "baseline")
 FULL_STEP_KEY = "full_step"  # controller_cpu.json's key for the --full-step results
 FULL_STEP_HEADING = "## Full step with a vision-language model"  # and its controller_cpu.md section
@@ -203,13 +203,13 @@ def _split_markdown(path: Path) -> tuple[str, str]:
 
 def _commit() -> str:
     """The commit measured, "+dirty" when the bench's own files differ from it."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
 
     def git(*cmd: str) -> str:
         done = subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True)
         return done.stdout.strip()
 
-    files = ["bench/controller.py", "bench/_controller_step.py"]
+    files = ["bench/controller/controller.py", "bench/controller/_controller_step.py"]
     dirty = git("status", "--porcelain", "--", *files)
     return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+dirty" if dirty else "")
 
@@ -239,7 +239,7 @@ def _device_slug(num_ranks: int) -> str:
 
 
 def run_full_step(args: argparse.Namespace) -> None:
-    """--full-step: each mode of bench/_controller_step.py at each rank count; a report."""
+    """--full-step: each mode of bench/controller/_controller_step.py at each rank count; a report."""
     if args.device == "cuda":
         import torch
 
@@ -292,7 +292,7 @@ def run_full_step(args: argparse.Namespace) -> None:
             "timed_steps": args.steps,
             "image_size": [IMAGE_SIZE_STEP, IMAGE_SIZE_STEP, 3],
             **sizes,
-            "judge": "reward function (count_reward in bench/_controller_step.py)",
+            "judge": "reward function (count_reward in bench/controller/_controller_step.py)",
             "cpu_count": os.cpu_count(),
         },
         "results": results,
@@ -329,10 +329,10 @@ def _full_step_report(summary: dict, args: argparse.Namespace) -> list[str]:
     lines = [
         f"{FULL_STEP_HEADING} (commit {summary['commit']}, {args.device})",
         "",
-        "`python bench/controller.py --full-step"
+        "`python bench/controller/controller.py --full-step"
         + (" --device cuda" if is_cuda else "")
         + f" --ranks {' '.join(map(str, args.ranks))}`: every step is the whole GRPO step on a "
-        f"tiny Qwen2-VL (bench/_controller_step.py): {cfg['prompts_per_rank']} prompts per rank, "
+        f"tiny Qwen2-VL (bench/controller/_controller_step.py): {cfg['prompts_per_rank']} prompts per rank, "
         f"each a drawn {IMAGE_SIZE_STEP}x{IMAGE_SIZE_STEP} RGB PNG of 1-4 shapes "
         f"({cfg['image_mib'] * 1024:.0f} KiB decoded, {cfg['pixel_values_mib'] * 1024:.0f} KiB "
         f"of float32 pixel_values after the image processor), {cfg['group_size']} samples each "

@@ -1,7 +1,7 @@
 """GenRM streaming vs scoring after the rollout, on a long-tailed response-length mix.
 
-    python bench/genrm_stream.py                                   # CPU: fake + tiny real judge
-    python bench/genrm_stream.py --judge tiny --device cuda --dtype bfloat16 \
+    python bench/genrm/genrm_stream.py                                   # CPU: fake + tiny real judge
+    python bench/genrm/genrm_stream.py --judge tiny --device cuda --dtype bfloat16 \
         --tiny-hidden-size 1024 --tiny-num-layers 16 --num-samples 1024 --batch-size 64 \
         --rollout-seconds 20 --max-response-tokens 1024 --max-new-tokens 32 \
         --out bench/results/genrm_stream_gpu.json          # or --judge model --judge-model DIR

@@ -1,7 +1,7 @@
 """Logprobs from full logits against logprobs computed in the head, chunk by chunk.
 
-    python bench/head_logprobs.py                      # CPU: peak RSS and time, 2 layers
-    python bench/head_logprobs.py --device cuda        # GPU: peak allocated memory and time
+    python bench/logprobs/head_logprobs.py                      # CPU: peak RSS and time, 2 layers
+    python bench/logprobs/head_logprobs.py --device cuda        # GPU: peak allocated memory and time
 
 A Qwen2.5-0.5B-wide model (hidden 896, vocabulary 151936) with few layers, so the head is what
 differs. Each variant runs forward + backward of a token-mean logprob loss in its own process
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))  # bench/step: _step_setup
 from _step_setup import QWEN25_05B
 
 VARIANTS = ("logits", "head")

@@ -1,8 +1,8 @@
 """Train-phase MFU of MegatronPolicy on a ~0.5B Qwen2-shaped model at sequence length 2048,
 and the GPU memory it gives back while asleep (the rollout phase).
 
-    PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':') python3 bench/megatron_mfu.py --out-dir $OUT
-    torchrun --nproc-per-node 2 bench/megatron_mfu.py --tp 2     # the same on two GPUs
+    PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':') python3 bench/megatron/megatron_mfu.py --out-dir $OUT
+    torchrun --nproc-per-node 2 bench/megatron/megatron_mfu.py --tp 2     # the same on two GPUs
 
 The model is Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 heads / 2 KV heads, FFN 4864,
 vocab 151936, tied embeddings) with random weights, saved once as an HF checkpoint. Each
@@ -183,7 +183,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--attention", nargs="+", default=["sdpa", "megatron"])
-    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = parser.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     from yatt.core import init_runtime

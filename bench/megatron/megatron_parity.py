@@ -1,7 +1,7 @@
 """Megatron backend on GPU: parity with HF and TorchPolicy, TP=2 vs TP=1, weight sync, sleep, ckpt.
 
-    bash bench/gpu_checks.sh megatron        # or directly, with megatron-core importable:
-    PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':') python3 bench/megatron_parity.py --out-dir $OUT
+    bash gpu_checks/gpu_checks.sh megatron        # or directly, with megatron-core importable:
+    PYTHONPATH=$(ls -d packages/*/src | tr '\n' ':') python3 bench/megatron/megatron_parity.py --out-dir $OUT
 
 Saves three small HF checkpoints (Llama, Qwen2 with q/k/v bias, Qwen3 with qk-norm), then runs
 packages/yatt-core/tests/megatron/_gpu_workers.py under torchrun: TP=1 on one GPU (with a
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "packages/yatt-core/tests/megatron/_gpu_workers.py"
 
 

@@ -1,7 +1,7 @@
 """Placement benchmark: switch times and bytes per plan mode, and the raw move rates behind them.
 
-    python bench/placement.py                    # CUDA if available, else bookkeeping on CPU
-    python bench/placement.py --device cpu       # bookkeeping backend, small sizes
+    python bench/placement/placement.py                    # CUDA if available, else bookkeeping on CPU
+    python bench/placement/placement.py --device cpu       # bookkeeping backend, small sizes
 
 Two synthetic engines (rollout, GenRM) hold weights in a CPU-backed region and a KV cache in a
 region without backup; the trainer is an MLP with AdamW state, offloaded as a TrainerRole. Each
@@ -38,7 +38,7 @@ from yatt.placement import (
 )
 
 MIB = 1 << 20
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results
 PHASES = ("rollout", "genrm", "train", "sync")
 
 

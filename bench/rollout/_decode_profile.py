@@ -1,4 +1,4 @@
-"""Where a decode step of the built-in engine spends its time (used by bench/rollout_gpu.py).
+"""Where a decode step of the built-in engine spends its time (used by bench/rollout/rollout_gpu.py).
 
 `profile_decode(engine, with_kernels=...)` times one graph replay per attention span and, with
 kernels, groups the CUDA kernels of a full-span step (graph replay and eager) by kind. The steps

@@ -1,4 +1,4 @@
-"""Run settings, the PASS/FAIL record and shared helpers of bench/rollout_gpu.py.
+"""Run settings, the PASS/FAIL record and shared helpers of bench/rollout/rollout_gpu.py.
 
 `RUN` is one settings object that --smoke changes in place; every module reads its attributes
 at call time, so the change reaches them all. CHECKS and CHECK_DETAILS are only ever mutated.

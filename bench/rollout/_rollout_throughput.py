@@ -1,5 +1,5 @@
-"""Check 4 of bench/rollout_gpu.py: built-in engine throughput against HF generate and the
-memory-bandwidth roofline, with the decode-step profile of bench/_decode_profile.py.
+"""Check 4 of bench/rollout/rollout_gpu.py: built-in engine throughput against HF generate and the
+memory-bandwidth roofline, with the decode-step profile of bench/rollout/_decode_profile.py.
 """
 
 from __future__ import annotations

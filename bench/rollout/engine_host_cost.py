@@ -1,6 +1,6 @@
 """Do two built-in engine loops in one process slow each other down through the GIL?
 
-    python bench/engine_host_cost.py [--device-ms 4] [--steps 256] [--out FILE.json]
+    python bench/rollout/engine_host_cost.py [--device-ms 4] [--steps 256] [--out FILE.json]
 
 Partial colocation runs the policy engine and the judge engine in one process, each looping in
 its own thread. Here each engine's decode step is replaced by a GIL-releasing sleep of

@@ -1,9 +1,9 @@
 """Decode throughput of the built-in engine, vLLM and SGLang on one GPU, same model, same workload.
 
-    python bench/engines.py --engine builtin --out $OUT/engines_builtin.json   # one engine a process
-    python bench/engines.py --engine vllm --out $OUT/engines_vllm.json
-    python bench/engines.py --engine vllm --unseeded --out $OUT/engines_vllm_unseeded.json
-    python bench/engines.py --report $OUT/engines_*.json --md bench/results/engines_<gpu>.md
+    python bench/rollout/engines.py --engine builtin --out $OUT/engines_builtin.json   # one engine a process
+    python bench/rollout/engines.py --engine vllm --out $OUT/engines_vllm.json
+    python bench/rollout/engines.py --engine vllm --unseeded --out $OUT/engines_vllm_unseeded.json
+    python bench/rollout/engines.py --report $OUT/engines_*.json --md bench/results/engines_<gpu>.md
 
 Workload: the Qwen2.5-0.5B shape with random bf16 weights (saved once with `save_pretrained`),
 prompts of 128 random tokens, 512 new tokens per sample (EOS ignored), temperature 1, batch 64

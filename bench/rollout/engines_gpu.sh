@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # vLLM and SGLang on the device machine, one step per argument:
-#   bash bench/engines_gpu.sh unpack probe vllm_tests sglang_tests bench
+#   bash bench/rollout/engines_gpu.sh unpack probe vllm_tests sglang_tests bench
 #
 # The machine has no registry, so each engine's site-packages (its wheels installed here with
 # `pip install --target`, cp312, minus what the machine already has) arrive as xz pieces in
@@ -10,7 +10,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/yatt-gpu-out}
 mkdir -p "$OUT"
-source "$(dirname "$0")/_gpu_env.sh"  # PYTHONPATH for our packages, NCCL settings, device.txt
+source "$(dirname "$0")/../../gpu_checks/_gpu_env.sh"  # PYTHONPATH for our packages, NCCL settings, device.txt
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
 
 # The built-in engine borrows torch_memory_saver from SGLang's site (the image lacks it).
@@ -33,9 +33,9 @@ unpack() {
 }
 
 probe() {  # what each engine imports, and which of its requirements the machine does not meet
-  with_engine vllm python3 bench/_probe_site.py --tag vllm --dists vllm \
+  with_engine vllm python3 bench/_common/probe_site.py --tag vllm --dists vllm \
     --modules vllm,vllm.entrypoints.llm,vllm.v1.worker.gpu_worker
-  with_engine sglang python3 bench/_probe_site.py --tag sglang --dists sglang \
+  with_engine sglang python3 bench/_common/probe_site.py --tag sglang --dists sglang \
     --modules sglang,sglang.srt.entrypoints.engine,sgl_kernel
 }
 
@@ -60,9 +60,9 @@ for step in "$@"; do
         engine=${run%% *}; tag=${run// --/_}
         site=$(site_of "$engine")
         run_step "bench_$tag" env PYTHONPATH="${site:+$site:}$PYTHONPATH" \
-          python3 bench/engines.py --engine $run --out "$dir/engines_$tag.json"
+          python3 bench/rollout/engines.py --engine $run --out "$dir/engines_$tag.json"
       done
-      python3 bench/engines.py --report "$dir"/engines_*.json --md "$OUT/engines.md"
+      python3 bench/rollout/engines.py --report "$dir"/engines_*.json --md "$OUT/engines.md"
       cp "$dir"/engines_*.json "$OUT/" ;;
     trainer_vllm|trainer_sglang|trainer_vllm_partial|trainer_sglang_partial)
       # The reference trainer on the embedded task with vLLM/SGLang as the rollout engine
@@ -101,21 +101,21 @@ for step in "$@"; do
       [ -d $shared/policy ] || cp -r $run/embedded $shared 2>/dev/null
       cp $run/metrics.jsonl "$OUT/${step}_metrics.jsonl" 2>/dev/null ;;
     step_*)
-      # bench/step.py with each engine as the rollout backend (STEP_RUNS: "layout:backend"
-      # pairs), 1 GPU, --judge-tokens 128 as bench/step_gpu.sh; JSONs kept in STEP_DIR.
+      # bench/step/step.py with each engine as the rollout backend (STEP_RUNS: "layout:backend"
+      # pairs), 1 GPU, --judge-tokens 128 as bench/step/step_gpu.sh; JSONs kept in STEP_DIR.
       dir=${STEP_DIR:-$OUT/steps}; mkdir -p "$dir"
-      python3 bench/step.py --prepare --model-dir /tmp/yatt-step >/dev/null
+      python3 bench/step/step.py --prepare --model-dir /tmp/yatt-step >/dev/null
       IFS=, read -r -a pairs <<<"${STEP_RUNS:-full:builtin,full:vllm,full:sglang}"
       for pair in "${pairs[@]}"; do
         layout=${pair%%:*}; backend=${pair##*:}; site=""
         [ "$backend" != builtin ] && site=$(site_of "$backend")
         kwargs='{}'; [ "$backend" = sglang ] && kwargs='{"attention_backend": "triton"}'
         run_step "step_${layout}_$backend" env PYTHONPATH="${site:+$site:}$PYTHONPATH" \
-          python3 bench/step.py --layout "$layout" --rollout-backend "$backend" \
+          python3 bench/step/step.py --layout "$layout" --rollout-backend "$backend" \
           --engine-kwargs "$kwargs" --model-dir /tmp/yatt-step --out-dir "$dir" \
           --judge-tokens 128 --steps ${STEP_STEPS:-5} --mix fixed,longtail
       done
-      python3 bench/step.py --report --results-dir "$dir" && cp "$dir"/step_* "$OUT/" ;;
+      python3 bench/step/step.py --report --results-dir "$dir" && cp "$dir"/step_* "$OUT/" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -1,8 +1,8 @@
 """GPU verification of yatt-rollout's built-in engine, in one command (about 2-4 minutes).
 
-    python bench/rollout_gpu.py                 # writes bench/results/rollout_<device>.json/.md
-    python bench/rollout_gpu.py --skip-static   # without HF generate + static cache (compiles)
-    python bench/rollout_gpu.py --smoke         # tiny model on CPU: checks the script runs
+    python bench/rollout/rollout_gpu.py                 # writes bench/results/rollout_<device>.json/.md
+    python bench/rollout/rollout_gpu.py --skip-static   # without HF generate + static cache (compiles)
+    python bench/rollout/rollout_gpu.py --smoke         # tiny model on CPU: checks the script runs
 
 Needs CUDA, torch_memory_saver (yatt-placement[cuda]) and yatt-rollout installed. Checks, each
 PASS/FAIL (the script exits 1 if any fails):
@@ -292,7 +292,7 @@ def markdown(results: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[1] / "results"))
     parser.add_argument(
         "--skip-static", action="store_true", help="skip HF generate with static cache"
     )

@@ -1,4 +1,4 @@
-"""bench/step.py --report: the issue's ratios (bars) from the per-run JSONs, whatever the runs
+"""bench/step/step.py --report: the issue's ratios (bars) from the per-run JSONs, whatever the runs
 are named, and the guard that refuses ratios taken from runs that shared a host at once.
 
 Bars (issue 18, "Placement performance"; a ratio passes when value <= bar):

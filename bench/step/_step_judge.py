@@ -1,5 +1,5 @@
 """The dedicated layout's judge pool: one process per judge GPU (a yatt.genrm HTTP app on that
-GPU), started by bench/step.py (`--serve-judge`) and reached with yatt.genrm.GenRMClient over
+GPU), started by bench/step/step.py (`--serve-judge`) and reached with yatt.genrm.GenRMClient over
 all of them (the judge data-parallel).
 
 Ports: server k of --judge-gpus listens on --judge-port + k, on 127.0.0.1. The node's local

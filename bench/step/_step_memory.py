@@ -1,4 +1,4 @@
-"""bench/step.py's memory timeline (issue 27): per phase, what each role holds on the GPU, which
+"""bench/step/step.py's memory timeline (issue 27): per phase, what each role holds on the GPU, which
 roles are asleep, and the phase's peak, from the plan's metrics (plan.metrics(), which the
 trainer logs every step too); a plot beside the step plot, a table, and out-of-memory records.
 

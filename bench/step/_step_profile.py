@@ -1,4 +1,4 @@
-"""`--profile`: one extra step after the timed ones under torch.profiler (bench/step.py).
+"""`--profile`: one extra step after the timed ones under torch.profiler (bench/step/step.py).
 
 Writes a text file per rank 0 and mix: the step's phases (record_function "phase:<name>" ranges,
 wall time each), the CUDA kernels by device time and the host operators by CPU time, so the

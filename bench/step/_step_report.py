@@ -1,4 +1,4 @@
-"""bench/step.py --report: combine the per-run JSONs into one JSON, a Markdown table (medians
+"""bench/step/step.py --report: combine the per-run JSONs into one JSON, a Markdown table (medians
 of the timed steps with their min and max), the issue's ratios (pass/fail, _step_bars.py) and a
 stacked-bar plot of the phases.
 
@@ -237,7 +237,7 @@ def markdown(runs: list[dict], ratios: list[dict], device: str) -> str:
     lines = [
         f"# GRPO step by placement on {device}",
         "",
-        "`bash bench/step_gpu.sh` or `bench/step_gpu8.sh` (bench/step.py, bench/step_trl.py): "
+        "`bash bench/step/step_gpu.sh` or `bench/step/step_gpu8.sh` (bench/step/step.py, bench/step/step_trl.py): "
         "median (min-max) of the "
         "timed steps (after warm-up); phase times are the slowest rank's; busy = mean NVML "
         "utilization over the step; peak = NVML used memory; 1st/median = the first timed "
@@ -450,7 +450,7 @@ def plot(runs: list[dict], path: Path) -> Path | None:
 def write_report(results_dir: Path, device: str | None = None) -> dict[str, Any]:
     runs = load_runs(results_dir)
     if not runs:
-        raise ValueError(f"no step_*gpu.json runs in {results_dir}; run bench/step.py first")
+        raise ValueError(f"no step_*gpu.json runs in {results_dir}; run bench/step/step.py first")
     device = device or runs[0]["device"]
     ratios = compute_ratios(runs)
     combined = {"device": device, "runs": runs, "ratios": ratios}

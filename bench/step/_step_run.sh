@@ -1,4 +1,4 @@
-# Sourced by bench/step_gpu.sh and bench/step_gpu8.sh after they set RUNS, START, BUDGET_S and
+# Sourced by bench/step/step_gpu.sh and bench/step/step_gpu8.sh after they set RUNS, START, BUDGET_S and
 # RUN_TIMEOUT. run NAME CMD...: one run, logged to $RUNS/NAME.log, its progress lines echoed;
 # skipped once the call's budget is spent.
 run() {

@@ -1,4 +1,4 @@
-"""bench/step.py's seed mix (issue 26): DAPO dynamic sampling driven by yatt.core.DynamicSampler.
+"""bench/step/step.py's seed mix (issue 26): DAPO dynamic sampling driven by yatt.core.DynamicSampler.
 
 Every draw takes the next groups of this rank's endless sequence (_step_setup.seed_group: a
 prompt, long-tail forced lengths, hidden labels with a controlled share of groups without

@@ -1,4 +1,4 @@
-"""What every layout of bench/step.py (and bench/step_trl.py) shares: models, prompts, forced
+"""What every layout of bench/step/step.py (and bench/step/step_trl.py) shares: models, prompts, forced
 response lengths, the judge, and the GPU sampler. One definition, so the layouts cannot drift.
 
 Text: the byte-level tokenizer of yatt.testing sits beside both random-weight models (one token
@@ -402,7 +402,7 @@ def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
 
 
 def close_run(ctx: Any) -> None:
-    """Close what bench/step.py's build() made (after a failure too); drop the checkpoints."""
+    """Close what bench/step/step.py's build() made (after a failure too); drop the checkpoints."""
     for closeable in (ctx.ckpt, ctx.judge_engine, ctx.engine):
         if closeable is not None:
             with contextlib.suppress(Exception):

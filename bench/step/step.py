@@ -1,16 +1,16 @@
 """GRPO step time by GPU placement: full colocation, partial colocation, dedicated GenRM GPUs.
 
-    python bench/step.py --layout full --tiny --steps 2                  # CPU smoke run
-    python3 bench/step.py --layout full --out-dir OUT                    # 1 GPU
+    python bench/step/step.py --layout full --tiny --steps 2                  # CPU smoke run
+    python3 bench/step/step.py --layout full --out-dir OUT                    # 1 GPU
     python3 -m torch.distributed.run --standalone --nproc_per_node 2 \
-        bench/step.py --layout partial --out-dir OUT                     # 2 GPUs, one rank each
-    python3 bench/step.py --layout dedicated --judge-gpu 1 --out-dir OUT # judge alone on GPU 1
+        bench/step/step.py --layout partial --out-dir OUT                     # 2 GPUs, one rank each
+    python3 bench/step/step.py --layout dedicated --judge-gpu 1 --out-dir OUT # judge alone on GPU 1
     python3 -m torch.distributed.run --standalone --nproc_per_node 6 \
-        bench/step.py --layout dedicated --judge-gpus 6,7 --shape 1.5b \
+        bench/step/step.py --layout dedicated --judge-gpus 6,7 --shape 1.5b \
         --prompts-per-rank 64 --out-dir OUT                              # 6 policy + 2 judge GPUs
-    python3 bench/step.py --report --results-dir OUT                     # tables, ratios, plot
-    bash bench/step_gpu.sh                                               # all of it, on 2 GPUs
-    bash bench/step_gpu8.sh                                              # issue 19, on 8 GPUs
+    python3 bench/step/step.py --report --results-dir OUT                     # tables, ratios, plot
+    bash bench/step/step_gpu.sh                                               # all of it, on 2 GPUs
+    bash bench/step/step_gpu8.sh                                              # issue 19, on 8 GPUs
 
 Every layout runs the same work (_step_setup.py): a Qwen2.5-0.5B-shaped policy and a
 same-shaped generative judge (random weights; --shape 1.5b, 3b or 7b for Qwen2.5-1.5B's, -3B's
@@ -29,8 +29,8 @@ come back, groups judged as their samples finish, engine.abort() once every rank
 --keep-partial resumes the cut groups next step); --sampler old: the round-based sampler
 drawing only the missing groups, the baseline of issue 26's bars (per kept group):
 
-    python3 bench/step.py --layout partial --mix seed --offload auto --out-dir OUT
-    ONLY=seed bash bench/step_gpu.sh                                     # the bars, 1 GPU
+    python3 bench/step/step.py --layout partial --mix seed --offload auto --out-dir OUT
+    ONLY=seed bash bench/step/step_gpu.sh                                     # the bars, 1 GPU
 
 Layouts (one process per GPU; each step = rollout, GenRM, train, weight sync, checkpoint):
   full       Plan.full_colocation: every rank holds trainer (DDP), rollout engine and judge;

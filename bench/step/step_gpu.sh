@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue #8/#18's placement benchmark on the device machine (carry .whl: trl, datasets, dill,
 # multiprocess and torch_memory_saver come as wheels; there is no network there):
-#   ONLY=1gpu bash bench/step_gpu.sh   # writes under $OUT (default /tmp/yatt-step-out)
+#   ONLY=1gpu bash bench/step/step_gpu.sh   # writes under $OUT (default /tmp/yatt-step-out)
 # ONLY picks groups of runs, or single runs by name, comma-separated; each group fits one
 # 10-minute device call at the defaults (2 warm-up + 5 timed steps per mix):
 #   1gpu       full, TRL, partial          (yatt/TRL and (b)/(a) on 1 GPU)
@@ -28,14 +28,14 @@ YATT_EXTRA=${YATT_EXTRA:-}  # yatt's runs only: e.g. "--profile-phase train"
 RUNS=${RUNS:-/tmp/yatt-step-runs}  # per-run JSONs and logs; they come back as one archive
 rm -rf "$RUNS"
 mkdir -p "$OUT" "$RUNS"
-source "$(dirname "$0")/_gpu_env.sh"  # wheels, PYTHONPATH, NCCL settings, device.txt
+source "$(dirname "$0")/../../gpu_checks/_gpu_env.sh"  # wheels, PYTHONPATH, NCCL settings, device.txt
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/device.txt"
 df -h /dev/shm /tmp | tee -a "$OUT/device.txt"
 
 START=$SECONDS
 MODELS=/tmp/yatt-step
-STEP="bench/step.py --model-dir $MODELS --out-dir $RUNS $EXTRA $YATT_EXTRA"
+STEP="bench/step/step.py --model-dir $MODELS --out-dir $RUNS $EXTRA $YATT_EXTRA"
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
 
 source "$(dirname "$0")/_step_run.sh"  # run NAME CMD...
@@ -68,7 +68,7 @@ want dedicated_auto_2gpu 2gpu-auto all && \
 export CUDA_VISIBLE_DEVICES=0
 want full_1gpu 1gpu all && run full_1gpu python3 $STEP --layout full
 # TRL: as many steps as ours (its own defaults are 1 + 3); $EXTRA still overrides them.
-want trl_1gpu 1gpu all && run trl_1gpu python3 bench/step_trl.py --warmup 2 --steps 5 \
+want trl_1gpu 1gpu all && run trl_1gpu python3 bench/step/step_trl.py --warmup 2 --steps 5 \
   --model-dir $MODELS --out-dir "$RUNS" $EXTRA
 want partial_1gpu 1gpu all && run partial_1gpu python3 $STEP --layout partial
 want full_auto_1gpu 1gpu-auto all && run full_auto_1gpu python3 $STEP --layout full --offload auto
@@ -93,7 +93,7 @@ unset CUDA_VISIBLE_DEVICES
 want scale && run full_p64_2gpu $TORCHRUN $STEP --layout full --offload auto --prompts 64 --mix fixed
 want scale && run dedicated_p64_2gpu python3 $STEP --layout dedicated --judge-gpu 1 --offload auto --prompts 64 --mix fixed
 
-python3 bench/step.py --report --results-dir "$RUNS" 2>&1 | tee "$OUT/report.log" | tail -n 30
+python3 bench/step/step.py --report --results-dir "$RUNS" 2>&1 | tee "$OUT/report.log" | tail -n 30
 cp "$RUNS"/step_nvidia_* "$RUNS"/step_cuda.* "$OUT"/ 2>/dev/null
 # Only 8 files come back from $OUT: the per-run JSONs and logs travel in one archive.
 tar -czf "$OUT/step_runs.tar.gz" -C "$RUNS" .

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 19's placement matrix on one 8-GPU host (bench/step.py), one run after another, then
-# the report (carry .whl as for bench/step_gpu.sh: there is no network on the device machine):
-#   bash bench/step_gpu8.sh                 # writes under $OUT (default /tmp/yatt-step8-out)
+# Issue 19's placement matrix on one 8-GPU host (bench/step/step.py), one run after another, then
+# the report (carry .whl as for bench/step/step_gpu.sh: there is no network on the device machine):
+#   bash bench/step/step_gpu8.sh                 # writes under $OUT (default /tmp/yatt-step8-out)
 # Runs (Qwen2.5-1.5B-shaped policy and judge, random weights; PPR=64 prompts per GPU x 8
 # samples, so every layout does the same 8 x 64 prompts a step; fixed and longtail mixes;
 # WARMUP=2 + STEPS=5 timed steps each):
@@ -9,7 +9,7 @@
 #   partial    (b) 8 ranks, partial colocation
 #   ded62      (c) 6 policy ranks (GPUs 0-5) + a judge pool of 2 servers (GPUs 6, 7)
 #   ded44      (c') 4 policy ranks (GPUs 0-3) + 4 judge servers (GPUs 4-7)
-# then `bench/step.py --report`: (a)/(c) <= 0.5, (a)/(c') reported, (b)/(a) rollout+GenRM <=
+# then `bench/step/step.py --report`: (a)/(c) <= 0.5, (a)/(c') reported, (b)/(a) rollout+GenRM <=
 # 0.80 at 8 GPUs, per-GPU busy fraction and peak memory (the judge GPUs' too), the plot.
 #
 # GPUS=2: the same code paths on a 2-GPU host, as a smoke test before the 8-GPU run (0.5B
@@ -21,9 +21,9 @@
 #
 # ONLY=ded62,ded44 picks runs by name. A run of the 8-GPU matrix takes several minutes (about
 # 14 steps of 512 samples per GPU): on the lent device, one run per 10-minute call, e.g.
-#   ONLY=full RUN_TIMEOUT=540 bash bench/step_gpu8.sh
+#   ONLY=full RUN_TIMEOUT=540 bash bench/step/step_gpu8.sh
 # each call's per-run JSON comes back in $OUT/step_runs.tar.gz; unpack them all into one folder
-# and run `python3 bench/step.py --report --results-dir DIR` anywhere (CPU is fine): ratios
+# and run `python3 bench/step/step.py --report --results-dir DIR` anywhere (CPU is fine): ratios
 # between runs of different calls are flagged "runs on different hosts".
 set -uo pipefail
 OUT=${OUT:-/tmp/yatt-step8-out}
@@ -46,7 +46,7 @@ else
 fi
 rm -rf "$RUNS"
 mkdir -p "$OUT" "$RUNS"
-source "$(dirname "$0")/_gpu_env.sh"  # wheels, PYTHONPATH, NCCL settings, device.txt
+source "$(dirname "$0")/../../gpu_checks/_gpu_env.sh"  # wheels, PYTHONPATH, NCCL settings, device.txt
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/device.txt"
 df -h /dev/shm /tmp | tee -a "$OUT/device.txt"
@@ -54,7 +54,7 @@ df -h /dev/shm /tmp | tee -a "$OUT/device.txt"
 START=$SECONDS
 WORK="--shape $SHAPE --steps $STEPS --warmup $WARMUP --mix $MIX"
 [[ -n $PPR ]] && WORK+=" --prompts-per-rank $PPR"
-STEP="bench/step.py --model-dir $MODELS --out-dir $RUNS $WORK $EXTRA"
+STEP="bench/step/step.py --model-dir $MODELS --out-dir $RUNS $WORK $EXTRA"
 # $TORCHRUN N ...: N ranks on GPUs 0..N-1 (each rank's LOCAL_RANK), this host only.
 TORCHRUN="python3 -m torch.distributed.run --standalone --nproc_per_node"
 
@@ -77,7 +77,7 @@ else
   want ded1s2 && run ded1s2 $TORCHRUN 1 $STEP --layout dedicated --judge-gpus 1,1
 fi
 
-python3 bench/step.py --report --results-dir "$RUNS" 2>&1 | tee "$OUT/report.log" | tail -n 40
+python3 bench/step/step.py --report --results-dir "$RUNS" 2>&1 | tee "$OUT/report.log" | tail -n 40
 cp "$RUNS"/step_nvidia_* "$RUNS"/step_cuda.* "$RUNS"/step_cpu.* "$OUT"/ 2>/dev/null
 # Only a few files come back from $OUT: the per-run JSONs and logs travel in one archive.
 tar -czf "$OUT/step_runs.tar.gz" -C "$RUNS" .

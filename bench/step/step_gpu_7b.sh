@@ -4,10 +4,10 @@
 # out-of-memory errors and reports the share of phase switches + weight sync, with the memory
 # timeline plot (step_memory_<gpu>.png) beside the step plot.
 #
-#   ONLY=smoke   bash bench/step_gpu_7b.sh   # full + partial, 1 warm-up + 2 steps: ~8 min
-#   ONLY=full    bash bench/step_gpu_7b.sh   # full, 1 warm-up + STEPS (20) steps: one call
-#   ONLY=partial bash bench/step_gpu_7b.sh   # partial, 1 warm-up + STEPS steps: one call
-#   ONLY=15b     bash bench/step_gpu_7b.sh   # 1.5B + 1.5B full and partial, auto, 16k-token
+#   ONLY=smoke   bash bench/step/step_gpu_7b.sh   # full + partial, 1 warm-up + 2 steps: ~8 min
+#   ONLY=full    bash bench/step/step_gpu_7b.sh   # full, 1 warm-up + STEPS (20) steps: one call
+#   ONLY=partial bash bench/step/step_gpu_7b.sh   # partial, 1 warm-up + STEPS steps: one call
+#   ONLY=15b     bash bench/step/step_gpu_7b.sh   # 1.5B + 1.5B full and partial, auto, 16k-token
 #                                            # micro-batches: the crash the issue reports
 # Writes under $OUT (default /tmp/yatt-step7b-out): the report (md, json, both plots), device.txt
 # and an archive of the per-run JSONs and logs (oom_*.json where a run ran out of memory).
@@ -59,7 +59,7 @@ if [[ $ONLY == smoke ]]; then RUN_TIMEOUT=${RUN_TIMEOUT:-230}; else RUN_TIMEOUT=
 RUNS=${RUNS:-/tmp/yatt-step7b-runs}
 rm -rf "$RUNS"
 mkdir -p "$OUT" "$RUNS"
-source "$(dirname "$0")/_gpu_env.sh"  # wheels, PYTHONPATH, NCCL settings, device.txt
+source "$(dirname "$0")/../../gpu_checks/_gpu_env.sh"  # wheels, PYTHONPATH, NCCL settings, device.txt
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 export CUDA_VISIBLE_DEVICES=0
 export YATT_HOST_MEMORY_BYTES=${YATT_HOST_MEMORY_BYTES:-$((128 << 30))}  # nvidia-h200's limit
@@ -72,7 +72,7 @@ if [[ ${HOST_CHECK:-1} == 1 ]]; then
   python3 - <<'PY' 2>&1 | tee -a "$OUT/device.txt" || exit 3
 import sys
 
-sys.path.insert(0, "bench")
+sys.path.insert(0, "bench/step")
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -95,7 +95,7 @@ for name, num_bytes in parts.items():
     print(f"host check: {name:32s} {num_bytes / GIB:6.1f} GiB")
 print(f"host check: need {need / GIB:.1f} GiB, available {available / GIB:.1f} GiB")
 if need > available:
-    sys.exit("host check: does not fit; see the memory plan at the top of bench/step_gpu_7b.sh")
+    sys.exit("host check: does not fit; see the memory plan at the top of bench/step/step_gpu_7b.sh")
 PY
 fi
 
@@ -106,8 +106,8 @@ source "$(dirname "$0")/_step_run.sh"  # run NAME CMD...
 # micro-batch cap chosen from free memory, no per-step checkpoint (91 GB of state).
 BIG="--shape 7b --offload auto --mix longtail --warmup 1 --activation-checkpointing"
 BIG="$BIG --offload-optimizer --micro-batch-tokens auto --no-ckpt"
-STEP7="bench/step.py --model-dir /tmp/yatt-step-7b --out-dir $RUNS $BIG"
-STEP15="bench/step.py --model-dir /tmp/yatt-step-15b --out-dir $RUNS --shape 1.5b --offload auto"
+STEP7="bench/step/step.py --model-dir /tmp/yatt-step-7b --out-dir $RUNS $BIG"
+STEP15="bench/step/step.py --model-dir /tmp/yatt-step-15b --out-dir $RUNS --shape 1.5b --offload auto"
 STEP15="$STEP15 --mix longtail --warmup 1 --steps 5 --micro-batch-tokens 16384"
 
 case ",$ONLY," in
@@ -134,7 +134,7 @@ esac
 # log line of one (a crash outside the step loop writes no JSON).
 echo "oom records: $(ls "$RUNS"/oom_*.json 2>/dev/null | wc -l)" | tee -a "$OUT/device.txt"
 echo "oom log lines: $(cat "$RUNS"/*.log | grep -ci 'out of memory')" | tee -a "$OUT/device.txt"
-python3 bench/step.py --report --results-dir "$RUNS" 2>&1 | tee "$OUT/report.log" | tail -n 40
+python3 bench/step/step.py --report --results-dir "$RUNS" 2>&1 | tee "$OUT/report.log" | tail -n 40
 cp "$RUNS"/step_nvidia_* "$RUNS"/step_memory_* "$RUNS"/step_cuda.* "$OUT"/ 2>/dev/null
 tar -czf "$OUT/step7b_runs.tar.gz" -C "$RUNS" .
 echo "total $((SECONDS - START))s"

@@ -1,8 +1,8 @@
-"""Layout (d) of bench/step.py: TRL's GRPOTrainer on the same model, batch and lengths.
+"""Layout (d) of bench/step/step.py: TRL's GRPOTrainer on the same model, batch and lengths.
 
-    python3 bench/step_trl.py --out-dir OUT                 # 1 GPU (trl from .whl/ wheels)
-    python bench/step_trl.py --tiny --steps 1 --out-dir /tmp/o   # CPU, catches API mistakes
-    python3 bench/step_trl.py --use-vllm --judge-tokens 128 --out-dir OUT  # TRL + vLLM colocate
+    python3 bench/step/step_trl.py --out-dir OUT                 # 1 GPU (trl from .whl/ wheels)
+    python bench/step/step_trl.py --tiny --steps 1 --out-dir /tmp/o   # CPU, catches API mistakes
+    python3 bench/step/step_trl.py --use-vllm --judge-tokens 128 --out-dir OUT  # TRL + vLLM colocate
 
 trl is imported lazily (it is no yatt dependency). Settings: trl's GRPOTrainer without vLLM
 (transformers `generate`), beta=0 (no reference model), 16 prompts x 8 completions per optimizer
@@ -21,7 +21,7 @@ the GPU (TRL's default 0.3, yatt's --engine-memory default too); lengths forced 
 SamplingParams(ignore_eos=True) with max_tokens = 256 (TRL passes generation_kwargs to
 SamplingParams). TRL syncs the policy's weights into vLLM before each generation (inside the
 rollout time here). --vllm-sleep: vllm_enable_sleep_mode (off by default, as in TRL). Writes
-trl_vllm_1gpu.json (not step_*.json: bench/step.py's report keeps reading the HF run as (d)).
+trl_vllm_1gpu.json (not step_*.json: bench/step/step.py's report keeps reading the HF run as (d)).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (first-touch memory)")
     p.add_argument("--tiny", action="store_true")
     p.add_argument(
-        "--mix", default="fixed", help="accepted for bench/step.py's flags; TRL runs 'fixed'"
+        "--mix", default="fixed", help="accepted for bench/step/step.py's flags; TRL runs 'fixed'"
     )
     p.add_argument("--judge-tokens", type=int, default=8)
     p.add_argument("--reward", choices=("judge", "constant"), default="judge")

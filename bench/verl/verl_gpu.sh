@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # verl and TRL + vLLM beside yatt on one GPU (issue 29), one step per argument:
-#   bash bench/verl_gpu.sh stash                        # a carried piece -> /root/wheels
-#   bash bench/verl_gpu.sh unpack probe                 # sites in place, imports and Ray checked
-#   bash bench/verl_gpu.sh models verl_longtail         # one verl run (one device call each)
-#   bash bench/verl_gpu.sh yatt trl_vllm report         # yatt's and TRL's runs, then the table
+#   bash bench/verl/verl_gpu.sh stash                        # a carried piece -> /root/wheels
+#   bash bench/verl/verl_gpu.sh unpack probe                 # sites in place, imports and Ray checked
+#   bash bench/verl/verl_gpu.sh models verl_longtail         # one verl run (one device call each)
+#   bash bench/verl/verl_gpu.sh yatt trl_vllm report         # yatt's and TRL's runs, then the table
 #
 # Packages: the machine has no registry. vLLM 0.26.0 (scripts/pack_engine_site.sh vllm) and verl
 # 0.9.1 with Ray 2.54.1, transformers 5.9.0 and the rest (scripts/pack_verl_site.sh) travel as xz
 # pieces of <= 56 MiB, one device call each: `stash` copies the pieces carried in $PACKS (default
 # .packs, an ignored folder named in the call's carry) to /root/wheels, where they stay while
 # the machine is held; `unpack` joins them into /root/site_vllm and /root/site_verl. trl,
-# datasets, dill, multiprocess and torch_memory_saver come as .whl/ wheels (bench/_gpu_env.sh).
+# datasets, dill, multiprocess and torch_memory_saver come as .whl/ wheels (gpu_checks/_gpu_env.sh).
 # Each framework runs in its own process with its own path: verl with site_verl then site_vllm
 # first (verl wants transformers < 5.11: site_verl's 5.9.0 hides the image's 5.17), TRL and
 # yatt's vLLM runs with site_vllm only (the image's transformers).
@@ -26,7 +26,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/verl-gpu-out}
 mkdir -p "$OUT"
-source "$(dirname "$0")/_gpu_env.sh"  # .whl wheels, PYTHONPATH, NCCL settings, device.txt, run_step
+source "$(dirname "$0")/../../gpu_checks/_gpu_env.sh"  # .whl wheels, PYTHONPATH, NCCL settings, device.txt, run_step
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export VLLM_USE_FLASHINFER_SAMPLER=0 NVSHMEM_DISABLE_NVLS=1 RAY_DEDUP_LOGS=0
 PACKS=${PACKS:-.packs}
@@ -58,7 +58,7 @@ unpack() {
 }
 
 probe() {  # imports, unmet requirements, a Ray cluster, and verl's own check of the config
-  PYTHONPATH=$VERL_PATH python3 bench/_probe_site.py \
+  PYTHONPATH=$VERL_PATH python3 bench/_common/probe_site.py \
     --modules verl,ray,vllm,transformers,tensordict,hydra,torchdata,codetiming,verl.trainer.main_ppo,verl.workers.rollout.vllm_rollout.vllm_async_server,verl.experimental.reward_loop.reward_loop,verl.workers.engine_workers,transfer_queue,verl.trainer.ppo.v1 \
     --dists verl,vllm,transformers,datasets,ray,transferqueue,tensordict,hydra-core
   PYTHONPATH=$VERL_PATH python3 - <<'EOF'
@@ -72,9 +72,9 @@ def where():
 print("ray ok", ray.get([where.remote(), where.remote()]), f"{time.time() - t0:.1f}s")
 ray.shutdown()
 EOF
-  PYTHONPATH=$VERL_PATH python3 bench/verl_step.py --dry-run --mix longtail \
+  PYTHONPATH=$VERL_PATH python3 bench/verl/verl_step.py --dry-run --mix longtail \
     --model-dir /tmp/verl-dry-models --out-dir /tmp/verl-dry
-  PYTHONPATH=bench:$VERL_PATH python3 -c "import verl_plugins; print('plugins import ok')"
+  PYTHONPATH=bench/verl:$VERL_PATH python3 -c "import verl_plugins; print('plugins import ok')"
 }
 
 verl_run() {  # verl_run MIX[:1.5b|:recompute]
@@ -83,7 +83,7 @@ verl_run() {  # verl_run MIX[:1.5b|:recompute]
     *:1.5b) extra=(--judge-shape 1.5b); models=$MODELS-0.5b-1.5b; variant+=-j1.5b ;;
     *:recompute) extra=(--old-log-prob recompute); variant+=-recompute ;;
   esac
-  run_step "verl_${spec//:/_}" env PYTHONPATH="$VERL_PATH" python3 bench/verl_step.py \
+  run_step "verl_${spec//:/_}" env PYTHONPATH="$VERL_PATH" python3 bench/verl/verl_step.py \
     --mix "$mix" "${extra[@]}" --steps "$STEPS" --warmup "$WARMUP" --judge-tokens 128 \
     --model-dir "$models" --out-dir "$RUNS_DIR" --timeout $((STEP_TIMEOUT - 30))
   # The Ray cluster this run started, if anything of it is left (it holds GPU memory)
@@ -98,9 +98,9 @@ for step in "$@"; do
     unpack) unpack ;;
     probe) probe 2>&1 | tee "$OUT/probe.log" | grep -v "^$" | tail -n 60 ;;
     models)
-      # bench/step.py's random-weight models, saved once (the image's transformers)
-      python3 bench/step.py --prepare --model-dir "$MODELS"
-      python3 bench/step.py --prepare --judge-shape 1.5b --model-dir "$MODELS-0.5b-1.5b" ;;
+      # bench/step/step.py's random-weight models, saved once (the image's transformers)
+      python3 bench/step/step.py --prepare --model-dir "$MODELS"
+      python3 bench/step/step.py --prepare --judge-shape 1.5b --model-dir "$MODELS-0.5b-1.5b" ;;
     verl_runs)
       IFS=, read -r -a specs <<<"${VERL_RUNS:-longtail,fixed}"
       for spec in "${specs[@]}"; do verl_run "$spec"; done ;;
@@ -110,21 +110,21 @@ for step in "$@"; do
       for pair in "${pairs[@]}"; do
         layout=${pair%%:*}; backend=${pair##*:}; path=$BASE_PATH
         [ "$backend" = vllm ] && path=$VLLM_PATH
-        run_step "yatt_${layout}_$backend" env PYTHONPATH="$path" python3 bench/step.py \
+        run_step "yatt_${layout}_$backend" env PYTHONPATH="$path" python3 bench/step/step.py \
           --layout "$layout" --rollout-backend "$backend" --judge-tokens 128 --no-ckpt \
           --mix "${YATT_MIX:-fixed,longtail}" --steps "$STEPS" --warmup "$WARMUP" \
           --model-dir "$MODELS" --out-dir "$RUNS_DIR"
       done ;;
     yatt_1.5b)
-      run_step yatt_full_builtin_1.5b python3 bench/step.py --layout full --judge-shape 1.5b \
+      run_step yatt_full_builtin_1.5b python3 bench/step/step.py --layout full --judge-shape 1.5b \
         --judge-tokens 128 --no-ckpt --mix longtail --steps "$STEPS" --warmup "$WARMUP" \
         --model-dir "$MODELS-0.5b-1.5b" --out-dir "$RUNS_DIR" ;;
     trl_vllm)
-      run_step trl_vllm env PYTHONPATH="$VLLM_PATH" python3 bench/step_trl.py --use-vllm \
+      run_step trl_vllm env PYTHONPATH="$VLLM_PATH" python3 bench/step/step_trl.py --use-vllm \
         --judge-tokens 128 --steps "$STEPS" --warmup "$WARMUP" \
         --model-dir "$MODELS" --out-dir "$RUNS_DIR" ;;
     report)
-      python3 bench/verl_report.py --results-dir "$RUNS_DIR" --out-dir "$OUT" \
+      python3 bench/verl/verl_report.py --results-dir "$RUNS_DIR" --out-dir "$OUT" \
         --commit "${YATT_COMMIT:-}" | tail -n 40 ;;
     *) echo "unknown step $step" ;;
   esac

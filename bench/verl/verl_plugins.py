@@ -1,6 +1,6 @@
-"""verl-side pieces of bench/verl_step.py, loaded inside verl's Ray workers (never by yatt).
+"""verl-side pieces of bench/verl/verl_step.py, loaded inside verl's Ray workers (never by yatt).
 
-Two classes plug bench/step.py's workload into verl 0.9.1 without touching verl's code paths
+Two classes plug bench/step/step.py's workload into verl 0.9.1 without touching verl's code paths
 that are timed:
 
 ForcedLengthAgentLoop: verl's single-turn agent loop with each request's `max_tokens` set to

@@ -1,10 +1,10 @@
 """yatt beside verl and TRL + vLLM on one GPU: bench/results/verl_<gpu>.md and .json.
 
-    python3 bench/verl_report.py --results-dir RUNS --out-dir bench/results
+    python3 bench/verl/verl_report.py --results-dir RUNS --out-dir bench/results
 
-Reads, from RUNS: yatt's runs (bench/step.py: step_<variant>_1gpu.json), TRL + vLLM colocate
-(bench/step_trl.py --use-vllm: trl_vllm_1gpu.json), TRL with HF generate if present
-(step_trl_1gpu.json), and verl's (bench/verl_step.py: verl_<variant>_1gpu.json). Every run holds
+Reads, from RUNS: yatt's runs (bench/step/step.py: step_<variant>_1gpu.json), TRL + vLLM colocate
+(bench/step/step_trl.py --use-vllm: trl_vllm_1gpu.json), TRL with HF generate if present
+(step_trl_1gpu.json), and verl's (bench/verl/verl_step.py: verl_<variant>_1gpu.json). Every run holds
 per-mix medians, min and max over its timed steps (>= 5 after warm-up); this report puts them in
 one table per mix and judge shape and computes the issue's two ratios:
 

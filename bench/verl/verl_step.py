@@ -1,8 +1,8 @@
-"""bench/step.py's GRPO workload in verl 0.9.1 on one GPU (colocate mode, vLLM for both engines).
+"""bench/step/step.py's GRPO workload in verl 0.9.1 on one GPU (colocate mode, vLLM for both engines).
 
-    python3 bench/verl_step.py --mix longtail --out-dir OUT            # GPU machine (verl_gpu.sh)
-    python3 bench/verl_step.py --mix fixed --judge-shape 1.5b --out-dir OUT
-    python bench/verl_step.py --dry-run --mix longtail --out-dir /tmp/v  # CPU: config only
+    python3 bench/verl/verl_step.py --mix longtail --out-dir OUT            # GPU machine (verl_gpu.sh)
+    python3 bench/verl/verl_step.py --mix fixed --judge-shape 1.5b --out-dir OUT
+    python bench/verl/verl_step.py --dry-run --mix longtail --out-dir /tmp/v  # CPU: config only
 
 The same work as yatt's layouts (_step_setup.py): the random Qwen2.5-0.5B-shaped policy and a
 0.5B- (or --judge-shape 1.5B-) shaped GenRM judge saved once, 16 prompts x 8 samples per step,
@@ -22,12 +22,12 @@ How verl is driven (bench/configs/verl/README.md: the settings, why, and what di
     engines take the 128 prompt ids as they are. A view of the policy directory (weights
     linked, tokenizer copied) gets a chat template that writes the content alone, so verl's
     prompt is the same 128 tokens.
-  * Response lengths: bench/verl_plugins.ForcedLengthAgentLoop (max_tokens + ignore_eos per
-    vLLM request); the judge: bench/verl_plugins.JudgeRewardManager through verl's reward loop
+  * Response lengths: bench/verl/verl_plugins.ForcedLengthAgentLoop (max_tokens + ignore_eos per
+    vLLM request); the judge: bench/verl/verl_plugins.JudgeRewardManager through verl's reward loop
     with the reward model served by vLLM in colocate mode (woken after the rollout).
 
 The run's JSON (verl_<mix>[-j<shape>]_1gpu.json) holds every step's raw timing_s and the phases
-mapped onto yatt's names (PHASES); bench/verl_report.py puts it beside yatt's and TRL's runs.
+mapped onto yatt's names (PHASES); bench/verl/verl_report.py puts it beside yatt's and TRL's runs.
 """
 
 from __future__ import annotations
@@ -48,11 +48,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))  # bench/step: _step_setup
 import _step_setup as setup  # bench/ is not a package
 
 BENCH = Path(__file__).resolve().parent
 PLUGINS = BENCH / "verl_plugins.py"
-AGENT_LOOPS = BENCH / "configs" / "verl" / "agent_loops.yaml"  # registers AGENT_LOOP_NAME
+AGENT_LOOPS = BENCH / "configs" / "agent_loops.yaml"  # registers AGENT_LOOP_NAME
 AGENT_LOOP_NAME = "yatt_forced"
 # A chat template that writes the messages' content and nothing else: verl's prompt ids are then
 # the prompt's own 128 tokens, as yatt's engines get them.
@@ -80,7 +81,7 @@ class VerlBenchConfig:
     # no extra forward pass, as yatt (PolicyLoss(is_on_policy=True)) and TRL (num_iterations=1)
     # run one optimizer step per batch; recompute: verl's default, one more actor forward.
     old_log_prob: str = "bypass"
-    rollout_memory: float = 0.3  # vLLM's gpu_memory_utilization, as bench/step.py's engine
+    rollout_memory: float = 0.3  # vLLM's gpu_memory_utilization, as bench/step/step.py's engine
     judge_memory: float = 0.3
     micro_batch_tokens: int = 16384  # yatt's --micro-batch-tokens; verl's ppo_max_token_len
     actor_dtype: str = "fp32"  # verl's FSDP master weights (bf16 compute either way)
@@ -605,7 +606,7 @@ def parse_args(argv: list[str]) -> tuple[VerlBenchConfig, argparse.Namespace]:
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--actor-dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--trainer", choices=("v1", "v0"), default="v1", help="verl's trainer loop")
-    p.add_argument("--model-dir", default=None, help="bench/step.py's saved models")
+    p.add_argument("--model-dir", default=None, help="bench/step/step.py's saved models")
     p.add_argument("--out-dir", default="bench/results/step_runs")
     p.add_argument("--dry-run", action="store_true", help="compose and validate the config only")
     p.add_argument(

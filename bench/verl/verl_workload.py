@@ -1,4 +1,4 @@
-"""The parts of bench/verl_plugins.py that need no verl (tested on the CPU): which forced length
+"""The parts of bench/verl/verl_plugins.py that need no verl (tested on the CPU): which forced length
 a copy of a dataset row gets, and the judge's prompt ids as yatt's GenRM renders them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))  # bench/step: _step_setup
 from _step_setup import JUDGE_USER, ids_to_text  # bench/ is not a package
 
 
