@@ -46,7 +46,7 @@ for step in "$@"; do
         data.path=/tmp/yatt-runs/full/embedded/prompts.jsonl \
         reward.judge_dir=/tmp/yatt-runs/full/embedded/judge
       cp /tmp/yatt-runs/partial/metrics.jsonl "$OUT/trainer_partial_metrics.jsonl" 2>/dev/null
-      # Issue 26: partial colocation streamed (rollout.sampling_mode=stream): prompts keep entering
+      # Streamed sampling: partial colocation (rollout.sampling_mode=stream): prompts keep entering
       # the engine while verdicts come back, the long tail cut once every rank is full.
       rm -rf /tmp/yatt-runs/stream
       run_step trainer_stream python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
@@ -56,7 +56,7 @@ for step in "$@"; do
         data.path=/tmp/yatt-runs/full/embedded/prompts.jsonl \
         reward.judge_dir=/tmp/yatt-runs/full/embedded/judge
       cp /tmp/yatt-runs/stream/metrics.jsonl "$OUT/trainer_stream_metrics.jsonl" 2>/dev/null
-      # Issue 16's settings on the GPU: a KL reference (a placement role), warm-up + cosine lr,
+      # The trainer's features on the GPU: a KL reference (a placement role), warm-up + cosine lr,
       # eval every 5 steps on the embedded held-out split, the export at the end, reloaded.
       EMB=/tmp/yatt-runs/full/embedded
       run_step trainer_features python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
@@ -65,7 +65,7 @@ for step in "$@"; do
         eval.path=$EMB/eval.jsonl eval.every_steps=5 loss.kl_coef=0.05 \
         policy.lr_schedule=cosine policy.num_warmup_steps=2
       cp /tmp/yatt-runs/features/metrics.jsonl "$OUT/trainer_features_metrics.jsonl" 2>/dev/null
-      # Issue 24: DAPO's recipe (several mini-batches per rollout batch, so the clip acts; rollout
+      # DAPO's recipe (several mini-batches per rollout batch, so the clip acts; rollout
       # correction of the engine's logprobs, with the engine in bf16 beside the fp32 trainer so the
       # IS weights differ from 1; the overlong buffer) on the same embedded task.
       rm -rf /tmp/yatt-runs/dapo

@@ -1,4 +1,4 @@
-"""bench/step/step.py's memory timeline (bench/step/_step_memory.py) and its issue-27 options, on CPU."""
+"""bench/step/step.py's memory timeline (bench/step/_step_memory.py) and the options of its 7B run, on CPU."""
 
 NUM_GPUS = 0
 

@@ -174,7 +174,7 @@ def main() -> None:
                     21 if (dist, n, k) == ("lognormal", 4096, 64) else (3 if n >= 16384 else 5)
                 )
                 rows.append(run_case(dist, n, k, repeats))
-    # Not in the grid the issue asks for: equal_size (same count per rank), where plain KK's
+    # Not in the grid of the bar: equal_size (same count per rank), where plain KK's
     # start from runs of k sorted items is weakest.
     for dist in ("lognormal", "grpo-g8"):
         for k in (8, 64):

@@ -1,5 +1,5 @@
 """Batch.rebalance and Batch.restore at 4096 samples on CPU: the padded batch moved as rows
-(now) against the per-sample dicts it used to go through (before issue 15, item 5).
+(now) against the per-sample dicts it used to go through (before Batch.rebalance).
 
     python bench/balance/rebalance.py                  # 4 gloo ranks x 1024 samples, 9 repeats
     python bench/balance/rebalance.py --repeats 3 --samples-per-rank 256 --no-write   # a smoke run
@@ -53,7 +53,7 @@ CASES = {
 }
 
 
-# -- the path before issue 15 (reference only; the library no longer has it) ---------------
+# -- the path before Batch.rebalance (reference only; the library no longer has it) ---------------
 
 _ARRAY_TAG = "__yatt_ndarray__"
 
@@ -218,7 +218,7 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
         f"{meta['samples_per_rank']} samples (CPU, 1 thread per rank, {meta['cpus']} cores, "
         f"1-minute load average {meta['load_avg_1m']:.1f} after the run), commit {meta['commit']}; "
         f"medians of {meta['repeats']} repeats, the slowest rank's time per call. old: per-sample "
-        "dicts, padded again (the path before issue 15); new: Batch.rebalance / Batch.restore. "
+        "dicts, padded again (the path before Batch.rebalance); new: Batch.rebalance / Batch.restore. "
         "identical: both gave equal batches (fields, dtypes, values) on every rank and repeat.",
         "",
         "| case | moved samples | tokens | rebalance old ms | new ms | new/old "

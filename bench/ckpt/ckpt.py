@@ -8,7 +8,7 @@ The state is a stack of bias-free Linear layers plus AdamW (params + exp_avg + e
 ~3x the parameter bytes). Each round does one synchronous save, then one async save; "blocked" is
 the time the `save` call takes (for async: state_dict + copy into CPU staging buffers), and the
 async end-to-end time is save + wait (write, fsync, commit). The first async save allocates the
-staging buffers and is reported apart from the median. Bar (issue 3): median async blocked time
+staging buffers and is reported apart from the median. Bar: median async blocked time
 <= 15% of the median synchronous save time.
 """
 

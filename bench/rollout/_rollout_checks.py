@@ -21,7 +21,7 @@ class Settings:
     smoke: bool = False  # --smoke: a tiny model on CPU, to test this script without a GPU
     prompt_len: int = 128
     new_tokens: int = 512
-    # HF generate forces the same length as yatt: the workload
+    # HF generate forces the same length as yatt: the benchmark's workload
     hf_tokens: dict[int, int] = field(default_factory=lambda: {64: 512, 256: 512})
     throughput_only: bool = False  # --throughput-only: skip the checks and HF generate
     # The judge-like prefill load: batch and new tokens; prompts of one fixed length, and mixed

@@ -50,7 +50,7 @@ def bench_throughput(results: dict, skip_static: bool) -> None:
     }
     for batch in (64, 256):
         row = rows[batch] = _bench_hf(model, batch, skip_static) if not RUN.throughput_only else {}
-        # The path before issue 28 (eager step, SDPA decode attention) beside the default one.
+        # The path before the compiled decode step (eager step, SDPA decode attention) beside the default one.
         old = _bench_engine(batch, compile_decode=False, decode_attention="sdpa", profile=False)
         row.update({f"old_{k}": v for k, v in old.items() if k.startswith("yatt_")})
         row.update(_bench_engine(batch))

@@ -1,16 +1,17 @@
-"""bench/step/step.py --report: the issue's ratios (bars) from the per-run JSONs, whatever the runs
+"""bench/step/step.py --report: the ratios with their bars from the per-run JSONs, whatever the runs
 are named, and the guard that refuses ratios taken from runs that shared a host at once.
 
-Bars (issue 18, "Placement performance"; a ratio passes when value <= bar):
+Bars (a ratio passes when value <= bar), each named by what it divides:
   full_vs_dedicated   (a) step / (c) step, 2 GPUs, per mix                          <= 0.55
-                      issue 19, 8 GPUs: (a) / (c) 6 policy + 2 judge GPUs           <= 0.5
-                                        (a) / (c') 4 + 4                          reported
+                      8 GPUs: (a) / (c) 6 policy + 2 judge GPUs                     <= 0.5
+                              (a) / (c') 4 + 4                                  reported
   partial_vs_full     (b) rollout+genrm / (a) rollout+genrm, longtail, 1 and 2 GPUs <= 0.80
                       (and at every other GPU count with a full or partial run: 8)
   train_scaling       train phase on 2 GPUs / on 1 GPU, same layout, longtail      <= 0.6
   yatt_vs_trl         yatt step / TRL GRPOTrainer step, 1 GPU, fixed 256 tokens     <= 0.3
   builtin_vs_engine   built-in engine / vLLM or SGLang, step and rollout time       <= 1.0
-  seed (issue 26, the seed mix; rollout+GenRM time per kept group, 1 GPU and any count run):
+  seed_* (the seed mix, DAPO dynamic sampling; rollout+GenRM time per kept group, 1 GPU and
+  any other GPU count run):
     partial_vs_full     (b) new sampler, stream + abort / (a) new sampler, rounds        <= 0.75
     full_new_vs_old     (a) new sampler / (a) the round-based sampler before ("-old")    <= 0.80
     partial_new_vs_old  (b) new sampler / (b) the round-based sampler before             <= 0.65
@@ -40,18 +41,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 BARS = {
-    "full_vs_dedicated": 0.55,  # 2 GPUs (issue 18); 8 GPUs: FULL_VS_DEDICATED_8GPU
+    "full_vs_dedicated": 0.55,  # 2 GPUs; 8 GPUs: FULL_VS_DEDICATED_8GPU
     "partial_vs_full": 0.80,
     "train_scaling": 0.6,
     "yatt_vs_trl": 0.3,
     "builtin_vs_engine": 1.0,
-    # issue 26, the seed mix: rollout+GenRM time per kept group
+    # the seed mix (DAPO dynamic sampling): rollout+GenRM time per kept group
     "seed_partial_vs_full": 0.75,
     "seed_full_new_vs_old": 0.80,
     "seed_partial_new_vs_old": 0.65,
 }
 
-# Issue 19 on 8 GPUs: (c) = 6 policy + 2 judge GPUs, with its bar; (c') = 4 + 4, reported.
+# full_vs_dedicated on 8 GPUs: (c) = 6 policy + 2 judge GPUs, with its bar; (c') = 4 + 4, reported.
 FULL_VS_DEDICATED_8GPU: dict[str, float | None] = {"6+2": 0.5, "4+4": None}
 
 LABELS = {
@@ -101,7 +102,7 @@ def label_of(variant: str) -> str:
         elif part in ENGINE_NAMES:
             parts.append(f"{ENGINE_NAMES[part]} as the rollout engine")
         elif part == "old":
-            parts.append("round-based sampler drawing only the missing groups (before issue 26)")
+            parts.append("round-based sampler drawing only the missing groups")
         elif part == "keep":
             parts.append("cut groups resumed next step")
         elif part.startswith("nv") and part[2:]:
@@ -292,7 +293,7 @@ def _ratio(
     return {
         "name": name,
         "what": what,
-        "bar": bar,  # None: a ratio the issue asks for without a bar (reported only)
+        "bar": bar,  # None: a ratio reported without a bar
         "value": value,
         "pass": None if value is None or bar is None else value <= bar,
         "runs": [run_key(r) for r in runs],
@@ -312,7 +313,7 @@ def compute_ratios(runs: list[dict]) -> list[dict]:
     out += _train_scaling(runs)
     out += _yatt_vs_trl(runs)
     out += _engine_ratios(runs)
-    out += _seed_sampling(runs)
+    out += _sampling_per_kept_group(runs)
     return apply_guard(out, runs)
 
 
@@ -329,8 +330,8 @@ def _full_vs_dedicated_bar(num_gpus: int, split: str | None) -> float | None:
 
 
 def _full_vs_dedicated(runs: list[dict]) -> list[dict]:
-    """(a) step / (c) step on as many GPUs, per mix: 2 GPUs (issue 18: 1 policy + 1 judge
-    GPU), 8 GPUs (issue 19: (c) 6+2 and (c') 4+4, each its own row), any other count found."""
+    """(a) step / (c) step on as many GPUs, per mix: 2 GPUs (1 policy + 1 judge GPU), 8 GPUs
+    ((c) 6+2 and (c') 4+4, each its own row), any other count found."""
     out = []
     # A dedicated judge needs a GPU besides the policy's: 2 GPUs at least.
     for n in [n for n in _gpu_counts(runs, ("full", "dedicated"), always=(2,)) if n >= 2]:
@@ -340,7 +341,7 @@ def _full_vs_dedicated(runs: list[dict]) -> list[dict]:
             for c in _runs_of(runs, "dedicated", n)
             if settings_of(a["layout"]) == settings_of(c["layout"])
         ]
-        # The placements the issues name, each with its row even when unmeasured.
+        # The placements the bar compares, each with its row even when unmeasured.
         expected = list(FULL_VS_DEDICATED_8GPU) if n == 8 else [None]
         for mix in ("fixed", "longtail"):
             rows, covered = [], set()
@@ -467,8 +468,8 @@ def _engine_ratios(runs: list[dict]) -> list[dict]:
     return out
 
 
-def _seed_sampling(runs: list[dict]) -> list[dict]:
-    """Issue 26's three bars on the seed mix, per GPU count, like for like except the sampler
+def _sampling_per_kept_group(runs: list[dict]) -> list[dict]:
+    """Dynamic sampling's three bars on the seed mix (rollout+GenRM time per kept group), per GPU count, like for like except the sampler
     ("-old") and, for partial, resuming cut groups ("-keep": its own row)."""
     metric, out = rollout_genrm_per_kept_group, []
 

@@ -1,4 +1,4 @@
-"""bench/step/step.py's memory timeline (issue 27): per phase, what each role holds on the GPU, which
+"""bench/step/step.py's memory timeline: per phase, what each role holds on the GPU, which
 roles are asleep, and the phase's peak, from the plan's metrics (plan.metrics(), which the
 trainer logs every step too); a plot beside the step plot, a table, and out-of-memory records.
 
@@ -119,7 +119,7 @@ def last_timeline(run: dict) -> tuple[str, dict[str, dict[str, Any]]] | None:
 
 
 def switch_share(run: dict, mix: str) -> float | None:
-    """Phase switches + weight sync, as a share of the median step (the issue's bar):
+    """Phase switches + weight sync, as a share of the median step (a bar of the 7B run):
     every switch except sync's, plus the sync phase (its switch and the weight transfer)."""
     steps = run["mixes"].get(mix, {}).get("steps") or []
     shares = []

@@ -1,5 +1,5 @@
 """bench/step/step.py --report: combine the per-run JSONs into one JSON, a Markdown table (medians
-of the timed steps with their min and max), the issue's ratios (pass/fail, _step_bars.py) and a
+of the timed steps with their min and max), the ratios against their bars (pass/fail, _step_bars.py) and a
 stacked-bar plot of the phases.
 
 Runs are keyed by variant (_step_setup.variant_key): the layout, then what differs from the
@@ -349,7 +349,7 @@ SEED_COLUMNS = (
 
 
 def seed_table(runs: list[dict]) -> list[str]:
-    """The seed mix (issue 26): dynamic sampling's work per layout and sampler."""
+    """The seed mix: dynamic sampling's work per layout and sampler."""
     seeded = [r for r in sorted(runs, key=run_order) if "seed" in r.get("mixes", {})]
     if not seeded:
         return []
@@ -408,7 +408,7 @@ def plot(runs: list[dict], path: Path) -> Path | None:
     width = max(6.0, 1.0 * most)
     fig, axes = plt.subplots(1, len(mixes), figsize=(width * len(mixes), 5), squeeze=False)
     for ax, mix in zip(axes[0], mixes, strict=True):
-        # By GPU count, then (a), (b), (c), as the issues name them.
+        # By GPU count, then (a), (b), (c), as the bars name them.
         bars = [
             r
             for r in sorted(runs, key=lambda r: (r["num_gpus"], run_order(r)))

@@ -1,4 +1,4 @@
-"""bench/step/step.py's seed mix (issue 26): DAPO dynamic sampling driven by yatt.core.DynamicSampler.
+"""bench/step/step.py's seed mix: DAPO dynamic sampling driven by yatt.core.DynamicSampler.
 
 Every draw takes the next groups of this rank's endless sequence (_step_setup.seed_group: a
 prompt, long-tail forced lengths, hidden labels with a controlled share of groups without
@@ -21,7 +21,7 @@ reward is the sample's hidden label, so what is kept does not depend on the judg
                core's stream keep rate, steadied by last step's (before, the step's own rate
                after one dropped group was 0, which drew 4x the missing groups at once). The step's
                timeline goes into the stats (stream_*_s: seconds from the stream's start).
-    --sampler old   the round-based sampler before issue 26 (core.sample_dynamically: each
+    --sampler old   the round-based sampler before over-sampling (core.sample_dynamically: each
                round draws only the missing groups, no over-sampling); partial overlaps the
                judge with the rollout inside each round (score_as_completed), nothing aborted.
 """

@@ -104,7 +104,7 @@ JUDGE_USER = (
 )
 JUDGE_TEMPLATE_TOKENS = 160  # chat template + the text above, rounded up (engine context)
 
-# The seed mix's defaults (issue 26): half the groups without reward variance, a 1.5B judge
+# The seed mix's defaults: half the groups without reward variance, a 1.5B judge
 # writing a 384-token chain of thought (the middle of the seed's 256-512) before its verdict.
 SEED_NO_VARIANCE_SHARE = 0.5
 SEED_JUDGE_TOKENS = 384
@@ -390,7 +390,7 @@ def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
         key += f"-js{args.judge_slots}"
     if getattr(args, "ckpt_when_busy", "wait") != "wait":
         key += f"-{args.ckpt_when_busy}"
-    if "seed" in (getattr(args, "mixes", None) or []):  # issue 26's sampler settings
+    if "seed" in (getattr(args, "mixes", None) or []):  # the seed mix's sampler settings
         if getattr(args, "sampler", "new") == "old":
             key += "-old"
         if getattr(args, "keep_partial", False):

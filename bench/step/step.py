@@ -10,7 +10,7 @@
         --prompts-per-rank 64 --out-dir OUT                              # 6 policy + 2 judge GPUs
     python3 bench/step/step.py --report --results-dir OUT                     # tables, ratios, plot
     bash bench/step/step_gpu.sh                                               # all of it, on 2 GPUs
-    bash bench/step/step_gpu8.sh                                              # issue 19, on 8 GPUs
+    bash bench/step/step_gpu8.sh                                              # the placements on 8 GPUs
 
 Every layout runs the same work (_step_setup.py): a Qwen2.5-0.5B-shaped policy and a
 same-shaped generative judge (random weights; --shape 1.5b, 3b or 7b for Qwen2.5-1.5B's, -3B's
@@ -20,14 +20,14 @@ every layout on as many GPUs does the same work), prompts of 128 tokens, respons
 ignore_eos): `fixed` = 256 each, `longtail` = 90% in [64, 192] and 10% in [512, 1024]. The judge
 reads prompt + response (about 300-1300 tokens) and writes an 8-token verdict.
 
-The seed mix (issue 26, `--mix seed`; _step_sampling.py): DAPO dynamic sampling by
+The seed mix (`--mix seed`; _step_sampling.py): DAPO dynamic sampling by
 core.DynamicSampler over an endless sequence of groups, half of them without reward variance
 (--no-variance-share; each sample's verdict fixed by a hidden label, so every layout keeps the
 same groups), longtail lengths, and by default a 1.5B-shaped judge writing a 384-token chain of
 thought. full: rounds with adaptive over-sampling; partial: a stream (engine fed while verdicts
 come back, groups judged as their samples finish, engine.abort() once every rank is full;
 --keep-partial resumes the cut groups next step); --sampler old: the round-based sampler
-drawing only the missing groups, the baseline of issue 26's bars (per kept group):
+drawing only the missing groups, the baseline of the seed mix's bars (per kept group):
 
     python3 bench/step/step.py --layout partial --mix seed --offload auto --out-dir OUT
     ONLY=seed bash bench/step/step_gpu.sh                                     # the bars, 1 GPU
@@ -55,7 +55,7 @@ Per step (after --warmup steps, 2 by default: see below): step time, phase times
 ranks), GPU busy fraction and peak memory per GPU, judge GPUs included (NVML sampled every 20
 ms; n/a on CPU), checkpoint blocked time
 (yatt.ckpt async save of the policy every step). One JSON per run, with the run's wall-clock
-interval and host; --report combines them (medians with min and max, the issue's ratios; a
+interval and host; --report combines them (medians with min and max, the ratios and their bars; a
 ratio between runs that overlapped on one host is refused: run them one after another).
 
 Warm-up: the first step creates AdamW's state (lazily, in its optimizer step); the second is the
@@ -245,7 +245,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if mix not in setup.MIXES:
             p.error(f"--mix {mix!r}: use {setup.MIXES}")
     is_seed = "seed" in args.mixes
-    # The seed mix's workload (issue 26): a 1.5B judge writing a chain of thought.
+    # The seed mix's workload: a 1.5B judge writing a chain of thought.
     if args.judge_tokens is None:
         args.judge_tokens = setup.SEED_JUDGE_TOKENS if is_seed else 8
     if args.judge_tokens < 1:
@@ -558,7 +558,7 @@ def run_layout(args: argparse.Namespace) -> Path | None:
                 try:
                     row = one_step(ctx, mix, step, global_step)
                 except Exception as exc:
-                    if _step_memory.is_out_of_memory(exc):  # the issue's bar counts them
+                    if _step_memory.is_out_of_memory(exc):  # the 7B run's bar counts them
                         _step_memory.write_oom(args.out_dir, ctx, mix, step, exc)
                     raise
                 global_step += 1

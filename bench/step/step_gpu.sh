@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #8/#18's placement benchmark on the device machine (carry .whl: trl, datasets, dill,
+# The GRPO step by placement (bench/step/step.py) on the device machine (carry .whl: trl, datasets, dill,
 # multiprocess and torch_memory_saver come as wheels; there is no network there):
 #   ONLY=1gpu bash bench/step/step_gpu.sh   # writes under $OUT (default /tmp/yatt-step-out)
 # ONLY picks groups of runs, or single runs by name, comma-separated; each group fits one
@@ -10,7 +10,7 @@
 #                                           2-GPU/1-GPU ratio wants full_1gpu in the same call)
 #   2gpu-auto  full-auto, dedicated-auto
 #   scale      full and dedicated at 64 prompts, fixed mix, offload auto
-#   seed       issue 26's bars, 1 GPU, the seed mix (0.5B policy, 1.5B judge writing 384
+#   seed       dynamic sampling's bars, 1 GPU, the seed mix (0.5B policy, 1.5B judge writing 384
 #              tokens, half the groups without reward variance), offload auto: full and
 #              partial with the new sampler, then both with the round-based one ("-old")
 #   seed-keep  partial, cut groups resumed next step (--keep-partial)
@@ -76,7 +76,7 @@ want partial_auto_1gpu 1gpu-auto all && \
   run partial_auto_1gpu python3 $STEP --layout partial --offload auto
 want separate_1gpu 1gpu-auto all && run separate_1gpu python3 $STEP --layout dedicated
 
-# Issue 26 (the seed mix): SEED_STEPS timed steps after one warm-up each (offload auto has no
+# The seed mix (dynamic sampling): SEED_STEPS timed steps after one warm-up each (offload auto has no
 # first offload of AdamW's state to warm up for).
 SEED="$STEP --mix seed --offload auto --model-dir /tmp/yatt-step-seed --warmup 1 --steps ${SEED_STEPS:-3}"
 if want seed_models seed seed-keep; then run seed_models python3 $SEED --prepare; fi

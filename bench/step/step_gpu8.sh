@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19's placement matrix on one 8-GPU host (bench/step/step.py), one run after another, then
+# The placement matrix on one 8-GPU host (bench/step/step.py), one run after another, then
 # the report (carry .whl as for bench/step/step_gpu.sh: there is no network on the device machine):
 #   bash bench/step/step_gpu8.sh                 # writes under $OUT (default /tmp/yatt-step8-out)
 # Runs (Qwen2.5-1.5B-shaped policy and judge, random weights; PPR=64 prompts per GPU x 8

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 27's bars on ONE GPU: a 7B policy with a 7B judge (Qwen2.5-7B shapes, random weights),
+# Out-of-memory errors and the step's share of phase switches on ONE GPU: a 7B policy with a 7B judge (Qwen2.5-7B shapes, random weights),
 # full and partial colocation with Plan(offload="auto"), long-tail mix, forced lengths; counts
 # out-of-memory errors and reports the share of phase switches + weight sync, with the memory
 # timeline plot (step_memory_<gpu>.png) beside the step plot.
@@ -8,7 +8,7 @@
 #   ONLY=full    bash bench/step/step_gpu_7b.sh   # full, 1 warm-up + STEPS (20) steps: one call
 #   ONLY=partial bash bench/step/step_gpu_7b.sh   # partial, 1 warm-up + STEPS steps: one call
 #   ONLY=15b     bash bench/step/step_gpu_7b.sh   # 1.5B + 1.5B full and partial, auto, 16k-token
-#                                            # micro-batches: the crash the issue reports
+#                                            # micro-batches: a crash once reported there
 # Writes under $OUT (default /tmp/yatt-step7b-out): the report (md, json, both plots), device.txt
 # and an archive of the per-run JSONs and logs (oom_*.json where a run ran out of memory).
 #
@@ -42,7 +42,7 @@
 #   yatt's host headroom                                                                    4.0
 #   total                                                                                   103.7
 # of 128 GiB: ~24 GiB margin before the process's own memory (Python, CUDA, batches: ~5).
-# Before issue 27's host fixes it needed 190 GiB: torch's pinned allocator rounded each tensor
+# Before the host-memory fixes it needed 190 GiB: torch's pinned allocator rounded each tensor
 # up to a power of two (weights 53.9, AdamW 107.8) and both engines kept a backup (2 x 14.2).
 # If it did not fit: bf16 AdamW moments would halve the 57 (not an option yet).
 #
@@ -130,7 +130,7 @@ case ",$ONLY," in
     run partial_auto_15b python3 $STEP15 --layout partial ;;
 esac
 
-# The issue's bar counts every out-of-memory error: an oom_*.json per run that hit one, and any
+# The out-of-memory bar counts every out-of-memory error: an oom_*.json per run that hit one, and any
 # log line of one (a crash outside the step loop writes no JSON).
 echo "oom records: $(ls "$RUNS"/oom_*.json 2>/dev/null | wc -l)" | tee -a "$OUT/device.txt"
 echo "oom log lines: $(cat "$RUNS"/*.log | grep -ci 'out of memory')" | tee -a "$OUT/device.txt"

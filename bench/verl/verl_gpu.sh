@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# verl and TRL + vLLM beside yatt on one GPU (issue 29), one step per argument:
+# verl and TRL + vLLM beside yatt on one GPU, one step per argument:
 #   bash bench/verl/verl_gpu.sh stash                        # a carried piece -> /root/wheels
 #   bash bench/verl/verl_gpu.sh unpack probe                 # sites in place, imports and Ray checked
 #   bash bench/verl/verl_gpu.sh models verl_longtail         # one verl run (one device call each)

@@ -6,7 +6,7 @@ Reads, from RUNS: yatt's runs (bench/step/step.py: step_<variant>_1gpu.json), TR
 (bench/step/step_trl.py --use-vllm: trl_vllm_1gpu.json), TRL with HF generate if present
 (step_trl_1gpu.json), and verl's (bench/verl/verl_step.py: verl_<variant>_1gpu.json). Every run holds
 per-mix medians, min and max over its timed steps (>= 5 after warm-up); this report puts them in
-one table per mix and judge shape and computes the issue's two ratios:
+one table per mix and judge shape and computes two ratios:
 
   yatt / verl      longtail mix: the best (lowest median step) 1-GPU yatt run over verl's run
                    with the same judge shape;
