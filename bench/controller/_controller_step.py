@@ -9,10 +9,12 @@ ends before one (counted as num_cut_responses), since TorchPolicy refuses an ima
 has no image. One step, per mode:
 
     yatt-step      every rank: ShardedLoader reads its own rows -> decodes its own images ->
-                   image processor -> built-in engine generates (images in the requests) ->
-                   judge -> GRPO advantages (a group lives on one rank) -> Batch.rebalance by
-                   the policy's costs (images move with the samples the plan moves) -> old
-                   logprobs -> train step -> weights to its engine -> all-reduced stats
+                   image processor -> the trainer's own round (examples/train_grpo.py:
+                   generate_and_score, the built-in engine with the images in the requests,
+                   each response judged as it lands; to_batch) -> GRPO advantages (a group
+                   lives on one rank) -> Batch.rebalance by the policy's costs (images move
+                   with the samples the plan moves) -> old logprobs -> train step -> weights
+                   to its engine -> all-reduced stats
     driver-step    rank 0 is also the driver of a single-controller framework (a Ray driver in
                    verl), the other ranks its workers: the driver reads every rank's rows,
                    decodes and processes every image (the dataset runs in the driver) and
@@ -138,25 +140,47 @@ def count_reward(prompt: str, response: str, reference: str | None, row: dict) -
 
 
 # -- one rank --------------------------------------------------------------------------------
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def trainer() -> Any:
+    """examples/train_grpo.py as a module: yatt-step runs the trainer's own round on it."""
+    import sys
+
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import train_grpo
+
+    return train_grpo
 
 
 class _Rank:
-    """What a rank loads once: tokenizer, image processor, engine, policy, judge."""
+    """What a rank loads once: tokenizer, image processor, engine, policy, judge, and what the
+    trainer's functions read of a prompt encoder (takes_images, cut_token_ids) and a config
+    (data: the rows' prompt and answer fields)."""
+
+    takes_images = True
 
     def __init__(self, model_dir: str, runtime: Any, *, seed: int) -> None:
         from transformers import AutoTokenizer
 
         from yatt.core import TorchPolicy, TorchPolicyConfig, load_image_processor
         from yatt.genrm import RewardFunction
+        from yatt.placement import Plan
         from yatt.rollout import BuiltinEngine, EngineConfig
         from yatt.testing import VISION_TOKENS
 
+        self.trainer = trainer()  # imported before the measured steps, in both modes
         self.runtime = runtime
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.image_processor = load_image_processor(model_dir)
         self.image_token_id = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
         self.vision_token_ids = set(self.tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)))
+        # A response ends before a sampled vision token (TorchPolicy refuses an image token
+        # without its image): generation stops there and the training sample is cut there.
+        self.cut_token_ids = tuple(sorted(self.vision_token_ids))
         self.num_cut_responses = 0  # responses cut before a sampled vision token
+        self.data = self.trainer.DataConfig(prompt_key="prompt", answer_key="answer")
         engine_config = EngineConfig(
             device=str(runtime.device), dtype="float32", max_seq_len=256, max_batch_size=64
         )
@@ -166,10 +190,15 @@ class _Rank:
             runtime,
         )
         self.judge = RewardFunction(count_reward, name="count")
+        # Every role stays awake (nothing sleeps between phases): the bench measures where the
+        # data goes, not placement.
+        self.plan = Plan.separate(rollout=self.engine, train=self.policy)
         self.seed = seed
 
-    def encode_prompt(self, row: dict) -> dict:
-        """A row's prompt ids (image placeholders expanded), decoded image and VisionInputs."""
+    def encode_prompt(self, row: dict) -> Any:
+        """A row as the trainer's Prompt: ids (image placeholders expanded), the decoded image
+        (the engine's input) and its VisionInputs (the policy's); the row keeps the fields the
+        judge reads (the image travels decoded, not twice)."""
         from PIL import Image
 
         from yatt.core import encode_vision_prompt
@@ -189,46 +218,50 @@ class _Rank:
         ids, vision = encode_vision_prompt(
             ids, [pixels], image_processor=self.image_processor, image_token_id=self.image_token_id
         )
-        return {"ids": ids, "image": pixels, "vision": vision, "answer": row["answer"]}
+        judged = {"prompt": row["prompt"], "answer": row["answer"]}
+        return self.trainer.Prompt(row=judged, ids=ids, images=[pixels], vision=vision)
 
-    def generate(self, prompts: list[dict], *, group_size: int, max_new_tokens: int, step: int):
-        from yatt.rollout import Request, SamplingParams
+    def sampling(self, args: Any, step: int) -> Any:
+        from yatt.rollout import SamplingParams
 
-        requests = [Request(prompt_ids=p["ids"], images=[p["image"]]) for p in prompts]
-        sampling = SamplingParams(
-            n=group_size,
+        return SamplingParams(
+            n=args.group_size,
             temperature=1.0,
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=args.max_new_tokens,
             seed=self.seed + step,
-            stop_token_ids=tuple(self.vision_token_ids),
+            stop_token_ids=self.cut_token_ids,
         )
-        return [self._cut_at_vision_token(c) for c in self.engine.generate(requests, sampling)]
+
+    def count_cuts(self, completions: list[Any]) -> None:
+        self.num_cut_responses += sum(
+            any(t in self.vision_token_ids for t in c.response_ids) for c in completions
+        )
+
+    def generate(self, prompts: list[Any], args: Any, step: int) -> list[Any]:
+        """driver-step: this rank's share generated, each response cut before a vision token."""
+        from yatt.rollout import Request
+
+        requests = [Request(prompt_ids=p.ids, images=p.images) for p in prompts]
+        completions = self.engine.generate(requests, self.sampling(args, step))
+        self.count_cuts(completions)
+        return [self._cut_at_vision_token(c) for c in completions]
 
     def _cut_at_vision_token(self, completion: Any) -> Any:
-        # The random tiny policy samples vision tokens now and then; an image token in a
-        # response is refused by TorchPolicy (more image tokens than images), so the response
-        # ends before it (generation stops there too: stop_token_ids).
         cut = next(
             (i for i, t in enumerate(completion.response_ids) if t in self.vision_token_ids), None
         )
         if cut is None:
             return completion
-        self.num_cut_responses += 1
         return dataclasses.replace(
             completion,
             response_ids=completion.response_ids[:cut],
             logprobs=completion.logprobs[:cut],
         )
 
-    def judge_rewards(self, prompts: list[dict], completions: list[Any]) -> list[float]:
-        from yatt.genrm import Sample
-
+    def judge_rewards(self, prompts: list[Any], completions: list[Any]) -> list[float]:
+        """driver-step: the driver judges every rank's responses (the trainer's judge view)."""
         samples = [
-            Sample(
-                prompt=QUESTION,
-                response=self.tokenizer.decode(c.response_ids, skip_special_tokens=True),
-                reference=prompts[c.request_index]["answer"],
-            )
+            self.trainer.judge_view(prompts[c.request_index], c, self.tokenizer, self.data)
             for c in completions
         ]
         return [verdict.reward for verdict in self.judge.score(samples)]
@@ -244,28 +277,30 @@ class _Rank:
         return metrics
 
 
-def _training_samples(prompts: list[dict], completions: list[Any], rewards: list[float]):
-    from yatt.core import rollout_samples
-
-    return rollout_samples(
-        completions,
-        rewards,
-        [c.request_index for c in completions],
-        vision_inputs=[prompts[c.request_index]["vision"] for c in completions],
-    )
-
-
 def _yatt_step(rank: _Rank, loader: Any, step: int, args: Any) -> dict[str, float]:
     import torch
 
-    from yatt.core import compute_grpo_advantages, reduce_metrics, rollout_batch
+    from yatt.core import compute_grpo_advantages, reduce_metrics
 
     prompts = [rank.encode_prompt(row) for row in loader.next_batch()]  # own shard only
-    completions = rank.generate(
-        prompts, group_size=args.group_size, max_new_tokens=args.max_new_tokens, step=step
+    # The trainer's own round: generate -> judge (a reward function scores each response as it
+    # lands, as the trainer does without a judge engine) -> training samples, each response
+    # cut before a vision token, each sample with its prompt's images.
+    scored = rank.trainer.generate_and_score(
+        prompts,
+        rank.sampling(args, step),
+        engine=rank.engine,
+        scorer=rank.judge,
+        plan=rank.plan,
+        tokenizer=rank.tokenizer,
+        data=rank.data,
+        should_overlap=True,
+        timings={},
     )
-    rewards = rank.judge_rewards(prompts, completions)
-    batch = rollout_batch(_training_samples(prompts, completions, rewards))
+    rank.count_cuts([item.completion for item in scored])
+    rewards = [item.verdict.reward for item in scored]
+    batch = rank.trainer.to_batch(scored, rank.runtime, rank)
+    del scored
     batch.samples["advantages"] = compute_grpo_advantages(batch["reward"], batch["group_id"])
     me = rank.runtime.dp_rank
     batch.samples["origin_rank"] = torch.full((len(batch),), me)
@@ -277,6 +312,17 @@ def _yatt_step(rank: _Rank, loader: Any, step: int, args: Any) -> dict[str, floa
     reward = float(np.mean(rewards))
     out = reduce_metrics({"reward": reward, "loss": metrics["loss"]}, group=rank.runtime.dp_group)
     return {**out, "num_moved_in": num_moved_in}
+
+
+def _training_samples(prompts: list[Any], completions: list[Any], rewards: list[float]):
+    from yatt.core import rollout_samples
+
+    return rollout_samples(
+        completions,
+        rewards,
+        [c.request_index for c in completions],
+        vision_inputs=[prompts[c.request_index].vision for c in completions],
+    )
 
 
 def _driver_step(rank: _Rank, loader: Any, step: int, args: Any) -> dict[str, float]:
@@ -294,9 +340,7 @@ def _driver_step(rank: _Rank, loader: Any, step: int, args: Any) -> dict[str, fl
     received: list[Any] = [None]
     dist.scatter_object_list(received, chunks, src=0, group=group)
     mine = received[0]
-    completions = rank.generate(
-        mine, group_size=args.group_size, max_new_tokens=args.max_new_tokens, step=step
-    )
+    completions = rank.generate(mine, args, step)
     gathered = [None] * world if me == 0 else None
     dist.gather_object(completions, gathered, dst=0, group=group)
     del received, mine, completions
