@@ -154,3 +154,17 @@ def test_bench_and_gpu_check_scripts_named_anywhere_exist():
         if not (ROOT / name).is_file()
     )
     assert not missing, "\n".join(missing)
+
+
+def test_bench_readme_maps_every_study_folder():
+    # bench/README.md is the map a newcomer reads first: a study folder it does not name is
+    # a study nobody finds.
+    readme = (ROOT / "bench" / "README.md").read_text()
+    folders = sorted(
+        p.name
+        for p in (ROOT / "bench").iterdir()
+        if p.is_dir() and p.name not in {"results", "__pycache__"}
+    )
+    assert folders
+    unnamed = [name for name in folders if f"| `{name}/` |" not in readme]
+    assert not unnamed, f"bench/README.md does not name {unnamed}"
