@@ -133,11 +133,11 @@ def test_bench_and_examples_import_public_names_only():
     assert not private, "\n".join(private)
 
 
-_SCRIPT_PATH = re.compile(r"(?<![\w/.<-])((?:bench|gpu_checks)/[\w./-]*\w\.(?:py|sh))\b")
+_SCRIPT_PATH = re.compile(r"(?<![\w/.<-])((?:bench|gpu_checks)/[\w./-]*\w\.(?:py|sh|md|yaml))\b")
 
 
-def test_bench_and_gpu_check_scripts_named_anywhere_exist():
-    # bench/ moves by study and gpu_checks/ sits at the top: a command or a doc naming a script
+def test_bench_and_gpu_check_files_named_anywhere_exist():
+    # bench/ moves by study and gpu_checks/ sits at the top: a command or a doc naming a file
     # that is no longer there fails here, not on the GPU machine. bench/results/ keeps its
     # historical commands as they ran.
     texts = [ROOT / "README.md", *ROOT.glob("packages/*/README.md")]

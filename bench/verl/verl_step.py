@@ -10,7 +10,7 @@ prompts of 128 random letters (128 tokens), forced response lengths (`fixed` 256
 drawn per sample as _step_setup.response_lengths draws them, the same per step), forced
 128-token verdicts, one optimizer step per batch, no KL, bf16 engines.
 
-How verl is driven (bench/configs/verl/README.md: the settings, why, and what differs):
+How verl is driven (bench/verl/configs/README.md: the settings, why, and what differs):
   * verl's own entry point, `python -m verl.trainer.main_ppo` with Hydra overrides
     (verl_overrides), trainer.logger=[console,file]: verl writes each step's metrics, its
     timing_raw as timing_s/<name> among them, to a JSONL file. This driver timestamps each
@@ -208,7 +208,7 @@ def verl_overrides(
     pythonpath: str = "",
 ) -> list[str]:
     """Hydra overrides of verl's ppo_trainer config for this run (the why of each setting:
-    bench/configs/verl/README.md)."""
+    bench/verl/configs/README.md)."""
     prompt_len = work.prompt_tokens
     response_len = cfg.max_response_tokens
     judge_context = (
