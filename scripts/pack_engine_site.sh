@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs vLLM 0.26.0 or SGLang 0.5.17 for a GPU machine that has torch 2.11.0+cu130, Python 3.12
-# and no package registry (bench/engines_gpu.sh unpacks them there):
+# and no package registry (bench/rollout/engines_gpu.sh unpacks them there):
 #   bash scripts/pack_engine_site.sh vllm  /tmp/pack   # -> /tmp/pack/vllm_site.tar.xz.part-*
 #   bash scripts/pack_engine_site.sh sglang /tmp/pack  # -> /tmp/pack/sgl_site.tar.xz.part-*
 #

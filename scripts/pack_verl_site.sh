@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs verl 0.9.1 (+ Ray and its other missing needs) for the GPU machine (torch 2.11.0+cu130,
-# Python 3.12, no registry); bench/verl_gpu.sh unpacks it there into /root/site_verl:
+# Python 3.12, no registry); bench/verl/verl_gpu.sh unpacks it there into /root/site_verl:
 #   bash scripts/pack_verl_site.sh /work/packs   # -> /work/packs/verl_site.tar.xz.part-*
 #
 # verl 0.9.1: the newest on PyPI, and the first whose own pins are the machine's torch (its
@@ -82,7 +82,7 @@ python3 -m pip install -q --no-deps --no-compile --ignore-requires-python --only
   --python-version 3.12 --implementation cp "${PLATFORM_ARGS[@]}" --target "$DEST/$SITE" \
   -r "$DEST/keep_verl.txt" --find-links "$DEST/wheels_verl" --no-index
 # Ray's dashboard front end and its bundled thirdparty jars/binaries are never started
-# (include_dashboard=False in bench/verl_step.py); verl's wheel ships a top-level `tests`
+# (include_dashboard=False in bench/verl/verl_step.py); verl's wheel ships a top-level `tests`
 # package that would shadow others.
 rm -rf "$DEST/$SITE/bin" "$DEST/$SITE/ray/dashboard/client" "$DEST/$SITE/ray/jars" \
   "$DEST/$SITE/ray/tests" "$DEST/$SITE/tests"

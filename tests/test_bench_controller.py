@@ -1,4 +1,4 @@
-"""bench/controller.py --full-step on CPU at tiny size: 2 ranks of each mode, the JSON's fields,
+"""bench/controller/controller.py --full-step on CPU at tiny size: 2 ranks of each mode, the JSON's fields,
 the payload-only section kept beside it, and the CUDA path skipping cleanly without a GPU."""
 
 NUM_GPUS = 0
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench" / "controller.py"
+BENCH = ROOT / "bench" / "controller" / "controller.py"
 OLD_SECTION = "# Controller memory: an earlier payload-only report\n\nits table\n"
 
 

@@ -1,4 +1,4 @@
-"""bench/step.py's memory timeline (bench/_step_memory.py) and its issue-27 options, on CPU."""
+"""bench/step/step.py's memory timeline (bench/step/_step_memory.py) and the options of its 7B run, on CPU."""
 
 NUM_GPUS = 0
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "step"))
 import _step_memory
 import _step_setup
 import step as step_cli

@@ -1,4 +1,4 @@
-"""bench/step.py on CPU: tiny models, every layout's JSON, forced lengths and the report's ratios."""
+"""bench/step/step.py on CPU: tiny models, every layout's JSON, forced lengths and the report's ratios."""
 
 NUM_GPUS = 0
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "step"))
 import _step_bars
 import _step_report
 import _step_sampling
@@ -31,7 +31,7 @@ PHASES = {
 def _run_step(
     out_dir: Path, model_dir: Path, layout: str, mixes: str, *extra: str, steps: int = 1
 ) -> dict:
-    cmd = [sys.executable, str(ROOT / "bench" / "step.py"), "--layout", layout, "--tiny"]
+    cmd = [sys.executable, str(ROOT / "bench" / "step" / "step.py"), "--layout", layout, "--tiny"]
     cmd += ["--steps", str(steps), "--warmup", "1", "--mix", mixes, "--out-dir", str(out_dir)]
     cmd += ["--model-dir", str(model_dir), "--ckpt-dir", str(out_dir / "ckpt"), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -220,7 +220,7 @@ def test_variants_are_named_and_get_their_own_ratio_rows():
 
 
 def test_suffixed_runs_still_meet_every_bar():
-    """Runs all named with a suffix (-defer, as bench/step_gpu.sh's YATT_EXTRA makes them):
+    """Runs all named with a suffix (-defer, as bench/step/step_gpu.sh's YATT_EXTRA makes them):
     each bar is computed from them and names the variant, none left "not measured"."""
     long = {"rollout": 4.0, "genrm": 2.0, "train": 2.0}
     runs = [
@@ -300,7 +300,7 @@ def test_markdown_shows_spread_outliers_and_refusals(tmp_path):
     assert "1.90 |" in md and "(outlier)" not in md
 
 
-# -- the dedicated judge pool (issue 19) ----------------------------------------------------------
+# -- the dedicated judge pool --------------------------------------------------------------------
 def _free_port_pair() -> int:
     """A port p with p and p + 1 free (the pool's servers listen on --judge-port + k)."""
     for _ in range(50):
@@ -325,7 +325,7 @@ def pool_run(tmp_path_factory, models):
         s.bind(("127.0.0.1", 0))
         master_port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    cmd += ["--master_port", str(master_port), str(ROOT / "bench" / "step.py")]
+    cmd += ["--master_port", str(master_port), str(ROOT / "bench" / "step" / "step.py")]
     cmd += ["--layout", "dedicated", "--judge-gpus", "1,2", "--tiny", "--prompts-per-rank", "2"]
     cmd += ["--steps", "1", "--warmup", "1", "--mix", "longtail", "--out-dir", str(out)]
     cmd += ["--model-dir", str(models), "--ckpt-dir", str(out / "ckpt")]
@@ -444,7 +444,7 @@ def _fake_8gpu_runs(suffix: str = "") -> list[dict]:
 
 
 @pytest.mark.parametrize("suffix", ["", "-pr64-1.5b", "-pr64-1.5b-defer"])
-def test_issue19_ratios_at_8gpus_whatever_the_suffixes(suffix):
+def test_full_vs_dedicated_ratios_at_8gpus_whatever_the_suffixes(suffix):
     ratios = {r["name"]: r for r in _step_bars.compute_ratios(_fake_8gpu_runs(suffix))}
     a_c = ratios[f"full{suffix}_vs_dedicated-6+2{suffix}_8gpu_longtail"]
     assert a_c["value"] == pytest.approx(14.0 / 30.0) and a_c["bar"] == 0.5
@@ -468,7 +468,7 @@ def test_issue19_ratios_at_8gpus_whatever_the_suffixes(suffix):
     assert ratios["full_vs_dedicated_2gpu_longtail"]["verdict"] == "not measured"
 
 
-def test_issue19_ratios_missing_runs_and_a_failing_bar(tmp_path):
+def test_full_vs_dedicated_ratios_at_8gpus_missing_runs_and_a_failing_bar(tmp_path):
     runs = _fake_8gpu_runs()
     runs[2]["mixes"]["longtail"]["median"]["step_s"] = 20.0  # (a)/(c) = 0.7: over the bar
     runs[2]["mixes"]["longtail"]["steps"][0]["step_s"] = 20.0
@@ -501,7 +501,7 @@ def test_issue19_ratios_missing_runs_and_a_failing_bar(tmp_path):
     assert [_step_report._bar_name(r) for r in runs][2] == "dedicated\n6+2-pr64-1.5b\n8 GPU"
 
 
-# -- the seed mix (issue 26): dynamic sampling --------------------------------------------------
+# -- the seed mix: dynamic sampling ----------------------------------------------------------
 def test_seed_groups_have_the_asked_share_without_variance_and_are_the_same_everywhere():
     work = _step_setup.Workload(group_size=8, no_variance_share=0.5)
     groups = [_step_setup.seed_group(work, 3, 0, k) for k in range(2000)]
@@ -596,7 +596,7 @@ def seed_runs(tmp_path_factory, models):
 
 
 def _seed_step(out_dir, model_dir, layout, *extra, steps=1) -> dict:
-    cmd = [sys.executable, str(ROOT / "bench" / "step.py"), "--layout", layout, "--tiny"]
+    cmd = [sys.executable, str(ROOT / "bench" / "step" / "step.py"), "--layout", layout, "--tiny"]
     cmd += ["--steps", str(steps), "--warmup", "1", "--out-dir", str(out_dir)]
     cmd += ["--model-dir", str(model_dir), "--ckpt-dir", str(out_dir / "ckpt"), *extra]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -656,7 +656,7 @@ def test_report_has_the_seed_table_and_bars(seed_runs):
     assert "round-based sampler" in md
 
 
-# -- the stream's top-ups, timeline and the run budget (issue 26's H200 run) --------------------
+# -- the stream's top-ups, timeline and the run budget (the seed mix's H200 run) --------------------
 def _flat_or_varied(*has_variance: bool):
     from yatt.core import Batch
 

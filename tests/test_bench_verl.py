@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "bench" / "step"))
+sys.path.insert(0, str(ROOT / "bench" / "verl"))
 import _step_setup as setup
 import step_trl
 import verl_report
@@ -210,7 +211,13 @@ def test_quoted_paths_survive_hydras_override_parser():
     reason="verl and hydra-core are not installed here (the GPU machine's probe runs this)",
 )
 def test_dry_run_composes_and_validates_with_verls_schema(tmp_path):
-    cmd = [sys.executable, str(ROOT / "bench" / "verl_step.py"), "--dry-run", "--mix", "longtail"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "verl" / "verl_step.py"),
+        "--dry-run",
+        "--mix",
+        "longtail",
+    ]
     cmd += ["--model-dir", str(tmp_path / "m"), "--out-dir", str(tmp_path / "o")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -392,7 +399,7 @@ def test_the_committed_agent_loop_entry_names_the_plugin_class():
     (entry,) = yaml.safe_load(verl_step.AGENT_LOOPS.read_text())
     assert entry["name"] == verl_step.AGENT_LOOP_NAME
     module, cls = entry["_target_"].rsplit(".", 1)
-    assert (ROOT / "bench" / f"{module}.py").read_text().count(f"class {cls}(") == 1
+    assert (ROOT / "bench" / "verl" / f"{module}.py").read_text().count(f"class {cls}(") == 1
 
 
 def test_a_verl_run_past_its_timeout_ends_with_its_children(tmp_path):

@@ -127,7 +127,7 @@ def test_attention_span_grows_with_the_sequences(tiny_model_dir, monkeypatch):
 
 
 def test_decode_steps_run_outside_a_call_change_no_later_sample(tiny_model_dir):
-    # The diagnostics bench/rollout_gpu.py times and profiles the decode step with.
+    # The diagnostics bench/rollout/rollout_gpu.py times and profiles the decode step with.
     config = EngineConfig(max_batch_size=2, max_seq_len=128)
     engine = BuiltinEngine(tiny_model_dir, config=config)
     with pytest.raises(RuntimeError, match="call generate first"):

@@ -49,7 +49,7 @@ def test_builtin_engine_conforms_on_cuda(cuda_target, name):
 
 
 def test_decode_steps_outside_a_call_replay_the_graphs_and_change_no_later_sample(tiny_model_dir):
-    # What bench/_decode_profile.py times and profiles: graph replays and eager steps per span.
+    # What bench/rollout/_decode_profile.py times and profiles: graph replays and eager steps per span.
     config = EngineConfig(device="cuda", max_batch_size=4, max_seq_len=256, region_prefix="diag")
     engine = BuiltinEngine(tiny_model_dir, config=config)
     requests = [Request(prompt_ids=[5 + i, 6, 7]) for i in range(6)]

@@ -5,7 +5,7 @@ NUM_GPUS = 1  # the TP=2 test needs 2 and skips otherwise
 Each test runs _gpu_workers.py under torchrun on a small saved model and checks its report:
 logprobs vs the float32 HF model (bf16 tolerance), first-step loss vs TorchPolicy, bitwise weight
 export, bitwise logprobs after sleep/wake_up, bitwise checkpoint round trip, TP=2 vs TP=1.
-bench/megatron_parity.py runs the same worker over all three families and more layouts.
+bench/megatron/megatron_parity.py runs the same worker over all three families and more layouts.
 """
 
 import importlib.util

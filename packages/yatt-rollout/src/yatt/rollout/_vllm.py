@@ -16,7 +16,7 @@ their ratios, which a verdict's P(yes) uses, equal the full vocabulary's; their 
 vLLM has no per-request "logprobs of these ids". Not yet run on a GPU.
 Verified on vLLM 0.26.0 on an H100 (packages/yatt-rollout/tests/test_gpu_engines.py). A seed per
 sample sends vLLM's sampler down its per-request-generator path, one kernel per request and
-step: `seed_each_sample=False` trades reproducibility for speed (bench/engines.py measures it).
+step: `seed_each_sample=False` trades reproducibility for speed (bench/rollout/engines.py measures it).
 Status: `collective_rpc` returns each worker's answer (the extension's count of tensors loaded,
 checked against the bucket) and raises a worker's exception; `reset_prefix_cache` returns False
 while blocks are still held (requests draining after an abort): it is tried again briefly, then

@@ -449,7 +449,7 @@ class BuiltinEngine:
     ) -> None:
         """Run `num_steps` decode steps attending to `span` positions, outside any call.
 
-        For timing and profiling the step (bench/rollout_gpu.py does both): each of the `batch`
+        For timing and profiling the step (bench/rollout/rollout_gpu.py does both): each of the `batch`
         rows (one of engine.decode_batch_buckets; None: every slot, what a step cost before the
         buckets) computes what a running one would (fixed shapes), idle slots write only where
         no call reads, and the sampling configuration is the last call's. `use_graph` replays

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# vLLM and SGLang on the device machine, one step per argument:
+#   bash bench/rollout/engines_gpu.sh unpack probe vllm_tests sglang_tests bench
+#
+# The machine has no registry, so each engine's site-packages (its wheels installed here with
+# `pip install --target`, cp312, minus what the machine already has) arrive as xz pieces in
+# /root/wheels/<name>_site.tar.xz.part-*, one piece per device call (scripts/pack_engine_site.sh
+# makes them). `unpack` joins them into /root/site_vllm and /root/site_sgl; each engine then
+# runs in its own process with its own site first on PYTHONPATH.
+set -uo pipefail
+OUT=${OUT:-/tmp/yatt-gpu-out}
+mkdir -p "$OUT"
+source "$(dirname "$0")/../../gpu_checks/_gpu_env.sh"  # PYTHONPATH for our packages, NCCL settings, device.txt
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
+
+# The built-in engine borrows torch_memory_saver from SGLang's site (the image lacks it).
+site_of() { case $1 in vllm) echo /root/site_vllm ;; *) echo /root/site_sgl ;; esac; }
+with_engine() {  # with_engine <engine> cmd...: the engine's site-packages first on the path
+  local site; site=$(site_of "$1"); shift
+  PYTHONPATH="${site:+$site:}$PYTHONPATH" "$@"
+}
+
+unpack() {
+  for name in vllm sgl; do
+    [ -d "/root/site_$name" ] && continue
+    ls /root/wheels/${name}_site.tar.xz.part-* >/dev/null 2>&1 || { echo "no pieces for $name"; continue; }
+    cat /root/wheels/${name}_site.tar.xz.part-* | python3 -c \
+      "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root')"
+    du -sh "/root/site_$name"
+  done
+  # The built-in engine (a trainer's judge beside vLLM) needs torch_memory_saver: SGLang has it.
+  [ -d /root/site_vllm/torch_memory_saver ] || cp -r /root/site_sgl/torch_memory_saver* /root/site_vllm/
+}
+
+probe() {  # what each engine imports, and which of its requirements the machine does not meet
+  with_engine vllm python3 bench/_common/probe_site.py --tag vllm --dists vllm \
+    --modules vllm,vllm.entrypoints.llm,vllm.v1.worker.gpu_worker
+  with_engine sglang python3 bench/_common/probe_site.py --tag sglang --dists sglang \
+    --modules sglang,sglang.srt.entrypoints.engine,sgl_kernel
+}
+
+for step in "$@"; do
+  case $step in
+    unpack) unpack ;;
+    probe) probe 2>&1 | tee "$OUT/probe.log" | grep -v "^$" ;;
+    vllm_tests)
+      run_step vllm_tests env YATT_ENGINE=vllm PYTHONPATH="/root/site_vllm:$PYTHONPATH" \
+        python3 -m pytest -q -rs -p no:cacheprovider packages/yatt-rollout/tests/test_gpu_engines.py ;;
+    sglang_tests)
+      run_step sglang_tests env YATT_ENGINE=sglang PYTHONPATH="/root/site_sgl:$PYTHONPATH" \
+        python3 -m pytest -q -rs -p no:cacheprovider packages/yatt-rollout/tests/test_gpu_engines.py ;;
+    bench)
+      # JSON kept in BENCH_DIR (outside $OUT, which each device call empties): a later call's
+      # report merges every engine's run.
+      dir=${BENCH_DIR:-$OUT}; mkdir -p "$dir"
+      runs=(builtin vllm sglang "vllm --unseeded" "sglang --unseeded" "vllm --unseeded --native"
+            "sglang --unseeded --native")
+      [ -n "${BENCH_RUNS:-}" ] && IFS=, read -r -a runs <<<"$BENCH_RUNS"  # e.g. "vllm,vllm --native"
+      for run in "${runs[@]}"; do
+        engine=${run%% *}; tag=${run// --/_}
+        site=$(site_of "$engine")
+        run_step "bench_$tag" env PYTHONPATH="${site:+$site:}$PYTHONPATH" \
+          python3 bench/rollout/engines.py --engine $run --out "$dir/engines_$tag.json"
+      done
+      python3 bench/rollout/engines.py --report "$dir"/engines_*.json --md "$OUT/engines.md"
+      cp "$dir"/engines_*.json "$OUT/" ;;
+    trainer_vllm|trainer_sglang|trainer_vllm_partial|trainer_sglang_partial)
+      # The reference trainer on the embedded task with vLLM/SGLang as the rollout engine
+      # (bf16 engine, float32 policy), 30 steps; the embedded models are built once and shared.
+      engine=${step#trainer_}; placement=full
+      case $engine in *_partial) engine=${engine%_partial}; placement=partial ;; esac
+      site=$(site_of "$engine"); run=/tmp/yatt-runs/$step; shared=/tmp/yatt-runs/embedded
+      opts=(rollout.backend_options.dtype=bfloat16)
+      if [ "$engine" = vllm ]; then opts+=(rollout.backend_options.gpu_memory_utilization=0.2)
+      else opts+=(rollout.backend_options.mem_fraction_static=0.2
+                  rollout.backend_options.engine_kwargs.attention_backend=triton); fi
+      if [ -d $shared/policy ]; then
+        opts+=(policy.model_dir=$shared/policy data.path=$shared/prompts.jsonl reward.judge_dir=$shared/judge)
+      fi
+      run_step "$step" env PYTHONPATH="$site:$PYTHONPATH" python3 "${TRAINER:-examples/train_grpo.py}" \
+        out_dir=$run num_steps=${TRAINER_STEPS:-30} placement=$placement rollout.backend=$engine "${opts[@]}"
+      [ -d $shared/policy ] || cp -r $run/embedded $shared 2>/dev/null
+      cp $run/metrics.jsonl "$OUT/${step}_metrics.jsonl" 2>/dev/null ;;
+    trainer_config_sglang|trainer_config_vllm)
+      # The example configs whose judge runs on the engine too (examples/configs/
+      # sglang_partial_gpu.yaml: SGLang rollout + SGLang judge resident together, trainer
+      # offloaded; vllm_full_gpu.yaml: vLLM for both, phases in turn), on the embedded task.
+      engine=${step#trainer_config_}; site=$(site_of "$engine"); run=/tmp/yatt-runs/$step
+      shared=/tmp/yatt-runs/embedded
+      case $engine in
+        sglang) config=examples/configs/sglang_partial_gpu.yaml
+                opts=(rollout.backend_options.engine_kwargs.attention_backend=triton
+                      reward.backend_options.engine_kwargs.attention_backend=triton) ;;
+        *) config=examples/configs/vllm_full_gpu.yaml; opts=() ;;
+      esac
+      if [ -d $shared/policy ]; then
+        opts+=(policy.model_dir=$shared/policy data.path=$shared/prompts.jsonl reward.judge_dir=$shared/judge)
+      fi
+      run_step "$step" env PYTHONPATH="$site:$PYTHONPATH" python3 examples/train_grpo.py \
+        --config $config out_dir=$run num_steps=${TRAINER_STEPS:-30} "${opts[@]}"
+      [ -d $shared/policy ] || cp -r $run/embedded $shared 2>/dev/null
+      cp $run/metrics.jsonl "$OUT/${step}_metrics.jsonl" 2>/dev/null ;;
+    step_*)
+      # bench/step/step.py with each engine as the rollout backend (STEP_RUNS: "layout:backend"
+      # pairs), 1 GPU, --judge-tokens 128 as bench/step/step_gpu.sh; JSONs kept in STEP_DIR.
+      dir=${STEP_DIR:-$OUT/steps}; mkdir -p "$dir"
+      python3 bench/step/step.py --prepare --model-dir /tmp/yatt-step >/dev/null
+      IFS=, read -r -a pairs <<<"${STEP_RUNS:-full:builtin,full:vllm,full:sglang}"
+      for pair in "${pairs[@]}"; do
+        layout=${pair%%:*}; backend=${pair##*:}; site=""
+        [ "$backend" != builtin ] && site=$(site_of "$backend")
+        kwargs='{}'; [ "$backend" = sglang ] && kwargs='{"attention_backend": "triton"}'
+        run_step "step_${layout}_$backend" env PYTHONPATH="${site:+$site:}$PYTHONPATH" \
+          python3 bench/step/step.py --layout "$layout" --rollout-backend "$backend" \
+          --engine-kwargs "$kwargs" --model-dir /tmp/yatt-step --out-dir "$dir" \
+          --judge-tokens 128 --steps ${STEP_STEPS:-5} --mix fixed,longtail
+      done
+      python3 bench/step/step.py --report --results-dir "$dir" && cp "$dir"/step_* "$OUT/" ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
+
+# A device call returns at most 8 files: everything goes back as one archive.
+(cd "$OUT" && tar -czf /tmp/engines_bundle.tgz . && find . -mindepth 1 -delete && mv /tmp/engines_bundle.tgz .)

@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# Runs the CUDA tests and GPU benchmarks on the device machine, one step per argument:
+#   bash gpu_checks/gpu_checks.sh placement rollout ckpt balance_nccl
+#   bash gpu_checks/gpu_checks.sh megatron trainer_megatron mfu      # the Megatron backend (2 GPUs)
+# Each step logs to $OUT/<step>.log and writes its JSON under $OUT; a failing step does not stop
+# the others. Our packages come from their src/ folders, so the machine's torch is never replaced.
+set -uo pipefail
+OUT=${OUT:-/tmp/yatt-gpu-out}
+mkdir -p "$OUT"
+source "$(dirname "$0")/_gpu_env.sh"  # wheels, PYTHONPATH, NCCL settings, device.txt
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$OUT/device.txt"
+
+for step in "$@"; do
+  case $step in
+    placement)
+      run_step placement_tests python3 -m pytest -q -rs packages/yatt-placement/tests/test_cuda.py
+      run_step placement_bench python3 bench/placement/placement.py --device cuda --out "$OUT/placement_cuda.json" ;;
+    rollout)
+      run_step rollout_tests python3 -m pytest -q -rs packages/yatt-rollout/tests/test_cuda_engine.py \
+        packages/yatt-rollout/tests/test_cuda_weights.py packages/yatt-rollout/tests/test_builtin_vision.py
+      run_step rollout_bench python3 bench/rollout/rollout_gpu.py --out-dir "$OUT" ;;
+    ckpt)
+      run_step ckpt_tests python3 -m pytest -q -rs packages/yatt-ckpt/tests/test_cuda.py
+      run_step ckpt_bench python3 bench/ckpt/ckpt.py --device cuda --out "$OUT/ckpt_cuda.json" ;;
+    balance_nccl)
+      run_step balance_nccl python3 -m pytest -q -rs packages/yatt-balance/tests/test_across_ranks_cuda.py ;;
+    core)
+      run_step core_tests python3 -m pytest -q -rs packages/yatt-core/tests/test_cuda.py
+      run_step head_logprobs python3 bench/logprobs/head_logprobs.py --device cuda --tokens 16384 \
+        --out "$OUT/head_logprobs_cuda.json" ;;
+    multimodal)
+      # Images through one RL step: the built-in engine (CUDA graphs) and the VLM policy on GPU.
+      run_step multimodal_tests python3 -m pytest -q -rs tests/test_multimodal_loop.py ;;
+    genrm)
+      run_step genrm_tests python3 -m pytest -q -rs packages/yatt-genrm/tests/test_cuda_judge.py ;;
+    trainer)
+      # The reference trainer on every visible GPU (one rank each), both placement modes.
+      NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      rm -rf /tmp/yatt-runs/full /tmp/yatt-runs/partial /tmp/yatt-runs/features  # warm machine
+      run_step trainer_full python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py out_dir=/tmp/yatt-runs/full num_steps=${TRAINER_STEPS:-60}
+      cp /tmp/yatt-runs/full/metrics.jsonl "$OUT/trainer_full_metrics.jsonl" 2>/dev/null
+      run_step trainer_partial python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py out_dir=/tmp/yatt-runs/partial num_steps=20 placement=partial \
+        policy.model_dir=/tmp/yatt-runs/full/embedded/policy \
+        data.path=/tmp/yatt-runs/full/embedded/prompts.jsonl \
+        reward.judge_dir=/tmp/yatt-runs/full/embedded/judge
+      cp /tmp/yatt-runs/partial/metrics.jsonl "$OUT/trainer_partial_metrics.jsonl" 2>/dev/null
+      # Streamed sampling: partial colocation (rollout.sampling_mode=stream): prompts keep entering
+      # the engine while verdicts come back, the long tail cut once every rank is full.
+      rm -rf /tmp/yatt-runs/stream
+      run_step trainer_stream python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py out_dir=/tmp/yatt-runs/stream num_steps=10 placement=partial \
+        rollout.sampling_mode=stream rollout.oversample=1.5 rollout.max_oversample=4 \
+        policy.model_dir=/tmp/yatt-runs/full/embedded/policy \
+        data.path=/tmp/yatt-runs/full/embedded/prompts.jsonl \
+        reward.judge_dir=/tmp/yatt-runs/full/embedded/judge
+      cp /tmp/yatt-runs/stream/metrics.jsonl "$OUT/trainer_stream_metrics.jsonl" 2>/dev/null
+      # The trainer's features on the GPU: a KL reference (a placement role), warm-up + cosine lr,
+      # eval every 5 steps on the embedded held-out split, the export at the end, reloaded.
+      EMB=/tmp/yatt-runs/full/embedded
+      run_step trainer_features python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py out_dir=/tmp/yatt-runs/features num_steps=10 \
+        policy.model_dir=$EMB/policy data.path=$EMB/prompts.jsonl reward.judge_dir=$EMB/judge \
+        eval.path=$EMB/eval.jsonl eval.every_steps=5 loss.kl_coef=0.05 \
+        policy.lr_schedule=cosine policy.num_warmup_steps=2
+      cp /tmp/yatt-runs/features/metrics.jsonl "$OUT/trainer_features_metrics.jsonl" 2>/dev/null
+      # DAPO's recipe (several mini-batches per rollout batch, so the clip acts; rollout
+      # correction of the engine's logprobs, with the engine in bf16 beside the fp32 trainer so the
+      # IS weights differ from 1; the overlong buffer) on the same embedded task.
+      rm -rf /tmp/yatt-runs/dapo
+      run_step trainer_dapo python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py --config examples/configs/dapo.yaml out_dir=/tmp/yatt-runs/dapo \
+        num_steps=${TRAINER_STEPS:-60} policy.model_dir=$EMB/policy data.path=$EMB/prompts.jsonl \
+        reward.judge_dir=$EMB/judge rollout.engine.dtype=bfloat16
+      cp /tmp/yatt-runs/dapo/metrics.jsonl "$OUT/trainer_dapo_metrics.jsonl" 2>/dev/null
+      python3 gpu_checks/rl_metrics_summary.py "$OUT"/trainer_full_metrics.jsonl \
+        "$OUT"/trainer_dapo_metrics.jsonl | tee "$OUT/trainer_rl_summary.txt"
+      run_step trainer_export_reload python3 -c "import torch; from transformers import \
+AutoModelForCausalLM as M; m = M.from_pretrained('/tmp/yatt-runs/features/export', \
+device_map='cuda'); ids = torch.tensor([[51, 43, 52, 61]], device='cuda'); \
+print('reloaded', type(m).__name__, m(ids).logits.shape)" ;;
+    trainer_vl)
+      # The embedded image task (task=vision: a tiny Qwen2-VL counting dots, exact-match reward)
+      # on every visible GPU, one rank each: images through the rollout, the train step and the
+      # eval; then with a KL reference (images in its forward too). Its reward is a rule, not a
+      # judge engine, so placement=partial (a judge beside the rollout) does not apply.
+      NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      rm -rf /tmp/yatt-runs/vl /tmp/yatt-runs/vl-kl  # a warm machine keeps the last call's runs
+      run_step trainer_vl_full python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py task=vision out_dir=/tmp/yatt-runs/vl num_steps=${TRAINER_VL_STEPS:-40} \
+        eval.every_steps=20
+      cp /tmp/yatt-runs/vl/metrics.jsonl "$OUT/trainer_vl_full_metrics.jsonl" 2>/dev/null
+      VL=/tmp/yatt-runs/vl/embedded-vision
+      run_step trainer_vl_kl python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py task=vision out_dir=/tmp/yatt-runs/vl-kl num_steps=10 \
+        policy.model_dir=$VL/policy data.path=$VL/prompts.jsonl data.image_key=image \
+        eval.path=$VL/eval.jsonl eval.every_steps=5 loss.kl_coef=0.05
+      cp /tmp/yatt-runs/vl-kl/metrics.jsonl "$OUT/trainer_vl_kl_metrics.jsonl" 2>/dev/null ;;
+    trainer_real)
+      # examples/configs/qwen_rewards_gpu.yaml (reward functions, KL reference, cosine lr, eval,
+      # export) on a locally saved Qwen2-shaped model (Qwen2.5-0.5B's layer shapes, random
+      # weights, a byte-level vocabulary) and the embedded task's prompts; then the export
+      # reloaded with transformers. Needs the embedded task of the `trainer` step.
+      EMB=/tmp/yatt-runs/full/embedded
+      run_step trainer_real_model python3 -c "from yatt.testing import make_tiny_causal_lm; \
+make_tiny_causal_lm('/tmp/yatt-runs/qwen2-0.5b', arch='qwen2', hidden_size=896, num_layers=24, \
+num_heads=14, num_kv_heads=2, intermediate_size=4864, max_position_embeddings=2048, \
+tie_word_embeddings=True)"
+      NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      rm -rf /tmp/yatt-runs/real  # a warm machine keeps the last call's run
+      run_step trainer_real python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py --config examples/configs/qwen_rewards_gpu.yaml \
+        out_dir=/tmp/yatt-runs/real num_steps=6 policy.model_dir=/tmp/yatt-runs/qwen2-0.5b \
+        data.path=$EMB/prompts.jsonl "data.split=''" eval.path=$EMB/eval.jsonl "eval.split=''" \
+        eval.every_steps=3 eval.num_prompts=32 data.prompts_per_rank=8 rollout.max_new_tokens=32 \
+        rollout.engine.max_seq_len=128
+      cp /tmp/yatt-runs/real/metrics.jsonl "$OUT/trainer_real_metrics.jsonl" 2>/dev/null
+      run_step trainer_real_reload python3 -c "import torch; from transformers import \
+AutoModelForCausalLM as M; m = M.from_pretrained('/tmp/yatt-runs/real/export', device_map='cuda'); \
+print('reloaded', type(m).__name__, m.dtype, m(torch.tensor([[51, 43, 52]], device='cuda')).logits.shape)" ;;
+    megatron)
+      run_step megatron_parity python3 bench/megatron/megatron_parity.py --out-dir "$OUT" ;;
+    trainer_megatron)
+      # The reference trainer with backend=megatron (examples/configs/tiny_megatron.yaml, bf16),
+      # 8 steps, a checkpoint at step 4: 1 GPU in both placement modes (side by side, one GPU
+      # each; the partial run in float32), then 2 GPUs as TP=2 (full) and as DP=2 (partial).
+      # The embedded task is built once on the CPU (reused from the `trainer` step's).
+      EMB=/tmp/yatt-runs/full/embedded
+      if [ ! -f "$EMB/READY" ]; then
+        EMB=/tmp/yatt-runs/mg/embedded
+        STEP_TIMEOUT=240 run_step trainer_megatron_prepare python3 -c "import sys; \
+sys.path.insert(0, 'examples'); import grpo_config, tiny_task; from pathlib import Path; \
+from yatt.genrm import JudgeTemplate; tiny_task.prepare_locked(Path('$EMB'), \
+JudgeTemplate(user=grpo_config.RewardConfig.judge_template))"
+      fi
+      MG=(--config examples/configs/tiny_megatron.yaml num_steps=8 ckpt.every_steps=4
+          policy.model_dir=$EMB/policy data.path=$EMB/prompts.jsonl reward.judge_dir=$EMB/judge)
+      rm -rf /tmp/yatt-runs/mg_*
+      mg_run() {  # name, GPUs, nproc, overrides...
+        local name=$1 gpus=$2 nproc=$3; shift 3
+        CUDA_VISIBLE_DEVICES=$gpus STEP_TIMEOUT=240 run_step "trainer_megatron_$name" \
+          python3 -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
+          examples/train_grpo.py "${MG[@]}" out_dir=/tmp/yatt-runs/mg_$name "$@"
+        cp "/tmp/yatt-runs/mg_$name/metrics.jsonl" "$OUT/trainer_megatron_${name}_metrics.jsonl" 2>/dev/null
+      }
+      if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+        mg_run 1gpu_full 0 1 policy.tp_size=1 placement=full &
+        # float32 (the embedded default's precision): fp32 params are views of DDP's buffer
+        mg_run 1gpu_partial_fp32 1 1 policy.tp_size=1 placement=partial policy.dtype=float32 &
+        wait
+        mg_run tp2_full 0,1 2 policy.tp_size=2 placement=full
+        mg_run dp2_partial 0,1 2 policy.tp_size=1 placement=partial
+      else
+        mg_run 1gpu_full 0 1 policy.tp_size=1 placement=full
+        mg_run 1gpu_partial 0 1 policy.tp_size=1 placement=partial
+      fi
+      # One line per run: steps done, reward first -> last, median phase times.
+      python3 - "$OUT" <<'PY' | tee "$OUT/trainer_megatron_summary.txt"
+import json, statistics, sys
+from pathlib import Path
+for path in sorted(Path(sys.argv[1]).glob("trainer_megatron_*_metrics.jsonl")):
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    if not rows:
+        continue
+    times = {k[5:-2]: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[-1] if k.startswith("time/")}
+    print(path.name[17:-14], f"steps {len(rows)} reward {rows[0]['reward/mean']:.3f} -> "
+          f"{rows[-1]['reward/mean']:.3f} skipped {sum(r['train/is_skipped'] for r in rows):.0f}",
+          " ".join(f"{k} {v * 1e3:.0f}ms" for k, v in sorted(times.items())))
+PY
+      ;;
+    mfu)
+      # Train-phase MFU of MegatronPolicy (~0.5B Qwen2 shape, seq 2048, sdpa and Megatron's
+      # attention) and the memory it frees asleep, on one GPU.
+      CUDA_VISIBLE_DEVICES=0 STEP_TIMEOUT=300 run_step megatron_mfu python3 bench/megatron/megatron_mfu.py --out-dir "$OUT" ;;
+    *)
+      echo "unknown step $step"; exit 2 ;;
+  esac
+done
