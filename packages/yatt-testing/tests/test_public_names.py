@@ -7,10 +7,12 @@ A new public submodule must be listed too.
 
 NUM_GPUS = 0
 
-import importlib
-import pkgutil
+import sys
+import types
 
 import pytest
+
+from yatt.testing import check_public_modules, check_public_names
 
 PUBLIC_NAMES: dict[str, list[str]] = {
     "yatt.testing": [
@@ -19,6 +21,8 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "VISION_TOKENS",
         "VLM_CHAT_TEMPLATE",
         "__version__",
+        "check_public_modules",
+        "check_public_names",
         "free_port",
         "make_tiny_causal_lm",
         "make_tiny_vlm",
@@ -28,36 +32,22 @@ PUBLIC_NAMES: dict[str, list[str]] = {
 }
 
 
-def _public_names(module) -> list[str]:
-    names = getattr(module, "__all__", None)
-    if names is None:
-        names = [n for n in dir(module) if not n.startswith("_")]
-    return sorted(names)
-
-
-def _how_to_fix(what: str) -> str:
-    return f"{what}; if that is deliberate, edit PUBLIC_NAMES in {__file__} to match"
-
-
 @pytest.mark.parametrize("module_name", sorted(PUBLIC_NAMES))
 def test_public_names_are_frozen(module_name):
-    module = importlib.import_module(module_name)
-    got, frozen = set(_public_names(module)), set(PUBLIC_NAMES[module_name])
-    added, removed = sorted(got - frozen), sorted(frozen - got)
-    assert not (added or removed), _how_to_fix(
-        f"{module_name}'s public names changed: new {added}, gone {removed}"
-    )
-    missing = sorted(n for n in got if not hasattr(module, n))
-    assert not missing, f"{module_name}.__all__ lists {missing}, which it does not define"
+    check_public_names(module_name, PUBLIC_NAMES[module_name], __file__)
 
 
 def test_every_public_submodule_is_frozen():
-    top = importlib.import_module("yatt.testing")
-    found = {"yatt.testing"}
-    for info in pkgutil.walk_packages(top.__path__, "yatt.testing."):
-        if not any(part.startswith("_") for part in info.name.split(".")):
-            found.add(info.name)
-    unlisted, gone = sorted(found - set(PUBLIC_NAMES)), sorted(set(PUBLIC_NAMES) - found)
-    assert not (unlisted or gone), _how_to_fix(
-        f"public modules not in PUBLIC_NAMES: {unlisted}; listed but gone: {gone}"
-    )
+    check_public_modules("yatt.testing", PUBLIC_NAMES, __file__)
+
+
+def test_a_name_added_or_removed_is_caught(monkeypatch):
+    module = types.ModuleType("yatt_fake_public")
+    module.__all__ = ["kept", "added"]
+    module.kept = module.added = object()
+    monkeypatch.setitem(sys.modules, "yatt_fake_public", module)
+    with pytest.raises(AssertionError, match=r"new \['added'\], gone \['removed'\]"):
+        check_public_names("yatt_fake_public", ["kept", "removed"], "the list")
+    module.__all__ = ["kept", "ghost"]
+    with pytest.raises(AssertionError, match="ghost"):
+        check_public_names("yatt_fake_public", ["kept", "ghost"], "the list")

@@ -1,5 +1,7 @@
-"""Shared test helpers for the yatt packages: tiny local models and tokenizers, rank launchers."""
+"""Shared test helpers for the yatt packages: tiny local models and tokenizers, rank launchers,
+the frozen-public-names checks."""
 
+from yatt.testing._public_names import check_public_modules, check_public_names
 from yatt.testing._ranks import free_port, run_ranks
 from yatt.testing._tiny import (
     CHAT_TEMPLATE,
@@ -18,6 +20,8 @@ __all__ = [
     "VISION_TOKENS",
     "VLM_CHAT_TEMPLATE",
     "__version__",
+    "check_public_modules",
+    "check_public_names",
     "free_port",
     "make_tiny_causal_lm",
     "make_tiny_vlm",
