@@ -64,14 +64,14 @@ from yatt.core._torch_policy import (
 )
 from yatt.core._train_step import merge_step_metrics
 from yatt.core._version import __version__
-from yatt.core._vision_inputs import (
+from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
+from yatt.core.vision._vision_inputs import (
     VISION_INPUTS_KEY,
     VisionInputError,
     VisionInputs,
     encode_vision_prompt,
     load_image_processor,
 )
-from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
 
 __all__ = [
     "EXPORT_MARKER",

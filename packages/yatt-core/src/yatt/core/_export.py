@@ -46,7 +46,7 @@ from yatt.core._checkpoint_tensors import read_model_tensors
 from yatt.core._policy import DTYPES
 from yatt.core._torch_policy import TorchPolicy
 from yatt.core._version import __version__
-from yatt.core._vision_forward import is_vision_language_config
+from yatt.core.vision._vision_forward import is_vision_language_config
 from yatt.placement import offloaded_named_parameters
 
 logger = logging.getLogger("yatt.core")

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from yatt.core._batch import Batch
 from yatt.core._overlong import IS_TRUNCATED_KEY
-from yatt.core._vision_inputs import VISION_INPUTS_KEY, VisionInputs
+from yatt.core.vision._vision_inputs import VISION_INPUTS_KEY, VisionInputs
 
 # Per-token fields of a rollout sample (the rest, group_id and reward, are per sample).
 ROLLOUT_TOKEN_KEYS = ("input_ids", "loss_mask", "rollout_logprobs")

@@ -43,9 +43,9 @@ from yatt.core._optimization import make_lr_schedule
 from yatt.core._policy import DTYPES, LossFn, TorchPolicyConfig
 from yatt.core._runtime import Runtime
 from yatt.core._train_step import StepCounts, compute_logprobs, run_train_step
-from yatt.core._vision_cost import estimate_vision_costs, vision_flops_shape
-from yatt.core._vision_forward import VisionLanguage, is_vision_language_config
-from yatt.core._vision_inputs import VISION_INPUTS_KEY
+from yatt.core.vision._vision_cost import estimate_vision_costs, vision_flops_shape
+from yatt.core.vision._vision_forward import VisionLanguage, is_vision_language_config
+from yatt.core.vision._vision_inputs import VISION_INPUTS_KEY
 from yatt.placement import (
     HostNeed,
     MemoryNeed,

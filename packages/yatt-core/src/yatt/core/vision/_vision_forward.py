@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from yatt.core._vision_inputs import VisionInputs
+from yatt.core.vision._vision_inputs import VisionInputs
 
 # Families whose forward and rope index this module knows (config.model_type).
 VISION_LANGUAGE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
@@ -55,7 +55,7 @@ class VisionLanguage:
             raise ValueError(
                 f"model_type={config.model_type!r} has a vision tower, but TorchPolicy "
                 f"implements images for {sorted(VISION_LANGUAGE_MODEL_TYPES)} only; train it "
-                "text-only from its language model, or add the family to yatt.core._vision_forward"
+                "text-only from its language model, or add the family to yatt.core.vision._vision_forward"
             )
         vision = config.vision_config
         temporal = vision.temporal_patch_size
