@@ -25,12 +25,10 @@ engine stops there, rollout_samples cuts it; counted as response/cut_at_vision_t
 
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from grpo_data import PromptError, prompt_ids
@@ -47,13 +45,6 @@ VISION_ERROR_CAUSES = {
     "too_large": "image_too_large",
     "image_count": "image_count",
 }
-# The model config's vision special tokens (Qwen2-VL family names).
-VISION_TOKEN_FIELDS = (
-    "image_token_id",
-    "video_token_id",
-    "vision_start_token_id",
-    "vision_end_token_id",
-)
 
 
 @dataclass(frozen=True)
@@ -66,36 +57,16 @@ class Prompt:
     vision: core.VisionInputs | None = None  # the same images as the policy takes them
 
 
-def read_model_config(model_dir: str) -> dict:
-    path = Path(model_dir) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def vision_token_ids(model_config: Mapping[str, Any]) -> tuple[int, ...]:
-    """The vision special tokens of a vision-language model's config; () for a text model."""
-    if "vision_config" not in model_config:
-        return ()
-    return tuple(
-        int(model_config[name])
-        for name in VISION_TOKEN_FIELDS
-        if isinstance(model_config.get(name), int)
-    )
-
-
 def check_takes_images(model_dir: str, image_key: str) -> None:
-    """Before any model loads: an image dataset needs a policy with a vision tower and an
-    image processor saved beside it (TrainConfig checks the backend is "torch")."""
-    if "vision_config" not in read_model_config(model_dir):
+    """Before any model loads: an image dataset needs a policy that takes images (a vision
+    tower of a family yatt implements, its image processor saved beside it; TrainConfig checks
+    the backend is "torch"). What the model takes is yatt.core.VisionModel's to say."""
+    why_not = core.VisionModel.from_pretrained(model_dir).why_no_images()
+    if why_not is not None:
         raise ValueError(
             f"data.image_key={image_key!r} gives the prompts images, but policy.model_dir="
-            f"{model_dir!r} is a text model (no vision_config in its config.json); use a "
-            "vision-language policy (a Qwen2-VL family model), or set data.image_key='' for "
-            "text prompts"
-        )
-    if not (Path(model_dir) / "preprocessor_config.json").is_file():
-        raise ValueError(
-            f"data.image_key={image_key!r}: policy.model_dir={model_dir!r} has no "
-            "preprocessor_config.json (its image processor); save it beside the model"
+            f"{model_dir!r} {why_not}; use a vision-language policy (a Qwen2-VL family model), "
+            "or set data.image_key='' for text prompts"
         )
 
 
@@ -120,13 +91,13 @@ class PromptEncoder:
         self.max_images = cfg.data.max_images
         self.should_apply_chat_template = cfg.data.apply_chat_template
         self.max_prompt_tokens = cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens
-        model_config = read_model_config(cfg.policy.model_dir)
+        vision = core.VisionModel.from_pretrained(cfg.policy.model_dir)
         # Any vision-language policy, images or not: it may sample these tokens.
-        self.cut_token_ids = vision_token_ids(model_config)
+        self.cut_token_ids = vision.stop_token_ids
         self.skipped: Counter[str] = Counter()
         if self.image_key is not None:  # checked when the config was built (checked_images)
             self.image_processor = core.load_image_processor(cfg.policy.model_dir)
-            self.image_token_id = int(model_config["image_token_id"])
+            self.image_token_id = vision.image_token_id
 
     @property
     def takes_images(self) -> bool:

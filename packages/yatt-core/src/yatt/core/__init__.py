@@ -72,6 +72,7 @@ from yatt.core.vision._vision_inputs import (
     encode_vision_prompt,
     load_image_processor,
 )
+from yatt.core.vision._vision_model import VisionModel
 
 __all__ = [
     "EXPORT_MARKER",
@@ -104,6 +105,7 @@ __all__ = [
     "UnfilledBatchError",
     "VisionInputError",
     "VisionInputs",
+    "VisionModel",
     "__version__",
     "aggregate",
     "broadcast_to_tp_peers",
