@@ -3,7 +3,8 @@
     encoder = PromptEncoder(cfg, tokenizer)      before any model loads: checks the policy
     encoder.check(loader.first_rows(), source=...)  and that the data's first rows give prompts
     prompts = encoder.encode(loader.next_batch())  rows -> Prompt(row, ids, images, vision)
-    Request(prompt_ids=p.ids, images=p.images)    the engine samples with the raw images
+    p.request()                                   Request(prompt_ids, images, image_inputs):
+                                                  the images processed once, here
     rollout_samples(..., vision_inputs=[p.vision ...], cut_at_token_ids=encoder.cut_token_ids)
 
 With data.image_key a row's images (opened by the loader: a path relative to the data file,
@@ -25,6 +26,7 @@ engine stops there, rollout_samples cuts it; counted as response/cut_at_vision_t
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -33,11 +35,14 @@ from typing import Any
 
 from grpo_data import PromptError, prompt_ids
 
-from yatt import core
+from yatt import core, rollout
 
 logger = logging.getLogger("train_grpo")
 # Skip causes of the images in rows the loader passed; counted beside the loader's own.
 IMAGE_SKIP_CAUSES = ("too_many_images", "image_count")
+# Prompts the loader counted (count_tokens) are kept until encoded, at most this many (a row
+# counted then skipped for another cause is never encoded).
+MAX_KEPT_PROMPTS = 4096
 # yatt.core.VisionInputError causes -> skip causes.
 VISION_ERROR_CAUSES = {
     "no_image": "no_image",
@@ -55,6 +60,13 @@ class Prompt:
     ids: list[int]
     images: list | None = None  # RGB PIL images, as the rollout engine takes them
     vision: core.VisionInputs | None = None  # the same images as the policy takes them
+
+    def request(self, **fields: Any) -> rollout.Request:
+        """A rollout request of this prompt (`fields` override or add Request fields): its ids,
+        its images, and the images as processed here (Request.image_inputs), so the built-in
+        engine does not run the image processor again."""
+        prompt = {"prompt_ids": self.ids, "images": self.images, "image_inputs": self.vision}
+        return rollout.Request(**{**prompt, **fields})
 
 
 def check_takes_images(model_dir: str, image_key: str) -> None:
@@ -95,6 +107,9 @@ class PromptEncoder:
         # Any vision-language policy, images or not: it may sample these tokens.
         self.cut_token_ids = vision.stop_token_ids
         self.skipped: Counter[str] = Counter()
+        self._counted: dict[
+            tuple[tuple[str, str], int], list[int]
+        ] = {}  # count_tokens' ids, for encode
         if self.image_key is not None:  # checked when the config was built (checked_images)
             self.image_processor = core.load_image_processor(cfg.policy.model_dir)
             self.image_token_id = vision.image_token_id
@@ -102,6 +117,22 @@ class PromptEncoder:
     @property
     def takes_images(self) -> bool:
         return self.image_key is not None
+
+    def count_tokens(self, prompt: Any) -> int:
+        """The loader's length check (ShardedLoader(count_tokens=...)): the prompt's tokens as
+        the policy reads them; with images, with one image placeholder (a row has at least
+        one, each at least a token: a lower bound of the prompt with its images). 0 for a
+        prompt the chat template refuses (encode skips it: bad_prompt). The ids are kept for
+        encode, so a prompt is tokenized once."""
+        num_images = 0 if self.image_key is None else 1
+        try:
+            ids = self._tokenize(prompt, num_images)
+        except PromptError:
+            return 0
+        self._counted[_prompt_key(prompt), num_images] = ids
+        if len(self._counted) > MAX_KEPT_PROMPTS:  # the oldest: counted, never encoded
+            del self._counted[next(iter(self._counted))]
+        return len(ids)
 
     def encode(self, rows: Sequence[dict], *, should_count: bool = True) -> list[Prompt]:
         """The usable rows' prompts; the others skipped (counted when should_count)."""
@@ -172,6 +203,11 @@ class PromptEncoder:
         return Prompt(row, ids, images, vision), "", ""
 
     def _ids(self, prompt: Any, num_images: int) -> list[int]:
+        """The prompt's ids: those count_tokens made, else tokenized now."""
+        counted = self._counted.pop((_prompt_key(prompt), num_images), None)
+        return counted if counted is not None else self._tokenize(prompt, num_images)
+
+    def _tokenize(self, prompt: Any, num_images: int) -> list[int]:
         if num_images == 0:
             return prompt_ids(prompt, self.tokenizer, self.should_apply_chat_template)
         return prompt_ids(with_images(prompt, num_images), self.tokenizer, True)
@@ -184,3 +220,10 @@ class PromptEncoder:
         for cause, count in self.skipped.items():
             counts[cause] = counts.get(cause, 0) + count
         return counts
+
+
+def _prompt_key(prompt: Any) -> tuple[str, str]:
+    """A row's prompt (text, or {role, content} messages) as a key of count_tokens' ids."""
+    if isinstance(prompt, str):
+        return "text", prompt
+    return "messages", json.dumps(prompt, sort_keys=True, default=str)
