@@ -1,6 +1,7 @@
 """Data rows -> the policy's prompts, images included: what the trainer's rollouts read.
 
     encoder = PromptEncoder(cfg, tokenizer)      before any model loads: checks the policy
+    ShardedLoader(..., count_tokens=encoder.count_tokens)   the ids kept: tokenized once
     encoder.check(loader.first_rows(), source=...)  and that the data's first rows give prompts
     prompts = encoder.encode(loader.next_batch())  rows -> Prompt(row, ids, images, vision)
     p.request()                                   Request(prompt_ids, images, image_inputs):
@@ -21,7 +22,9 @@ A policy that takes no images given an image dataset is refused here, before mod
 
 A vision-language policy may sample its vision special tokens (<|image_pad|>, ...): the policy
 refuses an image token without its image, so a response ends before one (cut_token_ids: the
-engine stops there, rollout_samples cuts it; counted as response/cut_at_vision_token).
+engine stops there, rollout_samples cuts it; counted as response/cut_at_vision_token). Which
+tokens those are, and whether the policy takes images, is yatt.core.VisionModel's to say (from
+the model's own config): this module reads no model config itself.
 """
 
 from __future__ import annotations
