@@ -60,3 +60,19 @@ def test_a_vision_tower_of_an_unknown_family_takes_no_images_but_keeps_its_stop_
     vision = VisionModel.of(config)
     assert not vision.takes_images and "'llava'" in vision.why_no_images()
     assert vision.stop_token_ids == (7,)  # a bool is no token id
+
+
+def test_the_policy_side_reads_the_same_from_a_loaded_model(vlm_dir):
+    from transformers import AutoModelForImageTextToText
+
+    from yatt.core.vision._vision_forward import VisionLanguage
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dir)
+    vision = VisionLanguage.of(model)
+    folder = VisionModel.from_pretrained(vlm_dir)
+    assert vision.stop_token_ids == folder.stop_token_ids and len(vision.stop_token_ids) == 4
+    assert (vision.image_token_id, vision.merge_size, vision.patch_dim) == (
+        folder.image_token_id,
+        folder.merge_size,
+        folder.patch_dim,
+    )

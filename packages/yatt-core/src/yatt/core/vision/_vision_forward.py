@@ -42,6 +42,7 @@ class VisionLanguage:
     image_token_id: int
     merge_size: int  # spatial merge: merge_size**2 patches make one image token
     patch_dim: int  # D of pixel_values: channels x temporal patch x patch x patch
+    stop_token_ids: tuple[int, ...] = ()  # vision special tokens: a response ends before one
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> VisionLanguage | None:
@@ -61,6 +62,7 @@ class VisionLanguage:
             image_token_id=vision.image_token_id,
             merge_size=vision.merge_size,
             patch_dim=vision.patch_dim,
+            stop_token_ids=vision.stop_token_ids,
         )
 
     # -- inputs ---------------------------------------------------------------------------------
