@@ -1,9 +1,11 @@
 """Data rows -> the policy's prompts, images included: what the trainer's rollouts read.
 
     encoder = PromptEncoder(cfg, tokenizer)      before any model loads: checks the policy
+    ShardedLoader(..., count_tokens=encoder.count_tokens)   the ids kept: tokenized once
     encoder.check(loader.first_rows(), source=...)  and that the data's first rows give prompts
     prompts = encoder.encode(loader.next_batch())  rows -> Prompt(row, ids, images, vision)
-    Request(prompt_ids=p.ids, images=p.images)    the engine samples with the raw images
+    p.request()                                   Request(prompt_ids, images, image_inputs):
+                                                  the images processed once, here
     rollout_samples(..., vision_inputs=[p.vision ...], cut_at_token_ids=encoder.cut_token_ids)
 
 With data.image_key a row's images (opened by the loader: a path relative to the data file,
@@ -20,7 +22,9 @@ A policy that takes no images given an image dataset is refused here, before mod
 
 A vision-language policy may sample its vision special tokens (<|image_pad|>, ...): the policy
 refuses an image token without its image, so a response ends before one (cut_token_ids: the
-engine stops there, rollout_samples cuts it; counted as response/cut_at_vision_token).
+engine stops there, rollout_samples cuts it; counted as response/cut_at_vision_token). Which
+tokens those are, and whether the policy takes images, is yatt.core.VisionModel's to say (from
+the model's own config): this module reads no model config itself.
 """
 
 from __future__ import annotations
@@ -28,18 +32,20 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from grpo_data import PromptError, prompt_ids
 
-from yatt import core
+from yatt import core, rollout
 
 logger = logging.getLogger("train_grpo")
 # Skip causes of the images in rows the loader passed; counted beside the loader's own.
 IMAGE_SKIP_CAUSES = ("too_many_images", "image_count")
+# Prompts the loader counted (count_tokens) are kept until encoded, at most this many (a row
+# counted then skipped for another cause is never encoded).
+MAX_KEPT_PROMPTS = 4096
 # yatt.core.VisionInputError causes -> skip causes.
 VISION_ERROR_CAUSES = {
     "no_image": "no_image",
@@ -47,13 +53,6 @@ VISION_ERROR_CAUSES = {
     "too_large": "image_too_large",
     "image_count": "image_count",
 }
-# The model config's vision special tokens (Qwen2-VL family names).
-VISION_TOKEN_FIELDS = (
-    "image_token_id",
-    "video_token_id",
-    "vision_start_token_id",
-    "vision_end_token_id",
-)
 
 
 @dataclass(frozen=True)
@@ -65,37 +64,24 @@ class Prompt:
     images: list | None = None  # RGB PIL images, as the rollout engine takes them
     vision: core.VisionInputs | None = None  # the same images as the policy takes them
 
-
-def read_model_config(model_dir: str) -> dict:
-    path = Path(model_dir) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def vision_token_ids(model_config: Mapping[str, Any]) -> tuple[int, ...]:
-    """The vision special tokens of a vision-language model's config; () for a text model."""
-    if "vision_config" not in model_config:
-        return ()
-    return tuple(
-        int(model_config[name])
-        for name in VISION_TOKEN_FIELDS
-        if isinstance(model_config.get(name), int)
-    )
+    def request(self, **fields: Any) -> rollout.Request:
+        """A rollout request of this prompt (`fields` override or add Request fields): its ids,
+        its images, and the images as processed here (Request.image_inputs), so the built-in
+        engine does not run the image processor again."""
+        prompt = {"prompt_ids": self.ids, "images": self.images, "image_inputs": self.vision}
+        return rollout.Request(**{**prompt, **fields})
 
 
 def check_takes_images(model_dir: str, image_key: str) -> None:
-    """Before any model loads: an image dataset needs a policy with a vision tower and an
-    image processor saved beside it (TrainConfig checks the backend is "torch")."""
-    if "vision_config" not in read_model_config(model_dir):
+    """Before any model loads: an image dataset needs a policy that takes images (a vision
+    tower of a family yatt implements, its image processor saved beside it; TrainConfig checks
+    the backend is "torch"). What the model takes is yatt.core.VisionModel's to say."""
+    why_not = core.VisionModel.from_pretrained(model_dir).why_no_images()
+    if why_not is not None:
         raise ValueError(
             f"data.image_key={image_key!r} gives the prompts images, but policy.model_dir="
-            f"{model_dir!r} is a text model (no vision_config in its config.json); use a "
-            "vision-language policy (a Qwen2-VL family model), or set data.image_key='' for "
-            "text prompts"
-        )
-    if not (Path(model_dir) / "preprocessor_config.json").is_file():
-        raise ValueError(
-            f"data.image_key={image_key!r}: policy.model_dir={model_dir!r} has no "
-            "preprocessor_config.json (its image processor); save it beside the model"
+            f"{model_dir!r} {why_not}; use a vision-language policy (a Qwen2-VL family model), "
+            "or set data.image_key='' for text prompts"
         )
 
 
@@ -120,17 +106,36 @@ class PromptEncoder:
         self.max_images = cfg.data.max_images
         self.should_apply_chat_template = cfg.data.apply_chat_template
         self.max_prompt_tokens = cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens
-        model_config = read_model_config(cfg.policy.model_dir)
+        vision = core.VisionModel.from_pretrained(cfg.policy.model_dir)
         # Any vision-language policy, images or not: it may sample these tokens.
-        self.cut_token_ids = vision_token_ids(model_config)
+        self.cut_token_ids = vision.stop_token_ids
         self.skipped: Counter[str] = Counter()
+        self._counted: dict[
+            tuple[tuple[str, str], int], list[int]
+        ] = {}  # count_tokens' ids, for encode
         if self.image_key is not None:  # checked when the config was built (checked_images)
             self.image_processor = core.load_image_processor(cfg.policy.model_dir)
-            self.image_token_id = int(model_config["image_token_id"])
+            self.image_token_id = vision.image_token_id
 
     @property
     def takes_images(self) -> bool:
         return self.image_key is not None
+
+    def count_tokens(self, prompt: Any) -> int:
+        """The loader's length check (ShardedLoader(count_tokens=...)): the prompt's tokens as
+        the policy reads them; with images, with one image placeholder (a row has at least
+        one, each at least a token: a lower bound of the prompt with its images). 0 for a
+        prompt the chat template refuses (encode skips it: bad_prompt). The ids are kept for
+        encode, so a prompt is tokenized once."""
+        num_images = 0 if self.image_key is None else 1
+        try:
+            ids = self._tokenize(prompt, num_images)
+        except PromptError:
+            return 0
+        self._counted[_prompt_key(prompt), num_images] = ids
+        if len(self._counted) > MAX_KEPT_PROMPTS:  # the oldest: counted, never encoded
+            del self._counted[next(iter(self._counted))]
+        return len(ids)
 
     def encode(self, rows: Sequence[dict], *, should_count: bool = True) -> list[Prompt]:
         """The usable rows' prompts; the others skipped (counted when should_count)."""
@@ -201,6 +206,11 @@ class PromptEncoder:
         return Prompt(row, ids, images, vision), "", ""
 
     def _ids(self, prompt: Any, num_images: int) -> list[int]:
+        """The prompt's ids: those count_tokens made, else tokenized now."""
+        counted = self._counted.pop((_prompt_key(prompt), num_images), None)
+        return counted if counted is not None else self._tokenize(prompt, num_images)
+
+    def _tokenize(self, prompt: Any, num_images: int) -> list[int]:
         if num_images == 0:
             return prompt_ids(prompt, self.tokenizer, self.should_apply_chat_template)
         return prompt_ids(with_images(prompt, num_images), self.tokenizer, True)
@@ -213,3 +223,10 @@ class PromptEncoder:
         for cause, count in self.skipped.items():
             counts[cause] = counts.get(cause, 0) + count
         return counts
+
+
+def _prompt_key(prompt: Any) -> tuple[str, str]:
+    """A row's prompt (text, or {role, content} messages) as a key of count_tokens' ids."""
+    if isinstance(prompt, str):
+        return "text", prompt
+    return "messages", json.dumps(prompt, sort_keys=True, default=str)

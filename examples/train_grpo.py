@@ -62,7 +62,7 @@ from yatt.placement import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_config import DataConfig, TrainConfig, read_config
-from grpo_data import PromptError, check_judge_prompts, judge_sample, prompt_ids
+from grpo_data import check_judge_prompts, judge_sample
 from grpo_metrics import StepStats, VerdictWarnings, check_verdicts, eval_metrics, summarize
 from grpo_prompts import Prompt, PromptEncoder
 from grpo_setup import (
@@ -144,7 +144,7 @@ def generate_and_score(
 ) -> list[Scored]:
     """n responses per prompt (with its images), each decoded once and judged. should_overlap
     (rollout and judge resident together): each response is judged as soon as it finishes."""
-    requests = [rollout.Request(prompt_ids=p.ids, images=p.images) for p in prompts]
+    requests = [p.request() for p in prompts]  # images processed once, by the encoder
     samples: dict[tuple[int, int], genrm.Sample] = {}
 
     def to_sample(completion: rollout.Completion) -> genrm.Sample:
@@ -302,13 +302,9 @@ def main(argv: list[str]) -> int:
 
         # -- data, checked before any model loads (tokenizers only) ------------------------------
         tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
-
-        def count_tokens(prompt) -> int:
-            try:
-                return len(prompt_ids(prompt, tokenizer, cfg.data.apply_chat_template))
-            except PromptError:  # refused by the chat template: the encoder skips it (bad_prompt)
-                return 0
-
+        # Rows -> prompts (images through the policy's image processor); checks the policy.
+        # The loader's length check tokenizes through it, so each prompt is tokenized once.
+        encoder = PromptEncoder(cfg, tokenizer)
         loader = core.ShardedLoader(
             cfg.data.path,
             batch_size=cfg.data.prompts_per_rank,
@@ -317,15 +313,13 @@ def main(argv: list[str]) -> int:
             prompt_key=cfg.data.prompt_key,
             seed=cfg.seed,
             max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
-            count_tokens=count_tokens,
+            count_tokens=encoder.count_tokens,
             required_keys=required_row_fields(cfg),
             **row_limits(cfg),  # sizes checked before reading; data.image_key: images opened here
         )
-        # Rows -> prompts (images through the policy's image processor); checks the policy.
-        encoder = PromptEncoder(cfg, tokenizer)
         encoder.check(loader.first_rows(), source=f"data.path={cfg.data.path!r}")
         eval_prompts = encoder.encode(
-            load_eval_rows(cfg, runtime, count_tokens), should_count=False
+            load_eval_rows(cfg, runtime, encoder.count_tokens), should_count=False
         )
         if cfg.uses_judge_model:
             judge_template = genrm.JudgeTemplate(user=cfg.reward.judge_template)
@@ -359,7 +353,7 @@ def main(argv: list[str]) -> int:
             cfg.rollout, cfg.policy.model_dir, device, policy_tp_size=runtime.tp_size
         )
         closeables.append(engine)
-        if encoder.takes_images and not getattr(engine, "accepts_images", True):
+        if encoder.takes_images and not engine.accepts_images:
             raise ValueError(f"rollout.backend={cfg.rollout.backend!r} serves no images here")
         judge_engine = None
         if cfg.uses_judge_model:

@@ -1,6 +1,7 @@
 """Images through one RL step on the CPU: the built-in engine generates on a tiny Qwen2-VL, the
-policy recomputes the sampler's logprobs from the same images, trains, and pushes its weights
-(the vision tower's included) back into the engine."""
+policy recomputes the sampler's logprobs from the same images (the same processed pixels: they
+travel with the request), trains, and pushes its weights (the vision tower's included) back into
+the engine."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def test_engine_samples_train_the_policy_and_weights_return(vlm_dir, device):
             ids, vision = encode_vision_prompt(
                 ids, images, image_processor=image_processor, image_token_id=image_id
             )
-        requests.append(Request(prompt_ids=ids, images=images or None))
+        # As the trainer sends them: the processed pixels too, so the engine does not redo them.
+        requests.append(Request(prompt_ids=ids, images=images or None, image_inputs=vision))
         visions.append(vision)
     engine = BuiltinEngine(
         vlm_dir, config=EngineConfig(device=device, dtype="float32", max_seq_len=128)

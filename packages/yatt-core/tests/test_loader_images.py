@@ -228,7 +228,7 @@ def test_max_image_bytes_applies_to_files_and_to_inline_bytes(tmp_path):
     assert [r["prompt"] for r in got] == ["small file"]
     assert loader.skipped_by_cause()["image_too_large"] == 1  # the dict's hex str is no image
     # Inline bytes: the same cap.
-    from yatt.core._row_images import RowImageError, open_row_images
+    from yatt.core.vision._row_images import RowImageError, open_row_images
 
     assert open_row_images(small, base_dir=tmp_path, max_pixels=None, max_bytes=limit).size
     for value in (large, {"bytes": large, "path": None}, [small, large]):

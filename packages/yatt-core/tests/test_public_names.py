@@ -37,6 +37,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "RunLog",
         "Runtime",
         "ShardedLoader",
+        "VisionModel",
         "TorchPolicy",
         "TorchPolicyConfig",
         "UnfilledBatchError",
@@ -113,6 +114,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
     "yatt.core.policy.megatron": [],  # the backend's code; its names are yatt.core.megatron's
     "yatt.core.rl": [],
     "yatt.core.runtime": [],
+    "yatt.core.vision": [],
 }
 
 

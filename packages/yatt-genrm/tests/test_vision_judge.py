@@ -231,3 +231,52 @@ def test_a_text_only_built_in_judge_refuses_an_image_template(tmp_path) -> None:
             GenRM(engine, template=TEMPLATE, parser=AnyText())
     finally:
         engine.close()
+
+
+class CountingImageProcessor:
+    """An image processor that counts the images it is given (a spy around the real one)."""
+
+    def __init__(self, image_processor):
+        self.image_processor = image_processor
+        self.num_images = 0
+
+    def __call__(self, *, images, **kwargs):
+        self.num_images += len(images)
+        return self.image_processor(images=images, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.image_processor, name)
+
+
+def test_the_judges_images_go_through_its_image_processor_once(vlm_dir, image_processor) -> None:
+    """ImagePrompts.encode sizes the placeholders and hands the engine the processed images
+    (Request.image_inputs): one processor pass per image in all, the verdict the same as the
+    engine's own pass over the raw images."""
+    from transformers import AutoTokenizer
+
+    from yatt.genrm._images import ImagePrompts
+    from yatt.rollout import Request
+
+    spy = CountingImageProcessor(image_processor)
+    config = EngineConfig(device="cpu", dtype="float32", max_seq_len=256, max_batch_size=4)
+    judge_engine = BuiltinEngine(vlm_dir, config=config, image_processor=spy)
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    images = [_image(5), _image(6, size=(24, 16))]
+    content = [{"type": "image"}] * 2 + [{"type": "text", "text": "How many dots?"}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    expanded, inputs = ImagePrompts(spy, image_id).encode(ids, images)
+    assert spy.num_images == len(images)
+    taken = judge_engine.generate(
+        [Request(prompt_ids=expanded, images=images, image_inputs=inputs)], SAMPLING
+    )
+    assert spy.num_images == len(images)  # the engine took the judge's pass
+    raw = judge_engine.generate([Request(prompt_ids=expanded, images=images)], SAMPLING)
+    assert spy.num_images == 2 * len(images)  # the same engine processes raw images itself
+    assert taken[0].response_ids == raw[0].response_ids
+    # expand (the ids alone) is encode's ids.
+    assert ImagePrompts(image_processor, image_id).expand(ids, images) == expanded
+    judge_engine.close()

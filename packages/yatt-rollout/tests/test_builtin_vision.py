@@ -169,3 +169,94 @@ def test_mismatched_images_are_clear_errors_before_any_work(vlm_dir, tiny_model_
     assert not text_engine.accepts_images
     with pytest.raises(ValueError, match="text-only"):
         text_engine.generate([Request(prompt_ids=[5, 6], images=[_image(16, 16, 0)])], sampling)
+
+
+class CountingImageProcessor:
+    """An image processor that counts the images it is given (a spy around the real one)."""
+
+    def __init__(self, image_processor):
+        self.image_processor = image_processor
+        self.num_images = 0
+
+    def __call__(self, *, images, **kwargs):
+        self.num_images += len(images)
+        return self.image_processor(images=images, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.image_processor, name)
+
+
+def test_processed_images_that_come_with_a_request_are_not_processed_again(vlm_dir):
+    """Request.image_inputs (the caller ran the processor once) are what the prefill takes:
+    the engine's processor sees no image, and the samples are those of raw images."""
+    from transformers import AutoImageProcessor
+
+    requests, processed, _ = _requests(vlm_dir)
+    spy = CountingImageProcessor(AutoImageProcessor.from_pretrained(vlm_dir))
+    engine = BuiltinEngine(
+        vlm_dir,
+        config=EngineConfig(device="cpu", dtype="float32", max_seq_len=128, max_batch_size=4),
+        image_processor=spy,
+    )
+    sampling = SamplingParams(n=2, temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=5)
+    raw = engine.generate(requests, sampling)
+    num_images = sum(len(r.images or ()) for r in requests)
+    assert spy.num_images == num_images  # without image_inputs: each image once, n samples
+    spy.num_images = 0
+    with_inputs = [
+        Request(prompt_ids=r.prompt_ids, images=r.images, image_inputs=_inputs(p))
+        for r, p in zip(requests, processed, strict=True)
+    ]
+    taken = engine.generate(with_inputs, sampling)
+    assert spy.num_images == 0
+    assert [c.response_ids for c in taken] == [c.response_ids for c in raw]
+    for a, b in zip(taken, raw, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
+    # Without the raw images too (the engine needs only the processed ones).
+    bare = [Request(prompt_ids=r.prompt_ids, image_inputs=r.image_inputs) for r in with_inputs]
+    assert [c.response_ids for c in engine.generate(bare, sampling)] == [
+        c.response_ids for c in raw
+    ]
+    assert spy.num_images == 0
+
+
+def _inputs(processed):
+    from types import SimpleNamespace
+
+    if processed is None:
+        return None
+    return SimpleNamespace(
+        pixel_values=processed["pixel_values"], image_grid_thw=processed["image_grid_thw"]
+    )
+
+
+def test_processed_images_that_do_not_fit_are_clear_errors(vlm_dir, tiny_model_dir):
+    from types import SimpleNamespace
+
+    requests, processed, _ = _requests(vlm_dir, images_per_prompt=(1,))
+    engine = _engine(vlm_dir)
+    sampling = SamplingParams(max_new_tokens=2)
+    pixels, grid = processed[0]["pixel_values"], processed[0]["image_grid_thw"]
+    ids = requests[0].prompt_ids
+    cases = {
+        r"image_inputs=tuple: give an object with pixel_values": (pixels, grid),
+        r"image_inputs\.pixel_values has shape \(\d+, 7\)": SimpleNamespace(
+            pixel_values=pixels[:, :7], image_grid_thw=grid
+        ),
+        r"image_inputs\.image_grid_thw has shape \(0, 3\)": SimpleNamespace(
+            pixel_values=pixels, image_grid_thw=grid[:0]
+        ),
+        # Two images' worth of grid for the prompt's one placeholder run.
+        r"the prompt's image token runs are \[4\]": SimpleNamespace(
+            pixel_values=torch.cat([pixels, pixels]), image_grid_thw=torch.cat([grid, grid])
+        ),
+    }
+    for message, inputs in cases.items():
+        with pytest.raises(ValueError, match=r"requests\[0\]" + r".*" + message):
+            engine.generate([Request(prompt_ids=ids, image_inputs=inputs)], sampling)
+    text_engine = BuiltinEngine(
+        tiny_model_dir, config=EngineConfig(device="cpu", dtype="float32", max_seq_len=64)
+    )
+    inputs = _inputs(processed[0])
+    with pytest.raises(ValueError, match=r"requests\[0\]\.image_inputs is set .* text-only"):
+        text_engine.generate([Request(prompt_ids=[5, 6], image_inputs=inputs)], sampling)

@@ -86,7 +86,9 @@ def test_adapters_abort_and_report_label_logprobs(fake_backends, engine_cls):
         assert isinstance(engine, RolloutEngine)
         assert isinstance(engine, Abortable)
         assert isinstance(engine, SupportsLabelLogprobs) and engine.supports_label_logprobs is True
-        assert not isinstance(engine, AcceptsImages)  # they say is_multimodal (module docstring)
+        # Images follow the served model (the fakes serve a text model): is_multimodal.
+        assert isinstance(engine, AcceptsImages)
+        assert engine.accepts_images is engine.is_multimodal is False
         # As a placement role: a device need from their own settings, no byte count of their own.
         assert isinstance(engine, placement.ReportsMemoryNeed)
         assert not isinstance(engine, placement.MeasuresResidentBytes)

@@ -8,13 +8,6 @@ Users import from here (and `yatt.core.megatron`); the modules under the familie
 """
 
 from yatt.core._version import __version__
-from yatt.core._vision_inputs import (
-    VISION_INPUTS_KEY,
-    VisionInputError,
-    VisionInputs,
-    encode_vision_prompt,
-    load_image_processor,
-)
 from yatt.core.data._batch import Batch
 from yatt.core.data._loader import ROW_INDEX_KEY, ShardedLoader
 from yatt.core.data._mini_batches import split_mini_batches
@@ -81,6 +74,14 @@ from yatt.core.runtime._learning_guard import LearningGuard, NoLearningError
 from yatt.core.runtime._metrics import reduce_metrics
 from yatt.core.runtime._run_log import RunLog, check_wandb
 from yatt.core.runtime._runtime import Runtime, init_runtime, set_seed
+from yatt.core.vision._vision_inputs import (
+    VISION_INPUTS_KEY,
+    VisionInputError,
+    VisionInputs,
+    encode_vision_prompt,
+    load_image_processor,
+)
+from yatt.core.vision._vision_model import VisionModel
 
 __all__ = [
     "EXPORT_MARKER",
@@ -113,6 +114,7 @@ __all__ = [
     "UnfilledBatchError",
     "VisionInputError",
     "VisionInputs",
+    "VisionModel",
     "__version__",
     "aggregate",
     "broadcast_to_tp_peers",

@@ -2,15 +2,18 @@
 
     Sample.metadata[template.image_key]    one image or a list (PIL images, as the loader gives)
     local judge (GenRM):   chat template writes one placeholder token per image
-                           -> ImagePrompts.expand: each placeholder becomes the image's tokens
-                           -> Request(prompt_ids=expanded, images=images)
+                           -> ImagePrompts.encode: the images through the judge's image
+                              processor once; each placeholder becomes the image's tokens
+                           -> Request(prompt_ids=expanded, images=images, image_inputs=processed)
     OpenAIJudge:           {"type": "image"} parts -> {"type": "image_url", "image_url":
                            {"url": "data:image/png;base64,..."}} in the user message
 
 A Qwen2-VL-family engine takes each image as a run of image tokens as long as its merged patch
 count (the processor's image_grid_thw t*h*w / merge_size**2), as the model's processor writes
 the prompt. The judge's engine does not expand placeholders itself (yatt's built-in engine
-checks the runs), so the judge counts them with the same image processor the engine uses.
+checks the runs), so the judge counts them with the same image processor the engine uses, and
+hands the engine what it processed (Request.image_inputs) so the engine does not process again.
+The judge is its own model with its own processor: the policy's processed pixels are not its.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ import base64
 import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
+
+import torch
 
 # The image processor's tokens-per-image merge, when it does not say (Qwen2-VL's is 2).
 _DEFAULT_MERGE_SIZE = 2
@@ -30,6 +35,13 @@ _MAGIC_MIME = (
     (b"GIF87a", "image/gif"),
     (b"GIF89a", "image/gif"),
 )
+
+
+class ImageInputs(NamedTuple):
+    """A prompt's images as the judge model takes them (Request.image_inputs)."""
+
+    pixel_values: torch.Tensor  # [P, D] every patch of the prompt's images, image after image
+    image_grid_thw: torch.Tensor  # [I, 3] int64 (t, h, w) patches per image
 
 
 def images_of(value: Any) -> list[Any]:
@@ -53,20 +65,29 @@ class ImagePrompts:
         self.image_token_id = image_token_id
         self.merge_size = int(getattr(image_processor, "merge_size", _DEFAULT_MERGE_SIZE))
 
-    def tokens_per_image(self, images: Sequence[Any]) -> list[int]:
-        """Image tokens each image takes; ValueError for an image the processor refuses."""
+    def process(self, images: Sequence[Any]) -> ImageInputs:
+        """The images through the judge's image processor; ValueError for one it refuses."""
         try:
             out = self.image_processor(images=list(images), return_tensors="pt")
         except Exception as err:
             raise ValueError(
                 f"the judge's image processor refused an image ({type(err).__name__}: {err})"
             ) from None
-        grid = out["image_grid_thw"]
-        return [int(n) // self.merge_size**2 for n in grid.prod(-1)]
+        return ImageInputs(out["pixel_values"], out["image_grid_thw"].to(torch.int64))
 
-    def expand(self, prompt_ids: Sequence[int], images: Sequence[Any]) -> list[int]:
-        """`prompt_ids` with one run of image tokens per image, in order; ValueError when the
-        prompt's placeholders and the images differ in number."""
+    def tokens_per_image(self, images: Sequence[Any]) -> list[int]:
+        """Image tokens each image takes; ValueError for an image the processor refuses."""
+        return self._tokens_per_image(self.process(images))
+
+    def _tokens_per_image(self, inputs: ImageInputs) -> list[int]:
+        return [int(n) // self.merge_size**2 for n in inputs.image_grid_thw.prod(-1)]
+
+    def encode(
+        self, prompt_ids: Sequence[int], images: Sequence[Any]
+    ) -> tuple[list[int], ImageInputs]:
+        """(`prompt_ids` with one run of image tokens per image, in order; the images as the
+        judge model takes them, for Request.image_inputs). ValueError when the prompt's
+        placeholders and the images differ in number."""
         token = self.image_token_id
         positions = [i for i, t in enumerate(prompt_ids) if t == token]
         if len(positions) != len(images):
@@ -75,14 +96,19 @@ class ImagePrompts:
                 f"for {len(images)} image(s); the judge tokenizer's chat template must write one "
                 "image placeholder per {'type': 'image'} part"
             )
+        inputs = self.process(images)
         out: list[int] = []
         previous = 0
-        for position, num_tokens in zip(positions, self.tokens_per_image(images), strict=True):
+        for position, num_tokens in zip(positions, self._tokens_per_image(inputs), strict=True):
             out.extend(prompt_ids[previous:position])
             out.extend([token] * num_tokens)
             previous = position + 1
         out.extend(prompt_ids[previous:])
-        return out
+        return out, inputs
+
+    def expand(self, prompt_ids: Sequence[int], images: Sequence[Any]) -> list[int]:
+        """`prompt_ids` with one run of image tokens per image (encode's ids)."""
+        return self.encode(prompt_ids, images)[0]
 
 
 def image_data_url(image: Any) -> str:

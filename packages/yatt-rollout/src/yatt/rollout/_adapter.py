@@ -21,6 +21,11 @@ class ThreadedAdapter:
     max_seq_len: int
     is_multimodal: bool
 
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the served model takes Request.images (its engine says it is multimodal)."""
+        return self.is_multimodal
+
     def generate(self, requests: Sequence[Request], sampling: SamplingParams) -> list[Completion]:
         out: list[Completion] = []
         self._run(self._prepare(requests, sampling), out.append)

@@ -57,9 +57,10 @@ def validate_requests(
                 f"requests[{i}].max_new_tokens={limit!r}: must be an int >= 1, or None to use "
                 "SamplingParams.max_new_tokens"
             )
-        if request.images and not accepts_images:
+        if (request.images or request.image_inputs is not None) and not accepts_images:
+            field = "images" if request.images else "image_inputs"
             raise ValueError(
-                f"requests[{i}].images is set but the served model is text-only; drop the "
+                f"requests[{i}].{field} is set but the served model is text-only; drop the "
                 "images or serve a multimodal model with the vLLM or SGLang engine"
             )
     bad_stops = [t for t in sampling.stop_token_ids if t >= vocab_size]

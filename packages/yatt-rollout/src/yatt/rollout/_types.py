@@ -78,10 +78,17 @@ class SamplingParams:
 
 @dataclass(kw_only=True)
 class Request:
-    """One prompt. `images` are passed through to multimodal engines (PIL images or tensors)."""
+    """One prompt. `images` are passed through to multimodal engines (PIL images or tensors).
+
+    `image_inputs`: the same images already through the served model's image processor, so the
+    engine does not run it again: any object with `pixel_values` [P, D] and `image_grid_thw`
+    [I, 3] (a yatt.core.VisionInputs). The built-in engine uses them (and then needs no
+    `images`); vLLM and SGLang run their own processor on `images`.
+    """
 
     prompt_ids: list[int]
     images: list[Any] | None = None
+    image_inputs: Any = None
     request_id: str | None = None  # echoed in each Completion; defaults to the request's index
     metadata: dict[str, Any] = field(default_factory=dict)  # opaque to the engine, echoed back
     # Overrides SamplingParams.max_new_tokens for this request's samples (None: use that).

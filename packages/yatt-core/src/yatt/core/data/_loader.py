@@ -18,7 +18,7 @@ is opened (max_image_bytes) and its header's pixel count before it is decoded.
 With `image_key`, a row's images are opened where the row is read (this rank): the field may
 hold a path (relative to the data file's folder, or absolute), bytes, a `datasets` Image
 feature ({"bytes", "path"} or a PIL image) or a list of these, and the row gives loaded PIL
-images in the same shape (see yatt.core._row_images). A rank that draws a whole epoch of its shard without one
+images in the same shape (see yatt.core.vision._row_images). A rank that draws a whole epoch of its shard without one
 usable row stops with the data file and the counts: no number of draws could fill a batch.
 """
 
@@ -33,13 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from yatt.core._row_images import (
+from yatt.core.data._sources import DEFAULT_MAX_ROW_BYTES, BadRow, open_source
+from yatt.core.vision._row_images import (
     DEFAULT_MAX_IMAGE_BYTES,
     RowImageError,
     import_pil,
     open_row_images,
 )
-from yatt.core.data._sources import DEFAULT_MAX_ROW_BYTES, BadRow, open_source
 
 logger = logging.getLogger("yatt.core")
 

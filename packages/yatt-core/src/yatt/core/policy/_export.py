@@ -43,10 +43,10 @@ import torch
 import torch.distributed as dist
 
 from yatt.core._version import __version__
-from yatt.core._vision_forward import is_vision_language_config
 from yatt.core.policy._checkpoint_tensors import read_model_tensors
 from yatt.core.policy._policy import DTYPES
 from yatt.core.policy._torch_policy import TorchPolicy
+from yatt.core.vision._vision_forward import is_vision_language_config
 from yatt.placement import offloaded_named_parameters
 
 logger = logging.getLogger("yatt.core")

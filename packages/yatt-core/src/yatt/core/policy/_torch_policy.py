@@ -29,9 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from yatt.core._vision_cost import estimate_vision_costs, vision_flops_shape
-from yatt.core._vision_forward import VisionLanguage, is_vision_language_config
-from yatt.core._vision_inputs import VISION_INPUTS_KEY
 from yatt.core.cost._cost_model import (
     estimate_flops_costs,
     flops_shape_from_hf_config,
@@ -46,6 +43,9 @@ from yatt.core.policy._optimization import make_lr_schedule
 from yatt.core.policy._policy import DTYPES, LossFn, TorchPolicyConfig
 from yatt.core.policy._train_step import StepCounts, compute_logprobs, run_train_step
 from yatt.core.runtime._runtime import Runtime
+from yatt.core.vision._vision_cost import estimate_vision_costs, vision_flops_shape
+from yatt.core.vision._vision_forward import VisionLanguage, is_vision_language_config
+from yatt.core.vision._vision_inputs import VISION_INPUTS_KEY
 from yatt.placement import (
     HostNeed,
     MemoryNeed,

@@ -29,9 +29,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from yatt.core._vision_inputs import VISION_INPUTS_KEY, VisionInputs
 from yatt.core.data._batch import Batch
 from yatt.core.rl._overlong import IS_TRUNCATED_KEY
+from yatt.core.vision._vision_inputs import VISION_INPUTS_KEY, VisionInputs
 
 # Per-token fields of a rollout sample (the rest, group_id and reward, are per sample).
 ROLLOUT_TOKEN_KEYS = ("input_ids", "loss_mask", "rollout_logprobs")

@@ -234,9 +234,10 @@ class BuiltinEngine:
                 f"SamplingParams.label_token_ids={labels!r}: the built-in engine takes at most "
                 f"{MAX_LABEL_TOKENS} ids, each below the vocabulary size {self.vocab_size}"
             )
-        # Each request's images through the image processor once (its n samples share them).
+        # Each request's images through the image processor once (its n samples share them),
+        # unless they came processed (Request.image_inputs).
         images = [
-            self._vision.encode(i, request.prompt_ids, request.images)
+            self._vision.encode(i, request.prompt_ids, request.images, request.image_inputs)
             if self._vision is not None
             else None
             for i, request in enumerate(requests)
@@ -399,6 +400,11 @@ class BuiltinEngine:
         """The image processor a vision-language model's prompts go through (None: text only);
         a GenRM judge on this engine takes it as `image_processor=`."""
         return None if self._vision is None else self._vision.image_processor
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The token a prompt holds once per merged patch group of an image (None: text only)."""
+        return None if self._vision is None else self._vision.image_token_id
 
     def host_need(self) -> HostNeed:
         """Host memory while asleep, for a placement plan's host check: the weights' backup

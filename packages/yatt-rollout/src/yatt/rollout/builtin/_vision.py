@@ -14,7 +14,10 @@ and Qwen2.5-VL (config.model_type) are the families implemented.
 Request.images are raw images (PIL images, HWC uint8 arrays, CHW tensors: what the model's
 image processor takes), as for the vLLM and SGLang adapters; the prompt holds each image's
 placeholder run already expanded (one image token per merged patch group), as the model's
-processor writes it. A mismatch is a ValueError naming the request, before any device work.
+processor writes it. A request whose images already went through the processor (the trainer's
+prompt encoder, a judge sizing its prompt) brings them as Request.image_inputs, and the engine
+takes those instead of running the processor again. A mismatch is a ValueError naming the
+request, before any device work.
 """
 
 from __future__ import annotations
@@ -60,7 +63,10 @@ class VisionPrefill:
             )
         self.image_processor = image_processor
         self.image_token_id = int(config.image_token_id)
-        self.merge_size = int(config.vision_config.spatial_merge_size)
+        vision = config.vision_config
+        self.merge_size = int(vision.spatial_merge_size)
+        # D of pixel_values: channels x temporal patch x patch x patch
+        self.patch_dim = int(vision.in_channels * vision.temporal_patch_size * vision.patch_size**2)
 
     @staticmethod
     def load_image_processor(path: Path) -> Any:
@@ -73,25 +79,42 @@ class VisionPrefill:
 
     # -- host side, per request -----------------------------------------------------------------
 
+    def process(self, images: Sequence[Any]) -> RequestImages:
+        """One request's images through the image processor (ValueError for one it refuses)."""
+        try:
+            out = self.image_processor(images=list(images), return_tensors="pt")
+        except (ValueError, TypeError, OSError) as err:
+            raise ValueError(f"the image processor refused an image: {err}") from err
+        return RequestImages(
+            pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"].to(torch.int64)
+        )
+
     def encode(
-        self, index: int, prompt_ids: Sequence[int], images: Sequence[Any] | None
+        self,
+        index: int,
+        prompt_ids: Sequence[int],
+        images: Sequence[Any] | None,
+        image_inputs: Any = None,
     ) -> RequestImages | None:
         """The request's images (None without any), checked against its prompt's image tokens
-        (ValueError naming requests[index] on a mismatch or an image the processor refuses)."""
-        if not images:
+        (ValueError naming requests[index] on a mismatch or an image the processor refuses).
+        `image_inputs` (Request.image_inputs) are taken as they are; else `images` are
+        processed here."""
+        if image_inputs is not None:
+            processed = self._taken(index, image_inputs)
+        elif images:
+            try:
+                processed = self.process(images)
+            except ValueError as err:
+                raise ValueError(f"requests[{index}].images: {err}") from err
+        else:
             if runs := _runs(prompt_ids, self.image_token_id):
                 raise ValueError(
                     f"requests[{index}].prompt_ids has image token runs {runs} but no images; "
                     "pass the images in Request.images"
                 )
             return None
-        try:
-            out = self.image_processor(images=list(images), return_tensors="pt")
-        except (ValueError, TypeError, OSError) as err:
-            raise ValueError(
-                f"requests[{index}].images: the image processor refused an image: {err}"
-            ) from err
-        grid = out["image_grid_thw"].to(torch.int64)
+        grid = processed.image_grid_thw
         wanted = [int(n) // self.merge_size**2 for n in grid.prod(-1)]
         runs = _runs(prompt_ids, self.image_token_id)
         if runs != wanted:
@@ -100,7 +123,30 @@ class VisionPrefill:
                 f"{len(wanted)} image(s) take {wanted} tokens; expand one placeholder per image "
                 "with the model's processor (yatt.core.encode_vision_prompt)"
             )
-        return RequestImages(pixel_values=out["pixel_values"], image_grid_thw=grid)
+        return processed
+
+    def _taken(self, index: int, image_inputs: Any) -> RequestImages:
+        """Request.image_inputs as RequestImages, their shapes checked against the model."""
+        pixels = getattr(image_inputs, "pixel_values", None)
+        grid = getattr(image_inputs, "image_grid_thw", None)
+        if not isinstance(pixels, torch.Tensor) or not isinstance(grid, torch.Tensor):
+            raise ValueError(
+                f"requests[{index}].image_inputs={type(image_inputs).__name__}: give an object "
+                "with pixel_values and image_grid_thw tensors (a yatt.core.VisionInputs)"
+            )
+        if grid.dim() != 2 or grid.shape[1] != 3 or grid.shape[0] == 0:
+            raise ValueError(
+                f"requests[{index}].image_inputs.image_grid_thw has shape {tuple(grid.shape)}; "
+                "need [num_images >= 1, 3]"
+            )
+        num_patches = int(grid.prod(-1).sum())
+        if tuple(pixels.shape) != (num_patches, self.patch_dim):
+            raise ValueError(
+                f"requests[{index}].image_inputs.pixel_values has shape {tuple(pixels.shape)}; "
+                f"the grid says [{num_patches}, {self.patch_dim}] (process the images with this "
+                "model's image processor)"
+            )
+        return RequestImages(pixel_values=pixels, image_grid_thw=grid.to(torch.int64))
 
     # -- device side, per prefill ---------------------------------------------------------------
 

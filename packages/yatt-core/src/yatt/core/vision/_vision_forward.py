@@ -25,15 +25,14 @@ from typing import Any
 
 import torch
 
-from yatt.core._vision_inputs import VisionInputs
+from yatt.core.vision._vision_inputs import VisionInputs
+from yatt.core.vision._vision_model import (
+    VISION_LANGUAGE_MODEL_TYPES,
+    VisionModel,
+    is_vision_language_config,
+)
 
-# Families whose forward and rope index this module knows (config.model_type).
-VISION_LANGUAGE_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
-
-
-def is_vision_language_config(config: Any) -> bool:
-    """Whether a Hugging Face config describes a model with a vision tower."""
-    return getattr(config, "vision_config", None) is not None
+__all__ = ["VisionLanguage", "is_vision_language_config"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -43,27 +42,27 @@ class VisionLanguage:
     image_token_id: int
     merge_size: int  # spatial merge: merge_size**2 patches make one image token
     patch_dim: int  # D of pixel_values: channels x temporal patch x patch x patch
+    stop_token_ids: tuple[int, ...] = ()  # vision special tokens: a response ends before one
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> VisionLanguage | None:
         """The model's vision side, or None for a text-only model. ValueError for a
         multimodal family this module does not implement."""
-        config = model.config
-        if not is_vision_language_config(config):
+        vision = VisionModel.of(model.config)
+        if not vision.has_vision_tower:
             return None
-        if config.model_type not in VISION_LANGUAGE_MODEL_TYPES:
+        if not vision.is_family_implemented:
             raise ValueError(
-                f"model_type={config.model_type!r} has a vision tower, but TorchPolicy "
+                f"model_type={vision.model_type!r} has a vision tower, but TorchPolicy "
                 f"implements images for {sorted(VISION_LANGUAGE_MODEL_TYPES)} only; train it "
-                "text-only from its language model, or add the family to yatt.core._vision_forward"
+                "text-only from its language model, or add the family to yatt.core.vision"
             )
-        vision = config.vision_config
-        temporal = vision.temporal_patch_size
-        patch = vision.patch_size
+        assert vision.merge_size is not None and vision.patch_dim is not None
         return cls(
-            image_token_id=int(config.image_token_id),
-            merge_size=int(vision.spatial_merge_size),
-            patch_dim=int(vision.in_channels * temporal * patch * patch),
+            image_token_id=vision.image_token_id,
+            merge_size=vision.merge_size,
+            patch_dim=vision.patch_dim,
+            stop_token_ids=vision.stop_token_ids,
         )
 
     # -- inputs ---------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from yatt.core._cost_model import estimate_flops_costs, flops_shape
+from yatt.core.cost._cost_model import estimate_flops_costs, flops_shape
 
 
 def vision_flops_shape(vision_config: Any, *, is_gated_mlp: bool) -> dict[str, Any] | None:

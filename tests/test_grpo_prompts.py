@@ -1,0 +1,189 @@
+"""The trainer's prompt encoder does each expensive thing once: a prompt is tokenized once (the
+loader's length check keeps its ids for the encoder), and a row's images go through the image
+processor once (the rollout engine takes the processed pixels that come with the request)."""
+
+NUM_GPUS = 0
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import grpo_prompts
+
+from yatt import core, rollout
+
+MAX_SEQ_LEN, MAX_NEW_TOKENS = 256, 4
+
+
+class CountingTokenizer:
+    """A tokenizer that counts the texts it tokenizes (a spy around the real one)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.texts: Counter[str] = Counter()
+
+    def __call__(self, text, **kwargs):
+        self.texts[text] += 1
+        return self.tokenizer(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+class CountingImageProcessor:
+    """An image processor that counts the images it is given (a spy around the real one)."""
+
+    def __init__(self, image_processor):
+        self.image_processor = image_processor
+        self.num_images = 0
+
+    def __call__(self, *, images, **kwargs):
+        self.num_images += len(images)
+        return self.image_processor(images=images, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.image_processor, name)
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory) -> Path:
+    from yatt.testing import make_tiny_vlm
+
+    path = tmp_path_factory.mktemp("qwen2_vl")
+    make_tiny_vlm(path, arch="qwen2_vl")
+    return path
+
+
+@pytest.fixture(scope="module")
+def text_dir(tmp_path_factory) -> Path:
+    from yatt.testing import make_tiny_causal_lm
+
+    path = tmp_path_factory.mktemp("llama")
+    make_tiny_causal_lm(path, arch="llama")
+    return path
+
+
+def _encoder(model_dir: Path, *, image_key: str = "") -> grpo_prompts.PromptEncoder:
+    from transformers import AutoTokenizer
+
+    cfg = SimpleNamespace(
+        data=SimpleNamespace(
+            prompt_key="prompt", image_key=image_key, max_images=4, apply_chat_template=True
+        ),
+        rollout=SimpleNamespace(
+            engine=SimpleNamespace(max_seq_len=MAX_SEQ_LEN), max_new_tokens=MAX_NEW_TOKENS
+        ),
+        policy=SimpleNamespace(model_dir=str(model_dir)),
+    )
+    tokenizer = CountingTokenizer(AutoTokenizer.from_pretrained(model_dir))
+    return grpo_prompts.PromptEncoder(cfg, tokenizer)
+
+
+def _loader(path: Path, encoder, num_rows: int, **images) -> core.ShardedLoader:
+    return core.ShardedLoader(
+        str(path),
+        batch_size=num_rows,
+        rank=0,
+        world_size=1,
+        prompt_key="prompt",
+        seed=0,
+        max_prompt_tokens=MAX_SEQ_LEN - MAX_NEW_TOKENS,
+        count_tokens=encoder.count_tokens,
+        **images,
+    )
+
+
+def _write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_a_prompt_the_loader_counted_is_not_tokenized_again(tmp_path, text_dir):
+    encoder = _encoder(text_dir)
+    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "3+4="}]
+    rows = [{"prompt": f"{i}+1="} for i in range(5)] + [{"prompt": messages}]
+    loader = _loader(_write_rows(tmp_path / "rows.jsonl", rows), encoder, len(rows))
+    prompts = encoder.encode(loader.next_batch())
+    assert len(prompts) == len(rows)
+    # One tokenizer call per prompt (the loader's count and the encoder's ids were two).
+    assert sum(encoder.tokenizer.texts.values()) == len(rows)
+    assert set(encoder.tokenizer.texts.values()) == {1}
+    # The kept ids are the prompt's own: its chat-templated text, tokenized.
+    plain = encoder.tokenizer.tokenizer
+    for prompt in prompts:
+        value = prompt.row["prompt"]
+        chat = value if isinstance(value, list) else [{"role": "user", "content": value}]
+        text = plain.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        assert prompt.ids == plain(text, add_special_tokens=False)["input_ids"]
+    assert not encoder._counted  # nothing kept once encoded
+
+
+def test_a_prompt_not_counted_is_tokenized_when_encoded(text_dir):
+    encoder = _encoder(text_dir)
+    (prompt,) = encoder.encode([{"prompt": "2+2=", core.ROW_INDEX_KEY: 0}])
+    assert sum(encoder.tokenizer.texts.values()) == 1 and prompt.ids
+
+
+def _image_rows(tmp_path: Path, images_per_row) -> list[dict]:
+    import numpy as np
+    from PIL import Image
+
+    rows = []
+    for i, num_images in enumerate(images_per_row):
+        names = []
+        for k in range(num_images):
+            name = f"img{i}_{k}.png"
+            pixels = np.random.default_rng(10 * i + k).integers(0, 256, (16, 16 + 8 * k, 3))
+            Image.fromarray(pixels.astype(np.uint8)).save(tmp_path / name)
+            names.append(name)
+        rows.append({"prompt": f"how many dots? {i}", "image": names[0] if k == 0 else names})
+    return rows
+
+
+def test_an_image_row_is_tokenized_once_and_its_images_processed_once(tmp_path, vlm_dir):
+    """One image per row: the loader's count (with one image placeholder) is the encoder's
+    ids, and the images go through the image processor once, in the encoder: the built-in
+    engine samples from the pixels that come with the request."""
+    encoder = _encoder(vlm_dir, image_key="image")
+    spy = CountingImageProcessor(encoder.image_processor)
+    encoder.image_processor = spy
+    rows = _image_rows(tmp_path, images_per_row=(1, 1, 1))
+    loader = _loader(_write_rows(tmp_path / "rows.jsonl", rows), encoder, 3, image_key="image")
+    prompts = encoder.encode(loader.next_batch())
+    assert len(prompts) == 3
+    assert sum(encoder.tokenizer.texts.values()) == 3  # one call per prompt
+    assert spy.num_images == 3  # each image once, in the encoder
+    engine = rollout.BuiltinEngine(
+        vlm_dir,
+        config=rollout.EngineConfig(device="cpu", dtype="float32", max_seq_len=MAX_SEQ_LEN),
+        image_processor=spy,
+    )
+    sampling = rollout.SamplingParams(n=2, max_new_tokens=MAX_NEW_TOKENS, seed=1)
+    taken = engine.generate([p.request() for p in prompts], sampling)
+    assert spy.num_images == 3  # the engine took the encoder's pixels (it used to redo them)
+    # The same samples as the engine's own pass over the raw images.
+    raw = [rollout.Request(prompt_ids=p.ids, images=p.images) for p in prompts]
+    assert [c.response_ids for c in engine.generate(raw, sampling)] == [
+        c.response_ids for c in taken
+    ]
+    assert spy.num_images == 6
+    engine.close()
+
+
+def test_a_row_of_several_images_counts_with_one_placeholder_then_encodes_with_all(
+    tmp_path, vlm_dir
+):
+    """The loader counts before a row's images are opened, so with one image placeholder (a
+    lower bound); a row of two images is tokenized again with both (the one second call)."""
+    encoder = _encoder(vlm_dir, image_key="image")
+    rows = _image_rows(tmp_path, images_per_row=(2,))
+    loader = _loader(_write_rows(tmp_path / "rows.jsonl", rows), encoder, 1, image_key="image")
+    (prompt,) = encoder.encode(loader.next_batch())
+    assert sum(encoder.tokenizer.texts.values()) == 2
+    assert len(prompt.images) == 2 and prompt.vision.num_images == 2
