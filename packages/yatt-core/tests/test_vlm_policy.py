@@ -315,3 +315,16 @@ def test_export_reloads_as_the_vision_language_model(qwen2_vl_dir, tmp_path):
     assert AutoImageProcessor.from_pretrained(out) is not None  # the processor travels too
     batch = workers.make_global_batch(qwen2_vl_dir)
     assert torch.equal(_policy(str(out)).logprobs(batch), policy.logprobs(batch))
+
+
+def test_the_policy_says_which_tokens_end_a_response(qwen2_vl_dir, tiny_model_dir):
+    """A vision-language policy: its vision tokens (Qwen2-VL's <|vision_start|>, <|vision_end|>,
+    <|image_pad|>, <|video_pad|>) never belong in a response; a text policy names none."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen2_vl_dir)
+    from yatt.testing import VISION_TOKENS
+
+    expected = {tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    assert set(_policy(qwen2_vl_dir).stop_token_ids) == expected
+    assert _policy(tiny_model_dir).stop_token_ids == ()

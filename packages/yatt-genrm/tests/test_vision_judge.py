@@ -280,3 +280,20 @@ def test_the_judges_images_go_through_its_image_processor_once(vlm_dir, image_pr
     # expand (the ids alone) is encode's ids.
     assert ImagePrompts(image_processor, image_id).expand(ids, images) == expanded
     judge_engine.close()
+
+
+def test_genrm_processes_each_judged_image_once(vlm_dir, image_processor) -> None:
+    """Through GenRM on the built-in engine: the judge's prompt is sized and its pixels made in
+    one processor pass per image, which the engine takes (Request.image_inputs) instead of
+    processing the raw images again: 1 + 2 images, 3 passes (6 with a second pass)."""
+    spy = CountingImageProcessor(image_processor)
+    config = EngineConfig(device="cpu", dtype="float32", max_seq_len=256, max_batch_size=4)
+    judge_engine = BuiltinEngine(vlm_dir, config=config, image_processor=spy)
+    try:
+        genrm = GenRM(judge_engine, template=TEMPLATE, parser=AnyText(), sampling=SAMPLING)
+        samples = [_sample(_image(7)), _sample([_image(8), _image(9, size=(24, 16))])]
+        verdicts = genrm.score(samples)
+        assert [v.status for v in verdicts] == ["ok", "ok"]
+        assert spy.num_images == 3
+    finally:
+        judge_engine.close()

@@ -175,10 +175,12 @@ class GenRM(StreamingScorer):
                 message = f"template: {e}"
                 rendered.failed[i] = error_verdict(sample.id, message, reward=self.default_reward)
                 continue
+            image_inputs = None
             if images:
                 assert self._image_prompts is not None
                 try:
-                    ids = self._image_prompts.expand(ids, images)
+                    # Processed once here; the engine takes the pixels as they are.
+                    ids, image_inputs = self._image_prompts.encode(ids, images)
                 except Exception as e:
                     message = f"images: {e}"
                     rendered.failed[i] = error_verdict(
@@ -194,7 +196,12 @@ class GenRM(StreamingScorer):
                 rendered.failed[i] = error_verdict(sample.id, message, reward=self.default_reward)
                 continue
             rendered.requests.append(
-                Request(prompt_ids=ids, request_id=sample.id, images=images or None)
+                Request(
+                    prompt_ids=ids,
+                    request_id=sample.id,
+                    images=images or None,
+                    image_inputs=image_inputs,
+                )
             )
             rendered.positions.append(i)
         return rendered
@@ -429,9 +436,8 @@ def _make_image_prompts(
             "image processor to size each image's tokens; pass "
             "image_processor=AutoImageProcessor.from_pretrained(judge_model_dir)"
         )
-    if image_token_id is None:
-        config = getattr(getattr(engine, "model", None), "config", None)
-        image_token_id = getattr(config, "image_token_id", None)
+    if image_token_id is None:  # the built-in engine says its model's
+        image_token_id = getattr(engine, "image_token_id", None)
     if image_token_id is None:
         raise ValueError(
             f"JudgeTemplate.image_key={template.image_key!r}: the judge engine does not say its "

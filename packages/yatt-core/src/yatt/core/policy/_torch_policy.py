@@ -224,6 +224,12 @@ class TorchPolicy:
         return self._vision is not None
 
     @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Tokens a response must end before (a vision-language model's image and vision
+        tokens; none for a text model), from the model's own config (yatt.core.VisionModel)."""
+        return () if self._vision is None else self._vision.stop_token_ids
+
+    @property
     def max_context_tokens(self) -> int | None:
         """The model's context length (max_position_embeddings), if it declares one."""
         return getattr(self._model_config, "max_position_embeddings", None)
