@@ -3,6 +3,7 @@
     row = {"prompt": "3+4=", "answer": 7}                 # or "prompt": [{role, content}, ...]
     prompt_ids(row["prompt"], tokenizer, should_apply_chat_template)   # what the policy reads
     judge_sample(row, response, prompt_key="prompt", answer_key="answer")  # what the judge reads
+    Scored(completion, sample, verdict, prompt)           # one judged response of a round
 
 A prompt that is a list of {role, content} messages always goes through the policy tokenizer's
 chat template (plain text only when asked: instruct models); a template that refuses a row's
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 
-from yatt import core, genrm
+from yatt import core, genrm, rollout
 
 logger = logging.getLogger("train_grpo")
 
@@ -66,6 +68,18 @@ def judge_sample(
         reference=None if answer is None else str(answer),  # e.g. an integer answer
         metadata={key: value for key, value in row.items() if key != core.ROW_INDEX_KEY},
     )
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One response, what the judge read of it, and the judge's verdict."""
+
+    completion: rollout.Completion
+    sample: genrm.Sample  # what the judge read: prompt text, the response decoded once, reference
+    verdict: genrm.Verdict
+    # The row, its token ids and its images: a grpo_prompts.Prompt (that module builds on this
+    # one, so the type is not imported here: no import circle).
+    prompt: Any
 
 
 def row_fields_read_by(template: genrm.JudgeTemplate, answer_key: str) -> list[str]:

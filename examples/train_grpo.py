@@ -47,7 +47,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ from yatt.placement import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_config import DataConfig, TrainConfig, read_config
-from grpo_data import PromptError, check_judge_prompts, judge_sample, prompt_ids
+from grpo_data import PromptError, Scored, check_judge_prompts, judge_sample, prompt_ids
 from grpo_metrics import StepStats, VerdictWarnings, check_verdicts, eval_metrics, summarize
 from grpo_prompts import Prompt, PromptEncoder
 from grpo_setup import (
@@ -90,16 +90,6 @@ def timed(timings: dict[str, float], name: str) -> Iterator[None]:
 
 
 # -- one rollout round: generate and score, then training samples --------------------------------
-@dataclass(frozen=True)
-class Scored:
-    """One response, what the judge read of it, and the judge's verdict."""
-
-    completion: rollout.Completion
-    sample: genrm.Sample  # what the judge read: prompt text, the response decoded once, reference
-    verdict: genrm.Verdict
-    prompt: Prompt  # the row, its token ids and its images
-
-
 def draw_prompts(loader: core.ShardedLoader, encoder: PromptEncoder, num_rows: int) -> list[Prompt]:
     """This rank's next prompts. A draw of only unusable rows (skipped and counted) draws
     again; once a whole epoch of the shard gave no usable prompt (the loader's skips or the
