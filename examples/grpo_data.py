@@ -15,7 +15,7 @@ messages (an unknown role) makes it a bad_prompt skip. The judge reads the messa
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,21 @@ def prompt_ids(prompt: Prompt, tokenizer: Any, should_apply_chat_template: bool)
         raise PromptError(f"the policy's chat template refused roles {roles}: {exc}") from None
     # The chat template already wrote any BOS it wants; don't add a second one.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def prompt_token_counter(
+    tokenizer: Any, should_apply_chat_template: bool
+) -> Callable[[Prompt], int]:
+    """A row prompt's token count for the loader's length check; 0 for a prompt the chat
+    template refuses (the prompt encoder skips it, counted as bad_prompt)."""
+
+    def count_tokens(prompt: Prompt) -> int:
+        try:
+            return len(prompt_ids(prompt, tokenizer, should_apply_chat_template))
+        except PromptError:
+            return 0
+
+    return count_tokens
 
 
 def prompt_text(prompt: Prompt) -> str:

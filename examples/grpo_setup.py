@@ -5,8 +5,8 @@
     rows = load_eval_rows(cfg, runtime, count_tokens)          this rank's held-out prompts
     export_checkpoint(cfg, step)                               `train_grpo.py --export`
 
-Everything here runs once, before the loop (or instead of it, for --export); the loop itself
-is in train_grpo.py.
+Everything here runs once, after grpo_preflight.preflight and before the loop (or instead of
+it, for --export); the loop itself is in train_grpo.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from grpo_config import ENGINE_CONFIGS, LOCAL_JUDGES, RewardConfig, RolloutConfig, TrainConfig
+from grpo_config import (
+    ENGINE_CONFIGS,
+    LOCAL_JUDGES,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+)
 from grpo_data import row_fields_read_by
 
 from yatt import core, genrm, rollout
@@ -55,17 +61,16 @@ def make_scorer(
     plus the reward functions and, when rule_weight > 0, an exact-match rule. The exact match
     is also the accuracy metric's ground truth. What owns threads goes into `closeables` (the
     judge engine is the caller's)."""
-    template = genrm.JudgeTemplate(user=reward.judge_template)
     sampling = rollout.SamplingParams(
         temperature=float(reward.votes > 1), max_new_tokens=JUDGE_MAX_NEW_TOKENS
     )
     judge: Any = None
     if reward.backend in LOCAL_JUDGES:
-        # The declared verdict: the judge's last line is its label (the embedded judge answers
-        # "Yes"/"No" alone, that line); its probability there is the reward unless "text".
+        # The declared verdict: the judge's last line (the embedded judge answers "Yes"/"No"
+        # alone, that line); a yes/no label's probability there is the reward unless "text".
         judge = genrm.GenRM(
             judge_engine,
-            template=template,
+            template=reward.template,
             parser=genrm.YesNoParser(),
             verdict_from=reward.verdict_from,
             votes=reward.votes,
@@ -74,14 +79,14 @@ def make_scorer(
     elif reward.backend == "openai":
         judge = genrm.OpenAIJudge(
             reward.openai_config(),
-            template=template,
+            template=reward.template,
             parser=genrm.YesNoParser(),
             votes=reward.votes,
             sampling=sampling,
         )
         judge.check_endpoint()  # unreachable, refused key, unknown model: fail before training
     exact = genrm.ExactMatch()
-    rules: list[tuple[Any, float]] = reward.load_functions()
+    rules: list[tuple[Any, float]] = load_functions(reward)
     owned = [function for function, _ in rules]
     if reward.rule_weight:
         rules.append((exact, reward.rule_weight))
@@ -93,13 +98,20 @@ def make_scorer(
     return scorer, exact
 
 
+def load_functions(reward: RewardConfig) -> list[tuple[genrm.RewardFunction, float]]:
+    """reward.functions, each with its weight; they own worker processes: close() them."""
+    timeout_s = reward.function_timeout_s or None
+    return [
+        (genrm.load_reward_function(spec, timeout_s=timeout_s), weight)
+        for spec, weight in zip(reward.functions, reward.function_weights, strict=True)
+    ]
+
+
 def required_row_fields(cfg: TrainConfig) -> list[str]:
     """Row fields every usable row holds: what the judge's prompt reads (no judge: none)."""
     if cfg.reward.backend == "none":
         return []
-    return row_fields_read_by(
-        genrm.JudgeTemplate(user=cfg.reward.judge_template), cfg.data.answer_key
-    )
+    return row_fields_read_by(cfg.reward.template, cfg.data.answer_key)
 
 
 def row_limits(cfg: TrainConfig) -> dict[str, Any]:
@@ -132,7 +144,7 @@ def load_eval_rows(
         world_size=runtime.dp_size,
         prompt_key=cfg.data.prompt_key,
         should_shuffle=False,
-        max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
+        max_prompt_tokens=cfg.rollout.max_prompt_tokens,
         count_tokens=count_tokens,
         required_keys=required_row_fields(cfg),
         **row_limits(cfg),
@@ -149,17 +161,6 @@ def load_eval_rows(
             {cause: count for cause, count in loader.skipped_by_cause().items() if count},
         )
     return rows
-
-
-def check_start(ckpt: Checkpointer, should_resume: bool, out_dir: str) -> None:
-    """Before any model loads: --resume needs a checkpoint; a fresh run never mixes with one."""
-    if should_resume and ckpt.latest() is None:
-        raise ValueError(
-            f"--resume: {out_dir}/checkpoints holds no checkpoint; run without --resume to "
-            "start fresh, or point out_dir at the run to continue"
-        )
-    if not should_resume and ckpt.latest() is not None:
-        raise ValueError(f"out_dir={out_dir!r} has checkpoints: pass --resume or a new out_dir")
 
 
 def export_dir(cfg: TrainConfig) -> Path:

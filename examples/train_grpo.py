@@ -31,7 +31,9 @@ At the end the last step is always checkpointed and the policy written as a Hugg
 folder (out_dir/export) that transformers and vLLM load as it is. One run per out_dir (a lock
 rank 0 holds); SIGTERM or Ctrl-C saves the step in progress and exits with 128 + the signal.
 
-The config (grpo_config.py) is built and checked whole before anything starts. Unusable data
+The config (grpo_config.py) is built and checked whole before anything starts, then what it
+points at (grpo_preflight.py: folders, reward code, keys, checkpoints, the embedded task built
+when empty paths ask for it) before any model loads. Unusable data
 rows are skipped and counted (data/skipped_rows/<cause>); failed judge verdicts are counted
 (genrm/errors, genrm/unparsable) with the first cause logged, and a step whose every verdict
 failed stops the run. Fork it and edit the loop; there are no hook flags.
@@ -62,11 +64,11 @@ from yatt.placement import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_config import DataConfig, TrainConfig, read_config
-from grpo_data import PromptError, Scored, check_judge_prompts, judge_sample, prompt_ids
+from grpo_data import Scored, judge_sample, prompt_token_counter
 from grpo_metrics import StepStats, VerdictWarnings, check_verdicts, eval_metrics, summarize
+from grpo_preflight import preflight
 from grpo_prompts import Prompt, PromptEncoder
 from grpo_setup import (
-    check_start,
     close_all,
     export_checkpoint,
     export_dir,
@@ -269,7 +271,14 @@ def main(argv: list[str]) -> int:
     (SIGTERM, SIGINT, SIGUSR1) ended the run after its final save."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     transformers.utils.logging.disable_progress_bar()  # one bar: the run's
-    cfg, args = read_config(argv)  # built and checked whole before anything starts
+    cfg, args = read_config(argv)  # the values, typed and checked
+    # What they point at, before any model loads: paths filled (the embedded task built when
+    # asked for), reward code and keys, checkpoints against --resume, the judge's prompt.
+    cfg = preflight(
+        cfg,
+        should_resume=None if args.export else args.resume,
+        should_check_data=not args.export,  # --export reads the policy's folder only
+    )
     if args.export:
         export_checkpoint(cfg, args.step)
         return 0
@@ -288,17 +297,11 @@ def main(argv: list[str]) -> int:
     try:
         ckpt = Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
         closeables.append(ckpt)
-        check_start(ckpt, args.resume, cfg.out_dir)
 
         # -- data, checked before any model loads (tokenizers only) ------------------------------
         tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
-
-        def count_tokens(prompt) -> int:
-            try:
-                return len(prompt_ids(prompt, tokenizer, cfg.data.apply_chat_template))
-            except PromptError:  # refused by the chat template: the encoder skips it (bad_prompt)
-                return 0
-
+        # a prompt the chat template refuses counts 0: the encoder skips it (bad_prompt)
+        count_tokens = prompt_token_counter(tokenizer, cfg.data.apply_chat_template)
         loader = core.ShardedLoader(
             cfg.data.path,
             batch_size=cfg.data.prompts_per_rank,
@@ -306,7 +309,7 @@ def main(argv: list[str]) -> int:
             world_size=runtime.dp_size,
             prompt_key=cfg.data.prompt_key,
             seed=cfg.seed,
-            max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
+            max_prompt_tokens=cfg.rollout.max_prompt_tokens,
             count_tokens=count_tokens,
             required_keys=required_row_fields(cfg),
             **row_limits(cfg),  # sizes checked before reading; data.image_key: images opened here
@@ -317,22 +320,6 @@ def main(argv: list[str]) -> int:
         eval_prompts = encoder.encode(
             load_eval_rows(cfg, runtime, count_tokens), should_count=False
         )
-        if cfg.uses_judge_model:
-            judge_template = genrm.JudgeTemplate(user=cfg.reward.judge_template)
-            is_judge_builtin = cfg.reward.backend == "builtin"
-            check_judge_prompts(
-                judge_template,
-                loader.first_rows(),
-                tokenizer=AutoTokenizer.from_pretrained(cfg.reward.judge_dir),
-                # GenRM's own limit for the built-in engine; vLLM/SGLang read the model's context.
-                max_prompt_tokens=cfg.reward.engine.max_seq_len - 1 if is_judge_builtin else None,
-                max_response_tokens=min(
-                    cfg.rollout.max_new_tokens, judge_template.max_response_tokens
-                ),
-                prompt_key=cfg.data.prompt_key,
-                answer_key=cfg.data.answer_key,
-                source=f"data.path={cfg.data.path!r}",
-            )
 
         # -- models: policy, KL reference, rollout engine, judge, placement ----------------------
         device = str(runtime.device)
