@@ -38,6 +38,8 @@ ENGINE_CONFIGS = {"vllm": rollout.VLLMConfig, "sglang": rollout.SGLangConfig}
 JUDGE_BACKENDS = ("builtin", "vllm", "sglang", "openai", "none")
 LOCAL_JUDGES = ("builtin", "vllm", "sglang")
 VERDICT_FROM = ("auto", "label_logprobs", "text")  # GenRM's verdict_from values
+# reward.verdict_parser's built-in formats (their fields: reward.verdict_parser_options).
+VERDICT_PARSERS = {"yes_no": genrm.YesNoParser, "score": genrm.ScoreParser}
 EXPORT_DTYPES = ("", "float32", "bfloat16", "float16")
 POLICY_CONFIGS = {"torch": core.TorchPolicyConfig, "megatron": core.MegatronPolicyConfig}
 
@@ -95,6 +97,8 @@ ON_UNFILLED = ("train", "error")  # core.DynamicSampler's on_unfilled
 SAMPLING_MODES = ("rounds", "stream")  # core.DynamicSampler's mode
 # Seeds fit a signed 32-bit int: what numpy's legacy seeding, torch and the serving engines take.
 MAX_SEED = 2**31 - 1
+# Tokens a judge may write per verdict; past this a reasoning judge's budget is a typo (1e9).
+MAX_VERDICT_TOKENS = 1 << 16
 
 
 def check_at_least(name: str, value: float, minimum: float) -> None:
@@ -251,6 +255,17 @@ class RewardConfig:
     # "text": +1/-1 from the label written; "auto": label_logprobs on an engine that gives
     # them (builtin, vLLM, SGLang), else text (openai).
     verdict_from: str = "auto"
+    # How the judge's last line becomes a reward: yes_no, score, or a module:name parser.
+    # With "yes_no" 'Yes'/'No' (or 'Verdict: Yes') -> +1/-1; "score": 'Score: N', N in 1..10
+    # -> (N - 1) / 9; "module:name" or "file.py:name": a genrm.VerdictParser (an object with
+    # parse(text) -> float | None), or a callable returning one.
+    verdict_parser: str = "yes_no"
+    # Fields of the yes_no/score parser (genrm.YesNoParser/ScoreParser). E.g. {yes_label:
+    # Correct, no_label: Incorrect} or {low: 0, high: 5}.
+    verdict_parser_options: dict = field(default_factory=dict)
+    # Tokens the judge may write per verdict (4: the label and an end token). A judge that
+    # reasons before its verdict needs room for the reasoning.
+    verdict_max_tokens: int = 4
     rule_weight: float = 0.0  # weight of an exact-match rule reward added to the judge's
     # The judge: an engine loading judge_dir ("builtin", or "vllm"/"sglang" on a GPU), a served
     # OpenAI-compatible endpoint ("openai", see reward.openai), or "none" (functions only).
@@ -286,6 +301,7 @@ class RewardConfig:
             "judge generations per response; 64 votes already average to 1/8 of one's noise",
         )
         check_weight("reward.rule_weight", self.rule_weight)
+        self.check_verdict_format()
         if self.backend not in JUDGE_BACKENDS:
             raise ValueError(f"reward.backend={self.backend!r}: use one of {JUDGE_BACKENDS}")
         if self.verdict_from not in VERDICT_FROM:
@@ -331,6 +347,44 @@ class RewardConfig:
         """The judge's prompt, from reward.judge_template (built once, when checked)."""
         return self._template
 
+    def check_verdict_format(self) -> None:
+        """reward.verdict_parser, its options and the judge's verdict budget (a "module:name"
+        parser is imported by preflight)."""
+        name, options = self.verdict_parser, self.verdict_parser_options
+        check_at_least("reward.verdict_max_tokens", self.verdict_max_tokens, 1)
+        check_at_most(
+            "reward.verdict_max_tokens",
+            self.verdict_max_tokens,
+            MAX_VERDICT_TOKENS,
+            "tokens the judge writes per verdict",
+        )
+        if not isinstance(options, Mapping):
+            raise ValueError(
+                f"reward.verdict_parser_options={options!r}: a mapping of the parser's fields"
+            )
+        if name in VERDICT_PARSERS:
+            try:
+                VERDICT_PARSERS[name](**options)
+            except (TypeError, ValueError) as exc:  # an unknown field, or a bad value
+                raise ValueError(
+                    f"reward.verdict_parser_options={dict(options)!r}: {exc}"
+                ) from None
+        elif not isinstance(name, str) or not is_object_spec(name):
+            raise ValueError(
+                f"reward.verdict_parser={name!r}: use one of {tuple(VERDICT_PARSERS)}, or "
+                "'module:name' / 'file.py:name' naming a genrm.VerdictParser"
+            )
+        elif options:
+            raise ValueError(
+                f"reward.verdict_parser_options={dict(options)!r}: only for reward."
+                f"verdict_parser in {tuple(VERDICT_PARSERS)}; {name!r} builds its own parser"
+            )
+        if self.verdict_from == "label_logprobs" and name == "score":
+            raise ValueError(
+                f"reward.verdict_from='label_logprobs' reads the probability of a yes/no label; "
+                f"reward.verdict_parser={name!r} writes none: use 'text' or 'auto'"
+            )
+
     def openai_config(self) -> genrm.OpenAIJudgeConfig:
         """The endpoint's config (backend=openai); ValueError naming reward.openai's problem.
         Its key is read where it is used (preflight checks that it is set)."""
@@ -344,6 +398,12 @@ class RewardConfig:
             raise ValueError(f"reward.openai={dict(self.openai)!r}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"reward.openai: {exc}") from None
+
+
+def is_object_spec(spec: str) -> bool:
+    """'module:name' or 'path/file.py:name' (dotted names allowed), by its shape alone."""
+    source, sep, attr = spec.rpartition(":")
+    return bool(sep and source and attr) and all(part.isidentifier() for part in attr.split("."))
 
 
 def check_functions(specs: Any, weights: Any) -> tuple[list[str], list[float]]:

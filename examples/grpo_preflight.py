@@ -5,8 +5,8 @@ main, before any model loads (grpo_config.py checks the values themselves and to
     cfg = preflight(cfg, should_resume=args.resume)      the run's config, resolved:
 
     installed   vLLM/SGLang for rollout.backend and reward.backend; wandb for log.wandb_project
-    reward      reward.functions import (and fit their signature); the endpoint's key
-                (reward.openai.api_key_env)
+    reward      reward.functions import (and fit their signature); a "module:name"
+                reward.verdict_parser imports; the endpoint's key (reward.openai.api_key_env)
     paths       Hub ids -> their local snapshots (never downloaded); data/eval splits exist;
                 a given policy.model_dir builds the policy's config (its range checks too)
     run         export.dir replaceable; --resume has a checkpoint, a fresh run has none
@@ -34,7 +34,7 @@ from grpo_config import (
 )
 from grpo_data import check_judge_prompts, prompt_token_counter
 from grpo_prompts import check_takes_images
-from grpo_setup import required_row_fields, row_limits
+from grpo_setup import required_row_fields, row_limits, verdict_parser
 from transformers import AutoTokenizer
 
 from yatt import core, genrm
@@ -83,12 +83,19 @@ def check_engine_installed(name: str, section: RolloutConfig | RewardConfig) -> 
 
 def check_reward(reward: RewardConfig) -> None:
     """The reward's code and keys: each reward function loaded once (its module imports, its
-    signature fits), the endpoint's API key set."""
+    signature fits), the verdict parser built, the endpoint's API key set."""
     for spec in reward.functions:
         try:
             genrm.load_reward_function(spec)
         except ValueError as exc:
             raise ValueError(f"reward.functions: {exc}") from None
+    parser = verdict_parser(reward)
+    if reward.verdict_from == "label_logprobs" and not isinstance(parser, genrm.YesNoParser):
+        raise ValueError(
+            f"reward.verdict_from='label_logprobs' reads the probability of a yes/no label; "
+            f"reward.verdict_parser={reward.verdict_parser!r} is a {type(parser).__name__}: "
+            "use 'text' or 'auto'"
+        )
     if reward.backend == "openai":
         try:
             reward.openai_config().read_api_key()

@@ -1568,6 +1568,7 @@ def test_the_config_module_imports_no_task_and_reads_nothing_while_parsing(tmp_p
         "reward.backend=builtin",
         "reward.judge_dir=org/not-cached-judge",
         f"reward.functions=[{tmp_path / 'rewards.py'}:score, os.path:join]",
+        "reward.verdict_parser=my_parsers:make",
     ]
     endpoint = [
         *common,
@@ -1599,3 +1600,97 @@ def test_the_config_module_imports_no_task_and_reads_nothing_while_parsing(tmp_p
     ]
     assert task_modules == []
     assert not (tmp_path / "embedded-vision").exists()
+
+
+# -- the judge's verdict format is config (issue 25) ----------------------------------------------
+def _hand_written_verdicts(overrides: list[str], texts: list[str]) -> tuple[list, list]:
+    """The rewards make_scorer's judge gives each of `texts` (the judge's whole output, as a
+    fake engine writes it), and the engine's calls."""
+    from grpo_setup import make_scorer
+
+    from yatt import genrm
+    from yatt.genrm.testing import FakeJudgeEngine
+
+    cfg, _ = grpo_config.read_config(["reward.verdict_from=text", *overrides])
+    grpo_preflight.check_reward(cfg.reward)
+    outputs = iter(texts)
+    engine = FakeJudgeEngine(judge=lambda prompt, vote: next(outputs))
+    scorer, _ = make_scorer(cfg.reward, engine)
+    samples = [genrm.Sample(prompt="2+2=", response="4", reference="4") for _ in texts]
+    return scorer.score(samples), engine.calls
+
+
+def test_a_judge_with_another_verdict_format_is_a_config_change(tmp_path, monkeypatch):
+    texts = ["Score: 7", "Correct", "Verdict: Yes"]
+    default, calls = _hand_written_verdicts([], texts)
+    # Today's yes/no parser: only the last reads as a verdict; a 4-token budget.
+    assert [v.status for v in default] == ["unparsable", "unparsable", "ok"]
+    assert default[2].reward == 1.0
+    assert calls[0].sampling.max_new_tokens == 4
+    # "Score: N" on a 1..10 scale is (N - 1) / 9; the budget is the config's.
+    scored, calls = _hand_written_verdicts(
+        ["reward.verdict_parser=score", "reward.verdict_max_tokens=64"], ["Score: 7"]
+    )
+    assert scored[0].status == "ok" and scored[0].reward == pytest.approx(6 / 9)
+    assert calls[0].sampling.max_new_tokens == 64
+    # Other labels: "Correct" is +1 and "Incorrect" -1, "Yes" is no verdict any more.
+    labels = "reward.verdict_parser_options={yes_label: Correct, no_label: Incorrect}"
+    relabelled, _ = _hand_written_verdicts([labels], ["Correct", "Incorrect", "Yes"])
+    assert [v.reward for v in relabelled[:2]] == [1.0, -1.0]
+    assert relabelled[2].status == "unparsable"
+    # A parser of the user's own, by "file.py:name": here a 0..5 scale, 4 -> 0.8.
+    (tmp_path / "my_parsers.py").write_text(
+        "from yatt.genrm import ScoreParser\n\n\ndef make():\n    return ScoreParser(low=0, high=5)\n"
+    )
+    spec = f"reward.verdict_parser={tmp_path / 'my_parsers.py'}:make"
+    own, _ = _hand_written_verdicts([spec], ["Score: 4"])
+    assert own[0].reward == pytest.approx(0.8)
+    monkeypatch.syspath_prepend(str(tmp_path))  # and by "module:name"
+    own, _ = _hand_written_verdicts(["reward.verdict_parser=my_parsers:make"], ["Score: 4"])
+    assert own[0].reward == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["reward.verdict_parser=yesno"], r"reward\.verdict_parser='yesno': use one of"),
+        (["reward.verdict_parser=3"], r"reward\.verdict_parser=3: must be a str"),
+        (
+            ["reward.verdict_parser=score", "reward.verdict_parser_options={lo: 0}"],
+            r"reward\.verdict_parser_options=\{'lo': 0\}: .*'lo'",
+        ),
+        (
+            ["reward.verdict_parser_options={low: 5, high: 1}", "reward.verdict_parser=score"],
+            r"reward\.verdict_parser_options=.*low=5.*high=1",
+        ),
+        (
+            ["reward.verdict_parser=a.b:make", "reward.verdict_parser_options={low: 0}"],
+            r"reward\.verdict_parser_options=.*only for reward\.verdict_parser in",
+        ),
+        (["reward.verdict_parser_options=[1]"], r"reward\.verdict_parser_options=\[1\]: a mapping"),
+        (["reward.verdict_max_tokens=0"], r"reward\.verdict_max_tokens=0: must be >= 1"),
+        (["reward.verdict_max_tokens=1e9"], r"reward\.verdict_max_tokens=1000000000: must be <="),
+        (
+            ["reward.verdict_parser=score", "reward.verdict_from=label_logprobs"],
+            r"reward\.verdict_from='label_logprobs' .* reward\.verdict_parser='score'",
+        ),
+    ],
+)
+def test_bad_verdict_format_values_name_their_field(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        grpo_config.read_config([f"out_dir={tmp_path}", *overrides])
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("no_such_parsers:make", r"reward\.verdict_parser='no_such_parsers:make': .*No module"),
+        ("os.path:no_such_name", r"reward\.verdict_parser='os\.path:no_such_name': .*no_such"),
+        ("os:getcwd", r"reward\.verdict_parser='os:getcwd' gives a str, not a verdict parser"),
+    ],
+)
+def test_a_verdict_parser_that_does_not_load_is_a_preflight_error(tmp_path, spec, match):
+    cfg, _ = grpo_config.read_config([f"out_dir={tmp_path}", f"reward.verdict_parser={spec}"])
+    with pytest.raises(ValueError, match=match):
+        grpo_preflight.preflight(cfg)
+    assert not (tmp_path / "embedded").exists()  # refused before the embedded task is built
