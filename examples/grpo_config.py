@@ -249,11 +249,12 @@ class RewardConfig:
     # and any other column of the data rows.
     judge_template: str = "{prompt}{response} ref {reference}"
     votes: int = 1  # judge samples per response, averaged
-    # How a verdict becomes a reward. The judge's last line must be its label ("Yes"/"No",
-    # optionally "Verdict: Yes"; anything else is unparsable, counted). "label_logprobs": the
-    # reward is 2 P(Yes) - 1 from the judge's probabilities at that label (no text decides);
-    # "text": +1/-1 from the label written; "auto": label_logprobs on an engine that gives
-    # them (builtin, vLLM, SGLang), else text (openai).
+    # How a verdict becomes a reward. The judge's last line is its verdict (by default the
+    # label "Yes"/"No", optionally "Verdict: Yes"; see verdict_parser; anything else is
+    # unparsable, counted). "label_logprobs" (yes/no labels only): the reward is 2 P(Yes) - 1
+    # from the judge's probabilities at that label (no text decides); "text": what the parser
+    # reads from the line written (+1/-1 for yes/no); "auto": label_logprobs for a yes/no
+    # parser on an engine that gives them (builtin, vLLM, SGLang), else text.
     verdict_from: str = "auto"
     # How the judge's last line becomes a reward: yes_no, score, or a module:name parser.
     # With "yes_no" 'Yes'/'No' (or 'Verdict: Yes') -> +1/-1; "score": 'Score: N', N in 1..10

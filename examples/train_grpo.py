@@ -272,24 +272,25 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     transformers.utils.logging.disable_progress_bar()  # one bar: the run's
     cfg, args = read_config(argv)  # the values, typed and checked
-    # What they point at, before any model loads: paths filled (the embedded task built when
-    # asked for), reward code and keys, checkpoints against --resume, the judge's prompt.
-    cfg = preflight(
-        cfg,
-        should_resume=None if args.export else args.resume,
-        should_check_data=not args.export,  # --export reads the policy's folder only
-    )
-    if args.export:
-        export_checkpoint(cfg, args.step)
+    if args.export:  # the policy's folder checked (built, for the embedded task), then export
+        export_checkpoint(preflight(cfg, should_check_data=False), args.step)
         return 0
     # One run per out_dir: global rank 0 (RANK, set by torchrun) holds the lock until the
     # process exits; a second run fails here, naming this one, before anything loads.
     run_lock: RunLock | None = None
     if int(os.environ.get("RANK", "0")) == 0:
         run_lock = acquire_run_lock(cfg.out_dir, purpose="train")
+    try:
+        # What the values point at, before any model loads: paths filled (the embedded task
+        # built when asked for), reward code and keys, checkpoints against --resume, the data
+        # against the judge's context.
+        cfg = preflight(cfg, should_resume=args.resume)
+    except BaseException:
+        if run_lock is not None:
+            run_lock.release()
+        raise
     # A megatron policy's model-parallel replica (tp x pp x cp) shares one rollout batch.
-    model_parallel_size = getattr(cfg.policy, "model_parallel_size", None)
-    tp_size = model_parallel_size or getattr(cfg.policy, "tp_size", 1)
+    tp_size = cfg.model_parallel_size
     runtime = core.init_runtime(seed=cfg.seed, tp_size=tp_size)
     closeables: list[Any] = []  # closed in reverse, also after an error
     is_failed = True  # until the loop ends: a close() error must not hide the loop's own
