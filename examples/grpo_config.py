@@ -1,35 +1,33 @@
 """The reference trainer's config: its sections, their checks, and reading them from the CLI.
 
-    cfg, should_resume = read_config(sys.argv[1:])
+    cfg, args = read_config(sys.argv[1:])      # args: --resume, --export, --step
 
 `--config run.yaml` gives fields as YAML and `key.sub=value` arguments override them. The whole
 config is built and checked before the runtime, models or engines start: values are typed
 (exact conversions only: YAML reads 1e-3 as a string, which becomes 0.001), ranges checked,
-unknown keys refused with the closest known one, vLLM/SGLang backends checked for installation.
-Empty paths (policy.model_dir, data.path, reward.judge_dir, eval.path) point at the embedded
-task that `task` names: "text" (tiny_task.py, built under out_dir/embedded) or "vision"
-(tiny_vision_task.py, out_dir/embedded-vision), built once every check has passed, then reused.
-Model paths may be Hugging Face Hub ids already in the local cache (never downloaded).
+unknown keys refused with the closest known one. This module only reads values: it opens no
+file (but --config's), imports no task or reward module and reads no environment. What the
+values point at (folders, reward modules, API keys, installed engines, checkpoints) is
+checked by grpo_preflight.preflight, first in main; empty paths (policy.model_dir, data.path,
+reward.judge_dir, eval.path) point at the embedded task that `task` names ("text" or
+"vision", examples/tasks/), which preflight builds under out_dir once, then reuses.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
+import difflib
 import logging
 import math
-import tempfile
-from collections.abc import Hashable, Iterator, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
+import os
+import typing
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import PurePath
 from typing import Any
 
-import tiny_task
-import tiny_vision_task
 import yaml
 from grpo_data import SAMPLE_FIELDS
-from grpo_prompts import check_takes_images
 
 from yatt import core, genrm, rollout
 from yatt.ckpt import CkptConfig
@@ -40,11 +38,33 @@ ENGINE_CONFIGS = {"vllm": rollout.VLLMConfig, "sglang": rollout.SGLangConfig}
 JUDGE_BACKENDS = ("builtin", "vllm", "sglang", "openai", "none")
 LOCAL_JUDGES = ("builtin", "vllm", "sglang")
 VERDICT_FROM = ("auto", "label_logprobs", "text")  # GenRM's verdict_from values
+# reward.verdict_parser's built-in formats (their fields: reward.verdict_parser_options).
+VERDICT_PARSERS = {"yes_no": genrm.YesNoParser, "score": genrm.ScoreParser}
 EXPORT_DTYPES = ("", "float32", "bfloat16", "float16")
-# task=...: the embedded task's module, its folder under out_dir, and the row field of images.
+POLICY_CONFIGS = {"torch": core.TorchPolicyConfig, "megatron": core.MegatronPolicyConfig}
+
+
+@dataclass(frozen=True)
+class EmbeddedTask:
+    """What the config knows of an embedded task (examples/tasks/ builds it, in preflight)."""
+
+    folder: str  # where under out_dir it is built
+    columns: tuple[str, ...]  # the fields of its rows (a judge template may read them)
+    image_key: str = ""  # the rows' image field; "" = text prompts
+    has_judge: bool = True  # a judge model is built with it (else its reward is a rule)
+    # Config defaults under task=<name> (a run's own values win).
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
 EMBEDDED_TASKS = {
-    "text": (tiny_task, "embedded", ""),
-    "vision": (tiny_vision_task, "embedded-vision", tiny_vision_task.IMAGE_KEY),
+    "text": EmbeddedTask(folder="embedded", columns=("prompt", "answer")),
+    "vision": EmbeddedTask(
+        folder="embedded-vision",
+        columns=("prompt", "image", "answer"),
+        image_key="image",
+        has_judge=False,  # the exact-match rule is the reward
+        defaults={"reward": {"backend": "none", "rule_weight": 1.0}},
+    ),
 }
 # The trainer's policy defaults: the embedded task's tiny model (help lists them as defaults).
 DEFAULT_POLICY = {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512}
@@ -77,6 +97,8 @@ ON_UNFILLED = ("train", "error")  # core.DynamicSampler's on_unfilled
 SAMPLING_MODES = ("rounds", "stream")  # core.DynamicSampler's mode
 # Seeds fit a signed 32-bit int: what numpy's legacy seeding, torch and the serving engines take.
 MAX_SEED = 2**31 - 1
+# Tokens a judge may write per verdict; past this a reasoning judge's budget is a typo (1e9).
+MAX_VERDICT_TOKENS = 1 << 16
 
 
 def check_at_least(name: str, value: float, minimum: float) -> None:
@@ -99,7 +121,7 @@ def check_weight(name: str, value: float) -> None:
 
 
 def check_engine_backend(name: str, backend: str, options: dict) -> None:
-    """Before anything loads: a known engine, installed, with options its config knows."""
+    """A known engine with options its config knows (preflight checks that it is installed)."""
     if backend == "builtin":
         if options:
             section = name.partition(".")[0]
@@ -110,10 +132,6 @@ def check_engine_backend(name: str, backend: str, options: dict) -> None:
         return
     if backend not in ENGINE_CONFIGS:
         raise ValueError(f"{name}={backend!r}: use 'builtin', 'vllm' or 'sglang'")
-    if importlib.util.find_spec(backend) is None:
-        raise ValueError(
-            f"{name}={backend!r} needs {backend}: pip install 'yatt-rollout[{backend}]'"
-        )
     try:
         ENGINE_CONFIGS[backend](**options)
     except TypeError as exc:  # an unknown option
@@ -149,21 +167,14 @@ class DataConfig:
         check_at_least("data.max_row_bytes", self.max_row_bytes, 1)
         check_at_least("data.max_prompt_bytes", self.max_prompt_bytes, 0)
         check_at_least("data.max_image_bytes", self.max_image_bytes, 1)
-        if self.split:
-            self.path = split_path("data", self.path, self.split)
+        check_split("data", self.path, self.split)
 
 
-def split_path(section: str, path: str, split: str) -> str:
-    """path/split for a DatasetDict saved with save_to_disk; a clear error naming its splits."""
-    if not path:
+def check_split(section: str, path: str, split: str) -> None:
+    """A split names a folder of a DatasetDict saved with save_to_disk: it needs that folder
+    (preflight reads path/split, naming the splits there when it has none such)."""
+    if split and not path:
         raise ValueError(f"{section}.split={split!r} needs {section}.path (a save_to_disk folder)")
-    root = Path(path)
-    if not (root / split).is_dir():
-        splits = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-        raise ValueError(
-            f"{section}.split={split!r}: {path!r} has no such split folder; it has {splits}"
-        )
-    return str(root / split)
 
 
 @dataclass(kw_only=True)
@@ -225,6 +236,11 @@ class RolloutConfig:
             )
         check_engine_backend("rollout.backend", self.backend, self.backend_options)
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt the rollout takes: its context less the response's room."""
+        return self.engine.max_seq_len - self.max_new_tokens
+
 
 @dataclass(kw_only=True)
 class RewardConfig:
@@ -233,12 +249,24 @@ class RewardConfig:
     # and any other column of the data rows.
     judge_template: str = "{prompt}{response} ref {reference}"
     votes: int = 1  # judge samples per response, averaged
-    # How a verdict becomes a reward. The judge's last line must be its label ("Yes"/"No",
-    # optionally "Verdict: Yes"; anything else is unparsable, counted). "label_logprobs": the
-    # reward is 2 P(Yes) - 1 from the judge's probabilities at that label (no text decides);
-    # "text": +1/-1 from the label written; "auto": label_logprobs on an engine that gives
-    # them (builtin, vLLM, SGLang), else text (openai).
+    # How a verdict becomes a reward. The judge's last line is its verdict (by default the
+    # label "Yes"/"No", optionally "Verdict: Yes"; see verdict_parser; anything else is
+    # unparsable, counted). "label_logprobs" (yes/no labels only): the reward is 2 P(Yes) - 1
+    # from the judge's probabilities at that label (no text decides); "text": what the parser
+    # reads from the line written (+1/-1 for yes/no); "auto": label_logprobs for a yes/no
+    # parser on an engine that gives them (builtin, vLLM, SGLang), else text.
     verdict_from: str = "auto"
+    # How the judge's last line becomes a reward: yes_no, score, or a module:name parser.
+    # With "yes_no" 'Yes'/'No' (or 'Verdict: Yes') -> +1/-1; "score": 'Score: N', N in 1..10
+    # -> (N - 1) / 9; "module:name" or "file.py:name": a genrm.VerdictParser (an object with
+    # parse(text) -> float | None), or a callable returning one.
+    verdict_parser: str = "yes_no"
+    # Fields of the yes_no/score parser (genrm.YesNoParser/ScoreParser). E.g. {yes_label:
+    # Correct, no_label: Incorrect} or {low: 0, high: 5}.
+    verdict_parser_options: dict = field(default_factory=dict)
+    # Tokens the judge may write per verdict (4: the label and an end token). A judge that
+    # reasons before its verdict needs room for the reasoning.
+    verdict_max_tokens: int = 4
     rule_weight: float = 0.0  # weight of an exact-match rule reward added to the judge's
     # The judge: an engine loading judge_dir ("builtin", or "vllm"/"sglang" on a GPU), a served
     # OpenAI-compatible endpoint ("openai", see reward.openai), or "none" (functions only).
@@ -274,6 +302,7 @@ class RewardConfig:
             "judge generations per response; 64 votes already average to 1/8 of one's noise",
         )
         check_weight("reward.rule_weight", self.rule_weight)
+        self.check_verdict_format()
         if self.backend not in JUDGE_BACKENDS:
             raise ValueError(f"reward.backend={self.backend!r}: use one of {JUDGE_BACKENDS}")
         if self.verdict_from not in VERDICT_FROM:
@@ -294,14 +323,15 @@ class RewardConfig:
                 f"'vllm' or 'sglang' (the judge engine's options), not {self.backend!r}"
             )
         try:
-            genrm.JudgeTemplate(user=self.judge_template)
+            # The judge's prompt, built once here: everyone reads reward.template.
+            self._template = genrm.JudgeTemplate(user=self.judge_template)
         except ValueError as exc:
             raise ValueError(f"reward.judge_template={self.judge_template!r}: {exc}") from None
         self.functions, self.function_weights = check_functions(
             self.functions, self.function_weights
         )
         if self.backend == "openai":
-            self.openai_config()  # the endpoint's fields and its key, before anything starts
+            self.openai_config()  # the endpoint's fields (preflight reads its key)
         elif self.openai:
             raise ValueError(
                 f"reward.openai={self.openai!r}: only for reward.backend='openai' "
@@ -313,33 +343,72 @@ class RewardConfig:
                 "reward.rule_weight > 0 for the exact-match rule), or a judge backend"
             )
 
+    @property
+    def template(self) -> genrm.JudgeTemplate:
+        """The judge's prompt, from reward.judge_template (built once, when checked)."""
+        return self._template
+
+    def check_verdict_format(self) -> None:
+        """reward.verdict_parser, its options and the judge's verdict budget (a "module:name"
+        parser is imported by preflight)."""
+        name, options = self.verdict_parser, self.verdict_parser_options
+        check_at_least("reward.verdict_max_tokens", self.verdict_max_tokens, 1)
+        check_at_most(
+            "reward.verdict_max_tokens",
+            self.verdict_max_tokens,
+            MAX_VERDICT_TOKENS,
+            "tokens the judge writes per verdict",
+        )
+        if not isinstance(options, Mapping):
+            raise ValueError(
+                f"reward.verdict_parser_options={options!r}: a mapping of the parser's fields"
+            )
+        if name in VERDICT_PARSERS:
+            try:
+                VERDICT_PARSERS[name](**options)
+            except (TypeError, ValueError) as exc:  # an unknown field, or a bad value
+                raise ValueError(
+                    f"reward.verdict_parser_options={dict(options)!r}: {exc}"
+                ) from None
+        elif not isinstance(name, str) or not is_object_spec(name):
+            raise ValueError(
+                f"reward.verdict_parser={name!r}: use one of {tuple(VERDICT_PARSERS)}, or "
+                "'module:name' / 'file.py:name' naming a genrm.VerdictParser"
+            )
+        elif options:
+            raise ValueError(
+                f"reward.verdict_parser_options={dict(options)!r}: only for reward."
+                f"verdict_parser in {tuple(VERDICT_PARSERS)}; {name!r} builds its own parser"
+            )
+        if self.verdict_from == "label_logprobs" and name == "score":
+            raise ValueError(
+                f"reward.verdict_from='label_logprobs' reads the probability of a yes/no label; "
+                f"reward.verdict_parser={name!r} writes none: use 'text' or 'auto'"
+            )
+
     def openai_config(self) -> genrm.OpenAIJudgeConfig:
-        """The endpoint's config (backend=openai); ValueError naming reward.openai's problem."""
+        """The endpoint's config (backend=openai); ValueError naming reward.openai's problem.
+        Its key is read where it is used (preflight checks that it is set)."""
         if not isinstance(self.openai, Mapping):
             raise ValueError(
                 f"reward.openai={self.openai!r}: a mapping of OpenAIJudgeConfig fields"
             )
         try:
-            config = genrm.OpenAIJudgeConfig(**self.openai)
-            config.read_api_key()
+            return genrm.OpenAIJudgeConfig(**self.openai)
         except TypeError as exc:  # a missing or unknown field
             raise ValueError(f"reward.openai={dict(self.openai)!r}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"reward.openai: {exc}") from None
-        return config
 
-    def load_functions(self) -> list[tuple[genrm.RewardFunction, float]]:
-        """The functions, each with its weight; they own worker processes: close() them."""
-        timeout_s = self.function_timeout_s or None
-        return [
-            (genrm.load_reward_function(spec, timeout_s=timeout_s), weight)
-            for spec, weight in zip(self.functions, self.function_weights, strict=True)
-        ]
+
+def is_object_spec(spec: str) -> bool:
+    """'module:name' or 'path/file.py:name' (dotted names allowed), by its shape alone."""
+    source, sep, attr = spec.rpartition(":")
+    return bool(sep and source and attr) and all(part.isidentifier() for part in attr.split("."))
 
 
 def check_functions(specs: Any, weights: Any) -> tuple[list[str], list[float]]:
-    """reward.functions loaded once (the module imports, the signature fits) and their weights,
-    before any model loads."""
+    """reward.functions' specs and their weights (preflight imports the functions)."""
     if not isinstance(specs, list) or not all(isinstance(spec, str) for spec in specs):
         raise ValueError(f"reward.functions={specs!r}: a list of 'module:fn' or 'file.py:fn'")
     if not isinstance(weights, list):
@@ -364,20 +433,15 @@ def check_functions(specs: Any, weights: Any) -> tuple[list[str], list[float]]:
                 "too); list it once and give it a larger weight in reward.function_weights"
             )
         seen[key] = spec
-    for spec in specs:
-        try:
-            genrm.load_reward_function(spec)
-        except ValueError as exc:
-            raise ValueError(f"reward.functions: {exc}") from None
     return specs, weights or [1.0] * len(specs)
 
 
 def function_identity(spec: str) -> tuple[str, str]:
-    """What a 'module:fn' or 'file.py:fn' spec names: a file by its resolved path, so
-    'rewards.py:score' and './rewards.py:score' are one function."""
+    """What a 'module:fn' or 'file.py:fn' spec names: a file by its absolute, normalized path
+    (from the text alone), so 'rewards.py:score' and './rewards.py:score' are one function."""
     source, _, attr = spec.rpartition(":")
     if source.endswith(".py") or "/" in source:
-        source = str(Path(source).resolve())
+        source = os.path.abspath(source)
     return source, attr
 
 
@@ -403,8 +467,7 @@ class EvalConfig:
             "responses per held-out prompt",
         )
         check_at_least("eval.temperature", self.temperature, 0.0)
-        if self.split:
-            self.path = split_path("eval", self.path, self.split)
+        check_split("eval", self.path, self.split)
 
 
 @dataclass(kw_only=True)
@@ -431,7 +494,7 @@ RUN_OUTPUTS = (
     "metrics.jsonl",
     "metrics.png",
     "wandb_run_id",
-    *(folder for _, folder, _ in EMBEDDED_TASKS.values()),
+    *(task.folder for task in EMBEDDED_TASKS.values()),
 )
 
 
@@ -441,7 +504,7 @@ def check_export_name(name: str) -> None:
     problem = ""
     if name in (".", "..") or name.startswith("."):
         problem = "a plain folder name (not '.', '..' or hidden)"
-    elif Path(name).is_absolute() or Path(name).name != name or "\\" in name:
+    elif PurePath(name).is_absolute() or PurePath(name).name != name or "\\" in name:
         problem = "a folder name under out_dir, not a path"
     elif name in RUN_OUTPUTS:
         problem = f"the run writes {name!r} itself ({', '.join(RUN_OUTPUTS)})"
@@ -456,7 +519,6 @@ class LogConfig:
     warn_every_steps: int = 20
 
     def __post_init__(self) -> None:
-        core.check_wandb(self.wandb_project)
         check_at_least("log.warn_every_steps", self.warn_every_steps, 1)
 
 
@@ -474,8 +536,9 @@ class TrainConfig:
     placement: str = "full"  # "full": phases in turn; "partial": rollout + GenRM resident
     offload: str = "always"  # "auto": a role sleeps only when the next phase would not fit
     backend: str = "torch"  # policy backend: "torch" or "megatron" (CUDA; yatt-core[megatron])
-    # The backend's config fields (TorchPolicyConfig or MegatronPolicyConfig); a dict here is
-    # turned into that class, its temperature taken from rollout.temperature.
+    # The backend's config fields (TorchPolicyConfig or MegatronPolicyConfig): checked here by
+    # name and type, built into that class by preflight once policy.model_dir is a folder (the
+    # class reads it), its temperature then taken from rollout.temperature.
     policy: dict | core.TorchPolicyConfig | core.MegatronPolicyConfig = field(default_factory=dict)
     # The RL objective and its update: DAPO's token-mean loss, clip 0.2/0.28. One optimizer
     # step per batch by default, on-policy (old logprobs from the loss's own forward); with
@@ -527,8 +590,12 @@ class TrainConfig:
                 rollout_correction=self.loss.rollout_correction,
                 field_name="loss.rollout_correction",
             )
-        fields = genrm.JudgeTemplate(user=self.reward.judge_template).fields
-        if "reference" in fields and not self.data.answer_key and self.reward.backend != "none":
+        template_fields = self.reward.template.fields
+        if (
+            "reference" in template_fields
+            and not self.data.answer_key
+            and self.reward.backend != "none"
+        ):
             raise ValueError(
                 f"reward.judge_template={self.reward.judge_template!r} reads {{reference}} but "
                 "data.answer_key is '': name the rows' answer field, or drop {reference}"
@@ -553,42 +620,62 @@ class TrainConfig:
         if self.policy is None:
             raise ValueError("config section 'policy' is empty; give it fields or remove the line")
         if isinstance(self.policy, Mapping):
-            self.policy = self._make_policy_config(self.policy)
-        if self.policy.temperature != self.rollout.temperature:
+            self.policy = self._checked_policy_fields(self.policy)
+        temperature = policy_field(self.policy, "temperature")
+        if temperature is not None and temperature != self.rollout.temperature:
             raise ValueError(
-                f"policy.temperature={self.policy.temperature} != rollout.temperature="
+                f"policy.temperature={temperature} != rollout.temperature="
                 f"{self.rollout.temperature}: the policy's logprobs must use the sampling "
                 "temperature; build the policy config with temperature=rollout.temperature"
             )
-        model_parallel_size = getattr(self.policy, "model_parallel_size", None)
-        if (
-            self.rollout.sampling_mode == "stream"
-            and (model_parallel_size or getattr(self.policy, "tp_size", 1)) > 1
-        ):
+        if self.rollout.sampling_mode == "stream" and self.model_parallel_size > 1:
             raise ValueError(
                 "rollout.sampling_mode='stream': each rank streams its own rollout, and the ranks "
                 "of a model-parallel policy (policy.tp_size x pp x cp > 1) share one batch: use "
                 "rollout.sampling_mode='rounds'"
             )
-        if self.export.dir:
-            # An existing folder there is replaced at the end only if it is yatt's own earlier
-            # export (or empty): anything else is refused now, not after the whole run.
-            try:
-                core.check_export_dir(
-                    Path(self.out_dir) / self.export.dir,
-                    should_overwrite=True,
-                    model_dir=self.policy.model_dir,
-                    checkpoint_dir=Path(self.out_dir) / "checkpoints",
+        self._check_embedded_task()
+
+    def _check_embedded_task(self) -> None:
+        """What the embedded task (empty paths) can give: its rows' columns to the judge's
+        template, a judge model only where it has one."""
+        task = EMBEDDED_TASKS[self.task]
+        if not self.data.path:  # the embedded judge is fitted on this template
+            unknown = self.reward.template.fields - set(SAMPLE_FIELDS) - set(task.columns)
+            if unknown:
+                raise ValueError(
+                    f"reward.judge_template={self.reward.judge_template!r} reads "
+                    f"{sorted(unknown)}; the embedded task's rows have {list(task.columns)} "
+                    f"(and {list(SAMPLE_FIELDS)})"
                 )
-            except ValueError as exc:
-                raise ValueError(f"export.dir={self.export.dir!r}: {exc}") from None
+        if self.uses_judge_model and not self.reward.judge_dir and not task.has_judge:
+            raise ValueError(
+                f"task={self.task!r} has no embedded judge (its reward is the exact-match rule): "
+                "give reward.judge_dir, or leave reward.backend at the task's 'none'"
+            )
 
     @property
     def uses_judge_model(self) -> bool:
         """The judge is a local model (reward.judge_dir) run by an engine."""
         return self.reward.backend in LOCAL_JUDGES
 
-    def _make_policy_config(self, values: Mapping[str, Any]):
+    @property
+    def model_parallel_size(self) -> int:
+        """The ranks sharing one rollout batch: a megatron policy's tp x pp x cp, else 1."""
+        if isinstance(self.policy, Mapping):
+            names = ("tp_size", "pp_size", "cp_size") if self.backend == "megatron" else ()
+            return math.prod(self.policy.get(name, 1) for name in names)
+        size = getattr(self.policy, "model_parallel_size", None)
+        return size or getattr(self.policy, "tp_size", 1)
+
+    @property
+    def needs_embedded_task(self) -> bool:
+        """An empty path points at the embedded task: preflight builds it (once per out_dir)."""
+        policy_dir = policy_field(self.policy, "model_dir")
+        needs_judge = self.uses_judge_model and not self.reward.judge_dir
+        return not policy_dir or not self.data.path or needs_judge
+
+    def _checked_policy_fields(self, values: Mapping[str, Any]) -> dict[str, Any]:
         if "temperature" in values:  # one source: rollout and policy can never disagree
             raise ValueError(
                 f"policy.temperature={values['temperature']!r}: set rollout.temperature instead "
@@ -599,23 +686,50 @@ class TrainConfig:
                 "policy.is_reference: the trainer builds its KL reference itself; set "
                 "loss.kl_coef > 0 for one"
             )
-        values = {**DEFAULT_POLICY, **values, "temperature": self.rollout.temperature}
+        # Unknown keys and wrong types fail here, naming the backend's config class; the
+        # class's own range checks run when preflight builds it.
+        # The temperature is added when the class is built (one source: rollout.temperature).
+        values = check_policy_fields(self.backend, {**DEFAULT_POLICY, **values})
         if values.get("lr_schedule") == "cosine" and values.get("num_decay_steps") is None:
             # Decay over the whole run: the schedule advances once per optimizer step, of which
             # a step of the run takes loss.num_updates_per_batch (a run of no steps still gets
             # a valid schedule).
             num_updates = self.num_steps * self.loss.num_updates_per_batch
             values["num_decay_steps"] = max(num_updates, values.get("num_warmup_steps", 0) + 1)
-        # Unknown keys fail here, naming the backend's config class.
-        return core.policy_config_from_dict(self.backend, values)
+        return values
+
+
+def policy_field(policy: Mapping[str, Any] | Any, name: str) -> Any:
+    """A field of the policy section: its checked fields (a dict; None where not given), or
+    the built config class."""
+    return policy.get(name) if isinstance(policy, Mapping) else getattr(policy, name)
+
+
+def check_policy_fields(backend: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    """`values` checked against `backend`'s policy config class by name and scalar type (as
+    core.config_from_dict does), without building it: the class reads policy.model_dir."""
+    if backend not in POLICY_CONFIGS:
+        raise ValueError(
+            f"backend={backend!r} is not a policy backend; use one of {list(POLICY_CONFIGS)}"
+        )
+    cls = POLICY_CONFIGS[backend]
+    known = {item.name for item in fields(cls) if item.init}
+    hints = typing.get_type_hints(cls)
+    checked = {}
+    for key, value in values.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {sorted(known)}"
+            raise ValueError(f"unknown config key 'policy.{key}' for {cls.__name__}{hint}")
+        checked[key] = core.coerce_value(value, hints[key], f"policy.{key}")
+    return checked
 
 
 def read_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     """The config from the command line (see the module doc), and the run's flags: resume,
     export (write a Hugging Face folder from a checkpoint and stop), step (which one)."""
-    parser = argparse.ArgumentParser(
+    parser = HelpParser(
         description="Reference GRPO trainer (examples/train_grpo.py)",
-        epilog=describe_fields(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", help="YAML file of TrainConfig fields")
@@ -632,12 +746,24 @@ def read_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
         parser.error("--step goes with --export")
     if args.export and args.resume:
         parser.error("--export writes a checkpoint out and stops; it does not --resume")
-    raw = load_yaml(Path(args.config).read_text(), f"--config {args.config}") if args.config else {}
+    raw = {}
+    if args.config:
+        with open(args.config) as f:  # the one file this module reads: the one it is given
+            raw = load_yaml(f.read(), f"--config {args.config}")
     if not isinstance(raw, dict):
         raise ValueError(f"--config {args.config}: must hold a mapping of fields, got {raw!r}")
     for item in args.overrides:
         raw = with_override(raw, item)
     return build_config(raw), args
+
+
+class HelpParser(argparse.ArgumentParser):
+    """--help ends with every config field; the list is made only when help is shown (it reads
+    the config classes' source for their comments)."""
+
+    def format_help(self) -> str:
+        self.epilog = describe_fields()
+        return super().format_help()
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
@@ -695,65 +821,14 @@ def with_override(raw: dict, item: str) -> dict:
 
 
 def build_config(raw: Mapping[str, Any]) -> TrainConfig:
-    """A checked TrainConfig from plain values; empty paths point at the embedded task.
-
-    Model paths that are Hub ids are resolved from the local cache first. Every field is then
-    checked, the embedded policy's against a stand-in directory (that policy may not be built
-    yet), and only then is the embedded task built (once).
-    """
-    raw = with_local_models(with_loss_defaults(raw))
+    """A checked TrainConfig from plain values (`raw` is not changed): the embedded task's
+    defaults under task=<name> filled in, then every field typed and checked. Paths are kept
+    as given (empty ones point at the embedded task): preflight resolves them."""
+    raw = with_loss_defaults(raw)
     task_name = raw.get("task", "text")
-    if task_name in EMBEDDED_TASKS:  # the task's defaults under the run's own values
-        raw = with_defaults(raw, EMBEDDED_TASKS[task_name][0].CONFIG_DEFAULTS)
-    policy = raw.get("policy", {})
-    if not isinstance(policy, Mapping):  # None ("policy:" alone) is refused by TrainConfig
-        return core.config_from_dict(TrainConfig, raw)
-    if policy.get("model_dir"):
-        checked = core.config_from_dict(TrainConfig, raw)
-    else:
-        with stand_in_model_dir() as stand_in:
-            checked = core.config_from_dict(
-                TrainConfig, {**raw, "policy": {**policy, "model_dir": stand_in}}
-            )
-    needs_judge = checked.uses_judge_model and not checked.reward.judge_dir
-    if policy.get("model_dir") and checked.data.path and not needs_judge:
-        return checked_images(checked)
-    task, folder, image_key = EMBEDDED_TASKS[checked.task]
-    template = genrm.JudgeTemplate(user=checked.reward.judge_template)
-    if not checked.data.path:  # before building: the judge is fitted on this template
-        unknown = template.fields - set(SAMPLE_FIELDS) - set(task.COLUMNS)
-        if unknown:
-            raise ValueError(
-                f"reward.judge_template={template.user!r} reads {sorted(unknown)}; the embedded "
-                f"task's rows have {list(task.COLUMNS)} (and {list(SAMPLE_FIELDS)})"
-            )
-    workdir = Path(checked.out_dir) / folder
-    if not task.is_prepared(workdir):
-        logger.info(
-            "building the embedded %s task once under %s: its tiny models fitted on "
-            "this CPU (about 1 min); later runs with this out_dir reuse them",
-            checked.task,
-            workdir,
-        )
-    if needs_judge and checked.task == "vision":
-        raise ValueError(
-            f"task={checked.task!r} has no embedded judge (its reward is the exact-match rule): "
-            "give reward.judge_dir, or leave reward.backend at the task's 'none'"
-        )
-    paths = task.prepare_locked(workdir, template)
-    data = {**raw.get("data", {}), "path": checked.data.path or str(paths["prompts"])}
-    if not checked.data.path and image_key and not checked.data.image_key:
-        data["image_key"] = image_key  # the embedded rows' pictures
-    filled = {
-        **raw,
-        "policy": {**policy, "model_dir": policy.get("model_dir") or str(paths["policy"])},
-        "data": data,
-    }
-    if needs_judge:
-        filled["reward"] = {**raw.get("reward", {}), "judge_dir": str(paths["judge"])}
-    if not checked.data.path and not checked.eval.path:  # the embedded task's held-out split
-        filled["eval"] = {**raw.get("eval", {}), "path": str(paths["eval"])}
-    return checked_images(core.config_from_dict(TrainConfig, filled))
+    if isinstance(task_name, str) and task_name in EMBEDDED_TASKS:
+        raw = with_defaults(raw, EMBEDDED_TASKS[task_name].defaults)
+    return core.config_from_dict(TrainConfig, raw)
 
 
 def with_loss_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -794,37 +869,6 @@ def with_defaults(raw: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[s
         elif key not in out:
             out[key] = value
     return out
-
-
-def checked_images(cfg: TrainConfig) -> TrainConfig:
-    """An image dataset needs a policy that takes images: refused before anything loads."""
-    if cfg.data.image_key:
-        check_takes_images(cfg.policy.model_dir, cfg.data.image_key)
-    return cfg
-
-
-def with_local_models(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """`raw` with policy.model_dir and reward.judge_dir as local folders: a Hub id is looked up
-    in the Hugging Face cache (never downloaded); a clear error names what to fetch."""
-    out = dict(raw)
-    for section, key in (("policy", "model_dir"), ("reward", "judge_dir")):
-        values = raw.get(section)
-        if isinstance(values, Mapping) and isinstance(values.get(key), str) and values[key]:
-            try:
-                local = core.resolve_model_dir(values[key])
-            except ValueError as exc:
-                raise ValueError(f"{section}.{key}: {exc}") from None
-            out[section] = {**values, key: str(local)}
-    return out
-
-
-@contextlib.contextmanager
-def stand_in_model_dir() -> Iterator[str]:
-    """A directory that passes the policy config's model_dir check (it reads config.json only),
-    so the embedded policy's other fields are checked before that policy is built."""
-    with tempfile.TemporaryDirectory(prefix="yatt-stand-in-") as path:
-        (Path(path) / "config.json").write_text("{}\n")
-        yield path
 
 
 def describe_fields() -> str:

@@ -3,6 +3,7 @@
     row = {"prompt": "3+4=", "answer": 7}                 # or "prompt": [{role, content}, ...]
     prompt_ids(row["prompt"], tokenizer, should_apply_chat_template)   # what the policy reads
     judge_sample(row, response, prompt_key="prompt", answer_key="answer")  # what the judge reads
+    Scored(completion, sample, verdict, prompt)           # one judged response of a round
 
 A prompt that is a list of {role, content} messages always goes through the policy tokenizer's
 chat template (plain text only when asked: instruct models); a template that refuses a row's
@@ -14,12 +15,13 @@ messages (an unknown role) makes it a bad_prompt skip. The judge reads the messa
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 
-from yatt import core, genrm
+from yatt import core, genrm, rollout
 
 logger = logging.getLogger("train_grpo")
 
@@ -47,6 +49,21 @@ def prompt_ids(prompt: Prompt, tokenizer: Any, should_apply_chat_template: bool)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def prompt_token_counter(
+    tokenizer: Any, should_apply_chat_template: bool
+) -> Callable[[Prompt], int]:
+    """A row prompt's token count for the loader's length check; 0 for a prompt the chat
+    template refuses (the prompt encoder skips it, counted as bad_prompt)."""
+
+    def count_tokens(prompt: Prompt) -> int:
+        try:
+            return len(prompt_ids(prompt, tokenizer, should_apply_chat_template))
+        except PromptError:
+            return 0
+
+    return count_tokens
+
+
 def prompt_text(prompt: Prompt) -> str:
     """What the judge reads as the prompt: a message list as "role: content" lines."""
     if isinstance(prompt, list):
@@ -66,6 +83,18 @@ def judge_sample(
         reference=None if answer is None else str(answer),  # e.g. an integer answer
         metadata={key: value for key, value in row.items() if key != core.ROW_INDEX_KEY},
     )
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One response, what the judge read of it, and the judge's verdict."""
+
+    completion: rollout.Completion
+    sample: genrm.Sample  # what the judge read: prompt text, the response decoded once, reference
+    verdict: genrm.Verdict
+    # The row, its token ids and its images: a grpo_prompts.Prompt (that module builds on this
+    # one, so the type is not imported here: no import circle).
+    prompt: Any
 
 
 def row_fields_read_by(template: genrm.JudgeTemplate, answer_key: str) -> list[str]:

@@ -18,12 +18,10 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+
+from grpo_data import Scored
 
 from yatt import core, genrm
-
-if TYPE_CHECKING:
-    from train_grpo import Scored
 
 logger = logging.getLogger("train_grpo")
 

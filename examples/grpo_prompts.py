@@ -105,7 +105,7 @@ class PromptEncoder:
         self.image_key = cfg.data.image_key or None
         self.max_images = cfg.data.max_images
         self.should_apply_chat_template = cfg.data.apply_chat_template
-        self.max_prompt_tokens = cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens
+        self.max_prompt_tokens = cfg.rollout.max_prompt_tokens
         vision = core.VisionModel.from_pretrained(cfg.policy.model_dir)
         # Any vision-language policy, images or not: it may sample these tokens.
         self.cut_token_ids = vision.stop_token_ids

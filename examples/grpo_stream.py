@@ -88,12 +88,7 @@ class RolloutStream:
     def feed(self, prompts: list[Prompt]) -> None:
         """n responses per prompt into the engine (a new group each)."""
         groups = [self._new_group(prompt, first_step=self.step) for prompt in prompts]
-        requests = [
-            rollout.Request(
-                prompt_ids=g.prompt.ids, images=g.prompt.images, metadata={"group": g.key}
-            )
-            for g in groups
-        ]
+        requests = [g.prompt.request(metadata={"group": g.key}) for g in groups]
         for request in requests:
             self._owe(
                 request, num_samples=self.group_size, max_new_tokens=self.sampling.max_new_tokens
@@ -114,9 +109,8 @@ class RolloutStream:
                     g.completions[j] = self._completion(g.key, j, sample, reason)
                     continue
                 g.parts[j] = sample
-                request = rollout.Request(
+                request = g.prompt.request(
                     prompt_ids=sample.resume_prompt_ids(),
-                    images=g.prompt.images,
                     metadata={"group": g.key, "sample": j},
                     max_new_tokens=left,
                 )
@@ -217,7 +211,10 @@ class RolloutStream:
             await asyncio.gather(*self._pumps)
         self._rollout_pending = 0
         self._note()
-        await self.judging.drain(abort=getattr(self.judge_engine, "abort", None))
+        judge = self.judge_engine
+        await self.judging.drain(
+            abort=judge.abort if isinstance(judge, rollout.Abortable) else None
+        )
         self._genrm_pending = 0
         self._note()
 

@@ -31,7 +31,9 @@ At the end the last step is always checkpointed and the policy written as a Hugg
 folder (out_dir/export) that transformers and vLLM load as it is. One run per out_dir (a lock
 rank 0 holds); SIGTERM or Ctrl-C saves the step in progress and exits with 128 + the signal.
 
-The config (grpo_config.py) is built and checked whole before anything starts. Unusable data
+The config (grpo_config.py) is built and checked whole before anything starts, then what it
+points at (grpo_preflight.py: folders, reward code, keys, checkpoints, the embedded task built
+when empty paths ask for it) before any model loads. Unusable data
 rows are skipped and counted (data/skipped_rows/<cause>); failed judge verdicts are counted
 (genrm/errors, genrm/unparsable) with the first cause logged, and a step whose every verdict
 failed stops the run. Fork it and edit the loop; there are no hook flags.
@@ -47,7 +49,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +64,11 @@ from yatt.placement import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_config import DataConfig, TrainConfig, read_config
-from grpo_data import check_judge_prompts, judge_sample
+from grpo_data import Scored, judge_sample
 from grpo_metrics import StepStats, VerdictWarnings, check_verdicts, eval_metrics, summarize
+from grpo_preflight import preflight
 from grpo_prompts import Prompt, PromptEncoder
 from grpo_setup import (
-    check_start,
     close_all,
     export_checkpoint,
     export_dir,
@@ -90,16 +92,6 @@ def timed(timings: dict[str, float], name: str) -> Iterator[None]:
 
 
 # -- one rollout round: generate and score, then training samples --------------------------------
-@dataclass(frozen=True)
-class Scored:
-    """One response, what the judge read of it, and the judge's verdict."""
-
-    completion: rollout.Completion
-    sample: genrm.Sample  # what the judge read: prompt text, the response decoded once, reference
-    verdict: genrm.Verdict
-    prompt: Prompt  # the row, its token ids and its images
-
-
 def draw_prompts(loader: core.ShardedLoader, encoder: PromptEncoder, num_rows: int) -> list[Prompt]:
     """This rank's next prompts. A draw of only unusable rows (skipped and counted) draws
     again; once a whole epoch of the shard gave no usable prompt (the loader's skips or the
@@ -279,18 +271,26 @@ def main(argv: list[str]) -> int:
     (SIGTERM, SIGINT, SIGUSR1) ended the run after its final save."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     transformers.utils.logging.disable_progress_bar()  # one bar: the run's
-    cfg, args = read_config(argv)  # built and checked whole before anything starts
-    if args.export:
-        export_checkpoint(cfg, args.step)
+    cfg, args = read_config(argv)  # the values, typed and checked
+    if args.export:  # the policy's folder checked (built, for the embedded task), then export
+        export_checkpoint(preflight(cfg, should_check_data=False), args.step)
         return 0
     # One run per out_dir: global rank 0 (RANK, set by torchrun) holds the lock until the
     # process exits; a second run fails here, naming this one, before anything loads.
     run_lock: RunLock | None = None
     if int(os.environ.get("RANK", "0")) == 0:
         run_lock = acquire_run_lock(cfg.out_dir, purpose="train")
+    try:
+        # What the values point at, before any model loads: paths filled (the embedded task
+        # built when asked for), reward code and keys, checkpoints against --resume, the data
+        # against the judge's context.
+        cfg = preflight(cfg, should_resume=args.resume)
+    except BaseException:
+        if run_lock is not None:
+            run_lock.release()
+        raise
     # A megatron policy's model-parallel replica (tp x pp x cp) shares one rollout batch.
-    model_parallel_size = getattr(cfg.policy, "model_parallel_size", None)
-    tp_size = model_parallel_size or getattr(cfg.policy, "tp_size", 1)
+    tp_size = cfg.model_parallel_size
     runtime = core.init_runtime(seed=cfg.seed, tp_size=tp_size)
     closeables: list[Any] = []  # closed in reverse, also after an error
     is_failed = True  # until the loop ends: a close() error must not hide the loop's own
@@ -298,7 +298,6 @@ def main(argv: list[str]) -> int:
     try:
         ckpt = Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
         closeables.append(ckpt)
-        check_start(ckpt, args.resume, cfg.out_dir)
 
         # -- data, checked before any model loads (tokenizers only) ------------------------------
         tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
@@ -312,7 +311,7 @@ def main(argv: list[str]) -> int:
             world_size=runtime.dp_size,
             prompt_key=cfg.data.prompt_key,
             seed=cfg.seed,
-            max_prompt_tokens=cfg.rollout.engine.max_seq_len - cfg.rollout.max_new_tokens,
+            max_prompt_tokens=cfg.rollout.max_prompt_tokens,
             count_tokens=encoder.count_tokens,
             required_keys=required_row_fields(cfg),
             **row_limits(cfg),  # sizes checked before reading; data.image_key: images opened here
@@ -321,22 +320,6 @@ def main(argv: list[str]) -> int:
         eval_prompts = encoder.encode(
             load_eval_rows(cfg, runtime, encoder.count_tokens), should_count=False
         )
-        if cfg.uses_judge_model:
-            judge_template = genrm.JudgeTemplate(user=cfg.reward.judge_template)
-            is_judge_builtin = cfg.reward.backend == "builtin"
-            check_judge_prompts(
-                judge_template,
-                loader.first_rows(),
-                tokenizer=AutoTokenizer.from_pretrained(cfg.reward.judge_dir),
-                # GenRM's own limit for the built-in engine; vLLM/SGLang read the model's context.
-                max_prompt_tokens=cfg.reward.engine.max_seq_len - 1 if is_judge_builtin else None,
-                max_response_tokens=min(
-                    cfg.rollout.max_new_tokens, judge_template.max_response_tokens
-                ),
-                prompt_key=cfg.data.prompt_key,
-                answer_key=cfg.data.answer_key,
-                source=f"data.path={cfg.data.path!r}",
-            )
 
         # -- models: policy, KL reference, rollout engine, judge, placement ----------------------
         device = str(runtime.device)
@@ -523,24 +506,14 @@ def main(argv: list[str]) -> int:
                     batch.samples["reward"], batch.samples["group_id"]
                 )
                 with timed(stats.timings, "balance"):  # lengths cross ranks; moves go p2p
-                    # The policy's cost model: the same weights its micro-batch packing uses.
-                    # A vision-language policy also counts its tower's work on the images.
-                    images = (
-                        {"image_patches": core.image_patches_of(batch)}
-                        if encoder.takes_images
-                        else {}
-                    )
-                    costs = policy.estimate_costs(batch.lengths.tolist(), **images)
+                    # The policy's cost model, its images included: the weights its micro-batch
+                    # packing uses.
+                    costs = policy.estimate_batch_costs(batch)
                     batch, _ = batch.rebalance(
                         group=runtime.dp_group, group_key="group_id", costs=costs
                     )
                     if cfg.loss.num_mini_batches > 1:  # the rebalanced batch's own costs
-                        images = (
-                            {"image_patches": core.image_patches_of(batch)}
-                            if encoder.takes_images
-                            else {}
-                        )
-                        costs = policy.estimate_costs(batch.lengths.tolist(), **images)
+                        costs = policy.estimate_batch_costs(batch)
                 with timed(stats.timings, "train"), plan.phase("train"):
                     batch = batch.to(runtime.device)
                     # pi_old, once, before the first update: the engine's own logprobs (no

@@ -130,7 +130,7 @@ print('reloaded', type(m).__name__, m.dtype, m(torch.tensor([[51, 43, 52]], devi
       if [ ! -f "$EMB/READY" ]; then
         EMB=/tmp/yatt-runs/mg/embedded
         STEP_TIMEOUT=240 run_step trainer_megatron_prepare python3 -c "import sys; \
-sys.path.insert(0, 'examples'); import grpo_config, tiny_task; from pathlib import Path; \
+sys.path.insert(0, 'examples'); import grpo_config; from tasks import tiny_task; from pathlib import Path; \
 from yatt.genrm import JudgeTemplate; tiny_task.prepare_locked(Path('$EMB'), \
 JudgeTemplate(user=grpo_config.RewardConfig.judge_template))"
       fi

@@ -20,7 +20,8 @@ TRAINER = ROOT / "examples" / "train_grpo.py"
 sys.path.insert(0, str(ROOT / "examples"))
 
 import grpo_config
-import tiny_task
+import grpo_preflight
+from tasks import tiny_task
 
 from yatt.testing import free_port
 
@@ -110,6 +111,11 @@ def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, embedded):
         assert {k: resumed[step][k] for k in keys} == {k: expected[step][k] for k in keys}
 
 
+def _resolved(raw: dict) -> grpo_config.TrainConfig:
+    """The config as main runs it: its values checked, then what they point at (preflight)."""
+    return grpo_preflight.preflight(grpo_config.build_config(raw))
+
+
 def _paths(embedded: list[str]) -> dict[str, str]:
     """The embedded task's paths as raw config sections."""
     values = dict(arg.split("=", 1) for arg in embedded)
@@ -142,7 +148,7 @@ def test_shipped_configs_use_only_known_keys(config, embedded, monkeypatch):
     if "eval" in raw:
         raw["eval"] = {**raw["eval"], "path": paths["data"]["path"], "split": ""}
     monkeypatch.chdir(ROOT)  # reward functions are named relative to the repository root
-    cfg = grpo_config.build_config(raw)
+    cfg = _resolved(raw)
     assert cfg.placement in ("full", "partial")
     assert cfg.policy.temperature == cfg.rollout.temperature
     with pytest.raises(ValueError, match=r"unknown config key 'rollout\.temprature'"):
@@ -174,7 +180,7 @@ def test_unknown_or_missing_engine_backends_are_clear_errors_before_anything_loa
         grpo_config.RolloutConfig(backend="tgi")
     # vLLM/SGLang are not installed on the CPU machines: the extra to install is named.
     with pytest.raises(ValueError, match=r"reward\.backend='sglang'.*yatt-rollout\[sglang\]"):
-        grpo_config.RewardConfig(backend="sglang")
+        grpo_preflight.check_engine_installed("reward", grpo_config.RewardConfig(backend="sglang"))
     with pytest.raises(
         ValueError, match=r"reward\.backend_options=.*only for reward\.backend='vllm' or 'sglang'"
     ):
@@ -199,7 +205,7 @@ def test_policy_fields_are_checked_against_the_backends_config(embedded):
     model_dir = _paths(embedded)["policy"]["model_dir"]
 
     def build(raw: dict):
-        return grpo_config.build_config({**_paths(embedded), **raw})
+        return _resolved({**_paths(embedded), **raw})
 
     cfg = build({"backend": "megatron", "policy": {"model_dir": model_dir, "tp_size": 2}})
     assert isinstance(cfg.policy, grpo_config.core.MegatronPolicyConfig)
@@ -224,7 +230,7 @@ def test_config_values_are_typed_and_the_temperature_has_one_source(embedded):
     raw = {**_paths(embedded), "rollout": {"temperature": 0.7}}
     raw["policy"] = {**raw["policy"], "lr": "1e-3"}  # as YAML reads 1e-3
     before = json.dumps(raw, sort_keys=True)
-    cfg = grpo_config.build_config(raw)
+    cfg = _resolved(raw)
     assert cfg.policy.lr == 0.001
     assert cfg.policy.temperature == cfg.rollout.temperature == 0.7
     assert json.dumps(raw, sort_keys=True) == before  # the raw dict is never edited
@@ -236,7 +242,7 @@ def test_config_values_are_typed_and_the_temperature_has_one_source(embedded):
 def test_the_embedded_task_fills_empty_paths_without_editing_the_raw_dict(embedded):
     out_dir = Path(_paths(embedded)["data"]["path"]).parents[1]  # <out_dir>/embedded/prompts.jsonl
     raw = {"out_dir": str(out_dir), "data": {"prompts_per_rank": 4}}
-    cfg = grpo_config.build_config(raw)  # already built: reused
+    cfg = _resolved(raw)  # already built: reused
     assert raw == {"out_dir": str(out_dir), "data": {"prompts_per_rank": 4}}
     assert cfg.data.path == _paths(embedded)["data"]["path"]
     assert cfg.policy.model_dir == _paths(embedded)["policy"]["model_dir"]
@@ -567,7 +573,7 @@ def test_a_round_decodes_each_response_once_and_pairs_it_with_its_verdict(embedd
     from yatt.placement import Plan
     from yatt.placement.testing import RecordingRole
 
-    cfg = grpo_config.build_config(_paths(embedded))
+    cfg = _resolved(_paths(embedded))
     # Region tags are per process, and an engine closed asleep leaves its tag paused: one
     # prefix per case.
     mode = "partial" if should_overlap else "full"
@@ -794,7 +800,7 @@ def test_a_judge_served_over_an_openai_compatible_endpoint(tmp_path, embedded):
 def test_reward_settings_fail_before_anything_loads(reward, match, monkeypatch):
     monkeypatch.delenv("YATT_NO_SUCH_KEY", raising=False)
     with pytest.raises(ValueError, match=match):
-        grpo_config.RewardConfig(**reward)
+        grpo_preflight.check_reward(grpo_config.RewardConfig(**reward))
 
 
 def test_run_settings_fail_before_anything_loads(embedded, tmp_path):
@@ -823,7 +829,7 @@ def test_run_settings_fail_before_anything_loads(embedded, tmp_path):
         for key, value in override.items():  # sections merge with the paths; scalars replace
             raw[key] = {**paths.get(key, {}), **value} if isinstance(value, dict) else value
         with pytest.raises(ValueError, match=match):
-            grpo_config.build_config({**raw, "out_dir": str(tmp_path / "out")})
+            _resolved({**raw, "out_dir": str(tmp_path / "out")})
 
 
 def test_a_hub_id_in_the_local_cache_is_a_model_path(embedded, tmp_path, monkeypatch):
@@ -837,7 +843,7 @@ def test_a_hub_id_in_the_local_cache_is_a_model_path(embedded, tmp_path, monkeyp
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     raw = {**_paths(embedded), "policy": {"model_dir": "org/tiny"}}
-    cfg = grpo_config.build_config(raw)
+    cfg = _resolved(raw)
     assert Path(cfg.policy.model_dir) == snapshot
 
 
@@ -875,8 +881,7 @@ def test_absurd_or_non_finite_values_are_refused_when_the_config_is_read(tmp_pat
 def test_the_largest_allowed_sizes_and_seed_are_accepted():
     grpo_config.RolloutConfig(samples_per_prompt=1024)
     grpo_config.RewardConfig(votes=64, rule_weight=-1e6)
-    with grpo_config.stand_in_model_dir() as model_dir:
-        grpo_config.TrainConfig(policy={"model_dir": model_dir}, seed=2**31 - 1)
+    grpo_config.TrainConfig(policy={}, seed=2**31 - 1)
 
 
 def test_a_reward_file_listed_twice_under_two_spellings_is_refused(tmp_path, monkeypatch):
@@ -940,20 +945,20 @@ def test_an_existing_export_dir_is_replaced_only_if_it_is_yatts_export(tmp_path,
     (mine / "notes.txt").write_text("the user's own file")
     raw = {**_paths(embedded), "out_dir": str(out_dir)}
     with pytest.raises(ValueError, match=r"export\.dir='mine': .* is not a yatt export"):
-        grpo_config.build_config({**raw, "export": {"dir": "mine"}})
+        _resolved({**raw, "export": {"dir": "mine"}})
     assert (mine / "notes.txt").read_text() == "the user's own file"
     (out_dir / "link").symlink_to(tmp_path)  # a link: replacing it could reach anywhere
     with pytest.raises(
         ValueError, match=r"export\.dir='link': .*(holds the checkpoint|is a symbolic link)"
     ):
-        grpo_config.build_config({**raw, "export": {"dir": "link"}})
+        _resolved({**raw, "export": {"dir": "link"}})
     (out_dir / "empty").mkdir()
-    grpo_config.build_config({**raw, "export": {"dir": "empty"}})  # nothing to lose
+    _resolved({**raw, "export": {"dir": "empty"}})  # nothing to lose
     earlier = out_dir / "earlier"
     earlier.mkdir()
     # the marker yatt's export writes (its "format" key is what marks it as yatt's)
     (earlier / ".yatt-export.json").write_text('{"format": "yatt-hf-export"}')
-    grpo_config.build_config({**raw, "export": {"dir": "earlier"}})
+    _resolved({**raw, "export": {"dir": "earlier"}})
 
 
 def _wait_for_a_step(out: Path, proc: subprocess.Popen, timeout_s: float = 300) -> None:
@@ -1102,9 +1107,10 @@ def test_a_reward_file_that_exits_while_it_loads_is_a_start_up_error(tmp_path):
         "import sys\nsys.exit(0)\ndef score(prompt, response, reference, row):\n    return 1.0\n"
     )
     with pytest.raises(ValueError, match=r"reward\.functions: .*exits\.py:score"):
-        grpo_config.read_config(
+        cfg, _ = grpo_config.read_config(
             [f"out_dir={tmp_path}", "reward.backend=none", f"reward.functions=[{rewards}:score]"]
         )
+        grpo_preflight.preflight(cfg)
     with pytest.raises(ValueError, match=r"reward\.function_timeout_s=-1: must be >= 0"):
         grpo_config.RewardConfig(function_timeout_s=-1)
 
@@ -1166,7 +1172,7 @@ def test_the_default_loss_is_todays_dapo_step_and_several_updates_are_off_policy
     # The cosine schedule decays over optimizer steps: 10 steps x 2 x 2 updates = 40.
     raw = {**_paths(embedded), "num_steps": 10, "loss": {"num_mini_batches": 2, "num_epochs": 2}}
     raw["policy"] = {**raw["policy"], "lr_schedule": "cosine"}
-    assert grpo_config.build_config(raw).policy.num_decay_steps == 40
+    assert _resolved(raw).policy.num_decay_steps == 40
 
 
 def test_the_dapo_recipe_clips_and_logs_truncation(tmp_path, embedded):
@@ -1223,7 +1229,7 @@ def test_the_policys_memory_options_are_config_fields(embedded):
     raw = _paths(embedded)
     for arg in args:
         raw = grpo_config.with_override(raw, arg)
-    policy = grpo_config.build_config(raw).policy
+    policy = _resolved(raw).policy
     assert policy.max_tokens_per_microbatch is None
     assert policy.gradient_checkpointing and policy.should_offload_optimizer
     with pytest.raises(ValueError, match=r"gradient_checkpointing='sometimes'"):
@@ -1480,3 +1486,211 @@ def test_the_policys_vllm_or_sglang_engine_is_told_the_policys_tp_size(monkeypat
         grpo_setup.make_engine(section, "model", "cuda:0", policy_tp_size=2)
         grpo_setup.make_engine(section, "judge", "cuda:0")  # a judge shares no policy's batch
     assert [kwargs["policy_tp_size"] for kwargs in made] == [2, None, 2, None]
+
+
+# -- the config is a leaf (issue 25): values only; preflight checks what they point at ----------
+_PARSE_WITHOUT_IO = r"""
+import builtins, importlib, importlib.util, io, json, os, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+import grpo_config
+
+calls = []
+
+
+def recording(name, real):
+    def wrapper(*args, **kwargs):
+        if is_on:
+            calls.append(f"{name}{args[:1]!r}")
+        return real(*args, **kwargs)
+
+    return wrapper
+
+
+is_on = False
+for module, names in (
+    (builtins, ["open"]),
+    (io, ["open"]),
+    (os, ["stat", "lstat", "listdir", "scandir", "open", "mkdir", "makedirs"]),
+    (os.path, ["exists", "isfile", "isdir", "realpath"]),
+    (importlib, ["import_module"]),
+    (importlib.util, ["find_spec", "spec_from_file_location"]),
+    (tempfile, ["mkdtemp", "mkstemp", "TemporaryDirectory"]),
+):
+    for name in names:
+        setattr(module, name, recording(f"{module.__name__}.{name}", getattr(module, name)))
+
+
+class RecordingEnviron(type(os.environ)):
+    def __getitem__(self, key):
+        if is_on:
+            calls.append(f"os.environ[{key!r}]")
+        return super().__getitem__(key)
+
+
+os.environ.__class__ = RecordingEnviron
+is_on = True
+configs = []
+for argv in json.loads(sys.argv[2]):  # as read_config does, less argparse's own locale lookups
+    raw = {}
+    for item in argv:
+        raw = grpo_config.with_override(raw, item)
+    configs.append(grpo_config.build_config(raw))
+is_on = False
+print(json.dumps({"calls": calls, "modules": sorted(sys.modules)}))
+"""
+
+
+def test_the_config_module_imports_no_task_and_reads_nothing_while_parsing(tmp_path):
+    # Every section, with values that today's checks of the world would read: model folders
+    # and a Hub id, splits, a reward file and a module, an API key, wandb, vLLM, an export
+    # folder. Parsing them must open, stat, import and read nothing (preflight does that).
+    (tmp_path / "rewards.py").write_text("def score(p, r, ref, row):\n    return 1.0\n")
+    (tmp_path / "mine").mkdir()
+    common = [
+        f"out_dir={tmp_path}",
+        "task=vision",
+        f"policy.model_dir={tmp_path / 'no-policy'}",
+        "policy.lr=1e-3",
+        f"data.path={tmp_path / 'data'}",
+        "data.split=train",
+        f"eval.path={tmp_path / 'data'}",
+        "eval.split=test",
+        "rollout.backend=vllm",
+        "rollout.backend_options={gpu_memory_utilization: 0.3}",
+        "log.wandb_project=p",
+        "export.dir=mine",
+        "loss.num_mini_batches=2",
+        "ckpt.every_steps=5",
+        "overlong.buffer_tokens=1",
+    ]
+    local_judge = [
+        *common,
+        "reward.backend=builtin",
+        "reward.judge_dir=org/not-cached-judge",
+        f"reward.functions=[{tmp_path / 'rewards.py'}:score, os.path:join]",
+        "reward.verdict_parser=my_parsers:make",
+    ]
+    endpoint = [
+        *common,
+        "reward.backend=openai",
+        "reward.openai={base_url: 'http://x/v1', model: m, api_key_env: YATT_TEST_KEY}",
+    ]
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _PARSE_WITHOUT_IO,
+            str(ROOT / "examples"),
+            json.dumps([local_judge, endpoint]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**_env(), "YATT_TEST_KEY": "k"},
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert seen["calls"] == []
+    task_modules = [
+        name
+        for name in seen["modules"]
+        if name.split(".")[0] in ("tasks", "tiny_task", "tiny_vision_task", "grpo_preflight")
+        or name.startswith("yatt.testing")
+    ]
+    assert task_modules == []
+    assert not (tmp_path / "embedded-vision").exists()
+
+
+# -- the judge's verdict format is config (issue 25) ----------------------------------------------
+def _hand_written_verdicts(overrides: list[str], texts: list[str]) -> tuple[list, list]:
+    """The rewards make_scorer's judge gives each of `texts` (the judge's whole output, as a
+    fake engine writes it), and the engine's calls."""
+    from grpo_setup import make_scorer
+
+    from yatt import genrm
+    from yatt.genrm.testing import FakeJudgeEngine
+
+    cfg, _ = grpo_config.read_config(["reward.verdict_from=text", *overrides])
+    grpo_preflight.check_reward(cfg.reward)
+    outputs = iter(texts)
+    engine = FakeJudgeEngine(judge=lambda prompt, vote: next(outputs))
+    scorer, _ = make_scorer(cfg.reward, engine)
+    samples = [genrm.Sample(prompt="2+2=", response="4", reference="4") for _ in texts]
+    return scorer.score(samples), engine.calls
+
+
+def test_a_judge_with_another_verdict_format_is_a_config_change(tmp_path, monkeypatch):
+    texts = ["Score: 7", "Correct", "Verdict: Yes"]
+    default, calls = _hand_written_verdicts([], texts)
+    # Today's yes/no parser: only the last reads as a verdict; a 4-token budget.
+    assert [v.status for v in default] == ["unparsable", "unparsable", "ok"]
+    assert default[2].reward == 1.0
+    assert calls[0].sampling.max_new_tokens == 4
+    # "Score: N" on a 1..10 scale is (N - 1) / 9; the budget is the config's.
+    scored, calls = _hand_written_verdicts(
+        ["reward.verdict_parser=score", "reward.verdict_max_tokens=64"], ["Score: 7"]
+    )
+    assert scored[0].status == "ok" and scored[0].reward == pytest.approx(6 / 9)
+    assert calls[0].sampling.max_new_tokens == 64
+    # Other labels: "Correct" is +1 and "Incorrect" -1, "Yes" is no verdict any more.
+    labels = "reward.verdict_parser_options={yes_label: Correct, no_label: Incorrect}"
+    relabelled, _ = _hand_written_verdicts([labels], ["Correct", "Incorrect", "Yes"])
+    assert [v.reward for v in relabelled[:2]] == [1.0, -1.0]
+    assert relabelled[2].status == "unparsable"
+    # A parser of the user's own, by "file.py:name": here a 0..5 scale, 4 -> 0.8.
+    (tmp_path / "my_parsers.py").write_text(
+        "from yatt.genrm import ScoreParser\n\n\ndef make():\n    return ScoreParser(low=0, high=5)\n"
+    )
+    spec = f"reward.verdict_parser={tmp_path / 'my_parsers.py'}:make"
+    own, _ = _hand_written_verdicts([spec], ["Score: 4"])
+    assert own[0].reward == pytest.approx(0.8)
+    monkeypatch.syspath_prepend(str(tmp_path))  # and by "module:name"
+    own, _ = _hand_written_verdicts(["reward.verdict_parser=my_parsers:make"], ["Score: 4"])
+    assert own[0].reward == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["reward.verdict_parser=yesno"], r"reward\.verdict_parser='yesno': use one of"),
+        (["reward.verdict_parser=3"], r"reward\.verdict_parser=3: must be a str"),
+        (
+            ["reward.verdict_parser=score", "reward.verdict_parser_options={lo: 0}"],
+            r"reward\.verdict_parser_options=\{'lo': 0\}: .*'lo'",
+        ),
+        (
+            ["reward.verdict_parser_options={low: 5, high: 1}", "reward.verdict_parser=score"],
+            r"reward\.verdict_parser_options=.*low=5.*high=1",
+        ),
+        (
+            ["reward.verdict_parser=a.b:make", "reward.verdict_parser_options={low: 0}"],
+            r"reward\.verdict_parser_options=.*only for reward\.verdict_parser in",
+        ),
+        (["reward.verdict_parser_options=[1]"], r"reward\.verdict_parser_options=\[1\]: a mapping"),
+        (["reward.verdict_max_tokens=0"], r"reward\.verdict_max_tokens=0: must be >= 1"),
+        (["reward.verdict_max_tokens=1e9"], r"reward\.verdict_max_tokens=1000000000: must be <="),
+        (
+            ["reward.verdict_parser=score", "reward.verdict_from=label_logprobs"],
+            r"reward\.verdict_from='label_logprobs' .* reward\.verdict_parser='score'",
+        ),
+    ],
+)
+def test_bad_verdict_format_values_name_their_field(tmp_path, overrides, match):
+    with pytest.raises(ValueError, match=match):
+        grpo_config.read_config([f"out_dir={tmp_path}", *overrides])
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("no_such_parsers:make", r"reward\.verdict_parser='no_such_parsers:make': .*No module"),
+        ("os.path:no_such_name", r"reward\.verdict_parser='os\.path:no_such_name': .*no_such"),
+        ("os:getcwd", r"reward\.verdict_parser='os:getcwd' gives a str, not a verdict parser"),
+    ],
+)
+def test_a_verdict_parser_that_does_not_load_is_a_preflight_error(tmp_path, spec, match):
+    cfg, _ = grpo_config.read_config([f"out_dir={tmp_path}", f"reward.verdict_parser={spec}"])
+    with pytest.raises(ValueError, match=match):
+        grpo_preflight.preflight(cfg)
+    assert not (tmp_path / "embedded").exists()  # refused before the embedded task is built

@@ -18,7 +18,8 @@ TRAINER = ROOT / "examples" / "train_grpo.py"
 sys.path.insert(0, str(ROOT / "examples"))
 
 import grpo_config
-import tiny_vision_task
+import grpo_preflight
+from tasks import tiny_vision_task
 
 from yatt.testing import make_tiny_causal_lm
 
@@ -124,13 +125,15 @@ def test_a_text_policy_with_images_fails_before_any_model_loads(tmp_path, vision
     text_policy = tmp_path / "text-policy"
     make_tiny_causal_lm(text_policy, arch="qwen2", hidden_size=32, num_layers=1)
     with pytest.raises(ValueError, match=r"data\.image_key='image' .* is a text model"):
-        grpo_config.build_config(
-            {
-                "task": "vision",
-                "out_dir": str(tmp_path / "run"),
-                "policy": {"model_dir": str(text_policy)},
-                "data": {"path": str(vision / "prompts.jsonl"), "image_key": "image"},
-            }
+        grpo_preflight.preflight(
+            grpo_config.build_config(
+                {
+                    "task": "vision",
+                    "out_dir": str(tmp_path / "run"),
+                    "policy": {"model_dir": str(text_policy)},
+                    "data": {"path": str(vision / "prompts.jsonl"), "image_key": "image"},
+                }
+            )
         )
 
 

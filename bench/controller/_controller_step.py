@@ -304,7 +304,7 @@ def _yatt_step(rank: _Rank, loader: Any, step: int, args: Any) -> dict[str, floa
     batch.samples["advantages"] = compute_grpo_advantages(batch["reward"], batch["group_id"])
     me = rank.runtime.dp_rank
     batch.samples["origin_rank"] = torch.full((len(batch),), me)
-    costs = rank.policy.estimate_costs(batch.lengths.tolist())
+    costs = rank.policy.estimate_batch_costs(batch)
     # Lengths (costs) cross ranks; the samples the plan moves travel point-to-point.
     batch, _ = batch.rebalance(group=rank.runtime.dp_group, group_key="group_id", costs=costs)
     num_moved_in = int((batch["origin_rank"] != me).sum())
@@ -356,7 +356,7 @@ def _driver_step(rank: _Rank, loader: Any, step: int, args: Any) -> dict[str, fl
             rewards += local_rewards
         full = rollout_batch(samples)
         advantages = compute_grpo_advantages(full["reward"], full["group_id"])
-        costs = rank.policy.estimate_costs(full.lengths.tolist())
+        costs = rank.policy.estimate_batch_costs(full)
         parts = partition(costs, world, groups=full["group_id"].tolist())
         batches = []
         for part in parts:

@@ -406,7 +406,7 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
     )
     with _step_profile.timed(phases, "train"):
         # The policy's own cost model: balancing weighs samples as its micro-batch packing does.
-        costs = policy.estimate_costs(batch.lengths.tolist())
+        costs = policy.estimate_batch_costs(batch)
         batch, _ = batch.rebalance(group=rt.dp_group, group_key="group_id", costs=costs)
         with plan.phase("train"):
             policy.train_step(batch.to(rt.device), ctx.loss)

@@ -1,6 +1,6 @@
 """The embedded image task (`task=vision`): count the dots in a tiny picture.
 
-Built locally like the text task (tiny_task.py), once, under out_dir/embedded-vision:
+Built locally like the text task (tiny_task.py beside it), once, under out_dir/embedded-vision:
 
     images/         32 x 32 PNG pictures of 1-4 bright dots on a dark ground, each dot in its
                     own cell of a 4 x 4 grid (one vision patch per cell)
@@ -27,9 +27,10 @@ import random
 from pathlib import Path
 
 import torch
-from tiny_task import is_prepared, locked_build, write_rows
+from grpo_config import EMBEDDED_TASKS
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
+from tasks.tiny_task import is_prepared, locked_build, write_rows
 from yatt import core
 from yatt.testing import make_tiny_vlm
 
@@ -38,10 +39,9 @@ QUESTION = "How many dots?"
 MAX_DOTS = 4
 IMAGE_SIZE = 32  # pixels per side
 CELL = 8  # pixels per grid cell = the vision patch size
-COLUMNS = ("prompt", "image", "answer")  # the fields of the task's rows
-# Config defaults of task=vision (a run's own values win): the exact-match rule as the reward.
-CONFIG_DEFAULTS = {"reward": {"backend": "none", "rule_weight": 1.0}}
-IMAGE_KEY = "image"
+# The rows' image field, as the config knows it (grpo_config.EMBEDDED_TASKS["vision"] also
+# holds its columns and its config defaults: the exact-match rule as the reward).
+IMAGE_KEY = EMBEDDED_TASKS["vision"].image_key
 NUM_ROWS = 512
 NUM_EVAL_ROWS = 64
 

@@ -32,8 +32,6 @@ from yatt.testing import make_tiny_causal_lm, make_tokenizer
 
 logger = logging.getLogger("train_grpo")
 MAX_DIGIT = 4
-COLUMNS = ("prompt", "answer")  # the fields of the task's rows
-CONFIG_DEFAULTS: dict = {}  # config defaults of task=text: the trainer's own
 _READY = "READY"
 NUM_EVAL_ROWS = 64
 

@@ -1,0 +1,234 @@
+"""The reference trainer's preflight: what the config's values point at, checked once, first in
+main, before any model loads (grpo_config.py checks the values themselves and touches nothing).
+
+    cfg, args = read_config(argv)                        values, typed and range-checked
+    cfg = preflight(cfg, should_resume=args.resume)      the run's config, resolved:
+
+    installed   vLLM/SGLang for rollout.backend and reward.backend; wandb for log.wandb_project
+    reward      reward.functions import (and fit their signature); a "module:name"
+                reward.verdict_parser imports; the endpoint's key (reward.openai.api_key_env)
+    paths       Hub ids -> their local snapshots (never downloaded); data/eval splits exist;
+                a given policy.model_dir builds the policy's config (its range checks too)
+    run         export.dir replaceable; --resume has a checkpoint, a fresh run has none
+    embedded    empty paths: the embedded task (examples/tasks/) built under out_dir, once
+    data        images need a policy that takes them; the judge's prompt fits its context
+
+It returns the config with every path filled and cfg.policy built as its backend's config
+class; run it once per config (main does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+from pathlib import Path
+
+from grpo_config import (
+    EMBEDDED_TASKS,
+    ENGINE_CONFIGS,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+    policy_field,
+)
+from grpo_data import check_judge_prompts, prompt_token_counter
+from grpo_prompts import check_takes_images
+from grpo_setup import required_row_fields, row_limits, verdict_parser
+from transformers import AutoTokenizer
+
+from yatt import core, genrm
+from yatt.ckpt import Checkpointer
+
+logger = logging.getLogger("train_grpo")
+
+
+def preflight(
+    cfg: TrainConfig, *, should_resume: bool | None = None, should_check_data: bool = True
+) -> TrainConfig:
+    """`cfg` checked against the world and resolved (see the module doc). should_resume: a
+    run starting (False) or resuming (True) checks out_dir's checkpoints; None (`--export`,
+    a config check) does not. should_check_data=False (`--export`) skips the data's checks.
+    Each problem is a ValueError naming the field and the fix."""
+    for name, section in (("rollout", cfg.rollout), ("reward", cfg.reward)):
+        check_engine_installed(name, section)
+    core.check_wandb(cfg.log.wandb_project)
+    check_reward(cfg.reward)
+    cfg = with_local_paths(cfg)
+    model_dir = policy_field(cfg.policy, "model_dir")
+    if model_dir:  # the policy config's own checks, before anything is built
+        build_policy_config(cfg, model_dir)
+    check_export(cfg, model_dir=model_dir or None)
+    if should_resume is not None:
+        check_checkpoints(cfg.out_dir, should_resume)
+    if cfg.needs_embedded_task:
+        cfg = with_embedded_task(cfg)
+    policy = build_policy_config(cfg, policy_field(cfg.policy, "model_dir"))
+    cfg = dataclasses.replace(cfg, policy=policy)
+    if cfg.data.image_key:  # an image dataset needs a policy that takes images
+        check_takes_images(cfg.policy.model_dir, cfg.data.image_key)
+    if cfg.uses_judge_model and should_check_data:
+        check_judge_prompt_lengths(cfg)
+    return cfg
+
+
+def check_engine_installed(name: str, section: RolloutConfig | RewardConfig) -> None:
+    """A vLLM/SGLang engine the section names is installed (the built-in one always is)."""
+    backend = section.backend
+    if backend in ENGINE_CONFIGS and importlib.util.find_spec(backend) is None:
+        raise ValueError(
+            f"{name}.backend={backend!r} needs {backend}: pip install 'yatt-rollout[{backend}]'"
+        )
+
+
+def check_reward(reward: RewardConfig) -> None:
+    """The reward's code and keys: each reward function loaded once (its module imports, its
+    signature fits), the verdict parser built, the endpoint's API key set."""
+    for spec in reward.functions:
+        try:
+            genrm.load_reward_function(spec)
+        except ValueError as exc:
+            raise ValueError(f"reward.functions: {exc}") from None
+    parser = verdict_parser(reward)
+    if reward.verdict_from == "label_logprobs" and not isinstance(parser, genrm.YesNoParser):
+        raise ValueError(
+            f"reward.verdict_from='label_logprobs' reads the probability of a yes/no label; "
+            f"reward.verdict_parser={reward.verdict_parser!r} is a {type(parser).__name__}: "
+            "use 'text' or 'auto'"
+        )
+    if reward.backend == "openai":
+        try:
+            reward.openai_config().read_api_key()
+        except ValueError as exc:
+            raise ValueError(f"reward.openai: {exc}") from None
+
+
+def with_local_paths(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with policy.model_dir and reward.judge_dir as local folders (a Hub id looked up
+    in the Hugging Face cache, never downloaded) and data/eval paths at their split."""
+    policy = cfg.policy
+    if isinstance(policy, dict) and policy.get("model_dir"):
+        policy = {**policy, "model_dir": local_model_dir("policy.model_dir", policy["model_dir"])}
+    reward = cfg.reward
+    if reward.judge_dir:
+        judge_dir = local_model_dir("reward.judge_dir", reward.judge_dir)
+        reward = dataclasses.replace(reward, judge_dir=judge_dir)
+    data = cfg.data
+    if data.split:
+        data = dataclasses.replace(data, path=split_path("data", data.path, data.split), split="")
+    eval_ = cfg.eval
+    if eval_.split:
+        eval_ = dataclasses.replace(
+            eval_, path=split_path("eval", eval_.path, eval_.split), split=""
+        )
+    return dataclasses.replace(cfg, policy=policy, reward=reward, data=data, eval=eval_)
+
+
+def local_model_dir(name: str, value: str) -> str:
+    try:
+        return str(core.resolve_model_dir(value))
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
+def split_path(section: str, path: str, split: str) -> str:
+    """path/split for a DatasetDict saved with save_to_disk; a clear error naming its splits."""
+    root = Path(path)
+    if not (root / split).is_dir():
+        splits = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+        raise ValueError(
+            f"{section}.split={split!r}: {path!r} has no such split folder; it has {splits}"
+        )
+    return str(root / split)
+
+
+def build_policy_config(cfg: TrainConfig, model_dir: str):
+    """The backend's policy config class from cfg.policy's checked fields, its temperature
+    rollout.temperature (its own range checks run here: it reads model_dir)."""
+    if not isinstance(cfg.policy, dict):
+        return cfg.policy  # already built
+    values = {**cfg.policy, "model_dir": model_dir, "temperature": cfg.rollout.temperature}
+    return core.policy_config_from_dict(cfg.backend, values)
+
+
+def check_export(cfg: TrainConfig, *, model_dir: str | None) -> None:
+    """An existing export.dir is replaced at the end only if it is yatt's own earlier export
+    (or empty): anything else is refused now, not after the whole run."""
+    if not cfg.export.dir:
+        return
+    try:
+        core.check_export_dir(
+            Path(cfg.out_dir) / cfg.export.dir,
+            should_overwrite=True,
+            model_dir=model_dir,
+            checkpoint_dir=Path(cfg.out_dir) / "checkpoints",
+        )
+    except ValueError as exc:
+        raise ValueError(f"export.dir={cfg.export.dir!r}: {exc}") from None
+
+
+def check_checkpoints(out_dir: str, should_resume: bool) -> None:
+    """--resume needs a checkpoint; a fresh run never mixes with one."""
+    with Checkpointer(Path(out_dir) / "checkpoints", read_only=True) as ckpt:
+        latest = ckpt.latest()
+    if should_resume and latest is None:
+        raise ValueError(
+            f"--resume: {out_dir}/checkpoints holds no checkpoint; run without --resume to "
+            "start fresh, or point out_dir at the run to continue"
+        )
+    if not should_resume and latest is not None:
+        raise ValueError(f"out_dir={out_dir!r} has checkpoints: pass --resume or a new out_dir")
+
+
+def with_embedded_task(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with its empty paths at the embedded task, built under out_dir once (the judge
+    fitted on reward.template), then reused."""
+    from tasks import build_task  # only when asked for: it trains tiny models (yatt-testing)
+
+    task = EMBEDDED_TASKS[cfg.task]
+    workdir = Path(cfg.out_dir) / task.folder
+    paths = build_task(cfg.task, workdir, cfg.reward.template)
+    data, eval_, reward = cfg.data, cfg.eval, cfg.reward
+    policy = cfg.policy
+    if isinstance(policy, dict) and not policy.get("model_dir"):
+        policy = {**policy, "model_dir": str(paths["policy"])}
+    if not data.path:
+        # the embedded rows, with their pictures; its held-out split unless eval.path is given
+        image_key = data.image_key or task.image_key
+        data = dataclasses.replace(data, path=str(paths["prompts"]), image_key=image_key)
+        if not eval_.path:
+            eval_ = dataclasses.replace(eval_, path=str(paths["eval"]))
+    if cfg.uses_judge_model and not reward.judge_dir:
+        reward = dataclasses.replace(reward, judge_dir=str(paths["judge"]))
+    return dataclasses.replace(cfg, policy=policy, data=data, eval=eval_, reward=reward)
+
+
+def check_judge_prompt_lengths(cfg: TrainConfig) -> None:
+    """The judge's prompt for the data's first usable rows (the same on every rank), rendered
+    before any model loads: one that cannot fit the judge's context with a full-length
+    response fails here, instead of turning every verdict of the run into an error."""
+    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
+    rows = core.ShardedLoader(
+        cfg.data.path,
+        batch_size=1,
+        prompt_key=cfg.data.prompt_key,
+        should_shuffle=False,
+        max_prompt_tokens=cfg.rollout.max_prompt_tokens,
+        count_tokens=prompt_token_counter(tokenizer, cfg.data.apply_chat_template),
+        required_keys=required_row_fields(cfg),
+        **row_limits(cfg),
+    ).first_rows()
+    is_judge_builtin = cfg.reward.backend == "builtin"
+    check_judge_prompts(
+        cfg.reward.template,
+        rows,
+        tokenizer=AutoTokenizer.from_pretrained(cfg.reward.judge_dir),
+        # GenRM's own limit for the built-in engine; vLLM/SGLang read the model's context.
+        max_prompt_tokens=cfg.reward.engine.max_seq_len - 1 if is_judge_builtin else None,
+        max_response_tokens=min(
+            cfg.rollout.max_new_tokens, cfg.reward.template.max_response_tokens
+        ),
+        prompt_key=cfg.data.prompt_key,
+        answer_key=cfg.data.answer_key,
+        source=f"data.path={cfg.data.path!r}",
+    )
