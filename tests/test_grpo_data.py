@@ -99,7 +99,7 @@ def _strict_encoder(tmp_path):
         data=SimpleNamespace(
             prompt_key="prompt", image_key="", max_images=4, apply_chat_template=False
         ),
-        rollout=SimpleNamespace(engine=SimpleNamespace(max_seq_len=64), max_new_tokens=4),
+        rollout=SimpleNamespace(max_prompt_tokens=64 - 4),  # max_seq_len 64, max_new_tokens 4
         policy=SimpleNamespace(model_dir=str(tmp_path)),  # no config.json: a text policy
     )
     return grpo_prompts.PromptEncoder(cfg, tokenizer), tokenizer
