@@ -77,7 +77,7 @@ def _encoder(model_dir: Path, *, image_key: str = "") -> grpo_prompts.PromptEnco
             prompt_key="prompt", image_key=image_key, max_images=4, apply_chat_template=True
         ),
         rollout=SimpleNamespace(
-            engine=SimpleNamespace(max_seq_len=MAX_SEQ_LEN), max_new_tokens=MAX_NEW_TOKENS
+            max_prompt_tokens=MAX_SEQ_LEN - MAX_NEW_TOKENS  # RolloutConfig's rule
         ),
         policy=SimpleNamespace(model_dir=str(model_dir)),
     )
