@@ -122,6 +122,58 @@ def judge_view(
     )
 
 
+def generate_and_judge(
+    requests: list[rollout.Request],
+    sampling: rollout.SamplingParams,
+    to_sample: Callable[[rollout.Completion], genrm.Sample],
+    *,
+    engine,
+    scorer,
+    plan: Plan,
+    should_overlap: bool,
+    timings: dict[str, float],
+    timer: Callable[[dict[str, float], str], contextlib.AbstractContextManager] = timed,
+) -> tuple[list[rollout.Completion], list[genrm.Verdict]]:
+    """One rollout of `requests` and each response's verdict: (completions, verdicts), paired
+    by position. should_overlap (rollout and judge resident together): one "rollout+genrm"
+    phase, each response judged as soon as it finishes; timings["genrm_tail"] adds the
+    seconds from the rollout's last response to the last verdict, and a plan with a memory
+    split moves it toward this round's token loads. Otherwise the "rollout" phase, then the
+    "genrm" one (outside any phase for a plan without one: its judge lives elsewhere).
+    `timer(timings, name)` times each phase (bench/step passes its CUDA-syncing one)."""
+    if should_overlap:
+        rollout_end: list[float] = []
+
+        async def noting_its_end(stream):  # the rollout's last response: the tail starts
+            async for completion in stream:
+                yield completion
+            rollout_end.append(time.perf_counter())
+
+        with timer(timings, "rollout+genrm"), plan.phase("rollout"):
+            stream = noting_its_end(engine.stream(requests, sampling))
+            scored = asyncio.run(genrm.score_as_completed(stream, scorer, to_sample))
+            last_verdict = time.perf_counter()
+        tail_s = last_verdict - rollout_end[-1] if rollout_end else 0.0
+        timings["genrm_tail"] = timings.get("genrm_tail", 0.0) + tail_s
+        completions, verdicts = scored
+        if plan.has_memory_split:  # the next split follows this round's measured token loads
+            rollout_tokens = sum(
+                len(completion.prompt_ids) + len(completion.response_ids)
+                for completion in completions
+            )
+            judge_tokens = scored.stats.num_judge_prompt_tokens
+            plan.update_load(
+                rollout_pending_tokens=rollout_tokens, genrm_pending_tokens=judge_tokens
+            )
+        return completions, verdicts
+    with timer(timings, "rollout"), plan.phase("rollout"):
+        completions = engine.generate(requests, sampling)
+    judge_phase = plan.phase("genrm") if "genrm" in plan.phases else contextlib.nullcontext()
+    with timer(timings, "genrm"), judge_phase:
+        verdicts = scorer.score([to_sample(completion) for completion in completions])
+    return completions, verdicts
+
+
 def generate_and_score(
     prompts: list[Prompt],
     sampling: rollout.SamplingParams,
@@ -144,25 +196,16 @@ def generate_and_score(
         samples[completion.request_index, completion.sample_index] = sample
         return sample
 
-    if should_overlap:
-        with timed(timings, "rollout+genrm"), plan.phase("rollout"):
-            stream = engine.stream(requests, sampling)
-            scored = asyncio.run(genrm.score_as_completed(stream, scorer, to_sample))
-        completions, verdicts = scored
-        if plan.has_memory_split:  # the next split follows this round's measured token loads
-            rollout_tokens = sum(
-                len(completion.prompt_ids) + len(completion.response_ids)
-                for completion in completions
-            )
-            judge_tokens = scored.stats.num_judge_prompt_tokens
-            plan.update_load(
-                rollout_pending_tokens=rollout_tokens, genrm_pending_tokens=judge_tokens
-            )
-    else:
-        with timed(timings, "rollout"), plan.phase("rollout"):
-            completions = engine.generate(requests, sampling)
-        with timed(timings, "genrm"), plan.phase("genrm"):
-            verdicts = scorer.score([to_sample(completion) for completion in completions])
+    completions, verdicts = generate_and_judge(
+        requests,
+        sampling,
+        to_sample,
+        engine=engine,
+        scorer=scorer,
+        plan=plan,
+        should_overlap=should_overlap,
+        timings=timings,
+    )
     return [
         Scored(
             completion,

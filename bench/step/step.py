@@ -453,7 +453,6 @@ def _rollout(ctx, mix: str, step: int, phases: dict[str, float]):
     """Every prompt of this rank, once (fixed, longtail): (batch, counts, extra)."""
     from yatt import core, genrm
 
-    plan, judge = ctx.plan, ctx.judge
     requests, sampling, expected, prompts = setup.make_requests(ctx, mix, step)
 
     def to_sample(c):
@@ -468,10 +467,7 @@ def _rollout(ctx, mix: str, step: int, phases: dict[str, float]):
     if tail_s is not None:  # partial: the judge scored each completion as it landed
         phases["genrm_tail"] = tail_s
         # Did the judge's batches join its running decode (yatt.rollout), or run one by one?
-        extra = _judge_calls(ctx)
-        r_tokens = sum(len(c.prompt_ids) + len(c.response_ids) for c in completions)
-        j_tokens = judge.metrics["num_prompt_tokens"] - ctx.judge_tokens_seen
-        plan.update_load(rollout_pending_tokens=r_tokens, genrm_pending_tokens=j_tokens)
+        extra = _judge_calls(ctx)  # (the split moved in generate_and_score)
     bad_lengths = sum(len(c.response_ids) != expected[c.request_index] for c in completions) + abs(
         len(completions) - len(expected)
     )
