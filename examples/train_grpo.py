@@ -308,6 +308,49 @@ def mini_batch_seed(seed: int, step: int, epoch: int, loss: core.PolicyLoss) -> 
     return (seed * 1_000_003 + step * 1_009 + epoch) % 2**31
 
 
+def train_on_batch(
+    batch: core.Batch,
+    *,
+    policy,
+    reference,
+    loss: core.PolicyLoss,
+    costs: Sequence[float] | None,
+    device,
+    seed: int,
+    step: int,
+) -> dict[str, float]:
+    """The step's updates on this rank's balanced batch, inside the train phase; the merged
+    train metrics. costs: the policy's per-sample estimate for the mini-batch split (None:
+    estimated here when there is more than one mini-batch)."""
+    batch = batch.to(device)
+    # pi_old, once, before the first update: the engine's own logprobs (no forward), or the
+    # trainer's forward (is_on_policy: one update, and the loss reuses its own forward's
+    # logprobs, detached)
+    if loss.old_logprobs_from == "engine":
+        batch.tokens["old_logprobs"] = core.engine_old_logprobs(batch)
+    elif not loss.is_on_policy:
+        batch.tokens["old_logprobs"] = policy.logprobs(batch)
+    if reference is not None:
+        batch.tokens["ref_logprobs"] = reference.logprobs(batch)
+    if costs is None and loss.num_mini_batches > 1:
+        costs = policy.estimate_batch_costs(batch)
+    # num_epochs passes, each num_mini_batches optimizer steps of whole groups (every rank the
+    # same count: the steps' collectives pair up); with several epochs each pass reshuffles the
+    # groups (seeded by seed, step and epoch, the same rule on every rank, so a resumed run
+    # splits alike)
+    steps = []
+    for epoch in range(loss.num_epochs):
+        mini_batches = core.split_mini_batches(
+            batch,
+            loss.num_mini_batches,
+            costs=costs,
+            seed=mini_batch_seed(seed, step, epoch, loss),
+        )
+        for mini_batch in mini_batches:
+            steps.append(policy.train_step(mini_batch, loss))
+    return core.merge_step_metrics(steps)
+
+
 # -- the run --------------------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
     """Train (or --export); the process's exit code: 0, or 128 + signum when a stop signal
@@ -558,31 +601,16 @@ def main(argv: list[str]) -> int:
                     if cfg.loss.num_mini_batches > 1:  # the rebalanced batch's own costs
                         costs = policy.estimate_batch_costs(batch)
                 with timed(stats.timings, "train"), plan.phase("train"):
-                    batch = batch.to(runtime.device)
-                    # pi_old, once, before the first update: the engine's own logprobs (no
-                    # forward), or the trainer's forward (is_on_policy: one update, and the
-                    # loss reuses its own forward's logprobs, detached)
-                    if cfg.loss.old_logprobs_from == "engine":
-                        batch.tokens["old_logprobs"] = core.engine_old_logprobs(batch)
-                    elif not cfg.loss.is_on_policy:
-                        batch.tokens["old_logprobs"] = policy.logprobs(batch)
-                    if reference is not None:
-                        batch.tokens["ref_logprobs"] = reference.logprobs(batch)
-                    # num_epochs passes, each num_mini_batches optimizer steps of whole groups
-                    # (every rank the same count: the steps' collectives pair up); with several
-                    # epochs each pass reshuffles the groups (seeded by seed, step and epoch,
-                    # the same rule on every rank, so a resumed run splits alike)
-                    steps = []
-                    for epoch in range(cfg.loss.num_epochs):
-                        mini_batches = core.split_mini_batches(
-                            batch,
-                            cfg.loss.num_mini_batches,
-                            costs=costs,
-                            seed=mini_batch_seed(cfg.seed, step, epoch, cfg.loss),
-                        )
-                        for mini_batch in mini_batches:
-                            steps.append(policy.train_step(mini_batch, cfg.loss))
-                    train_metrics = core.merge_step_metrics(steps)
+                    train_metrics = train_on_batch(
+                        batch,
+                        policy=policy,
+                        reference=reference,
+                        loss=cfg.loss,
+                        costs=costs,
+                        device=runtime.device,
+                        seed=cfg.seed,
+                        step=step,
+                    )
                 with timed(stats.timings, "sync"), plan.phase("sync"):  # bucketed, no 2nd copy
                     engine.update_weights(policy.named_weights())
                 metrics = summarize(

@@ -723,7 +723,7 @@ def test_the_benchs_round_is_the_trainers_generate_and_judge(monkeypatch, layout
         return ["c"], ["v"]
 
     trainer = SimpleNamespace(generate_and_judge=generate_and_judge)
-    monkeypatch.setattr(_step_sampling, "_trainer", lambda: trainer)
+    monkeypatch.setattr(_step_sampling, "trainer", lambda: trainer)
     ctx = SimpleNamespace(layout=layout, engine="E", judge="J", plan="P")
     phases = {"rollout": 1.0, "rollout+genrm": 1.0}
     out = _step_sampling.generate_and_score(ctx, phases, ["r"], "s", str)
@@ -744,9 +744,9 @@ def test_the_benchs_round_is_the_trainers_generate_and_judge(monkeypatch, layout
 
 
 def test_the_bench_runs_the_trainers_own_generate_and_judge():
-    trainer = _step_sampling._trainer()
+    trainer = _step_sampling.trainer()
     assert trainer.__file__ == str(ROOT / "examples" / "train_grpo.py")
-    assert callable(trainer.generate_and_judge)
+    assert callable(trainer.generate_and_judge) and callable(trainer.train_on_batch)
 
 
 def test_run_budget_leaves_out_steps_that_would_end_past_it():

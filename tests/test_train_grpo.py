@@ -762,6 +762,61 @@ def test_a_round_in_phases_judges_in_the_genrm_phase_or_outside_any(mode):
     assert set(judge.phases) == ({"genrm"} if mode == "full" else {None})
 
 
+class _FakePolicy:
+    """Notes what each update saw; a constant cost per sample."""
+
+    def __init__(self) -> None:
+        self.num_logprobs = self.num_costs = 0
+        self.updates: list[tuple[int, bool, bool]] = []  # (samples, has pi_old, has ref)
+
+    def logprobs(self, batch):
+        self.num_logprobs += 1
+        return torch.zeros(batch["loss_mask"].shape)
+
+    def estimate_batch_costs(self, batch):
+        self.num_costs += 1
+        return [1.0] * len(batch)
+
+    def train_step(self, batch, loss):
+        fields = batch.tokens
+        self.updates.append((len(batch), "old_logprobs" in fields, "ref_logprobs" in fields))
+        keys = ("loss", "grad_norm", "lr", "num_micro_batches", "is_skipped")
+        return dict.fromkeys(keys, 0.0) | {"num_loss_tokens": 1.0}
+
+
+@pytest.mark.parametrize("epochs, minis", [(1, 1), (2, 2)])
+def test_train_on_batch_runs_epochs_times_mini_batches_updates_after_pi_old_and_the_reference(
+    epochs, minis
+):
+    import train_grpo
+
+    from yatt import core, rollout
+
+    requests = [rollout.Request(prompt_ids=[7] * (i + 2)) for i in range(4)]
+    completions = _FakeEngine().generate(requests, None)
+    samples = core.rollout_samples(
+        completions, rewards=[0.0, 1.0, 0.0, 1.0], group_ids=[0, 0, 1, 1]
+    )
+    loss = core.PolicyLoss(num_epochs=epochs, num_mini_batches=minis)
+    policy, reference = _FakePolicy(), _FakePolicy()
+    metrics = train_grpo.train_on_batch(
+        core.rollout_batch(samples),
+        policy=policy,
+        reference=reference,
+        loss=loss,
+        costs=None,
+        device="cpu",
+        seed=0,
+        step=0,
+    )
+    # pi_old by one forward before the first update (off-policy), the reference's once; each
+    # epoch splits the 2 groups into `minis` mini-batches of whole groups.
+    assert policy.num_logprobs == 1 and reference.num_logprobs == 1
+    assert policy.updates == [(4 // minis, True, True)] * (epochs * minis)
+    assert policy.num_costs == (minis > 1)  # costs: only a split needs them
+    assert metrics["num_optimizer_steps"] == epochs * minis
+
+
 # -- what users of TRL and verl expect (issue 16) ----------------------------------------------
 _REWARD_FUNCTIONS = """
 def exact(prompt, response, reference, row):

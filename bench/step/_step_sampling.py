@@ -69,8 +69,8 @@ def make_sampler(ctx: Any) -> Any:
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-def _trainer() -> Any:
-    """examples/train_grpo.py as a module: the bench's rounds are the trainer's own."""
+def trainer() -> Any:
+    """examples/train_grpo.py as a module: the bench's rounds and updates are the trainer's own."""
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))
     import train_grpo
@@ -90,7 +90,7 @@ def generate_and_score(
     to the last verdict. Otherwise the rollout phase, then the genrm phase (none on a GPU whose
     judge is elsewhere, dedicated), and no tail (None)."""
     timings: dict[str, float] = {}
-    completions, verdicts = _trainer().generate_and_judge(
+    completions, verdicts = trainer().generate_and_judge(
         requests,
         sampling,
         to_sample,

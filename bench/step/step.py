@@ -408,8 +408,17 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
         # The policy's own cost model: balancing weighs samples as its micro-batch packing does.
         costs = policy.estimate_batch_costs(batch)
         batch, _ = batch.rebalance(group=rt.dp_group, group_key="group_id", costs=costs)
-        with plan.phase("train"):
-            policy.train_step(batch.to(rt.device), ctx.loss)
+        with plan.phase("train"):  # the trainer's own updates (ctx.loss: one, on-policy)
+            _step_sampling.trainer().train_on_batch(
+                batch,
+                policy=policy,
+                reference=None,
+                loss=ctx.loss,
+                costs=None,  # (one mini-batch: no split to weigh)
+                device=rt.device,
+                seed=0,
+                step=global_step,
+            )
     with _step_profile.timed(phases, "sync"), plan.phase("sync"):
         engine.update_weights(policy.named_weights())
     with _step_profile.timed(phases, "ckpt"):  # async: blocks until staged in host memory
