@@ -122,6 +122,58 @@ def judge_view(
     )
 
 
+def generate_and_judge(
+    requests: list[rollout.Request],
+    sampling: rollout.SamplingParams,
+    to_sample: Callable[[rollout.Completion], genrm.Sample],
+    *,
+    engine,
+    scorer,
+    plan: Plan,
+    should_overlap: bool,
+    timings: dict[str, float],
+    timer: Callable[[dict[str, float], str], contextlib.AbstractContextManager] = timed,
+) -> tuple[list[rollout.Completion], list[genrm.Verdict]]:
+    """One rollout of `requests` and each response's verdict: (completions, verdicts), paired
+    by position. should_overlap (rollout and judge resident together): one "rollout+genrm"
+    phase, each response judged as soon as it finishes; timings["genrm_tail"] adds the
+    seconds from the rollout's last response to the last verdict, and a plan with a memory
+    split moves it toward this round's token loads. Otherwise the "rollout" phase, then the
+    "genrm" one (outside any phase for a plan without one: its judge lives elsewhere).
+    `timer(timings, name)` times each phase (bench/step passes its CUDA-syncing one)."""
+    if should_overlap:
+        rollout_end: list[float] = []
+
+        async def noting_its_end(stream):  # the rollout's last response: the tail starts
+            async for completion in stream:
+                yield completion
+            rollout_end.append(time.perf_counter())
+
+        with timer(timings, "rollout+genrm"), plan.phase("rollout"):
+            stream = noting_its_end(engine.stream(requests, sampling))
+            scored = asyncio.run(genrm.score_as_completed(stream, scorer, to_sample))
+            last_verdict = time.perf_counter()
+        tail_s = last_verdict - rollout_end[-1] if rollout_end else 0.0
+        timings["genrm_tail"] = timings.get("genrm_tail", 0.0) + tail_s
+        completions, verdicts = scored
+        if plan.has_memory_split:  # the next split follows this round's measured token loads
+            rollout_tokens = sum(
+                len(completion.prompt_ids) + len(completion.response_ids)
+                for completion in completions
+            )
+            judge_tokens = scored.stats.num_judge_prompt_tokens
+            plan.update_load(
+                rollout_pending_tokens=rollout_tokens, genrm_pending_tokens=judge_tokens
+            )
+        return completions, verdicts
+    with timer(timings, "rollout"), plan.phase("rollout"):
+        completions = engine.generate(requests, sampling)
+    judge_phase = plan.phase("genrm") if "genrm" in plan.phases else contextlib.nullcontext()
+    with timer(timings, "genrm"), judge_phase:
+        verdicts = scorer.score([to_sample(completion) for completion in completions])
+    return completions, verdicts
+
+
 def generate_and_score(
     prompts: list[Prompt],
     sampling: rollout.SamplingParams,
@@ -144,25 +196,16 @@ def generate_and_score(
         samples[completion.request_index, completion.sample_index] = sample
         return sample
 
-    if should_overlap:
-        with timed(timings, "rollout+genrm"), plan.phase("rollout"):
-            stream = engine.stream(requests, sampling)
-            scored = asyncio.run(genrm.score_as_completed(stream, scorer, to_sample))
-        completions, verdicts = scored
-        if plan.has_memory_split:  # the next split follows this round's measured token loads
-            rollout_tokens = sum(
-                len(completion.prompt_ids) + len(completion.response_ids)
-                for completion in completions
-            )
-            judge_tokens = scored.stats.num_judge_prompt_tokens
-            plan.update_load(
-                rollout_pending_tokens=rollout_tokens, genrm_pending_tokens=judge_tokens
-            )
-    else:
-        with timed(timings, "rollout"), plan.phase("rollout"):
-            completions = engine.generate(requests, sampling)
-        with timed(timings, "genrm"), plan.phase("genrm"):
-            verdicts = scorer.score([to_sample(completion) for completion in completions])
+    completions, verdicts = generate_and_judge(
+        requests,
+        sampling,
+        to_sample,
+        engine=engine,
+        scorer=scorer,
+        plan=plan,
+        should_overlap=should_overlap,
+        timings=timings,
+    )
     return [
         Scored(
             completion,
@@ -263,6 +306,49 @@ def mini_batch_seed(seed: int, step: int, epoch: int, loss: core.PolicyLoss) -> 
     if loss.num_epochs == 1 or not loss.should_reshuffle_epochs:
         return None
     return (seed * 1_000_003 + step * 1_009 + epoch) % 2**31
+
+
+def train_on_batch(
+    batch: core.Batch,
+    *,
+    policy,
+    reference,
+    loss: core.PolicyLoss,
+    costs: Sequence[float] | None,
+    device,
+    seed: int,
+    step: int,
+) -> dict[str, float]:
+    """The step's updates on this rank's balanced batch, inside the train phase; the merged
+    train metrics. costs: the policy's per-sample estimate for the mini-batch split (None:
+    estimated here when there is more than one mini-batch)."""
+    batch = batch.to(device)
+    # pi_old, once, before the first update: the engine's own logprobs (no forward), or the
+    # trainer's forward (is_on_policy: one update, and the loss reuses its own forward's
+    # logprobs, detached)
+    if loss.old_logprobs_from == "engine":
+        batch.tokens["old_logprobs"] = core.engine_old_logprobs(batch)
+    elif not loss.is_on_policy:
+        batch.tokens["old_logprobs"] = policy.logprobs(batch)
+    if reference is not None:
+        batch.tokens["ref_logprobs"] = reference.logprobs(batch)
+    if costs is None and loss.num_mini_batches > 1:
+        costs = policy.estimate_batch_costs(batch)
+    # num_epochs passes, each num_mini_batches optimizer steps of whole groups (every rank the
+    # same count: the steps' collectives pair up); with several epochs each pass reshuffles the
+    # groups (seeded by seed, step and epoch, the same rule on every rank, so a resumed run
+    # splits alike)
+    steps = []
+    for epoch in range(loss.num_epochs):
+        mini_batches = core.split_mini_batches(
+            batch,
+            loss.num_mini_batches,
+            costs=costs,
+            seed=mini_batch_seed(seed, step, epoch, loss),
+        )
+        for mini_batch in mini_batches:
+            steps.append(policy.train_step(mini_batch, loss))
+    return core.merge_step_metrics(steps)
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -515,31 +601,16 @@ def main(argv: list[str]) -> int:
                     if cfg.loss.num_mini_batches > 1:  # the rebalanced batch's own costs
                         costs = policy.estimate_batch_costs(batch)
                 with timed(stats.timings, "train"), plan.phase("train"):
-                    batch = batch.to(runtime.device)
-                    # pi_old, once, before the first update: the engine's own logprobs (no
-                    # forward), or the trainer's forward (is_on_policy: one update, and the
-                    # loss reuses its own forward's logprobs, detached)
-                    if cfg.loss.old_logprobs_from == "engine":
-                        batch.tokens["old_logprobs"] = core.engine_old_logprobs(batch)
-                    elif not cfg.loss.is_on_policy:
-                        batch.tokens["old_logprobs"] = policy.logprobs(batch)
-                    if reference is not None:
-                        batch.tokens["ref_logprobs"] = reference.logprobs(batch)
-                    # num_epochs passes, each num_mini_batches optimizer steps of whole groups
-                    # (every rank the same count: the steps' collectives pair up); with several
-                    # epochs each pass reshuffles the groups (seeded by seed, step and epoch,
-                    # the same rule on every rank, so a resumed run splits alike)
-                    steps = []
-                    for epoch in range(cfg.loss.num_epochs):
-                        mini_batches = core.split_mini_batches(
-                            batch,
-                            cfg.loss.num_mini_batches,
-                            costs=costs,
-                            seed=mini_batch_seed(cfg.seed, step, epoch, cfg.loss),
-                        )
-                        for mini_batch in mini_batches:
-                            steps.append(policy.train_step(mini_batch, cfg.loss))
-                    train_metrics = core.merge_step_metrics(steps)
+                    train_metrics = train_on_batch(
+                        batch,
+                        policy=policy,
+                        reference=reference,
+                        loss=cfg.loss,
+                        costs=costs,
+                        device=runtime.device,
+                        seed=cfg.seed,
+                        step=step,
+                    )
                 with timed(stats.timings, "sync"), plan.phase("sync"):  # bucketed, no 2nd copy
                     engine.update_weights(policy.named_weights())
                 metrics = summarize(

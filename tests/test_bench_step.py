@@ -704,6 +704,51 @@ def test_stream_stats_time_the_judge_after_the_last_kept_response():
     assert never_full == {"stream_end_s": 3.0}
 
 
+@pytest.mark.parametrize("layout", ["full", "partial", "dedicated"])
+def test_the_benchs_round_is_the_trainers_generate_and_judge(monkeypatch, layout):
+    """The adapter passes the layout's overlap and the CUDA-syncing timer through, adds the
+    phases to the step's, and hands the judge's tail back (not into phases: callers put it)."""
+    from types import SimpleNamespace
+
+    import _step_profile
+
+    calls = []
+
+    def generate_and_judge(requests, sampling, to_sample, *, timings, timer, **kwargs):
+        calls.append((requests, sampling, to_sample, timer, kwargs))
+        if kwargs["should_overlap"]:
+            timings |= {"rollout+genrm": 2.0, "genrm_tail": 0.5}
+        else:
+            timings |= {"rollout": 2.0, "genrm": 1.0}
+        return ["c"], ["v"]
+
+    trainer = SimpleNamespace(generate_and_judge=generate_and_judge)
+    monkeypatch.setattr(_step_sampling, "trainer", lambda: trainer)
+    ctx = SimpleNamespace(layout=layout, engine="E", judge="J", plan="P")
+    phases = {"rollout": 1.0, "rollout+genrm": 1.0}
+    out = _step_sampling.generate_and_score(ctx, phases, ["r"], "s", str)
+    ((requests, sampling, to_sample, timer, kwargs),) = calls
+    assert (requests, sampling, to_sample) == (["r"], "s", str)
+    assert timer is _step_profile.timed
+    assert kwargs == {
+        "engine": "E",
+        "scorer": "J",
+        "plan": "P",
+        "should_overlap": layout == "partial",
+    }
+    if layout == "partial":
+        assert out == (["c"], ["v"], 0.5) and phases == {"rollout": 1.0, "rollout+genrm": 3.0}
+    else:
+        assert out == (["c"], ["v"], None)
+        assert phases == {"rollout": 3.0, "rollout+genrm": 1.0, "genrm": 1.0}
+
+
+def test_the_bench_runs_the_trainers_own_generate_and_judge():
+    trainer = _step_sampling.trainer()
+    assert trainer.__file__ == str(ROOT / "examples" / "train_grpo.py")
+    assert callable(trainer.generate_and_judge) and callable(trainer.train_on_batch)
+
+
 def test_run_budget_leaves_out_steps_that_would_end_past_it():
     warm = {"is_warmup": True, "t0": 0.0, "t1": 45.0}
     timed = {"is_warmup": False, "t0": 45.0, "t1": 65.0}  # 20 s

@@ -624,6 +624,199 @@ def test_a_round_decodes_each_response_once_and_pairs_it_with_its_verdict(embedd
     assert batch.samples["reward"].tolist() == pytest.approx(rewards, rel=1e-6)  # as float32
 
 
+# -- generate_and_judge with fakes: the request-level round bench/step runs too ------------------
+ROLLOUT_GAP_S = 0.03  # the fake engine's time before each response
+JUDGE_TAIL_S = 0.05  # the fake judge's time after the last sample before its verdicts
+
+
+class _FakeEngine:
+    """Each request's one response is its index; streamed last request first, one per gap."""
+
+    def _completion(self, index: int, request) -> object:
+        from yatt import rollout
+
+        return rollout.Completion(
+            request_index=index,
+            sample_index=0,
+            prompt_ids=list(request.prompt_ids),
+            response_ids=[index] * (index + 1),
+            logprobs=[0.0] * (index + 1),
+            finish_reason="length",
+        )
+
+    def generate(self, requests, sampling):
+        return [self._completion(i, r) for i, r in enumerate(requests)]
+
+    async def stream(self, requests, sampling):
+        import asyncio
+
+        for i in reversed(range(len(requests))):
+            await asyncio.sleep(ROLLOUT_GAP_S)
+            yield self._completion(i, requests[i])
+
+
+class _FakeJudge:
+    """Reward = the response's request index (from its text); notes the plan's phase at each
+    judged sample. Streamed verdicts come JUDGE_TAIL_S after the last sample."""
+
+    def __init__(self, plan) -> None:
+        self.plan, self.phases, self.samples, self.is_finished = plan, [], [], False
+
+    def _verdict(self, sample):
+        from yatt import genrm
+
+        self.phases.append(self.plan.current_phase)
+        return genrm.Verdict(
+            sample_id=sample.id,
+            reward=float(sample.response),
+            status="ok",
+            num_judge_prompt_tokens=len(sample.prompt),
+        )
+
+    def score(self, samples):
+        return [self._verdict(s) for s in samples]
+
+    async def submit(self, sample) -> None:
+        self.samples.append(sample)
+
+    async def finish(self) -> None:
+        self.is_finished = True
+
+    async def results(self):
+        import asyncio
+
+        while not self.is_finished:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(JUDGE_TAIL_S)
+        for sample in self.samples:
+            yield self._verdict(sample)
+
+
+def _judge_round(plan, should_overlap: bool, timings: dict) -> tuple[list, list, _FakeJudge, list]:
+    import train_grpo
+
+    from yatt import genrm, rollout
+
+    judge, timers = _FakeJudge(plan), []
+
+    @train_grpo.contextlib.contextmanager
+    def recording_timer(into, name):
+        timers.append(name)
+        with train_grpo.timed(into, name):
+            yield
+
+    requests = [rollout.Request(prompt_ids=[7] * (i + 2)) for i in range(4)]
+    completions, verdicts = train_grpo.generate_and_judge(
+        requests,
+        rollout.SamplingParams(max_new_tokens=8),
+        lambda c: genrm.Sample(prompt="q" * len(c.prompt_ids), response=str(c.request_index)),
+        engine=_FakeEngine(),
+        scorer=judge,
+        plan=plan,
+        should_overlap=should_overlap,
+        timings=timings,
+        timer=recording_timer,
+    )
+    return completions, verdicts, judge, timers
+
+
+def _fake_plan(mode: str):
+    from yatt.placement import Plan
+    from yatt.placement.testing import RecordingRole
+
+    log: list = []
+    roles = {name: RecordingRole(name, log, {"weights": 1}) for name in ("rollout", "train")}
+    if mode == "no_judge":  # the judge lives elsewhere (dedicated): no genrm phase
+        return Plan.full_colocation(**roles)
+    genrm_role = RecordingRole("genrm", log, {"weights": 1, "kv_cache": 1})
+    make = Plan.partial_colocation if mode == "partial" else Plan.full_colocation
+    return make(**roles, genrm=genrm_role)
+
+
+def test_an_overlapped_round_pairs_verdicts_times_the_judges_tail_and_moves_the_split():
+    plan, timings = _fake_plan("partial"), {}
+    loads: list[dict] = []
+    plan.update_load = lambda **load: loads.append(load) or 0.5
+    completions, verdicts, judge, timers = _judge_round(plan, True, timings)
+    # Arrival order (last request first), each verdict its own response's.
+    assert [c.request_index for c in completions] == [3, 2, 1, 0]
+    assert [v.reward for v in verdicts] == [3.0, 2.0, 1.0, 0.0]
+    assert timers == ["rollout+genrm"] and set(judge.phases) == {"rollout"}
+    # The tail: from the last response (after 4 gaps) to the last verdict (the judge's delay).
+    assert timings["genrm_tail"] >= JUDGE_TAIL_S
+    assert timings["genrm_tail"] <= timings["rollout+genrm"] - 4 * ROLLOUT_GAP_S
+    # The split follows the round's loads: prompt + response tokens, the judge's prompt tokens.
+    rollout_tokens = sum((i + 2) + (i + 1) for i in range(4))
+    assert loads == [{"rollout_pending_tokens": rollout_tokens, "genrm_pending_tokens": 14}]
+    _judge_round(plan, True, timings)  # a second round adds its tail
+    assert timings["genrm_tail"] >= 2 * JUDGE_TAIL_S
+
+
+@pytest.mark.parametrize("mode", ["full", "no_judge"])
+def test_a_round_in_phases_judges_in_the_genrm_phase_or_outside_any(mode):
+    plan, timings = _fake_plan(mode), {}
+    completions, verdicts, judge, timers = _judge_round(plan, False, timings)
+    assert [c.request_index for c in completions] == [0, 1, 2, 3]
+    assert [v.reward for v in verdicts] == [0.0, 1.0, 2.0, 3.0]
+    assert timers == ["rollout", "genrm"] and "genrm_tail" not in timings
+    assert set(judge.phases) == ({"genrm"} if mode == "full" else {None})
+
+
+class _FakePolicy:
+    """Notes what each update saw; a constant cost per sample."""
+
+    def __init__(self) -> None:
+        self.num_logprobs = self.num_costs = 0
+        self.updates: list[tuple[int, bool, bool]] = []  # (samples, has pi_old, has ref)
+
+    def logprobs(self, batch):
+        self.num_logprobs += 1
+        return torch.zeros(batch["loss_mask"].shape)
+
+    def estimate_batch_costs(self, batch):
+        self.num_costs += 1
+        return [1.0] * len(batch)
+
+    def train_step(self, batch, loss):
+        fields = batch.tokens
+        self.updates.append((len(batch), "old_logprobs" in fields, "ref_logprobs" in fields))
+        keys = ("loss", "grad_norm", "lr", "num_micro_batches", "is_skipped")
+        return dict.fromkeys(keys, 0.0) | {"num_loss_tokens": 1.0}
+
+
+@pytest.mark.parametrize("epochs, minis", [(1, 1), (2, 2)])
+def test_train_on_batch_runs_epochs_times_mini_batches_updates_after_pi_old_and_the_reference(
+    epochs, minis
+):
+    import train_grpo
+
+    from yatt import core, rollout
+
+    requests = [rollout.Request(prompt_ids=[7] * (i + 2)) for i in range(4)]
+    completions = _FakeEngine().generate(requests, None)
+    samples = core.rollout_samples(
+        completions, rewards=[0.0, 1.0, 0.0, 1.0], group_ids=[0, 0, 1, 1]
+    )
+    loss = core.PolicyLoss(num_epochs=epochs, num_mini_batches=minis)
+    policy, reference = _FakePolicy(), _FakePolicy()
+    metrics = train_grpo.train_on_batch(
+        core.rollout_batch(samples),
+        policy=policy,
+        reference=reference,
+        loss=loss,
+        costs=None,
+        device="cpu",
+        seed=0,
+        step=0,
+    )
+    # pi_old by one forward before the first update (off-policy), the reference's once; each
+    # epoch splits the 2 groups into `minis` mini-batches of whole groups.
+    assert policy.num_logprobs == 1 and reference.num_logprobs == 1
+    assert policy.updates == [(4 // minis, True, True)] * (epochs * minis)
+    assert policy.num_costs == (minis > 1)  # costs: only a split needs them
+    assert metrics["num_optimizer_steps"] == epochs * minis
+
+
 # -- what users of TRL and verl expect (issue 16) ----------------------------------------------
 _REWARD_FUNCTIONS = """
 def exact(prompt, response, reference, row):

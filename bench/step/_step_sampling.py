@@ -29,9 +29,10 @@ reward is the sample's hidden label, so what is kept does not depend on the judg
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import _step_profile
@@ -65,40 +66,45 @@ def make_sampler(ctx: Any) -> Any:
     )
 
 
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def trainer() -> Any:
+    """examples/train_grpo.py as a module: the bench's rounds and updates are the trainer's own."""
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    import train_grpo
+
+    return train_grpo
+
+
 def generate_and_score(
     ctx: Any, phases: dict, requests: list, sampling: Any, to_sample: Any
 ) -> tuple[list, list, float | None]:
-    """One rollout of `requests` and its verdicts: (completions, verdicts, the judge's tail).
+    """One rollout of `requests` and its verdicts: (completions, verdicts, the judge's tail),
+    through the trainer's own train_grpo.generate_and_judge, timed by the CUDA-syncing timer.
 
     Partial colocation: one "rollout+genrm" phase, the judge scoring each completion as it
-    lands (genrm.score_as_completed) while the rollout's tail decodes; the tail is the seconds
-    from the rollout's last completion to the last verdict. Otherwise the rollout phase, then
-    the genrm phase (none on a GPU whose judge is elsewhere, dedicated), and no tail (None)."""
-    from yatt import genrm
-
-    plan, engine, judge = ctx.plan, ctx.engine, ctx.judge
-    if ctx.layout == "partial":
-        marks: dict[str, float] = {}
-
-        async def tracked(stream):
-            async for c in stream:
-                yield c
-            marks["rollout_end"] = time.perf_counter()
-
-        with _step_profile.timed(phases, "rollout+genrm"), plan.phase("rollout"):
-            stream = tracked(engine.stream(requests, sampling))
-            completions, verdicts = asyncio.run(genrm.score_as_completed(stream, judge, to_sample))
-            _step_profile._sync()
-        return completions, verdicts, time.perf_counter() - marks["rollout_end"]
-    with _step_profile.timed(phases, "rollout"), plan.phase("rollout"):
-        completions = engine.generate(requests, sampling)
-    has_genrm = "genrm" in plan.phases
-    with (
-        _step_profile.timed(phases, "genrm"),
-        plan.phase("genrm") if has_genrm else contextlib.nullcontext(),
-    ):
-        verdicts = judge.score([to_sample(c) for c in completions])
-    return completions, verdicts, None
+    lands (genrm.score_as_completed) while the rollout's tail decodes, and the memory split
+    moved toward the round's loads; the tail is the seconds from the rollout's last completion
+    to the last verdict. Otherwise the rollout phase, then the genrm phase (none on a GPU whose
+    judge is elsewhere, dedicated), and no tail (None)."""
+    timings: dict[str, float] = {}
+    completions, verdicts = trainer().generate_and_judge(
+        requests,
+        sampling,
+        to_sample,
+        engine=ctx.engine,
+        scorer=ctx.judge,
+        plan=ctx.plan,
+        should_overlap=ctx.layout == "partial",
+        timings=timings,
+        timer=_step_profile.timed,
+    )
+    tail_s = timings.pop("genrm_tail", None)  # the callers put it in phases themselves
+    for name, seconds in timings.items():
+        phases[name] = phases.get(name, 0.0) + seconds
+    return completions, verdicts, tail_s
 
 
 def make_partials(ctx: Any) -> Any:
@@ -230,7 +236,7 @@ def _record_verdict(verdict: Any, tally: _Tally) -> None:
 def rounds_step(ctx: Any, step: int, phases: dict[str, float]) -> tuple[Any, dict, _Tally]:
     from yatt import core
 
-    sampler, plan = ctx.sampler, ctx.plan
+    sampler = ctx.sampler
     work, tally, sampling = ctx.work, _Tally(), _sampling(step)
     ctx.num_drawn = 0
     while not sampler.is_done():
@@ -253,10 +259,6 @@ def rounds_step(ctx: Any, step: int, phases: dict[str, float]) -> tuple[Any, dic
                 _finish(g, j, c, tally)
                 _record_verdict(v, tally)
             batch = _group_batch(groups, work.group_size)
-            if ctx.layout == "partial":
-                r_tokens = sum(len(c.prompt_ids) + len(c.response_ids) for c in completions)
-                j_tokens = sum(v.num_judge_prompt_tokens for v in verdicts)
-                plan.update_load(rollout_pending_tokens=r_tokens, genrm_pending_tokens=j_tokens)
         sampler.add(batch)
     batch, stats = sampler.take()
     return batch, stats, tally

@@ -408,8 +408,17 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
         # The policy's own cost model: balancing weighs samples as its micro-batch packing does.
         costs = policy.estimate_batch_costs(batch)
         batch, _ = batch.rebalance(group=rt.dp_group, group_key="group_id", costs=costs)
-        with plan.phase("train"):
-            policy.train_step(batch.to(rt.device), ctx.loss)
+        with plan.phase("train"):  # the trainer's own updates (ctx.loss: one, on-policy)
+            _step_sampling.trainer().train_on_batch(
+                batch,
+                policy=policy,
+                reference=None,
+                loss=ctx.loss,
+                costs=None,  # (one mini-batch: no split to weigh)
+                device=rt.device,
+                seed=0,
+                step=global_step,
+            )
     with _step_profile.timed(phases, "sync"), plan.phase("sync"):
         engine.update_weights(policy.named_weights())
     with _step_profile.timed(phases, "ckpt"):  # async: blocks until staged in host memory
@@ -453,7 +462,6 @@ def _rollout(ctx, mix: str, step: int, phases: dict[str, float]):
     """Every prompt of this rank, once (fixed, longtail): (batch, counts, extra)."""
     from yatt import core, genrm
 
-    plan, judge = ctx.plan, ctx.judge
     requests, sampling, expected, prompts = setup.make_requests(ctx, mix, step)
 
     def to_sample(c):
@@ -468,10 +476,7 @@ def _rollout(ctx, mix: str, step: int, phases: dict[str, float]):
     if tail_s is not None:  # partial: the judge scored each completion as it landed
         phases["genrm_tail"] = tail_s
         # Did the judge's batches join its running decode (yatt.rollout), or run one by one?
-        extra = _judge_calls(ctx)
-        r_tokens = sum(len(c.prompt_ids) + len(c.response_ids) for c in completions)
-        j_tokens = judge.metrics["num_prompt_tokens"] - ctx.judge_tokens_seen
-        plan.update_load(rollout_pending_tokens=r_tokens, genrm_pending_tokens=j_tokens)
+        extra = _judge_calls(ctx)  # (the split moved in generate_and_score)
     bad_lengths = sum(len(c.response_ids) != expected[c.request_index] for c in completions) + abs(
         len(completions) - len(expected)
     )
