@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import grpo_prompts
 
 from yatt import core, rollout
+from yatt.testing import CountingImageProcessor
 
 MAX_SEQ_LEN, MAX_NEW_TOKENS = 256, 4
 
@@ -34,21 +35,6 @@ class CountingTokenizer:
 
     def __getattr__(self, name):
         return getattr(self.tokenizer, name)
-
-
-class CountingImageProcessor:
-    """An image processor that counts the images it is given (a spy around the real one)."""
-
-    def __init__(self, image_processor):
-        self.image_processor = image_processor
-        self.num_images = 0
-
-    def __call__(self, *, images, **kwargs):
-        self.num_images += len(images)
-        return self.image_processor(images=images, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.image_processor, name)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import torch
 from yatt.genrm import GenRM, JudgeTemplate, Sample, verification_template
 from yatt.genrm.testing import FakeJudgeEngine
 from yatt.rollout import BuiltinEngine, EngineConfig, SamplingParams
+from yatt.testing import CountingImageProcessor
 
 NUM_GPUS = 0
 MAX_NEW_TOKENS = 6
@@ -231,21 +232,6 @@ def test_a_text_only_built_in_judge_refuses_an_image_template(tmp_path) -> None:
             GenRM(engine, template=TEMPLATE, parser=AnyText())
     finally:
         engine.close()
-
-
-class CountingImageProcessor:
-    """An image processor that counts the images it is given (a spy around the real one)."""
-
-    def __init__(self, image_processor):
-        self.image_processor = image_processor
-        self.num_images = 0
-
-    def __call__(self, *, images, **kwargs):
-        self.num_images += len(images)
-        return self.image_processor(images=images, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.image_processor, name)
 
 
 def test_the_judges_images_go_through_its_image_processor_once(vlm_dir, image_processor) -> None:

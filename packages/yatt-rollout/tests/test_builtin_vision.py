@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from yatt.rollout import BuiltinEngine, EngineConfig, Request, SamplingParams
+from yatt.testing import CountingImageProcessor
 
 NUM_GPUS = 0
 MAX_NEW_TOKENS = 8
@@ -169,21 +170,6 @@ def test_mismatched_images_are_clear_errors_before_any_work(vlm_dir, tiny_model_
     assert not text_engine.accepts_images
     with pytest.raises(ValueError, match="text-only"):
         text_engine.generate([Request(prompt_ids=[5, 6], images=[_image(16, 16, 0)])], sampling)
-
-
-class CountingImageProcessor:
-    """An image processor that counts the images it is given (a spy around the real one)."""
-
-    def __init__(self, image_processor):
-        self.image_processor = image_processor
-        self.num_images = 0
-
-    def __call__(self, *, images, **kwargs):
-        self.num_images += len(images)
-        return self.image_processor(images=images, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.image_processor, name)
 
 
 def test_processed_images_that_come_with_a_request_are_not_processed_again(vlm_dir):

@@ -17,6 +17,7 @@ from yatt.testing import check_public_modules, check_public_names
 PUBLIC_NAMES: dict[str, list[str]] = {
     "yatt.testing": [
         "CHAT_TEMPLATE",
+        "CountingImageProcessor",
         "SPECIAL_TOKENS",
         "VISION_TOKENS",
         "VLM_CHAT_TEMPLATE",

@@ -1,8 +1,9 @@
 """Shared test helpers for the yatt packages: tiny local models and tokenizers, rank launchers,
-the frozen-public-names checks."""
+the frozen-public-names checks, spies that count work."""
 
 from yatt.testing._public_names import check_public_modules, check_public_names
 from yatt.testing._ranks import free_port, run_ranks
+from yatt.testing._spies import CountingImageProcessor
 from yatt.testing._tiny import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
@@ -19,6 +20,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "VISION_TOKENS",
     "VLM_CHAT_TEMPLATE",
+    "CountingImageProcessor",
     "__version__",
     "check_public_modules",
     "check_public_names",
