@@ -103,6 +103,11 @@ for step in "$@"; do
     step_*)
       # bench/step/step.py with each engine as the rollout backend (STEP_RUNS: "layout:backend"
       # pairs), 1 GPU, --judge-tokens 128 as bench/step/step_gpu.sh; JSONs kept in STEP_DIR.
+      # STEP_ENGINE_MEMORY (the engine's GPU share, 0.3), STEP_MIX (fixed,longtail), STEP_OFFLOAD
+      # (always) and STEP_WARMUP (2): issue 27's bar is vLLM at 0.5 beside the built-in judge and
+      # the trainer, offload auto, long tail, 20 steps:
+      #   STEP_RUNS=full:vllm STEP_ENGINE_MEMORY=0.5 STEP_MIX=longtail STEP_OFFLOAD=auto \
+      #   STEP_WARMUP=1 STEP_STEPS=20 bash bench/rollout/engines_gpu.sh step_share
       dir=${STEP_DIR:-$OUT/steps}; mkdir -p "$dir"
       python3 bench/step/step.py --prepare --model-dir /tmp/yatt-step >/dev/null
       IFS=, read -r -a pairs <<<"${STEP_RUNS:-full:builtin,full:vllm,full:sglang}"
@@ -113,7 +118,9 @@ for step in "$@"; do
         run_step "step_${layout}_$backend" env PYTHONPATH="${site:+$site:}$PYTHONPATH" \
           python3 bench/step/step.py --layout "$layout" --rollout-backend "$backend" \
           --engine-kwargs "$kwargs" --model-dir /tmp/yatt-step --out-dir "$dir" \
-          --judge-tokens 128 --steps ${STEP_STEPS:-5} --mix fixed,longtail
+          --judge-tokens 128 --steps ${STEP_STEPS:-5} --mix "${STEP_MIX:-fixed,longtail}" \
+          --engine-memory "${STEP_ENGINE_MEMORY:-0.3}" --offload "${STEP_OFFLOAD:-always}" \
+          --warmup "${STEP_WARMUP:-2}"
       done
       python3 bench/step/step.py --report --results-dir "$dir" && cp "$dir"/step_* "$OUT/" ;;
     *) echo "unknown step $step" ;;
