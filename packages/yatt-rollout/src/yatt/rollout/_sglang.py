@@ -475,7 +475,7 @@ class SGLangEngine(ThreadedAdapter):
     ) -> None:
         """Load Hugging Face-named FULL tensors, bucket by bucket: every rank of a TP group
         passes the same names, each its own copy on its own GPU (module docstring)."""
-        from sglang.srt.model_executor.model_runner import LocalSerializedTensor
+        LocalSerializedTensor = _local_serialized_tensor_class()
 
         with self._lock:
             for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes=bucket_bytes)):
@@ -572,3 +572,15 @@ def check_one_node(field: str, tp_size: int) -> None:
             f"{field}={tp_size} does not divide the {per_node} ranks per node: an SGLang "
             "engine's TP workers run on one node; use a divisor of the GPUs per node"
         )
+
+
+def _local_serialized_tensor_class() -> type:
+    """SGLang's per-TP-rank tensor handle: in `model_runner_components.weight_updater` since
+    0.5.17 (the version yatt is verified with), in `model_runner` before."""
+    try:
+        from sglang.srt.model_executor.model_runner_components.weight_updater import (
+            LocalSerializedTensor,
+        )
+    except ImportError:
+        from sglang.srt.model_executor.model_runner import LocalSerializedTensor
+    return LocalSerializedTensor

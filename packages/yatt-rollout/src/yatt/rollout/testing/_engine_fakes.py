@@ -232,7 +232,8 @@ class MultiprocessingSerializer:
 
 @dataclass
 class LocalSerializedTensor:
-    """sglang.srt.model_executor.model_runner.LocalSerializedTensor: values[r] is TP rank r's."""
+    """sglang.srt.model_executor.model_runner_components.weight_updater.LocalSerializedTensor
+    (0.5.17): values[r] is TP rank r's."""
 
     values: list
 
@@ -342,8 +343,10 @@ def sglang_modules() -> dict[str, types.ModuleType]:
     utils = types.ModuleType("sglang.srt.utils")
     utils.MultiprocessingSerializer = MultiprocessingSerializer
     executor = types.ModuleType("sglang.srt.model_executor")
-    runner = types.ModuleType("sglang.srt.model_executor.model_runner")
-    runner.LocalSerializedTensor = LocalSerializedTensor
+    # 0.5.17 keeps the handle in model_runner_components.weight_updater (not model_runner).
+    components = types.ModuleType("sglang.srt.model_executor.model_runner_components")
+    updater = types.ModuleType("sglang.srt.model_executor.model_runner_components.weight_updater")
+    updater.LocalSerializedTensor = LocalSerializedTensor
     models = types.ModuleType("sglang.srt.models")
     registry = types.ModuleType("sglang.srt.models.registry")
     registry.ModelRegistry = types.SimpleNamespace(
@@ -356,5 +359,6 @@ def sglang_modules() -> dict[str, types.ModuleType]:
         "sglang.srt": srt,
         "sglang.srt.utils": utils,
         "sglang.srt.model_executor": executor,
-        "sglang.srt.model_executor.model_runner": runner,
+        "sglang.srt.model_executor.model_runner_components": components,
+        "sglang.srt.model_executor.model_runner_components.weight_updater": updater,
     }
