@@ -26,8 +26,10 @@ core.DynamicSampler over an endless sequence of groups, half of them without rew
 same groups), longtail lengths, and by default a 1.5B-shaped judge writing a 384-token chain of
 thought. full: rounds with adaptive over-sampling; partial: a stream (engine fed while verdicts
 come back, groups judged as their samples finish, engine.abort() once every rank is full;
---keep-partial resumes the cut groups next step); --sampler old: the round-based sampler
-drawing only the missing groups, the baseline of the seed mix's bars (per kept group):
+--keep-partial resumes the cut groups next step; --fill-probability 0.9 keeps in flight the
+groups that fill the batch with that probability, not the expected number: a run "-fill0.9");
+--sampler old: the round-based sampler drawing only the missing groups, the baseline of the
+seed mix's bars (per kept group):
 
     python3 bench/step/step.py --layout partial --mix seed --offload auto --out-dir OUT
     ONLY=seed bash bench/step/step_gpu.sh                                     # the bars, 1 GPU

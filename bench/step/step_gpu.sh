@@ -82,8 +82,8 @@ want separate_1gpu 1gpu-auto all && run separate_1gpu python3 $STEP --layout ded
 # first offload of AdamW's state to warm up for).
 SEED="$STEP --mix seed --offload auto --model-dir /tmp/yatt-step-seed --warmup 1 --steps ${SEED_STEPS:-3}"
 if want seed_models seed seed-keep; then run seed_models python3 $SEED --prepare; fi
-# The new sampler's full run warms up slowly (120 s on an H200: the engine's decode graphs for
-# its draws' batch sizes): at least 240 s, whatever RUN_TIMEOUT says.
+# The new sampler's full run warmed up in 120 s on an H200 (likely, not confirmed: a decode
+# graph per batch size its draws hit): at least 240 s, whatever RUN_TIMEOUT says.
 want seed_full_1gpu seed && \
   RUN_TIMEOUT=$(( RUN_TIMEOUT > 240 ? RUN_TIMEOUT : 240 )) run seed_full_1gpu python3 $SEED --layout full
 want seed_partial_1gpu seed && run seed_partial_1gpu python3 $SEED --layout partial
