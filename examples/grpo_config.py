@@ -187,6 +187,11 @@ class RolloutConfig:
     # adapted to the keep rate up to max_oversample (1.0 and 1.0: exactly the missing number).
     oversample: float = 1.0  # prompts drawn per missing group before a keep rate is known
     max_oversample: float = 1.0  # the adapted factor's ceiling (>= oversample)
+    # null: draw (rounds) or keep in flight (stream) the expected number of groups, which fills
+    # the batch about half the time; q in (0, 1), e.g. 0.9: the fewest that fill it with
+    # probability q at the keep rate, up to max_oversample x missing (a stream: over-sample
+    # and cut the long tail).
+    fill_probability: float | None = None  # null: the mean; q in (0, 1): fills with probability q
     on_unfilled: str = "train"  # unfilled after max_sampling_rounds: "train" on it, or "error"
     # "rounds": generate, judge, keep, per round. "stream" (placement=partial only): prompts
     # keep entering the engine while verdicts come back; once every rank has its groups the
@@ -221,6 +226,11 @@ class RolloutConfig:
             MAX_OVERSAMPLE,
             "prompts drawn per missing group; past it most of the rollout is thrown away",
         )
+        if self.fill_probability is not None and not 0 < self.fill_probability < 1:
+            raise ValueError(
+                f"rollout.fill_probability={self.fill_probability!r}: must be null (draw the "
+                "expected number of groups) or in (0, 1), e.g. 0.9"
+            )
         if self.on_unfilled not in ON_UNFILLED:
             raise ValueError(f"rollout.on_unfilled={self.on_unfilled!r}: use one of {ON_UNFILLED}")
         if self.sampling_mode not in SAMPLING_MODES:

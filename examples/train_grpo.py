@@ -480,6 +480,7 @@ def main(argv: list[str]) -> int:
             target_groups=cfg.data.prompts_per_rank,
             oversample=cfg.rollout.oversample,
             max_oversample=cfg.rollout.max_oversample,
+            fill_probability=cfg.rollout.fill_probability,
             max_rounds=cfg.rollout.max_sampling_rounds,
             tolerance=cfg.loss.zero_variance_tolerance,
             on_unfilled=cfg.rollout.on_unfilled,

@@ -4,11 +4,14 @@ NUM_GPUS = 0
 
 import itertools
 import json
+import math
 import os
 import resource
 import socket
 import subprocess
 import sys
+import types
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -534,6 +537,43 @@ def test_seed_mix_defaults_and_bad_options():
             step_cli.parse_args(bad)
 
 
+def test_fill_probability_names_the_run_and_reaches_the_sampler():
+    args = step_cli.parse_args(
+        ["--layout", "partial", "--mix", "seed", "--fill-probability", "0.9"]
+    )
+    assert _step_sampling.variant_key("partial", args) == "partial-j1.5b-fill0.9"
+    assert "fill0.9" in _step_bars.label_of("partial-auto-j1.5b-fill0.9")
+    default = step_cli.parse_args(["--layout", "partial", "--mix", "seed"])
+    assert _step_sampling.variant_key("partial", default) == "partial-j1.5b"  # as before
+    for bad in (
+        ["--layout", "partial", "--mix", "seed", "--fill-probability", "1.0"],
+        ["--layout", "partial", "--mix", "seed", "--fill-probability", "0"],
+        ["--layout", "partial", "--mix", "seed", "--sampler", "old", "--fill-probability", "0.9"],
+        ["--layout", "partial", "--fill-probability", "0.9"],  # no dynamic sampling
+    ):
+        with pytest.raises(SystemExit):
+            step_cli.parse_args(bad)
+    # The stream keeps in flight the fewest groups of which 16 have reward variance with
+    # probability 0.9 at last step's keep rate 1/2: 1 - P(Binomial(n, 1/2) <= 15) >= 0.9.
+    ctx = types.SimpleNamespace(
+        prompts=[None] * 16,
+        args=args,
+        layout="partial",
+        runtime=types.SimpleNamespace(dp_group=None),
+    )
+    sampler = _step_sampling.make_sampler(ctx)
+    sampler.last_keep_rate = 0.5
+    fill = next(
+        n
+        for n in range(16, 65)
+        if 1 - Fraction(sum(math.comb(n, i) for i in range(16)), 2**n) >= Fraction(9, 10)
+    )
+    assert fill > 32  # more than the mean, 16 / 0.5
+    assert (sampler.mode, sampler.num_to_draw()) == ("stream", fill)
+    ctx.args = default
+    assert _step_sampling.make_sampler(ctx).fill_probability is None
+
+
 def _seed_run(variant: str, rollout_genrm_s: float, kept: int) -> dict:
     phases = (
         {"rollout+genrm": rollout_genrm_s}
@@ -592,6 +632,7 @@ def seed_runs(tmp_path_factory, models):
         # The stream: abort once full, cut groups resumed in the next step.
         "partial-keep": _seed_step(out, models, "partial", *fast, "--keep-partial", steps=2),
         "full-old": _seed_step(out, models, "full", *fast, "--sampler", "old"),
+        "partial-fill": _seed_step(out, models, "partial", *fast, "--fill-probability", "0.9"),
     }
 
 
@@ -603,6 +644,8 @@ def _seed_step(out_dir, model_dir, layout, *extra, steps=1) -> dict:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     variant = layout + ("-keep" if "--keep-partial" in extra else "")
     variant += "-old" if "old" in extra else ""
+    if "--fill-probability" in extra:
+        variant += f"-fill{float(extra[extra.index('--fill-probability') + 1]):g}"
     return json.loads((out_dir / f"step_{variant}_1gpu.json").read_text())
 
 
@@ -647,6 +690,19 @@ def test_stream_fills_aborts_the_tail_and_resumes_cut_groups(seed_runs):
     assert 0 < second["num_groups_resumed"] <= first["num_groups_kept_partial"]
 
 
+def test_a_fill_probability_stream_fills_and_has_its_own_run(seed_runs):
+    _, runs = seed_runs
+    (step,) = runs["partial-fill"]["mixes"]["seed"]["steps"]
+    m = step["sampling"]
+    assert m["num_groups_kept"] == 4 and m["is_filled_all_ranks"] == 1.0
+    assert (
+        m["num_groups_kept"] + m["num_groups_dropped"] + m["num_groups_surplus"]
+        == (m["num_groups_generated"])
+    )
+    assert m["num_groups_drawn"] >= m["num_groups_generated"] + m["num_groups_aborted"]
+    assert step["bad_lengths"] == 0
+
+
 def test_report_has_the_seed_table_and_bars(seed_runs):
     out, _ = seed_runs
     _step_report.write_report(out, device="cpu")
@@ -654,6 +710,7 @@ def test_report_has_the_seed_table_and_bars(seed_runs):
     assert "## Seed mix: dynamic sampling" in md and "per kept group s" in md
     assert "cut groups resumed next step" in md  # the partial-keep row's label
     assert "round-based sampler" in md
+    assert "| (b) partial colocation, fill0.9 |" in md  # the fill run's own row
 
 
 # -- the stream's top-ups, timeline and the run budget (the seed mix's H200 run) --------------------

@@ -1548,6 +1548,30 @@ def test_stream_settings_are_checked_when_the_config_is_built(embedded, raw, mat
     assert grpo_config.build_config(stream).rollout.sampling_mode == "stream"
 
 
+@pytest.mark.parametrize("value", ["0", "1", "1.5", "-0.1", "nan"])
+def test_rollout_fill_probability_outside_0_1_is_refused_when_the_config_is_read(tmp_path, value):
+    with pytest.raises(ValueError, match=r"rollout\.fill_probability="):
+        grpo_config.read_config([f"out_dir={tmp_path}", f"rollout.fill_probability={value}"])
+    assert not (tmp_path / "embedded").exists()  # refused before the embedded task is built
+
+
+def test_rollout_fill_probability_defaults_to_null_and_reaches_the_sampler(tmp_path, embedded):
+    assert grpo_config.RolloutConfig().fill_probability is None  # the mean, as before
+    # 4 groups per rank at keep rate 1/2 (oversample 2): the mean draws 8 (factor 2); filling
+    # with probability 0.9 needs 12: P(Binomial(11, 1/2) >= 4) = 1 - 232/2048 = 0.887,
+    # P(Binomial(12, 1/2) >= 4) = 1 - 299/4096 = 0.927. The first draw's factor: 12 / 4.
+    args = ("num_steps=1", "rollout.oversample=2", "rollout.max_oversample=4")
+    out = tmp_path / "fill"
+    subprocess.run(
+        _one_rank(out, embedded, *args, "rollout.fill_probability=0.9"),
+        check=True,
+        env=_env(),
+        timeout=600,
+    )
+    (record,) = _metrics(out)
+    assert record["dynamic_sampling/oversample_factor"] == 3.0
+
+
 def test_a_streamed_run_fills_its_batch_and_logs_the_cut_groups(tmp_path, embedded):
     # 3 prompts drawn per missing group, 8 engine slots: the abort finds groups still queued.
     args = (

@@ -21,6 +21,10 @@ reward is the sample's hidden label, so what is kept does not depend on the judg
                core's stream keep rate, steadied by last step's (before, the step's own rate
                after one dropped group was 0, which drew 4x the missing groups at once). The step's
                timeline goes into the stats (stream_*_s: seconds from the stream's start).
+    --fill-probability q (new sampler): each draw aims for the fewest groups that fill the batch
+               with probability q instead of the expected number (rounds: the round's draw;
+               stream: the groups kept in flight, so the abort has a tail to cut); the run is
+               named "-fill<q>".
     --sampler old   the round-based sampler before over-sampling (core.sample_dynamically: each
                round draws only the missing groups, no over-sampling); partial overlaps the
                judge with the rollout inside each round (score_as_completed), nothing aborted.
@@ -62,8 +66,19 @@ def make_sampler(ctx: Any) -> Any:
         max_oversample=MAX_OVERSAMPLE,
         max_rounds=MAX_ROUNDS,
         mode="stream" if is_stream else "rounds",
+        fill_probability=getattr(ctx.args, "fill_probability", None),
         group=ctx.runtime.dp_group,
     )
+
+
+def variant_key(layout: str, args: Any, world_size: int = 1) -> str:
+    """The run's name: _step_setup.variant_key's, then "-fill<q>" for --fill-probability q,
+    so a run that sizes its draws by a fill probability has its own JSON and its own row."""
+    key = setup.variant_key(layout, args, world_size)
+    fill = getattr(args, "fill_probability", None)
+    if fill is not None and "seed" in (getattr(args, "mixes", None) or []):
+        key += f"-fill{fill:g}"
+    return key
 
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -26,8 +26,10 @@ core.DynamicSampler over an endless sequence of groups, half of them without rew
 same groups), longtail lengths, and by default a 1.5B-shaped judge writing a 384-token chain of
 thought. full: rounds with adaptive over-sampling; partial: a stream (engine fed while verdicts
 come back, groups judged as their samples finish, engine.abort() once every rank is full;
---keep-partial resumes the cut groups next step); --sampler old: the round-based sampler
-drawing only the missing groups, the baseline of the seed mix's bars (per kept group):
+--keep-partial resumes the cut groups next step; --fill-probability 0.9 keeps in flight the
+groups that fill the batch with that probability, not the expected number: a run "-fill0.9");
+--sampler old: the round-based sampler drawing only the missing groups, the baseline of the
+seed mix's bars (per kept group):
 
     python3 bench/step/step.py --layout partial --mix seed --offload auto --out-dir OUT
     ONLY=seed bash bench/step/step_gpu.sh                                     # the bars, 1 GPU
@@ -119,6 +121,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--keep-partial",
         action="store_true",
         help="seed mix, partial: keep the groups the abort cut and resume them next step",
+    )
+    p.add_argument(
+        "--fill-probability",
+        type=float,
+        default=None,
+        help="seed mix, --sampler new: draw (full: each round) or keep in flight (partial) the "
+        "fewest groups that fill the batch with this probability, e.g. 0.9 (DynamicSampler's "
+        "fill_probability; default: the expected number); the run is named -fill<q>",
     )
     p.add_argument(
         "--no-variance-share",
@@ -258,6 +268,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--run-budget-s {args.run_budget_s}: must be > 0 (seconds), e.g. 110")
     if args.keep_partial and (args.layout != "partial" or args.sampler != "new" or not is_seed):
         p.error("--keep-partial: only with --layout partial, --sampler new and the seed mix")
+    if args.fill_probability is not None:
+        if args.sampler != "new" or not is_seed:
+            p.error("--fill-probability: only with the seed mix and --sampler new")
+        if not 0.0 < args.fill_probability < 1.0:
+            p.error(f"--fill-probability {args.fill_probability}: must be in (0, 1), e.g. 0.9")
     if args.model_dir is None:
         shapes = setup.shape_names(args)
         name = "yatt-step" + ("" if shapes == ("0.5b", "0.5b") else "-" + "-".join(shapes))
@@ -580,7 +595,7 @@ def run_layout(args: argparse.Namespace) -> Path | None:
                     )
             if args.profile or args.profile_phase:  # after the timed steps: counts in none
                 only = f"_{args.profile_phase}" if args.profile_phase else ""
-                variant = setup.variant_key(ctx.layout, args, runtime.world_size)
+                variant = _step_sampling.variant_key(ctx.layout, args, runtime.world_size)
                 name = f"profile_{variant}_{runtime.world_size}x_{mix}{only}.txt"
                 path = Path(args.out_dir) / name if runtime.is_rank_zero else None
                 with _step_profile.maybe_profile(path, phase=args.profile_phase):
@@ -595,7 +610,7 @@ def run_layout(args: argparse.Namespace) -> Path | None:
             return _step_report.write_run(
                 args.out_dir,
                 layout=ctx.layout,
-                variant=setup.variant_key(ctx.layout, args, runtime.world_size),
+                variant=_step_sampling.variant_key(ctx.layout, args, runtime.world_size),
                 num_ranks=runtime.world_size,
                 tiny=args.tiny,
                 judge_pool=_step_judge.pool_record(ctx) if ctx.layout == "dedicated" else None,

@@ -12,7 +12,9 @@
 #   scale      full and dedicated at 64 prompts, fixed mix, offload auto
 #   seed       dynamic sampling's bars, 1 GPU, the seed mix (0.5B policy, 1.5B judge writing 384
 #              tokens, half the groups without reward variance), offload auto: full and
-#              partial with the new sampler, then both with the round-based one ("-old")
+#              partial with the new sampler, partial with --fill-probability 0.9 ("-fill0.9"),
+#              then full and partial with the round-based one ("-old"); single runs by name
+#              (e.g. ONLY=seed_models,seed_partial_fill90_1gpu) where one call is too short
 #   seed-keep  partial, cut groups resumed next step (--keep-partial)
 #   all        every group but scale and seed (longer than one call)
 # Every run has the host to itself: runs go one after another, 1-GPU runs on GPU 0 (the
@@ -43,7 +45,7 @@ source "$(dirname "$0")/_step_run.sh"  # run NAME CMD...
 ONLY=${ONLY:-all}
 # Models once (random weights, saved with save_pretrained), reused by every run; the seed
 # mix has its own (a 1.5B judge).
-[[ ",$ONLY," =~ ^(,seed(-keep)?)+,$ ]] || run models python3 $STEP --prepare
+[[ ",$ONLY," =~ ^(,seed[a-z0-9_-]*)+,$ ]] || run models python3 $STEP --prepare
 # want NAME GROUP...: whether ONLY names this run or one of its groups.
 want() {
   local name=$1; shift
@@ -80,8 +82,15 @@ want separate_1gpu 1gpu-auto all && run separate_1gpu python3 $STEP --layout ded
 # first offload of AdamW's state to warm up for).
 SEED="$STEP --mix seed --offload auto --model-dir /tmp/yatt-step-seed --warmup 1 --steps ${SEED_STEPS:-3}"
 if want seed_models seed seed-keep; then run seed_models python3 $SEED --prepare; fi
-want seed_full_1gpu seed && run seed_full_1gpu python3 $SEED --layout full
+# The new sampler's full run warmed up in 120 s on an H200 (likely, not confirmed: a decode
+# graph per batch size its draws hit): at least 240 s, whatever RUN_TIMEOUT says.
+want seed_full_1gpu seed && \
+  RUN_TIMEOUT=$(( RUN_TIMEOUT > 240 ? RUN_TIMEOUT : 240 )) run seed_full_1gpu python3 $SEED --layout full
 want seed_partial_1gpu seed && run seed_partial_1gpu python3 $SEED --layout partial
+# The stream keeping in flight the groups that fill the batch with probability 0.9 (not the
+# expected number): it over-samples, and the abort cuts the long tail ("-fill0.9").
+want seed_partial_fill90_1gpu seed && \
+  run seed_partial_fill90_1gpu python3 $SEED --layout partial --fill-probability 0.9
 want seed_full_old_1gpu seed && run seed_full_old_1gpu python3 $SEED --layout full --sampler old
 want seed_partial_old_1gpu seed && \
   run seed_partial_old_1gpu python3 $SEED --layout partial --sampler old

@@ -5,7 +5,9 @@ groups; draw = ceil(missing / max(keep rate, 1 / max_oversample)))."""
 
 import logging
 import math
+import random
 import types
+from fractions import Fraction
 
 import pytest
 
@@ -239,6 +241,145 @@ def test_each_mode_refuses_the_other_modes_calls():
         DynamicSampler(target_groups=1).num_to_draw(in_flight=2)
 
 
+# -- fill probability -------------------------------------------------------------------------
+# Expected counts from the binomial tail written out here, exactly (Fractions):
+# P(Binomial(n, p) >= k) = 1 - sum_{i<k} C(n, i) p^i (1 - p)^(n - i).
+
+
+def _tail(n: int, p: Fraction, k: int) -> Fraction:
+    return 1 - sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k))
+
+
+def _fewest(p: Fraction, k: int, q: float, cap: int) -> int:
+    return next((n for n in range(k, cap + 1) if _tail(n, p, k) >= q), cap)
+
+
+@pytest.mark.parametrize(
+    ("q", "expected"),
+    [
+        # p = 1/2, 2 missing: P(X >= 2) = 1 - (n + 1) / 2^n: n = 2: 1/4, 3: 1/2, 4: 11/16,
+        # 5: 26/32, 6: 57/64, 7: 120/128. The mean, ceil(2 x 2) = 4, fills 11/16 of the time.
+        pytest.param(0.3, 3, id="q-0.3-fewer-than-the-mean"),
+        pytest.param(0.8, 5, id="q-0.8"),
+        pytest.param(0.9, 7, id="q-0.9"),
+        pytest.param(0.95, 8, id="q-0.95-capped-at-max_oversample"),  # 7: 0.9375; cap 2 x 4
+    ],
+)
+@pytest.mark.parametrize("mode", ["rounds", "stream"])
+def test_fill_probability_draws_the_fewest_groups_that_fill_with_it(mode, q, expected):
+    assert expected == _fewest(Fraction(1, 2), 2, q, cap=8)
+    # Before any keep rate: 1 / oversample = 1/2 (a stream's prior too).
+    sampler = DynamicSampler(
+        target_groups=2, oversample=2.0, max_oversample=4.0, mode=mode, fill_probability=q
+    )
+    assert sampler.num_to_draw() == expected
+    _, stats = sampler.take()
+    assert stats["oversample_factor"] == expected / 2  # the groups aimed for per missing one
+
+
+def test_fill_probability_none_draws_the_mean_as_before():
+    for mode in ("rounds", "stream"):
+        sampler = DynamicSampler(
+            target_groups=2, oversample=2.0, max_oversample=4.0, mode=mode, fill_probability=None
+        )
+        assert sampler.num_to_draw() == 4  # 2 missing x 2
+
+
+def test_fill_probability_with_another_keep_rate_matches_the_exact_tail():
+    # 1/3 (oversample 3), 3 missing, q 0.9: 3 x 3 = 9 would fill with P = 0.62.
+    # P(n = 14) = 0.8947, P(n = 15) = 0.9206: 15, under the cap 3 x 8 = 24.
+    assert _fewest(Fraction(1, 3), 3, 0.9, cap=24) == 15
+    assert _tail(14, Fraction(1, 3), 3) < 0.9 <= _tail(15, Fraction(1, 3), 3)
+    sampler = DynamicSampler(
+        target_groups=3, oversample=3.0, max_oversample=8.0, fill_probability=0.9
+    )
+    assert sampler.num_to_draw() == 15
+
+
+def test_fill_probability_keeps_enough_in_flight_as_the_stream_keep_rate_moves():
+    sampler = DynamicSampler(
+        target_groups=2, oversample=2.0, max_oversample=4.0, mode="stream", fill_probability=0.9
+    )
+    assert sampler.num_to_draw() == 7  # see the table above
+    # Kept 1 of 1, prior 1/2 weighing 2 groups: rate (1 + 1) / (1 + 2) = 2/3; 1 missing:
+    # 1 - (1/3)^n >= 0.9 at n = 3 (8/9 at n = 2); 6 in flight already.
+    sampler.add(_groups([VARIED]))
+    assert sampler.num_to_draw(in_flight=6) == 0
+    # Then one dropped: (1 + 1) / (2 + 2) = 1/2; 1 - (1/2)^n >= 0.9 at n = 4 (7/8 at 3). The
+    # mean, 1 missing x 2 = 2 in flight, would draw nothing here.
+    sampler.add(_groups([FLAT]))
+    assert sampler.keep_rate == pytest.approx(0.5)
+    assert sampler.num_to_draw(in_flight=2) == 2
+    sampler.add(_groups([VARIED]))
+    assert sampler.should_abort() and sampler.num_to_draw(in_flight=8) == 0
+
+
+def test_fill_probability_in_rounds_uses_the_rounds_keep_rate():
+    sampler = DynamicSampler(
+        target_groups=2, oversample=2.0, max_oversample=16.0, fill_probability=0.9
+    )
+    assert sampler.num_to_draw() == 7
+    sampler.add(_groups([VARIED] + [FLAT] * 6))  # keep rate 1/7, 1 missing
+    assert not sampler.is_done()
+    # 1 - (6/7)^n >= 0.9: n >= log 0.1 / log(6/7) = 14.9 -> 15 (the mean: 7).
+    assert sampler.num_to_draw() == _fewest(Fraction(1, 7), 1, 0.9, cap=16) == 15
+
+
+def test_fill_probability_is_capped_by_max_oversample_then_by_the_draw_budget():
+    # Rounds, last step's rate 1/4, 4 missing, q 0.999: more than the cap, 8 x 4 = 32, needs.
+    capped = DynamicSampler(
+        target_groups=4, oversample=1.0, max_oversample=8.0, fill_probability=0.999
+    )
+    capped.last_keep_rate = 0.25
+    assert _tail(32, Fraction(1, 4), 4) < 0.999
+    assert capped.num_to_draw() == 32
+    # A stream of one round's budget, ceil(2 x 4) = 8 groups: 7 drawn first, then 3 dropped:
+    # rate (0 + 1) / (3 + 2) = 1/5, P(8 in flight fill 2) = 0.50 < 0.9: the cap, 8; 4 are in
+    # flight, so 4 wanted, but 1 is left of the budget.
+    stream = DynamicSampler(
+        target_groups=2,
+        oversample=2.0,
+        max_oversample=4.0,
+        max_rounds=1,
+        mode="stream",
+        fill_probability=0.9,
+    )
+    assert stream.max_groups_per_step == 8
+    assert stream.num_to_draw() == 7
+    stream.add(_groups([FLAT, FLAT, FLAT]))
+    assert _tail(8, Fraction(1, 5), 2) < 0.9
+    assert stream.num_to_draw(in_flight=4) == 1
+    assert stream.num_to_draw(in_flight=4) == 0  # spent
+
+
+def test_fill_probability_fills_that_often_where_the_mean_fills_half_the_time():
+    # 8 missing at keep rate 1/2: simulate the draws' keeps (seeded), count the filled batches.
+    rng = random.Random(0)
+
+    def fill_share(num_drawn: int) -> float:
+        trials = 4000
+        fills = sum(sum(rng.random() < 0.5 for _ in range(num_drawn)) >= 8 for _ in range(trials))
+        return fills / trials
+
+    mean = DynamicSampler(target_groups=8, oversample=2.0, max_oversample=4.0).num_to_draw()
+    filled = DynamicSampler(
+        target_groups=8, oversample=2.0, max_oversample=4.0, fill_probability=0.9
+    ).num_to_draw()
+    assert mean == 16 and filled > mean
+    assert fill_share(mean) < 0.65  # 1 - P(X <= 7) of Binomial(16, 1/2) = 0.598
+    assert fill_share(filled) >= 0.88
+
+
+def test_binomial_tail_stays_exact_where_float_binomials_overflow():
+    from yatt.core.rl._sampler import _binomial_tail
+
+    # By symmetry P(X >= n/2) = (1 + P(X = n/2)) / 2 at p = 1/2; C(1200, 600) ~ 1e359.
+    half = (1 + Fraction(math.comb(1200, 600), 2**1200)) / 2
+    assert _binomial_tail(1200, 0.5, 600) == pytest.approx(float(half), abs=1e-12)
+    assert _binomial_tail(5, 0.5, 2) == pytest.approx(26 / 32, abs=1e-15)
+    assert _binomial_tail(5, 0.5, 0) == 1.0 and _binomial_tail(5, 0.5, 6) == 0.0
+
+
 # -- bad input -------------------------------------------------------------------------------
 
 
@@ -254,6 +395,12 @@ def test_each_mode_refuses_the_other_modes_calls():
         pytest.param({"max_rounds": 0}, "max_rounds", id="rounds-0"),
         pytest.param({"on_unfilled": "skip"}, "on_unfilled", id="policy-unknown"),
         pytest.param({"mode": "async"}, "mode", id="mode-unknown"),
+        pytest.param({"fill_probability": 0.0}, "fill_probability", id="fill-0"),
+        pytest.param({"fill_probability": 1.0}, "fill_probability", id="fill-1"),
+        pytest.param({"fill_probability": 1.5}, "fill_probability", id="fill-above-1"),
+        pytest.param({"fill_probability": float("nan")}, "fill_probability", id="fill-nan"),
+        pytest.param({"fill_probability": "0.9"}, "fill_probability", id="fill-str"),
+        pytest.param({"fill_probability": True}, "fill_probability", id="fill-bool"),
     ],
 )
 def test_bad_settings_name_their_field(kwargs, field):

@@ -30,6 +30,16 @@ own counts: no per-round collective): (kept + n0 * prior) / (judged + n0), prior
 step's rate over all ranks (else 1 / oversample), n0 = target_groups, so the first dropped
 group does not set the rate to 0. should_adapt=False keeps `oversample` throughout.
 
+Fill probability (fill_probability=q, None by default): the mean above fills the batch only
+about half the time (a round that draws it comes back short half the time; a stream that keeps
+it in flight fills only once nearly every group in flight is judged, so the longest tails
+always finish and the abort has nothing to cut). With q, a draw aims instead for the smallest n
+with P(Binomial(n, p) >= missing) >= q, p = the keep rate above (1 / oversample before any, and
+throughout with should_adapt=False): rounds draw n, a stream keeps n in flight. The binomial
+tail is summed term by term (log space; no normal approximation). Two bounds, the smaller wins:
+n <= ceil(missing * max_oversample) (a keep rate near 0 would ask for thousands), and a stream
+never draws past the step's draw budget (see the class), even if that leaves P below q.
+
 Surplus: groups with variance beyond the target are dropped, deterministically: the first
 `target_groups` in order of arrival are kept (a stream's arrival order is the engine's). They
 are not carried to the next step, which would train on responses one policy version old.
@@ -85,6 +95,8 @@ class DynamicSampler:
     tolerance: a group whose max - min reward is <= tolerance has no variance (DAPO eq. 11).
     on_unfilled: after max_rounds, "train" on the groups there are (logged), or "error".
     mode: "rounds" (is_done() per round) or "stream" (should_abort() per arrival).
+    fill_probability: None (draw the expected number of groups), or q in (0, 1): draw the
+        fewest groups that fill the batch with probability q (0.9: over-sample, cut the tail).
     num_prompts: the prompts this rank's data holds, when known: target_groups must fit in it.
     group: the data-parallel process group (None: the world, or no collective at all).
     """
@@ -100,6 +112,7 @@ class DynamicSampler:
         tolerance: float = 0.0,
         on_unfilled: OnUnfilled = "train",
         mode: SamplingMode = "rounds",
+        fill_probability: float | None = None,
         num_prompts: int | None = None,
         group: dist.ProcessGroup | None = None,
         group_key: str = "group_id",
@@ -114,9 +127,11 @@ class DynamicSampler:
             tolerance=tolerance,
             on_unfilled=on_unfilled,
             mode=mode,
+            fill_probability=fill_probability,
             num_prompts=num_prompts,
         )
         self.target_groups = target_groups
+        self.fill_probability = None if fill_probability is None else float(fill_probability)
         self.oversample = float(oversample)
         self.max_oversample = float(max_oversample)
         self.should_adapt = should_adapt
@@ -194,14 +209,27 @@ class DynamicSampler:
             return self.oversample
         return 1.0 / max(rate, 1.0 / self.max_oversample)
 
+    def _num_wanted(self) -> int:
+        """Groups a round draws, or a stream keeps in flight: the expected number to fill the
+        batch, or with fill_probability the fewest that fill it with that probability."""
+        missing = self.num_missing
+        if self.fill_probability is None:
+            return _ceil(missing * self.oversample_factor)
+        rate = self.keep_rate if self.should_adapt else None
+        if rate is None:
+            rate = 1.0 / self.oversample
+        cap = _ceil(missing * self.max_oversample)
+        return _num_to_fill(missing, rate, self.fill_probability, cap)
+
     def num_to_draw(self, *, in_flight: int = 0) -> int:
         """How many prompts to draw now (one group each). Rounds: call once per round, every
         rank (a full rank gets 0). Stream: call on each arrival with the number of this rank's
-        groups still generating or being judged; 0 while they are expected to fill the batch,
-        once this rank is full, or when the step's draw budget is spent."""
+        groups still generating or being judged; 0 while they are expected (or, with
+        fill_probability, likely enough) to fill the batch, once this rank is full, or when the
+        step's draw budget is spent."""
         if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 0:
             raise ValueError(f"in_flight={in_flight!r}: must be an int >= 0")
-        wanted = _ceil(self.num_missing * self.oversample_factor)
+        wanted = self._num_wanted()
         if self.mode == "rounds":
             if in_flight:
                 raise ValueError("in_flight is for mode='stream'; a round waits for all it drew")
@@ -219,7 +247,9 @@ class DynamicSampler:
             count = max(min(wanted - in_flight, budget_left), 0)
             self._num_rounds += count > 0
         if count and self._first_factor is None:
-            self._first_factor = self.oversample_factor
+            # with fill_probability: the groups aimed for per missing group
+            fill = self.fill_probability is not None and self.num_missing
+            self._first_factor = wanted / self.num_missing if fill else self.oversample_factor
         self._num_drawn += count
         return count
 
@@ -375,6 +405,7 @@ def _check_config(
     tolerance: float,
     on_unfilled: str,
     mode: str,
+    fill_probability: float | None,
     num_prompts: int | None,
 ) -> None:
     if not _is_int(target_groups) or target_groups < 1:
@@ -400,6 +431,13 @@ def _check_config(
         raise ValueError(f"on_unfilled={on_unfilled!r}: must be 'train' or 'error'")
     if mode not in ("rounds", "stream"):
         raise ValueError(f"mode={mode!r}: must be 'rounds' or 'stream'")
+    if fill_probability is not None and not (
+        _is_number(fill_probability) and 0 < fill_probability < 1
+    ):
+        raise ValueError(
+            f"fill_probability={fill_probability!r}: must be None (draw the expected number of "
+            "groups) or a number in (0, 1), e.g. 0.9 (the batch fills with that probability)"
+        )
     if num_prompts is not None:
         if not _is_int(num_prompts) or num_prompts < 0:
             raise ValueError(f"num_prompts={num_prompts!r}: must be None or an int >= 0")
@@ -421,6 +459,45 @@ def _is_number(value: object) -> bool:
 def _ceil(value: float) -> int:
     # 3 * (1 / 0.3) is 10.000000000000002 in floats: not 11 prompts.
     return math.ceil(value - 1e-9)
+
+
+def _binomial_tail(n: int, p: float, k: int) -> float:
+    """P(Binomial(n, p) >= k), as 1 - P(X < k) summed term by term in log space (math.lgamma:
+    C(n, i) p^i (1 - p)^(n - i) would overflow or underflow as floats for n in the hundreds)."""
+    if k <= 0:
+        return 1.0
+    if k > n or p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    log_p, log_q = math.log(p), math.log1p(-p)
+    log_n_fact = math.lgamma(n + 1)
+    below = sum(
+        math.exp(
+            log_n_fact - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * log_p + (n - i) * log_q
+        )
+        for i in range(k)
+    )
+    return max(0.0, 1.0 - below)
+
+
+def _num_to_fill(missing: int, rate: float, probability: float, cap: int) -> int:
+    """The fewest groups n (missing <= n <= cap) of which at least `missing` have reward
+    variance with `probability`, each one with probability `rate`; `cap` if none does."""
+    if missing <= 0:
+        return 0
+    # Reached within float rounding: the tail of 3 draws at 1/2 for 2 is 0.49999999999999967.
+    reached = probability - 1e-12
+    if _binomial_tail(cap, rate, missing) < reached:
+        return cap
+    lo, hi = missing, cap  # the tail grows with n: bisect for the first n that reaches it
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _binomial_tail(mid, rate, missing) >= reached:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def _renumber(group_ids_B: torch.Tensor, offset: int) -> tuple[torch.Tensor, int]:
