@@ -252,6 +252,19 @@ def _serialize_bucket(bucket: list[tuple[str, torch.Tensor]]) -> list[bytes]:
     return [MultiprocessingSerializer.serialize(tensor.detach()) for _, tensor in bucket]
 
 
+def _on_this_gpu(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Host tensors copied to this rank's GPU, so the handles are CUDA IPC ones: SGLang 0.5.17's
+    patched reduction (its device-UUID patch) fails on a CPU tensor with an IndexError. The
+    copies are kept by the returned list until SGLang has loaded them. Without CUDA (the fakes)
+    the bucket is returned as it is."""
+    if not torch.cuda.is_available() or all(t.is_cuda for _, t in bucket):
+        return bucket
+    device = torch.device("cuda", torch.cuda.current_device())
+    moved = [(name, t if t.is_cuda else t.to(device, non_blocking=True)) for name, t in bucket]
+    torch.cuda.current_stream(device).synchronize()  # another process reads them next
+    return moved
+
+
 class SGLangEngine(ThreadedAdapter):
     """RolloutEngine over an in-process `sglang.Engine` with the memory saver enabled.
 
@@ -481,6 +494,7 @@ class SGLangEngine(ThreadedAdapter):
             for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes=bucket_bytes)):
                 # Every rank's handles on the first rank; the peers' tensors stay alive (held
                 # by `bucket`) until the status broadcast says SGLang has loaded them.
+                bucket = _on_this_gpu(bucket)
                 names = [(name, tuple(tensor.shape)) for name, tensor in bucket]
                 gathered = self._group.gather_to_first((names, _serialize_bucket(bucket)))
 
