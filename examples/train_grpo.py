@@ -384,7 +384,7 @@ def resume_from_extra(
     if held is not None and partials is None:
         logger.warning(
             "the checkpoint holds %d cut groups; rollout.keep_partial is off: not resumed",
-            len(held.get("groups", ())),
+            len(held.get("groups", ())) if isinstance(held, dict) else 0,
         )
     elif held is not None:
         num_dropped = partials.load_state_dict(
