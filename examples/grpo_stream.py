@@ -18,11 +18,17 @@ A resumed response keeps its old tokens and their logprobs (the engine's, by las
 weights); its continuation is sampled from the prompt plus those tokens, within the budget
 left under rollout.max_new_tokens. Training on it is off-policy by one step, which the loss's
 rollout correction weighs (the config refuses keep_partial without it).
+
+A checkpoint keeps the held cut groups (core.PartialRollouts.state_dict), each prompt as its
+data row and ids (saved_prompt; loaded_prompt rebuilds it through the run's encoder), so a run
+resumed after a crash resumes the groups the uninterrupted run would have. A row with opened
+images is not JSON: its group is not kept across a restart (dropped, counted, logged).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -241,3 +247,29 @@ class RolloutStream:
             rollout_tokens=max(self._rollout_pending, 0),
             genrm_tokens=max(self._genrm_pending, 0),
         )
+
+
+# -- checkpoints: a held cut group's prompt ------------------------------------------------------
+
+
+def saved_prompt(prompt: Prompt) -> dict | None:
+    """A cut group's prompt as a checkpoint keeps it (PartialRollouts.state_dict(save_prompt=)):
+    its data row and ids, JSON-able. None for a row JSON cannot hold as it is (its opened
+    images): that group is not resumed after a restart (loaded_prompt drops it, counted)."""
+    try:
+        row = json.loads(json.dumps(prompt.row, allow_nan=False))
+    except (TypeError, ValueError):
+        return None
+    return {"row": row, "ids": list(prompt.ids)} if row == prompt.row else None
+
+
+def loaded_prompt(saved: dict | None, encoder: Any) -> Prompt | None:
+    """The Prompt `saved_prompt` stored, rebuilt by the run's encoder (encoder.encode(rows,
+    should_count=False)); None (the group dropped) when the row no longer gives a prompt or
+    gives other ids (another tokenizer or chat template): its responses continue those ids."""
+    if saved is None:
+        return None
+    prompts = encoder.encode([saved["row"]], should_count=False)
+    if len(prompts) != 1 or list(prompts[0].ids) != list(saved["ids"]):
+        return None
+    return prompts[0]

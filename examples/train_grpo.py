@@ -78,7 +78,7 @@ from grpo_setup import (
     required_row_fields,
     row_limits,
 )
-from grpo_stream import RolloutStream
+from grpo_stream import RolloutStream, loaded_prompt, saved_prompt
 
 logger = logging.getLogger("train_grpo")
 PLANS = {"full": Plan.full_colocation, "partial": Plan.partial_colocation}
@@ -351,6 +351,54 @@ def train_on_batch(
     return core.merge_step_metrics(steps)
 
 
+# -- what a checkpoint keeps beside the tensors ---------------------------------------------------
+def checkpoint_extra(
+    step: int,
+    loader: core.ShardedLoader,
+    sampler: core.DynamicSampler,
+    partials: core.PartialRollouts | None,
+) -> dict[str, Any]:
+    """This rank's `extra` (JSON): the step, the loader's position, the sampler's keep rate
+    (the next step's prior) and, with keep_partial, the cut groups held for the next step."""
+    extra = {"step": step, "loader": loader.state_dict(), "sampler": sampler.state_dict()}
+    if partials is not None:
+        extra["partials"] = partials.state_dict(save_prompt=saved_prompt)
+    return extra
+
+
+def resume_from_extra(
+    extra: dict[str, Any],
+    *,
+    loader: core.ShardedLoader,
+    sampler: core.DynamicSampler,
+    partials: core.PartialRollouts | None,
+    encoder: PromptEncoder,
+) -> int:
+    """Restore what checkpoint_extra kept; returns the step to start at. A checkpoint written
+    before the sampler and the cut groups were kept resumes with the prior keep rate and no
+    cut groups; cut groups kept without keep_partial on now are dropped (logged)."""
+    loader.load_state_dict(extra["loader"])
+    if "sampler" in extra:
+        sampler.load_state_dict(extra["sampler"])
+    held = extra.get("partials")
+    if held is not None and partials is None:
+        logger.warning(
+            "the checkpoint holds %d cut groups; rollout.keep_partial is off: not resumed",
+            len(held.get("groups", ())) if isinstance(held, dict) else 0,
+        )
+    elif held is not None:
+        num_dropped = partials.load_state_dict(
+            held, load_prompt=lambda saved: loaded_prompt(saved, encoder)
+        )
+        if num_dropped:  # their rows hold images, or no longer give the same prompt ids
+            logger.warning(
+                "%d of the checkpoint's cut groups are not resumed: their prompts cannot be "
+                "rebuilt from the saved rows",
+                num_dropped,
+            )
+    return extra["step"] + 1
+
+
 # -- the run --------------------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
     """Train (or --export); the process's exit code: 0, or 128 + signum when a stop signal
@@ -437,11 +485,35 @@ def main(argv: list[str]) -> int:
         # SIGTERM/SIGINT/SIGUSR1: a final save at the next step boundary, then a non-zero exit
         # (a second Ctrl-C stops at once, unsaved).
         ckpt.install_signal_handlers()
+        # DAPO dynamic sampling, rounds (partial colocation overlaps the judge with the
+        # rollout inside each round), or a stream (rollout.sampling_mode=stream). One sampler
+        # for the run: its keep rate carries over (checkpointed, as the held cut groups are).
+        is_stream = cfg.rollout.sampling_mode == "stream"
+        sampler = core.DynamicSampler(
+            target_groups=cfg.data.prompts_per_rank,
+            oversample=cfg.rollout.oversample,
+            max_oversample=cfg.rollout.max_oversample,
+            fill_probability=cfg.rollout.fill_probability,
+            max_rounds=cfg.rollout.max_sampling_rounds,
+            tolerance=cfg.loss.zero_variance_tolerance,
+            on_unfilled=cfg.rollout.on_unfilled,
+            mode=cfg.rollout.sampling_mode,
+            # a stream draws as it goes: a target larger than this rank's rows is refused now
+            num_prompts=loader.num_local_rows if is_stream else None,
+            group=runtime.dp_group,
+        )
+        # rollout.keep_partial: the groups a stream's abort cut, finished first next step
+        partials = (
+            core.PartialRollouts(rollout_correction=cfg.loss.rollout_correction)
+            if cfg.rollout.keep_partial
+            else None
+        )
         start_step = 0
-        if args.resume:
+        if args.resume:  # the tensors, then the loader, the keep rate and the cut groups
             extra = ckpt.load(policy.state())
-            loader.load_state_dict(extra["loader"])
-            start_step = extra["step"] + 1
+            start_step = resume_from_extra(
+                extra, loader=loader, sampler=sampler, partials=partials, encoder=encoder
+            )
             engine.update_weights(policy.named_weights())  # the engine starts from the saved policy
             logger.info("resumed after step %d", extra["step"])
         run_log = core.RunLog(
@@ -472,29 +544,6 @@ def main(argv: list[str]) -> int:
                 stop_token_ids=encoder.cut_token_ids,  # a vision-language policy's (else none)
             )
 
-        # DAPO dynamic sampling, rounds (partial colocation overlaps the judge with the
-        # rollout inside each round), or a stream (rollout.sampling_mode=stream). One sampler
-        # for the run: its keep rate carries over.
-        is_stream = cfg.rollout.sampling_mode == "stream"
-        sampler = core.DynamicSampler(
-            target_groups=cfg.data.prompts_per_rank,
-            oversample=cfg.rollout.oversample,
-            max_oversample=cfg.rollout.max_oversample,
-            fill_probability=cfg.rollout.fill_probability,
-            max_rounds=cfg.rollout.max_sampling_rounds,
-            tolerance=cfg.loss.zero_variance_tolerance,
-            on_unfilled=cfg.rollout.on_unfilled,
-            mode=cfg.rollout.sampling_mode,
-            # a stream draws as it goes: a target larger than this rank's rows is refused now
-            num_prompts=loader.num_local_rows if is_stream else None,
-            group=runtime.dp_group,
-        )
-        # rollout.keep_partial: the groups a stream's abort cut, finished first next step
-        partials = (
-            core.PartialRollouts(rollout_correction=cfg.loss.rollout_correction)
-            if cfg.rollout.keep_partial
-            else None
-        )
         max_new_tokens = cfg.rollout.max_new_tokens
 
         def keep(scored: list[Scored], stats: StepStats) -> None:
@@ -644,7 +693,7 @@ def main(argv: list[str]) -> int:
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
                 # Saved after the step's metrics line, so a committed step k implies lines 0..k.
                 save_start = time.perf_counter()  # async: returns once tensors are staged
-                extra = {"step": step, "loader": loader.state_dict()}
+                extra = checkpoint_extra(step, loader, sampler, partials)
                 decision = ckpt.maybe_save(step, policy.state(), phase="train", extra=extra)
                 if not decision.is_saved and step == last_step:  # the final step, always
                     ckpt.save(step, policy.state(), extra=extra)

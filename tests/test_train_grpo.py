@@ -1605,6 +1605,35 @@ def test_a_streamed_run_fills_its_batch_and_logs_the_cut_groups(tmp_path, embedd
     assert second["dynamic_sampling/num_groups_resumed"] == kept_partial
 
 
+def test_a_streamed_run_resumed_after_a_step_that_cut_groups_resumes_them(tmp_path, embedded):
+    # The same stream as above: step 0 cuts groups (the abort finds some queued) that step 1
+    # resumes; a run stopped after step 0's checkpoint and resumed must do the same.
+    args = (
+        "placement=partial",
+        "rollout.sampling_mode=stream",
+        "rollout.keep_partial=true",
+        "rollout.oversample=3",
+        "rollout.max_oversample=4",
+        "rollout.engine.max_batch_size=8",
+        "ckpt.async_save=false",
+    )
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run = dict(check=True, env=_env(), timeout=600)
+    subprocess.run(_one_rank(straight, embedded, *args, "num_steps=2"), **run)
+    subprocess.run(_one_rank(resumed, embedded, *args, "num_steps=1"), **run)  # saves step 0
+    subprocess.run(_one_rank(resumed, embedded, *args, "num_steps=2", "--resume"), **run)
+    expected, got = _metrics(straight), _metrics(resumed)
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == [0, 1]
+    num_cut = expected[0]["dynamic_sampling/num_groups_kept_partial"]
+    assert num_cut > 0, "step 0 cut no group: the test needs one to resume"
+    # the checkpoint's cut groups, resumed first (without them: 0) ...
+    assert got[1]["dynamic_sampling/num_groups_resumed"] == num_cut
+    # ... and its keep rate, the first draw's prior (without it: rollout.oversample, 3)
+    keys = ["reward/mean", "reward/accuracy", "train/loss", "train/grad_norm"]
+    keys += [f"dynamic_sampling/{key}" for key in ("oversample_factor", "num_groups_resumed")]
+    assert {k: got[1][k] for k in keys} == {k: expected[1][k] for k in keys}
+
+
 class _ContinuingEngine:
     """Continues each request with one token (7, logprob -0.3); records what it was asked."""
 

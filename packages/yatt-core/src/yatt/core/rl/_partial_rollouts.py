@@ -13,13 +13,22 @@ logprobs are that engine's: training on them is off-policy by one step, which th
 rollout correction (importance weights of trainer vs engine logprobs, per token) corrects. So
 resumption without rollout correction is refused (`check_partial_resumption`), and a group is
 resumed at most one step after its oldest tokens were sampled; older ones are dropped.
+
+A checkpoint between steps keeps the held groups (`state_dict()`: plain lists of ints, floats
+and strings, JSON-able, so yatt.ckpt's per-rank `extra` takes it), so a run resumed after a
+crash resumes the same cut groups as the uninterrupted run would have.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+# state_dict()'s format: load_state_dict refuses another one (or a version it does not read).
+STATE_FORMAT = "yatt.core.PartialRollouts"
+STATE_VERSION = 1
 
 # What turns rollout correction off, however a config spells it.
 _CORRECTION_OFF = (None, False, "", "none", "off")
@@ -163,3 +172,139 @@ class PartialRollouts:
         self._groups = []
         self.num_resumed += len(fresh)
         return fresh
+
+    # -- checkpoints (between steps) -------------------------------------------------------------
+
+    def state_dict(self, *, save_prompt: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+        """The held groups and the counters as plain data (lists of ints, floats and strings:
+        JSON-able, for a checkpoint's `extra`). A group's `prompt` is the loop's own:
+        `save_prompt(prompt)` turns it into plain data (default: stored as it is)."""
+        groups = []
+        for group in self._groups:
+            prompt = group.prompt if save_prompt is None else save_prompt(group.prompt)
+            samples = [
+                {
+                    "prompt_ids": [int(t) for t in sample.prompt_ids],
+                    "response_ids": [int(t) for t in sample.response_ids],
+                    "logprobs": [float(x) for x in sample.logprobs],
+                    "finish_reason": sample.finish_reason,
+                }
+                for sample in group.samples
+            ]
+            groups.append({"step": group.step, "prompt": prompt, "samples": samples})
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "max_staleness_steps": self.max_staleness_steps,
+            "num_resumed": self.num_resumed,
+            "num_dropped_stale": self.num_dropped_stale,
+            "groups": groups,
+        }
+
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, load_prompt: Callable[[Any], Any] | None = None
+    ) -> int:
+        """Replace the held groups and the counters with those of `state` (a state_dict()).
+        `load_prompt(saved)` rebuilds a group's prompt (default: the saved value as it is); a
+        group whose prompt it gives as None is dropped. Returns how many were dropped so.
+        ValueError, naming the bad entry, for a malformed state or another format or version;
+        nothing changes then."""
+        _check_state(state)
+        groups = [
+            PartialGroup(
+                samples=[
+                    PartialSample(
+                        prompt_ids=sample["prompt_ids"],
+                        response_ids=sample["response_ids"],
+                        logprobs=[float(x) for x in sample["logprobs"]],
+                        finish_reason=sample["finish_reason"],
+                    )
+                    for sample in saved["samples"]
+                ],
+                step=saved["step"],
+                prompt=saved["prompt"],
+            )
+            for saved in state["groups"]
+        ]
+        num_dropped = 0
+        if load_prompt is not None:  # the loop's own: may fail, so before anything changes
+            prompts = [load_prompt(group.prompt) for group in groups]
+            for group, prompt in zip(groups, prompts, strict=True):
+                group.prompt = prompt
+            num_dropped = sum(prompt is None for prompt in prompts)
+            groups = [group for group in groups if group.prompt is not None]
+        self.max_staleness_steps = state["max_staleness_steps"]
+        self.num_resumed = state["num_resumed"]
+        self.num_dropped_stale = state["num_dropped_stale"]
+        self._groups = groups
+        return num_dropped
+
+
+def _check_state(state: object) -> None:
+    """A PartialRollouts.state_dict(), or a ValueError naming what is wrong with it."""
+    where = "partial rollouts state"
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{where} is a {type(state).__name__}, not a dict from state_dict()")
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(
+            f"{where}: format={state.get('format')!r}, expected {STATE_FORMAT!r}: pass "
+            "PartialRollouts.state_dict()'s dict"
+        )
+    if state.get("version") != STATE_VERSION:
+        raise ValueError(
+            f"{where}: version={state.get('version')!r}, this yatt reads version "
+            f"{STATE_VERSION}: resume with the yatt that wrote it, or start without the "
+            "partial groups"
+        )
+    for key in ("max_staleness_steps", "num_resumed", "num_dropped_stale"):
+        _check_count(state.get(key), f"{where}: {key}")
+    groups = state.get("groups")
+    if not isinstance(groups, list):
+        raise ValueError(f"{where}: groups={groups!r} must be a list")
+    for g, group in enumerate(groups):
+        at = f"{where}: groups[{g}]"
+        if not isinstance(group, Mapping) or set(group) != {"step", "prompt", "samples"}:
+            keys = sorted(group) if isinstance(group, Mapping) else type(group).__name__
+            raise ValueError(f"{at} is {keys}, expected a dict of step, prompt, samples")
+        _check_count(group["step"], f"{at}.step")
+        samples = group["samples"]
+        if not isinstance(samples, list) or not samples:
+            raise ValueError(f"{at}.samples must be a non-empty list")
+        for j, sample in enumerate(samples):
+            _check_sample(sample, f"{at}.samples[{j}]")
+
+
+def _check_sample(sample: object, at: str) -> None:
+    keys = {"prompt_ids", "response_ids", "logprobs", "finish_reason"}
+    if not isinstance(sample, Mapping) or set(sample) != keys:
+        found = sorted(sample) if isinstance(sample, Mapping) else type(sample).__name__
+        raise ValueError(f"{at} is {found}, expected a dict of {sorted(keys)}")
+    for key in ("prompt_ids", "response_ids"):
+        ids = sample[key]
+        if not isinstance(ids, list) or not all(_is_token_id(t) for t in ids):
+            raise ValueError(f"{at}.{key} must be a list of token ids (ints >= 0)")
+    logprobs = sample["logprobs"]
+    if not isinstance(logprobs, list) or not all(_is_logprob(x) for x in logprobs):
+        raise ValueError(f"{at}.logprobs must be a list of numbers (not NaN or +inf)")
+    if len(logprobs) != len(sample["response_ids"]):
+        raise ValueError(
+            f"{at} has {len(logprobs)} logprobs for {len(sample['response_ids'])} response "
+            "tokens: one per token"
+        )
+    if not isinstance(sample["finish_reason"], str) or not sample["finish_reason"]:
+        raise ValueError(f"{at}.finish_reason={sample['finish_reason']!r} must be a string")
+
+
+def _check_count(value: object, at: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{at}={value!r} must be an int >= 0")
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_logprob(value: object) -> bool:
+    # -inf is a logprob (JSON writes it -Infinity and reads it back); NaN and +inf are not.
+    is_number = isinstance(value, int | float) and not isinstance(value, bool)
+    return is_number and not math.isnan(value) and value != math.inf

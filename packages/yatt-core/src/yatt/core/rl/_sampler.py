@@ -391,6 +391,45 @@ class DynamicSampler:
             return self._schema.select([])
         return rollout_batch([])  # nothing offered at all: the rollout fields, no samples
 
+    # -- checkpoints (between steps) ---------------------------------------------------------
+
+    # state_dict()'s format: load_state_dict refuses another one (or a version it cannot read)
+    _STATE_FORMAT = "yatt.core.DynamicSampler"
+    _STATE_VERSION = 1
+
+    def state_dict(self) -> dict[str, object]:
+        """What carries from one step to the next, as plain data for a checkpoint's `extra`:
+        the previous step's keep rate over all ranks (the next step's prior; None before
+        any). Between steps only (after take()): RuntimeError mid-step, whose groups a
+        checkpoint would lose."""
+        if self._num_rounds or self._num_drawn or self._num_judged or self._num_aborted:
+            raise RuntimeError(
+                "DynamicSampler.state_dict() mid-step: checkpoint between steps, after take()"
+            )
+        return {
+            "format": self._STATE_FORMAT,
+            "version": self._STATE_VERSION,
+            "last_keep_rate": self.last_keep_rate,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore a state_dict()'s keep rate: the next step draws as the uninterrupted run's
+        would. ValueError for a malformed state or another format or version."""
+        where = "dynamic sampler state"
+        if not isinstance(state, dict):
+            raise ValueError(f"{where} is a {type(state).__name__}, not a dict from state_dict()")
+        saved = (state.get("format"), state.get("version"))
+        if saved != (self._STATE_FORMAT, self._STATE_VERSION):
+            raise ValueError(
+                f"{where}: format={state.get('format')!r} version={state.get('version')!r}, "
+                f"this yatt reads {self._STATE_FORMAT!r} version {self._STATE_VERSION}: pass "
+                "DynamicSampler.state_dict()'s dict, or start from the prior keep rate"
+            )
+        rate = state.get("last_keep_rate")
+        if rate is not None and not (_is_number(rate) and 0 <= rate <= 1):
+            raise ValueError(f"{where}: last_keep_rate={rate!r} must be None or in [0, 1]")
+        self.last_keep_rate = None if rate is None else float(rate)
+
 
 # -- helpers --------------------------------------------------------------------------------------
 

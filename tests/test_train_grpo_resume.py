@@ -1,0 +1,286 @@
+"""The trainer's checkpoint `extra` on the CPU, through the real yatt.ckpt Checkpointer: a run
+resumed from step k's checkpoint starts step k + 1 as the uninterrupted run would (the loader's
+position, the sampler's keep rate, the cut groups held for rollout.keep_partial), and a
+checkpoint written before the sampler and the cut groups were kept still resumes.
+
+The steps themselves are not run (a streamed trainer run takes minutes on a shared CPU): the
+held groups are hand-built, and step k + 1's resumption is observed where the loop makes it,
+RolloutStream.resume, with a recording engine."""
+
+NUM_GPUS = 0
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+import train_grpo
+from grpo_prompts import Prompt
+from grpo_stream import RolloutStream
+
+from yatt import core, genrm, rollout
+from yatt.ckpt import Checkpointer
+
+K = 3  # the checkpointed step
+MAX_NEW_TOKENS = 6
+
+
+class _Encoder:
+    """PromptEncoder's encode(): a row's ids are its prompt's characters (a stand-in tokenizer)."""
+
+    def __init__(self, *, offset: int = 0) -> None:
+        self.offset = offset  # another "tokenizer": other ids for the same row
+
+    def encode(self, rows, *, should_count: bool = True) -> list[Prompt]:
+        return [Prompt(dict(row), [ord(c) + self.offset for c in row["prompt"]]) for row in rows]
+
+
+class _RecordingEngine:
+    """Records the requests a stream makes and answers none (the step is cut right after)."""
+
+    def __init__(self) -> None:
+        self.requests: list[rollout.Request] = []
+
+    def stream(self, requests, sampling):
+        self.requests.extend(requests)
+
+        async def nothing():
+            return
+            yield
+
+        return nothing()
+
+    def abort(self) -> None:
+        pass
+
+
+class _Judge:
+    async def ascore(self, samples):
+        return [genrm.Verdict(sample_id="s", reward=0.0, status="ok") for _ in samples]
+
+
+def _loader(data: Path) -> core.ShardedLoader:
+    # in file order, so the rows drawn are q0, q1, ... (by hand below)
+    kwargs = dict(batch_size=2, rank=0, world_size=1, prompt_key="prompt", should_shuffle=False)
+    return core.ShardedLoader(data, **kwargs)
+
+
+def _sampler() -> core.DynamicSampler:
+    return core.DynamicSampler(target_groups=2, oversample=2.0, max_oversample=4.0, mode="stream")
+
+
+def _partials() -> core.PartialRollouts:
+    return core.PartialRollouts(rollout_correction="token_tis")
+
+
+def _sample(prompt: Prompt, response, logprobs, reason) -> core.PartialSample:
+    return core.PartialSample(
+        prompt_ids=prompt.ids, response_ids=response, logprobs=logprobs, finish_reason=reason
+    )
+
+
+@pytest.fixture
+def data(tmp_path) -> Path:
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _run_to_step_k(data: Path):
+    """An uninterrupted run at the end of step K: rows drawn, one step's keep rate (2 of 3
+    groups had reward variance), and three cut groups held (one first sampled at K - 1)."""
+    loader, sampler, partials, encoder = _loader(data), _sampler(), _partials(), _Encoder()
+    a, b, c = encoder.encode(loader.next_batch(3))
+    sampler.num_to_draw()
+    rewards = [[0.0, 1.0], [1.0, 1.0], [0.0, 0.5]]
+    rows = [
+        {"input_ids": [1], "group_id": g, "reward": r}
+        for g, pair in enumerate(rewards)
+        for r in pair
+    ]
+    sampler.add(core.Batch.from_samples(rows))
+    sampler.take()
+    partials.put(
+        core.PartialGroup(
+            samples=[
+                _sample(a, [5, 6], [-0.125, -1.5], "abort"),
+                _sample(a, [9], [-0.5], "stop"),
+            ],
+            step=K,
+            prompt=a,
+        )
+    )
+    partials.put(  # resumed at K and cut again: too old for K + 1, dropped and counted
+        core.PartialGroup(samples=[_sample(b, [4], [-2.0], "abort")], step=K - 1, prompt=b)
+    )
+    partials.put(
+        core.PartialGroup(
+            samples=[_sample(c, [], [], "abort"), _sample(c, [1, 2], [-0.25, -0.75], "length")],
+            step=K,
+            prompt=c,
+        )
+    )
+    return loader, sampler, partials
+
+
+def _save(root: Path, step: int, extra) -> None:
+    with Checkpointer(root, async_save=False) as ckpt:
+        ckpt.save(step, {"model": torch.nn.Linear(2, 2)}, extra=extra)
+
+
+def _load(root: Path):
+    with Checkpointer(root, async_save=False) as ckpt:
+        return ckpt.load({"model": torch.nn.Linear(2, 2)})
+
+
+def _step_after(partials: core.PartialRollouts, sampler: core.DynamicSampler, step: int):
+    """What step `step` starts with: the requests resuming the held groups, the finished
+    samples judged as they were, the dropped count, the draw's oversampling factor."""
+    engine = _RecordingEngine()
+    stream = RolloutStream(
+        engine=engine,
+        judge_engine=None,
+        scorer=_Judge(),
+        to_sample=lambda p, c: genrm.Sample(prompt=p.row["prompt"], response="r"),
+        sampling=rollout.SamplingParams(n=2, max_new_tokens=MAX_NEW_TOKENS, seed=1),
+        step=step,
+    )
+
+    async def resume():
+        stream.resume(partials.take(step))
+        await asyncio.sleep(0)
+        await stream.cut()
+
+    asyncio.run(resume())
+    requests = [(r.prompt_ids, r.max_new_tokens, r.metadata["sample"]) for r in engine.requests]
+    groups = {
+        key: (g.prompt.row, g.first_step, sorted(g.parts)) for key, g in stream.groups.items()
+    }
+    resumed_logprobs = {
+        key: {j: s.logprobs for j, s in g.parts.items()} for key, g in stream.groups.items()
+    }
+    finished = {
+        key: {j: (c.response_ids, c.logprobs, c.finish_reason) for j, c in g.completions.items()}
+        for key, g in stream.groups.items()
+    }
+    return {
+        "requests": requests,
+        "groups": groups,
+        "resumed_logprobs": resumed_logprobs,
+        "finished": finished,
+        "num_dropped_stale": partials.num_dropped_stale,
+        "oversample_factor": sampler.oversample_factor,
+    }
+
+
+def test_a_resumed_run_starts_step_k_plus_1_with_the_uninterrupted_runs_cut_groups(tmp_path, data):
+    loader, sampler, partials = _run_to_step_k(data)
+    _save(tmp_path / "ckpt", K, train_grpo.checkpoint_extra(K, loader, sampler, partials))
+    uninterrupted = _step_after(partials, sampler, K + 1)
+    next_rows = loader.next_batch(2)
+
+    # a fresh process: new objects, the checkpoint read back from disk
+    loader2, sampler2, partials2 = _loader(data), _sampler(), _partials()
+    start = train_grpo.resume_from_extra(
+        _load(tmp_path / "ckpt"),
+        loader=loader2,
+        sampler=sampler2,
+        partials=partials2,
+        encoder=_Encoder(),
+    )
+    assert start == K + 1
+    resumed = _step_after(partials2, sampler2, start)
+    assert resumed == uninterrupted
+    assert (
+        [row["prompt"] for row in loader2.next_batch(2)]
+        == ["q3", "q4"]
+        == [row["prompt"] for row in next_rows]
+    )
+
+    # and what that is, by hand: the two step-K groups (K + 1 - (K - 1) > 1 drops the other)
+    q0, q2 = [ord("q"), ord("0")], [ord("q"), ord("2")]
+    rows = [g[0]["prompt"] for g in resumed["groups"].values()]
+    assert sorted(rows) == ["q0", "q2"] and resumed["num_dropped_stale"] == 1
+    assert sorted(resumed["requests"]) == [([*q0, 5, 6], MAX_NEW_TOKENS - 2, 0), (q2, 6, 0)]
+    logprobs = sorted(map(str, resumed["resumed_logprobs"].values()))
+    assert logprobs == ["{0: ()}", "{0: (-0.125, -1.5)}"]
+    finished = sorted(map(str, resumed["finished"].values()))
+    assert finished == ["{1: ([1, 2], [-0.25, -0.75], 'length')}", "{1: ([9], [-0.5], 'stop')}"]
+    assert resumed["oversample_factor"] == pytest.approx(1.5)  # 1 / (2 of 3 groups kept)
+
+
+def test_a_checkpoint_written_before_the_cut_groups_were_kept_still_resumes(tmp_path, data):
+    loader, _, _ = _run_to_step_k(data)
+    _save(tmp_path / "ckpt", K, {"step": K, "loader": loader.state_dict()})  # the old extra
+    next_rows = loader.next_batch(2)
+
+    loader2, sampler2, partials2 = _loader(data), _sampler(), _partials()
+    start = train_grpo.resume_from_extra(
+        _load(tmp_path / "ckpt"),
+        loader=loader2,
+        sampler=sampler2,
+        partials=partials2,
+        encoder=_Encoder(),
+    )
+    assert start == K + 1 and loader2.next_batch(2) == next_rows
+    assert len(partials2) == 0 and partials2.num_dropped_stale == 0  # no cut groups
+    assert sampler2.last_keep_rate is None and sampler2.oversample_factor == 2.0  # the prior
+
+
+def test_groups_whose_prompt_cannot_be_rebuilt_are_dropped_and_logged(tmp_path, data, caplog):
+    loader, sampler, partials = _run_to_step_k(data)
+    held = partials.take(K)  # all three
+    image_row = Prompt({"prompt": "q1", "image": b"\x89PNG"}, held[1].prompt.ids)  # not JSON
+    held[1].prompt = image_row
+    for group in held:
+        partials.put(group)
+    _save(tmp_path / "ckpt", K, train_grpo.checkpoint_extra(K, loader, sampler, partials))
+
+    partials2 = _partials()
+    with caplog.at_level(logging.WARNING, logger="train_grpo"):
+        train_grpo.resume_from_extra(
+            _load(tmp_path / "ckpt"),
+            loader=_loader(data),
+            sampler=_sampler(),
+            partials=partials2,
+            encoder=_Encoder(),
+        )
+    assert [g.prompt.row["prompt"] for g in partials2.take(K)] == ["q0", "q2"]
+    assert "1 of the checkpoint's cut groups are not resumed" in caplog.text
+
+    # another tokenizer: the saved responses continue ids the rows no longer give
+    partials3 = _partials()
+    train_grpo.resume_from_extra(
+        _load(tmp_path / "ckpt"),
+        loader=_loader(data),
+        sampler=_sampler(),
+        partials=partials3,
+        encoder=_Encoder(offset=1),
+    )
+    assert len(partials3) == 0
+
+
+def test_cut_groups_in_a_checkpoint_are_ignored_when_keep_partial_is_off_now(
+    tmp_path, data, caplog
+):
+    loader, sampler, partials = _run_to_step_k(data)
+    _save(tmp_path / "ckpt", K, train_grpo.checkpoint_extra(K, loader, sampler, partials))
+    sampler2 = _sampler()
+    with caplog.at_level(logging.WARNING, logger="train_grpo"):
+        start = train_grpo.resume_from_extra(
+            _load(tmp_path / "ckpt"),
+            loader=_loader(data),
+            sampler=sampler2,
+            partials=None,
+            encoder=_Encoder(),
+        )
+    assert start == K + 1 and sampler2.last_keep_rate == pytest.approx(2 / 3)
+    assert "holds 3 cut groups; rollout.keep_partial is off" in caplog.text
