@@ -541,10 +541,13 @@ def test_fill_probability_names_the_run_and_reaches_the_sampler():
     args = step_cli.parse_args(
         ["--layout", "partial", "--mix", "seed", "--fill-probability", "0.9"]
     )
-    assert _step_sampling.variant_key("partial", args) == "partial-j1.5b-fill0.9"
-    assert "fill0.9" in _step_bars.label_of("partial-auto-j1.5b-fill0.9")
+    assert _step_setup.variant_key("partial", args) == "partial-j1.5b-fill0.9"
+    assert _step_bars.label_of("partial-auto-j1.5b-fill0.9") == (
+        "(b) partial colocation, offload only when short of memory, judge Qwen2.5-1.5B shape, "
+        "fill probability 0.9"
+    )
     default = step_cli.parse_args(["--layout", "partial", "--mix", "seed"])
-    assert _step_sampling.variant_key("partial", default) == "partial-j1.5b"  # as before
+    assert _step_setup.variant_key("partial", default) == "partial-j1.5b"  # as before
     for bad in (
         ["--layout", "partial", "--mix", "seed", "--fill-probability", "1.0"],
         ["--layout", "partial", "--mix", "seed", "--fill-probability", "0"],
@@ -572,6 +575,27 @@ def test_fill_probability_names_the_run_and_reaches_the_sampler():
     assert (sampler.mode, sampler.num_to_draw()) == ("stream", fill)
     ctx.args = default
     assert _step_sampling.make_sampler(ctx).fill_probability is None
+
+
+def test_a_fill_runs_out_of_memory_record_carries_its_suffix(tmp_path):
+    """oom_<variant>.json is named like the run's JSON: a fill run's record is its own."""
+    import _step_memory
+
+    args = step_cli.parse_args(
+        ["--layout", "partial", "--mix", "seed", "--fill-probability", "0.9"]
+    )
+    ctx = types.SimpleNamespace(
+        layout="partial",
+        args=args,
+        runtime=types.SimpleNamespace(world_size=1),
+        plan=types.SimpleNamespace(current_phase="rollout", phases=(), metrics=dict),
+    )
+    exc = RuntimeError("CUDA error: out of memory")
+    path = _step_memory.write_oom(tmp_path, ctx, "seed", 3, exc)
+    assert path.name == "oom_partial-j1.5b-fill0.9.json"
+    assert json.loads(path.read_text())["layout"] == "partial-j1.5b-fill0.9"
+    ctx.args = step_cli.parse_args(["--layout", "partial", "--mix", "seed"])
+    assert _step_memory.write_oom(tmp_path, ctx, "seed", 3, exc).name == "oom_partial-j1.5b.json"
 
 
 def _seed_run(variant: str, rollout_genrm_s: float, kept: int) -> dict:
@@ -611,6 +635,55 @@ def test_seed_bars_are_rollout_genrm_time_per_kept_group():
     assert ratios["seed_partial_new_vs_old_1gpu"]["verdict"] == "not measured"
 
 
+def test_a_fill_run_gets_its_own_seed_bar_rows():
+    """Hand-made runs; each expected value is (seconds / kept groups) / (seconds / kept groups)
+    of the two runs, worked out by hand."""
+    runs = [
+        _seed_run("full-auto", 12.0, 16),  # 12 / 16 = 0.75 s per kept group
+        _seed_run("full-auto-old", 14.0, 14),  # 1.0
+        _seed_run("full-auto-fill0.9", 9.6, 16),  # 0.6
+        _seed_run("partial-auto", 6.0, 16),  # 0.375
+        _seed_run("partial-auto-old", 10.5, 14),  # 0.75
+        _seed_run("partial-auto-fill0.9", 4.5, 16),  # 0.28125
+    ]
+    ratios = {r["name"]: r for r in _step_bars.compute_ratios(runs)}
+    expected = {
+        # (b) partial new / (b) partial old <= 0.65
+        "partial-auto-fill0.9_vs_partial-auto-old_1gpu_seed": (0.28125 / 0.75, 0.65),
+        # (a) full new / (a) full old <= 0.8
+        "full-auto-fill0.9_vs_full-auto-old_1gpu_seed": (0.6 / 1.0, 0.80),
+        # (b) stream + abort / (a) rounds, new sampler <= 0.75: against (a) without a fill
+        # probability and against (a) with the same one
+        "partial-auto-fill0.9_vs_full-auto_1gpu_seed": (0.28125 / 0.75, 0.75),
+        "partial-auto-fill0.9_vs_full-auto-fill0.9_1gpu_seed": (0.28125 / 0.6, 0.75),
+    }
+    for name, (value, bar) in expected.items():
+        row = ratios[name]
+        assert row["value"] == pytest.approx(value), name
+        assert (row["bar"], row["pass"]) == (bar, value <= bar), name
+        assert "fill probability 0.9" in row["what"], name
+    # The runs without a fill probability keep their rows, unchanged.
+    assert ratios["partial-auto_vs_partial-auto-old_1gpu_seed"]["value"] == pytest.approx(0.5)
+    assert ratios["full-auto_vs_full-auto-old_1gpu_seed"]["value"] == pytest.approx(0.75)
+    assert ratios["partial-auto_vs_full-auto_1gpu_seed"]["value"] == pytest.approx(0.5)
+    # A run without a fill probability is not compared with one that has it.
+    assert "partial-auto_vs_full-auto-fill0.9_1gpu_seed" not in ratios
+    # The report's bar table shows the fill run's row with its value.
+    for run in runs:
+        run["label"] = _step_bars.label_of(run["layout"])
+    md = _step_report.markdown(runs, list(ratios.values()), "cpu")
+    (line,) = [
+        line
+        for line in md.splitlines()
+        if line.startswith(
+            "| (b) partial colocation, offload only when short of memory, "
+            "fill probability 0.9 / (b) partial colocation, offload only when short of memory, "
+            "round-based"
+        )
+    ]
+    assert line.split(" | ")[1] == "0.375"
+
+
 def _hand_kept_by_old_rule(work, step: int, target: int, max_rounds: int) -> tuple[int, int]:
     """DAPO's rounds without over-sampling, stated by hand: each round draws the missing
     number of groups, in order; a group is kept when its labels differ. (kept, rounds)."""
@@ -632,7 +705,10 @@ def seed_runs(tmp_path_factory, models):
         # The stream: abort once full, cut groups resumed in the next step.
         "partial-keep": _seed_step(out, models, "partial", *fast, "--keep-partial", steps=2),
         "full-old": _seed_step(out, models, "full", *fast, "--sampler", "old"),
-        "partial-fill": _seed_step(out, models, "partial", *fast, "--fill-probability", "0.9"),
+        # Profiled too: its profile is named like its JSON.
+        "partial-fill": _seed_step(
+            out, models, "partial", *fast, "--fill-probability", "0.9", "--profile"
+        ),
     }
 
 
@@ -691,7 +767,10 @@ def test_stream_fills_aborts_the_tail_and_resumes_cut_groups(seed_runs):
 
 
 def test_a_fill_probability_stream_fills_and_has_its_own_run(seed_runs):
-    _, runs = seed_runs
+    out, runs = seed_runs
+    # Its JSON (read by _seed_step) and its profile both carry "-fill0.9".
+    assert (out / "profile_partial-fill0.9_1x_seed.txt").is_file()
+    assert not list(out.glob("profile_partial_1x_*"))
     (step,) = runs["partial-fill"]["mixes"]["seed"]["steps"]
     m = step["sampling"]
     assert m["num_groups_kept"] == 4 and m["is_filled_all_ranks"] == 1.0
@@ -710,7 +789,7 @@ def test_report_has_the_seed_table_and_bars(seed_runs):
     assert "## Seed mix: dynamic sampling" in md and "per kept group s" in md
     assert "cut groups resumed next step" in md  # the partial-keep row's label
     assert "round-based sampler" in md
-    assert "| (b) partial colocation, fill0.9 |" in md  # the fill run's own row
+    assert "| (b) partial colocation, fill probability 0.9 |" in md  # the fill run's own row
 
 
 # -- the stream's top-ups, timeline and the run budget (the seed mix's H200 run) --------------------

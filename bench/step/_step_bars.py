@@ -15,6 +15,9 @@ Bars (a ratio passes when value <= bar), each named by what it divides:
     partial_vs_full     (b) new sampler, stream + abort / (a) new sampler, rounds        <= 0.75
     full_new_vs_old     (a) new sampler / (a) the round-based sampler before ("-old")    <= 0.80
     partial_new_vs_old  (b) new sampler / (b) the round-based sampler before             <= 0.65
+    A run of the new sampler with --fill-probability q ("-fill<q>") gets its own rows in
+    each: against the runs without it (the same settings otherwise) and against those with the
+    same q.
 
 A run is named by its variant (_step_setup.variant_key): the base layout, then what differs
 from the defaults ("full-auto-defer", "partial-vllm", "dedicated-p64", "dedicated-6+2-1.5b").
@@ -105,6 +108,8 @@ def label_of(variant: str) -> str:
             parts.append("round-based sampler drawing only the missing groups")
         elif part == "keep":
             parts.append("cut groups resumed next step")
+        elif part.startswith("fill") and part[4:]:
+            parts.append(f"fill probability {part[4:]}")
         elif part.startswith("nv") and part[2:]:
             parts.append(f"{part[2:]} of groups without reward variance")
         elif part == "defer":
@@ -468,9 +473,24 @@ def _engine_ratios(runs: list[dict]) -> list[dict]:
     return out
 
 
+def _fill_markers(settings: frozenset[str]) -> frozenset[str]:
+    """{"fill0.9"} for a run of the seed mix with --fill-probability 0.9; empty without."""
+    return frozenset(m for m in settings if m.startswith("fill") and m[4:])
+
+
+def _new_matches(num: frozenset[str], den: frozenset[str], num_only: frozenset[str]) -> bool:
+    """A seed bar's like-for-like rule: the new-sampler side (num) may add `num_only` and a
+    fill probability; the other side has either no fill probability or the same one."""
+    num_fill, den_fill = _fill_markers(num), _fill_markers(den)
+    if den_fill and den_fill != num_fill:
+        return False
+    return num - num_only - num_fill == den - den_fill
+
+
 def _sampling_per_kept_group(runs: list[dict]) -> list[dict]:
-    """Dynamic sampling's three bars on the seed mix (rollout+GenRM time per kept group), per GPU count, like for like except the sampler
-    ("-old") and, for partial, resuming cut groups ("-keep": its own row)."""
+    """Dynamic sampling's three bars on the seed mix (rollout+GenRM time per kept group), per
+    GPU count, like for like except the sampler ("-old") and, on the new sampler's side,
+    resuming cut groups ("-keep") and a fill probability ("-fill<q>"): each its own row."""
     metric, out = rollout_genrm_per_kept_group, []
 
     def seeded(base: str, n: int, old: bool) -> list[dict]:
@@ -503,21 +523,21 @@ def _sampling_per_kept_group(runs: list[dict]) -> list[dict]:
                 "(b) stream + abort / (a) rounds, new sampler",
                 seeded("partial", n, False),
                 seeded("full", n, False),
-                lambda b, a: b - {"keep"} == a,
+                lambda b, a: _new_matches(b, a, frozenset({"keep"})),
             ),
             (
                 "seed_full_new_vs_old",
                 "(a) new sampler / (a) round-based sampler before",
                 seeded("full", n, False),
                 seeded("full", n, True),
-                lambda new, old: new | {"old"} == old,
+                lambda new, old: _new_matches(new | {"old"}, old, frozenset()),
             ),
             (
                 "seed_partial_new_vs_old",
                 "(b) new sampler / (b) round-based sampler before",
                 seeded("partial", n, False),
                 seeded("partial", n, True),
-                lambda new, old: (new - {"keep"}) | {"old"} == old,
+                lambda new, old: _new_matches(new | {"old"}, old, frozenset({"keep"})),
             ),
         )
         for name, what, nums, dens, match in specs:

@@ -24,7 +24,7 @@ reward is the sample's hidden label, so what is kept does not depend on the judg
     --fill-probability q (new sampler): each draw aims for the fewest groups that fill the batch
                with probability q instead of the expected number (rounds: the round's draw;
                stream: the groups kept in flight, so the abort has a tail to cut); the run is
-               named "-fill<q>".
+               named "-fill<q>" (_step_setup.variant_key).
     --sampler old   the round-based sampler before over-sampling (core.sample_dynamically: each
                round draws only the missing groups, no over-sampling); partial overlaps the
                judge with the rollout inside each round (score_as_completed), nothing aborted.
@@ -69,16 +69,6 @@ def make_sampler(ctx: Any) -> Any:
         fill_probability=getattr(ctx.args, "fill_probability", None),
         group=ctx.runtime.dp_group,
     )
-
-
-def variant_key(layout: str, args: Any, world_size: int = 1) -> str:
-    """The run's name: _step_setup.variant_key's, then "-fill<q>" for --fill-probability q,
-    so a run that sizes its draws by a fill probability has its own JSON and its own row."""
-    key = setup.variant_key(layout, args, world_size)
-    fill = getattr(args, "fill_probability", None)
-    if fill is not None and "seed" in (getattr(args, "mixes", None) or []):
-        key += f"-fill{fill:g}"
-    return key
 
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -365,7 +365,10 @@ def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
     dedicated with a pool: "-<policy GPUs>+<judge GPUs>" (dedicated-6+2; one policy rank and
     one judge GPU, the 2-GPU run, stays "dedicated"), "-s<n>" when n judge servers share
     fewer GPUs. Then "-pr<N>" (--prompts-per-rank), "-1.5b" (--shape), "-j<shape>" (a
-    --judge-shape unlike the policy's), "-js<N>" (--judge-slots, colocated judges)."""
+    --judge-shape unlike the policy's), "-js<N>" (--judge-slots, colocated judges). The seed
+    mix's sampler: "-old" (--sampler old), "-keep" (--keep-partial), "-nv<share>"
+    (--no-variance-share), "-fill<q>" (--fill-probability). Every name of a run (its JSON, its
+    profile, its out-of-memory record) is built from this one key."""
     key = layout
     judge_gpus = getattr(args, "judge_gpus", None) or []
     if layout == "dedicated" and judge_gpus:
@@ -398,6 +401,9 @@ def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
         share = getattr(args, "no_variance_share", None)
         if share is not None and share != SEED_NO_VARIANCE_SHARE:
             key += f"-nv{share:g}"
+        fill = getattr(args, "fill_probability", None)
+        if fill is not None:
+            key += f"-fill{fill:g}"
     return key
 
 

@@ -595,7 +595,7 @@ def run_layout(args: argparse.Namespace) -> Path | None:
                     )
             if args.profile or args.profile_phase:  # after the timed steps: counts in none
                 only = f"_{args.profile_phase}" if args.profile_phase else ""
-                variant = _step_sampling.variant_key(ctx.layout, args, runtime.world_size)
+                variant = setup.variant_key(ctx.layout, args, runtime.world_size)
                 name = f"profile_{variant}_{runtime.world_size}x_{mix}{only}.txt"
                 path = Path(args.out_dir) / name if runtime.is_rank_zero else None
                 with _step_profile.maybe_profile(path, phase=args.profile_phase):
@@ -610,7 +610,7 @@ def run_layout(args: argparse.Namespace) -> Path | None:
             return _step_report.write_run(
                 args.out_dir,
                 layout=ctx.layout,
-                variant=_step_sampling.variant_key(ctx.layout, args, runtime.world_size),
+                variant=setup.variant_key(ctx.layout, args, runtime.world_size),
                 num_ranks=runtime.world_size,
                 tiny=args.tiny,
                 judge_pool=_step_judge.pool_record(ctx) if ctx.layout == "dedicated" else None,
