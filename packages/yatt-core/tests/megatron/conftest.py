@@ -62,6 +62,10 @@ LAYOUTS = [
     {"pack_sequences": True},
     {"pp_size": 2, "pack_sequences": True},
     {"cp_size": 2},
+    # Full activation recompute under the 1F1B schedule and under context parallelism (the
+    # recomputed layers rerun CP's key/value all-gather in the backward).
+    {"pp_size": 2, "recompute_granularity": "full"},
+    {"cp_size": 2, "recompute_granularity": "full"},
 ]
 
 
