@@ -262,3 +262,40 @@ def test_memory_estimate_counts_parameters_and_activations_by_hand():
     }
     with pytest.raises(ValueError, match="cp_size=0"):
         estimate_megatron_memory(QWEN25_7B, tokens=8, cp_size=0)
+
+
+def test_full_recompute_keeps_unit_inputs_and_rebuilds_one_unit():
+    """Hand-computed: h 8, 4 layers, SwiGLU f 16, 2 heads over 1 KV head (kv = 4), 10 tokens.
+    Kept per token and layer without recompute: 2 bytes x (6 h + 3 h + 3 kv + 4 f) = 296 B.
+    Full recompute keeps each unit's input (2 bytes x h = 16 B per token) for every micro-batch
+    in flight, and rebuilds one unit of layers for one micro-batch in the backward."""
+    shape = flops_shape(
+        hidden_size=8,
+        num_layers=4,
+        ffn_hidden_size=16,
+        num_heads=2,
+        num_kv_heads=1,
+        is_gated_mlp=True,
+    )
+    assert estimate_megatron_memory(shape, tokens=10).activations == 296 * 10 * 4
+    # One layer per unit: 4 inputs of 10 x 16 B, plus one layer's 10 x 296 B.
+    assert estimate_megatron_memory(shape, tokens=10, recompute_num_layers=1).activations == (
+        640 + 2960
+    )
+    # Two layers per unit: 2 inputs, plus two layers rebuilt.
+    assert estimate_megatron_memory(shape, tokens=10, recompute_num_layers=2).activations == (
+        320 + 5920
+    )
+    # PP 2 (1F1B, 2 micro-batches in flight on the first stage): 2 layers x 2 micro-batches of
+    # inputs, one layer of one micro-batch rebuilt.
+    staged = estimate_megatron_memory(shape, tokens=10, pp_size=2, recompute_num_layers=1)
+    assert staged.activations == 2 * 2 * 160 + 2960
+    # CP 2: a rank holds 5 tokens; the gathered keys and values (2 B x 2 kv x 10 tokens per
+    # layer) are kept for the rebuilt layer only, not for all 4.
+    split = estimate_megatron_memory(shape, tokens=10, cp_size=2, recompute_num_layers=1)
+    assert split.activations == 4 * 5 * 16 + 296 * 5
+    assert split.gathered_kv == 2 * 2 * 4 * 10 * 1
+    assert estimate_megatron_memory(shape, tokens=10, cp_size=2).gathered_kv == 160 * 4
+    for bad, pp in ((0, 1), (3, 2), (True, 1)):
+        with pytest.raises(ValueError, match=f"recompute_num_layers={bad!r}"):
+            estimate_megatron_memory(shape, tokens=10, pp_size=pp, recompute_num_layers=bad)

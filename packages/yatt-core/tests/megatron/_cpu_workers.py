@@ -404,6 +404,76 @@ def layouts(model_dir: str, cases: list) -> dict:
     return out
 
 
+def recompute(model_dir: str, cases: list) -> dict:
+    """MegatronPolicy (float32, one rank) per activation-recompute case ({} = off): logprobs,
+    the first step's gradients, two steps' metrics, the weights after them, the recompute
+    fields of the TransformerConfig the policy built, and how often megatron-core's
+    tensor_parallel.checkpoint ran (the layers and submodules it recomputes in the backward)."""
+    _cpu_shim.install_for_policy()
+    import megatron.core.tensor_parallel as tensor_parallel
+    from megatron.core import parallel_state
+
+    import yatt.core.policy._head_logprobs as head_logprobs
+    from yatt.core import PolicyLoss, init_runtime
+    from yatt.core.megatron import MegatronPolicy
+    from yatt.core.policy.megatron._weights import global_layer_name
+
+    head_logprobs.CHUNK_ELEMENTS = 2048
+    real_checkpoint = tensor_parallel.checkpoint
+    calls = [0]
+
+    def counted_checkpoint(*args, **kwargs):
+        calls[0] += 1
+        return real_checkpoint(*args, **kwargs)
+
+    tensor_parallel.checkpoint = counted_checkpoint
+    batch = _rl_batch()
+    out = {}
+    for case in cases:
+        config = _float32_config(model_dir, **case)
+        with init_runtime(device="cpu", tp_size=config.model_parallel_size) as rt:
+            policy = MegatronPolicy(config, rt)
+            logprobs = policy.logprobs(batch)
+            calls_in_logprobs = calls[0]
+            batch.tokens["old_logprobs"] = logprobs
+            grads = {}
+            real_step = policy.step_optimizer
+
+            def step_and_record(lr, policy=policy, grads=grads, real_step=real_step):
+                if not grads:
+                    for chunk in policy.chunks:
+                        for name, param in chunk.model.named_parameters():
+                            name = global_layer_name(name, chunk.layer_offset)
+                            grads[name] = param.main_grad.detach().clone()
+                real_step(lr)
+
+            policy.step_optimizer = step_and_record
+            metrics = [policy.train_step(batch, PolicyLoss(entropy_coef=0.01)) for _ in range(2)]
+            del batch.tokens["old_logprobs"]
+            tf_config = policy.chunks[0].model.config
+            out[json.dumps(case, sort_keys=True)] = {
+                "logprobs": logprobs,
+                "metrics": metrics,
+                "grads": grads,
+                "weights": {k: v.clone() for k, v in policy.named_weights()},
+                "tf_config": {
+                    name: getattr(tf_config, name)
+                    for name in (
+                        "recompute_granularity",
+                        "recompute_method",
+                        "recompute_num_layers",
+                        "recompute_modules",
+                    )
+                },
+                "checkpoint_calls": calls[0],
+                "checkpoint_calls_in_logprobs": calls_in_logprobs,
+                "num_layers": policy.layout.num_layers,
+            }
+            calls[0] = 0
+        parallel_state.destroy_model_parallel()
+    return out
+
+
 def run_all(model_dirs: dict, cases: list) -> dict:
     """Every case in one process (megatron-core takes ~20 s to import on a busy 2-core box)."""
     from megatron.core import parallel_state
@@ -421,7 +491,7 @@ def main() -> None:
     scenario, out_dir, kwargs = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    result = {"all": run_all, "layouts": layouts}[scenario](**kwargs)
+    result = {"all": run_all, "layouts": layouts, "recompute": recompute}[scenario](**kwargs)
     torch.save(result, out_dir / f"rank{dist.get_rank()}.pt")
     dist.barrier()
     dist.destroy_process_group()

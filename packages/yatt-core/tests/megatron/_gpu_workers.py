@@ -243,6 +243,41 @@ def check_packing(model_dir: str, rt) -> dict:
     }
 
 
+def check_recompute(model_dir: str, rt) -> dict:
+    """Full activation recompute (uniform, 1 layer) against none, from the same weights on the
+    same batch, bf16: one train step's loss and gradient norm, and the step's peak memory
+    above what was allocated before it (the activations kept for the backward)."""
+    from yatt.core import PolicyLoss
+    from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
+
+    out: dict = {}
+    for granularity in (None, "full"):
+        config = MegatronPolicyConfig(
+            model_dir=model_dir,
+            tp_size=rt.tp_size,
+            lr=1e-4,
+            recompute_granularity=granularity,
+        )
+        policy = MegatronPolicy(config, rt)
+        batch = _global_batch(policy.layout.vocab_size)
+        batch.tokens["old_logprobs"] = policy.logprobs(batch)
+        torch.cuda.synchronize(rt.device)
+        before = torch.cuda.memory_allocated(rt.device)
+        torch.cuda.reset_peak_memory_stats(rt.device)
+        metrics = policy.train_step(batch, PolicyLoss())
+        torch.cuda.synchronize(rt.device)
+        out[str(granularity)] = {
+            "loss": metrics["loss"],
+            "grad_norm": metrics["grad_norm"],
+            "step_peak_bytes": torch.cuda.max_memory_allocated(rt.device) - before,
+            "tf_granularity": policy.chunks[0].model.config.recompute_granularity,
+        }
+        del policy
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
@@ -251,6 +286,7 @@ def main() -> None:
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--torch-ref", action="store_true")
     parser.add_argument("--pack-check", action="store_true")
+    parser.add_argument("--recompute-check", action="store_true")
     args = parser.parse_args()
 
     from yatt.core import init_runtime
@@ -269,6 +305,9 @@ def main() -> None:
         if args.pack_check:
             (model_dir,) = json.loads(args.model_dirs).values()
             results["packing"] = check_packing(model_dir, rt)
+        if args.recompute_check:
+            (model_dir,) = json.loads(args.model_dirs).values()
+            results["recompute"] = check_recompute(model_dir, rt)
         if rt.is_rank_zero:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

@@ -62,6 +62,10 @@ LAYOUTS = [
     {"pack_sequences": True},
     {"pp_size": 2, "pack_sequences": True},
     {"cp_size": 2},
+    # Full activation recompute under the 1F1B schedule and under context parallelism (the
+    # recomputed layers rerun CP's key/value all-gather in the backward).
+    {"pp_size": 2, "recompute_granularity": "full"},
+    {"cp_size": 2, "recompute_granularity": "full"},
 ]
 
 
@@ -78,3 +82,25 @@ def megatron_layout_results(tmp_path_factory):
     results = launch_megatron(out_dir, "layouts", 2, model_dir=str(model_dir), cases=LAYOUTS)
     keys = [json.dumps(case, sort_keys=True) for case in LAYOUTS] + [CHECKPOINTS]
     return {key: [r[key] for r in results] for key in keys}
+
+
+# Activation-recompute cases of one 1-rank launch (see _cpu_workers.recompute); {} is off.
+RECOMPUTE_CASES = [
+    {},
+    {"recompute_granularity": "full"},
+    {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
+    {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]},
+]
+
+
+@pytest.fixture(scope="session")
+def megatron_recompute_results(tmp_path_factory, tiny_model_dirs):
+    """{case key: rank 0's result} of the 2-layer Qwen2 at each RECOMPUTE_CASES case."""
+    pytest.importorskip(
+        "megatron.core", reason="megatron-core is not installed (yatt-core[megatron])"
+    )
+    out_dir = tmp_path_factory.mktemp("megatron-recompute") / "out"
+    (results,) = launch_megatron(
+        out_dir, "recompute", 1, model_dir=tiny_model_dirs["qwen2"], cases=RECOMPUTE_CASES
+    )
+    return results

@@ -175,3 +175,99 @@ def test_model_parallel_size_and_world_checks(tmp_path):
     assert megatron_rank_order(2, 2, 1) == "tp-cp-ep-dp-pp"
     with pytest.raises(ValueError, match="pp_size=2 with cp_size=2 needs one data-parallel rank"):
         megatron_rank_order(2, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"recompute_method": "uniform"}, r"recompute_method='uniform' without recompute_gran"),
+        ({"recompute_num_layers": 1}, r"recompute_num_layers=1 without recompute_granularity"),
+        ({"recompute_modules": ("mlp",)}, r"recompute_modules=\('mlp',\) without recompute_gr"),
+        ({"recompute_granularity": "partial"}, r"recompute_granularity='partial': use one of"),
+        (
+            {"recompute_granularity": "full", "recompute_method": "interleaved"},
+            r"recompute_method='interleaved': use one of \('uniform', 'block'\)",
+        ),
+        (
+            {"recompute_granularity": "full", "recompute_num_layers": 0},
+            r"recompute_num_layers=0: must be an int >= 1",
+        ),
+        (
+            {"recompute_granularity": "full", "recompute_num_layers": 3},
+            r"recompute_num_layers=3: more than the 2 layers of a model chunk",
+        ),
+        (  # per pipeline stage: 2 layers over pp=2
+            {"recompute_granularity": "full", "recompute_num_layers": 2, "pp_size": 2},
+            r"recompute_num_layers=2: more than the 1 layers .* / pp_size=2\)",
+        ),
+        (
+            {"recompute_granularity": "full", "recompute_modules": ("mlp",)},
+            r"recompute_modules=\('mlp',\) with recompute_granularity='full'",
+        ),
+        (
+            {"recompute_granularity": "selective", "recompute_method": "uniform"},
+            r"recompute_method='uniform' with recompute_granularity='selective'",
+        ),
+        (
+            {"recompute_granularity": "selective", "recompute_num_layers": 1},
+            r"recompute_num_layers=1 with recompute_granularity='selective'",
+        ),
+        (  # megatron-core 0.16.1 recomputes layernorms only with TransformerEngine
+            {"recompute_granularity": "selective", "recompute_modules": ("layernorm",)},
+            r"recompute_modules=\('layernorm',\): a non-empty list of \('core_attn', 'mlp'\)",
+        ),
+        (
+            {"recompute_granularity": "selective", "recompute_modules": ()},
+            r"recompute_modules=\(\): a non-empty list",
+        ),
+        (
+            {"recompute_granularity": "selective", "recompute_modules": "mlp"},
+            r"recompute_modules='mlp': a non-empty list",
+        ),
+    ],
+)
+def test_recompute_options_megatron_would_reject_or_ignore_raise_before_the_model_loads(
+    tmp_path, fields, match
+):
+    _config("Qwen2Config").save_pretrained(tmp_path)  # 2 layers: no weights to read
+    with pytest.raises(ValueError, match=r"MegatronPolicyConfig\." + match):
+        MegatronPolicyConfig(model_dir=str(tmp_path), **fields)
+
+
+def test_uniform_recompute_units_must_divide_a_chunk_and_block_need_not(tmp_path):
+    _config("Qwen2Config", num_hidden_layers=3).save_pretrained(tmp_path)
+    full = {"model_dir": str(tmp_path), "recompute_granularity": "full", "recompute_num_layers": 2}
+    # megatron-core's uniform loop steps 2 layers at a time and would index a fourth layer.
+    with pytest.raises(ValueError, match=r"recompute_num_layers=2 must divide the 3 layers"):
+        MegatronPolicyConfig(**full)
+    assert MegatronPolicyConfig(**full, recompute_method="block").recompute_num_layers == 2
+
+
+def test_recompute_options_translate_to_transformer_config_keywords(tmp_path):
+    """What reaches TransformerConfig (megatron-core 0.16.1's recompute_* fields)."""
+    _config("Qwen2Config", num_hidden_layers=4).save_pretrained(tmp_path)
+    layout = layout_from_hf_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    off = MegatronPolicyConfig(model_dir=str(tmp_path))
+    assert off.recompute_options is None
+    assert (
+        transformer_config_kwargs(layout, recompute=off.recompute_options)["recompute_granularity"]
+        is None
+    )
+    block = MegatronPolicyConfig(
+        model_dir=str(tmp_path),
+        pp_size=2,
+        recompute_granularity="full",
+        recompute_method="block",
+        recompute_num_layers=2,
+    )
+    kwargs = transformer_config_kwargs(layout, pp_size=2, recompute=block.recompute_options)
+    assert (kwargs["recompute_method"], kwargs["recompute_num_layers"]) == ("block", 2)
+    # A YAML list of modules becomes the config's tuple; megatron-core receives a list.
+    selective = MegatronPolicyConfig(
+        model_dir=str(tmp_path), recompute_granularity="selective", recompute_modules=["mlp"]
+    )
+    assert selective.recompute_modules == ("mlp",)
+    kwargs = transformer_config_kwargs(layout, recompute=selective.recompute_options)
+    assert kwargs["recompute_granularity"] == "selective"
+    assert kwargs["recompute_modules"] == ["mlp"]
+    assert "recompute_num_layers" not in kwargs  # megatron requires None for selective

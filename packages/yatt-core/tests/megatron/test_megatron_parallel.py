@@ -16,12 +16,14 @@ PIPELINES = [
     json.dumps({"pp_size": 2}, sort_keys=True),
     json.dumps({"pp_size": 2, "virtual_pp_size": 2}, sort_keys=True),
     json.dumps({"pp_size": 2, "pack_sequences": True}, sort_keys=True),
+    json.dumps({"pp_size": 2, "recompute_granularity": "full"}, sort_keys=True),
 ]
 PACKED = json.dumps({"pack_sequences": True}, sort_keys=True)
 CP2 = json.dumps({"cp_size": 2}, sort_keys=True)
+CP2_RECOMPUTE = json.dumps({"cp_size": 2, "recompute_granularity": "full"}, sort_keys=True)
 
 
-@pytest.fixture(params=PIPELINES, ids=["1f1b", "interleaved", "1f1b-packed"])
+@pytest.fixture(params=PIPELINES, ids=["1f1b", "interleaved", "1f1b-packed", "1f1b-recompute"])
 def pipeline(request, megatron_layout_results):
     return megatron_layout_results[PP1][0], megatron_layout_results[request.param]
 
@@ -120,12 +122,15 @@ def test_optimizer_state_of_another_layout_is_refused(pipeline):
         assert any(key.startswith(f"tp0.pp{stage['pp_rank']}.") for key in stage["optimizer_keys"])
 
 
-def test_context_parallel_gives_pp1_logprobs_losses_gradients_and_step(megatron_layout_results):
+@pytest.mark.parametrize("layout", [CP2, CP2_RECOMPUTE], ids=["cp2", "cp2-recompute"])
+def test_context_parallel_gives_pp1_logprobs_losses_gradients_and_step(
+    megatron_layout_results, layout
+):
     """cp=2: each rank runs two of four chunks of every row (all-gathered keys and values);
     the gathered logprobs, the global loss and each rank's gradient share (DDP averages over
-    dp x cp) give one rank's numbers."""
+    dp x cp) give one rank's numbers. With full recompute too."""
     reference = megatron_layout_results[PP1][0]
-    for rank in megatron_layout_results[CP2]:
+    for rank in megatron_layout_results[layout]:
         torch.testing.assert_close(rank["logprobs"], reference["logprobs"], atol=1e-5, rtol=0)
         for got, want in zip(rank["metrics"], reference["metrics"], strict=True):
             for key in ("loss", "grad_norm", "pg_loss", "entropy"):

@@ -116,6 +116,7 @@ class MemoryEstimate:
     grads: float  # float32 gradient buffer (grad_reduce_in_fp32)
     optimizer: float  # float32 main params + Adam's two moments, sharded over dp x cp
     activations: float  # kept for the backward: micro-batches in flight x layers held
+    # (with full recompute: the checkpointed inputs, plus one rebuilt unit of layers)
     gathered_kv: float  # context parallelism's all-gathered keys and values (kept too)
 
     @property
@@ -139,6 +140,7 @@ def estimate_megatron_memory(
     is_tied: bool = False,
     use_distributed_optimizer: bool = True,
     num_microbatches: int | None = None,
+    recompute_num_layers: int | None = None,
 ) -> MemoryEstimate:
     """Training memory per GPU of a dense GPT (flops_shape keywords) under TP x PP x CP x DP.
 
@@ -156,6 +158,12 @@ def estimate_megatron_memory(
     (2 kv per token and layer, / tp). Logits never appear whole (logprobs are computed in
     chunks in the output layer). Buffers of the allocator, NCCL and CUDA context come on top:
     leave 10-20 % free.
+
+    recompute_num_layers: full activation recompute in uniform units of this many layers
+    (MegatronPolicyConfig recompute_granularity="full", recompute_method="uniform"); None:
+    none. Each micro-batch in flight then keeps only its units' inputs (h values per token,
+    bf16), and the backward rebuilds one unit at a time: that unit's layers' activations and
+    gathered keys and values, for one micro-batch.
     """
     for name, value in (
         ("tokens", tokens),
@@ -183,6 +191,16 @@ def estimate_megatron_memory(
     mlp_values = 4 * f if shape.get("is_gated_mlp") else 3 * f
     per_token_layer = 2 * (6 * h + (3 * h + 3 * kv + mlp_values) / tp_size)
     layers_held = layers / pp_size * in_flight
+    activations = per_token_layer * rank_tokens * layers_held
+    if recompute_num_layers is not None:
+        if not _is_count(recompute_num_layers) or recompute_num_layers > layers / pp_size:
+            raise ValueError(
+                f"recompute_num_layers={recompute_num_layers!r} must be an int from 1 to the "
+                f"{layers / pp_size:g} layers of a pipeline stage"
+            )
+        unit_inputs = 2 * h * rank_tokens * layers_held / recompute_num_layers
+        layers_held = recompute_num_layers  # rebuilt in the backward, one micro-batch
+        activations = unit_inputs + per_token_layer * rank_tokens * layers_held
     gathered_kv = 0.0
     if cp_size > 1:
         gathered_kv = 2 * (2 * kv / tp_size) * tokens * layers_held
@@ -190,7 +208,7 @@ def estimate_megatron_memory(
         weights=2.0 * stage_params,
         grads=4.0 * stage_params,
         optimizer=12.0 * stage_params / optimizer_shards,
-        activations=per_token_layer * rank_tokens * layers_held,
+        activations=activations,
         gathered_kv=gathered_kv,
     )
 

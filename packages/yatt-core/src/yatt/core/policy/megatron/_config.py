@@ -25,12 +25,25 @@ The mapping for three dense families is small (see _weights.py) and fully tested
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+
+# Megatron-Core's activation recompute (TransformerConfig.recompute_*): "full" reruns whole
+# decoder layers in the backward, keeping only their inputs; "selective" reruns submodules.
+RecomputeGranularity = Literal["full", "selective"]
+RecomputeMethod = Literal["uniform", "block"]
+RECOMPUTE_GRANULARITIES: tuple[str, ...] = ("full", "selective")
+RECOMPUTE_METHODS: tuple[str, ...] = ("uniform", "block")
+# The submodules of a dense local-spec layer megatron-core recomputes selectively. Its other
+# choices are for MoE and MLA layers (refused by it, or a silent no-op on a dense model), and
+# "layernorm" runs CheckpointWithoutOutput, which reads TransformerEngine's FP8 state
+# (0.16.1: NameError 'FP8GlobalStateManager' without TE, which yatt does not install).
+RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "mlp")
 
 # Megatron's llama3 rope scaling hard-codes these (RotaryEmbedding._apply_scaling); only
 # `factor` is a parameter, so a checkpoint with other values cannot be represented.
@@ -211,6 +224,101 @@ def check_parallel_sizes(
             )
 
 
+def recompute_kwargs(
+    layout: GPTLayout,
+    *,
+    granularity: str | None = None,
+    method: str | None = None,
+    num_layers: int | None = None,
+    modules: Sequence[str] | None = None,
+    pp_size: int = 1,
+    virtual_pp_size: int | None = None,
+    prefix: str = "",
+) -> dict[str, Any]:
+    """TransformerConfig's recompute_* keywords, validated before any model is built.
+
+    granularity None: no recompute (every activation kept). "full": each decoder layer's
+    activations are dropped after its forward and recomputed in the backward from its input;
+    method "uniform" checkpoints units of num_layers layers (the default: 1, every layer),
+    "block" only the first num_layers layers of each model chunk (the rest keep theirs).
+    "selective": only `modules` (default megatron's ["core_attn"]) of every layer.
+    num_layers counts layers of one model chunk: num_hidden_layers / (pp x virtual stages).
+    prefix: the dotted owner of the fields in the messages (e.g. "MegatronPolicyConfig.").
+    """
+    fields = {
+        "recompute_method": method,
+        "recompute_num_layers": num_layers,
+        "recompute_modules": modules,
+    }
+    if granularity is None:
+        for name, value in fields.items():
+            if value is not None:
+                raise ValueError(
+                    f"{prefix}{name}={value!r} without recompute_granularity: set "
+                    f"recompute_granularity to one of {RECOMPUTE_GRANULARITIES}, or {name}=None"
+                )
+        return {"recompute_granularity": None}
+    if granularity not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(
+            f"{prefix}recompute_granularity={granularity!r}: use one of "
+            f"{RECOMPUTE_GRANULARITIES} or None (no recompute)"
+        )
+    if granularity == "selective":
+        for name in ("recompute_method", "recompute_num_layers"):
+            if fields[name] is not None:
+                raise ValueError(
+                    f"{prefix}{name}={fields[name]!r} with recompute_granularity='selective': "
+                    "it applies to 'full' only (selective recomputes its modules in every "
+                    f"layer); set {name}=None"
+                )
+        if modules is None:
+            return {"recompute_granularity": "selective"}  # megatron's default: core_attn
+        if (
+            isinstance(modules, str)
+            or not modules
+            or any(m not in RECOMPUTE_MODULES for m in modules)
+        ):
+            raise ValueError(
+                f"{prefix}recompute_modules={modules!r}: a non-empty list of {RECOMPUTE_MODULES} "
+                "(the submodules of a dense layer Megatron-Core recomputes without "
+                "TransformerEngine), or None for ['core_attn']"
+            )
+        return {"recompute_granularity": "selective", "recompute_modules": list(modules)}
+    if modules is not None:
+        raise ValueError(
+            f"{prefix}recompute_modules={modules!r} with recompute_granularity='full': full "
+            "recompute reruns whole layers; set recompute_modules=None (or granularity "
+            "'selective')"
+        )
+    method = "uniform" if method is None else method
+    if method not in RECOMPUTE_METHODS:
+        raise ValueError(
+            f"{prefix}recompute_method={method!r}: use one of {RECOMPUTE_METHODS} (or None for "
+            "'uniform')"
+        )
+    num_layers = 1 if num_layers is None else num_layers
+    chunk_layers = layout.num_layers // (pp_size * (virtual_pp_size or 1))
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
+        raise ValueError(f"{prefix}recompute_num_layers={num_layers!r}: must be an int >= 1")
+    if num_layers > chunk_layers:
+        raise ValueError(
+            f"{prefix}recompute_num_layers={num_layers}: more than the {chunk_layers} layers of "
+            f"a model chunk (num_hidden_layers={layout.num_layers} / pp_size={pp_size}"
+            f"{f' / virtual_pp_size={virtual_pp_size}' if virtual_pp_size else ''})"
+        )
+    if method == "uniform" and chunk_layers % num_layers:
+        # megatron-core's uniform loop steps by num_layers and would index past the chunk.
+        raise ValueError(
+            f"{prefix}recompute_num_layers={num_layers} must divide the {chunk_layers} layers of "
+            "a model chunk with recompute_method='uniform' (or use 'block')"
+        )
+    return {
+        "recompute_granularity": "full",
+        "recompute_method": method,
+        "recompute_num_layers": num_layers,
+    }
+
+
 def transformer_config_kwargs(
     layout: GPTLayout,
     *,
@@ -222,18 +330,24 @@ def transformer_config_kwargs(
     sequence_parallel: bool = False,
     use_cpu_initialization: bool = False,
     perform_initialization: bool = True,
+    recompute: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for `megatron.core.transformer.TransformerConfig`.
 
     Every fusion that needs TransformerEngine, Apex or Megatron's compiled kernels is off: the
     GPU machine has none of them, and each falls back to plain PyTorch anyway (named here so
     megatron-core does not try and warn). Dropout is 0: RL logprobs must be deterministic.
+    recompute: `recompute_kwargs`' keywords without the layout and sizes (granularity, method,
+    num_layers, modules); None: no activation recompute.
     """
     check_parallel_sizes(
         layout, tp_size=tp_size, pp_size=pp_size, virtual_pp_size=virtual_pp_size, cp_size=cp_size
     )
     if sequence_parallel and tp_size == 1:
         raise ValueError("sequence_parallel=True needs tp_size > 1")
+    recompute_options = recompute_kwargs(
+        layout, pp_size=pp_size, virtual_pp_size=virtual_pp_size, **(recompute or {})
+    )
     return {
         "num_layers": layout.num_layers,
         "hidden_size": layout.hidden_size,
@@ -276,6 +390,7 @@ def transformer_config_kwargs(
         "cross_entropy_loss_fusion": False,
         "use_cpu_initialization": use_cpu_initialization,
         "perform_initialization": perform_initialization,
+        **recompute_options,
     }
 
 

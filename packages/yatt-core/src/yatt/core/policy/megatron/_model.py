@@ -148,6 +148,7 @@ def build_gpt_model(
     vocab_divisible_by: int = 128,
     use_cpu_initialization: bool = False,
     config_overrides: dict[str, Any] | None = None,
+    recompute: dict[str, Any] | None = None,
 ) -> Any:
     """An uninitialised-weights GPTModel (pp=1) for this rank of the tensor-parallel group."""
     (chunk,) = build_gpt_chunks(
@@ -159,6 +160,7 @@ def build_gpt_model(
         vocab_divisible_by=vocab_divisible_by,
         use_cpu_initialization=use_cpu_initialization,
         config_overrides=config_overrides,
+        recompute=recompute,
     )
     return chunk.model
 
@@ -185,9 +187,12 @@ def build_gpt_chunks(
     vocab_divisible_by: int = 128,
     use_cpu_initialization: bool = False,
     config_overrides: dict[str, Any] | None = None,
+    recompute: dict[str, Any] | None = None,
 ) -> list[ModelChunk]:
     """This rank's GPTModel chunks (one per virtual stage; one without interleaving), built
-    after megatron's parallel_state: the first stage has the embedding, the last the head."""
+    after megatron's parallel_state: the first stage has the embedding, the last the head.
+    recompute: activation recompute (`_config.recompute_kwargs`' granularity, method,
+    num_layers, modules); None: none."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
@@ -204,6 +209,7 @@ def build_gpt_chunks(
         use_cpu_initialization=use_cpu_initialization,
         # The HF weights overwrite every parameter; random init would only cost time.
         perform_initialization=False,
+        recompute=recompute,
     )
     kwargs.update(config_overrides or {})
     config = TransformerConfig(**kwargs)

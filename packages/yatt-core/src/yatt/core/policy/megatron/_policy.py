@@ -105,6 +105,7 @@ class MegatronPolicy:
             attention=config.attention,
             sequence_parallel=config.sequence_parallel,
             vocab_divisible_by=config.vocab_divisible_by,
+            recompute=config.recompute_options,
         )
         for chunk in self.chunks:
             chunk.model.to(self.device)

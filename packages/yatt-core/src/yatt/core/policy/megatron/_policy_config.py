@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from yatt.core.policy._optimization import LRSchedule, check_optimizer_fields
 from yatt.core.policy._policy import DTYPES
+from yatt.core.policy.megatron._config import RecomputeGranularity, RecomputeMethod
 from yatt.core.policy.megatron._model import ATTENTIONS, Attention
 
 
@@ -48,6 +50,14 @@ class MegatronPolicyConfig:
         "sdpa"  # "sdpa": torch flash/efficient kernels; "megatron": local unfused
     )
     vocab_divisible_by: int = 128  # pad the vocabulary to a multiple of this x tp_size
+    # Activation recompute (Megatron-Core's TransformerConfig options), None = off: "full"
+    # keeps only each checkpointed unit's input and reruns its layers in the backward;
+    # "selective" reruns recompute_modules (None: ["core_attn"]) of every layer.
+    recompute_granularity: RecomputeGranularity | None = None
+    recompute_method: RecomputeMethod | None = None  # full: "uniform" (default) or "block"
+    # full: layers per uniform unit (default 1), or block's layers recomputed per model chunk
+    recompute_num_layers: int | None = None
+    recompute_modules: tuple[str, ...] | None = None  # selective: "core_attn" and/or "mlp"
     weight_sync_bucket_bytes: int = 512 << 20  # bytes gathered per bucket in named_weights()
 
     def __post_init__(self) -> None:
@@ -103,6 +113,8 @@ class MegatronPolicyConfig:
                         f"{name}.pack_sequences=True with {field}={value!r}: packed sequences "
                         f"need {field}={allowed!r} here (set pack_sequences=False otherwise)"
                     )
+        if isinstance(self.recompute_modules, list):  # a YAML list
+            object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
         self._check_model_split(model_dir)
 
     @property
@@ -110,20 +122,45 @@ class MegatronPolicyConfig:
         """Ranks holding one model replica (tp x pp x cp): they share one batch."""
         return self.tp_size * self.pp_size * self.cp_size
 
+    @property
+    def recompute_options(self) -> dict[str, Any] | None:
+        """The recompute fields as `build_gpt_chunks(recompute=...)` takes them; None: off."""
+        options = {
+            "granularity": self.recompute_granularity,
+            "method": self.recompute_method,
+            "num_layers": self.recompute_num_layers,
+            "modules": self.recompute_modules,
+        }
+        return None if all(v is None for v in options.values()) else options
+
     def _check_model_split(self, model_dir: Path) -> None:
-        """The parallel sizes against the model's shape, before any weight is read."""
-        if (self.tp_size, self.pp_size, self.cp_size, self.virtual_pp_size) == (1, 1, 1, None):
-            return  # nothing to split
+        """The parallel sizes and recompute options against the model's shape, before any
+        weight is read."""
+        sizes = (self.tp_size, self.pp_size, self.cp_size, self.virtual_pp_size)
+        if sizes == (1, 1, 1, None) and self.recompute_options is None:
+            return  # nothing to split or recompute
         from transformers import AutoConfig
 
-        from yatt.core.policy.megatron._config import check_parallel_sizes, layout_from_hf_config
+        from yatt.core.policy.megatron._config import (
+            check_parallel_sizes,
+            layout_from_hf_config,
+            recompute_kwargs,
+        )
 
         layout = layout_from_hf_config(AutoConfig.from_pretrained(model_dir))
+        prefix = "MegatronPolicyConfig."
         check_parallel_sizes(
             layout,
             tp_size=self.tp_size,
             pp_size=self.pp_size,
             virtual_pp_size=self.virtual_pp_size,
             cp_size=self.cp_size,
-            prefix="MegatronPolicyConfig.",
+            prefix=prefix,
+        )
+        recompute_kwargs(
+            layout,
+            pp_size=self.pp_size,
+            virtual_pp_size=self.virtual_pp_size,
+            prefix=prefix,
+            **(self.recompute_options or {}),
         )
