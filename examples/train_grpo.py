@@ -409,12 +409,13 @@ def resume_from_extra(
         )
     elif held is not None:
         num_dropped = partials.load_state_dict(
-            held, load_prompt=lambda saved: loaded_prompt(saved, encoder)
+            held,
+            load_prompt=lambda saved: loaded_prompt(saved, encoder, read_rows=loader.read_rows),
         )
-        if num_dropped:  # their rows hold images, or no longer give the same prompt ids
+        if num_dropped:  # their rows are unusable now, or no longer give the same prompt ids
             logger.warning(
                 "%d of the checkpoint's cut groups are not resumed: their prompts cannot be "
-                "rebuilt from the saved rows",
+                "rebuilt from the saved rows (unusable now, or other prompt ids)",
                 num_dropped,
             )
     return Resumed(start_step=extra["step"] + 1, num_partial_groups_dropped=num_dropped)

@@ -301,3 +301,57 @@ def test_cut_groups_in_a_checkpoint_are_ignored_when_keep_partial_is_off_now(
     assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=3)
     assert sampler2.last_keep_rate == pytest.approx(2 / 3)
     assert "holds 3 cut groups; rollout.keep_partial is off" in caplog.text
+
+
+class _ImageEncoder:
+    """encode() of rows with an opened image: the prompt's characters, then the image's first
+    pixel (a stand-in for image tokens: other pixels, other ids)."""
+
+    def encode(self, rows, *, should_count: bool = True) -> list[Prompt]:
+        return [
+            Prompt(
+                dict(row),
+                [ord(c) for c in row["prompt"]] + list(row["image"].getpixel((0, 0))),
+                images=[row["image"]],
+            )
+            for row in rows
+        ]
+
+
+def test_groups_of_rows_with_images_are_kept_by_row_index_and_read_again(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    colors = ["red", "green", "blue", "white"]
+    for i, color in enumerate(colors):
+        Image.new("RGB", (3, 2), color).save(tmp_path / f"q{i}.png")
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": f"q{i}", "answer": str(i), "image": f"q{i}.png"} for i in range(4)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def image_loader():
+        kwargs = dict(batch_size=2, prompt_key="prompt", image_key="image", should_shuffle=False)
+        return core.ShardedLoader(path, **kwargs)
+
+    loader, encoder, partials = image_loader(), _ImageEncoder(), _partials()
+    q0, q1 = encoder.encode(loader.next_batch(2))
+    for prompt in (q0, q1):
+        sample = _sample(prompt, [5, 6], [-0.125, -1.5], "abort")
+        partials.put(core.PartialGroup(samples=[sample], step=K, prompt=prompt))
+    _save(tmp_path / "ckpt", K, train_grpo.checkpoint_extra(K, loader, _sampler(), partials))
+    saved = [g["prompt"] for g in _load(tmp_path / "ckpt")["partials"]["groups"]]
+    assert saved == [{"row_index": 0, "ids": q0.ids}, {"row_index": 1, "ids": q1.ids}]
+
+    # q1's image changed on disk since: its saved responses continue other ids, dropped
+    Image.new("RGB", (3, 2), "black").save(tmp_path / "q1.png")
+    partials2 = _partials()
+    restored = train_grpo.resume_from_extra(
+        _load(tmp_path / "ckpt"),
+        loader=image_loader(),
+        sampler=_sampler(),
+        partials=partials2,
+        encoder=encoder,
+    )
+    assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=1)
+    (group,) = partials2.take(K + 1)
+    assert group.prompt.row["prompt"] == "q0" and group.prompt.ids == q0.ids
+    assert group.prompt.images[0].getpixel((0, 0)) == (255, 0, 0)  # read again: red
+    assert [list(s.response_ids) for s in group.samples] == [[5, 6]]
