@@ -22,7 +22,9 @@ rollout correction weighs (the config refuses keep_partial without it).
 A checkpoint keeps the held cut groups (core.PartialRollouts.state_dict), each prompt as its
 data row and ids (saved_prompt; loaded_prompt rebuilds it through the run's encoder), so a run
 resumed after a crash resumes the groups the uninterrupted run would have. A row with opened
-images is not JSON: its group is not kept across a restart (dropped, counted, logged).
+images is not JSON: it is kept by its dataset index (core.ROW_INDEX_KEY) and read again on
+resume (ShardedLoader.read_rows), its images opened anew. A group whose prompt cannot be
+rebuilt (its row unusable now, other ids) is dropped, counted and logged.
 """
 
 from __future__ import annotations
@@ -254,22 +256,44 @@ class RolloutStream:
 
 def saved_prompt(prompt: Prompt) -> dict | None:
     """A cut group's prompt as a checkpoint keeps it (PartialRollouts.state_dict(save_prompt=)):
-    its data row and ids, JSON-able. None for a row JSON cannot hold as it is (its opened
-    images): that group is not resumed after a restart (loaded_prompt drops it, counted)."""
+    its ids and its data row, JSON-able; a row JSON cannot hold as it is (its opened images)
+    by its dataset index instead (`row_index`, read again on resume). None for such a row
+    without an index (not the loader's): that group is not resumed (loaded_prompt drops it)."""
+    ids = [int(t) for t in prompt.ids]
     try:
         row = json.loads(json.dumps(prompt.row, allow_nan=False))
     except (TypeError, ValueError):
-        return None
-    return {"row": row, "ids": list(prompt.ids)} if row == prompt.row else None
+        row = None
+    if row is not None and row == prompt.row:
+        return {"row": row, "ids": ids}
+    index = prompt.row.get(core.ROW_INDEX_KEY)
+    if isinstance(index, int) and not isinstance(index, bool):
+        return {"row_index": index, "ids": ids}
+    return None
 
 
-def loaded_prompt(saved: dict | None, encoder: Any) -> Prompt | None:
+def loaded_prompt(
+    saved: dict | None,
+    encoder: Any,
+    *,
+    read_rows: Callable[[list[int]], list[dict | None]] | None = None,
+) -> Prompt | None:
     """The Prompt `saved_prompt` stored, rebuilt by the run's encoder (encoder.encode(rows,
-    should_count=False)); None (the group dropped) when the row no longer gives a prompt or
-    gives other ids (another tokenizer or chat template): its responses continue those ids."""
+    should_count=False)); a row kept by its index is read again by `read_rows` (the run's
+    ShardedLoader.read_rows). None (the group dropped) when the row is unusable now, no
+    read_rows is given for it, or it no longer gives a prompt or gives other ids (another
+    tokenizer or chat template, other images): its responses continue those ids."""
     if saved is None:
         return None
-    prompts = encoder.encode([saved["row"]], should_count=False)
+    if "row_index" in saved:
+        if read_rows is None:
+            return None
+        (row,) = read_rows([saved["row_index"]])
+        if row is None:
+            return None
+    else:
+        row = saved["row"]
+    prompts = encoder.encode([row], should_count=False)
     if len(prompts) != 1 or list(prompts[0].ids) != list(saved["ids"]):
         return None
     return prompts[0]

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -366,6 +367,24 @@ def checkpoint_extra(
     return extra
 
 
+# the checkpoint's cut groups not resumed, in the first step's metrics after a resume
+RESUME_DROPPED_METRIC = "dynamic_sampling/num_partial_groups_dropped_on_resume"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resumed:
+    """What resume_from_extra restored: the step to start at, and the checkpoint's cut groups
+    this rank could not resume (their prompts not rebuilt, or keep_partial off now)."""
+
+    start_step: int
+    num_partial_groups_dropped: int = 0
+
+    def metrics(self, group) -> dict[str, float]:
+        """The first step's metrics after the resume, summed over the ranks (collective)."""
+        dropped = {RESUME_DROPPED_METRIC: float(self.num_partial_groups_dropped)}
+        return core.reduce_metrics(dropped, group=group, default_op="sum")
+
+
 def resume_from_extra(
     extra: dict[str, Any],
     *,
@@ -373,30 +392,33 @@ def resume_from_extra(
     sampler: core.DynamicSampler,
     partials: core.PartialRollouts | None,
     encoder: PromptEncoder,
-) -> int:
-    """Restore what checkpoint_extra kept; returns the step to start at. A checkpoint written
-    before the sampler and the cut groups were kept resumes with the prior keep rate and no
-    cut groups; cut groups kept without keep_partial on now are dropped (logged)."""
+) -> Resumed:
+    """Restore what checkpoint_extra kept. A checkpoint written before the sampler and the
+    cut groups were kept resumes with the prior keep rate and no cut groups; cut groups not
+    resumed (keep_partial off now, or a prompt not rebuilt) are logged and counted."""
     loader.load_state_dict(extra["loader"])
     if "sampler" in extra:
         sampler.load_state_dict(extra["sampler"])
     held = extra.get("partials")
+    num_dropped = 0
     if held is not None and partials is None:
+        num_dropped = len(held.get("groups", ())) if isinstance(held, dict) else 0
         logger.warning(
             "the checkpoint holds %d cut groups; rollout.keep_partial is off: not resumed",
-            len(held.get("groups", ())) if isinstance(held, dict) else 0,
+            num_dropped,
         )
     elif held is not None:
         num_dropped = partials.load_state_dict(
-            held, load_prompt=lambda saved: loaded_prompt(saved, encoder)
+            held,
+            load_prompt=lambda saved: loaded_prompt(saved, encoder, read_rows=loader.read_rows),
         )
-        if num_dropped:  # their rows hold images, or no longer give the same prompt ids
+        if num_dropped:  # their rows are unusable now, or no longer give the same prompt ids
             logger.warning(
                 "%d of the checkpoint's cut groups are not resumed: their prompts cannot be "
-                "rebuilt from the saved rows",
+                "rebuilt from the saved rows (unusable now, or other prompt ids)",
                 num_dropped,
             )
-    return extra["step"] + 1
+    return Resumed(start_step=extra["step"] + 1, num_partial_groups_dropped=num_dropped)
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -509,11 +531,13 @@ def main(argv: list[str]) -> int:
             else None
         )
         start_step = 0
+        resumed: Resumed | None = None  # its counts go into the first step's metrics
         if args.resume:  # the tensors, then the loader, the keep rate and the cut groups
             extra = ckpt.load(policy.state())
-            start_step = resume_from_extra(
+            resumed = resume_from_extra(
                 extra, loader=loader, sampler=sampler, partials=partials, encoder=encoder
             )
+            start_step = resumed.start_step
             engine.update_weights(policy.named_weights())  # the engine starts from the saved policy
             logger.info("resumed after step %d", extra["step"])
         run_log = core.RunLog(
@@ -671,6 +695,9 @@ def main(argv: list[str]) -> int:
                     has_images=encoder.takes_images,
                 )
                 metrics |= truncation
+                if resumed is not None:  # every rank resumed: the first step after it
+                    metrics |= resumed.metrics(runtime.dp_group)
+                    resumed = None
                 metrics |= {f"train/{key}": value for key, value in train_metrics.items()}
                 # Same on every rank. Every sample right: solved, not stuck (a rule's accuracy).
                 is_solved = metrics["reward/accuracy"] >= 1.0
@@ -693,7 +720,8 @@ def main(argv: list[str]) -> int:
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
                 # Saved after the step's metrics line, so a committed step k implies lines 0..k.
                 save_start = time.perf_counter()  # async: returns once tensors are staged
-                extra = checkpoint_extra(step, loader, sampler, partials)
+                # built only when a save happens: the cut groups' ids and logprobs are large
+                extra = functools.partial(checkpoint_extra, step, loader, sampler, partials)
                 decision = ckpt.maybe_save(step, policy.state(), phase="train", extra=extra)
                 if not decision.is_saved and step == last_step:  # the final step, always
                     ckpt.save(step, policy.state(), extra=extra)

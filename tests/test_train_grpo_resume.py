@@ -181,6 +181,19 @@ def _step_after(partials: core.PartialRollouts, sampler: core.DynamicSampler, st
     }
 
 
+def _assert_logged_dropped(out_dir: Path, restored, num_dropped: int) -> None:
+    """The first step after the resume logs the count in metrics.jsonl, as the loop does."""
+    run_log = core.RunLog(out_dir, is_writer=True, resume_step=restored.start_step)
+    try:
+        run_log.log(restored.start_step, {"reward/mean": 0.5} | restored.metrics(None))
+    finally:
+        run_log.close()
+    (line,) = (out_dir / "metrics.jsonl").read_text().splitlines()
+    record = json.loads(line)
+    assert record["step"] == K + 1
+    assert record["dynamic_sampling/num_partial_groups_dropped_on_resume"] == num_dropped
+
+
 def test_a_resumed_run_starts_step_k_plus_1_with_the_uninterrupted_runs_cut_groups(tmp_path, data):
     loader, sampler, partials = _run_to_step_k(data)
     _save(tmp_path / "ckpt", K, train_grpo.checkpoint_extra(K, loader, sampler, partials))
@@ -189,15 +202,15 @@ def test_a_resumed_run_starts_step_k_plus_1_with_the_uninterrupted_runs_cut_grou
 
     # a fresh process: new objects, the checkpoint read back from disk
     loader2, sampler2, partials2 = _loader(data), _sampler(), _partials()
-    start = train_grpo.resume_from_extra(
+    restored = train_grpo.resume_from_extra(
         _load(tmp_path / "ckpt"),
         loader=loader2,
         sampler=sampler2,
         partials=partials2,
         encoder=_Encoder(),
     )
-    assert start == K + 1
-    resumed = _step_after(partials2, sampler2, start)
+    assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=0)
+    resumed = _step_after(partials2, sampler2, restored.start_step)
     assert resumed == uninterrupted
     assert (
         [row["prompt"] for row in loader2.next_batch(2)]
@@ -223,14 +236,15 @@ def test_a_checkpoint_written_before_the_cut_groups_were_kept_still_resumes(tmp_
     next_rows = loader.next_batch(2)
 
     loader2, sampler2, partials2 = _loader(data), _sampler(), _partials()
-    start = train_grpo.resume_from_extra(
+    restored = train_grpo.resume_from_extra(
         _load(tmp_path / "ckpt"),
         loader=loader2,
         sampler=sampler2,
         partials=partials2,
         encoder=_Encoder(),
     )
-    assert start == K + 1 and loader2.next_batch(2) == next_rows
+    assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=0)
+    assert loader2.next_batch(2) == next_rows
     assert len(partials2) == 0 and partials2.num_dropped_stale == 0  # no cut groups
     assert sampler2.last_keep_rate is None and sampler2.oversample_factor == 2.0  # the prior
 
@@ -246,7 +260,7 @@ def test_groups_whose_prompt_cannot_be_rebuilt_are_dropped_and_logged(tmp_path, 
 
     partials2 = _partials()
     with caplog.at_level(logging.WARNING, logger="train_grpo"):
-        train_grpo.resume_from_extra(
+        restored = train_grpo.resume_from_extra(
             _load(tmp_path / "ckpt"),
             loader=_loader(data),
             sampler=_sampler(),
@@ -255,17 +269,19 @@ def test_groups_whose_prompt_cannot_be_rebuilt_are_dropped_and_logged(tmp_path, 
         )
     assert [g.prompt.row["prompt"] for g in partials2.take(K)] == ["q0", "q2"]
     assert "1 of the checkpoint's cut groups are not resumed" in caplog.text
+    assert restored.num_partial_groups_dropped == 1  # the image row's group
+    _assert_logged_dropped(tmp_path / "run", restored, 1)
 
     # another tokenizer: the saved responses continue ids the rows no longer give
     partials3 = _partials()
-    train_grpo.resume_from_extra(
+    restored = train_grpo.resume_from_extra(
         _load(tmp_path / "ckpt"),
         loader=_loader(data),
         sampler=_sampler(),
         partials=partials3,
         encoder=_Encoder(offset=1),
     )
-    assert len(partials3) == 0
+    assert len(partials3) == 0 and restored.num_partial_groups_dropped == 3
 
 
 def test_cut_groups_in_a_checkpoint_are_ignored_when_keep_partial_is_off_now(
@@ -275,12 +291,67 @@ def test_cut_groups_in_a_checkpoint_are_ignored_when_keep_partial_is_off_now(
     _save(tmp_path / "ckpt", K, train_grpo.checkpoint_extra(K, loader, sampler, partials))
     sampler2 = _sampler()
     with caplog.at_level(logging.WARNING, logger="train_grpo"):
-        start = train_grpo.resume_from_extra(
+        restored = train_grpo.resume_from_extra(
             _load(tmp_path / "ckpt"),
             loader=_loader(data),
             sampler=sampler2,
             partials=None,
             encoder=_Encoder(),
         )
-    assert start == K + 1 and sampler2.last_keep_rate == pytest.approx(2 / 3)
+    assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=3)
+    assert sampler2.last_keep_rate == pytest.approx(2 / 3)
     assert "holds 3 cut groups; rollout.keep_partial is off" in caplog.text
+
+
+class _ImageEncoder:
+    """encode() of rows with an opened image: the prompt's characters, then the image's first
+    pixel (a stand-in for image tokens: other pixels, other ids)."""
+
+    def encode(self, rows, *, should_count: bool = True) -> list[Prompt]:
+        return [
+            Prompt(
+                dict(row),
+                [ord(c) for c in row["prompt"]] + list(row["image"].getpixel((0, 0))),
+                images=[row["image"]],
+            )
+            for row in rows
+        ]
+
+
+def test_groups_of_rows_with_images_are_kept_by_row_index_and_read_again(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    colors = ["red", "green", "blue", "white"]
+    for i, color in enumerate(colors):
+        Image.new("RGB", (3, 2), color).save(tmp_path / f"q{i}.png")
+    path = tmp_path / "rows.jsonl"
+    rows = [{"prompt": f"q{i}", "answer": str(i), "image": f"q{i}.png"} for i in range(4)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    def image_loader():
+        kwargs = dict(batch_size=2, prompt_key="prompt", image_key="image", should_shuffle=False)
+        return core.ShardedLoader(path, **kwargs)
+
+    loader, encoder, partials = image_loader(), _ImageEncoder(), _partials()
+    q0, q1 = encoder.encode(loader.next_batch(2))
+    for prompt in (q0, q1):
+        sample = _sample(prompt, [5, 6], [-0.125, -1.5], "abort")
+        partials.put(core.PartialGroup(samples=[sample], step=K, prompt=prompt))
+    _save(tmp_path / "ckpt", K, train_grpo.checkpoint_extra(K, loader, _sampler(), partials))
+    saved = [g["prompt"] for g in _load(tmp_path / "ckpt")["partials"]["groups"]]
+    assert saved == [{"row_index": 0, "ids": q0.ids}, {"row_index": 1, "ids": q1.ids}]
+
+    # q1's image changed on disk since: its saved responses continue other ids, dropped
+    Image.new("RGB", (3, 2), "black").save(tmp_path / "q1.png")
+    partials2 = _partials()
+    restored = train_grpo.resume_from_extra(
+        _load(tmp_path / "ckpt"),
+        loader=image_loader(),
+        sampler=_sampler(),
+        partials=partials2,
+        encoder=encoder,
+    )
+    assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=1)
+    (group,) = partials2.take(K + 1)
+    assert group.prompt.row["prompt"] == "q0" and group.prompt.ids == q0.ids
+    assert group.prompt.images[0].getpixel((0, 0)) == (255, 0, 0)  # read again: red
+    assert [list(s.response_ids) for s in group.samples] == [[5, 6]]

@@ -89,6 +89,40 @@ def test_async_save_snapshots_at_call_time(tmp_path):
         assert torch.equal(value, snapshot[key]), key
 
 
+def test_extra_is_a_snapshot_at_call_time_and_a_callable_is_called_once(tmp_path, monkeypatch):
+    import yatt.ckpt._checkpointer as checkpointer_module
+
+    release = threading.Event()
+    write = checkpointer_module.write_and_commit
+
+    def held_write(*args, **kwargs):
+        assert release.wait(30), "the test never released the writer"
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer_module, "write_and_commit", held_write)
+    model, _, _ = build(0)
+    extra = {"groups": [[1, 2], [3]], "keep_rate": 0.5}
+    calls = []
+
+    def build_extra() -> dict:
+        calls.append(1)
+        return {"groups": [list(g) for g in extra["groups"]], "keep_rate": extra["keep_rate"]}
+
+    with Checkpointer(tmp_path, keep_last=5) as ckpt:
+        ckpt.save(1, {"model": model}, extra=extra)
+        # The trainer changes its state as soon as save() returns; the write has not started.
+        extra["groups"][0].append(9)
+        extra["keep_rate"] = 0.25
+        release.set()
+        ckpt.wait()
+        ckpt.save(2, {"model": model}, extra=build_extra)  # built now: the state of step 2
+        ckpt.wait()
+        assert ckpt.load({"model": model}, step=1) == {"groups": [[1, 2], [3]], "keep_rate": 0.5}
+        want = {"groups": [[1, 2, 9], [3]], "keep_rate": 0.25}
+        assert ckpt.load({"model": model}, step=2) == want
+    assert len(calls) == 1
+
+
 def test_rng_states_restored_on_load(tmp_path):
     model, _, _ = build(0)
     random.seed(11)
@@ -202,6 +236,8 @@ def test_bad_save_arguments(tmp_path):
     with Checkpointer(tmp_path) as ckpt:
         with pytest.raises(ValueError, match="extra is not JSON-able"):
             ckpt.save(1, {"model": model}, extra={"t": torch.zeros(1)})
+        with pytest.raises(ValueError, match="extra is not JSON-able"):
+            ckpt.save(1, {"model": model}, extra=lambda: {"t": torch.zeros(1)})
         with pytest.raises(ValueError, match="step=-1"):
             ckpt.save(-1, {"model": model})
         with pytest.raises(ValueError, match=r"state\['lr'\] is a float"):

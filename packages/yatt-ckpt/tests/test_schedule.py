@@ -146,3 +146,61 @@ def test_wait_is_the_default_and_other_values_are_refused(tmp_path):
     assert CkptConfig().when_busy == "wait"
     with pytest.raises(ValueError, match=r"when_busy='skip'.*'defer'"):
         Checkpointer(tmp_path, when_busy="skip")
+
+
+class _CountedExtra:
+    """extra=lambda: ...: records each call (step, thread) and returns that step's value."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, str]] = []
+
+    def at(self, step: int):
+        def build() -> dict:
+            self.calls.append((step, threading.current_thread().name))
+            return {"step": step, "ids": [step] * 3}
+
+        return build
+
+
+def test_a_callable_extra_is_built_once_per_save_and_never_on_other_steps(tmp_path):
+    value = torch.zeros(2)
+    extra = _CountedExtra()
+    with Checkpointer(tmp_path, keep_last=10, every_steps=3) as ckpt:  # async (the default)
+        saved = [
+            s for s in range(10) if ckpt.maybe_save(s, {"v": value}, extra=extra.at(s)).is_saved
+        ]
+        assert not ckpt.maybe_save(9, {"v": value}, extra=extra.at(9)).is_saved  # saved already
+    # every_steps=3 saves steps 3, 6, 9; each built once, on the caller's thread
+    assert saved == [3, 6, 9]
+    here = threading.current_thread().name
+    assert extra.calls == [(3, here), (6, here), (9, here)]
+    with Checkpointer(tmp_path, read_only=True) as ckpt:
+        for step in (3, 6, 9):
+            assert ckpt.load({"v": torch.zeros(2)}, step=step) == {"step": step, "ids": [step] * 3}
+
+
+def test_a_callable_extra_is_built_once_for_a_stop_signals_save_and_not_for_a_deferred_one(
+    tmp_path, monkeypatch
+):
+    import yatt.ckpt._checkpointer as checkpointer_module
+
+    release = threading.Event()
+    write = checkpointer_module.write_and_commit
+
+    def slow_write(*args, **kwargs):
+        assert release.wait(30), "the test never released the writer"
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer_module, "write_and_commit", slow_write)
+    value = torch.zeros(2)
+    extra = _CountedExtra()
+    with Checkpointer(tmp_path, keep_last=10, every_steps=2, when_busy="defer") as ckpt:
+        assert ckpt.maybe_save(2, {"v": value}, extra=extra.at(2)).is_saved  # write hangs
+        assert ckpt.maybe_save(4, {"v": value}, extra=extra.at(4)).is_deferred
+        release.set()
+        ckpt.wait()
+        ckpt.install_signal_handlers()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ckpt.maybe_save(5, {"v": value}, extra=extra.at(5)).should_stop
+        assert ckpt.load({"v": torch.zeros(2)}, step=5) == {"step": 5, "ids": [5] * 3}
+    assert [step for step, _ in extra.calls] == [2, 5]

@@ -13,6 +13,7 @@ from yatt.core import ShardedLoader
 from yatt.core.data._loader import OTHER_REASONS, SKIP_CAUSES
 
 Image = pytest.importorskip("PIL.Image")
+ImageColor = pytest.importorskip("PIL.ImageColor")
 
 NUM_GPUS = 0
 
@@ -251,3 +252,29 @@ def test_a_datasets_image_column_is_checked_before_datasets_decodes_it(tmp_path)
     assert isinstance(got[0]["image"], Image.Image) and got[0]["image"].size == (2, 2)
     counts = loader.skipped_by_cause()
     assert (counts["image_too_large"], counts["bad_image"], counts["unreadable"]) == (1, 1, 0)
+
+
+def test_read_rows_gives_drawn_rows_again_by_index_without_moving_or_counting(tmp_path):
+    colors = {"q0": "red", "q1": "green", "q2": "blue", "q3": "white"}
+    for name, color in colors.items():
+        (tmp_path / f"{name}.png").write_bytes(_png((3, 2), color))
+    rows = [{"prompt": name, "image": f"{name}.png"} for name in colors]
+    rows.insert(2, {"prompt": "gone", "image": "missing.png"})  # index 2: unusable
+    path = _write_jsonl(tmp_path / "d.jsonl", rows)
+    loader = ShardedLoader(path, batch_size=2, image_key="image", seed=3)  # shuffled
+    drawn = loader.next_batch(5)
+    state, skipped = loader.state_dict(), loader.skipped_by_cause()
+
+    by_index = {row["_index"]: row for row in drawn}
+    again = loader.read_rows([*sorted(by_index, reverse=True), 2])
+    assert again[-1] is None  # the row with the missing image
+    for row in again[:-1]:
+        first = by_index[row["_index"]]
+        assert row["prompt"] == first["prompt"] == rows[row["_index"]]["prompt"]
+        assert isinstance(row["image"], Image.Image)
+        assert row["image"].tobytes() == first["image"].tobytes()
+        assert row["image"].getpixel((0, 0)) == ImageColor.getrgb(colors[row["prompt"]])
+    assert loader.state_dict() == state and loader.skipped_by_cause() == skipped
+    assert loader.read_rows([]) == []
+    with pytest.raises(ValueError, match=r"indices \[5, -1\] are not row indices"):
+        loader.read_rows([0, 5, -1])

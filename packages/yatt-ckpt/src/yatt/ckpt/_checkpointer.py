@@ -21,8 +21,9 @@ import logging
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -57,6 +58,8 @@ from yatt.ckpt._state import (
 from yatt.ckpt._writer import create_stager, stage_to_cpu, write_and_commit
 
 logger = logging.getLogger("yatt.ckpt")
+# A JSON-able value, or a zero-argument callable returning one (called only when a save happens)
+Extra: TypeAlias = Any | Callable[[], Any]
 WRITER_LOCK_FILE = ".yatt-ckpt-writer.lock"
 
 # DCP warns on every single-process save and load, even when asked for one with no_dist=True.
@@ -170,25 +173,25 @@ class Checkpointer:
 
     # -- saving -----------------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any], *, extra: Any = None) -> None:
+    def save(self, step: int, state: dict[str, Any], *, extra: Extra = None) -> None:
         """Checkpoint `state` (modules, optimizers, tensors, stateful objects) as `step`.
 
-        `extra` is any JSON-able value (config, data-loader position), saved per rank. With
+        `extra` is any JSON-able value (config, data-loader position), saved per rank, or a
+        zero-argument callable returning one: called here, once, on this thread, before any
+        background work, so a large extra is built only when a save happens. It is encoded to
+        JSON here too (a snapshot: changing it after save returns changes nothing). With
         async_save this returns once the tensors are copied to CPU memory; a second call first
         waits for the previous save. Errors of a background save are raised by the next
         save/wait/close.
         """
         self._check_writable("save")
         _check_step(step)
-        try:
-            json.dumps(extra)
-        except (TypeError, ValueError) as e:
-            raise ValueError(
-                f"extra is not JSON-able ({e}); pass dicts/lists of str, int, float, bool, None"
-            ) from e
         owners = validate_state(state)
+        if callable(extra):
+            extra = extra()
+        extra_json = _encode_extra(extra)
         self.wait()
-        record = {"rank": self._group.rank, "rng": capture_rng_state(), "extra": extra}
+        record = {"rank": self._group.rank, "rng": capture_rng_state(), "extra_json": extra_json}
         live = collect_state_dict(state, owners)
         self._schedule.note_saved(step)
         if not self.config.async_save:
@@ -234,10 +237,11 @@ class Checkpointer:
             ) from error
 
     def maybe_save(
-        self, step: int, state: dict[str, Any], *, phase: str | None = None, extra: Any = None
+        self, step: int, state: dict[str, Any], *, phase: str | None = None, extra: Extra = None
     ) -> SaveDecision:
         """Save if the schedule says so (see `CkptConfig`); after a stop signal, save, wait for
-        the commit and return should_stop=True."""
+        the commit and return should_stop=True. `extra` as for save(): pass a callable when it
+        is costly to build, and it is called only on the steps that save."""
         self._check_writable("maybe_save")
         if not self._schedule.is_eligible(phase):
             return SaveDecision(is_saved=False, should_stop=False)
@@ -491,6 +495,20 @@ class Checkpointer:
         restore_rng_state(record["rng"], source=str(info.path))
         self._schedule.note_saved(step)
         return record["extra"]
+
+
+def _encode_extra(extra: Any) -> str:
+    """`extra` as JSON text, once, with the C encoder: the writer stores this text as it is,
+    so a large extra is not encoded again (indented, by the pure-Python encoder) in the
+    writing thread, holding the GIL against the training loop, nor pickled as a tree to the
+    writer process."""
+    try:
+        return json.dumps(extra)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"extra is not JSON-able ({e}); pass dicts/lists of str, int, float, bool, None, "
+            "or a callable returning one"
+        ) from e
 
 
 def _check_step(step: int) -> None:

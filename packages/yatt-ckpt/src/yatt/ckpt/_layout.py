@@ -106,6 +106,18 @@ def write_json_durable(path: Path, obj: Any) -> None:
         os.fsync(f.fileno())
 
 
+def write_rank_record_durable(path: Path, record: dict[str, Any]) -> None:
+    """Write a rank record whose `extra_json` holds the caller's extra already as JSON text
+    (Checkpointer.save encodes it once): the file reads back as {"extra": ..., "rank": ...,
+    "rng": ...}, with the text spliced in, not encoded twice."""
+    rest = json.dumps({key: value for key, value in record.items() if key != "extra_json"})
+    rest = rest[1:-1]  # the other members, without their braces
+    with open(path, "w", encoding="ascii") as f:
+        f.write('{"extra": ' + record["extra_json"] + (", " + rest if rest else "") + "}\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def check_root_writable(root: Path) -> str | None:
     """Create `root` if needed and prove it is writable; returns an error message or None."""
     try:

@@ -36,8 +36,8 @@ from yatt.ckpt._layout import (
     read_info,
     select_deletions,
     step_dirname,
-    write_json_durable,
     write_meta,
+    write_rank_record_durable,
 )
 from yatt.ckpt._staging import HostStager
 
@@ -97,7 +97,7 @@ def write_and_commit(
             process_group=group.io,
             no_dist=not group.is_distributed,
         )
-        write_json_durable(tmp / rank_filename(group.rank), record)
+        write_rank_record_durable(tmp / rank_filename(group.rank), record)
         # Here, in the writing thread or process: hashing does not block training, and each
         # rank reads back only its own files, still in its page cache.
         checksums.update(hash_files_of_rank(tmp, group.rank))

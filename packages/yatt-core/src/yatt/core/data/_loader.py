@@ -307,6 +307,31 @@ class ShardedLoader:
             out.append(row)
         return out
 
+    def read_rows(self, indices: Sequence[int]) -> list[dict[str, Any] | None]:
+        """The rows at these global indices (a row's ROW_INDEX_KEY), as next_batch gave them
+        (a copy, images opened, the index set), or None for a row unusable now. Neither moves
+        the position nor counts skips: for a caller rebuilding rows it drew before (a
+        checkpoint that keeps a row with opened images by its index)."""
+        bad = [
+            i
+            for i in indices
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_rows
+        ]
+        if bad:
+            raise ValueError(
+                f"read_rows: indices {bad[:5]} are not row indices of this dataset "
+                f"(ints in [0, {self.num_rows})); pass rows' {ROW_INDEX_KEY!r} values"
+            )
+        out: list[dict[str, Any] | None] = []
+        if not indices:
+            return out
+        for index, row in zip(indices, self._source.read(list(indices)), strict=True):
+            row, _ = self._usable_row(row)
+            if row is not None:
+                row[ROW_INDEX_KEY] = index
+            out.append(row)
+        return out
+
     def __iter__(self) -> Iterator[list[dict[str, Any]]]:
         """Batches forever (epochs roll over); stop by step count in the training loop."""
         while True:
