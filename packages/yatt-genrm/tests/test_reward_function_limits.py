@@ -257,7 +257,10 @@ def test_a_weighted_sum_beyond_float32_is_an_error_verdict(rewards_file) -> None
 # -- signals: the scripts below run in a process of their own ----------------------------------
 
 HANG_SCRIPT = """
-import sys, threading, time
+import signal, sys, threading, time
+# Ctrl-C as an interactive trainer gets it: a shell's background job (CI started with `&`)
+# inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from yatt.genrm import Sample, load_reward_function
 
 fn = load_reward_function(sys.argv[1] + ":score", timeout_s=600.0)
@@ -322,9 +325,8 @@ def test_a_signal_ends_the_run_while_a_worker_hangs_and_the_worker_dies(
     process, worker_pid = _start_hung(rewards_file, tmp_path, "main")
     process.send_signal(sig)
     try:
-        # A hang would last the worker's 600 s timeout; 60 s leaves room for a loaded CI host
-        # (10 s timed out once with the CPU shared by several test runs).
-        code = process.wait(timeout=60)
+        # A hang would last the worker's 600 s timeout; 30 s leaves room for a loaded CI host.
+        code = process.wait(timeout=30)
     finally:
         process.kill()
     assert code == -sig  # Python ends an unhandled KeyboardInterrupt by SIGINT too
@@ -341,7 +343,7 @@ def test_the_interpreter_exits_while_a_thread_waits_on_a_hung_worker(
     try:
         # The main thread has ended; without killing workers first, the exit would wait out
         # the 600 s timeout in the pool thread.
-        assert process.wait(timeout=60) == 0
+        assert process.wait(timeout=30) == 0
     finally:
         process.kill()
     assert _is_gone(worker_pid)
