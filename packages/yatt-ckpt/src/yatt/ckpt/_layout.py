@@ -100,8 +100,12 @@ def fsync_path(path: Path) -> None:
 
 
 def write_json_durable(path: Path, obj: Any) -> None:
+    _write_text_durable(path, json.dumps(obj, indent=1, sort_keys=True))
+
+
+def _write_text_durable(path: Path, text: str) -> None:
     with open(path, "w", encoding="ascii") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
 
@@ -112,10 +116,9 @@ def write_rank_record_durable(path: Path, record: dict[str, Any]) -> None:
     "rng": ...}, with the text spliced in, not encoded twice."""
     rest = json.dumps({key: value for key, value in record.items() if key != "extra_json"})
     rest = rest[1:-1]  # the other members, without their braces
-    with open(path, "w", encoding="ascii") as f:
-        f.write('{"extra": ' + record["extra_json"] + (", " + rest if rest else "") + "}\n")
-        f.flush()
-        os.fsync(f.fileno())
+    _write_text_durable(
+        path, '{"extra": ' + record["extra_json"] + (", " + rest if rest else "") + "}\n"
+    )
 
 
 def check_root_writable(root: Path) -> str | None:
