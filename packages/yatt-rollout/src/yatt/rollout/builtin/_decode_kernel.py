@@ -24,15 +24,14 @@ Two variants, chosen by `DecodeKernelConfig` (the engine uses `DEFAULT_CONFIG`):
   rows), kept so bench/rollout/decode_attention_gpu.py times both in one process.
 
 `triton_decode_attention` returns None when Triton is missing (the caller falls back to SDPA).
-Set TRITON_INTERPRET=1 before importing this module to run it on CPU tensors through Triton's
-interpreter (the tests do; bf16 dots are wrong in the interpreter of Triton 3.9, so they use
-float16 and float32 there).
+A copy of this module imported under TRITON_INTERPRET=1 runs `run_decode_attention` on CPU
+tensors through Triton's interpreter (the tests do; bf16 dots are wrong in the interpreter of
+Triton 3.9, so they use float16 and float32 there).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -66,16 +65,14 @@ class DecodeKernelConfig:
             raise ValueError(f"DecodeKernelConfig.variant={self.variant!r}: use 'gqa' or 'legacy'")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"DecodeKernelConfig.block_n={self.block_n}: use a power of two >= 16")
-        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
-            raise ValueError(
-                f"DecodeKernelConfig.num_warps={self.num_warps}, num_stages={self.num_stages}: "
-                "use num_warps in 1/2/4/8/16 and num_stages >= 1"
-            )
-        if self.programs_per_sm <= 0 or self.max_splits < 1:
-            raise ValueError(
-                f"DecodeKernelConfig.programs_per_sm={self.programs_per_sm}, max_splits="
-                f"{self.max_splits}: use programs_per_sm > 0 and max_splits >= 1"
-            )
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"DecodeKernelConfig.num_warps={self.num_warps}: use 1, 2, 4, 8 or 16")
+        if self.num_stages < 1:
+            raise ValueError(f"DecodeKernelConfig.num_stages={self.num_stages}: use >= 1")
+        if self.programs_per_sm <= 0:
+            raise ValueError(f"DecodeKernelConfig.programs_per_sm={self.programs_per_sm}: use > 0")
+        if self.max_splits < 1:
+            raise ValueError(f"DecodeKernelConfig.max_splits={self.max_splits}: use >= 1")
 
 
 # The configuration measured before issue 28 (bench/results/rollout_nvidia_h200_throughput.md).
@@ -97,12 +94,8 @@ BENCH_CONFIGS = {
 }
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def available(device: torch.device) -> bool:
-    return triton is not None and (device.type == "cuda" or _interpreting())
+    return triton is not None and device.type == "cuda"
 
 
 if triton is not None:
@@ -379,14 +372,33 @@ def triton_decode_attention(
     """
     if not available(query.device):
         return None
+    D = query.shape[-1]
+    if D & (D - 1) or D < 16 or keys.stride(-1) != 1 or values.stride(-1) != 1:
+        return None
+    return run_decode_attention(
+        query, keys, values, pos_B, span=span, scale=scale, slot_B=slot_B, config=config
+    )
+
+
+def run_decode_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos_B: torch.Tensor,
+    *,
+    span: int,
+    scale: float,
+    slot_B: torch.Tensor | None = None,
+    config: DecodeKernelConfig | None = None,
+) -> torch.Tensor:
+    """`triton_decode_attention` without its checks: CUDA tensors, or CPU tensors in a copy of
+    this module imported under TRITON_INTERPRET=1 (the tests)."""
     config = DEFAULT_CONFIG if config is None else config
     B, Hq, _, D = query.shape
     if slot_B is None:
         slot_B = torch.arange(B, device=query.device)
     Hkv = keys.shape[1]
     G = Hq // Hkv
-    if D & (D - 1) or D < 16 or keys.stride(-1) != 1 or values.stride(-1) != 1:
-        return None
     if config.variant == "legacy":
         return _launch_legacy(query, keys, values, pos_B, slot_B, span, scale, config)
     if query.stride(-1) != 1:
