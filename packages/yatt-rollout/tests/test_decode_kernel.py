@@ -66,11 +66,10 @@ def make_case(*, batch, num_slots, Hq, Hkv, D, span, L, dtype, device, seed):
     slot = torch.randperm(num_slots, generator=g)[:batch]
     # Lengths: 1, the full span, past the span (an idle slot: clamped), and random in between.
     pos = torch.randint(0, span, (batch,), generator=g)
-    pos[0] = 0
-    if batch > 1:
-        pos[1] = span - 1
-    if batch > 2:
-        pos[2] = L - 1
+    # (A single row sees the whole span: with one position its output would not depend on q.)
+    specials = [0, span - 1, L - 1] if batch > 1 else [span - 1]
+    for b, p in enumerate(specials[:batch]):
+        pos[b] = p
     for b in range(batch):
         n = min(int(pos[b]) + 1, span)
         k[slot[b], :, n:] = 30.0
