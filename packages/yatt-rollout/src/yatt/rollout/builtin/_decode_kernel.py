@@ -79,19 +79,26 @@ class DecodeKernelConfig:
 LEGACY_CONFIG = DecodeKernelConfig(variant="legacy")
 DEFAULT_CONFIG = DecodeKernelConfig()
 
-# Candidates that bench/rollout/decode_attention_gpu.py times against each other; the name of
-# the one that wins goes into DEFAULT_CONFIG.
+# Candidates that bench/rollout/decode_attention_gpu.py times against each other; the winner's
+# settings go into DEFAULT_CONFIG. Why these: at batch 256 one split gives 512 programs for
+# 132 SMs, all resident at once only if 4 fit on an SM (shared memory: num_stages x K and V
+# tiles of block_n x D bf16, 16 KiB a stage at block_n 64, D 64); fewer stages or smaller
+# blocks fit more, more splits (programs_per_sm) give more programs and loads in flight.
 BENCH_CONFIGS = {
     "legacy": LEGACY_CONFIG,
     "gqa": DEFAULT_CONFIG,
-    "gqa_b32_s4": DecodeKernelConfig(block_n=32, num_stages=4),
-    "gqa_b128_s2": DecodeKernelConfig(block_n=128, num_stages=2),
-    "gqa_b128_w8_s3": DecodeKernelConfig(block_n=128, num_warps=8, num_stages=3),
-    "gqa_b64_s4": DecodeKernelConfig(num_stages=4),
-    "gqa_b64_w2": DecodeKernelConfig(num_warps=2),
+    "gqa_s2": DecodeKernelConfig(num_stages=2),
+    "gqa_s4": DecodeKernelConfig(num_stages=4),
+    "gqa_w2": DecodeKernelConfig(num_warps=2),
+    "gqa_b32_s3": DecodeKernelConfig(block_n=32),
+    "gqa_b128_w8_s2": DecodeKernelConfig(block_n=128, num_warps=8, num_stages=2),
     "gqa_pps4": DecodeKernelConfig(programs_per_sm=4.0),
-    "gqa_pps8": DecodeKernelConfig(programs_per_sm=8.0),
+    "gqa_pps8_s2": DecodeKernelConfig(programs_per_sm=8.0, num_stages=2),
 }
+
+# The compiled kernels of the last launch ({"split": ..., "merge": ...}; Triton's handles, None
+# in the interpreter): the benchmark reads their shared memory and registers from them.
+last_compiled: dict = {}
 
 
 def available(device: torch.device) -> bool:
@@ -412,7 +419,8 @@ def run_decode_attention(
     # With one split the scratch is never touched: the output stands in for both pointers.
     part = out if direct else torch.empty(rows, splits, G, D, **f32)
     lse = out if direct else torch.empty(rows, splits, G, **f32)
-    _split_kernel_gqa[(rows, splits)](
+    last_compiled.clear()
+    last_compiled["split"] = _split_kernel_gqa[(rows, splits)](
         query,
         keys,
         values,
@@ -444,7 +452,9 @@ def run_decode_attention(
         num_stages=config.num_stages,
     )
     if not direct:
-        _merge_kernel_gqa[(rows,)](part, lse, out, splits, G=G, G_PAD=G_PAD, D=D)
+        last_compiled["merge"] = _merge_kernel_gqa[(rows,)](
+            part, lse, out, splits, G=G, G_PAD=G_PAD, D=D
+        )
     return out.reshape(B, 1, Hq, D)
 
 
@@ -462,7 +472,8 @@ def _launch_legacy(query, keys, values, pos_B, slot_B, span, scale, config):
     m = torch.empty(rows, splits, G_PAD, **f32)
     lse = torch.empty(rows, splits, G_PAD, **f32)
     out = torch.empty(rows, G, D, device=query.device, dtype=query.dtype)
-    _split_kernel[(rows, splits)](
+    last_compiled.clear()
+    last_compiled["split"] = _split_kernel[(rows, splits)](
         q,
         keys,
         values,
@@ -490,5 +501,7 @@ def _launch_legacy(query, keys, values, pos_B, slot_B, span, scale, config):
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    _merge_kernel[(rows,)](acc, m, lse, out, SPLITS=splits, G=G, G_PAD=G_PAD, D=D)
+    last_compiled["merge"] = _merge_kernel[(rows,)](
+        acc, m, lse, out, SPLITS=splits, G=G, G_PAD=G_PAD, D=D
+    )
     return out.reshape(S, 1, Hq, D)
