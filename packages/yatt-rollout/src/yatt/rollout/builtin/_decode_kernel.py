@@ -11,17 +11,19 @@ Batch rows and cache slots are decoupled: row b of the query reads the cache row
 `slot_B[b]` (the engine decodes a bucket of its active slots, not every slot), at its position
 `pos_B[b]`.
 
-Two variants, chosen by `DecodeKernelConfig` (the engine uses `DEFAULT_CONFIG`):
-- "gqa" (default since issue 28): one program per (batch row, KV head, split) for all G query
-  heads of the group (each K/V tile read once, the dots [G_PAD, D] x [D, BLOCK_N]), exp2 with
-  the scale and log2(e) folded into one multiply, and the split count from the rows and the SM
-  count, re-derived from the rounded chunk so that no program starts past the span. With one
-  split (batch 256 x 2 KV heads already fills an H200) the program normalises and writes the
-  output itself: no merge kernel and no float32 scratch. With several, each split writes its
-  normalised partial output and one log-sum-exp for the G real heads only, and the merge
-  rescales them online in one pass.
-- "legacy": the kernel as first measured (always a merge kernel, float32 scratch for G_PAD
-  rows), kept so bench/rollout/decode_attention_gpu.py times both in one process.
+Two variants, chosen by `DecodeKernelConfig` (the engine uses `DEFAULT_CONFIG`); both run one
+program per (batch row, KV head, split) for all G query heads of the group (each K/V tile read
+once, the dots [G_PAD, D] x [D, BLOCK_N]):
+- "gqa" (default since issue 28): with one split (batch 256 x 2 KV heads already fills an
+  H200) the program normalises and writes the output itself: no merge kernel, no float32
+  scratch. With several, each split writes its normalised partial output and one log2-sum-exp
+  for the G real heads only (not G_PAD), and the merge rescales them online in one pass. Also:
+  exp2 with the scale and log2(e) in one multiply, both tiles' loads issued before the first
+  dot, the query read through its strides (no copy), and the split count re-derived from the
+  rounded chunk so that no program starts past the span. Launch settings: bench/rollout/
+  decode_attention_gpu.py times the candidates of BENCH_CONFIGS.
+- "legacy": the kernel as first measured (a merge kernel always, float32 scratch for G_PAD
+  rows), kept so that the benchmark times both in one process.
 
 `triton_decode_attention` returns None when Triton is missing (the caller falls back to SDPA).
 A copy of this module imported under TRITON_INTERPRET=1 runs `run_decode_attention` on CPU
