@@ -250,7 +250,7 @@ def markdown(report: dict) -> str:
         "# Decode attention alone (bench/rollout/decode_attention_gpu.py)",
         "",
         f"device: {report['device']} (torch {report['torch']}, Triton {report['triton']}); "
-        f"{report['wall_s']:.0f} s; us per layer = median of CUDA-graph replays of one call per "
+        f"{report['wall_s']:.0f} s; the engine's default: {report['default_variant']}; us per layer = median of CUDA-graph replays of one call per "
         "layer / layers; every row sees the whole span; roofline = K+V bytes read / 4.8 TB/s.",
         "",
     ]
@@ -360,8 +360,8 @@ def main() -> int:
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu-smoke"
     report = dict(
         device=name, torch=torch.__version__, triton=triton.__version__,
-        default_variant=next(k for k, c in BENCH_CONFIGS.items()
-                             if c == _decode_kernel.DEFAULT_CONFIG),
+        default_variant=next((k for k, c in BENCH_CONFIGS.items()
+                              if c == _decode_kernel.DEFAULT_CONFIG), "not a candidate"),
         args=vars(args), results=[],
     )  # fmt: skip
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
