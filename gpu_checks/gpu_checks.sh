@@ -17,6 +17,7 @@ for step in "$@"; do
       run_step placement_bench python3 bench/placement/placement.py --device cuda --out "$OUT/placement_cuda.json" ;;
     rollout)
       run_step rollout_tests python3 -m pytest -q -rs packages/yatt-rollout/tests/test_cuda_engine.py \
+        packages/yatt-rollout/tests/test_decode_kernel.py \
         packages/yatt-rollout/tests/test_cuda_weights.py packages/yatt-rollout/tests/test_builtin_vision.py
       run_step rollout_bench python3 bench/rollout/rollout_gpu.py --out-dir "$OUT" ;;
     ckpt)
