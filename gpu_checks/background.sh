@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Device work longer than one device call (10 minutes at most; a warm machine waits 30 s for the
+# next call): start it detached in one call, wait on it in the next ones.
+#   bash gpu_checks/background.sh start NAME CMD...  # detached; its $OUT is /root/bg/NAME/out
+#   bash gpu_checks/background.sh wait NAME SECONDS  # until NAME ends or SECONDS pass
+# `wait` prints the log's tail and, once NAME has ended, packs its files into this call's
+# $OUT/NAME.tgz (a call brings back a few files only). CMD runs in this call's copy of the tree,
+# so start the next job only after the last one ended. The commit it ran at is in NAME/commit.
+set -uo pipefail
+BG=/root/bg
+action=${1:?start|wait}; name=${2:?job name}; shift 2
+dir=$BG/$name
+case $action in
+  start)
+    if [ -f "$dir/pid" ] && kill -0 "$(cat "$dir/pid")" 2>/dev/null; then
+      echo "$name is still running (pid $(cat "$dir/pid"))"; exit 1
+    fi
+    rm -rf "$dir"; mkdir -p "$dir/out"
+    git rev-parse HEAD >"$dir/commit" 2>/dev/null || echo unknown >"$dir/commit"
+    # setsid: the job outlives this call's shell; its rc file marks the end.
+    OUT=$dir/out setsid nohup bash -c '"$@"; echo $? >"'"$dir"'/rc"' _ "$@" \
+      >"$dir/log" 2>&1 </dev/null &
+    echo $! >"$dir/pid"
+    echo "started $name (pid $!) at commit $(cat "$dir/commit")" ;;
+  wait)
+    limit=${1:?seconds}
+    [ -d "$dir" ] || { echo "no job $name"; exit 1; }
+    start=$SECONDS
+    while [ ! -f "$dir/rc" ] && [ $((SECONDS - start)) -lt "$limit" ]; do sleep 5; done
+    tail -n "${TAIL_LINES:-60}" "$dir/log"
+    if [ -f "$dir/rc" ]; then
+      echo "=== $name ended rc=$(cat "$dir/rc") (commit $(cat "$dir/commit"))"
+      cp "$dir/log" "$dir/out/$name.log"
+      tar czf "${OUT:?}/$name.tgz" -C "$dir/out" .
+    else
+      echo "=== $name still running after ${limit}s"
+    fi ;;
+  *) echo "usage: $0 start|wait NAME ..."; exit 2 ;;
+esac
