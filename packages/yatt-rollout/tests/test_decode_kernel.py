@@ -107,6 +107,10 @@ interpreter_only = pytest.mark.skipif(
     INTERPRETING or not HAS_TRITON,
     reason="needs the `triton` package (pip install triton) for its CPU interpreter",
 )
+# On a GPU the compiled kernels run the same cases in bf16 (below); the interpreter of the
+# GPU machine's older Triton (torch 2.11's) cannot index a loop by a loaded scalar, which the
+# compiler and Triton 3.9's interpreter can.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the compiled kernels are tested")
 def test_interpreter_cases_pass():
     env = dict(os.environ, TRITON_INTERPRET="1")
     args = [sys.executable, "-m", "pytest", __file__, "-x", "-q", "-k", "interpreted"]
