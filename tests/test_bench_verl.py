@@ -425,3 +425,19 @@ def test_a_verl_run_past_its_timeout_ends_with_its_children(tmp_path):
     assert gone()  # the grandchild went with the group
     with (tmp_path / "log").open("w") as log:
         assert verl_step.run_in_own_group(["true"], env=dict(os.environ), log=log, timeout_s=5) == 0
+
+
+def test_step_time_takes_min_and_max_from_the_steps_when_a_run_keeps_only_its_median():
+    # TRL's run JSON: a median and the timed steps, no min/max entries
+    run = {
+        "mixes": {
+            "fixed": {"median": {"step_s": 4.7}, "steps": [{"step_s": v} for v in (4.7, 4.46, 5.0)]}
+        }
+    }
+    assert verl_report.step_time(run, "fixed") == 4.7
+    assert verl_report.step_time(run, "fixed", "min") == 4.46
+    assert verl_report.step_time(run, "fixed", "max") == 5.0
+    assert (
+        verl_report.step_time({"mixes": {"fixed": {"median": {"step_s": 1.0}}}}, "fixed", "max")
+        is None
+    )

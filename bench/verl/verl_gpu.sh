@@ -37,9 +37,16 @@ STEPS=${STEPS:-5}
 WARMUP=${WARMUP:-2}
 STEP_TIMEOUT=${STEP_TIMEOUT:-560}  # one verl run: Ray + FSDP + two vLLM servers start, 7 steps
 mkdir -p "$PIECES" "$RUNS_DIR"
+# trl (a carried wheel) lives apart from /tmp/site: verl's FSDP workers import trl's value-head
+# model whenever trl is importable, and trl 1.16 moved it (the first verl run on the H200 failed
+# there: "cannot import name 'AutoModelForCausalLMWithValueHead' from 'trl'").
+if [ -d /tmp/site/trl ]; then
+  mkdir -p /tmp/site_trl && rm -rf /tmp/site_trl/trl* && mv /tmp/site/trl /tmp/site/trl-*.dist-info /tmp/site_trl/
+fi
 BASE_PATH=$PYTHONPATH
 VERL_PATH="/root/site_verl:/root/site_vllm:$BASE_PATH"
 VLLM_PATH="/root/site_vllm:$BASE_PATH"
+TRL_PATH="/tmp/site_trl:$VLLM_PATH"
 
 stash() {
   ls "$PACKS"/*.part-* >/dev/null 2>&1 || { echo "no pieces in $PACKS"; return 1; }
@@ -120,7 +127,7 @@ for step in "$@"; do
         --judge-tokens 128 --no-ckpt --mix longtail --steps "$STEPS" --warmup "$WARMUP" \
         --model-dir "$MODELS-0.5b-1.5b" --out-dir "$RUNS_DIR" ;;
     trl_vllm)
-      run_step trl_vllm env PYTHONPATH="$VLLM_PATH" python3 bench/step/step_trl.py --use-vllm \
+      run_step trl_vllm env PYTHONPATH="$TRL_PATH" python3 bench/step/step_trl.py --use-vllm \
         --judge-tokens 128 --steps "$STEPS" --warmup "$WARMUP" \
         --model-dir "$MODELS" --out-dir "$RUNS_DIR" ;;
     report)

@@ -91,8 +91,13 @@ def judge_shape(run: dict[str, Any]) -> str:
 
 def step_time(run: dict[str, Any], mix: str, which: str = "median") -> float | None:
     """The run's step time for `mix`: yatt's without its checkpoint phase."""
-    stats = run.get("mixes", {}).get(mix, {}).get(which)
+    result = run.get("mixes", {}).get(mix, {})
+    stats = result.get(which)
     if not stats:
+        # TRL's JSON keeps the median and the timed steps only: min and max from the steps
+        steps = [s["step_s"] for s in result.get("steps", []) if "step_s" in s]
+        if which in ("min", "max") and steps:
+            return (min if which == "min" else max)(steps)
         return None
     return stats.get("step_without_ckpt_s", stats["step_s"])
 
