@@ -176,6 +176,17 @@ def test_old_log_prob_mode_switches_vllm_logprobs_with_bypass(mode, bypass):
     assert o["actor_rollout_ref.rollout.calculate_log_probs"] == bypass
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_kernels_turn_on_verls_fused_head_with_the_backend(backend):
+    off = _overrides(verl_step.VerlBenchConfig())
+    assert "actor_rollout_ref.model.use_fused_kernels" not in off  # verl's default: logits
+    cfg = verl_step.VerlBenchConfig(fused_kernels=backend)
+    o = _overrides(cfg)
+    assert o["actor_rollout_ref.model.use_fused_kernels"] == "True"
+    assert o["actor_rollout_ref.model.fused_kernel_options.impl_backend"] == backend
+    assert cfg.variant == f"verl_fixed-fused-{backend}"
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"VerlBenchConfig\.mix"):
         verl_step.VerlBenchConfig(mix="short")
@@ -185,6 +196,8 @@ def test_config_errors_name_the_field():
         verl_step.VerlBenchConfig(judge_shape="70b")
     with pytest.raises(ValueError, match=r"VerlBenchConfig\.trainer"):
         verl_step.VerlBenchConfig(trainer="v2")
+    with pytest.raises(ValueError, match=r"VerlBenchConfig\.fused_kernels"):
+        verl_step.VerlBenchConfig(fused_kernels="liger")
 
 
 @pytest.mark.parametrize("trainer,use_v1", [("v1", "True"), ("v0", "False")])

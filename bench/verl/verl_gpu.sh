@@ -18,7 +18,7 @@
 # Runs (JSON per run) are kept in $RUNS_DIR (default /root/verl-runs, outside $OUT, which each
 # call empties) so that `report` in a later call of the same held machine merges them all; every
 # step copies what it made to $OUT as one archive (a call returns at most 8 files).
-#   VERL_RUNS   verl runs of step verl_runs: "longtail,fixed,longtail:1.5b,longtail:recompute"
+#   VERL_RUNS   verl runs of step verl_runs: "longtail,fixed,longtail:1.5b,longtail:recompute,longtail:fused"
 #   YATT_RUNS   yatt runs of step yatt: "layout:backend" pairs (default full:builtin,
 #               partial:builtin,full:vllm), each with --judge-tokens 128 --no-ckpt, YATT_MIX
 #               (default fixed,longtail)
@@ -84,11 +84,12 @@ EOF
   PYTHONPATH=bench/verl:$VERL_PATH python3 -c "import verl_plugins; print('plugins import ok')"
 }
 
-verl_run() {  # verl_run MIX[:1.5b|:recompute]
+verl_run() {  # verl_run MIX[:1.5b|:recompute|:fused]
   local spec=$1 mix=${1%%:*} extra=() models=$MODELS variant=verl_${1%%:*}
   case $spec in
     *:1.5b) extra=(--judge-shape 1.5b); models=$MODELS-0.5b-1.5b; variant+=-j1.5b ;;
     *:recompute) extra=(--old-log-prob recompute); variant+=-recompute ;;
+    *:fused) extra=(--fused-kernels triton); variant+=-fused-triton ;;
   esac
   run_step "verl_${spec//:/_}" env PYTHONPATH="$VERL_PATH" python3 bench/verl/verl_step.py \
     --mix "$mix" "${extra[@]}" --steps "$STEPS" --warmup "$WARMUP" --judge-tokens 128 \

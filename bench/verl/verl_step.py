@@ -55,6 +55,7 @@ BENCH = Path(__file__).resolve().parent
 PLUGINS = BENCH / "verl_plugins.py"
 AGENT_LOOPS = BENCH / "configs" / "agent_loops.yaml"  # registers AGENT_LOOP_NAME
 AGENT_LOOP_NAME = "yatt_forced"
+FUSED_KERNELS = ("off", "torch", "triton")
 # A chat template that writes the messages' content and nothing else: verl's prompt ids are then
 # the prompt's own 128 tokens, as yatt's engines get them.
 CONTENT_ONLY_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
@@ -85,6 +86,11 @@ class VerlBenchConfig:
     judge_memory: float = 0.3
     micro_batch_tokens: int = 16384  # yatt's --micro-batch-tokens; verl's ppo_max_token_len
     actor_dtype: str = "fp32"  # verl's FSDP master weights (bf16 compute either way)
+    # verl's fused output layer + log-prob (actor_rollout_ref.model.use_fused_kernels): "off"
+    # (its default) materializes the [tokens, vocab] logits; "torch"/"triton" pick
+    # fused_kernel_options.impl_backend. The first H200 run (off) spent 8.9 s of a 14.5 s step
+    # in update_actor at 1.6% MFU.
+    fused_kernels: str = "off"
     agent_workers: int = 8  # must divide the prompt count (see verl_plugins)
     # v1: verl 0.9.1's default trainer (TransferQueue between the stages); v0: its legacy
     # ray_trainer loop, deprecated, kept as the fallback if TransferQueue fails there.
@@ -102,6 +108,10 @@ class VerlBenchConfig:
         if self.old_log_prob not in ("bypass", "recompute"):
             raise ValueError(
                 f"VerlBenchConfig.old_log_prob={self.old_log_prob!r}: use 'bypass' or 'recompute'"
+            )
+        if self.fused_kernels not in FUSED_KERNELS:
+            raise ValueError(
+                f"VerlBenchConfig.fused_kernels={self.fused_kernels!r}: use one of {FUSED_KERNELS}"
             )
         if self.trainer not in ("v1", "v0"):
             raise ValueError(f"VerlBenchConfig.trainer={self.trainer!r}: use 'v1' or 'v0'")
@@ -132,6 +142,7 @@ class VerlBenchConfig:
         key += f"-j{self.judge_shape}" if self.judge_shape != "0.5b" else ""
         key += "-recompute" if self.old_log_prob == "recompute" else ""
         key += "-v0" if self.trainer == "v0" else ""
+        key += f"-fused-{self.fused_kernels}" if self.fused_kernels != "off" else ""
         return key
 
 
@@ -192,6 +203,16 @@ def policy_view(policy_dir: Path, out: Path) -> Path:
 
 
 # -- verl's configuration ----------------------------------------------------------------------
+def _fused_kernel_overrides(cfg: VerlBenchConfig) -> list[str]:
+    """verl's fused output layer + log-prob, when asked for (nothing at "off": verl's default)."""
+    if cfg.fused_kernels == "off":
+        return []
+    return [
+        "actor_rollout_ref.model.use_fused_kernels=True",
+        f"actor_rollout_ref.model.fused_kernel_options.impl_backend={cfg.fused_kernels}",
+    ]
+
+
 def _quote(value: str) -> str:
     """A Hydra override value as a quoted string (paths hold characters Hydra would parse)."""
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
@@ -253,6 +274,7 @@ def verl_overrides(
         "actor_rollout_ref.actor.fsdp_config.param_offload=False",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
         f"actor_rollout_ref.actor.fsdp_config.model_dtype={cfg.actor_dtype}",
+        *_fused_kernel_overrides(cfg),
         # the rollout: vLLM, one GPU, sleeping between rollouts (colocate)
         "actor_rollout_ref.rollout.name=vllm",
         "actor_rollout_ref.rollout.mode=async",
@@ -605,6 +627,9 @@ def parse_args(argv: list[str]) -> tuple[VerlBenchConfig, argparse.Namespace]:
     p.add_argument("--judge-memory", type=float, default=0.3)
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--actor-dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument(
+        "--fused-kernels", choices=FUSED_KERNELS, default="off", help="verl's fused log-prob head"
+    )
     p.add_argument("--trainer", choices=("v1", "v0"), default="v1", help="verl's trainer loop")
     p.add_argument("--model-dir", default=None, help="bench/step/step.py's saved models")
     p.add_argument("--out-dir", default="bench/results/step_runs")
@@ -624,6 +649,7 @@ def parse_args(argv: list[str]) -> tuple[VerlBenchConfig, argparse.Namespace]:
         judge_memory=args.judge_memory,
         micro_batch_tokens=args.micro_batch_tokens,
         actor_dtype=args.actor_dtype,
+        fused_kernels=args.fused_kernels,
         trainer=args.trainer,
     )
     if args.model_dir is None:
