@@ -8,9 +8,9 @@ For the Qwen2.5-0.5B and -1.5B attention shapes (bench/step/_step_setup.py: 14/2
 12/2 heads of 128), batch 64 and 256, spans 128/256/512/640, every row seeing the whole span
 (its position span - 1: the worst case of a span bucket, what the engine's full-span profile
 times), bf16 caches of the engine's layout [slots, KV heads, 640, D]:
-- each variant of `_decode_kernel.BENCH_CONFIGS` ("legacy": the kernel measured before issue
+- each variant of `decode_kernel.BENCH_CONFIGS` ("legacy": the kernel measured before issue
   28; "gqa": the engine's default; the rest: launch settings to choose between) and the
-  engine's SDPA path (`_static_kv.decode_attention`, additive bf16 mask);
+  engine's SDPA path (`decode_kernel.sdpa_decode_attention`, additive bf16 mask);
 - time: one CUDA graph of one call per layer, each layer on its own cache (as in the engine:
   nothing stays in L2 between layers, launches cost what graph nodes cost); the median of
   the replays, divided by the layers, is "us/layer";
@@ -43,9 +43,9 @@ from pathlib import Path
 
 import torch
 
-from yatt.rollout.builtin import _decode_kernel
-from yatt.rollout.builtin._decode_kernel import BENCH_CONFIGS, choose_splits
-from yatt.rollout.builtin._static_kv import decode_attention
+from yatt.rollout.builtin import decode_kernel
+from yatt.rollout.builtin.decode_kernel import BENCH_CONFIGS, choose_splits
+from yatt.rollout.builtin.decode_kernel import sdpa_decode_attention as decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))
 from _step_setup import shape_config
@@ -101,9 +101,9 @@ def make_call(variant: str, layers: Layers, pos_B: torch.Tensor, mask: torch.Ten
         )  # fmt: skip
     config = BENCH_CONFIGS[variant]
     run = (
-        _decode_kernel.run_decode_attention  # the interpreter (--smoke) runs CPU tensors
+        decode_kernel.run_decode_attention  # the interpreter (--smoke) runs CPU tensors
         if pos_B.device.type == "cpu"
-        else _decode_kernel.triton_decode_attention
+        else decode_kernel.triton_decode_attention
     )
 
     def call(i):
@@ -132,7 +132,7 @@ def reference_attention(layers: Layers, span: int) -> torch.Tensor:
 def split_kernel_resources(programs: int, num_sms: int) -> dict:
     """Shared memory, registers and resident programs per SM of the last split-kernel launch
     (from Triton's handle; {} in the interpreter), and the waves its grid takes."""
-    handle = _decode_kernel.last_compiled.get("split")
+    handle = decode_kernel.last_compiled.get("split")
     if handle is None or not torch.cuda.is_available():
         return {}
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -195,7 +195,7 @@ def bench_case(shape_name, shape, batch, spans, variants, args, results, deadlin
     num_layers = args.layers or shape["num_layers"]
     layers = Layers(shape, batch, num_layers=num_layers, device=device, dtype=dtype, seed=batch)
     rows = batch * shape["num_kv_heads"]
-    num_sms = _decode_kernel._num_sms(torch.device(device))
+    num_sms = decode_kernel.num_sms(torch.device(device))
     for span in spans:
         pos_B = torch.full((batch,), span - 1, device=device, dtype=torch.long)
         visible = torch.arange(span, device=device)[None, :] <= pos_B[:, None]
@@ -363,7 +363,7 @@ def main() -> int:
     report = dict(
         device=name, torch=torch.__version__, triton=triton.__version__,
         default_variant=next((k for k, c in BENCH_CONFIGS.items()
-                              if c == _decode_kernel.DEFAULT_CONFIG), "not a candidate"),
+                              if c == decode_kernel.DEFAULT_CONFIG), "not a candidate"),
         args=vars(args), results=[],
     )  # fmt: skip
     slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
