@@ -303,3 +303,21 @@ def test_summarize_reports_median_min_and_max_rates():
     assert engines.summarize([2.0, 1.0, 4.0], 8) | {"seconds": None} == {
         "seconds": None, "tokens": 8, "tok_s": 4.0, "min_tok_s": 2.0, "max_tok_s": 8.0,
     }  # fmt: skip
+
+
+def test_report_columns_follow_the_batches_run():
+    results = session()[:2]
+    for r in results:
+        r["workload"]["decode"]["batches"] = [256, 32]
+        for row in r["results"].values():
+            row["decode"]["32"] = row["decode"].pop("64")
+    assert engines.columns_of(results) == (
+        "decode 32",
+        "decode 256",
+        "judge prefill",
+        "judge total",
+    )
+    header = next(
+        line for line in engines.build_report(results).splitlines() if "| engine |" in line
+    )
+    assert "decode 32 tok/s | decode 256 tok/s" in header

@@ -159,7 +159,7 @@ def sglang_kernels_here() -> dict[str, str | None]:
     cache = Path(os.environ.get("SGLANG_CACHE_DIR", "~/.cache/sglang")).expanduser()
     try:
         has_sgl_fa3 = find_spec("sgl_kernel.flash_ops") is not None
-    except (ImportError, OSError):
+    except Exception:  # sgl_kernel's own import can fail in many ways where its kernels can't load
         has_sgl_fa3 = False
     # SGLang 0.5.17 loads FA3 from the `kernels` hub (kernels-community/sgl-flash-attn3, needs
     # the network or its lock file in SGLANG_CACHE_DIR), else from sgl_kernel.flash_ops.
@@ -289,6 +289,8 @@ def save_model(path: Path, shape: str) -> Path:
     make_tokenizer().save_pretrained(tmp)
     tmp.rename(path)  # a half-written model is never taken for a whole one
     del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the engine built next in this process gets the memory back
     return path
 
 
@@ -475,7 +477,13 @@ def log(text: str) -> None:
 
 # ---- the report ----------------------------------------------------------------------------------
 
-COLUMNS = ("decode 64", "decode 256", "judge prefill", "judge total")
+COLUMNS = ("decode 64", "decode 256", "judge prefill", "judge total")  # the issue's workloads
+
+
+def columns_of(results: list[dict]) -> tuple[str, ...]:
+    """The report's columns: each decode batch a session ran, then the judge's two."""
+    batches = sorted({int(b) for r in results for b in r["workload"]["decode"]["batches"]})
+    return (*(f"decode {b}" for b in batches), "judge prefill", "judge total")
 
 
 def cell_value(row: dict, column: str) -> dict | None:
@@ -495,11 +503,13 @@ def table_rows(results: list[dict]) -> dict[str, dict[tuple[str, str], dict]]:
     return by_shape
 
 
-def builtin_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, tuple[float, str] | None]:
+def builtin_ratios(
+    rows: dict[tuple[str, str], dict], columns: tuple[str, ...] = COLUMNS
+) -> dict[str, tuple[float, str] | None]:
     """Per column: built-in tok/s / the best vLLM or SGLang row's (any mode), and that row."""
     ratios: dict[str, tuple[float, str] | None] = {}
     base = next((row for (engine, _), row in rows.items() if engine == "builtin"), None)
-    for column in COLUMNS:
+    for column in columns:
         best, best_name = 0.0, ""
         for (engine, mode), row in rows.items():
             value = cell_value(row, column)
@@ -510,7 +520,9 @@ def builtin_ratios(rows: dict[tuple[str, str], dict]) -> dict[str, tuple[float, 
     return ratios
 
 
-def adapter_ratios(rows: dict[tuple[str, str], dict]) -> dict[tuple[str, str], dict[str, float]]:
+def adapter_ratios(
+    rows: dict[tuple[str, str], dict], columns: tuple[str, ...] = COLUMNS
+) -> dict[tuple[str, str], dict[str, float]]:
     """(engine, seeded|unseeded) -> column -> adapter tok/s / native tok/s."""
     out: dict[tuple[str, str], dict[str, float]] = {}
     for (engine, mode), row in rows.items():
@@ -520,7 +532,7 @@ def adapter_ratios(rows: dict[tuple[str, str], dict]) -> dict[tuple[str, str], d
         native = rows.get((engine, f"native_{seeding}"))
         if engine == "builtin" or native is None:
             continue
-        for column in COLUMNS:
+        for column in columns:
             a, n = cell_value(row, column), cell_value(native, column)
             if a and n:
                 out.setdefault((engine, seeding), {})[column] = a["tok_s"] / n["tok_s"]
@@ -559,20 +571,21 @@ def build_report(results: list[dict]) -> str:
         "",
     ]
     by_shape = table_rows(results)
+    columns = columns_of(results)
     order = {"builtin": 0, "vllm": 1, "sglang": 2}
     for shape in sorted(by_shape, key=lambda s: list(SHAPES).index(s)):
         rows = by_shape[shape]
         lines += [
             f"## {shape.upper()} shape",
             "",
-            "| engine | mode | " + " | ".join(f"{c} tok/s" for c in COLUMNS) + " |",
-            "|---|---|" + "---:|" * len(COLUMNS),
+            "| engine | mode | " + " | ".join(f"{c} tok/s" for c in columns) + " |",
+            "|---|---|" + "---:|" * len(columns),
         ]
         for engine, mode in sorted(rows, key=lambda k: (order[k[0]], k[1])):
-            cells = [fmt_cell(cell_value(rows[(engine, mode)], c)) for c in COLUMNS]
+            cells = [fmt_cell(cell_value(rows[(engine, mode)], c)) for c in columns]
             label = "yatt's protocol, seeded" if engine == "builtin" else mode_name(mode)
             lines.append(f"| {ENGINE_NAMES[engine]} | {label} | " + " | ".join(cells) + " |")
-        ratios = builtin_ratios(rows)
+        ratios = builtin_ratios(rows, columns)
         cells = [
             f"**{r[0]:.2f}x** vs {r[1]}"
             + (" (bar >= 1.0: met)" if r[0] >= 1.0 else " (bar: NOT met)")
@@ -581,8 +594,8 @@ def build_report(results: list[dict]) -> str:
             for c, r in ratios.items()
         ]
         lines.append("| built-in / best of vLLM and SGLang | | " + " | ".join(cells) + " |")
-        for (engine, seeding), cols in sorted(adapter_ratios(rows).items()):
-            cells = [f"{cols[c]:.2f}x" if c in cols else "-" for c in COLUMNS]
+        for (engine, seeding), cols in sorted(adapter_ratios(rows, columns).items()):
+            cells = [f"{cols[c]:.2f}x" if c in cols else "-" for c in columns]
             lines.append(
                 f"| {ENGINE_NAMES[engine]} through yatt / own API | {seeding} | "
                 + " | ".join(cells)
