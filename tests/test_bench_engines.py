@@ -321,3 +321,21 @@ def test_report_columns_follow_the_batches_run():
         line for line in engines.build_report(results).splitlines() if "| engine |" in line
     )
     assert "decode 32 tok/s | decode 256 tok/s" in header
+
+
+def test_resolved_settings_read_back_what_vllm_settled_on(monkeypatch):
+    ns = types.SimpleNamespace
+    config = ns(
+        compilation_config=ns(cudagraph_capture_sizes=[1, 2, 4, 256], cudagraph_mode="FULL"),
+        scheduler_config=ns(async_scheduling=True, max_num_batched_tokens=16384, max_num_seqs=256),
+        cache_config=ns(enable_prefix_caching=True),
+        attention_config=ns(backend=None),
+    )
+    llm = ns(llm_engine=ns(vllm_config=config))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    native = engines.resolved_settings(engines.parse_run("vllm:0.5b:native"), llm)
+    assert native["async_scheduling"] is True
+    assert native["cudagraph_capture_sizes"] == "1..256 (4)"
+    assert native["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    adapter = engines.resolved_settings(engines.parse_run("vllm:0.5b:adapter"), ns(_llm=llm))
+    assert adapter["max_num_batched_tokens"] == 16384

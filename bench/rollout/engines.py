@@ -418,6 +418,33 @@ def measure_mode(run: RunSpec, engine, mode: str, args) -> dict:
     return out
 
 
+def resolved_settings(run: RunSpec, engine) -> dict:
+    """What the engine itself settled on (its defaults resolved), read back after start-up."""
+    if run.engine == "builtin":
+        return {}
+    if run.engine == "sglang":
+        args = engine._engine.server_args
+        keys = (
+            "attention_backend", "sampling_backend", "cuda_graph_max_bs_decode",
+            "chunked_prefill_size", "max_running_requests", "disable_radix_cache",
+            "enable_deterministic_inference", "disable_overlap_schedule", "mem_fraction_static",
+        )  # fmt: skip
+        return {k: getattr(args, k, None) for k in keys}
+    llm = engine if run.group == "native" else engine._llm
+    config = llm.llm_engine.vllm_config
+    sizes = config.compilation_config.cudagraph_capture_sizes or []
+    return {
+        "async_scheduling": config.scheduler_config.async_scheduling,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+        "attention_backend": str(config.attention_config.backend),  # None: vLLM picks per GPU
+        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        "cudagraph_capture_sizes": f"{min(sizes)}..{max(sizes)} ({len(sizes)})" if sizes else "-",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
+    }
+
+
 def engine_version(engine: str) -> str:
     dist = {"builtin": "yatt-rollout"}.get(engine, engine)
     try:
@@ -458,6 +485,10 @@ def run_engine(run: RunSpec, args) -> dict:
         result["errors"]["startup"] = f"{type(exc).__name__}: {exc}"[:2000]
         return result
     result["startup_s"] = time.perf_counter() - start
+    try:
+        result["resolved"] = resolved_settings(run, engine)
+    except Exception as exc:  # a renamed attribute costs this record, not the run
+        result["resolved"] = {"error": f"{type(exc).__name__}: {exc}"}
     log(f"{run.tag}: started in {result['startup_s']:.0f} s")
     try:
         for mode in run.modes:
@@ -610,7 +641,11 @@ def build_report(results: list[dict]) -> str:
     ]
     for r in results:
         startup = f"{r['startup_s']:.0f}" if "startup_s" in r else "-"
-        settings = json.dumps(r.get("settings", {}), sort_keys=True).replace("|", "/")
+        shown = {
+            **r.get("settings", {}),
+            **({"resolved": r["resolved"]} if r.get("resolved") else {}),
+        }
+        settings = json.dumps(shown, sort_keys=True).replace("|", "/")
         errors = "; ".join(f"{k}: {v[:200]}" for k, v in r.get("errors", {}).items()) or ""
         lines.append(
             f"| {r['run']} | {r.get('version', '?')} | {startup} | `{settings}` | {errors} |"
