@@ -29,7 +29,13 @@ def args_of(*argv: str):
     [
         ("builtin:0.5b", "builtin", "0.5b", {"adapter_seeded"}),
         ("vllm:1.5b:native", "vllm", "1.5b", {"native_seeded", "native_unseeded"}),
-        ("vllm:7b:adapter", "vllm", "7b", {"adapter_seeded", "adapter_unseeded"}),
+        # inproc: vLLM's own LLM.generate on the adapter's in-process engine
+        (
+            "vllm:7b:adapter",
+            "vllm",
+            "7b",
+            {"adapter_seeded", "adapter_unseeded", "inproc_unseeded"},
+        ),
         # SGLang's seeding is fixed at start-up (deterministic mode): one process per seeding.
         ("sglang:0.5b:seeded", "sglang", "0.5b", {"adapter_seeded", "native_seeded"}),
         ("sglang:0.5b:unseeded", "sglang", "0.5b", {"adapter_unseeded", "native_unseeded"}),
@@ -264,12 +270,26 @@ def test_builtin_ratio_is_absent_without_a_rival_or_a_builtin_row():
     assert set(engines.builtin_ratios(no_builtin).values()) == {None}
 
 
-def test_adapter_ratio_pairs_each_adapter_mode_with_the_same_seeding_native():
+def test_adapter_ratio_pairs_each_adapter_mode_with_the_same_seeding_own_api():
     ratios = engines.adapter_ratios(engines.table_rows(session())["0.5b"])
-    assert ratios[("vllm", "seeded")]["decode 256"] == pytest.approx(95 / 190)
-    assert ratios[("sglang", "unseeded")]["judge prefill"] == pytest.approx(600 / 750)
-    assert ("vllm", "unseeded") not in ratios  # its adapter mode failed: no pair
-    assert all(engine != "builtin" for engine, _ in ratios)
+    assert ratios[("vllm", "seeded", "native")]["decode 256"] == pytest.approx(95 / 190)
+    assert ratios[("sglang", "unseeded", "native")]["judge prefill"] == pytest.approx(600 / 750)
+    assert ("vllm", "unseeded", "native") not in ratios  # its adapter mode failed: no pair
+    assert ("vllm", "seeded", "inproc") not in ratios  # no in-process own-API run seeded
+    assert all(engine != "builtin" for engine, _, _ in ratios)
+
+
+def test_adapter_ratio_against_the_in_process_engine_splits_the_gap():
+    results = session()
+    results[2]["results"]["adapter_unseeded"] = mode_result(60, 100, 800, 200)
+    results[2]["results"]["inproc_unseeded"] = mode_result(120, 150, 800, 200)
+    ratios = engines.adapter_ratios(engines.table_rows(results)["0.5b"])
+    # adapter / own API (100/200) = adapter / in-process (100/150) x in-process / own API
+    assert ratios[("vllm", "unseeded", "native")]["decode 256"] == pytest.approx(100 / 200)
+    assert ratios[("vllm", "unseeded", "inproc")]["decode 256"] == pytest.approx(100 / 150)
+    text = engines.build_report(results)
+    assert "| vLLM through yatt / own API (core in-process) | unseeded | 0.50x | 0.67x |" in text
+    assert "| vLLM | own API, core in-process, unseeded | 120 (108-132) |" in text
 
 
 def test_report_has_a_table_per_shape_the_bars_and_the_failures():

@@ -11,7 +11,8 @@ capture are the expensive part), every mode of its group measured on it:
 
     builtin:SHAPE            the built-in engine, seeded (yatt's protocol seeds every sample)
     vllm:SHAPE:adapter       yatt's VLLMEngine (engine core in-process, as the adapter requires
-                             for by-reference weight buckets), seeded and unseeded
+                             for by-reference weight buckets), seeded and unseeded; and vLLM's
+                             own LLM.generate on that same in-process engine (inproc_unseeded)
     vllm:SHAPE:native        vLLM's own LLM.generate at its defaults (engine core in its own
                              process, async scheduling), seeded and unseeded
     sglang:SHAPE:seeded      SGLang in deterministic mode (it reads per-request seeds only
@@ -59,7 +60,9 @@ ENGINES = ("builtin", "vllm", "sglang")
 GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
     "builtin": {"": ("adapter_seeded",)},
     "vllm": {
-        "adapter": ("adapter_seeded", "adapter_unseeded"),
+        # inproc: vLLM's own LLM.generate on the adapter's in-process engine, which splits an
+        # adapter/native gap into the adapter's own cost and the engine core's placement.
+        "adapter": ("adapter_seeded", "adapter_unseeded", "inproc_unseeded"),
         "native": ("native_unseeded", "native_seeded"),
     },
     "sglang": {
@@ -203,7 +206,8 @@ def engine_settings(run: RunSpec, args, sglang_usable: dict[str, str | None] | N
         if run.group == "adapter":
             return {
                 **common,
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0 (the adapter requires it)",
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0 (the adapter requires it; inproc mode "
+                "calls LLM.generate on this same engine)",
                 "enable_sleep_mode": True,
                 "logprobs_mode": "processed_logprobs",
                 "async_scheduling": "vLLM's default (on where the executor supports it)",
@@ -366,7 +370,8 @@ def generate(run: RunSpec, engine, mode: str, ids: list[list[int]], new: int, se
             )
             for s in seeds
         ]  # fmt: skip
-        outputs = engine.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        llm = engine._llm if mode.startswith("inproc") else engine  # inproc: the adapter's LLM
+        outputs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outputs)
     params = [
         {"temperature": 1.0, "max_new_tokens": new, "ignore_eos": True}
@@ -553,26 +558,29 @@ def builtin_ratios(
 
 def adapter_ratios(
     rows: dict[tuple[str, str], dict], columns: tuple[str, ...] = COLUMNS
-) -> dict[tuple[str, str], dict[str, float]]:
-    """(engine, seeded|unseeded) -> column -> adapter tok/s / native tok/s."""
-    out: dict[tuple[str, str], dict[str, float]] = {}
+) -> dict[tuple[str, str, str], dict[str, float]]:
+    """(engine, seeded|unseeded, native|inproc) -> column -> adapter tok/s / own API's tok/s,
+    each adapter mode against the own-API modes of the same seeding."""
+    out: dict[tuple[str, str, str], dict[str, float]] = {}
     for (engine, mode), row in rows.items():
-        if not mode.startswith("adapter_"):
+        if engine == "builtin" or not mode.startswith("adapter_"):
             continue
         seeding = mode.split("_", 1)[1]
-        native = rows.get((engine, f"native_{seeding}"))
-        if engine == "builtin" or native is None:
-            continue
-        for column in columns:
-            a, n = cell_value(row, column), cell_value(native, column)
-            if a and n:
-                out.setdefault((engine, seeding), {})[column] = a["tok_s"] / n["tok_s"]
+        for way in ("native", "inproc"):
+            own = rows.get((engine, f"{way}_{seeding}"))
+            for column in columns if own else ():
+                a, n = cell_value(row, column), cell_value(own, column)
+                if a and n:
+                    out.setdefault((engine, seeding, way), {})[column] = a["tok_s"] / n["tok_s"]
     return out
+
+
+WAYS = {"adapter": "through yatt", "native": "own API", "inproc": "own API, core in-process"}
 
 
 def mode_name(mode: str) -> str:
     way, seeding = mode.split("_", 1)
-    return f"{'through yatt' if way == 'adapter' else 'own API'}, {seeding}"
+    return f"{WAYS[way]}, {seeding}"
 
 
 def fmt_cell(value: dict | None) -> str:
@@ -625,15 +633,27 @@ def build_report(results: list[dict]) -> str:
             for c, r in ratios.items()
         ]
         lines.append("| built-in / best of vLLM and SGLang | | " + " | ".join(cells) + " |")
-        for (engine, seeding), cols in sorted(adapter_ratios(rows, columns).items()):
+        for (engine, seeding, way), cols in sorted(adapter_ratios(rows, columns).items()):
             cells = [f"{cols[c]:.2f}x" if c in cols else "-" for c in columns]
+            against = WAYS[way].removeprefix("own API").lstrip(", ")
             lines.append(
-                f"| {ENGINE_NAMES[engine]} through yatt / own API | {seeding} | "
-                + " | ".join(cells)
-                + " |"
+                f"| {ENGINE_NAMES[engine]} through yatt / own API"
+                f"{f' ({against})' if against else ''} | {seeding} | " + " | ".join(cells) + " |"
             )
         lines.append("")
     lines += [
+        "Where the adapter can cost throughput (what the ratios above measure): vLLM through "
+        "yatt runs its engine core in-process (weight buckets pass by reference), so the "
+        "core's scheduling, model runner and output processing share the caller's process and "
+        "GIL, and "
+        "it steps `LLMEngine` itself, one request per sample with streamed (DELTA) outputs; "
+        "'own API' at vLLM's defaults has the core in its own process with async scheduling, "
+        "and 'own API, core in-process' is `LLM.generate` on the adapter's own engine: "
+        "adapter / in-process is the adapter's own cost, in-process / own API the core's "
+        "placement. SGLang through yatt and SGLang's own `Engine.generate` share one engine "
+        "(same server settings): their ratio is the adapter's per-request jobs and output "
+        "conversion alone.",
+        "",
         "## Runs",
         "",
         "| run | version | startup s | settings | errors |",

@@ -56,9 +56,9 @@ for step in "$@"; do
       #   bash gpu_checks/background.sh start engines bash bench/rollout/engines_gpu.sh unpack bench
       # Estimate, from the H100 sessions' start-ups (vLLM 42-77 s first, 26 s with its compile
       # cache; SGLang 60 s; built-in 1 s) plus ~10 s of imports a process, and ~35 s of timed
-      # calls a mode (3 repeats): a shape's full set (5 processes, 8 modes) ~9.5 min on 0.5B; the
+      # calls a mode (3 repeats): a shape's full set (5 processes, 9 modes) ~10 min on 0.5B; the
       # bars' rows alone (built-in, vLLM's own API, SGLang unseeded: 3 processes, 5 modes)
-      # ~5.5 min on 1.5B; with unpack and the model saves ~16 min in all. So: every group on the
+      # ~5.5 min on 1.5B; with unpack and the model saves ~16-17 min in all. So: every group on the
       # shapes of BENCH_FULL_SHAPES (0.5b: the host-bound one, where an adapter's cost shows
       # most), the bars' rows on the rest of BENCH_SHAPES (0.5b,1.5b; add 7b for ~+7 min).
       # BENCH_RUNS (comma-separated ENGINE:SHAPE[:GROUP]) replaces the list, e.g.
