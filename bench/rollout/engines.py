@@ -328,7 +328,7 @@ def build_engine(run: RunSpec, path: Path, settings: dict):
             gpu_memory_utilization=settings["gpu_memory_utilization"],
             max_model_len=settings["max_model_len"],
             llm_kwargs=llm_kwargs,
-        )  # seeds are per call here: seed_each_sample is read per generate (see generate_adapter)
+        )  # seeded or not per call: generate() sets seed_each_sample, which the adapter reads per call
         return VLLMEngine(path, config=config)
     from yatt.rollout import SGLangConfig, SGLangEngine
 

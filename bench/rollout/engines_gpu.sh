@@ -73,7 +73,7 @@ for step in "$@"; do
         [[ ",${BENCH_FULL_SHAPES:-0.5b}," == *",$s,"* ]] && runs+=("vllm:$s:adapter" "sglang:$s:seeded")
       done
       [ -n "${BENCH_RUNS:-}" ] && IFS=, read -r -a runs <<<"$BENCH_RUNS"
-      run_step bench_prepare env PYTHONPATH="/root/site_sgl:$PYTHONPATH" \
+      run_step bench_prepare env PYTHONPATH="$PYTHONPATH" \
         python3 bench/rollout/engines.py --prepare "${BENCH_SHAPES:-0.5b,1.5b}"
       for run in "${runs[@]}"; do
         tag=${run//:/_}; site=$(site_of "${run%%:*}")
