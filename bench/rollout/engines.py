@@ -1,230 +1,763 @@
-"""Decode throughput of the built-in engine, vLLM and SGLang on one GPU, same model, same workload.
+"""The engine table (issue 28): the built-in engine against vLLM and SGLang on one GPU, same models.
 
-    python bench/rollout/engines.py --engine builtin --out $OUT/engines_builtin.json   # one engine a process
-    python bench/rollout/engines.py --engine vllm --out $OUT/engines_vllm.json
-    python bench/rollout/engines.py --engine vllm --unseeded --out $OUT/engines_vllm_unseeded.json
+    python bench/rollout/engines.py --prepare 0.5b,1.5b            # random-weight models, once
+    python bench/rollout/engines.py --run builtin:0.5b --out $OUT/engines_builtin_0.5b.json
+    python bench/rollout/engines.py --run vllm:0.5b:native --out ...  # one engine process a run
+    python bench/rollout/engines.py --run sglang:1.5b:seeded --dry-run  # the plan, nothing loaded
     python bench/rollout/engines.py --report $OUT/engines_*.json --md bench/results/engines_<gpu>.md
 
-Workload: the Qwen2.5-0.5B shape with random bf16 weights (saved once with `save_pretrained`),
-prompts of 128 random tokens, 512 new tokens per sample (EOS ignored), temperature 1, batch 64
-and 256 in one call. One warm-up call, then --repeats timed calls; the median is reported.
-yatt's protocol seeds every sample (reproducible rollouts); vLLM and SGLang pay for that (vLLM:
-per-request generators; SGLang: deterministic mode), so --unseeded measures their fast path too.
-Each engine runs in its own process: vLLM and SGLang each bring their own dependency set, and a
-process that exits returns every byte of GPU memory before the next engine starts.
+A run is ENGINE:SHAPE[:GROUP]: one process, one engine started once (model load and graph
+capture are the expensive part), every mode of its group measured on it:
+
+    builtin:SHAPE            the built-in engine, seeded (yatt's protocol seeds every sample)
+    vllm:SHAPE:adapter       yatt's VLLMEngine (engine core in-process, as the adapter requires
+                             for by-reference weight buckets), seeded and unseeded; and vLLM's
+                             own LLM.generate on that same in-process engine (inproc_unseeded)
+    vllm:SHAPE:native        vLLM's own LLM.generate at its defaults (engine core in its own
+                             process, async scheduling), seeded and unseeded
+    sglang:SHAPE:seeded      SGLang in deterministic mode (it reads per-request seeds only
+                             there): yatt's SGLangEngine and SGLang's own Engine.generate on it
+    sglang:SHAPE:unseeded    the same, deterministic mode off (its fast path)
+
+Workloads, each at temperature 1 with EOS ignored (forced lengths): decode at batch 64 and 256
+(128-token random prompts, 512 new tokens; tok/s counts new tokens), and a judge-like load
+(1,024-token prompts, 128 new tokens, --judge-batch prompts): its prefill throughput is prompt
+tokens / the time of the same call with 1 new token, its total is (prompt + new) tokens / the
+time of the full call. Prompts are drawn afresh for every call, so no prefix cache hits. One
+warm-up call per workload, then --repeats timed calls: median, min and max tok/s.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from importlib.util import find_spec
 from pathlib import Path
 
-import torch
+# Qwen2.5 shapes (their config.json), random bf16 weights.
+SHAPES: dict[str, dict] = {
+    "0.5b": dict(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+    ),
+    "1.5b": dict(
+        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
+    ),
+    "7b": dict(
+        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+ENGINES = ("builtin", "vllm", "sglang")
+GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
+    "builtin": {"": ("adapter_seeded",)},
+    "vllm": {
+        # inproc: vLLM's own LLM.generate on the adapter's in-process engine, which splits an
+        # adapter/native gap into the adapter's own cost and the engine core's placement.
+        "adapter": ("adapter_seeded", "adapter_unseeded", "inproc_unseeded"),
+        "native": ("native_unseeded", "native_seeded"),
+    },
+    "sglang": {
+        "seeded": ("adapter_seeded", "native_seeded"),
+        "unseeded": ("adapter_unseeded", "native_unseeded"),
+    },
+}
+ENGINE_NAMES = {"builtin": "built-in", "vllm": "vLLM", "sglang": "SGLang"}
+DECODE_PROMPT_TOKENS = 128
+# SGLang's attention backends, best first on Hopper: fa3 is its own default for MHA models
+# there (server_args._get_default_attn_backend), flashinfer its default elsewhere.
+SGLANG_ATTENTION = ("fa3", "flashinfer", "triton")
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _rollout_checks import RUN, build_model, prompts
 
-from yatt.rollout import BuiltinEngine, EngineConfig, SamplingParams
+@dataclass(frozen=True)
+class RunSpec:
+    """One engine process: ENGINE:SHAPE[:GROUP] and the modes measured on it."""
 
-PROMPT_TOKENS = 128
+    engine: str
+    shape: str
+    group: str
+    modes: tuple[str, ...]
+
+    @property
+    def tag(self) -> str:
+        return "_".join(p for p in (self.engine, self.shape, self.group) if p)
 
 
-def save_model(path: Path) -> Path:
-    """The 0.5B-shaped model with a tokenizer, saved once and reused by every engine's process."""
+def parse_run(spec: str) -> RunSpec:
+    """'vllm:0.5b:native' -> RunSpec; a clear ValueError naming the part that is wrong."""
+    parts = spec.strip().split(":")
+    engine = parts[0]
+    if engine not in ENGINES:
+        raise ValueError(f"--run {spec!r}: engine {engine!r} is not one of {ENGINES}")
+    if len(parts) < 2 or parts[1] not in SHAPES:
+        raise ValueError(f"--run {spec!r}: give a shape, one of {tuple(SHAPES)} (ENGINE:SHAPE)")
+    group = parts[2] if len(parts) > 2 else ""
+    groups = GROUPS[engine]
+    if group not in groups or len(parts) > 3:
+        choices = [g for g in groups if g] or ["none"]
+        raise ValueError(f"--run {spec!r}: {engine}'s group is one of {choices}")
+    return RunSpec(engine, parts[1], group, groups[group])
+
+
+def parse_csv_ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers separated by commas") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give integers >= 1")
+    return values
+
+
+def summarize(seconds: list[float], tokens: int) -> dict:
+    """tok/s of `tokens` per call: median, min and max over the timed calls."""
+    rates = [tokens / s for s in seconds]
+    return {
+        "seconds": seconds,
+        "tokens": tokens,
+        "tok_s": statistics.median(rates),
+        "min_tok_s": min(rates),
+        "max_tok_s": max(rates),
+    }
+
+
+def max_seq_len(args) -> int:
+    return max(DECODE_PROMPT_TOKENS + args.new_tokens, args.judge_prompt + args.judge_new)
+
+
+def max_batch(args) -> int:
+    return max([*args.batches, args.judge_batch])
+
+
+# ---- the plan (what --dry-run prints; also the settings written into the JSON) ----------------
+
+
+def sglang_attention_choice(
+    preferred: list[str], usable: dict[str, str | None]
+) -> tuple[str, dict[str, str]]:
+    """The first backend of `preferred` whose kernels are here; usable maps name -> None (here)
+    or why not. Returns (backend, {skipped backend: why})."""
+    skipped = {}
+    for name in preferred:
+        why = usable.get(name, "no check for this backend")
+        if why is None:
+            return name, skipped
+        skipped[name] = why
+    raise ValueError(
+        f"--sglang-attention {','.join(preferred)}: none usable here ({skipped}); add triton"
+    )
+
+
+def sglang_kernels_here() -> dict[str, str | None]:
+    """Which SGLang attention backends can load their kernels on this machine (no network)."""
+    usable: dict[str, str | None] = {"triton": None if find_spec("triton") else "no triton"}
+    cache = Path(os.environ.get("SGLANG_CACHE_DIR", "~/.cache/sglang")).expanduser()
+    try:
+        has_sgl_fa3 = find_spec("sgl_kernel.flash_ops") is not None
+    except Exception:  # sgl_kernel's own import can fail in many ways where its kernels can't load
+        has_sgl_fa3 = False
+    # SGLang 0.5.17 loads FA3 from the `kernels` hub (kernels-community/sgl-flash-attn3, needs
+    # the network or its lock file in SGLANG_CACHE_DIR), else from sgl_kernel.flash_ops.
+    usable["fa3"] = (
+        None
+        if has_sgl_fa3 or (cache / "kernels.lock").exists()
+        else f"no sgl_kernel.flash_ops and no {cache}/kernels.lock (the hub's FA3 kernels)"
+    )
+    usable["flashinfer"] = flashinfer_missing()
+    return usable
+
+
+def flashinfer_missing() -> str | None:
+    """None if FlashInfer can build or load its kernels here, else why not: flashinfer-python
+    compiles them at first use (nvcc) unless its prebuilt jit-cache package is installed."""
+    if find_spec("flashinfer") is None:
+        return "flashinfer not installed"
+    if find_spec("flashinfer_jit_cache") is not None:
+        return None
+    nvcc = shutil.which("nvcc") or Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin/nvcc")
+    if Path(nvcc).exists():
+        return None
+    return "no flashinfer-jit-cache and no nvcc to compile its kernels"
+
+
+def engine_settings(run: RunSpec, args, sglang_usable: dict[str, str | None] | None) -> dict:
+    """Every setting an engine is built with, as written into the JSON and the plan."""
+    batch, seq = max_batch(args), max_seq_len(args)
+    if run.engine == "builtin":
+        return {"EngineConfig": {"dtype": "bfloat16", "max_batch_size": batch, "max_seq_len": seq}}
+    if run.engine == "vllm":
+        common = {
+            "dtype": "bfloat16",
+            "gpu_memory_utilization": args.memory,
+            "max_model_len": seq,
+            "max_num_seqs": batch,
+            # Graphs up to the largest batch run (vLLM's default captures up to 2x max_num_seqs).
+            "compilation_config": {"max_cudagraph_capture_size": batch},
+            "attention_backend": "vLLM's choice (FLASH_ATTN with its FA3 on Hopper)",
+        }
+        if run.group == "adapter":
+            return {
+                **common,
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0 (the adapter requires it; inproc mode "
+                "calls LLM.generate on this same engine)",
+                "enable_sleep_mode": True,
+                "logprobs_mode": "processed_logprobs",
+                "async_scheduling": "vLLM's default (on where the executor supports it)",
+            }
+        return {
+            **common,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1 (vLLM's default: engine core in its own process)",
+            "async_scheduling": "vLLM's default (on)",
+        }
+    attention, skipped = sglang_attention_choice(
+        args.sglang_attention, sglang_usable if sglang_usable is not None else {}
+    )
+    settings = {
+        "dtype": "bfloat16",
+        "mem_fraction_static": args.memory,
+        "context_length": seq + 2,  # SGLang serves 2 positions less than this
+        "max_running_requests": batch,
+        "cuda_graph_max_bs_decode": batch,
+        "attention_backend": attention,
+        "enable_deterministic_inference": run.group == "seeded",
+        "enable_memory_saver": "True (the adapter's; native calls run on the adapter's engine)",
+    }
+    if skipped:
+        settings["attention_backends_skipped"] = skipped
+    if (sglang_usable or {}).get("flashinfer") is not None and run.group != "seeded":
+        # SGLang samples with FlashInfer whenever it imports; without its kernels that fails.
+        settings["sampling_backend"] = "pytorch"
+    return settings
+
+
+def plan(run: RunSpec, args, sglang_usable: dict[str, str | None] | None = None) -> dict:
+    return {
+        "run": run.tag,
+        "engine": run.engine,
+        "shape": run.shape,
+        "model": SHAPES[run.shape],
+        "modes": list(run.modes),
+        "settings": engine_settings(run, args, sglang_usable),
+        "workload": {
+            "decode": {
+                "batches": args.batches,
+                "prompt_tokens": DECODE_PROMPT_TOKENS,
+                "new_tokens": args.new_tokens,
+            },
+            "judge": {
+                "batch": args.judge_batch,
+                "prompt_tokens": args.judge_prompt,
+                "new_tokens": args.judge_new,
+            },
+            "repeats": args.repeats,
+            "temperature": 1.0,
+            "ignore_eos": True,
+        },
+    }
+
+
+# ---- models --------------------------------------------------------------------------------------
+
+
+def model_dir(args, shape: str) -> Path:
+    return Path(args.model_root) / f"qwen25-{shape}-shape"
+
+
+def save_model(path: Path, shape: str) -> Path:
+    """The shape with random bf16 weights and a tokenizer, saved once, reused by every process."""
     if (path / "config.json").exists():
         return path
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
     from yatt.testing import make_tokenizer
 
-    model = build_model(seed=0).cpu()
-    model.save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
+    config = Qwen2Config(
+        **SHAPES[shape], rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
+        bos_token_id=151643, eos_token_id=151643,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    # On the GPU: a 7B's random init on the host takes minutes.
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    make_tokenizer().save_pretrained(tmp)
+    tmp.rename(path)  # a half-written model is never taken for a whole one
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the engine built next in this process gets the memory back
     return path
 
 
-def build_engine(name: str, model_dir: Path, max_batch: int, new_tokens: int):
-    max_seq_len = PROMPT_TOKENS + new_tokens
-    if name == "builtin":
-        config = EngineConfig(
-            device=RUN.device, dtype="bfloat16", max_batch_size=max_batch, max_seq_len=max_seq_len
-        )
-        return BuiltinEngine(model_dir, config=config)
-    if name == "vllm":
+# ---- engines -------------------------------------------------------------------------------------
+
+
+def build_engine(run: RunSpec, path: Path, settings: dict):
+    """The engine of `run`: a yatt adapter (builtin, vllm adapter, sglang), or vllm.LLM."""
+    if run.engine == "builtin":
+        from yatt.rollout import BuiltinEngine, EngineConfig
+
+        return BuiltinEngine(path, config=EngineConfig(device="cuda", **settings["EngineConfig"]))
+    if run.engine == "vllm":
+        llm_kwargs = {
+            "max_num_seqs": settings["max_num_seqs"],
+            "compilation_config": settings["compilation_config"],
+        }
+        if run.group == "native":
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            import vllm
+
+            return vllm.LLM(
+                model=str(path), dtype="bfloat16", seed=0,
+                gpu_memory_utilization=settings["gpu_memory_utilization"],
+                max_model_len=settings["max_model_len"], **llm_kwargs,
+            )  # fmt: skip
         from yatt.rollout import VLLMConfig, VLLMEngine
 
         config = VLLMConfig(
-            gpu_memory_utilization=0.5,
-            max_model_len=max_seq_len,
-            seed_each_sample=not ARGS.unseeded,
-            llm_kwargs={"max_num_seqs": max_batch},
-        )
-        return VLLMEngine(model_dir, config=config)
-    if name == "sglang":
-        from yatt.rollout import SGLangConfig, SGLangEngine
+            dtype="bfloat16",
+            gpu_memory_utilization=settings["gpu_memory_utilization"],
+            max_model_len=settings["max_model_len"],
+            llm_kwargs=llm_kwargs,
+        )  # seeded or not per call: generate() sets seed_each_sample, which the adapter reads per call
+        return VLLMEngine(path, config=config)
+    from yatt.rollout import SGLangConfig, SGLangEngine
 
-        kwargs = {"max_running_requests": max_batch, "attention_backend": ARGS.sglang_attention}
-        config = SGLangConfig(
-            mem_fraction_static=0.5,
-            context_length=max_seq_len + 2,  # SGLang serves 2 positions less than this
-            seed_each_sample=not ARGS.unseeded,
-            engine_kwargs=kwargs,
-        )
-        return SGLangEngine(model_dir, config=config)
-    raise ValueError(f"--engine {name!r}: use builtin, vllm or sglang")
+    keys = ("max_running_requests", "cuda_graph_max_bs_decode", "attention_backend")
+    kwargs = {k: settings[k] for k in keys}
+    if "sampling_backend" in settings:
+        kwargs["sampling_backend"] = settings["sampling_backend"]
+    config = SGLangConfig(
+        dtype="bfloat16",
+        mem_fraction_static=settings["mem_fraction_static"],
+        context_length=settings["context_length"],
+        seed_each_sample=settings["enable_deterministic_inference"],
+        engine_kwargs=kwargs,
+    )
+    return SGLangEngine(path, config=config)
 
 
-def generate_natively(engine, requests, new_tokens: int) -> list[int]:
-    """The engine's own batch call, past our adapter: how much of the time is the adapter's."""
-    ids = [list(r.prompt_ids) for r in requests]
-    if ARGS.engine == "vllm":
-        params = engine._vllm.SamplingParams(
-            max_tokens=new_tokens, ignore_eos=True, logprobs=0, detokenize=False
+def generate(run: RunSpec, engine, mode: str, ids: list[list[int]], new: int, seed: int) -> int:
+    """One batch call in `mode`; returns the number of new tokens the engine gave back."""
+    seeded = mode.endswith("_seeded")
+    if mode.startswith("adapter"):
+        from yatt.rollout import Request, SamplingParams
+
+        if run.engine == "vllm":
+            engine.config.seed_each_sample = seeded  # read per call by the adapter
+        sampling = SamplingParams(
+            max_new_tokens=new, ignore_eos=True, seed=seed if seeded else None
         )
-        prompts_in = [{"prompt_token_ids": p} for p in ids]
-        outputs = engine._llm.generate(prompts_in, params, use_tqdm=False)
-        return [len(o.outputs[0].token_ids) for o in outputs]
-    params = {"max_new_tokens": new_tokens, "ignore_eos": True}
+        requests = [Request(prompt_ids=p) for p in ids]
+        return sum(len(c.response_ids) for c in engine.generate(requests, sampling))
+    seeds = [seed * 100_003 + i for i in range(len(ids))] if seeded else [None] * len(ids)
+    if run.engine == "vllm":
+        from vllm import SamplingParams as VSamplingParams
+
+        params = [
+            VSamplingParams(
+                temperature=1.0, max_tokens=new, ignore_eos=True, seed=s, logprobs=0,
+                detokenize=False,
+            )
+            for s in seeds
+        ]  # fmt: skip
+        llm = engine._llm if mode.startswith("inproc") else engine  # inproc: the adapter's LLM
+        outputs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+        return sum(len(o.outputs[0].token_ids) for o in outputs)
+    params = [
+        {"temperature": 1.0, "max_new_tokens": new, "ignore_eos": True}
+        | ({"sampling_seed": s} if s is not None else {})
+        for s in seeds
+    ]
     outputs = engine._engine.generate(input_ids=ids, sampling_params=params, return_logprob=True)
-    return [len(o["output_ids"]) for o in outputs]
+    return sum(len(o["output_ids"]) for o in outputs)
 
 
-def time_generate(engine, batch: int, new_tokens: int, seed: int) -> float:
-    requests = prompts(batch, PROMPT_TOKENS, seed=seed)
-    sampling = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, seed=seed)
+def random_prompts(batch: int, length: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1000, 150000, (batch, length), generator=g).tolist()
+
+
+def timed(run, engine, mode, batch, length, new, seed) -> float:
+    import torch
+
+    ids = random_prompts(batch, length, seed)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    if ARGS.native:
-        lengths = generate_natively(engine, requests, new_tokens)
-    else:
-        lengths = [len(c.response_ids) for c in engine.generate(requests, sampling)]
+    got = generate(run, engine, mode, ids, new, seed)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    assert sum(lengths) == batch * new_tokens, f"short samples: {sorted(set(lengths))}"
+    if got != batch * new:
+        raise RuntimeError(f"{mode}: {got} new tokens, expected {batch} x {new} (forced length)")
     return seconds
 
 
-def engine_version(name: str) -> str:
-    if name == "builtin":
-        return "yatt " + version("yatt-rollout") if _installed("yatt-rollout") else "yatt (src)"
-    return f"{name} {version(name)}"
+def measure_mode(run: RunSpec, engine, mode: str, args) -> dict:
+    seed = iter(range(1000 * (1 + run.modes.index(mode)), 10**9))  # fresh prompts every call
+    out: dict = {"decode": {}}
+    for batch in args.batches:
+        timed(run, engine, mode, batch, DECODE_PROMPT_TOKENS, 64, next(seed))  # warm-up
+        seconds = [
+            timed(run, engine, mode, batch, DECODE_PROMPT_TOKENS, args.new_tokens, next(seed))
+            for _ in range(args.repeats)
+        ]
+        out["decode"][str(batch)] = summarize(seconds, batch * args.new_tokens)
+        log(f"{run.tag} {mode} batch {batch}: {out['decode'][str(batch)]['tok_s']:,.0f} tok/s")
+    b, p, n = args.judge_batch, args.judge_prompt, args.judge_new
+    timed(run, engine, mode, b, p, 1, next(seed))  # warm-up
+    prefill = [timed(run, engine, mode, b, p, 1, next(seed)) for _ in range(args.repeats)]
+    total = [timed(run, engine, mode, b, p, n, next(seed)) for _ in range(args.repeats)]
+    out["judge"] = {"prefill": summarize(prefill, b * p), "total": summarize(total, b * (p + n))}
+    log(f"{run.tag} {mode} judge prefill: {out['judge']['prefill']['tok_s']:,.0f} tok/s")
+    return out
 
 
-def _installed(dist: str) -> bool:
-    try:
-        version(dist)
-    except PackageNotFoundError:
-        return False
-    return True
-
-
-def run_engine(args) -> dict:
-    model_dir = save_model(Path(args.model_dir))
-    start = time.perf_counter()
-    engine = build_engine(args.engine, model_dir, max(args.batches), args.new_tokens)
-    result = {
-        "engine": args.engine,
-        "version": engine_version(args.engine),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "startup_s": time.perf_counter() - start,
-        "new_tokens": args.new_tokens,
-        "prompt_tokens": PROMPT_TOKENS,
-        "rows": {},
+def resolved_settings(run: RunSpec, engine) -> dict:
+    """What the engine itself settled on (its defaults resolved), read back after start-up."""
+    if run.engine == "builtin":
+        return {}
+    if run.engine == "sglang":
+        args = engine._engine.server_args
+        keys = (
+            "attention_backend", "sampling_backend", "cuda_graph_max_bs_decode",
+            "chunked_prefill_size", "max_running_requests", "disable_radix_cache",
+            "enable_deterministic_inference", "disable_overlap_schedule", "mem_fraction_static",
+        )  # fmt: skip
+        return {k: getattr(args, k, None) for k in keys}
+    llm = engine if run.group == "native" else engine._llm
+    config = llm.llm_engine.vllm_config
+    sizes = config.compilation_config.cudagraph_capture_sizes or []
+    return {
+        "async_scheduling": config.scheduler_config.async_scheduling,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler_config.max_num_seqs,
+        "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+        "attention_backend": str(config.attention_config.backend),  # None: vLLM picks per GPU
+        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        "cudagraph_capture_sizes": f"{min(sizes)}..{max(sizes)} ({len(sizes)})" if sizes else "-",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"),
     }
-    result["label"] = args.engine + (" unseeded" if args.unseeded else "")
-    result["label"] += " native batch call" if args.native else ""
-    if args.engine == "sglang":
-        result["label"] += f" ({args.sglang_attention} attention)"
+
+
+def engine_version(engine: str) -> str:
+    dist = {"builtin": "yatt-rollout"}.get(engine, engine)
     try:
-        for batch in args.batches:
-            time_generate(engine, batch, min(args.new_tokens, 64), seed=1)  # warm-up
-            seconds = [
-                time_generate(engine, batch, args.new_tokens, seed=2 + i)
-                for i in range(args.repeats)
-            ]
-            median = statistics.median(seconds)
-            result["rows"][str(batch)] = {
-                "seconds": seconds,
-                "median_s": median,
-                "tok_s": batch * args.new_tokens / median,
-            }
-            print(
-                f"{args.engine} batch {batch}: {batch * args.new_tokens / median:,.0f} tok/s "
-                f"(median of {seconds})",
-                flush=True,
-            )
+        return f"{dist} {version(dist)}"
+    except PackageNotFoundError:
+        return f"{dist} (source tree)"
+
+
+def close(run: RunSpec, engine) -> None:
+    if run.engine == "vllm" and run.group == "native":
+        # vllm.LLM has no close: its engine-core process ends with this one.
+        shutdown = getattr(getattr(engine, "llm_engine", None), "shutdown", None)
+        if shutdown:
+            shutdown()
+        return
+    engine.close()
+
+
+def run_engine(run: RunSpec, args) -> dict:
+    import torch
+
+    usable = sglang_kernels_here() if run.engine == "sglang" else None
+    result = plan(run, args, usable)
+    result.update(
+        version=engine_version(run.engine),
+        versions={d: engine_version(d) for d in ("yatt-rollout", "torch", "vllm", "sglang",
+                                                 "sglang-kernel", "flashinfer-python")},
+        device=torch.cuda.get_device_name(),
+        commit=os.environ.get("YATT_COMMIT", "unknown"),
+        results={},
+        errors={},
+    )  # fmt: skip
+    path = save_model(model_dir(args, run.shape), run.shape)
+    start = time.perf_counter()
+    try:
+        engine = build_engine(run, path, result["settings"])
+    except Exception as exc:  # recorded: the report shows why the row is missing
+        result["errors"]["startup"] = f"{type(exc).__name__}: {exc}"[:2000]
+        return result
+    result["startup_s"] = time.perf_counter() - start
+    try:
+        result["resolved"] = resolved_settings(run, engine)
+    except Exception as exc:  # a renamed attribute costs this record, not the run
+        result["resolved"] = {"error": f"{type(exc).__name__}: {exc}"}
+    log(f"{run.tag}: started in {result['startup_s']:.0f} s")
+    try:
+        for mode in run.modes:
+            try:
+                result["results"][mode] = measure_mode(run, engine, mode, args)
+            except Exception as exc:  # one mode failing keeps the others' numbers
+                result["errors"][mode] = f"{type(exc).__name__}: {exc}"[:2000]
+                log(f"{run.tag} {mode}: FAILED {result['errors'][mode]}")
     finally:
-        engine.close()
+        close(run, engine)
     return result
 
 
-def write_report(paths: list[str], md_path: str) -> None:
-    loaded = [json.loads(Path(p).read_text()) for p in sorted(paths)]
-    results = {r.get("label", r["engine"]): r for r in loaded}
-    batches = sorted({int(b) for r in results.values() for b in r["rows"]})
-    device = next(iter(results.values()))["device"]
+def log(text: str) -> None:
+    print(text, flush=True)
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+COLUMNS = ("decode 64", "decode 256", "judge prefill", "judge total")  # the issue's workloads
+
+
+def columns_of(results: list[dict]) -> tuple[str, ...]:
+    """The report's columns: each decode batch a session ran, then the judge's two."""
+    batches = sorted({int(b) for r in results for b in r["workload"]["decode"]["batches"]})
+    return (*(f"decode {b}" for b in batches), "judge prefill", "judge total")
+
+
+def cell_value(row: dict, column: str) -> dict | None:
+    """A column's summary (tok_s, min_tok_s, max_tok_s) in one mode's results, or None."""
+    kind, key = column.split(" ")
+    if kind == "decode":
+        return row.get("decode", {}).get(key)
+    return row.get("judge", {}).get(key)
+
+
+def table_rows(results: list[dict]) -> dict[str, dict[tuple[str, str], dict]]:
+    """shape -> {(engine, mode): that mode's results}, over every JSON of a session."""
+    by_shape: dict[str, dict[tuple[str, str], dict]] = {}
+    for r in results:
+        for mode, row in r.get("results", {}).items():
+            by_shape.setdefault(r["shape"], {})[(r["engine"], mode)] = row
+    return by_shape
+
+
+def builtin_ratios(
+    rows: dict[tuple[str, str], dict], columns: tuple[str, ...] = COLUMNS
+) -> dict[str, tuple[float, str] | None]:
+    """Per column: built-in tok/s / the best vLLM or SGLang row's (any mode), and that row."""
+    ratios: dict[str, tuple[float, str] | None] = {}
+    base = next((row for (engine, _), row in rows.items() if engine == "builtin"), None)
+    for column in columns:
+        best, best_name = 0.0, ""
+        for (engine, mode), row in rows.items():
+            value = cell_value(row, column)
+            if engine != "builtin" and value and value["tok_s"] > best:
+                best, best_name = value["tok_s"], f"{ENGINE_NAMES[engine]} {mode_name(mode)}"
+        mine = cell_value(base, column) if base else None
+        ratios[column] = (mine["tok_s"] / best, best_name) if mine and best else None
+    return ratios
+
+
+def adapter_ratios(
+    rows: dict[tuple[str, str], dict], columns: tuple[str, ...] = COLUMNS
+) -> dict[tuple[str, str, str], dict[str, float]]:
+    """(engine, seeded|unseeded, native|inproc) -> column -> adapter tok/s / own API's tok/s,
+    each adapter mode against the own-API modes of the same seeding."""
+    out: dict[tuple[str, str, str], dict[str, float]] = {}
+    for (engine, mode), row in rows.items():
+        if engine == "builtin" or not mode.startswith("adapter_"):
+            continue
+        seeding = mode.split("_", 1)[1]
+        for way in ("native", "inproc"):
+            own = rows.get((engine, f"{way}_{seeding}"))
+            for column in columns if own else ():
+                a, n = cell_value(row, column), cell_value(own, column)
+                if a and n:
+                    out.setdefault((engine, seeding, way), {})[column] = a["tok_s"] / n["tok_s"]
+    return out
+
+
+WAYS = {"adapter": "through yatt", "native": "own API", "inproc": "own API, core in-process"}
+
+
+def mode_name(mode: str) -> str:
+    way, seeding = mode.split("_", 1)
+    return f"{WAYS[way]}, {seeding}"
+
+
+def fmt_cell(value: dict | None) -> str:
+    if not value:
+        return "-"
+    return f"{value['tok_s']:,.0f} ({value['min_tok_s']:,.0f}-{value['max_tok_s']:,.0f})"
+
+
+def build_report(results: list[dict]) -> str:
+    """Markdown: one table per shape, the bars' ratios, adapter/native ratios, the settings."""
+    if not results:
+        raise ValueError("--report: no JSON files given")
+    first = results[0]
+    devices = sorted({r.get("device", "?") for r in results})
+    commits = sorted({r.get("commit", "unknown") for r in results})
+    judge = first["workload"]["judge"]
+    decode = first["workload"]["decode"]
     lines = [
-        f"# Decode throughput by engine ({device})",
+        f"# Engine table ({', '.join(devices)})",
         "",
-        "Qwen2.5-0.5B shape, random bf16 weights, 128 prompt tokens, "
-        f"{next(iter(results.values()))['new_tokens']} new tokens per sample, temperature 1, "
-        "EOS ignored; median of the timed calls, one process per engine, one device call.",
+        f"commit: {', '.join(commits)}. Random-weight Qwen2.5-shaped models (bf16), temperature "
+        f"1, EOS ignored. Decode: {decode['prompt_tokens']}-token prompts, "
+        f"{decode['new_tokens']} new tokens, new tok/s. Judge-like load: batch {judge['batch']}, "
+        f"{judge['prompt_tokens']}-token prompts, {judge['new_tokens']} new tokens; prefill = "
+        "prompt tok/s of the call with 1 new token, total = (prompt + new) tok/s of the full "
+        f"call. Median (min-max) of {first['workload']['repeats']} timed calls after a warm-up.",
         "",
-        "| engine | version | startup s | "
-        + " | ".join(f"batch {b} tok/s" for b in batches)
-        + " | "
-        + " | ".join(f"batch {b} vs built-in" for b in batches)
-        + " |",
-        "|---|---|---:|" + "---:|" * (2 * len(batches)),
     ]
-    base = results.get("builtin")
-    for name, r in results.items():
-        cells = [
-            f"{r['rows'][str(b)]['tok_s']:,.0f}" if str(b) in r["rows"] else "-" for b in batches
+    by_shape = table_rows(results)
+    columns = columns_of(results)
+    order = {"builtin": 0, "vllm": 1, "sglang": 2}
+    for shape in sorted(by_shape, key=lambda s: list(SHAPES).index(s)):
+        rows = by_shape[shape]
+        lines += [
+            f"## {shape.upper()} shape",
+            "",
+            "| engine | mode | " + " | ".join(f"{c} tok/s" for c in columns) + " |",
+            "|---|---|" + "---:|" * len(columns),
         ]
-        ratios = []
-        for b in batches:
-            if base and str(b) in base["rows"] and str(b) in r["rows"]:
-                ratios.append(f"{r['rows'][str(b)]['tok_s'] / base['rows'][str(b)]['tok_s']:.2f}x")
-            else:
-                ratios.append("-")
+        for engine, mode in sorted(rows, key=lambda k: (order[k[0]], k[1])):
+            cells = [fmt_cell(cell_value(rows[(engine, mode)], c)) for c in columns]
+            label = "yatt's protocol, seeded" if engine == "builtin" else mode_name(mode)
+            lines.append(f"| {ENGINE_NAMES[engine]} | {label} | " + " | ".join(cells) + " |")
+        ratios = builtin_ratios(rows, columns)
+        cells = [
+            f"**{r[0]:.2f}x** vs {r[1]}"
+            + (" (bar >= 1.0: met)" if r[0] >= 1.0 else " (bar: NOT met)")
+            if r and c != "judge total"
+            else (f"{r[0]:.2f}x vs {r[1]}" if r else "-")
+            for c, r in ratios.items()
+        ]
+        lines.append("| built-in / best of vLLM and SGLang | | " + " | ".join(cells) + " |")
+        for (engine, seeding, way), cols in sorted(adapter_ratios(rows, columns).items()):
+            cells = [f"{cols[c]:.2f}x" if c in cols else "-" for c in columns]
+            against = WAYS[way].removeprefix("own API").lstrip(", ")
+            lines.append(
+                f"| {ENGINE_NAMES[engine]} through yatt / own API"
+                f"{f' ({against})' if against else ''} | {seeding} | " + " | ".join(cells) + " |"
+            )
+        lines.append("")
+    lines += [
+        "Where the adapter can cost throughput (what the ratios above measure): vLLM through "
+        "yatt runs its engine core in-process (weight buckets pass by reference), so the "
+        "core's scheduling, model runner and output processing share the caller's process and "
+        "GIL, and "
+        "it steps `LLMEngine` itself, one request per sample with streamed (DELTA) outputs; "
+        "'own API' at vLLM's defaults has the core in its own process with async scheduling, "
+        "and 'own API, core in-process' is `LLM.generate` on the adapter's own engine: "
+        "adapter / in-process is the adapter's own cost, in-process / own API the core's "
+        "placement. SGLang through yatt and SGLang's own `Engine.generate` share one engine "
+        "(same server settings): their ratio is the adapter's per-request jobs and output "
+        "conversion alone.",
+        "",
+        "## Runs",
+        "",
+        "| run | version | startup s | settings | errors |",
+        "|---|---|---:|---|---|",
+    ]
+    for r in results:
+        startup = f"{r['startup_s']:.0f}" if "startup_s" in r else "-"
+        shown = {
+            **r.get("settings", {}),
+            **({"resolved": r["resolved"]} if r.get("resolved") else {}),
+        }
+        settings = json.dumps(shown, sort_keys=True).replace("|", "/")
+        errors = "; ".join(f"{k}: {v[:200]}" for k, v in r.get("errors", {}).items()) or ""
         lines.append(
-            f"| {name} | {r['version']} | {r['startup_s']:.0f} | "
-            + " | ".join(cells)
-            + " | "
-            + " | ".join(ratios)
-            + " |"
+            f"| {r['run']} | {r.get('version', '?')} | {startup} | `{settings}` | {errors} |"
         )
-    Path(md_path).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines) + "\n"
 
 
-def parse_args(argv):
+# ---- the command line ----------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=("builtin", "vllm", "sglang"))
-    parser.add_argument(
-        "--batches", type=lambda s: [int(x) for x in s.split(",")], default=[64, 256]
-    )
+    parser.add_argument("--run", help="ENGINE:SHAPE[:GROUP], e.g. vllm:0.5b:native")
+    parser.add_argument("--prepare", help="shapes to save once, e.g. 0.5b,1.5b,7b")
+    parser.add_argument("--batches", type=parse_csv_ints, default=[64, 256])
     parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--judge-batch", type=int, default=256)
+    parser.add_argument("--judge-prompt", type=int, default=1024)
+    parser.add_argument("--judge-new", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--model-dir", default="/tmp/yatt-bench/qwen25-05b-shape")
-    parser.add_argument("--native", action="store_true", help="vLLM/SGLang's own batch call")
-    parser.add_argument("--unseeded", action="store_true", help="no per-sample seeds (fast path)")
-    parser.add_argument("--sglang-attention", default="triton", help="SGLang attention_backend")
-    parser.add_argument("--out", help="JSON file for this engine's results")
+    parser.add_argument("--memory", type=float, default=0.5, help="vLLM/SGLang's GPU share")
+    parser.add_argument(
+        "--sglang-attention",
+        type=lambda s: s.split(","),
+        default=list(SGLANG_ATTENTION),
+        help="SGLang attention backends, first usable here wins",
+    )
+    parser.add_argument("--model-root", default="/tmp/yatt-bench/engines")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan, load nothing")
+    parser.add_argument("--out", help="JSON file for this run")
     parser.add_argument("--report", nargs="*", help="JSON files to merge into --md")
-    parser.add_argument("--md", help="markdown table written from --report files")
-    return parser.parse_args(argv)
+    parser.add_argument("--md", help="markdown written from --report files")
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    return args
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if sum(x is not None for x in (args.run, args.prepare, args.report)) != 1:
+        parser.error("give one of --run, --prepare or --report")
+    if args.report is not None and not args.md:
+        parser.error("--report needs --md (the markdown file to write)")
+    if args.run and not (args.out or args.dry_run):
+        parser.error("--run needs --out (the JSON file to write) or --dry-run")
+    for name in ("new_tokens", "judge_batch", "judge_prompt", "judge_new", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0.0 < args.memory <= 1.0:
+        parser.error("--memory must be in (0, 1]")
+    bad = [b for b in args.sglang_attention if b not in SGLANG_ATTENTION]
+    if bad:
+        parser.error(f"--sglang-attention {bad}: use some of {SGLANG_ATTENTION}")
+    try:
+        args.run_spec = parse_run(args.run) if args.run else None
+        args.prepare_shapes = (
+            [parse_run(f"builtin:{s}").shape for s in args.prepare.split(",")]
+            if args.prepare
+            else []
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.report is not None:
+        results = [json.loads(Path(p).read_text()) for p in sorted(args.report)]
+        text = build_report(results)
+        Path(args.md).write_text(text)
+        print(text)
+        return 0
+    if args.prepare_shapes:
+        for shape in args.prepare_shapes:
+            if args.dry_run:
+                log(f"would save {shape} to {model_dir(args, shape)}")
+                continue
+            start = time.perf_counter()
+            save_model(model_dir(args, shape), shape)
+            log(f"{shape}: {model_dir(args, shape)} ({time.perf_counter() - start:.0f} s)")
+        return 0
+    run = args.run_spec
+    if args.dry_run:
+        usable = {b: None for b in SGLANG_ATTENTION} if run.engine == "sglang" else None
+        shown = plan(run, args, usable)
+        shown["note"] = "SGLang's backend is chosen on the GPU machine from the kernels there"
+        shown["model_dir"] = str(model_dir(args, run.shape))
+        print(json.dumps(shown, indent=2))
+        return 0
+    result = run_engine(run, args)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    return 1 if "startup" in result["errors"] else 0
 
 
 if __name__ == "__main__":
-    ARGS = parse_args(sys.argv[1:])
-    if ARGS.report:
-        write_report(ARGS.report, ARGS.md)
-    else:
-        outcome = run_engine(ARGS)
-        Path(ARGS.out).write_text(json.dumps(outcome, indent=2))
+    sys.exit(main(sys.argv[1:]))

@@ -50,20 +50,39 @@ for step in "$@"; do
       run_step sglang_tests env YATT_ENGINE=sglang PYTHONPATH="/root/site_sgl:$PYTHONPATH" \
         python3 -m pytest -q -rs -p no:cacheprovider packages/yatt-rollout/tests/test_gpu_engines.py ;;
     bench)
-      # JSON kept in BENCH_DIR (outside $OUT, which each device call empties): a later call's
-      # report merges every engine's run.
+      # The engine table (issue 28, bench/rollout/engines.py): one process per ENGINE:SHAPE:GROUP,
+      # each engine started once per shape and measured in every mode of its group (decode at
+      # batch 64 and 256, 512 new tokens; the judge-like load). Long: start it detached,
+      #   bash gpu_checks/background.sh start engines bash bench/rollout/engines_gpu.sh unpack bench
+      # Estimate, from the H100 sessions' start-ups (vLLM 42-77 s first, 26 s with its compile
+      # cache; SGLang 60 s; built-in 1 s) plus ~10 s of imports a process, and ~35 s of timed
+      # calls a mode (3 repeats): a shape's full set (5 processes, 9 modes) ~10 min on 0.5B; the
+      # bars' rows alone (built-in, vLLM's own API, SGLang unseeded: 3 processes, 5 modes)
+      # ~5.5 min on 1.5B; with unpack and the model saves ~16-17 min in all. So: every group on the
+      # shapes of BENCH_FULL_SHAPES (0.5b: the host-bound one, where an adapter's cost shows
+      # most), the bars' rows on the rest of BENCH_SHAPES (0.5b,1.5b; add 7b for ~+7 min).
+      # BENCH_RUNS (comma-separated ENGINE:SHAPE[:GROUP]) replaces the list, e.g.
+      #   BENCH_RUNS=builtin:0.5b,sglang:0.5b:unseeded;  BENCH_REPEATS: timed calls (3).
+      # JSON kept in BENCH_DIR (default $OUT): a later report merges every run's file.
       dir=${BENCH_DIR:-$OUT}; mkdir -p "$dir"
-      runs=(builtin vllm sglang "vllm --unseeded" "sglang --unseeded" "vllm --unseeded --native"
-            "sglang --unseeded --native")
-      [ -n "${BENCH_RUNS:-}" ] && IFS=, read -r -a runs <<<"$BENCH_RUNS"  # e.g. "vllm,vllm --native"
-      for run in "${runs[@]}"; do
-        engine=${run%% *}; tag=${run// --/_}
-        site=$(site_of "$engine")
-        run_step "bench_$tag" env PYTHONPATH="${site:+$site:}$PYTHONPATH" \
-          python3 bench/rollout/engines.py --engine $run --out "$dir/engines_$tag.json"
+      export YATT_COMMIT=${YATT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+      IFS=, read -r -a shapes <<<"${BENCH_SHAPES:-0.5b,1.5b}"
+      runs=()
+      for s in "${shapes[@]}"; do  # the bars' rows first: if time runs out, the ratios stand
+        runs+=("builtin:$s" "vllm:$s:native" "sglang:$s:unseeded")
+        [[ ",${BENCH_FULL_SHAPES:-0.5b}," == *",$s,"* ]] && runs+=("vllm:$s:adapter" "sglang:$s:seeded")
       done
-      python3 bench/rollout/engines.py --report "$dir"/engines_*.json --md "$OUT/engines.md"
-      cp "$dir"/engines_*.json "$OUT/" ;;
+      [ -n "${BENCH_RUNS:-}" ] && IFS=, read -r -a runs <<<"$BENCH_RUNS"
+      run_step bench_prepare env PYTHONPATH="$PYTHONPATH" \
+        python3 bench/rollout/engines.py --prepare "${BENCH_SHAPES:-0.5b,1.5b}"
+      for run in "${runs[@]}"; do
+        tag=${run//:/_}; site=$(site_of "${run%%:*}")
+        run_step "bench_$tag" env PYTHONPATH="${site:+$site:}$PYTHONPATH" \
+          python3 bench/rollout/engines.py --run "$run" --repeats "${BENCH_REPEATS:-3}" \
+          --out "$dir/engines_table_$tag.json"
+      done
+      python3 bench/rollout/engines.py --report "$dir"/engines_table_*.json --md "$OUT/engines.md"
+      [ "$dir" = "$OUT" ] || cp "$dir"/engines_table_*.json "$OUT/" ;;
     trainer_vllm|trainer_sglang|trainer_vllm_partial|trainer_sglang_partial)
       # The reference trainer on the embedded task with vLLM/SGLang as the rollout engine
       # (bf16 engine, float32 policy), 30 steps; the embedded models are built once and shared.
