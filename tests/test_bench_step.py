@@ -537,6 +537,41 @@ def test_seed_mix_defaults_and_bad_options():
             step_cli.parse_args(bad)
 
 
+def test_judge_batch_window_names_the_run_and_reaches_the_judge_batching():
+    args = step_cli.parse_args(
+        ["--layout", "partial", "--mix", "seed", "--judge-batch-window-ms", "200"]
+    )
+    assert _step_setup.variant_key("partial", args) == "partial-j1.5b-jw200"
+    assert _step_bars.label_of("partial-auto-j1.5b-jw200").endswith("judge batch window 200 ms")
+    # a windowed partial run is compared like for like with the old partial, as -fill<q> is
+    assert _step_bars._new_matches(
+        frozenset({"auto", "j1.5b", "jw200"}), frozenset({"auto", "j1.5b"}), frozenset()
+    )
+    for bad in (
+        ["--layout", "partial", "--mix", "seed", "--judge-batch-window-ms", "-1"],
+        ["--layout", "dedicated", "--judge-batch-window-ms", "200"],
+    ):
+        with pytest.raises(SystemExit):
+            step_cli.parse_args(bad)
+
+
+def test_judge_batch_window_reaches_the_judges_batching_config(monkeypatch, tmp_path):
+    from yatt import genrm, rollout
+
+    made = {}
+    monkeypatch.setattr(rollout, "BuiltinEngine", lambda *a, **k: "engine")
+    monkeypatch.setattr(
+        genrm, "GenRM", lambda engine, **k: made.setdefault("batching", k["batching"])
+    )
+    work = _step_setup.Workload()
+    _step_setup.build_judge(
+        tmp_path, device="cpu", tiny=True, work=work, slots=8, batch_window_ms=250.0
+    )
+    assert made.pop("batching").batch_window_millis == 250.0
+    _step_setup.build_judge(tmp_path, device="cpu", tiny=True, work=work, slots=8)
+    assert made["batching"].batch_window_millis == genrm.BatchingConfig().batch_window_millis
+
+
 def test_fill_probability_names_the_run_and_reaches_the_sampler():
     args = step_cli.parse_args(
         ["--layout", "partial", "--mix", "seed", "--fill-probability", "0.9"]

@@ -110,6 +110,8 @@ def label_of(variant: str) -> str:
             parts.append("cut groups resumed next step")
         elif part.startswith("fill") and part[4:]:
             parts.append(f"fill probability {part[4:]}")
+        elif part.startswith("jw") and part[2:]:
+            parts.append(f"judge batch window {part[2:]} ms")
         elif part.startswith("nv") and part[2:]:
             parts.append(f"{part[2:]} of groups without reward variance")
         elif part == "defer":
@@ -474,8 +476,11 @@ def _engine_ratios(runs: list[dict]) -> list[dict]:
 
 
 def _fill_markers(settings: frozenset[str]) -> frozenset[str]:
-    """{"fill0.9"} for a run of the seed mix with --fill-probability 0.9; empty without."""
-    return frozenset(m for m in settings if m.startswith("fill") and m[4:])
+    """{"fill0.9"} for a run of the seed mix with --fill-probability 0.9, {"jw200"} with
+    --judge-batch-window-ms 200 (both: the new sampler's tuning); empty without."""
+    return frozenset(
+        m for m in settings if (m.startswith("fill") and m[4:]) or (m.startswith("jw") and m[2:])
+    )
 
 
 def _new_matches(num: frozenset[str], den: frozenset[str], num_only: frozenset[str]) -> bool:

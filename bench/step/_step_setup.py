@@ -279,9 +279,17 @@ def make_models(
 
 
 def build_judge(
-    judge_dir: Path, *, device: str, tiny: bool, work: Workload, slots: int, keep_graphs=False
+    judge_dir: Path,
+    *,
+    device: str,
+    tiny: bool,
+    work: Workload,
+    slots: int,
+    keep_graphs=False,
+    batch_window_ms: float | None = None,
 ):
-    """A yatt.genrm.GenRM on its own BuiltinEngine (region prefix "genrm")."""
+    """A yatt.genrm.GenRM on its own BuiltinEngine (region prefix "genrm"); batch_window_ms:
+    BatchingConfig.batch_window_millis (None: its default)."""
     from yatt import genrm, rollout
 
     context = work.prompt_tokens + MAX_RESPONSE_TOKENS + JUDGE_TEMPLATE_TOKENS + work.judge_tokens
@@ -310,7 +318,10 @@ def build_judge(
         # Every batch in flight at once: they join the judge engine's running decode loop, so a
         # cap here would make late batches wait for whole earlier decodes (the long-tail end).
         batching=genrm.BatchingConfig(
-            max_batch_size=slots, max_pending=4 * slots, max_inflight_batches=slots
+            max_batch_size=slots,
+            max_pending=4 * slots,
+            max_inflight_batches=slots,
+            **({} if batch_window_ms is None else {"batch_window_millis": batch_window_ms}),
         ),
     )
     return judge, engine
@@ -367,7 +378,7 @@ def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
     fewer GPUs. Then "-pr<N>" (--prompts-per-rank), "-1.5b" (--shape), "-j<shape>" (a
     --judge-shape unlike the policy's), "-js<N>" (--judge-slots, colocated judges). The seed
     mix's sampler: "-old" (--sampler old), "-keep" (--keep-partial), "-nv<share>"
-    (--no-variance-share), "-fill<q>" (--fill-probability). Every name of a run (its JSON, its
+    (--no-variance-share), "-fill<q>" (--fill-probability); "-jw<ms>" (--judge-batch-window-ms). Every name of a run (its JSON, its
     profile, its out-of-memory record) is built from this one key."""
     key = layout
     judge_gpus = getattr(args, "judge_gpus", None) or []
@@ -404,6 +415,9 @@ def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
         fill = getattr(args, "fill_probability", None)
         if fill is not None:
             key += f"-fill{fill:g}"
+    window = getattr(args, "judge_batch_window_ms", None)
+    if window is not None and layout in ("full", "partial"):
+        key += f"-jw{window:g}"
     return key
 
 

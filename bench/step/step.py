@@ -131,6 +131,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "fill_probability; default: the expected number); the run is named -fill<q>",
     )
     p.add_argument(
+        "--judge-batch-window-ms",
+        type=float,
+        default=None,
+        help="colocated judge: after a streamed batch's first response, wait at most this long "
+        "for more (genrm.BatchingConfig.batch_window_millis, default 20): fewer, larger judge "
+        "calls and decode steps; the run is named -jw<ms>",
+    )
+    p.add_argument(
         "--no-variance-share",
         type=float,
         default=None,
@@ -268,6 +276,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--run-budget-s {args.run_budget_s}: must be > 0 (seconds), e.g. 110")
     if args.keep_partial and (args.layout != "partial" or args.sampler != "new" or not is_seed):
         p.error("--keep-partial: only with --layout partial, --sampler new and the seed mix")
+    if args.judge_batch_window_ms is not None:
+        if not args.judge_batch_window_ms >= 0:
+            p.error(f"--judge-batch-window-ms {args.judge_batch_window_ms}: must be >= 0, e.g. 200")
+        if args.layout not in ("full", "partial"):
+            p.error(
+                "--judge-batch-window-ms: only with --layout full or partial (a colocated judge)"
+            )
     if args.fill_probability is not None:
         if args.sampler != "new" or not is_seed:
             p.error("--fill-probability: only with the seed mix and --sampler new")
@@ -357,6 +372,7 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
             work=work,
             slots=args.judge_slots or slots,
             keep_graphs=args.keep_graphs,
+            batch_window_ms=args.judge_batch_window_ms,
         )
     ctx.policy = core.TorchPolicy(
         core.TorchPolicyConfig(

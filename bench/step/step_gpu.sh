@@ -91,6 +91,12 @@ want seed_partial_1gpu seed && run seed_partial_1gpu python3 $SEED --layout part
 # expected number): it over-samples, and the abort cuts the long tail ("-fill0.9").
 want seed_partial_fill90_1gpu seed && \
   run seed_partial_fill90_1gpu python3 $SEED --layout partial --fill-probability 0.9
+# SEED_JUDGE_WINDOW=<ms>: also partial with the judge's streamed batches held that long
+# (--judge-batch-window-ms; fewer, larger judge calls: "-jw<ms>").
+if [ -n "${SEED_JUDGE_WINDOW:-}" ]; then
+  want seed_partial_jw_1gpu seed && run seed_partial_jw_1gpu python3 $SEED --layout partial \
+    --judge-batch-window-ms "$SEED_JUDGE_WINDOW"
+fi
 want seed_full_old_1gpu seed && run seed_full_old_1gpu python3 $SEED --layout full --sampler old
 want seed_partial_old_1gpu seed && \
   run seed_partial_old_1gpu python3 $SEED --layout partial --sampler old
