@@ -475,7 +475,7 @@ def _engine_ratios(runs: list[dict]) -> list[dict]:
     return out
 
 
-def _fill_markers(settings: frozenset[str]) -> frozenset[str]:
+def _tuning_markers(settings: frozenset[str]) -> frozenset[str]:
     """{"fill0.9"} for a run of the seed mix with --fill-probability 0.9, {"jw200"} with
     --judge-batch-window-ms 200 (both: the new sampler's tuning); empty without."""
     return frozenset(
@@ -485,11 +485,11 @@ def _fill_markers(settings: frozenset[str]) -> frozenset[str]:
 
 def _new_matches(num: frozenset[str], den: frozenset[str], num_only: frozenset[str]) -> bool:
     """A seed bar's like-for-like rule: the new-sampler side (num) may add `num_only` and a
-    fill probability; the other side has either no fill probability or the same one."""
-    num_fill, den_fill = _fill_markers(num), _fill_markers(den)
-    if den_fill and den_fill != num_fill:
+    fill probability or judge window; the other side has none or the same ones."""
+    num_tuned, den_tuned = _tuning_markers(num), _tuning_markers(den)
+    if den_tuned and den_tuned != num_tuned:
         return False
-    return num - num_only - num_fill == den - den_fill
+    return num - num_only - num_tuned == den - den_tuned
 
 
 def _sampling_per_kept_group(runs: list[dict]) -> list[dict]:

@@ -378,8 +378,9 @@ def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
     fewer GPUs. Then "-pr<N>" (--prompts-per-rank), "-1.5b" (--shape), "-j<shape>" (a
     --judge-shape unlike the policy's), "-js<N>" (--judge-slots, colocated judges). The seed
     mix's sampler: "-old" (--sampler old), "-keep" (--keep-partial), "-nv<share>"
-    (--no-variance-share), "-fill<q>" (--fill-probability); "-jw<ms>" (--judge-batch-window-ms). Every name of a run (its JSON, its
-    profile, its out-of-memory record) is built from this one key."""
+    (--no-variance-share), "-fill<q>" (--fill-probability); then "-jw<ms>"
+    (--judge-batch-window-ms). Every name of a run (its JSON, its profile, its out-of-memory
+    record) is built from this one key."""
     key = layout
     judge_gpus = getattr(args, "judge_gpus", None) or []
     if layout == "dedicated" and judge_gpus:
