@@ -3,8 +3,8 @@
 # next call): start it detached in one call, wait on it in the next ones.
 #   bash gpu_checks/background.sh start NAME CMD...  # detached; its $OUT is /root/bg/NAME/out
 #   bash gpu_checks/background.sh wait NAME SECONDS  # until NAME ends or SECONDS pass
-# `wait` prints the log's tail and, once NAME has ended, packs its files into this call's
-# $OUT/NAME.tgz (a call brings back a few files only). CMD runs in this call's copy of the tree,
+# `wait` prints the log's tail and packs NAME's files into this call's $OUT/NAME.tgz once it has
+# ended, or what it has so far into $OUT/NAME.partial.tgz (a call brings back a few files only). CMD runs in this call's copy of the tree,
 # so start the next job only after the last one ended. The commit it ran at is in NAME/commit.
 set -uo pipefail
 BG=/root/bg
@@ -34,6 +34,9 @@ case $action in
       tar czf "${OUT:?}/$name.tgz" -C "$dir/out" .
     else
       echo "=== $name still running after ${limit}s"
+      # what it has written so far: a machine taken back mid-job loses nothing already done
+      cp "$dir/log" "$dir/out/$name.log"
+      tar czf "${OUT:?}/$name.partial.tgz" -C "$dir/out" .
     fi ;;
   *) echo "usage: $0 start|wait NAME ..."; exit 2 ;;
 esac

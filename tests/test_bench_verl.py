@@ -347,11 +347,18 @@ def test_report_ratios_take_the_best_yatt_run_like_for_like(tmp_path):
         config={"old_log_prob": "bypass"},
     )
     _run(tmp_path / "trl_vllm_1gpu.json", "trl-vllm", {"fixed": 5.0}, t=(4, 5))  # fmt: skip
+    # verl at its best is the anchor: a slower default run and a faster one that recomputes the
+    # old log-probs (not the work yatt does) leave the ratio on the 10 s run
+    _run(tmp_path / "verl_longtail-slow_1gpu.json", "verl_longtail-slow", {"longtail": 14.0},
+         t=(5, 6), framework="verl", config={"old_log_prob": "bypass"})  # fmt: skip
+    _run(tmp_path / "verl_longtail-recompute_1gpu.json", "verl_longtail-recompute",
+         {"longtail": 5.0}, t=(6, 7), framework="verl", config={"old_log_prob": "recompute"})  # fmt: skip
     runs = verl_report.load_runs(tmp_path)
     table = verl_report.ratios(runs)
     # yatt's step without its checkpoint: partial's 2.5 over verl's 10
     assert table["yatt_vs_verl"]["value"] == pytest.approx(0.25)
     assert table["yatt_vs_verl"]["num"] == "step_partial_1gpu.json"
+    assert table["yatt_vs_verl"]["den"] == "verl_longtail_1gpu.json"
     assert table["yatt_vs_trl_vllm"]["value"] == pytest.approx(2.0 / 5.0)
     md = verl_report.write_report(runs, tmp_path / "out", commit="abc123")
     text = md.read_text()

@@ -18,7 +18,10 @@
 # Runs (JSON per run) are kept in $RUNS_DIR (default /root/verl-runs, outside $OUT, which each
 # call empties) so that `report` in a later call of the same held machine merges them all; every
 # step copies what it made to $OUT as one archive (a call returns at most 8 files).
-#   VERL_RUNS   verl runs of step verl_runs: "longtail,fixed,longtail:1.5b,longtail:recompute,longtail:fused"
+#   VERL_RUNS   verl runs of step verl_runs, MIX[:1.5b][:recompute][:fused] each (default
+#               longtail,fixed), e.g. "longtail:fused,fixed:fused,longtail:1.5b:fused"; one run
+#               is also a step of its own: verl_longtail:fused
+#   YATT_1P5B_LAYOUTS  layouts of step yatt_1.5b, the 1.5B judge on the longtail mix (full,partial)
 #   YATT_RUNS   yatt runs of step yatt: "layout:backend" pairs (default full:builtin,
 #               partial:builtin,full:vllm), each with --judge-tokens 128 --no-ckpt, YATT_MIX
 #               (default fixed,longtail)
@@ -84,13 +87,21 @@ EOF
   PYTHONPATH=bench/verl:$VERL_PATH python3 -c "import verl_plugins; print('plugins import ok')"
 }
 
-verl_run() {  # verl_run MIX[:1.5b|:recompute|:fused]
-  local spec=$1 mix=${1%%:*} extra=() models=$MODELS variant=verl_${1%%:*}
-  case $spec in
-    *:1.5b) extra=(--judge-shape 1.5b); models=$MODELS-0.5b-1.5b; variant+=-j1.5b ;;
-    *:recompute) extra=(--old-log-prob recompute); variant+=-recompute ;;
-    *:fused) extra=(--fused-kernels triton); variant+=-fused-triton ;;
-  esac
+verl_run() {  # verl_run MIX[:1.5b][:recompute][:fused], e.g. longtail:1.5b:fused
+  local spec=$1 mix=${1%%:*} extra=() models=$MODELS variant=verl_${1%%:*} mod
+  IFS=: read -r -a mods <<<"${spec#"$mix"}"
+  # verl_step.py's variant name puts the judge, then recompute, then fused
+  for mod in 1.5b recompute fused; do
+    [[ " ${mods[*]} " == *" $mod "* ]] || continue
+    case $mod in
+      1.5b) extra+=(--judge-shape 1.5b); models=$MODELS-0.5b-1.5b; variant+=-j1.5b ;;
+      recompute) extra+=(--old-log-prob recompute); variant+=-recompute ;;
+      fused) extra+=(--fused-kernels triton); variant+=-fused-triton ;;
+    esac
+  done
+  for mod in "${mods[@]}"; do
+    case $mod in ''|1.5b|recompute|fused) ;; *) echo "verl_run: unknown modifier $mod in $spec"; return 1 ;; esac
+  done
   run_step "verl_${spec//:/_}" env PYTHONPATH="$VERL_PATH" python3 bench/verl/verl_step.py \
     --mix "$mix" "${extra[@]}" --steps "$STEPS" --warmup "$WARMUP" --judge-tokens 128 \
     --model-dir "$models" --out-dir "$RUNS_DIR" --timeout $((STEP_TIMEOUT - 30))
@@ -124,9 +135,13 @@ for step in "$@"; do
           --model-dir "$MODELS" --out-dir "$RUNS_DIR"
       done ;;
     yatt_1.5b)
-      run_step yatt_full_builtin_1.5b python3 bench/step/step.py --layout full --judge-shape 1.5b \
-        --judge-tokens 128 --no-ckpt --mix longtail --steps "$STEPS" --warmup "$WARMUP" \
-        --model-dir "$MODELS-0.5b-1.5b" --out-dir "$RUNS_DIR" ;;
+      # the 1.5B judge: both placements (the report takes the faster, as for the 0.5B judge)
+      IFS=, read -r -a layouts <<<"${YATT_1P5B_LAYOUTS:-full,partial}"
+      for layout in "${layouts[@]}"; do
+        run_step "yatt_${layout}_builtin_1.5b" python3 bench/step/step.py --layout "$layout" \
+          --judge-shape 1.5b --judge-tokens 128 --no-ckpt --mix longtail --steps "$STEPS" \
+          --warmup "$WARMUP" --model-dir "$MODELS-0.5b-1.5b" --out-dir "$RUNS_DIR"
+      done ;;
     trl_vllm)
       run_step trl_vllm env PYTHONPATH="$TRL_PATH" python3 bench/step/step_trl.py --use-vllm \
         --judge-tokens 128 --steps "$STEPS" --warmup "$WARMUP" \

@@ -158,16 +158,19 @@ def ratio(num: dict | None, den: dict | None, mix: str) -> dict[str, Any]:
 def ratios(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out = {}
     for shape in sorted({judge_shape(r) for r in runs}):
-        verl = next(
+        # verl at its best: the fastest of its runs on this judge (default or fused log-prob
+        # head), with the old log-probs taken from the rollout as yatt's are
+        verl = min(
             (
                 r
                 for r in runs
                 if r["framework"] == "verl"
                 and judge_shape(r) == shape
-                and "longtail" in r["mixes"]
+                and step_time(r, "longtail") is not None
                 and r.get("config", {}).get("old_log_prob", "bypass") == "bypass"
             ),
-            None,
+            key=lambda r: step_time(r, "longtail"),
+            default=None,
         )
         key = "yatt_vs_verl" + ("" if shape == "0.5b" else f"_j{shape}")
         yatt = best_yatt(runs, "longtail", shape, like=verl) or best_yatt(runs, "longtail", shape)
