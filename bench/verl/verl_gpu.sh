@@ -19,8 +19,12 @@
 # call empties) so that `report` in a later call of the same held machine merges them all; every
 # step copies what it made to $OUT as one archive (a call returns at most 8 files).
 #   VERL_RUNS   verl runs of step verl_runs, MIX[:1.5b][:recompute][:fused] each (default
-#               longtail,fixed), e.g. "longtail:fused,fixed:fused,longtail:1.5b:fused"; one run
-#               is also a step of its own: verl_longtail:fused
+#               longtail,fixed), e.g. "longtail:fusedtorch,longtail:1.5b:fusedtorch"; one run is
+#               also a step of its own: verl_longtail:fusedtorch. fused = verl's Triton log-prob
+#               head, which fails without remove-padding (flash-attn) in verl 0.9.1's engine
+#               worker; fusedtorch = its chunked torch head, which works on padded batches
+#   YATT_OFFLOAD  yatt's --offload (default auto: a role sleeps only when the next phase would not
+#               fit, as TRL keeps its engines resident; "always" sleeps every role at each switch)
 #   YATT_1P5B_LAYOUTS  layouts of step yatt_1.5b, the 1.5B judge on the longtail mix (full,partial)
 #   YATT_RUNS   yatt runs of step yatt: "layout:backend" pairs (default full:builtin,
 #               partial:builtin,full:vllm), each with --judge-tokens 128 --no-ckpt, YATT_MIX
@@ -87,20 +91,21 @@ EOF
   PYTHONPATH=bench/verl:$VERL_PATH python3 -c "import verl_plugins; print('plugins import ok')"
 }
 
-verl_run() {  # verl_run MIX[:1.5b][:recompute][:fused], e.g. longtail:1.5b:fused
+verl_run() {  # verl_run MIX[:1.5b][:recompute][:fused|:fusedtorch], e.g. longtail:1.5b:fusedtorch
   local spec=$1 mix=${1%%:*} extra=() models=$MODELS variant=verl_${1%%:*} mod
   IFS=: read -r -a mods <<<"${spec#"$mix"}"
   # verl_step.py's variant name puts the judge, then recompute, then fused
-  for mod in 1.5b recompute fused; do
+  for mod in 1.5b recompute fused fusedtorch; do
     [[ " ${mods[*]} " == *" $mod "* ]] || continue
     case $mod in
       1.5b) extra+=(--judge-shape 1.5b); models=$MODELS-0.5b-1.5b; variant+=-j1.5b ;;
       recompute) extra+=(--old-log-prob recompute); variant+=-recompute ;;
       fused) extra+=(--fused-kernels triton); variant+=-fused-triton ;;
+      fusedtorch) extra+=(--fused-kernels torch); variant+=-fused-torch ;;
     esac
   done
   for mod in "${mods[@]}"; do
-    case $mod in ''|1.5b|recompute|fused) ;; *) echo "verl_run: unknown modifier $mod in $spec"; return 1 ;; esac
+    case $mod in ''|1.5b|recompute|fused|fusedtorch) ;; *) echo "verl_run: unknown modifier $mod in $spec"; return 1 ;; esac
   done
   run_step "verl_${spec//:/_}" env PYTHONPATH="$VERL_PATH" python3 bench/verl/verl_step.py \
     --mix "$mix" "${extra[@]}" --steps "$STEPS" --warmup "$WARMUP" --judge-tokens 128 \
@@ -131,6 +136,7 @@ for step in "$@"; do
         [ "$backend" = vllm ] && path=$VLLM_PATH
         run_step "yatt_${layout}_$backend" env PYTHONPATH="$path" python3 bench/step/step.py \
           --layout "$layout" --rollout-backend "$backend" --judge-tokens 128 --no-ckpt \
+          --offload "${YATT_OFFLOAD:-auto}" \
           --mix "${YATT_MIX:-fixed,longtail}" --steps "$STEPS" --warmup "$WARMUP" \
           --model-dir "$MODELS" --out-dir "$RUNS_DIR"
       done ;;
@@ -140,6 +146,7 @@ for step in "$@"; do
       for layout in "${layouts[@]}"; do
         run_step "yatt_${layout}_builtin_1.5b" python3 bench/step/step.py --layout "$layout" \
           --judge-shape 1.5b --judge-tokens 128 --no-ckpt --mix longtail --steps "$STEPS" \
+          --offload "${YATT_OFFLOAD:-auto}" \
           --warmup "$WARMUP" --model-dir "$MODELS-0.5b-1.5b" --out-dir "$RUNS_DIR"
       done ;;
     trl_vllm)
