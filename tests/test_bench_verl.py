@@ -187,6 +187,49 @@ def test_fused_kernels_turn_on_verls_fused_head_with_the_backend(backend):
     assert cfg.variant == f"verl_fixed-fused-{backend}"
 
 
+def test_poll_interval_plugs_verls_custom_sampler_hook():
+    mine = _overrides(verl_step.VerlBenchConfig())
+    assert not any(k.startswith("trainer.v1.sampler") for k in mine)  # verl's buffer as it ships
+    cfg = verl_step.VerlBenchConfig(poll_interval_s=0.05)
+    o = _overrides(cfg)
+    assert o["trainer.v1.sampler.custom_sampler.name"] == "QuickPollReplayBuffer"
+    assert o["trainer.v1.sampler.custom_sampler.path"].strip("'").endswith("verl_plugins.py")
+    assert float(o["+trainer.v1.sampler.sampler_kwargs.poll_interval_s"]) == 0.05
+    assert cfg.variant == "verl_fixed-poll50ms"
+    plugin = (ROOT / "bench" / "verl" / "verl_plugins.py").read_text()
+    assert plugin.count("class QuickPollReplayBuffer(ReplayBuffer):") == 1
+
+
+def test_quick_poll_buffer_passes_its_interval_to_verls_buffer(monkeypatch):
+    """verl_plugins with verl's base classes stubbed: the interval reaches ReplayBuffer."""
+    import types
+
+    class ReplayBuffer:
+        def __init__(self, trainer_mode, sampler_kwargs, poll_interval=2.0, **kwargs):
+            self.poll_interval, self.kwargs = poll_interval, kwargs
+
+    stubs = {
+        "aiohttp": {},
+        "verl.experimental.agent_loop.single_turn_agent_loop": {"SingleTurnAgentLoop": object},
+        "verl.experimental.reward_loop.reward_manager.base": {"RewardManagerBase": object},
+        "verl.trainer.ppo.v1.replay_buffer": {"ReplayBuffer": ReplayBuffer},
+    }
+    for name, attrs in stubs.items():
+        monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
+    monkeypatch.delitem(sys.modules, "verl_plugins", raising=False)
+    import verl_plugins
+
+    buf = verl_plugins.QuickPollReplayBuffer(
+        trainer_mode="sync", sampler_kwargs={"poll_interval_s": 0.05}, refill_fn=None
+    )
+    assert buf.poll_interval == 0.05 and buf.kwargs == {"refill_fn": None}
+    assert (
+        verl_plugins.QuickPollReplayBuffer(trainer_mode="sync", sampler_kwargs={}).poll_interval
+        == 2.0
+    )
+    monkeypatch.delitem(sys.modules, "verl_plugins")
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match=r"VerlBenchConfig\.mix"):
         verl_step.VerlBenchConfig(mix="short")
@@ -198,6 +241,11 @@ def test_config_errors_name_the_field():
         verl_step.VerlBenchConfig(trainer="v2")
     with pytest.raises(ValueError, match=r"VerlBenchConfig\.fused_kernels"):
         verl_step.VerlBenchConfig(fused_kernels="liger")
+    for bad in (0.0, -1.0, 5.0):
+        with pytest.raises(ValueError, match=r"VerlBenchConfig\.poll_interval_s"):
+            verl_step.VerlBenchConfig(poll_interval_s=bad)
+    with pytest.raises(ValueError, match=r"VerlBenchConfig\.poll_interval_s"):
+        verl_step.VerlBenchConfig(poll_interval_s=0.05, trainer="v0")
 
 
 @pytest.mark.parametrize("trainer,use_v1", [("v1", "True"), ("v0", "False")])

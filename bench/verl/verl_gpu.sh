@@ -22,7 +22,8 @@
 #               longtail,fixed), e.g. "longtail:fusedtorch,longtail:1.5b:fusedtorch"; one run is
 #               also a step of its own: verl_longtail:fusedtorch. fused = verl's Triton log-prob
 #               head, which fails without remove-padding (flash-attn) in verl 0.9.1's engine
-#               worker; fusedtorch = its chunked torch head, which works on padded batches
+#               worker; fusedtorch = its chunked torch head, which works on padded batches;
+#               poll = the V1 trainer's replay buffer polling every 0.05 s instead of 2.0 s
 #   YATT_OFFLOAD  yatt's --offload (default auto: a role sleeps only when the next phase would not
 #               fit, as TRL keeps its engines resident; "always" sleeps every role at each switch)
 #   YATT_1P5B_LAYOUTS  layouts of step yatt_1.5b, the 1.5B judge on the longtail mix (full,partial)
@@ -91,21 +92,22 @@ EOF
   PYTHONPATH=bench/verl:$VERL_PATH python3 -c "import verl_plugins; print('plugins import ok')"
 }
 
-verl_run() {  # verl_run MIX[:1.5b][:recompute][:fused|:fusedtorch], e.g. longtail:1.5b:fusedtorch
+verl_run() {  # verl_run MIX[:1.5b][:recompute][:fused|:fusedtorch][:poll], e.g. longtail:fusedtorch:poll
   local spec=$1 mix=${1%%:*} extra=() models=$MODELS variant=verl_${1%%:*} mod
   IFS=: read -r -a mods <<<"${spec#"$mix"}"
   # verl_step.py's variant name puts the judge, then recompute, then fused
-  for mod in 1.5b recompute fused fusedtorch; do
+  for mod in 1.5b recompute fused fusedtorch poll; do
     [[ " ${mods[*]} " == *" $mod "* ]] || continue
     case $mod in
       1.5b) extra+=(--judge-shape 1.5b); models=$MODELS-0.5b-1.5b; variant+=-j1.5b ;;
       recompute) extra+=(--old-log-prob recompute); variant+=-recompute ;;
       fused) extra+=(--fused-kernels triton); variant+=-fused-triton ;;
       fusedtorch) extra+=(--fused-kernels torch); variant+=-fused-torch ;;
+      poll) extra+=(--poll-interval-s 0.05); variant+=-poll50ms ;;
     esac
   done
   for mod in "${mods[@]}"; do
-    case $mod in ''|1.5b|recompute|fused|fusedtorch) ;; *) echo "verl_run: unknown modifier $mod in $spec"; return 1 ;; esac
+    case $mod in ''|1.5b|recompute|fused|fusedtorch|poll) ;; *) echo "verl_run: unknown modifier $mod in $spec"; return 1 ;; esac
   done
   run_step "verl_${spec//:/_}" env PYTHONPATH="$VERL_PATH" python3 bench/verl/verl_step.py \
     --mix "$mix" "${extra[@]}" --steps "$STEPS" --warmup "$WARMUP" --judge-tokens 128 \

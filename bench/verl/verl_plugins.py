@@ -23,6 +23,14 @@ JudgeRewardManager: the reward loop's manager with the GenRM judge served by ver
   to the reward router's /v1/completions with max_tokens = min_tokens = the forced verdict
   length (YATT_JUDGE_TOKENS, set in the Ray actors' environment by verl_step.py), ignore_eos
   and greedy decoding. Random-weight verdicts never parse: reward 0, as in yatt.
+
+QuickPollReplayBuffer: verl's V1 sync replay buffer, unchanged but for how often it looks for
+  finished rollouts: verl 0.9.1 polls every 2.0 s (a constructor default its trainer does not
+  expose), so its `gen` phase ends on a 2 s tick (2.04 or 4.05 s in every step of the first
+  fused-head run). Plugged through verl's documented trainer.v1.sampler.custom_sampler hook,
+  with the interval from trainer.v1.sampler.sampler_kwargs.poll_interval_s (verl_step.py
+  --poll-interval-s). verl's trainer gives a custom sampler none of its DAPO arguments, which
+  this bench does not use (no group filtering).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from typing import Any
 import aiohttp
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 from verl.experimental.reward_loop.reward_manager.base import RewardManagerBase
+from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from verl_workload import forced_length, judge_prompt_ids, prompt_text  # bench/: no package
@@ -114,3 +123,11 @@ def compute_score(**kwargs) -> float:
     """verl routes samples to the manager's run_single only when a custom reward function is
     set (else it takes the reward model for a classifier): this one is named, never called."""
     raise RuntimeError("JudgeRewardManager.run_single scores every sample")
+
+
+class QuickPollReplayBuffer(ReplayBuffer):
+    def __init__(self, *args, sampler_kwargs, **kwargs):
+        poll_interval_s = float(sampler_kwargs.get("poll_interval_s", 2.0))
+        super().__init__(
+            *args, sampler_kwargs=sampler_kwargs, poll_interval=poll_interval_s, **kwargs
+        )

@@ -91,6 +91,12 @@ class VerlBenchConfig:
     # fused_kernel_options.impl_backend. The first H200 run (off) spent 8.9 s of a 14.5 s step
     # in update_actor at 1.6% MFU.
     fused_kernels: str = "off"
+    # verl 0.9.1's V1 sync trainer waits for the rollout by polling its replay buffer every
+    # 2.0 s (ReplayBuffer's poll_interval, not in verl's config): its `gen` phase comes out as
+    # 2.0x or 4.0x s. A value here plugs verl's documented custom-sampler hook
+    # (trainer.v1.sampler.custom_sampler) with verl_plugins.QuickPollReplayBuffer, verl's own
+    # buffer polling every poll_interval_s. None: verl's buffer as it ships.
+    poll_interval_s: float | None = None
     agent_workers: int = 8  # must divide the prompt count (see verl_plugins)
     # v1: verl 0.9.1's default trainer (TransferQueue between the stages); v0: its legacy
     # ray_trainer loop, deprecated, kept as the fallback if TransferQueue fails there.
@@ -115,6 +121,16 @@ class VerlBenchConfig:
             )
         if self.trainer not in ("v1", "v0"):
             raise ValueError(f"VerlBenchConfig.trainer={self.trainer!r}: use 'v1' or 'v0'")
+        if self.poll_interval_s is not None and not 0 < self.poll_interval_s <= 2.0:
+            raise ValueError(
+                f"VerlBenchConfig.poll_interval_s={self.poll_interval_s!r}: use a value in "
+                "(0, 2.0] seconds, e.g. 0.05 (None: verl's own 2.0 s)"
+            )
+        if self.poll_interval_s is not None and self.trainer != "v1":
+            raise ValueError(
+                "VerlBenchConfig.poll_interval_s is the V1 trainer's replay buffer: the v0 "
+                "trainer has none (leave it None)"
+            )
         if self.steps < 1 or self.warmup < 0:
             raise ValueError(
                 f"VerlBenchConfig.steps={self.steps}, warmup={self.warmup}: need steps >= 1, "
@@ -143,6 +159,7 @@ class VerlBenchConfig:
         key += "-recompute" if self.old_log_prob == "recompute" else ""
         key += "-v0" if self.trainer == "v0" else ""
         key += f"-fused-{self.fused_kernels}" if self.fused_kernels != "off" else ""
+        key += f"-poll{self.poll_interval_s * 1000:g}ms" if self.poll_interval_s else ""
         return key
 
 
@@ -210,6 +227,17 @@ def _fused_kernel_overrides(cfg: VerlBenchConfig) -> list[str]:
     return [
         "actor_rollout_ref.model.use_fused_kernels=True",
         f"actor_rollout_ref.model.fused_kernel_options.impl_backend={cfg.fused_kernels}",
+    ]
+
+
+def _poll_overrides(cfg: VerlBenchConfig, plugins: str) -> list[str]:
+    """verl's replay buffer polling every cfg.poll_interval_s (nothing when None: verl's own)."""
+    if cfg.poll_interval_s is None:
+        return []
+    return [
+        f"trainer.v1.sampler.custom_sampler.path={plugins}",
+        "trainer.v1.sampler.custom_sampler.name=QuickPollReplayBuffer",
+        f"+trainer.v1.sampler.sampler_kwargs.poll_interval_s={cfg.poll_interval_s}",
     ]
 
 
@@ -320,6 +348,7 @@ def verl_overrides(
         # the trainer: one GPU, every step timed by verl, nothing else in the loop
         f"trainer.use_v1={cfg.trainer == 'v1'}",
         "trainer.v1.trainer_mode=sync",
+        *_poll_overrides(cfg, plugins),
         "trainer.nnodes=1",
         "trainer.n_gpus_per_node=1",
         "trainer.total_epochs=1",
@@ -631,6 +660,12 @@ def parse_args(argv: list[str]) -> tuple[VerlBenchConfig, argparse.Namespace]:
         "--fused-kernels", choices=FUSED_KERNELS, default="off", help="verl's fused log-prob head"
     )
     p.add_argument("--trainer", choices=("v1", "v0"), default="v1", help="verl's trainer loop")
+    p.add_argument(
+        "--poll-interval-s",
+        type=float,
+        default=None,
+        help="the V1 trainer's replay-buffer poll (verl's own: 2.0 s, fixed), e.g. 0.05",
+    )
     p.add_argument("--model-dir", default=None, help="bench/step/step.py's saved models")
     p.add_argument("--out-dir", default="bench/results/step_runs")
     p.add_argument("--dry-run", action="store_true", help="compose and validate the config only")
@@ -651,6 +686,7 @@ def parse_args(argv: list[str]) -> tuple[VerlBenchConfig, argparse.Namespace]:
         actor_dtype=args.actor_dtype,
         fused_kernels=args.fused_kernels,
         trainer=args.trainer,
+        poll_interval_s=args.poll_interval_s,
     )
     if args.model_dir is None:
         name = "yatt-step" + ("" if cfg.judge_shape == "0.5b" else f"-0.5b-{cfg.judge_shape}")
