@@ -33,11 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # itself, then per request line forks; the child leaves the loop and runs the script.
 _SERVER = r"""
 import importlib, json, os, sys
-script = sys.argv[1]
+script, preload = sys.argv[1], json.loads(sys.argv[2])
 sys.path.insert(0, os.path.dirname(script))
 name = os.path.splitext(os.path.basename(script))[0]
 importlib.import_module(name)
 del sys.modules[name]  # run again as __main__, as `python script.py` would
+for folder, module in preload:  # what the script imports only once it runs
+    if folder not in sys.path:
+        sys.path.append(folder)
+    importlib.import_module(module)
 channel = os.fdopen(os.dup(1), "w")
 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a stray print must not corrupt the protocol
 channel.write("ready\n")
@@ -85,12 +89,17 @@ class ScriptRunner:
     `[sys.executable, script, *argv]`, forked from a server that has the script's imports
     loaded. One run at a time."""
 
-    def __init__(self, script: Path, env: dict[str, str]) -> None:
+    def __init__(
+        self, script: Path, env: dict[str, str], preload: Sequence[tuple[Path, str]] = ()
+    ) -> None:
+        """`preload`: (folder, module) pairs the script imports while it runs, imported in
+        the server too (the folder appended to sys.path, as the script would)."""
         self.script, self.env = Path(script), env
         self._server: subprocess.Popen[str] | None = None
+        modules = [[str(folder), module] for folder, module in preload]
         if not _cuda_visible():
             self._server = subprocess.Popen(
-                [sys.executable, "-c", _SERVER, str(self.script)],
+                [sys.executable, "-c", _SERVER, str(self.script), json.dumps(modules)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -113,6 +122,7 @@ class ScriptRunner:
         check: bool = False,
         capture_output: bool = False,
         text: bool = True,
+        cwd: Path | None = None,
     ) -> subprocess.CompletedProcess:
         assert text, "outputs are read as text"
         command = [str(part) for part in command]
@@ -128,12 +138,13 @@ class ScriptRunner:
                 check=check,
                 capture_output=capture_output,
                 text=True,
+                cwd=cwd,
             )
         with tempfile.TemporaryDirectory(prefix="script-run-") as logs:
             request = {
                 "argv": command[2:],
                 "env": env,
-                "cwd": os.getcwd(),
+                "cwd": str(cwd or os.getcwd()),
                 "stdout": str(Path(logs) / "stdout"),
                 "stderr": str(Path(logs) / "stderr"),
             }
@@ -176,5 +187,16 @@ def trainer() -> Iterator[ScriptRunner]:
     """examples/train_grpo.py, preloaded (OMP_NUM_THREADS=1, as the tests run it)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     runner = ScriptRunner(ROOT / "examples" / "train_grpo.py", env)
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(scope="session")
+def step_bench() -> Iterator[ScriptRunner]:
+    """bench/step/step.py, preloaded with what it imports as it runs (the trainer's modules)."""
+    examples = ROOT / "examples"
+    modules = ("torch", "transformers", "aiohttp", "yatt.core", "yatt.genrm", "yatt.testing")
+    preload = [(examples, name) for name in (*modules, "train_grpo")]
+    runner = ScriptRunner(ROOT / "bench" / "step" / "step.py", dict(os.environ), preload)
     yield runner
     runner.close()
