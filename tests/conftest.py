@@ -78,6 +78,9 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
+_READ_AT_START = ("PYTHON", "OMP_", "MKL_")
+
+
 def _cuda_visible() -> bool:
     import torch
 
@@ -108,6 +111,15 @@ class ScriptRunner:
             )
             assert self._read(600) == "ready", "the script's imports failed in the server"
 
+    def _starts_alike(self, env: dict[str, str]) -> bool:
+        """Whether `env` agrees with the server's on what is read only at start-up: Python's
+        own variables and torch's thread counts (read when torch is imported)."""
+
+        def at_start(values: dict[str, str]) -> dict[str, str]:
+            return {k: v for k, v in values.items() if k.startswith(_READ_AT_START)}
+
+        return at_start(env) == at_start(self.env)
+
     def _read(self, timeout_s: float) -> str | None:
         assert self._server is not None and self._server.stdout is not None
         ready, _, _ = select.select([self._server.stdout], [], [], max(timeout_s, 0.0))
@@ -129,8 +141,7 @@ class ScriptRunner:
         if command[:2] != [sys.executable, str(self.script)]:
             raise ValueError(f"{command[:2]} is not [sys.executable, {str(self.script)!r}]")
         env = dict(self.env if env is None else env)
-        # The server's torch read its thread count when it was imported: another is a new process.
-        if self._server is None or env.get("OMP_NUM_THREADS") != self.env.get("OMP_NUM_THREADS"):
+        if self._server is None or not self._starts_alike(env):
             return subprocess.run(
                 command,
                 env=env,

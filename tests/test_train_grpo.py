@@ -1,5 +1,6 @@
 """The reference trainer end to end on 2 CPU ranks (gloo): both placement modes, checkpoints,
-and exact resume after a kill."""
+and exact resume after a kill. One-rank runs go through the `trainer` fixture (tests/conftest.py):
+each a process forked from an interpreter that has the trainer's imports loaded."""
 
 NUM_GPUS = 0
 
@@ -64,33 +65,45 @@ def _metrics(out_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# The 2-rank run with placement=full: checked as it is, and as the uninterrupted run that a
+# killed and resumed one must match (so it is run once for both tests).
+_UNINTERRUPTED = ("num_steps=6", "ckpt.every_steps=3")
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, embedded) -> Path:
+    out = tmp_path_factory.mktemp("full")
+    command = _command(out, embedded, *_UNINTERRUPTED, "placement=full")
+    subprocess.run(command, check=True, env=_env(), timeout=600)
+    return out
+
+
 @pytest.mark.parametrize("placement", ["full", "partial"])
-def test_two_ranks_train_and_checkpoint(tmp_path, embedded, placement):
-    out = tmp_path / placement
-    subprocess.run(
-        _command(out, embedded, "num_steps=3", f"placement={placement}", "ckpt.every_steps=2"),
-        check=True,
-        env=_env(),
-        timeout=600,
-    )
+def test_two_ranks_train_and_checkpoint(tmp_path, embedded, placement, request):
+    if placement == "full":
+        out, num_steps, due = request.getfixturevalue("full_run"), 6, 3
+    else:
+        out, num_steps, due = tmp_path / placement, 3, 2
+        args = (f"num_steps={num_steps}", f"placement={placement}", f"ckpt.every_steps={due}")
+        subprocess.run(_command(out, embedded, *args), check=True, env=_env(), timeout=600)
     records = _metrics(out)
-    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["step"] for r in records] == list(range(num_steps))
     for r in records:
         assert -1.0 <= r["reward/mean"] <= 1.0
         assert 0.0 <= r["reward/accuracy"] <= 1.0
         assert r["train/num_loss_tokens"] > 0 or r["train/is_skipped"] == 1.0
     phase = "rollout" if placement == "partial" else "genrm"
     assert f"placement/{phase}/switch_s" in records[-1]
-    assert (out / "checkpoints" / "step-00000002").is_dir()
+    assert (out / "checkpoints" / f"step-{due:08d}").is_dir()  # due by ckpt.every_steps
+    assert (out / "checkpoints" / f"step-{num_steps - 1:08d}").is_dir()  # the last, always
     assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, embedded):
+def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, embedded, full_run):
     keys = ("reward/mean", "reward/accuracy", "train/loss", "train/grad_norm")
-    steps = ("num_steps=6", "ckpt.every_steps=3", "ckpt.async_save=false")
-    straight = tmp_path / "straight"
-    subprocess.run(_command(straight, embedded, *steps), check=True, env=_env(), timeout=600)
-
+    # The killed run saves synchronously; the uninterrupted one saved asynchronously (the
+    # default): how a step is saved must change no number the run logs.
+    steps = (*_UNINTERRUPTED, "placement=full", "ckpt.async_save=false")
     killed = tmp_path / "killed"
     proc = subprocess.Popen(_command(killed, embedded, *steps), env=_env(), start_new_session=True)
     committed = killed / "checkpoints" / "step-00000003"
@@ -105,7 +118,7 @@ def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, embedded):
         _command(killed, embedded, *steps, "--resume"), check=True, env=_env(), timeout=600
     )
     resumed = {r["step"]: r for r in _metrics(killed)}
-    expected = {r["step"]: r for r in _metrics(straight)}
+    expected = {r["step"]: r for r in _metrics(full_run)}
     assert sorted(resumed) == sorted(expected) == list(range(6))
     for step in (4, 5):  # the steps after the checkpoint, recomputed by the resumed run
         assert {k: resumed[step][k] for k in keys} == {k: expected[step][k] for k in keys}
