@@ -98,14 +98,14 @@ class ScriptRunner:
         """`preload`: (folder, module) pairs the script imports while it runs, imported in
         the server too (the folder appended to sys.path, as the script would)."""
         self.script, self.env = Path(script), env
-        self._server: subprocess.Popen[str] | None = None
+        self._pending = b""  # read from the server, not yet a whole line
+        self._server: subprocess.Popen[bytes] | None = None
         modules = [[str(folder), module] for folder, module in preload]
         if not _cuda_visible():
             self._server = subprocess.Popen(
                 [sys.executable, "-c", _SERVER, str(self.script), json.dumps(modules)],
                 stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
+                stdout=subprocess.PIPE,  # read with os.read (see _read)
                 env=env,
                 cwd=ROOT,
             )
@@ -121,9 +121,21 @@ class ScriptRunner:
         return at_start(env) == at_start(self.env)
 
     def _read(self, timeout_s: float) -> str | None:
+        """The server's next line, or None after `timeout_s`. Read from the raw pipe: a
+        buffered reader could hold the next line where select() no longer sees it."""
         assert self._server is not None and self._server.stdout is not None
-        ready, _, _ = select.select([self._server.stdout], [], [], max(timeout_s, 0.0))
-        return self._server.stdout.readline().strip() if ready else None
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._pending:
+            fd = self._server.stdout.fileno()
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise RuntimeError(f"the server of {self.script.name} exited")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line.decode().strip()
 
     def run(
         self,
@@ -160,9 +172,12 @@ class ScriptRunner:
                 "stderr": str(Path(logs) / "stderr"),
             }
             assert self._server.stdin is not None
-            self._server.stdin.write(json.dumps(request) + "\n")
+            self._server.stdin.write(json.dumps(request).encode() + b"\n")
             self._server.stdin.flush()
-            pid = json.loads(self._read(60) or "{}")["pid"]
+            started = self._read(60)
+            if started is None:
+                raise RuntimeError(f"the server of {self.script.name} forked nothing in 60 s")
+            pid = json.loads(started)["pid"]
             deadline = time.monotonic() + timeout
             reply = self._read(deadline - time.monotonic())
             if reply is None:  # as subprocess.run: kill it, then raise
