@@ -40,7 +40,7 @@ importlib.import_module(name)
 del sys.modules[name]  # run again as __main__, as `python script.py` would
 for folder, module in preload:  # what the script imports only once it runs
     if folder not in sys.path:
-        sys.path.append(folder)
+        sys.path.insert(0, folder)
     importlib.import_module(module)
 channel = os.fdopen(os.dup(1), "w")
 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a stray print must not corrupt the protocol
@@ -96,7 +96,7 @@ class ScriptRunner:
         self, script: Path, env: dict[str, str], preload: Sequence[tuple[Path, str]] = ()
     ) -> None:
         """`preload`: (folder, module) pairs the script imports while it runs, imported in
-        the server too (the folder appended to sys.path, as the script would)."""
+        the server too (the folder put first on sys.path, as the script would)."""
         self.script, self.env = Path(script), env
         self._pending = b""  # read from the server, not yet a whole line
         self._server: subprocess.Popen[bytes] | None = None
