@@ -32,12 +32,12 @@ PHASES = {
 
 
 def _run_step(
-    out_dir: Path, model_dir: Path, layout: str, mixes: str, *extra: str, steps: int = 1
+    bench, out_dir: Path, model_dir: Path, layout: str, mixes: str, *extra: str, steps: int = 1
 ) -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / "step" / "step.py"), "--layout", layout, "--tiny"]
     cmd += ["--steps", str(steps), "--warmup", "1", "--mix", mixes, "--out-dir", str(out_dir)]
     cmd += ["--model-dir", str(model_dir), "--ckpt-dir", str(out_dir / "ckpt"), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = bench.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     num_gpus = 2 if "--judge-gpu" in extra else 1
     variant = layout + "".join(f"-{x}" for x in ("auto", "defer") if x in extra)
@@ -50,16 +50,19 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, models):
+def runs(tmp_path_factory, models, step_bench):
     out = tmp_path_factory.mktemp("step-runs")
     return out, {
-        "full": _run_step(out, models, "full", "fixed,longtail", steps=2),
-        "partial": _run_step(out, models, "partial", "fixed,longtail", "--profile"),
+        "full": _run_step(step_bench, out, models, "full", "fixed,longtail", steps=2),
+        "partial": _run_step(step_bench, out, models, "partial", "fixed,longtail", "--profile"),
         # The judge in its own process (the dedicated GPU's stand-in on CPU), over HTTP.
-        "dedicated": _run_step(out, models, "dedicated", "longtail", "--judge-gpu", "1"),
+        "dedicated": _run_step(
+            step_bench, out, models, "dedicated", "longtail", "--judge-gpu", "1"
+        ),
         # On CPU offload="auto" has no memory reading and runs as "always"; a run of its own,
         # which also saves through the checkpoint writer process, deferring when it is busy.
         "full-auto-defer": _run_step(
+            step_bench,
             out,
             models,
             "full",
@@ -733,25 +736,27 @@ def _hand_kept_by_old_rule(work, step: int, target: int, max_rounds: int) -> tup
 
 
 @pytest.fixture(scope="module")
-def seed_runs(tmp_path_factory, models):
+def seed_runs(tmp_path_factory, models, step_bench):
     out = tmp_path_factory.mktemp("seed-runs")
     fast = ("--mix", "seed", "--judge-tokens", "8")
     return out, {
         # The stream: abort once full, cut groups resumed in the next step.
-        "partial-keep": _seed_step(out, models, "partial", *fast, "--keep-partial", steps=2),
-        "full-old": _seed_step(out, models, "full", *fast, "--sampler", "old"),
+        "partial-keep": _seed_step(
+            step_bench, out, models, "partial", *fast, "--keep-partial", steps=2
+        ),
+        "full-old": _seed_step(step_bench, out, models, "full", *fast, "--sampler", "old"),
         # Profiled too: its profile is named like its JSON.
         "partial-fill": _seed_step(
-            out, models, "partial", *fast, "--fill-probability", "0.9", "--profile"
+            step_bench, out, models, "partial", *fast, "--fill-probability", "0.9", "--profile"
         ),
     }
 
 
-def _seed_step(out_dir, model_dir, layout, *extra, steps=1) -> dict:
+def _seed_step(bench, out_dir, model_dir, layout, *extra, steps=1) -> dict:
     cmd = [sys.executable, str(ROOT / "bench" / "step" / "step.py"), "--layout", layout, "--tiny"]
     cmd += ["--steps", str(steps), "--warmup", "1", "--out-dir", str(out_dir)]
     cmd += ["--model-dir", str(model_dir), "--ckpt-dir", str(out_dir / "ckpt"), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = bench.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     variant = layout + ("-keep" if "--keep-partial" in extra else "")
     variant += "-old" if "old" in extra else ""

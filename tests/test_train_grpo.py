@@ -1,5 +1,6 @@
 """The reference trainer end to end on 2 CPU ranks (gloo): both placement modes, checkpoints,
-and exact resume after a kill."""
+and exact resume after a kill. One-rank runs go through the `trainer` fixture (tests/conftest.py):
+each a process forked from an interpreter that has the trainer's imports loaded."""
 
 NUM_GPUS = 0
 
@@ -64,33 +65,45 @@ def _metrics(out_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# The 2-rank run with placement=full: checked as it is, and as the uninterrupted run that a
+# killed and resumed one must match (so it is run once for both tests).
+_UNINTERRUPTED = ("num_steps=6", "ckpt.every_steps=3")
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, embedded) -> Path:
+    out = tmp_path_factory.mktemp("full")
+    command = _command(out, embedded, *_UNINTERRUPTED, "placement=full")
+    subprocess.run(command, check=True, env=_env(), timeout=600)
+    return out
+
+
 @pytest.mark.parametrize("placement", ["full", "partial"])
-def test_two_ranks_train_and_checkpoint(tmp_path, embedded, placement):
-    out = tmp_path / placement
-    subprocess.run(
-        _command(out, embedded, "num_steps=3", f"placement={placement}", "ckpt.every_steps=2"),
-        check=True,
-        env=_env(),
-        timeout=600,
-    )
+def test_two_ranks_train_and_checkpoint(tmp_path, embedded, placement, request):
+    if placement == "full":
+        out, num_steps, due = request.getfixturevalue("full_run"), 6, 3
+    else:
+        out, num_steps, due = tmp_path / placement, 3, 2
+        args = (f"num_steps={num_steps}", f"placement={placement}", f"ckpt.every_steps={due}")
+        subprocess.run(_command(out, embedded, *args), check=True, env=_env(), timeout=600)
     records = _metrics(out)
-    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["step"] for r in records] == list(range(num_steps))
     for r in records:
         assert -1.0 <= r["reward/mean"] <= 1.0
         assert 0.0 <= r["reward/accuracy"] <= 1.0
         assert r["train/num_loss_tokens"] > 0 or r["train/is_skipped"] == 1.0
     phase = "rollout" if placement == "partial" else "genrm"
     assert f"placement/{phase}/switch_s" in records[-1]
-    assert (out / "checkpoints" / "step-00000002").is_dir()
+    assert (out / "checkpoints" / f"step-{due:08d}").is_dir()  # due by ckpt.every_steps
+    assert (out / "checkpoints" / f"step-{num_steps - 1:08d}").is_dir()  # the last, always
     assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, embedded):
+def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, embedded, full_run):
     keys = ("reward/mean", "reward/accuracy", "train/loss", "train/grad_norm")
-    steps = ("num_steps=6", "ckpt.every_steps=3", "ckpt.async_save=false")
-    straight = tmp_path / "straight"
-    subprocess.run(_command(straight, embedded, *steps), check=True, env=_env(), timeout=600)
-
+    # The killed run saves synchronously; the uninterrupted one saved asynchronously (the
+    # default): how a step is saved must change no number the run logs.
+    steps = (*_UNINTERRUPTED, "placement=full", "ckpt.async_save=false")
     killed = tmp_path / "killed"
     proc = subprocess.Popen(_command(killed, embedded, *steps), env=_env(), start_new_session=True)
     committed = killed / "checkpoints" / "step-00000003"
@@ -105,7 +118,7 @@ def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, embedded):
         _command(killed, embedded, *steps, "--resume"), check=True, env=_env(), timeout=600
     )
     resumed = {r["step"]: r for r in _metrics(killed)}
-    expected = {r["step"]: r for r in _metrics(straight)}
+    expected = {r["step"]: r for r in _metrics(full_run)}
     assert sorted(resumed) == sorted(expected) == list(range(6))
     for step in (4, 5):  # the steps after the checkpoint, recomputed by the resumed run
         assert {k: resumed[step][k] for k in keys} == {k: expected[step][k] for k in keys}
@@ -250,11 +263,13 @@ def test_the_embedded_task_fills_empty_paths_without_editing_the_raw_dict(embedd
     assert cfg.data.prompts_per_rank == 4
 
 
-def test_megatron_backend_on_cpu_stops_before_training_with_a_clear_error(tmp_path, embedded):
+def test_megatron_backend_on_cpu_stops_before_training_with_a_clear_error(
+    tmp_path, embedded, trainer
+):
     out = tmp_path / "megatron"
     config = ROOT / "examples" / "configs" / "tiny_megatron.yaml"
     args = ["--config", str(config), "policy.tp_size=1", f"out_dir={out}", "num_steps=2"]
-    proc = subprocess.run(
+    proc = trainer.run(
         [sys.executable, str(TRAINER), *args, *embedded],
         env={**_env(), "CUDA_VISIBLE_DEVICES": ""},
         capture_output=True,
@@ -318,7 +333,7 @@ def _one_rank(out_dir: Path, embedded: list[str], *args: str) -> list[str]:
     return [sys.executable, str(TRAINER), *fixed, *embedded, *args]
 
 
-def test_empty_prompts_are_skipped_and_counted_without_a_crash(tmp_path, embedded):
+def test_empty_prompts_are_skipped_and_counted_without_a_crash(tmp_path, embedded, trainer):
     # Most rows unusable: rounds that draw only skipped rows return no samples and draw again.
     data = Path(next(a for a in embedded if a.startswith("data.path=")).split("=", 1)[1])
     rows = [json.loads(line) for line in data.read_text().splitlines()][:40]
@@ -331,19 +346,19 @@ def test_empty_prompts_are_skipped_and_counted_without_a_crash(tmp_path, embedde
     )
     args = [a for a in embedded if not a.startswith("data.path=")] + [f"data.path={bad}"]
     out = tmp_path / "run"
-    subprocess.run(_one_rank(out, args, "num_steps=4"), check=True, env=_env(), timeout=600)
+    trainer.run(_one_rank(out, args, "num_steps=4"), check=True, env=_env(), timeout=600)
     records = _metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert records[-1]["data/skipped_rows"] > records[0]["data/skipped_rows"] > 0
     assert all(r["genrm/errors"] == 0 for r in records)
 
 
-def test_a_run_whose_every_verdict_fails_stops_and_says_why(tmp_path, embedded):
+def test_a_run_whose_every_verdict_fails_stops_and_says_why(tmp_path, embedded, trainer):
     # The policy as the judge: it answers with digits, never Yes/No, so no verdict parses.
     policy_dir = _paths(embedded)["policy"]["model_dir"]
     args = [a for a in embedded if not a.startswith("reward.judge_dir=")]
     out = tmp_path / "run"
-    result = subprocess.run(
+    result = trainer.run(
         _one_rank(out, [*args, f"reward.judge_dir={policy_dir}"], "num_steps=5"),
         env=_env(),
         timeout=600,
@@ -358,14 +373,14 @@ def test_a_run_whose_every_verdict_fails_stops_and_says_why(tmp_path, embedded):
     assert records[0]["genrm/unparsable"] == records[0]["genrm/verdicts"] > 0
 
 
-def test_a_run_whose_steps_never_update_stops_and_says_why(tmp_path, embedded):
+def test_a_run_whose_steps_never_update_stops_and_says_why(tmp_path, embedded, trainer):
     """A reward that never varies within a group (a constant function): dynamic sampling keeps
     no group, no step updates, and the run stops after max_idle_steps instead of exiting 0."""
     rewards = tmp_path / "constant.py"
     rewards.write_text("def score(prompt, response, reference, row):\n    return 1.0\n")
     args = [a for a in embedded if not a.startswith("reward.judge_dir=")]
     out = tmp_path / "run"
-    result = subprocess.run(
+    result = trainer.run(
         _one_rank(
             out,
             args,
@@ -418,14 +433,16 @@ def test_a_run_whose_steps_never_update_stops_and_says_why(tmp_path, embedded):
         ),
     ],
 )
-def test_data_the_judge_cannot_read_fails_before_any_model_loads(tmp_path, embedded, args, match):
+def test_data_the_judge_cannot_read_fails_before_any_model_loads(
+    tmp_path, embedded, args, match, trainer
+):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("".join(json.dumps({"prompt": "", "answer": "1"}) + "\n" for _ in range(20)))
     args = [arg.replace("EMPTY", str(empty)) for arg in args]
     keys = {arg.split("=", 1)[0] for arg in args}
     kept = [arg for arg in embedded if arg.split("=", 1)[0] not in keys]
     out = tmp_path / "run"
-    result = subprocess.run(
+    result = trainer.run(
         _one_rank(out, kept, *args, "num_steps=2"),
         env=_env(),
         timeout=300,
@@ -438,8 +455,8 @@ def test_data_the_judge_cannot_read_fails_before_any_model_loads(tmp_path, embed
     assert not (out / "metrics.jsonl").exists()
 
 
-def test_resume_without_a_checkpoint_is_an_error(tmp_path, embedded):
-    result = subprocess.run(
+def test_resume_without_a_checkpoint_is_an_error(tmp_path, embedded, trainer):
+    result = trainer.run(
         [*_one_rank(tmp_path / "fresh", embedded, "num_steps=2"), "--resume"],
         env=_env(),
         timeout=600,
@@ -491,9 +508,9 @@ def test_a_close_error_never_hides_the_loops_own(caplog):
         ("rollout.on_unfilled=drop", r"rollout\.on_unfilled='drop': use one of"),
     ],
 )
-def test_bad_config_values_fail_before_anything_loads(tmp_path, override, match):
+def test_bad_config_values_fail_before_anything_loads(tmp_path, override, match, trainer):
     # No embedded task exists in this out_dir: an error after setup would first build it.
-    result = subprocess.run(
+    result = trainer.run(
         [sys.executable, str(TRAINER), f"out_dir={tmp_path}", override],
         env=_env(),
         timeout=120,
@@ -505,7 +522,7 @@ def test_bad_config_values_fail_before_anything_loads(tmp_path, override, match)
     assert not (tmp_path / "embedded").exists()
 
 
-def test_chat_format_prompts_go_through_the_chat_template(tmp_path, embedded):
+def test_chat_format_prompts_go_through_the_chat_template(tmp_path, embedded, trainer):
     data = Path(next(a for a in embedded if a.startswith("data.path=")).split("=", 1)[1])
     rows = [json.loads(line) for line in data.read_text().splitlines()][:32]
     chat = tmp_path / "chat.jsonl"
@@ -519,7 +536,7 @@ def test_chat_format_prompts_go_through_the_chat_template(tmp_path, embedded):
     )
     args = [a for a in embedded if not a.startswith("data.path=")] + [f"data.path={chat}"]
     out = tmp_path / "run"
-    subprocess.run(
+    trainer.run(
         _one_rank(out, args, "num_steps=2", "rollout.engine.max_seq_len=96"),
         check=True,
         env=_env(),
@@ -530,9 +547,9 @@ def test_chat_format_prompts_go_through_the_chat_template(tmp_path, embedded):
     assert all(r["genrm/verdicts"] > 0 for r in records)
 
 
-def test_help_lists_every_config_field_and_the_set_is_frozen():
+def test_help_lists_every_config_field_and_the_set_is_frozen(trainer):
     # A new config field must be added to tests/trainer_config_fields.txt: a deliberate edit.
-    result = subprocess.run(
+    result = trainer.run(
         [sys.executable, str(TRAINER), "--help"], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0
@@ -841,7 +858,9 @@ def _datasets_folder(tmp_path: Path, embedded: list[str]) -> Path:
     return folder
 
 
-def test_functions_only_reward_kl_reference_schedule_eval_datasets_and_export(tmp_path, embedded):
+def test_functions_only_reward_kl_reference_schedule_eval_datasets_and_export(
+    tmp_path, embedded, trainer
+):
     """2 ranks, no judge model: a reward function file, a KL reference, warm-up + cosine lr,
     eval every 2 steps, prompts from a save_to_disk split; the final step is checkpointed
     though not due, and exported as a folder transformers loads with the checkpoint's weights."""
@@ -889,7 +908,7 @@ def test_functions_only_reward_kl_reference_schedule_eval_datasets_and_export(tm
     assert records[1]["eval/num_samples"] == records[2]["eval/num_samples"] == 16
     assert (out / "checkpoints" / "step-00000002").is_dir()  # the last step, always
     exported = load_file(out / "export" / "model.safetensors")
-    subprocess.run(
+    trainer.run(
         [sys.executable, str(TRAINER), "--export", f"out_dir={out}", *args],
         check=True,
         env=_env(),
@@ -944,7 +963,7 @@ def _fake_chat_server(port: int, requests: list) -> None:
     asyncio.run(serve())
 
 
-def test_a_judge_served_over_an_openai_compatible_endpoint(tmp_path, embedded):
+def test_a_judge_served_over_an_openai_compatible_endpoint(tmp_path, embedded, trainer):
     import threading
 
     requests: list = []
@@ -954,7 +973,7 @@ def test_a_judge_served_over_an_openai_compatible_endpoint(tmp_path, embedded):
     out = tmp_path / "run"
     openai = f"reward.openai={{base_url: 'http://127.0.0.1:{port}/v1', model: judge}}"
     command = _one_rank(out, paths, "num_steps=2", "reward.backend=openai", openai)
-    subprocess.run(command, check=True, env=_env(), timeout=300)
+    trainer.run(command, check=True, env=_env(), timeout=300)
     records = _metrics(out)
     assert [r["step"] for r in records] == [0, 1]
     for r in records:  # the endpoint's verdicts are exact: reward = 2 accuracy - 1
@@ -1164,7 +1183,7 @@ def _wait_for_a_step(out: Path, proc: subprocess.Popen, timeout_s: float = 300) 
     raise AssertionError(f"no step logged (rc {proc.poll()})")
 
 
-def test_one_run_per_out_dir_and_sigterm_saves_and_exits_non_zero(tmp_path, embedded):
+def test_one_run_per_out_dir_and_sigterm_saves_and_exits_non_zero(tmp_path, embedded, trainer):
     """A second trainer or an --export beside a running trainer fails before anything loads,
     naming the running one; SIGTERM then saves the step in progress and exits 128 + 15, and
     the out_dir is free again (the --export that follows reads that checkpoint)."""
@@ -1175,7 +1194,7 @@ def test_one_run_per_out_dir_and_sigterm_saves_and_exits_non_zero(tmp_path, embe
     )
     try:
         _wait_for_a_step(out, first)
-        second = subprocess.run(
+        second = trainer.run(
             _one_rank(out, embedded, *steps, "--resume"),
             env=_env(),
             timeout=300,
@@ -1186,7 +1205,7 @@ def test_one_run_per_out_dir_and_sigterm_saves_and_exits_non_zero(tmp_path, embe
         assert f"is in use by pid {first.pid} on host" in second.stderr, second.stderr[-2000:]
         assert "(train, since" in second.stderr
         assert "Loading weights" not in second.stderr  # no model loaded
-        export = subprocess.run(
+        export = trainer.run(
             [*_one_rank(out, embedded, *steps), "--export"],
             env=_env(),
             timeout=300,
@@ -1208,7 +1227,7 @@ def test_one_run_per_out_dir_and_sigterm_saves_and_exits_non_zero(tmp_path, embe
     saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
     assert saved == [f"step-{steps_logged[-1]:08d}"]  # the step the signal interrupted
     assert not (out / "export").exists()  # a stopped run is not a finished one
-    subprocess.run(
+    trainer.run(
         [*_one_rank(out, embedded, *steps), "--export"], check=True, env=_env(), timeout=300
     )
     assert (out / "export" / "model.safetensors").is_file()
@@ -1240,7 +1259,9 @@ STRICT_TEMPLATE = (  # raises on a role other than user/assistant, as Gemma's an
 )
 
 
-def test_a_row_the_strict_chat_template_refuses_is_a_counted_skip_not_a_crash(tmp_path, embedded):
+def test_a_row_the_strict_chat_template_refuses_is_a_counted_skip_not_a_crash(
+    tmp_path, embedded, trainer
+):
     """A policy whose chat template raises on an unknown role (Gemma/Mistral style), given
     rows with a 'tool' message: those rows are bad_prompt skips; the run trains on the rest."""
     import shutil
@@ -1260,7 +1281,7 @@ def test_a_row_the_strict_chat_template_refuses_is_a_counted_skip_not_a_crash(tm
     kept = [a for a in embedded if a.split("=", 1)[0] not in ("policy.model_dir", "data.path")]
     out = tmp_path / "run"
     args = [f"policy.model_dir={policy}", f"data.path={data}", *kept]
-    subprocess.run(
+    trainer.run(
         _one_rank(out, args, "num_steps=2", "eval.every_steps=0", "rollout.engine.max_seq_len=96"),
         check=True,
         env=_env(),
@@ -1323,13 +1344,15 @@ def exact(prompt, response, reference, row):
 """
 
 
-def test_a_reward_function_that_hangs_is_an_error_verdict_after_its_timeout(tmp_path, embedded):
+def test_a_reward_function_that_hangs_is_an_error_verdict_after_its_timeout(
+    tmp_path, embedded, trainer
+):
     rewards = tmp_path / "rewards.py"
     rewards.write_text(_HANGS_ONCE)
     out = tmp_path / "run"
     paths = [arg for arg in embedded if not arg.startswith("reward.judge_dir=")]
     started = time.monotonic()
-    subprocess.run(
+    trainer.run(
         _one_rank(
             out,
             paths,
@@ -1368,10 +1391,10 @@ def test_the_default_loss_is_todays_dapo_step_and_several_updates_are_off_policy
     assert _resolved(raw).policy.num_decay_steps == 40
 
 
-def test_the_dapo_recipe_clips_and_logs_truncation(tmp_path, embedded):
+def test_the_dapo_recipe_clips_and_logs_truncation(tmp_path, embedded, trainer):
     # DAPO's 4 mini-batches per rollout batch move the ratio off 1: the clip-higher bound acts.
     out = tmp_path / "dapo"
-    result = subprocess.run(
+    result = trainer.run(
         [
             sys.executable,
             str(TRAINER),
@@ -1555,14 +1578,16 @@ def test_rollout_fill_probability_outside_0_1_is_refused_when_the_config_is_read
     assert not (tmp_path / "embedded").exists()  # refused before the embedded task is built
 
 
-def test_rollout_fill_probability_defaults_to_null_and_reaches_the_sampler(tmp_path, embedded):
+def test_rollout_fill_probability_defaults_to_null_and_reaches_the_sampler(
+    tmp_path, embedded, trainer
+):
     assert grpo_config.RolloutConfig().fill_probability is None  # the mean, as before
     # 4 groups per rank at keep rate 1/2 (oversample 2): the mean draws 8 (factor 2); filling
     # with probability 0.9 needs 12: P(Binomial(11, 1/2) >= 4) = 1 - 232/2048 = 0.887,
     # P(Binomial(12, 1/2) >= 4) = 1 - 299/4096 = 0.927. The first draw's factor: 12 / 4.
     args = ("num_steps=1", "rollout.oversample=2", "rollout.max_oversample=4")
     out = tmp_path / "fill"
-    subprocess.run(
+    trainer.run(
         _one_rank(out, embedded, *args, "rollout.fill_probability=0.9"),
         check=True,
         env=_env(),
@@ -1572,7 +1597,7 @@ def test_rollout_fill_probability_defaults_to_null_and_reaches_the_sampler(tmp_p
     assert record["dynamic_sampling/oversample_factor"] == 3.0
 
 
-def test_a_streamed_run_fills_its_batch_and_logs_the_cut_groups(tmp_path, embedded):
+def test_a_streamed_run_fills_its_batch_and_logs_the_cut_groups(tmp_path, embedded, trainer):
     # 3 prompts drawn per missing group, 8 engine slots: the abort finds groups still queued.
     args = (
         "num_steps=2",
@@ -1584,7 +1609,7 @@ def test_a_streamed_run_fills_its_batch_and_logs_the_cut_groups(tmp_path, embedd
         "rollout.engine.max_batch_size=8",
     )
     out = tmp_path / "stream"
-    subprocess.run(_one_rank(out, embedded, *args), check=True, env=_env(), timeout=600)
+    trainer.run(_one_rank(out, embedded, *args), check=True, env=_env(), timeout=600)
     records = _metrics(out)
     assert [r["step"] for r in records] == [0, 1]
     for r in records:
@@ -1605,7 +1630,9 @@ def test_a_streamed_run_fills_its_batch_and_logs_the_cut_groups(tmp_path, embedd
     assert second["dynamic_sampling/num_groups_resumed"] == kept_partial
 
 
-def test_a_streamed_run_resumed_after_a_step_that_cut_groups_resumes_them(tmp_path, embedded):
+def test_a_streamed_run_resumed_after_a_step_that_cut_groups_resumes_them(
+    tmp_path, embedded, trainer
+):
     # The same stream as above: step 0 cuts groups (the abort finds some queued) that step 1
     # resumes; a run stopped after step 0's checkpoint and resumed must do the same.
     args = (
@@ -1619,9 +1646,9 @@ def test_a_streamed_run_resumed_after_a_step_that_cut_groups_resumes_them(tmp_pa
     )
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run = dict(check=True, env=_env(), timeout=600)
-    subprocess.run(_one_rank(straight, embedded, *args, "num_steps=2"), **run)
-    subprocess.run(_one_rank(resumed, embedded, *args, "num_steps=1"), **run)  # saves step 0
-    subprocess.run(_one_rank(resumed, embedded, *args, "num_steps=2", "--resume"), **run)
+    trainer.run(_one_rank(straight, embedded, *args, "num_steps=2"), **run)
+    trainer.run(_one_rank(resumed, embedded, *args, "num_steps=1"), **run)  # saves step 0
+    trainer.run(_one_rank(resumed, embedded, *args, "num_steps=2", "--resume"), **run)
     expected, got = _metrics(straight), _metrics(resumed)
     assert [r["step"] for r in got] == [r["step"] for r in expected] == [0, 1]
     # What a stream's abort cuts depends on thread timing (the engines run beside the loop), so
