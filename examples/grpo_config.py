@@ -285,6 +285,12 @@ class RewardConfig:
         default_factory=lambda: rollout.EngineConfig(max_seq_len=96, region_prefix="genrm")
     )
     backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
+    # How verdicts are grouped into the judge engine's calls: genrm.BatchingConfig fields
+    # (max_batch_size 32, batch_window_millis 20, max_pending 256, max_inflight_batches 16);
+    # {} = those defaults. Under placement=partial the judge takes responses as they finish:
+    # a longer window makes fewer, larger calls, each step of a large judge reading its
+    # weights for more verdicts. A local judge engine only.
+    batching: dict = field(default_factory=dict)
     # Python reward functions, "module:fn" or "path/file.py:fn": fn(prompt, response,
     # reference, row) -> float, or None when it cannot score; added to the judge's reward.
     # A reward file is Python code that runs, with the trainer's permissions, when it loads.
@@ -332,6 +338,12 @@ class RewardConfig:
                 f"reward.backend_options={self.backend_options!r}: only for reward.backend="
                 f"'vllm' or 'sglang' (the judge engine's options), not {self.backend!r}"
             )
+        if self.batching and self.backend not in LOCAL_JUDGES:
+            raise ValueError(
+                f"reward.batching={self.batching!r}: groups a local judge engine's calls "
+                f"(reward.backend in {LOCAL_JUDGES}), not {self.backend!r}"
+            )
+        self.batching_config()
         try:
             # The judge's prompt, built once here: everyone reads reward.template.
             self._template = genrm.JudgeTemplate(user=self.judge_template)
@@ -395,6 +407,22 @@ class RewardConfig:
                 f"reward.verdict_from='label_logprobs' reads the probability of a yes/no label; "
                 f"reward.verdict_parser={name!r} writes none: use 'text' or 'auto'"
             )
+
+    def batching_config(self) -> genrm.BatchingConfig | None:
+        """reward.batching as a genrm.BatchingConfig (None when empty: GenRM's defaults);
+        ValueError naming the field."""
+        if not isinstance(self.batching, Mapping):
+            raise ValueError(
+                f"reward.batching={self.batching!r}: a mapping of genrm.BatchingConfig fields"
+            )
+        if not self.batching:
+            return None
+        try:
+            return genrm.BatchingConfig(**self.batching)
+        except TypeError as exc:  # an unknown field
+            raise ValueError(f"reward.batching={dict(self.batching)!r}: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"reward.batching: {exc}") from None
 
     def openai_config(self) -> genrm.OpenAIJudgeConfig:
         """The endpoint's config (backend=openai); ValueError naming reward.openai's problem.

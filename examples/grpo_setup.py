@@ -79,6 +79,7 @@ def make_scorer(
             verdict_from=reward.verdict_from,
             votes=reward.votes,
             sampling=sampling,
+            batching=reward.batching_config(),
         )
     elif reward.backend == "openai":
         judge = genrm.OpenAIJudge(

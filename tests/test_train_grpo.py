@@ -1974,3 +1974,37 @@ def test_a_verdict_parser_that_does_not_load_is_a_preflight_error(tmp_path, spec
     with pytest.raises(ValueError, match=match):
         grpo_preflight.preflight(cfg)
     assert not (tmp_path / "embedded").exists()  # refused before the embedded task is built
+
+
+# -- the judge's call batching is config ------------------------------------------------------------
+def test_judge_batching_is_config_checked_before_anything_loads(tmp_path):
+    from grpo_setup import make_scorer
+
+    from yatt import genrm
+    from yatt.genrm.testing import FakeJudgeEngine
+
+    base = [f"out_dir={tmp_path}", "reward.verdict_from=text"]
+    cfg, _ = grpo_config.read_config([*base, "reward.batching={batch_window_millis: 150}"])
+    engine = FakeJudgeEngine(judge=lambda prompt, vote: "Yes")
+    scorer, _ = make_scorer(cfg.reward, engine)
+    # the judge's engine calls wait 150 ms for more verdicts; the other fields keep GenRM's
+    assert scorer.batching.batch_window_millis == 150.0
+    assert scorer.batching.max_batch_size == genrm.BatchingConfig().max_batch_size
+    default, _ = grpo_config.read_config(base)
+    assert make_scorer(default.reward, engine)[0].batching == genrm.BatchingConfig()
+    for override, match in [
+        ("reward.batching={max_batch_size: 0}", r"reward\.batching: .*max_batch_size"),
+        ("reward.batching={window_ms: 3}", r"reward\.batching=.*window_ms"),
+        ("reward.batching=8", r"reward\.batching=8: a mapping"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            grpo_config.read_config([*base, override])
+    with pytest.raises(ValueError, match=r"reward\.batching=.*local judge engine"):
+        grpo_config.read_config(
+            [
+                *base,
+                "reward.backend=none",
+                "reward.rule_weight=1.0",
+                "reward.batching={max_pending: 8}",
+            ]
+        )
