@@ -4,8 +4,8 @@
 #   bash gpu_checks/background.sh start NAME CMD...  # detached; its $OUT is /root/bg/NAME/out
 #   bash gpu_checks/background.sh wait NAME SECONDS  # until NAME ends or SECONDS pass
 # `wait` prints the log's tail and packs NAME's files into this call's $OUT/NAME.tgz once it has
-# ended, or what it has so far into $OUT/NAME.partial.tgz (a call brings back a few files only). CMD runs in this call's copy of the tree,
-# so start the next job only after the last one ended. The commit it ran at is in NAME/commit.
+# ended, or what it has so far into $OUT/NAME.partial.tgz (a call brings back a few files only).
+# CMD runs in this call's copy of the tree, so start the next job only after the last one ended. The commit it ran at is in NAME/commit.
 set -uo pipefail
 BG=/root/bg
 action=${1:?start|wait}; name=${2:?job name}; shift 2

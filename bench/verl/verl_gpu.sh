@@ -18,7 +18,7 @@
 # Runs (JSON per run) are kept in $RUNS_DIR (default /root/verl-runs, outside $OUT, which each
 # call empties) so that `report` in a later call of the same held machine merges them all; every
 # step copies what it made to $OUT as one archive (a call returns at most 8 files).
-#   VERL_RUNS   verl runs of step verl_runs, MIX[:1.5b][:recompute][:fused] each (default
+#   VERL_RUNS   verl runs of step verl_runs, MIX[:1.5b][:recompute][:fused|:fusedtorch][:poll] each (default
 #               longtail,fixed), e.g. "longtail:fusedtorch,longtail:1.5b:fusedtorch"; one run is
 #               also a step of its own: verl_longtail:fusedtorch. fused = verl's Triton log-prob
 #               head, which fails without remove-padding (flash-attn) in verl 0.9.1's engine
@@ -95,8 +95,13 @@ EOF
 verl_run() {  # verl_run MIX[:1.5b][:recompute][:fused|:fusedtorch][:poll], e.g. longtail:fusedtorch:poll
   local spec=$1 mix=${1%%:*} extra=() models=$MODELS variant=verl_${1%%:*} mod
   IFS=: read -r -a mods <<<"${spec#"$mix"}"
-  # verl_step.py's variant name puts the judge, then recompute, then fused
-  for mod in 1.5b recompute fused fusedtorch poll; do
+  # in the order of verl_step.py's variant name: the judge, recompute, fused, poll
+  local known=(1.5b recompute fused fusedtorch poll)
+  for mod in "${mods[@]}"; do
+    [[ -z $mod || " ${known[*]} " == *" $mod "* ]] && continue
+    echo "verl_run: unknown modifier $mod in $spec"; return 1
+  done
+  for mod in "${known[@]}"; do
     [[ " ${mods[*]} " == *" $mod "* ]] || continue
     case $mod in
       1.5b) extra+=(--judge-shape 1.5b); models=$MODELS-0.5b-1.5b; variant+=-j1.5b ;;
@@ -105,9 +110,6 @@ verl_run() {  # verl_run MIX[:1.5b][:recompute][:fused|:fusedtorch][:poll], e.g.
       fusedtorch) extra+=(--fused-kernels torch); variant+=-fused-torch ;;
       poll) extra+=(--poll-interval-s 0.05); variant+=-poll50ms ;;
     esac
-  done
-  for mod in "${mods[@]}"; do
-    case $mod in ''|1.5b|recompute|fused|fusedtorch|poll) ;; *) echo "verl_run: unknown modifier $mod in $spec"; return 1 ;; esac
   done
   run_step "verl_${spec//:/_}" env PYTHONPATH="$VERL_PATH" python3 bench/verl/verl_step.py \
     --mix "$mix" "${extra[@]}" --steps "$STEPS" --warmup "$WARMUP" --judge-tokens 128 \
