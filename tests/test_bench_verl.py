@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "bench" / "verl"))
 import _step_setup as setup
 import step_trl
 import verl_report
+import verl_runs
 import verl_step
 import verl_workload
 
@@ -300,7 +301,7 @@ def test_parse_steps_maps_verls_timing_onto_yatts_phases():
         (120.0, _line(2, step=9.0, gen=3.0, reward=2.0, old_log_prob=1.0, update_actor=2.0,
                       update_weights=0.5)),
     ]  # fmt: skip
-    rows = verl_step.parse_steps(lines)
+    rows = verl_runs.parse_steps(lines)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["t0"] == 90.0 and rows[0]["t1"] == 100.0
     assert rows[0]["wall_s"] is None and rows[1]["wall_s"] == 20.0  # line to line
@@ -312,6 +313,24 @@ def test_parse_steps_maps_verls_timing_onto_yatts_phases():
     assert rows[1]["timing_s"]["old_log_prob"] == 1.0
 
 
+def test_phases_of_maps_verls_timers_as_the_configs_readme_says():
+    # configs/README.md: rollout = gen, genrm = reward, train = old_log_prob + adv +
+    # update_actor, sync = update_weights, other = the rest of verl's step
+    timing = {"step": 12.0, "gen": 5.0, "reward": 2.5, "old_log_prob": 0.5, "adv": 0.25,
+              "update_actor": 2.0, "update_weights": 0.75, "save_checkpoint": 0.5}  # fmt: skip
+    assert verl_runs.phases_of(timing) == {
+        "rollout": 5.0,
+        "genrm": 2.5,
+        "train": 2.75,
+        "sync": 0.75,
+        "other": 1.0,  # 12 - 5 - 2.5 - 2.75 - 0.75: save_checkpoint and the untimed rest
+    }
+    bare = verl_runs.phases_of({"step": 3.0})  # a timer verl did not run counts as 0
+    assert bare == {"rollout": 0.0, "genrm": 0.0, "train": 0.0, "sync": 0.0, "other": 3.0}
+    # timers that overlap past the step leave no rest, never a negative one
+    assert verl_runs.phases_of({"step": 4.0, "gen": 3.0, "reward": 2.0})["other"] == 0.0
+
+
 def test_lengths_forced_compares_every_step_with_its_draw():
     cfg = verl_step.VerlBenchConfig(mix="longtail", steps=1, warmup=1)
     work = setup.Workload()
@@ -320,9 +339,9 @@ def test_lengths_forced_compares_every_step_with_its_draw():
         want = setup.response_lengths("longtail", work, step - 1)
         lengths = {"mean": sum(want) / len(want), "max": max(want), "min": min(want)}
         rows.append({"step": step, "response_length": lengths})
-    assert verl_step.lengths_forced(rows, cfg, work)
+    assert verl_runs.lengths_forced(rows, cfg, work)
     rows[1]["response_length"]["max"] -= 1  # one response stopped a token early
-    assert not verl_step.lengths_forced(rows, cfg, work)
+    assert not verl_runs.lengths_forced(rows, cfg, work)
 
 
 def test_line_clock_times_lines_as_they_land(tmp_path):
@@ -448,10 +467,10 @@ def test_a_verl_runs_json_is_what_the_report_reads(tmp_path):
         (10.0 * k, _line(k, step=s, gen=s / 2, reward=1.0, update_actor=1.0, update_weights=0.1))
         for k, s in ((1, 9.0), (2, 4.0), (3, 6.0))
     ]
-    rows = verl_step.parse_steps(lines)
+    rows = verl_runs.parse_steps(lines)
     for row in rows:
         row["gpus"], row["is_warmup"] = [], row["step"] <= cfg.warmup
-    path = verl_step.write_run(cfg, rows, tmp_path, work)
+    path = verl_runs.write_run(cfg, rows, tmp_path, work)
     assert path.name == "verl_fixed_1gpu.json"
     (run,) = verl_report.load_runs(tmp_path)
     assert run["framework"] == "verl"
