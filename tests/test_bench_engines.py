@@ -1,5 +1,5 @@
-"""bench/rollout/engines.py on CPU: run parsing, argument errors, the plan, the timing loop on a
-fake engine, and the report's ratios from hand-built results."""
+"""bench/rollout/engines.py and engines_report.py on CPU: run parsing, argument errors, the plan,
+the timing loop on a fake engine, and the report's ratios from hand-built results."""
 
 NUM_GPUS = 0
 
@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "rollout" / "engines.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import engines
+import engines_report
 
 
 def args_of(*argv: str):
@@ -316,6 +317,44 @@ def test_report_command_merges_the_files(tmp_path):
     md = tmp_path / "engines.md"
     assert engines.main(["--report", *map(str, paths), "--md", str(md)]) == 0
     assert md.read_text().count("| built-in / best of vLLM and SGLang |") == 2
+
+
+def test_report_module_writes_what_engines_report_writes(tmp_path):
+    """engines_report.py's command and engines.py --report give the same file and stdout."""
+    paths = []
+    for i, result in enumerate(reversed(session())):  # files given out of order: both sort them
+        paths.append(tmp_path / f"engines_table_{i}.json")
+        paths[-1].write_text(json.dumps(result))
+    files = list(map(str, paths))
+    outs = []
+    for argv in (
+        [str(SCRIPT), "--report", *files, "--md", str(tmp_path / "a.md")],
+        [str(SCRIPT.parent / "engines_report.py"), *files, "--md", str(tmp_path / "b.md")],
+    ):
+        outs.append(subprocess.run([sys.executable, *argv], capture_output=True, check=True).stdout)
+    assert (tmp_path / "a.md").read_bytes() == (tmp_path / "b.md").read_bytes()
+    assert outs[0] == outs[1] and outs[0].count(b"| built-in / best of vLLM and SGLang |") == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [(["--md", "x.md"], "files"), (["a.json"], "--md")],
+)
+def test_report_command_needs_files_and_md(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        engines_report.main(argv)
+    assert exit_info.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_report_module_imports_neither_the_runner_nor_torch():
+    """The report reads JSON alone: it runs where no engine or torch is installed."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import engines_report; "
+        "print(sorted({'engines', 'torch'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_summarize_reports_median_min_and_max_rates():

@@ -6,6 +6,8 @@
     python bench/rollout/engines.py --run sglang:1.5b:seeded --dry-run  # the plan, nothing loaded
     python bench/rollout/engines.py --report $OUT/engines_*.json --md bench/results/engines_<gpu>.md
 
+(--report runs engines_report.py's report, which reads the JSONs alone.)
+
 A run is ENGINE:SHAPE[:GROUP]: one process, one engine started once (model load and graph
 capture are the expensive part), every mode of its group measured on it:
 
@@ -41,22 +43,24 @@ from importlib.metadata import PackageNotFoundError, version
 from importlib.util import find_spec
 from pathlib import Path
 
-# Qwen2.5 shapes (their config.json), random bf16 weights.
-SHAPES: dict[str, dict] = {
-    "0.5b": dict(
-        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
-    ),
-    "1.5b": dict(
-        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-        intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
-    ),
-    "7b": dict(
-        hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-        intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False,
-    ),
-}  # fmt: skip
-ENGINES = ("builtin", "vllm", "sglang")
+sys.path.insert(0, str(Path(__file__).parent))
+# The report lives in engines_report.py (--report calls it); its names and ENGINE_NAMES stay
+# importable from here, where tests/test_bench_engines.py imports them (engines.*).
+from _engine_shapes import ENGINE_NAMES, ENGINES, SHAPES  # noqa: F401
+from engines_report import (  # noqa: F401
+    COLUMNS,
+    WAYS,
+    adapter_ratios,
+    build_report,
+    builtin_ratios,
+    cell_value,
+    columns_of,
+    fmt_cell,
+    mode_name,
+    table_rows,
+    write_report,
+)
+
 GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
     "builtin": {"": ("adapter_seeded",)},
     "vllm": {
@@ -70,7 +74,6 @@ GROUPS: dict[str, dict[str, tuple[str, ...]]] = {
         "unseeded": ("adapter_unseeded", "native_unseeded"),
     },
 }
-ENGINE_NAMES = {"builtin": "built-in", "vllm": "vLLM", "sglang": "SGLang"}
 DECODE_PROMPT_TOKENS = 128
 # SGLang's attention backends, best first on Hopper: fa3 is its own default for MHA models
 # there (server_args._get_default_attn_backend), flashinfer its default elsewhere.
@@ -511,168 +514,6 @@ def log(text: str) -> None:
     print(text, flush=True)
 
 
-# ---- the report ----------------------------------------------------------------------------------
-
-COLUMNS = ("decode 64", "decode 256", "judge prefill", "judge total")  # the issue's workloads
-
-
-def columns_of(results: list[dict]) -> tuple[str, ...]:
-    """The report's columns: each decode batch a session ran, then the judge's two."""
-    batches = sorted({int(b) for r in results for b in r["workload"]["decode"]["batches"]})
-    return (*(f"decode {b}" for b in batches), "judge prefill", "judge total")
-
-
-def cell_value(row: dict, column: str) -> dict | None:
-    """A column's summary (tok_s, min_tok_s, max_tok_s) in one mode's results, or None."""
-    kind, key = column.split(" ")
-    if kind == "decode":
-        return row.get("decode", {}).get(key)
-    return row.get("judge", {}).get(key)
-
-
-def table_rows(results: list[dict]) -> dict[str, dict[tuple[str, str], dict]]:
-    """shape -> {(engine, mode): that mode's results}, over every JSON of a session."""
-    by_shape: dict[str, dict[tuple[str, str], dict]] = {}
-    for r in results:
-        for mode, row in r.get("results", {}).items():
-            by_shape.setdefault(r["shape"], {})[(r["engine"], mode)] = row
-    return by_shape
-
-
-def builtin_ratios(
-    rows: dict[tuple[str, str], dict], columns: tuple[str, ...] = COLUMNS
-) -> dict[str, tuple[float, str] | None]:
-    """Per column: built-in tok/s / the best vLLM or SGLang row's (any mode), and that row."""
-    ratios: dict[str, tuple[float, str] | None] = {}
-    base = next((row for (engine, _), row in rows.items() if engine == "builtin"), None)
-    for column in columns:
-        best, best_name = 0.0, ""
-        for (engine, mode), row in rows.items():
-            value = cell_value(row, column)
-            if engine != "builtin" and value and value["tok_s"] > best:
-                best, best_name = value["tok_s"], f"{ENGINE_NAMES[engine]} {mode_name(mode)}"
-        mine = cell_value(base, column) if base else None
-        ratios[column] = (mine["tok_s"] / best, best_name) if mine and best else None
-    return ratios
-
-
-def adapter_ratios(
-    rows: dict[tuple[str, str], dict], columns: tuple[str, ...] = COLUMNS
-) -> dict[tuple[str, str, str], dict[str, float]]:
-    """(engine, seeded|unseeded, native|inproc) -> column -> adapter tok/s / own API's tok/s,
-    each adapter mode against the own-API modes of the same seeding."""
-    out: dict[tuple[str, str, str], dict[str, float]] = {}
-    for (engine, mode), row in rows.items():
-        if engine == "builtin" or not mode.startswith("adapter_"):
-            continue
-        seeding = mode.split("_", 1)[1]
-        for way in ("native", "inproc"):
-            own = rows.get((engine, f"{way}_{seeding}"))
-            for column in columns if own else ():
-                a, n = cell_value(row, column), cell_value(own, column)
-                if a and n:
-                    out.setdefault((engine, seeding, way), {})[column] = a["tok_s"] / n["tok_s"]
-    return out
-
-
-WAYS = {"adapter": "through yatt", "native": "own API", "inproc": "own API, core in-process"}
-
-
-def mode_name(mode: str) -> str:
-    way, seeding = mode.split("_", 1)
-    return f"{WAYS[way]}, {seeding}"
-
-
-def fmt_cell(value: dict | None) -> str:
-    if not value:
-        return "-"
-    return f"{value['tok_s']:,.0f} ({value['min_tok_s']:,.0f}-{value['max_tok_s']:,.0f})"
-
-
-def build_report(results: list[dict]) -> str:
-    """Markdown: one table per shape, the bars' ratios, adapter/native ratios, the settings."""
-    if not results:
-        raise ValueError("--report: no JSON files given")
-    first = results[0]
-    devices = sorted({r.get("device", "?") for r in results})
-    commits = sorted({r.get("commit", "unknown") for r in results})
-    judge = first["workload"]["judge"]
-    decode = first["workload"]["decode"]
-    lines = [
-        f"# Engine table ({', '.join(devices)})",
-        "",
-        f"commit: {', '.join(commits)}. Random-weight Qwen2.5-shaped models (bf16), temperature "
-        f"1, EOS ignored. Decode: {decode['prompt_tokens']}-token prompts, "
-        f"{decode['new_tokens']} new tokens, new tok/s. Judge-like load: batch {judge['batch']}, "
-        f"{judge['prompt_tokens']}-token prompts, {judge['new_tokens']} new tokens; prefill = "
-        "prompt tok/s of the call with 1 new token, total = (prompt + new) tok/s of the full "
-        f"call. Median (min-max) of {first['workload']['repeats']} timed calls after a warm-up.",
-        "",
-    ]
-    by_shape = table_rows(results)
-    columns = columns_of(results)
-    order = {"builtin": 0, "vllm": 1, "sglang": 2}
-    for shape in sorted(by_shape, key=lambda s: list(SHAPES).index(s)):
-        rows = by_shape[shape]
-        lines += [
-            f"## {shape.upper()} shape",
-            "",
-            "| engine | mode | " + " | ".join(f"{c} tok/s" for c in columns) + " |",
-            "|---|---|" + "---:|" * len(columns),
-        ]
-        for engine, mode in sorted(rows, key=lambda k: (order[k[0]], k[1])):
-            cells = [fmt_cell(cell_value(rows[(engine, mode)], c)) for c in columns]
-            label = "yatt's protocol, seeded" if engine == "builtin" else mode_name(mode)
-            lines.append(f"| {ENGINE_NAMES[engine]} | {label} | " + " | ".join(cells) + " |")
-        ratios = builtin_ratios(rows, columns)
-        cells = [
-            f"**{r[0]:.2f}x** vs {r[1]}"
-            + (" (bar >= 1.0: met)" if r[0] >= 1.0 else " (bar: NOT met)")
-            if r and c != "judge total"
-            else (f"{r[0]:.2f}x vs {r[1]}" if r else "-")
-            for c, r in ratios.items()
-        ]
-        lines.append("| built-in / best of vLLM and SGLang | | " + " | ".join(cells) + " |")
-        for (engine, seeding, way), cols in sorted(adapter_ratios(rows, columns).items()):
-            cells = [f"{cols[c]:.2f}x" if c in cols else "-" for c in columns]
-            against = WAYS[way].removeprefix("own API").lstrip(", ")
-            lines.append(
-                f"| {ENGINE_NAMES[engine]} through yatt / own API"
-                f"{f' ({against})' if against else ''} | {seeding} | " + " | ".join(cells) + " |"
-            )
-        lines.append("")
-    lines += [
-        "Where the adapter can cost throughput (what the ratios above measure): vLLM through "
-        "yatt runs its engine core in-process (weight buckets pass by reference), so the "
-        "core's scheduling, model runner and output processing share the caller's process and "
-        "GIL, and "
-        "it steps `LLMEngine` itself, one request per sample with streamed (DELTA) outputs; "
-        "'own API' at vLLM's defaults has the core in its own process with async scheduling, "
-        "and 'own API, core in-process' is `LLM.generate` on the adapter's own engine: "
-        "adapter / in-process is the adapter's own cost, in-process / own API the core's "
-        "placement. SGLang through yatt and SGLang's own `Engine.generate` share one engine "
-        "(same server settings): their ratio is the adapter's per-request jobs and output "
-        "conversion alone.",
-        "",
-        "## Runs",
-        "",
-        "| run | version | startup s | settings | errors |",
-        "|---|---|---:|---|---|",
-    ]
-    for r in results:
-        startup = f"{r['startup_s']:.0f}" if "startup_s" in r else "-"
-        shown = {
-            **r.get("settings", {}),
-            **({"resolved": r["resolved"]} if r.get("resolved") else {}),
-        }
-        settings = json.dumps(shown, sort_keys=True).replace("|", "/")
-        errors = "; ".join(f"{k}: {v[:200]}" for k, v in r.get("errors", {}).items()) or ""
-        lines.append(
-            f"| {r['run']} | {r.get('version', '?')} | {startup} | `{settings}` | {errors} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
 # ---- the command line ----------------------------------------------------------------------------
 
 
@@ -732,10 +573,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.report is not None:
-        results = [json.loads(Path(p).read_text()) for p in sorted(args.report)]
-        text = build_report(results)
-        Path(args.md).write_text(text)
-        print(text)
+        print(write_report(args.report, args.md))
         return 0
     if args.prepare_shapes:
         for shape in args.prepare_shapes:
