@@ -147,6 +147,36 @@ def test_policy_step_is_the_same_through_the_head_or_the_logits(tiny_model_dir, 
         torch.testing.assert_close(head_weights[name], tensor, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("is_head", [True, False])
+def test_attention_never_runs_on_cudnn(tiny_model_dir, monkeypatch, is_head):
+    """cuDNN's attention builds a graph per new shape (hundreds of ms); training shapes change
+    every step, so the policy's forward (and so its backward) must not pick it. The flags are
+    read where the model calls SDPA, in logprobs and in the train step, then restored."""
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        backends = torch.backends.cuda
+        seen.append(
+            (
+                backends.cudnn_sdp_enabled(),
+                backends.flash_sdp_enabled(),
+                backends.mem_efficient_sdp_enabled(),
+            )
+        )
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    policy = TorchPolicy(_config(tiny_model_dir, max_tokens_per_microbatch=13))
+    policy._is_head_logprobs = is_head
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    policy.logprobs(_batch())
+    policy.train_step(_batch(), PolicyLoss(is_on_policy=True))
+    assert seen, "the model never called scaled_dot_product_attention"
+    assert set(seen) == {(False, True, True)}
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
 def test_non_finite_loss_skips_the_optimizer_step(tiny_model_dir):
     policy = TorchPolicy(_config(tiny_model_dir))
     before = {n: t.clone() for n, t in policy.named_weights()}

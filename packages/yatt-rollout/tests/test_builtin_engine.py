@@ -462,3 +462,27 @@ def test_decode_step_falls_back_to_eager_when_compiling_fails(
     _assert_same_samples(samples, eager_sdpa_samples, atol=0.0)
     warnings = [r for r in caplog.records if "decoding eagerly" in r.getMessage()]
     assert len(warnings) == 1, "the fallback is logged once"
+
+
+def test_prefill_attention_never_runs_on_cudnn(tiny_model_dir, monkeypatch):
+    """cuDNN's attention builds a graph per new shape (hundreds of ms), and prompt batches change
+    shape from call to call (a judge's prompts hold the responses): prefill must not pick it.
+    The flags are read where the engine's attention hands a prefill to HF's SDPA forward."""
+    import yatt.rollout.builtin._static_kv as static_kv
+
+    seen = []
+    forward = static_kv.sdpa_attention_forward
+
+    def spy(module, query, *args, **kwargs):
+        backends = torch.backends.cuda
+        seen.append((query.shape[-2], backends.cudnn_sdp_enabled()))
+        return forward(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(static_kv, "sdpa_attention_forward", spy)
+    engine = BuiltinEngine(tiny_model_dir, config=EngineConfig(max_batch_size=4, max_seq_len=128))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    engine.generate(_requests(), SamplingParams(max_new_tokens=3, ignore_eos=True, seed=0))
+    engine.close()
+    assert max(n for n, _ in seen) == max(len(p) for p in PROMPTS), "no prefill seen"
+    assert not any(cudnn for _, cudnn in seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from yatt.core.cost._cost_model import (
     estimate_flops_costs,
@@ -57,6 +58,13 @@ from yatt.placement import (
 )
 
 logger = logging.getLogger("yatt.core")
+
+# Attention kernels for the policy's forward. Training shapes change every step (lengths differ,
+# micro-batches are cut by length), and cuDNN's attention builds an execution graph for each new
+# shape: on an H200 a long-tail step of the 0.5B shape took 1.7-2.6 s the first time its shapes
+# were seen and 0.9 s after (bench/results/train_step_profile_nvidia_h200.md). Flash attention
+# (no padding mask) and memory-efficient attention (a padding mask) build nothing per shape.
+TRAIN_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 # max_tokens_per_microbatch=None: the cap without CUDA (nothing to measure), and the one whose
 # activations the policy reports before the first train step chooses its own.
@@ -273,14 +281,16 @@ class TorchPolicy:
         temperature = self.config.temperature
         inputs = dict(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"])
         images = self._images_of(mb)
+        # The backward runs under the backends chosen here (autograd records the kernel).
+        attention = sdpa_kernel(list(TRAIN_SDPA_BACKENDS))
         if self._is_head_logprobs:
             head = logprobs_in_head(
                 self.module, mb["input_ids"], temperature=temperature, needs_entropy=needs_entropy
             )
-            with self._autocast(), head, images:
+            with attention, self._autocast(), head, images:
                 out_BTW = model(**inputs, use_cache=False).logits
             return out_BTW[..., 0], out_BTW[..., 1] if needs_entropy else None
-        with self._autocast(), images:
+        with attention, self._autocast(), images:
             logits_BTV = model(**inputs, use_cache=False).logits
         logprobs_BT = compute_token_logprobs(logits_BTV, mb["input_ids"], temperature=temperature)
         entropy_BT = compute_entropy(logits_BTV, temperature=temperature) if needs_entropy else None

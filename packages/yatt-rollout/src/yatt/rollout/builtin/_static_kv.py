@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -296,12 +297,28 @@ def decode_attention_matmul(
 KV_WRITE_KWARG = "yatt_kv_write"
 
 
+# Prefill and plain forwards: prompt batches change shape from call to call (a judge's prompts
+# hold the responses), and cuDNN's attention builds an execution graph for each new shape
+# (hundreds of ms; bench/results/train_step_profile_nvidia_h200.md measured it in training).
+# Flash and memory-efficient attention build nothing per shape.
+PREFILL_SDPA_BACKENDS = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+
+
+def _prefill_attention(module, query, key, value, attention_mask, **kwargs):
+    with sdpa_kernel(list(PREFILL_SDPA_BACKENDS)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
     write = kwargs.pop(KV_WRITE_KWARG, None)
     if write is None:
         write = _ACTIVE_WRITE.get()
     if write is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return _prefill_attention(module, query, key, value, attention_mask, **kwargs)
     for name in ("sliding_window", "softcap", "position_bias"):
         if kwargs.get(name) is not None:
             raise NotImplementedError(
@@ -314,7 +331,7 @@ def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
         )
         return out, None
     key, value = write.write(module.layer_idx, key, value)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return _prefill_attention(module, query, key, value, attention_mask, **kwargs)
 
 
 def register_attention() -> None:
