@@ -148,20 +148,25 @@ def test_policy_step_is_the_same_through_the_head_or_the_logits(tiny_model_dir, 
 
 
 @pytest.mark.parametrize("is_head", [True, False])
-def test_attention_never_runs_on_cudnn(tiny_model_dir, monkeypatch, is_head):
-    """cuDNN's attention builds a graph per new shape (hundreds of ms); training shapes change
-    every step, so the policy's forward (and so its backward) must not pick it. The flags are
-    read where the model calls SDPA, in logprobs and in the train step, then restored."""
+def test_attention_is_causal_without_a_mask_and_never_on_cudnn(
+    tiny_model_dir, monkeypatch, is_head
+):
+    """Training shapes change every step. cuDNN's attention builds a graph per new shape
+    (hundreds of ms), and a padding mask rules out the flash kernel; right-padded rows need
+    neither (causal attention never reaches the padding after a row). Read where the model
+    calls SDPA, in logprobs and in the train step, on micro-batches with padding."""
     seen = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
     def spy(*args, **kwargs):
         backends = torch.backends.cuda
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
         seen.append(
             (
                 backends.cudnn_sdp_enabled(),
                 backends.flash_sdp_enabled(),
                 backends.mem_efficient_sdp_enabled(),
+                mask is None and kwargs.get("is_causal", False),
             )
         )
         return sdpa(*args, **kwargs)
@@ -169,11 +174,13 @@ def test_attention_never_runs_on_cudnn(tiny_model_dir, monkeypatch, is_head):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     policy = TorchPolicy(_config(tiny_model_dir, max_tokens_per_microbatch=13))
     policy._is_head_logprobs = is_head
+    batch = _batch()  # lengths 6, 13, 4, 9: padded micro-batches under the 13-token cap
+    assert any(len(p) > 1 for p in policy.plan_micro_batches(batch))
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    policy.logprobs(_batch())
+    policy.logprobs(batch)
     policy.train_step(_batch(), PolicyLoss(is_on_policy=True))
     assert seen, "the model never called scaled_dot_product_attention"
-    assert set(seen) == {(False, True, True)}
+    assert set(seen) == {(False, True, True, True)}
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
