@@ -147,14 +147,17 @@ def test_policy_step_is_the_same_through_the_head_or_the_logits(tiny_model_dir, 
         torch.testing.assert_close(head_weights[name], tensor, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("is_head", [True, False])
+@pytest.mark.parametrize(
+    ("is_head", "checkpointing"), [(True, False), (False, False), (True, True)]
+)
 def test_attention_is_causal_without_a_mask_and_never_on_cudnn(
-    tiny_model_dir, monkeypatch, is_head
+    tiny_model_dir, monkeypatch, is_head, checkpointing
 ):
     """Training shapes change every step. cuDNN's attention builds a graph per new shape
     (hundreds of ms), and a padding mask rules out the flash kernel; right-padded rows need
     neither (causal attention never reaches the padding after a row). Read where the model
-    calls SDPA, in logprobs and in the train step, on micro-batches with padding."""
+    calls SDPA, in logprobs and in the train step (and in the backward's recomputed forward
+    under activation checkpointing), on micro-batches with padding."""
     seen = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -172,7 +175,10 @@ def test_attention_is_causal_without_a_mask_and_never_on_cudnn(
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    policy = TorchPolicy(_config(tiny_model_dir, max_tokens_per_microbatch=13))
+    config = _config(
+        tiny_model_dir, max_tokens_per_microbatch=13, gradient_checkpointing=checkpointing
+    )
+    policy = TorchPolicy(config)
     policy._is_head_logprobs = is_head
     batch = _batch()  # lengths 6, 13, 4, 9: padded micro-batches under the 13-token cap
     assert any(len(p) > 1 for p in policy.plan_micro_batches(batch))

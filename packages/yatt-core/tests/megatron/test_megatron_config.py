@@ -271,3 +271,48 @@ def test_recompute_options_translate_to_transformer_config_keywords(tmp_path):
     assert kwargs["recompute_granularity"] == "selective"
     assert kwargs["recompute_modules"] == ["mlp"]
     assert "recompute_num_layers" not in kwargs  # megatron requires None for selective
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_sdpa_attention_never_runs_on_cudnn(monkeypatch, packed):
+    """cuDNN's attention builds a graph per new shape (hundreds of ms) and packed sequences run
+    one call per sequence length: SDPAttention keeps SDPA off cuDNN in every call (read where it
+    calls SDPA), and its result is plain causal attention."""
+    from types import SimpleNamespace
+
+    from yatt.core.policy.megatron._model import SDPAttention
+
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    config = SimpleNamespace(kv_channels=8, context_parallel_size=1)
+    attention = SDPAttention(config, layer_number=1, attn_mask_type=None, attention_type="self")
+    gen = torch.Generator().manual_seed(0)
+    if packed:  # two sequences of 3 and 5 tokens end to end: q [t, heads, dim]
+        q, k, v = (torch.randn(8, 2, 8, generator=gen) for _ in range(3))
+        params = SimpleNamespace(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 3, 8]))
+        out = attention(q, k, v, None, packed_seq_params=params)
+        want = (
+            torch.cat(
+                [
+                    sdpa(*(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True)
+                    for a, b in ((0, 3), (3, 8))
+                ],
+                dim=1,
+            )
+            .transpose(0, 1)
+            .reshape(8, 16)
+        )
+    else:  # q [s, b, heads, dim]
+        q, k, v = (torch.randn(5, 2, 2, 8, generator=gen) for _ in range(3))
+        out = attention(q, k, v, None)
+        want = sdpa(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True)
+        want = want.permute(2, 0, 1, 3).reshape(5, 2, 16)
+    torch.testing.assert_close(out, want)
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()

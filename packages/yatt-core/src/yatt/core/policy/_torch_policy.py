@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from yatt.core.cost._cost_model import (
     estimate_flops_costs,
@@ -38,6 +37,7 @@ from yatt.core.cost._cost_model import (
 )
 from yatt.core.data._batch import Batch
 from yatt.core.data._micro_batches import check_context, plan_micro_batches
+from yatt.core.policy._attention import training_attention
 from yatt.core.policy._head_logprobs import CHUNK_ELEMENTS, logprobs_in_head, supports_head_logprobs
 from yatt.core.policy._logits import compute_entropy, compute_token_logprobs
 from yatt.core.policy._optimization import make_lr_schedule
@@ -58,13 +58,6 @@ from yatt.placement import (
 )
 
 logger = logging.getLogger("yatt.core")
-
-# Attention kernels for the policy's forward. Training shapes change every step (lengths differ,
-# micro-batches are cut by length), and cuDNN's attention builds an execution graph for each new
-# shape: on an H200 a long-tail step of the 0.5B shape took 1.7-2.6 s the first time its shapes
-# were seen and 0.9 s after (bench/results/train_step_profile_nvidia_h200.md). Flash attention
-# (no padding mask) and memory-efficient attention (a padding mask) build nothing per shape.
-TRAIN_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 # max_tokens_per_microbatch=None: the cap without CUDA (nothing to measure), and the one whose
 # activations the policy reports before the first train step chooses its own.
@@ -288,8 +281,7 @@ class TorchPolicy:
         mask = mb["attention_mask"] if self._vision is not None else None
         inputs = dict(input_ids=mb["input_ids"], attention_mask=mask)
         images = self._images_of(mb)
-        # The backward runs under the backends chosen here (autograd records the kernel).
-        attention = sdpa_kernel(list(TRAIN_SDPA_BACKENDS))
+        attention = training_attention()  # no cuDNN: it builds a graph per new shape
         if self._is_head_logprobs:
             head = logprobs_in_head(
                 self.module, mb["input_ids"], temperature=temperature, needs_entropy=needs_entropy
@@ -397,14 +389,16 @@ class TorchPolicy:
         self._check_awake("train_step")
         self.check_images(batch)
         self.module.train()
-        return run_train_step(
-            self,
-            batch,
-            loss_fn,
-            counts=self._counts,
-            lr_at=self._lr_at,
-            max_grad_norm=self.config.grad_clip,
-        )
+        # Around the backward too: activation checkpointing recomputes the forward there.
+        with training_attention():
+            return run_train_step(
+                self,
+                batch,
+                loss_fn,
+                counts=self._counts,
+                lr_at=self._lr_at,
+                max_grad_norm=self.config.grad_clip,
+            )
 
     @property
     def num_steps(self) -> int:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 
+from yatt.core.policy._attention import training_attention
 from yatt.core.policy.megatron._config import (
     GPTLayout,
     gpt_model_kwargs,
@@ -86,6 +87,12 @@ class SDPAttention(torch.nn.Module):
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("SDPAttention does not support attention bias")
+        with training_attention():  # no cuDNN: it builds a graph per new shape
+            return self._attend(query, key, value, packed_seq_params)
+
+    def _attend(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, packed_seq_params: Any
+    ) -> torch.Tensor:
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
         if self.cp_size > 1:
