@@ -10,8 +10,9 @@ size, counted alike.
                         that many (a row each and empty zero-loss dummies if it has fewer rows)
 
 The cut is planned over all the rank's rows at once, not within cost-balanced bins: `pack` bounds
-the sum of lengths and spreads the long rows over every bin, so cutting each bin by length ran
-~3 parts a bin where one plan over all the rows needs about half as many micro-batches.
+the sum of lengths and spreads the long rows over every bin, so each bin was cut again: a
+long-tail batch (bench/step's, 128 rows) ran 9 micro-batches where one plan needs 4, with fewer
+padded tokens.
 A vision-language sample's image patches (`extra_tokens`) count toward the memory cap on top of
 its padded row: the vision tower's activations grow with them, unpadded (it packs a
 micro-batch's images end to end).
@@ -30,7 +31,7 @@ import torch.distributed as dist
 # 0.84 s, ~17 us a padded token. A long-tail batch in 9 micro-batches (45.1k padded tokens) took
 # 1.19 s, the same rows in 4 (48.6k) 0.99 s: 5 more micro-batches cost 0.20 s plus the 3.5k
 # padded tokens they saved (~0.06 s), ~52 ms each, ~3,000 tokens' worth (kernel launches of a
-# forward and backward, small GEMMs below peak). 1,024 had cut ~3x too often.
+# forward and backward, small GEMMs below peak); the earlier estimate, 1,024, was ~3x too low.
 MICRO_BATCH_OVERHEAD_TOKENS = 3072
 
 
