@@ -3,8 +3,8 @@
 The train step and the logprobs pass are yatt.core.policy._train_step's, shared with MegatronPolicy;
 this module gives them their hooks:
 
-    plan_micro_batches     pack by estimate_costs (same count on every DP rank: FSDP2
-                           all-gathers in every forward)
+    plan_micro_batches     cut by padded length over all the rank's rows (same count on
+                           every DP rank, one all-reduce: FSDP2 all-gathers in every forward)
     forward_micro_batch    logits -> logprobs(/ temperature), in the head chunk by chunk
                            (see _head_logprobs); through DDP when training
     grad_sync              DDP no_sync / FSDP2 requires_gradient_sync: reduce in the last only

@@ -6,7 +6,8 @@ TorchPolicy (the tp x cp ranks of one DP rank hold the same batch); this module 
 their hooks. At pp_size > 1 Megatron's pipeline schedule runs the micro-batches (see
 _schedule.py), with the same hooks around it:
 
-    plan_micro_batches     pack by estimate_costs; DP ranks may differ in count (no collective)
+    plan_micro_batches     cut by padded length over all the rows; DP ranks may differ in
+                           count (no collective)
     forward_micro_batch    output layer -> vocab-parallel logprobs (see _head_logprobs)
     grad_sync              DDP no_sync: gradients wait for finalize_model_grads
     reduce_and_clip_grads  finalize_model_grads (reduce-scatter over DP), prepare_grads,
