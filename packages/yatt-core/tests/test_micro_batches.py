@@ -52,9 +52,13 @@ def test_a_small_spread_stays_one_micro_batch():
 def test_equal_lengths_are_cut_only_by_the_cap():
     lengths = [384] * 128
     bins = split_padded([list(range(128))], lengths, 16384)
-    # 16,384 // 384 = 42 rows at most: 4 parts, no fewer (padding is the same for any cut)
-    assert len(bins) == 4 and max(len(b) for b in bins) <= 42
+    # 16,384 // 384 = 42 rows at most: 4 parts, no fewer (padding is the same for any cut),
+    # and the most even of them: 4 x 32 (not 42 + 42 + 42 + 2)
+    assert [len(b) for b in bins] == [32, 32, 32, 32]
     assert _padded(bins, lengths) == 128 * 384
+    assert [len(b) for b in split_by_length(lengths, 16384)] == [32, 32, 32, 32]
+    # 10 equal rows in 3 parts: sizes 4, 3, 3 in some order (squares 34, the least)
+    assert sorted(len(b) for b in split_by_length([7] * 10, 28, num_parts=3)) == [3, 3, 4]
 
 
 def test_a_row_over_the_cap_runs_alone_and_image_patches_count():
