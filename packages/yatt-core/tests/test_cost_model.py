@@ -1,5 +1,5 @@
 """A policy's cost model: flops_cost's shape from Hugging Face configs as families name it, and
-TorchPolicy.estimate_costs as the one weight of micro-batch packing and rank balancing."""
+TorchPolicy.estimate_costs as the one weight of rank balancing; micro-batches are cut by length."""
 
 import logging
 from pathlib import Path

@@ -78,8 +78,7 @@ def test_a_long_tail_batch_computes_less_padding_within_the_cap(seed):
         128 + (rng.randint(512, 1024) if rng.random() < 0.1 else rng.randint(64, 192))
         for _ in range(128)
     ]
-    costs = [n + n * n / 4096 for n in lengths]
-    bins = plan_micro_batches(costs, lengths, max_tokens=16384)
+    bins = plan_micro_batches(lengths, max_tokens=16384)
     assert sorted(i for b in bins for i in b) == list(range(128))
     assert all(len(b) * max(lengths[i] for i in b) <= 16384 for b in bins)
     # Rows cut by length pad within 20% of the real tokens (cut only at the cap, ~1.7x)
@@ -109,7 +108,7 @@ def test_one_plan_over_all_rows_runs_the_long_rows_together():
     # within the cap with no padding at all: the cheapest plan for any per-part overhead.
     lengths = [1000 if i % 10 == 0 else 200 for i in range(40)]
     costs = [float(n) for n in lengths]
-    bins = plan_micro_batches(costs, lengths, max_tokens=8192)
+    bins = plan_micro_batches(lengths, max_tokens=8192)
     assert sorted(map(sorted, bins)) == [[0, 10, 20, 30], [i for i in range(40) if i % 10]]
     # Cutting pack's bins instead: pack bounds the sum of lengths, so its bins (2 or more)
     # each hold long rows, and each bin is cut in two at least: the case this plan is for.
@@ -183,7 +182,7 @@ def test_a_long_tail_plan_costs_no_more_than_cutting_packs_bins(seed):
     extra = [rng.choice([0, 0, 256, 1024]) for _ in lengths] if seed % 2 else None
     cap = rng.choice([4096, 16384])
     costs = [n + n * n / 4096 for n in lengths]
-    bins = plan_micro_batches(costs, lengths, max_tokens=cap, extra_tokens=extra)
+    bins = plan_micro_batches(lengths, max_tokens=cap, extra_tokens=extra)
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert all(b for b in bins)  # no dummies without a count group
     assert _within_cap(bins, lengths, cap, extra)
@@ -214,26 +213,25 @@ def _as_ranks(monkeypatch, others_count):
 
 def test_a_rank_short_of_the_count_recuts_into_exactly_that_many(monkeypatch):
     lengths = _long_tail(random.Random(7))
-    costs = [float(n) for n in lengths]
-    alone = plan_micro_batches(costs, lengths, max_tokens=16384)
+    alone = plan_micro_batches(lengths, max_tokens=16384)
     calls = _as_ranks(monkeypatch, len(alone) + 3)
-    bins = plan_micro_batches(costs, lengths, max_tokens=16384, count_group=object())
+    bins = plan_micro_batches(lengths, max_tokens=16384, count_group=object())
     assert calls == [len(alone)]  # one all-reduce, of this rank's own count
     assert len(bins) == len(alone) + 3 and all(bins)  # real rows in every part, no dummy
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
     assert _within_cap(bins, lengths, 16384)
     # The rank with the most parts keeps its plan, and all-reduces once all the same.
     calls = _as_ranks(monkeypatch, 1)
-    assert plan_micro_batches(costs, lengths, max_tokens=16384, count_group=object()) == alone
+    assert plan_micro_batches(lengths, max_tokens=16384, count_group=object()) == alone
     assert calls == [len(alone)]
 
 
 def test_a_rank_with_fewer_rows_than_the_count_runs_dummies(monkeypatch):
     calls = _as_ranks(monkeypatch, 5)
-    bins = plan_micro_batches([1.0, 1.0], [10, 30], max_tokens=1000, count_group=object())
+    bins = plan_micro_batches([10, 30], max_tokens=1000, count_group=object())
     assert bins == [[1], [0], [], [], []] and calls == [1]
     calls = _as_ranks(monkeypatch, 3)
-    assert plan_micro_batches([], [], max_tokens=1000, count_group=object()) == [[], [], []]
+    assert plan_micro_batches([], max_tokens=1000, count_group=object()) == [[], [], []]
     assert calls == [0]
 
 
@@ -243,7 +241,7 @@ import torch.distributed as dist
 from yatt.core.data._micro_batches import plan_micro_batches
 dist.init_process_group("gloo")
 lengths = json.loads(sys.argv[1])[dist.get_rank()]
-bins = plan_micro_batches([1.0] * len(lengths), lengths, max_tokens=1000, count_group=dist.group.WORLD)
+bins = plan_micro_batches(lengths, max_tokens=1000, count_group=dist.group.WORLD)
 with open(os.path.join(sys.argv[2], f"rank{dist.get_rank()}.json"), "w") as f:
     json.dump(bins, f)
 dist.destroy_process_group()

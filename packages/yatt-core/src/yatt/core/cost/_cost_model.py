@@ -6,8 +6,8 @@
 
 A policy backend builds its shape from what it knows of its model (TorchPolicy from the
 Hugging Face config, MegatronPolicy from its layout) and exposes `estimate_costs(lengths)`.
-Cross-rank balancing (`Batch.rebalance(costs=...)`) and the policy's micro-batch packing then
-weigh a sample the same, and no caller reads a model config's attribute names.
+Cross-rank balancing (`Batch.rebalance(costs=...)`), mini-batch splits and Megatron's sequence
+packing then weigh a sample the same, and no caller reads a model config's attribute names.
 """
 
 from __future__ import annotations

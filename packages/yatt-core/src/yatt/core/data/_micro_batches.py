@@ -189,7 +189,6 @@ def check_context(lengths: Sequence[int], max_context_tokens: int | None) -> Non
 
 
 def plan_micro_batches(
-    costs: Sequence[float],
     lengths: list[int],
     *,
     max_tokens: int,
@@ -200,9 +199,8 @@ def plan_micro_batches(
     """Bins of sample indices, each at most `max_tokens` padded tokens (a longer sample alone),
     cut by length over all the rows (`split_by_length`), longest first.
 
-    costs: one per sample; no longer used for the split (padding, not cost balance, decides
-    the cuts: a rank's micro-batches run one after another, so only its total matters); kept
-    so that callers pass the same costs that cross-rank balancing uses.
+    Padding, not cost balance, decides the cuts: a rank's micro-batches run one after another,
+    so only their total (padded tokens + a fixed cost each) matters.
     count_group: ranks that must run the same number of micro-batches (FSDP2 all-gathers in
     every forward, so a rank with fewer would leave the others waiting). Collective over it:
     every rank all-reduces its count (MAX) exactly once; a rank with fewer re-cuts its rows
@@ -212,10 +210,6 @@ def plan_micro_batches(
     extra_tokens: per sample, tokens that count toward the cap besides its padded row (a
     vision-language sample's image patches); None: none.
     """
-    if len(costs) != len(lengths):
-        raise ValueError(
-            f"costs has {len(costs)} entries for {len(lengths)} lengths; pass one per sample"
-        )
     bins = split_by_length(lengths, max_tokens, extra_tokens=extra_tokens)
     if count_group is None or dist.get_world_size(count_group) == 1:
         return bins

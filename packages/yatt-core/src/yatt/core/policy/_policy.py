@@ -66,8 +66,9 @@ class PolicyBackend(Protocol):
         ...
 
     def estimate_costs(self, lengths: Sequence[int]) -> list[float]:
-        """Relative compute per sample of these lengths: the weights of micro-batch packing,
-        and what to pass to Batch.rebalance(costs=...) so ranks are balanced alike."""
+        """Relative compute per sample of these lengths: what to pass to
+        Batch.rebalance(costs=...) and split_mini_batches(costs=...) so ranks and mini-batches
+        are balanced alike (and, for packed sequences, the weights of their packing)."""
         ...
 
     def estimate_batch_costs(self, batch: Batch) -> list[float]:

@@ -193,8 +193,8 @@ class TorchPolicy:
         self, lengths: Sequence[int], *, image_patches: Sequence[Sequence[int]] | None = None
     ) -> list[float]:
         """Relative compute of each sample of these lengths (forward FLOPs of this model's
-        shape: yatt.balance.flops_cost). Micro-batch packing uses it; pass it to
-        `Batch.rebalance(costs=...)` so that balancing across ranks weighs samples alike.
+        shape: yatt.balance.flops_cost). Pass it to `Batch.rebalance(costs=...)` so that
+        balancing across ranks weighs samples alike (micro-batches are cut by padded length).
 
         image_patches: a vision-language model's samples, the patch count of each of sample
         i's images (`image_patches_of(batch)`); adds the vision tower's FLOPs over them (the
@@ -211,8 +211,7 @@ class TorchPolicy:
 
     def estimate_batch_costs(self, batch: Batch) -> list[float]:
         """`estimate_costs` of this batch's samples, their images included for a
-        vision-language model (read from meta[VISION_INPUTS_KEY]): what micro-batch packing
-        weighs, so `Batch.rebalance(costs=...)` and `split_mini_batches(costs=...)` weigh
+        vision-language model (read from meta[VISION_INPUTS_KEY]), so `Batch.rebalance(costs=...)` and `split_mini_batches(costs=...)` weigh
         alike without the caller knowing whether the model takes images."""
         lengths = batch.lengths.tolist()
         if self._vision is None:
@@ -255,10 +254,8 @@ class TorchPolicy:
         """
         lengths = batch.lengths.tolist()
         check_context(lengths, self.max_context_tokens)
-        costs = self.estimate_batch_costs(batch)
         extra_tokens = None if self._vision is None else [sum(p) for p in image_patches_of(batch)]
         return plan_micro_batches(
-            costs,
             lengths,
             max_tokens=self.max_tokens_per_microbatch,
             count_group=self._dp_group if self.dp_size > 1 else None,

@@ -196,8 +196,8 @@ class MegatronPolicy:
     def estimate_costs(self, lengths: Sequence[int]) -> list[float]:
         """Relative compute of each sample of these lengths on one rank (forward FLOPs of this
         model's shape: yatt.balance.flops_cost, over cp_size with context parallelism), as
-        TorchPolicy estimates it for the same model at cp_size 1. Micro-batch packing uses it;
-        pass it to `Batch.rebalance(costs=...)`."""
+        TorchPolicy estimates it for the same model at cp_size 1. Packed sequences are packed by
+        it; pass it to `Batch.rebalance(costs=...)`."""
         return estimate_flops_costs(lengths, self._cost_shape, cp_size=self.config.cp_size)
 
     def estimate_batch_costs(self, batch: Batch) -> list[float]:
@@ -223,14 +223,14 @@ class MegatronPolicy:
         lengths = batch.lengths.tolist()
         check_context(lengths, self.max_context_tokens)
         self._check_tp_batch(batch)
-        costs = self.estimate_costs(lengths)
         # The cap bounds one rank's tokens: a CP rank holds 1/cp of every row.
         cap = self.config.max_tokens_per_microbatch * self.config.cp_size
         if self.config.pack_sequences:
             # Packed rows cost their real tokens: the cap bounds the sum of lengths.
+            costs = self.estimate_costs(lengths)
             bins = pack(costs, max_tokens=cap, lengths=lengths, allow_oversize=True)
         else:
-            bins = plan_micro_batches(costs, lengths, max_tokens=cap)
+            bins = plan_micro_batches(lengths, max_tokens=cap)
         # What the padded layout of these bins would compute beyond the real tokens.
         self._padding_tokens = sum(
             len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b) for b in bins if b
