@@ -33,6 +33,8 @@ HEAD_LOGPROB_MODEL_TYPES = frozenset(
 # Logits held at once per chunk (float32 elements): 2**27 is 512 MiB, about 880 positions of a
 # 152k vocabulary.
 CHUNK_ELEMENTS = 2**27
+# The compiled chunk function (`compiled_chunk_logprobs`): one per process, made at first use.
+_compiled_chunk_logprobs: Callable[..., torch.Tensor] | None = None
 
 
 def supports_head_logprobs(model: torch.nn.Module) -> bool:
@@ -66,6 +68,48 @@ def _chunk_logprobs(
     probs_NV = torch.exp(logits_NV - lse_N[:, None])
     entropy_N = lse_N - (probs_NV * logits_NV).sum(-1)
     return torch.stack([logprob_N, entropy_N], dim=-1)
+
+
+def compiled_chunk_logprobs() -> Callable[..., torch.Tensor]:
+    """`_chunk_logprobs` through torch.compile (TorchPolicyConfig.compile_head_logprobs).
+
+    Eager, each op of a chunk (the float copy, logsumexp's max/sub/exp/sum, the gather, the
+    entropy's exp/mul/sum) is one pass over [N, V] float32 logits, in the forward, again in the
+    checkpoint's recompute and in the backward; inductor fuses them into a few reductions. The
+    last chunk of a micro-batch is shorter: dynamic=None compiles the first shape as it is and
+    the next with a dynamic N, so it does not recompile per length. Compile errors are raised
+    naming the field (it was asked for: no silent fallback to eager).
+    """
+    global _compiled_chunk_logprobs
+    if _compiled_chunk_logprobs is None:
+        try:
+            compiled = torch.compile(_chunk_logprobs, dynamic=None)
+        except (AttributeError, RuntimeError) as err:  # no torch.compile on this platform
+            raise RuntimeError(_compile_failed(err)) from err
+        _compiled_chunk_logprobs = _raising_compile_errors(compiled)
+    return _compiled_chunk_logprobs
+
+
+def _compile_failed(err: BaseException) -> str:
+    return (
+        f"TorchPolicyConfig.compile_head_logprobs=True: torch.compile of the head's logprob "
+        f"chunks failed ({type(err).__name__}: {err}); install what it names (a C++ compiler "
+        "on CPU, Triton on GPU) or set compile_head_logprobs=False for the eager path"
+    )
+
+
+def _raising_compile_errors(compiled: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    # Only compiler errors are rewritten: an out-of-memory or a shape error stays as it is.
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor.exc import InductorError
+
+    def call(*args: Any) -> torch.Tensor:
+        try:
+            return compiled(*args)
+        except (TorchDynamoException, InductorError) as err:
+            raise RuntimeError(_compile_failed(err)) from err
+
+    return call
 
 
 def in_chunks(
@@ -121,10 +165,14 @@ def head_logprobs(
     temperature: float,
     needs_entropy: bool,
     chunk_tokens: int | None = None,
+    should_compile: bool = False,
 ) -> torch.Tensor:
-    """[B, T, 1 or 2] float32: logprob of each input token (and entropy), position 0 = 0."""
+    """[B, T, 1 or 2] float32: logprob of each input token (and entropy), position 0 = 0.
+
+    `should_compile`: each chunk through `compiled_chunk_logprobs()`, the same numbers.
+    """
     return in_chunks(
-        _chunk_logprobs,
+        compiled_chunk_logprobs() if should_compile else _chunk_logprobs,
         hidden_BTH,
         input_ids_BT,
         head.weight,
@@ -144,6 +192,7 @@ def logprobs_in_head(
     temperature: float,
     needs_entropy: bool,
     chunk_tokens: int | None = None,
+    should_compile: bool = False,
 ) -> Iterator[None]:
     """While open, `model(input_ids=input_ids_BT, ...).logits` is `head_logprobs`' output.
 
@@ -166,6 +215,7 @@ def logprobs_in_head(
             temperature=temperature,
             needs_entropy=needs_entropy,
             chunk_tokens=chunk_tokens,
+            should_compile=should_compile,
         )
 
     head.forward = forward  # an instance attribute: hooks and parameter names stay as they are

@@ -114,6 +114,7 @@ class TorchPolicyConfig:
     # the train phase holds activations or the state, never both. A 7B policy's 61 GB of state
     # cross twice a step (~5 s at 25 GB/s); what lets it train on one 141 GB GPU.
     should_offload_optimizer: bool = False
+    compile_head_logprobs: bool = False  # torch.compile the head's logprob chunks (fused passes)
     seed: int = 0  # seeds torch before loading (dropout, if the model has any)
     temperature: float = 1.0  # the rollout's sampling temperature; logprobs use logits / it
     is_reference: bool = False  # frozen (no optimizer, no grads): a KL reference policy
@@ -146,6 +147,11 @@ class TorchPolicyConfig:
         if not isinstance(self.gradient_checkpointing, bool):
             raise ValueError(
                 f"TorchPolicyConfig.gradient_checkpointing={self.gradient_checkpointing!r}: "
+                "must be a bool"
+            )
+        if not isinstance(self.compile_head_logprobs, bool):
+            raise ValueError(
+                f"TorchPolicyConfig.compile_head_logprobs={self.compile_head_logprobs!r}: "
                 "must be a bool"
             )
         if self.parallel not in PARALLEL_MODES:

@@ -38,7 +38,12 @@ from yatt.core.cost._cost_model import (
 from yatt.core.data._batch import Batch
 from yatt.core.data._micro_batches import check_context, plan_micro_batches
 from yatt.core.policy._attention import training_attention
-from yatt.core.policy._head_logprobs import CHUNK_ELEMENTS, logprobs_in_head, supports_head_logprobs
+from yatt.core.policy._head_logprobs import (
+    CHUNK_ELEMENTS,
+    compiled_chunk_logprobs,
+    logprobs_in_head,
+    supports_head_logprobs,
+)
 from yatt.core.policy._logits import compute_entropy, compute_token_logprobs
 from yatt.core.policy._optimization import make_lr_schedule
 from yatt.core.policy._policy import DTYPES, LossFn, TorchPolicyConfig
@@ -120,6 +125,14 @@ class TorchPolicy:
         self.module = model  # the Hugging Face module (FSDP2 shards it in place)
         # Logprobs from the head chunk by chunk: no [tokens, vocab] logits kept for backward.
         self._is_head_logprobs = supports_head_logprobs(model)
+        if config.compile_head_logprobs and self._is_head_logprobs:
+            compiled_chunk_logprobs()  # no torch.compile here: the error now, not at step 1
+        elif config.compile_head_logprobs:
+            logger.warning(
+                "TorchPolicyConfig.compile_head_logprobs: %s computes logprobs from its full "
+                "logits (not a head-logprobs model), nothing to compile",
+                type(model).__name__,
+            )
         self._model_config = model.config
         self._cost_shape = flops_shape_from_hf_config(
             model.config, is_gated_mlp=has_gated_mlp(model)
@@ -281,7 +294,11 @@ class TorchPolicy:
         attention = training_attention()  # no cuDNN: it builds a graph per new shape
         if self._is_head_logprobs:
             head = logprobs_in_head(
-                self.module, mb["input_ids"], temperature=temperature, needs_entropy=needs_entropy
+                self.module,
+                mb["input_ids"],
+                temperature=temperature,
+                needs_entropy=needs_entropy,
+                should_compile=self.config.compile_head_logprobs,
             )
             with attention, self._autocast(), head, images:
                 out_BTW = model(**inputs, use_cache=False).logits
