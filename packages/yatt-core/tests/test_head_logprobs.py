@@ -1,11 +1,15 @@
 """Logprobs computed inside the LM head, chunk by chunk: the same numbers and gradients as the
 full logits, without keeping [tokens, vocab] float32 logits for the backward."""
 
+import functools
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
+import yatt.core.policy._head_logprobs as head_module
 from yatt.core import compute_entropy, compute_token_logprobs
-from yatt.core.policy._head_logprobs import logprobs_in_head, supports_head_logprobs
+from yatt.core.policy._head_logprobs import head_logprobs, logprobs_in_head, supports_head_logprobs
 from yatt.testing import make_tiny_causal_lm
 
 NUM_GPUS = 0
@@ -124,3 +128,69 @@ def test_a_one_token_row_still_reaches_the_head_weight():
     head = model.get_output_embeddings()
     assert head.weight.grad is not None and (head.weight.grad == 0).all()
     assert len(grads) == len(list(model.parameters()))
+
+
+@pytest.fixture
+def fresh_compile():
+    # Graphs of earlier tests count toward dynamo's recompile limit, past which it runs the
+    # function eagerly (a warning): each test starts from an empty cache.
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _head_outputs(head, hidden_BTH, ids, weights, **kwargs):
+    """Head logprobs (and entropy) and the gradients of a weighted sum of them."""
+    hidden_BTH = hidden_BTH.clone().requires_grad_()
+    head.zero_grad(set_to_none=True)
+    out = head_logprobs(head, hidden_BTH, ids, chunk_tokens=7, **kwargs)
+    (out * weights[..., : out.shape[-1]]).sum().backward()
+    with torch.no_grad():  # the logprobs pass: no checkpoint, no backward graph
+        inference = head_logprobs(head, hidden_BTH, ids, chunk_tokens=7, **kwargs)
+    return out, inference, hidden_BTH.grad, head.weight.grad, head.bias.grad
+
+
+@pytest.mark.parametrize("needs_entropy", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_compiled_chunks_give_the_eager_numbers_and_gradients(
+    fresh_compile, temperature, needs_entropy
+):
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    with torch.no_grad():
+        head.weight.copy_(0.3 * torch.randn(50, 16, generator=gen))
+    hidden_BTH = torch.randn(3, 11, 16, generator=gen)
+    ids = torch.randint(0, 50, (3, 11), generator=gen)
+    weights = torch.linspace(-1, 1, 3 * 11 * 2).view(3, 11, 2)
+    kwargs = dict(temperature=temperature, needs_entropy=needs_entropy)
+    # 7 positions per chunk: 30 predicted positions make 5 chunks, the last one short.
+    eager = _head_outputs(head, hidden_BTH, ids, weights, **kwargs)
+    assert counters["stats"]["unique_graphs"] == 0
+    compiled = _head_outputs(head, hidden_BTH, ids, weights, should_compile=True, **kwargs)
+    # It did compile, in one graph (a graph break would run part of it eagerly).
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]
+    names = ("logprobs", "no-grad logprobs", "hidden grad", "weight grad", "bias grad")
+    for name, got, expected in zip(names, compiled, eager, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=name)
+
+
+def test_compile_failures_name_the_config_field(fresh_compile, monkeypatch):
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("no C++ compiler")
+
+    ids = torch.zeros(1, 3, dtype=torch.int64)
+    call = functools.partial(
+        head_logprobs, torch.nn.Linear(4, 5), torch.zeros(1, 3, 4), ids, temperature=1.0,
+        needs_entropy=False, should_compile=True,
+    )  # fmt: skip
+    # Compiling fails at the first call ...
+    monkeypatch.setattr(head_module, "_compiled_chunk_logprobs", None)
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=failing_backend))
+    with pytest.raises(RuntimeError, match=r"(?s)compile_head_logprobs=True.*no C\+\+ compiler"):
+        call()
+    # ... or there is no torch.compile.
+    monkeypatch.setattr(head_module, "_compiled_chunk_logprobs", None)
+    monkeypatch.delattr(torch, "compile")
+    with pytest.raises(RuntimeError, match="compile_head_logprobs=False for the eager path"):
+        call()

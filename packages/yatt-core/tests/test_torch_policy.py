@@ -147,6 +147,39 @@ def test_policy_step_is_the_same_through_the_head_or_the_logits(tiny_model_dir, 
         torch.testing.assert_close(head_weights[name], tensor, atol=1e-4, rtol=0)
 
 
+def test_compiled_head_logprobs_give_the_eager_step(tiny_model_dir, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    import yatt.core.policy._head_logprobs as head_logprobs
+
+    monkeypatch.setattr(head_logprobs, "CHUNK_ELEMENTS", 2048)  # several chunks per micro-batch
+    torch._dynamo.reset()  # earlier tests' graphs count toward the recompile limit
+    counters.clear()
+    loss = PolicyLoss(kl_coef=0.0, should_compute_entropy=True, is_on_policy=True)
+    results = {}
+    for is_compiled in (False, True):
+        config = _config(
+            tiny_model_dir,
+            max_tokens_per_microbatch=13,
+            temperature=0.8,
+            compile_head_logprobs=is_compiled,
+        )
+        policy = TorchPolicy(config)
+        logprobs = policy.logprobs(_batch())
+        metrics = policy.train_step(_batch(), loss)
+        results[is_compiled] = (logprobs, metrics, dict(policy.named_weights()))
+    # The flag reached the head: its chunks ran compiled, in whole graphs.
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]
+    torch._dynamo.reset()
+    (lp, metrics, weights), (eager_lp, eager_metrics, eager_weights) = results[True], results[False]
+    torch.testing.assert_close(lp, eager_lp, atol=1e-5, rtol=0)
+    for key in ("loss", "grad_norm", "pg_loss", "entropy"):
+        assert metrics[key] == pytest.approx(eager_metrics[key], rel=1e-5, abs=1e-7), key
+    for name, tensor in eager_weights.items():
+        # Rounding-level gradient differences, as in the head-vs-logits test above.
+        torch.testing.assert_close(weights[name], tensor, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("is_head", "checkpointing"), [(True, False), (False, False), (True, True)]
 )
@@ -287,6 +320,9 @@ def test_bfloat16_compute_runs_and_keeps_float32_master_weights(tiny_model_dir):
         pytest.param({"parallel": "zero3"}, "parallel", id="unknown-parallel"),
         pytest.param({"dtype": "fp8"}, "dtype", id="unknown-dtype"),
         pytest.param({"temperature": -1.0}, "temperature", id="negative-temperature"),
+        pytest.param(
+            {"compile_head_logprobs": "yes"}, "compile_head_logprobs", id="compile-not-bool"
+        ),
     ],
 )
 def test_config_errors_name_the_field(tiny_model_dir, tmp_path, overrides, match):
