@@ -15,6 +15,13 @@ micro-batches, GRPO loss with one optimizer step per batch), then varies one thi
                        lengths differ every step), timed on their first and only step
 
 and profiles one fixed and one long-tail step (CUDA kernels by kind, the host's share).
+With --compile-head, a second policy with TorchPolicyConfig.compile_head_logprobs (the head's
+logprob chunks through torch.compile) times the same fixed and long-tail batches:
+
+    fixed_compiled_head     as fixed, compiled head chunks
+    longtail_compiled_head  as longtail, compiled head chunks
+
+after checking that both policies give the same logprobs (before either has trained).
 
     python3 bench/train/train_step_profile.py --out bench/results/train_step_profile_<gpu>.json
 """
@@ -22,6 +29,7 @@ and profiles one fixed and one long-tail step (CUDA kernels by kind, the host's 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -114,9 +122,12 @@ def time_steps(
     if plan_fn is not None:
         policy.plan_micro_batches = lambda b: plan_fn(b.lengths.tolist())
     try:
+        first_s = None
         if warmup:
+            start = time.perf_counter()
             policy.train_step(batches[0], loss_fn)
             _sync()
+            first_s = time.perf_counter() - start  # with torch.compile: compiling included
         times, plans = [], []
         for _ in range(repeats):
             for b in batches:
@@ -138,6 +149,7 @@ def time_steps(
     tokens = [int(b.lengths.sum()) for b in batches]
     return {
         "steps_s": [round(t, 4) for t in times],
+        "warmup_s": first_s,
         "step_s": statistics.median(times),
         "min_s": min(times),
         "max_s": max(times),
@@ -189,6 +201,23 @@ def kernel_profile(policy, loss_fn, batch: Batch) -> dict:
     }
 
 
+def compare_logprobs(eager, compiled, batch: Batch) -> dict:
+    """How far the compiled head's logprobs are from the eager ones on the response tokens (bf16
+    compute: rounding-level), and the first (compiling) logprobs pass's time."""
+    start = time.perf_counter()
+    got = compiled.logprobs(batch)
+    _sync()
+    first_s = time.perf_counter() - start
+    expected = eager.logprobs(batch)
+    mask = batch["loss_mask"].bool()
+    diff = (got.float().cpu() - expected.float().cpu())[mask].abs()
+    return {
+        "max_abs_diff": float(diff.max()),
+        "mean_abs_diff": float(diff.mean()),
+        "first_logprobs_s": first_s,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model-dir", default=None, help="saved models (bench/step's, made if missing)")
@@ -197,20 +226,30 @@ def main() -> None:
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--out", default=None)
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run")
+    p.add_argument(
+        "--compile-head",
+        action="store_true",
+        help="also time fixed and longtail with compile_head_logprobs (a second policy)",
+    )
     args = p.parse_args()
     if not (torch.cuda.is_available() or args.tiny):
         sys.exit("train_step_profile: needs a CUDA device (or --tiny for a CPU smoke run)")
     root = Path(args.model_dir or tempfile.mkdtemp(prefix="yatt-train-profile-"))
     policy_dir, _ = make_models(root, tiny=args.tiny)
     cap = args.micro_batch_tokens
-    policy = core.TorchPolicy(
-        core.TorchPolicyConfig(
-            model_dir=str(policy_dir),
-            lr=1e-6,
-            dtype="bfloat16",
-            parallel="none",
-            max_tokens_per_microbatch=cap,
-        )
+    config = core.TorchPolicyConfig(
+        model_dir=str(policy_dir),
+        lr=1e-6,
+        dtype="bfloat16",
+        parallel="none",
+        max_tokens_per_microbatch=cap,
+    )
+    policy = core.TorchPolicy(config)
+    # Same weights (the same saved model), loaded before either policy trains.
+    compiled = (
+        core.TorchPolicy(dataclasses.replace(config, compile_head_logprobs=True))
+        if args.compile_head
+        else None
     )
     loss_fn = core.PolicyLoss(is_on_policy=True)
     vocab = policy.module.config.vocab_size
@@ -230,7 +269,7 @@ def main() -> None:
 
     def report(name, r):
         print(
-            f"{name:18s} step {r['step_s']:.3f} s ({r['min_s']:.3f}-{r['max_s']:.3f}) "
+            f"{name:22s} step {r['step_s']:.3f} s ({r['min_s']:.3f}-{r['max_s']:.3f}) "
             f"logprobs {r['logprobs_s']:.3f} s  tokens {r['tokens']:.0f} padded "
             f"{r['padded_tokens']:.0f} micro-batches {r['micro_batches']:.0f}  "
             f"steps {r['steps_s']}",
@@ -243,6 +282,9 @@ def main() -> None:
         "micro_batch_tokens": cap,
         "runs": {},
     }
+    if compiled is not None:
+        results["compiled_head_check"] = compare_logprobs(policy, compiled, fixed[0])
+        print("compiled head vs eager logprobs:", results["compiled_head_check"], flush=True)
     runs = {
         "fixed": (fixed, None),
         "fixed_masked": (masked, None),
@@ -266,9 +308,24 @@ def main() -> None:
     r = time_steps(policy, loss_fn, fresh, None, repeats=1, warmup=False)
     results["runs"]["longtail_fresh"] = r
     report("longtail_fresh", r)
+    if compiled is not None:
+        for name, batches in (("fixed", fixed), ("longtail", longtail)):
+            r = time_steps(compiled, loss_fn, batches, None, repeats=2)
+            r["step_vs_eager"] = r["step_s"] / results["runs"][name]["step_s"]
+            r["logprobs_vs_eager"] = r["logprobs_s"] / results["runs"][name]["logprobs_s"]
+            results["runs"][f"{name}_compiled_head"] = r
+            report(f"{name}_compiled_head", r)
+            print(
+                f"{'':22s} vs eager: step x{r['step_vs_eager']:.3f} logprobs "
+                f"x{r['logprobs_vs_eager']:.3f} (warm-up step with compiling {r['warmup_s']:.1f} s)",
+                flush=True,
+            )
     if args.profile and torch.cuda.is_available():
-        for name, batch in (("fixed", fixed[0]), ("longtail", longtail[0])):
-            prof = kernel_profile(policy, loss_fn, batch)
+        profiled = [(policy, "fixed", fixed[0]), (policy, "longtail", longtail[0])]
+        if compiled is not None:
+            profiled.append((compiled, "fixed_compiled_head", fixed[0]))
+        for profiled_policy, name, batch in profiled:
+            prof = kernel_profile(profiled_policy, loss_fn, batch)
             results[f"profile_{name}"] = prof
             print(f"== profile {name}: " + json.dumps(prof, indent=1), flush=True)
     if args.out:
