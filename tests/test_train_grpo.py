@@ -1665,7 +1665,11 @@ def test_a_streamed_run_resumed_after_a_step_that_cut_groups_resumes_them(
     if {k: got[0][k] for k in step0} == {k: expected[0][k] for k in step0}:
         keys = ["reward/mean", "reward/accuracy", "train/loss", "train/grad_norm"]
         keys += [f"dynamic_sampling/{key}" for key in ("oversample_factor", "num_groups_resumed")]
-        assert {k: got[1][k] for k in keys} == {k: expected[1][k] for k in keys}
+        # Equal up to summation order: verdicts come back in thread-timing order, and a mean
+        # of the same rewards summed in another order differs in its last bits (seen: 1e-11).
+        assert {k: got[1][k] for k in keys} == pytest.approx(
+            {k: expected[1][k] for k in keys}, rel=1e-9, abs=1e-12
+        )
 
 
 class _ContinuingEngine:
