@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "step"))
 sys.path.insert(0, str(ROOT / "bench" / "rollout"))
 
-from _decode_profile import KERNEL_GROUPS  # noqa: E402
+from _decode_profile import _kernel_table  # noqa: E402
 from _step_setup import _longtail_lengths, make_models  # noqa: E402
 
 from yatt import core  # noqa: E402
@@ -170,30 +170,14 @@ def kernel_profile(policy, loss_fn, batch: Batch) -> dict:
         policy.train_step(batch, loss_fn)
         _sync()
     wall_s = time.perf_counter() - start
-    kernels = [
-        e
-        for e in prof.key_averages()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
-    ]
-    total_us = sum(e.self_device_time_total for e in kernels)
-    groups: dict[str, float] = {}
-    for e in kernels:
-        kind = next((k for k, rx in KERNEL_GROUPS if rx.search(e.key)), "other")
-        groups[kind] = groups.get(kind, 0.0) + e.self_device_time_total / 1e3
-    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:15]
+    table = _kernel_table(prof, num_steps=1)
     ops = sorted(
         (e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
         key=lambda e: -e.self_cpu_time_total,
     )[:15]
     return {
         "wall_ms_profiled": wall_s * 1e3,
-        "kernel_ms": total_us / 1e3,
-        "num_kernels": sum(e.count for e in kernels),
-        "groups_ms": {k: round(v, 2) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [
-            {"name": e.key[:120], "ms": round(e.self_device_time_total / 1e3, 2), "count": e.count}
-            for e in top
-        ],
+        **table,
         "top_host_ops": [
             {"name": e.key[:80], "ms": round(e.self_cpu_time_total / 1e3, 2), "count": e.count}
             for e in ops

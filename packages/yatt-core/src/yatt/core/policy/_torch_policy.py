@@ -291,7 +291,6 @@ class TorchPolicy:
         mask = mb["attention_mask"] if self._vision is not None else None
         inputs = dict(input_ids=mb["input_ids"], attention_mask=mask)
         images = self._images_of(mb)
-        attention = training_attention()  # no cuDNN: it builds a graph per new shape
         if self._is_head_logprobs:
             head = logprobs_in_head(
                 self.module,
@@ -300,10 +299,10 @@ class TorchPolicy:
                 needs_entropy=needs_entropy,
                 should_compile=self.config.compile_head_logprobs,
             )
-            with attention, self._autocast(), head, images:
+            with self._autocast(), head, images:
                 out_BTW = model(**inputs, use_cache=False).logits
             return out_BTW[..., 0], out_BTW[..., 1] if needs_entropy else None
-        with attention, self._autocast(), images:
+        with self._autocast(), images:
             logits_BTV = model(**inputs, use_cache=False).logits
         logprobs_BT = compute_token_logprobs(logits_BTV, mb["input_ids"], temperature=temperature)
         entropy_BT = compute_entropy(logits_BTV, temperature=temperature) if needs_entropy else None
@@ -389,7 +388,8 @@ class TorchPolicy:
         self._check_awake("logprobs")
         self.check_images(batch)
         self.module.eval()
-        return compute_logprobs(self, batch)
+        with training_attention():  # no cuDNN: it builds a graph per new shape
+            return compute_logprobs(self, batch)
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over this rank's batch (yatt.core.policy._train_step); collective.
@@ -403,7 +403,8 @@ class TorchPolicy:
         self._check_awake("train_step")
         self.check_images(batch)
         self.module.train()
-        # Around the backward too: activation checkpointing recomputes the forward there.
+        # No cuDNN (a graph per new shape), around the backward too: activation checkpointing
+        # recomputes the forward there.
         with training_attention():
             return run_train_step(
                 self,
