@@ -63,7 +63,7 @@ from _rollout_checks import (
     sync,
     trainer_logprobs,
 )
-from _rollout_throughput import bench_throughput
+from _rollout_throughput import BEFORE_LABEL, bench_throughput
 
 
 def bench_memory_and_weights(results: dict) -> None:
@@ -213,7 +213,7 @@ def markdown(results: dict) -> str:
     lines = [
         f"device: {results['device']} (torch {results['torch']})",
         "",
-        "| batch | yatt tok/s | before (eager step, SDPA) tok/s | speed-up | HF dynamic tok/s | "
+        f"| batch | yatt tok/s | before ({BEFORE_LABEL}) tok/s | speed-up | HF dynamic tok/s | "
         "HF static tok/s | x HF dynamic | roofline (weights) tok/s | "
         "roofline (weights+KV read) tok/s | decode step ms | before: step ms | sampling ms |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

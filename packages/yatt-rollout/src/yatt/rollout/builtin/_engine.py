@@ -55,6 +55,7 @@ from yatt.rollout._weights import (
 from yatt.rollout.builtin._batcher import CAPTURE_LOCK, MAX_LABEL_TOKENS, SlotRunner, WorkItem
 from yatt.rollout.builtin._config import EngineConfig
 from yatt.rollout.builtin._device import EngineDevice
+from yatt.rollout.builtin._fused_projections import fuse_projections
 from yatt.rollout.builtin._host_loop import Call, SlotLoop
 from yatt.rollout.builtin._joining import CallScheduler
 from yatt.rollout.builtin._kv_budget import KVLayout, check_memory_fraction, slots_for_fraction
@@ -143,6 +144,8 @@ class BuiltinEngine:
         self._are_weights_lost = False  # woken without backup, not refilled yet
         with region(self._tags["weights"], enable_cpu_backup=should_back_up_weights):
             self._weight_bytes = move_into_current_region(model, self._device)
+            if config.fuse_projections:  # the fused weights belong to the region too
+                fuse_projections(model)
         # Buffers (RoPE's inv_freq) are not in a weight sync: without the region's backup they
         # are restored from these host copies (a few KB) at each wake.
         self._buffer_copies = (
