@@ -227,6 +227,7 @@ def main() -> None:
         dtype="bfloat16",
         parallel="none",
         max_tokens_per_microbatch=cap,
+        compile_head_logprobs=False,  # the eager baseline (None compiles on CUDA)
     )
     policy = core.TorchPolicy(config)
     # Same weights (the same saved model), loaded before either policy trains.

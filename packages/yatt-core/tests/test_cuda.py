@@ -35,6 +35,8 @@ def test_cuda_step_matches_cpu(tiny_model_dir):
         with init_runtime(device=device) as rt:
             policy = _policy(tiny_model_dir, rt)
             assert policy.device.type == device
+            # compile_head_logprobs=None (the default): compiled on CUDA, eager on CPU.
+            assert policy._should_compile_head == (device == "cuda")
             batch = workers.make_global_batch()
             results[device] = workers.run_policy_step(policy, batch, PolicyLoss())
     cpu, gpu = results["cpu"], results["cuda"]

@@ -180,6 +180,20 @@ def test_compiled_head_logprobs_give_the_eager_step(tiny_model_dir, monkeypatch)
         torch.testing.assert_close(weights[name], tensor, atol=1e-4, rtol=0)
 
 
+def test_head_logprobs_compile_by_default_on_cuda_only(tiny_model_dir, monkeypatch):
+    """compile_head_logprobs=None: compiled on CUDA (measured faster there), eager on CPU;
+    an explicit bool wins either way. Nothing is compiled on the CPU default."""
+    made = []
+    monkeypatch.setattr(
+        "yatt.core.policy._torch_policy.compiled_chunk_logprobs", lambda: made.append(1)
+    )
+    default = TorchPolicy(_config(tiny_model_dir))
+    assert TorchPolicyConfig.__dataclass_fields__["compile_head_logprobs"].default is None
+    assert not default._should_compile_head and not made
+    assert TorchPolicy(_config(tiny_model_dir, compile_head_logprobs=True))._should_compile_head
+    assert made == [1]
+
+
 @pytest.mark.parametrize(
     ("is_head", "checkpointing"), [(True, False), (False, False), (True, True)]
 )

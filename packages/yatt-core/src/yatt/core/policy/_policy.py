@@ -114,7 +114,11 @@ class TorchPolicyConfig:
     # the train phase holds activations or the state, never both. A 7B policy's 61 GB of state
     # cross twice a step (~5 s at 25 GB/s); what lets it train on one 141 GB GPU.
     should_offload_optimizer: bool = False
-    compile_head_logprobs: bool = False  # torch.compile the head's logprob chunks (fused passes)
+    # torch.compile the head's logprob chunks (inductor fuses their float32 passes over the
+    # vocabulary): 0.76x the eager train step on the fixed mix, 0.78x on the long tail (0.5B
+    # shape, one H200, bench/results/train_step_profile_nvidia_h200.md), the same logprobs.
+    # None: on for CUDA, off on CPU (where it needs a C++ compiler and gains little).
+    compile_head_logprobs: bool | None = None
     seed: int = 0  # seeds torch before loading (dropout, if the model has any)
     temperature: float = 1.0  # the rollout's sampling temperature; logprobs use logits / it
     is_reference: bool = False  # frozen (no optimizer, no grads): a KL reference policy
@@ -149,10 +153,12 @@ class TorchPolicyConfig:
                 f"TorchPolicyConfig.gradient_checkpointing={self.gradient_checkpointing!r}: "
                 "must be a bool"
             )
-        if not isinstance(self.compile_head_logprobs, bool):
+        if self.compile_head_logprobs is not None and not isinstance(
+            self.compile_head_logprobs, bool
+        ):
             raise ValueError(
                 f"TorchPolicyConfig.compile_head_logprobs={self.compile_head_logprobs!r}: "
-                "must be a bool"
+                "must be a bool, or None (on for CUDA, off on CPU)"
             )
         if self.parallel not in PARALLEL_MODES:
             raise ValueError(

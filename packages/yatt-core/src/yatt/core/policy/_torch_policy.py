@@ -125,7 +125,12 @@ class TorchPolicy:
         self.module = model  # the Hugging Face module (FSDP2 shards it in place)
         # Logprobs from the head chunk by chunk: no [tokens, vocab] logits kept for backward.
         self._is_head_logprobs = supports_head_logprobs(model)
-        if config.compile_head_logprobs and self._is_head_logprobs:
+        self._should_compile_head = self._is_head_logprobs and (
+            config.compile_head_logprobs
+            if config.compile_head_logprobs is not None
+            else self.device.type == "cuda"
+        )
+        if self._should_compile_head:
             compiled_chunk_logprobs()  # no torch.compile here: the error now, not at step 1
         elif config.compile_head_logprobs:
             logger.warning(
@@ -297,7 +302,7 @@ class TorchPolicy:
                 mb["input_ids"],
                 temperature=temperature,
                 needs_entropy=needs_entropy,
-                should_compile=self.config.compile_head_logprobs,
+                should_compile=self._should_compile_head,
             )
             with self._autocast(), head, images:
                 out_BTW = model(**inputs, use_cache=False).logits
