@@ -77,7 +77,8 @@ class DecodeKernelConfig:
             raise ValueError(f"DecodeKernelConfig.max_splits={self.max_splits}: use >= 1")
 
 
-# The configuration measured before issue 28 (bench/results/rollout_nvidia_h200_throughput.md).
+# The configuration measured before issue 28 (bench/results/rollout_nvidia_h200_throughput.md,
+# in git history before session 14).
 LEGACY_CONFIG = DecodeKernelConfig(variant="legacy")
 DEFAULT_CONFIG = DecodeKernelConfig()
 
