@@ -5,7 +5,10 @@
 #   bash gpu_checks/background.sh wait NAME SECONDS  # until NAME ends or SECONDS pass
 # `wait` prints the log's tail and packs NAME's files into this call's $OUT/NAME.tgz once it has
 # ended, or what it has so far into $OUT/NAME.partial.tgz (a call brings back a few files only).
-# CMD runs in this call's copy of the tree, so start the next job only after the last one ended. The commit it ran at is in NAME/commit.
+# CMD runs in a private copy of this call's tree (NAME/tree; carried pieces in .packs are left
+# out): every device call replaces the repository's files, and a job that imported a module while
+# the next call's `wait` was replacing them failed (session 14). The commit it ran at is in
+# NAME/commit.
 set -uo pipefail
 BG=/root/bg
 action=${1:?start|wait}; name=${2:?job name}; shift 2
@@ -15,13 +18,14 @@ case $action in
     if [ -f "$dir/pid" ] && kill -0 "$(cat "$dir/pid")" 2>/dev/null; then
       echo "$name is still running (pid $(cat "$dir/pid"))"; exit 1
     fi
-    rm -rf "$dir"; mkdir -p "$dir/out"
+    rm -rf "$dir"; mkdir -p "$dir/out" "$dir/tree"
     git rev-parse HEAD >"$dir/commit" 2>/dev/null || echo unknown >"$dir/commit"
+    tar -cf - --exclude=./.packs . | tar -xf - -C "$dir/tree"
     # setsid: the job outlives this call's shell; its rc file marks the end.
-    OUT=$dir/out setsid nohup bash -c '"$@"; echo $? >"'"$dir"'/rc"' _ "$@" \
+    (cd "$dir/tree" && OUT=$dir/out setsid nohup bash -c '"$@"; echo $? >"'"$dir"'/rc"' _ "$@" \
       >"$dir/log" 2>&1 </dev/null &
-    echo $! >"$dir/pid"
-    echo "started $name (pid $!) at commit $(cat "$dir/commit")" ;;
+     echo $! >"$dir/pid")
+    echo "started $name (pid $(cat "$dir/pid")) at commit $(cat "$dir/commit")" ;;
   wait)
     limit=${1:?seconds}
     [ -d "$dir" ] || { echo "no job $name"; exit 1; }
