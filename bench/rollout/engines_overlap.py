@@ -336,8 +336,8 @@ def main(argv: list[str]) -> dict:
     )
     shapes = ("tiny", "tiny") if args.tiny else ("0.5b", "1.5b")
     t0 = time.perf_counter()
-    dirs = dict(zip(("policy", "judge"), make_models(Path(args.model_dir), tiny=args.tiny,
-                                                     shapes=shapes), strict=True))  # fmt: skip
+    policy_dir, judge_dir = make_models(Path(args.model_dir), tiny=args.tiny, shapes=shapes)
+    dirs = {"policy": policy_dir, "judge": judge_dir}
     vocab = json.loads((dirs["policy"] / "config.json").read_text())["vocab_size"]
     loads = make_workloads(args, vocab)
     sizes = loads.pop("sizes")
