@@ -2,7 +2,7 @@
 # verl and TRL + vLLM beside yatt on one GPU, one step per argument:
 #   bash bench/verl/verl_gpu.sh stash                        # a carried piece -> /root/wheels
 #   bash bench/verl/verl_gpu.sh unpack probe                 # sites in place, imports and Ray checked
-#   bash bench/verl/verl_gpu.sh models verl_longtail         # one verl run (one device call each)
+#   bash bench/verl/verl_gpu.sh models verl_longtail         # one verl run (~9 min cold: background.sh)
 #   bash bench/verl/verl_gpu.sh yatt trl_vllm report         # yatt's and TRL's runs, then the table
 #
 # Packages: the machine has no registry. vLLM 0.26.0 (scripts/pack_engine_site.sh vllm) and verl
@@ -43,7 +43,9 @@ RUNS_DIR=${RUNS_DIR:-/root/verl-runs}
 MODELS=${MODELS:-/tmp/yatt-step}
 STEPS=${STEPS:-5}
 WARMUP=${WARMUP:-2}
-STEP_TIMEOUT=${STEP_TIMEOUT:-560}  # one verl run: Ray + FSDP + two vLLM servers start, 7 steps
+# One verl run: Ray + FSDP + two vLLM servers start (~7.5 min on a cold machine, session 14), then
+# 7 steps. Longer than one device call: run it under gpu_checks/background.sh.
+STEP_TIMEOUT=${STEP_TIMEOUT:-760}
 mkdir -p "$PIECES" "$RUNS_DIR"
 # trl (a carried wheel) lives apart from /tmp/site: verl's FSDP workers import trl's value-head
 # model whenever trl is importable, and trl 1.16 moved it (the first verl run on the H200 failed
