@@ -28,6 +28,14 @@ unpack() {
       "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root')"
     du -sh "/root/site_$name"
   done
+  # SGLang's FA3 kernels (sgl_kernel/flash_ops.abi3.so, 1.1 GB; its default attention on
+  # Hopper) travel in pieces of their own: `scripts/pack_engine_site.sh sglang_fa3`.
+  if ls /root/wheels/sgl_fa3_site.tar.xz.part-* >/dev/null 2>&1 && [ -d /root/site_sgl ] \
+      && [ ! -f /root/site_sgl/sgl_kernel/flash_ops.abi3.so ]; then
+    cat /root/wheels/sgl_fa3_site.tar.xz.part-* | python3 -c \
+      "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/root')"
+    ls -la /root/site_sgl/sgl_kernel/flash_ops.abi3.so
+  fi
   # The built-in engine (a trainer's judge beside vLLM) needs torch_memory_saver: SGLang has it.
   [ -d /root/site_vllm/torch_memory_saver ] || cp -r /root/site_sgl/torch_memory_saver* /root/site_vllm/
 }
