@@ -377,7 +377,8 @@ def test_model_path_must_be_a_model_directory(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("compile_decode", "yes"), ("decode_attention", "flash")]
+    ("field", "value"),
+    [("compile_decode", "yes"), ("compile_prefill", "yes"), ("decode_attention", "flash")],
 )
 def test_fast_decode_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
@@ -461,6 +462,41 @@ def test_decode_step_falls_back_to_eager_when_compiling_fails(
     engine.close()
     _assert_same_samples(samples, eager_sdpa_samples, atol=0.0)
     warnings = [r for r in caplog.records if "decoding eagerly" in r.getMessage()]
+    assert len(warnings) == 1, "the fallback is logged once"
+
+
+def test_compiled_prefill_gives_the_same_samples(tiny_model_dir, eager_sdpa_samples):
+    # 8 samples of 2-5-token prompts through 3 slots: prefill chunks of several row counts,
+    # padded lengths and kept columns, all through the one dynamic compile.
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    engine, samples = _generate_both(tiny_model_dir, "compiled-prefill", compile_prefill=True)
+    assert engine._runner._compiled_prefill is not None, "compiling fell back to eager"
+    engine.close()
+    _assert_same_samples(samples, eager_sdpa_samples, atol=1e-5)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 1, "the compiled prefill never ran"
+
+
+def test_prefill_falls_back_to_eager_when_compiling_fails(
+    tiny_model_dir, eager_sdpa_samples, monkeypatch, caplog
+):
+    import yatt.rollout.builtin._batcher as batcher
+
+    def broken_compile(fn, **kwargs):
+        def compiled(*args):
+            raise RuntimeError("inductor: no C++ compiler (planted)")
+
+        return compiled
+
+    monkeypatch.setattr(batcher.torch, "compile", broken_compile)
+    with caplog.at_level("WARNING", logger=batcher.__name__):
+        engine, samples = _generate_both(tiny_model_dir, "fallback-prefill", compile_prefill=True)
+    assert engine._runner._compiled_prefill is None
+    engine.close()
+    _assert_same_samples(samples, eager_sdpa_samples, atol=0.0)
+    warnings = [r for r in caplog.records if "prefilling eagerly" in r.getMessage()]
     assert len(warnings) == 1, "the fallback is logged once"
 
 

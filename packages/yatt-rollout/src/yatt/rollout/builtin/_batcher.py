@@ -133,6 +133,7 @@ class SlotRunner:
         use_cuda_graph: bool,
         steps_per_sync: int,
         compile_decode: bool = False,
+        compile_prefill: bool = False,
         decode_attention: str = "sdpa",
         max_prefill_tokens: int,
         stream: torch.cuda.Stream | None = None,
@@ -186,6 +187,11 @@ class SlotRunner:
         # new engine of the same shapes reuses an earlier engine's compiled graph.
         self._compiled_step = (
             torch.compile(self._decode_step_body, dynamic=False) if compile_decode else None
+        )
+        # Prefill shapes change with every chunk (rows, padded length, distinct last columns):
+        # compiled dynamic, so a few specialisations (a size of 1, say) serve them all.
+        self._compiled_prefill = (
+            torch.compile(self._prefill_logits, dynamic=True) if compile_prefill else None
         )
 
     # -- device steps -------------------------------------------------------------------------
@@ -373,15 +379,51 @@ class SlotRunner:
         last_cols = sorted({n - 1 for n in lengths})
         keep_K = torch.tensor(last_cols, device=device)
         which_B = torch.tensor([last_cols.index(n - 1) for n in lengths], device=device)
-        with writing_kv(write):
-            logits_BKV = self.model(
-                input_ids=ids_BT.to(device),
-                attention_mask=None,
-                position_ids=col_BT,
-                use_cache=False,
-                logits_to_keep=keep_K,
-            ).logits
+        ids_BT = ids_BT.to(device)
+        logits_BKV = None
+        if self._compiled_prefill is not None:
+            try:
+                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                    logits_BKV = self._compiled_prefill(ids_BT, col_BT, keep_K, write)
+            except Exception as exc:
+                # Compiling happens before the forward runs, and an eager prefill rewrites
+                # every KV row it fills: redo it eagerly, and stay eager from now on.
+                logger.warning(
+                    "compiling the prefill failed (%s: %s); prefilling eagerly from now on "
+                    "(EngineConfig.compile_prefill=False skips the attempt)",
+                    type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "",
+                )
+                self._compiled_prefill = None
+        if logits_BKV is None:
+            with writing_kv(write):
+                logits_BKV = self.model(
+                    input_ids=ids_BT,
+                    attention_mask=None,
+                    position_ids=col_BT,
+                    use_cache=False,
+                    logits_to_keep=keep_K,
+                ).logits
         return logits_BKV[torch.arange(len(rows), device=device), which_B]
+
+    def _prefill_logits(
+        self,
+        ids_BT: torch.Tensor,
+        col_BT: torch.Tensor,
+        keep_K: torch.Tensor,
+        write: PrefillWrite,
+    ) -> torch.Tensor:
+        """The text prefill forward that `compile_prefill` compiles: logits [B, K, V] at the
+        columns keep_K. The write goes as a forward kwarg (torch.compile traces it, not the
+        ContextVar of writing_kv); the eager prefill keeps the ContextVar, as before."""
+        return self.model(
+            input_ids=ids_BT,
+            attention_mask=None,
+            position_ids=col_BT,
+            use_cache=False,
+            logits_to_keep=keep_K,
+            **{KV_WRITE_KWARG: write},
+        ).logits
 
     def _prefill_left_padded(self, rows, lengths_B, slot_J, row_J, row_images):
         """Prompts with images, left-padded under an explicit mask (the vision prefill's mrope

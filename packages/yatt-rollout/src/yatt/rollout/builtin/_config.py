@@ -32,6 +32,13 @@ class EngineConfig:
     # The first call pays the compile (tens of seconds); if compiling fails the engine logs it
     # once and decodes eagerly. None: on for CUDA, off for CPU.
     compile_decode: bool | None = None
+    # Compile the text prefill forward (inductor, dynamic in batch, prompt length and kept
+    # logits), so RMSNorm, rotary, SwiGLU and the KV write fuse as in the compiled decode step;
+    # eager prefill ran at 0.56x SGLang's on 1,024-token judge prompts (bench/results/
+    # engines_nvidia_h200.md). Off by default until its CUDA suite and throughput have run on a
+    # GPU; the first prefill of each new specialisation pays a compile, and a failed compile is
+    # logged once and prefill stays eager. Image prompts always prefill eagerly.
+    compile_prefill: bool = False
     # Run each layer's q/k/v projections as one GEMM, and its gate/up projections as one
     # (_fused_projections.py): 3 GEMMs fewer per layer and decode step. Parameter names and
     # shapes are unchanged (weight syncs are not affected); GEMM rounding may differ.
@@ -112,6 +119,10 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.compile_decode={self.compile_decode!r}: must be a bool or None "
                 "(None: compile on CUDA only)"
+            )
+        if not isinstance(self.compile_prefill, bool):
+            raise ValueError(
+                f"EngineConfig.compile_prefill={self.compile_prefill!r}: must be a bool"
             )
         if self.decode_attention not in ("auto", "sdpa", "triton", "matmul"):
             raise ValueError(
