@@ -158,6 +158,36 @@ def test_compiled_triton_decode_matches_the_eager_sdpa_path(tiny_model_dir):
         )
 
 
+def test_compiled_prefill_matches_the_eager_prefill_on_cuda(tiny_model_dir):
+    # Prompts of 1-40 tokens through 4 slots: prefill chunks of several row counts, padded
+    # lengths and kept columns through the one dynamic compile, on the default decode path.
+    requests = [Request(prompt_ids=[5 + (i * j) % 90 for j in range(1 + 7 * i)]) for i in range(6)]
+    calls = [
+        SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=30, seed=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_new_tokens=20),
+    ]
+    outputs = {}
+    for name, compile_prefill in (("eager-prefill", False), ("compiled-prefill", True)):
+        config = EngineConfig(
+            device="cuda",
+            max_batch_size=4,
+            max_seq_len=256,
+            region_prefix=name,
+            compile_prefill=compile_prefill,
+        )
+        engine = BuiltinEngine(tiny_model_dir, config=config)
+        outputs[name] = [c for sampling in calls for c in engine.generate(requests, sampling)]
+        if compile_prefill:
+            assert engine._runner._compiled_prefill is not None, "compiling fell back to eager"
+        engine.close()
+    old, new = outputs["eager-prefill"], outputs["compiled-prefill"]
+    assert [c.response_ids for c in new] == [c.response_ids for c in old]
+    for a, b in zip(new, old, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
+        )
+
+
 def test_memory_fraction_resizes_the_kv_cache_on_cuda(tiny_model_dir):
     # Sized from the GPU's total memory: the fraction that holds the weights and 2 slots.
     config = EngineConfig(device="cuda", max_batch_size=8, max_seq_len=256, region_prefix="frac")
