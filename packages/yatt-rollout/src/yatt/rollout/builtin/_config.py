@@ -35,9 +35,11 @@ class EngineConfig:
     # Compile the text prefill forward (inductor, dynamic in batch, prompt length and kept
     # logits), so RMSNorm, rotary, SwiGLU and the KV write fuse as in the compiled decode step;
     # eager prefill ran at 0.56x SGLang's on 1,024-token judge prompts (bench/results/
-    # engines_nvidia_h200.md). Off by default until its CUDA suite and throughput have run on a
-    # GPU; the first prefill of each new specialisation pays a compile, and a failed compile is
-    # logged once and prefill stays eager. Image prompts always prefill eagerly.
+    # engines_nvidia_h200.md). Off by default: on an H200 the elementwise work fused, but SDPA
+    # fell from flash to the memory-efficient kernel under the dynamic compile, 0.96x eager in
+    # all (bench/results/prefill_profile_nvidia_h200.md). The first prefill of each new
+    # specialisation pays a compile; a failed compile is logged once and prefill stays eager.
+    # Image prompts always prefill eagerly.
     compile_prefill: bool = False
     # Run each layer's q/k/v projections as one GEMM, and its gate/up projections as one
     # (_fused_projections.py): 3 GEMMs fewer per layer and decode step. Parameter names and
