@@ -444,8 +444,15 @@ def test_compiled_decode_step_gives_the_same_samples(tiny_model_dir, eager_sdpa_
     assert counters["stats"]["unique_graphs"] == 2
 
 
-def test_decode_step_falls_back_to_eager_when_compiling_fails(
-    tiny_model_dir, eager_sdpa_samples, monkeypatch, caplog
+@pytest.mark.parametrize(
+    ("field", "attribute", "message"),
+    [
+        ("compile_decode", "_compiled_step", "decoding eagerly"),
+        ("compile_prefill", "_compiled_prefill", "prefilling eagerly"),
+    ],
+)
+def test_falls_back_to_eager_when_compiling_fails(
+    tiny_model_dir, eager_sdpa_samples, monkeypatch, caplog, field, attribute, message
 ):
     import yatt.rollout.builtin._batcher as batcher
 
@@ -457,12 +464,13 @@ def test_decode_step_falls_back_to_eager_when_compiling_fails(
 
     monkeypatch.setattr(batcher.torch, "compile", broken_compile)
     with caplog.at_level("WARNING", logger=batcher.__name__):
-        engine, samples = _generate_both(tiny_model_dir, "fallback", compile_decode=True)
-    assert engine._runner._compiled_step is None
+        engine, samples = _generate_both(tiny_model_dir, f"fallback-{field}", **{field: True})
+    assert getattr(engine._runner, attribute) is None
     engine.close()
     _assert_same_samples(samples, eager_sdpa_samples, atol=0.0)
-    warnings = [r for r in caplog.records if "decoding eagerly" in r.getMessage()]
+    warnings = [r for r in caplog.records if message in r.getMessage()]
     assert len(warnings) == 1, "the fallback is logged once"
+    assert f"EngineConfig.{field}=False" in warnings[0].getMessage()
 
 
 def test_compiled_prefill_gives_the_same_samples(tiny_model_dir, eager_sdpa_samples):
@@ -477,27 +485,6 @@ def test_compiled_prefill_gives_the_same_samples(tiny_model_dir, eager_sdpa_samp
     _assert_same_samples(samples, eager_sdpa_samples, atol=1e-5)
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] >= 1, "the compiled prefill never ran"
-
-
-def test_prefill_falls_back_to_eager_when_compiling_fails(
-    tiny_model_dir, eager_sdpa_samples, monkeypatch, caplog
-):
-    import yatt.rollout.builtin._batcher as batcher
-
-    def broken_compile(fn, **kwargs):
-        def compiled(*args):
-            raise RuntimeError("inductor: no C++ compiler (planted)")
-
-        return compiled
-
-    monkeypatch.setattr(batcher.torch, "compile", broken_compile)
-    with caplog.at_level("WARNING", logger=batcher.__name__):
-        engine, samples = _generate_both(tiny_model_dir, "fallback-prefill", compile_prefill=True)
-    assert engine._runner._compiled_prefill is None
-    engine.close()
-    _assert_same_samples(samples, eager_sdpa_samples, atol=0.0)
-    warnings = [r for r in caplog.records if "prefilling eagerly" in r.getMessage()]
-    assert len(warnings) == 1, "the fallback is logged once"
 
 
 def test_prefill_attention_never_runs_on_cudnn(tiny_model_dir, monkeypatch):

@@ -122,6 +122,18 @@ class Flags:
         return (self.is_greedy, self.is_truncated)
 
 
+def _log_compile_fallback(what: str, doing: str, field: str, exc: Exception) -> None:
+    logger.warning(
+        "compiling %s failed (%s: %s); %s eagerly from now on (EngineConfig.%s=False skips the "
+        "attempt)",
+        what,
+        type(exc).__name__,
+        str(exc).splitlines()[0] if str(exc) else "",
+        doing,
+        field,
+    )
+
+
 class SlotRunner:
     """Owns the per-slot state and the device steps over it (a SlotLoop drives it)."""
 
@@ -232,12 +244,7 @@ class SlotRunner:
                     raise  # a broken capture: _capture reports it
                 # Compiling happens before the step runs, so the state is untouched: redo the
                 # step eagerly, and stay eager from now on.
-                logger.warning(
-                    "compiling the decode step failed (%s: %s); decoding eagerly from now on "
-                    "(EngineConfig.compile_decode=False skips the attempt)",
-                    type(exc).__name__,
-                    str(exc).splitlines()[0] if str(exc) else "",
-                )
+                _log_compile_fallback("the decode step", "decoding", "compile_decode", exc)
                 self._compiled_step = None
         self._decode_step_body(arange_P, slot_B, flags.is_greedy, flags.is_truncated)
 
@@ -388,12 +395,7 @@ class SlotRunner:
             except Exception as exc:
                 # Compiling happens before the forward runs, and an eager prefill rewrites
                 # every KV row it fills: redo it eagerly, and stay eager from now on.
-                logger.warning(
-                    "compiling the prefill failed (%s: %s); prefilling eagerly from now on "
-                    "(EngineConfig.compile_prefill=False skips the attempt)",
-                    type(exc).__name__,
-                    str(exc).splitlines()[0] if str(exc) else "",
-                )
+                _log_compile_fallback("the prefill", "prefilling", "compile_prefill", exc)
                 self._compiled_prefill = None
         if logits_BKV is None:
             with writing_kv(write):
