@@ -487,6 +487,54 @@ def test_compiled_prefill_gives_the_same_samples(tiny_model_dir, eager_sdpa_samp
     assert counters["stats"]["unique_graphs"] >= 1, "the compiled prefill never ran"
 
 
+def test_compiled_prefill_traces_the_opaque_causal_attention(tiny_model_dir, monkeypatch):
+    # Traced, HF passes its causal mask and SDPA left flash on an H200 (prefill_profile_*.md):
+    # the compiled prefill must keep attention as the opaque op, one per layer.
+    import yatt.rollout.builtin._batcher as batcher
+
+    real_compile = torch.compile
+    seen = []
+
+    def recording_backend(gm, example_inputs):
+        seen.extend(str(node.target) for node in gm.graph.nodes)
+        return gm.forward
+
+    def compile_recording(fn, **kwargs):
+        return real_compile(fn, backend=recording_backend, **kwargs)
+
+    monkeypatch.setattr(batcher.torch, "compile", compile_recording)
+    config = EngineConfig(
+        max_batch_size=2, max_seq_len=64, region_prefix="opaque", compile_prefill=True
+    )
+    engine = BuiltinEngine(tiny_model_dir, config=config)
+    engine.generate(_requests(PROMPTS[:2]), SamplingParams(temperature=0, max_new_tokens=2))
+    num_layers = len(engine._runner.cache.keys)
+    engine.close()
+    calls = [t for t in seen if "causal_prefill_attention" in t]
+    assert calls and len(calls) % num_layers == 0, (len(calls), num_layers)
+    assert not [t for t in seen if "scaled_dot_product" in t], "SDPA traced into the graph"
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2)])
+def test_causal_prefill_attention_is_causal_softmax_attention(num_heads, num_kv_heads):
+    from yatt.rollout.builtin._static_kv import causal_prefill_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, T, D = 2, 7, 8
+    q = torch.randn(B, num_heads, T, D, generator=g)
+    k = torch.randn(B, num_kv_heads, T, D, generator=g)
+    v = torch.randn(B, num_kv_heads, T, D, generator=g)
+    out = causal_prefill_attention(q, k, v, 0.3)
+    # From the definition: head h reads key/value head h // (H_q / H_kv); position t sees <= t.
+    rep = num_heads // num_kv_heads
+    k_full, v_full = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = q @ k_full.transpose(-1, -2) * 0.3
+    scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+    expected = (scores.softmax(-1) @ v_full).transpose(1, 2)
+    assert out.shape == (B, T, num_heads, D)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_prefill_attention_never_runs_on_cudnn(tiny_model_dir, monkeypatch):
     """cuDNN's attention builds a graph per new shape (hundreds of ms), and prompt batches change
     shape from call to call (a judge's prompts hold the responses): prefill must not pick it.

@@ -381,7 +381,13 @@ class SlotRunner:
         for b, row in enumerate(rows):
             ids_BT[b, : len(row)] = torch.tensor(row)
         col_BT = torch.arange(T, device=device)[None, :].expand(len(rows), T)
-        write = PrefillWrite(cache=self.cache, slot_J=slot_J, row_J=row_J, source_col_BT=col_BT)
+        write = PrefillWrite(
+            cache=self.cache,
+            slot_J=slot_J,
+            row_J=row_J,
+            source_col_BT=col_BT,
+            is_causal_from_start=True,
+        )
         # Logits at each distinct last column only (not [B, T, V]), then each row's own.
         last_cols = sorted({n - 1 for n in lengths})
         keep_K = torch.tensor(last_cols, device=device)

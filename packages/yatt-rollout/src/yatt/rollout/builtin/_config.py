@@ -36,10 +36,11 @@ class EngineConfig:
     # logits), so RMSNorm, rotary, SwiGLU and the KV write fuse as in the compiled decode step;
     # eager prefill ran at 0.56x SGLang's on 1,024-token judge prompts (bench/results/
     # engines_nvidia_h200.md). Off by default: on an H200 the elementwise work fused, but SDPA
-    # fell from flash to the memory-efficient kernel under the dynamic compile, 0.96x eager in
-    # all (bench/results/prefill_profile_nvidia_h200.md). The first prefill of each new
-    # specialisation pays a compile; a failed compile is logged once and prefill stays eager.
-    # Image prompts always prefill eagerly.
+    # fell from flash to the memory-efficient kernel (traced, HF passes its causal mask), 0.96x
+    # eager in all (bench/results/prefill_profile_nvidia_h200.md). Attention now runs as an
+    # opaque causal op (_static_kv.causal_prefill_attention), not yet measured on a GPU. The
+    # first prefill of each new specialisation pays a compile; a failed compile is logged once
+    # and prefill stays eager. Image prompts always prefill eagerly.
     compile_prefill: bool = False
     # Run each layer's q/k/v projections as one GEMM, and its gate/up projections as one
     # (_fused_projections.py): 3 GEMMs fewer per layer and decode step. Parameter names and
