@@ -30,7 +30,10 @@ KERNEL_GROUPS = [  # first match wins; names of cuBLAS/cutlass/SDPA/ATen/Triton 
 ]
 
 
-def _kernel_table(prof, num_steps: int) -> dict:
+def _kernel_table(prof, num_steps: int, groups_by_name=None) -> dict:
+    """Kernel time per step by kind: the first of groups_by_name ([(kind, regex)]; default
+    KERNEL_GROUPS) whose regex matches a kernel's name, else "other"."""
+    rules = KERNEL_GROUPS if groups_by_name is None else groups_by_name
     kernels = [
         e
         for e in prof.key_averages()
@@ -39,7 +42,7 @@ def _kernel_table(prof, num_steps: int) -> dict:
     total_us = sum(e.self_device_time_total for e in kernels)
     groups: dict[str, float] = {}
     for e in kernels:
-        group = next((g for g, rx in KERNEL_GROUPS if rx.search(e.key)), "other")
+        group = next((g for g, rx in rules if rx.search(e.key)), "other")
         groups[group] = groups.get(group, 0.0) + e.self_device_time_total / num_steps / 1e3
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:12]
     return {

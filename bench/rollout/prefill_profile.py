@@ -57,13 +57,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))  # bench/step: _step_setup
-import _decode_profile
 from _decode_profile import KERNEL_GROUPS, _kernel_table
 from _engine_shapes import SHAPES
 from _step_setup import device_name
@@ -293,9 +291,7 @@ def profile_call(fn: Callable[[], object], device: str, *, print_table: bool = F
 def kernel_summary(prof) -> dict:
     """The kernels of a profile (one call) grouped by PREFILL_KERNEL_GROUPS, the top kernels
     ([name, count, ms]) and the host ops with the most self time ([name, count, ms])."""
-    # _kernel_table reads its module's KERNEL_GROUPS: lend it the prefill groups for this call.
-    with mock.patch.object(_decode_profile, "KERNEL_GROUPS", PREFILL_KERNEL_GROUPS):
-        table = _kernel_table(prof, num_steps=1)
+    table = _kernel_table(prof, num_steps=1, groups_by_name=PREFILL_KERNEL_GROUPS)
     host_ops = sorted(
         (e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU),
         key=lambda e: -e.self_cpu_time_total,
