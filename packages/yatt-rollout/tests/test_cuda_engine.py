@@ -126,6 +126,28 @@ def test_triton_decode_attention_matches_softmax_over_visible_positions(dtype, n
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=0)
 
 
+def _cuda_samples(tiny_model_dir, name, requests, calls, check=None, **overrides):
+    """Every call's completions on a fresh CUDA engine of `overrides`; check(engine) after."""
+    config = EngineConfig(
+        device="cuda", max_batch_size=4, max_seq_len=256, region_prefix=name, **overrides
+    )
+    engine = BuiltinEngine(tiny_model_dir, config=config)
+    samples = [c for sampling in calls for c in engine.generate(requests, sampling)]
+    if check is not None:
+        check(engine)
+    engine.close()
+    return samples
+
+
+def _assert_same_cuda_samples(new, old):
+    """Same tokens; logprobs equal to float32 noise."""
+    assert [c.response_ids for c in new] == [c.response_ids for c in old]
+    for a, b in zip(new, old, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
+        )
+
+
 def test_compiled_triton_decode_matches_the_eager_sdpa_path(tiny_model_dir):
     # The default CUDA path (compiled step, Triton decode attention) against the path before
     # it (eager step, SDPA) on the same seeds: same tokens, logprobs equal to float32 noise.
@@ -135,57 +157,36 @@ def test_compiled_triton_decode_matches_the_eager_sdpa_path(tiny_model_dir):
         SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=90, seed=3, ignore_eos=True),
         SamplingParams(temperature=0.0, max_new_tokens=40),
     ]
-    paths = {
-        "old": dict(compile_decode=False, decode_attention="sdpa"),
-        "new": dict(),  # the defaults on CUDA
-    }
-    outputs = {}
-    for name, overrides in paths.items():
-        config = EngineConfig(
-            device="cuda", max_batch_size=4, max_seq_len=256, region_prefix=name, **overrides
-        )
-        engine = BuiltinEngine(tiny_model_dir, config=config)
-        outputs[name] = [c for sampling in calls for c in engine.generate(requests, sampling)]
-        if name == "new":
-            assert config.should_compile_decode and config.decode_attention_kernel == "triton"
-            assert engine._runner._compiled_step is not None, "compiling fell back to eager"
-        engine.close()
-    old, new = outputs["old"], outputs["new"]
-    assert [c.response_ids for c in new] == [c.response_ids for c in old]
-    for a, b in zip(new, old, strict=True):
-        torch.testing.assert_close(
-            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
-        )
+
+    def check_new(engine):
+        config = engine.config
+        assert config.should_compile_decode and config.decode_attention_kernel == "triton"
+        assert engine._runner._compiled_step is not None, "compiling fell back to eager"
+
+    old = _cuda_samples(
+        tiny_model_dir, "old", requests, calls, compile_decode=False, decode_attention="sdpa"
+    )
+    new = _cuda_samples(tiny_model_dir, "new", requests, calls, check=check_new)  # the defaults
+    _assert_same_cuda_samples(new, old)
 
 
 def test_compiled_prefill_matches_the_eager_prefill_on_cuda(tiny_model_dir):
-    # Prompts of 1-40 tokens through 4 slots: prefill chunks of several row counts, padded
+    # Prompts of 1-36 tokens through 4 slots: prefill chunks of several row counts, padded
     # lengths and kept columns through the one dynamic compile, on the default decode path.
     requests = [Request(prompt_ids=[5 + (i * j) % 90 for j in range(1 + 7 * i)]) for i in range(6)]
     calls = [
         SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=30, seed=3, ignore_eos=True),
         SamplingParams(temperature=0.0, max_new_tokens=20),
     ]
-    outputs = {}
-    for name, compile_prefill in (("eager-prefill", False), ("compiled-prefill", True)):
-        config = EngineConfig(
-            device="cuda",
-            max_batch_size=4,
-            max_seq_len=256,
-            region_prefix=name,
-            compile_prefill=compile_prefill,
-        )
-        engine = BuiltinEngine(tiny_model_dir, config=config)
-        outputs[name] = [c for sampling in calls for c in engine.generate(requests, sampling)]
-        if compile_prefill:
-            assert engine._runner._compiled_prefill is not None, "compiling fell back to eager"
-        engine.close()
-    old, new = outputs["eager-prefill"], outputs["compiled-prefill"]
-    assert [c.response_ids for c in new] == [c.response_ids for c in old]
-    for a, b in zip(new, old, strict=True):
-        torch.testing.assert_close(
-            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
-        )
+
+    def check_compiled(engine):
+        assert engine._runner._compiled_prefill is not None, "compiling fell back to eager"
+
+    old = _cuda_samples(tiny_model_dir, "eager-prefill", requests, calls)
+    new = _cuda_samples(
+        tiny_model_dir, "compiled-prefill", requests, calls, check_compiled, compile_prefill=True
+    )
+    _assert_same_cuda_samples(new, old)
 
 
 def test_memory_fraction_resizes_the_kv_cache_on_cuda(tiny_model_dir):

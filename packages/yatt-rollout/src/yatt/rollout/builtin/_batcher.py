@@ -397,21 +397,14 @@ class SlotRunner:
         if self._compiled_prefill is not None:
             try:
                 with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-                    logits_BKV = self._compiled_prefill(ids_BT, col_BT, keep_K, write)
+                    logits_BKV = self._compiled_prefill(ids_BT, col_BT, keep_K, write, True)
             except Exception as exc:
                 # Compiling happens before the forward runs, and an eager prefill rewrites
                 # every KV row it fills: redo it eagerly, and stay eager from now on.
                 _log_compile_fallback("the prefill", "prefilling", "compile_prefill", exc)
                 self._compiled_prefill = None
         if logits_BKV is None:
-            with writing_kv(write):
-                logits_BKV = self.model(
-                    input_ids=ids_BT,
-                    attention_mask=None,
-                    position_ids=col_BT,
-                    use_cache=False,
-                    logits_to_keep=keep_K,
-                ).logits
+            logits_BKV = self._prefill_logits(ids_BT, col_BT, keep_K, write)
         return logits_BKV[torch.arange(len(rows), device=device), which_B]
 
     def _prefill_logits(
@@ -420,18 +413,22 @@ class SlotRunner:
         col_BT: torch.Tensor,
         keep_K: torch.Tensor,
         write: PrefillWrite,
+        as_kwarg: bool = False,
     ) -> torch.Tensor:
-        """The text prefill forward that `compile_prefill` compiles: logits [B, K, V] at the
-        columns keep_K. The write goes as a forward kwarg (torch.compile traces it, not the
-        ContextVar of writing_kv); the eager prefill keeps the ContextVar, as before."""
-        return self.model(
+        """The text prefill forward (what `compile_prefill` compiles): logits [B, K, V] at the
+        columns keep_K. Compiled, the write goes as a forward kwarg (torch.compile traces it,
+        not the ContextVar of writing_kv); eager keeps the ContextVar, as before."""
+        kwargs = dict(
             input_ids=ids_BT,
             attention_mask=None,
             position_ids=col_BT,
             use_cache=False,
             logits_to_keep=keep_K,
-            **{KV_WRITE_KWARG: write},
-        ).logits
+        )
+        if as_kwarg:
+            return self.model(**kwargs, **{KV_WRITE_KWARG: write}).logits
+        with writing_kv(write):
+            return self.model(**kwargs).logits
 
     def _prefill_left_padded(self, rows, lengths_B, slot_J, row_J, row_images):
         """Prompts with images, left-padded under an explicit mask (the vision prefill's mrope
