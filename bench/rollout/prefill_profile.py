@@ -7,14 +7,14 @@ judge-like load).
 
 On an H200 the engine table (bench/rollout/engines.py) measured the built-in engine's judge
 prefill (256 prompts of 1,024 random tokens, 1 new token each) at ~291k prompt tok/s for the
-Qwen2.5-0.5B shape, and SGLang 0.5.17 at ~523k. The engine prefills eagerly, in chunks of at
+Qwen2.5-0.5B shape, and SGLang 0.5.17 at ~523k. The engine prefills in chunks of at
 most EngineConfig.max_prefill_tokens padded tokens (16,384: 16 forwards of [16, 1024] here),
 each attention layer writing its keys/values into the static KV cache. On the same
 random-weight model (engines.py's save_model: a model that `engines.py --prepare 0.5b` saved
 under --model-root is reused), this measures:
 
 1. engine: the engine table's judge prefill through the public API (BuiltinEngine with the
-   table's EngineConfig, engines.py's `generate` in its adapter_seeded mode, fresh prompts
+   table's EngineConfig and an eager prefill, compile_prefill=False; engines.py's `generate` in its adapter_seeded mode, fresh prompts
    every call): 1 warm-up call, then --repeats timed calls; median prompt tok/s.
 2. engine["profile"]: one more such call under torch.profiler: device kernel time by kind (the groups of
    _decode_profile.KERNEL_GROUPS with prefill's own kinds ahead of the generic ones: the
@@ -34,7 +34,8 @@ under --model-root is reused), this measures:
 5. flops_per_token: from the config (see `flops_per_token`), so every timed row also reads
    as achieved TFLOP/s, as a share of the nominal bf16 dense peak, and against the GEMM bound.
 6. engine_compile_prefill (with --engine-compile-prefill, last): 1. and 2. again on an engine
-   with EngineConfig.compile_prefill=True (its warm-up call compiles the prefill forward).
+   with EngineConfig.compile_prefill=True, the CUDA default (its warm-up call compiles the
+   prefill forward).
 
 --tiny: a 2-layer Qwen2-shaped model (yatt.testing.make_tiny_causal_lm) on the CPU, 4 prompts of
 32 tokens in chunks of 2 rows; the CUDA-only variants are recorded as skipped with the reason.
@@ -72,7 +73,7 @@ MODE = "adapter_seeded"  # engines.py's only built-in mode: yatt's API, every sa
 VARIANTS = ("eager", "flash", "cudnn", "compiled")
 # The engines timed (result key -> EngineConfig fields beyond the table's, report label).
 ENGINES = {
-    "engine": ({}, "engine (generate)"),
+    "engine": ({"compile_prefill": False}, "engine (generate)"),
     "engine_compile_prefill": ({"compile_prefill": True}, "engine, compile_prefill"),
 }
 DEFAULTS = {"batch": 256, "prompt_tokens": 1024, "max_seq_len": 1152, "max_prefill_tokens": 16384}

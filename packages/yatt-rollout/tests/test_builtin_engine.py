@@ -510,21 +510,27 @@ def test_compiled_prefill_traces_the_opaque_causal_attention(tiny_model_dir, mon
     engine.generate(_requests(PROMPTS[:2]), SamplingParams(temperature=0, max_new_tokens=2))
     num_layers = len(engine._runner.cache.keys)
     engine.close()
-    calls = [t for t in seen if "causal_prefill_attention" in t]
+    calls = [t for t in seen if "prefill_kv_attention" in t]
     assert calls and len(calls) % num_layers == 0, (len(calls), num_layers)
     assert not [t for t in seen if "scaled_dot_product" in t], "SDPA traced into the graph"
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2)])
-def test_causal_prefill_attention_is_causal_softmax_attention(num_heads, num_kv_heads):
-    from yatt.rollout.builtin._static_kv import causal_prefill_attention
+def test_prefill_kv_attention_writes_the_rows_and_is_causal_softmax_attention(
+    num_heads, num_kv_heads
+):
+    from yatt.rollout.builtin._static_kv import prefill_kv_attention
 
     g = torch.Generator().manual_seed(0)
-    B, T, D = 2, 7, 8
+    B, T, D, S, L = 2, 7, 8, 4, 12
     q = torch.randn(B, num_heads, T, D, generator=g)
     k = torch.randn(B, num_kv_heads, T, D, generator=g)
     v = torch.randn(B, num_kv_heads, T, D, generator=g)
-    out = causal_prefill_attention(q, k, v, 0.3)
+    k_cache = torch.full((S, num_kv_heads, L, D), 7.0)
+    v_cache = torch.full((S, num_kv_heads, L, D), 7.0)
+    # Three samples: row 1 into slots 3 and 0 (two samples of one prompt), row 0 into slot 2.
+    slot_J, row_J = torch.tensor([3, 0, 2]), torch.tensor([1, 1, 0])
+    out = prefill_kv_attention(q, k, v, k_cache, v_cache, slot_J, row_J, 0.3)
     # From the definition: head h reads key/value head h // (H_q / H_kv); position t sees <= t.
     rep = num_heads // num_kv_heads
     k_full, v_full = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -533,23 +539,38 @@ def test_causal_prefill_attention_is_causal_softmax_attention(num_heads, num_kv_
     expected = (scores.softmax(-1) @ v_full).transpose(1, 2)
     assert out.shape == (B, T, num_heads, D)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        for slot, row in ((3, 1), (0, 1), (2, 0)):
+            assert torch.equal(cache[slot, :, :T], new[row])
+        assert (cache[1] == 7.0).all(), "a slot no sample owns was written"
+        assert (cache[:, :, T:] == 7.0).all(), "positions past the prompt were written"
 
 
 def test_prefill_attention_never_runs_on_cudnn(tiny_model_dir, monkeypatch):
     """cuDNN's attention builds a graph per new shape (hundreds of ms), and prompt batches change
     shape from call to call (a judge's prompts hold the responses): prefill must not pick it.
-    The flags are read where the engine's attention hands a prefill to HF's SDPA forward."""
+    The flags are read at every prefill SDPA call (the engine's prefill op's and HF's)."""
     import yatt.rollout.builtin._static_kv as static_kv
 
     seen = []
-    forward = static_kv.sdpa_attention_forward
+    sdpa = static_kv.F.scaled_dot_product_attention
+    decode_attention = static_kv.decode_attention
+    in_decode = []
 
-    def spy(module, query, *args, **kwargs):
-        backends = torch.backends.cuda
-        seen.append((query.shape[-2], backends.cudnn_sdp_enabled()))
-        return forward(module, query, *args, **kwargs)
+    def spy(query, *args, **kwargs):
+        if not in_decode:  # decode's shapes are fixed per graph: cuDNN may serve it
+            seen.append((query.shape[-2], torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa(query, *args, **kwargs)
 
-    monkeypatch.setattr(static_kv, "sdpa_attention_forward", spy)
+    def decode_spy(*args, **kwargs):
+        in_decode.append(True)
+        try:
+            return decode_attention(*args, **kwargs)
+        finally:
+            in_decode.pop()
+
+    monkeypatch.setattr(static_kv.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(static_kv, "decode_attention", decode_spy)
     engine = BuiltinEngine(tiny_model_dir, config=EngineConfig(max_batch_size=4, max_seq_len=128))
     before = torch.backends.cuda.cudnn_sdp_enabled()
     engine.generate(_requests(), SamplingParams(max_new_tokens=3, ignore_eos=True, seed=0))

@@ -33,15 +33,15 @@ class EngineConfig:
     # once and decodes eagerly. None: on for CUDA, off for CPU.
     compile_decode: bool | None = None
     # Compile the text prefill forward (inductor, dynamic in batch, prompt length and kept
-    # logits), so RMSNorm, rotary, SwiGLU and the KV write fuse as in the compiled decode step;
-    # eager prefill ran at 0.56x SGLang's on 1,024-token judge prompts (bench/results/
-    # engines_nvidia_h200.md). Off by default: on an H200 the elementwise work fused, but SDPA
-    # fell from flash to the memory-efficient kernel (traced, HF passes its causal mask), 0.96x
-    # eager in all (bench/results/prefill_profile_nvidia_h200.md). Attention now runs as an
-    # opaque causal op (_static_kv.causal_prefill_attention), not yet measured on a GPU. The
-    # first prefill of each new specialisation pays a compile; a failed compile is logged once
-    # and prefill stays eager. Image prompts always prefill eagerly.
-    compile_prefill: bool = False
+    # logits), so RMSNorm, rotary, SwiGLU and the residual adds fuse as in the compiled decode
+    # step; each layer's KV write and causal attention stay one opaque op
+    # (_static_kv.prefill_kv_attention), so attention keeps SDPA's flash kernel. Eager prefill
+    # ran at 0.56x SGLang's on 1,024-token judge prompts (bench/results/engines_nvidia_h200.md);
+    # bench/results/prefill_profile_nvidia_h200.md has eager against compiled. The first
+    # prefill of each new specialisation pays a compile (tens of seconds); a failed compile is
+    # logged once and prefill stays eager. Image prompts always prefill eagerly. None: on for
+    # CUDA, off for CPU.
+    compile_prefill: bool | None = None
     # Run each layer's q/k/v projections as one GEMM, and its gate/up projections as one
     # (_fused_projections.py): 3 GEMMs fewer per layer and decode step. Parameter names and
     # shapes are unchanged (weight syncs are not affected); GEMM rounding may differ.
@@ -123,9 +123,10 @@ class EngineConfig:
                 f"EngineConfig.compile_decode={self.compile_decode!r}: must be a bool or None "
                 "(None: compile on CUDA only)"
             )
-        if not isinstance(self.compile_prefill, bool):
+        if self.compile_prefill is not None and not isinstance(self.compile_prefill, bool):
             raise ValueError(
-                f"EngineConfig.compile_prefill={self.compile_prefill!r}: must be a bool"
+                f"EngineConfig.compile_prefill={self.compile_prefill!r}: must be a bool or None "
+                "(None: compile on CUDA only)"
             )
         if self.decode_attention not in ("auto", "sdpa", "triton", "matmul"):
             raise ValueError(
@@ -156,6 +157,12 @@ class EngineConfig:
         if self.compile_decode is None:
             return torch.device(self.device).type == "cuda"
         return self.compile_decode
+
+    @property
+    def should_compile_prefill(self) -> bool:
+        if self.compile_prefill is None:
+            return torch.device(self.device).type == "cuda"
+        return self.compile_prefill
 
     @property
     def decode_attention_kernel(self) -> str:

@@ -520,7 +520,7 @@ class BuiltinEngine:
                 use_cuda_graph=self.config.use_cuda_graph,
                 steps_per_sync=self.config.steps_per_sync,
                 compile_decode=self.config.should_compile_decode,
-                compile_prefill=self.config.compile_prefill,
+                compile_prefill=self.config.should_compile_prefill,
                 decode_attention=self.config.decode_attention_kernel,
                 max_prefill_tokens=self.config.max_prefill_tokens,
                 stream=self._dev.stream,

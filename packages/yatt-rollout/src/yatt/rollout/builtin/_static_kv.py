@@ -203,9 +203,10 @@ class PrefillWrite:
     slot_J: torch.Tensor  # int64 [J] destination slots
     row_J: torch.Tensor  # int64 [J] source row of each slot
     source_col_BT: torch.Tensor  # int64 [B, T] column of the padded input for each position
-    # Right-padded rows that all start at column 0, prefilled without a mask: causal attention
-    # alone is exact. A traced forward may still get HF's causal mask (it skips building one
-    # only when not compiling), which moves SDPA off flash; this says the mask can be dropped.
+    # Right-padded rows that all start at column 0 (source_col_BT is the identity): causal
+    # attention alone is exact, and the write and attention run as one opaque op
+    # (write_and_attend). A traced forward still gets HF's causal mask (it skips building one
+    # only when not compiling), which moved SDPA off flash; the op drops it.
     is_causal_from_start: bool = False
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
@@ -215,6 +216,22 @@ class PrefillWrite:
         for buffer, new in ((self.cache.keys[layer], key), (self.cache.values[layer], value)):
             buffer[self.slot_J, :, :num_tokens] = new[self.row_J].gather(2, cols)
         return key, value
+
+    def write_and_attend(self, layer, query, key, value, scaling) -> torch.Tensor:
+        """is_causal_from_start: the layer's KV write and causal attention as one custom op,
+        opaque to torch.compile (which would otherwise functionalize the write into a copy of
+        the layer's cache, and run SDPA under HF's mask). Returns [B, T, H_q, D]."""
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return torch.ops.yatt_rollout.prefill_kv_attention(
+            query,
+            key,
+            value,
+            self.cache.keys[layer],
+            self.cache.values[layer],
+            self.slot_J,
+            self.row_J,
+            float(scale),
+        )
 
 
 _ACTIVE_WRITE: ContextVar[DecodeWrite | PrefillWrite | None] = ContextVar(
@@ -317,18 +334,32 @@ def _prefill_attention(module, query, key, value, attention_mask, **kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-@torch.library.custom_op("yatt_rollout::causal_prefill_attention", mutates_args=())
-def causal_prefill_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+@torch.library.custom_op(
+    "yatt_rollout::prefill_kv_attention", mutates_args=("key_cache", "value_cache")
+)
+def prefill_kv_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_J: torch.Tensor,
+    row_J: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
-    """Causal SDPA of a prefill from position 0 (query, key, value [B, H, T, D]; key/value may
-    have fewer heads: grouped-query attention), on PREFILL_SDPA_BACKENDS. Returns [B, T, H_q, D].
+    """A prefill from position 0: write row row_J[j]'s keys/values into cache slot slot_J[j]
+    (positions [0, T)), then causal SDPA over the new tokens on PREFILL_SDPA_BACKENDS.
 
-    What a compiled text prefill runs (PrefillWrite.is_causal_from_start): traced, HF hands the
-    attention its causal mask (it drops the mask for `is_causal` only outside tracing), and with
-    a mask SDPA ran the memory-efficient kernel instead of flash (16.6 vs 3.6 ms a chunk of
-    16 x 1,024 tokens on an H200, bench/results/prefill_profile_nvidia_h200.md). An opaque op,
-    so inductor neither decomposes it nor picks another kernel."""
+    query [B, H_q, T, D]; key/value [B, H_kv, T, D] (grouped-query attention when H_kv < H_q);
+    caches [S, H_kv, L, D]. Returns [B, T, H_q, D], the layout HF's attention functions return.
+    What a right-padded text prefill runs, eager or compiled (PrefillWrite.is_causal_from_start).
+    Opaque, so inductor neither copies the whole cache to functionalize the write nor runs SDPA
+    under the causal mask a traced HF forward passes, which moved it from flash to the
+    memory-efficient kernel (16.6 vs 3.6 ms a chunk of 16 x 1,024 tokens on an H200,
+    bench/results/prefill_profile_nvidia_h200.md)."""
+    num_tokens = key.shape[2]
+    key_cache[:, :, :num_tokens].index_copy_(0, slot_J, key.index_select(0, row_J))
+    value_cache[:, :, :num_tokens].index_copy_(0, slot_J, value.index_select(0, row_J))
     with sdpa_kernel(list(PREFILL_SDPA_BACKENDS)):
         out = F.scaled_dot_product_attention(
             query,
@@ -341,8 +372,8 @@ def causal_prefill_attention(
     return out.transpose(1, 2).contiguous()
 
 
-@causal_prefill_attention.register_fake
-def _(query, key, value, scale):
+@prefill_kv_attention.register_fake
+def _(query, key, value, key_cache, value_cache, slot_J, row_J, scale):
     B, Hq, T, _ = query.shape
     return query.new_empty((B, T, Hq, value.shape[-1]))
 
@@ -364,11 +395,11 @@ def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
             module.layer_idx, query, key, value, attention_mask, kwargs.get("scaling")
         )
         return out, None
+    if write.is_causal_from_start and not kwargs.get("dropout"):
+        return write.write_and_attend(
+            module.layer_idx, query, key, value, kwargs.get("scaling")
+        ), None
     key, value = write.write(module.layer_idx, key, value)
-    if write.is_causal_from_start and torch.compiler.is_compiling() and not kwargs.get("dropout"):
-        scale = kwargs.get("scaling")
-        scale = query.shape[-1] ** -0.5 if scale is None else scale
-        return causal_prefill_attention(query, key, value, float(scale)), None
     return _prefill_attention(module, query, key, value, attention_mask, **kwargs)
 
 
