@@ -544,6 +544,14 @@ def test_prefill_kv_attention_writes_the_rows_and_is_causal_softmax_attention(
             assert torch.equal(cache[slot, :, :T], new[row])
         assert (cache[1] == 7.0).all(), "a slot no sample owns was written"
         assert (cache[:, :, T:] == 7.0).all(), "positions past the prompt were written"
+    # row_J None: row j into slot slot_J[j] (one sample per prompt), the same attention.
+    k_cache.fill_(7.0)
+    v_cache.fill_(7.0)
+    out = prefill_kv_attention(q, k, v, k_cache, v_cache, torch.tensor([2, 0]), None, 0.3)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        assert torch.equal(cache[2, :, :T], new[0]) and torch.equal(cache[0, :, :T], new[1])
+        assert (cache[[1, 3]] == 7.0).all() and (cache[:, :, T:] == 7.0).all()
 
 
 def test_prefill_attention_never_runs_on_cudnn(tiny_model_dir, monkeypatch):

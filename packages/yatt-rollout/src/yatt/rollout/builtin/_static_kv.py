@@ -208,6 +208,9 @@ class PrefillWrite:
     # (write_and_attend). A traced forward still gets HF's causal mask (it skips building one
     # only when not compiling), which moved SDPA off flash; the op drops it.
     is_causal_from_start: bool = False
+    # Row j fills slot slot_J[j] (one sample per prompt, as a judge's prompts are): the causal
+    # op writes the new keys/values without first gathering them by row_J.
+    is_one_sample_per_row: bool = False
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
         num_tokens = key.shape[2]
@@ -229,7 +232,7 @@ class PrefillWrite:
             self.cache.keys[layer],
             self.cache.values[layer],
             self.slot_J,
-            self.row_J,
+            None if self.is_one_sample_per_row else self.row_J,
             float(scale),
         )
 
@@ -344,11 +347,12 @@ def prefill_kv_attention(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_J: torch.Tensor,
-    row_J: torch.Tensor,
+    row_J: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     """A prefill from position 0: write row row_J[j]'s keys/values into cache slot slot_J[j]
-    (positions [0, T)), then causal SDPA over the new tokens on PREFILL_SDPA_BACKENDS.
+    (positions [0, T); row_J None: row j), then causal SDPA over the new tokens on
+    PREFILL_SDPA_BACKENDS.
 
     query [B, H_q, T, D]; key/value [B, H_kv, T, D] (grouped-query attention when H_kv < H_q);
     caches [S, H_kv, L, D]. Returns [B, T, H_q, D], the layout HF's attention functions return.
@@ -358,8 +362,8 @@ def prefill_kv_attention(
     memory-efficient kernel (16.6 vs 3.6 ms a chunk of 16 x 1,024 tokens on an H200,
     bench/results/prefill_profile_nvidia_h200.md)."""
     num_tokens = key.shape[2]
-    key_cache[:, :, :num_tokens].index_copy_(0, slot_J, key.index_select(0, row_J))
-    value_cache[:, :, :num_tokens].index_copy_(0, slot_J, value.index_select(0, row_J))
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        cache[:, :, :num_tokens].index_copy_(0, slot_J, new if row_J is None else new[row_J])
     with sdpa_kernel(list(PREFILL_SDPA_BACKENDS)):
         out = F.scaled_dot_product_attention(
             query,
