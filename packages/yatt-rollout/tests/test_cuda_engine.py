@@ -195,6 +195,7 @@ def test_prefill_never_waits_for_the_gpu(tiny_model_dir, monkeypatch, compile_pr
     # then idles while the host builds the next chunk (13% of a judge-like prefill on an
     # H200). Prompts of 2-29 tokens in chunks of at most 64 padded tokens, 2 samples each
     # (then 1: the one-sample-per-row write); label logprobs and a stop token on the path.
+    import traceback
     import warnings
 
     config = EngineConfig(
@@ -216,22 +217,27 @@ def test_prefill_never_waits_for_the_gpu(tiny_model_dir, monkeypatch, compile_pr
     runner = engine._runner
     prefill, chunks, syncs = runner.prefill, [], []
 
+    def record(message, category, filename, lineno, *rest):
+        if "synchroniz" in str(message):  # the Python stack that reached the sync, innermost last
+            syncs.append("".join(traceback.format_stack(limit=8)[:-1]))
+
     def prefill_that_records_syncs(*args, **kwargs):
         chunks.append(len(args[0]))
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings():
                 warnings.simplefilter("always")
-                out = prefill(*args, **kwargs)
+                warnings.showwarning = record
+                return prefill(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        syncs.extend(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
-        return out
 
     monkeypatch.setattr(runner, "prefill", prefill_that_records_syncs)
     completions = [c for sampling in calls for c in engine.generate(requests, sampling)]
     engine.close()
-    assert not syncs, f"a prefill synchronised with the GPU at {sorted(set(syncs))}"
+    assert not syncs, f"a prefill synchronised with the GPU {len(syncs)} times:\n" + "\n".join(
+        sorted(set(syncs))
+    )
     assert len(chunks) >= 4, "prompts this long fill several chunks"
     assert sum(chunks) == 12 and len(completions) == 12
     assert all(len(c.label_logprobs) == 2 for c in completions)
