@@ -369,7 +369,9 @@ class SlotRunner:
         limit_J = torch.minimum(L - prompt_len_J, max_new_J)
         self.response_SL[slot_J, 0] = token_J
         self.logprob_SL[slot_J, 0] = logprob_J
-        self.gen_len_S[slot_J] = 1
+        # index_fill_, not `[slot_J] = 1`: a Python scalar assigned through a CUDA index is
+        # copied from the host and waits for the stream (once per chunk, a CUDA test found).
+        self.gen_len_S.index_fill_(0, slot_J, 1)
         self.pos_S[slot_J] = prompt_len_J
         self.rope_delta_S[slot_J] = delta_B[row_J]
         self.input_tok_S[slot_J] = token_J
@@ -396,6 +398,10 @@ class SlotRunner:
         T = max(lengths)
         ids_BT = to_device([[*row, *[0] * (T - len(row))] for row in rows], device)
         col_BT = torch.arange(T, device=device)[None, :].expand(len(rows), T)
+        # Positions are 0..T-1, what HF uses when given none. Given them without a mask, HF
+        # checks them for packed sequences (a host sync a chunk, eager); a vision model's mrope
+        # positions are its own, so it keeps them.
+        positions_BT = col_BT if self.vision is not None else None
         write = PrefillWrite(
             cache=self.cache,
             slot_J=slot_J,
@@ -412,20 +418,20 @@ class SlotRunner:
         if self._compiled_prefill is not None:
             try:
                 with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-                    logits_BKV = self._compiled_prefill(ids_BT, col_BT, keep_K, write, True)
+                    logits_BKV = self._compiled_prefill(ids_BT, positions_BT, keep_K, write, True)
             except Exception as exc:
                 # Compiling happens before the forward runs, and an eager prefill rewrites
                 # every KV row it fills: redo it eagerly, and stay eager from now on.
                 _log_compile_fallback("the prefill", "prefilling", "compile_prefill", exc)
                 self._compiled_prefill = None
         if logits_BKV is None:
-            logits_BKV = self._prefill_logits(ids_BT, col_BT, keep_K, write)
+            logits_BKV = self._prefill_logits(ids_BT, positions_BT, keep_K, write)
         return logits_BKV[torch.arange(len(rows), device=device), which_B]
 
     def _prefill_logits(
         self,
         ids_BT: torch.Tensor,
-        col_BT: torch.Tensor,
+        positions_BT: torch.Tensor | None,
         keep_K: torch.Tensor,
         write: PrefillWrite,
         as_kwarg: bool = False,
@@ -436,7 +442,7 @@ class SlotRunner:
         kwargs = dict(
             input_ids=ids_BT,
             attention_mask=None,
-            position_ids=col_BT,
+            position_ids=positions_BT,
             use_cache=False,
             logits_to_keep=keep_K,
         )
@@ -630,4 +636,4 @@ class SlotRunner:
         if slots is None:
             self.active_S.zero_()
         elif slots:
-            self.active_S[to_device(slots, self.device)] = False
+            self.active_S.index_fill_(0, to_device(slots, self.device), False)
