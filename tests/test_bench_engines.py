@@ -382,6 +382,22 @@ def test_report_columns_follow_the_batches_run():
     assert "decode 32 tok/s | decode 256 tok/s" in header
 
 
+def test_batches_none_runs_the_judge_like_load_alone(monkeypatch):
+    args = engines.parse_args(["--run", "builtin:0.5b", "--batches", "none", "--out", "x.json"])
+    assert args.batches == []
+    calls = []
+    monkeypatch.setattr(
+        engines, "timed", lambda run, e, mode, b, p, n, seed: calls.append((b, p, n)) or 1.0
+    )
+    out = engines.measure_mode(args.run_spec, None, "adapter_seeded", args)
+    assert out["decode"] == {} and set(out["judge"]) == {"prefill", "total"}
+    assert {(b, p) for b, p, _ in calls} == {(256, 1024)}, "no decode call ran"
+    results = session()[:2]
+    for r in results:
+        r["workload"]["decode"]["batches"] = []
+    assert engines.columns_of(results) == ("judge prefill", "judge total")
+
+
 def test_resolved_settings_read_back_what_vllm_settled_on(monkeypatch):
     ns = types.SimpleNamespace
     config = ns(

@@ -111,6 +111,8 @@ def parse_run(spec: str) -> RunSpec:
 
 
 def parse_csv_ints(text: str) -> list[int]:
+    if text.strip() == "none":  # --batches none: the judge-like load alone
+        return []
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -521,7 +523,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", help="ENGINE:SHAPE[:GROUP], e.g. vllm:0.5b:native")
     parser.add_argument("--prepare", help="shapes to save once, e.g. 0.5b,1.5b,7b")
-    parser.add_argument("--batches", type=parse_csv_ints, default=[64, 256])
+    parser.add_argument(
+        "--batches",
+        type=parse_csv_ints,
+        default=[64, 256],
+        help="decode batch sizes, e.g. 64,256; 'none': the judge-like load alone",
+    )
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--judge-batch", type=int, default=256)
     parser.add_argument("--judge-prompt", type=int, default=1024)

@@ -70,7 +70,8 @@ for step in "$@"; do
       # shapes of BENCH_FULL_SHAPES (0.5b: the host-bound one, where an adapter's cost shows
       # most), the bars' rows on the rest of BENCH_SHAPES (0.5b,1.5b; add 7b for ~+7 min).
       # BENCH_RUNS (comma-separated ENGINE:SHAPE[:GROUP]) replaces the list, e.g.
-      #   BENCH_RUNS=builtin:0.5b,sglang:0.5b:unseeded;  BENCH_REPEATS: timed calls (3).
+      #   BENCH_RUNS=builtin:0.5b,sglang:0.5b:unseeded;  BENCH_REPEATS: timed calls (3);
+      #   BENCH_BATCHES: decode batches (64,256; "none": the judge-like load alone).
       # JSON kept in BENCH_DIR (default $OUT): a later report merges every run's file.
       dir=${BENCH_DIR:-$OUT}; mkdir -p "$dir"
       export YATT_COMMIT=${YATT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -87,7 +88,7 @@ for step in "$@"; do
         tag=${run//:/_}; site=$(site_of "${run%%:*}")
         run_step "bench_$tag" env PYTHONPATH="${site:+$site:}$PYTHONPATH" \
           python3 bench/rollout/engines.py --run "$run" --repeats "${BENCH_REPEATS:-3}" \
-          --out "$dir/engines_table_$tag.json"
+          --batches "${BENCH_BATCHES:-64,256}" --out "$dir/engines_table_$tag.json"
       done
       python3 bench/rollout/engines.py --report "$dir"/engines_table_*.json --md "$OUT/engines.md"
       [ "$dir" = "$OUT" ] || cp "$dir"/engines_table_*.json "$OUT/" ;;

@@ -235,6 +235,11 @@ def test_prefill_never_waits_for_the_gpu(tiny_model_dir, monkeypatch, compile_pr
     monkeypatch.setattr(runner, "prefill", prefill_that_records_syncs)
     completions = [c for sampling in calls for c in engine.generate(requests, sampling)]
     engine.close()
+    if not compile_prefill:
+        # Eager, transformers' forward checks the positions it builds for packed sequences
+        # (masking_utils.find_packed_sequence_indices, a .all() on the GPU) once a chunk; the
+        # compiled prefill (the CUDA default) traces past it. Any other sync is ours.
+        syncs = [stack for stack in syncs if "find_packed_sequence_indices" not in stack]
     assert not syncs, f"a prefill synchronised with the GPU {len(syncs)} times:\n" + "\n".join(
         sorted(set(syncs))
     )
