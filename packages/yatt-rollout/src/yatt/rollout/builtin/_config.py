@@ -36,8 +36,9 @@ class EngineConfig:
     # logits), so RMSNorm, rotary, SwiGLU and the residual adds fuse as in the compiled decode
     # step; each layer's KV write and causal attention stay one opaque op
     # (_static_kv.prefill_kv_attention), so attention keeps SDPA's flash kernel. Eager prefill
-    # ran at 0.56x SGLang's on 1,024-token judge prompts (bench/results/engines_nvidia_h200.md);
-    # bench/results/prefill_profile_nvidia_h200.md has eager against compiled. The first
+    # ran at 0.56x SGLang's on 1,024-token judge prompts; compiled, 1.03x at the 0.5B shape and
+    # 0.96x at 1.5B (bench/results/engines_prefill_nvidia_h200.md; the profiles,
+    # prefill_profile_*nvidia_h200.md, have eager against compiled: 1.71x and 1.46x). The first
     # prefill of each new specialisation pays a compile (tens of seconds); a failed compile is
     # logged once and prefill stays eager. Image prompts always prefill eagerly. None: on for
     # CUDA, off for CPU.
