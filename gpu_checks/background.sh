@@ -19,7 +19,9 @@ case $action in
       echo "$name is still running (pid $(cat "$dir/pid"))"; exit 1
     fi
     rm -rf "$dir"; mkdir -p "$dir/out" "$dir/tree"
-    git rev-parse HEAD >"$dir/commit" 2>/dev/null || echo unknown >"$dir/commit"
+    # YATT_COMMIT first: the device machine's .git HEAD can be stale (session 16's jobs named
+    # the session's first commit); git's HEAD otherwise.
+    echo "${YATT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}" >"$dir/commit"
     tar -cf - --exclude=./.packs . | tar -xf - -C "$dir/tree"
     # setsid: the job outlives this call's shell; its rc file marks the end.
     (cd "$dir/tree" && OUT=$dir/out setsid nohup bash -c '"$@"; echo $? >"'"$dir"'/rc"' _ "$@" \

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,10 @@ import torch
 import torch.distributed as dist
 
 from yatt.balance.across_ranks import rebalance, restore
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+from measured_commit import measured_commit
+
 from yatt.core import Batch
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results
@@ -235,14 +238,6 @@ def to_markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def git_commit() -> str:
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=False
-    )
-    return out.stdout.strip() or "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4)
@@ -280,7 +275,7 @@ def main() -> None:
         row["times_s"] = res["times_s"]
         rows.append(row)
     meta = {
-        "commit": git_commit(),
+        "commit": measured_commit(),
         "ranks": args.ranks,
         "samples_per_rank": args.samples_per_rank,
         "repeats": args.repeats,

@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,6 +60,9 @@ from _controller_step import (
     summarize_launch,
 )
 from _controller_step import run_worker as run_step_worker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+from measured_commit import measured_commit
 
 IMAGE_SHAPE = (3, 448, 448)
 RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results
@@ -201,19 +203,6 @@ def _split_markdown(path: Path) -> tuple[str, str]:
     return text[:at].rstrip("\n") + "\n", "\n" + text[at:]
 
 
-def _commit() -> str:
-    """The commit measured, "+dirty" when the bench's own files differ from it."""
-    root = Path(__file__).resolve().parents[2]
-
-    def git(*cmd: str) -> str:
-        done = subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True)
-        return done.stdout.strip()
-
-    files = ["bench/controller/controller.py", "bench/controller/_controller_step.py"]
-    dirty = git("status", "--porcelain", "--", *files)
-    return (git("rev-parse", "--short", "HEAD") or "unknown") + ("+dirty" if dirty else "")
-
-
 def launch_step(mode: str, world: int, data: Path, model_dir: Path, args: argparse.Namespace):
     from yatt.testing import run_ranks
 
@@ -252,7 +241,10 @@ def run_full_step(args: argparse.Namespace) -> None:
             )
     results = []
     t0 = time.perf_counter()
-    commit = _commit()
+    # "+dirty" when the bench's own files differ from the commit.
+    commit = measured_commit(
+        ["bench/controller/controller.py", "bench/controller/_controller_step.py"]
+    )
     with tempfile.TemporaryDirectory() as root:
         model_dir = make_vlm(Path(root, "vlm"))
         rows = max(args.ranks) * args.prompts_per_rank * (args.warmup + args.steps)

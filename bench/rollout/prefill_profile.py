@@ -50,10 +50,8 @@ import dataclasses
 import gc
 import json
 import math
-import os
 import re
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -63,10 +61,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))  # bench/step: _step_setup
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 from _decode_profile import KERNEL_GROUPS, _kernel_table
 from _engine_shapes import SHAPES
 from _step_setup import device_name
 from engines import RunSpec, engine_version, generate, model_dir, random_prompts, save_model
+from measured_commit import measured_commit
 
 ROOT = Path(__file__).resolve().parents[2]
 MODE = "adapter_seeded"  # engines.py's only built-in mode: yatt's API, every sample seeded
@@ -241,23 +241,6 @@ def prompts(batch: int, length: int, seed: int, vocab: int) -> list[list[int]]:
 
 def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:2000]
-
-
-def commit() -> str:
-    if os.environ.get("YATT_COMMIT"):
-        return os.environ["YATT_COMMIT"]
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return done.stdout.strip() or "unknown"
 
 
 def free_memory(device: str) -> None:
@@ -695,7 +678,7 @@ def main(argv: list[str]) -> dict:
     result: dict = {
         "device": gpu,
         "command": "python3 bench/rollout/prefill_profile.py " + " ".join(argv),
-        "commit": commit(),
+        "commit": measured_commit(),
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,

@@ -22,9 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+from measured_commit import measured_commit
 
 BARS = {"yatt_vs_verl": 0.41, "yatt_vs_trl_vllm": 0.5}
 
@@ -261,21 +264,16 @@ def write_report(runs: list[dict[str, Any]], out_dir: Path, *, commit: str | Non
     return md
 
 
-def git_commit() -> str | None:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results-dir", required=True)
     p.add_argument("--out-dir", default="bench/results")
-    p.add_argument("--commit", default=None, help="yatt's commit (default: git rev-parse HEAD)")
+    p.add_argument(
+        "--commit", default=None, help="yatt's commit (default: $YATT_COMMIT, else HEAD)"
+    )
     args = p.parse_args(argv)
     runs = load_runs(Path(args.results_dir))
-    write_report(runs, Path(args.out_dir), commit=args.commit or git_commit())
+    write_report(runs, Path(args.out_dir), commit=args.commit or measured_commit())
 
 
 if __name__ == "__main__":
