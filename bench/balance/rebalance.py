@@ -40,11 +40,10 @@ import torch
 import torch.distributed as dist
 
 from yatt.balance.across_ranks import rebalance, restore
+from yatt.core import Batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 from measured_commit import measured_commit
-
-from yatt.core import Batch
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results
 MAX_LEN = 2048

@@ -14,8 +14,9 @@ random-weight model (engines.py's save_model: a model that `engines.py --prepare
 under --model-root is reused), this measures:
 
 1. engine: the engine table's judge prefill through the public API (BuiltinEngine with the
-   table's EngineConfig and an eager prefill, compile_prefill=False; engines.py's `generate` in its adapter_seeded mode, fresh prompts
-   every call): 1 warm-up call, then --repeats timed calls; median prompt tok/s.
+   table's EngineConfig and an eager prefill, compile_prefill=False; engines.py's `generate`
+   in its adapter_seeded mode, fresh prompts every call): 1 warm-up call, then --repeats timed
+   calls; median prompt tok/s.
 2. engine["profile"]: one more such call under torch.profiler: device kernel time by kind (the groups of
    _decode_profile.KERNEL_GROUPS with prefill's own kinds ahead of the generic ones: the
    pow/mean/rsqrt of eager RMSNorm, SiLU, the index/gather kernels of the KV write, mul/add,

@@ -345,10 +345,7 @@ class SlotRunner:
                 rows, lengths_B, slot_J, row_J, row_images
             )
         else:
-            is_one_sample_per_row = len(items) == len(rows)
-            logits_BV = self._prefill_right_padded(
-                rows, lengths, slot_J, row_J, is_one_sample_per_row
-            )
+            logits_BV = self._prefill_right_padded(rows, lengths, slot_J, row_J)
             delta_B = torch.zeros_like(lengths_B)
         logits_JV = logits_BV[row_J]
         self.key_S[slot_J] = to_device([it.key for it in items], device)
@@ -385,7 +382,6 @@ class SlotRunner:
         lengths: list[int],
         slot_J: torch.Tensor,
         row_J: torch.Tensor,
-        is_one_sample_per_row: bool,
     ) -> torch.Tensor:
         """Text prompts, right-padded: each row's last-token logits [B, V].
 
@@ -408,7 +404,8 @@ class SlotRunner:
             row_J=row_J,
             source_col_BT=col_BT,
             is_causal_from_start=True,
-            is_one_sample_per_row=is_one_sample_per_row,
+            # Each row once, in order (rows are the distinct prompts of the items, in order).
+            is_one_sample_per_row=len(slot_J) == len(rows),
         )
         # Logits at each distinct last column only (not [B, T, V]), then each row's own.
         last_cols = sorted({n - 1 for n in lengths})
