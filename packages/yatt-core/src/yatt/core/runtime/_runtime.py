@@ -13,6 +13,7 @@ library runs unchanged and tests cover the same code as multi-process runs.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import random
@@ -46,47 +47,68 @@ class Runtime:
     local_rank: int
     device: torch.device
     backend: str
-    mesh: DeviceMesh  # dims ("dp", "tp")
+    mesh: DeviceMesh | None  # dims ("dp", "tp"); None after shutdown()
     seed: int
     _owns_group: bool = field(default=False, repr=False)
 
     @property
+    def live_mesh(self) -> DeviceMesh:
+        """The mesh; a clear error once shutdown() has released it."""
+        if self.mesh is None:
+            raise RuntimeError("this Runtime was shut down: its process groups are destroyed")
+        return self.mesh
+
+    @property
     def dp_mesh(self) -> DeviceMesh:
-        return self.mesh["dp"]
+        return self.live_mesh["dp"]
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh.get_local_rank("dp")
+        return self.live_mesh.get_local_rank("dp")
 
     @property
     def dp_size(self) -> int:
-        return self.mesh.size(self.mesh.mesh_dim_names.index("dp"))
+        return self.live_mesh.size(self.live_mesh.mesh_dim_names.index("dp"))
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("dp")
+        return self.live_mesh.get_group("dp")
 
     @property
     def tp_rank(self) -> int:
-        return self.mesh.get_local_rank("tp")
+        return self.live_mesh.get_local_rank("tp")
 
     @property
     def tp_size(self) -> int:
-        return self.mesh.size(self.mesh.mesh_dim_names.index("tp"))
+        return self.live_mesh.size(self.live_mesh.mesh_dim_names.index("tp"))
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group("tp")
+        return self.live_mesh.get_group("tp")
 
     @property
     def is_rank_zero(self) -> bool:
         return self.rank == 0
 
     def shutdown(self) -> None:
-        """Destroy the process group this runtime created (idempotent)."""
-        if self._owns_group and dist.is_initialized():
+        """Destroy the process groups this runtime created, and their threads (idempotent).
+
+        destroy_process_group only unregisters the groups: the mesh's registry still holds
+        them (and DTensor's caches hold the mesh), so gloo's worker threads would live until
+        interpreter exit, where one that needs the GIL aborts a finished process with
+        "terminate called without an active exception". Emptying the registry and collecting
+        cyclic garbage (an FSDP2 module's hooks) stops them now, while the interpreter lives.
+        """
+        if not self._owns_group:
+            return
+        if dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+        registry = getattr(self.mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+        self.mesh = None
+        gc.collect()
 
     def __enter__(self) -> Runtime:
         return self
