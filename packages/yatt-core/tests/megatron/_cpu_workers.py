@@ -7,6 +7,7 @@ Each rank writes OUT_DIR/rank<r>.pt with what the test checks.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -164,15 +165,8 @@ def policy_vs_torch(model_dir: str) -> dict:
 
     # Chunks of a few hundred logits: every micro-batch runs several (collectives in each).
     head_logprobs.CHUNK_ELEMENTS = 2048
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(6):
-        n = int(torch.randint(10, 40, (1,), generator=gen))
-        mask = torch.zeros(n, dtype=torch.int64)
-        mask[n // 2 :] = 1
-        ids = torch.randint(5, 260, (n,), generator=gen)
-        rows.append({"input_ids": ids, "loss_mask": mask, "advantages": float(1 - 2 * (i % 2))})
-    batch = Batch.from_samples(rows, token_keys=("input_ids", "loss_mask"))
+    batch = _rl_batch()
+    first_row = batch.select([0]).to_samples()[0]
     loss_fn = PolicyLoss(entropy_coef=0.01)
     common = {
         "model_dir": model_dir,
@@ -187,6 +181,7 @@ def policy_vs_torch(model_dir: str) -> dict:
         )
         logprobs = policy.logprobs(batch)
         batch.tokens["old_logprobs"] = logprobs
+        batch.tokens["rollout_logprobs"] = rollout_logprobs_below(logprobs)
         # Logprobs and entropy in the output layer (the default) against the full logits.
         is_head = policy._is_head_logprobs
         by_path = {}
@@ -197,10 +192,10 @@ def policy_vs_torch(model_dir: str) -> dict:
                     batch.to(policy.device), needs_entropy=True, is_training=False
                 )
         policy._is_head_logprobs = is_head
-        losses = [policy.train_step(batch, loss_fn)["loss"] for _ in range(3)]
+        steps = [policy.train_step(batch, loss_fn) for _ in range(3)]
         # No loss tokens anywhere (DAPO dropped every group): a skipped step, weights untouched
         # (the comparison with TorchPolicy's three steps below would catch a change).
-        no_loss = {**rows[0], "loss_mask": torch.zeros_like(rows[0]["loss_mask"])}
+        no_loss = {**first_row, "loss_mask": torch.zeros_like(first_row["loss_mask"])}
         skipped = policy.train_step(
             Batch.from_samples([no_loss], token_keys=("input_ids", "loss_mask")), loss_fn
         )
@@ -218,7 +213,7 @@ def policy_vs_torch(model_dir: str) -> dict:
         reference = TorchPolicy(
             TorchPolicyConfig(**common, parallel="none", attn_implementation="eager"), None
         )
-        torch_losses = [reference.train_step(batch, loss_fn)["loss"] for _ in range(3)]
+        torch_steps = [reference.train_step(batch, loss_fn) for _ in range(3)]
         torch_weights = {n: p.detach().clone() for n, p in reference.module.named_parameters()}
         cost_lengths = [5, 40, 300]
         costs = (policy.estimate_costs(cost_lengths), reference.estimate_costs(cost_lengths))
@@ -227,7 +222,10 @@ def policy_vs_torch(model_dir: str) -> dict:
             reference.estimate_costs(batch.lengths.tolist()),
         )
     return {
-        "losses": losses,
+        "losses": [step["loss"] for step in steps],
+        "step_metrics": steps[0],
+        "batch_loss_tokens": float(batch["loss_mask"].sum()),
+        "torch_step_metrics": torch_steps[0],
         "is_head_logprobs": is_head,
         "head_path": by_path[True],
         "plain_path": by_path[False],
@@ -239,7 +237,7 @@ def policy_vs_torch(model_dir: str) -> dict:
         "param_bytes": sum(
             p.numel() * p.element_size() for c in policy.chunks for p in c.model.parameters()
         ),
-        "torch_losses": torch_losses,
+        "torch_losses": [step["loss"] for step in torch_steps],
         "weights": weights,
         "torch_weights": torch_weights,
         "state_restored": restored,
@@ -260,6 +258,16 @@ def _rl_batch(num_rows: int = 6, low: int = 10, high: int = 40):
         ids = torch.randint(5, 260, (n,), generator=gen)
         rows.append({"input_ids": ids, "loss_mask": mask, "advantages": float(1 - 2 * (i % 2))})
     return Batch.from_samples(rows, token_keys=("input_ids", "loss_mask"))
+
+
+def rollout_logprobs_below(logprobs: torch.Tensor) -> torch.Tensor:
+    """The engine's logprobs below the trainer's by log 1.5, 0.1 or 0 (by position): the
+    rollout weights exp(old - rollout) are 1.5, 1.105 or 1, all under the cap (2); every
+    scored span (5+ tokens) has a 1.5, so "is_weight_max" is 1.5."""
+    delta = torch.zeros_like(logprobs)
+    delta[:, 0::3] = math.log(1.5)
+    delta[:, 1::3] = 0.1
+    return logprobs - delta
 
 
 def _float32_config(model_dir: str, **sizes):
@@ -293,6 +301,7 @@ def _one_layout(model_dir: str, batch, **sizes) -> dict:
         policy = MegatronPolicy(config, rt)
         logprobs = policy.logprobs(batch)
         batch.tokens["old_logprobs"] = logprobs
+        batch.tokens["rollout_logprobs"] = rollout_logprobs_below(logprobs)
         grads = {}
         real_step = policy.step_optimizer
 
@@ -306,7 +315,7 @@ def _one_layout(model_dir: str, batch, **sizes) -> dict:
 
         policy.step_optimizer = step_and_record
         metrics = [policy.train_step(batch, loss_fn) for _ in range(2)]
-        del batch.tokens["old_logprobs"]
+        del batch.tokens["old_logprobs"], batch.tokens["rollout_logprobs"]
         weights = {k: v.clone() for k, v in policy.named_weights(bucket_bytes=3000)}
         state = {k: v.state_dict() for k, v in policy.state().items()}
         out = {

@@ -70,6 +70,19 @@ def test_policy_train_steps_and_weights_equal_torch_policy(megatron_cpu_results)
         for got, want in zip(p["head_path"], p["plain_path"], strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         assert p["losses"] == pytest.approx(p["torch_losses"], abs=1e-5)
+        # The rollout weights were set to 1.5, 1.105 or 1 a token: their max is 1.5 on every
+        # backend (a max over micro-batches and ranks, not a sum spread over the tokens).
+        megatron_metrics, torch_metrics = p["step_metrics"], p["torch_step_metrics"]
+        assert megatron_metrics["is_weight_max"] == pytest.approx(1.5, rel=1e-6)
+        assert torch_metrics["is_weight_max"] == pytest.approx(1.5, rel=1e-6)
+        assert set(megatron_metrics) == set(torch_metrics)
+        # One data-parallel rank (TP ranks share the batch), and a runtime-less TorchPolicy
+        # is one process: neither counts another process's tokens.
+        assert megatron_metrics["num_loss_tokens"] == p["batch_loss_tokens"]
+        assert torch_metrics["num_loss_tokens"] == p["batch_loss_tokens"]
+        for key, value in torch_metrics.items():
+            if key != "num_micro_batches":  # each backend packs its own micro-batches
+                assert megatron_metrics[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
         assert set(p["weights"]) == set(p["torch_weights"])
         for name, tensor in p["torch_weights"].items():
             # Adam scales every update to about lr (1e-3): where a gradient is at rounding level,

@@ -77,8 +77,11 @@ def test_pipeline_losses_gradients_and_step_equal_pp1(pipeline):
     for stage in stages:
         for got, want in zip(stage["metrics"], reference["metrics"], strict=True):
             # The global normalisation: loss, metrics and norm as one rank computes them.
-            for key in ("loss", "grad_norm", "pg_loss", "entropy"):
+            for key in ("loss", "grad_norm", "pg_loss", "entropy", "is_weight"):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+            # The rollout weights' max (1.5 by construction): a max over micro-batches and
+            # ranks, not a sum, in every layout.
+            assert got["is_weight_max"] == want["is_weight_max"] == pytest.approx(1.5, rel=1e-6)
             # pp=1 ran dp=2 on the same batch: twice the tokens, the same means.
             assert 2 * got["num_loss_tokens"] == want["num_loss_tokens"]
         assert stage["metrics"][0]["loss"] != stage["metrics"][1]["loss"]  # the step moved
@@ -133,8 +136,11 @@ def test_context_parallel_gives_pp1_logprobs_losses_gradients_and_step(
     for rank in megatron_layout_results[layout]:
         torch.testing.assert_close(rank["logprobs"], reference["logprobs"], atol=1e-5, rtol=0)
         for got, want in zip(rank["metrics"], reference["metrics"], strict=True):
-            for key in ("loss", "grad_norm", "pg_loss", "entropy"):
+            for key in ("loss", "grad_norm", "pg_loss", "entropy", "is_weight"):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+            # The rollout weights' max (1.5 by construction): a max over micro-batches and
+            # ranks, not a sum, in every layout.
+            assert got["is_weight_max"] == want["is_weight_max"] == pytest.approx(1.5, rel=1e-6)
             # cp=2 is one DP rank (pp=1 here ran dp=2 on the same batch).
             assert 2 * got["num_loss_tokens"] == want["num_loss_tokens"]
         assert set(rank["grads"]) == set(reference["grads"])

@@ -137,15 +137,21 @@ def compute_logprobs(backend: StepBackend, batch: Batch) -> torch.Tensor:
     return out_BT
 
 
+def _reduce_over(
+    sums: dict[str, Any], group: Any, ops: dict[str, str] | None = None
+) -> dict[str, float]:
+    """reduce_metrics over `group` (default op "sum"); group None: this process alone, not
+    the world (a runtime-less policy in a distributed job must not count other processes)."""
+    if group is None:
+        return {key: float(value) for key, value in sums.items()}
+    return reduce_metrics(sums, group=group, ops=ops, default_op="sum")
+
+
 def reduce_step_units(loss_fn: LossFn, batch: Batch, group: Any) -> dict[str, float]:
-    """{"units": the loss's units, "tokens": loss tokens} summed over the data-parallel group:
-    what every micro-batch's loss sum is divided by (collective)."""
+    """{"units": the loss's units, "tokens": loss tokens} summed over the data-parallel group
+    (None: this process alone): what every micro-batch's loss sum is divided by (collective)."""
     local_tokens = float(batch["loss_mask"].sum()) if "loss_mask" in batch else 0.0
-    return reduce_metrics(
-        {"units": float(loss_fn.count_units(batch)), "tokens": local_tokens},
-        group=group,
-        default_op="sum",
-    )
+    return _reduce_over({"units": float(loss_fn.count_units(batch)), "tokens": local_tokens}, group)
 
 
 def skip_empty_step(counts: StepCounts, lr: float) -> dict[str, float]:
@@ -156,6 +162,37 @@ def skip_empty_step(counts: StepCounts, lr: float) -> dict[str, float]:
     return _step_metrics(
         {}, loss=0.0, grad_norm=0.0, lr=lr, num_micro_batches=0, num_tokens=0.0, is_skipped=True
     )
+
+
+def add_loss_metrics(
+    sums: dict[str, torch.Tensor], mb_metrics: dict[str, torch.Tensor], *, is_dummy: bool
+) -> None:
+    """Fold one micro-batch's loss metrics (as the loss returns them) into this rank's `sums`:
+    added, or for a "..._max" metric the larger kept. A dummy micro-batch adds 0 but still
+    adds its keys: every rank must report the same keys."""
+    for key, value in mb_metrics.items():
+        value = value.detach().to(torch.float64) * (0.0 if is_dummy else 1.0)
+        if key.endswith(MAX_METRIC_SUFFIX):  # a max of non-negative values: 0 is neutral
+            sums[key] = torch.maximum(sums.get(key, value), value)
+        else:
+            sums[key] = sums.get(key, 0.0) + value
+
+
+def reduce_loss_metrics(
+    sums: dict[str, torch.Tensor | float], totals: dict[str, float], *, group: Any
+) -> tuple[float, dict[str, float]]:
+    """(loss, loss metrics) of the step from every rank's `sums` ("loss": the loss summed over
+    units, plus add_loss_metrics' sums): the loss over the global units; each metric over the
+    global loss tokens, a "..._max" one the maximum over ranks. Collective over `group`
+    (None: this process alone)."""
+    max_keys = [key for key in sums if key.endswith(MAX_METRIC_SUFFIX)]
+    reduced = _reduce_over(sums, group, ops=dict.fromkeys(max_keys, "max"))
+    loss = reduced.pop("loss") / totals["units"]
+    per_token = {
+        key: value if key in max_keys else value / max(totals["tokens"], 1.0)
+        for key, value in reduced.items()
+    }
+    return loss, per_token
 
 
 def run_train_step(
@@ -182,7 +219,9 @@ def run_train_step(
     """
     lr = lr_at(counts.num_optimizer_steps)
     needs_entropy = isinstance(loss_fn, NeedsEntropy) and bool(loss_fn.needs_entropy)
-    totals = reduce_step_units(loss_fn, batch, backend.dp_group)
+    # One data-parallel rank (a runtime-less policy, too): nothing to reduce.
+    group = backend.dp_group if backend.dp_size > 1 else None
+    totals = reduce_step_units(loss_fn, batch, group)
     if totals["units"] == 0:
         return skip_empty_step(counts, lr)
     scale = backend.dp_size / totals["units"]
@@ -202,22 +241,9 @@ def run_train_step(
                 mb_loss = mb_loss * 0.0
             (mb_loss * scale).backward()
         loss_sum += mb_loss.detach().to(torch.float64)
-        for key, value in mb_metrics.items():
-            # Dummies add 0 but still add the key: every rank must report the same keys.
-            value = value.detach().to(torch.float64) * (0.0 if is_dummy else 1.0)
-            if key.endswith(MAX_METRIC_SUFFIX):  # a max of non-negative values: 0 is neutral
-                metric_sums[key] = torch.maximum(metric_sums.get(key, value), value)
-            else:
-                metric_sums[key] = metric_sums.get(key, 0.0) + value
+        add_loss_metrics(metric_sums, mb_metrics, is_dummy=is_dummy)
     grad_norm, found_inf = backend.reduce_and_clip_grads(max_grad_norm or None)
-    max_keys = [key for key in metric_sums if key.endswith(MAX_METRIC_SUFFIX)]
-    sums = reduce_metrics(
-        {"loss": loss_sum, **metric_sums},
-        group=backend.dp_group,
-        ops=dict.fromkeys(max_keys, "max"),
-        default_op="sum",
-    )
-    loss = sums.pop("loss") / totals["units"]
+    loss, per_token = reduce_loss_metrics({"loss": loss_sum, **metric_sums}, totals, group=group)
     is_finite = math.isfinite(loss) and math.isfinite(grad_norm) and not found_inf
     if is_finite:
         backend.step_optimizer(lr)
@@ -230,10 +256,6 @@ def run_train_step(
         )
     backend.zero_grad()
     counts.num_steps += 1
-    per_token = {
-        key: value if key in max_keys else value / max(totals["tokens"], 1.0)
-        for key, value in sums.items()
-    }
     return _step_metrics(
         per_token,
         loss=loss,

@@ -235,9 +235,44 @@ def build_gpt_chunks(
             vp_stage=vp_stage,
             **gpt_model_kwargs(layout, tp_size=tp_size, vocab_divisible_by=vocab_divisible_by),
         )
+        mark_tensor_parallel_weights(model)
         offset = get_transformer_layer_offset(config, vp_stage=vp_stage) if pp_size > 1 else 0
         chunks.append(ModelChunk(model=model, layer_offset=offset, vp_stage=vp_stage))
     return chunks
+
+
+def mark_tensor_parallel_weights(model: Any) -> int:
+    """Tag every tensor-parallel weight of `model` as sharded, as Megatron's own random
+    initialisation does; returns how many lacked the tag.
+
+    megatron-core before 0.19 sets a parallel layer's weight attributes (tensor_model_parallel,
+    partition_dim, partition_stride) only inside that initialisation, which
+    perform_initialization=False skips. Untagged, a sharded weight counts as a duplicate of TP
+    rank 0's: the gradient norm, and so the clipping, sees rank 0's shard only."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    is_gated = bool(getattr(model.config, "gated_linear_unit", False))
+    num_tagged = 0
+    for name, module in model.named_modules():
+        if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        # A gated MLP's fc1 holds [gate, up] interleaved per rank (Megatron's stride 2).
+        stride = 2 if is_gated and name.endswith("mlp.linear_fc1") else 1
+        set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=stride)
+        num_tagged += 1
+    return num_tagged
 
 
 class SafetensorsReader:

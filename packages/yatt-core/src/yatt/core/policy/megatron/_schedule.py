@@ -35,11 +35,12 @@ from yatt.core.policy._policy import LossFn, NeedsEntropy
 from yatt.core.policy._train_step import (
     StepCounts,
     _step_metrics,
+    add_loss_metrics,
+    reduce_loss_metrics,
     reduce_step_units,
     select_micro_batch,
     skip_empty_step,
 )
-from yatt.core.runtime._metrics import reduce_metrics
 
 logger = logging.getLogger("yatt.core")
 
@@ -205,10 +206,8 @@ def run_pipeline_train_step(
         mb_loss, mb_metrics = loss_fn(mb, out_BTW[..., 0], entropy_BT)
         if is_dummy:
             mb_loss = mb_loss * 0.0  # keeps this pipeline's collectives, no gradient
-        weight = 0.0 if is_dummy else 1.0
         reported = {"loss": mb_loss.detach().to(torch.float64)}
-        for key, value in mb_metrics.items():
-            reported[key] = value.detach().to(torch.float64) * weight
+        add_loss_metrics(reported, mb_metrics, is_dummy=is_dummy)
         return _FixedGrad.apply(mb_loss * scale), reported
 
     collected = run_schedule(
@@ -216,15 +215,14 @@ def run_pipeline_train_step(
     )
     sums = {}
     for reported in collected:  # empty except on the last stage
-        for key, value in reported.items():
-            sums[key] = sums.get(key, 0.0) + float(value)
+        add_loss_metrics(sums, reported, is_dummy=False)  # "..._max": the max, as in the loop
+    sums = {key: float(value) for key, value in sums.items()}
     if policy.config.pp_size > 1:
         box = [sums]
         dist.broadcast_object_list(box, src=policy.pp_last_rank, group=policy.pp_group)
         sums = box[0]
     grad_norm, found_inf = policy.reduce_and_clip_grads(max_grad_norm or None)
-    sums = reduce_metrics(sums, group=policy.dp_group, default_op="sum")
-    loss = sums.pop("loss") / totals["units"]
+    loss, per_token = reduce_loss_metrics(sums, totals, group=policy.dp_group)
     is_finite = math.isfinite(loss) and math.isfinite(grad_norm) and not found_inf
     if is_finite:
         policy.step_optimizer(lr)
@@ -236,7 +234,6 @@ def run_pipeline_train_step(
         )
     policy.zero_grad()
     counts.num_steps += 1
-    per_token = {key: value / max(totals["tokens"], 1.0) for key, value in sums.items()}
     return _step_metrics(
         per_token,
         loss=loss,
