@@ -25,7 +25,8 @@ def _idle_step():
     """(train metrics, sampling stats) of a step where dynamic sampling kept nothing."""
     batch, sampling_stats = sample_dynamically(_constant_reward_round, num_groups=2, max_rounds=2)
     assert len(batch) == 0
-    backend = types.SimpleNamespace(dp_group=None, dp_size=1)  # an empty batch never reaches the model
+    # An empty batch never reaches the model.
+    backend = types.SimpleNamespace(dp_group=None, dp_size=1)
     train_metrics = run_train_step(
         backend,
         batch,
