@@ -61,6 +61,25 @@ def test_shutdown_stops_the_process_groups_threads_while_the_mesh_is_still_refer
         _ = rt.dp_rank
 
 
+def test_shutdown_hooks_run_last_first_once_and_a_failing_one_still_ends_the_group(caplog):
+    calls = []
+
+    def failing():
+        calls.append("failing")
+        raise RuntimeError("hook broke")
+
+    with init_runtime(device="cpu") as rt:
+        rt.on_shutdown(lambda: calls.append(("first", dist.is_initialized())))
+        rt.on_shutdown(failing)
+        rt.on_shutdown(lambda: calls.append(("last", dist.is_initialized())))
+    # Before the groups go (each saw the world alive), the last added first.
+    assert calls == [("last", True), "failing", ("first", True)]
+    assert "hook broke" in caplog.text
+    assert not dist.is_initialized()
+    rt.shutdown()
+    assert len(calls) == 3  # once
+
+
 def test_existing_process_group_is_reused_and_kept():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

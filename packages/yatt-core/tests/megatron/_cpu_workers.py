@@ -483,6 +483,27 @@ def recompute(model_dir: str, cases: list) -> dict:
     return out
 
 
+def sequential_runtimes(model_dir: str) -> dict:
+    """Two runtimes one after the other in this process, each creating (and destroying) its
+    world and building a MegatronPolicy: Megatron's model-parallel state must end with the
+    first, or the second policy would reuse its destroyed groups."""
+    from megatron.core import parallel_state
+
+    from yatt.core import init_runtime
+    from yatt.core.megatron import MegatronPolicy
+
+    _cpu_shim.install_for_policy()
+    batch = _rl_batch()
+    out = {"logprobs": [], "is_initialized_after": []}
+    for _ in range(2):
+        with init_runtime(device="cpu") as rt:
+            policy = MegatronPolicy(_float32_config(model_dir), rt)
+            out["logprobs"].append(policy.logprobs(batch))
+            del policy
+        out["is_initialized_after"].append(parallel_state.model_parallel_is_initialized())
+    return out
+
+
 def run_all(model_dirs: dict, cases: list) -> dict:
     """Every case in one process (megatron-core takes ~20 s to import on a busy 2-core box)."""
     from megatron.core import parallel_state
@@ -499,6 +520,10 @@ def run_all(model_dirs: dict, cases: list) -> dict:
 def main() -> None:
     scenario, out_dir, kwargs = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
     torch.set_num_threads(1)
+    if scenario == "sequential_runtimes":  # its runtimes create the world themselves
+        result = sequential_runtimes(**kwargs)
+        torch.save(result, out_dir / "rank0.pt")
+        return
     dist.init_process_group("gloo")
     result = {"all": run_all, "layouts": layouts, "recompute": recompute}[scenario](**kwargs)
     torch.save(result, out_dir / f"rank{dist.get_rank()}.pt")

@@ -104,3 +104,16 @@ def megatron_recompute_results(tmp_path_factory, tiny_model_dirs):
         out_dir, "recompute", 1, model_dir=tiny_model_dirs["qwen2"], cases=RECOMPUTE_CASES
     )
     return results
+
+
+@pytest.fixture(scope="session")
+def megatron_sequential_runtimes_result(tmp_path_factory, tiny_model_dirs):
+    """Rank 0's result of two runtimes one after the other, each with a MegatronPolicy."""
+    pytest.importorskip(
+        "megatron.core", reason="megatron-core is not installed (yatt-core[megatron])"
+    )
+    out_dir = tmp_path_factory.mktemp("megatron-runtimes") / "out"
+    (result,) = launch_megatron(
+        out_dir, "sequential_runtimes", 1, model_dir=tiny_model_dirs["qwen2"]
+    )
+    return result

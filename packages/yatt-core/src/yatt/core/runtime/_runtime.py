@@ -17,6 +17,7 @@ import gc
 import logging
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import TracebackType
@@ -50,6 +51,7 @@ class Runtime:
     mesh: DeviceMesh | None  # dims ("dp", "tp"); None after shutdown()
     seed: int
     _owns_group: bool = field(default=False, repr=False)
+    _shutdown_hooks: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
     def live_mesh(self) -> DeviceMesh:
@@ -90,8 +92,15 @@ class Runtime:
     def is_rank_zero(self) -> bool:
         return self.rank == 0
 
+    def on_shutdown(self, hook: Callable[[], None]) -> None:
+        """Call `hook` at shutdown(), before the process groups go (the last added first): for
+        state built on this runtime's groups, such as Megatron's model-parallel groups, which
+        a later runtime in the same process must not find still set."""
+        self._shutdown_hooks.append(hook)
+
     def shutdown(self) -> None:
-        """Destroy the process groups this runtime created, and their threads (idempotent).
+        """Run the on_shutdown hooks; destroy the process groups this runtime created, and
+        their threads (idempotent).
 
         destroy_process_group only unregisters the groups: the mesh's registry still holds
         them (and DTensor's caches hold the mesh), so gloo's worker threads would live until
@@ -99,6 +108,12 @@ class Runtime:
         "terminate called without an active exception". Emptying the registry and collecting
         cyclic garbage (an FSDP2 module's hooks) stops them now, while the interpreter lives.
         """
+        while self._shutdown_hooks:
+            hook = self._shutdown_hooks.pop()
+            try:
+                hook()
+            except Exception:  # a failed teardown must not keep the groups alive
+                logger.exception("Runtime.shutdown: the hook %r failed", hook)
         if not self._owns_group:
             return
         if dist.is_initialized():

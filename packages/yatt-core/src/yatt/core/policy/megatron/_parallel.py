@@ -59,6 +59,9 @@ def _init_megatron_parallel(runtime: Runtime, config: Any) -> None:
             context_parallel_size=config.cp_size,
             order=order,
         )
+        # Megatron keeps its groups in module globals: left set after the runtime's world is
+        # destroyed, the next runtime's policy would reuse dead groups.
+        runtime.on_shutdown(parallel_state.destroy_model_parallel)
     elif (
         parallel_state.get_tensor_model_parallel_world_size(),
         parallel_state.get_pipeline_model_parallel_world_size(),
