@@ -448,6 +448,20 @@ def main(argv: list[str]) -> int:
     # A megatron policy's model-parallel replica (tp x pp x cp) shares one rollout batch.
     tp_size = cfg.model_parallel_size
     runtime = core.init_runtime(seed=cfg.seed, tp_size=tp_size)
+    try:
+        # The run's objects (policy, engines) live in train()'s frame and are gone when it
+        # returns, so shutdown() stops the process groups' threads now; a live policy would
+        # hold a group, and its threads would run into interpreter exit.
+        return train(cfg, runtime, should_resume=args.resume)
+    finally:
+        runtime.shutdown()
+        if run_lock is not None:
+            run_lock.release()
+
+
+def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> int:
+    """The run on this rank, from the checked config; the exit code: 0, or 128 + signum when
+    a stop signal ended it after its final save. Everything it opens is closed on return."""
     closeables: list[Any] = []  # closed in reverse, also after an error
     is_failed = True  # until the loop ends: a close() error must not hide the loop's own
     stop_signal: int | None = None
@@ -532,7 +546,7 @@ def main(argv: list[str]) -> int:
         )
         start_step = 0
         resumed: Resumed | None = None  # its counts go into the first step's metrics
-        if args.resume:  # the tensors, then the loader, the keep rate and the cut groups
+        if should_resume:  # the tensors, then the loader, the keep rate and the cut groups
             extra = ckpt.load(policy.state())
             resumed = resume_from_extra(
                 extra, loader=loader, sampler=sampler, partials=partials, encoder=encoder
@@ -752,9 +766,6 @@ def main(argv: list[str]) -> int:
         is_failed = False
     finally:
         close_all(closeables[::-1], should_raise=not is_failed)
-        runtime.shutdown()
-        if run_lock is not None:
-            run_lock.release()
     return 0 if stop_signal is None else exit_code_for_signal(stop_signal)
 
 

@@ -4,6 +4,7 @@ each a process forked from an interpreter that has the trainer's imports loaded.
 
 NUM_GPUS = 0
 
+import contextlib
 import json
 import os
 import re
@@ -25,6 +26,18 @@ import grpo_preflight
 from tasks import tiny_task
 
 from yatt.testing import free_port
+
+
+def _group_threads() -> set[str] | None:
+    """This process's native threads that belong to process groups (gloo, the TCP store),
+    by id; None where Linux's /proc is not there to list them."""
+    if not os.path.isdir("/proc/self/task"):
+        return None
+    names = {}
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            names[tid] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+    return {tid for tid, name in names.items() if "gloo" in name or "tcpstore" in name}
 
 
 @pytest.fixture(scope="module")
@@ -1490,6 +1503,7 @@ def test_engine_old_logprobs_are_the_batchs_and_each_epoch_reshuffles(
     monkeypatch.setattr(core, "split_mini_batches", recording_split)
     monkeypatch.setattr(core.TorchPolicy, "logprobs", counting_logprobs)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    threads_before = _group_threads()
     code = train_grpo.main(
         [
             f"out_dir={tmp_path}",
@@ -1505,6 +1519,10 @@ def test_engine_old_logprobs_are_the_batchs_and_each_epoch_reshuffles(
         ]
     )
     assert code == 0
+    # The run's process groups went with it: no gloo thread lives on to interpreter exit,
+    # where one can abort a finished rank (the policy must not outlive the runtime's shutdown).
+    if threads_before is not None:
+        assert _group_threads() <= threads_before
     assert len(splits) == 2  # one split per epoch
     assert all(split["is_engine_old"] and split["num_loss_tokens"] > 0 for split in splits)
     assert splits[0]["seed"] is not None and splits[0]["seed"] != splits[1]["seed"]

@@ -6,6 +6,7 @@ Each rank writes OUT_DIR/rank<r>.pt with what the test checks.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import shutil
@@ -528,7 +529,13 @@ def main() -> None:
     result = {"all": run_all, "layouts": layouts, "recompute": recompute}[scenario](**kwargs)
     torch.save(result, out_dir / f"rank{dist.get_rank()}.pt")
     dist.barrier()
+    # Megatron's groups too, and the garbage holding them, so that few gloo threads outlive
+    # this (one left to interpreter exit can abort a finished rank; see Runtime.shutdown).
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":
