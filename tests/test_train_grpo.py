@@ -4,7 +4,6 @@ each a process forked from an interpreter that has the trainer's imports loaded.
 
 NUM_GPUS = 0
 
-import contextlib
 import json
 import os
 import re
@@ -25,19 +24,16 @@ import grpo_config
 import grpo_preflight
 from tasks import tiny_task
 
-from yatt.testing import free_port
+from yatt.testing import free_port, native_threads
 
 
 def _group_threads() -> set[str] | None:
-    """This process's native threads that belong to process groups (gloo, the TCP store),
-    by id; None where Linux's /proc is not there to list them."""
-    if not os.path.isdir("/proc/self/task"):
+    """This process's native threads of process groups (gloo, the TCP store), by id; None
+    where they cannot be listed."""
+    threads = native_threads()
+    if threads is None:
         return None
-    names = {}
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(OSError):
-            names[tid] = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
-    return {tid for tid, name in names.items() if "gloo" in name or "tcpstore" in name}
+    return {tid for tid, name in threads.items() if "gloo" in name or "tcpstore" in name}
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Runtime in a single process, metric reduction, and config building."""
 
-import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -9,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from yatt.core import PolicyLoss, config_from_dict, init_runtime, reduce_metrics
+from yatt.testing import native_threads
 
 NUM_GPUS = 0
 
@@ -39,23 +39,17 @@ def test_process_group_is_destroyed_when_the_body_raises():
     assert not dist.is_initialized()
 
 
-def _native_thread_ids() -> set[str]:
-    return set(os.listdir("/proc/self/task"))
-
-
-@pytest.mark.skipif(
-    not os.path.isdir("/proc/self/task"), reason="lists threads through Linux /proc"
-)
+@pytest.mark.skipif(native_threads() is None, reason="lists threads through Linux /proc")
 def test_shutdown_stops_the_process_groups_threads_while_the_mesh_is_still_referenced():
     # gloo's worker threads left to interpreter exit can abort a finished process
     # ("terminate called without an active exception"); DTensor's caches keep meshes alive.
-    before = _native_thread_ids()
+    before = set(native_threads())
     with init_runtime(device="cpu") as rt:
-        started = _native_thread_ids() - before
+        started = set(native_threads()) - before
         assert reduce_metrics({"x": 2.0}, group=rt.dp_group) == {"x": 2.0}
         mesh_held_elsewhere = rt.mesh
     assert started, "gloo started no threads: this test would check nothing"
-    assert not (_native_thread_ids() & started)
+    assert not (set(native_threads()) & started)
     assert mesh_held_elsewhere is not None
     with pytest.raises(RuntimeError, match="shut down"):
         _ = rt.dp_rank

@@ -28,6 +28,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "make_tiny_causal_lm",
         "make_tiny_vlm",
         "make_tokenizer",
+        "native_threads",
         "run_ranks",
     ],
 }

@@ -20,7 +20,11 @@ CASES = {1: [("megatron", 1.0), ("sdpa", 0.7)], 2: [("sdpa", 1.0)]}
 def launch_megatron(
     out_dir: Path, scenario: str, world_size: int, timeout_s: float = 400, **kwargs
 ):
-    """Run _cpu_workers.py on `world_size` gloo ranks (one per TP rank); each rank's result."""
+    """Run _cpu_workers.py on `world_size` gloo ranks (one per TP rank); each rank's result.
+    Skips the test without megatron-core."""
+    pytest.importorskip(
+        "megatron.core", reason="megatron-core is not installed (yatt-core[megatron])"
+    )
     out_dir.mkdir(parents=True)
     args = [sys.executable, str(CPU_WORKERS), scenario, str(out_dir), json.dumps(kwargs)]
     env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
@@ -42,9 +46,6 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session", params=sorted(CASES), ids=lambda tp: f"tp{tp}")
 def megatron_cpu_results(request, tmp_path_factory, tiny_model_dirs):
     """Every rank's results of the 'all' scenario at one TP size (one launch per size)."""
-    pytest.importorskip(
-        "megatron.core", reason="megatron-core is not installed (yatt-core[megatron])"
-    )
     tp = request.param
     out_dir = tmp_path_factory.mktemp("megatron-cpu") / f"tp{tp}"
     results = launch_megatron(out_dir, "all", tp, model_dirs=tiny_model_dirs, cases=CASES[tp])
@@ -73,9 +74,6 @@ LAYOUTS = [
 def megatron_layout_results(tmp_path_factory):
     """{layout key: [rank 0's result, rank 1's]} of a 4-layer Qwen2 (the interleaved schedule
     needs layers divisible by pp x virtual stages)."""
-    pytest.importorskip(
-        "megatron.core", reason="megatron-core is not installed (yatt-core[megatron])"
-    )
     model_dir = tmp_path_factory.mktemp("tiny-qwen2-4layers")
     make_tiny_causal_lm(model_dir, arch="qwen2", num_heads=8, num_kv_heads=4, num_layers=4, seed=1)
     out_dir = tmp_path_factory.mktemp("megatron-layouts") / "out"
@@ -96,9 +94,6 @@ RECOMPUTE_CASES = [
 @pytest.fixture(scope="session")
 def megatron_recompute_results(tmp_path_factory, tiny_model_dirs):
     """{case key: rank 0's result} of the 2-layer Qwen2 at each RECOMPUTE_CASES case."""
-    pytest.importorskip(
-        "megatron.core", reason="megatron-core is not installed (yatt-core[megatron])"
-    )
     out_dir = tmp_path_factory.mktemp("megatron-recompute") / "out"
     (results,) = launch_megatron(
         out_dir, "recompute", 1, model_dir=tiny_model_dirs["qwen2"], cases=RECOMPUTE_CASES
@@ -109,9 +104,6 @@ def megatron_recompute_results(tmp_path_factory, tiny_model_dirs):
 @pytest.fixture(scope="session")
 def megatron_sequential_runtimes_result(tmp_path_factory, tiny_model_dirs):
     """Rank 0's result of two runtimes one after the other, each with a MegatronPolicy."""
-    pytest.importorskip(
-        "megatron.core", reason="megatron-core is not installed (yatt-core[megatron])"
-    )
     out_dir = tmp_path_factory.mktemp("megatron-runtimes") / "out"
     (result,) = launch_megatron(
         out_dir, "sequential_runtimes", 1, model_dir=tiny_model_dirs["qwen2"]

@@ -1,9 +1,10 @@
 """Shared test helpers for the yatt packages: tiny local models and tokenizers, rank launchers,
-the frozen-public-names checks, spies that count work."""
+the frozen-public-names checks, spies that count work, a native-thread lister."""
 
 from yatt.testing._public_names import check_public_modules, check_public_names
 from yatt.testing._ranks import free_port, run_ranks
 from yatt.testing._spies import CountingImageProcessor
+from yatt.testing._threads import native_threads
 from yatt.testing._tiny import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
@@ -28,5 +29,6 @@ __all__ = [
     "make_tiny_causal_lm",
     "make_tiny_vlm",
     "make_tokenizer",
+    "native_threads",
     "run_ranks",
 ]

@@ -54,7 +54,7 @@ class Runtime:
     _shutdown_hooks: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
-    def live_mesh(self) -> DeviceMesh:
+    def _live_mesh(self) -> DeviceMesh:
         """The mesh; a clear error once shutdown() has released it."""
         if self.mesh is None:
             raise RuntimeError("this Runtime was shut down: its process groups are destroyed")
@@ -62,31 +62,31 @@ class Runtime:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        return self.live_mesh["dp"]
+        return self._live_mesh["dp"]
 
     @property
     def dp_rank(self) -> int:
-        return self.live_mesh.get_local_rank("dp")
+        return self._live_mesh.get_local_rank("dp")
 
     @property
     def dp_size(self) -> int:
-        return self.live_mesh.size(self.live_mesh.mesh_dim_names.index("dp"))
+        return self._live_mesh.size(self._live_mesh.mesh_dim_names.index("dp"))
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.live_mesh.get_group("dp")
+        return self._live_mesh.get_group("dp")
 
     @property
     def tp_rank(self) -> int:
-        return self.live_mesh.get_local_rank("tp")
+        return self._live_mesh.get_local_rank("tp")
 
     @property
     def tp_size(self) -> int:
-        return self.live_mesh.size(self.live_mesh.mesh_dim_names.index("tp"))
+        return self._live_mesh.size(self._live_mesh.mesh_dim_names.index("tp"))
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
-        return self.live_mesh.get_group("tp")
+        return self._live_mesh.get_group("tp")
 
     @property
     def is_rank_zero(self) -> bool:

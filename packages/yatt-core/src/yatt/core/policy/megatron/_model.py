@@ -241,9 +241,9 @@ def build_gpt_chunks(
     return chunks
 
 
-def mark_tensor_parallel_weights(model: Any) -> int:
+def mark_tensor_parallel_weights(model: Any) -> None:
     """Tag every tensor-parallel weight of `model` as sharded, as Megatron's own random
-    initialisation does; returns how many lacked the tag.
+    initialisation does.
 
     megatron-core before 0.19 sets a parallel layer's weight attributes (tensor_model_parallel,
     partition_dim, partition_stride) only inside that initialisation, which
@@ -257,7 +257,6 @@ def mark_tensor_parallel_weights(model: Any) -> int:
     )
 
     is_gated = bool(getattr(model.config, "gated_linear_unit", False))
-    num_tagged = 0
     for name, module in model.named_modules():
         if isinstance(module, ColumnParallelLinear | VocabParallelEmbedding):
             dim = 0
@@ -271,8 +270,6 @@ def mark_tensor_parallel_weights(model: Any) -> int:
         # A gated MLP's fc1 holds [gate, up] interleaved per rank (Megatron's stride 2).
         stride = 2 if is_gated and name.endswith("mlp.linear_fc1") else 1
         set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=stride)
-        num_tagged += 1
-    return num_tagged
 
 
 class SafetensorsReader:
