@@ -19,6 +19,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "EXPORT_MARKER",
         "LR_SCHEDULES",
         "LearningGuard",
+        "LoraConfig",
         "LossFn",
         "MegatronPolicy",
         "MegatronPolicyConfig",

@@ -23,6 +23,7 @@ from yatt.core.policy._export import (
 )
 from yatt.core.policy._head_logprobs import logprobs_in_head, supports_head_logprobs
 from yatt.core.policy._logits import compute_entropy, compute_token_logprobs
+from yatt.core.policy._lora import LoraConfig
 from yatt.core.policy._optimization import LR_SCHEDULES, compute_lr
 from yatt.core.policy._policy import LossFn, PolicyBackend, TorchPolicyConfig
 from yatt.core.policy._torch_policy import TorchPolicy, image_patches_of
@@ -92,6 +93,7 @@ __all__ = [
     "ClipRegions",
     "DynamicSampler",
     "LearningGuard",
+    "LoraConfig",
     "LossFn",
     "MegatronPolicy",
     "MegatronPolicyConfig",

@@ -16,6 +16,10 @@ carries its images as meta[VISION_INPUTS_KEY] (yatt.core.VisionInputs, None with
 its patches count toward micro-batch memory and estimate_costs, and the forward concatenates
 the micro-batch's images in sample order. Its vision tower is frozen unless
 TorchPolicyConfig.should_train_vision.
+
+With TorchPolicyConfig.lora (yatt.core.policy._lora) PEFT's LoRA layers go into the model in
+place before DDP or FSDP2 wrap it: AdamW holds the adapter only, state() saves the adapter,
+named_adapter_weights() syncs it, reference_logprobs() is the base with the adapter off.
 """
 
 from __future__ import annotations
@@ -45,6 +49,16 @@ from yatt.core.policy._head_logprobs import (
     supports_head_logprobs,
 )
 from yatt.core.policy._logits import compute_entropy, compute_token_logprobs
+from yatt.core.policy._lora import (
+    AdapterOptimizer,
+    AdapterWeights,
+    BaseFingerprint,
+    attach_lora,
+    compute_base_fingerprint,
+    iter_adapter_weights,
+    lora_layers,
+    merge_lora_weights,
+)
 from yatt.core.policy._optimization import make_lr_schedule
 from yatt.core.policy._policy import DTYPES, LossFn, TorchPolicyConfig
 from yatt.core.policy._train_step import StepCounts, compute_logprobs, run_train_step
@@ -110,6 +124,13 @@ class TorchPolicy:
             self._vision_cost_shape = vision_flops_shape(
                 model.config.vision_config, is_gated_mlp=has_gated_mlp(tower)
             )
+        # LoRA: PEFT injects its layers into `model` in place (module names unchanged) and
+        # freezes the rest; the fingerprint is of the base as loaded, for a resume's check.
+        self._peft: Any = None
+        self._base_fingerprint: torch.Tensor | None = None
+        if config.lora is not None:
+            self._base_fingerprint = compute_base_fingerprint(config.model_dir, model)
+            self._peft = attach_lora(model, config.lora)
         if config.gradient_checkpointing:
             # transformers >= 5 renamed it; the older name still works there, with a warning.
             if hasattr(model, "activation_checkpointing_enable"):
@@ -167,8 +188,14 @@ class TorchPolicy:
                 **({"fused": True} if is_fused else {}),
             )
         self._max_tokens = config.max_tokens_per_microbatch  # None: chosen at the first step
-        # Counted now: an offloaded parameter is an empty placeholder.
+        # Counted now: an offloaded parameter is an empty placeholder. Autocast casts every
+        # weight a matmul reads, frozen (a LoRA base) or not.
         self._num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self._num_cast = (
+            self._num_trainable
+            if config.lora is None
+            else sum(p.numel() for p in model.parameters())
+        )
         self._role = TrainerRole(
             model,
             self.optimizer,
@@ -428,23 +455,68 @@ class TorchPolicy:
         return self._counts.num_skipped_steps
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, full tensor) per parameter, one at a time.
+        """(Hugging Face name, full tensor) per parameter, one at a time; with LoRA, the base
+        with the adapter merged in (W + scaling B A, under the base's names): a full sync.
 
         Under FSDP2 each parameter is all-gathered on its own (never the whole model at once):
         every rank must consume the iterator to the end, in step.
         """
         self._check_awake("named_weights")
-        for name, param in self.module.named_parameters():
-            tensor = param.detach()
-            if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
-            yield name, tensor
+        pairs = ((name, _full_tensor(p)) for name, p in self.module.named_parameters())
+        if self.config.lora is None:
+            yield from pairs
+        else:
+            yield from merge_lora_weights(pairs, self.lora_scalings)
+
+    @property
+    def lora_scalings(self) -> dict[str, float]:
+        """Each LoRA target module's scaling (alpha / rank) by name; empty without LoRA."""
+        return {name: float(layer.scaling["default"]) for name, layer in lora_layers(self.module)}
+
+    def named_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapter alone, for a weight sync: per target module "<name>.lora_A"
+        [rank, in], "<name>.lora_B" [out, rank] and "<name>.lora_scaling" (a 0-d float32),
+        where <name> is the module's Hugging Face name; an engine adds scaling B A to
+        "<name>.weight" (yatt-rollout's built-in engine takes them in update_weights).
+
+        Collective under FSDP2, like named_weights. ValueError without policy.lora.
+        """
+        if self.config.lora is None:
+            raise ValueError(
+                "named_adapter_weights: TorchPolicyConfig.lora is None (full fine-tuning); "
+                "sync named_weights() instead, or set policy.lora"
+            )
+        self._check_awake("named_adapter_weights")
+        yield from iter_adapter_weights(self.module)
+
+    def reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        """The KL reference's logprobs of `batch`: with LoRA, this policy's base with the
+        adapter off (PEFT's disable_adapter), so no frozen second copy is kept. Like
+        `logprobs` (collective). ValueError without policy.lora: build a reference policy."""
+        if self._peft is None:
+            raise ValueError(
+                "reference_logprobs: TorchPolicyConfig.lora is None, so this policy has no "
+                "base to fall back to; build a reference policy (is_reference=True)"
+            )
+        with self._peft.disable_adapter():
+            return self.logprobs(batch)
 
     def state(self) -> dict[str, Any]:
         """{"model", "optimizer", "schedule"} for yatt.ckpt (torch.distributed.checkpoint):
         the module, AdamW, and the step counts the learning-rate schedule continues from.
-        A reference policy has only "model"."""
+        A reference policy has only "model". With LoRA: "lora_base" (the base model's
+        fingerprint: a resume on another base is a ValueError naming policy.model_dir),
+        "model" the adapter's tensors only and "optimizer" their AdamW state; the base is
+        read from model_dir."""
         out: dict[str, Any] = {"model": self.module}
+        if self.config.lora is not None:
+            assert self._base_fingerprint is not None and self.optimizer is not None
+            out = {
+                "lora_base": BaseFingerprint(
+                    self._base_fingerprint, self.config.model_dir, "policy.model_dir"
+                ),
+                "model": AdapterWeights(self.module),
+            }
         if (
             self.optimizer is not None
             and self.config.should_offload_optimizer
@@ -455,7 +527,10 @@ class TorchPolicy:
             # the next optimizer step or sleep moves it out again.
             onload(self.optimizer)
         if self.optimizer is not None:
-            out["optimizer"] = self.optimizer
+            is_lora = self.config.lora is not None
+            out["optimizer"] = (
+                AdapterOptimizer(self.module, self.optimizer) if is_lora else self.optimizer
+            )
             out["schedule"] = self._counts
         return out
 
@@ -540,7 +615,7 @@ class TorchPolicy:
     def _autocast_copy_bytes(self) -> int:
         if self._compute_dtype == torch.float32 or self.config.parallel == "fsdp2":
             return 0
-        return 2 * self._num_trainable
+        return 2 * self._num_cast
 
     def _memory_settings(self) -> dict[str, str]:
         cap = self.config.max_tokens_per_microbatch
@@ -622,6 +697,11 @@ def _load_model(model_dir: str, attn_implementation: str) -> torch.nn.Module:
     return auto.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation=attn_implementation
     )
+
+
+def _full_tensor(param: torch.Tensor) -> torch.Tensor:
+    tensor = param.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def _weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
