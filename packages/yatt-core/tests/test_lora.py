@@ -260,3 +260,24 @@ def test_lora_conflicts_and_the_megatron_backend_are_refused(tiny_model_dir):
         _config(tiny_model_dir, should_train_vision=True)
     with pytest.raises(ValueError, match=r"policy\.lora: LoRA runs on the torch backend only"):
         policy_config_from_dict("megatron", {"model_dir": tiny_model_dir, "lora": {"rank": 8}})
+
+
+def test_the_policys_adapter_sync_serves_its_merged_weights(tiny_model_dir):
+    rollout = pytest.importorskip("yatt.rollout")  # a sibling: installed beside yatt-core
+    policy = TorchPolicy(_config(tiny_model_dir))
+    engines = [
+        rollout.BuiltinEngine(
+            tiny_model_dir,
+            config=rollout.EngineConfig(max_batch_size=2, max_seq_len=64, region_prefix=prefix),
+        )
+        for prefix in ("policy-lora-adapter", "policy-lora-full")
+    ]
+    for seed in (0, 1):  # two steps, two syncs: the second replaces the first adapter
+        _step(policy, seed=seed)
+        engines[0].update_weights(policy.named_adapter_weights())
+        engines[1].update_weights(policy.named_weights())
+        served = [dict(e.model.named_parameters()) for e in engines]
+        for name, tensor in served[1].items():
+            assert torch.equal(served[0][name], tensor), (seed, name)
+    for engine in engines:
+        engine.close()
