@@ -40,12 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
-from yatt.rollout._weights import copy_bucket
+from yatt.rollout._weights import LORA_SUFFIXES, copy_bucket
 
 # The wire format (yatt.core.policy._lora writes it).
-LORA_A_SUFFIX = ".lora_A"
-LORA_B_SUFFIX = ".lora_B"
-LORA_SCALING_SUFFIX = ".lora_scaling"
+LORA_A_SUFFIX, LORA_B_SUFFIX, LORA_SCALING_SUFFIX = LORA_SUFFIXES
 _PIECES = {LORA_A_SUFFIX: "A", LORA_B_SUFFIX: "B", LORA_SCALING_SUFFIX: "scaling"}
 
 
