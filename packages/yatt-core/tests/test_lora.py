@@ -281,3 +281,31 @@ def test_the_policys_adapter_sync_serves_its_merged_weights(tiny_model_dir):
             assert torch.equal(served[0][name], tensor), (seed, name)
     for engine in engines:
         engine.close()
+
+
+def test_the_adapter_exports_in_peft_format_and_merged_as_a_plain_folder(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+
+    from yatt.core import export_hf, export_lora_adapter
+
+    policy = TorchPolicy(_config(tiny_model_dir))
+    _step(policy)
+    _step(policy, seed=1)
+    batch = _batch(seed=3)
+    expected = policy.logprobs(batch)
+    adapter_dir = export_lora_adapter(policy, tmp_path / "adapter", dtype="float32")
+    assert {p.name for p in adapter_dir.iterdir()} >= {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    reloaded = PeftModel.from_pretrained(base, adapter_dir)
+    got = _hf_logprobs(reloaded, batch) * batch["attention_mask"]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    merged_dir = export_hf(policy, tmp_path / "merged", dtype="float32")
+    plain = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    assert not any("lora" in n or "base_layer" in n for n, _ in plain.named_parameters())
+    got = _hf_logprobs(plain, batch) * batch["attention_mask"]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="no LoRA adapter"):
+        export_lora_adapter(TorchPolicy(_config(tiny_model_dir, lora=None)), tmp_path / "none")

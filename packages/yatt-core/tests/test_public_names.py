@@ -75,6 +75,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "estimate_activation_bytes",
         "export_hf",
         "export_hf_from_checkpoint",
+        "export_lora_adapter",
         "image_patches_of",
         "init_runtime",
         "load_image_processor",

@@ -20,6 +20,7 @@ from yatt.core.policy._export import (
     check_export_dir,
     export_hf,
     export_hf_from_checkpoint,
+    export_lora_adapter,
 )
 from yatt.core.policy._head_logprobs import logprobs_in_head, supports_head_logprobs
 from yatt.core.policy._logits import compute_entropy, compute_token_logprobs
@@ -143,6 +144,7 @@ __all__ = [
     "estimate_activation_bytes",
     "export_hf",
     "export_hf_from_checkpoint",
+    "export_lora_adapter",
     "image_patches_of",
     "init_runtime",
     "load_image_processor",

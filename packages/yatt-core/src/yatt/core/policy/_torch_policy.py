@@ -469,6 +469,11 @@ class TorchPolicy:
             yield from merge_lora_weights(pairs, self.lora_scalings)
 
     @property
+    def peft_config(self) -> Any:
+        """PEFT's LoraConfig of the adapter, target_modules resolved (None without LoRA)."""
+        return None if self._peft is None else self._peft.peft_config["default"]
+
+    @property
     def lora_scalings(self) -> dict[str, float]:
         """Each LoRA target module's scaling (alpha / rank) by name; empty without LoRA."""
         return {name: float(layer.scaling["default"]) for name, layer in lora_layers(self.module)}
