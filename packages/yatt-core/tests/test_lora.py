@@ -309,3 +309,46 @@ def test_the_adapter_exports_in_peft_format_and_merged_as_a_plain_folder(tiny_mo
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="no LoRA adapter"):
         export_lora_adapter(TorchPolicy(_config(tiny_model_dir, lora=None)), tmp_path / "none")
+
+
+def test_checkpointing_and_a_sleep_leave_the_adapters_step_unchanged(tiny_model_dir):
+    plain = TorchPolicy(_config(tiny_model_dir))
+    other = TorchPolicy(_config(tiny_model_dir, gradient_checkpointing=True))
+    other.sleep()
+    other.wake_up()
+    for policy in (plain, other):
+        _step(policy)
+    adapters = [dict(p.named_adapter_weights()) for p in (plain, other)]
+    for name, tensor in adapters[0].items():
+        torch.testing.assert_close(adapters[1][name], tensor, atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 policy/engine)")
+def test_cuda_bf16_adapter_sync_serves_the_merged_full_sync(tmp_path):
+    rollout = pytest.importorskip("yatt.rollout")
+    from yatt.testing import make_tiny_causal_lm
+
+    model_dir = tmp_path / "bf16"
+    make_tiny_causal_lm(model_dir, arch="qwen2", seed=0, dtype=torch.bfloat16)
+    policy = TorchPolicy(_config(model_dir, dtype="bfloat16"))
+    assert policy.device.type == "cuda"
+    engines = [
+        rollout.BuiltinEngine(
+            model_dir,
+            config=rollout.EngineConfig(
+                device="cuda", dtype="bfloat16", max_batch_size=2, max_seq_len=64, region_prefix=p
+            ),
+        )
+        for p in ("cuda-lora-adapter", "cuda-lora-full")
+    ]
+    for seed in (0, 1, 2):
+        _step(policy, seed=seed)
+        engines[0].update_weights(policy.named_adapter_weights())
+        engines[1].update_weights(policy.named_weights())
+        served = [dict(e.model.named_parameters()) for e in engines]
+        for name, tensor in served[1].items():
+            # One GPU computes B A for both paths: the same bf16 rounding of W + scaling B A.
+            assert torch.equal(served[0][name], tensor), (seed, name)
+    for engine in engines:
+        engine.close()
