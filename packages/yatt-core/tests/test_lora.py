@@ -352,3 +352,16 @@ def test_cuda_bf16_adapter_sync_serves_the_merged_full_sync(tmp_path):
             assert torch.equal(served[0][name], tensor), (seed, name)
     for engine in engines:
         engine.close()
+
+
+def test_a_lora_checkpoint_is_not_exported_as_a_model(tiny_model_dir, tmp_path):
+    ckpt = pytest.importorskip("yatt.ckpt")
+    from yatt.core import export_hf_from_checkpoint
+
+    policy = TorchPolicy(_config(tiny_model_dir))
+    with ckpt.Checkpointer(tmp_path / "ckpts", async_save=False) as checkpointer:
+        checkpointer.save(1, policy.state(), extra={"step": 1})
+        folder = checkpointer.verify(1).path
+    with pytest.raises(ValueError, match=r"holds a LoRA adapter.*export_lora_adapter"):
+        export_hf_from_checkpoint(folder, tmp_path / "hf", model_dir=tiny_model_dir)
+    assert not (tmp_path / "hf").exists()

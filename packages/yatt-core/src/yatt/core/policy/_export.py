@@ -210,6 +210,14 @@ def export_hf_from_checkpoint(
     if error is not None:
         raise ValueError(error)
     tensors = read_model_tensors(checkpoint, state_key, dtype=target)
+    adapter = next((n for n in tensors if ".lora_A." in n or ".lora_B." in n), None)
+    if adapter is not None:
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} holds a LoRA adapter ({adapter!r}), not a model: "
+            "build the policy with its policy.lora, load the checkpoint into it "
+            "(ckpt.load(policy.state())), then export_hf(policy, ...) for the merged model or "
+            "export_lora_adapter(policy, ...) for the adapter"
+        )
     source = f"checkpoint {checkpoint.absolute()}"
     _write_folder(tensors, model_dir, out, target, max_shard_bytes, should_overwrite, source=source)
     return out
