@@ -230,3 +230,29 @@ def test_cuda_bf16_adapter_syncs_serve_what_merged_full_syncs_serve(tmp_path):
         _assert_same_completions(_generate(by_adapter), _generate(by_full), atol=2e-2)
     by_adapter.close()
     by_full.close()
+
+
+def test_the_adapter_turns_off_and_on_exactly_on_the_resident_weights(tiny_model_dir):
+    """One resident base for policy and judge: with the adapter off the engine serves the base
+    bit for bit (a self-judging GenRM reads it), and back on, base + adapter again."""
+    from yatt.rollout._weights import named_targets
+
+    base = _base(tiny_model_dir)
+    engine = _engine(tiny_model_dir, "lora-toggle")
+    first = _generate(engine)
+    adapter = _adapter(base, 1)
+    engine.update_weights(_adapter_pairs(adapter))
+    merged = {n: _served(engine, n) for n, _ in base.named_parameters()}
+    with_adapter = _generate(engine)
+    targets = named_targets(engine.model)
+    engine._adapter.set_enabled(targets, False)
+    for name, param in base.named_parameters():
+        assert torch.equal(_served(engine, name), param.detach()), name
+    _assert_same_completions(_generate(engine), first, atol=0)
+    with pytest.raises(RuntimeError, match="adapter is off"):
+        engine.update_weights(_adapter_pairs(adapter))
+    engine._adapter.set_enabled(targets, True)
+    for name, tensor in merged.items():
+        assert torch.equal(_served(engine, name), tensor), name
+    _assert_same_completions(_generate(engine), with_adapter, atol=0)
+    engine.close()

@@ -25,6 +25,10 @@ bf16, updates smaller than half a unit would never show (W stays put while the a
 So the engine serves what a full sync of the merged weights serves (the trainer merges
 W + scaling B A in float32 and the copy rounds it), bit for bit where both compute B A alike.
 
+The same exact un-apply turns the adapter off and on in place (AdapterMerger.set_enabled): the
+resident weights serve the base bit for bit, for a self-judging GenRM or a KL reference, and
+then base + adapter again; a pass over the targets' weights each way.
+
 A full sync of "<m>.weight" replaces the served weight outright: the module's remembered
 factors are dropped (the next adapter is added to that weight as the new base).
 
@@ -69,12 +73,21 @@ class _Delta:
     def dense(self) -> torch.Tensor:
         return (self.B @ self.A) * self.scaling
 
+    def unapply(self, weight: torch.Tensor) -> torch.Tensor:
+        """The base this delta was merged into, exactly (module docstring): a new tensor."""
+        # Back onto the served dtype's grid, then the values rounding cannot give back.
+        base = (weight.float() - self.dense()).to(weight.dtype)
+        if self.kept_index is not None:
+            base.view(-1)[self.kept_index] = self.kept_values
+        return base
+
 
 class AdapterMerger:
     """The adapter merged into one engine's served weights (see the module docstring)."""
 
     def __init__(self) -> None:
         self._merged: dict[str, _Delta] = {}  # per module: the delta its weight holds now
+        self.is_disabled = False  # the weights hold the base (set_enabled(False))
 
     @property
     def merged_modules(self) -> list[str]:
@@ -84,7 +97,27 @@ class AdapterMerger:
         """One update_weights call's view: route its pairs, merge modules as they complete.
         are_weights_lost: the weights were woken without a backup (garbage until a full sync):
         an adapter then merges only into weights this same call sent in full."""
+        if self.is_disabled:
+            raise RuntimeError(
+                "update_weights while the LoRA adapter is off (serving the base); turn it "
+                "back on first"
+            )
         return AdapterSync(self, targets, are_weights_lost=are_weights_lost)
+
+    @torch.no_grad()
+    def set_enabled(self, targets: dict[str, torch.Tensor], is_enabled: bool) -> None:
+        """Serve the base (False) or base + adapter (True) again, in place and exactly: the
+        base a self-judging GenRM or a KL reference reads from the same resident weights.
+        A pass over the targets' weights each way; no-op when already so."""
+        if is_enabled != self.is_disabled:
+            return
+        for module, delta in self._merged.items():
+            weight = targets[module + ".weight"]
+            if is_enabled:
+                weight.copy_((weight.float() + delta.dense()).to(weight.dtype))
+            else:
+                weight.copy_(delta.unapply(weight))
+        self.is_disabled = not is_enabled
 
 
 class AdapterSync:
@@ -175,12 +208,7 @@ class AdapterSync:
             )
         delta = _Delta(A, B, float(parts["scaling"]))
         previous = self._merger._merged.get(module)
-        base = weight
-        if previous is not None:
-            # Back onto the served dtype's grid: the base as loaded (module docstring).
-            base = (weight.float() - previous.dense()).to(weight.dtype)
-            if previous.kept_index is not None:
-                base.view(-1)[previous.kept_index] = previous.kept_values
+        base = weight if previous is None else previous.unapply(weight)
         dense = delta.dense()
         merged = (base.float() + dense).to(weight.dtype)
         # What the next un-apply would give back, checked now while the base is at hand.
