@@ -365,3 +365,32 @@ def test_a_lora_checkpoint_is_not_exported_as_a_model(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"holds a LoRA adapter.*export_lora_adapter"):
         export_hf_from_checkpoint(folder, tmp_path / "hf", model_dir=tiny_model_dir)
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_bf16_policy_holds_its_frozen_linears_in_bf16_with_the_same_steps(
+    tiny_model_dir, monkeypatch
+):
+    """Autocast computes every matmul from a bf16 cast of its float32 weight: a frozen base
+    held in bf16 gives the same logprobs and adapter steps, in half the bytes."""
+    import yatt.core.policy._torch_policy as torch_policy
+
+    held = TorchPolicy(_config(tiny_model_dir, dtype="bfloat16"))
+    monkeypatch.setattr(torch_policy, "cast_frozen_linears", lambda model, dtype: 0)
+    master = TorchPolicy(_config(tiny_model_dir, dtype="bfloat16"))
+    dtypes = {n: p.dtype for n, p in held.module.named_parameters()}
+    assert dtypes["model.layers.0.self_attn.q_proj.base_layer.weight"] == torch.bfloat16
+    assert dtypes["model.layers.1.mlp.down_proj.base_layer.weight"] == torch.bfloat16
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):
+        assert dtypes[name] == torch.float32, name
+    assert all(dtypes[n] == torch.float32 for n in dtypes if _is_adapter(n))
+    assert all(p.dtype == torch.float32 for p in master.module.parameters())
+    batch = _batch(seed=3)
+    assert torch.equal(held.logprobs(batch), master.logprobs(batch))
+    for policy in (held, master):
+        _step(policy)
+        _step(policy, seed=1)
+    adapters = [dict(p.named_adapter_weights()) for p in (held, master)]
+    for name, tensor in adapters[1].items():
+        assert torch.equal(adapters[0][name], tensor), name
+    assert torch.equal(held.reference_logprobs(batch), master.reference_logprobs(batch))
+    assert held.resident_bytes() < 0.8 * master.resident_bytes()

@@ -184,6 +184,27 @@ def attach_lora(model: torch.nn.Module, lora: LoraConfig) -> Any:
     return peft.get_peft_model(model, to_peft_config(lora), autocast_adapter_dtype=False)
 
 
+@torch.no_grad()
+def cast_frozen_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Hold the frozen weights of the model's linear layers (LoRA's base, and any linear it
+    does not target) in the compute dtype; their count. Autocast, or FSDP2's mixed precision,
+    casts a float32 weight to this dtype for every matmul anyway, so the forward and the
+    gradients are the same while the frozen base takes half the memory (no float32 master
+    is needed for weights that never step) and autocast keeps no cast copies of them. The LM
+    head keeps float32 (its logprobs are computed from its weight, chunk by chunk), as do
+    embeddings, norms, biases and the adapter."""
+    head = model.get_output_embeddings()
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, torch.nn.Linear) or module is head:
+            continue
+        weight = module.weight
+        if not weight.requires_grad and weight.dtype != dtype:
+            weight.data = weight.data.to(dtype)
+            count += 1
+    return count
+
+
 def lora_layers(module: torch.nn.Module) -> Iterator[tuple[str, Any]]:
     """(module name, PEFT LoraLayer) of each targeted module, in module order."""
     from peft.tuners.lora import LoraLayer
@@ -246,9 +267,10 @@ def _merged_if_ready(
     if len(parts) < 3:
         return
     del pending[module]
-    weight = parts["W"]
+    # float32, whatever dtype the frozen base is held in (cast_frozen_linears): the receiver
+    # rounds once, to its own dtype.
     delta = (parts["B"].float() @ parts["A"].float()) * scalings[module]
-    yield f"{module}.weight", (weight.float() + delta).to(weight.dtype)
+    yield f"{module}.weight", parts["W"].float() + delta
 
 
 # -- what a checkpoint holds -------------------------------------------------------------------

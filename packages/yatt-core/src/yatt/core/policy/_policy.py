@@ -130,7 +130,8 @@ class TorchPolicyConfig:
     should_train_vision: bool = False
     # LoRA through PEFT (yatt.core.LoraConfig: rank, alpha, dropout, target_modules): only the
     # adapter trains, is checkpointed and syncs; the base stays frozen and is read from
-    # model_dir, and the KL reference is the base with the adapter off. None: full fine-tuning.
+    # model_dir (its linear weights held in `dtype`: what autocast computes with anyway), and
+    # the KL reference is the base with the adapter off. None: full fine-tuning.
     lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:

@@ -54,6 +54,7 @@ from yatt.core.policy._lora import (
     AdapterWeights,
     BaseFingerprint,
     attach_lora,
+    cast_frozen_linears,
     compute_base_fingerprint,
     iter_adapter_weights,
     lora_layers,
@@ -131,6 +132,8 @@ class TorchPolicy:
         if config.lora is not None:
             self._base_fingerprint = compute_base_fingerprint(config.model_dir, model)
             self._peft = attach_lora(model, config.lora)
+            if self._compute_dtype != torch.float32:
+                cast_frozen_linears(model, self._compute_dtype)  # same forward, half the bytes
         if config.gradient_checkpointing:
             # transformers >= 5 renamed it; the older name still works there, with a warning.
             if hasattr(model, "activation_checkpointing_enable"):
@@ -188,13 +191,14 @@ class TorchPolicy:
                 **({"fused": True} if is_fused else {}),
             )
         self._max_tokens = config.max_tokens_per_microbatch  # None: chosen at the first step
-        # Counted now: an offloaded parameter is an empty placeholder. Autocast casts every
-        # weight a matmul reads, frozen (a LoRA base) or not.
+        # Counted now: an offloaded parameter is an empty placeholder. Autocast keeps a cast
+        # copy of every float32 weight a matmul reads, frozen or not (a LoRA base's linear
+        # weights are held in the compute dtype: none for them).
         self._num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self._num_cast = (
             self._num_trainable
             if config.lora is None
-            else sum(p.numel() for p in model.parameters())
+            else sum(p.numel() for p in model.parameters() if p.dtype == torch.float32)
         )
         self._role = TrainerRole(
             model,
