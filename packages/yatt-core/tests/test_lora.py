@@ -394,3 +394,16 @@ def test_a_bf16_policy_holds_its_frozen_linears_in_bf16_with_the_same_steps(
         assert torch.equal(adapters[0][name], tensor), name
     assert torch.equal(held.reference_logprobs(batch), master.reference_logprobs(batch))
     assert held.resident_bytes() < 0.8 * master.resident_bytes()
+
+
+def test_the_memory_a_placement_plan_sees_is_the_adapters(tiny_model_dir):
+    policy = TorchPolicy(_config(tiny_model_dir, dtype="bfloat16"))
+    _step(policy)
+    adapter = [p for n, p in policy.module.named_parameters() if _is_adapter(n)]
+    num_adapter = sum(p.numel() for p in adapter)
+    need = policy.memory_need()
+    assert need.peak["gradients"] == 4 * num_adapter  # float32 gradients of A and B only
+    # AdamW: exp_avg and exp_avg_sq per adapter element, and a float32 step count per tensor.
+    assert need.resident["optimizer"] == 8 * num_adapter + 4 * len(adapter)
+    weights = [*policy.module.parameters(), *policy.module.buffers()]
+    assert need.resident["weights"] == sum(t.nbytes for t in weights)
