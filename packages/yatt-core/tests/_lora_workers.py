@@ -2,8 +2,10 @@
 
     python _lora_workers.py PARALLEL OUT_DIR MODEL_DIR     (torchrun-style env vars set)
 
-Each rank trains its shard of _workers.make_global_batch() for one step with a LoRA policy
-and writes what it saw to OUT_DIR/rank{R}.pt.
+Each rank trains its shard of _workers.make_global_batch() for two steps with a LoRA policy,
+checkpoints it (yatt.ckpt, every rank writing its shards), takes a third step, then loads the
+checkpoint into a fresh policy and takes that third step again; it writes what it saw to
+OUT_DIR/rank{R}.pt.
 """
 
 from __future__ import annotations
@@ -55,8 +57,18 @@ def main() -> None:
     parallel, out_dir, model_dir = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     with init_runtime(seed=0) as rt:
         batch = make_global_batch().select(SHARDS[rt.dp_size][rt.dp_rank])
-        policy = TorchPolicy(lora_config(model_dir, parallel, max_tokens=24), rt)
+        config = lora_config(model_dir, parallel, max_tokens=24)
+        policy = TorchPolicy(config, rt)
         out = run_lora_steps(policy, batch)
+        from yatt.ckpt import Checkpointer
+
+        with Checkpointer(out_dir / "ckpts", async_save=False) as checkpointer:
+            checkpointer.save(2, policy.state(), extra={"step": 2})
+            third = run_lora_steps(policy, batch, num_steps=1)
+            resumed = TorchPolicy(config, rt)
+            checkpointer.load(resumed.state())
+            again = run_lora_steps(resumed, batch, num_steps=1)
+        out["third"], out["resumed_third"] = third["adapter"], again["adapter"]
         dist.barrier()
         torch.save(out, out_dir / f"rank{rt.rank}.pt")
 

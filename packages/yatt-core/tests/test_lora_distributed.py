@@ -1,5 +1,6 @@
 """LoRA under DDP and FSDP2 on two gloo ranks: the adapter's step equals a single-process step
-on the whole batch, the ranks agree, and the reference pass (adapter off) is the base's."""
+on the whole batch, the ranks agree, the reference pass (adapter off) is the base's, and a
+checkpoint of the adapter (sharded under FSDP2) resumes exactly."""
 
 import importlib.util
 import sys
@@ -29,6 +30,7 @@ def _launch(parallel: str, out_dir: Path, model_dir: str) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
 def test_lora_steps_under_data_parallel_equal_one_process(tiny_model_dir, tmp_path, parallel):
+    pytest.importorskip("yatt.ckpt")  # a sibling: installed beside yatt-core, not by it
     ranks = _launch(parallel, tmp_path / parallel, tiny_model_dir)
     # The reference: one process, the whole batch in one micro-batch.
     config = workers.lora_config(tiny_model_dir, "none", max_tokens=10_000)
@@ -51,6 +53,10 @@ def test_lora_steps_under_data_parallel_equal_one_process(tiny_model_dir, tmp_pa
             torch.testing.assert_close(out["merged"][name], tensor, atol=1e-4, rtol=0)
     for name, tensor in ranks[0]["adapter"].items():
         assert torch.equal(tensor, ranks[1]["adapter"][name]), name
+    for out in ranks:  # the resumed policy's next step is the uninterrupted one, bit for bit
+        for name, tensor in out["third"].items():
+            assert torch.equal(out["resumed_third"][name], tensor), name
+            assert not torch.equal(out["adapter"][name], tensor) or name.endswith("scaling")
     # The steps moved the adapter's B away from its zero start: not a comparison of no-ops.
     moved = [n for n, t in ref["adapter"].items() if n.endswith(".lora_B") and t.abs().max() > 0]
     assert len(moved) == 14
