@@ -128,12 +128,11 @@ def check_lora_targets(lora: LoraConfig, model_dir: str, field: str) -> None:
     names = [name for name, _ in model.named_modules() if name]
     head = model.get_output_embeddings()
     head_name = next((n for n, m in model.named_modules() if m is head), None)
-    config = _maybe_include_all_linear_layers(to_peft_config(lora), model)
     targets = lora.target_modules
     entries = [targets] if isinstance(targets, str) else list(targets)
     for entry in entries:
-        if entry == "all-linear":
-            single = config
+        if targets == "all-linear":  # PEFT's shorthand, resolved against this model
+            single = _maybe_include_all_linear_layers(to_peft_config(lora), model)
         elif isinstance(targets, str):
             single = to_peft_config(lora)  # one regular expression
         else:
@@ -141,7 +140,11 @@ def check_lora_targets(lora: LoraConfig, model_dir: str, field: str) -> None:
         matched = [n for n in names if check_target_module_exists(single, n)]
         if not matched:
             linears = sorted(
-                {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_linear(m)}
+                {
+                    n.rsplit(".", 1)[-1]
+                    for n, m in model.named_modules()
+                    if isinstance(m, torch.nn.Linear)
+                }
             )
             raise ValueError(
                 f"{field}: {entry!r} matches no module of the model in {model_dir!r}; its linear "
@@ -153,10 +156,6 @@ def check_lora_targets(lora: LoraConfig, model_dir: str, field: str) -> None:
                 "computed chunk by chunk from its weight (an adapter there would be skipped); "
                 "target the decoder's layers"
             )
-
-
-def _is_linear(module: torch.nn.Module) -> bool:
-    return isinstance(module, torch.nn.Linear)
 
 
 def _meta_model(model_dir: str) -> torch.nn.Module:
