@@ -63,43 +63,94 @@ def test_a_damaged_line_before_the_end_is_an_error(tmp_path):
         RunLog(tmp_path, should_use_tensorboard=False, resume_step=1)
 
 
-class FakeWandb:
-    """The part of the wandb module RunLog uses (wandb 0.2x: init/log/finish, util.generate_id)."""
+def _wandb_records(path):
+    """The protobuf records of an offline run's .wandb file. The file is wandb's framing of
+    LevelDB's log format (a 7-byte ':W&B' header, then 32 KiB blocks of records, each with a
+    7-byte header: crc32, length, kind 1=full 2=first 3=middle 4=last). Read here because wandb
+    0.31 ships no Python reader for it, and the records are what a sync would upload."""
+    import struct
 
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-        self.util = type("util", (), {"generate_id": staticmethod(lambda: "run123")})
+    from wandb.proto import wandb_internal_pb2
 
-    def init(self, **kwargs):
-        self.calls.append(("init", kwargs))
-        return self
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, parts = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:
+            break
+        parts += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            yield record
+            parts = b""
 
-    def log(self, data, step):
-        self.calls.append(("log", step, data))
 
-    def finish(self):
-        self.calls.append(("finish",))
+def _wandb_run(run_file):
+    """(run id, project, config, history rows) of one offline run file."""
+    run_id = project = None
+    config, history = {}, []
+    for record in _wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run_id, project = record.run.run_id, record.run.project
+            config |= {u.key: json.loads(u.value_json) for u in record.run.config.update}
+        elif kind == "history":
+            # wandb stores a key with "/" as its parts (nested_key), others as key
+            row = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.history.item
+            }
+            history.append({k: v for k, v in row.items() if not k.startswith("_")})
+    return run_id, project, config, history
 
 
-def test_wandb_gets_every_step_and_a_resume_continues_its_run(tmp_path, monkeypatch):
-    import importlib.util
-    import sys
+@pytest.fixture
+def offline_wandb(tmp_path, monkeypatch):
+    """The real wandb package in offline mode: nothing leaves the machine."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_RUN_ID", raising=False)
+    monkeypatch.delenv("WANDB_RESUME", raising=False)
+    (tmp_path / "wandb_dir").mkdir()
+    return tmp_path / "out"
 
-    fake = FakeWandb()
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
-    log = RunLog(tmp_path, should_use_tensorboard=False, wandb_project="p", wandb_config={"lr": 1})
+
+def test_wandb_gets_every_step_and_a_resume_continues_its_run(offline_wandb):
+    out = offline_wandb
+    log = RunLog(out, should_use_tensorboard=False, wandb_project="p", wandb_config={"lr": 1})
     log.log(0, {"reward/mean": 0.5})
+    log.log(1, {"reward/mean": 0.7})
     log.close()
-    init = fake.calls[0][1]
-    assert (init["project"], init["id"], init["config"]) == ("p", "run123", {"lr": 1})
-    assert fake.calls[1] == ("log", 0, {"step": 0, "reward/mean": 0.5})
-    assert fake.calls[-1] == ("finish",)
+    (first,) = sorted(out.glob("wandb/offline-run-*/run-*.wandb"))
+    run_id, project, config, history = _wandb_run(first)
+    assert run_id == (out / "wandb_run_id").read_text().strip()
+    assert (project, config["lr"]) == ("p", 1)
+    assert history == [{"step": 0, "reward/mean": 0.5}, {"step": 1, "reward/mean": 0.7}]
 
-    fake.calls.clear()
-    fake.util.generate_id = staticmethod(lambda: "other")  # a new id would start a new run
-    RunLog(tmp_path, should_use_tensorboard=False, resume_step=1, wandb_project="p").close()
-    assert fake.calls[0][1]["id"] == "run123" and fake.calls[0][1]["resume"] == "allow"
+    resumed = RunLog(out, should_use_tensorboard=False, resume_step=1, wandb_project="p")
+    resumed.log(1, {"reward/mean": 0.9})
+    resumed.close()
+    second = [p for p in out.glob("wandb/offline-run-*/run-*.wandb") if p != first]
+    assert len(second) == 1
+    resumed_id, _, _, resumed_history = _wandb_run(second[0])
+    assert resumed_id == run_id, "a resume continues the same W&B run"
+    assert resumed_history == [{"step": 1, "reward/mean": 0.9}]
+
+
+def test_two_fresh_runs_get_different_wandb_ids(offline_wandb):
+    ids = []
+    for name in ("a", "b"):
+        RunLog(offline_wandb / name, should_use_tensorboard=False, wandb_project="p").close()
+        ids.append((offline_wandb / name / "wandb_run_id").read_text().strip())
+    assert ids[0] != ids[1] and all(i.isalnum() and i.islower() for i in ids)
 
 
 def test_a_wandb_project_without_wandb_is_a_clear_error(tmp_path, monkeypatch):

@@ -12,6 +12,8 @@ import importlib.util
 import json
 import logging
 import math
+import secrets
+import string
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,13 @@ def check_wandb(project: str | None) -> None:
     """A named W&B project needs wandb installed: call before anything expensive starts."""
     if project and importlib.util.find_spec("wandb") is None:
         raise ValueError(f"wandb_project={project!r} needs wandb: pip install wandb")
+
+
+def new_wandb_run_id() -> str:
+    """A fresh W&B run id. Made here, not by wandb: `wandb.util.generate_id` was removed in
+    wandb 0.28.2, and W&B accepts any id of lowercase letters and digits."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(12))
 
 
 class RunLog:
@@ -74,7 +83,7 @@ class RunLog:
         if resume_step is not None and id_path.exists():
             run_id = id_path.read_text().strip()
         else:
-            run_id = wandb.util.generate_id()
+            run_id = new_wandb_run_id()
             id_path.write_text(run_id + "\n")
         return wandb.init(
             project=project,
