@@ -13,7 +13,10 @@ skipped, counted per cause (`skipped_by_cause()`, fixed keys for metrics) and lo
 is then smaller on that rank. Sizes are checked before the costly step, so one bad row costs a
 bounded time and memory: a JSONL line's length before it is read (max_row_bytes), a prompt's
 UTF-8 bytes before it is tokenized (max_prompt_bytes), an image file's stat and size before it
-is opened (max_image_bytes) and its header's pixel count before it is decoded.
+is opened (max_image_bytes) and its header's pixel count before it is decoded; a Parquet row's
+Arrow bytes before it becomes Python objects (max_row_bytes), a `datasets` column of images
+(one, or a list) read as stored, never decoded by `datasets`; a row's nesting depth
+(MAX_ROW_DEPTH) before anything else reads it.
 
 With `image_key`, a row's images are opened where the row is read (this rank): the field may
 hold a path (relative to the data file's folder, or absolute), bytes, a `datasets` Image
@@ -63,8 +66,13 @@ _NUM_ROWS_CHECKED = 16  # rows read at start-up to catch a misspelled key
 # real text (English about 4, CJK about 3 to 6); pass max_prompt_bytes for an exact one, e.g.
 # max_prompt_tokens x the vocabulary's longest token in bytes.
 MAX_BYTES_PER_TOKEN = 128
+# A row nested deeper than this (lists and dicts in lists and dicts) is skipped (too_deep):
+# it would pass the loader, then fail where it is pickled for a reward worker. Chat messages
+# are 3 deep, verl's rows 3.
+MAX_ROW_DEPTH = 64
 # Why a row was skipped, as metric keys (every rank reports all of them, zeros included).
 SKIP_CAUSES = (
+    "too_deep",
     "unreadable",
     "no_prompt",
     "bad_prompt",
@@ -119,8 +127,9 @@ class ShardedLoader:
         should_open_images: open them into PIL images (default; see the module docstring),
         or False to pass the field on as stored (a payload the caller decodes itself).
         max_image_pixels: skip rows with an image of more pixels (width x height) than this.
-        max_row_bytes: a JSONL row whose line is longer is skipped as too_long without being
-        read (default 64 MiB; Parquet and datasets rows are decoded by their readers).
+        max_row_bytes: a JSONL row whose line is longer, or a Parquet row (or a datasets row
+        with images left undecoded) of more Arrow bytes, is skipped as too_long before it is
+        made into Python objects (default 64 MiB).
         max_prompt_bytes: a prompt of more UTF-8 bytes (a message list: its contents') is
         skipped as too_long before count_tokens sees it; default max_prompt_tokens x
         MAX_BYTES_PER_TOKEN (128), none without max_prompt_tokens. The bound assumes the chat
@@ -380,6 +389,8 @@ class ShardedLoader:
         # The source gives a BadRow for a row it could not give (bad JSON, a line too long).
         if isinstance(row, BadRow):
             return None, (row.cause, row.reason)
+        if _is_deeper_than(row, MAX_ROW_DEPTH):
+            return None, ("too_deep", f"fields nested over {MAX_ROW_DEPTH} levels")
         problem = self._check_row(row)
         if problem is not None:
             return None, problem
@@ -430,6 +441,9 @@ class ShardedLoader:
                 return "bad_field", f"{key!r} is {value}, not a finite number"
             if isinstance(value, str) and (not value or value.isspace()):
                 return "bad_field", f"{key!r} holds no text (empty or whitespace only)"
+            if isinstance(value, str) and not _is_valid_unicode(value):
+                # A lone surrogate (JSON's \ud800): a tokenizer raises a TypeError on it.
+                return "bad_field", f"{key!r} is not valid Unicode text (a lone surrogate)"
         if self.max_prompt_tokens is not None:
             assert self.count_tokens is not None
             num_tokens = self.count_tokens(prompt)
@@ -525,6 +539,33 @@ class ShardedLoader:
 def _check_positive_int(name: str, value: Any, unit: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be an int >= 1 ({unit})")
+
+
+def _is_valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_deeper_than(row: Mapping[str, Any], limit: int) -> bool:
+    """Whether a field of `row` nests lists and dicts more than `limit` levels deep (a field
+    that is a list of dicts: 2). Iterative: a row nested past Python's recursion limit is
+    measured too, and the walk stops at the first container past the limit."""
+    stack = [(value, 1) for value in row.values()]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _is_message(item: Any) -> bool:
