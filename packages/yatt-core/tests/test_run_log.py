@@ -163,3 +163,89 @@ def test_a_wandb_project_without_wandb_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="pip install wandb"):
         RunLog(tmp_path, wandb_project="p")
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_log_samples_writes_jsonl_and_tensorboard_text_and_resumes(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from yatt.core.runtime._run_log import MAX_SAMPLE_CHARS
+
+    log = RunLog(tmp_path)
+    long_text = "x" * (MAX_SAMPLE_CHARS + 10)
+    for step in range(3):
+        log.log_samples(step, [{"prompt": "1+1=", "completion": "2", "reward": 1.0}])
+    log.log_samples(3, [{"prompt": "p|q", "completion": long_text, "reward": -1.0}])
+    log.log_samples(4, [])  # nothing sampled: nothing written
+    log.close()
+    rows = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[0] == {"step": 0, "prompt": "1+1=", "completion": "2", "reward": 1.0}
+    assert rows[3]["completion"].endswith("...[10 chars cut]")
+    assert len(rows[3]["completion"]) < MAX_SAMPLE_CHARS + 30
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    (text,) = [tag for tag in events.Tags()["tensors"] if tag.startswith("samples")]
+    assert [e.step for e in events.Tensors(text)] == [0, 1, 2, 3]
+    table = events.Tensors(text)[3].tensor_proto.string_val[0].decode()
+    assert "| prompt | completion | reward |" in table and "p\\|q" in table
+
+    resumed = RunLog(tmp_path, should_use_tensorboard=False, resume_step=2)
+    assert [r["step"] for r in resumed.read_samples()] == [0, 1]
+    RunLog(tmp_path, should_use_tensorboard=False)  # a fresh run: no stale samples
+    assert not (tmp_path / "samples.jsonl").exists()
+
+
+def _records():
+    """Ten steps: a noisy reward, an eval every 5 steps, a CUDA counter that is 0 on CPU."""
+    records = []
+    for step in range(10):
+        record = {"step": step, "reward/accuracy": float(step % 2), "memory/cuda_gb": 0.0}
+        if step % 5 == 0:
+            record |= {"eval/accuracy": 0.1 * step, "eval/num_samples": 8.0}
+        records.append(record)
+    return records
+
+
+def test_the_plot_draws_eval_curves_beside_training_and_leaves_out_flat_counters():
+    from yatt.core.runtime._run_log import plan_plot
+
+    panels = {p.key: p for p in plan_plot(_records(), None)}
+    # The CUDA counter never changes; eval/num_samples neither: both left out.
+    assert list(panels) == ["reward/accuracy"]
+    train, evaluation = panels["reward/accuracy"].lines
+    assert train.steps == list(range(10)) and not train.is_eval
+    assert (evaluation.key, evaluation.steps, evaluation.values) == (
+        "eval/accuracy",
+        [0, 5],
+        [0.0, 0.5],
+    )
+    assert evaluation.is_eval and evaluation.smoothed is None  # sparse points: drawn as they are
+    # Asked by name, an eval key with no training key has its own panel.
+    (alone,) = plan_plot(_records(), ["eval/accuracy"])
+    assert alone.lines[0].values == [0.0, 0.5]
+
+
+def test_noisy_lines_are_smoothed_as_tensorboard_does():
+    from yatt.core.runtime._run_log import SMOOTHING, plan_plot
+
+    (panel,) = plan_plot(_records(), ["reward/accuracy"])
+    (line,) = [ln for ln in panel.lines if not ln.is_eval]
+    w = SMOOTHING
+    # The debiased EMA in closed form: s_t = sum_k (1 - w) w^(t - k) x_k / (1 - w^t).
+    xs = [float(t % 2) for t in range(10)]
+    want = [
+        sum((1 - w) * w ** (t - k) * xs[k - 1] for k in range(1, t + 1)) / (1 - w**t)
+        for t in range(1, 11)
+    ]
+    assert line.smoothed == pytest.approx(want, rel=1e-12)
+    assert line.smoothed[0] == 0.0 and 0.3 < line.smoothed[-1] < 0.7  # between the extremes
+    few = [{"step": s, "loss": float(s % 2)} for s in range(4)]
+    assert plan_plot(few, ["loss"])[0].lines[0].smoothed is None  # too few points to smooth
+
+
+def test_plot_of_every_varying_key_writes_a_png(tmp_path):
+    log = RunLog(tmp_path, should_use_tensorboard=False)
+    for record in _records():
+        log.log(record["step"], {k: v for k, v in record.items() if k != "step"})
+    path = log.plot()
+    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
