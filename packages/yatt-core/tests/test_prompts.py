@@ -237,3 +237,17 @@ def test_a_row_of_several_images_counts_with_one_placeholder_then_encodes_with_a
     (prompt,) = encoder.encode(loader.next_batch())
     assert sum(encoder.tokenizer.texts.values()) == 2
     assert len(prompt.images) == 2 and prompt.vision.num_images == 2
+
+
+def test_a_lone_surrogate_in_a_role_or_text_is_a_bad_prompt_not_a_tokenizer_error(tmp_path):
+    tokenizer = make_tokenizer()
+    encoder = core.PromptEncoder(tokenizer, model_dir=str(tmp_path), max_prompt_tokens=200)
+    rows = [
+        {"prompt": [{"role": "us\ud800er", "content": "hi"}], core.ROW_INDEX_KEY: 0},
+        {"prompt": "1+1=", core.ROW_INDEX_KEY: 1},
+    ]
+    assert encoder.count_tokens(rows[0]["prompt"]) == 0  # the loader keeps it for encode to skip
+    assert [p.row[core.ROW_INDEX_KEY] for p in encoder.encode(rows)] == [1]
+    assert encoder.skipped == {"bad_prompt": 1}
+    with pytest.raises(core.PromptError, match="not valid Unicode"):
+        core.prompt_ids("a\ud800", tokenizer, should_apply_chat_template=False)

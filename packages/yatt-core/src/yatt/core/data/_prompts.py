@@ -82,9 +82,9 @@ def prompt_ids(
     """Token ids of a row's prompt: a message list (or, when asked, plain text as one user
     message) through the tokenizer's chat template, with the assistant turn opened and
     chat_template_kwargs given to the template. Raises PromptError when the template refuses
-    the messages: the row is a bad_prompt skip."""
+    the messages, or when the text is not valid Unicode: the row is a bad_prompt skip."""
     if isinstance(prompt, str) and not should_apply_chat_template:
-        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return tokenizer(_checked_text(prompt), add_special_tokens=False)["input_ids"]
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     try:
         text = tokenizer.apply_chat_template(
@@ -94,7 +94,17 @@ def prompt_ids(
         roles = [message.get("role") for message in messages]
         raise PromptError(f"the policy's chat template refused roles {roles}: {exc}") from None
     # The chat template already wrote any BOS it wants; don't add a second one.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(_checked_text(text), add_special_tokens=False)["input_ids"]
+
+
+def _checked_text(text: str) -> str:
+    """`text`, or PromptError when it holds a lone surrogate (JSON's "\\ud800", in a role or a
+    content): a fast tokenizer raises a TypeError naming nothing on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise PromptError(f"the prompt is not valid Unicode text ({err.reason})") from None
+    return text
 
 
 def prompt_token_counter(

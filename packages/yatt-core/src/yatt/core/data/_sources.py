@@ -28,7 +28,8 @@ _SCAN_BYTES = 1 << 20  # an oversized line is measured in pieces of this size, n
 DEFAULT_MAX_ROW_BYTES = 64 << 20
 # Decoded Parquet row groups kept for later draws (a draw touches the groups of its rows; a
 # file of one group, the common case, was decompressed whole for every batch): up to this many
-# bytes of Arrow data, and always the last group read.
+# bytes of Arrow data, and always the last group read. Keeping that one costs no more than
+# the peak each draw already paid to decode it; it is held between draws instead.
 PARQUET_GROUP_CACHE_BYTES = 256 << 20
 
 
