@@ -91,11 +91,21 @@ def _wandb_records(path):
             parts = b""
 
 
-def _wandb_run(run_file):
-    """(run id, project, config, history rows) of one offline run file."""
+def _wandb_run(run_file, timeout_s: float = 60.0):
+    """(run id, project, config, history rows) of one offline run file. wandb's service may
+    still be writing it when finish() returns: read once its exit record is there."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = list(_wandb_records(run_file))
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            break
+        assert time.monotonic() < deadline, f"{run_file} got no exit record in {timeout_s} s"
+        time.sleep(0.2)
     run_id = project = None
     config, history = {}, []
-    for record in _wandb_records(run_file):
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run_id, project = record.run.run_id, record.run.project
@@ -249,3 +259,24 @@ def test_plot_of_every_varying_key_writes_a_png(tmp_path):
         log.log(record["step"], {k: v for k, v in record.items() if k != "step"})
     path = log.plot()
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_log_samples_reach_wandb_as_a_table(offline_wandb):
+    out = offline_wandb
+    log = RunLog(out, should_use_tensorboard=False, wandb_project="p")
+    log.log(0, {"reward/mean": 0.5})
+    log.log_samples(0, [{"prompt": "1+1=", "completion": "2", "reward": 1.0, "meta": {"a": 1}}])
+    log.close()
+    (run_file,) = out.glob("wandb/offline-run-*/run-*.wandb")
+    *_, history = _wandb_run(run_file)
+    # wandb keeps the step's metrics and its table in one history row, the table's fields
+    # flattened under "samples/".
+    (row,) = history
+    assert (row["reward/mean"], row["samples/_type"], row["samples/nrows"]) == (
+        0.5,
+        "table-file",
+        1,
+    )
+    table = json.loads(next(run_file.parent.glob("files/" + row["samples/path"])).read_text())
+    assert table["columns"] == ["step", "prompt", "completion", "reward", "meta"]
+    assert table["data"] == [[0, "1+1=", "2", 1.0, '{"a": 1}']]

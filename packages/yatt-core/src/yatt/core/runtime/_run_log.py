@@ -123,7 +123,8 @@ class RunLog:
 
     def log_samples(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
         """A few sampled completions of this step, e.g. {"prompt", "completion", "reward"}:
-        one JSON line each in samples.jsonl (with "step") and a TensorBoard text table. Text
+        one JSON line each in samples.jsonl (with "step"), a TensorBoard text table and, with
+        W&B, a table "samples" (log the step's metrics first: W&B steps only go up). Text
         over MAX_SAMPLE_CHARS is cut; values JSON cannot hold are written as text."""
         if not self.is_writer or not records:
             return
@@ -133,6 +134,12 @@ class RunLog:
         if self._tb is not None:
             self._tb.add_text("samples", _markdown_table(rows), step)
             self._tb.flush()
+        if self._wandb is not None:
+            import wandb
+
+            columns = list(dict.fromkeys(k for row in rows for k in row))
+            data = [[_table_cell(row.get(c)) for c in columns] for row in rows]
+            self._wandb.log({"samples": wandb.Table(columns=columns, data=data)}, step=step)
 
     def read_samples(self) -> list[dict[str, Any]]:
         if not self.samples_path.exists():
@@ -270,6 +277,13 @@ def _cut(value: Any) -> Any:
     if isinstance(value, str) and len(value) > MAX_SAMPLE_CHARS:
         return value[:MAX_SAMPLE_CHARS] + f" ...[{len(value) - MAX_SAMPLE_CHARS} chars cut]"
     return value
+
+
+def _table_cell(value: Any) -> Any:
+    """A W&B table cell: numbers and text as they are, anything else as JSON text."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return json.dumps(value, default=str)
 
 
 def _markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
