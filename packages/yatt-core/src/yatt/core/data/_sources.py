@@ -296,12 +296,13 @@ class HfDatasetSource:
                     _stop_decoding_images(features[name], datasets.Image)
             self._raw_features = features
         self._dataset = dataset
+        self._arrow_rows = dataset.with_format("arrow")  # rows as stored, for _raw_features
         self.num_rows = int(dataset.num_rows)
 
     def read(self, indices: Sequence[int]) -> list[dict[str, Any] | BadRow]:
         index_list = [int(i) for i in indices]
         if self._raw_features is not None:
-            table = self._dataset.with_format("arrow")[index_list]
+            table = self._arrow_rows[index_list]
             return [self._decode(table.slice(i, 1)) for i in range(table.num_rows)]
         try:
             columns = self._dataset[index_list]
