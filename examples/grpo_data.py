@@ -1,7 +1,7 @@
 """What the reference trainer makes of a data row: the policy's prompt and the judge's sample.
 
     row = {"prompt": "3+4=", "answer": 7}                 # or "prompt": [{role, content}, ...]
-    prompt_ids(row["prompt"], tokenizer, should_apply_chat_template)   # what the policy reads
+    core.prompt_ids(row["prompt"], tokenizer, should_apply_chat_template)  # the policy's ids
     judge_sample(row, response, prompt_key="prompt", answer_key="answer")  # what the judge reads
     Scored(completion, sample, verdict, prompt)           # one judged response of a round
 
@@ -15,60 +15,20 @@ messages (an unknown role) makes it a bad_prompt skip. The judge reads the messa
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import jinja2
 
 from yatt import core, genrm, rollout
 
 logger = logging.getLogger("train_grpo")
 
-Prompt = str | list[dict[str, str]]
-
-
-class PromptError(ValueError):
-    """The policy's chat template refused a row's messages (a strict template, Gemma or
-    Mistral style, raises on a role it does not know or on roles that do not alternate)."""
-
-
-def prompt_ids(prompt: Prompt, tokenizer: Any, should_apply_chat_template: bool) -> list[int]:
-    """Token ids of a row's prompt: a message list (or, when asked, plain text as one user
-    message) through the tokenizer's chat template, with the assistant turn opened. Raises
-    PromptError when the template refuses the messages: the row is a bad_prompt skip."""
-    if isinstance(prompt, str) and not should_apply_chat_template:
-        return tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except jinja2.TemplateError as exc:  # raise_exception(...) in the template, or an undefined
-        roles = [message.get("role") for message in messages]
-        raise PromptError(f"the policy's chat template refused roles {roles}: {exc}") from None
-    # The chat template already wrote any BOS it wants; don't add a second one.
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def prompt_token_counter(
-    tokenizer: Any, should_apply_chat_template: bool
-) -> Callable[[Prompt], int]:
-    """A row prompt's token count for the loader's length check; 0 for a prompt the chat
-    template refuses (the prompt encoder skips it, counted as bad_prompt)."""
-
-    def count_tokens(prompt: Prompt) -> int:
-        try:
-            return len(prompt_ids(prompt, tokenizer, should_apply_chat_template))
-        except PromptError:
-            return 0
-
-    return count_tokens
-
-
-def prompt_text(prompt: Prompt) -> str:
-    """What the judge reads as the prompt: a message list as "role: content" lines."""
-    if isinstance(prompt, list):
-        return "\n".join(f"{message['role']}: {message['content']}" for message in prompt)
-    return prompt
+# The prompt functions are yatt.core's (PromptError, prompt_ids, prompt_token_counter,
+# prompt_text), kept importable from here for the trainer's modules.
+PromptError = core.PromptError
+prompt_ids = core.prompt_ids
+prompt_token_counter = core.prompt_token_counter
+prompt_text = core.prompt_text
 
 
 def judge_sample(
@@ -92,9 +52,7 @@ class Scored:
     completion: rollout.Completion
     sample: genrm.Sample  # what the judge read: prompt text, the response decoded once, reference
     verdict: genrm.Verdict
-    # The row, its token ids and its images: a grpo_prompts.Prompt (that module builds on this
-    # one, so the type is not imported here: no import circle).
-    prompt: Any
+    prompt: core.Prompt  # the row, its token ids and its images
 
 
 def row_fields_read_by(template: genrm.JudgeTemplate, answer_key: str) -> list[str]:

@@ -1,6 +1,6 @@
-"""The trainer's prompt encoder does each expensive thing once: a prompt is tokenized once (the
-loader's length check keeps its ids for the encoder), and a row's images go through the image
-processor once (the rollout engine takes the processed pixels that come with the request)."""
+"""The trainer's prompts (yatt.core.PromptEncoder, tested in yatt-core's test_prompts.py) reach
+the rollout engine with their images processed once: the built-in engine samples from the
+pixels that come with the request (Prompt.request())."""
 
 NUM_GPUS = 0
 
@@ -46,15 +46,6 @@ def vlm_dir(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def text_dir(tmp_path_factory) -> Path:
-    from yatt.testing import make_tiny_causal_lm
-
-    path = tmp_path_factory.mktemp("llama")
-    make_tiny_causal_lm(path, arch="llama")
-    return path
-
-
 def _encoder(model_dir: Path, *, image_key: str = "") -> grpo_prompts.PromptEncoder:
     from transformers import AutoTokenizer
 
@@ -79,8 +70,7 @@ def _loader(path: Path, encoder, num_rows: int, **images) -> core.ShardedLoader:
         world_size=1,
         prompt_key="prompt",
         seed=0,
-        max_prompt_tokens=MAX_SEQ_LEN - MAX_NEW_TOKENS,
-        count_tokens=encoder.count_tokens,
+        prompt_encoder=encoder,
         **images,
     )
 
@@ -88,32 +78,6 @@ def _loader(path: Path, encoder, num_rows: int, **images) -> core.ShardedLoader:
 def _write_rows(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
-
-
-def test_a_prompt_the_loader_counted_is_not_tokenized_again(tmp_path, text_dir):
-    encoder = _encoder(text_dir)
-    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "3+4="}]
-    rows = [{"prompt": f"{i}+1="} for i in range(5)] + [{"prompt": messages}]
-    loader = _loader(_write_rows(tmp_path / "rows.jsonl", rows), encoder, len(rows))
-    prompts = encoder.encode(loader.next_batch())
-    assert len(prompts) == len(rows)
-    # One tokenizer call per prompt (the loader's count and the encoder's ids were two).
-    assert sum(encoder.tokenizer.texts.values()) == len(rows)
-    assert set(encoder.tokenizer.texts.values()) == {1}
-    # The kept ids are the prompt's own: its chat-templated text, tokenized.
-    plain = encoder.tokenizer.tokenizer
-    for prompt in prompts:
-        value = prompt.row["prompt"]
-        chat = value if isinstance(value, list) else [{"role": "user", "content": value}]
-        text = plain.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        assert prompt.ids == plain(text, add_special_tokens=False)["input_ids"]
-    assert not encoder._counted  # nothing kept once encoded
-
-
-def test_a_prompt_not_counted_is_tokenized_when_encoded(text_dir):
-    encoder = _encoder(text_dir)
-    (prompt,) = encoder.encode([{"prompt": "2+2=", core.ROW_INDEX_KEY: 0}])
-    assert sum(encoder.tokenizer.texts.values()) == 1 and prompt.ids
 
 
 def _image_rows(tmp_path: Path, images_per_row) -> list[dict]:
@@ -160,16 +124,3 @@ def test_an_image_row_is_tokenized_once_and_its_images_processed_once(tmp_path, 
     ]
     assert spy.num_images == 6
     engine.close()
-
-
-def test_a_row_of_several_images_counts_with_one_placeholder_then_encodes_with_all(
-    tmp_path, vlm_dir
-):
-    """The loader counts before a row's images are opened, so with one image placeholder (a
-    lower bound); a row of two images is tokenized again with both (the one second call)."""
-    encoder = _encoder(vlm_dir, image_key="image")
-    rows = _image_rows(tmp_path, images_per_row=(2,))
-    loader = _loader(_write_rows(tmp_path / "rows.jsonl", rows), encoder, 1, image_key="image")
-    (prompt,) = encoder.encode(loader.next_batch())
-    assert sum(encoder.tokenizer.texts.values()) == 2
-    assert len(prompt.images) == 2 and prompt.vision.num_images == 2

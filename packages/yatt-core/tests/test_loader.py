@@ -144,6 +144,7 @@ def test_bad_rows_are_counted_and_skipped(tmp_path, caplog):
         "image_too_large": 0,
         "no_field": 0,
         "bad_field": 0,
+        "too_deep": 0,
     }
 
 

@@ -13,6 +13,17 @@ from yatt.core.data._batch import Batch
 from yatt.core.data._loader import ROW_INDEX_KEY, ShardedLoader
 from yatt.core.data._mini_batches import split_mini_batches
 from yatt.core.data._model_paths import resolve_model_dir
+from yatt.core.data._prompts import (
+    Prompt,
+    PromptEncoder,
+    PromptError,
+    RowPrompt,
+    check_takes_images,
+    prompt_ids,
+    prompt_text,
+    prompt_token_counter,
+)
+from yatt.core.data._row_fields import get_field, has_field
 from yatt.core.megatron import MegatronPolicy, MegatronPolicyConfig
 from yatt.core.policy._backends import broadcast_to_tp_peers, build_policy, policy_config_from_dict
 from yatt.core.policy._export import (
@@ -105,6 +116,10 @@ __all__ = [
     "PartialSample",
     "PolicyBackend",
     "PolicyLoss",
+    "Prompt",
+    "PromptEncoder",
+    "PromptError",
+    "RowPrompt",
     "RunLog",
     "Runtime",
     "ShardedLoader",
@@ -120,6 +135,7 @@ __all__ = [
     "build_policy",
     "check_export_dir",
     "check_partial_resumption",
+    "check_takes_images",
     "check_wandb",
     "choose_max_tokens",
     "coerce_value",
@@ -145,6 +161,8 @@ __all__ = [
     "export_hf",
     "export_hf_from_checkpoint",
     "export_lora_adapter",
+    "get_field",
+    "has_field",
     "image_patches_of",
     "init_runtime",
     "load_image_processor",
@@ -153,6 +171,9 @@ __all__ = [
     "mask_truncated_responses",
     "merge_step_metrics",
     "policy_config_from_dict",
+    "prompt_ids",
+    "prompt_text",
+    "prompt_token_counter",
     "reduce_metrics",
     "resolve_model_dir",
     "rollout_batch",

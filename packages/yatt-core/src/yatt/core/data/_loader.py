@@ -13,7 +13,10 @@ skipped, counted per cause (`skipped_by_cause()`, fixed keys for metrics) and lo
 is then smaller on that rank. Sizes are checked before the costly step, so one bad row costs a
 bounded time and memory: a JSONL line's length before it is read (max_row_bytes), a prompt's
 UTF-8 bytes before it is tokenized (max_prompt_bytes), an image file's stat and size before it
-is opened (max_image_bytes) and its header's pixel count before it is decoded.
+is opened (max_image_bytes) and its header's pixel count before it is decoded; a Parquet row's
+Arrow bytes before it becomes Python objects (max_row_bytes), a `datasets` column of images
+(one, or a list) read as stored, never decoded by `datasets`; a row's nesting depth
+(MAX_ROW_DEPTH) before anything else reads it.
 
 With `image_key`, a row's images are opened where the row is read (this rank): the field may
 hold a path (relative to the data file's folder, or absolute), bytes, a `datasets` Image
@@ -33,6 +36,13 @@ from typing import Any
 
 import numpy as np
 
+from yatt.core.data._row_fields import (
+    field_names,
+    get_field,
+    has_field,
+    top_level_key,
+    with_field,
+)
 from yatt.core.data._sources import DEFAULT_MAX_ROW_BYTES, BadRow, open_source
 from yatt.core.vision._row_images import (
     DEFAULT_MAX_IMAGE_BYTES,
@@ -56,8 +66,13 @@ _NUM_ROWS_CHECKED = 16  # rows read at start-up to catch a misspelled key
 # real text (English about 4, CJK about 3 to 6); pass max_prompt_bytes for an exact one, e.g.
 # max_prompt_tokens x the vocabulary's longest token in bytes.
 MAX_BYTES_PER_TOKEN = 128
+# A row nested deeper than this (lists and dicts in lists and dicts) is skipped (too_deep):
+# it would pass the loader, then fail where it is pickled for a reward worker. Chat messages
+# are 3 deep, verl's rows 3.
+MAX_ROW_DEPTH = 64
 # Why a row was skipped, as metric keys (every rank reports all of them, zeros included).
 SKIP_CAUSES = (
+    "too_deep",
     "unreadable",
     "no_prompt",
     "bad_prompt",
@@ -88,23 +103,33 @@ class ShardedLoader:
         should_shuffle: bool = True,
         max_prompt_tokens: int | None = None,
         count_tokens: Callable[[Any], int] | None = None,
+        prompt_encoder: Any = None,
         columns: Sequence[str] | None = None,
         required_keys: Sequence[str] = (),
+        expected_keys: Sequence[str] = (),
         max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
         max_prompt_bytes: int | None = None,
         max_image_bytes: int | None = None,
     ) -> None:
-        """batch_size: prompts per rank per step. max_prompt_tokens with count_tokens (e.g. a
-        tokenizer applied to the prompt) skips rows whose prompt is longer. columns: Parquet
+        """batch_size: prompts per rank per step. prompt_key, image_key, required_keys:
+        row fields, dotted for a nested one ("reward_model.ground_truth" reads
+        row["reward_model"]["ground_truth"]). prompt_encoder (a yatt.core.PromptEncoder):
+        counts a prompt's tokens as the policy reads them, keeping the ids for its encode();
+        max_prompt_tokens defaults to the encoder's. max_prompt_tokens with count_tokens
+        (e.g. a tokenizer applied to the prompt; not with prompt_encoder) skips rows whose
+        prompt is longer. columns: Parquet
         columns to read (default all). required_keys: fields a row must hold as a string or a
         number (e.g. the reference answer a judge reads); rows without them are skipped
         (no_field), as are rows where one is blank text or a non-finite number (bad_field).
+        expected_keys: fields the data must have (an answer no judge reads yet): a ValueError
+        at start-up when none of the first rows has one, but a row without it is kept.
         image_key: the field holding a row's image(s); rows without one are skipped.
         should_open_images: open them into PIL images (default; see the module docstring),
         or False to pass the field on as stored (a payload the caller decodes itself).
         max_image_pixels: skip rows with an image of more pixels (width x height) than this.
-        max_row_bytes: a JSONL row whose line is longer is skipped as too_long without being
-        read (default 64 MiB; Parquet and datasets rows are decoded by their readers).
+        max_row_bytes: a JSONL row whose line is longer, or a Parquet row (or a datasets row
+        with images left undecoded) of more Arrow bytes, is skipped as too_long before it is
+        made into Python objects (default 64 MiB).
         max_prompt_bytes: a prompt of more UTF-8 bytes (a message list: its contents') is
         skipped as too_long before count_tokens sees it; default max_prompt_tokens x
         MAX_BYTES_PER_TOKEN (128), none without max_prompt_tokens. The bound assumes the chat
@@ -119,6 +144,14 @@ class ShardedLoader:
             raise ValueError(f"world_size={world_size!r} must be an int >= 1")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
+        if prompt_encoder is not None:
+            if count_tokens is not None:
+                raise ValueError(
+                    "pass prompt_encoder or count_tokens, not both: the encoder counts tokens"
+                )
+            count_tokens = prompt_encoder.count_tokens
+            if max_prompt_tokens is None:
+                max_prompt_tokens = prompt_encoder.max_prompt_tokens
         if max_prompt_tokens is not None and count_tokens is None:
             raise ValueError(
                 f"max_prompt_tokens={max_prompt_tokens} needs count_tokens=<prompt -> token count>, "
@@ -158,7 +191,11 @@ class ShardedLoader:
         if image_key is not None and should_open_images:
             import_pil()  # ImportError now, naming the extra, not at the first row
         if columns is not None:
-            missing = [k for k in (prompt_key, image_key) if k is not None and k not in columns]
+            missing = [
+                k
+                for k in (prompt_key, image_key)
+                if k is not None and top_level_key(columns, k) not in columns
+            ]
             if missing:
                 raise ValueError(f"columns={list(columns)} must include {missing}")
         self.rank = rank
@@ -179,9 +216,12 @@ class ShardedLoader:
         self.max_prompt_bytes = max_prompt_bytes
         self.count_tokens = count_tokens
         self.required_keys = tuple(required_keys)
+        self.expected_keys = tuple(expected_keys)
         # A datasets Image column is opened here, not by datasets: its size and header are
         # checked before its pixels are decoded, as for any other image.
-        undecoded_images = [image_key] if image_key is not None and should_open_images else []
+        undecoded_images = (
+            [image_key.split(".", 1)[0]] if image_key is not None and should_open_images else []
+        )
         self._source = open_source(
             path, columns=columns, max_row_bytes=max_row_bytes, undecoded_images=undecoded_images
         )
@@ -218,22 +258,27 @@ class ShardedLoader:
         # (skipped later, and counted) refuses nothing, and a rank reads one row, not a shard.
         keys = [("prompt_key", self.prompt_key), ("image_key", self.image_key)]
         keys += [("required_keys", key) for key in self.required_keys]
+        keys += [("expected_keys", key) for key in self.expected_keys]
         wanted = [(name, key) for name, key in keys if key is not None]
         seen: set[str] = set()
+        found: set[str] = set()
         for index in range(min(_NUM_ROWS_CHECKED, self.num_rows)):
             row = self._source.read([index])[0]
             self.num_rows_parsed += 1
             if not isinstance(row, dict):
                 continue
-            if all(key in row for _, key in wanted):
+            held = {key for _, key in wanted if has_field(row, key)}
+            if len(held) == len(wanted):
                 return
-            seen |= set(row)
-        missing = [(name, key) for name, key in wanted if key not in seen]
+            found |= held
+            seen |= set(field_names(row))
+        missing = [(name, key) for name, key in wanted if key not in found]
         if seen and missing:
             name, key = missing[0]
             raise ValueError(
                 f"{name}={key!r} is not a field of the first {_NUM_ROWS_CHECKED} rows of "
-                f"{str(path)!r}; their fields are {sorted(seen)}"
+                f"{str(path)!r}; their fields are {sorted(seen)} (a nested field is named "
+                "with dots, e.g. 'reward_model.ground_truth')"
             )
 
     def first_rows(self, num_rows: int = 8) -> list[dict[str, Any]]:
@@ -344,6 +389,8 @@ class ShardedLoader:
         # The source gives a BadRow for a row it could not give (bad JSON, a line too long).
         if isinstance(row, BadRow):
             return None, (row.cause, row.reason)
+        if _is_deeper_than(row, MAX_ROW_DEPTH):
+            return None, ("too_deep", f"fields nested over {MAX_ROW_DEPTH} levels")
         problem = self._check_row(row)
         if problem is not None:
             return None, problem
@@ -351,19 +398,20 @@ class ShardedLoader:
         if self.image_key is not None and self.should_open_images:
             # Last: a row skipped for a cheaper cause never has its images decoded.
             try:
-                row[self.image_key] = open_row_images(
-                    row[self.image_key],
+                images = open_row_images(
+                    get_field(row, self.image_key),
                     base_dir=self._image_dir,
                     max_pixels=self.max_image_pixels,
                     max_bytes=self.max_image_bytes,
                 )
             except RowImageError as err:
                 return None, (err.cause, f"{self.image_key!r}: {err}")
+            row = with_field(row, self.image_key, images)
         return row, None
 
     def _check_row(self, row: Mapping[str, Any]) -> tuple[str, str] | None:
         """(cause, reason) when `row` is unusable, else None."""
-        prompt = row.get(self.prompt_key)
+        prompt = get_field(row, self.prompt_key)
         if prompt is None:
             return "no_prompt", f"no {self.prompt_key!r} field"
         if not isinstance(prompt, str | list):
@@ -381,10 +429,10 @@ class ShardedLoader:
         problem = self._check_prompt_bytes(prompt)
         if problem is not None:
             return problem
-        if self.image_key is not None and row.get(self.image_key) is None:
+        if self.image_key is not None and get_field(row, self.image_key) is None:
             return "no_image", f"no {self.image_key!r} field"
         for key in self.required_keys:
-            value = row.get(key)
+            value = get_field(row, key)
             # bool is an int in Python, never an answer; an int or float answer is used as text.
             if isinstance(value, bool) or not isinstance(value, str | int | float):
                 return "no_field", f"no {key!r} field with a string or number"
@@ -393,6 +441,9 @@ class ShardedLoader:
                 return "bad_field", f"{key!r} is {value}, not a finite number"
             if isinstance(value, str) and (not value or value.isspace()):
                 return "bad_field", f"{key!r} holds no text (empty or whitespace only)"
+            if isinstance(value, str) and not _is_valid_unicode(value):
+                # A lone surrogate (JSON's \ud800): a tokenizer raises a TypeError on it.
+                return "bad_field", f"{key!r} is not valid Unicode text (a lone surrogate)"
         if self.max_prompt_tokens is not None:
             assert self.count_tokens is not None
             num_tokens = self.count_tokens(prompt)
@@ -488,6 +539,33 @@ class ShardedLoader:
 def _check_positive_int(name: str, value: Any, unit: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be an int >= 1 ({unit})")
+
+
+def _is_valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_deeper_than(row: Mapping[str, Any], limit: int) -> bool:
+    """Whether a field of `row` nests lists and dicts more than `limit` levels deep (a field
+    that is a list of dicts: 2). Iterative: a row nested past Python's recursion limit is
+    measured too, and the walk stops at the first container past the limit."""
+    stack = [(value, 1) for value in row.values()]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children = item.values()
+        elif isinstance(item, list | tuple):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _is_message(item: Any) -> bool:

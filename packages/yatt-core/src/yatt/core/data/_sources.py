@@ -9,9 +9,11 @@ row, no payloads. `read(indices)` then materialises only the rows asked for, so 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,6 +26,11 @@ _SCAN_BYTES = 1 << 20  # an oversized line is measured in pieces of this size, n
 # room for a row with an inline base64 image of 32 MiB (43 MiB of text), and a bound on what
 # one row can cost to parse.
 DEFAULT_MAX_ROW_BYTES = 64 << 20
+# Decoded Parquet row groups kept for later draws (a draw touches the groups of its rows; a
+# file of one group, the common case, was decompressed whole for every batch): up to this many
+# bytes of Arrow data, and always the last group read. Keeping that one costs no more than
+# the peak each draw already paid to decode it; it is held between draws instead.
+PARQUET_GROUP_CACHE_BYTES = 256 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,9 +159,16 @@ def _parse_row(line: bytes) -> dict[str, Any] | BadRow:
 
 
 class ParquetSource:
-    """Rows of one or more Parquet files; reads only the row groups holding requested rows."""
+    """Rows of one or more Parquet files; reads only the row groups holding requested rows,
+    keeping decoded groups for later draws (PARQUET_GROUP_CACHE_BYTES). A row of more Arrow
+    bytes than `max_row_bytes` is a BadRow (too_long), never made into Python objects."""
 
-    def __init__(self, files: Sequence[Path], columns: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        files: Sequence[Path],
+        columns: Sequence[str] | None = None,
+        max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
+    ) -> None:
         try:
             import pyarrow.parquet as pq
         except ImportError as err:
@@ -164,6 +178,8 @@ class ParquetSource:
         self._pq = pq
         self._files = list(files)
         self._columns = None if columns is None else list(columns)
+        self._max_row_bytes = max_row_bytes
+        self._cache: OrderedDict[int, Any] = OrderedDict()  # group -> pyarrow Table, LRU
         groups = []  # (file index, row group index, first global row)
         start = 0
         for i, f in enumerate(self._files):
@@ -188,37 +204,63 @@ class ParquetSource:
         for g in np.unique(group_of).tolist():
             file_index, row_group, first = self._groups[g]
             positions = np.flatnonzero(group_of == g)
-            # One row group at a time: the transient peak is one group's requested columns.
             try:
-                table = self._pq.ParquetFile(self._files[file_index]).read_row_group(
-                    row_group, columns=self._columns
-                )
-                rows = table.take(index_arr[positions] - first).to_pylist()
-                del table
+                table = self._group_table(g)
             except Exception as err:  # a damaged page: this group's rows are skipped, counted
                 reason = (
                     f"row group {row_group} of {str(self._files[file_index])!r} cannot be read "
                     f"({type(err).__name__}: {err})"
                 )
                 rows = [BadRow(reason)] * len(positions)
+            else:
+                rows = [self._row(table, int(i)) for i in (index_arr[positions] - first)]
             for pos, row in zip(positions.tolist(), rows, strict=True):
                 out[pos] = row
         return out  # type: ignore[return-value]
+
+    def _group_table(self, group: int) -> Any:
+        """Row group `group` decoded (cached: a later draw does not decompress it again)."""
+        if group in self._cache:
+            self._cache.move_to_end(group)
+            return self._cache[group]
+        file_index, row_group, _ = self._groups[group]
+        table = self._pq.ParquetFile(self._files[file_index]).read_row_group(
+            row_group, columns=self._columns
+        )
+        self._cache[group] = table
+        while len(self._cache) > 1 and (
+            sum(t.nbytes for t in self._cache.values()) > PARQUET_GROUP_CACHE_BYTES
+        ):
+            self._cache.popitem(last=False)
+        return table
+
+    def _row(self, table: Any, position: int) -> dict[str, Any] | BadRow:
+        # A slice is a view: its nbytes counts the row's own bytes, and nothing is copied.
+        row = table.slice(position, 1)
+        if row.nbytes > self._max_row_bytes:
+            return BadRow(
+                f"a Parquet row of {row.nbytes} bytes, over max_row_bytes={self._max_row_bytes}",
+                cause="too_long",
+            )
+        return row.to_pylist()[0]
 
 
 class HfDatasetSource:
     """Rows of one split saved by `datasets`' `save_to_disk` (a folder with state.json and
     Arrow files). The files are memory-mapped; read() decodes only the rows asked for, with
     the dataset's features (an Image column gives PIL images, as `dataset[i]` does), except
-    the `undecoded_images` columns of the Image feature: they give {"bytes", "path"} as stored,
-    for the caller to check its size and header before decoding."""
+    the `undecoded_images` columns (an Image feature, or a list of images): they give
+    {"bytes", "path"} as stored, for the caller to check its size and header before decoding;
+    such rows are read as Arrow, and one of more bytes than max_row_bytes is a BadRow."""
 
     def __init__(
         self,
         folder: Path,
         columns: Sequence[str] | None = None,
         undecoded_images: Sequence[str] = (),
+        max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
     ) -> None:
+        self._max_row_bytes = max_row_bytes
         try:
             import datasets
         except ImportError as err:
@@ -242,16 +284,26 @@ class HfDatasetSource:
                     f"it has {dataset.column_names}"
                 )
             dataset = dataset.select_columns(list(columns))
-        for name in undecoded_images:
-            # Only a plain Image column: casting its decode flag only relabels the feature. A
-            # list of images would be rewritten whole by cast(); datasets decodes those.
-            if isinstance(dataset.features.get(name), datasets.Image):
-                dataset = dataset.cast_column(name, datasets.Image(decode=False))
+        # The undecoded columns' features, with every Image in them (a plain column, or a list
+        # of images) set not to decode. cast_column() would do it by writing a copy of the
+        # whole dataset into a cache file; instead rows are read as Arrow and decoded here with
+        # these features.
+        self._raw_features = None
+        if any(name in dataset.features for name in undecoded_images):
+            features = copy.deepcopy(dataset.features)
+            for name in undecoded_images:
+                if name in features:
+                    _stop_decoding_images(features[name], datasets.Image)
+            self._raw_features = features
         self._dataset = dataset
+        self._arrow_rows = dataset.with_format("arrow")  # rows as stored, for _raw_features
         self.num_rows = int(dataset.num_rows)
 
     def read(self, indices: Sequence[int]) -> list[dict[str, Any] | BadRow]:
         index_list = [int(i) for i in indices]
+        if self._raw_features is not None:
+            table = self._arrow_rows[index_list]
+            return [self._decode(table.slice(i, 1)) for i in range(table.num_rows)]
         try:
             columns = self._dataset[index_list]
         except Exception:
@@ -262,11 +314,37 @@ class HfDatasetSource:
             dict(zip(names, values, strict=True)) for values in zip(*columns.values(), strict=True)
         ]
 
+    def _decode(self, row: Any) -> dict[str, Any] | BadRow:
+        """One row (a one-row Arrow table) as Python values, after its size check."""
+        if row.nbytes > self._max_row_bytes:
+            return BadRow(
+                f"a row of {row.nbytes} bytes, over max_row_bytes={self._max_row_bytes}",
+                cause="too_long",
+            )
+        try:
+            return self._raw_features.decode_example(row.to_pylist()[0])
+        except Exception as err:
+            return BadRow(f"undecodable row ({type(err).__name__}: {err})")
+
     def _read_one(self, index: int) -> dict[str, Any] | BadRow:
         try:
             return dict(self._dataset[index])
         except Exception as err:
             return BadRow(f"undecodable row ({type(err).__name__}: {err})")
+
+
+def _stop_decoding_images(feature: Any, image_type: type) -> None:
+    """Sets decode=False on every Image feature in `feature` (nested lists and dicts too)."""
+    if isinstance(feature, image_type):
+        feature.decode = False
+    elif isinstance(feature, dict):
+        for inner in feature.values():
+            _stop_decoding_images(inner, image_type)
+    elif isinstance(feature, list | tuple):
+        for inner in feature:
+            _stop_decoding_images(inner, image_type)
+    elif hasattr(feature, "feature"):  # datasets' List, LargeList and Sequence
+        _stop_decoding_images(feature.feature, image_type)
 
 
 def _describe_arrow_problem(folder: Path) -> str | None:
@@ -296,14 +374,16 @@ def open_source(
 ) -> RowSource:
     """A source for a JSONL or Parquet file, a directory of such files (sorted by name), or a
     Hugging Face `datasets` folder written by `save_to_disk` (for a DatasetDict: the folder of
-    one split, e.g. "data/gsm8k/train"). max_row_bytes: JSONL lines longer than this are
-    BadRows (too_long), never read whole. undecoded_images: a datasets folder's Image columns
+    one split, e.g. "data/gsm8k/train"). max_row_bytes: JSONL lines and Parquet rows (their
+    Arrow bytes) longer than this are BadRows (too_long), never made into Python objects. undecoded_images: a datasets folder's Image columns
     to give as stored ({"bytes", "path"}) instead of decoded."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"dataset path {str(path)!r} does not exist")
     if path.is_dir() and (path / _HF_DATASET_STATE).is_file():
-        return HfDatasetSource(path, columns=columns, undecoded_images=undecoded_images)
+        return HfDatasetSource(
+            path, columns=columns, undecoded_images=undecoded_images, max_row_bytes=max_row_bytes
+        )
     if path.is_dir() and (path / _HF_DATASET_DICT).is_file():
         splits = _dataset_dict_splits(path)
         example = str(path / splits[0]) if splits else str(path / "train")
@@ -326,7 +406,7 @@ def open_source(
     if suffixes == {".jsonl"} or suffixes == {".json"}:
         return JsonlSource(files, max_row_bytes=max_row_bytes)
     if suffixes == {".parquet"}:
-        return ParquetSource(files, columns=columns)
+        return ParquetSource(files, columns=columns, max_row_bytes=max_row_bytes)
     raise ValueError(
         f"dataset {str(path)!r}: files must all be .jsonl or all .parquet; got {sorted(suffixes)}"
     )

@@ -14,6 +14,9 @@ import torch
 # TRL divides by std + 1e-4 (grpo_trainer.py); verl by std + 1e-6, which lets a group whose
 # rewards differ only by float noise (1e-5) reach |A| ~ 1.9.
 DEFAULT_ADVANTAGE_EPS = 1e-4
+# eps above this would shrink every advantage of 0/1 rewards (std up to 0.5) by a third or
+# more: no longer a guard of the division but a change of the objective.
+MAX_ADVANTAGE_EPS = 0.1
 # Rewards of one group closer than this are equal: advantage 0 (and no variance for DAPO's
 # dynamic sampling). Far below any real difference of a rule or a judge's vote mean (1/votes).
 DEFAULT_ZERO_VARIANCE_TOLERANCE = 1e-4
@@ -55,10 +58,13 @@ def compute_grpo_advantages(
         )
     if not torch.isfinite(rewards_B).all():
         raise ValueError("rewards_B holds non-finite values; fix the reward function's output")
-    if not (eps >= 0.0 and zero_variance_tolerance >= 0.0):
+    if not 0.0 < eps <= MAX_ADVANTAGE_EPS:
         raise ValueError(
-            f"eps={eps!r}, zero_variance_tolerance={zero_variance_tolerance!r}: both must be >= 0"
+            f"eps={eps!r}: must be in (0, {MAX_ADVANTAGE_EPS}]; with eps=0 a group of equal "
+            "rewards gives 0 / 0 = NaN advantages (use 1e-4, TRL's, or 1e-6, verl's)"
         )
+    if not zero_variance_tolerance >= 0.0:
+        raise ValueError(f"zero_variance_tolerance={zero_variance_tolerance!r}: must be >= 0")
     rewards_B = rewards_B.to(torch.float64)
     index_B, num_groups = _group_index(group_ids_B.to(rewards_B.device))
     if num_groups == 0:

@@ -21,6 +21,10 @@ Per micro-batch, PolicyLoss computes:
     pg_BT   *= rollout weight(old vs batch["rollout_logprobs"])    yatt.core.rl._rollout_correction
     loss_BT  = pg_BT + kl_coef * KL(pi || pi_ref) - entropy_coef * entropy
     return sum_over_units(loss_BT), metric sums over loss tokens
+
+Positions off the loss mask are selected away (torch.where) before any arithmetic, never
+multiplied by 0: a NaN or -inf logprob there (an engine's -inf, a padded position) leaves the
+loss and its gradient as they are without it, as verl's masking does.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from yatt.core.rl._advantages import (
     DEFAULT_ADVANTAGE_EPS,
     DEFAULT_ZERO_VARIANCE_TOLERANCE,
+    MAX_ADVANTAGE_EPS,
     compute_grpo_advantages,
 )
 from yatt.core.rl._rollout_correction import (
@@ -138,14 +143,19 @@ def sum_over_units(
                              max_response_tokens, a constant (Dr. GRPO arXiv:2503.20783, sec.
                              3.1: no 1/|o_i|; TRL's loss_type="dr_grpo", verl's
                              "seq-mean-token-sum-norm")
-    A row without a loss token adds 0 (and no unit).
+    A row without a loss token adds 0 (and no unit). For seq_mean_token_sum_norm that is
+    TRL's convention (its dr_grpo divides by the rows that hold completion tokens x
+    max_completion_length), not verl's (seq-mean-token-sum-norm divides by every row of the
+    batch, an empty one included); the two differ only when a row has no loss token (a
+    response cut to nothing, a dummy row).
     """
     _check_aggregation(aggregation, max_response_tokens)
-    mask_BT = loss_mask_BT.to(values_BT.dtype)
+    is_loss_BT = loss_mask_BT > 0
+    masked_BT = torch.where(is_loss_BT, values_BT, 0.0)
     if aggregation == "seq_mean_token_mean":
-        per_seq_B = (values_BT * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
-        return per_seq_B.sum()
-    return (values_BT * mask_BT).sum()
+        num_tokens_B = is_loss_BT.sum(-1).clamp(min=1).to(values_BT.dtype)
+        return (masked_BT.sum(-1) / num_tokens_B).sum()
+    return masked_BT.sum()
 
 
 def count_units(
@@ -197,7 +207,11 @@ class PolicyLoss:
     lower bound"; its eps_high is unpublished, 0.28 follows DAPO's clip-higher. gspo_token
     gives each token GSPO's sequence ratio in value and its own logprob's gradient, so a
     per-token advantage [B, T] weighs each token; with GRPO's one advantage per sample its
-    gradient is GSPO's.)
+    gradient is GSPO's only without a token-level rollout correction: under the default
+    token_truncate each token's gradient is weighed by its own rollout weight in gspo_token, by
+    the sequence's mean weight in gspo; see compute_gspo_token_policy_loss. dr_grpo's
+    normaliser counts only rows with a loss token (TRL's convention; verl counts every row):
+    see sum_over_units.)
 
     loss = policy-gradient term x rollout weight + kl_coef * KL(pi || pi_ref)
            - entropy_coef * entropy, aggregated per unit (see sum_over_units).
@@ -269,6 +283,12 @@ class PolicyLoss:
             raise ValueError(f"PolicyLoss.objective={self.objective!r}: use one of {OBJECTIVES}")
         for name in ("kl_coef", "entropy_coef", "advantage_eps", "zero_variance_tolerance"):
             _check_finite_nonnegative(name, getattr(self, name))
+        if not 0.0 < self.advantage_eps <= MAX_ADVANTAGE_EPS:
+            raise ValueError(
+                f"PolicyLoss.advantage_eps={self.advantage_eps!r}: must be in (0, "
+                f"{MAX_ADVANTAGE_EPS}] (A = (r - mean) / (std + eps); 0 divides a constant "
+                "group's 0 by 0); use 1e-4 (TRL's) or 1e-6 (verl's)"
+            )
         defaults = OBJECTIVE_DEFAULTS[self.objective]
         resolved = {
             "clip_low": defaults.clip_low if self.clip_low is None else self.clip_low,
@@ -460,12 +480,16 @@ class PolicyLoss:
                     "PolicyLoss(is_on_policy=True) for one optimizer step per rollout batch)"
                 )
         mask_BT = batch["loss_mask"].to(logprobs_BT.dtype)
+        is_loss_BT = batch["loss_mask"] > 0
+        # Off the loss mask every input is 0 before any arithmetic (see the module docstring).
+        logprobs_BT = torch.where(is_loss_BT, logprobs_BT, 0.0)
         old_BT = logprobs_BT.detach() if self.is_on_policy else batch["old_logprobs"]
-        old_BT = old_BT.to(logprobs_BT.dtype)
+        old_BT = _on_loss_tokens(old_BT.to(logprobs_BT.dtype), is_loss_BT)
         advantages = batch["advantages"].to(logprobs_BT.dtype)
         advantages_BT = (
             advantages[:, None].expand_as(logprobs_BT) if advantages.dim() == 1 else advantages
         )
+        advantages_BT = _on_loss_tokens(advantages_BT, is_loss_BT)
         pg_loss_BT, regions = self._policy_gradient_loss(
             logprobs_BT, old_BT, advantages_BT, mask_BT
         )
@@ -476,7 +500,9 @@ class PolicyLoss:
         }
         metrics["clip_frac"] = sum(metrics.values())
         if "rollout_logprobs" in batch:
-            rollout_BT = batch["rollout_logprobs"].to(logprobs_BT.dtype)
+            rollout_BT = _on_loss_tokens(
+                batch["rollout_logprobs"].to(logprobs_BT.dtype), is_loss_BT
+            )
             gap_BT = (logprobs_BT.detach() - rollout_BT).abs()
             metrics["rollout_mismatch"] = _masked_sum(gap_BT, mask_BT)
             if self.rollout_correction != "none":
@@ -513,7 +539,7 @@ class PolicyLoss:
                 )
             kl_BT = compute_kl(
                 logprobs_BT,
-                batch["ref_logprobs"].to(logprobs_BT.dtype),
+                _on_loss_tokens(batch["ref_logprobs"].to(logprobs_BT.dtype), is_loss_BT),
                 estimator=self.kl_estimator,
             )
             loss_BT = loss_BT + self.kl_coef * kl_BT
@@ -521,6 +547,7 @@ class PolicyLoss:
         if self.needs_entropy:
             if entropy_BT is None:
                 raise ValueError("PolicyLoss needs entropy_BT; the policy did not compute it")
+            entropy_BT = torch.where(is_loss_BT, entropy_BT, 0.0)
             if self.entropy_coef > 0:
                 loss_BT = loss_BT - self.entropy_coef * entropy_BT
             metrics["entropy"] = _masked_sum(entropy_BT, mask_BT)
@@ -547,14 +574,20 @@ class PolicyLoss:
         )
 
 
+def _on_loss_tokens(values_BT: torch.Tensor, is_loss_BT: torch.Tensor) -> torch.Tensor:
+    """values on loss tokens, 0 elsewhere (selected: a NaN off the mask is gone)."""
+    return torch.where(is_loss_BT, values_BT, 0.0)
+
+
 def _masked_sum(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """Sum of detached values over loss tokens (a metric's numerator)."""
-    return (values_BT.detach().to(mask_BT.dtype) * mask_BT).sum()
+    values_BT = values_BT.detach().to(mask_BT.dtype)
+    return (torch.where(mask_BT > 0, values_BT, 0.0) * mask_BT).sum()
 
 
 def _masked_max(values_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
     """Max of detached non-negative values over loss tokens (0 without any)."""
-    masked_BT = values_BT.detach().to(mask_BT.dtype) * mask_BT
+    masked_BT = torch.where(mask_BT > 0, values_BT.detach().to(mask_BT.dtype), 0.0) * mask_BT
     return masked_BT.amax() if masked_BT.numel() else masked_BT.sum()
 
 

@@ -64,7 +64,8 @@ def compute_rollout_weights(
     if mode == "none":
         return mask_BT.clone(), torch.zeros_like(mask_BT, dtype=torch.bool)
     log_w_BT = (old_logprobs_BT.detach() - rollout_logprobs_BT.detach()).to(torch.float32)
-    log_w_BT = log_w_BT * mask_BT
+    # Selected, not multiplied: an engine's -inf off the mask would make inf * 0 = NaN.
+    log_w_BT = torch.where(mask_BT > 0, log_w_BT, 0.0)
     if mode.startswith("sequence"):
         log_w_BT = log_w_BT.sum(-1, keepdim=True).expand_as(mask_BT)
     weights_BT = torch.exp(log_w_BT.clamp(-_MAX_LOG_WEIGHT, _MAX_LOG_WEIGHT))
@@ -73,7 +74,7 @@ def compute_rollout_weights(
         weights_BT = weights_BT.clamp(max=cap)
     else:
         weights_BT = torch.where(is_capped_BT, 0.0, weights_BT)
-    return weights_BT * mask_BT, is_capped_BT
+    return torch.where(mask_BT > 0, weights_BT, 0.0) * mask_BT, is_capped_BT
 
 
 def compute_mismatch_kl(

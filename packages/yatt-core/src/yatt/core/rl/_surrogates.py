@@ -10,6 +10,11 @@ aggregates it) and `ClipRegions`, where the clip acted. r = pi / pi_old is the r
 policy being trained to the one whose logprobs the batch carries as "old_logprobs"; with one
 optimizer step per rollout batch r = 1 everywhere and no clip can act. Gradients flow only into
 `logprobs_BT`: old logprobs and advantages are constants.
+
+Masks select, never multiply: a NaN or -inf logprob off the loss mask (an engine's -inf on a
+padded position) times 0 is NaN, and would poison the whole loss. At an extreme ratio (a log
+ratio beyond MAX_LOG_RATIO, e.g. an engine logprob of -inf used as pi_old) the gradient is cut,
+as clamp() cuts PPO's and GSPO's and verl's clamp of GSPO's log ratio does.
 """
 
 from __future__ import annotations
@@ -111,12 +116,12 @@ def compute_gspo_policy_loss(
     loss tokens (GRPO's per-sample advantage is the same on every token). Rows without a loss
     token get loss 0.
     """
-    mask_BT = loss_mask_BT.to(logprobs_BT.dtype)
-    num_tokens_B = mask_BT.sum(-1).clamp(min=1.0)
-    log_ratio_BT = (logprobs_BT - old_logprobs_BT.detach()) * mask_BT
+    is_loss_BT = loss_mask_BT > 0
+    num_tokens_B = is_loss_BT.sum(-1).clamp(min=1).to(logprobs_BT.dtype)
+    log_ratio_BT = torch.where(is_loss_BT, logprobs_BT - old_logprobs_BT.detach(), 0.0)
     log_seq_ratio_B = (log_ratio_BT.sum(-1) / num_tokens_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     seq_ratio_B = torch.exp(log_seq_ratio_B)
-    advantages_B = (advantages_BT.detach() * mask_BT).sum(-1) / num_tokens_B
+    advantages_B = torch.where(is_loss_BT, advantages_BT.detach(), 0.0).sum(-1) / num_tokens_B
     unclipped_B = -advantages_B * seq_ratio_B
     clipped_B = -advantages_B * seq_ratio_B.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss_B = torch.maximum(unclipped_B, clipped_B)
@@ -146,14 +151,29 @@ def compute_gspo_token_policy_loss(
     A_{i,t}); its gradient is s_i d log pi(y_{i,t}), each token's own advantage weighing its
     own term (eq. 18). With A_{i,t} = A_i on every token that is GSPO's gradient (eq. 11).
     The loss is per token; aggregate it per sequence ("seq_mean_token_mean") for eq. 16.
+
+    Where log s_i lies beyond +-MAX_LOG_RATIO (an engine logprob of -inf as pi_old) the
+    sequence's gradient is 0, as GSPO's (its clamp) and verl's (a clamp of the same sum): the
+    stop-gradient alone would leave s_i = e^20 = 4.85e8 multiplying every token's gradient.
+    gspo and gspo_token differ under a token-level rollout correction (PolicyLoss's default
+    token_truncate), even with one advantage per sample: the weight w_t multiplies each
+    token's loss, and (unclipped, seq_mean_token_mean) the gradients of sequence i are
+        gspo:       -A_i s_i mean_t(w_t) * mean_t(d log pi_t)   every token weighed alike
+        gspo_token: -A_i s_i mean_t(w_t d log pi_t)             each token by its own w_t
+    They agree when a sequence's weights are equal: no correction, or a sequence-level one.
     """
-    mask_BT = loss_mask_BT.to(logprobs_BT.dtype)
-    num_tokens_B = mask_BT.sum(-1).clamp(min=1.0)
-    log_ratio_BT = (logprobs_BT.detach() - old_logprobs_BT.detach()) * mask_BT
-    log_seq_ratio_B = (log_ratio_BT.sum(-1) / num_tokens_B).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    is_loss_BT = loss_mask_BT > 0
+    num_tokens_B = is_loss_BT.sum(-1).clamp(min=1).to(logprobs_BT.dtype)
+    log_ratio_BT = torch.where(is_loss_BT, logprobs_BT.detach() - old_logprobs_BT.detach(), 0.0)
+    raw_log_seq_ratio_B = log_ratio_BT.sum(-1) / num_tokens_B
+    is_in_range_B = raw_log_seq_ratio_B.abs() <= MAX_LOG_RATIO
+    log_seq_ratio_B = raw_log_seq_ratio_B.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     # sg[s_i] * pi / sg[pi] in log space: log s_i + (log pi - sg[log pi]); the bracket is 0
-    # in value and carries d log pi.
-    log_token_ratio_BT = log_seq_ratio_B[:, None] + (logprobs_BT - logprobs_BT.detach())
+    # in value and carries d log pi (cut where s_i was clamped).
+    carrier_BT = torch.where(
+        is_in_range_B[:, None] & is_loss_BT, logprobs_BT - logprobs_BT.detach(), 0.0
+    )
+    log_token_ratio_BT = log_seq_ratio_B[:, None] + carrier_BT
     return _clip_surrogate(
         torch.exp(log_token_ratio_BT), advantages_BT, clip_low=clip_low, clip_high=clip_high
     )

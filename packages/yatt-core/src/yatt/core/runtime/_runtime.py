@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from yatt.core.runtime._threads import size_torch_threads
+
 logger = logging.getLogger("yatt.core")
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -167,6 +169,8 @@ def init_runtime(
     and "gloo" on CPU. tp_size must divide the world size; dp = world / tp, with tp ranks
     adjacent (the tp dimension is the fast one, so it stays within a node).
     An already-initialised process group is reused and left alive at shutdown.
+    Unless OMP_NUM_THREADS is set, torch's CPU threads are sized to this rank's share of the
+    usable CPUs (affinity and cgroup quota over LOCAL_WORLD_SIZE; see _threads.py).
     """
     is_launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if is_launched:
@@ -201,6 +205,9 @@ def init_runtime(
         torch.cuda.set_device(device)
     if backend is None:
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    # Before any kernel runs: torch's default (every core, per rank) oversubscribes a shared
+    # machine and a node of several ranks.
+    size_torch_threads()
 
     owns_group = False
     if not dist.is_initialized():

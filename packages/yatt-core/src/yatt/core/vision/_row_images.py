@@ -129,6 +129,8 @@ def _open_one(
 
 def _read_file(value: str | Path, base_dir: Path, max_bytes: int | None, where: str) -> bytes:
     text = str(value)
+    if "\x00" in text:  # the OS takes no NUL in a path: stat() would raise a bare ValueError
+        raise RowImageError(f"{where}image path {text[:80]!r} holds a NUL byte", cause="bad_image")
     if "://" in text:
         raise RowImageError(
             f"{where}{text!r} is a URL; the loader reads local files only (download the images "
