@@ -65,6 +65,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
@@ -564,6 +565,10 @@ class _Process:
             return status, value, num_survivors
 
     def ensure_loaded(self, key: bytes, target: tuple[str, Any]) -> tuple[str, Any]:
+        if self.popen is not None and self.popen.poll() is not None:
+            # Died while idle (the OOM killer between steps): replaced at no call's cost.
+            self._stats["num_workers_died"] += 1
+            self.kill()
         if self.popen is not None and key in self._loaded:
             return "ok", None
         if self.popen is None:
@@ -747,6 +752,8 @@ class UserCodePool:
         """`call_sync` without blocking the event loop: calls run concurrently, up to
         `num_workers` at once."""
         begin = time.monotonic()
+        if self._is_closed:
+            return self._count(self._closed_result())
         if self.is_in_process:
             target = self._resolve_here(target)
         if self.is_in_process and _is_async_callable(target):
@@ -818,17 +825,33 @@ class UserCodePool:
             self._targets[id(target)] = (target, key, how)
         return key, how
 
-    def check_target(self, target: Any) -> None:
-        """ValueError when `target` cannot be sent to a worker process (in process: never)."""
+    def cannot_send(self, target: Any) -> str | None:
+        """Why `target` cannot be sent to a worker process ("it cannot be pickled (...)"), or
+        None when it can (in process: always None)."""
         if self.is_in_process:
-            return
+            return None
         found = self._target_of(target)
-        if isinstance(found, str):
-            raise ValueError(f"{self.name} runs in worker processes, but {found}")
+        return found if isinstance(found, str) else None
+
+    def call_many_sync(
+        self, calls: Sequence[tuple[Any, tuple, dict[str, Any]]]
+    ) -> list[UserCodeResult]:
+        """`call_sync(target, *args, **kwargs)` for each (target, args, kwargs), run
+        concurrently (num_workers at once); results in order."""
+        if self._is_closed:
+            return [self._count(self._closed_result()) for _ in calls]
+        futures = [
+            self._threads.submit(self.call_sync, target, *args, **kwargs)
+            for target, args, kwargs in calls
+        ]
+        return [future.result() for future in futures]
+
+    def _closed_result(self) -> UserCodeResult:
+        return UserCodeResult("error", cause=f"{self.name} was closed")
 
     def _call_in_worker(self, target: Any, args: tuple, kwargs: dict) -> UserCodeResult:
         if self._is_closed:
-            return UserCodeResult("error", cause=f"{self.name} was closed")
+            return self._closed_result()
         found = self._target_of(target)
         if isinstance(found, str):
             return UserCodeResult("error", cause=f"cannot run in a worker process: {found}")
@@ -844,7 +867,7 @@ class UserCodePool:
         process = self._idle.get()
         try:
             if self._is_closed:
-                return UserCodeResult("error", cause=f"{self.name} was closed")
+                return self._closed_result()
             status, value = process.ensure_loaded(key, how)
             if status != "ok":
                 if status == "died":
