@@ -158,7 +158,11 @@ class GenRM(StreamingScorer):
         )
         self._render_tokenizer = _copy_tokenizer(engine.tokenizer)
         self.metrics.update(
-            num_votes=0, num_unparsable_votes=0, num_truncated_responses=0, num_prompt_tokens=0
+            num_votes=0,
+            num_unparsable_votes=0,
+            num_unfinished_votes=0,  # cut at the token budget or aborted: error, not read
+            num_truncated_responses=0,
+            num_prompt_tokens=0,
         )
 
     # -- shared by score() and streaming -------------------------------------------------------
@@ -239,6 +243,8 @@ class GenRM(StreamingScorer):
         if vote.status == "unparsable":
             self.metrics["num_unparsable_votes"] += 1
             self._unparsable_log.record(request_id or "?", vote.text)
+        elif vote.status == "error":
+            self.metrics["num_unfinished_votes"] += 1
         return vote
 
     def _probe_calls(self, probes: list[LabelProbe]):
