@@ -656,3 +656,13 @@ def test_bad_configuration_is_rejected_up_front(kwargs, match, monkeypatch) -> N
 def test_greedy_votes_are_rejected() -> None:
     with pytest.raises(ValueError, match="greedy votes are identical"):
         _judge("http://127.0.0.1:1/v1", votes=2, sampling=SamplingParams(temperature=0.0))
+
+
+def test_a_row_with_a_lone_surrogate_is_a_data_skip_and_never_sent(server) -> None:
+    judge = _judge(server.base_url)
+    bad = Sample(prompt="q", response="4", reference="\udc80")
+    skipped, fine = judge.score([bad, _samples(["4"])[0]])
+    assert skipped.skip_cause is not None and "reference is not valid Unicode" in skipped.skip_cause
+    assert fine.status == "ok" and len(server.requests) == 1
+    stats = ScoreStats.from_verdicts([skipped, fine])
+    assert (stats.num_errors, stats.num_data_skips) == (0, 1)

@@ -34,7 +34,14 @@ from yatt.genrm._label_verdict import (
 from yatt.genrm._parsers import VerdictParser, YesNoParser
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
 from yatt.genrm._templates import JudgeTemplate
-from yatt.genrm._types import Sample, Verdict, Vote, error_verdict
+from yatt.genrm._types import (
+    Sample,
+    Verdict,
+    Vote,
+    error_verdict,
+    find_unusable_text,
+    skip_verdict,
+)
 from yatt.genrm._votes import (
     AGGREGATES,
     Aggregate,
@@ -172,6 +179,11 @@ class GenRM(StreamingScorer):
         Pure (no metrics touched), so streaming runs it on the render thread."""
         rendered = _Rendered()
         for i, sample in enumerate(samples):
+            # A row the judge cannot take is a data skip (Verdict.skip_cause), not its error.
+            unusable = find_unusable_text(sample)
+            if unusable is not None:
+                rendered.failed[i] = skip_verdict(sample.id, unusable, reward=self.default_reward)
+                continue
             try:
                 ids, is_truncated = self.template.render_ids(sample, tokenizer)
                 images = self.template.sample_images(sample)
@@ -187,7 +199,7 @@ class GenRM(StreamingScorer):
                     ids, image_inputs = self._image_prompts.encode(ids, images)
                 except Exception as e:
                     message = f"images: {e}"
-                    rendered.failed[i] = error_verdict(
+                    rendered.failed[i] = skip_verdict(
                         sample.id, message, reward=self.default_reward
                     )
                     continue
@@ -197,7 +209,7 @@ class GenRM(StreamingScorer):
                     f"judge prompt has {len(ids)} tokens > max_prompt_tokens="
                     f"{self.max_prompt_tokens}; lower the template's max_response_tokens"
                 )
-                rendered.failed[i] = error_verdict(sample.id, message, reward=self.default_reward)
+                rendered.failed[i] = skip_verdict(sample.id, message, reward=self.default_reward)
                 continue
             rendered.requests.append(
                 Request(

@@ -59,7 +59,14 @@ from yatt.genrm._retry import (
 from yatt.genrm._secrets import Scrubber, redact_url, url_credentials
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer, per_sample_batching
 from yatt.genrm._templates import JudgeTemplate
-from yatt.genrm._types import Sample, Verdict, Vote, error_verdict
+from yatt.genrm._types import (
+    Sample,
+    Verdict,
+    Vote,
+    error_verdict,
+    find_unusable_text,
+    skip_verdict,
+)
 from yatt.genrm._votes import (
     AGGREGATES,
     Aggregate,
@@ -365,6 +372,9 @@ class OpenAIJudge(StreamingScorer):
 
     async def _judge_one(self, sample: Sample) -> Verdict:
         """The verdict of one sample; never raises (except cancellation)."""
+        unusable = find_unusable_text(sample)
+        if unusable is not None:  # no JSON body or server takes it: a data skip
+            return skip_verdict(sample.id, unusable, reward=self.default_reward)
         try:
             messages = self.template.render_messages(sample)
             images = self.template.sample_images(sample)
@@ -375,7 +385,7 @@ class OpenAIJudge(StreamingScorer):
                 # Encoding images (PNG, base64) is CPU work: off the event loop.
                 messages = await asyncio.to_thread(_with_image_urls, messages, images)
             except Exception as e:
-                return error_verdict(sample.id, f"images: {e}", reward=self.default_reward)
+                return skip_verdict(sample.id, f"images: {e}", reward=self.default_reward)
         body = json.dumps(self._body(messages)).encode()
         http = self._http()
 
