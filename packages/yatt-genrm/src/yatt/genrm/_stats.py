@@ -103,8 +103,5 @@ def describe_unparsable(verdict: Verdict) -> str:
     if verdict.error is not None and not verdict.votes:
         return f"sample {verdict.sample_id}: {verdict.error}"
     text = verdict.text[:_CAUSE_TEXT_CHARS]
-    cause = f"sample {verdict.sample_id}: no verdict in the judge's text {text!r}"
-    if any(vote.finish_reason == "length" for vote in verdict.votes):
-        # The commonest cause with reasoning judges: the verdict line was never written.
-        cause += " (cut at the judge's max_new_tokens)"
-    return cause
+    # (A judge output cut at its token budget is an error verdict, never unparsable.)
+    return f"sample {verdict.sample_id}: no verdict in the judge's text {text!r}"
