@@ -289,3 +289,29 @@ def test_a_row_a_worker_cannot_take_is_a_data_skip(peer_file) -> None:
     stats = ScoreStats.from_verdicts([deep, fine])
     assert (stats.num_errors, stats.num_data_skips, stats.num_ok) == (0, 1, 1)
     assert "RecursionError" in stats.first_data_skip
+
+
+class _Custom(BaseException):
+    pass
+
+
+@pytest.mark.parametrize(
+    "error", [KeyboardInterrupt(), GeneratorExit(), SystemExit(2), _Custom("custom")]
+)
+def test_in_process_a_base_exception_is_that_sample_s_error_not_the_run_s(error) -> None:
+    """The issue: with function_timeout_s=0 (in process) these ended the run."""
+
+    def raises(prompt, response, reference, row):
+        if response == "bad":
+            raise error
+        return 1.0
+
+    fn = RewardFunction(raises)
+    bad, fine = fn.score([Sample(prompt="p", response="bad"), Sample(prompt="p", response="ok")])
+    assert (bad.status, fine.status, fine.reward) == ("error", "ok", 1.0)
+    assert f"raised {type(error).__name__}" in bad.error
+
+    async def stream():
+        return await fn.ascore([Sample(prompt="p", response="bad")])
+
+    assert asyncio.run(stream())[0].status == "error"
