@@ -389,3 +389,21 @@ def test_a_function_defined_in_main_or_a_lambda_is_refused_by_name() -> None:
         assert pool.cannot_send(lambda: 1).startswith("it cannot be pickled")
         assert pool.cannot_send(os.getpid) is None  # a module function goes by reference
         assert pool.call_sync(os.getpid).value != os.getpid()
+
+
+def test_a_call_may_have_its_own_timeout(user_file) -> None:
+    with UserCodePool(num_workers=1, timeout_s=60.0) as pool:
+        result = pool.call_within_sync(0.5, f"{user_file}:slow", 30.0, "late")
+        assert result.status == "timeout" and "timeout_s=0.5 s" in result.cause
+        quick = asyncio.run(pool.call_within(20.0, f"{user_file}:slow", 0.0, "v"))
+        assert (quick.status, quick.value) == ("ok", "v")
+        with pytest.raises(ValueError, match=r"timeout_s=10000000000.0: seconds"):
+            pool.call_within_sync(1e10, f"{user_file}:echo")
+
+
+def test_workers_use_one_math_thread_unless_told(user_file, monkeypatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("MKL_NUM_THREADS", "3")
+    with UserCodePool(num_workers=1, timeout_s=20.0) as pool:
+        env = pool.call_sync("os:getenv", "OMP_NUM_THREADS").value
+        assert env == "1" and pool.call_sync("os:getenv", "MKL_NUM_THREADS").value == "3"

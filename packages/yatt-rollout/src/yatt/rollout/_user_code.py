@@ -46,6 +46,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -513,6 +514,7 @@ class _Process:
             stdout=subprocess.PIPE,
             pass_fds=(lifeline_r,),
             start_new_session=True,  # its own session and process group, killed whole
+            env=_worker_env(),
         )
 
     def request(self, kind: str, key: bytes, payload: Any, timeout_s: float) -> tuple[Any, ...]:
@@ -657,6 +659,16 @@ class _Process:
                 os.close(lifeline)
 
 
+def _worker_env() -> dict[str, str]:
+    """The parent's environment, with one thread per math library unless the user set it: a
+    worker importing numpy or torch would otherwise start a thread per core, and workers x
+    cores threads oversubscribe the machine the trainer runs on."""
+    env = dict(os.environ)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env.setdefault(name, "1")
+    return env
+
+
 def _kill_tree(pid: int) -> None:
     """SIGKILL `pid`'s process group (a worker leads its own) and its descendants outside it."""
     descendants = _descendants_of(pid)  # read before the kill: then they are orphans
@@ -741,16 +753,47 @@ class UserCodePool:
     # -- calling -------------------------------------------------------------------------
     def call_sync(self, target: Any, /, *args: Any, **kwargs: Any) -> UserCodeResult:
         """`target(*args, **kwargs)` on the calling thread's behalf; waits for the result."""
-        begin = time.monotonic()
-        if self.is_in_process:
-            result = _call_here_sync(self._resolve_here(target), args, kwargs)
-        else:
-            result = self._call_in_worker(target, args, kwargs)
-        return self._count(dataclasses.replace(result, elapsed_s=time.monotonic() - begin))
+        return self._run_sync(target, args, kwargs, None)
 
     async def call(self, target: Any, /, *args: Any, **kwargs: Any) -> UserCodeResult:
         """`call_sync` without blocking the event loop: calls run concurrently, up to
         `num_workers` at once."""
+        return await self._run_async(target, args, kwargs, None)
+
+    def call_within_sync(
+        self, timeout_s: float, target: Any, /, *args: Any, **kwargs: Any
+    ) -> UserCodeResult:
+        """`call_sync` with this call's own timeout (a tool's), instead of the pool's."""
+        return self._run_sync(target, args, kwargs, self._checked_call_timeout(timeout_s))
+
+    async def call_within(
+        self, timeout_s: float, target: Any, /, *args: Any, **kwargs: Any
+    ) -> UserCodeResult:
+        """`call` with this call's own timeout (a tool's), instead of the pool's."""
+        return await self._run_async(target, args, kwargs, self._checked_call_timeout(timeout_s))
+
+    def _checked_call_timeout(self, timeout_s: float) -> float:
+        if self.is_in_process:
+            raise ValueError(
+                f"timeout_s={timeout_s!r} for one call of an in_process pool: a call in this "
+                "process cannot be stopped; use worker processes"
+            )
+        check_timeout_s("timeout_s", timeout_s)
+        return timeout_s
+
+    def _run_sync(
+        self, target: Any, args: tuple, kwargs: dict, timeout_s: float | None
+    ) -> UserCodeResult:
+        begin = time.monotonic()
+        if self.is_in_process:
+            result = _call_here_sync(self._resolve_here(target), args, kwargs)
+        else:
+            result = self._call_in_worker(target, args, kwargs, timeout_s)
+        return self._count(dataclasses.replace(result, elapsed_s=time.monotonic() - begin))
+
+    async def _run_async(
+        self, target: Any, args: tuple, kwargs: dict, timeout_s: float | None
+    ) -> UserCodeResult:
         begin = time.monotonic()
         if self._is_closed:
             return self._count(self._closed_result())
@@ -761,10 +804,10 @@ class UserCodePool:
         else:
             loop = asyncio.get_running_loop()
             if self.is_in_process:
-                function = _call_here_sync
+                call = functools.partial(_call_here_sync, target, args, kwargs)
             else:
-                function = self._call_in_worker
-            result = await loop.run_in_executor(self._threads, function, target, args, kwargs)
+                call = functools.partial(self._call_in_worker, target, args, kwargs, timeout_s)
+            result = await loop.run_in_executor(self._threads, call)
         return self._count(dataclasses.replace(result, elapsed_s=time.monotonic() - begin))
 
     def _resolve_here(self, target: Any) -> Any:
@@ -849,7 +892,9 @@ class UserCodePool:
     def _closed_result(self) -> UserCodeResult:
         return UserCodeResult("error", cause=f"{self.name} was closed")
 
-    def _call_in_worker(self, target: Any, args: tuple, kwargs: dict) -> UserCodeResult:
+    def _call_in_worker(
+        self, target: Any, args: tuple, kwargs: dict, timeout_s: float | None = None
+    ) -> UserCodeResult:
         if self._is_closed:
             return self._closed_result()
         found = self._target_of(target)
@@ -873,7 +918,8 @@ class UserCodePool:
                 if status == "died":
                     self._count_died()
                 return UserCodeResult("error", cause=f"cannot run in a worker process: {value}")
-            timeout_s = self.timeout_s if self.timeout_s is not None else MAX_TIMEOUT_S
+            if timeout_s is None:
+                timeout_s = self.timeout_s if self.timeout_s is not None else MAX_TIMEOUT_S
             status, value, num_survivors = process.request("call", key, args_blob, timeout_s)
         except BaseException:
             process.kill()  # Ctrl-C while waiting: the worker's state is unknown
@@ -883,7 +929,7 @@ class UserCodePool:
         if status == "timeout":
             return UserCodeResult(
                 "timeout",
-                cause=f"took over timeout_s={self.timeout_s:g} s; its worker process group "
+                cause=f"took over timeout_s={timeout_s:g} s; its worker process group "
                 "was killed (the next call starts a new one)",
             )
         if status == "died":
