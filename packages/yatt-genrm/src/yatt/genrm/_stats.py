@@ -103,5 +103,9 @@ def describe_unparsable(verdict: Verdict) -> str:
     if verdict.error is not None and not verdict.votes:
         return f"sample {verdict.sample_id}: {verdict.error}"
     text = verdict.text[:_CAUSE_TEXT_CHARS]
-    # (A judge output cut at its token budget is an error verdict, never unparsable.)
-    return f"sample {verdict.sample_id}: no verdict in the judge's text {text!r}"
+    cause = f"sample {verdict.sample_id}: no verdict in the judge's text {text!r}"
+    if any(vote.finish_reason == "length" for vote in verdict.votes):
+        # This package makes a cut vote an error verdict; a verdict made elsewhere (an older
+        # service) may still be unparsable for it, and this says why.
+        cause += " (cut at the judge's max_new_tokens)"
+    return cause
