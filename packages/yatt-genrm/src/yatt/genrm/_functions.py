@@ -56,14 +56,7 @@ from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer, per_sample
 from yatt.genrm._types import Sample, Verdict
 from yatt.genrm._verifiers import InvalidRewardError, as_python_scalar, check_reward
 from yatt.genrm._votes import FailureLog
-from yatt.rollout._user_code import (
-    DEFAULT_MAX_REPLY_BYTES,
-    UserCodePool,
-    UserCodeResult,
-    check_timeout_s,
-    default_num_workers,
-    resolve_user_code,
-)
+from yatt.rollout import UserCodePool, UserCodeResult
 
 RewardFn = Callable[..., Any]
 
@@ -155,7 +148,7 @@ class RewardFunction(StreamingScorer):
         batching: BatchingConfig | None = None,
         timeout_s: float | None = None,
         form: str = "auto",
-        max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+        max_reply_bytes: int = UserCodePool.DEFAULT_MAX_REPLY_BYTES,
         _spec: str | None = None,  # set by load_reward_function: where a worker loads fn from
         _lease: _PoolLease | None = None,  # set by load_reward_functions: a shared pool
     ) -> None:
@@ -167,9 +160,9 @@ class RewardFunction(StreamingScorer):
         if not (math.isfinite(default_reward) and abs(default_reward) <= FLOAT32_MAX):
             raise ValueError(f"default_reward={default_reward!r}: must be finite (float32)")
         if timeout_s is not None:
-            check_timeout_s("timeout_s", timeout_s)
+            UserCodePool.check_timeout_s("timeout_s", timeout_s)
         if num_threads is None:
-            num_threads = 1 if timeout_s is None else default_num_workers()
+            num_threads = 1 if timeout_s is None else UserCodePool.default_num_workers()
         if not isinstance(num_threads, int) or isinstance(num_threads, bool) or num_threads < 1:
             raise ValueError(f"num_threads={num_threads!r}: must be an int >= 1")
         if batching is None:
@@ -396,7 +389,7 @@ def load_reward_function(
     sys.exit(), no such attribute, not callable, a signature that fits no form) is a ValueError
     that says what to fix.
     """
-    fn, default_name = resolve_user_code(spec, what="reward function")
+    fn, default_name = UserCodePool.resolve(spec, what="reward function")
     return RewardFunction(
         fn,
         name=name or default_name,
@@ -415,7 +408,7 @@ def load_reward_functions(
     forms: Sequence[str] | None = None,
     timeout_s: float | None = None,
     num_workers: int | None = None,
-    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+    max_reply_bytes: int = UserCodePool.DEFAULT_MAX_REPLY_BYTES,
 ) -> list[tuple[RewardFunction, float]]:
     """Each function at `specs` with its weight (default 1.0), all sharing one pool of
     `num_workers` worker processes (None: the CPUs this process may use, at most 8), so several
@@ -436,7 +429,7 @@ def load_reward_functions(
             raise ValueError(f"forms[{i}]={form!r}: use one of {REWARD_FORMS}")
     if not specs:
         return []
-    loaded = [resolve_user_code(spec, what="reward function") for spec in specs]
+    loaded = [UserCodePool.resolve(spec, what="reward function") for spec in specs]
     if timeout_s is None:
         # In process: each function its own single thread (fn need not be thread-safe).
         return [
@@ -444,7 +437,7 @@ def load_reward_functions(
             for spec, form, weight in zip(specs, forms, weights, strict=True)
         ]
     pool = UserCodePool(
-        num_workers=num_workers if num_workers is not None else default_num_workers(),
+        num_workers=num_workers if num_workers is not None else UserCodePool.default_num_workers(),
         timeout_s=timeout_s,
         max_reply_bytes=max_reply_bytes,
         name="reward functions",

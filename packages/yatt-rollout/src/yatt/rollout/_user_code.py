@@ -691,6 +691,17 @@ class UserCodePool:
     loop. Results are `UserCodeResult`s: nothing user code does raises here (but a Ctrl-C that
     reaches a waiting `call_sync`)."""
 
+    # For packages built on the pool (genrm's reward functions, tools): the same rules.
+    DEFAULT_MAX_REPLY_BYTES = DEFAULT_MAX_REPLY_BYTES
+    MAX_TIMEOUT_S = MAX_TIMEOUT_S
+    default_num_workers = staticmethod(default_num_workers)
+    resolve = staticmethod(resolve_user_code)  # (spec, what=) -> (object, default name)
+
+    @staticmethod
+    def check_timeout_s(field: str, timeout_s: object) -> None:
+        """ValueError naming `field` unless `timeout_s` is seconds in (0, MAX_TIMEOUT_S]."""
+        check_timeout_s(field, timeout_s)
+
     def __init__(
         self,
         *,
