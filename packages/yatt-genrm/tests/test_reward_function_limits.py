@@ -347,3 +347,63 @@ def test_the_interpreter_exits_while_a_thread_waits_on_a_hung_worker(
     finally:
         process.kill()
     assert _is_gone(worker_pid)
+
+
+LEAKY_PY = """
+import os
+import subprocess
+import time
+
+
+def hangs_in_a_program(prompt, response, reference, row):
+    child = subprocess.Popen(["sleep", "300"])
+    with open(row["pid_file"], "w") as f:
+        f.write(str(child.pid))
+    child.wait()
+    return 1.0
+
+
+def forks_and_returns(prompt, response, reference, row):
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(300)
+        os._exit(0)
+    with open(row["pid_file"], "w") as f:
+        f.write(str(pid))
+    return 1.0
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and process groups")
+@pytest.mark.parametrize("name", ["hangs_in_a_program", "forks_and_returns"])
+def test_programs_a_reward_starts_never_outlive_its_call(tmp_path, name) -> None:
+    """The issue: with function_timeout_s=3 the worker was killed, its `sleep 300` was not; a
+    reward that forked and returned left its child alive past close() and the trainer."""
+    path = tmp_path / "leaky.py"
+    path.write_text(LEAKY_PY)
+    pid_file = tmp_path / "child.pid"
+    fn = load_reward_function(f"{path}:{name}", timeout_s=2.0, num_threads=1)
+    try:
+        (verdict,) = fn.score([_sample("4", pid_file=str(pid_file))])
+        stats = fn.pool_stats()
+    finally:
+        fn.close()
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(child)
+    if name == "hangs_in_a_program":
+        assert verdict.status == "error" and "took over timeout_s=2 s" in verdict.error
+    else:
+        assert (verdict.status, verdict.reward) == ("ok", 1.0)
+        assert stats["num_survivors_killed"] == 1
