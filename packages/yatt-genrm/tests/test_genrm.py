@@ -1,5 +1,6 @@
 NUM_GPUS = 0
 
+import asyncio
 import logging
 import re
 
@@ -132,6 +133,34 @@ def test_prompt_over_the_judge_context_fails_only_its_sample() -> None:
     )
     assert short.status == "ok"
     assert long.status == "error" and "max_prompt_tokens=200" in long.error
+    # The row is too long for the judge: a data skip, not the judge's error.
+    assert long.skip_cause == long.error
+    stats = ScoreStats.from_verdicts([short, long])
+    assert (stats.num_ok, stats.num_errors, stats.num_data_skips) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("field", ["reference", "response", "prompt", "row"])
+def test_a_lone_surrogate_is_a_data_skip_not_a_crash(field) -> None:
+    """The issue: a lone surrogate in the answer field killed the run in preflight with a raw
+    tokenizer TypeError; later such rows failed as judge errors."""
+    genrm = GenRM(
+        FakeJudgeEngine(),
+        template=JudgeTemplate(user="{prompt} {response} {reference}"),
+        parser=YesNoParser(),
+    )
+    bad = {"prompt": "q", "response": "4", "reference": "4", "metadata": {}}
+    if field == "row":
+        bad["metadata"] = {"note": "x\ud800y"}
+    else:
+        bad[field] = "x\ud800y"
+    samples = [Sample(**bad), Sample(prompt="q", response="4", reference="4")]
+    for verdicts in (genrm.score(samples), asyncio.run(genrm.ascore(samples))):
+        skipped, fine = verdicts
+        assert skipped.status == "error" and fine.status == "ok"
+        assert skipped.skip_cause is not None and "not valid Unicode" in skipped.skip_cause
+        assert "surrogates not allowed" in skipped.skip_cause
+        stats = ScoreStats.from_verdicts(verdicts)
+        assert (stats.num_errors, stats.num_data_skips) == (0, 1)
 
 
 def test_score_batches_by_max_batch_size() -> None:

@@ -51,6 +51,7 @@ class FakeOpenAIServer:
     delay_s: float = 0.0
     slow_s: float = 2.0
     finish_reason: str = "stop"
+    served_model: str | None = None  # the "model" a completion names; None: left out
     num_choices: int | None = None  # None: as many as n asks for
     models_key: str | None = None  # the key /v1/models wants; None: open
     actions: list[Any] = field(default_factory=list)
@@ -119,6 +120,9 @@ class FakeOpenAIServer:
                 _, status, headers = action
                 error = {"error": {"message": f"fake error {status}", "type": "fake"}}
                 return web.json_response(error, status=status, headers=headers)
+            if action == "echo_auth":  # a proxy that echoes the request's headers
+                echoed = f"bad request; you sent Authorization: {request.headers['Authorization']}"
+                return web.json_response({"error": {"message": echoed}}, status=400)
             if action == "garbage":
                 return web.Response(text="<html>proxy error</html>", content_type="text/html")
             if action in ("endless", "trickle"):
@@ -135,9 +139,10 @@ class FakeOpenAIServer:
             for k in range(self.num_choices or body.get("n", 1))
         ]
         usage = {"prompt_tokens": len(user), "completion_tokens": 2 * len(choices)}
-        return web.json_response(
-            {"id": "x", "object": "chat.completion", "choices": choices, "usage": usage}
-        )
+        payload = {"id": "x", "object": "chat.completion", "choices": choices, "usage": usage}
+        if self.served_model is not None:
+            payload["model"] = self.served_model
+        return web.json_response(payload)
 
 
 @pytest.fixture
@@ -350,14 +355,74 @@ def test_unreachable_server_is_an_error_in_bounded_time() -> None:
     assert time.perf_counter() - start < 2.0
 
 
-def test_unparsable_verdict_says_the_judge_was_cut(server) -> None:
-    server.judge = lambda user, k: "Let me think step by step about"
-    server.finish_reason = "length"
-    (verdict,) = _judge(server.base_url).score(_samples(["4"]))
-    assert verdict.status == "unparsable"
-    assert ScoreStats.from_verdicts([verdict]).first_unparsable.endswith(
-        "(cut at the judge's max_new_tokens)"
-    )
+@pytest.mark.parametrize("finish_reason", ["length", "abort"])
+def test_a_judge_output_that_did_not_finish_is_an_error_never_a_verdict(
+    server, finish_reason
+) -> None:
+    """Cut at its token budget mid-sentence, the judge's last line reads "Yes": an error (the
+    issue: +1 on every sample), counted as such, whatever the line says."""
+    server.judge = lambda user, k: "Let me check the answer. It is wrong, so I would not say\nYes"
+    server.finish_reason = finish_reason
+    judge = _judge(server.base_url)
+    verdicts = judge.score(_samples(["4", "5"]))
+    assert [(v.status, v.reward) for v in verdicts] == [("error", 0.0), ("error", 0.0)]
+    assert "the judge's generation did not finish" in verdicts[0].error
+    if finish_reason == "length":
+        assert "finish reason 'length'; raise its max_new_tokens" in verdicts[0].error
+    stats = ScoreStats.from_verdicts(verdicts)
+    assert (stats.num_errors, stats.num_ok) == (2, 0)
+    assert judge.metrics["num_unfinished_votes"] == 2
+    # The same text, finished, is read.
+    server.finish_reason = "stop"
+    assert [v.reward for v in judge.score(_samples(["4"]))] == [1.0]
+
+
+def test_the_api_key_is_scrubbed_from_an_error_body_that_echoes_it(
+    server, monkeypatch, caplog
+) -> None:
+    monkeypatch.setenv("YATT_TEST_JUDGE_KEY", KEY)
+    server.actions = ["echo_auth"]
+    judge = _judge(server.base_url, api_key_env="YATT_TEST_JUDGE_KEY")
+    with caplog.at_level(logging.DEBUG):
+        (verdict,) = judge.score(_samples(["4"]))
+    assert verdict.status == "error" and "HTTP 400" in verdict.error
+    assert "you sent Authorization: Bearer ***" in verdict.error
+    assert KEY not in verdict.error and KEY not in caplog.text
+    assert "Bearer ***" in caplog.text  # the log line was written, scrubbed
+
+
+def test_credentials_in_base_url_are_never_shown(server, caplog) -> None:
+    url = server.base_url.replace("http://", "http://alice:s3cret-pw@")
+    server.actions = [("status", 400, {})]
+    judge = _judge(url, max_retries=0)
+    with caplog.at_level(logging.DEBUG):
+        (verdict,) = judge.score(_samples(["4"]))
+    shown = " ".join([verdict.error, caplog.text, repr(judge), repr(judge.config), judge.url])
+    assert "s3cret-pw" not in shown and "alice:" not in shown
+    assert "http://***@127.0.0.1" in judge.url
+    # The request itself still carries them (aiohttp sends them as basic auth).
+    assert server.requests[0]["headers"]["Authorization"].startswith("Basic ")
+    with pytest.raises(ValueError) as error:
+        OpenAIJudgeConfig(base_url="ftp://alice:s3cret-pw@host/v1", model="m")
+    assert "s3cret-pw" not in str(error.value)
+    unreachable = _judge("http://alice:s3cret-pw@127.0.0.1:1/v1", timeout_s=0.5)
+    with pytest.raises(ValueError) as error:
+        unreachable.check_endpoint()
+    assert "s3cret-pw" not in str(error.value) and "cannot be reached" in str(error.value)
+
+
+def test_a_completion_from_another_model_is_warned_once_and_counted(server, caplog) -> None:
+    judge = _judge(server.base_url)
+    server.served_model = "judge-7b-2025-01-01"  # a dated snapshot of the model: the same
+    judge.score(_samples(["4"]))
+    assert judge.metrics["num_model_mismatches"] == 0
+    server.served_model = "some-other-model"
+    with caplog.at_level(logging.WARNING, logger="yatt.genrm"):
+        verdicts = judge.score(_samples(["4", "5", "4"]))
+    assert [v.reward for v in verdicts] == [1.0, -1.0, 1.0]  # still scored
+    assert judge.metrics["num_model_mismatches"] == 3
+    warnings = [r for r in caplog.records if "some-other-model" in r.getMessage()]
+    assert len(warnings) == 1 and "not the configured 'judge-7b'" in warnings[0].getMessage()
 
 
 def test_template_error_fails_only_its_sample(server) -> None:
@@ -591,3 +656,13 @@ def test_bad_configuration_is_rejected_up_front(kwargs, match, monkeypatch) -> N
 def test_greedy_votes_are_rejected() -> None:
     with pytest.raises(ValueError, match="greedy votes are identical"):
         _judge("http://127.0.0.1:1/v1", votes=2, sampling=SamplingParams(temperature=0.0))
+
+
+def test_a_row_with_a_lone_surrogate_is_a_data_skip_and_never_sent(server) -> None:
+    judge = _judge(server.base_url)
+    bad = Sample(prompt="q", response="4", reference="\udc80")
+    skipped, fine = judge.score([bad, _samples(["4"])[0]])
+    assert skipped.skip_cause is not None and "reference is not valid Unicode" in skipped.skip_cause
+    assert fine.status == "ok" and len(server.requests) == 1
+    stats = ScoreStats.from_verdicts([skipped, fine])
+    assert (stats.num_errors, stats.num_data_skips) == (0, 1)

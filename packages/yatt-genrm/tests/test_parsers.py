@@ -61,7 +61,44 @@ WELL_FORMED = [
     ("Verdict:\u00a0No", -1.0),  # a no-break space is a space after NFKC
     ("Verdict: Yes\nVerdict: Yes", 1.0),  # the same verdict twice is no reversal
     ("I first thought Verdict: No, but\nVerdict: Yes", 1.0),  # not a whole verdict line
+    # Markdown is part of the grammar (issue 49): judges bold their verdicts.
+    ("`Yes`", 1.0),
+    ("**Yes**", 1.0),
+    ("*Yes*", 1.0),
+    ("__Yes__", 1.0),
+    ("Verdict: **Yes**", 1.0),
+    ("**Verdict:** No", -1.0),
+    ("**Verdict: No**", -1.0),
+    ("Verdict: `No`.", -1.0),
 ]
+
+
+# Each line break str.splitlines() knows besides "\n" (and "\r\n"): none splits a verdict.
+NOT_NEWLINES = ["\u2028", "\u2029", "\x0b", "\x0c", "\x1c", "\x85"]
+
+
+@pytest.mark.parametrize("char", NOT_NEWLINES, ids=[f"U+{ord(c):04X}" for c in NOT_NEWLINES])
+def test_only_newlines_split_the_verdict_line(char: str) -> None:
+    parser = YesNoParser()
+    # The issue: "Verdict: No<break>Yes" read the "Yes" after the break as the last line.
+    assert parser.parse(f"Verdict: No{char}Yes") is None
+    assert parser.parse(f"The response is wrong.{char}Yes") is None
+    assert parser.parse(f"Verdict: No{char}Yes\n") is None
+    assert "a\nb" in f"a{chr(10)}b" and len(f"x{char}y".splitlines()) == 2  # what it guards
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Verdict: **No**\nYes", "**Verdict: No**\nVerdict: Yes", "`No`\n\n**Yes**", "*No*\nYes"],
+)
+def test_a_reversal_written_in_markdown_is_a_reversal(text: str) -> None:
+    assert YesNoParser().parse(text) is None
+
+
+def test_markdown_label_start_points_at_the_label() -> None:
+    text = "Reasoning.\nVerdict: **Yes**"
+    start = YesNoParser().label_start(text)
+    assert text[start : start + 3] == "Yes"
 
 
 @pytest.mark.parametrize(("text", "expected"), WELL_FORMED)

@@ -38,6 +38,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "__version__",
         "create_app",
         "load_reward_function",
+        "load_reward_functions",
         "pointwise_template",
         "score_as_completed",
         "verification_template",

@@ -141,7 +141,7 @@ def test_runaway_response_is_cut_by_characters_before_tokenizing() -> None:
         (
             verification_template(),
             YesNoParser(),
-            {"Yes": 1.0, "No.": -1.0, "**No**": None, "Reply with one word: Yes or No.": None},
+            {"Yes": 1.0, "No.": -1.0, "**No**": -1.0, "Reply with one word: Yes or No.": None},
         ),
         (
             verification_template(parser=YesNoParser(is_boxed=True)),

@@ -27,6 +27,9 @@ TEMPLATE = JudgeTemplate(
     image_key="image",
 )
 SAMPLING = SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+# A random tiny judge never stops: each generation ends at max_new_tokens ("length"), so its
+# verdict is an error (a cut judge output is never read) and its text is what is compared.
+UNFINISHED = "error"
 
 
 @dataclass
@@ -127,7 +130,8 @@ def test_the_judge_sees_the_image_and_its_verdict_is_the_models(
     images = [black, white, [_image(3), _image(4, size=(24, 16))]]
     samples = [_sample(image) for image in images]
     verdicts = genrm.score(samples)
-    assert [v.status for v in verdicts] == ["ok"] * 3
+    assert [v.status for v in verdicts] == [UNFINISHED] * 3
+    assert all(v.votes[0].finish_reason == "length" for v in verdicts)
     for image, verdict in zip(images, verdicts, strict=True):
         listed = image if isinstance(image, list) else [image]
         assert verdict.text == _reference_verdict(vlm_dir, image_processor, listed)
@@ -172,7 +176,8 @@ def test_a_sample_without_its_image_is_an_error_verdict_with_the_cause(
         _sample([], sample_id="empty-list"),
     ]
     verdicts = genrm.score(samples)
-    assert [v.status for v in verdicts] == ["ok", "error", "error", "error"]
+    assert [v.status for v in verdicts] == [UNFINISHED, "error", "error", "error"]
+    assert "did not finish" in verdicts[0].error
     assert "sample 'no-image' has no image in metadata['image']" in verdicts[1].error
     assert verdicts[2].error.startswith("images: the judge's image processor refused an image")
     assert "has no image" in verdicts[3].error
@@ -279,7 +284,7 @@ def test_genrm_processes_each_judged_image_once(vlm_dir, image_processor) -> Non
         genrm = GenRM(judge_engine, template=TEMPLATE, parser=AnyText(), sampling=SAMPLING)
         samples = [_sample(_image(7)), _sample([_image(8), _image(9, size=(24, 16))])]
         verdicts = genrm.score(samples)
-        assert [v.status for v in verdicts] == ["ok", "ok"]
+        assert [v.status for v in verdicts] == [UNFINISHED, UNFINISHED]
         assert spy.num_images == 3
     finally:
         judge_engine.close()

@@ -27,6 +27,8 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "SGLangEngine",
         "SamplingParams",
         "SupportsLabelLogprobs",
+        "UserCodePool",
+        "UserCodeResult",
         "VLLMConfig",
         "VLLMEngine",
         "__version__",

@@ -18,14 +18,16 @@ back whole groups once all their samples are judged, and sets aborted completion
     group = await judging.next_group(timeout_s=0.01) # whole, judged; None after the wait
 
 Rewards without a judge model: `load_reward_function("my_module:score")` is a scorer of its own
-and a rule for `CombinedRM(None, [(fn, weight), ...])`. A judge served elsewhere (vLLM, SGLang,
+and a rule for `CombinedRM(None, [(fn, weight), ...])`; yatt's per-sample form, TRL's batch form
+and verl's compute_score are all taken, and `load_reward_functions(specs, weights=, forms=,
+timeout_s=, num_workers=)` loads several onto one pool of worker processes. A judge served elsewhere (vLLM, SGLang,
 a hosted model): `OpenAIJudge(OpenAIJudgeConfig(base_url=..., model=...), template=, parser=)`.
 """
 
 from yatt.genrm._as_completed import ScoredCompletions, score_as_completed
 from yatt.genrm._client import GenRMClient
 from yatt.genrm._combine import CombinedRM
-from yatt.genrm._functions import RewardFunction, load_reward_function
+from yatt.genrm._functions import RewardFunction, load_reward_function, load_reward_functions
 from yatt.genrm._genrm import GenRM
 from yatt.genrm._groups import GroupJudging, JudgedGroup
 from yatt.genrm._openai import OpenAIJudge, OpenAIJudgeConfig
@@ -64,6 +66,7 @@ __all__ = [
     "__version__",
     "create_app",
     "load_reward_function",
+    "load_reward_functions",
     "pointwise_template",
     "score_as_completed",
     "verification_template",

@@ -38,6 +38,7 @@ from yatt.genrm._retry import (
     status_error,
     with_retries,
 )
+from yatt.genrm._secrets import Scrubber, redact_url, url_credentials
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
 from yatt.genrm._types import Sample, Verdict, error_verdict
 
@@ -103,6 +104,9 @@ class GenRMClient(StreamingScorer):
         self._headers = {"Content-Type": "application/json"}
         if api_key is not None:
             self._headers["Authorization"] = f"Bearer {api_key}"
+        # The key and URL credentials never reach a log line or an error verdict, also when a
+        # server (or proxy) echoes them back.
+        self._scrub = Scrubber([api_key, *(c for u in self.urls for c in url_credentials(u))])
         self.metrics["num_retries"] = 0
         self.num_samples_by_url: dict[str, int] = dict.fromkeys(self.urls, 0)
         # This client's samples in flight per server, and whose turn a tie is (streaming).
@@ -175,7 +179,9 @@ class GenRMClient(StreamingScorer):
                         retry_statuses=SERVER_ERROR_STATUSES,
                     )
             except ResponseTooLargeError as e:
-                logger.warning("GenRM request to %s failed: %s", url, e)
+                logger.warning(
+                    "GenRM request to %s failed: %s", redact_url(url), self._scrub(str(e))
+                )
                 raise FatalError(str(e)) from None  # an endless or oversized answer comes again
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as e:
                 raise RetryableError(f"{type(e).__name__}: {e}") from None
@@ -183,7 +189,12 @@ class GenRMClient(StreamingScorer):
         def log_retryable(attempt: int, error: RetryableError | FatalError) -> None:
             if isinstance(error, RetryableError):
                 url = self.urls[(server + attempt) % len(self.urls)]
-                logger.warning("GenRM request to %s failed (try %d): %s", url, attempt + 1, error)
+                logger.warning(
+                    "GenRM request to %s failed (try %d): %s",
+                    redact_url(url),
+                    attempt + 1,
+                    self._scrub(str(error)),
+                )
 
         try:
             return await with_retries(
@@ -195,7 +206,9 @@ class GenRMClient(StreamingScorer):
             )
         except GaveUp as e:
             return [
-                error_verdict(s.id, f"GenRM service: {e.cause}", reward=self.default_reward)
+                error_verdict(
+                    s.id, self._scrub(f"GenRM service: {e.cause}"), reward=self.default_reward
+                )
                 for s in samples
             ]
 

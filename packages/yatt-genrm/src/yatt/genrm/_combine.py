@@ -11,8 +11,9 @@ or returns something other than a number within float32's range adds 0 and makes
 status "error", with the cause in `error` (so `ScoreStats` counts it with the judge's errors);
 the run goes on. A weighted sum beyond float32's range is an "error" verdict with
 `default_reward` too. Weights are checked up front: finite, and their absolute sum within
-float32's range (rewards of magnitude 1 cannot overflow). Rules run on a worker thread while
-streaming, never on the event loop; a `RewardFunction` gets all of `score`'s samples at once.
+float32's range (rewards of magnitude 1 cannot overflow). Rules never run on the event loop:
+a `RewardFunction` runs its calls concurrently on its pool, other rules on one worker thread.
+Metrics a reward function returns (a dict's other keys) are carried on Verdict.metrics.
 
 Gating saves judge work on answers a rule already rejects. `CombinedRM` has the interface of the
 judge it wraps (score, submit/finish/results, ascore), so the trainer does not care which it has.
@@ -27,7 +28,12 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from yatt.genrm._functions import FLOAT32_MAX, RewardFunction, check_float32_reward
+from yatt.genrm._functions import (
+    FLOAT32_MAX,
+    RewardFunction,
+    RewardOutcome,
+    check_float32_reward,
+)
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
 from yatt.genrm._types import Sample, Verdict
 from yatt.genrm._verifiers import InvalidRewardError, RuleVerifier, call_rule
@@ -42,6 +48,8 @@ class _Checked:
 
     values: dict[str, float | None]
     causes: list[str]
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    skip_causes: list[str] = dataclasses.field(default_factory=list)
 
 
 class CombinedRM(StreamingScorer):
@@ -133,20 +141,49 @@ class CombinedRM(StreamingScorer):
         self._error_log = FailureLog("rule failure")
 
     def _check_all(self, samples: Sequence[Sample]) -> list[_Checked]:
-        """Every rule on every sample; a RewardFunction gets them all in one call (one round
-        trip to its worker process)."""
+        """Every rule on every sample; a RewardFunction's calls run concurrently."""
         checks = [_Checked({}, []) for _ in samples]
         for rule, _ in self.rules:
             if isinstance(rule, RewardFunction):
-                results = rule.call_batch(samples)
+                outcomes = rule.call_batch(samples)
             else:
-                results = [_call_in_range(rule, sample) for sample in samples]
-            for sample, checked, (value, cause) in zip(samples, checks, results, strict=True):
-                checked.values[rule.name] = value
-                if cause is not None:
-                    checked.causes.append(cause)
-                    self._error_log.record(sample.id, cause)
+                outcomes = [_call_in_range(rule, sample) for sample in samples]
+            self._add_outcomes(rule.name, samples, checks, outcomes)
         return checks
+
+    async def _acheck_all(self, samples: Sequence[Sample]) -> list[_Checked]:
+        """`_check_all` off the event loop: reward functions on their pools, all at once;
+        other rules (cheap checks) on the rule thread."""
+        loop = asyncio.get_running_loop()
+        checks = [_Checked({}, []) for _ in samples]
+
+        async def run(rule: Any) -> list[RewardOutcome]:
+            if isinstance(rule, RewardFunction):
+                return await rule.acall_batch(samples)
+            return await loop.run_in_executor(
+                self._rule_pool, lambda: [_call_in_range(rule, s) for s in samples]
+            )
+
+        outcomes = await asyncio.gather(*(run(rule) for rule, _ in self.rules))
+        for (rule, _), rule_outcomes in zip(self.rules, outcomes, strict=True):
+            self._add_outcomes(rule.name, samples, checks, rule_outcomes)
+        return checks
+
+    def _add_outcomes(
+        self,
+        name: str,
+        samples: Sequence[Sample],
+        checks: list[_Checked],
+        outcomes: Sequence[RewardOutcome],
+    ) -> None:
+        for sample, checked, outcome in zip(samples, checks, outcomes, strict=True):
+            checked.values[name] = outcome.reward
+            checked.metrics.update(outcome.metrics)
+            if outcome.skip_cause is not None:
+                checked.skip_causes.append(outcome.skip_cause)
+            if outcome.cause is not None:
+                checked.causes.append(outcome.cause)
+                self._error_log.record(sample.id, outcome.cause)
 
     def _is_gated(self, checked: _Checked) -> bool:
         return self.mode == "gate" and any(v == 0.0 for v in checked.values.values())
@@ -169,11 +206,14 @@ class CombinedRM(StreamingScorer):
                 status="error",
                 error="; ".join([verdict.error, cause]) if verdict.error else cause,
             )
+        if checked.metrics:
+            verdict = dataclasses.replace(verdict, metrics={**verdict.metrics, **checked.metrics})
         if not checked.causes:
             return verdict
         self.metrics["num_rule_errors"] += len(checked.causes)
         error = "; ".join([verdict.error, *checked.causes] if verdict.error else checked.causes)
-        return dataclasses.replace(verdict, status="error", error=error)
+        skip_cause = verdict.skip_cause or (checked.skip_causes[0] if checked.skip_causes else None)
+        return dataclasses.replace(verdict, status="error", error=error, skip_cause=skip_cause)
 
     def _gated(self, sample: Sample, checked: _Checked) -> Verdict:
         self.metrics["num_gated"] += 1
@@ -231,10 +271,8 @@ class CombinedRM(StreamingScorer):
         return out
 
     async def _judge_batch(self, items: list[Item]) -> None:
-        loop = asyncio.get_running_loop()
-
         async def judge_one(item: Item) -> None:
-            (checked,) = await loop.run_in_executor(self._rule_pool, self._check_all, [item.sample])
+            (checked,) = await self._acheck_all([item.sample])
             if self.judge is None:
                 item.resolve(self._rules_only(item.sample, checked))
                 return
@@ -259,10 +297,10 @@ class CombinedRM(StreamingScorer):
         self.close()
 
 
-def _call_in_range(rule: RuleVerifier, sample: Sample) -> tuple[float | None, str | None]:
+def _call_in_range(rule: RuleVerifier, sample: Sample) -> RewardOutcome:
     """`call_rule`, with a value float32 cannot hold made a cause."""
     value, cause = call_rule(rule, sample)
     try:
-        return check_float32_reward(value), cause
+        return RewardOutcome(check_float32_reward(value), cause)
     except InvalidRewardError as e:
-        return None, f"{rule.name} {e}"
+        return RewardOutcome(None, f"{rule.name} {e}")

@@ -34,7 +34,14 @@ from yatt.genrm._label_verdict import (
 from yatt.genrm._parsers import VerdictParser, YesNoParser
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
 from yatt.genrm._templates import JudgeTemplate
-from yatt.genrm._types import Sample, Verdict, Vote, error_verdict
+from yatt.genrm._types import (
+    Sample,
+    Verdict,
+    Vote,
+    error_verdict,
+    find_unusable_text,
+    skip_verdict,
+)
 from yatt.genrm._votes import (
     AGGREGATES,
     Aggregate,
@@ -158,7 +165,11 @@ class GenRM(StreamingScorer):
         )
         self._render_tokenizer = _copy_tokenizer(engine.tokenizer)
         self.metrics.update(
-            num_votes=0, num_unparsable_votes=0, num_truncated_responses=0, num_prompt_tokens=0
+            num_votes=0,
+            num_unparsable_votes=0,
+            num_unfinished_votes=0,  # cut at the token budget or aborted: error, not read
+            num_truncated_responses=0,
+            num_prompt_tokens=0,
         )
 
     # -- shared by score() and streaming -------------------------------------------------------
@@ -168,6 +179,11 @@ class GenRM(StreamingScorer):
         Pure (no metrics touched), so streaming runs it on the render thread."""
         rendered = _Rendered()
         for i, sample in enumerate(samples):
+            # A row the judge cannot take is a data skip (Verdict.skip_cause), not its error.
+            unusable = find_unusable_text(sample)
+            if unusable is not None:
+                rendered.failed[i] = skip_verdict(sample.id, unusable, reward=self.default_reward)
+                continue
             try:
                 ids, is_truncated = self.template.render_ids(sample, tokenizer)
                 images = self.template.sample_images(sample)
@@ -183,7 +199,7 @@ class GenRM(StreamingScorer):
                     ids, image_inputs = self._image_prompts.encode(ids, images)
                 except Exception as e:
                     message = f"images: {e}"
-                    rendered.failed[i] = error_verdict(
+                    rendered.failed[i] = skip_verdict(
                         sample.id, message, reward=self.default_reward
                     )
                     continue
@@ -193,7 +209,7 @@ class GenRM(StreamingScorer):
                     f"judge prompt has {len(ids)} tokens > max_prompt_tokens="
                     f"{self.max_prompt_tokens}; lower the template's max_response_tokens"
                 )
-                rendered.failed[i] = error_verdict(sample.id, message, reward=self.default_reward)
+                rendered.failed[i] = skip_verdict(sample.id, message, reward=self.default_reward)
                 continue
             rendered.requests.append(
                 Request(
@@ -239,6 +255,8 @@ class GenRM(StreamingScorer):
         if vote.status == "unparsable":
             self.metrics["num_unparsable_votes"] += 1
             self._unparsable_log.record(request_id or "?", vote.text)
+        elif vote.status == "error":
+            self.metrics["num_unfinished_votes"] += 1
         return vote
 
     def _probe_calls(self, probes: list[LabelProbe]):

@@ -30,6 +30,7 @@ from typing import Any
 
 from yatt.genrm._parsers import YesNoParser
 from yatt.genrm._types import Vote
+from yatt.genrm._votes import is_finished
 from yatt.rollout import Completion, SamplingParams, SupportsLabelLogprobs
 
 # How many response tokens back from the end the label may start: a verdict line is short.
@@ -103,7 +104,7 @@ class LabelVerdicts:
         """The vote, when the label is the first token (its logprobs came with the
         generation) or the text has no verdict; else the forced step that scores it."""
         start = self.parser.label_start(text)
-        if completion.finish_reason == "abort" or start is None:
+        if not is_finished(completion.finish_reason) or start is None:
             return _unparsable(text, completion.finish_reason)
         ids = completion.response_ids
         need = len(text) - start  # characters from the label to the end
@@ -156,5 +157,5 @@ class LabelVerdicts:
 
 
 def _unparsable(text: str, finish_reason: str | None) -> Vote:
-    status = "error" if finish_reason == "abort" else "unparsable"
+    status = "unparsable" if is_finished(finish_reason) else "error"
     return Vote(reward=None, text=text, status=status, finish_reason=finish_reason)

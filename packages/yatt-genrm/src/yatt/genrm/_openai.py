@@ -19,7 +19,13 @@ image's own http(s) URL) before the text; the served model must take images (els
 4xx is that sample's error verdict). A sample without its image is an error verdict, unsent.
 
 The API key is read from the environment variable named by `api_key_env` and sent as
-`Authorization: Bearer <key>`; it is never logged nor put in an error.
+`Authorization: Bearer <key>`. It, and any "user:password@" in base_url, is scrubbed from every
+message the judge writes (logs, error verdicts, exceptions, the judge's own text), also from
+what a server sends back (a proxy that echoes the Authorization header in its error body).
+
+A completion naming another model than `model` (a proxy routing elsewhere, a wrong server) is
+logged once and counted (metrics["num_model_mismatches"]); a dated snapshot of the model asked
+for ("gpt-4o-2024-08-06" for "gpt-4o") is the same model.
 """
 
 from __future__ import annotations
@@ -50,9 +56,17 @@ from yatt.genrm._retry import (
     status_error,
     with_retries,
 )
+from yatt.genrm._secrets import Scrubber, redact_url, url_credentials
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer, per_sample_batching
 from yatt.genrm._templates import JudgeTemplate
-from yatt.genrm._types import Sample, Verdict, Vote, error_verdict
+from yatt.genrm._types import (
+    Sample,
+    Verdict,
+    Vote,
+    error_verdict,
+    find_unusable_text,
+    skip_verdict,
+)
 from yatt.genrm._votes import (
     AGGREGATES,
     Aggregate,
@@ -98,9 +112,11 @@ class OpenAIJudgeConfig:
     def __post_init__(self) -> None:
         url = self.base_url
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            shown = redact_url(url) if isinstance(url, str) else url
             raise ValueError(
-                f"OpenAIJudgeConfig.base_url={url!r}: must start with http:// or https://"
+                f"OpenAIJudgeConfig.base_url={shown!r}: must start with http:// or https://"
             )
+        url = redact_url(url)  # only the redacted form goes into messages below
         if url.rstrip("/").endswith("/chat/completions"):
             root = url.rstrip("/").removesuffix("/chat/completions")
             raise ValueError(
@@ -148,6 +164,13 @@ class OpenAIJudgeConfig:
                 f"OpenAIJudgeConfig.extra_body sets {own}: the judge sets these itself "
                 "(model from model, n from votes, the others from sampling)"
             )
+
+    def __repr__(self) -> str:  # base_url's credentials stay out of it
+        fields = ", ".join(
+            f"{f.name}={redact_url(getattr(self, f.name)) if f.name == 'base_url' else getattr(self, f.name)!r}"
+            for f in dataclasses.fields(self)
+        )
+        return f"OpenAIJudgeConfig({fields})"
 
     def read_api_key(self) -> str | None:
         """The key from `api_key_env`; ValueError when the variable is unset or empty."""
@@ -212,7 +235,10 @@ class OpenAIJudge(StreamingScorer):
             error_reward=default_reward,
         )
         self.config = config
-        self.url = config.base_url.rstrip("/") + "/chat/completions"
+        self._request_url = config.base_url.rstrip("/") + "/chat/completions"
+        self.url = redact_url(self._request_url)  # as shown in messages
+        self._scrub = Scrubber([api_key, *url_credentials(config.base_url)])
+        self._has_warned_model = False
         self.template = template
         self.parser = parser
         self.votes = votes
@@ -233,8 +259,10 @@ class OpenAIJudge(StreamingScorer):
             num_retries=0,
             num_votes=0,
             num_unparsable_votes=0,
+            num_unfinished_votes=0,  # finish reason "length" or "abort": an error, not read
             num_prompt_tokens=0,
             peak_inflight_requests=0,
+            num_model_mismatches=0,  # completions naming another model than config.model
         )
 
     def __repr__(self) -> str:  # the headers (the key) stay out of it
@@ -302,7 +330,7 @@ class OpenAIJudge(StreamingScorer):
                 async with (
                     asyncio.timeout(self.config.timeout_s),
                     http.session.post(
-                        self.url, data=body, headers=self._headers, timeout=timeout
+                        self._request_url, data=body, headers=self._headers, timeout=timeout
                     ) as response,
                 ):
                     data = await read_body(
@@ -344,6 +372,9 @@ class OpenAIJudge(StreamingScorer):
 
     async def _judge_one(self, sample: Sample) -> Verdict:
         """The verdict of one sample; never raises (except cancellation)."""
+        unusable = find_unusable_text(sample)
+        if unusable is not None:  # no JSON body or server takes it: a data skip
+            return skip_verdict(sample.id, unusable, reward=self.default_reward)
         try:
             messages = self.template.render_messages(sample)
             images = self.template.sample_images(sample)
@@ -354,7 +385,7 @@ class OpenAIJudge(StreamingScorer):
                 # Encoding images (PNG, base64) is CPU work: off the event loop.
                 messages = await asyncio.to_thread(_with_image_urls, messages, images)
             except Exception as e:
-                return error_verdict(sample.id, f"images: {e}", reward=self.default_reward)
+                return skip_verdict(sample.id, f"images: {e}", reward=self.default_reward)
         body = json.dumps(self._body(messages)).encode()
         http = self._http()
 
@@ -363,9 +394,9 @@ class OpenAIJudge(StreamingScorer):
 
         def record(attempt: int, error: RetryableError | FatalError) -> None:
             if isinstance(error, RetryableError):
-                self._failure_log.record(sample.id, f"try {attempt + 1}: {error}")
+                self._failure_log.record(sample.id, self._scrub(f"try {attempt + 1}: {error}"))
             else:
-                self._failure_log.record(sample.id, str(error))
+                self._failure_log.record(sample.id, self._scrub(str(error)))
 
         try:
             return await with_retries(
@@ -376,7 +407,8 @@ class OpenAIJudge(StreamingScorer):
                 on_retry=self._count_retry,
             )
         except GaveUp as e:
-            return error_verdict(sample.id, f"judge at {self.url}: {e}", reward=self.default_reward)
+            cause = self._scrub(f"judge at {self.url}: {e}")
+            return error_verdict(sample.id, cause, reward=self.default_reward)
 
     def _count_retry(self, attempt: int) -> None:
         self.metrics["num_retries"] += 1
@@ -388,14 +420,17 @@ class OpenAIJudge(StreamingScorer):
                 f"{len(choices)} choices for n={self.votes}: the server may not support n; "
                 "use votes=1"
             )
+        self._check_model(payload.get("model"))
         votes: list[Vote] = []
         for choice in choices[: self.votes]:
-            text = _content(choice)
+            text = self._scrub(_content(choice))
             vote = parse_vote(text, self.parser, choice.get("finish_reason"))
             self.metrics["num_votes"] += 1
             if vote.status == "unparsable":
                 self.metrics["num_unparsable_votes"] += 1
                 self._unparsable_log.record(sample.id, text)
+            elif vote.status == "error":
+                self.metrics["num_unfinished_votes"] += 1
             votes.append(vote)
         verdict = build_verdict(
             sample.id, votes, how=self.aggregate, default_reward=self.default_reward
@@ -409,6 +444,25 @@ class OpenAIJudge(StreamingScorer):
             num_judge_prompt_tokens=prompt_tokens,
             num_judge_response_tokens=_count(usage.get("completion_tokens")),
         )
+
+    def _check_model(self, served: object) -> None:
+        """Count (and log once) a completion from another model than the one configured."""
+        wanted = self.config.model
+        if served is None or served == wanted:
+            return
+        if isinstance(served, str) and served.startswith(wanted + "-"):
+            return  # a dated snapshot of the model asked for
+        self.metrics["num_model_mismatches"] += 1
+        if not self._has_warned_model:
+            self._has_warned_model = True
+            logger.warning(
+                "judge at %s answered as model %s, not the configured %r (a proxy routing "
+                "elsewhere, or another server on that port?); counted in "
+                "metrics['num_model_mismatches'], logged once",
+                self.url,
+                self._scrub(repr(served)[:200]),
+                wanted,
+            )
 
     # -- the scorer interface ------------------------------------------------------------------
     async def _judge_batch(self, items: list[Item]) -> None:
@@ -447,6 +501,12 @@ class OpenAIJudge(StreamingScorer):
                 return response.status, decode_body(response, body)
 
         models_url = self.config.base_url.rstrip("/") + "/models"
+        try:
+            self._check_endpoint(run, models_url)
+        except ValueError as e:
+            raise ValueError(self._scrub(str(e))) from None
+
+    def _check_endpoint(self, run: Any, models_url: str) -> None:
         try:
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 status, text = pool.submit(asyncio.run, run()).result()

@@ -17,8 +17,11 @@ The grammar of a YesNoParser line (case-insensitive, spaces and tabs around its 
     [PREFIX] \\boxed{LABEL} [.]    with is_boxed=True ("$\\boxed{No}$" too)
 
 and of a ScoreParser line: `PREFIX N [/ HIGH] [.]` ("Score: 7", "Score: 7/10"), N in [low, high].
+Markdown emphasis or code marks around the prefix, the label or the whole line are part of the
+grammar ("Verdict: **No**", "**Yes**", "`Yes`"), so a reversal written in markdown is one too.
+Lines are split at "\n" only (not at U+2028, \x85 and the other breaks str.splitlines knows).
 Nothing else reads as a verdict: no negation ("not correct" is not a label), no quotes, no
-markdown, no verdict words in the middle of a sentence, no text after the verdict line. A
+verdict words in the middle of a sentence, no text after the verdict line. A
 policy whose response talks the judge into writing "Yes" somewhere, or "not incorrect", or
 "Verdict: Yes" followed by anything, gains nothing.
 
@@ -50,6 +53,8 @@ _FORMAT_CHARS = re.compile(
     "\U000e0020-\U000e007f]"
 )
 _SPACE = r"[ \t]*"
+# Markdown emphasis and code marks a judge wraps a label in; the longest first.
+_MARKS = r"\*\*|__|\*|_|`"
 _NUMBER = r"[+-]?\d{1,12}(?:\.\d{1,12})?"
 
 
@@ -65,6 +70,13 @@ def normalize_verdict_text(text: str) -> str:
     return unicodedata.normalize("NFKC", _FORMAT_CHARS.sub("", text))
 
 
+def split_lines(text: str) -> list[str]:
+    """`text`'s lines, split at "\n" only (a "\r" before it dropped). str.splitlines() also
+    breaks at \v, \f, \x1c-\x1e, \x85, U+2028 and U+2029: a policy that gets one of those
+    into the judge's last line ("Verdict: No\u2028Yes") must not make "Yes" a line of its own."""
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
+
+
 def _last_line(lines: list[str]) -> int | None:
     """Index of the last line holding more than whitespace."""
     for i in range(len(lines) - 1, -1, -1):
@@ -73,23 +85,35 @@ def _last_line(lines: list[str]) -> int | None:
     return None
 
 
+def _wrapped(name: str, inner: str) -> str:
+    """`inner`, optionally wrapped in one markdown emphasis or code mark (**, *, __, _, `),
+    the same mark on both sides (a regex conditional on the group `name`)."""
+    return rf"(?P<{name}>{_MARKS})?{inner}(?({name})(?P={name}))"
+
+
 def _declared_line(
     prefix: str, value: str, *, is_prefix_required: bool, is_boxed: bool, after_value: str = ""
 ) -> str:
     """The regex of a whole verdict line; group `value` holds the label or number, and
-    `after_value` (outside a box) may follow it ("/10")."""
+    `after_value` (outside a box) may follow it ("/10"). Markdown is part of the grammar: the
+    prefix, the label and the whole line may each be wrapped in one emphasis or code mark
+    ("**Verdict:** Yes", "Verdict: **No**", "`Yes`", "**Verdict: Yes**")."""
     words = prefix.split()
     head = r"\s+".join(re.escape(w) for w in words)
-    head = rf"{head}{_SPACE}" if words else ""
+    head = rf"{_wrapped('prefix_mark', head)}{_SPACE}" if words else ""
     if head and not is_prefix_required:
         head = f"(?:{head})?"
     body = rf"(?P<value>{value})"
     if is_boxed:
         body = rf"(?P<dollar>\$?)\\boxed\{{{_SPACE}{body}{_SPACE}\}}(?P=dollar)"
     else:
-        body += after_value
-    # One optional period, then spaces: no two adjacent space runs, so no backtracking.
-    return rf"{_SPACE}{head}{body}{_SPACE}(?:\.{_SPACE})?"
+        # A period may sit inside a mark ("**Yes.**"), never twice ("Yes..").
+        body = rf"(?P<value_mark>{_MARKS})?{body}{after_value}(?(value_mark)\.?(?P=value_mark))"
+    # One optional period, then spaces; a closing line mark, then spaces again. Never two
+    # space runs side by side (the second comes only after a mark), so no backtracking.
+    line_mark = rf"(?P<line_mark>{_MARKS})?"
+    tail = rf"{_SPACE}(?:\.{_SPACE})?(?(line_mark)(?P=line_mark){_SPACE})"
+    return rf"{_SPACE}{line_mark}{head}{body}{tail}"
 
 
 def _read_line(pattern: re.Pattern[str], text: str) -> tuple[re.Match[str], int] | None:
@@ -99,7 +123,7 @@ def _read_line(pattern: re.Pattern[str], text: str) -> tuple[re.Match[str], int]
     The last line may hold no format character at all: an invisible character in a verdict is
     a trick ("1\u200b0" shows as 10), never a judge's plain answer. Earlier lines are read
     without them, so a hidden earlier verdict still counts as a reversal."""
-    lines = text.splitlines()
+    lines = split_lines(text)
     last = _last_line(lines)
     if last is None or _FORMAT_CHARS.search(lines[last]) is not None:
         return None
@@ -205,10 +229,11 @@ class YesNoParser:
         if read is None:
             return None
         match, index = read
-        raw_lines = text.splitlines(keepends=True)
-        if raw_lines[index].splitlines()[0] != match.string:
+        raw_lines = text.split("\n")
+        line = raw_lines[index]
+        if (line[:-1] if line.endswith("\r") else line) != match.string:
             return None
-        offset = sum(len(line) for line in raw_lines[:index])
+        offset = sum(len(raw) + 1 for raw in raw_lines[:index])  # each with its "\n"
         return offset + match.start("value")
 
 

@@ -88,6 +88,14 @@ class Verdict:
     votes: tuple[Vote, ...] = ()
     error: str | None = None
     components: dict[str, float | None] = field(default_factory=dict)  # rule/judge parts
+    # Named values a reward function returned beside its score (a dict return's other keys),
+    # as "<function name>/<key>": logged per function, never added to the reward.
+    metrics: dict[str, float] = field(default_factory=dict)
+    # Set when the sample's row cannot be judged at all (it cannot be sent to a worker process,
+    # its text is not valid Unicode): a data problem, not the judge's. status is "error" and
+    # `reward` the default; a trainer skips the sample as it skips a bad row, and ScoreStats
+    # counts it as num_data_skips, not num_errors.
+    skip_cause: str | None = None
     # The judge's work for this sample: prompt tokens times votes (what fills its KV cache; 0
     # when no judge request was sent) and the tokens of all its votes. Summed per call by
     # ScoreStats, so a caller never differences shared counters.
@@ -116,6 +124,8 @@ class Verdict:
             ],
             "error": self.error,
             "components": dict(self.components),
+            "metrics": dict(self.metrics),
+            "skip_cause": self.skip_cause,
             "num_judge_prompt_tokens": self.num_judge_prompt_tokens,
             "num_judge_response_tokens": self.num_judge_response_tokens,
         }
@@ -144,6 +154,8 @@ class Verdict:
             votes=tuple(Vote(**v) for v in data.get("votes", ())),
             error=data.get("error"),
             components=dict(data.get("components", {})),
+            metrics={str(k): float(v) for k, v in dict(data.get("metrics", {})).items()},
+            skip_cause=data.get("skip_cause"),
             **token_counts,
         )
 
@@ -151,3 +163,33 @@ class Verdict:
 def error_verdict(sample_id: str, message: str, *, reward: float) -> Verdict:
     """The verdict of a sample the judge could not score; the run goes on."""
     return Verdict(sample_id=sample_id, reward=reward, status="error", error=message)
+
+
+def skip_verdict(sample_id: str, cause: str, *, reward: float) -> Verdict:
+    """The verdict of a sample whose row cannot be judged (a data skip, not a judge error)."""
+    return Verdict(
+        sample_id=sample_id, reward=reward, status="error", error=cause, skip_cause=cause
+    )
+
+
+def find_unusable_text(sample: Sample) -> str | None:
+    """Why `sample` cannot be judged as text (a lone surrogate in a field, which no tokenizer
+    or JSON body takes), or None. Checks the prompt, response, reference and the row's
+    top-level string fields."""
+    fields: list[tuple[str, object]] = [
+        ("prompt", sample.prompt),
+        ("response", sample.response),
+        ("reference", sample.reference),
+    ]
+    fields += [(f"row[{key!r}]", value) for key, value in sample.metadata.items()]
+    for name, value in fields:
+        if not isinstance(value, str):
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return (
+                f"its {name} is not valid Unicode ({e.reason} at character {e.start}): "
+                "a data problem, skipped"
+            )
+    return None

@@ -43,6 +43,7 @@ def check_reward(value: object) -> float | None:
     (a str, NaN, inf, a tensor), saying what it was."""
     if value is None:
         return None
+    value = as_python_scalar(value)
     if not isinstance(value, numbers.Real):
         raise InvalidRewardError(
             f"returned {value!r:.80} (a {type(value).__name__}); "
@@ -52,6 +53,17 @@ def check_reward(value: object) -> float | None:
     if not math.isfinite(reward):
         raise InvalidRewardError(f"returned {reward!r}; return a finite number, or None")
     return reward
+
+
+def as_python_scalar(value: object) -> object:
+    """A numpy scalar (np.bool_ from np.isclose, np.float32, a 0-d array) as the Python bool,
+    int or float it holds; anything else as it is. np.bool_ is not a numbers.Real."""
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        try:
+            return value.item()  # type: ignore[attr-defined]
+        except Exception:
+            return value
+    return value
 
 
 def call_rule(rule: RuleVerifier, sample: Sample) -> tuple[float | None, str | None]:

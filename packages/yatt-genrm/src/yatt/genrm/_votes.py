@@ -51,9 +51,18 @@ def make_judge_sampling(sampling: SamplingParams | None, votes: int) -> Sampling
     return dataclasses.replace(sampling, n=votes)
 
 
+def is_finished(finish_reason: str | None) -> bool:
+    """Whether a judge generation ended where the judge chose to (its stop token or end of
+    sequence: "stop"), so that its last line is a verdict it meant. "length" (cut at its token
+    budget: the last line may be half a sentence that reads "Yes"), "abort" and anything else
+    are not; None (not reported, e.g. text handed in directly) is taken as finished."""
+    return finish_reason in (None, "stop")
+
+
 def parse_vote(text: str, parser: VerdictParser, finish_reason: str | None) -> Vote:
-    """One judge generation -> a Vote; a parser that raises counts as unparsable, never crashes."""
-    if finish_reason == "abort":
+    """One judge generation -> a Vote; a parser that raises counts as unparsable, never crashes.
+    A generation that did not finish (`is_finished`) is an "error" vote, never parsed."""
+    if not is_finished(finish_reason):
         return Vote(reward=None, text=text, status="error", finish_reason=finish_reason)
     try:
         reward = parser.parse(text)
@@ -67,11 +76,28 @@ def parse_vote(text: str, parser: VerdictParser, finish_reason: str | None) -> V
     return Vote(reward=float(reward), text=text, status="ok", finish_reason=finish_reason)
 
 
+def describe_unfinished(unfinished: Sequence[Vote], num_votes: int) -> str:
+    """Why no verdict was read: the judge's generations that did not finish, by reason."""
+    reasons = Counter(v.finish_reason for v in unfinished)
+    parts = []
+    for reason, count in sorted(reasons.items(), key=lambda item: str(item[0])):
+        if reason == "length":
+            what = (
+                "cut at the judge's token budget (finish reason 'length'; raise its max_new_tokens)"
+            )
+        elif reason == "abort":
+            what = "aborted"
+        else:
+            what = f"ended with finish reason {reason!r}"
+        parts.append(f"{count} of {num_votes} {what}")
+    return "no verdict read: the judge's generation did not finish: " + "; ".join(parts)
+
+
 def build_verdict(
     sample_id: str, votes: Sequence[Vote], *, how: Aggregate, default_reward: float
 ) -> Verdict:
-    """All parsed votes aggregated; none parsed -> `default_reward` with status unparsable; every
-    vote an engine error (aborted) -> status error."""
+    """All parsed votes aggregated; none parsed -> `default_reward` with status "error" when a
+    vote did not finish (cut at the token budget, aborted), else "unparsable"."""
     parsed = [v.reward for v in votes if v.reward is not None]
     text = votes[0].text if votes else ""
     if parsed:
@@ -82,14 +108,15 @@ def build_verdict(
             text=text,
             votes=tuple(votes),
         )
-    if votes and all(v.status == "error" for v in votes):
+    unfinished = [v for v in votes if v.status == "error"]
+    if unfinished:
         return Verdict(
             sample_id=sample_id,
             reward=default_reward,
             status="error",
             text=text,
             votes=tuple(votes),
-            error="every judge generation was aborted",
+            error=describe_unfinished(unfinished, len(votes)),
         )
     return Verdict(
         sample_id=sample_id,
