@@ -31,6 +31,8 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "SamplingParams",
         "SupportsLabelLogprobs",
         "Trajectory",
+        "UserCodePool",
+        "UserCodeResult",
         "VLLMConfig",
         "VLLMEngine",
         "__version__",

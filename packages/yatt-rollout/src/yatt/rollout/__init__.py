@@ -1,5 +1,6 @@
 """Rollout engines for RL post-training: the protocol, a built-in engine, vLLM and SGLang
-adapters (imported lazily: `import yatt.rollout` needs neither), and weight sync.
+adapters (imported lazily: `import yatt.rollout` needs neither), weight sync, and
+`UserCodePool`: user code (tools, reward functions) in worker processes killed whole.
 
 The built-in engine's modules live in `yatt.rollout.builtin`; its two public names are here too.
 """
@@ -14,6 +15,7 @@ from yatt.rollout._types import (
     RolloutEngine,
     SamplingParams,
 )
+from yatt.rollout._user_code import UserCodePool, UserCodeResult
 from yatt.rollout._version import __version__
 from yatt.rollout._vllm import VLLMConfig, VLLMEngine
 from yatt.rollout._weights import NameMapper, iter_buckets, map_names
@@ -40,7 +42,12 @@ __all__ = [
     "SGLangEngine",
     "SamplingParams",
     "SupportsLabelLogprobs",
+<<<<<<< HEAD
     "Trajectory",
+=======
+    "UserCodePool",
+    "UserCodeResult",
+>>>>>>> reward
     "VLLMConfig",
     "VLLMEngine",
     "__version__",
