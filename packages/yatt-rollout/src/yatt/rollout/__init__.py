@@ -42,12 +42,9 @@ __all__ = [
     "SGLangEngine",
     "SamplingParams",
     "SupportsLabelLogprobs",
-<<<<<<< HEAD
     "Trajectory",
-=======
     "UserCodePool",
     "UserCodeResult",
->>>>>>> reward
     "VLLMConfig",
     "VLLMEngine",
     "__version__",
