@@ -67,6 +67,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "MultiTurnRollout",
         "MultiTurnStats",
         "ParsedTurn",
+        "PoolToolRunner",
         "TOOL_PARSERS",
         "TemplateMismatchError",
         "ThreadToolRunner",

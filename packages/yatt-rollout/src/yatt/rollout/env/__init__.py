@@ -28,7 +28,13 @@ from yatt.rollout.env._parsers import (
     load_tool_parser,
     register_tool_parser,
 )
-from yatt.rollout.env._runner import EnvSession, ThreadToolRunner, ToolFailure, ToolRunner
+from yatt.rollout.env._runner import (
+    EnvSession,
+    PoolToolRunner,
+    ThreadToolRunner,
+    ToolFailure,
+    ToolRunner,
+)
 from yatt.rollout.env._tokens import ChatTokens, TemplateMismatchError
 from yatt.rollout.env._tools import EnvKind, build_env_kinds
 from yatt.rollout.env._trajectory import EndCause, MultiTurnStats, Trajectory
@@ -44,6 +50,7 @@ __all__ = [
     "MultiTurnRollout",
     "MultiTurnStats",
     "ParsedTurn",
+    "PoolToolRunner",
     "TemplateMismatchError",
     "ThreadToolRunner",
     "ToolCall",

@@ -59,6 +59,10 @@ class MultiTurnRollout:
         )
         self.parser = load_tool_parser(config.tool_parser)
         self.runner = runner if runner is not None else ThreadToolRunner()
+        check_kind = getattr(self.runner, "check_kind", None)
+        if check_kind is not None:
+            for kind in self.kinds.values():
+                check_kind(kind)
         self._tokens = {
             name: ChatTokens(self.tokenizer, kind.schemas, config.chat_template_kwargs)
             for name, kind in self.kinds.items()

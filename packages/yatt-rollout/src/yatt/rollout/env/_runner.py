@@ -4,10 +4,11 @@
                               |                                                    (a worker)
                               '-- a result, or ToolFailure(cause, message): never an exception
 
-A session holds one environment instance (one trajectory). `ThreadToolRunner` runs each call
-on a daemon thread of its own: a tool that hangs is abandoned at its timeout (the thread runs
-on), and the trajectory goes on. A process-based runner (yatt.rollout._user_code's workers:
-their own process group, killed at the timeout) implements the same two methods.
+A session holds one environment instance (one trajectory). `PoolToolRunner` runs each call in
+a yatt.rollout.UserCodePool worker (its own process group, killed at the timeout; the
+instance's attributes travel with the call). `ThreadToolRunner` runs each call on a daemon
+thread of its own (tests, trusted tools, environments that do not pickle): a tool that hangs is
+abandoned at its timeout (the thread runs on), and the trajectory goes on.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from yatt.rollout.env._tools import EnvKind
@@ -167,3 +169,104 @@ def format_output(result: Any, *, max_bytes: int, max_tokens: int, tokenizer: An
         text = tokenizer.decode(ids[:max_tokens], skip_special_tokens=True)
         was_cut = True
     return text + " ...[output truncated]" if was_cut else text
+
+
+# Workers load the step functions from this file by path (see _env_step.py).
+_STEP_FILE = str(Path(__file__).with_name("_env_step.py"))
+
+
+class PoolSession:
+    """One trajectory's environment, every call in a UserCodePool worker (killed at its timeout).
+
+    The instance's attributes travel with each call (they must pickle); `timeout_s` is the
+    pool's (UserCodePool(timeout_s=EnvConfig.tool_timeout_s)).
+    """
+
+    def __init__(self, pool: Any, kind: EnvKind) -> None:
+        self.pool = pool
+        self.kind = kind
+        self.state: dict[str, Any] | None = None
+
+    async def reset(self, row: dict[str, Any], *, timeout_s: float) -> Any:
+        if self.kind.factory is None:
+            return None
+        result = await self.pool.call(f"{_STEP_FILE}:reset", self._class_spec(), row)
+        if result.status != "ok":
+            raise RuntimeError(f"reset {result.status}: {result.cause}")
+        self.state, first = result.value
+        return first
+
+    async def call(
+        self, name: str, arguments: dict[str, Any], *, timeout_s: float
+    ) -> Any | ToolFailure:
+        is_function = name in self.kind.functions
+        if is_function:
+            local, bound = self.kind.functions[name], arguments
+        elif self.state is not None and name in self.kind.tool_names:
+            local, bound = getattr(self.kind.factory, name), {"self": None, **arguments}
+        else:
+            known = ", ".join(self.kind.tool_names)
+            return ToolFailure(
+                "unknown_tool", f"Error: unknown tool {name!r}; the tools are {known}"
+            )
+        try:
+            inspect.signature(local).bind(**bound)
+        except TypeError as e:
+            return ToolFailure("bad_arguments", f"Error: wrong arguments for {name}: {e}")
+        if is_function:
+            target = self.kind.function_specs.get(name) or local
+            result = await self.pool.call(target, **arguments)
+        else:
+            step = f"{_STEP_FILE}:call"
+            result = await self.pool.call(step, self._class_spec(), self.state, name, arguments)
+        if result.status == "timeout":
+            return ToolFailure("timeout", f"Error: {name} timed out ({result.cause})")
+        if result.status != "ok":
+            return ToolFailure("exception", f"Error: {name} failed: {result.cause}")
+        if is_function:
+            return result.value
+        self.state, value = result.value
+        return value
+
+    async def get_reward(self, *, timeout_s: float) -> Any:
+        result = await self.pool.call(f"{_STEP_FILE}:get_reward", self._class_spec(), self.state)
+        if result.status != "ok":
+            raise RuntimeError(f"get_reward {result.status}: {result.cause}")
+        return result.value
+
+    def is_done(self) -> bool:
+        return bool((self.state or {}).get("done", False))
+
+    def close(self) -> None:
+        self.state = None
+
+    def _class_spec(self) -> str:
+        if self.kind.spec is None:
+            raise RuntimeError(
+                f"environment {self.kind.name!r} cannot be loaded by a worker process: define "
+                "it at the top level of a module or file"
+            )
+        return self.kind.spec
+
+
+class PoolToolRunner:
+    """Sessions whose every call runs in `pool`'s worker processes (yatt.rollout.UserCodePool):
+    a tool that hangs, crashes or starts processes is killed with its worker's process group."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+
+    def check_kind(self, kind: EnvKind) -> None:
+        """ValueError when a worker process cannot load the environment class or a tool."""
+        if kind.factory is not None and kind.spec is None:
+            raise ValueError(
+                f"EnvConfig.environment: {kind.name!r} runs in worker processes but is defined "
+                "inside a function or in __main__; define it at the top level of a module or "
+                "file and name it by its spec ('my_env.py:Name')"
+            )
+        for name, fn in kind.functions.items():
+            if kind.function_specs.get(name) is None:
+                self.pool.check_target(fn)
+
+    def open(self, kind: EnvKind) -> EnvSession:
+        return PoolSession(self.pool, kind)

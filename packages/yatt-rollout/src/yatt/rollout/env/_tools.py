@@ -12,6 +12,7 @@ ones `transformers.utils.get_json_schema` builds, the form chat templates render
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ class EnvKind:
     schemas: list[dict[str, Any]]
     functions: dict[str, Callable[..., Any]] = field(default_factory=dict)
     has_reward: bool = False
+    # How a worker process loads the class and each function: "file.py:Name" / "module:Name"
+    # (None: only by pickling, or not at all).
+    spec: str | None = None
+    function_specs: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def tool_names(self) -> list[str]:
@@ -58,6 +63,7 @@ def build_env_kinds(
             "class ('my_env.py:MathEnv') or tools (['my_tools.py:search'])"
         )
     functions: dict[str, Callable[..., Any]] = {}
+    function_specs: dict[str, str | None] = {}
     function_schemas = []
     for item in tools:
         fn = load_object(item, field_name="tools") if isinstance(item, str) else item
@@ -71,9 +77,17 @@ def build_env_kinds(
                 "tools by name)"
             )
         functions[name] = fn
+        function_specs[name] = item if isinstance(item, str) else spec_of(fn)
         function_schemas.append(schema)
     if not environment:
-        return {"": EnvKind(name="", factory=None, schemas=function_schemas, functions=functions)}
+        kind = EnvKind(
+            name="",
+            factory=None,
+            schemas=function_schemas,
+            functions=functions,
+            function_specs=function_specs,
+        )
+        return {"": kind}
     kinds: dict[str, EnvKind] = {}
     for item in environment:
         cls = load_object(item, field_name="environment") if isinstance(item, str) else item
@@ -103,8 +117,22 @@ def build_env_kinds(
             schemas=schemas + function_schemas,
             functions=functions,
             has_reward=callable(getattr(cls, "get_reward", None)),
+            spec=item if isinstance(item, str) else spec_of(cls),
+            function_specs=function_specs,
         )
     return kinds
+
+
+def spec_of(obj: Any) -> str | None:
+    """A spec a worker process can load `obj` from: its file for a module loaded from a path
+    by a spec, else its importable module; None for a local or __main__ definition."""
+    module = sys.modules.get(getattr(obj, "__module__", "") or "")
+    qualname = getattr(obj, "__qualname__", "")
+    if module is None or "<locals>" in qualname or module.__name__ == "__main__":
+        return None
+    if module.__name__.startswith("yatt_env_") and getattr(module, "__file__", None):
+        return f"{module.__file__}:{qualname}"
+    return f"{module.__name__}:{qualname}"
 
 
 _UNBOUND = object()  # binds a method for its schema only (drops `self`)
