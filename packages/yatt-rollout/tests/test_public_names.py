@@ -81,6 +81,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "register_tool_parser",
     ],
     "yatt.rollout.env.testing": [
+        "COMPACT_TOOL_TEMPLATE",
         "QWEN25_TOOL_TEMPLATE",
         "QWEN3_TOOL_TEMPLATE",
         "ScriptedEngine",

@@ -18,6 +18,7 @@ from typing import Any
 from yatt.rollout._types import DEFAULT_BUCKET_BYTES, Completion, Request, SamplingParams
 
 __all__ = [
+    "COMPACT_TOOL_TEMPLATE",
     "QWEN3_TOOL_TEMPLATE",
     "QWEN25_TOOL_TEMPLATE",
     "TOOL_TOKENS",
@@ -135,6 +136,22 @@ QWEN3_TOOL_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
     "{%- endif %}"
+)
+
+# A short template in the same tool-call format, for tiny models with short contexts: the
+# system turn lists the tools' names only, a tool result is a "tool" turn.
+COMPACT_TOOL_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\ntools:' }}"
+    "{%- for tool in tools %}{{- ' ' + tool.function.name }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') }}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}"
+    + _CALLS.replace("{{- SEP }}", "").replace("\\n", "")
+    + "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 # What Qwen's tokenizers add as single tokens; a test tokenizer may add them
