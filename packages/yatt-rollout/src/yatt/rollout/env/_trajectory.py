@@ -56,6 +56,15 @@ class Trajectory:
     def num_sampled_tokens(self) -> int:
         return sum(self.loss_mask)
 
+    @property
+    def finish_reason(self) -> str:
+        """As a Completion's (yatt.core.rollout_samples reads it): "length" when the
+        trajectory was cut at a token limit (no end: DAPO's overlong rules apply), "abort" when
+        the engine aborted it, else "stop"."""
+        if self.end_cause in ("length", "max_trajectory_tokens"):
+            return "length"
+        return "abort" if self.end_cause == "abort" else "stop"
+
 
 @dataclass
 class MultiTurnStats:
