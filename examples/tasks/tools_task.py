@@ -134,7 +134,7 @@ def _game_ids(tokens: ChatTokens, rng: random.Random, end_id: int) -> tuple[list
 
 
 def build_policy(
-    model_dir: Path, *, seed: int, steps: int = 300, batch_size: int = 16, lr: float = 1e-2
+    model_dir: Path, *, seed: int, steps: int = 150, batch_size: int = 16, lr: float = 1e-2
 ) -> float:
     """A tiny policy that calls `guess` every turn with untried random numbers."""
     from yatt.testing import make_tiny_causal_lm

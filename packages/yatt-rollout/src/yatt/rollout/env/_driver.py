@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -89,8 +90,11 @@ class MultiTurnRollout:
         Closing the stream early cancels the trajectories still running.
         """
         stats = stats if stats is not None else MultiTurnStats()
+        # Each trajectory's turns share a session id, so an engine that keeps a conversation's
+        # KV between turns (the built-in one) continues it instead of prefilling it again.
+        prefix = secrets.token_hex(6)
         tasks = [
-            asyncio.create_task(self._run_one(i, j, row, sampling, stats))
+            asyncio.create_task(self._run_one(i, j, row, sampling, stats, f"{prefix}-{i}-{j}"))
             for i, row in enumerate(rows)
             for j in range(sampling.n)
         ]
@@ -116,6 +120,7 @@ class MultiTurnRollout:
         row: dict[str, Any],
         sampling: SamplingParams,
         stats: MultiTurnStats,
+        session_id: str,
     ) -> Trajectory | None:
         config = self.config
         kind = self._route(row)
@@ -163,6 +168,7 @@ class MultiTurnRollout:
                 num_turns=0,
                 end_cause="stop",
                 row=row,
+                session_id=session_id,
             )
             trajectory.end_cause = await self._turns(trajectory, session, tokens, sampling, stats)
             if kind.has_reward:
@@ -178,6 +184,9 @@ class MultiTurnRollout:
             return trajectory
         finally:
             session.close()
+            release = getattr(self.engine, "release_sessions", None)
+            if callable(release):
+                release([session_id])
 
     async def _turns(
         self,
@@ -250,6 +259,7 @@ class MultiTurnRollout:
             prompt_ids=trajectory.prompt_ids + trajectory.response_ids,
             request_id=f"{trajectory.row_index}/{trajectory.sample_index}/{turn}",
             max_new_tokens=max_new,
+            session_id=trajectory.session_id,
         )
         turn_sampling = dataclasses.replace(sampling, n=1, seed=seed)
         result = None

@@ -51,6 +51,7 @@ class Trajectory:
     end_cause: EndCause
     env_reward: float | None = None  # get_reward(), when the environment has one and it answered
     row: dict[str, Any] = field(default_factory=dict)
+    session_id: str | None = None  # the engine session its turns shared (Request.session_id)
 
     @property
     def num_sampled_tokens(self) -> int:
