@@ -263,3 +263,11 @@ def test_seeded_turns_draw_distinct_keys_per_sample_and_turn(tokenizer):
     seeds.clear()
     asyncio.run(rollout.run([{"question": "q"}] * 2, SamplingParams(n=2, seed=7)))
     assert sorted(seeds) == sorted(seeds_again)
+
+
+def test_a_trajectory_limit_beyond_the_engine_context_is_refused(tokenizer):
+    engine = ScriptedEngine(tokenizer=tokenizer, respond=lambda text: "x")
+    engine.config = type("Config", (), {"max_seq_len": 512})()
+    with pytest.raises(ValueError, match="max_trajectory_tokens=512 does not fit"):
+        MultiTurnRollout(engine, EnvConfig(max_trajectory_tokens=512), environments=[Counter])
+    MultiTurnRollout(engine, EnvConfig(max_trajectory_tokens=511), environments=[Counter])

@@ -53,6 +53,13 @@ class MultiTurnRollout:
     ) -> None:
         self.engine = engine
         self.config = config
+        max_seq_len = getattr(getattr(engine, "config", None), "max_seq_len", None)
+        if isinstance(max_seq_len, int) and config.max_trajectory_tokens >= max_seq_len:
+            raise ValueError(
+                f"EnvConfig.max_trajectory_tokens={config.max_trajectory_tokens} does not fit "
+                f"the engine's context (max_seq_len={max_seq_len}, which must leave room for "
+                "one new token); lower it or raise the engine's max_seq_len"
+            )
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.kinds: dict[str, EnvKind] = build_env_kinds(
             config.environment if environments is None else environments,
