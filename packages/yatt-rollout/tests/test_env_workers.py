@@ -94,9 +94,10 @@ def test_a_trajectory_in_worker_processes_survives_every_failure(tmp_path):
         max_trajectory_tokens=8192,
         tool_timeout_s=1.0,
     )
-    pool = UserCodePool(num_workers=2, timeout_s=config.tool_timeout_s, name="tools")
+    runner = PoolToolRunner.from_timeout(config.tool_timeout_s, num_workers=2)
+    pool = runner.pool
     try:
-        rollout = MultiTurnRollout(engine, config, runner=PoolToolRunner(pool))
+        rollout = MultiTurnRollout(engine, config, runner=runner)
         (trajectory,), stats = asyncio.run(
             rollout.run([{"question": "count"}], SamplingParams(max_new_tokens=200))
         )

@@ -256,6 +256,16 @@ class PoolToolRunner:
     def __init__(self, pool: Any) -> None:
         self.pool = pool
 
+    @classmethod
+    def from_timeout(
+        cls, tool_timeout_s: float, *, num_workers: int | None = None
+    ) -> PoolToolRunner:
+        """A runner over a new pool whose calls time out after `tool_timeout_s` (close it with
+        `runner.pool.close()`)."""
+        from yatt.rollout._user_code import UserCodePool
+
+        return cls(UserCodePool(num_workers=num_workers, timeout_s=tool_timeout_s, name="tools"))
+
     def check_kind(self, kind: EnvKind) -> None:
         """ValueError when a worker process cannot load the environment class or a tool."""
         if kind.factory is not None and kind.spec is None:
