@@ -146,3 +146,37 @@ def test_a_session_needs_one_sample_per_request(tiny_model_dir):
             engine.generate([Request(prompt_ids=[5], session_id="a")], SamplingParams(n=2))
     finally:
         engine.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graphs, engine stream)")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kept_conversation_on_cuda_with_graphs(tiny_model_dir, dtype):
+    # On a GPU: CUDA-graph decode steps over kept (idle) slots must not disturb their KV, and the
+    # continuation prefill runs on the engine's stream. Greedy, so the tokens must match; the
+    # logprobs within the dtype's rounding.
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
+    results = []
+    for should_keep in (False, True):
+        engine = BuiltinEngine(
+            tiny_model_dir,
+            config=EngineConfig(
+                device="cuda",
+                dtype=dtype,
+                max_batch_size=4,
+                max_seq_len=256,
+                region_prefix=f"cuda-{dtype}-{should_keep}",
+            ),
+        )
+        try:
+            results.append(_conversations(engine, sampling, should_keep=should_keep))
+        finally:
+            engine.close()
+    fresh, kept = results
+    assert [c.response_ids for c in kept] == [c.response_ids for c in fresh]
+    atol = 1e-4 if dtype == "float32" else 5e-2
+    torch.testing.assert_close(
+        torch.tensor([c.logprobs for c in kept]),
+        torch.tensor([c.logprobs for c in fresh]),
+        atol=atol,
+        rtol=0,
+    )

@@ -255,14 +255,27 @@ class ContinueWrite:
     lengths: list[int]  # per row: new tokens
     span: int  # positions attended: > every row's last position
 
+    def __post_init__(self) -> None:
+        # Every layer writes the same cache rows: the real (row, column) pairs, and for each
+        # the row of (its slot, head) at its position in a layer viewed as [S * H_kv * L, D].
+        device = self.slot_B.device
+        T = max(self.lengths)
+        lengths_B = torch.tensor(self.lengths, device=device)
+        col_T = torch.arange(T, device=device)
+        self.real_BT = col_T[None, :] >= (T - lengths_B)[:, None]
+        position_BT = torch.tensor(self.starts, device=device)[:, None] + col_T[None, :]
+        position_BT = position_BT - (T - lengths_B)[:, None]
+        base_BH = self.cache.row_base_SH.index_select(0, self.slot_B)
+        rows_BTH = base_BH[:, None, :] + position_BT[:, :, None]
+        self.rows_N = rows_BTH[self.real_BT].reshape(-1)  # [N * H_kv], N real tokens
+
     def write_and_attend(self, layer, query, key, value, mask, scaling) -> torch.Tensor:
         """query [B, H_q, T, D]; key/value [B, H_kv, T, D]. Returns [B, T, H_q, D]."""
-        T = key.shape[2]
         keys, values = self.cache.keys[layer], self.cache.values[layer]
-        slots = self.slot_B.tolist()
-        for b, (slot, start, n) in enumerate(zip(slots, self.starts, self.lengths, strict=True)):
-            keys[slot, :, start : start + n] = key[b, :, T - n :]
-            values[slot, :, start : start + n] = value[b, :, T - n :]
+        for buffer, new in ((keys, key), (values, value)):
+            # [B, H, T, D] -> [B, T, H, D] -> the real tokens [N, H, D] -> rows [N * H, D].
+            real = new.transpose(1, 2)[self.real_BT].reshape(-1, new.shape[-1])
+            buffer.view(-1, buffer.shape[-1]).index_copy_(0, self.rows_N, real)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         with sdpa_kernel(list(PREFILL_SDPA_BACKENDS)):
             out = F.scaled_dot_product_attention(
