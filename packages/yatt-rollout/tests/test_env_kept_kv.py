@@ -149,11 +149,11 @@ def test_a_session_needs_one_sample_per_request(tiny_model_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (graphs, engine stream)")
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kept_conversation_on_cuda_with_graphs(tiny_model_dir, dtype):
+def test_kept_conversation_on_cuda_with_graphs(tiny_model_dir):
     # On a GPU: CUDA-graph decode steps over kept (idle) slots must not disturb their KV, and the
-    # continuation prefill runs on the engine's stream. Greedy, so the tokens must match; the
-    # logprobs within the dtype's rounding.
+    # continuation prefill runs on the engine's stream. float32 and greedy: the tokens must
+    # match (a random tiny model's near-tied logits would flip argmaxes under bf16 rounding).
+    dtype = "float32"
     sampling = SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True)
     results = []
     for should_keep in (False, True):
@@ -173,10 +173,9 @@ def test_kept_conversation_on_cuda_with_graphs(tiny_model_dir, dtype):
             engine.close()
     fresh, kept = results
     assert [c.response_ids for c in kept] == [c.response_ids for c in fresh]
-    atol = 1e-4 if dtype == "float32" else 5e-2
     torch.testing.assert_close(
         torch.tensor([c.logprobs for c in kept]),
         torch.tensor([c.logprobs for c in fresh]),
-        atol=atol,
+        atol=1e-3,  # TF32 matmuls may differ between a one-pass and a cached-prefix prefill
         rtol=0,
     )
