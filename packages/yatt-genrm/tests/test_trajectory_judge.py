@@ -85,3 +85,54 @@ def test_env_reward_functions_and_judge_combine_by_weights():
     # No environment reward: the rule adds 0 (as a None rule does for single turns).
     (verdict,) = CombinedRM(None, rules).score([trajectory_sample(_trajectory(env_reward=None))])
     assert verdict.reward == 2.0 * -1.0
+
+
+def test_trajectories_are_judged_as_they_end():
+    # Partial colocation's overlap for multi-turn: a trajectory that ends early is judged while
+    # another still waits for its slow tool.
+    import asyncio
+    import time
+
+    from yatt.genrm import score_as_completed
+    from yatt.rollout import SamplingParams
+    from yatt.rollout.env import EnvConfig, MultiTurnRollout
+    from yatt.rollout.env.testing import COMPACT_TOOL_TEMPLATE, ScriptedEngine
+    from yatt.testing import make_tokenizer
+
+    class Slow:
+        def reset(self, **row):
+            self.seconds = row["seconds"]
+
+        def wait(self) -> str:
+            """Wait a while."""
+            time.sleep(self.seconds)
+            return "done"
+
+    call = '<tool_call>{"name": "wait", "arguments": {}}</tool_call>'
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = COMPACT_TOOL_TEMPLATE
+    engine = ScriptedEngine(
+        tokenizer=tokenizer, respond=lambda text: "ok" if "<|im_start|>tool" in text else call
+    )
+    rollout = MultiTurnRollout(engine, EnvConfig(tool_timeout_s=5.0), environments=[Slow])
+    judged_at = {}
+
+    def judge(prompt_text, vote_index):
+        judged_at[prompt_text.count("slow")] = time.monotonic()
+        return "Yes"
+
+    genrm = GenRM(
+        FakeJudgeEngine(judge=judge), template=trajectory_template(), parser=YesNoParser()
+    )
+    rows = [{"prompt": "slow", "seconds": 1.5}, {"prompt": "fast", "seconds": 0.0}]
+
+    async def main():
+        stream = rollout.stream(rows, SamplingParams())
+        scored = await score_as_completed(stream, genrm, trajectory_sample)
+        return scored, time.monotonic()
+
+    scored, end = asyncio.run(main())
+    assert [t.row["prompt"] for t in scored.completions] == ["fast", "slow"]
+    assert [v.reward for v in scored.verdicts] == [1.0, 1.0]
+    # The fast trajectory's verdict came about 1.5 s before the slow one ended.
+    assert end - judged_at[0] > 1.0
