@@ -350,3 +350,23 @@ def test_engine_checks_run_before_the_engine_starts(fake_vllm, fake_sglang, tmp_
     (tmp_path / "config.json").write_text('{"architectures": ["MambaForCausalLM"]}')
     with pytest.raises(ValueError, match="cannot serve architecture"):
         VLLMEngine(tmp_path)
+
+
+def test_adapters_refuse_a_lora_adapter_sync_by_name(fake_vllm, fake_sglang):
+    """vLLM and SGLang take LoRA through adapters registered at launch and named per request,
+    which yatt does not wire: an adapter-only sync is refused before anything loads."""
+    pairs = [
+        ("model.layers.0.self_attn.q_proj.lora_A", torch.zeros(4, 8)),
+        ("model.layers.0.self_attn.q_proj.lora_B", torch.zeros(8, 4)),
+        ("model.layers.0.self_attn.q_proj.lora_scaling", torch.tensor(2.0)),
+    ]
+    vllm_engine = VLLMEngine("/models/x")
+    with pytest.raises(ValueError, match=r"q_proj\.lora_A' is a LoRA adapter tensor; the vLLM"):
+        vllm_engine.update_weights(pairs)
+    assert not [c for c in vllm_engine._llm.calls if c[0] == "yatt_load_weights"]
+    vllm_engine.close()
+    sglang_engine = SGLangEngine("/models/x")
+    with pytest.raises(ValueError, match=r"LoRA adapter tensor; the SGLang engine"):
+        sglang_engine.update_weights(pairs)
+    assert not [c for c in sglang_engine._engine.calls if c[0] == "update"]
+    sglang_engine.close()

@@ -8,6 +8,7 @@ Users import from here (and `yatt.core.megatron`); the modules under the familie
 """
 
 from yatt.core._version import __version__
+from yatt.core.cost._activation_memory import choose_max_tokens, estimate_activation_bytes
 from yatt.core.data._batch import Batch
 from yatt.core.data._loader import ROW_INDEX_KEY, ShardedLoader
 from yatt.core.data._mini_batches import split_mini_batches
@@ -19,17 +20,14 @@ from yatt.core.policy._export import (
     check_export_dir,
     export_hf,
     export_hf_from_checkpoint,
+    export_lora_adapter,
 )
 from yatt.core.policy._head_logprobs import logprobs_in_head, supports_head_logprobs
 from yatt.core.policy._logits import compute_entropy, compute_token_logprobs
+from yatt.core.policy._lora import LoraConfig
 from yatt.core.policy._optimization import LR_SCHEDULES, compute_lr
 from yatt.core.policy._policy import LossFn, PolicyBackend, TorchPolicyConfig
-from yatt.core.policy._torch_policy import (
-    TorchPolicy,
-    choose_max_tokens,
-    estimate_activation_bytes,
-    image_patches_of,
-)
+from yatt.core.policy._torch_policy import TorchPolicy, image_patches_of
 from yatt.core.policy._train_step import merge_step_metrics
 from yatt.core.rl._advantages import compute_grpo_advantages, mask_groups_with_reward_variance
 from yatt.core.rl._losses import (
@@ -96,6 +94,7 @@ __all__ = [
     "ClipRegions",
     "DynamicSampler",
     "LearningGuard",
+    "LoraConfig",
     "LossFn",
     "MegatronPolicy",
     "MegatronPolicyConfig",
@@ -145,6 +144,7 @@ __all__ = [
     "estimate_activation_bytes",
     "export_hf",
     "export_hf_from_checkpoint",
+    "export_lora_adapter",
     "image_patches_of",
     "init_runtime",
     "load_image_processor",

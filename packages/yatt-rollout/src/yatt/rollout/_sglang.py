@@ -78,7 +78,7 @@ from yatt.rollout._types import (
     Request,
     SamplingParams,
 )
-from yatt.rollout._weights import iter_buckets
+from yatt.rollout._weights import iter_buckets, refuse_adapter_tensors
 
 # A refused cache flush (requests still pending, e.g. draining after an abort) is tried again
 # after 0.05, 0.1, ... s: about 1.5 s in all before it raises.
@@ -492,6 +492,7 @@ class SGLangEngine(ThreadedAdapter):
 
         with self._lock:
             for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes=bucket_bytes)):
+                refuse_adapter_tensors(bucket, "SGLang")
                 # Every rank's handles on the first rank; the peers' tensors stay alive (held
                 # by `bucket`) until the status broadcast says SGLang has loaded them.
                 bucket = _on_this_gpu(bucket)

@@ -71,7 +71,7 @@ from yatt.rollout._types import (
     Request,
     SamplingParams,
 )
-from yatt.rollout._weights import iter_buckets
+from yatt.rollout._weights import iter_buckets, refuse_adapter_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -422,6 +422,7 @@ class VLLMEngine(ThreadedAdapter):
         with self._lock:
             synced = hashlib.sha256()  # names and shapes loaded, compared across the group
             for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes=bucket_bytes)):
+                refuse_adapter_tensors(bucket, "vLLM")
                 synced.update(repr([(n, tuple(t.shape)) for n, t in bucket]).encode())
                 error: BaseException | None = None
                 try:

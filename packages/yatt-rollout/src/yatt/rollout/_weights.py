@@ -15,6 +15,9 @@ import torch
 from yatt.placement import is_offload_placeholder
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+# A LoRA adapter synced alone (yatt.core's TorchPolicy.named_adapter_weights()): per target
+# module "<m>" + each suffix. The built-in engine merges it (builtin/_lora.py).
+LORA_SUFFIXES = (".lora_A", ".lora_B", ".lora_scaling")
 # Maps one trainer tensor to zero or more Hugging Face (name, tensor) pairs, e.g. a Megatron
 # fused QKV weight to q_proj/k_proj/v_proj. Returning nothing skips the tensor.
 NameMapper = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -29,6 +32,18 @@ def map_names(
     """
     for name, tensor in named_tensors:
         yield from mapper(name, tensor)
+
+
+def refuse_adapter_tensors(bucket: list[tuple[str, torch.Tensor]], engine: str) -> None:
+    """ValueError when the bucket holds a LoRA adapter's tensors, which `engine` cannot take
+    alone: its LoRA API wants the adapter registered at launch and named in every request."""
+    name = next((n for n, _ in bucket if n.endswith(LORA_SUFFIXES)), None)
+    if name is not None:
+        raise ValueError(
+            f"update_weights: {name!r} is a LoRA adapter tensor; the {engine} engine takes "
+            "full weights only (its LoRA adapters are not wired in yatt): sync the merged "
+            "weights, policy.named_weights(), or roll out with the built-in engine"
+        )
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:

@@ -3,6 +3,7 @@
     _policy               PolicyBackend (the protocol the trainer sees), TorchPolicyConfig
     _train_step           the train step and logprobs pass every backend runs (its hooks)
     _torch_policy         TorchPolicy: a Hugging Face model under DDP or FSDP2
+    _lora                 LoraConfig: TorchPolicy's LoRA through PEFT (train, save, sync the adapter)
     megatron/             MegatronPolicy: Megatron-Core TP/PP/CP (public as yatt.core.megatron)
     _backends             a backend chosen by name (build_policy)
     _head_logprobs        token logprobs inside the LM head, chunk by chunk

@@ -26,6 +26,13 @@ from yatt.core.policy.megatron._policy_config import MegatronPolicyConfig
 from yatt.core.runtime._config import config_from_dict
 from yatt.core.runtime._runtime import Runtime
 
+# megatron-core has no LoRA layers of its own: Megatron-Bridge's (megatron.bridge.peft) and
+# NeMo's need their whole stack (Transformer Engine, NeMo-Run), a dependency yatt does not take.
+_MEGATRON_LORA = (
+    "{path}.lora: LoRA runs on the torch backend only (through PEFT); megatron-core has no "
+    "LoRA of its own (Megatron-Bridge's needs Transformer Engine and its stack). Use "
+    "backend='torch' (ddp or fsdp2), or drop {path}.lora"
+)
 BACKENDS: dict[str, type] = {"torch": TorchPolicyConfig, "megatron": MegatronPolicyConfig}
 PolicyConfig = TorchPolicyConfig | MegatronPolicyConfig
 T = TypeVar("T")
@@ -43,7 +50,10 @@ def policy_config_from_dict(
     backend: str, values: Mapping[str, Any], *, path: str = "policy"
 ) -> PolicyConfig:
     """`values` as `backend`'s config class; unknown keys raise ValueError naming that class."""
-    return config_from_dict(_config_class(backend), values, path=path)
+    cls = _config_class(backend)
+    if backend == "megatron" and values.get("lora") is not None:
+        raise ValueError(_MEGATRON_LORA.format(path=path))
+    return config_from_dict(cls, values, path=path)
 
 
 def build_policy(

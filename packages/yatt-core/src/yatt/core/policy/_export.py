@@ -3,6 +3,9 @@
     export_hf(policy, out_dir)                      live policy, every rank calls it
       each parameter: gather (FSDP2 DTensor -> full_tensor, one at a time; host copies of an
       offloaded policy read where they are) -> cast to dtype -> rank 0 keeps a CPU copy
+      (a LoRA policy: its adapter merged in, W + scaling B A, under the base's names)
+    export_lora_adapter(policy, out_dir)            a LoRA policy's adapter alone, PEFT's format
+      (adapter_config.json, adapter_model.safetensors), same gathering, marker and commit
     export_hf_from_checkpoint(ckpt_dir, out_dir, model_dir=...)     one process
       read the "model" tensors of a torch.distributed.checkpoint folder (any number of writer
       ranks) -> cast to dtype
@@ -26,6 +29,7 @@ model once in host memory, in the exported dtype.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import errno
 import inspect
@@ -44,6 +48,7 @@ import torch.distributed as dist
 
 from yatt.core._version import __version__
 from yatt.core.policy._checkpoint_tensors import read_model_tensors
+from yatt.core.policy._lora import merge_lora_weights
 from yatt.core.policy._policy import DTYPES
 from yatt.core.policy._torch_policy import TorchPolicy
 from yatt.core.vision._vision_forward import is_vision_language_config
@@ -114,6 +119,70 @@ def export_hf(
     return out
 
 
+def export_lora_adapter(
+    policy: Any,
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype | None = None,
+    should_overwrite: bool = False,
+) -> Path:
+    """Write a LoRA policy's adapter in PEFT's format (adapter_config.json naming the policy's
+    model_dir as base_model_name_or_path, adapter_model.safetensors): what
+    `peft.PeftModel.from_pretrained(base, out_dir)` and vLLM's LoRA loading read. For the
+    adapter merged into a plain Hugging Face folder, call `export_hf(policy, ...)`.
+
+    Collective like export_hf (FSDP2 gathers each adapter tensor); rank 0 writes, with the same
+    atomic replacement and marker. dtype: default model_dir's. ValueError without policy.lora.
+    """
+    from safetensors.torch import save_file
+
+    if not isinstance(policy, TorchPolicy) or policy.config.lora is None:
+        raise ValueError(
+            "export_lora_adapter: the policy has no LoRA adapter (TorchPolicyConfig.lora is "
+            "None); export its weights with export_hf"
+        )
+    model_dir = _policy_model_dir(policy)
+    target = _check_dtype(dtype, model_dir)
+    out = _absolute(out_dir)
+    is_writer = not dist.is_initialized() or dist.get_rank() == 0
+    error = _check_out_dir(out, should_overwrite, model_dir=model_dir) if is_writer else None
+    error = _agree_on_error(error)
+    if error is not None:
+        raise ValueError(error)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, param in offloaded_named_parameters(policy.module):
+        if ".lora_A.default." in name or ".lora_B.default." in name:
+            tensor = _full_tensor(param.detach())  # every rank: FSDP2 gathers
+            # PEFT's saved names: the PeftModel's prefix, no adapter name.
+            key = "base_model.model." + name.replace(".default.", ".")
+            tensors[key] = _to_host(tensor, target)
+    if is_writer:
+        config = copy.copy(policy.peft_config)  # target_modules as PEFT resolved them
+        config.base_model_name_or_path = str(model_dir.absolute())
+        tmp = _tmp_path(out)
+        try:
+            if tmp.exists():
+                reason = _why_not_replaceable(tmp)
+                if reason is not None:
+                    raise ValueError(f"{str(tmp)!r} {reason}; move it away")
+                shutil.rmtree(tmp)  # an earlier export that crashed
+            tmp.mkdir()
+            _write_marker(tmp, source="policy adapter", model_dir=model_dir, dtype=target)
+            config.save_pretrained(tmp)
+            save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+            _fsync_tree(tmp)
+            _commit(tmp, out, should_overwrite)
+        except Exception as e:
+            error = f"export_lora_adapter to {str(out)!r} failed: {e!r}"
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    error = _agree_on_error(error)
+    if error is not None:
+        raise RuntimeError(error)
+    return out
+
+
 def export_hf_from_checkpoint(
     checkpoint_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -141,6 +210,14 @@ def export_hf_from_checkpoint(
     if error is not None:
         raise ValueError(error)
     tensors = read_model_tensors(checkpoint, state_key, dtype=target)
+    adapter = next((n for n in tensors if ".lora_A." in n or ".lora_B." in n), None)
+    if adapter is not None:
+        raise ValueError(
+            f"checkpoint {str(checkpoint)!r} holds a LoRA adapter ({adapter!r}), not a model: "
+            "build the policy with its policy.lora, load the checkpoint into it "
+            "(ckpt.load(policy.state())), then export_hf(policy, ...) for the merged model or "
+            "export_lora_adapter(policy, ...) for the adapter"
+        )
     source = f"checkpoint {checkpoint.absolute()}"
     _write_folder(tensors, model_dir, out, target, max_shard_bytes, should_overwrite, source=source)
     return out
@@ -302,8 +379,14 @@ def _full_named_weights(policy: Any) -> Iterator[tuple[str, torch.Tensor]]:
         return
     # The module's own names are Hugging Face names (DDP wraps it, FSDP2 shards it in place).
     # While the policy sleeps, its values wait in host copies: read them there, no wake_up.
-    for name, param in offloaded_named_parameters(policy.module):
-        yield name, _full_tensor(param.detach())
+    pairs = (
+        (name, _full_tensor(param.detach()))
+        for name, param in offloaded_named_parameters(policy.module)
+    )
+    if policy.config.lora is None:
+        yield from pairs
+    else:  # PEFT's names ("<m>.base_layer.weight", "<m>.lora_A...") -> the merged HF weights
+        yield from merge_lora_weights(pairs, policy.lora_scalings)
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from yatt.core.cost._activation_memory import HEAD_CHUNK_ELEMENTS
+
 # Architectures whose causal-LM forward returns the head's output unchanged as `.logits` (no
 # soft-capping or scaling after the head). Others keep the plain path: swapping their head
 # would silently skip that post-processing.
@@ -31,8 +33,8 @@ HEAD_LOGPROB_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen2_vl", "qwen2_5_vl"}
 )
 # Logits held at once per chunk (float32 elements): 2**27 is 512 MiB, about 880 positions of a
-# 152k vocabulary.
-CHUNK_ELEMENTS = 2**27
+# 152k vocabulary. The activation estimate (yatt.core.cost._activation_memory) counts it.
+CHUNK_ELEMENTS = HEAD_CHUNK_ELEMENTS
 # The compiled chunk function (`compiled_chunk_logprobs`): one per process, made at first use.
 _compiled_chunk_logprobs: Callable[..., torch.Tensor] | None = None
 

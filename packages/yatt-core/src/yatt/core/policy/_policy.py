@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import torch
 
 from yatt.core.data._batch import Batch
+from yatt.core.policy._lora import LoraConfig, check_lora_targets, lora_from_value
 from yatt.core.policy._optimization import LRSchedule, check_optimizer_fields
 
 Parallel = Literal["ddp", "fsdp2", "none"]
@@ -127,6 +128,11 @@ class TorchPolicyConfig:
     # about the text, a weak and noisy signal for the encoder (its features are the prompt's
     # context), and a frozen tower keeps no gradients or AdamW state.
     should_train_vision: bool = False
+    # LoRA through PEFT (yatt.core.LoraConfig: rank, alpha, dropout, target_modules): only the
+    # adapter trains, is checkpointed and syncs; the base stays frozen and is read from
+    # model_dir (its linear weights held in `dtype`: what autocast computes with anyway), and
+    # the KL reference is the base with the adapter off. None: full fine-tuning.
+    lora: LoraConfig | None = None
 
     def __post_init__(self) -> None:
         model_dir = Path(self.model_dir)
@@ -174,3 +180,22 @@ class TorchPolicyConfig:
             raise ValueError(
                 f"TorchPolicyConfig.temperature={self.temperature!r}: must be >= 0 (0 = greedy)"
             )
+        lora = lora_from_value(self.lora, "TorchPolicyConfig.lora")
+        object.__setattr__(self, "lora", lora)  # a mapping (YAML) becomes its LoraConfig
+        if lora is not None:
+            self._check_lora(lora)
+
+    def _check_lora(self, lora: LoraConfig) -> None:
+        if self.is_reference:
+            raise ValueError(
+                "TorchPolicyConfig.lora with is_reference=True: a LoRA policy is its own "
+                "reference (reference_logprobs: the base with the adapter off); drop the "
+                "reference policy or its lora"
+            )
+        if self.should_train_vision:
+            raise ValueError(
+                "TorchPolicyConfig.lora with should_train_vision=True: under LoRA only the "
+                "adapter trains; set should_train_vision=False (or target the vision tower's "
+                "layers in lora.target_modules)"
+            )
+        check_lora_targets(lora, self.model_dir, "TorchPolicyConfig.lora.target_modules")

@@ -16,6 +16,10 @@ carries its images as meta[VISION_INPUTS_KEY] (yatt.core.VisionInputs, None with
 its patches count toward micro-batch memory and estimate_costs, and the forward concatenates
 the micro-batch's images in sample order. Its vision tower is frozen unless
 TorchPolicyConfig.should_train_vision.
+
+With TorchPolicyConfig.lora (yatt.core.policy._lora) PEFT's LoRA layers go into the model in
+place before DDP or FSDP2 wrap it: AdamW holds the adapter only, state() saves the adapter,
+named_adapter_weights() syncs it, reference_logprobs() is the base with the adapter off.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from yatt.core.cost._activation_memory import choose_max_tokens, estimate_activation_bytes
 from yatt.core.cost._cost_model import (
     estimate_flops_costs,
     flops_shape_from_hf_config,
@@ -39,12 +44,22 @@ from yatt.core.data._batch import Batch
 from yatt.core.data._micro_batches import check_context, plan_micro_batches
 from yatt.core.policy._attention import training_attention
 from yatt.core.policy._head_logprobs import (
-    CHUNK_ELEMENTS,
     compiled_chunk_logprobs,
     logprobs_in_head,
     supports_head_logprobs,
 )
 from yatt.core.policy._logits import compute_entropy, compute_token_logprobs
+from yatt.core.policy._lora import (
+    AdapterOptimizer,
+    AdapterWeights,
+    BaseFingerprint,
+    attach_lora,
+    cast_frozen_linears,
+    compute_base_fingerprint,
+    iter_adapter_weights,
+    lora_layers,
+    merge_lora_weights,
+)
 from yatt.core.policy._optimization import make_lr_schedule
 from yatt.core.policy._policy import DTYPES, LossFn, TorchPolicyConfig
 from yatt.core.policy._train_step import StepCounts, compute_logprobs, run_train_step
@@ -67,7 +82,6 @@ logger = logging.getLogger("yatt.core")
 # max_tokens_per_microbatch=None: the cap without CUDA (nothing to measure), and the one whose
 # activations the policy reports before the first train step chooses its own.
 DEFAULT_MAX_TOKENS = 8192
-_CAP_MULTIPLE = 256  # a chosen cap is a multiple of this
 _MIN_MARGIN_BYTES = 2 << 30  # left free when choosing a cap: max(2 GiB, 5% of the device)
 _MARGIN_FRACTION = 0.05
 
@@ -111,6 +125,15 @@ class TorchPolicy:
             self._vision_cost_shape = vision_flops_shape(
                 model.config.vision_config, is_gated_mlp=has_gated_mlp(tower)
             )
+        # LoRA: PEFT injects its layers into `model` in place (module names unchanged) and
+        # freezes the rest; the fingerprint is of the base as loaded, for a resume's check.
+        self._peft: Any = None
+        self._base_fingerprint: torch.Tensor | None = None
+        if config.lora is not None:
+            self._base_fingerprint = compute_base_fingerprint(config.model_dir, model)
+            self._peft = attach_lora(model, config.lora)
+            if self._compute_dtype != torch.float32:
+                cast_frozen_linears(model, self._compute_dtype)  # same forward, half the bytes
         if config.gradient_checkpointing:
             # transformers >= 5 renamed it; the older name still works there, with a warning.
             if hasattr(model, "activation_checkpointing_enable"):
@@ -168,8 +191,15 @@ class TorchPolicy:
                 **({"fused": True} if is_fused else {}),
             )
         self._max_tokens = config.max_tokens_per_microbatch  # None: chosen at the first step
-        # Counted now: an offloaded parameter is an empty placeholder.
+        # Counted now: an offloaded parameter is an empty placeholder. Autocast keeps a cast
+        # copy of every float32 weight a matmul reads, frozen or not (a LoRA base's linear
+        # weights are held in the compute dtype: none for them).
         self._num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self._num_cast = (
+            self._num_trainable
+            if config.lora is None
+            else sum(p.numel() for p in model.parameters() if p.dtype == torch.float32)
+        )
         self._role = TrainerRole(
             model,
             self.optimizer,
@@ -429,23 +459,73 @@ class TorchPolicy:
         return self._counts.num_skipped_steps
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, full tensor) per parameter, one at a time.
+        """(Hugging Face name, full tensor) per parameter, one at a time; with LoRA, the base
+        with the adapter merged in (W + scaling B A, under the base's names): a full sync.
 
         Under FSDP2 each parameter is all-gathered on its own (never the whole model at once):
         every rank must consume the iterator to the end, in step.
         """
         self._check_awake("named_weights")
-        for name, param in self.module.named_parameters():
-            tensor = param.detach()
-            if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
-            yield name, tensor
+        pairs = ((name, _full_tensor(p)) for name, p in self.module.named_parameters())
+        if self.config.lora is None:
+            yield from pairs
+        else:
+            yield from merge_lora_weights(pairs, self.lora_scalings)
+
+    @property
+    def peft_config(self) -> Any:
+        """PEFT's LoraConfig of the adapter, target_modules resolved (None without LoRA)."""
+        return None if self._peft is None else self._peft.peft_config["default"]
+
+    @property
+    def lora_scalings(self) -> dict[str, float]:
+        """Each LoRA target module's scaling (alpha / rank) by name; empty without LoRA."""
+        return {name: float(layer.scaling["default"]) for name, layer in lora_layers(self.module)}
+
+    def named_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapter alone, for a weight sync: per target module "<name>.lora_A"
+        [rank, in], "<name>.lora_B" [out, rank] and "<name>.lora_scaling" (a 0-d float32),
+        where <name> is the module's Hugging Face name; an engine adds scaling B A to
+        "<name>.weight" (yatt-rollout's built-in engine takes them in update_weights).
+
+        Collective under FSDP2, like named_weights. ValueError without policy.lora.
+        """
+        if self.config.lora is None:
+            raise ValueError(
+                "named_adapter_weights: TorchPolicyConfig.lora is None (full fine-tuning); "
+                "sync named_weights() instead, or set policy.lora"
+            )
+        self._check_awake("named_adapter_weights")
+        yield from iter_adapter_weights(self.module)
+
+    def reference_logprobs(self, batch: Batch) -> torch.Tensor:
+        """The KL reference's logprobs of `batch`: with LoRA, this policy's base with the
+        adapter off (PEFT's disable_adapter), so no frozen second copy is kept. Like
+        `logprobs` (collective). ValueError without policy.lora: build a reference policy."""
+        if self._peft is None:
+            raise ValueError(
+                "reference_logprobs: TorchPolicyConfig.lora is None, so this policy has no "
+                "base to fall back to; build a reference policy (is_reference=True)"
+            )
+        with self._peft.disable_adapter():
+            return self.logprobs(batch)
 
     def state(self) -> dict[str, Any]:
         """{"model", "optimizer", "schedule"} for yatt.ckpt (torch.distributed.checkpoint):
         the module, AdamW, and the step counts the learning-rate schedule continues from.
-        A reference policy has only "model"."""
+        A reference policy has only "model". With LoRA: "lora_base" (the base model's
+        fingerprint: a resume on another base is a ValueError naming policy.model_dir),
+        "model" the adapter's tensors only and "optimizer" their AdamW state; the base is
+        read from model_dir."""
         out: dict[str, Any] = {"model": self.module}
+        if self.config.lora is not None:
+            assert self._base_fingerprint is not None and self.optimizer is not None
+            out = {
+                "lora_base": BaseFingerprint(
+                    self._base_fingerprint, self.config.model_dir, "policy.model_dir"
+                ),
+                "model": AdapterWeights(self.module),
+            }
         if (
             self.optimizer is not None
             and self.config.should_offload_optimizer
@@ -456,7 +536,10 @@ class TorchPolicy:
             # the next optimizer step or sleep moves it out again.
             onload(self.optimizer)
         if self.optimizer is not None:
-            out["optimizer"] = self.optimizer
+            is_lora = self.config.lora is not None
+            out["optimizer"] = (
+                AdapterOptimizer(self.module, self.optimizer) if is_lora else self.optimizer
+            )
             out["schedule"] = self._counts
         return out
 
@@ -541,7 +624,7 @@ class TorchPolicy:
     def _autocast_copy_bytes(self) -> int:
         if self._compute_dtype == torch.float32 or self.config.parallel == "fsdp2":
             return 0
-        return 2 * self._num_trainable
+        return 2 * self._num_cast
 
     def _memory_settings(self) -> dict[str, str]:
         cap = self.config.max_tokens_per_microbatch
@@ -625,6 +708,11 @@ def _load_model(model_dir: str, attn_implementation: str) -> torch.nn.Module:
     )
 
 
+def _full_tensor(param: torch.Tensor) -> torch.Tensor:
+    tensor = param.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def _weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """AdamW parameter groups: decay on matrices, none on biases and norm weights (1-D), as
     Megatron-Core and Hugging Face's Trainer do. Frozen parameters (a frozen vision tower)
@@ -637,85 +725,3 @@ def _weight_decay_groups(model: torch.nn.Module, weight_decay: float) -> list[di
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return [group for group in groups if group["params"]]
-
-
-# -- memory model --------------------------------------------------------------------------------
-# What a Hugging Face decoder layer keeps for backward, per token, under autocast to 16-bit with
-# float32 parameters (how TorchPolicy trains): the residual stream and the RMSNorms run in
-# float32 (4 bytes an element), the matmuls' inputs and outputs in 16 bits (2 bytes).
-#   attention: input norm (input + normalised, 8h), the q/k/v/o inputs cast to 16 bits (4 x 2h),
-#              q and k before and after RoPE and v (2 x 2h + 3 x 2kv), attention output (2h)
-#              -> 22h + 6kv
-#   MLP:       post-attention norm (8h), gate/up inputs (2 x 2h), gate and up outputs, SiLU's
-#              output and the product (4 x 2i) -> 12h + 8i (a plain MLP: 12h + 6i)
-# so 34h + 6kv + 8i bytes a token and layer: Korthikanti et al. (2022)'s 34sbh for a GPT layer
-# at 16 bits, with the float32 norms and the gated MLP's extra rows counted. With activation
-# checkpointing a layer keeps only its float32 input (4h) and one layer at a time is rebuilt
-# in backward. Outside the layers: the embedding output and the final norm (12h), and the head:
-# through yatt's head logprobs, one chunk of float32 logits, its softmax and gradient at a time
-# (3 x CHUNK_ELEMENTS x 4 bytes); through plain logits, 16-bit logits, their float32 copy and
-# its gradient per token (10 V bytes). An estimate for planning: the placement plan measures
-# the real peak from the first step on.
-
-
-def estimate_activation_bytes(
-    num_tokens: int,
-    shape: dict,
-    *,
-    is_checkpointed: bool,
-    is_head_logprobs: bool = True,
-) -> int:
-    """Bytes a train step's forward keeps for backward for a micro-batch of `num_tokens`
-    padded tokens, for a model of `shape` (the cost model's: yatt.core.cost._cost_model's
-    flops_shape keys). See the memory model above."""
-    per_token, fixed = _activation_bytes_per_token(
-        shape, is_checkpointed=is_checkpointed, is_head_logprobs=is_head_logprobs
-    )
-    return num_tokens * per_token + fixed
-
-
-def choose_max_tokens(
-    budget_bytes: int,
-    shape: dict,
-    *,
-    is_checkpointed: bool,
-    is_head_logprobs: bool = True,
-    multiple: int = _CAP_MULTIPLE,
-) -> int:
-    """The largest micro-batch token cap (a multiple of `multiple`) whose activations
-    (`estimate_activation_bytes`) fit in `budget_bytes`; ValueError naming the settings to
-    change when not even `multiple` tokens fit."""
-    per_token, fixed = _activation_bytes_per_token(
-        shape, is_checkpointed=is_checkpointed, is_head_logprobs=is_head_logprobs
-    )
-    tokens = (budget_bytes - fixed) // per_token // multiple * multiple
-    if tokens < multiple:
-        hint = "" if is_checkpointed else " set TorchPolicyConfig.gradient_checkpointing=True,"
-        raise ValueError(
-            f"TorchPolicyConfig.max_tokens_per_microbatch=None: {max(0, budget_bytes) / 2**30:.2f}"
-            f" GiB are left for activations, less than {multiple} tokens need "
-            f"({(multiple * per_token + fixed) / 2**30:.2f} GiB);{hint} free the device (other "
-            "roles asleep: Plan(offload='always')), or train a smaller model"
-        )
-    return int(tokens)
-
-
-def _activation_bytes_per_token(
-    shape: dict, *, is_checkpointed: bool, is_head_logprobs: bool
-) -> tuple[int, int]:
-    """(bytes per token, fixed bytes) of the memory model above."""
-    h = shape["hidden_size"]
-    layers = shape["num_layers"]
-    i = shape.get("ffn_hidden_size", 4 * h)
-    heads = shape.get("num_heads")
-    kv = h * shape.get("num_kv_heads", heads) // heads if heads else h
-    mlp_rows = 8 * i if shape.get("is_gated_mlp") else 6 * i
-    layer = 34 * h + 6 * kv + mlp_rows
-    per_token = (4 * h * layers + layer) if is_checkpointed else layer * layers
-    per_token += 12 * h
-    fixed = 0
-    if is_head_logprobs:
-        fixed = 3 * CHUNK_ELEMENTS * 4
-    else:
-        per_token += 10 * shape.get("vocab_size", 0)
-    return per_token, fixed

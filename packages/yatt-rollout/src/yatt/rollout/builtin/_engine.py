@@ -51,7 +51,6 @@ from yatt.rollout._requests import max_new_tokens_of, request_id_of, validate_re
 from yatt.rollout._streaming import stream_from_thread
 from yatt.rollout._types import DEFAULT_BUCKET_BYTES, Completion, Request, SamplingParams
 from yatt.rollout._weights import (
-    copy_bucket,
     iter_buckets,
     move_into_current_region,
     named_targets,
@@ -63,6 +62,7 @@ from yatt.rollout.builtin._fused_projections import fuse_projections
 from yatt.rollout.builtin._host_loop import Call, SlotLoop
 from yatt.rollout.builtin._joining import CallScheduler
 from yatt.rollout.builtin._kv_budget import KVLayout, check_memory_fraction, slots_for_fraction
+from yatt.rollout.builtin._lora import AdapterMerger
 from yatt.rollout.builtin._static_kv import ATTN_IMPLEMENTATION, StaticKVCache, register_attention
 from yatt.rollout.builtin._vision import VisionPrefill, is_vision_language_config
 
@@ -146,6 +146,7 @@ class BuiltinEngine:
         self.eos_token_ids = _eos_ids(model)
         self._should_back_up_weights = should_back_up_weights
         self._are_weights_lost = False  # woken without backup, not refilled yet
+        self._adapter = AdapterMerger()  # a LoRA adapter synced alone is merged in (_lora.py)
         with region(self._tags["weights"], enable_cpu_backup=should_back_up_weights):
             self._weight_bytes = move_into_current_region(model, self._device)
             if config.fuse_projections:  # the fused weights belong to the region too
@@ -336,7 +337,10 @@ class BuiltinEngine:
         """Copy (Hugging Face name, tensor) pairs into the served weights, bucket by bucket.
 
         Copies are in place, so CUDA graphs stay valid. After each bucket the device is
-        synchronised, so the sender may free or reuse that bucket's tensors.
+        synchronised, so the sender may free or reuse that bucket's tensors. A LoRA adapter
+        sent alone ("<m>.lora_A", "<m>.lora_B", "<m>.lora_scaling" per module, as
+        TorchPolicy.named_adapter_weights() yields) is merged into "<m>.weight", replacing
+        the adapter merged before (builtin/_lora.py).
         """
         self._check_open()
         with self._scheduler.exclusive():
@@ -348,11 +352,13 @@ class BuiltinEngine:
             # KV kept between turns was computed with the old weights: drop it.
             self._runner.kept.clear()
             targets = named_targets(self.model)
+            adapter = self._adapter.begin(targets, are_weights_lost=self._are_weights_lost)
             with self._dev.selected():  # the caller's stream: the sender's tensors live there
                 for bucket in iter_buckets(named_tensors, bucket_bytes=bucket_bytes):
-                    copy_bucket(targets, bucket)
+                    adapter.copy_bucket(bucket)  # copy_bucket, LoRA adapters merged (_lora.py)
                     if self._device.type == "cuda":
                         torch.cuda.synchronize(self._device)
+            adapter.finish()
             self._are_weights_lost = False
 
     def sleep(self) -> None:
