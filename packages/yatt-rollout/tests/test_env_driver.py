@@ -271,3 +271,44 @@ def test_a_trajectory_limit_beyond_the_engine_context_is_refused(tokenizer):
     with pytest.raises(ValueError, match="max_trajectory_tokens=512 does not fit"):
         MultiTurnRollout(engine, EnvConfig(max_trajectory_tokens=512), environments=[Counter])
     MultiTurnRollout(engine, EnvConfig(max_trajectory_tokens=511), environments=[Counter])
+
+
+class ActionParser:
+    """Another model family's format: `CALL name {json}` lines."""
+
+    def parse(self, text):
+        from yatt.rollout.env import ParsedTurn, ToolCall
+
+        calls = [
+            ToolCall(name=name, arguments=json.loads(args))
+            for name, args in re.findall(r"^CALL (\w+) (\{.*\})$", text, re.M)
+        ]
+        content = re.sub(r"^CALL .*$", "", text, flags=re.M).strip()
+        return ParsedTurn(content=content, calls=calls)
+
+
+def test_a_registered_parser_reads_another_format(tokenizer, tmp_path):
+    from yatt.rollout.env import TOOL_PARSERS, register_tool_parser
+
+    register_tool_parser("action-lines", ActionParser)
+    try:
+        seen = []
+
+        def respond(text):
+            if _turn(text) == 0:
+                return 'thinking\nCALL bump {"by": 4}'
+            seen.extend(_responses(text))
+            return "done"
+
+        rollout, _ = _rollout(tokenizer, respond, tool_parser="action-lines")
+        (trajectory,), _ = asyncio.run(rollout.run([{"question": "q"}], SamplingParams()))
+        assert seen == ["4"] and trajectory.env_reward == 4.0
+        assert trajectory.messages[1]["content"] == "thinking"
+    finally:
+        del TOOL_PARSERS["action-lines"]
+    # A parser class named by a spec works too; an unknown name is a ValueError at config time.
+    path = tmp_path / "parsers.py"
+    path.write_text("class P:\n    def parse(self, text):\n        raise NotImplementedError\n")
+    assert EnvConfig(tool_parser=f"{path}:P").tool_parser.endswith(":P")
+    with pytest.raises(ValueError, match="tool_parser='action-lines' is unknown"):
+        EnvConfig(tool_parser="action-lines")
