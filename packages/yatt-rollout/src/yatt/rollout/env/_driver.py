@@ -60,6 +60,16 @@ class MultiTurnRollout:
                 f"the engine's context (max_seq_len={max_seq_len}, which must leave room for "
                 "one new token); lower it or raise the engine's max_seq_len"
             )
+        ttl_s = getattr(engine, "kept_kv_ttl_s", None)
+        if isinstance(ttl_s, (int, float)) and ttl_s < config.tool_timeout_s:
+            logger.warning(
+                "engine.kept_kv_ttl_s=%g < EnvConfig.tool_timeout_s=%g: a conversation whose "
+                "tool runs longer than %g s is prefilled again on its next turn (raise the "
+                "engine's kept_kv_ttl_s to keep it)",
+                ttl_s,
+                config.tool_timeout_s,
+                ttl_s,
+            )
         self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
         self.kinds: dict[str, EnvKind] = build_env_kinds(
             config.environment if environments is None else environments,
