@@ -106,7 +106,8 @@ def test_builtin_engine_multi_turn_is_token_exact(tool_caller_dir):
         assert [[(c.name, c.arguments) for c in turn] for turn in trajectory.tool_calls] == [
             [("bump", {"by": 1})]
         ] * 3
-        assert [m["content"] for m in trajectory.messages if m["role"] == "tool"] == ["1", "2"]
+        # The third turn's result is in the messages; its tokens were not appended.
+        assert [m["content"] for m in trajectory.messages if m["role"] == "tool"] == ["1", "2", "3"]
         sequence = trajectory.prompt_ids + trajectory.response_ids
         with torch.no_grad():
             logits = model(torch.tensor([sequence])).logits[0].float()

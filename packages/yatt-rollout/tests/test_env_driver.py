@@ -205,8 +205,11 @@ def test_end_causes_and_rewards(tokenizer):
     assert negative.env_reward is None and stats.num_reward_errors == 1
     assert (long.end_cause, len(long.response_ids)) == ("length", 100)
     assert stats.end_causes == {"max_turns": 1, "env_ended": 1, "stop": 1, "length": 1}
-    # The last turn's tool ran (its effect is in the reward) but nothing was appended after it.
+    # The last turn's tool ran (its effect is in the reward, its result in the messages) but
+    # no tokens were appended after it.
     assert loop.loss_mask[-1] == 1
+    assert loop.messages[-1] == {"role": "tool", "content": "3", "name": "bump"}
+    assert finish.messages[-1] == {"role": "tool", "content": "bye", "name": "finish"}
 
 
 def test_the_trajectory_token_limit_cuts_a_turn(tokenizer):

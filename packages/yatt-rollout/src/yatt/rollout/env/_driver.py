@@ -246,12 +246,16 @@ class MultiTurnRollout:
             if not parsed.calls:
                 return "stop"
             observations = [await self._call(session, call, stats) for call in parsed.calls]
+            # The tool results join the conversation (a judge reads them) even when the
+            # trajectory ends here; their tokens are appended only when another turn follows.
+            before = list(messages)
+            messages += observations
             if session.is_done():
                 return "env_ended"
             if turn + 1 == config.max_turns:
                 return "max_turns"
             try:
-                appended = tokens.appended_ids(messages, observations, end_token_id=sampled[-1])
+                appended = tokens.appended_ids(before, observations, end_token_id=sampled[-1])
             except TemplateMismatchError as e:
                 logger.warning("trajectory ended: %s", e)
                 return "template_mismatch"
@@ -259,7 +263,6 @@ class MultiTurnRollout:
             # The next turn needs room for one new token.
             if used + len(sampled) + len(appended.ids) >= config.max_trajectory_tokens:
                 return "max_trajectory_tokens"
-            messages += observations
             trajectory.response_ids += appended.ids
             trajectory.loss_mask += [0] * len(appended.ids)
             trajectory.logprobs += [0.0] * len(appended.ids)
