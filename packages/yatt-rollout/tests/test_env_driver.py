@@ -315,3 +315,36 @@ def test_a_registered_parser_reads_another_format(tokenizer, tmp_path):
     assert EnvConfig(tool_parser=f"{path}:P").tool_parser.endswith(":P")
     with pytest.raises(ValueError, match="tool_parser='action-lines' is unknown"):
         EnvConfig(tool_parser="action-lines")
+
+
+def test_closing_the_stream_early_ends_running_turns_and_sessions(tokenizer):
+    closed = []
+
+    class Tracking(ScriptedEngine):
+        async def stream(self, requests, sampling):
+            try:
+                async for c in super().stream(requests, sampling):
+                    yield c
+            finally:
+                closed.append(requests[0].session_id)
+
+    def delay_s(text):
+        return 5.0 if _user(text) == "slow" else 0.0
+
+    engine = Tracking(tokenizer=tokenizer, respond=lambda text: "done", delay_s=delay_s)
+    released = []
+    engine.release_sessions = released.extend
+    rollout = MultiTurnRollout(engine, EnvConfig(), environments=[Counter])
+    rows = [{"question": "fast"}, {"question": "slow"}]
+
+    async def first_only():
+        stream = rollout.stream(rows, SamplingParams())
+        async for trajectory in stream:
+            await stream.aclose()  # dynamic sampling has enough: cut the tail
+            return trajectory
+
+    start = time.monotonic()
+    trajectory = asyncio.run(first_only())
+    assert trajectory.row["question"] == "fast" and time.monotonic() - start < 3.0
+    # Both engine calls were closed and both sessions released (the slow one cut short).
+    assert sorted(closed) == sorted(released) and len(released) == 2

@@ -283,8 +283,14 @@ class MultiTurnRollout:
         )
         turn_sampling = dataclasses.replace(sampling, n=1, seed=seed)
         result = None
-        async for completion in self.engine.stream([request], turn_sampling):
-            result = completion
+        stream = self.engine.stream([request], turn_sampling)
+        try:
+            async for completion in stream:
+                result = completion
+        finally:
+            # Closed here, not when collected: a cancelled trajectory (the caller closed the
+            # rollout's stream) ends its engine call now.
+            await stream.aclose()
         assert result is not None, "the engine's stream ended without the completion"
         return result
 
