@@ -1,6 +1,7 @@
 """The embedded multi-turn task: guess a number from 0 to 7 with a `guess` tool that answers
 "higher", "lower" or "correct". Random guessing finds it within four turns half of the time;
-binary search always does, in at most four turns. Built locally (no downloads) under a work
+binary search always does, in at most four turns. Half the secrets are the game's favourite
+number (FAVOURITE), so guessing it first pays: the first thing GRPO finds. Built locally (no downloads) under a work
 directory:
 
     prompts.jsonl   {"prompt": "Guess my number (0-7).", "secret": 5} rows
@@ -99,9 +100,20 @@ async def rollout_guesses(
     return await rollout.run(rows, sampling)
 
 
+# The game's favourite number: half the secrets are it, the rest uniform. A policy gains by
+# guessing it first (a signal a tiny policy finds in a few steps) and by reading the hints.
+FAVOURITE = 5
+
+
 def guess_rows(num_rows: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
-    return [{"prompt": PROMPT, "secret": rng.randint(0, MAX_NUMBER)} for _ in range(num_rows)]
+    return [
+        {
+            "prompt": PROMPT,
+            "secret": FAVOURITE if rng.random() < 0.5 else rng.randint(0, MAX_NUMBER),
+        }
+        for _ in range(num_rows)
+    ]
 
 
 def _call(n: int) -> dict[str, Any]:
