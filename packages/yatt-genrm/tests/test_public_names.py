@@ -15,6 +15,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
     "yatt.genrm": [
         "BatchingConfig",
         "CombinedRM",
+        "EnvReward",
         "ExactMatch",
         "GenRM",
         "GenRMClient",
@@ -31,6 +32,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "ScoreParser",
         "ScoreStats",
         "ScoredCompletions",
+        "TrajectoryReward",
         "Verdict",
         "VerdictParser",
         "Vote",
@@ -41,6 +43,8 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "load_reward_functions",
         "pointwise_template",
         "score_as_completed",
+        "trajectory_sample",
+        "trajectory_template",
         "verification_template",
     ],
     "yatt.genrm.serve": [

@@ -36,6 +36,12 @@ from yatt.genrm._server import create_app
 from yatt.genrm._stats import ScoreStats
 from yatt.genrm._stream import BatchingConfig
 from yatt.genrm._templates import JudgeTemplate, pointwise_template, verification_template
+from yatt.genrm._trajectory import (
+    EnvReward,
+    TrajectoryReward,
+    trajectory_sample,
+    trajectory_template,
+)
 from yatt.genrm._types import Sample, Verdict, Vote
 from yatt.genrm._verifiers import ExactMatch, NumericMatch, RegexMatch, RuleVerifier
 from yatt.genrm._version import __version__
@@ -43,6 +49,7 @@ from yatt.genrm._version import __version__
 __all__ = [
     "BatchingConfig",
     "CombinedRM",
+    "EnvReward",
     "ExactMatch",
     "GenRM",
     "GenRMClient",
@@ -59,6 +66,7 @@ __all__ = [
     "ScoreParser",
     "ScoreStats",
     "ScoredCompletions",
+    "TrajectoryReward",
     "Verdict",
     "VerdictParser",
     "Vote",
@@ -69,5 +77,7 @@ __all__ = [
     "load_reward_functions",
     "pointwise_template",
     "score_as_completed",
+    "trajectory_sample",
+    "trajectory_template",
     "verification_template",
 ]

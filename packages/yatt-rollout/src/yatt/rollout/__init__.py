@@ -21,6 +21,9 @@ from yatt.rollout._vllm import VLLMConfig, VLLMEngine
 from yatt.rollout._weights import NameMapper, iter_buckets, map_names
 from yatt.rollout.builtin import BuiltinEngine, EngineConfig
 
+# Multi-turn rollouts with environments and tools (the rest: yatt.rollout.env).
+from yatt.rollout.env import EnvConfig, MultiTurnRollout, MultiTurnStats, Trajectory
+
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "Abortable",
@@ -28,7 +31,10 @@ __all__ = [
     "BuiltinEngine",
     "Completion",
     "EngineConfig",
+    "EnvConfig",
     "FinishReason",
+    "MultiTurnRollout",
+    "MultiTurnStats",
     "NameMapper",
     "Request",
     "RolloutEngine",
@@ -36,6 +42,7 @@ __all__ = [
     "SGLangEngine",
     "SamplingParams",
     "SupportsLabelLogprobs",
+    "Trajectory",
     "UserCodePool",
     "UserCodeResult",
     "VLLMConfig",

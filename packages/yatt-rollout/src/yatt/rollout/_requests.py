@@ -57,6 +57,12 @@ def validate_requests(
                 f"requests[{i}].max_new_tokens={limit!r}: must be an int >= 1, or None to use "
                 "SamplingParams.max_new_tokens"
             )
+        if request.session_id is not None and sampling.n != 1:
+            raise ValueError(
+                f"requests[{i}].session_id={request.session_id!r} with SamplingParams.n="
+                f"{sampling.n}: a session continues one sample; send each sample of a group as "
+                "its own request (its own session_id) with n=1"
+            )
         if (request.images or request.image_inputs is not None) and not accepts_images:
             field = "images" if request.images else "image_inputs"
             raise ValueError(

@@ -95,6 +95,12 @@ class Request:
     # With SamplingParams(ignore_eos=True) it forces each response to exactly this length
     # (context permitting): per-request lengths in one call, e.g. for benchmarks.
     max_new_tokens: int | None = None
+    # A conversation this request belongs to (a multi-turn trajectory), for engines that keep
+    # its KV cache between turns. The built-in engine keeps the finished sample's KV under this
+    # id; a later request with the same id whose prompt_ids extend this prompt and response
+    # continues from it, prefilling only the new tokens. vLLM and SGLang ignore it (their
+    # prefix caches reuse the KV of the full prompt ids). Needs SamplingParams.n == 1.
+    session_id: str | None = None
 
 
 @dataclass(kw_only=True)

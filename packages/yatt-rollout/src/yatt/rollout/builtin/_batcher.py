@@ -51,6 +51,7 @@ from yatt.rollout._types import Request, SamplingParams
 from yatt.rollout.builtin._sampling import sample_tokens
 from yatt.rollout.builtin._static_kv import (
     KV_WRITE_KWARG,
+    ContinueWrite,
     DecodeWrite,
     PrefillWrite,
     StaticKVCache,
@@ -111,6 +112,18 @@ class WorkItem:
     owner: object = None  # the call it belongs to (several calls may share one loop)
     images: RequestImages | None = None  # the request's images, encoded (a vision model)
     label_token_ids: tuple[int, ...] = ()  # logprobs reported at the first response position
+
+
+@dataclass(kw_only=True)
+class Kept:
+    """A finished sample's KV kept in its slot for the conversation's next turn.
+
+    ids: the tokens whose keys/values the slot holds, positions 0..len-1 (the prompt and the
+    response but its last token, which was sampled and never fed back)."""
+
+    session_id: str
+    ids: list[int]
+    last_used_s: float  # time.monotonic() when it was kept
 
 
 @dataclass(kw_only=True)
@@ -320,7 +333,7 @@ class SlotRunner:
 
     def prefill(self, items: list[WorkItem], slots: list[int], flags: Flags) -> None:
         """Prompts of `items` into `slots`, and each slot's first token sampled."""
-        device, L = self.device, self.cache.max_seq_len
+        device = self.device
         # Samples of one request are adjacent in the queue: prefill their prompt once. Joined
         # calls share the queue, so a request is its call (owner) and its index in that call.
         rows: list[list[int]] = []
@@ -347,7 +360,58 @@ class SlotRunner:
         else:
             logits_BV = self._prefill_right_padded(rows, lengths, slot_J, row_J)
             delta_B = torch.zeros_like(lengths_B)
-        logits_JV = logits_BV[row_J]
+        self._start_samples(
+            items, slot_J, logits_BV[row_J], lengths_B[row_J], delta_B[row_J], flags
+        )
+
+    def prefill_continuations(
+        self, items: list[WorkItem], slots: list[int], starts: list[int], flags: Flags
+    ) -> None:
+        """Continue kept sequences: slot slots[j] holds the KV of items[j]'s first starts[j]
+        prompt tokens (a conversation's earlier turns); only the rest is prefilled, attending
+        to the kept positions. Then each slot's first token is sampled, as `prefill` does."""
+        device = self.device
+        new_rows = [
+            item.request.prompt_ids[start:] for item, start in zip(items, starts, strict=True)
+        ]
+        lengths = [len(row) for row in new_rows]
+        T = max(lengths)
+        ids_BT = to_device(
+            [[*[0] * (T - n), *row] for row, n in zip(new_rows, lengths, strict=True)], device
+        )
+        start_B = to_device(starts, device)
+        pad_B = T - to_device(lengths, device)
+        col_T = torch.arange(T, device=device)
+        # Column c of row b is position start_b + c - pad_b (padding columns: start_b, unused).
+        positions_BT = start_B[:, None] + (col_T[None, :] - pad_B[:, None]).clamp(min=0)
+        span = max(start + n for start, n in zip(starts, lengths, strict=True))
+        arange_P = torch.arange(span, device=device)
+        is_real_BT = col_T[None, :] >= pad_B[:, None]
+        visible_BTP = (arange_P[None, None, :] <= positions_BT[:, :, None]) & is_real_BT[:, :, None]
+        visible_BTP[:, :, 0] = True  # a padding column sees position 0: no empty softmax row
+        mask = torch.where(visible_BTP, 0.0, float("-inf")).to(self.cache.keys[0].dtype)
+        slot_J = to_device(slots, device)
+        write = ContinueWrite(
+            cache=self.cache, slot_B=slot_J, starts=list(starts), lengths=lengths, span=span
+        )
+        logits_JV = self._forward_last_logits(ids_BT, mask[:, None], positions_BT, write)
+        prompt_len_J = start_B + to_device(lengths, device)
+        self._start_samples(
+            items, slot_J, logits_JV, prompt_len_J, torch.zeros_like(start_B), flags
+        )
+
+    def _start_samples(
+        self,
+        items: list[WorkItem],
+        slot_J: torch.Tensor,
+        logits_JV: torch.Tensor,
+        prompt_len_J: torch.Tensor,
+        delta_J: torch.Tensor,
+        flags: Flags,
+    ) -> None:
+        """Sample each item's first token from its last prompt position's logits and set its
+        slot's state (a fresh or a continued prompt alike)."""
+        device, L = self.device, self.cache.max_seq_len
         self.key_S[slot_J] = to_device([it.key for it in items], device)
         token_J, logprob_J = sample_tokens(
             logits_JV,
@@ -361,7 +425,6 @@ class SlotRunner:
         )
         if any(item.label_token_ids for item in items):
             self._write_label_logprobs(logits_JV, items, slot_J)
-        prompt_len_J = lengths_B[row_J]
         max_new_J = to_device([item.max_new_tokens for item in items], device)
         limit_J = torch.minimum(L - prompt_len_J, max_new_J)
         self.response_SL[slot_J, 0] = token_J
@@ -370,7 +433,7 @@ class SlotRunner:
         # copied from the host and waits for the stream (once per chunk, a CUDA test found).
         self.gen_len_S.index_fill_(0, slot_J, 1)
         self.pos_S[slot_J] = prompt_len_J
-        self.rope_delta_S[slot_J] = delta_B[row_J]
+        self.rope_delta_S[slot_J] = delta_J
         self.input_tok_S[slot_J] = token_J
         self.limit_S[slot_J] = limit_J
         is_stop_J = (token_J[:, None] == self.stop_ids_K[None, :]).any(dim=-1)
@@ -586,6 +649,9 @@ class SlotRunner:
         self.active_S.zero_()
         self.response_SL.zero_()
         self.logprob_SL.zero_()
+        # Slots holding a finished sample's KV for its conversation's next turn (host state;
+        # the KV is gone with a reset). Read and written by the loop's thread only.
+        self.kept: dict[int, Kept] = {}
         self.row_slot_S.copy_(torch.arange(self.cache.num_slots))
         self._rows, self.batch = None, self.cache.num_slots
         self.arange_L.copy_(torch.arange(self.cache.max_seq_len))

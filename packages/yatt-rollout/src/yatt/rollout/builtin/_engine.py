@@ -19,6 +19,10 @@ at its next allocation: the next wake_up of "kv_cache", or the start of the next
 Concurrency: on CUDA the engine's device work runs on its own stream (_device.py), so engines
 sharing a GPU overlap; a call that samples like the running one joins its loop (_joining.py).
 
+Multi-turn conversations (Request.session_id): a finished sample's KV stays in its slot, and
+the session's next turn prefills only its new tokens (tool results, the template's tokens)
+against it (_host_loop.py says when a kept slot is freed; release_sessions ends one).
+
 A Qwen2-VL-family model takes Request.images: they go through its image processor and the
 vision tower in the prefill, and decoding stays text-only (_vision.py).
 """
@@ -171,6 +175,11 @@ class BuiltinEngine:
         self._abort_event = threading.Event()
         self._is_running = False
         self._is_closed = False
+        # Conversations kept between turns (Request.session_id): a kept KV unused this long is
+        # freed (a tool that timed out, a trajectory that ended without release_sessions).
+        self.kept_kv_ttl_s = 60.0
+        self._released_sessions: set[str] = set()
+        self._released_lock = threading.Lock()
 
     # -- generation -------------------------------------------------------------------------------
 
@@ -207,6 +216,19 @@ class BuiltinEngine:
         """
         if self._is_running:
             self._abort_event.set()
+
+    def release_sessions(self, session_ids: Iterable[str]) -> None:
+        """Free the KV kept for these sessions (Request.session_id): their conversations ended.
+
+        Takes effect at the engine loop's next host check; a kept KV is also freed when its
+        slot is needed, after `kept_kv_ttl_s` unused, and by sleep or a KV-cache resize."""
+        with self._released_lock:
+            self._released_sessions.update(session_ids)
+
+    @property
+    def num_kept_sessions(self) -> int:
+        """Conversations whose KV the engine keeps between turns now (a diagnostic)."""
+        return len(self._runner.kept)
 
     @property
     def accepts_images(self) -> bool:
@@ -284,7 +306,15 @@ class BuiltinEngine:
             self._abort_event.clear()
             self._is_running = True
             flags = self._runner.begin(sampling, stop_ids)
-            return SlotLoop(self._runner, flags=flags, stop_ids=stop_ids, abort=self._abort_event)
+            return SlotLoop(
+                self._runner,
+                flags=flags,
+                stop_ids=stop_ids,
+                abort=self._abort_event,
+                kept_ttl_s=self.kept_kv_ttl_s,
+                released=self._released_sessions,
+                lock=self._released_lock,
+            )
 
         self._scheduler.run(
             call, signature=signature, begin=begin, scope=self._dev.scope, end=self._end_loop
@@ -319,6 +349,8 @@ class BuiltinEngine:
                     "update_weights while the weights are asleep; call "
                     "wake_up(tags=('weights',)) first"
                 )
+            # KV kept between turns was computed with the old weights: drop it.
+            self._runner.kept.clear()
             targets = named_targets(self.model)
             adapter = self._adapter.begin(targets, are_weights_lost=self._are_weights_lost)
             with self._dev.selected():  # the caller's stream: the sender's tensors live there

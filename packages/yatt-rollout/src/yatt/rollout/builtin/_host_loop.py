@@ -10,17 +10,25 @@ drop those of cancelled calls, admit queued items into free slots, read which sl
 `steps_per_sync` decode steps. Every sample carries its own call (`WorkItem.owner`), key and
 limit, so a sample is the same whichever calls shared its loop. The decode steps run over the
 running slots only (the smallest batch bucket that holds them; see _batcher.py).
+
+Conversations kept between turns (Request.session_id): a finished sample of a session leaves
+its KV in its slot (runner.kept), and the slot is not free. The session's next request, if its
+prompt extends the kept tokens, is admitted into that slot and prefills only the new tokens
+(the tool results). A kept slot is freed when a queued sample needs a slot and none is free
+(oldest first), after `kept_ttl_s` unused (a tool that timed out, a trajectory that ended
+without release), when its session is released, or when the KV cache is reset.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from yatt.rollout._types import Completion, FinishReason
-from yatt.rollout.builtin._batcher import Flags, SlotRunner, WorkItem
+from yatt.rollout.builtin._batcher import Flags, Kept, SlotRunner, WorkItem
 
 Emit = Callable[[Completion], None]
 
@@ -53,8 +61,15 @@ class SlotLoop:
         flags: Flags,
         stop_ids: Collection[int],
         abort: threading.Event,
+        kept_ttl_s: float = 60.0,
+        released: set[str] | None = None,
+        lock: threading.Lock | None = None,
     ) -> None:
         self.runner = runner
+        self.kept_ttl_s = kept_ttl_s
+        # Sessions whose kept KV the engine was asked to drop (any thread adds, under `lock`).
+        self.released = released if released is not None else set()
+        self.lock = lock if lock is not None else threading.Lock()
         self.flags = flags
         self.stop_set = set(stop_ids)
         self.abort = abort  # the engine-wide abort(): every call's samples end now
@@ -79,7 +94,12 @@ class SlotLoop:
                 occupant[s] = None
             runner.deactivate(stale)
         is_aborting = self.abort.is_set()
-        free = [s for s in range(S) if occupant[s] is None]
+        self._expire_kept()
+        if self.queue and not is_aborting:
+            self._continue_kept()
+        free = [s for s in range(S) if occupant[s] is None and s not in runner.kept]
+        if len(free) < len(self.queue) and runner.kept and not is_aborting:
+            free += self._evict_kept(len(self.queue) - len(free))
         if free and self.queue and not is_aborting:
             self._admit(free)
         # Host sync: one small copy tells which slots finished and how long they are.
@@ -105,6 +125,51 @@ class SlotLoop:
             runner.set_decode_rows(running)
             for _ in range(runner.steps_per_sync):
                 runner.run_decode_step(self.flags, span)
+
+    def _expire_kept(self) -> None:
+        kept = self.runner.kept
+        with self.lock:
+            released = set(self.released)
+            self.released.clear()  # in place: the engine holds this set
+        if not kept:
+            return
+        now = time.monotonic()
+        for slot in [
+            s
+            for s, k in kept.items()
+            if k.session_id in released or now - k.last_used_s > self.kept_ttl_s
+        ]:
+            del kept[slot]
+
+    def _continue_kept(self) -> None:
+        """Queued samples of kept sessions into their slots, prefilling their new tokens."""
+        kept = self.runner.kept
+        by_session = {k.session_id: slot for slot, k in kept.items()}
+        items, slots, starts = [], [], []
+        for item in list(self.queue):
+            slot = by_session.get(item.request.session_id)
+            if slot is None or slot in slots:
+                continue
+            ids, prompt = kept[slot].ids, item.request.prompt_ids
+            del kept[slot]  # continued or stale: either way the slot is this item's now
+            if len(prompt) > len(ids) and prompt[: len(ids)] == ids and item.images is None:
+                items.append(item)
+                slots.append(slot)
+                starts.append(len(ids))
+        if items:
+            chosen = set(map(id, items))
+            self.queue = deque(item for item in self.queue if id(item) not in chosen)
+            self.runner.prefill_continuations(items, slots, starts, self.flags)
+            for item, slot in zip(items, slots, strict=True):
+                self.occupant[slot] = item
+
+    def _evict_kept(self, num_needed: int) -> list[int]:
+        """Free up to `num_needed` kept slots, the longest unused first."""
+        kept = self.runner.kept
+        oldest = sorted(kept, key=lambda s: kept[s].last_used_s)[:num_needed]
+        for slot in oldest:
+            del kept[slot]
+        return oldest
 
     def _admit(self, free: list[int]) -> None:
         queue, max_tokens = self.queue, self.runner.max_prefill_tokens
@@ -152,8 +217,15 @@ class SlotLoop:
             completion = _completion(item, response, logprobs[row][:n], reason)
             if labels is not None and item.label_token_ids and n:
                 completion.label_logprobs = labels[row][: len(item.label_token_ids)]
-            _deliver(item, completion)
             self.occupant[s] = None
+            session = item.request.session_id
+            if session is not None and reason != "abort" and n and item.images is None:
+                # Its KV holds the prompt and the response but its last token (never fed).
+                held = [*item.request.prompt_ids, *response[:-1]]
+                self.runner.kept[s] = Kept(
+                    session_id=session, ids=held, last_used_s=time.monotonic()
+                )
+            _deliver(item, completion)
 
 
 def _deliver(item: WorkItem, completion: Completion) -> None:

@@ -237,13 +237,65 @@ class PrefillWrite:
         )
 
 
-_ACTIVE_WRITE: ContextVar[DecodeWrite | PrefillWrite | None] = ContextVar(
+@dataclass(kw_only=True)
+class ContinueWrite:
+    """Continuation prefill: new tokens appended to sequences whose KV the cache already holds
+    (a multi-turn conversation kept between turns).
+
+    Rows are left-padded [B, T]: row b's n_b new tokens sit in columns [T - n_b, T) and go to
+    slot slot_B[b] at positions start_B[b] .. start_B[b] + n_b - 1. Attention reads the slot's
+    cache positions [0, span) under the additive mask the engine passes ([B, 1, T, span]:
+    column T - n_b + t sees positions <= start_B[b] + t; a padding column sees position 0).
+    Eager only (no graph, no compile): a turn's suffix is one forward per admission.
+    """
+
+    cache: StaticKVCache
+    slot_B: torch.Tensor  # int64 [B], distinct slots
+    starts: list[int]  # per row: positions the slot's cache already holds
+    lengths: list[int]  # per row: new tokens
+    span: int  # positions attended: > every row's last position
+
+    def __post_init__(self) -> None:
+        # Every layer writes the same cache rows: the real (row, column) pairs, and for each
+        # the row of (its slot, head) at its position in a layer viewed as [S * H_kv * L, D].
+        device = self.slot_B.device
+        T = max(self.lengths)
+        lengths_B = torch.tensor(self.lengths, device=device)
+        col_T = torch.arange(T, device=device)
+        self.real_BT = col_T[None, :] >= (T - lengths_B)[:, None]
+        position_BT = torch.tensor(self.starts, device=device)[:, None] + col_T[None, :]
+        position_BT = position_BT - (T - lengths_B)[:, None]
+        base_BH = self.cache.row_base_SH.index_select(0, self.slot_B)
+        rows_BTH = base_BH[:, None, :] + position_BT[:, :, None]
+        self.rows_N = rows_BTH[self.real_BT].reshape(-1)  # [N * H_kv], N real tokens
+
+    def write_and_attend(self, layer, query, key, value, mask, scaling) -> torch.Tensor:
+        """query [B, H_q, T, D]; key/value [B, H_kv, T, D]. Returns [B, T, H_q, D]."""
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        for buffer, new in ((keys, key), (values, value)):
+            # [B, H, T, D] -> [B, T, H, D] -> the real tokens [N, H, D] -> rows [N * H, D].
+            real = new.transpose(1, 2)[self.real_BT].reshape(-1, new.shape[-1])
+            buffer.view(-1, buffer.shape[-1]).index_copy_(0, self.rows_N, real)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        with sdpa_kernel(list(PREFILL_SDPA_BACKENDS)):
+            out = F.scaled_dot_product_attention(
+                query,
+                keys[:, :, : self.span].index_select(0, self.slot_B),
+                values[:, :, : self.span].index_select(0, self.slot_B),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=query.shape[1] != key.shape[1],
+            )
+        return out.transpose(1, 2).contiguous()
+
+
+_ACTIVE_WRITE: ContextVar[DecodeWrite | PrefillWrite | ContinueWrite | None] = ContextVar(
     "yatt_static_kv_write", default=None
 )
 
 
 @contextmanager
-def writing_kv(write: DecodeWrite | PrefillWrite) -> Iterator[None]:
+def writing_kv(write: DecodeWrite | PrefillWrite | ContinueWrite) -> Iterator[None]:
     """Route the attention layers' new keys/values into the cache during one forward pass."""
     token = _ACTIVE_WRITE.set(write)
     try:
@@ -394,6 +446,10 @@ def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
                 f"{type(module).__name__} passes {name} to its attention, which the built-in "
                 "engine does not implement; use the vLLM or SGLang engine"
             )
+    if isinstance(write, ContinueWrite):
+        return write.write_and_attend(
+            module.layer_idx, query, key, value, attention_mask, kwargs.get("scaling")
+        ), None
     if isinstance(write, DecodeWrite):
         out = write.write_and_attend(
             module.layer_idx, query, key, value, attention_mask, kwargs.get("scaling")

@@ -1,0 +1,93 @@
+"""The token layer: a conversation's ids from the chat template, and the ids a turn appends.
+
+The model's own turns are never re-rendered or re-tokenized: the driver keeps the ids the
+engine sampled. What enters between two turns (the rest of the assistant's turn after its
+end token, the tool or user messages, the next assistant header) comes from the template:
+
+    prev = ids(template(messages + [assistant]))                 ...<|im_end|>\n
+    next = ids(template(messages + [assistant] + new, gen=True))  ...<|im_end|>\n<|im_start|>user...
+    appended = next[after the assistant's end token:]             \n<|im_start|>user ... assistant\n
+
+The assistant's end token is found by counting: it is the k-th end token of `next`, where k
+is the count in `prev`. So a template that renders earlier turns differently once more follow
+(Qwen3 drops an earlier turn's empty <think></think>) still gives the right ids; whether
+`prev` was an exact prefix of `next` is reported (`is_prefix_exact`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class TemplateMismatchError(ValueError):
+    """The template's rendering cannot be lined up with the sampled turn (no end token)."""
+
+
+@dataclass(frozen=True)
+class Appended:
+    ids: list[int]
+    is_prefix_exact: bool
+
+
+class ChatTokens:
+    """Renders conversations (with the tools' schemas) through a tokenizer's chat template."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        tools: Sequence[dict[str, Any]] = (),
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(
+                "the tokenizer has no chat_template; multi-turn rollouts render tool messages "
+                "with it (set tokenizer.chat_template)"
+            )
+        self.tokenizer = tokenizer
+        self.tools = list(tools) or None
+        self.template_kwargs = dict(template_kwargs or {})
+
+    def render(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages),
+            tools=self.tools,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **self.template_kwargs,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        # The template writes special tokens as text; they map back to their ids here.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """The first prompt: the conversation so far and the assistant's header."""
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    def appended_ids(
+        self,
+        messages: Sequence[dict[str, Any]],
+        new_messages: Sequence[dict[str, Any]],
+        *,
+        end_token_id: int,
+    ) -> Appended:
+        """The ids after the last assistant turn's `end_token_id` up to the next assistant header.
+
+        `messages` ends with that assistant turn; `new_messages` are what follows it (tool
+        results, a user message). TemplateMismatchError when the rendering holds no end token
+        for the assistant turn (a template that does not close turns with it).
+        """
+        prev = self.encode(self.render(messages, add_generation_prompt=False))
+        nxt = self.encode(self.render([*messages, *new_messages], add_generation_prompt=True))
+        count = prev.count(end_token_id)
+        positions = [i for i, t in enumerate(nxt) if t == end_token_id]
+        if count == 0 or len(positions) < count:
+            raise TemplateMismatchError(
+                f"the chat template does not end the assistant's turn with token {end_token_id} "
+                "(the token the engine stopped at); add it to SamplingParams.stop_token_ids "
+                "only if the template closes turns with it"
+            )
+        cut = positions[count - 1] + 1
+        return Appended(ids=nxt[cut:], is_prefix_exact=nxt[: len(prev)] == prev)
