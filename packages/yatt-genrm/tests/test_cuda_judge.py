@@ -16,6 +16,16 @@ pytestmark = [
 ]
 
 
+def _is_well_formed(v) -> bool:
+    """A random judge often runs to max_new_tokens: a finished vote is read ("ok" or
+    "unparsable"); one cut at its budget is an error saying so, never read as a verdict."""
+    if len(v.votes) != 1:
+        return False
+    if v.votes[0].finish_reason == "stop":
+        return v.status in ("ok", "unparsable")
+    return v.status == "error" and "did not finish" in v.error
+
+
 def test_streaming_and_blocking_agree_on_a_cuda_judge(tmp_path) -> None:
     make_tiny_causal_lm(tmp_path, arch="qwen2", max_position_embeddings=1024)
     engine = BuiltinEngine(
@@ -58,7 +68,7 @@ def test_streaming_and_blocking_agree_on_a_cuda_judge(tmp_path) -> None:
         batched = asyncio.run(genrm.ascore(samples))
     finally:
         engine.close()
-    assert all(v.status in ("ok", "unparsable") for v in blocking)
+    assert all(_is_well_formed(v) for v in blocking)
     assert streamed == {v.sample_id: v.text for v in blocking}
     assert [v.sample_id for v in batched] == [s.id for s in samples]
-    assert all(v.status in ("ok", "unparsable") for v in batched)
+    assert all(_is_well_formed(v) for v in batched)
