@@ -61,7 +61,7 @@ from transformers import AutoTokenizer
 
 from yatt import core, genrm, rollout
 from yatt.ckpt import Checkpointer, RunLock, acquire_run_lock, exit_code_for_signal
-from yatt.placement import Plan
+from yatt.placement import PendingLoad, Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_config import DataConfig, TrainConfig, read_config
@@ -79,7 +79,7 @@ from grpo_setup import (
     required_row_fields,
     row_limits,
 )
-from grpo_stream import RolloutStream, loaded_prompt, saved_prompt
+from grpo_stream import loaded_prompt, saved_prompt
 
 logger = logging.getLogger("train_grpo")
 PLANS = {"full": Plan.full_colocation, "partial": Plan.partial_colocation}
@@ -219,42 +219,14 @@ def generate_and_score(
 
 
 # -- one streamed step (rollout.sampling_mode=stream, placement=partial) -------------------------
-def scored_group(group: genrm.JudgedGroup, stream: RolloutStream) -> list[Scored]:
-    """A judged group's responses, each with what the judge read and its verdict."""
-    prompt = stream.groups[group.group].prompt
+def scored_group(group: genrm.StreamedGroup) -> list[Scored]:
+    """A judged group's responses, each with what the judge read, its verdict and its prompt."""
     return [
-        Scored(completion, stream.samples[id(completion)], verdict, prompt)
-        for completion, verdict in zip(group.completions, group.verdicts, strict=True)
+        Scored(completion, sample, verdict, group.payload)
+        for completion, sample, verdict in zip(
+            group.completions, group.samples, group.verdicts, strict=True
+        )
     ]
-
-
-async def stream_generate_score_keep(
-    step: int,
-    stream: RolloutStream,
-    sampler: core.DynamicSampler,
-    *,
-    draw: Callable[[int], list[Prompt]],
-    keep: Callable[[list[Scored]], None],
-    partials: core.PartialRollouts | None,
-) -> None:
-    """Prompts keep entering the engine while verdicts come back; each group whose responses
-    are all judged goes to the sampler at once; once every rank has its groups (should_abort:
-    polls, never blocks) the rollout's long tail and the judge's leftover work are cut."""
-    if partials is not None:  # last step's cut groups first, their old tokens kept
-        stream.resume(partials.take(step))
-    if first := sampler.num_to_draw(in_flight=stream.num_in_flight):
-        stream.feed(draw(first))  # generate
-    while True:
-        group = await stream.next_group()  # score: a group whose every response is judged
-        if group is not None:
-            keep(scored_group(group, stream))  # keep: sampler.add
-        if sampler.should_abort():  # every rank is full
-            break
-        if more := sampler.num_to_draw(in_flight=stream.num_in_flight):
-            stream.feed(draw(more))  # keep the engine fed
-        if not stream.num_in_flight:  # nothing in flight, nothing to draw: take() decides
-            break
-    await stream.cut()
 
 
 def to_batch(scored: Sequence[Scored], runtime: core.Runtime, encoder: PromptEncoder) -> core.Batch:
@@ -595,31 +567,31 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             sampler.add(groups)  # keep: whole groups with reward variance
 
         def stream_step(step: int, stats: StepStats) -> tuple[core.Batch, dict[str, float]]:
-            """generate -> score -> keep as one stream; the cut groups counted (kept with
-            keep_partial); the memory split moved by the step's live queues."""
-            stream = RolloutStream(
+            """generate -> score -> keep as one stream (genrm.JudgedStream): last step's cut
+            groups first (keep_partial), prompts fed as the sampler asks, each judged group
+            kept at once, the long tail cut once every rank is full; the cut groups counted
+            (held with keep_partial); the memory split moved by the step's live queues."""
+            stream = genrm.JudgedStream(
                 engine=engine,
                 judge_engine=judge_engine,
                 scorer=scorer,
-                to_sample=lambda prompt, c: judge_view(prompt, c, tokenizer, cfg.data),
                 sampling=round_sampling(step, 0),
+                to_request=lambda prompt: prompt.request(),  # its images processed once
+                to_sample=lambda prompt, c: judge_view(prompt, c, tokenizer, cfg.data),
                 step=step,
+                carry=partials,  # rollout.keep_partial: resumed first, the cut ones held
+                load=PendingLoad(),
             )
             with timed(stats.timings, "rollout+genrm"), plan.phase("rollout"):
                 asyncio.run(
-                    stream_generate_score_keep(
-                        step,
-                        stream,
-                        sampler,
+                    stream.run(
+                        sampler,  # polls should_abort (every rank full), never blocks
                         draw=lambda count: draw_prompts(loader, encoder, count),
-                        keep=lambda scored: keep(scored, stats),
-                        partials=partials,
+                        keep=lambda group: keep(scored_group(group), stats),
                     )
                 )
             cut = stream.cut_groups()
             sampler.record_aborted(len(cut), num_tokens=stream.num_aborted_tokens)
-            for group in cut if partials is not None else ():
-                partials.put(group)
             pending = stream.pending_tokens()
             if plan.has_memory_split:  # the next split follows the step's live queues
                 plan.update_load(**pending)

@@ -5,7 +5,7 @@ checkpoint written before the sampler and the cut groups were kept still resumes
 
 The steps themselves are not run (a streamed trainer run takes minutes on a shared CPU): the
 held groups are hand-built, and step k + 1's resumption is observed where the loop makes it,
-RolloutStream.resume, with a recording engine."""
+genrm.JudgedStream.resume, with a recording engine."""
 
 NUM_GPUS = 0
 
@@ -23,7 +23,6 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import train_grpo
 from grpo_prompts import Prompt
-from grpo_stream import RolloutStream
 
 from yatt import core, genrm, rollout
 from yatt.ckpt import Checkpointer
@@ -145,10 +144,10 @@ def _step_after(partials: core.PartialRollouts, sampler: core.DynamicSampler, st
     """What step `step` starts with: the requests resuming the held groups, the finished
     samples judged as they were, the dropped count, the draw's oversampling factor."""
     engine = _RecordingEngine()
-    stream = RolloutStream(
+    stream = genrm.JudgedStream(
         engine=engine,
-        judge_engine=None,
         scorer=_Judge(),
+        to_request=lambda p: p.request(),
         to_sample=lambda p, c: genrm.Sample(prompt=p.row["prompt"], response="r"),
         sampling=rollout.SamplingParams(n=2, max_new_tokens=MAX_NEW_TOKENS, seed=1),
         step=step,
@@ -162,7 +161,7 @@ def _step_after(partials: core.PartialRollouts, sampler: core.DynamicSampler, st
     asyncio.run(resume())
     requests = [(r.prompt_ids, r.max_new_tokens, r.metadata["sample"]) for r in engine.requests]
     groups = {
-        key: (g.prompt.row, g.first_step, sorted(g.parts)) for key, g in stream.groups.items()
+        key: (g.payload.row, g.first_step, sorted(g.parts)) for key, g in stream.groups.items()
     }
     resumed_logprobs = {
         key: {j: s.logprobs for j, s in g.parts.items()} for key, g in stream.groups.items()

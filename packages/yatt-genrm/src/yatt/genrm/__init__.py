@@ -28,6 +28,7 @@ from yatt.genrm._combine import CombinedRM
 from yatt.genrm._functions import RewardFunction, load_reward_function
 from yatt.genrm._genrm import GenRM
 from yatt.genrm._groups import GroupJudging, JudgedGroup
+from yatt.genrm._judged_stream import CutGroup, JudgedStream, Scorer, StreamedGroup
 from yatt.genrm._openai import OpenAIJudge, OpenAIJudgeConfig
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
 from yatt.genrm._server import create_app
@@ -41,12 +42,14 @@ from yatt.genrm._version import __version__
 __all__ = [
     "BatchingConfig",
     "CombinedRM",
+    "CutGroup",
     "ExactMatch",
     "GenRM",
     "GenRMClient",
     "GroupJudging",
     "JudgeTemplate",
     "JudgedGroup",
+    "JudgedStream",
     "NumericMatch",
     "OpenAIJudge",
     "OpenAIJudgeConfig",
@@ -57,6 +60,8 @@ __all__ = [
     "ScoreParser",
     "ScoreStats",
     "ScoredCompletions",
+    "Scorer",
+    "StreamedGroup",
     "Verdict",
     "VerdictParser",
     "Vote",
