@@ -489,10 +489,14 @@ def test_a_close_error_never_hides_the_loops_own(caplog):
         def close(self):
             closed.append(True)
 
-    train_grpo.close_all([Broken(), Fine()], should_raise=False)  # the loop already failed
+    with pytest.raises(KeyError, match="the loop's"), train_grpo.ClosingStack() as resources:
+        resources.close_later(Fine())
+        resources.close_later(Broken())
+        raise KeyError("the loop's")  # the loop failed: its error, not the close's
     assert closed == [True] and "closing Broken failed" in caplog.text
-    with pytest.raises(OSError, match="disk gone"):
-        train_grpo.close_all([Broken(), Fine()], should_raise=True)
+    with pytest.raises(OSError, match="disk gone"), train_grpo.ClosingStack() as resources:
+        resources.close_later(Fine())
+        resources.close_later(Broken())
     assert closed == [True, True]
 
 
@@ -723,14 +727,7 @@ def _judge_round(plan, should_overlap: bool, timings: dict) -> tuple[list, list,
 
     from yatt import genrm, rollout
 
-    judge, timers = _FakeJudge(plan), []
-
-    @train_grpo.contextlib.contextmanager
-    def recording_timer(into, name):
-        timers.append(name)
-        with train_grpo.timed(into, name):
-            yield
-
+    judge = _FakeJudge(plan)
     requests = [rollout.Request(prompt_ids=[7] * (i + 2)) for i in range(4)]
     completions, verdicts = train_grpo.generate_and_judge(
         requests,
@@ -741,8 +738,8 @@ def _judge_round(plan, should_overlap: bool, timings: dict) -> tuple[list, list,
         plan=plan,
         should_overlap=should_overlap,
         timings=timings,
-        timer=recording_timer,
     )
+    timers = [name for name in timings if name != "genrm_tail"]  # the phases timed, in order
     return completions, verdicts, judge, timers
 
 
@@ -786,6 +783,54 @@ def test_a_round_in_phases_judges_in_the_genrm_phase_or_outside_any(mode):
     assert [v.reward for v in verdicts] == [0.0, 1.0, 2.0, 3.0]
     assert timers == ["rollout", "genrm"] and "genrm_tail" not in timings
     assert set(judge.phases) == ({"genrm"} if mode == "full" else {None})
+
+
+def test_the_keep_rule_tests_the_task_reward_before_the_overlong_penalty():
+    """DAPO eq. 11 filters on the accuracy signal, then eq. 13's soft penalty joins the reward
+    (verl's recipe alike): an all-right group with one response in the overlong buffer has no
+    task-reward variance and is not kept; a mixed group is kept with the penalty added."""
+    from types import SimpleNamespace
+
+    import train_grpo
+
+    from yatt import core, genrm, rollout
+
+    max_new_tokens, buffer_tokens = 8, 4
+    groups = {0: ([1.0, 1.0, 1.0, 1.0], [2, 2, 2, 7]), 1: ([1.0, 0.0, 1.0, 0.0], [2, 2, 2, 7])}
+    scored = [
+        train_grpo.Scored(
+            rollout.Completion(
+                request_index=g,
+                sample_index=j,
+                prompt_ids=[1, 2],
+                response_ids=[5] * length,
+                logprobs=[-0.1] * length,
+                finish_reason="stop",
+            ),
+            genrm.Sample(prompt="q", response="r"),
+            genrm.Verdict(sample_id=f"{g}-{j}", reward=reward, status="ok"),
+            SimpleNamespace(images=None, vision=None),  # a text prompt
+        )
+        for g, (rewards, lengths) in groups.items()
+        for j, (reward, length) in enumerate(zip(rewards, lengths, strict=True))
+    ]
+    sampler = core.DynamicSampler(target_groups=1, reward_key=train_grpo.TASK_REWARD)
+    ctx = SimpleNamespace(
+        cfg=SimpleNamespace(
+            overlong=core.OverlongConfig(buffer_tokens=buffer_tokens),
+            rollout=SimpleNamespace(max_new_tokens=max_new_tokens),
+        ),
+        runtime=core.init_runtime(seed=0),
+        encoder=SimpleNamespace(takes_images=False, cut_token_ids=()),
+        exact=SimpleNamespace(verify=lambda sample: None),
+        sampler=sampler,
+    )
+    sampler.num_to_draw()
+    train_grpo.keep(scored, ctx, train_grpo.StepStats())
+    batch, _ = train_grpo.take_batch(sampler)
+    # DAPO eq. 13 by hand: 7 tokens, 4 past L_max - L_cache = 4 ... (4 - 7) / 4 = -0.75
+    assert batch.samples["reward"].tolist() == [1.0, 0.0, 1.0, 0.0 - 0.75]  # group 1, not 0
+    assert train_grpo.TASK_REWARD not in batch.samples  # the penalised reward trains
 
 
 class _FakePolicy:

@@ -175,3 +175,30 @@ def test_after_a_good_run_the_first_close_error_is_raised(caplog):
         resources.close_later(_Closeable("b", closed, OSError("b")))
         resources.close_later(_Closeable("a", closed, OSError("a")))
     assert closed == ["a", "b"] and caplog.text.count("closing _Closeable failed") == 2
+
+
+def test_the_config_is_stored_with_each_save_and_a_watched_change_is_reported_once(
+    tmp_path, caplog
+):
+    saved = {"loss": {"objective": "dapo", "kl": 0.0}, "data": {"path": "a.jsonl"}}
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.keep_config(saved, watched=("loss.objective", "data.path"))
+        ckpt.save(0, _state(), extra={"step": 0})
+    now = {"loss": {"objective": "gspo", "kl": 0.5}, "data": {"path": "a.jsonl"}}
+    with Checkpointer(tmp_path, async_save=False) as ckpt, caplog.at_level(logging.WARNING):
+        ckpt.keep_config(now, watched=("loss.objective", "data.path"))
+        extra = ckpt.load(_state())
+    assert extra["config"] == saved
+    assert ckpt.config_changes == [("loss.objective", "dapo", "gspo")]  # kl is not watched
+    assert caplog.text.count("resuming with changed settings") == 1
+
+
+def test_a_checkpoint_without_a_config_reports_no_change(tmp_path):
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.save(0, _state(), extra={"step": 0})
+    with Checkpointer(tmp_path, async_save=False) as ckpt:
+        ckpt.keep_config({"loss": {"objective": "gspo"}}, watched=("loss.objective",))
+        ckpt.load(_state())
+        assert ckpt.config_changes == []
+        with pytest.raises(ValueError, match="not JSON-able"):
+            ckpt.keep_config({"x": object()})

@@ -141,6 +141,10 @@ class Checkpointer:
         self._group = RankGroup()
         self._tracked: dict[str, Any] = {}  # name -> an object with state_dict/load_state_dict
         self.missing_on_load: list[str] = []  # tracked names the last loaded checkpoint lacked
+        self._config: dict[str, Any] | None = None  # keep_config's, stored with every save
+        self._watched: tuple[str, ...] = ()
+        # (field, saved, now) of the watched fields the last loaded checkpoint's config differs in
+        self.config_changes: list[tuple[str, Any, Any]] = []
         error = None
         lock_error: RunLockedError | None = None
         if self._group.rank == 0 and not read_only:
@@ -196,23 +200,40 @@ class Checkpointer:
                 )
         self._tracked[name] = obj
 
+    def keep_config(self, config: dict[str, Any], *, watched: tuple[str, ...] = ()) -> None:
+        """Store `config` (the run's resolved config, JSON-able) with every save, in extra under
+        "config". On load, the checkpoint's config is compared with this one on the `watched`
+        dotted fields (e.g. "loss.objective"): the differences go into `config_changes` as
+        (field, saved, now) and are warned about once. Call before load()."""
+        try:
+            self._config = json.loads(json.dumps(config, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"keep_config: the config is not JSON-able ({e})") from None
+        self._watched = tuple(watched)
+
     @property
     def tracked(self) -> dict[str, Any]:
         """The tracked objects by name, in the order they were tracked (and restored)."""
         return dict(self._tracked)
 
     def _with_tracked(self, extra: Any) -> Any:
-        if not self._tracked:
+        named = dict(self._tracked)
+        if self._config is not None:
+            named["config"] = None
+        if not named:
             return extra
         if extra is not None and not isinstance(extra, dict):
             raise ValueError(
                 f"extra is a {type(extra).__name__}; with tracked objects "
-                f"({sorted(self._tracked)}) extra must be a dict (or None) to hold them too"
+                f"({sorted(named)}) extra must be a dict (or None) to hold them too"
             )
-        clash = sorted(set(extra or {}) & set(self._tracked))
+        clash = sorted(set(extra or {}) & set(named))
         if clash:
             raise ValueError(f"extra has keys {clash} that tracked objects use; rename one")
-        return {**(extra or {}), **{name: obj.state_dict() for name, obj in self._tracked.items()}}
+        states = {name: obj.state_dict() for name, obj in self._tracked.items()}
+        if self._config is not None:
+            states["config"] = self._config
+        return {**(extra or {}), **states}
 
     def _restore_tracked(self, extra: Any) -> None:
         self.missing_on_load = [
@@ -221,6 +242,16 @@ class Checkpointer:
         for name, obj in self._tracked.items():
             if name not in self.missing_on_load:
                 obj.load_state_dict(extra[name])
+        saved = extra.get("config") if isinstance(extra, dict) else None
+        self.config_changes = []
+        if self._config is not None and isinstance(saved, dict):  # older: nothing to compare
+            for name in self._watched:
+                before, now = _dotted(saved, name), _dotted(self._config, name)
+                if before != now:
+                    self.config_changes.append((name, before, now))
+        if self.config_changes:
+            changes = "; ".join(f"{n} {b!r} -> {a!r}" for n, b, a in self.config_changes)
+            logger.warning("resuming with changed settings (the run's meaning): %s", changes)
 
     # -- saving -----------------------------------------------------------------------------------
 
@@ -550,6 +581,14 @@ class Checkpointer:
         restore_rng_state(record["rng"], source=str(info.path))
         self._schedule.note_saved(step)
         return record["extra"]
+
+
+def _dotted(config: dict[str, Any], name: str) -> Any:
+    """config["a"]["b"] for "a.b" (None where a part is missing)."""
+    value: Any = config
+    for part in name.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def _encode_extra(extra: Any) -> str:
