@@ -288,9 +288,21 @@ def keep(scored: Sequence[Scored], ctx: RolloutContext, stats: StepStats) -> Non
     ctx.sampler.add(groups)  # keep: whole groups with task-reward variance
 
 
-def take_batch(sampler: core.DynamicSampler) -> tuple[core.Batch, dict[str, float]]:
-    """The step's kept groups (collective: waits for every rank) and the sampling stats."""
+class StepStopped(Exception):
+    """A stop signal ended the step's rollout on some rank before its batch was full: every
+    rank raises it (take_batch), the loop saves without an update and exits."""
+
+
+def take_batch(
+    sampler: core.DynamicSampler, *, should_stop: bool = False
+) -> tuple[core.Batch, dict[str, float]]:
+    """The step's kept groups (collective: waits for every rank) and the sampling stats;
+    StepStopped on every rank when a stop signal reached any (should_stop: this rank's)."""
+    if should_stop:
+        sampler.request_stop()
     batch, sampling_stats = sampler.take()
+    if sampling_stats.get("is_stopped"):
+        raise StepStopped
     batch.samples.pop(TASK_REWARD, None)  # the penalised reward is what trains
     return batch, sampling_stats
 
@@ -313,6 +325,8 @@ class RolloutContext:
     sampler: core.DynamicSampler
     partials: core.PartialRollouts | None  # rollout.keep_partial: cut groups held a step
     should_overlap: bool  # rollout and judge resident together: judge as responses finish
+    # a stop signal arrived: a safe point (between rounds, between judged groups) ends the step
+    should_stop: Callable[[], bool] = lambda: False
 
     def draw(self, num_prompts: int) -> list[Prompt]:
         return draw_prompts(self.loader, self.encoder, num_prompts)
@@ -349,7 +363,7 @@ def rollout_in_rounds(
 ) -> tuple[core.Batch, dict[str, float]]:
     """rollout.sampling_mode=rounds: generate -> judge -> keep in rounds until every rank has
     its groups with reward variance (collective: a full rank draws 0 and still joins each
-    round)."""
+    round). A stop signal ends the rounds (StepStopped)."""
     while not ctx.sampler.is_done():
         num_prompts = ctx.sampler.num_to_draw()
         if num_prompts:
@@ -359,7 +373,9 @@ def rollout_in_rounds(
             keep(ctx.generate_and_score(prompts, sampling, stats.timings), ctx, stats)
         else:
             ctx.sampler.add(core.rollout_batch([]))  # a full rank joins the round
-    return take_batch(ctx.sampler)
+        if ctx.should_stop():  # the next is_done() ends the rounds on every rank
+            ctx.sampler.request_stop()
+    return take_batch(ctx.sampler, should_stop=ctx.should_stop())
 
 
 def rollout_streamed(
@@ -388,6 +404,7 @@ def rollout_streamed(
                 sampler,  # polls should_abort (every rank full), never blocks
                 draw=ctx.draw,
                 keep=lambda group: keep(scored_group(group), ctx, stats),
+                should_stop=ctx.should_stop,  # between judged groups: the tail cut, then saved
             )
         )
     cut = stream.cut_groups()
@@ -395,7 +412,8 @@ def rollout_streamed(
     pending = stream.pending_tokens()
     if ctx.plan.has_memory_split:  # the next split follows the step's live queues
         ctx.plan.update_load(**pending)
-    batch, sampling_stats = take_batch(sampler)  # waits for every rank's stream
+    # waits for every rank's stream; StepStopped on every rank if a stop signal ended one
+    batch, sampling_stats = take_batch(sampler, should_stop=ctx.should_stop())
     stats.num_rounds = int(sampling_stats["num_rounds"])
     sampling_stats |= {
         "num_groups_resumed": float(stream.num_resumed),
@@ -605,6 +623,25 @@ def resume_run(
     )
 
 
+def save_stopped(ckpt: Checkpointer, step: int, state: dict[str, Any]) -> int | None:
+    """A stop signal ended `step`'s rollout: the step is saved without an update (its drawn
+    rows used up, as a skipped step's), so --resume continues at step + 1; returns the signal
+    (the same on every rank: maybe_save agrees on it)."""
+    decision = ckpt.maybe_save(step, state, phase="train", extra={"step": step})
+    if not decision.is_saved:  # a rank without the signal, in a run whose ranks do not agree
+        ckpt.save(step, state, extra={"step": step})
+        ckpt.wait()
+    signal = decision.stop_signal or ckpt.stop_signal
+    logger.warning(
+        "stopped by signal %s during step %d's rollout: saved without its update (--resume "
+        "continues with step %d)",
+        signal,
+        step,
+        step + 1,
+    )
+    return signal
+
+
 # -- the run --------------------------------------------------------------------------------------
 def main(argv: list[str]) -> int:
     """Train (or --export); the process's exit code: 0, or 128 + signum when a stop signal
@@ -744,6 +781,7 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             # Stream responses to the judge while the rollout runs when both stay resident (a
             # judge without an engine of its own is always there).
             should_overlap=judge_engine is None or plan.is_resident_together("rollout", "genrm"),
+            should_stop=lambda: ckpt.stop_signal is not None,
         )
         rollout_step = ROLLOUTS[cfg.rollout.sampling_mode]
         start_step = 0
@@ -774,7 +812,12 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             for step in bar:
                 stats = StepStats(timings={"ckpt": last_save_s})
                 # draw -> generate and judge -> keep, until every rank has its groups
-                batch, sampling_stats = rollout_step(step, ctx, stats)
+                try:
+                    batch, sampling_stats = rollout_step(step, ctx, stats)
+                except StepStopped:  # a step that could not end: saved without its update
+                    stop_signal = save_stopped(ckpt, step, policy.state())
+                    is_stopped = True
+                    break
                 truncation = filter_truncated(batch, cfg, runtime.dp_group)
                 # local: a whole group lives on this rank
                 batch.samples["advantages"] = cfg.loss.compute_advantages(

@@ -1287,6 +1287,47 @@ def test_one_run_per_out_dir_and_sigterm_saves_and_exits_non_zero(tmp_path, embe
     assert (out / "export" / "model.safetensors").is_file()
 
 
+def test_a_stop_signal_ends_a_step_that_cannot_end_and_saves_it(tmp_path, embedded):
+    """A constant reward and many sampling rounds: step 0 could run for hours. SIGTERM (and
+    SIGHUP alike) is read between rounds: the step ends on every rank without an update, is
+    saved, and the run exits 128 + 15 (it used to be read only at a step's end)."""
+    marker = tmp_path / "judged"
+    rewards = tmp_path / "constant.py"
+    rewards.write_text(
+        "from pathlib import Path\n"
+        "def score(prompt, response, reference, row):\n"
+        f"    Path({str(marker)!r}).touch()\n"
+        "    return 1.0\n"
+    )
+    args = [a for a in embedded if not a.startswith("reward.judge_dir=")]
+    out = tmp_path / "run"
+    command = _one_rank(
+        out,
+        args,
+        "reward.backend=none",
+        f"reward.functions=[{rewards}:score]",
+        "rollout.max_sampling_rounds=1000",
+        "num_steps=3",
+        "eval.every_steps=0",
+    )
+    proc = subprocess.Popen(command, env=_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), f"no verdict (rc {proc.poll()})"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "stopped by signal 15 during step 0's rollout" in stderr
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert saved == ["step-00000000"]
+    assert not (out / "metrics.jsonl").exists() or not _metrics(out)  # no step trained
+
+
 def test_ctrl_c_saves_and_exits_non_zero(tmp_path, embedded):
     out = tmp_path / "run"
     steps = ("num_steps=1000", "ckpt.every_steps=1000", "eval.every_steps=0")
