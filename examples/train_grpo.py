@@ -290,7 +290,12 @@ def keep(scored: Sequence[Scored], ctx: RolloutContext, stats: StepStats) -> Non
 
 class StepStopped(Exception):
     """A stop signal ended the step's rollout on some rank before its batch was full: every
-    rank raises it (take_batch), the loop saves without an update and exits."""
+    rank raises it (take_batch) with the step's sampling stats; the loop logs the step, saves
+    it without an update and exits."""
+
+    def __init__(self, sampling_stats: dict[str, float]) -> None:
+        super().__init__("a stop signal ended the step's rollout")
+        self.sampling_stats = sampling_stats
 
 
 def take_batch(
@@ -302,7 +307,7 @@ def take_batch(
         sampler.request_stop()
     batch, sampling_stats = sampler.take()
     if sampling_stats.get("is_stopped"):
-        raise StepStopped
+        raise StepStopped(sampling_stats)
     batch.samples.pop(TASK_REWARD, None)  # the penalised reward is what trains
     return batch, sampling_stats
 
@@ -814,7 +819,10 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                 # draw -> generate and judge -> keep, until every rank has its groups
                 try:
                     batch, sampling_stats = rollout_step(step, ctx, stats)
-                except StepStopped:  # a step that could not end: saved without its update
+                except StepStopped as stopped:  # a step that could not end: no update
+                    skipped = encoder.skipped_by_cause(loader)
+                    sampled = summarize(stats, stopped.sampling_stats, skipped, runtime.dp_group)
+                    run_log.log(step, sampled)  # a committed step k has its line k
                     stop_signal = save_stopped(ckpt, step, policy.state())
                     is_stopped = True
                     break

@@ -1325,7 +1325,9 @@ def test_a_stop_signal_ends_a_step_that_cannot_end_and_saves_it(tmp_path, embedd
     assert "stopped by signal 15 during step 0's rollout" in stderr
     saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
     assert saved == ["step-00000000"]
-    assert not (out / "metrics.jsonl").exists() or not _metrics(out)  # no step trained
+    (record,) = _metrics(out)  # the stopped step's line: what it sampled, no update
+    assert record["step"] == 0 and record["dynamic_sampling/is_stopped"] == 1.0
+    assert not any(key.startswith("train/") for key in record)
 
 
 def test_ctrl_c_saves_and_exits_non_zero(tmp_path, embedded):
