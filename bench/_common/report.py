@@ -2,7 +2,7 @@
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
     from report import write_report
-    write_report(Path("bench/results/step_cpu.md"), markdown, data=combined)  # + step_cpu.json
+    write_report(out_dir / "step_cpu.md", markdown, data=combined)  # and step_cpu.json beside
 
 Every report of bench/ (step, engines, engines_overlap, verl/TRL) goes through it, so a results
 file is always written whole (JSON indented by one space, markdown ending in a newline) and at
