@@ -11,15 +11,27 @@
 
 One step, as the loop reads:
 
-    rows        this rank's next prompts (a draw of only unusable rows draws again)
-    scored      n responses per prompt, each judged by the GenRM (placement=partial: judged as
-                soon as it finishes, while the rollout's long tail still runs)
-    batch       DAPO dynamic sampling (core.DynamicSampler): each round's rewards get the
-                overlong penalty, groups without reward variance are dropped, rounds refill.
-                rollout.sampling_mode=stream (placement=partial, grpo_stream.py): no rounds;
-                prompts keep entering the engine, each judged group goes to the sampler as it
-                arrives, and once every rank is full the long tail is aborted (counted; with
-                rollout.keep_partial finished first next step)
+    rollout     draw -> generate and judge -> keep, by the rollout kind rollout.sampling_mode
+                names (ROLLOUTS below). Each is one function of one signature:
+
+                    def my_rollout(step: int, ctx: RolloutContext, stats: StepStats
+                                   ) -> tuple[core.Batch, dict[str, float]]
+
+                It draws this rank's prompts (draw_prompts), generates and judges them, hands
+                judged groups to keep() until ctx.sampler is done, and returns sampler.take():
+                the step's batch of whole groups with reward variance and its sampling stats
+                (dynamic_sampling/*). It adds its counts and phase times to `stats`. A new kind
+                (multi-turn environments) is one such function, one entry in ROLLOUTS and its
+                own config section; the loop does not change.
+                  rounds  DAPO dynamic sampling in rounds (core.DynamicSampler): each round
+                          draws, generates and judges (placement=partial: each response judged
+                          as soon as it finishes), keeps; rounds refill until every rank is full
+                  stream  (placement=partial) genrm.JudgedStream: prompts keep entering the
+                          engine, each judged group is kept as it arrives, and once every rank
+                          is full the long tail is aborted (counted; with rollout.keep_partial
+                          finished first next step)
+    keep        whole groups whose task reward varies (DAPO eq. 11), then DAPO's overlong
+                penalty added to the reward (keep())
     train       advantages per group -> balance across ranks -> old logprobs once (the
                 trainer's forward, or the engine's with loss.old_logprobs_from=engine) -> for
                 each epoch, for each mini-batch of whole groups (reshuffled each epoch): one
@@ -29,7 +41,10 @@ One step, as the loop reads:
 
 At the end the last step is always checkpointed and the policy written as a Hugging Face
 folder (out_dir/export) that transformers and vLLM load as it is. One run per out_dir (a lock
-rank 0 holds); SIGTERM or Ctrl-C saves the step in progress and exits with 128 + the signal.
+rank 0 holds); SIGTERM, SIGHUP or Ctrl-C saves the step in progress and exits with 128 + the
+signal. A checkpoint keeps, beside the tensors, the loader's position, the sampler's keep rate,
+the held cut groups (named objects the Checkpointer saves and restores) and the resolved config;
+a resume that changes loss.objective, the policy or the data warns and says so in its metrics.
 
 The config (grpo_config.py) is built and checked whole before anything starts, then what it
 points at (grpo_preflight.py: folders, reward code, keys, checkpoints, the embedded task built
@@ -44,13 +59,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +74,14 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from yatt import core, genrm, rollout
-from yatt.ckpt import Checkpointer, RunLock, acquire_run_lock, exit_code_for_signal
-from yatt.placement import Plan
+from yatt.ckpt import (
+    Checkpointer,
+    ClosingStack,
+    RunLock,
+    acquire_run_lock,
+    exit_code_for_signal,
+)
+from yatt.placement import PendingLoad, Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_config import DataConfig, TrainConfig, read_config
@@ -70,7 +90,6 @@ from grpo_metrics import StepStats, VerdictWarnings, check_verdicts, eval_metric
 from grpo_preflight import preflight
 from grpo_prompts import Prompt, PromptEncoder
 from grpo_setup import (
-    close_all,
     export_checkpoint,
     export_dir,
     load_eval_rows,
@@ -79,7 +98,7 @@ from grpo_setup import (
     required_row_fields,
     row_limits,
 )
-from grpo_stream import RolloutStream, loaded_prompt, saved_prompt
+from grpo_stream import loaded_prompt, saved_prompt
 
 logger = logging.getLogger("train_grpo")
 PLANS = {"full": Plan.full_colocation, "partial": Plan.partial_colocation}
@@ -92,7 +111,14 @@ def timed(timings: dict[str, float], name: str) -> Iterator[None]:
     timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
-# -- one rollout round: generate and score, then training samples --------------------------------
+def derived_seed(seed: int, *offsets: int) -> int:
+    """The seed rule, written once: every seed of the run is the config's seed mixed with the
+    offsets that tell its uses apart (DP rank, step, round, epoch), so a resumed run and TP
+    peers draw alike and no two uses share a seed."""
+    return (seed * 1_000_003 + sum(offsets)) % 2**31
+
+
+# -- prompts -> responses -> verdicts ------------------------------------------------------------
 def draw_prompts(loader: core.ShardedLoader, encoder: PromptEncoder, num_rows: int) -> list[Prompt]:
     """This rank's next prompts. A draw of only unusable rows (skipped and counted) draws
     again; once a whole epoch of the shard gave no usable prompt (the loader's skips or the
@@ -129,19 +155,19 @@ def generate_and_judge(
     to_sample: Callable[[rollout.Completion], genrm.Sample],
     *,
     engine,
-    scorer,
+    scorer: genrm.Scorer,
     plan: Plan,
     should_overlap: bool,
     timings: dict[str, float],
-    timer: Callable[[dict[str, float], str], contextlib.AbstractContextManager] = timed,
 ) -> tuple[list[rollout.Completion], list[genrm.Verdict]]:
     """One rollout of `requests` and each response's verdict: (completions, verdicts), paired
     by position. should_overlap (rollout and judge resident together): one "rollout+genrm"
     phase, each response judged as soon as it finishes; timings["genrm_tail"] adds the
     seconds from the rollout's last response to the last verdict, and a plan with a memory
     split moves it toward this round's token loads. Otherwise the "rollout" phase, then the
-    "genrm" one (outside any phase for a plan without one: its judge lives elsewhere).
-    `timer(timings, name)` times each phase (bench/step passes its CUDA-syncing one)."""
+    "genrm" one (outside any phase for a plan without one: its judge lives elsewhere). Each
+    phase is timed into `timings` (responses and verdicts are host lists: the times include
+    the device's work)."""
     if should_overlap:
         rollout_end: list[float] = []
 
@@ -150,7 +176,7 @@ def generate_and_judge(
                 yield completion
             rollout_end.append(time.perf_counter())
 
-        with timer(timings, "rollout+genrm"), plan.phase("rollout"):
+        with timed(timings, "rollout+genrm"), plan.phase("rollout"):
             stream = noting_its_end(engine.stream(requests, sampling))
             scored = asyncio.run(genrm.score_as_completed(stream, scorer, to_sample))
             last_verdict = time.perf_counter()
@@ -167,10 +193,10 @@ def generate_and_judge(
                 rollout_pending_tokens=rollout_tokens, genrm_pending_tokens=judge_tokens
             )
         return completions, verdicts
-    with timer(timings, "rollout"), plan.phase("rollout"):
+    with timed(timings, "rollout"), plan.phase("rollout"):
         completions = engine.generate(requests, sampling)
     judge_phase = plan.phase("genrm") if "genrm" in plan.phases else contextlib.nullcontext()
-    with timer(timings, "genrm"), judge_phase:
+    with timed(timings, "genrm"), judge_phase:
         verdicts = scorer.score([to_sample(completion) for completion in completions])
     return completions, verdicts
 
@@ -218,43 +244,14 @@ def generate_and_score(
     ]
 
 
-# -- one streamed step (rollout.sampling_mode=stream, placement=partial) -------------------------
-def scored_group(group: genrm.JudgedGroup, stream: RolloutStream) -> list[Scored]:
-    """A judged group's responses, each with what the judge read and its verdict."""
-    prompt = stream.groups[group.group].prompt
+def scored_group(group: genrm.StreamedGroup) -> list[Scored]:
+    """A judged group's responses, each with what the judge read, its verdict and its prompt."""
     return [
-        Scored(completion, stream.samples[id(completion)], verdict, prompt)
-        for completion, verdict in zip(group.completions, group.verdicts, strict=True)
+        Scored(completion, sample, verdict, group.payload)
+        for completion, sample, verdict in zip(
+            group.completions, group.samples, group.verdicts, strict=True
+        )
     ]
-
-
-async def stream_generate_score_keep(
-    step: int,
-    stream: RolloutStream,
-    sampler: core.DynamicSampler,
-    *,
-    draw: Callable[[int], list[Prompt]],
-    keep: Callable[[list[Scored]], None],
-    partials: core.PartialRollouts | None,
-) -> None:
-    """Prompts keep entering the engine while verdicts come back; each group whose responses
-    are all judged goes to the sampler at once; once every rank has its groups (should_abort:
-    polls, never blocks) the rollout's long tail and the judge's leftover work are cut."""
-    if partials is not None:  # last step's cut groups first, their old tokens kept
-        stream.resume(partials.take(step))
-    if first := sampler.num_to_draw(in_flight=stream.num_in_flight):
-        stream.feed(draw(first))  # generate
-    while True:
-        group = await stream.next_group()  # score: a group whose every response is judged
-        if group is not None:
-            keep(scored_group(group, stream))  # keep: sampler.add
-        if sampler.should_abort():  # every rank is full
-            break
-        if more := sampler.num_to_draw(in_flight=stream.num_in_flight):
-            stream.feed(draw(more))  # keep the engine fed
-        if not stream.num_in_flight:  # nothing in flight, nothing to draw: take() decides
-            break
-    await stream.cut()
 
 
 def to_batch(scored: Sequence[Scored], runtime: core.Runtime, encoder: PromptEncoder) -> core.Batch:
@@ -272,32 +269,200 @@ def to_batch(scored: Sequence[Scored], runtime: core.Runtime, encoder: PromptEnc
     return core.rollout_batch(samples)
 
 
-def evaluate(
-    prompts: list[Prompt],
-    *,
-    step: int,
-    cfg: TrainConfig,
-    runtime: core.Runtime,
-    exact,
-    stop_token_ids: tuple[int, ...],
-    **generate,
-) -> dict[str, float]:
-    """The held-out prompts through the rollout engine and the same reward: eval/* metrics over
-    all ranks (collective; a rank without rows still joins). Same seeds every time, so a change
-    between evaluations is the policy's."""
-    stats = StepStats()
-    if prompts:
-        sampling = rollout.SamplingParams(
-            n=cfg.eval.samples_per_prompt,
-            temperature=cfg.eval.temperature,
+# -- the keep rule -----------------------------------------------------------------------------
+TASK_REWARD = "task_reward"  # the judge's reward before the overlong penalty: the keep signal
+
+
+def keep(scored: Sequence[Scored], ctx: RolloutContext, stats: StepStats) -> None:
+    """A round's or a group's judged responses to the sampler, counted. DAPO's keep rule:
+    whole groups whose task reward varies (eq. 11), tested BEFORE the soft overlong penalty
+    (eq. 13, 0 when off) joins the reward, as DAPO and verl filter on the accuracy signal: an
+    all-right group with one overlong response has nothing to teach, and its penalty alone
+    would make std normalisation push the wrong way."""
+    stats.add(scored, ctx.exact, cut_token_ids=ctx.encoder.cut_token_ids)
+    groups = to_batch(scored, ctx.runtime, ctx.encoder)
+    groups.samples[TASK_REWARD] = groups.samples["reward"].clone()  # what the sampler tests
+    groups.samples["reward"] += ctx.cfg.overlong.compute_penalties(
+        groups, max_new_tokens=ctx.cfg.rollout.max_new_tokens
+    )
+    ctx.sampler.add(groups)  # keep: whole groups with task-reward variance
+
+
+class StepStopped(Exception):
+    """A stop signal ended the step's rollout on some rank before its batch was full: every
+    rank raises it (take_batch) with the step's sampling stats; the loop logs the step, saves
+    it without an update and exits."""
+
+    def __init__(self, sampling_stats: dict[str, float]) -> None:
+        super().__init__("a stop signal ended the step's rollout")
+        self.sampling_stats = sampling_stats
+
+
+def take_batch(
+    sampler: core.DynamicSampler, *, should_stop: bool = False
+) -> tuple[core.Batch, dict[str, float]]:
+    """The step's kept groups (collective: waits for every rank) and the sampling stats;
+    StepStopped on every rank when a stop signal reached any (should_stop: this rank's)."""
+    if should_stop:
+        sampler.request_stop()
+    batch, sampling_stats = sampler.take()
+    if sampling_stats.get("is_stopped"):
+        raise StepStopped(sampling_stats)
+    batch.samples.pop(TASK_REWARD, None)  # the penalised reward is what trains
+    return batch, sampling_stats
+
+
+# -- rollout kinds: (step, ctx, stats) -> (batch, sampling_stats), chosen by rollout.sampling_mode
+@dataclass
+class RolloutContext:
+    """What every rollout kind reads: the run's data, engines, judge, plan and sampler."""
+
+    cfg: TrainConfig
+    runtime: core.Runtime
+    loader: core.ShardedLoader
+    encoder: PromptEncoder
+    tokenizer: Any
+    engine: Any
+    judge_engine: Any  # None: the judge has no engine of its own (functions, an endpoint)
+    scorer: genrm.Scorer
+    exact: Any  # the reward's accuracy rule (reward/accuracy), or None
+    plan: Plan
+    sampler: core.DynamicSampler
+    partials: core.PartialRollouts | None  # rollout.keep_partial: cut groups held a step
+    should_overlap: bool  # rollout and judge resident together: judge as responses finish
+    # a stop signal arrived: a safe point (between rounds, between judged groups) ends the step
+    should_stop: Callable[[], bool] = lambda: False
+
+    def draw(self, num_prompts: int) -> list[Prompt]:
+        return draw_prompts(self.loader, self.encoder, num_prompts)
+
+    def sampling(self, step: int, num_round: int) -> rollout.SamplingParams:
+        """A round's sampling, seeded by (seed, DP rank, step, round)."""
+        cfg = self.cfg
+        return rollout.SamplingParams(
+            n=cfg.rollout.samples_per_prompt,
+            temperature=cfg.rollout.temperature,
             max_new_tokens=cfg.rollout.max_new_tokens,
-            seed=(cfg.seed * 1_000_003 + runtime.dp_rank * 10_007 + 7) % 2**31,
-            stop_token_ids=stop_token_ids,
+            seed=derived_seed(cfg.seed, self.runtime.dp_rank * 10_007, step * 101, num_round),
+            stop_token_ids=self.encoder.cut_token_ids,  # a vision-language policy's (else none)
         )
-        with timed(stats.timings, "eval"):
-            scored = generate_and_score(prompts, sampling, timings={}, **generate)
-        stats.add(scored, exact)
-    return eval_metrics(stats, runtime.dp_group)
+
+    def generate_and_score(
+        self, prompts: list[Prompt], sampling: rollout.SamplingParams, timings: dict[str, float]
+    ) -> list[Scored]:
+        return generate_and_score(
+            prompts,
+            sampling,
+            engine=self.engine,
+            scorer=self.scorer,
+            plan=self.plan,
+            tokenizer=self.tokenizer,
+            data=self.cfg.data,
+            should_overlap=self.should_overlap,
+            timings=timings,
+        )
+
+
+def rollout_in_rounds(
+    step: int, ctx: RolloutContext, stats: StepStats
+) -> tuple[core.Batch, dict[str, float]]:
+    """rollout.sampling_mode=rounds: generate -> judge -> keep in rounds until every rank has
+    its groups with reward variance (collective: a full rank draws 0 and still joins each
+    round). A stop signal ends the rounds (StepStopped)."""
+    while not ctx.sampler.is_done():
+        num_prompts = ctx.sampler.num_to_draw()
+        if num_prompts:
+            prompts = ctx.draw(num_prompts)
+            stats.num_rounds += 1
+            sampling = ctx.sampling(step, stats.num_rounds)
+            keep(ctx.generate_and_score(prompts, sampling, stats.timings), ctx, stats)
+        else:
+            ctx.sampler.add(core.rollout_batch([]))  # a full rank joins the round
+        if ctx.should_stop():  # the next is_done() ends the rounds on every rank
+            ctx.sampler.request_stop()
+    return take_batch(ctx.sampler, should_stop=ctx.should_stop())
+
+
+def rollout_streamed(
+    step: int, ctx: RolloutContext, stats: StepStats
+) -> tuple[core.Batch, dict[str, float]]:
+    """rollout.sampling_mode=stream: generate -> judge -> keep as one stream
+    (genrm.JudgedStream): last step's cut groups first (keep_partial), prompts fed as the
+    sampler asks, each judged group kept at once, the long tail cut once every rank is full;
+    the cut groups counted (held with keep_partial); the memory split moved by the step's live
+    queues."""
+    cfg, sampler, partials = ctx.cfg, ctx.sampler, ctx.partials
+    stream = genrm.JudgedStream(
+        engine=ctx.engine,
+        judge_engine=ctx.judge_engine,
+        scorer=ctx.scorer,
+        sampling=ctx.sampling(step, 0),
+        to_request=lambda prompt: prompt.request(),  # its images processed once
+        to_sample=lambda prompt, c: judge_view(prompt, c, ctx.tokenizer, cfg.data),
+        step=step,
+        carry=partials,  # rollout.keep_partial: resumed first, the cut ones held
+        load=PendingLoad(),
+    )
+    with timed(stats.timings, "rollout+genrm"), ctx.plan.phase("rollout"):
+        asyncio.run(
+            stream.run(
+                sampler,  # polls should_abort (every rank full), never blocks
+                draw=ctx.draw,
+                keep=lambda group: keep(scored_group(group), ctx, stats),
+                should_stop=ctx.should_stop,  # between judged groups: the tail cut, then saved
+            )
+        )
+    cut = stream.cut_groups()
+    sampler.record_aborted(len(cut), num_tokens=stream.num_aborted_tokens)
+    pending = stream.pending_tokens()
+    if ctx.plan.has_memory_split:  # the next split follows the step's live queues
+        ctx.plan.update_load(**pending)
+    # waits for every rank's stream; StepStopped on every rank if a stop signal ended one
+    batch, sampling_stats = take_batch(sampler, should_stop=ctx.should_stop())
+    stats.num_rounds = int(sampling_stats["num_rounds"])
+    sampling_stats |= {
+        "num_groups_resumed": float(stream.num_resumed),
+        "num_groups_kept_partial": float(len(cut) if partials is not None else 0),
+        # since the start: cut again when resumed, so too old to resume once more
+        "num_partial_groups_dropped_stale": float(
+            partials.num_dropped_stale if partials is not None else 0
+        ),
+        "num_engine_calls": float(stream.num_calls),
+        **{key: float(value) for key, value in pending.items()},
+    }
+    return batch, sampling_stats
+
+
+ROLLOUTS: dict[str, Callable[[int, RolloutContext, StepStats], tuple[core.Batch, dict]]] = {
+    "rounds": rollout_in_rounds,
+    "stream": rollout_streamed,
+}
+
+
+# -- train: advantages, balance, updates -------------------------------------------------------
+def filter_truncated(batch: core.Batch, cfg: TrainConfig, group) -> dict[str, float]:
+    """Over all ranks (collective): the trained responses cut at max_new_tokens, their tokens
+    out of the loss with overlong.should_filter_truncated."""
+    truncation = core.compute_truncation_metrics(batch, group=group)
+    if cfg.overlong.should_filter_truncated:
+        num_masked = core.mask_truncated_responses(batch)
+        truncation |= core.reduce_metrics(
+            {"response/num_truncated_masked": num_masked}, group=group, default_op="sum"
+        )
+    return truncation
+
+
+def balance(
+    batch: core.Batch, policy, loss: core.PolicyLoss, group
+) -> tuple[core.Batch, list[float]]:
+    """Whole groups moved across ranks by the policy's cost model, its images included (the
+    weights its micro-batch packing uses): lengths cross ranks, moves go p2p. Returns the
+    rebalanced batch and its costs for the mini-batch split."""
+    costs = policy.estimate_batch_costs(batch)
+    batch, _ = batch.rebalance(group=group, group_key="group_id", costs=costs)
+    if loss.num_mini_batches > 1:  # the rebalanced batch's own costs
+        costs = policy.estimate_batch_costs(batch)
+    return batch, costs
 
 
 def mini_batch_seed(seed: int, step: int, epoch: int, loss: core.PolicyLoss) -> int | None:
@@ -306,7 +471,7 @@ def mini_batch_seed(seed: int, step: int, epoch: int, loss: core.PolicyLoss) -> 
     (seed, step, epoch), so each pass over a batch groups its GRPO groups differently."""
     if loss.num_epochs == 1 or not loss.should_reshuffle_epochs:
         return None
-    return (seed * 1_000_003 + step * 1_009 + epoch) % 2**31
+    return derived_seed(seed, step * 1_009, epoch)
 
 
 def train_on_batch(
@@ -352,53 +517,93 @@ def train_on_batch(
     return core.merge_step_metrics(steps)
 
 
-# -- what a checkpoint keeps beside the tensors ---------------------------------------------------
-def checkpoint_extra(
+def evaluate(
+    prompts: list[Prompt],
+    *,
     step: int,
-    loader: core.ShardedLoader,
-    sampler: core.DynamicSampler,
-    partials: core.PartialRollouts | None,
-) -> dict[str, Any]:
-    """This rank's `extra` (JSON): the step, the loader's position, the sampler's keep rate
-    (the next step's prior) and, with keep_partial, the cut groups held for the next step."""
-    extra = {"step": step, "loader": loader.state_dict(), "sampler": sampler.state_dict()}
-    if partials is not None:
-        extra["partials"] = partials.state_dict(save_prompt=saved_prompt)
-    return extra
+    cfg: TrainConfig,
+    ctx: RolloutContext,
+) -> dict[str, float]:
+    """The held-out prompts through the rollout engine and the same reward: eval/* metrics over
+    all ranks (collective; a rank without rows still joins). Same seeds every time, so a change
+    between evaluations is the policy's."""
+    stats = StepStats()
+    if prompts:
+        sampling = rollout.SamplingParams(
+            n=cfg.eval.samples_per_prompt,
+            temperature=cfg.eval.temperature,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            seed=derived_seed(cfg.seed, ctx.runtime.dp_rank * 10_007, 7),
+            stop_token_ids=ctx.encoder.cut_token_ids,
+        )
+        with timed(stats.timings, "eval"):
+            scored = ctx.generate_and_score(prompts, sampling, {})
+        stats.add(scored, ctx.exact)
+    return eval_metrics(stats, ctx.runtime.dp_group)
 
 
+# -- what a checkpoint keeps beside the tensors ---------------------------------------------------
 # the checkpoint's cut groups not resumed, in the first step's metrics after a resume
 RESUME_DROPPED_METRIC = "dynamic_sampling/num_partial_groups_dropped_on_resume"
+# settings that change what a run means: a resume that changes one warns and logs it
+RESUME_CHECKED_FIELDS = ("loss.objective", "policy.model_dir", "data.path")
 
 
-@dataclasses.dataclass(frozen=True)
-class Resumed:
-    """What resume_from_extra restored: the step to start at, and the checkpoint's cut groups
-    this rank could not resume (their prompts not rebuilt, or keep_partial off now)."""
+def held_cut_groups(
+    rollout_correction: str, encoder: PromptEncoder, loader: core.ShardedLoader
+) -> core.PartialRollouts:
+    """rollout.keep_partial's holder of cut groups; a checkpoint keeps each one's prompt as
+    its row and ids (grpo_stream.saved_prompt), rebuilt on resume through the run's encoder,
+    a row with opened images read again by its index."""
+    return core.PartialRollouts(
+        rollout_correction=rollout_correction,
+        save_prompt=saved_prompt,
+        load_prompt=lambda saved: loaded_prompt(saved, encoder, read_rows=loader.read_rows),
+    )
 
-    start_step: int
-    num_partial_groups_dropped: int = 0
 
-    def metrics(self, group) -> dict[str, float]:
-        """The first step's metrics after the resume, summed over the ranks (collective)."""
-        dropped = {RESUME_DROPPED_METRIC: float(self.num_partial_groups_dropped)}
-        return core.reduce_metrics(dropped, group=group, default_op="sum")
-
-
-def resume_from_extra(
-    extra: dict[str, Any],
+def track_run_state(
+    ckpt: Checkpointer,
     *,
     loader: core.ShardedLoader,
     sampler: core.DynamicSampler,
     partials: core.PartialRollouts | None,
-    encoder: PromptEncoder,
+    cfg: TrainConfig,
+) -> None:
+    """Beside the tensors, each save keeps this rank's loader position, the sampler's keep
+    rate (the next step's prior), with keep_partial the cut groups held for the next step, and
+    the resolved config; load() restores them (a checkpoint written before one was kept leaves
+    it as it is) and compares the config on RESUME_CHECKED_FIELDS."""
+    ckpt.track("loader", loader)
+    ckpt.track("sampler", sampler)
+    if partials is not None:
+        ckpt.track("partials", partials)
+    ckpt.keep_config(dataclasses.asdict(cfg), watched=RESUME_CHECKED_FIELDS)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What resume_run restored: the step to start at, the checkpoint's cut groups this rank
+    could not resume (their prompts not rebuilt, or keep_partial off now), and the
+    RESUME_CHECKED_FIELDS the resume changed."""
+
+    start_step: int
+    num_partial_groups_dropped: int = 0
+    changed: tuple[str, ...] = ()
+
+    def metrics(self, group) -> dict[str, float]:
+        """The first step's metrics after the resume, over the ranks (collective)."""
+        dropped = {RESUME_DROPPED_METRIC: float(self.num_partial_groups_dropped)}
+        out = core.reduce_metrics(dropped, group=group, default_op="sum")
+        return out | {f"resume/changed/{name}": 1.0 for name in self.changed}
+
+
+def resume_run(
+    ckpt: Checkpointer, state: dict[str, Any], *, partials: core.PartialRollouts | None
 ) -> Resumed:
-    """Restore what checkpoint_extra kept. A checkpoint written before the sampler and the
-    cut groups were kept resumes with the prior keep rate and no cut groups; cut groups not
-    resumed (keep_partial off now, or a prompt not rebuilt) are logged and counted."""
-    loader.load_state_dict(extra["loader"])
-    if "sampler" in extra:
-        sampler.load_state_dict(extra["sampler"])
+    """Load the newest checkpoint: the tensors and what track_run_state tracks. Cut groups
+    not resumed (keep_partial off now, or a prompt not rebuilt) are logged and counted."""
+    extra = ckpt.load(state)
     held = extra.get("partials")
     num_dropped = 0
     if held is not None and partials is None:
@@ -408,17 +613,38 @@ def resume_from_extra(
             num_dropped,
         )
     elif held is not None:
-        num_dropped = partials.load_state_dict(
-            held,
-            load_prompt=lambda saved: loaded_prompt(saved, encoder, read_rows=loader.read_rows),
-        )
+        num_dropped = partials.num_dropped_on_load
         if num_dropped:  # their rows are unusable now, or no longer give the same prompt ids
             logger.warning(
                 "%d of the checkpoint's cut groups are not resumed: their prompts cannot be "
                 "rebuilt from the saved rows (unusable now, or other prompt ids)",
                 num_dropped,
             )
-    return Resumed(start_step=extra["step"] + 1, num_partial_groups_dropped=num_dropped)
+    logger.info("resumed after step %d", extra["step"])
+    return Resumed(
+        start_step=extra["step"] + 1,
+        num_partial_groups_dropped=num_dropped,
+        changed=tuple(name for name, _, _ in ckpt.config_changes),  # warned by the ckpt
+    )
+
+
+def save_stopped(ckpt: Checkpointer, step: int, state: dict[str, Any]) -> int | None:
+    """A stop signal ended `step`'s rollout: the step is saved without an update (its drawn
+    rows used up, as a skipped step's), so --resume continues at step + 1; returns the signal
+    (the same on every rank: maybe_save agrees on it)."""
+    decision = ckpt.maybe_save(step, state, phase="train", extra={"step": step})
+    if not decision.is_saved:  # a rank without the signal, in a run whose ranks do not agree
+        ckpt.save(step, state, extra={"step": step})
+        ckpt.wait()
+    signal = decision.stop_signal or ckpt.stop_signal
+    logger.warning(
+        "stopped by signal %s during step %d's rollout: saved without its update (--resume "
+        "continues with step %d)",
+        signal,
+        step,
+        step + 1,
+    )
+    return signal
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -461,13 +687,13 @@ def main(argv: list[str]) -> int:
 
 def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> int:
     """The run on this rank, from the checked config; the exit code: 0, or 128 + signum when
-    a stop signal ended it after its final save. Everything it opens is closed on return."""
-    closeables: list[Any] = []  # closed in reverse, also after an error
-    is_failed = True  # until the loop ends: a close() error must not hide the loop's own
+    a stop signal ended it after its final save. Everything it opens is closed on return
+    (last opened first; a close error is logged and never hides the run's own)."""
     stop_signal: int | None = None
-    try:
-        ckpt = Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
-        closeables.append(ckpt)
+    with ClosingStack() as resources:
+        ckpt = resources.close_later(
+            Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
+        )
 
         # -- data, checked before any model loads (tokenizers only) ------------------------------
         tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
@@ -502,28 +728,27 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
         if cfg.loss.kl_coef > 0:
             reference_config = replace(cfg.policy, is_reference=True)
             reference = core.build_policy(cfg.backend, reference_config, runtime)
-        engine = make_engine(
-            cfg.rollout, cfg.policy.model_dir, device, policy_tp_size=runtime.tp_size
+        engine = resources.close_later(
+            make_engine(cfg.rollout, cfg.policy.model_dir, device, policy_tp_size=runtime.tp_size)
         )
-        closeables.append(engine)
         if encoder.takes_images and not engine.accepts_images:
             raise ValueError(f"rollout.backend={cfg.rollout.backend!r} serves no images here")
         judge_engine = None
         if cfg.uses_judge_model:
             judge_engine = make_engine(cfg.reward, cfg.reward.judge_dir, device)
-            closeables.append(judge_engine)
-        scorer, exact = make_scorer(cfg.reward, judge_engine, closeables)
+            resources.close_later(judge_engine)
+        owned: list[Any] = []  # what the scorer runs (reward workers, a client): closed too
+        scorer, exact = make_scorer(cfg.reward, judge_engine, owned)
+        for closeable in owned:
+            resources.close_later(closeable)
         roles = {"rollout": engine, "genrm": judge_engine, "train": policy, "reference": reference}
         plan = PLANS[cfg.placement](**roles, offload=cfg.offload)
-        # Stream responses to the judge while the rollout runs when both stay resident (a
-        # judge without an engine of its own is always there).
-        should_overlap = judge_engine is None or plan.is_resident_together("rollout", "genrm")
-        # SIGTERM/SIGINT/SIGUSR1: a final save at the next step boundary, then a non-zero exit
-        # (a second Ctrl-C stops at once, unsaved).
+        # SIGTERM/SIGINT/SIGUSR1/SIGHUP: a final save at the next step boundary, then a
+        # non-zero exit (a second Ctrl-C stops at once, unsaved).
         ckpt.install_signal_handlers()
-        # DAPO dynamic sampling, rounds (partial colocation overlaps the judge with the
-        # rollout inside each round), or a stream (rollout.sampling_mode=stream). One sampler
-        # for the run: its keep rate carries over (checkpointed, as the held cut groups are).
+
+        # -- the rollout kind, its sampler and the state a checkpoint keeps ----------------------
+        # DAPO dynamic sampling: one sampler for the run, its keep rate carried over.
         is_stream = cfg.rollout.sampling_mode == "stream"
         sampler = core.DynamicSampler(
             target_groups=cfg.data.prompts_per_rank,
@@ -536,106 +761,49 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             mode=cfg.rollout.sampling_mode,
             # a stream draws as it goes: a target larger than this rank's rows is refused now
             num_prompts=loader.num_local_rows if is_stream else None,
+            reward_key=TASK_REWARD,  # the keep rule's signal: before the overlong penalty
             group=runtime.dp_group,
         )
-        # rollout.keep_partial: the groups a stream's abort cut, finished first next step
-        partials = (
-            core.PartialRollouts(rollout_correction=cfg.loss.rollout_correction)
-            if cfg.rollout.keep_partial
-            else None
+        # rollout.keep_partial: the groups a stream's abort cut, finished first next step; a
+        # checkpoint keeps each one's prompt as its row (read again on resume)
+        partials = None
+        if cfg.rollout.keep_partial:
+            partials = held_cut_groups(cfg.loss.rollout_correction, encoder, loader)
+        track_run_state(ckpt, loader=loader, sampler=sampler, partials=partials, cfg=cfg)
+        ctx = RolloutContext(
+            cfg=cfg,
+            runtime=runtime,
+            loader=loader,
+            encoder=encoder,
+            tokenizer=tokenizer,
+            engine=engine,
+            judge_engine=judge_engine,
+            scorer=scorer,
+            exact=exact,
+            plan=plan,
+            sampler=sampler,
+            partials=partials,
+            # Stream responses to the judge while the rollout runs when both stay resident (a
+            # judge without an engine of its own is always there).
+            should_overlap=judge_engine is None or plan.is_resident_together("rollout", "genrm"),
+            should_stop=lambda: ckpt.stop_signal is not None,
         )
+        rollout_step = ROLLOUTS[cfg.rollout.sampling_mode]
         start_step = 0
         resumed: Resumed | None = None  # its counts go into the first step's metrics
-        if should_resume:  # the tensors, then the loader, the keep rate and the cut groups
-            extra = ckpt.load(policy.state())
-            resumed = resume_from_extra(
-                extra, loader=loader, sampler=sampler, partials=partials, encoder=encoder
-            )
+        if should_resume:  # the tensors, the loader, the keep rate, the cut groups
+            resumed = resume_run(ckpt, policy.state(), partials=partials)
             start_step = resumed.start_step
             engine.update_weights(policy.named_weights())  # the engine starts from the saved policy
-            logger.info("resumed after step %d", extra["step"])
-        run_log = core.RunLog(
-            cfg.out_dir,
-            is_writer=runtime.is_rank_zero,
-            resume_step=start_step,
-            wandb_project=cfg.log.wandb_project or None,
-            wandb_config=dataclasses.asdict(cfg) if cfg.log.wandb_project else None,
+        run_log = resources.close_later(
+            core.RunLog(
+                cfg.out_dir,
+                is_writer=runtime.is_rank_zero,
+                resume_step=start_step,
+                wandb_project=cfg.log.wandb_project or None,
+                wandb_config=dataclasses.asdict(cfg) if cfg.log.wandb_project else None,
+            )
         )
-        closeables.append(run_log)
-        generate = dict(
-            engine=engine,
-            scorer=scorer,
-            plan=plan,
-            tokenizer=tokenizer,
-            data=cfg.data,
-            should_overlap=should_overlap,
-        )
-
-        def round_sampling(step: int, num_round: int) -> rollout.SamplingParams:
-            # Seeded by (seed, DP rank, step, round): a resumed run and TP peers draw alike.
-            seed = cfg.seed * 1_000_003 + runtime.dp_rank * 10_007 + step * 101 + num_round
-            return rollout.SamplingParams(
-                n=cfg.rollout.samples_per_prompt,
-                temperature=cfg.rollout.temperature,
-                max_new_tokens=cfg.rollout.max_new_tokens,
-                seed=seed % 2**31,
-                stop_token_ids=encoder.cut_token_ids,  # a vision-language policy's (else none)
-            )
-
-        max_new_tokens = cfg.rollout.max_new_tokens
-
-        def keep(scored: list[Scored], stats: StepStats) -> None:
-            """A round's or a group's judged responses to the sampler (keep), counted."""
-            stats.add(scored, exact, cut_token_ids=encoder.cut_token_ids)
-            groups = to_batch(scored, runtime, encoder)
-            # DAPO's soft overlong punishment (0 when off), before the variance test
-            groups.samples["reward"] += cfg.overlong.compute_penalties(
-                groups, max_new_tokens=max_new_tokens
-            )
-            sampler.add(groups)  # keep: whole groups with reward variance
-
-        def stream_step(step: int, stats: StepStats) -> tuple[core.Batch, dict[str, float]]:
-            """generate -> score -> keep as one stream; the cut groups counted (kept with
-            keep_partial); the memory split moved by the step's live queues."""
-            stream = RolloutStream(
-                engine=engine,
-                judge_engine=judge_engine,
-                scorer=scorer,
-                to_sample=lambda prompt, c: judge_view(prompt, c, tokenizer, cfg.data),
-                sampling=round_sampling(step, 0),
-                step=step,
-            )
-            with timed(stats.timings, "rollout+genrm"), plan.phase("rollout"):
-                asyncio.run(
-                    stream_generate_score_keep(
-                        step,
-                        stream,
-                        sampler,
-                        draw=lambda count: draw_prompts(loader, encoder, count),
-                        keep=lambda scored: keep(scored, stats),
-                        partials=partials,
-                    )
-                )
-            cut = stream.cut_groups()
-            sampler.record_aborted(len(cut), num_tokens=stream.num_aborted_tokens)
-            for group in cut if partials is not None else ():
-                partials.put(group)
-            pending = stream.pending_tokens()
-            if plan.has_memory_split:  # the next split follows the step's live queues
-                plan.update_load(**pending)
-            batch, sampling_stats = sampler.take()  # waits for every rank's stream
-            stats.num_rounds = int(sampling_stats["num_rounds"])
-            sampling_stats |= {
-                "num_groups_resumed": float(stream.num_resumed),
-                "num_groups_kept_partial": float(len(cut) if partials is not None else 0),
-                # since the start: cut again when resumed, so too old to resume once more
-                "num_partial_groups_dropped_stale": float(
-                    partials.num_dropped_stale if partials is not None else 0
-                ),
-                "num_engine_calls": float(stream.num_calls),
-                **{key: float(value) for key, value in pending.items()},
-            }
-            return batch, sampling_stats
 
         # -- the GRPO loop ----------------------------------------------------------------------
         last_save_s = 0.0  # a save's time is logged with the next step (it ends after the log)
@@ -648,46 +816,23 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
         with logging_redirect_tqdm():  # log lines print above the bar, never through it
             for step in bar:
                 stats = StepStats(timings={"ckpt": last_save_s})
-                if is_stream:  # generate -> score -> keep, streamed; the long tail cut
-                    batch, sampling_stats = stream_step(step, stats)
-                else:
-                    # rollout + GenRM in rounds until every rank has its groups with reward
-                    # variance (collective: a full rank draws 0 and still joins each round)
-                    while not sampler.is_done():
-                        num_prompts = sampler.num_to_draw()
-                        if num_prompts:
-                            prompts = draw_prompts(loader, encoder, num_prompts)
-                            stats.num_rounds += 1
-                            sampling = round_sampling(step, stats.num_rounds)
-                            scored = generate_and_score(  # generate -> score
-                                prompts, sampling, timings=stats.timings, **generate
-                            )
-                            keep(scored, stats)  # keep: whole groups with reward variance
-                        else:
-                            sampler.add(core.rollout_batch([]))  # a full rank joins the round
-                    batch, sampling_stats = sampler.take()
-                # Over all ranks (collective): the trained responses cut at max_new_tokens.
-                truncation = core.compute_truncation_metrics(batch, group=runtime.dp_group)
-                if cfg.overlong.should_filter_truncated:  # their tokens out of the loss
-                    num_masked = core.mask_truncated_responses(batch)
-                    truncation |= core.reduce_metrics(
-                        {"response/num_truncated_masked": num_masked},
-                        group=runtime.dp_group,
-                        default_op="sum",
-                    )
+                # draw -> generate and judge -> keep, until every rank has its groups
+                try:
+                    batch, sampling_stats = rollout_step(step, ctx, stats)
+                except StepStopped as stopped:  # a step that could not end: no update
+                    skipped = encoder.skipped_by_cause(loader)
+                    sampled = summarize(stats, stopped.sampling_stats, skipped, runtime.dp_group)
+                    run_log.log(step, sampled)  # a committed step k has its line k
+                    stop_signal = save_stopped(ckpt, step, policy.state())
+                    is_stopped = True
+                    break
+                truncation = filter_truncated(batch, cfg, runtime.dp_group)
                 # local: a whole group lives on this rank
                 batch.samples["advantages"] = cfg.loss.compute_advantages(
                     batch.samples["reward"], batch.samples["group_id"]
                 )
-                with timed(stats.timings, "balance"):  # lengths cross ranks; moves go p2p
-                    # The policy's cost model, its images included: the weights its micro-batch
-                    # packing uses.
-                    costs = policy.estimate_batch_costs(batch)
-                    batch, _ = batch.rebalance(
-                        group=runtime.dp_group, group_key="group_id", costs=costs
-                    )
-                    if cfg.loss.num_mini_batches > 1:  # the rebalanced batch's own costs
-                        costs = policy.estimate_batch_costs(batch)
+                with timed(stats.timings, "balance"):
+                    batch, costs = balance(batch, policy, cfg.loss, runtime.dp_group)
                 with timed(stats.timings, "train"), plan.phase("train"):
                     train_metrics = train_on_batch(
                         batch,
@@ -701,6 +846,8 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                     )
                 with timed(stats.timings, "sync"), plan.phase("sync"):  # bucketed, no 2nd copy
                     engine.update_weights(policy.named_weights())
+
+                # -- log and save ---------------------------------------------------------------
                 metrics = summarize(
                     stats,
                     sampling_stats,
@@ -718,24 +865,16 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                 idle_guard.update(step, train_metrics, sampling_stats, is_solved=is_solved)
                 metrics |= idle_guard.metrics()
                 if is_eval_on and ((step + 1) % cfg.eval.every_steps == 0 or step == last_step):
-                    metrics |= evaluate(
-                        eval_prompts,
-                        step=step,
-                        cfg=cfg,
-                        runtime=runtime,
-                        exact=exact,
-                        stop_token_ids=encoder.cut_token_ids,
-                        **generate,
-                    )
+                    metrics |= evaluate(eval_prompts, step=step, cfg=cfg, ctx=ctx)
                 metrics |= plan.metrics()
                 run_log.log(step, metrics)
                 check_verdicts(step, metrics, stats.first_failure, verdict_warnings)
                 idle_guard.check(step)  # after the log: the stuck steps' metrics are kept
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")
                 # Saved after the step's metrics line, so a committed step k implies lines 0..k.
+                # The tracked loader, sampler, cut groups and config go with it.
                 save_start = time.perf_counter()  # async: returns once tensors are staged
-                # built only when a save happens: the cut groups' ids and logprobs are large
-                extra = functools.partial(checkpoint_extra, step, loader, sampler, partials)
+                extra = {"step": step}
                 decision = ckpt.maybe_save(step, policy.state(), phase="train", extra=extra)
                 if not decision.is_saved and step == last_step:  # the final step, always
                     ckpt.save(step, policy.state(), extra=extra)
@@ -763,9 +902,6 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             change = {key: f"{first[key]:.3f} -> {last[key]:.3f}" for key in keys}
             plot = run_log.plot([*keys, "response/length_mean"])
             logger.info("steps %d..%d: %s; plot %s", first["step"], last["step"], change, plot)
-        is_failed = False
-    finally:
-        close_all(closeables[::-1], should_raise=not is_failed)
     return 0 if stop_signal is None else exit_code_for_signal(stop_signal)
 
 

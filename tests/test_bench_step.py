@@ -882,16 +882,15 @@ def test_stream_stats_time_the_judge_after_the_last_kept_response():
 
 @pytest.mark.parametrize("layout", ["full", "partial", "dedicated"])
 def test_the_benchs_round_is_the_trainers_generate_and_judge(monkeypatch, layout):
-    """The adapter passes the layout's overlap and the CUDA-syncing timer through, adds the
-    phases to the step's, and hands the judge's tail back (not into phases: callers put it)."""
+    """The adapter passes the layout's overlap through (no bench-only timer: the trainer times
+    its own phases), adds the phases to the step's, and hands the judge's tail back (not into
+    phases: callers put it)."""
     from types import SimpleNamespace
-
-    import _step_profile
 
     calls = []
 
-    def generate_and_judge(requests, sampling, to_sample, *, timings, timer, **kwargs):
-        calls.append((requests, sampling, to_sample, timer, kwargs))
+    def generate_and_judge(requests, sampling, to_sample, *, timings, **kwargs):
+        calls.append((requests, sampling, to_sample, kwargs))
         if kwargs["should_overlap"]:
             timings |= {"rollout+genrm": 2.0, "genrm_tail": 0.5}
         else:
@@ -903,15 +902,15 @@ def test_the_benchs_round_is_the_trainers_generate_and_judge(monkeypatch, layout
     ctx = SimpleNamespace(layout=layout, engine="E", judge="J", plan="P")
     phases = {"rollout": 1.0, "rollout+genrm": 1.0}
     out = _step_sampling.generate_and_score(ctx, phases, ["r"], "s", str)
-    ((requests, sampling, to_sample, timer, kwargs),) = calls
+    ((requests, sampling, to_sample, kwargs),) = calls
     assert (requests, sampling, to_sample) == (["r"], "s", str)
-    assert timer is _step_profile.timed
-    assert kwargs == {
-        "engine": "E",
-        "scorer": "J",
-        "plan": "P",
-        "should_overlap": layout == "partial",
-    }
+    engine, scorer = kwargs.pop("engine"), kwargs.pop("scorer")
+    assert kwargs == {"plan": "P", "should_overlap": layout == "partial"}
+    if layout == "partial":  # the whole call in one profiler range
+        assert (engine, scorer) == ("E", "J")
+    else:  # the engine's generate and the judge's score each in their phase's range
+        assert (engine.target, engine.method, engine.name) == ("E", "generate", "rollout")
+        assert (scorer.target, scorer.method, scorer.name) == ("J", "score", "genrm")
     if layout == "partial":
         assert out == (["c"], ["v"], 0.5) and phases == {"rollout": 1.0, "rollout+genrm": 3.0}
     else:
@@ -920,9 +919,15 @@ def test_the_benchs_round_is_the_trainers_generate_and_judge(monkeypatch, layout
 
 
 def test_the_bench_runs_the_trainers_own_generate_and_judge():
+    import inspect
+
     trainer = _step_sampling.trainer()
     assert trainer.__file__ == str(ROOT / "examples" / "train_grpo.py")
     assert callable(trainer.generate_and_judge) and callable(trainer.train_on_batch)
+    assert "timer" not in inspect.signature(trainer.generate_and_judge).parameters
+    # the stream is the package's: no second copy of its loop in the bench
+    source = (ROOT / "bench" / "step" / "_step_sampling.py").read_text()
+    assert "genrm.JudgedStream(" in source and "GroupJudging(" not in source
 
 
 def test_run_budget_leaves_out_steps_that_would_end_past_it():

@@ -1,5 +1,5 @@
-"""No import circle anywhere: every Python module of the libraries (packages/*/src) and the
-trainer (examples/) is scanned with `ast`, and a module that imports, directly or through
+"""No import circle anywhere: every Python module of the libraries (packages/*/src), the
+trainer (examples/) and the benchmarks (bench/) is scanned with `ast`, and a module that imports, directly or through
 others, a module that imports it back fails this test with the circle printed.
 
 What counts as an import of module B by module A:
@@ -15,6 +15,8 @@ its submodules, nor of a submodule as one of its package (Python runs the packag
 
 The trainer's modules are named as `python examples/train_grpo.py` finds them (examples/ on
 sys.path): examples/grpo_data.py is `grpo_data`, examples/tasks/tiny_task.py `tasks.tiny_task`.
+A bench script puts its own folder (and at times a sibling's) on sys.path, so a bench module is
+named by its file's stem: bench/step/_step_setup.py is `_step_setup` (stems are unique in bench/).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ def _module_files() -> dict[str, Path]:
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             modules[".".join(parts)] = path
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        assert path.stem not in modules, f"{path}: its stem names another module too"
+        modules[path.stem] = path
     return modules
 
 
@@ -181,6 +186,21 @@ def test_the_scanner_finds_a_planted_circle_and_resolves_relative_imports(tmp_pa
     assert set(graph["p.b"]) == {"p.c", "p.e"}  # `from p import c`: the module p.c, not p
     assert strongly_connected(graph) == [["p.a", "p.b", "p.c", "p.e"]]
     assert one_circle(graph, ["p.a", "p.b", "p.c", "p.e"]) == ["p.a", "p.b", "p.c", "p.a"]
+
+
+def test_bench_is_scanned_and_imports_of_the_trainer_only_its_public_step_module():
+    files = _module_files()
+    bench = {name for name, path in files.items() if path.is_relative_to(ROOT / "bench")}
+    assert {"step", "_step_setup", "verl_runs", "verl_step"} <= bench
+    graph = import_graph()
+    examples = {name for name, path in files.items() if path.is_relative_to(ROOT / "examples")}
+    wrong = {
+        (name, target)
+        for name in bench
+        for target in graph[name]
+        if target in examples and target != "train_grpo"
+    }
+    assert not wrong, f"bench/ imports the trainer's helpers, not its step functions: {wrong}"
 
 
 def test_no_import_circles():

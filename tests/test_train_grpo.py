@@ -489,10 +489,14 @@ def test_a_close_error_never_hides_the_loops_own(caplog):
         def close(self):
             closed.append(True)
 
-    train_grpo.close_all([Broken(), Fine()], should_raise=False)  # the loop already failed
+    with pytest.raises(KeyError, match="the loop's"), train_grpo.ClosingStack() as resources:
+        resources.close_later(Fine())
+        resources.close_later(Broken())
+        raise KeyError("the loop's")  # the loop failed: its error, not the close's
     assert closed == [True] and "closing Broken failed" in caplog.text
-    with pytest.raises(OSError, match="disk gone"):
-        train_grpo.close_all([Broken(), Fine()], should_raise=True)
+    with pytest.raises(OSError, match="disk gone"), train_grpo.ClosingStack() as resources:
+        resources.close_later(Fine())
+        resources.close_later(Broken())
     assert closed == [True, True]
 
 
@@ -723,14 +727,7 @@ def _judge_round(plan, should_overlap: bool, timings: dict) -> tuple[list, list,
 
     from yatt import genrm, rollout
 
-    judge, timers = _FakeJudge(plan), []
-
-    @train_grpo.contextlib.contextmanager
-    def recording_timer(into, name):
-        timers.append(name)
-        with train_grpo.timed(into, name):
-            yield
-
+    judge = _FakeJudge(plan)
     requests = [rollout.Request(prompt_ids=[7] * (i + 2)) for i in range(4)]
     completions, verdicts = train_grpo.generate_and_judge(
         requests,
@@ -741,8 +738,8 @@ def _judge_round(plan, should_overlap: bool, timings: dict) -> tuple[list, list,
         plan=plan,
         should_overlap=should_overlap,
         timings=timings,
-        timer=recording_timer,
     )
+    timers = [name for name in timings if name != "genrm_tail"]  # the phases timed, in order
     return completions, verdicts, judge, timers
 
 
@@ -786,6 +783,54 @@ def test_a_round_in_phases_judges_in_the_genrm_phase_or_outside_any(mode):
     assert [v.reward for v in verdicts] == [0.0, 1.0, 2.0, 3.0]
     assert timers == ["rollout", "genrm"] and "genrm_tail" not in timings
     assert set(judge.phases) == ({"genrm"} if mode == "full" else {None})
+
+
+def test_the_keep_rule_tests_the_task_reward_before_the_overlong_penalty():
+    """DAPO eq. 11 filters on the accuracy signal, then eq. 13's soft penalty joins the reward
+    (verl's recipe alike): an all-right group with one response in the overlong buffer has no
+    task-reward variance and is not kept; a mixed group is kept with the penalty added."""
+    from types import SimpleNamespace
+
+    import train_grpo
+
+    from yatt import core, genrm, rollout
+
+    max_new_tokens, buffer_tokens = 8, 4
+    groups = {0: ([1.0, 1.0, 1.0, 1.0], [2, 2, 2, 7]), 1: ([1.0, 0.0, 1.0, 0.0], [2, 2, 2, 7])}
+    scored = [
+        train_grpo.Scored(
+            rollout.Completion(
+                request_index=g,
+                sample_index=j,
+                prompt_ids=[1, 2],
+                response_ids=[5] * length,
+                logprobs=[-0.1] * length,
+                finish_reason="stop",
+            ),
+            genrm.Sample(prompt="q", response="r"),
+            genrm.Verdict(sample_id=f"{g}-{j}", reward=reward, status="ok"),
+            SimpleNamespace(images=None, vision=None),  # a text prompt
+        )
+        for g, (rewards, lengths) in groups.items()
+        for j, (reward, length) in enumerate(zip(rewards, lengths, strict=True))
+    ]
+    sampler = core.DynamicSampler(target_groups=1, reward_key=train_grpo.TASK_REWARD)
+    ctx = SimpleNamespace(
+        cfg=SimpleNamespace(
+            overlong=core.OverlongConfig(buffer_tokens=buffer_tokens),
+            rollout=SimpleNamespace(max_new_tokens=max_new_tokens),
+        ),
+        runtime=core.init_runtime(seed=0),
+        encoder=SimpleNamespace(takes_images=False, cut_token_ids=()),
+        exact=SimpleNamespace(verify=lambda sample: None),
+        sampler=sampler,
+    )
+    sampler.num_to_draw()
+    train_grpo.keep(scored, ctx, train_grpo.StepStats())
+    batch, _ = train_grpo.take_batch(sampler)
+    # DAPO eq. 13 by hand: 7 tokens, 4 past L_max - L_cache = 4 ... (4 - 7) / 4 = -0.75
+    assert batch.samples["reward"].tolist() == [1.0, 0.0, 1.0, 0.0 - 0.75]  # group 1, not 0
+    assert train_grpo.TASK_REWARD not in batch.samples  # the penalised reward trains
 
 
 class _FakePolicy:
@@ -1242,6 +1287,49 @@ def test_one_run_per_out_dir_and_sigterm_saves_and_exits_non_zero(tmp_path, embe
     assert (out / "export" / "model.safetensors").is_file()
 
 
+def test_a_stop_signal_ends_a_step_that_cannot_end_and_saves_it(tmp_path, embedded):
+    """A constant reward and many sampling rounds: step 0 could run for hours. SIGTERM (and
+    SIGHUP alike) is read between rounds: the step ends on every rank without an update, is
+    saved, and the run exits 128 + 15 (it used to be read only at a step's end)."""
+    marker = tmp_path / "judged"
+    rewards = tmp_path / "constant.py"
+    rewards.write_text(
+        "from pathlib import Path\n"
+        "def score(prompt, response, reference, row):\n"
+        f"    Path({str(marker)!r}).touch()\n"
+        "    return 1.0\n"
+    )
+    args = [a for a in embedded if not a.startswith("reward.judge_dir=")]
+    out = tmp_path / "run"
+    command = _one_rank(
+        out,
+        args,
+        "reward.backend=none",
+        f"reward.functions=[{rewards}:score]",
+        "rollout.max_sampling_rounds=1000",
+        "num_steps=3",
+        "eval.every_steps=0",
+    )
+    proc = subprocess.Popen(command, env=_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), f"no verdict (rc {proc.poll()})"
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert "stopped by signal 15 during step 0's rollout" in stderr
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert saved == ["step-00000000"]
+    (record,) = _metrics(out)  # the stopped step's line: what it sampled, no update
+    assert record["step"] == 0 and record["dynamic_sampling/is_stopped"] == 1.0
+    assert not any(key.startswith("train/") for key in record)
+
+
 def test_ctrl_c_saves_and_exits_non_zero(tmp_path, embedded):
     out = tmp_path / "run"
     steps = ("num_steps=1000", "ckpt.every_steps=1000", "eval.every_steps=0")
@@ -1684,88 +1772,6 @@ def test_a_streamed_run_resumed_after_a_step_that_cut_groups_resumes_them(
         assert {k: got[1][k] for k in keys} == pytest.approx(
             {k: expected[1][k] for k in keys}, rel=1e-9, abs=1e-12
         )
-
-
-class _ContinuingEngine:
-    """Continues each request with one token (7, logprob -0.3); records what it was asked."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[list, object]] = []
-
-    def stream(self, requests, sampling):
-        from yatt import rollout
-
-        self.calls.append((list(requests), sampling))
-
-        async def completions():
-            for i, request in enumerate(requests):
-                yield rollout.Completion(
-                    request_index=i,
-                    sample_index=0,
-                    prompt_ids=list(request.prompt_ids),
-                    response_ids=[7],
-                    logprobs=[-0.3],
-                    finish_reason="stop",
-                    metadata=dict(request.metadata),
-                )
-
-        return completions()
-
-    def abort(self) -> None:
-        pass
-
-
-class _Judge:
-    async def ascore(self, samples):
-        from yatt import genrm
-
-        return [genrm.Verdict(sample_id="s", reward=1.0, status="ok") for _ in samples]
-
-
-def test_a_resumed_sample_keeps_its_old_tokens_and_logprobs():
-    import asyncio
-
-    import train_grpo
-    from grpo_prompts import Prompt
-    from grpo_stream import RolloutStream
-
-    from yatt import core, genrm, rollout
-
-    prompt = Prompt(row={"prompt": "1+1"}, ids=[1, 2])
-    cut = core.PartialSample(
-        prompt_ids=[1, 2], response_ids=[5, 6], logprobs=[-0.1, -0.2], finish_reason="abort"
-    )
-    done = core.PartialSample(
-        prompt_ids=[1, 2], response_ids=[9], logprobs=[-0.5], finish_reason="stop"
-    )
-    engine = _ContinuingEngine()
-    stream = RolloutStream(
-        engine=engine,
-        judge_engine=None,
-        scorer=_Judge(),
-        to_sample=lambda p, c: genrm.Sample(prompt=p.row["prompt"], response=str(c.response_ids)),
-        sampling=rollout.SamplingParams(n=2, max_new_tokens=5, seed=3),
-        step=4,
-    )
-
-    async def resume_one_step():
-        stream.resume([core.PartialGroup(samples=[cut, done], step=3, prompt=prompt)])
-        group = await stream.next_group(timeout_s=30)
-        await stream.cut()
-        return group
-
-    group = asyncio.run(resume_one_step())
-    ((request,), sampling) = engine.calls[0]  # only the cut sample is continued
-    assert request.prompt_ids == [1, 2, 5, 6]  # the prompt and what it had
-    assert request.max_new_tokens == 3 and sampling.n == 1  # 5 - 2 tokens left, one response
-    resumed, finished = group.completions
-    assert (resumed.prompt_ids, resumed.response_ids) == ([1, 2], [5, 6, 7])
-    assert resumed.logprobs == [-0.1, -0.2, -0.3]  # the old engine's, then the new
-    assert (finished.response_ids, finished.logprobs) == ([9], [-0.5])  # judged as it was
-    assert stream.num_resumed == 1 and stream.num_in_flight == 0 and not stream.cut_groups()
-    scored = train_grpo.scored_group(group, stream)
-    assert [item.sample.response for item in scored] == ["[5, 6, 7]", "[9]"]
-    assert all(item.prompt is prompt for item in scored)
 
 
 def test_the_policys_vllm_or_sglang_engine_is_told_the_policys_tp_size(monkeypatch):

@@ -5,7 +5,7 @@ checkpoint written before the sampler and the cut groups were kept still resumes
 
 The steps themselves are not run (a streamed trainer run takes minutes on a shared CPU): the
 held groups are hand-built, and step k + 1's resumption is observed where the loop makes it,
-RolloutStream.resume, with a recording engine."""
+genrm.JudgedStream.resume, with a recording engine."""
 
 NUM_GPUS = 0
 
@@ -23,7 +23,6 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import train_grpo
 from grpo_prompts import Prompt
-from grpo_stream import RolloutStream
 
 from yatt import core, genrm, rollout
 from yatt.ckpt import Checkpointer
@@ -76,8 +75,8 @@ def _sampler() -> core.DynamicSampler:
     return core.DynamicSampler(target_groups=2, oversample=2.0, max_oversample=4.0, mode="stream")
 
 
-def _partials() -> core.PartialRollouts:
-    return core.PartialRollouts(rollout_correction="token_tis")
+def _partials(encoder=None, loader=None) -> core.PartialRollouts:
+    return train_grpo.held_cut_groups("token_tis", encoder or _Encoder(), loader)
 
 
 def _sample(prompt: Prompt, response, logprobs, reason) -> core.PartialSample:
@@ -131,12 +130,24 @@ def _run_to_step_k(data: Path):
     return loader, sampler, partials
 
 
-def _save(root: Path, step: int, extra) -> None:
+CFG = train_grpo.read_config([])[0]  # the resolved config a checkpoint keeps
+
+
+def _save(root: Path, step: int, loader, sampler, partials) -> None:
+    """A checkpoint of step `step`, as the trainer writes it: the tracked objects beside it."""
     with Checkpointer(root, async_save=False) as ckpt:
-        ckpt.save(step, {"model": torch.nn.Linear(2, 2)}, extra=extra)
+        train_grpo.track_run_state(ckpt, loader=loader, sampler=sampler, partials=partials, cfg=CFG)
+        ckpt.save(step, {"model": torch.nn.Linear(2, 2)}, extra={"step": step})
 
 
-def _load(root: Path):
+def _resume(root: Path, loader, sampler, partials) -> train_grpo.Resumed:
+    """A fresh process's resume: the objects tracked, then the newest checkpoint loaded."""
+    with Checkpointer(root, async_save=False) as ckpt:
+        train_grpo.track_run_state(ckpt, loader=loader, sampler=sampler, partials=partials, cfg=CFG)
+        return train_grpo.resume_run(ckpt, {"model": torch.nn.Linear(2, 2)}, partials=partials)
+
+
+def _load_extra(root: Path):
     with Checkpointer(root, async_save=False) as ckpt:
         return ckpt.load({"model": torch.nn.Linear(2, 2)})
 
@@ -145,10 +156,10 @@ def _step_after(partials: core.PartialRollouts, sampler: core.DynamicSampler, st
     """What step `step` starts with: the requests resuming the held groups, the finished
     samples judged as they were, the dropped count, the draw's oversampling factor."""
     engine = _RecordingEngine()
-    stream = RolloutStream(
+    stream = genrm.JudgedStream(
         engine=engine,
-        judge_engine=None,
         scorer=_Judge(),
+        to_request=lambda p: p.request(),
         to_sample=lambda p, c: genrm.Sample(prompt=p.row["prompt"], response="r"),
         sampling=rollout.SamplingParams(n=2, max_new_tokens=MAX_NEW_TOKENS, seed=1),
         step=step,
@@ -162,7 +173,7 @@ def _step_after(partials: core.PartialRollouts, sampler: core.DynamicSampler, st
     asyncio.run(resume())
     requests = [(r.prompt_ids, r.max_new_tokens, r.metadata["sample"]) for r in engine.requests]
     groups = {
-        key: (g.prompt.row, g.first_step, sorted(g.parts)) for key, g in stream.groups.items()
+        key: (g.payload.row, g.first_step, sorted(g.parts)) for key, g in stream.groups.items()
     }
     resumed_logprobs = {
         key: {j: s.logprobs for j, s in g.parts.items()} for key, g in stream.groups.items()
@@ -196,19 +207,14 @@ def _assert_logged_dropped(out_dir: Path, restored, num_dropped: int) -> None:
 
 def test_a_resumed_run_starts_step_k_plus_1_with_the_uninterrupted_runs_cut_groups(tmp_path, data):
     loader, sampler, partials = _run_to_step_k(data)
-    _save(tmp_path / "ckpt", K, train_grpo.checkpoint_extra(K, loader, sampler, partials))
+    _save(tmp_path / "ckpt", K, loader, sampler, partials)
     uninterrupted = _step_after(partials, sampler, K + 1)
     next_rows = loader.next_batch(2)
 
     # a fresh process: new objects, the checkpoint read back from disk
-    loader2, sampler2, partials2 = _loader(data), _sampler(), _partials()
-    restored = train_grpo.resume_from_extra(
-        _load(tmp_path / "ckpt"),
-        loader=loader2,
-        sampler=sampler2,
-        partials=partials2,
-        encoder=_Encoder(),
-    )
+    loader2, sampler2 = _loader(data), _sampler()
+    partials2 = _partials(loader=loader2)
+    restored = _resume(tmp_path / "ckpt", loader2, sampler2, partials2)
     assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=0)
     resumed = _step_after(partials2, sampler2, restored.start_step)
     assert resumed == uninterrupted
@@ -232,17 +238,14 @@ def test_a_resumed_run_starts_step_k_plus_1_with_the_uninterrupted_runs_cut_grou
 
 def test_a_checkpoint_written_before_the_cut_groups_were_kept_still_resumes(tmp_path, data):
     loader, _, _ = _run_to_step_k(data)
-    _save(tmp_path / "ckpt", K, {"step": K, "loader": loader.state_dict()})  # the old extra
+    with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:  # the old extra, by hand
+        extra = {"step": K, "loader": loader.state_dict()}
+        ckpt.save(K, {"model": torch.nn.Linear(2, 2)}, extra=extra)
     next_rows = loader.next_batch(2)
 
-    loader2, sampler2, partials2 = _loader(data), _sampler(), _partials()
-    restored = train_grpo.resume_from_extra(
-        _load(tmp_path / "ckpt"),
-        loader=loader2,
-        sampler=sampler2,
-        partials=partials2,
-        encoder=_Encoder(),
-    )
+    loader2, sampler2 = _loader(data), _sampler()
+    partials2 = _partials(loader=loader2)
+    restored = _resume(tmp_path / "ckpt", loader2, sampler2, partials2)
     assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=0)
     assert loader2.next_batch(2) == next_rows
     assert len(partials2) == 0 and partials2.num_dropped_stale == 0  # no cut groups
@@ -256,31 +259,21 @@ def test_groups_whose_prompt_cannot_be_rebuilt_are_dropped_and_logged(tmp_path, 
     held[1].prompt = image_row
     for group in held:
         partials.put(group)
-    _save(tmp_path / "ckpt", K, train_grpo.checkpoint_extra(K, loader, sampler, partials))
+    _save(tmp_path / "ckpt", K, loader, sampler, partials)
 
-    partials2 = _partials()
+    loader2 = _loader(data)
+    partials2 = _partials(loader=loader2)
     with caplog.at_level(logging.WARNING, logger="train_grpo"):
-        restored = train_grpo.resume_from_extra(
-            _load(tmp_path / "ckpt"),
-            loader=_loader(data),
-            sampler=_sampler(),
-            partials=partials2,
-            encoder=_Encoder(),
-        )
+        restored = _resume(tmp_path / "ckpt", loader2, _sampler(), partials2)
     assert [g.prompt.row["prompt"] for g in partials2.take(K)] == ["q0", "q2"]
     assert "1 of the checkpoint's cut groups are not resumed" in caplog.text
     assert restored.num_partial_groups_dropped == 1  # the image row's group
     _assert_logged_dropped(tmp_path / "run", restored, 1)
 
     # another tokenizer: the saved responses continue ids the rows no longer give
-    partials3 = _partials()
-    restored = train_grpo.resume_from_extra(
-        _load(tmp_path / "ckpt"),
-        loader=_loader(data),
-        sampler=_sampler(),
-        partials=partials3,
-        encoder=_Encoder(offset=1),
-    )
+    loader3 = _loader(data)
+    partials3 = _partials(_Encoder(offset=1), loader3)
+    restored = _resume(tmp_path / "ckpt", loader3, _sampler(), partials3)
     assert len(partials3) == 0 and restored.num_partial_groups_dropped == 3
 
 
@@ -288,16 +281,10 @@ def test_cut_groups_in_a_checkpoint_are_ignored_when_keep_partial_is_off_now(
     tmp_path, data, caplog
 ):
     loader, sampler, partials = _run_to_step_k(data)
-    _save(tmp_path / "ckpt", K, train_grpo.checkpoint_extra(K, loader, sampler, partials))
+    _save(tmp_path / "ckpt", K, loader, sampler, partials)
     sampler2 = _sampler()
     with caplog.at_level(logging.WARNING, logger="train_grpo"):
-        restored = train_grpo.resume_from_extra(
-            _load(tmp_path / "ckpt"),
-            loader=_loader(data),
-            sampler=sampler2,
-            partials=None,
-            encoder=_Encoder(),
-        )
+        restored = _resume(tmp_path / "ckpt", _loader(data), sampler2, None)
     assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=3)
     assert sampler2.last_keep_rate == pytest.approx(2 / 3)
     assert "holds 3 cut groups; rollout.keep_partial is off" in caplog.text
@@ -331,27 +318,50 @@ def test_groups_of_rows_with_images_are_kept_by_row_index_and_read_again(tmp_pat
         kwargs = dict(batch_size=2, prompt_key="prompt", image_key="image", should_shuffle=False)
         return core.ShardedLoader(path, **kwargs)
 
-    loader, encoder, partials = image_loader(), _ImageEncoder(), _partials()
+    loader, encoder = image_loader(), _ImageEncoder()
+    partials = _partials(encoder, loader)
     q0, q1 = encoder.encode(loader.next_batch(2))
     for prompt in (q0, q1):
         sample = _sample(prompt, [5, 6], [-0.125, -1.5], "abort")
         partials.put(core.PartialGroup(samples=[sample], step=K, prompt=prompt))
-    _save(tmp_path / "ckpt", K, train_grpo.checkpoint_extra(K, loader, _sampler(), partials))
-    saved = [g["prompt"] for g in _load(tmp_path / "ckpt")["partials"]["groups"]]
+    _save(tmp_path / "ckpt", K, loader, _sampler(), partials)
+    saved = [g["prompt"] for g in _load_extra(tmp_path / "ckpt")["partials"]["groups"]]
     assert saved == [{"row_index": 0, "ids": q0.ids}, {"row_index": 1, "ids": q1.ids}]
 
     # q1's image changed on disk since: its saved responses continue other ids, dropped
     Image.new("RGB", (3, 2), "black").save(tmp_path / "q1.png")
-    partials2 = _partials()
-    restored = train_grpo.resume_from_extra(
-        _load(tmp_path / "ckpt"),
-        loader=image_loader(),
-        sampler=_sampler(),
-        partials=partials2,
-        encoder=encoder,
-    )
+    loader2 = image_loader()
+    partials2 = _partials(encoder, loader2)
+    restored = _resume(tmp_path / "ckpt", loader2, _sampler(), partials2)
     assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=1)
     (group,) = partials2.take(K + 1)
     assert group.prompt.row["prompt"] == "q0" and group.prompt.ids == q0.ids
     assert group.prompt.images[0].getpixel((0, 0)) == (255, 0, 0)  # read again: red
     assert [list(s.response_ids) for s in group.samples] == [[5, 6]]
+
+
+def test_a_resume_that_changes_the_objective_warns_once_and_says_so_in_its_metrics(
+    tmp_path, data, caplog
+):
+    from dataclasses import replace
+
+    loader, sampler, partials = _run_to_step_k(data)
+    _save(tmp_path / "ckpt", K, loader, sampler, partials)
+    saved = _load_extra(tmp_path / "ckpt")["config"]  # the resolved config, with the step
+    assert saved["loss"]["objective"] == CFG.loss.objective == "dapo"
+    changed = replace(CFG, loss=replace(CFG.loss, objective="gspo"))
+    with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        train_grpo.track_run_state(
+            ckpt, loader=_loader(data), sampler=_sampler(), partials=None, cfg=changed
+        )
+        with caplog.at_level(logging.WARNING):
+            restored = train_grpo.resume_run(ckpt, {"model": torch.nn.Linear(2, 2)}, partials=None)
+    assert restored.changed == ("loss.objective",)
+    assert caplog.text.count("'dapo' -> 'gspo'") == 1
+    assert restored.metrics(None)["resume/changed/loss.objective"] == 1.0
+    # the same config: nothing changed, nothing said
+    loader2 = _loader(data)
+    restored = _resume(tmp_path / "ckpt", loader2, _sampler(), _partials(loader=loader2))
+    assert restored.changed == () and not any(
+        key.startswith("resume/changed/") for key in restored.metrics(None)
+    )

@@ -52,6 +52,7 @@ from yatt.rollout import BuiltinEngine, Request, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))  # bench/step: _step_setup
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 from _rollout_checks import RUN, engine_config, sync
 from _rollout_throughput import time_call
 from _step_setup import (
@@ -64,6 +65,7 @@ from _step_setup import (
     response_lengths,
     workload,
 )
+from report import write_report as write_files
 
 ROOT = Path(__file__).resolve().parents[2]
 POLICY_MIXES = ("longtail", "fixed")
@@ -301,7 +303,7 @@ def write_markdown(result: dict, path: Path) -> str:
         "",
     ]
     text = "\n".join(lines)
-    path.write_text(text)
+    write_files(path, text)
     return text
 
 
@@ -388,9 +390,9 @@ def main(argv: list[str]) -> dict:
         "median": medians(rounds),
         "gpu_busy_available": sampler.available,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(write_markdown(result, out.with_suffix(".md")))
+    text = write_markdown(result, out.with_suffix(".md"))
+    write_files(out.with_suffix(".md"), text, data=result, json_path=out)  # the JSON beside it
+    print(text)
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return result
 

@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 from _engine_shapes import ENGINE_NAMES, SHAPES
+from report import write_report as write_files
 
 COLUMNS = ("decode 64", "decode 256", "judge prefill", "judge total")  # the issue's workloads
 
@@ -183,7 +185,7 @@ def write_report(paths: list[str], md: str) -> str:
     """The report of the run JSONs at `paths` (read in sorted order), written to `md`; returns it."""
     results = [json.loads(Path(p).read_text()) for p in sorted(paths)]
     text = build_report(results)
-    Path(md).write_text(text)
+    write_files(md, text)
     return text
 
 

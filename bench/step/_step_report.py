@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import socket
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,9 @@ from _step_bars import (
     step_per_kept_group,
     step_time,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+from report import write_report as write_files
 
 PHASES = ("rollout", "genrm", "rollout+genrm", "train", "sync", "ckpt")
 COLORS = {
@@ -453,17 +457,12 @@ def write_report(results_dir: Path, device: str | None = None) -> dict[str, Any]
         raise ValueError(f"no step_*gpu.json runs in {results_dir}; run bench/step/step.py first")
     device = device or runs[0]["device"]
     ratios = compute_ratios(runs)
-    combined = {"device": device, "runs": runs, "ratios": ratios}
-    stem = results_dir / f"step_{device}"
-    stem.with_suffix(".json").write_text(json.dumps(combined, indent=1))
-    stem.with_suffix(".md").write_text(markdown(runs, ratios, device))
-    png = plot(runs, stem.with_suffix(".png"))
     ooms = _step_memory.load_ooms(results_dir)
-    combined["ooms"] = ooms
-    stem.with_suffix(".json").write_text(json.dumps(combined, indent=1))
+    combined = {"device": device, "runs": runs, "ratios": ratios, "ooms": ooms}
+    stem = results_dir / f"step_{device}"
     memory_md = _step_memory.markdown(runs, ooms)
-    with stem.with_suffix(".md").open("a") as f:
-        f.write(memory_md)
+    write_files(stem.with_suffix(".md"), markdown(runs, ratios, device) + memory_md, data=combined)
+    png = plot(runs, stem.with_suffix(".png"))
     memory_png = _step_memory.plot(runs, results_dir / f"step_memory_{device}.png")
     print(markdown(runs, ratios, device) + memory_md, flush=True)
     pngs = ", ".join(str(x) for x in (png, memory_png) if x)

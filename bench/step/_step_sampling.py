@@ -10,14 +10,15 @@ reward is the sample's hidden label, so what is kept does not depend on the judg
       full     rounds: rollout phase, GenRM phase, keep decision; each round draws
                ceil(missing x factor), the factor adapted from the keep rate (one sampler per
                run: the previous step's rate starts the next).
-      partial  stream: the first draw enters the engine, each finished sample goes to the
-               judge at once, a group is offered to the sampler once all its samples are
-               judged, and every arrival tops the engine up (num_to_draw(in_flight=...)). Once
-               every rank is full (should_abort), the rollout engine is aborted (in-flight
-               requests end with their partial output) and so is the judge's leftover work.
-               Cut groups are dropped, or with --keep-partial kept (core.PartialRollouts) and
-               resumed first in the next step, their tokens' logprobs the old engine's.
-               The memory split follows the live queues (placement.PendingLoad). Top-ups use
+      partial  stream: the trainer's own genrm.JudgedStream (the first draw enters the
+               engine, each finished sample goes to the judge at once, a group is offered to
+               the sampler once all its samples are judged, and every arrival tops the engine
+               up; once every rank is full (should_abort), the rollout engine is aborted and so
+               is the judge's leftover work). Cut groups are dropped, or with --keep-partial
+               kept (core.PartialRollouts as the stream's carry) and resumed first in the next
+               step, their tokens' logprobs the old engine's. The memory split follows the
+               live queues (placement.PendingLoad). Each sample's forced length is set by
+               _ForcedLengths, an engine wrapper that also notes each response's arrival. Top-ups use
                core's stream keep rate, steadied by last step's (before, the step's own rate
                after one dropped group was 0, which drew 4x the missing groups at once). The step's
                timeline goes into the stats (stream_*_s: seconds from the stream's start).
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,7 +89,9 @@ def generate_and_score(
     ctx: Any, phases: dict, requests: list, sampling: Any, to_sample: Any
 ) -> tuple[list, list, float | None]:
     """One rollout of `requests` and its verdicts: (completions, verdicts, the judge's tail),
-    through the trainer's own train_grpo.generate_and_judge, timed by the CUDA-syncing timer.
+    through the trainer's own train_grpo.generate_and_judge and the phase times it measures
+    (its responses and verdicts are host lists: the device's work is in them), inside one
+    profiler range.
 
     Partial colocation: one "rollout+genrm" phase, the judge scoring each completion as it
     lands (genrm.score_as_completed) while the rollout's tail decodes, and the memory split
@@ -95,21 +99,46 @@ def generate_and_score(
     to the last verdict. Otherwise the rollout phase, then the genrm phase (none on a GPU whose
     judge is elsewhere, dedicated), and no tail (None)."""
     timings: dict[str, float] = {}
-    completions, verdicts = trainer().generate_and_judge(
-        requests,
-        sampling,
-        to_sample,
-        engine=ctx.engine,
-        scorer=ctx.judge,
-        plan=ctx.plan,
-        should_overlap=ctx.layout == "partial",
-        timings=timings,
-        timer=_step_profile.timed,
-    )
+    should_overlap = ctx.layout == "partial"
+    # The profiler's ranges are the phases': around the whole call when overlapped, else
+    # around the engine's generate() and the judge's score() (the library calls it makes).
+    engine, judge = ctx.engine, ctx.judge
+    if not should_overlap:
+        engine, judge = _InRange(engine, "generate", "rollout"), _InRange(judge, "score", "genrm")
+    overlapped = _step_profile.phase_range("rollout+genrm") if should_overlap else nullcontext()
+    with overlapped:
+        completions, verdicts = trainer().generate_and_judge(
+            requests,
+            sampling,
+            to_sample,
+            engine=engine,
+            scorer=judge,
+            plan=ctx.plan,
+            should_overlap=should_overlap,
+            timings=timings,
+        )
     tail_s = timings.pop("genrm_tail", None)  # the callers put it in phases themselves
     for name, seconds in timings.items():
         phases[name] = phases.get(name, 0.0) + seconds
     return completions, verdicts, tail_s
+
+
+class _InRange:
+    """`target` with its method `method` run inside the profiler range `name`."""
+
+    def __init__(self, target: Any, method: str, name: str) -> None:
+        self.target, self.method, self.name = target, method, name
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.target, attr)
+        if attr != self.method:
+            return value
+
+        def in_range(*args: Any, **kwargs: Any) -> Any:
+            with _step_profile.phase_range(self.name):
+                return value(*args, **kwargs)
+
+        return in_range
 
 
 def make_partials(ctx: Any) -> Any:
@@ -269,206 +298,171 @@ def rounds_step(ctx: Any, step: int, phases: dict[str, float]) -> tuple[Any, dic
     return batch, stats, tally
 
 
-# -- stream: partial colocation with the new sampler --------------------------------------------
-class _Stream:
-    """One step's stream (see the module docstring); run() is the whole rollout+GenRM."""
+# -- stream: partial colocation with the new sampler: the trainer's genrm.JudgedStream ------------
+class _ForcedLengths:
+    """The rollout engine, each sample forced to its seed group's length: a request of n
+    samples becomes n one-sample requests (max_new_tokens: the sample's forced length, less
+    what a resumed part already has), their completions renumbered back. Notes each response's
+    arrival and the rollout's end for the timeline, and the tokens generated."""
 
-    def __init__(self, ctx: Any, step: int) -> None:
-        from yatt import genrm
-        from yatt.placement import PendingLoad
-
-        self.ctx, self.step = ctx, step
-        self.sampler = ctx.sampler
-        self.sampling = _sampling(step)
-        self.group_size = ctx.work.group_size
-        self.tally = _Tally()
-        self.load = PendingLoad()
-        self.groups: dict[int, _Group] = {}  # every group fed this step, by key
-        self.texts: dict[int, str] = {}  # id(completion) -> its prompt's text (for the judge)
-        self.judging = genrm.GroupJudging(
-            ctx.judge, self._to_sample, group_size=self.group_size, on_verdict=self._on_verdict
-        )
-        self.num_in_flight = 0  # groups fed and not yet handed back judged
-        self.pumps: set[asyncio.Task] = set()
-        # The live queues, in tokens a KV cache holds: the rollout's unfinished requests
-        # (prompt + the response tokens they may still generate: counted whole until they
-        # finish), the judge's samples without a verdict (its prompt: template + question +
-        # response, and its verdict).
-        self.request_tokens: dict[tuple[int, int], int] = {}
-        self.rollout_pending = 0
-        self.genrm_pending = 0
-        self.rollout_end: float | None = None
-        self.last_completion_t: float | None = None
+    def __init__(self, engine: Any, tally: _Tally) -> None:
+        self.engine, self.tally = engine, tally
         self.arrived: dict[tuple[int, int], float] = {}  # (group, sample) -> response's time
-        self.num_judged = 0  # groups offered to the sampler
-        self.start = time.perf_counter()
-        self.marks: dict[str, float] = {}  # first_judged, last_kept_response, full
+        self.last_completion_t: float | None = None
+        self.is_aborted = False
+        self.abort_end: float | None = None
 
-    def _note(self) -> None:
-        self.load.record(
-            time.perf_counter(),
-            rollout_tokens=self.rollout_pending,
-            genrm_tokens=self.genrm_pending,
-        )
+    def stream(self, requests: list, sampling: Any):
+        from dataclasses import replace
 
-    def _judge_cost(self, completion: Any) -> int:
-        work = self.ctx.work
-        return (
-            setup.JUDGE_TEMPLATE_TOKENS
-            + work.prompt_tokens
-            + len(completion.response_ids)
-            + work.judge_tokens
-        )
+        singles, origin = [], []
+        for i, request in enumerate(requests):
+            seed = request.metadata["seed"]
+            done = len(request.prompt_ids) - request.metadata["prompt_len"]  # a resumed part
+            indices = [request.metadata["sample"]] if "sample" in request.metadata else []
+            for j in indices or range(sampling.n):
+                budget = max(seed.lengths[j] - done, 1)
+                metadata = request.metadata | {"sample": j}
+                singles.append(replace(request, max_new_tokens=budget, metadata=metadata))
+                origin.append(i)
+        inner = self.engine.stream(singles, replace(sampling, n=1))
 
-    def _to_sample(self, completion: Any) -> Any:
-        from yatt import genrm
-
-        text = self.texts[id(completion)]
-        return genrm.Sample(prompt=text, response=setup.ids_to_text(completion.response_ids))
-
-    def _on_verdict(self, key: int, completion: Any, verdict: Any) -> None:
-        self.genrm_pending -= self._judge_cost(completion)
-        self._note()
-        _record_verdict(verdict, self.tally)
-
-    def _add(self, g: _Group, j: int, completion: Any) -> None:
-        """To the judge (an aborted one is set aside there)."""
-        if completion.finish_reason != "abort":
-            self.texts[id(completion)] = g.seed.text
-            self.genrm_pending += self._judge_cost(completion)
-            self._note()
-        self.judging.add(completion, group=g.seed.key, index=j)
-
-    def _feed(self, groups: list[_Group]) -> None:
-        if not groups:
-            return
-        self.num_in_flight += len(groups)
-        for g in groups:
-            self.groups[g.seed.key] = g
-        requests = _requests(self.ctx, groups, self.sampling.max_new_tokens)
-        for r in requests:  # the KV it will hold: prompt (and part) + the tokens it owes
-            key = (r.metadata["group"], r.metadata["sample"])
-            self.request_tokens[key] = len(r.prompt_ids) + r.max_new_tokens
-            self.rollout_pending += self.request_tokens[key]
-        self._note()
-        for g in groups:  # samples finished last step go straight to the judge
-            for j, c in g.completions.items():
-                self._add(g, j, c)
-        if requests:
-            stream = self.ctx.engine.stream(requests, self.sampling)
-            task = asyncio.get_running_loop().create_task(self._pump(stream))
-            self.pumps.add(task)
-            task.add_done_callback(self.pumps.discard)
-
-    async def _pump(self, stream) -> None:
-        async for c in stream:
-            g, j = self.groups[c.metadata["group"]], c.metadata["sample"]
-            self.rollout_pending -= self.request_tokens.pop((g.seed.key, j))
-            self.last_completion_t = time.perf_counter()
-            self.arrived[(g.seed.key, j)] = self.last_completion_t
-            if c.finish_reason == "abort":
+        async def renumbered():
+            async for c in inner:
+                c.request_index = origin[c.request_index]
+                c.sample_index = c.metadata["sample"]
+                self.last_completion_t = time.perf_counter()
+                self.arrived[(c.metadata["group"], c.sample_index)] = self.last_completion_t
                 self.tally.response_tokens += len(c.response_ids)
-                self.tally.aborted_tokens += len(c.response_ids)
-                self._add(g, j, c)
-            else:
-                self._add(g, j, _finish(g, j, c, self.tally))
+                if c.finish_reason == "abort":
+                    self.tally.aborted_tokens += len(c.response_ids)
+                else:
+                    self.tally.num_completions += 1
+                yield c
+            if self.is_aborted:
+                self.abort_end = time.perf_counter()
 
-    def _top_up(self) -> None:
-        more = self.sampler.num_to_draw(in_flight=self.num_in_flight)
-        self._feed(_draw(self.ctx, self.step, more))
+        return renumbered()
 
-    def _offer(self, judged: Any) -> None:
-        """A judged group to the sampler; a kept one's last response marks the timeline."""
-        now = time.perf_counter()
-        self.marks.setdefault("first_judged", now)
-        self.num_in_flight -= 1
-        self.num_judged += 1
-        g = self.groups[judged.group]
-        g.completions = dict(enumerate(judged.completions))
-        if self.sampler.add(_group_batch([g], self.group_size)):
-            arrivals = [self.arrived.get((g.seed.key, j)) for j in range(self.group_size)]
-            last = max((t for t in arrivals if t is not None), default=None)
-            if last is not None:  # (resumed samples arrived last step)
-                self.marks["last_kept_response"] = max(
-                    last, self.marks.get("last_kept_response", last)
-                )
+    def abort(self) -> None:
+        self.is_aborted = True
+        self.engine.abort()
 
-    async def run(self, resumed: list[_Group]) -> None:
-        sampler, judging = self.sampler, self.judging
-        self.start = time.perf_counter()  # in the phase: after the switch
-        self._feed(resumed)
-        self._top_up()
-        while True:
-            judged = await judging.next_group(timeout_s=POLL_S)
-            if judged is not None:
-                self._offer(judged)
-            if sampler.should_abort():
-                self.marks["full"] = time.perf_counter()
-                break
-            self._top_up()
-            if not self.num_in_flight:
-                break  # nothing in flight and nothing more to draw: take() waits for the rest
-        await self._cut()
 
-    def timeline(self, end: float) -> dict[str, float | None]:
-        """The step's marks in seconds from the stream's start (see _Tally.timeline)."""
-        marks = self.marks | {"rollout_end": self.rollout_end, "end": end}
-        return {k: None if t is None else t - self.start for k, t in marks.items()}
+class _CountingJudge:
+    """The judge, its verdicts counted as they come (cut groups' included)."""
 
-    async def _cut(self) -> None:
-        """Abort what is left: the rollout's in-flight requests (their partial outputs come
-        back as "abort"), then the judge's work on samples nobody needs any more."""
-        ctx = self.ctx
-        if self.pumps:
-            ctx.engine.abort()
-            await asyncio.gather(*self.pumps)
-            self.rollout_end = time.perf_counter()
-        else:  # the rollout ended by itself, at its last completion
-            self.rollout_end = self.last_completion_t
-        self.rollout_pending = 0
-        self._note()
-        abort = ctx.judge_engine.abort if ctx.judge_engine is not None else None
-        await self.judging.drain(abort=abort)  # a judge batch started late is cut too
-        self.genrm_pending = 0
-        self._note()
+    def __init__(self, judge: Any, tally: _Tally) -> None:
+        self.judge, self.tally = judge, tally
 
-    def cut_groups(self) -> list[_Group]:
-        """The groups the abort cut: their finished samples and their cut ones."""
-        out = []
-        for key, (judged, aborted) in self.judging.unfinished().items():
-            g = self.groups[key]
-            g.completions = {j: c for j, (c, _) in judged.items()}
-            g.aborted = dict(aborted)
-            out.append(g)
-        return out
+    async def ascore(self, samples: list) -> list:
+        verdicts = await self.judge.ascore(samples)
+        for verdict in verdicts:
+            _record_verdict(verdict, self.tally)
+        return verdicts
+
+    def score(self, samples: list) -> list:
+        return self.judge.score(samples)
+
+
+class _TimedSampler:
+    """The sampler, the moment it first says every rank is full noted (the timeline's full)."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+        self.full_t: float | None = None
+
+    def num_to_draw(self, *, in_flight: int) -> int:
+        return self.sampler.num_to_draw(in_flight=in_flight)
+
+    def should_abort(self) -> bool:
+        is_full = self.sampler.should_abort()
+        if is_full and self.full_t is None:
+            self.full_t = time.perf_counter()
+        return is_full
 
 
 def stream_step(ctx: Any, step: int, phases: dict[str, float]) -> tuple[Any, dict, _Tally]:
-    sampler, plan = ctx.sampler, ctx.plan
+    """One step through genrm.JudgedStream, as the trainer's rollout_streamed runs it, with the
+    seed mix's groups as its payloads and their hidden labels as rewards."""
+    from yatt import genrm, rollout
+    from yatt.placement import PendingLoad
+
+    sampler, plan, tally = ctx.sampler, ctx.plan, _Tally()
     ctx.num_drawn = 0
-    resumed = _resume(ctx, step)
-    run = _Stream(ctx, step)
-    run.tally.num_resumed_groups = len(resumed)
+    engine = _ForcedLengths(ctx.engine, tally)
+    timed_sampler = _TimedSampler(sampler)
+    tok = ctx.engine.tokenizer
+    ids = {}  # seed key -> its prompt's ids (tokenized once)
+
+    def to_request(seed: setup.SeedGroup) -> Any:
+        prompt_ids = ids.setdefault(seed.key, tok(seed.text, add_special_tokens=False)["input_ids"])
+        metadata = {"seed": seed, "prompt_len": len(prompt_ids)}
+        return rollout.Request(prompt_ids=list(prompt_ids), metadata=metadata)
+
+    def to_sample(seed: setup.SeedGroup, completion: Any) -> Any:
+        return genrm.Sample(prompt=seed.text, response=setup.ids_to_text(completion.response_ids))
+
+    marks: dict[str, float] = {}
+
+    def keep(group: genrm.StreamedGroup) -> None:
+        marks.setdefault("first_judged", time.perf_counter())
+        seed = group.payload
+        for j, completion in enumerate(group.completions):
+            tally.bad_lengths += len(completion.response_ids) != seed.lengths[j]
+        groups = _Group(seed=seed, prompt_ids=[], completions=dict(enumerate(group.completions)))
+        if sampler.add(_group_batch([groups], ctx.work.group_size)):
+            arrivals = [engine.arrived.get((group.key, j)) for j in range(ctx.work.group_size)]
+            last = max((t for t in arrivals if t is not None), default=None)
+            if last is not None:  # (resumed samples arrived last step)
+                marks["last_kept_response"] = max(last, marks.get("last_kept_response", last))
+
+    sampling = replace_n(_sampling(step), ctx.work.group_size)
+    stream = genrm.JudgedStream(
+        engine=engine,
+        judge_engine=ctx.judge_engine,
+        scorer=_CountingJudge(ctx.judge, tally),
+        sampling=sampling,
+        to_request=to_request,
+        to_sample=to_sample,
+        step=step,
+        carry=ctx.partials,
+        load=PendingLoad(),
+    )
     with _step_profile.timed(phases, "rollout+genrm"), plan.phase("rollout"):
-        asyncio.run(run.run(resumed))
+        start = time.perf_counter()  # in the phase: after the switch
+        asyncio.run(
+            stream.run(
+                timed_sampler,
+                draw=lambda count: [g.seed for g in _draw(ctx, step, count)],
+                keep=keep,
+            )
+        )
         _step_profile._sync()
         end = time.perf_counter()
-    run.tally.genrm_tail_s = end - (run.rollout_end or end)
-    run.tally.timeline = run.timeline(end)
-    # Cut groups: counted, and with --keep-partial held for the next step.
-    cut = run.cut_groups()
-    sampler.record_aborted(len(cut), num_tokens=run.tally.aborted_tokens)
-    if ctx.partials is not None:
-        for g in cut:
-            ctx.partials.put(_partial_group(g, step))
-        run.tally.num_kept_partial = len(cut)
-    pending = run.load.pending_tokens(end)
+    rollout_end = engine.abort_end if engine.is_aborted else engine.last_completion_t
+    tally.genrm_tail_s = end - (rollout_end or end)
+    marks |= {"full": timed_sampler.full_t, "rollout_end": rollout_end, "end": end}
+    tally.timeline = {k: None if t is None else t - start for k, t in marks.items()}
+    tally.num_resumed_groups = stream.num_resumed
+    # Cut groups: counted, and with --keep-partial held for the next step (the stream's carry).
+    cut = stream.cut_groups()
+    sampler.record_aborted(len(cut), num_tokens=tally.aborted_tokens)
+    tally.num_kept_partial = len(cut) if ctx.partials is not None else 0
+    pending = stream.pending_tokens()
     fraction = plan.update_load(**pending)
     batch, stats = sampler.take()
     stats |= {f"split_{k}": v for k, v in pending.items()}
     stats["split_rollout_fraction"] = fraction
-    stats |= stream_stats(run.tally.timeline)
-    return batch, stats, run.tally
+    stats |= stream_stats(tally.timeline)
+    return batch, stats, tally
+
+
+def replace_n(sampling: Any, n: int) -> Any:
+    """The step's sampling with n responses per group (the stream's group size)."""
+    from dataclasses import replace
+
+    return replace(sampling, n=n)
 
 
 def stream_stats(timeline: dict[str, float | None]) -> dict[str, float]:
@@ -479,36 +473,4 @@ def stream_stats(timeline: dict[str, float | None]) -> dict[str, float]:
     last, full = timeline.get("last_kept_response"), timeline.get("full")
     if last is not None and full is not None:
         out["stream_judge_after_last_kept_s"] = float(full - last)
-    return out
-
-
-def _partial_group(g: _Group, step: int) -> Any:
-    from yatt import core
-
-    samples = []
-    for j in range(len(g.seed.lengths)):
-        if j in g.completions:  # finished (a resumed one already joined to its part)
-            samples.append(core.PartialSample.from_completion(g.completions[j]))
-        elif j in g.parts:  # cut again: what it has now, joined to what it had before
-            samples.append(g.parts[j].resumed(g.aborted[j]))
-        else:
-            samples.append(core.PartialSample.from_completion(g.aborted[j]))
-    first = step if g.first_step is None else g.first_step
-    return core.PartialGroup(samples=samples, step=first, prompt=g.seed)
-
-
-def _resume(ctx: Any, step: int) -> list[_Group]:
-    """Last step's cut groups (--keep-partial), as groups in flight: finished samples judged
-    at once, cut ones continued from where they stopped."""
-    if ctx.partials is None:
-        return []
-    out = []
-    for pg in ctx.partials.take(step):
-        g = _Group(seed=pg.prompt, prompt_ids=list(pg.samples[0].prompt_ids), first_step=pg.step)
-        for j, s in enumerate(pg.samples):
-            if s.is_finished or not s.num_tokens_left(pg.prompt.lengths[j]):
-                g.completions[j] = s
-            else:
-                g.parts[j] = s
-        out.append(g)
     return out

@@ -28,6 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 from measured_commit import measured_commit
+from report import write_report as write_files
 
 BARS = {"yatt_vs_verl": 0.41, "yatt_vs_trl_vllm": 0.5}
 
@@ -242,9 +243,7 @@ def write_report(runs: list[dict[str, Any]], out_dir: Path, *, commit: str | Non
                     f"| {label} ({r['file']}) | {_cell(r, mix)} | {_phases(r, mix)} | "
                     f"{_busy(r, mix)} |"
                 )
-    out_dir.mkdir(parents=True, exist_ok=True)
     md = out_dir / f"verl_{device}.md"
-    md.write_text("\n".join(lines) + "\n")
     summary = {
         "device": device,
         "yatt_commit": commit,
@@ -259,7 +258,7 @@ def write_report(runs: list[dict[str, Any]], out_dir: Path, *, commit: str | Non
             for r in runs
         ],
     }
-    (out_dir / f"verl_{device}.json").write_text(json.dumps(summary, indent=1))
+    write_files(md, "\n".join(lines), data=summary)
     print("\n".join(lines))
     return md
 

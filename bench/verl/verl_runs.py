@@ -15,13 +15,14 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))  # bench/step: _step_setup
 import _step_setup as setup  # bench/ is not a package
 
-if TYPE_CHECKING:
-    from verl_step import VerlBenchConfig
+# A run's config is a verl_step.VerlBenchConfig; this module reads its fields but does not
+# import it (verl_step imports this one: no circle).
+VerlBenchConfig = Any
 
 # verl's timing_raw names -> yatt's phase names. `train` sums what yatt's train phase does (the
 # old-log-prob pass only exists with --old-log-prob recompute); the rest of the step is `other`.

@@ -17,6 +17,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "CheckpointInfo",
         "Checkpointer",
         "CkptConfig",
+        "ClosingStack",
         "DEFAULT_STOP_SIGNALS",
         "RunLock",
         "RunLockHolder",

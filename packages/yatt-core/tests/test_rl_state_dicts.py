@@ -224,3 +224,43 @@ def test_a_malformed_sampler_state_is_a_clear_error(state, match):
     with pytest.raises(ValueError, match=match):
         sampler.load_state_dict(state)
     assert sampler.last_keep_rate is None
+
+
+class _Completion:  # an engine's completion (yatt.rollout.Completion's fields the holder reads)
+    def __init__(self, response, logprobs, reason) -> None:
+        self.prompt_ids, self.response_ids = [1, 2], response
+        self.logprobs, self.finish_reason = logprobs, reason
+
+
+class _Cut:  # a stream's cut group (genrm.CutGroup's shape)
+    def __init__(self, samples, step, prompt) -> None:
+        self.samples, self.step, self.prompt = samples, step, prompt
+
+
+def test_a_streams_cut_group_is_held_as_partial_samples():
+    partials = PartialRollouts(rollout_correction="token_tis")
+    cut = _Cut([_Completion([5], [-0.25], "abort"), _Completion([9], [-0.5], "stop")], 3, "p")
+    partials.put(cut)
+    (group,) = partials.take(4)
+    assert (group.step, group.prompt) == (3, "p")
+    assert [s.resume_prompt_ids() for s in group.unfinished()] == [[1, 2, 5]]
+    assert [(s.response_ids, s.logprobs) for s in group.samples] == [
+        ((5,), (-0.25,)),
+        ((9,), (-0.5,)),
+    ]
+
+
+def test_the_holders_own_prompt_hooks_are_used_without_arguments():
+    # what a Checkpointer calls: state_dict() and load_state_dict(state), nothing more
+    saved = PartialRollouts(rollout_correction="token_tis", save_prompt=lambda p: {"text": p})
+    saved.put(PartialGroup(samples=[_sample([1], [2], [-1.0], "abort")], step=0, prompt="a"))
+    saved.put(PartialGroup(samples=[_sample([1], [3], [-1.0], "abort")], step=0, prompt="b"))
+    state = json.loads(json.dumps(saved.state_dict()))
+    assert [group["prompt"] for group in state["groups"]] == [{"text": "a"}, {"text": "b"}]
+    restored = PartialRollouts(
+        rollout_correction="token_tis",
+        load_prompt=lambda s: None if s["text"] == "b" else s["text"].upper(),
+    )
+    restored.load_state_dict(state)
+    assert restored.num_dropped_on_load == 1
+    assert [group.prompt for group in restored.take(1)] == ["A"]

@@ -470,3 +470,23 @@ def test_partial_groups_are_resumed_one_step_later_and_dropped_after():
     # Cut again at step 4, it keeps its first step (3): at step 5 it is two steps old.
     partials.put(resumed[0])
     assert partials.take(step=5) == [] and partials.num_dropped_stale == 2
+
+
+def test_a_stop_request_ends_the_rounds_and_take_reports_it_without_an_unfilled_error():
+    from yatt.core import Batch, DynamicSampler
+
+    sampler = DynamicSampler(target_groups=2, max_rounds=1000, on_unfilled="error")
+    flat = Batch.from_samples([{"input_ids": [1], "group_id": 0, "reward": r} for r in (1.0, 1.0)])
+    sampler.num_to_draw()
+    sampler.add(flat)  # no variance: the round leaves the rank short
+    assert not sampler.is_done()  # another round would run
+    sampler.num_to_draw()
+    sampler.add(flat)
+    sampler.request_stop()  # a stop signal between rounds
+    assert sampler.is_done()
+    batch, stats = sampler.take()  # unfilled, yet no UnfilledBatchError: the loop saves
+    assert stats["is_stopped"] == 1.0 and len(batch) == 0
+    # the next step starts clean
+    sampler.num_to_draw()
+    sampler.add(flat)
+    assert not sampler.is_done()

@@ -1,6 +1,7 @@
 """Asynchronous, crash-safe, resumable checkpoints saved along the training schedule."""
 
 from yatt.ckpt._checkpointer import Checkpointer
+from yatt.ckpt._closing import ClosingStack
 from yatt.ckpt._config import CkptConfig
 from yatt.ckpt._layout import CheckpointError, CheckpointInfo
 from yatt.ckpt._runlock import RunLock, RunLockedError, RunLockHolder, acquire_run_lock
@@ -13,6 +14,7 @@ __all__ = [
     "CheckpointInfo",
     "Checkpointer",
     "CkptConfig",
+    "ClosingStack",
     "RunLock",
     "RunLockHolder",
     "RunLockedError",

@@ -7,6 +7,10 @@ save(step, state)                        training thread
   write + commit                         background thread or writer process (_process_writer),
                                          or inline when synchronous
 
+named stateful objects                   ckpt.track("loader", loader): saved with every save
+                                         (its state_dict(), in this rank's extra under the
+                                         name) and restored by load() (load_state_dict)
+
 load(state)                              newest committed step first
   verify metadata, file sizes and checksums (each rank hashes 1/world_size of the files, all
   agree), read the rank record; damaged: warn, try the previous
@@ -135,6 +139,12 @@ class Checkpointer:
         self._is_closed = False
         self._writer_lock: RunLock | None = None
         self._group = RankGroup()
+        self._tracked: dict[str, Any] = {}  # name -> an object with state_dict/load_state_dict
+        self.missing_on_load: list[str] = []  # tracked names the last loaded checkpoint lacked
+        self._config: dict[str, Any] | None = None  # keep_config's, stored with every save
+        self._watched: tuple[str, ...] = ()
+        # (field, saved, now) of the watched fields the last loaded checkpoint's config differs in
+        self.config_changes: list[tuple[str, Any, Any]] = []
         error = None
         lock_error: RunLockedError | None = None
         if self._group.rank == 0 and not read_only:
@@ -171,6 +181,78 @@ class Checkpointer:
             read_only=read_only,
         )
 
+    # -- named stateful objects ------------------------------------------------------------------
+
+    def track(self, name: str, obj: Any) -> None:
+        """Save `obj.state_dict()` (JSON-able) with every save, in this rank's extra under
+        `name`, and restore it with `obj.load_state_dict(saved)` on load() (a data loader's
+        position, a sampler's keep rate, held partial rollouts). A checkpoint without `name`
+        (written before it was tracked) leaves `obj` as it is: see `missing_on_load`."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"track(name={name!r}): the name must be a non-empty string")
+        if name in self._tracked:
+            raise ValueError(f"track(name={name!r}): that name is already tracked")
+        for method in ("state_dict", "load_state_dict"):
+            if not callable(getattr(obj, method, None)):
+                raise ValueError(
+                    f"track(name={name!r}): a {type(obj).__name__} has no {method}(); track "
+                    "objects with state_dict() and load_state_dict(state)"
+                )
+        self._tracked[name] = obj
+
+    def keep_config(self, config: dict[str, Any], *, watched: tuple[str, ...] = ()) -> None:
+        """Store `config` (the run's resolved config, JSON-able) with every save, in extra under
+        "config". On load, the checkpoint's config is compared with this one on the `watched`
+        dotted fields (e.g. "loss.objective"): the differences go into `config_changes` as
+        (field, saved, now) and are warned about once. Call before load()."""
+        try:
+            self._config = json.loads(json.dumps(config, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"keep_config: the config is not JSON-able ({e})") from None
+        self._watched = tuple(watched)
+
+    @property
+    def tracked(self) -> dict[str, Any]:
+        """The tracked objects by name, in the order they were tracked (and restored)."""
+        return dict(self._tracked)
+
+    def _with_tracked(self, extra: Any) -> Any:
+        named = dict(self._tracked)
+        if self._config is not None:
+            named["config"] = None
+        if not named:
+            return extra
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(
+                f"extra is a {type(extra).__name__}; with tracked objects "
+                f"({sorted(named)}) extra must be a dict (or None) to hold them too"
+            )
+        clash = sorted(set(extra or {}) & set(named))
+        if clash:
+            raise ValueError(f"extra has keys {clash} that tracked objects use; rename one")
+        states = {name: obj.state_dict() for name, obj in self._tracked.items()}
+        if self._config is not None:
+            states["config"] = self._config
+        return {**(extra or {}), **states}
+
+    def _restore_tracked(self, extra: Any) -> None:
+        self.missing_on_load = [
+            name for name in self._tracked if not isinstance(extra, dict) or name not in extra
+        ]
+        for name, obj in self._tracked.items():
+            if name not in self.missing_on_load:
+                obj.load_state_dict(extra[name])
+        saved = extra.get("config") if isinstance(extra, dict) else None
+        self.config_changes = []
+        if self._config is not None and isinstance(saved, dict):  # older: nothing to compare
+            for name in self._watched:
+                before, now = _dotted(saved, name), _dotted(self._config, name)
+                if before != now:
+                    self.config_changes.append((name, before, now))
+        if self.config_changes:
+            changes = "; ".join(f"{n} {b!r} -> {a!r}" for n, b, a in self.config_changes)
+            logger.warning("resuming with changed settings (the run's meaning): %s", changes)
+
     # -- saving -----------------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any], *, extra: Extra = None) -> None:
@@ -189,7 +271,7 @@ class Checkpointer:
         owners = validate_state(state)
         if callable(extra):
             extra = extra()
-        extra_json = _encode_extra(extra)
+        extra_json = _encode_extra(self._with_tracked(extra))
         self.wait()
         record = {"rank": self._group.rank, "rng": capture_rng_state(), "extra_json": extra_json}
         live = collect_state_dict(state, owners)
@@ -288,7 +370,7 @@ class Checkpointer:
         return self._process_writer.is_busy()
 
     def install_signal_handlers(self, signals: tuple[int, ...] = DEFAULT_STOP_SIGNALS) -> None:
-        """Turn `signals` (default SIGTERM, SIGUSR1, SIGINT) into a stop flag: the next eligible
+        """Turn `signals` (default SIGTERM, SIGUSR1, SIGINT, SIGHUP) into a stop flag: the next eligible
         `maybe_save` does a final blocking save and returns should_stop=True with the signal in
         `stop_signal` (exit with `decision.exit_code`, 128 + signum). A second SIGINT raises
         KeyboardInterrupt at once, so Ctrl-C twice still aborts. Call on every rank from the
@@ -306,7 +388,8 @@ class Checkpointer:
 
     def load(self, state: dict[str, Any], *, step: int | None = None) -> Any:
         """Load the newest sound checkpoint (or exactly `step`) into `state`; restore this rank's
-        RNG states and return its `extra`. A damaged newest checkpoint is skipped with a warning;
+        RNG states and the tracked objects (`track`), and return its `extra` (the tracked
+        objects' saved states included). A damaged newest checkpoint is skipped with a warning;
         a checkpoint of a different model shape raises ValueError."""
         self._check_open()
         owners = validate_state(state)
@@ -324,12 +407,15 @@ class Checkpointer:
         failures = []
         for candidate in candidates:
             try:
-                return self._load_one(candidate, state, owners, all_live_keys)
+                extra = self._load_one(candidate, state, owners, all_live_keys)
             except CheckpointError as e:
                 if step is not None:
                     raise
                 failures.append(str(e))
                 warnings.warn(f"{e}; falling back to the previous checkpoint", stacklevel=2)
+                continue
+            self._restore_tracked(extra)
+            return extra
         raise CheckpointError(
             f"no loadable checkpoint under {str(self.root)!r}: " + "; ".join(failures)
         )
@@ -495,6 +581,14 @@ class Checkpointer:
         restore_rng_state(record["rng"], source=str(info.path))
         self._schedule.note_saved(step)
         return record["extra"]
+
+
+def _dotted(config: dict[str, Any], name: str) -> Any:
+    """config["a"]["b"] for "a.b" (None where a part is missing)."""
+    value: Any = config
+    for part in name.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def _encode_extra(extra: Any) -> str:

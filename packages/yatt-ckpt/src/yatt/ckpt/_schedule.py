@@ -12,8 +12,9 @@ from typing import Any
 from yatt.ckpt._config import CkptConfig
 
 # Signals install_signal_handlers turns into a final save by default: SIGTERM (schedulers'
-# preemption notice), SIGUSR1 (Slurm's --signal), SIGINT (Ctrl-C; a second one aborts at once).
-DEFAULT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# preemption notice), SIGUSR1 (Slurm's --signal), SIGINT (Ctrl-C; a second one aborts at once),
+# SIGHUP (the terminal or ssh session closed: its default kills the run unsaved).
+DEFAULT_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
 def exit_code_for_signal(signum: int) -> int:

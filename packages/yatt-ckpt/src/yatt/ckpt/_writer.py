@@ -14,6 +14,7 @@ write, agree, commit and prune (run in a background thread for async saves).
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import shutil
 import warnings
@@ -139,9 +140,43 @@ def _fresh_folder(path: Path) -> None:
 
 
 def describe_failure(fn: Callable[[], object]) -> str | None:
-    """Run `fn`; its error as one line, or None. Collective code must not raise on one rank only."""
+    """Run `fn`; its error as one line, or None. Collective code must not raise on one rank only.
+    A full disk or a file-size limit is named first: DCP wraps the OSError in an exception
+    whose text names no cause."""
     try:
         fn()
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
-        return f"{type(e).__name__}: {e}"
+        cause = _storage_cause(e)
+        text = f"{type(e).__name__}: {e}"
+        return text if cause is None else f"{cause}; {text}"
+    return None
+
+
+# errno -> what a user does about it (a save that cannot be written, whatever the tensors)
+_STORAGE_ERRORS = {
+    errno.ENOSPC: "no space left on the device (ENOSPC): free space under the checkpoint root "
+    "or lower ckpt.keep_last",
+    errno.EFBIG: "a file grew over the file-size limit (EFBIG; see `ulimit -f` and the "
+    "filesystem's largest file): raise the limit or save to another filesystem",
+    errno.EDQUOT: "the disk quota is exceeded (EDQUOT): free space or raise the quota",
+}
+
+
+def _storage_cause(error: BaseException) -> str | None:
+    """The named storage cause (ENOSPC, EFBIG, EDQUOT) anywhere in `error`'s chain, or None."""
+    seen: set[int] = set()
+    pending: list[object] = [error]
+    while pending:
+        e = pending.pop()
+        if not isinstance(e, BaseException) or id(e) in seen:
+            if isinstance(e, tuple):  # DCP's failures: (exception, its stack summary)
+                pending.extend(e)
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _STORAGE_ERRORS:
+            return _STORAGE_ERRORS[e.errno]
+        pending.extend([e.__cause__, e.__context__])
+        failures = getattr(e, "failures", None)  # CheckpointException: rank -> failure
+        if isinstance(failures, dict):
+            pending.extend(failures.values())
     return None

@@ -30,6 +30,7 @@ from yatt.genrm._combine import CombinedRM
 from yatt.genrm._functions import RewardFunction, load_reward_function, load_reward_functions
 from yatt.genrm._genrm import GenRM
 from yatt.genrm._groups import GroupJudging, JudgedGroup
+from yatt.genrm._judged_stream import CutGroup, JudgedStream, Scorer, StreamedGroup
 from yatt.genrm._openai import OpenAIJudge, OpenAIJudgeConfig
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
 from yatt.genrm._server import create_app
@@ -49,6 +50,7 @@ from yatt.genrm._version import __version__
 __all__ = [
     "BatchingConfig",
     "CombinedRM",
+    "CutGroup",
     "EnvReward",
     "ExactMatch",
     "GenRM",
@@ -56,6 +58,7 @@ __all__ = [
     "GroupJudging",
     "JudgeTemplate",
     "JudgedGroup",
+    "JudgedStream",
     "NumericMatch",
     "OpenAIJudge",
     "OpenAIJudgeConfig",
@@ -66,6 +69,8 @@ __all__ = [
     "ScoreParser",
     "ScoreStats",
     "ScoredCompletions",
+    "Scorer",
+    "StreamedGroup",
     "TrajectoryReward",
     "Verdict",
     "VerdictParser",

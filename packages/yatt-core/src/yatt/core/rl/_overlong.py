@@ -4,8 +4,11 @@ A truncated response never reached its answer, so its reward says little about i
 (DAPO arXiv:2503.14476, sec. 3.4). Two remedies, both off by default:
 
     rewards += overlong_penalty(response lengths)     soft punishment (DAPO eq. 13), before
-                                                      advantages (and before dynamic sampling's
-                                                      variance test, which reads the rewards)
+                                                      advantages but AFTER dynamic sampling's
+                                                      variance test, which reads the task
+                                                      reward (DAPO eq. 11, verl's recipe): an
+                                                      all-right group with one overlong
+                                                      response has nothing to teach
     mask_truncated_responses(batch)                   overlong filtering: their loss_mask zeroed
 
 `yatt.core.rollout_samples` marks each sample "is_truncated" (a bool sample field), and

@@ -14,9 +14,16 @@ rollout correction (importance weights of trainer vs engine logprobs, per token)
 resumption without rollout correction is refused (`check_partial_resumption`), and a group is
 resumed at most one step after its oldest tokens were sampled; older ones are dropped.
 
+A streamed step does all of the above in one call: pass the holder as the stream's carry
+(`genrm.JudgedStream(..., carry=partials)`): it resumes take(step) first and put()s each group
+its abort cut (any group with samples, step and prompt; its samples' prompt_ids, response_ids,
+logprobs and finish_reason are copied).
+
 A checkpoint between steps keeps the held groups (`state_dict()`: plain lists of ints, floats
-and strings, JSON-able, so yatt.ckpt's per-rank `extra` takes it), so a run resumed after a
-crash resumes the same cut groups as the uninterrupted run would have.
+and strings, JSON-able, so yatt.ckpt's per-rank `extra` takes it, and a Checkpointer given it as
+a named stateful object saves and restores it), so a run resumed after a crash resumes the same
+cut groups as the uninterrupted run would have. `save_prompt`/`load_prompt` turn the loop's own
+prompts into plain data and back.
 """
 
 from __future__ import annotations
@@ -140,12 +147,17 @@ class PartialRollouts:
     tokens were sampled. Local to a rank (a group's samples live on the rank that drew it).
 
     rollout_correction: the loss's setting; resumption without it is a ValueError.
+    save_prompt(prompt) -> plain data, load_prompt(saved) -> prompt or None (the group dropped):
+    how state_dict()/load_state_dict() keep a group's prompt (default: as it is).
     """
 
     rollout_correction: object
+    save_prompt: Callable[[Any], Any] | None = field(default=None, kw_only=True, repr=False)
+    load_prompt: Callable[[Any], Any] | None = field(default=None, kw_only=True, repr=False)
     max_staleness_steps: int = field(default=1, init=False)  # the partial-rollout bound
     num_resumed: int = field(default=0, init=False)  # groups handed back by take(), in total
     num_dropped_stale: int = field(default=0, init=False)  # groups too old to resume, in total
+    num_dropped_on_load: int = field(default=0, init=False)  # the last load_state_dict's drops
     _groups: list[PartialGroup] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -154,10 +166,17 @@ class PartialRollouts:
     def __len__(self) -> int:
         return len(self._groups)
 
-    def put(self, group: PartialGroup) -> None:
-        """Hold a cut group until the next take()."""
+    def put(self, group: Any) -> None:
+        """Hold a cut group until the next take(): a PartialGroup, or any group with samples
+        (completions: prompt_ids, response_ids, logprobs, finish_reason), step and prompt."""
         if not group.samples:
             raise ValueError("a PartialGroup needs its samples (an empty group trains nothing)")
+        if not isinstance(group, PartialGroup):
+            samples = [
+                s if isinstance(s, PartialSample) else PartialSample.from_completion(s)
+                for s in group.samples
+            ]
+            group = PartialGroup(samples=samples, step=group.step, prompt=group.prompt)
         self._groups.append(group)
 
     def take(self, step: int) -> list[PartialGroup]:
@@ -178,7 +197,9 @@ class PartialRollouts:
     def state_dict(self, *, save_prompt: Callable[[Any], Any] | None = None) -> dict[str, Any]:
         """The held groups and the counters as plain data (lists of ints, floats and strings:
         JSON-able, for a checkpoint's `extra`). A group's `prompt` is the loop's own:
-        `save_prompt(prompt)` turns it into plain data (default: stored as it is)."""
+        `save_prompt(prompt)` turns it into plain data (default: the holder's save_prompt, else
+        stored as it is)."""
+        save_prompt = save_prompt or self.save_prompt
         groups = []
         for group in self._groups:
             prompt = group.prompt if save_prompt is None else save_prompt(group.prompt)
@@ -205,11 +226,12 @@ class PartialRollouts:
         self, state: Mapping[str, Any], *, load_prompt: Callable[[Any], Any] | None = None
     ) -> int:
         """Replace the held groups and the counters with those of `state` (a state_dict()).
-        `load_prompt(saved)` rebuilds a group's prompt (default: the saved value as it is); a
-        group whose prompt it gives as None is dropped. Returns how many were dropped so.
-        ValueError, naming the bad entry, for a malformed state or another format or version;
-        nothing changes then."""
+        `load_prompt(saved)` rebuilds a group's prompt (default: the holder's load_prompt, else
+        the saved value as it is); a group whose prompt it gives as None is dropped. Returns
+        how many were dropped so (also kept in num_dropped_on_load). ValueError, naming the bad
+        entry, for a malformed state or another format or version; nothing changes then."""
         _check_state(state)
+        load_prompt = load_prompt or self.load_prompt
         groups = [
             PartialGroup(
                 samples=[
@@ -237,6 +259,7 @@ class PartialRollouts:
         self.num_resumed = state["num_resumed"]
         self.num_dropped_stale = state["num_dropped_stale"]
         self._groups = groups
+        self.num_dropped_on_load = num_dropped
         return num_dropped
 
 

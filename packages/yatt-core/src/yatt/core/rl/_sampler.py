@@ -22,6 +22,11 @@ Streaming (partial colocation: prompts keep entering while verdicts come back):
             feed(draw(more))                      # keep the engine fed
     batch, stats = sampler.take()                 # waits until every rank is done
 
+A stop signal ends a step that cannot end: sampler.request_stop() on the rank that got it (at
+a safe point: between rounds, or between judged groups of a stream); the next is_done() is True
+on every rank, and take() says stats["is_stopped"] = 1 on every rank (its all_reduce carries
+the flag), never raising for an unfilled batch then: the loop saves instead of training.
+
 Over-sampling: a draw asks for ceil(missing * factor) prompts, factor = 1 / max(keep rate,
 1 / max_oversample), so between 1 and max_oversample. Rounds: the keep rate is kept / judged
 groups of this step so far (over all ranks at the last round's all_reduce), else the previous
@@ -164,6 +169,7 @@ class DynamicSampler:
         self._is_round_open = False
         self._is_done = False
         self._done_signal: _DoneSignal | None = None  # stream: posted once this rank is done
+        self._is_stop_requested = False  # request_stop(): a stop signal on this rank
 
     # -- what the loop reads -----------------------------------------------------------------
 
@@ -291,6 +297,11 @@ class DynamicSampler:
         self._num_aborted += num_groups
         self._num_aborted_tokens += num_tokens
 
+    def request_stop(self) -> None:
+        """A stop signal reached this rank: the step's rounds end at the next is_done() on
+        every rank, and take() reports it (stats["is_stopped"]) on every rank. Local."""
+        self._is_stop_requested = True
+
     # -- decisions (collective) --------------------------------------------------------------
 
     def is_done(self) -> bool:
@@ -302,12 +313,14 @@ class DynamicSampler:
             return self._is_done
         self._is_round_open = False
         # Host sync: decides whether another round runs, on every rank alike.
-        num_full, kept, judged = _all_reduce_sum(
-            [int(self.is_full), self._num_kept, self._num_judged], self.group
+        num_full, kept, judged, num_stopped = _all_reduce_sum(
+            [int(self.is_full), self._num_kept, self._num_judged, int(self._is_stop_requested)],
+            self.group,
         )
         self._global_kept, self._global_judged = kept, judged
         is_all_full = num_full == _world_size(self.group)
-        self._is_done = is_all_full or self._num_rounds >= self.max_rounds
+        self._is_stop_requested = self._is_stop_requested or num_stopped > 0
+        self._is_done = is_all_full or self._num_rounds >= self.max_rounds or num_stopped > 0
         return self._is_done
 
     def should_abort(self) -> bool:
@@ -339,10 +352,13 @@ class DynamicSampler:
             if self._done_signal is None:  # nothing left to draw or wait for, and not full
                 self._done_signal = _DoneSignal(self.group)
             self._done_signal.wait()  # blocks until every rank's stream ended or was cut
-        # Host sync: the step's counts over all ranks (the unfilled decision, the keep rate).
-        num_full, kept, judged = _all_reduce_sum(
-            [int(self.is_full), self._num_kept, self._num_judged], self.group
+        # Host sync: the step's counts over all ranks (the unfilled decision, the keep rate,
+        # whether a stop signal ended the step on any rank).
+        num_full, kept, judged, num_stopped = _all_reduce_sum(
+            [int(self.is_full), self._num_kept, self._num_judged, int(self._is_stop_requested)],
+            self.group,
         )
+        is_stopped = num_stopped > 0
         world_size = _world_size(self.group)
         is_all_filled = num_full == world_size
         global_keep_rate = kept / judged if judged else None
@@ -362,10 +378,11 @@ class DynamicSampler:
             "oversample_factor": self._first_factor or self.oversample_factor,
             "is_filled": float(self.is_full),
             "is_filled_all_ranks": float(is_all_filled),
+            "is_stopped": float(is_stopped),
         }
         local = (self.num_kept, self._num_rounds, self._num_judged)
         self._start_step()
-        if not is_all_filled:
+        if not is_all_filled and not is_stopped:  # a stopped step trains nothing: no error
             rate = "none judged" if global_keep_rate is None else f"{global_keep_rate:.3f}"
             summary = (
                 f"{num_full} of {world_size} ranks filled; this rank kept {local[0]} of "
