@@ -2,10 +2,11 @@
 
     cfg, args = read_config(sys.argv[1:])      # args: --resume, --export, --step
 
-`--config run.yaml` gives fields as YAML and `key.sub=value` arguments override them. The whole
-config is built and checked before the runtime, models or engines start: values are typed
-(exact conversions only: YAML reads 1e-3 as a string, which becomes 0.001), ranges checked,
-unknown keys refused with the closest known one. This module only reads values: it opens no
+`--config run.yaml` gives fields as YAML and `key.sub=value` arguments override them (read by
+yatt.core's config family: duplicate keys, malformed files and alias bombs refused by file and
+line; an override's " #" kept as typed). The whole config is built and checked before the
+runtime, models or engines start: values are typed (exact conversions only), every number
+in a range that fits what it controls, unknown keys refused with the closest known one. This module only reads values: it opens no
 file (but --config's), imports no task or reward module and reads no environment. What the
 values point at (folders, reward modules, API keys, installed engines, checkpoints) is
 checked by grpo_preflight.preflight, first in main; empty paths (policy.model_dir, data.path,
@@ -20,13 +21,13 @@ import difflib
 import logging
 import math
 import os
+import string
 import typing
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import PurePath
 from typing import Any
 
-import yaml
 from grpo_data import SAMPLE_FIELDS
 
 from yatt import core, genrm, rollout
@@ -99,6 +100,16 @@ SAMPLING_MODES = ("rounds", "stream")  # core.DynamicSampler's mode
 MAX_SEED = 2**31 - 1
 # Tokens a judge may write per verdict; past this a reasoning judge's budget is a typo (1e9).
 MAX_VERDICT_TOKENS = 1 << 16
+# The policy's logprobs divide the logits by the sampling temperature: below this they overflow
+# or every group is greedy (no reward variance, every step skipped); past the top, noise.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 10.0
+# Rollout rounds per step: each is a whole generate + judge; a step of 64 is already stuck.
+MAX_SAMPLING_ROUNDS = 64
+# A reward function call longer than a day is a unit mistake (and past ~1e9 s asyncio's and the
+# OS's timers overflow: every verdict an OverflowError).
+MAX_FUNCTION_TIMEOUT_S = 86_400.0
+# Retries of one judge request: each waits up to max_backoff_s; 20 is minutes of a dead server.
+MAX_OPENAI_RETRIES = 20
 
 
 def check_at_least(name: str, value: float, minimum: float) -> None:
@@ -117,6 +128,25 @@ def check_weight(name: str, value: float) -> None:
         raise ValueError(
             f"{name}={value!r}: must be a finite number within +-{MAX_REWARD_WEIGHT:g} (GRPO "
             "normalizes rewards per group: only the weights' ratios matter)"
+        )
+
+
+# The built-in engine's sizes: its KV cache is max_batch_size x max_seq_len slots, allocated
+# when it starts (1e8 rows of 64 tokens were 800 GB); past these a size is a typo.
+MAX_ENGINE_BATCH_SIZE = 1 << 14
+MAX_ENGINE_SEQ_LEN = 1 << 20
+
+
+def check_engine_sizes(name: str, engine: rollout.EngineConfig) -> None:
+    check_at_most(
+        f"{name}.max_batch_size",
+        engine.max_batch_size,
+        MAX_ENGINE_BATCH_SIZE,
+        "sequences decoded together; the KV cache holds max_batch_size x max_seq_len tokens",
+    )
+    for key in ("max_seq_len", "max_prefill_tokens"):
+        check_at_most(
+            f"{name}.{key}", getattr(engine, key), MAX_ENGINE_SEQ_LEN, "tokens per sequence"
         )
 
 
@@ -215,9 +245,27 @@ class RolloutConfig:
             MAX_SAMPLES_PER_PROMPT,
             "responses per prompt and step; GRPO groups are 4-64 in practice",
         )
-        check_at_least("rollout.temperature", self.temperature, 0.0)
+        if not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"rollout.temperature={self.temperature!r}: must be in [{MIN_TEMPERATURE}, "
+                f"{MAX_TEMPERATURE}] (the policy's logprobs divide by it; GRPO needs varied "
+                "samples: 0.6-1.0 is usual)"
+            )
         check_at_least("rollout.max_new_tokens", self.max_new_tokens, 1)
+        if self.max_new_tokens >= self.engine.max_seq_len:
+            raise ValueError(
+                f"rollout.max_new_tokens={self.max_new_tokens} leaves no room for a prompt in "
+                f"rollout.engine.max_seq_len={self.engine.max_seq_len} (prompt + response "
+                "tokens): raise rollout.engine.max_seq_len or lower rollout.max_new_tokens"
+            )
         check_at_least("rollout.max_sampling_rounds", self.max_sampling_rounds, 1)
+        check_at_most(
+            "rollout.max_sampling_rounds",
+            self.max_sampling_rounds,
+            MAX_SAMPLING_ROUNDS,
+            "rollout rounds per step, each a whole generate and judge",
+        )
+        check_engine_sizes("rollout.engine", self.engine)
         check_at_least("rollout.oversample", self.oversample, 1.0)
         check_at_least("rollout.max_oversample", self.max_oversample, self.oversample)
         check_at_most(
@@ -312,6 +360,13 @@ class RewardConfig:
                 f"reward.function_timeout_s={self.function_timeout_s!r}: seconds, or 0 for no limit"
             )
         check_at_most(
+            "reward.function_timeout_s",
+            self.function_timeout_s,
+            MAX_FUNCTION_TIMEOUT_S,
+            "seconds one reward call may take; 0 = no limit",
+        )
+        check_engine_sizes("reward.engine", self.engine)
+        check_at_most(
             "reward.votes",
             self.votes,
             MAX_VOTES,
@@ -349,6 +404,7 @@ class RewardConfig:
             self._template = genrm.JudgeTemplate(user=self.judge_template)
         except ValueError as exc:
             raise ValueError(f"reward.judge_template={self.judge_template!r}: {exc}") from None
+        check_no_format_specs("reward.judge_template", self.judge_template)
         self.functions, self.function_weights = check_functions(
             self.functions, self.function_weights
         )
@@ -432,11 +488,35 @@ class RewardConfig:
                 f"reward.openai={self.openai!r}: a mapping of OpenAIJudgeConfig fields"
             )
         try:
-            return genrm.OpenAIJudgeConfig(**self.openai)
-        except TypeError as exc:  # a missing or unknown field
+            # typed as its fields declare (YAML's 1e9 is a float; max_retries an int)
+            config = core.config_from_dict(
+                genrm.OpenAIJudgeConfig, self.openai, path="reward.openai"
+            )
+        except TypeError as exc:  # a missing field
             raise ValueError(f"reward.openai={dict(self.openai)!r}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"reward.openai: {exc}") from None
+        check_at_most(
+            "reward.openai.max_retries",
+            config.max_retries,
+            MAX_OPENAI_RETRIES,
+            "tries after the first per request, each waiting up to max_backoff_s",
+        )
+        check_at_most("reward.openai.timeout_s", config.timeout_s, 3600.0, "seconds per request")
+        return config
+
+
+def check_no_format_specs(name: str, template: str) -> None:
+    """A judge template's fields are filled as they are: a format spec ("{prompt:>99999999}"
+    pads the prompt to 100 MB per verdict) or a conversion has no use there."""
+    for _, field_name, spec, conversion in string.Formatter().parse(template):
+        if field_name is not None and (spec or conversion):
+            written = "{" + field_name + (f"!{conversion}" if conversion else "")
+            written += (f":{spec}" if spec else "") + "}"
+            raise ValueError(
+                f"{name}: {written} has a format spec or conversion; write the field as "
+                f"{{{field_name}}} (fields are filled as they are)"
+            )
 
 
 def is_object_spec(spec: str) -> bool:
@@ -763,14 +843,13 @@ def check_policy_fields(backend: str, values: Mapping[str, Any]) -> dict[str, An
     return checked
 
 
-def read_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
-    """The config from the command line (see the module doc), and the run's flags: resume,
-    export (write a Hugging Face folder from a checkpoint and stop), step (which one)."""
-    parser = HelpParser(
-        description="Reference GRPO trainer (examples/train_grpo.py)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line: --config, the overrides, --traceback, and the run's flags: resume,
+    export (write a Hugging Face folder from a checkpoint and stop), step (which one). An
+    argparse error (`--num_steps 5`, told `num_steps=5`) exits 2."""
+    parser = core.ConfigParser(
+        description="Reference GRPO trainer (examples/train_grpo.py)", describe=describe_fields
     )
-    parser.add_argument("--config", help="YAML file of TrainConfig fields")
     parser.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
     parser.add_argument(
         "--export",
@@ -778,84 +857,29 @@ def read_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
         help="write out_dir's newest checkpoint (or --step's) as a Hugging Face folder and stop",
     )
     parser.add_argument("--step", type=int, help="with --export: the checkpoint's step")
-    parser.add_argument("overrides", nargs="*", help="e.g. rollout.temperature=0.7")
-    args = parser.parse_intermixed_args(argv)
+    args = parser.parse(argv)
     if args.step is not None and not args.export:
         parser.error("--step goes with --export")
     if args.export and args.resume:
         parser.error("--export writes a checkpoint out and stops; it does not --resume")
-    raw = {}
-    if args.config:
-        with open(args.config) as f:  # the one file this module reads: the one it is given
-            raw = load_yaml(f.read(), f"--config {args.config}")
-    if not isinstance(raw, dict):
-        raise ValueError(f"--config {args.config}: must hold a mapping of fields, got {raw!r}")
-    for item in args.overrides:
-        raw = with_override(raw, item)
-    return build_config(raw), args
+    return args
 
 
-class HelpParser(argparse.ArgumentParser):
-    """--help ends with every config field; the list is made only when help is shown (it reads
-    the config classes' source for their comments)."""
-
-    def format_help(self) -> str:
-        self.epilog = describe_fields()
-        return super().format_help()
+def read_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
+    """The config from the command line (see the module doc) and the parsed flags
+    (parse_args); ValueError naming the field, the file and line, or the override."""
+    args = parse_args(argv)
+    return config_from_args(args), args
 
 
-class UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
-    silently: a second `rollout:` section would drop the first's fields)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        first_lines: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *base` merges a mapping; its keys may be overridden
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            if not isinstance(key, Hashable):
-                continue  # the safe loader's own error names it
-            if key in first_lines:
-                raise DuplicateKeyError(
-                    f"line {line}: duplicate key {key!r} (first at line {first_lines[key]}); "
-                    "give each key once"
-                )
-            first_lines[key] = line
-        return super().construct_mapping(node, deep=deep)
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The checked config of parsed arguments: --config's fields, then the overrides."""
+    return build_config(core.read_raw_config(args.config, args.overrides))
 
 
-class DuplicateKeyError(ValueError):
-    """A YAML mapping with a key given twice (not a yaml.YAMLError: never read as plain text)."""
-
-
-def load_yaml(text: str, source: str) -> Any:
-    """`text` as YAML; a duplicate key is a ValueError naming `source`, the key and its lines."""
-    try:
-        return yaml.load(text, Loader=UniqueKeyLoader)
-    except DuplicateKeyError as exc:
-        raise ValueError(f"{source}: {exc}") from None
-
-
-def with_override(raw: dict, item: str) -> dict:
-    """`raw` with one `key.sub=value` override; `raw` is not changed. The value is read as YAML
-    (1e-3, true, [a, b]), or as text where it is not YAML (a template "{prompt}{response}");
-    the field's type then checks it."""
-    dotted, sep, text = item.partition("=")
-    if not sep or not dotted:
-        raise ValueError(f"override {item!r} must look like key.sub=value")
-    key, _, rest = dotted.partition(".")
-    try:
-        value = load_yaml(text, f"override {item!r}")
-    except yaml.YAMLError:
-        value = text
-    if rest:
-        section = raw.get(key) or {}
-        if not isinstance(section, dict):
-            raise ValueError(f"override {item!r}: {key}={section!r} is not a section")
-        value = with_override(section, f"{rest}={text}")
-    return {**raw, key: value}
+# The package's YAML and override readers, under the names this module always had.
+load_yaml = core.load_yaml
+with_override = core.with_override
 
 
 def build_config(raw: Mapping[str, Any]) -> TrainConfig:

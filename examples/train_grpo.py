@@ -64,7 +64,7 @@ from yatt.ckpt import Checkpointer, RunLock, acquire_run_lock, exit_code_for_sig
 from yatt.placement import Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from grpo_config import DataConfig, TrainConfig, read_config
+from grpo_config import DataConfig, TrainConfig, config_from_args, parse_args
 from grpo_data import Scored, judge_sample
 from grpo_metrics import StepStats, VerdictWarnings, check_verdicts, eval_metrics, summarize
 from grpo_preflight import preflight
@@ -427,10 +427,14 @@ def main(argv: list[str]) -> int:
     (SIGTERM, SIGINT, SIGUSR1) ended the run after its final save."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     transformers.utils.logging.disable_progress_bar()  # one bar: the run's
-    cfg, args = read_config(argv)  # the values, typed and checked
-    if args.export:  # the policy's folder checked (built, for the embedded task), then export
-        export_checkpoint(preflight(cfg, should_check_data=False), args.step)
-        return 0
+    args = parse_args(argv)
+    # A config or preflight error is one line naming the field and the fix, exit code 2
+    # (--traceback shows where it was raised).
+    with core.exit_on_config_error(should_show_traceback=args.traceback):
+        cfg = config_from_args(args)  # the values, typed and checked
+        if args.export:  # the policy's folder checked (built, for the embedded task), then export
+            export_checkpoint(preflight(cfg, should_check_data=False), args.step)
+            return 0
     # One run per out_dir: global rank 0 (RANK, set by torchrun) holds the lock until the
     # process exits; a second run fails here, naming this one, before anything loads.
     run_lock: RunLock | None = None
@@ -440,7 +444,8 @@ def main(argv: list[str]) -> int:
         # What the values point at, before any model loads: paths filled (the embedded task
         # built when asked for), reward code and keys, checkpoints against --resume, the data
         # against the judge's context.
-        cfg = preflight(cfg, should_resume=args.resume)
+        with core.exit_on_config_error(should_show_traceback=args.traceback):
+            cfg = preflight(cfg, should_resume=args.resume)
     except BaseException:
         if run_lock is not None:
             run_lock.release()

@@ -563,7 +563,7 @@ def test_help_lists_every_config_field_and_the_set_is_frozen(trainer):
     )
     assert result.returncode == 0
     flags = set(re.findall(r"--[a-z-]+", result.stdout.split("config fields", 1)[0]))
-    assert flags == {"--help", "--config", "--resume", "--export", "--step"}
+    assert flags == {"--help", "--config", "--traceback", "--resume", "--export", "--step"}
     listed = result.stdout.split("config fields", 1)[1].splitlines()[1:]
     names = [line.strip().split(" = ")[0] for line in listed if " = " in line]
     frozen = (ROOT / "tests" / "trainer_config_fields.txt").read_text().split()
