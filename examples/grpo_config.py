@@ -20,13 +20,11 @@ import argparse
 import difflib
 import logging
 import math
-import os
-import string
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import PurePath
-from typing import Any
+from typing import Any, ClassVar
 
 from grpo_data import SAMPLE_FIELDS
 
@@ -34,13 +32,6 @@ from yatt import core, genrm, rollout
 from yatt.ckpt import CkptConfig
 
 logger = logging.getLogger("train_grpo")
-ENGINE_CONFIGS = {"vllm": rollout.VLLMConfig, "sglang": rollout.SGLangConfig}
-# Judges: an engine loading reward.judge_dir, a served endpoint, or none (reward functions).
-JUDGE_BACKENDS = ("builtin", "vllm", "sglang", "openai", "none")
-LOCAL_JUDGES = ("builtin", "vllm", "sglang")
-VERDICT_FROM = ("auto", "label_logprobs", "text")  # GenRM's verdict_from values
-# reward.verdict_parser's built-in formats (their fields: reward.verdict_parser_options).
-VERDICT_PARSERS = {"yes_no": genrm.YesNoParser, "score": genrm.ScoreParser}
 EXPORT_DTYPES = ("", "float32", "bfloat16", "float16")
 POLICY_CONFIGS = {"torch": core.TorchPolicyConfig, "megatron": core.MegatronPolicyConfig}
 
@@ -86,30 +77,17 @@ POLICY_HELP = {
 # Upper bounds on sizes that multiply the run's work; past them a typo (votes=1e9), not a plan.
 # Group sizes in published GRPO/DAPO runs are 4-64 (a few use 256-512): 1024 leaves room.
 MAX_SAMPLES_PER_PROMPT = 1024
-# Each vote is one more judge generation per response; 64 votes already bring the standard
-# error of the averaged verdict to 1/8 of one vote's.
-MAX_VOTES = 64
-# GRPO normalizes rewards within a group, so only the weights' ratios matter; past this a weight
-# is a units mistake, and weight x reward may no longer fit the float32 the batch holds.
-MAX_REWARD_WEIGHT = 1e6
 # Dynamic sampling's draw factor: at 64 prompts per kept group the reward is nearly constant.
 MAX_OVERSAMPLE = 64.0
 ON_UNFILLED = ("train", "error")  # core.DynamicSampler's on_unfilled
 SAMPLING_MODES = ("rounds", "stream")  # core.DynamicSampler's mode
 # Seeds fit a signed 32-bit int: what numpy's legacy seeding, torch and the serving engines take.
 MAX_SEED = 2**31 - 1
-# Tokens a judge may write per verdict; past this a reasoning judge's budget is a typo (1e9).
-MAX_VERDICT_TOKENS = 1 << 16
 # The policy's logprobs divide the logits by the sampling temperature: below this they overflow
 # or every group is greedy (no reward variance, every step skipped); past the top, noise.
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 10.0
 # Rollout rounds per step: each is a whole generate + judge; a step of 64 is already stuck.
 MAX_SAMPLING_ROUNDS = 64
-# A reward function call longer than a day is a unit mistake (and past ~1e9 s asyncio's and the
-# OS's timers overflow: every verdict an OverflowError).
-MAX_FUNCTION_TIMEOUT_S = 86_400.0
-# Retries of one judge request: each waits up to max_backoff_s; 20 is minutes of a dead server.
-MAX_OPENAI_RETRIES = 20
 
 
 def check_at_least(name: str, value: float, minimum: float) -> None:
@@ -120,52 +98,6 @@ def check_at_least(name: str, value: float, minimum: float) -> None:
 def check_at_most(name: str, value: float, maximum: float, why: str) -> None:
     if value > maximum:
         raise ValueError(f"{name}={value!r}: must be <= {maximum} ({why})")
-
-
-def check_weight(name: str, value: float) -> None:
-    """A reward weight: finite, and small enough that weight x reward fits float32."""
-    if not math.isfinite(value) or abs(value) > MAX_REWARD_WEIGHT:
-        raise ValueError(
-            f"{name}={value!r}: must be a finite number within +-{MAX_REWARD_WEIGHT:g} (GRPO "
-            "normalizes rewards per group: only the weights' ratios matter)"
-        )
-
-
-# The built-in engine's sizes: its KV cache is max_batch_size x max_seq_len slots, allocated
-# when it starts (1e8 rows of 64 tokens were 800 GB); past these a size is a typo.
-MAX_ENGINE_BATCH_SIZE = 1 << 14
-MAX_ENGINE_SEQ_LEN = 1 << 20
-
-
-def check_engine_sizes(name: str, engine: rollout.EngineConfig) -> None:
-    check_at_most(
-        f"{name}.max_batch_size",
-        engine.max_batch_size,
-        MAX_ENGINE_BATCH_SIZE,
-        "sequences decoded together; the KV cache holds max_batch_size x max_seq_len tokens",
-    )
-    for key in ("max_seq_len", "max_prefill_tokens"):
-        check_at_most(
-            f"{name}.{key}", getattr(engine, key), MAX_ENGINE_SEQ_LEN, "tokens per sequence"
-        )
-
-
-def check_engine_backend(name: str, backend: str, options: dict) -> None:
-    """A known engine with options its config knows (preflight checks that it is installed)."""
-    if backend == "builtin":
-        if options:
-            section = name.partition(".")[0]
-            raise ValueError(
-                f"{name}_options={options!r}: only for {name}='vllm' or 'sglang'; the built-in "
-                f"engine takes {section}.engine fields"
-            )
-        return
-    if backend not in ENGINE_CONFIGS:
-        raise ValueError(f"{name}={backend!r}: use 'builtin', 'vllm' or 'sglang'")
-    try:
-        ENGINE_CONFIGS[backend](**options)
-    except TypeError as exc:  # an unknown option
-        raise ValueError(f"{name}_options={options!r}: {exc}") from None
 
 
 @dataclass(kw_only=True)
@@ -208,7 +140,12 @@ def check_split(section: str, path: str, split: str) -> None:
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
+class RolloutConfig(rollout.EngineSpec):
+    """The rollout: its engine (rollout.EngineSpec's backend, engine and backend_options:
+    checked and built by yatt-rollout), GRPO's group size and dynamic sampling."""
+
+    section: ClassVar[str] = "rollout"  # errors name rollout.backend, rollout.engine.*
+
     samples_per_prompt: int = 8  # GRPO group size n
     temperature: float = 1.0  # sampling temperature; the policy's logprobs use the same
     max_new_tokens: int = 4  # response length cap
@@ -230,13 +167,12 @@ class RolloutConfig:
     # stream: the groups the abort cut are finished first in the next step, their old tokens
     # and logprobs kept (off-policy by a step: needs loss.rollout_correction); else dropped.
     keep_partial: bool = False
-    backend: str = "builtin"  # "builtin", or "vllm"/"sglang" (GPU; yatt-rollout[vllm|sglang])
     engine: rollout.EngineConfig = field(
         default_factory=lambda: rollout.EngineConfig(max_seq_len=64)
     )
-    backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the engine: backend, options, sizes
         # GRPO's advantage is a sample's reward against its group's: one sample has none.
         check_at_least("rollout.samples_per_prompt", self.samples_per_prompt, 2)
         check_at_most(
@@ -265,7 +201,6 @@ class RolloutConfig:
             MAX_SAMPLING_ROUNDS,
             "rollout rounds per step, each a whole generate and judge",
         )
-        check_engine_sizes("rollout.engine", self.engine)
         check_at_least("rollout.oversample", self.oversample, 1.0)
         check_at_least("rollout.max_oversample", self.max_oversample, self.oversample)
         check_at_most(
@@ -292,7 +227,6 @@ class RolloutConfig:
                 "rollout.keep_partial=True resumes what a stream's abort cut: set "
                 "rollout.sampling_mode='stream' (rounds abort nothing)"
             )
-        check_engine_backend("rollout.backend", self.backend, self.backend_options)
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -301,266 +235,19 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True)
-class RewardConfig:
+class RewardConfig(genrm.JudgeSpec):
+    """The reward: genrm.JudgeSpec's fields (the judge's backend and engine, template, verdict
+    format, votes, reward functions, rule, endpoint), checked and built by yatt-genrm."""
+
+    section: ClassVar[str] = "reward"  # errors name reward.backend, reward.votes, ...
+
+    engine: rollout.EngineConfig = field(
+        default_factory=lambda: rollout.EngineConfig(max_seq_len=96, region_prefix="genrm")
+    )
     judge_dir: str = ""  # the judge's model directory; "" = the embedded task's judge
     # The judge's prompt (str.format): {prompt}, {response}, {reference} (the row's answer)
     # and any other column of the data rows.
     judge_template: str = "{prompt}{response} ref {reference}"
-    votes: int = 1  # judge samples per response, averaged
-    # How a verdict becomes a reward. The judge's last line is its verdict (by default the
-    # label "Yes"/"No", optionally "Verdict: Yes"; see verdict_parser; anything else is
-    # unparsable, counted). "label_logprobs" (yes/no labels only): the reward is 2 P(Yes) - 1
-    # from the judge's probabilities at that label (no text decides); "text": what the parser
-    # reads from the line written (+1/-1 for yes/no); "auto": label_logprobs for a yes/no
-    # parser on an engine that gives them (builtin, vLLM, SGLang), else text.
-    verdict_from: str = "auto"
-    # How the judge's last line becomes a reward: yes_no, score, or a module:name parser.
-    # With "yes_no" 'Yes'/'No' (or 'Verdict: Yes') -> +1/-1; "score": 'Score: N', N in 1..10
-    # -> (N - 1) / 9; "module:name" or "file.py:name": a genrm.VerdictParser (an object with
-    # parse(text) -> float | None), or a callable returning one.
-    verdict_parser: str = "yes_no"
-    # Fields of the yes_no/score parser (genrm.YesNoParser/ScoreParser). E.g. {yes_label:
-    # Correct, no_label: Incorrect} or {low: 0, high: 5}.
-    verdict_parser_options: dict = field(default_factory=dict)
-    # Tokens the judge may write per verdict (4: the label and an end token). A judge that
-    # reasons before its verdict needs room for the reasoning.
-    verdict_max_tokens: int = 4
-    rule_weight: float = 0.0  # weight of an exact-match rule reward added to the judge's
-    # The judge: an engine loading judge_dir ("builtin", or "vllm"/"sglang" on a GPU), a served
-    # OpenAI-compatible endpoint ("openai", see reward.openai), or "none" (functions only).
-    backend: str = "builtin"
-    engine: rollout.EngineConfig = field(
-        default_factory=lambda: rollout.EngineConfig(max_seq_len=96, region_prefix="genrm")
-    )
-    backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
-    # How verdicts are grouped into the judge engine's calls: genrm.BatchingConfig fields
-    # (max_batch_size 32, batch_window_millis 20, max_pending 256, max_inflight_batches 16);
-    # {} = those defaults. Under placement=partial the judge takes responses as they finish:
-    # a longer window makes fewer, larger calls, each step of a large judge reading its
-    # weights for more verdicts. A local judge engine only.
-    batching: dict = field(default_factory=dict)
-    # Python reward functions, "module:fn" or "path/file.py:fn": fn(prompt, response,
-    # reference, row) -> float, or None when it cannot score; added to the judge's reward.
-    # A reward file is Python code that runs, with the trainer's permissions, when it loads.
-    functions: list = field(default_factory=list)
-    function_weights: list = field(default_factory=list)  # one per function; [] = 1.0 each
-    # Seconds one reward function call may take: calls run in a worker process, killed past
-    # this (that sample's verdict is an error, counted; the run goes on). 0 = no limit, calls
-    # in the trainer's process (a call that never returns hangs the run).
-    function_timeout_s: float = 60.0
-    # backend=openai: OpenAIJudgeConfig fields (base_url, model, api_key_env, max_concurrency,
-    # timeout_s, max_retries, extra_body); the key is read from the api_key_env variable.
-    openai: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        check_at_least("reward.votes", self.votes, 1)
-        check_at_least("reward.function_timeout_s", self.function_timeout_s, 0.0)
-        if not math.isfinite(self.function_timeout_s):
-            raise ValueError(
-                f"reward.function_timeout_s={self.function_timeout_s!r}: seconds, or 0 for no limit"
-            )
-        check_at_most(
-            "reward.function_timeout_s",
-            self.function_timeout_s,
-            MAX_FUNCTION_TIMEOUT_S,
-            "seconds one reward call may take; 0 = no limit",
-        )
-        check_engine_sizes("reward.engine", self.engine)
-        check_at_most(
-            "reward.votes",
-            self.votes,
-            MAX_VOTES,
-            "judge generations per response; 64 votes already average to 1/8 of one's noise",
-        )
-        check_weight("reward.rule_weight", self.rule_weight)
-        self.check_verdict_format()
-        if self.backend not in JUDGE_BACKENDS:
-            raise ValueError(f"reward.backend={self.backend!r}: use one of {JUDGE_BACKENDS}")
-        if self.verdict_from not in VERDICT_FROM:
-            raise ValueError(
-                f"reward.verdict_from={self.verdict_from!r}: use one of {VERDICT_FROM}"
-            )
-        if self.verdict_from == "label_logprobs" and self.backend not in LOCAL_JUDGES:
-            raise ValueError(
-                f"reward.verdict_from='label_logprobs' reads the judge engine's token "
-                f"probabilities; reward.backend={self.backend!r} gives text only: use 'auto' "
-                "or 'text'"
-            )
-        if self.backend in LOCAL_JUDGES:
-            check_engine_backend("reward.backend", self.backend, self.backend_options)
-        elif self.backend_options:
-            raise ValueError(
-                f"reward.backend_options={self.backend_options!r}: only for reward.backend="
-                f"'vllm' or 'sglang' (the judge engine's options), not {self.backend!r}"
-            )
-        if self.batching and self.backend not in LOCAL_JUDGES:
-            raise ValueError(
-                f"reward.batching={self.batching!r}: groups a local judge engine's calls "
-                f"(reward.backend in {LOCAL_JUDGES}), not {self.backend!r}"
-            )
-        self.batching_config()
-        try:
-            # The judge's prompt, built once here: everyone reads reward.template.
-            self._template = genrm.JudgeTemplate(user=self.judge_template)
-        except ValueError as exc:
-            raise ValueError(f"reward.judge_template={self.judge_template!r}: {exc}") from None
-        check_no_format_specs("reward.judge_template", self.judge_template)
-        self.functions, self.function_weights = check_functions(
-            self.functions, self.function_weights
-        )
-        if self.backend == "openai":
-            self.openai_config()  # the endpoint's fields (preflight reads its key)
-        elif self.openai:
-            raise ValueError(
-                f"reward.openai={self.openai!r}: only for reward.backend='openai' "
-                f"(it is {self.backend!r})"
-            )
-        if self.backend == "none" and not self.functions and not self.rule_weight:
-            raise ValueError(
-                "reward.backend='none' loads no judge: give reward.functions (or "
-                "reward.rule_weight > 0 for the exact-match rule), or a judge backend"
-            )
-
-    @property
-    def template(self) -> genrm.JudgeTemplate:
-        """The judge's prompt, from reward.judge_template (built once, when checked)."""
-        return self._template
-
-    def check_verdict_format(self) -> None:
-        """reward.verdict_parser, its options and the judge's verdict budget (a "module:name"
-        parser is imported by preflight)."""
-        name, options = self.verdict_parser, self.verdict_parser_options
-        check_at_least("reward.verdict_max_tokens", self.verdict_max_tokens, 1)
-        check_at_most(
-            "reward.verdict_max_tokens",
-            self.verdict_max_tokens,
-            MAX_VERDICT_TOKENS,
-            "tokens the judge writes per verdict",
-        )
-        if not isinstance(options, Mapping):
-            raise ValueError(
-                f"reward.verdict_parser_options={options!r}: a mapping of the parser's fields"
-            )
-        if name in VERDICT_PARSERS:
-            try:
-                VERDICT_PARSERS[name](**options)
-            except (TypeError, ValueError) as exc:  # an unknown field, or a bad value
-                raise ValueError(
-                    f"reward.verdict_parser_options={dict(options)!r}: {exc}"
-                ) from None
-        elif not isinstance(name, str) or not is_object_spec(name):
-            raise ValueError(
-                f"reward.verdict_parser={name!r}: use one of {tuple(VERDICT_PARSERS)}, or "
-                "'module:name' / 'file.py:name' naming a genrm.VerdictParser"
-            )
-        elif options:
-            raise ValueError(
-                f"reward.verdict_parser_options={dict(options)!r}: only for reward."
-                f"verdict_parser in {tuple(VERDICT_PARSERS)}; {name!r} builds its own parser"
-            )
-        if self.verdict_from == "label_logprobs" and name == "score":
-            raise ValueError(
-                f"reward.verdict_from='label_logprobs' reads the probability of a yes/no label; "
-                f"reward.verdict_parser={name!r} writes none: use 'text' or 'auto'"
-            )
-
-    def batching_config(self) -> genrm.BatchingConfig | None:
-        """reward.batching as a genrm.BatchingConfig (None when empty: GenRM's defaults);
-        ValueError naming the field."""
-        if not isinstance(self.batching, Mapping):
-            raise ValueError(
-                f"reward.batching={self.batching!r}: a mapping of genrm.BatchingConfig fields"
-            )
-        if not self.batching:
-            return None
-        try:
-            return genrm.BatchingConfig(**self.batching)
-        except TypeError as exc:  # an unknown field
-            raise ValueError(f"reward.batching={dict(self.batching)!r}: {exc}") from None
-        except ValueError as exc:
-            raise ValueError(f"reward.batching: {exc}") from None
-
-    def openai_config(self) -> genrm.OpenAIJudgeConfig:
-        """The endpoint's config (backend=openai); ValueError naming reward.openai's problem.
-        Its key is read where it is used (preflight checks that it is set)."""
-        if not isinstance(self.openai, Mapping):
-            raise ValueError(
-                f"reward.openai={self.openai!r}: a mapping of OpenAIJudgeConfig fields"
-            )
-        try:
-            # typed as its fields declare (YAML's 1e9 is a float; max_retries an int)
-            config = core.config_from_dict(
-                genrm.OpenAIJudgeConfig, self.openai, path="reward.openai"
-            )
-        except TypeError as exc:  # a missing field
-            raise ValueError(f"reward.openai={dict(self.openai)!r}: {exc}") from None
-        except ValueError as exc:
-            raise ValueError(f"reward.openai: {exc}") from None
-        check_at_most(
-            "reward.openai.max_retries",
-            config.max_retries,
-            MAX_OPENAI_RETRIES,
-            "tries after the first per request, each waiting up to max_backoff_s",
-        )
-        check_at_most("reward.openai.timeout_s", config.timeout_s, 3600.0, "seconds per request")
-        return config
-
-
-def check_no_format_specs(name: str, template: str) -> None:
-    """A judge template's fields are filled as they are: a format spec ("{prompt:>99999999}"
-    pads the prompt to 100 MB per verdict) or a conversion has no use there."""
-    for _, field_name, spec, conversion in string.Formatter().parse(template):
-        if field_name is not None and (spec or conversion):
-            written = "{" + field_name + (f"!{conversion}" if conversion else "")
-            written += (f":{spec}" if spec else "") + "}"
-            raise ValueError(
-                f"{name}: {written} has a format spec or conversion; write the field as "
-                f"{{{field_name}}} (fields are filled as they are)"
-            )
-
-
-def is_object_spec(spec: str) -> bool:
-    """'module:name' or 'path/file.py:name' (dotted names allowed), by its shape alone."""
-    source, sep, attr = spec.rpartition(":")
-    return bool(sep and source and attr) and all(part.isidentifier() for part in attr.split("."))
-
-
-def check_functions(specs: Any, weights: Any) -> tuple[list[str], list[float]]:
-    """reward.functions' specs and their weights (preflight imports the functions)."""
-    if not isinstance(specs, list) or not all(isinstance(spec, str) for spec in specs):
-        raise ValueError(f"reward.functions={specs!r}: a list of 'module:fn' or 'file.py:fn'")
-    if not isinstance(weights, list):
-        raise ValueError(f"reward.function_weights={weights!r}: a list of numbers")
-    weights = [
-        core.coerce_value(weight, float, f"reward.function_weights[{index}]")
-        for index, weight in enumerate(weights)
-    ]
-    for index, weight in enumerate(weights):
-        check_weight(f"reward.function_weights[{index}]", weight)
-    if weights and len(weights) != len(specs):
-        raise ValueError(
-            f"reward.function_weights={weights!r}: one weight per reward.functions entry "
-            f"({len(specs)}), or [] for 1.0 each"
-        )
-    seen: dict[tuple[str, str], str] = {}
-    for spec in specs:
-        key = function_identity(spec)
-        if key in seen:
-            raise ValueError(
-                f"reward.functions={specs!r}: {spec!r} is listed twice (as {seen[key]!r} "
-                "too); list it once and give it a larger weight in reward.function_weights"
-            )
-        seen[key] = spec
-    return specs, weights or [1.0] * len(specs)
-
-
-def function_identity(spec: str) -> tuple[str, str]:
-    """What a 'module:fn' or 'file.py:fn' spec names: a file by its absolute, normalized path
-    (from the text alone), so 'rewards.py:score' and './rewards.py:score' are one function."""
-    source, _, attr = spec.rpartition(":")
-    if source.endswith(".py") or "/" in source:
-        source = os.path.abspath(source)
-    return source, attr
 
 
 @dataclass(kw_only=True)
@@ -775,7 +462,7 @@ class TrainConfig:
     @property
     def uses_judge_model(self) -> bool:
         """The judge is a local model (reward.judge_dir) run by an engine."""
-        return self.reward.backend in LOCAL_JUDGES
+        return self.reward.uses_engine
 
     @property
     def model_parallel_size(self) -> int:

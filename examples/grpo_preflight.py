@@ -20,24 +20,16 @@ class; run it once per config (main does).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 from pathlib import Path
 
-from grpo_config import (
-    EMBEDDED_TASKS,
-    ENGINE_CONFIGS,
-    RewardConfig,
-    RolloutConfig,
-    TrainConfig,
-    policy_field,
-)
+from grpo_config import EMBEDDED_TASKS, RewardConfig, TrainConfig, policy_field
 from grpo_data import check_judge_prompts, prompt_token_counter
 from grpo_prompts import check_takes_images
-from grpo_setup import required_row_fields, row_limits, verdict_parser
+from grpo_setup import required_row_fields, row_limits
 from transformers import AutoTokenizer
 
-from yatt import core, genrm
+from yatt import core, genrm, rollout
 from yatt.ckpt import Checkpointer
 
 logger = logging.getLogger("train_grpo")
@@ -72,35 +64,15 @@ def preflight(
     return cfg
 
 
-def check_engine_installed(name: str, section: RolloutConfig | RewardConfig) -> None:
+def check_engine_installed(name: str, section: rollout.EngineSpec) -> None:
     """A vLLM/SGLang engine the section names is installed (the built-in one always is)."""
-    backend = section.backend
-    if backend in ENGINE_CONFIGS and importlib.util.find_spec(backend) is None:
-        raise ValueError(
-            f"{name}.backend={backend!r} needs {backend}: pip install 'yatt-rollout[{backend}]'"
-        )
+    section.check_installed()
 
 
 def check_reward(reward: RewardConfig) -> None:
-    """The reward's code and keys: each reward function loaded once (its module imports, its
-    signature fits), the verdict parser built, the endpoint's API key set."""
-    for spec in reward.functions:
-        try:
-            genrm.load_reward_function(spec)
-        except ValueError as exc:
-            raise ValueError(f"reward.functions: {exc}") from None
-    parser = verdict_parser(reward)
-    if reward.verdict_from == "label_logprobs" and not isinstance(parser, genrm.YesNoParser):
-        raise ValueError(
-            f"reward.verdict_from='label_logprobs' reads the probability of a yes/no label; "
-            f"reward.verdict_parser={reward.verdict_parser!r} is a {type(parser).__name__}: "
-            "use 'text' or 'auto'"
-        )
-    if reward.backend == "openai":
-        try:
-            reward.openai_config().read_api_key()
-        except ValueError as exc:
-            raise ValueError(f"reward.openai: {exc}") from None
+    """The reward's code and keys (genrm.check_judge_resources): each reward function loaded
+    once, the verdict parser built, the endpoint's API key set."""
+    genrm.check_judge_resources(reward)
 
 
 def with_local_paths(cfg: TrainConfig) -> TrainConfig:

@@ -1774,11 +1774,13 @@ def test_the_policys_vllm_or_sglang_engine_is_told_the_policys_tp_size(monkeypat
 
     import grpo_setup
 
+    from yatt.rollout import _engine_spec  # rollout.build_engine's adapters, by backend
+
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     made = []
     for backend in ("vllm", "sglang"):
         monkeypatch.setitem(
-            grpo_setup.ENGINES, backend, lambda model_dir, **kwargs: made.append(kwargs)
+            _engine_spec._ENGINE_CLASSES, backend, lambda model_dir, **kwargs: made.append(kwargs)
         )
         section = grpo_config.RolloutConfig(backend=backend)
         grpo_setup.make_engine(section, "model", "cuda:0", policy_tp_size=2)

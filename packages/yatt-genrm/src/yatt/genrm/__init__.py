@@ -28,6 +28,8 @@ from yatt.genrm._combine import CombinedRM
 from yatt.genrm._functions import RewardFunction, load_reward_function
 from yatt.genrm._genrm import GenRM
 from yatt.genrm._groups import GroupJudging, JudgedGroup
+from yatt.genrm._judge_build import build_judge, check_judge_resources
+from yatt.genrm._judge_spec import JudgeSpec
 from yatt.genrm._openai import OpenAIJudge, OpenAIJudgeConfig
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
 from yatt.genrm._server import create_app
@@ -45,6 +47,7 @@ __all__ = [
     "GenRM",
     "GenRMClient",
     "GroupJudging",
+    "JudgeSpec",
     "JudgeTemplate",
     "JudgedGroup",
     "NumericMatch",
@@ -62,6 +65,8 @@ __all__ = [
     "Vote",
     "YesNoParser",
     "__version__",
+    "build_judge",
+    "check_judge_resources",
     "create_app",
     "load_reward_function",
     "pointwise_template",

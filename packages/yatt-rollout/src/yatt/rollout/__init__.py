@@ -5,6 +5,7 @@ The built-in engine's modules live in `yatt.rollout.builtin`; its two public nam
 """
 
 from yatt.rollout._capabilities import Abortable, AcceptsImages, SupportsLabelLogprobs
+from yatt.rollout._engine_spec import EngineSpec, build_engine
 from yatt.rollout._sglang import SGLangConfig, SGLangEngine
 from yatt.rollout._types import (
     DEFAULT_BUCKET_BYTES,
@@ -26,6 +27,7 @@ __all__ = [
     "BuiltinEngine",
     "Completion",
     "EngineConfig",
+    "EngineSpec",
     "FinishReason",
     "NameMapper",
     "Request",
@@ -37,6 +39,7 @@ __all__ = [
     "VLLMConfig",
     "VLLMEngine",
     "__version__",
+    "build_engine",
     "iter_buckets",
     "map_names",
 ]

@@ -23,11 +23,17 @@ def describe_config(config: Any, *, prefix: str = "") -> list[str]:
     first sentence of the comment block right above it, else of a "name: ..." paragraph of the
     class docstring, else a Literal type's choices."""
     cls = config if isinstance(config, type) else type(config)
-    try:
-        comments = _field_comments(inspect.getsource(cls))
-    except (OSError, TypeError):
-        comments = {}
-    comments = {**_docstring_comments(cls), **comments}
+    comments: dict[str, str] = {}
+    # A subclass's field inherits its base's doc unless it documents the field again (a
+    # trainer's section extends a package's config class).
+    for base in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(base):
+            continue
+        try:
+            own = _field_comments(inspect.getsource(base))
+        except (OSError, TypeError):
+            own = {}
+        comments |= {**_docstring_comments(base), **own}
     hints = typing.get_type_hints(cls)
     lines = []
     for f in dataclasses.fields(cls):
