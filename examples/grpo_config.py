@@ -17,9 +17,11 @@ reward.judge_dir, eval.path) point at the embedded task that `task` names ("text
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import logging
 import math
+import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -48,18 +50,29 @@ class EmbeddedTask:
     defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
+# The demo's own values (a tiny policy answering single-digit sums in a few tokens), in force
+# only under task=<name>; a run of your own model starts from the defaults of the fields.
+DEMO_DEFAULTS: Mapping[str, Any] = {
+    "policy": {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512},
+    "rollout": {"max_new_tokens": 4, "engine": {"max_seq_len": 64}},
+    "reward": {
+        "engine": {"max_seq_len": 96},
+        "judge_template": "{prompt}{response} ref {reference}",
+    },
+}
 EMBEDDED_TASKS = {
-    "text": EmbeddedTask(folder="embedded", columns=("prompt", "answer")),
+    "text": EmbeddedTask(folder="embedded", columns=("prompt", "answer"), defaults=DEMO_DEFAULTS),
     "vision": EmbeddedTask(
         folder="embedded-vision",
         columns=("prompt", "image", "answer"),
         image_key="image",
         has_judge=False,  # the exact-match rule is the reward
-        defaults={"reward": {"backend": "none", "rule_weight": 1.0}},
+        defaults={
+            **DEMO_DEFAULTS,
+            "reward": {**DEMO_DEFAULTS["reward"], "backend": "none", "rule_weight": 1.0},
+        },
     ),
 }
-# The trainer's policy defaults: the embedded task's tiny model (help lists them as defaults).
-DEFAULT_POLICY = {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512}
 # --help lines for TorchPolicyConfig's memory options, whose own comments run to several lines.
 POLICY_HELP = {
     "max_tokens_per_microbatch": (
@@ -121,6 +134,10 @@ class DataConfig:
     # 0 = 128 bytes per token of rollout.engine.max_seq_len - rollout.max_new_tokens.
     max_prompt_bytes: int = 0
     max_image_bytes: int = 32 << 20  # a larger image file is skipped unread (image_too_large)
+    # Keyword arguments of the policy's chat template, e.g. {enable_thinking: false} (Qwen3).
+    # Not passed to the template yet: a non-empty value is refused (preflight) until the
+    # prompt encoder takes it.
+    chat_template_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_at_least("data.prompts_per_rank", self.prompts_per_rank, 1)
@@ -130,6 +147,12 @@ class DataConfig:
         check_at_least("data.max_prompt_bytes", self.max_prompt_bytes, 0)
         check_at_least("data.max_image_bytes", self.max_image_bytes, 1)
         check_split("data", self.path, self.split)
+        kwargs = self.chat_template_kwargs
+        if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
+            raise ValueError(
+                f"data.chat_template_kwargs={kwargs!r}: a mapping of the chat template's "
+                "keyword arguments, e.g. {enable_thinking: false}"
+            )
 
 
 def check_split(section: str, path: str, split: str) -> None:
@@ -148,7 +171,13 @@ class RolloutConfig(rollout.EngineSpec):
 
     samples_per_prompt: int = 8  # GRPO group size n
     temperature: float = 1.0  # sampling temperature; the policy's logprobs use the same
-    max_new_tokens: int = 4  # response length cap
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens of this mass; 1 = off
+    top_k: int = 0  # sample among the k likeliest tokens; 0 = off
+    # min_p and repetition_penalty: no engine adapter passes them yet, so any other value is
+    # refused by name (rollout.EngineSpec.check_sampling) rather than silently ignored.
+    min_p: float = 0.0  # tokens below min_p x the top token's probability dropped; 0 = off
+    repetition_penalty: float = 1.0  # logits of tokens already seen divided by it; 1 = off
+    max_new_tokens: int = 1024  # response length cap (tokens)
     max_sampling_rounds: int = 3  # DAPO dynamic sampling: rollout rounds to fill the batch
     # Dynamic sampling's draw (core.DynamicSampler): prompts per missing group at first, then
     # adapted to the keep rate up to max_oversample (1.0 and 1.0: exactly the missing number).
@@ -167,9 +196,6 @@ class RolloutConfig(rollout.EngineSpec):
     # stream: the groups the abort cut are finished first in the next step, their old tokens
     # and logprobs kept (off-policy by a step: needs loss.rollout_correction); else dropped.
     keep_partial: bool = False
-    engine: rollout.EngineConfig = field(
-        default_factory=lambda: rollout.EngineConfig(max_seq_len=64)
-    )
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the engine: backend, options, sizes
@@ -187,6 +213,7 @@ class RolloutConfig(rollout.EngineSpec):
                 f"{MAX_TEMPERATURE}] (the policy's logprobs divide by it; GRPO needs varied "
                 "samples: 0.6-1.0 is usual)"
             )
+        self.check_sampling_knobs()
         check_at_least("rollout.max_new_tokens", self.max_new_tokens, 1)
         if self.max_new_tokens >= self.engine.max_seq_len:
             raise ValueError(
@@ -228,6 +255,27 @@ class RolloutConfig(rollout.EngineSpec):
                 "rollout.sampling_mode='stream' (rounds abort nothing)"
             )
 
+    def check_sampling_knobs(self) -> None:
+        """top_p, top_k, min_p, repetition_penalty in range, and passed by this backend."""
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p!r}: must be in (0, 1] (1 = off)")
+        check_at_least("rollout.top_k", self.top_k, 0)
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"rollout.min_p={self.min_p!r}: must be in [0, 1) (0 = off)")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
+            raise ValueError(
+                f"rollout.repetition_penalty={self.repetition_penalty!r}: must be in (0, 10] "
+                "(1 = off)"
+            )
+        offs = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        self.check_sampling(
+            {key: getattr(self, key) for key, off in offs.items() if getattr(self, key) != off}
+        )
+
+    def sampling_knobs(self) -> dict[str, Any]:
+        """The rollout's truncation settings as rollout.SamplingParams fields."""
+        return {"top_p": self.top_p, "top_k": self.top_k}
+
     @property
     def max_prompt_tokens(self) -> int:
         """The longest prompt the rollout takes: its context less the response's room."""
@@ -241,13 +289,9 @@ class RewardConfig(genrm.JudgeSpec):
 
     section: ClassVar[str] = "reward"  # errors name reward.backend, reward.votes, ...
 
-    engine: rollout.EngineConfig = field(
-        default_factory=lambda: rollout.EngineConfig(max_seq_len=96, region_prefix="genrm")
-    )
-    judge_dir: str = ""  # the judge's model directory; "" = the embedded task's judge
-    # The judge's prompt (str.format): {prompt}, {response}, {reference} (the row's answer)
-    # and any other column of the data rows.
-    judge_template: str = "{prompt}{response} ref {reference}"
+    # The judge's model directory (a local folder or a Hub id in the HF cache); under task=<name>
+    # "" = the embedded task's judge.
+    judge_dir: str = ""
 
 
 @dataclass(kw_only=True)
@@ -290,6 +334,7 @@ class ExportConfig:
             check_export_name(self.dir)
 
 
+RESOLVED_CONFIG_NAME = "config.yaml"  # the run's resolved config (see RESOLVED_CONFIG)
 # What the trainer writes under out_dir besides the export (embedded tasks, checkpoints,
 # RunLog's metrics, TensorBoard and W&B): an export there would replace or hide them.
 RUN_OUTPUTS = (
@@ -299,6 +344,7 @@ RUN_OUTPUTS = (
     "metrics.jsonl",
     "metrics.png",
     "wandb_run_id",
+    RESOLVED_CONFIG_NAME,
     *(task.folder for task in EMBEDDED_TASKS.values()),
 )
 
@@ -329,9 +375,12 @@ class LogConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    # The embedded task that empty paths point at: "text" (single-digit addition, a tiny LM)
-    # or "vision" (count the dots in 32 x 32 pictures, a tiny Qwen2-VL; sets data.image_key).
-    task: str = "text"
+    # "" (the default once policy.model_dir or data.path is given): your own model and data,
+    # every path required and no demo values. "text" (single-digit addition, a tiny LM and
+    # judge) or "vision" (count the dots in 32 x 32 pictures, a tiny Qwen2-VL): the embedded
+    # demo, its own defaults (lr 2e-3, max_new_tokens 4, ...) and its models for empty paths;
+    # "text" when no path is given at all.
+    task: str = ""
     seed: int = 0  # seeds the data order, the rollouts and the models (0 .. 2**31 - 1)
     num_steps: int = 120  # GRPO steps (0: build the embedded task and stop)
     # Stop (an error naming the cause) after this many steps in a row that updated nothing:
@@ -369,8 +418,11 @@ class TrainConfig:
         check_at_most("seed", self.seed, MAX_SEED, "a signed 32-bit int, as the engines take")
         check_at_least("num_steps", self.num_steps, 0)
         check_at_least("max_idle_steps", self.max_idle_steps, 0)
-        if self.task not in EMBEDDED_TASKS:
-            raise ValueError(f"task={self.task!r}: use one of {tuple(EMBEDDED_TASKS)}")
+        if self.task and self.task not in EMBEDDED_TASKS:
+            raise ValueError(
+                f"task={self.task!r}: use one of {tuple(EMBEDDED_TASKS)} (an embedded demo), "
+                "or '' for your own model and data"
+            )
         if self.data.image_key and self.backend != "torch":
             raise ValueError(
                 f"data.image_key={self.data.image_key!r}: images train with backend='torch' "
@@ -444,6 +496,8 @@ class TrainConfig:
     def _check_embedded_task(self) -> None:
         """What the embedded task (empty paths) can give: its rows' columns to the judge's
         template, a judge model only where it has one."""
+        if not self.task:
+            return
         task = EMBEDDED_TASKS[self.task]
         if not self.data.path:  # the embedded judge is fitted on this template
             unknown = self.reward.template.fields - set(SAMPLE_FIELDS) - set(task.columns)
@@ -475,10 +529,41 @@ class TrainConfig:
 
     @property
     def needs_embedded_task(self) -> bool:
-        """An empty path points at the embedded task: preflight builds it (once per out_dir)."""
+        """An empty path points at the embedded task: preflight builds it (once per out_dir).
+        Never without task=<name>: your own run's empty path is an error (check_own_run)."""
+        if not self.task:
+            return False
         policy_dir = policy_field(self.policy, "model_dir")
         needs_judge = self.uses_judge_model and not self.reward.judge_dir
         return not policy_dir or not self.data.path or needs_judge
+
+    def check_own_run(self, *, should_check_data: bool = True) -> None:
+        """A run of your own model (task=''): every path it needs given, and a reward. No
+        demo model is ever built for an empty path: each is an error naming the field and the
+        ways to fill it. should_check_data=False (--export): the policy's folder only."""
+        if self.task:
+            return
+        demo = "or task=text for the embedded demo"
+        if not policy_field(self.policy, "model_dir"):
+            raise ValueError(
+                "policy.model_dir is empty: give your policy's folder (or a Hub id in the HF "
+                f"cache), {demo}"
+            )
+        if not should_check_data:
+            return
+        if not self.data.path:
+            raise ValueError(
+                "data.path is empty: give your prompts (a JSONL or Parquet file, or a "
+                f"save_to_disk folder), {demo}"
+            )
+        if self.uses_judge_model and not self.reward.judge_dir:
+            raise ValueError(
+                f"no reward: reward.backend={self.reward.backend!r} needs a judge model and "
+                "reward.judge_dir is empty. Give one of: reward.judge_dir=<judge model folder or "
+                "Hub id> (a generative judge); reward.functions=[rewards.py:score] (Python "
+                "reward functions); reward.backend=openai with reward.openai={base_url: "
+                "http://host:8000/v1, model: name} (a served judge)"
+            )
 
     def _checked_policy_fields(self, values: Mapping[str, Any]) -> dict[str, Any]:
         if "temperature" in values:  # one source: rollout and policy can never disagree
@@ -494,7 +579,7 @@ class TrainConfig:
         # Unknown keys and wrong types fail here, naming the backend's config class; the
         # class's own range checks run when preflight builds it.
         # The temperature is added when the class is built (one source: rollout.temperature).
-        values = check_policy_fields(self.backend, {**DEFAULT_POLICY, **values})
+        values = check_policy_fields(self.backend, values)
         if values.get("lr_schedule") == "cosine" and values.get("num_decay_steps") is None:
             # Decay over the whole run: the schedule advances once per optimizer step, of which
             # a step of the run takes loss.num_updates_per_batch (a run of no steps still gets
@@ -559,9 +644,51 @@ def read_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     return config_from_args(args), args
 
 
+# The run's resolved config, written into out_dir when it starts (grpo_setup.save_config):
+# what --resume and --export read when no --config is given.
+RESOLVED_CONFIG = RESOLVED_CONFIG_NAME
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The checked config of parsed arguments: --config's fields, then the overrides."""
-    return build_config(core.read_raw_config(args.config, args.overrides))
+    """The checked config of parsed arguments: --config's fields, then the overrides. With
+    --resume or --export and no --config, the run's own resolved config (out_dir/config.yaml,
+    where the run wrote one) takes --config's place, so the run's model, data and settings
+    are the ones continued or exported."""
+    config_path = args.config
+    if config_path is None and (getattr(args, "resume", False) or getattr(args, "export", False)):
+        out_dir = core.read_raw_config(None, args.overrides).get("out_dir")
+        if out_dir is None:
+            out_dir = TrainConfig.__dataclass_fields__["out_dir"].default
+        saved = PurePath(str(out_dir)) / RESOLVED_CONFIG
+        if os.path.isfile(saved):
+            logger.info("reading the run's config %s (--config replaces it)", saved)
+            config_path = str(saved)
+    return build_config(core.read_raw_config(config_path, args.overrides))
+
+
+def resolved_config_values(cfg: TrainConfig) -> dict[str, Any]:
+    """`cfg` as plain values that build_config reads back to the same config: init fields
+    only, tuples as lists, and the policy without the fields the trainer sets itself."""
+    values = _plain_fields(cfg)
+    policy = values.get("policy")
+    if isinstance(policy, dict):
+        for key in ("temperature", "is_reference"):  # rollout.temperature; loss.kl_coef
+            policy.pop(key, None)
+    return values
+
+
+def _plain_fields(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            item.name: _plain_fields(getattr(value, item.name))
+            for item in fields(value)
+            if item.init
+        }
+    if isinstance(value, Mapping):
+        return {key: _plain_fields(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain_fields(item) for item in value]
+    return value
 
 
 # The package's YAML and override readers, under the names this module always had.
@@ -573,11 +700,40 @@ def build_config(raw: Mapping[str, Any]) -> TrainConfig:
     """A checked TrainConfig from plain values (`raw` is not changed): the embedded task's
     defaults under task=<name> filled in, then every field typed and checked. Paths are kept
     as given (empty ones point at the embedded task): preflight resolves them."""
+    raw = with_task_defaults(raw)
+    raw = with_reward_defaults(raw)
     raw = with_loss_defaults(raw)
-    task_name = raw.get("task", "text")
+    return core.config_from_dict(TrainConfig, raw)
+
+
+def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    section = raw.get(name)
+    return section if isinstance(section, Mapping) else {}
+
+
+def with_task_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """`raw` with its task decided and, under an embedded task, that demo's defaults filled
+    in where `raw` has no value. No task given: "text" (the demo) when no model or data path
+    is given at all, else "" (your own model and data: no demo value, no demo model)."""
+    raw = dict(raw)
+    if "task" not in raw:
+        has_paths = _section(raw, "policy").get("model_dir") or _section(raw, "data").get("path")
+        raw["task"] = "" if has_paths else "text"
+    task_name = raw["task"]
     if isinstance(task_name, str) and task_name in EMBEDDED_TASKS:
         raw = with_defaults(raw, EMBEDDED_TASKS[task_name].defaults)
-    return core.config_from_dict(TrainConfig, raw)
+    return raw
+
+
+def with_reward_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Your own run (task='') whose reward is functions or the rule only: reward.backend
+    defaults to 'none' (no judge model), said in one log line; a given backend is kept."""
+    reward = _section(raw, "reward")
+    has_rules = reward.get("functions") or reward.get("rule_weight")
+    if raw.get("task") or "backend" in reward or reward.get("judge_dir") or not has_rules:
+        return dict(raw)
+    logger.info("reward.functions without reward.judge_dir: reward.backend='none' (no judge model)")
+    return {**raw, "reward": {**reward, "backend": "none"}}
 
 
 def with_loss_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -606,6 +762,15 @@ def with_loss_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
             "engine's own policy; the clip acts on pi / pi_engine)"
         )
         filled["rollout_correction"] = "none"
+    is_dr_grpo = (
+        loss.get("objective") == "dr_grpo" or loss.get("aggregation") == "seq_mean_token_sum_norm"
+    )
+    if is_dr_grpo and loss.get("max_response_tokens") is None:
+        # Dr. GRPO divides by a constant length: the generation budget, which the rollout knows
+        max_new_tokens = _section(raw, "rollout").get("max_new_tokens")
+        if max_new_tokens is None:
+            max_new_tokens = RolloutConfig.__dataclass_fields__["max_new_tokens"].default
+        filled["max_response_tokens"] = max_new_tokens
     return {**raw, "loss": filled}
 
 
@@ -626,22 +791,20 @@ def describe_fields() -> str:
     for line in core.describe_config(core.TorchPolicyConfig, prefix="policy."):
         name, _, rest = line.partition(" = ")
         key = name.removeprefix("policy.")
-        doc = rest.partition("  # ")[2]
         if key in ("temperature", "is_reference"):
             continue  # rollout.temperature is the one source; loss.kl_coef makes a reference
         if key == "model_dir":
-            line = f"{name} = ''  # a local folder or a Hub id in the HF cache; '' = embedded"
+            line = (
+                f"{name} = ''  # a local folder or a Hub id in the HF cache; '' under "
+                "task=text: the embedded demo's"
+            )
         elif key == "num_decay_steps":
             line = (
                 f"{name} = None  # cosine: optimizer steps (warm-up included) to its lowest "
                 "lr; None = num_steps x loss.num_mini_batches x loss.num_epochs"
             )
         elif key in POLICY_HELP:
-            default = DEFAULT_POLICY.get(key, rest.partition("  # ")[0])
-            line = f"{name} = {default if key not in DEFAULT_POLICY else repr(default)}  # "
-            line += POLICY_HELP[key]
-        elif key in DEFAULT_POLICY:
-            line = f"{name} = {DEFAULT_POLICY[key]!r}  # {doc}"
+            line = f"{name} = {rest.partition('  # ')[0]}  # {POLICY_HELP[key]}"
         lines.append(line)
     return (
         "config fields (YAML keys, or key.sub=value overrides; backend=megatron takes "

@@ -42,6 +42,12 @@ def preflight(
     run starting (False) or resuming (True) checks out_dir's checkpoints; None (`--export`,
     a config check) does not. should_check_data=False (`--export`) skips the data's checks.
     Each problem is a ValueError naming the field and the fix."""
+    # Your own run's paths and reward given (task=''), and the data where it says: seconds,
+    # before anything is built (the embedded task's tiny models take minutes).
+    cfg.check_own_run(should_check_data=should_check_data)
+    if should_check_data:
+        check_data_paths(cfg)
+        check_chat_template_kwargs(cfg)
     for name, section in (("rollout", cfg.rollout), ("reward", cfg.reward)):
         check_engine_installed(name, section)
     core.check_wandb(cfg.log.wandb_project)
@@ -53,7 +59,8 @@ def preflight(
     check_export(cfg, model_dir=model_dir or None)
     if should_resume is not None:
         check_checkpoints(cfg.out_dir, should_resume)
-    if cfg.needs_embedded_task:
+    # --export of a given policy (should_check_data=False) needs nothing of the embedded task
+    if cfg.needs_embedded_task and (should_check_data or not model_dir):
         cfg = with_embedded_task(cfg)
     policy = build_policy_config(cfg, policy_field(cfg.policy, "model_dir"))
     cfg = dataclasses.replace(cfg, policy=policy)
@@ -62,6 +69,28 @@ def preflight(
     if cfg.uses_judge_model and should_check_data:
         check_judge_prompt_lengths(cfg)
     return cfg
+
+
+def check_chat_template_kwargs(cfg: TrainConfig) -> None:
+    """data.chat_template_kwargs reach no template yet (the prompt encoder renders without
+    them): refused by name rather than ignored."""
+    if cfg.data.chat_template_kwargs:
+        raise ValueError(
+            f"data.chat_template_kwargs={dict(cfg.data.chat_template_kwargs)!r}: not passed to "
+            "the chat template by this trainer yet; leave it empty (or render the prompts "
+            "with them into data.path)"
+        )
+
+
+def check_data_paths(cfg: TrainConfig) -> None:
+    """data.path and eval.path, where given, exist (a typo is reported now, not after the
+    models load)."""
+    for name, path in (("data.path", cfg.data.path), ("eval.path", cfg.eval.path)):
+        if path and not Path(path).exists():
+            raise ValueError(
+                f"{name}={path!r}: no such file or folder (relative paths start at "
+                f"{str(Path.cwd())!r})"
+            )
 
 
 def check_engine_installed(name: str, section: rollout.EngineSpec) -> None:

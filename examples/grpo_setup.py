@@ -4,6 +4,7 @@
     scorer, exact = make_scorer(cfg.reward, judge_engine)      genrm.build_judge
     rows = load_eval_rows(cfg, runtime, count_tokens)          this rank's held-out prompts
     export_checkpoint(cfg, step)                               `train_grpo.py --export`
+    save_config(cfg)                                           out_dir/config.yaml
 
 Everything here runs once, after grpo_preflight.preflight and before the loop (or instead of
 it, for --export); the loop itself is in train_grpo.py.
@@ -13,11 +14,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from grpo_config import RewardConfig, TrainConfig
+import yaml
+from grpo_config import RESOLVED_CONFIG, RewardConfig, TrainConfig, resolved_config_values
 from grpo_data import row_fields_read_by
 
 from yatt import core, genrm, rollout
@@ -101,6 +104,20 @@ def load_eval_rows(
             {cause: count for cause, count in loader.skipped_by_cause().items() if count},
         )
     return rows
+
+
+def save_config(cfg: TrainConfig) -> Path:
+    """The run's resolved config (paths filled, the policy's class built) as YAML in out_dir,
+    replaced whole (a crash mid-write leaves the old one): what --resume and --export read
+    when no --config is given, and a record of what ran."""
+    out = Path(cfg.out_dir) / RESOLVED_CONFIG
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    text = "# the resolved config of this run (train_grpo.py writes it at start)\n"
+    text += yaml.safe_dump(resolved_config_values(cfg), sort_keys=False, allow_unicode=True)
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, out)
+    return out
 
 
 def export_dir(cfg: TrainConfig) -> Path:

@@ -78,6 +78,7 @@ from grpo_setup import (
     make_scorer,
     required_row_fields,
     row_limits,
+    save_config,
 )
 from grpo_stream import RolloutStream, loaded_prompt, saved_prompt
 
@@ -446,6 +447,8 @@ def main(argv: list[str]) -> int:
         # against the judge's context.
         with core.exit_on_config_error(should_show_traceback=args.traceback):
             cfg = preflight(cfg, should_resume=args.resume)
+        if run_lock is not None:  # rank 0: what ran, and what --resume / --export read
+            save_config(cfg)
     except BaseException:
         if run_lock is not None:
             run_lock.release()
@@ -582,6 +585,7 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             return rollout.SamplingParams(
                 n=cfg.rollout.samples_per_prompt,
                 temperature=cfg.rollout.temperature,
+                **cfg.rollout.sampling_knobs(),  # top_p, top_k
                 max_new_tokens=cfg.rollout.max_new_tokens,
                 seed=seed % 2**31,
                 stop_token_ids=encoder.cut_token_ids,  # a vision-language policy's (else none)

@@ -43,6 +43,7 @@ def embedded(tmp_path_factory) -> list[str]:
     subprocess.run([sys.executable, str(TRAINER), f"out_dir={workdir}", "num_steps=0"], check=True)
     paths = tiny_task.prepare(workdir / "embedded", None)
     return [
+        "task=text",  # the demo's own values (given paths no longer imply them)
         f"policy.model_dir={paths['policy']}",
         f"data.path={paths['prompts']}",
         f"reward.judge_dir={paths['judge']}",
@@ -135,7 +136,8 @@ def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, embedded, full
 
 def _resolved(raw: dict) -> grpo_config.TrainConfig:
     """The config as main runs it: its values checked, then what they point at (preflight)."""
-    return grpo_preflight.preflight(grpo_config.build_config(raw))
+    # the demo's values with the demo's models (given paths no longer imply them)
+    return grpo_preflight.preflight(grpo_config.build_config({"task": "text", **raw}))
 
 
 def _paths(embedded: list[str]) -> dict[str, str]:
@@ -568,7 +570,7 @@ def test_help_lists_every_config_field_and_the_set_is_frozen(trainer):
     names = [line.strip().split(" = ")[0] for line in listed if " = " in line]
     frozen = (ROOT / "tests" / "trainer_config_fields.txt").read_text().split()
     assert names == frozen
-    assert "  policy.lr = 0.002  # AdamW peak learning rate" in result.stdout
+    assert "  policy.lr = 1e-06  # AdamW peak learning rate" in result.stdout
     assert "policy.is_reference" not in result.stdout  # loss.kl_coef > 0 makes the reference
     assert "policy.temperature" not in result.stdout  # rollout.temperature is the one source
     assert "  rollout.samples_per_prompt = 8  # GRPO group size n" in result.stdout
@@ -883,6 +885,7 @@ def test_functions_only_reward_kl_reference_schedule_eval_datasets_and_export(
     policy_dir = _paths(embedded)["policy"]["model_dir"]
     out = tmp_path / "run"
     args = (
+        "task=text",  # the demo's values (lr 2e-3) with its policy
         f"policy.model_dir={policy_dir}",
         f"data.path={folder}",
         "data.split=train",

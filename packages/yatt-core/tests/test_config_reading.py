@@ -182,3 +182,14 @@ def test_a_config_error_is_one_line_and_exit_code_2_unless_traceback_is_asked(ca
         raise ValueError("engine.max_seq_len=0: must be >= 1")
     with pytest.raises(KeyError), exit_on_config_error():  # not a config error: as it is
         raise KeyError("x")
+
+
+@dataclass(kw_only=True)
+class _Optim:
+    betas: tuple[float, float] = (0.9, 0.999)  # YAML writes it as a list
+    phases: tuple[str, ...] | None = None
+
+
+def test_a_yaml_list_given_to_a_tuple_field_is_a_tuple():
+    cfg = config_from_dict(_Optim, load_yaml("betas: [0.8, 0.9]\nphases: [train]\n", "t"))
+    assert cfg.betas == (0.8, 0.9) and cfg.phases == ("train",)

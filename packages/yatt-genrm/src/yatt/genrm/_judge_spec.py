@@ -66,7 +66,10 @@ class JudgeSpec(EngineSpec):
     # The judge: an engine loading judge_dir ("builtin", or "vllm"/"sglang" on a GPU), a served
     # OpenAI-compatible endpoint ("openai", see openai), or "none" (functions only).
     backend: str = "builtin"
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(region_prefix="genrm"))
+    # The judge engine's context holds the template, a prompt and a whole response.
+    engine: EngineConfig = field(
+        default_factory=lambda: EngineConfig(max_seq_len=4096, region_prefix="genrm")
+    )
     judge_dir: str = ""  # the judge's model directory (a local folder or a Hub id in the cache)
     # The judge's prompt (str.format): {prompt}, {response}, {reference} (the row's answer)
     # and any other column of the data rows.

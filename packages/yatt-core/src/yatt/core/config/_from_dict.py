@@ -89,6 +89,8 @@ def coerce_value(value: Any, field_type: Any, dotted: str) -> Any:
     """`value` as the scalar type a field declares (exact conversions only); other types pass."""
     is_union = typing.get_origin(field_type) in (typing.Union, types.UnionType)
     allowed = typing.get_args(field_type) if is_union else (field_type,)
+    if isinstance(value, list) and any(typing.get_origin(t) is tuple for t in allowed):
+        return tuple(value)  # YAML has lists only: a tuple field (betas: [0.9, 0.999]) as typed
     scalars = [t for t in allowed if t in _SCALARS]
     if not scalars or len(scalars) != len([t for t in allowed if t is not type(None)]):
         return value  # not a plain scalar field (dicts, tuples, dataclass unions): as given
