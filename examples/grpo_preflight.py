@@ -23,6 +23,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import torch
 from grpo_config import EMBEDDED_TASKS, RewardConfig, TrainConfig, policy_field
 from grpo_data import check_judge_prompts, prompt_token_counter
 from grpo_prompts import check_takes_images
@@ -45,6 +46,7 @@ def preflight(
     # Your own run's paths and reward given (task=''), and the data where it says: seconds,
     # before anything is built (the embedded task's tiny models take minutes).
     cfg.check_own_run(should_check_data=should_check_data)
+    check_policy_device(cfg.backend)
     if should_check_data:
         check_data_paths(cfg)
         check_chat_template_kwargs(cfg)
@@ -69,6 +71,16 @@ def preflight(
     if cfg.uses_judge_model and should_check_data:
         check_judge_prompt_lengths(cfg)
     return cfg
+
+
+def check_policy_device(backend: str) -> None:
+    """backend=megatron needs CUDA: refused here, before the runtime and its process groups
+    start, instead of when the policy is built."""
+    if backend == "megatron" and not torch.cuda.is_available():
+        raise ValueError(
+            "backend='megatron' needs CUDA (megatron-core calls CUDA directly) and no GPU is "
+            "visible here: use backend=torch on this machine"
+        )
 
 
 def check_chat_template_kwargs(cfg: TrainConfig) -> None:

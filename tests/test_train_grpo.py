@@ -287,18 +287,21 @@ def test_megatron_backend_on_cpu_stops_before_training_with_a_clear_error(
         text=True,
         timeout=300,
     )
-    assert proc.returncode != 0
-    assert "ValueError: MegatronPolicy needs CUDA" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 2  # refused in preflight, before the runtime starts
+    assert "backend='megatron' needs CUDA" in proc.stderr, proc.stderr[-3000:]
     assert not (out / "metrics.jsonl").exists()  # no step ran
 
 
 # The trainer with megatron-core's own modules on CPU, through the core tests' shim (float32,
 # Megatron's non-distributed optimizer, no grad clipping: see _cpu_shim.install_for_policy).
 _MEGATRON_ON_CPU = """
-import runpy, sys
+import os, runpy, sys
 sys.path.insert(0, {shim!r})
 import _cpu_shim
 _cpu_shim.install_for_policy()
+sys.path.insert(0, os.path.dirname({trainer!r}))
+import grpo_preflight
+grpo_preflight.check_policy_device = lambda backend: None  # the shim runs megatron on CPU
 sys.argv = [{trainer!r}, *sys.argv[1:]]
 runpy.run_path({trainer!r}, run_name="__main__")
 """

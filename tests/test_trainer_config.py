@@ -294,3 +294,15 @@ def test_chat_template_kwargs_are_refused_until_the_encoder_takes_them(tmp_path,
     assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
     with pytest.raises(ValueError, match=r"data\.chat_template_kwargs=.*not passed"):
         grpo_preflight.preflight(cfg, should_resume=False)
+
+
+def test_megatron_without_cuda_is_refused_in_preflight(tmp_path, monkeypatch):
+    # issue 49: before the runtime starts (the process groups), not when the policy is built
+    import grpo_preflight
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(grpo_preflight, "with_embedded_task", lambda cfg: 1 / 0)
+    cfg = _read(tmp_path, "backend=megatron")
+    with pytest.raises(ValueError, match=r"backend='megatron' needs CUDA .*backend=torch"):
+        grpo_preflight.preflight(cfg, should_resume=False)
