@@ -68,8 +68,12 @@ def preflight(
     cfg = dataclasses.replace(cfg, policy=policy)
     if cfg.data.image_key:  # an image dataset needs a policy that takes images
         check_takes_images(cfg.policy.model_dir, cfg.data.image_key)
-    if cfg.uses_judge_model and should_check_data:
-        check_judge_prompt_lengths(cfg)
+    if should_check_data and (cfg.uses_judge_model or not cfg.data.image_key):
+        # the data's first rows through the policy's tokenizer: a file whose prompts are all
+        # too long (or all unusable) fails now, naming the fields that set the limit
+        rows = first_data_rows(cfg)
+        if cfg.uses_judge_model:
+            check_judge_prompt_lengths(cfg, rows)
     return cfg
 
 
@@ -216,21 +220,42 @@ def with_embedded_task(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, policy=policy, data=data, eval=eval_, reward=reward)
 
 
-def check_judge_prompt_lengths(cfg: TrainConfig) -> None:
+def first_data_rows(cfg: TrainConfig) -> list[dict]:
+    """The data's first usable rows (the same on every rank), prompts counted by the policy's
+    tokenizer. None usable: a ValueError naming the causes, the prompt limit by its fields."""
+    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
+    limit = cfg.rollout.max_prompt_tokens
+    try:
+        return core.ShardedLoader(
+            cfg.data.path,
+            batch_size=1,
+            prompt_key=cfg.data.prompt_key,
+            should_shuffle=False,
+            max_prompt_tokens=limit,
+            count_tokens=prompt_token_counter(tokenizer, cfg.data.apply_chat_template),
+            required_keys=required_row_fields(cfg),
+            **row_limits(cfg),
+        ).first_rows()
+    except ValueError as exc:
+        message = str(exc)
+        if f"max_prompt_tokens={limit}" not in message:
+            raise
+        # the loader's name for the limit is no config field: say which fields set it
+        fields_ = (
+            f"rollout.engine.max_seq_len - rollout.max_new_tokens = "
+            f"{cfg.rollout.engine.max_seq_len} - {cfg.rollout.max_new_tokens} = {limit} tokens"
+        )
+        raise ValueError(
+            f"data.path={cfg.data.path!r}: "
+            + message.replace(f"max_prompt_tokens={limit}", fields_)
+            + "; raise rollout.engine.max_seq_len or lower rollout.max_new_tokens"
+        ) from None
+
+
+def check_judge_prompt_lengths(cfg: TrainConfig, rows: list[dict]) -> None:
     """The judge's prompt for the data's first usable rows (the same on every rank), rendered
     before any model loads: one that cannot fit the judge's context with a full-length
     response fails here, instead of turning every verdict of the run into an error."""
-    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
-    rows = core.ShardedLoader(
-        cfg.data.path,
-        batch_size=1,
-        prompt_key=cfg.data.prompt_key,
-        should_shuffle=False,
-        max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-        count_tokens=prompt_token_counter(tokenizer, cfg.data.apply_chat_template),
-        required_keys=required_row_fields(cfg),
-        **row_limits(cfg),
-    ).first_rows()
     is_judge_builtin = cfg.reward.backend == "builtin"
     check_judge_prompts(
         cfg.reward.template,

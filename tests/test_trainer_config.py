@@ -306,3 +306,23 @@ def test_megatron_without_cuda_is_refused_in_preflight(tmp_path, monkeypatch):
     cfg = _read(tmp_path, "backend=megatron")
     with pytest.raises(ValueError, match=r"backend='megatron' needs CUDA .*backend=torch"):
         grpo_preflight.preflight(cfg, should_resume=False)
+
+
+def test_prompts_too_long_for_the_rollout_name_the_fields_that_set_the_limit(tmp_path, own_model):
+    import grpo_preflight
+
+    data = tmp_path / "long.jsonl"
+    data.write_text('{"prompt": "%s", "answer": "1"}\n' % ("word " * 200))
+    cfg = _read(
+        tmp_path,
+        f"policy.model_dir={own_model}",
+        f"data.path={data}",
+        "reward.functions=[os.path:join]",
+        "rollout.engine.max_seq_len=64",
+        "rollout.max_new_tokens=4",
+    )
+    with pytest.raises(ValueError) as error:
+        grpo_preflight.preflight(cfg, should_resume=False)
+    message = str(error.value)
+    assert "rollout.engine.max_seq_len - rollout.max_new_tokens = 64 - 4 = 60 tokens" in message
+    assert "max_prompt_tokens" not in message
