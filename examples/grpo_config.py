@@ -2,10 +2,11 @@
 
     cfg, args = read_config(sys.argv[1:])      # args: --resume, --export, --step
 
-`--config run.yaml` gives fields as YAML and `key.sub=value` arguments override them. The whole
-config is built and checked before the runtime, models or engines start: values are typed
-(exact conversions only: YAML reads 1e-3 as a string, which becomes 0.001), ranges checked,
-unknown keys refused with the closest known one. This module only reads values: it opens no
+`--config run.yaml` gives fields as YAML and `key.sub=value` arguments override them (read by
+yatt.core's config family: duplicate keys, malformed files and alias bombs refused by file and
+line; an override's " #" kept as typed). The whole config is built and checked before the
+runtime, models or engines start: values are typed (exact conversions only), every number
+in a range that fits what it controls, unknown keys refused with the closest known one. This module only reads values: it opens no
 file (but --config's), imports no task or reward module and reads no environment. What the
 values point at (folders, reward modules, API keys, installed engines, checkpoints) is
 checked by grpo_preflight.preflight, first in main; empty paths (policy.model_dir, data.path,
@@ -16,30 +17,23 @@ reward.judge_dir, eval.path) point at the embedded task that `task` names ("text
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import logging
 import math
 import os
 import typing
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import PurePath
-from typing import Any
+from typing import Any, ClassVar
 
-import yaml
 from grpo_data import SAMPLE_FIELDS
 
 from yatt import core, genrm, rollout
 from yatt.ckpt import CkptConfig
 
 logger = logging.getLogger("train_grpo")
-ENGINE_CONFIGS = {"vllm": rollout.VLLMConfig, "sglang": rollout.SGLangConfig}
-# Judges: an engine loading reward.judge_dir, a served endpoint, or none (reward functions).
-JUDGE_BACKENDS = ("builtin", "vllm", "sglang", "openai", "none")
-LOCAL_JUDGES = ("builtin", "vllm", "sglang")
-VERDICT_FROM = ("auto", "label_logprobs", "text")  # GenRM's verdict_from values
-# reward.verdict_parser's built-in formats (their fields: reward.verdict_parser_options).
-VERDICT_PARSERS = {"yes_no": genrm.YesNoParser, "score": genrm.ScoreParser}
 EXPORT_DTYPES = ("", "float32", "bfloat16", "float16")
 POLICY_CONFIGS = {"torch": core.TorchPolicyConfig, "megatron": core.MegatronPolicyConfig}
 
@@ -56,18 +50,29 @@ class EmbeddedTask:
     defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
+# The demo's own values (a tiny policy answering single-digit sums in a few tokens), in force
+# only under task=<name>; a run of your own model starts from the defaults of the fields.
+DEMO_DEFAULTS: Mapping[str, Any] = {
+    "policy": {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512},
+    "rollout": {"max_new_tokens": 4, "engine": {"max_seq_len": 64}},
+    "reward": {
+        "engine": {"max_seq_len": 96},
+        "judge_template": "{prompt}{response} ref {reference}",
+    },
+}
 EMBEDDED_TASKS = {
-    "text": EmbeddedTask(folder="embedded", columns=("prompt", "answer")),
+    "text": EmbeddedTask(folder="embedded", columns=("prompt", "answer"), defaults=DEMO_DEFAULTS),
     "vision": EmbeddedTask(
         folder="embedded-vision",
         columns=("prompt", "image", "answer"),
         image_key="image",
         has_judge=False,  # the exact-match rule is the reward
-        defaults={"reward": {"backend": "none", "rule_weight": 1.0}},
+        defaults={
+            **DEMO_DEFAULTS,
+            "reward": {**DEMO_DEFAULTS["reward"], "backend": "none", "rule_weight": 1.0},
+        },
     ),
 }
-# The trainer's policy defaults: the embedded task's tiny model (help lists them as defaults).
-DEFAULT_POLICY = {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 512}
 # --help lines for TorchPolicyConfig's memory options, whose own comments run to several lines.
 POLICY_HELP = {
     "max_tokens_per_microbatch": (
@@ -85,20 +90,17 @@ POLICY_HELP = {
 # Upper bounds on sizes that multiply the run's work; past them a typo (votes=1e9), not a plan.
 # Group sizes in published GRPO/DAPO runs are 4-64 (a few use 256-512): 1024 leaves room.
 MAX_SAMPLES_PER_PROMPT = 1024
-# Each vote is one more judge generation per response; 64 votes already bring the standard
-# error of the averaged verdict to 1/8 of one vote's.
-MAX_VOTES = 64
-# GRPO normalizes rewards within a group, so only the weights' ratios matter; past this a weight
-# is a units mistake, and weight x reward may no longer fit the float32 the batch holds.
-MAX_REWARD_WEIGHT = 1e6
 # Dynamic sampling's draw factor: at 64 prompts per kept group the reward is nearly constant.
 MAX_OVERSAMPLE = 64.0
 ON_UNFILLED = ("train", "error")  # core.DynamicSampler's on_unfilled
 SAMPLING_MODES = ("rounds", "stream")  # core.DynamicSampler's mode
 # Seeds fit a signed 32-bit int: what numpy's legacy seeding, torch and the serving engines take.
 MAX_SEED = 2**31 - 1
-# Tokens a judge may write per verdict; past this a reasoning judge's budget is a typo (1e9).
-MAX_VERDICT_TOKENS = 1 << 16
+# The policy's logprobs divide the logits by the sampling temperature: below this they overflow
+# or every group is greedy (no reward variance, every step skipped); past the top, noise.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 10.0
+# Rollout rounds per step: each is a whole generate + judge; a step of 64 is already stuck.
+MAX_SAMPLING_ROUNDS = 64
 
 
 def check_at_least(name: str, value: float, minimum: float) -> None:
@@ -109,33 +111,6 @@ def check_at_least(name: str, value: float, minimum: float) -> None:
 def check_at_most(name: str, value: float, maximum: float, why: str) -> None:
     if value > maximum:
         raise ValueError(f"{name}={value!r}: must be <= {maximum} ({why})")
-
-
-def check_weight(name: str, value: float) -> None:
-    """A reward weight: finite, and small enough that weight x reward fits float32."""
-    if not math.isfinite(value) or abs(value) > MAX_REWARD_WEIGHT:
-        raise ValueError(
-            f"{name}={value!r}: must be a finite number within +-{MAX_REWARD_WEIGHT:g} (GRPO "
-            "normalizes rewards per group: only the weights' ratios matter)"
-        )
-
-
-def check_engine_backend(name: str, backend: str, options: dict) -> None:
-    """A known engine with options its config knows (preflight checks that it is installed)."""
-    if backend == "builtin":
-        if options:
-            section = name.partition(".")[0]
-            raise ValueError(
-                f"{name}_options={options!r}: only for {name}='vllm' or 'sglang'; the built-in "
-                f"engine takes {section}.engine fields"
-            )
-        return
-    if backend not in ENGINE_CONFIGS:
-        raise ValueError(f"{name}={backend!r}: use 'builtin', 'vllm' or 'sglang'")
-    try:
-        ENGINE_CONFIGS[backend](**options)
-    except TypeError as exc:  # an unknown option
-        raise ValueError(f"{name}_options={options!r}: {exc}") from None
 
 
 @dataclass(kw_only=True)
@@ -159,6 +134,10 @@ class DataConfig:
     # 0 = 128 bytes per token of rollout.engine.max_seq_len - rollout.max_new_tokens.
     max_prompt_bytes: int = 0
     max_image_bytes: int = 32 << 20  # a larger image file is skipped unread (image_too_large)
+    # Keyword arguments of the policy's chat template, e.g. {enable_thinking: false} (Qwen3).
+    # Not passed to the template yet: a non-empty value is refused (preflight) until the
+    # prompt encoder takes it.
+    chat_template_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_at_least("data.prompts_per_rank", self.prompts_per_rank, 1)
@@ -168,6 +147,12 @@ class DataConfig:
         check_at_least("data.max_prompt_bytes", self.max_prompt_bytes, 0)
         check_at_least("data.max_image_bytes", self.max_image_bytes, 1)
         check_split("data", self.path, self.split)
+        kwargs = self.chat_template_kwargs
+        if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
+            raise ValueError(
+                f"data.chat_template_kwargs={kwargs!r}: a mapping of the chat template's "
+                "keyword arguments, e.g. {enable_thinking: false}"
+            )
 
 
 def check_split(section: str, path: str, split: str) -> None:
@@ -178,10 +163,21 @@ def check_split(section: str, path: str, split: str) -> None:
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
+class RolloutConfig(rollout.EngineSpec):
+    """The rollout: its engine (rollout.EngineSpec's backend, engine and backend_options:
+    checked and built by yatt-rollout), GRPO's group size and dynamic sampling."""
+
+    section: ClassVar[str] = "rollout"  # errors name rollout.backend, rollout.engine.*
+
     samples_per_prompt: int = 8  # GRPO group size n
     temperature: float = 1.0  # sampling temperature; the policy's logprobs use the same
-    max_new_tokens: int = 4  # response length cap
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens of this mass; 1 = off
+    top_k: int = 0  # sample among the k likeliest tokens; 0 = off
+    # min_p and repetition_penalty: no engine adapter passes them yet, so any other value is
+    # refused by name (rollout.EngineSpec.check_sampling) rather than silently ignored.
+    min_p: float = 0.0  # tokens below min_p x the top token's probability dropped; 0 = off
+    repetition_penalty: float = 1.0  # logits of tokens already seen divided by it; 1 = off
+    max_new_tokens: int = 1024  # response length cap (tokens)
     max_sampling_rounds: int = 3  # DAPO dynamic sampling: rollout rounds to fill the batch
     # Dynamic sampling's draw (core.DynamicSampler): prompts per missing group at first, then
     # adapted to the keep rate up to max_oversample (1.0 and 1.0: exactly the missing number).
@@ -200,13 +196,9 @@ class RolloutConfig:
     # stream: the groups the abort cut are finished first in the next step, their old tokens
     # and logprobs kept (off-policy by a step: needs loss.rollout_correction); else dropped.
     keep_partial: bool = False
-    backend: str = "builtin"  # "builtin", or "vllm"/"sglang" (GPU; yatt-rollout[vllm|sglang])
-    engine: rollout.EngineConfig = field(
-        default_factory=lambda: rollout.EngineConfig(max_seq_len=64)
-    )
-    backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the engine: backend, options, sizes
         # GRPO's advantage is a sample's reward against its group's: one sample has none.
         check_at_least("rollout.samples_per_prompt", self.samples_per_prompt, 2)
         check_at_most(
@@ -215,9 +207,27 @@ class RolloutConfig:
             MAX_SAMPLES_PER_PROMPT,
             "responses per prompt and step; GRPO groups are 4-64 in practice",
         )
-        check_at_least("rollout.temperature", self.temperature, 0.0)
+        if not MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"rollout.temperature={self.temperature!r}: must be in [{MIN_TEMPERATURE}, "
+                f"{MAX_TEMPERATURE}] (the policy's logprobs divide by it; GRPO needs varied "
+                "samples: 0.6-1.0 is usual)"
+            )
+        self.check_sampling_knobs()
         check_at_least("rollout.max_new_tokens", self.max_new_tokens, 1)
+        if self.max_new_tokens >= self.engine.max_seq_len:
+            raise ValueError(
+                f"rollout.max_new_tokens={self.max_new_tokens} leaves no room for a prompt in "
+                f"rollout.engine.max_seq_len={self.engine.max_seq_len} (prompt + response "
+                "tokens): raise rollout.engine.max_seq_len or lower rollout.max_new_tokens"
+            )
         check_at_least("rollout.max_sampling_rounds", self.max_sampling_rounds, 1)
+        check_at_most(
+            "rollout.max_sampling_rounds",
+            self.max_sampling_rounds,
+            MAX_SAMPLING_ROUNDS,
+            "rollout rounds per step, each a whole generate and judge",
+        )
         check_at_least("rollout.oversample", self.oversample, 1.0)
         check_at_least("rollout.max_oversample", self.max_oversample, self.oversample)
         check_at_most(
@@ -244,7 +254,27 @@ class RolloutConfig:
                 "rollout.keep_partial=True resumes what a stream's abort cut: set "
                 "rollout.sampling_mode='stream' (rounds abort nothing)"
             )
-        check_engine_backend("rollout.backend", self.backend, self.backend_options)
+
+    def check_sampling_knobs(self) -> None:
+        """top_p, top_k, min_p, repetition_penalty in range, and passed by this backend."""
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p!r}: must be in (0, 1] (1 = off)")
+        check_at_least("rollout.top_k", self.top_k, 0)
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"rollout.min_p={self.min_p!r}: must be in [0, 1) (0 = off)")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
+            raise ValueError(
+                f"rollout.repetition_penalty={self.repetition_penalty!r}: must be in (0, 10] "
+                "(1 = off)"
+            )
+        offs = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        self.check_sampling(
+            {key: getattr(self, key) for key, off in offs.items() if getattr(self, key) != off}
+        )
+
+    def sampling_knobs(self) -> dict[str, Any]:
+        """The rollout's truncation settings as rollout.SamplingParams fields."""
+        return {"top_p": self.top_p, "top_k": self.top_k}
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -253,234 +283,15 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True)
-class RewardConfig:
-    judge_dir: str = ""  # the judge's model directory; "" = the embedded task's judge
-    # The judge's prompt (str.format): {prompt}, {response}, {reference} (the row's answer)
-    # and any other column of the data rows.
-    judge_template: str = "{prompt}{response} ref {reference}"
-    votes: int = 1  # judge samples per response, averaged
-    # How a verdict becomes a reward. The judge's last line is its verdict (by default the
-    # label "Yes"/"No", optionally "Verdict: Yes"; see verdict_parser; anything else is
-    # unparsable, counted). "label_logprobs" (yes/no labels only): the reward is 2 P(Yes) - 1
-    # from the judge's probabilities at that label (no text decides); "text": what the parser
-    # reads from the line written (+1/-1 for yes/no); "auto": label_logprobs for a yes/no
-    # parser on an engine that gives them (builtin, vLLM, SGLang), else text.
-    verdict_from: str = "auto"
-    # How the judge's last line becomes a reward: yes_no, score, or a module:name parser.
-    # With "yes_no" 'Yes'/'No' (or 'Verdict: Yes') -> +1/-1; "score": 'Score: N', N in 1..10
-    # -> (N - 1) / 9; "module:name" or "file.py:name": a genrm.VerdictParser (an object with
-    # parse(text) -> float | None), or a callable returning one.
-    verdict_parser: str = "yes_no"
-    # Fields of the yes_no/score parser (genrm.YesNoParser/ScoreParser). E.g. {yes_label:
-    # Correct, no_label: Incorrect} or {low: 0, high: 5}.
-    verdict_parser_options: dict = field(default_factory=dict)
-    # Tokens the judge may write per verdict (4: the label and an end token). A judge that
-    # reasons before its verdict needs room for the reasoning.
-    verdict_max_tokens: int = 4
-    rule_weight: float = 0.0  # weight of an exact-match rule reward added to the judge's
-    # The judge: an engine loading judge_dir ("builtin", or "vllm"/"sglang" on a GPU), a served
-    # OpenAI-compatible endpoint ("openai", see reward.openai), or "none" (functions only).
-    backend: str = "builtin"
-    engine: rollout.EngineConfig = field(
-        default_factory=lambda: rollout.EngineConfig(max_seq_len=96, region_prefix="genrm")
-    )
-    backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
-    # How verdicts are grouped into the judge engine's calls: genrm.BatchingConfig fields
-    # (max_batch_size 32, batch_window_millis 20, max_pending 256, max_inflight_batches 16);
-    # {} = those defaults. Under placement=partial the judge takes responses as they finish:
-    # a longer window makes fewer, larger calls, each step of a large judge reading its
-    # weights for more verdicts. A local judge engine only.
-    batching: dict = field(default_factory=dict)
-    # Python reward functions, "module:fn" or "path/file.py:fn": fn(prompt, response,
-    # reference, row) -> float, or None when it cannot score; added to the judge's reward.
-    # A reward file is Python code that runs, with the trainer's permissions, when it loads.
-    functions: list = field(default_factory=list)
-    function_weights: list = field(default_factory=list)  # one per function; [] = 1.0 each
-    # Seconds one reward function call may take: calls run in a worker process, killed past
-    # this (that sample's verdict is an error, counted; the run goes on). 0 = no limit, calls
-    # in the trainer's process (a call that never returns hangs the run).
-    function_timeout_s: float = 60.0
-    # backend=openai: OpenAIJudgeConfig fields (base_url, model, api_key_env, max_concurrency,
-    # timeout_s, max_retries, extra_body); the key is read from the api_key_env variable.
-    openai: dict = field(default_factory=dict)
+class RewardConfig(genrm.JudgeSpec):
+    """The reward: genrm.JudgeSpec's fields (the judge's backend and engine, template, verdict
+    format, votes, reward functions, rule, endpoint), checked and built by yatt-genrm."""
 
-    def __post_init__(self) -> None:
-        check_at_least("reward.votes", self.votes, 1)
-        check_at_least("reward.function_timeout_s", self.function_timeout_s, 0.0)
-        if not math.isfinite(self.function_timeout_s):
-            raise ValueError(
-                f"reward.function_timeout_s={self.function_timeout_s!r}: seconds, or 0 for no limit"
-            )
-        check_at_most(
-            "reward.votes",
-            self.votes,
-            MAX_VOTES,
-            "judge generations per response; 64 votes already average to 1/8 of one's noise",
-        )
-        check_weight("reward.rule_weight", self.rule_weight)
-        self.check_verdict_format()
-        if self.backend not in JUDGE_BACKENDS:
-            raise ValueError(f"reward.backend={self.backend!r}: use one of {JUDGE_BACKENDS}")
-        if self.verdict_from not in VERDICT_FROM:
-            raise ValueError(
-                f"reward.verdict_from={self.verdict_from!r}: use one of {VERDICT_FROM}"
-            )
-        if self.verdict_from == "label_logprobs" and self.backend not in LOCAL_JUDGES:
-            raise ValueError(
-                f"reward.verdict_from='label_logprobs' reads the judge engine's token "
-                f"probabilities; reward.backend={self.backend!r} gives text only: use 'auto' "
-                "or 'text'"
-            )
-        if self.backend in LOCAL_JUDGES:
-            check_engine_backend("reward.backend", self.backend, self.backend_options)
-        elif self.backend_options:
-            raise ValueError(
-                f"reward.backend_options={self.backend_options!r}: only for reward.backend="
-                f"'vllm' or 'sglang' (the judge engine's options), not {self.backend!r}"
-            )
-        if self.batching and self.backend not in LOCAL_JUDGES:
-            raise ValueError(
-                f"reward.batching={self.batching!r}: groups a local judge engine's calls "
-                f"(reward.backend in {LOCAL_JUDGES}), not {self.backend!r}"
-            )
-        self.batching_config()
-        try:
-            # The judge's prompt, built once here: everyone reads reward.template.
-            self._template = genrm.JudgeTemplate(user=self.judge_template)
-        except ValueError as exc:
-            raise ValueError(f"reward.judge_template={self.judge_template!r}: {exc}") from None
-        self.functions, self.function_weights = check_functions(
-            self.functions, self.function_weights
-        )
-        if self.backend == "openai":
-            self.openai_config()  # the endpoint's fields (preflight reads its key)
-        elif self.openai:
-            raise ValueError(
-                f"reward.openai={self.openai!r}: only for reward.backend='openai' "
-                f"(it is {self.backend!r})"
-            )
-        if self.backend == "none" and not self.functions and not self.rule_weight:
-            raise ValueError(
-                "reward.backend='none' loads no judge: give reward.functions (or "
-                "reward.rule_weight > 0 for the exact-match rule), or a judge backend"
-            )
+    section: ClassVar[str] = "reward"  # errors name reward.backend, reward.votes, ...
 
-    @property
-    def template(self) -> genrm.JudgeTemplate:
-        """The judge's prompt, from reward.judge_template (built once, when checked)."""
-        return self._template
-
-    def check_verdict_format(self) -> None:
-        """reward.verdict_parser, its options and the judge's verdict budget (a "module:name"
-        parser is imported by preflight)."""
-        name, options = self.verdict_parser, self.verdict_parser_options
-        check_at_least("reward.verdict_max_tokens", self.verdict_max_tokens, 1)
-        check_at_most(
-            "reward.verdict_max_tokens",
-            self.verdict_max_tokens,
-            MAX_VERDICT_TOKENS,
-            "tokens the judge writes per verdict",
-        )
-        if not isinstance(options, Mapping):
-            raise ValueError(
-                f"reward.verdict_parser_options={options!r}: a mapping of the parser's fields"
-            )
-        if name in VERDICT_PARSERS:
-            try:
-                VERDICT_PARSERS[name](**options)
-            except (TypeError, ValueError) as exc:  # an unknown field, or a bad value
-                raise ValueError(
-                    f"reward.verdict_parser_options={dict(options)!r}: {exc}"
-                ) from None
-        elif not isinstance(name, str) or not is_object_spec(name):
-            raise ValueError(
-                f"reward.verdict_parser={name!r}: use one of {tuple(VERDICT_PARSERS)}, or "
-                "'module:name' / 'file.py:name' naming a genrm.VerdictParser"
-            )
-        elif options:
-            raise ValueError(
-                f"reward.verdict_parser_options={dict(options)!r}: only for reward."
-                f"verdict_parser in {tuple(VERDICT_PARSERS)}; {name!r} builds its own parser"
-            )
-        if self.verdict_from == "label_logprobs" and name == "score":
-            raise ValueError(
-                f"reward.verdict_from='label_logprobs' reads the probability of a yes/no label; "
-                f"reward.verdict_parser={name!r} writes none: use 'text' or 'auto'"
-            )
-
-    def batching_config(self) -> genrm.BatchingConfig | None:
-        """reward.batching as a genrm.BatchingConfig (None when empty: GenRM's defaults);
-        ValueError naming the field."""
-        if not isinstance(self.batching, Mapping):
-            raise ValueError(
-                f"reward.batching={self.batching!r}: a mapping of genrm.BatchingConfig fields"
-            )
-        if not self.batching:
-            return None
-        try:
-            return genrm.BatchingConfig(**self.batching)
-        except TypeError as exc:  # an unknown field
-            raise ValueError(f"reward.batching={dict(self.batching)!r}: {exc}") from None
-        except ValueError as exc:
-            raise ValueError(f"reward.batching: {exc}") from None
-
-    def openai_config(self) -> genrm.OpenAIJudgeConfig:
-        """The endpoint's config (backend=openai); ValueError naming reward.openai's problem.
-        Its key is read where it is used (preflight checks that it is set)."""
-        if not isinstance(self.openai, Mapping):
-            raise ValueError(
-                f"reward.openai={self.openai!r}: a mapping of OpenAIJudgeConfig fields"
-            )
-        try:
-            return genrm.OpenAIJudgeConfig(**self.openai)
-        except TypeError as exc:  # a missing or unknown field
-            raise ValueError(f"reward.openai={dict(self.openai)!r}: {exc}") from None
-        except ValueError as exc:
-            raise ValueError(f"reward.openai: {exc}") from None
-
-
-def is_object_spec(spec: str) -> bool:
-    """'module:name' or 'path/file.py:name' (dotted names allowed), by its shape alone."""
-    source, sep, attr = spec.rpartition(":")
-    return bool(sep and source and attr) and all(part.isidentifier() for part in attr.split("."))
-
-
-def check_functions(specs: Any, weights: Any) -> tuple[list[str], list[float]]:
-    """reward.functions' specs and their weights (preflight imports the functions)."""
-    if not isinstance(specs, list) or not all(isinstance(spec, str) for spec in specs):
-        raise ValueError(f"reward.functions={specs!r}: a list of 'module:fn' or 'file.py:fn'")
-    if not isinstance(weights, list):
-        raise ValueError(f"reward.function_weights={weights!r}: a list of numbers")
-    weights = [
-        core.coerce_value(weight, float, f"reward.function_weights[{index}]")
-        for index, weight in enumerate(weights)
-    ]
-    for index, weight in enumerate(weights):
-        check_weight(f"reward.function_weights[{index}]", weight)
-    if weights and len(weights) != len(specs):
-        raise ValueError(
-            f"reward.function_weights={weights!r}: one weight per reward.functions entry "
-            f"({len(specs)}), or [] for 1.0 each"
-        )
-    seen: dict[tuple[str, str], str] = {}
-    for spec in specs:
-        key = function_identity(spec)
-        if key in seen:
-            raise ValueError(
-                f"reward.functions={specs!r}: {spec!r} is listed twice (as {seen[key]!r} "
-                "too); list it once and give it a larger weight in reward.function_weights"
-            )
-        seen[key] = spec
-    return specs, weights or [1.0] * len(specs)
-
-
-def function_identity(spec: str) -> tuple[str, str]:
-    """What a 'module:fn' or 'file.py:fn' spec names: a file by its absolute, normalized path
-    (from the text alone), so 'rewards.py:score' and './rewards.py:score' are one function."""
-    source, _, attr = spec.rpartition(":")
-    if source.endswith(".py") or "/" in source:
-        source = os.path.abspath(source)
-    return source, attr
+    # The judge's model directory (a local folder or a Hub id in the HF cache); under task=<name>
+    # "" = the embedded task's judge.
+    judge_dir: str = ""
 
 
 @dataclass(kw_only=True)
@@ -523,6 +334,7 @@ class ExportConfig:
             check_export_name(self.dir)
 
 
+RESOLVED_CONFIG_NAME = "config.yaml"  # the run's resolved config (see RESOLVED_CONFIG)
 # What the trainer writes under out_dir besides the export (embedded tasks, checkpoints,
 # RunLog's metrics, TensorBoard and W&B): an export there would replace or hide them.
 RUN_OUTPUTS = (
@@ -532,6 +344,7 @@ RUN_OUTPUTS = (
     "metrics.jsonl",
     "metrics.png",
     "wandb_run_id",
+    RESOLVED_CONFIG_NAME,
     *(task.folder for task in EMBEDDED_TASKS.values()),
 )
 
@@ -562,9 +375,12 @@ class LogConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    # The embedded task that empty paths point at: "text" (single-digit addition, a tiny LM)
-    # or "vision" (count the dots in 32 x 32 pictures, a tiny Qwen2-VL; sets data.image_key).
-    task: str = "text"
+    # "" (the default once policy.model_dir or data.path is given): your own model and data,
+    # every path required and no demo values. "text" (single-digit addition, a tiny LM and
+    # judge) or "vision" (count the dots in 32 x 32 pictures, a tiny Qwen2-VL): the embedded
+    # demo, its own defaults (lr 2e-3, max_new_tokens 4, ...) and its models for empty paths;
+    # "text" when no path is given at all.
+    task: str = ""
     seed: int = 0  # seeds the data order, the rollouts and the models (0 .. 2**31 - 1)
     num_steps: int = 120  # GRPO steps (0: build the embedded task and stop)
     # Stop (an error naming the cause) after this many steps in a row that updated nothing:
@@ -602,8 +418,11 @@ class TrainConfig:
         check_at_most("seed", self.seed, MAX_SEED, "a signed 32-bit int, as the engines take")
         check_at_least("num_steps", self.num_steps, 0)
         check_at_least("max_idle_steps", self.max_idle_steps, 0)
-        if self.task not in EMBEDDED_TASKS:
-            raise ValueError(f"task={self.task!r}: use one of {tuple(EMBEDDED_TASKS)}")
+        if self.task and self.task not in EMBEDDED_TASKS:
+            raise ValueError(
+                f"task={self.task!r}: use one of {tuple(EMBEDDED_TASKS)} (an embedded demo), "
+                "or '' for your own model and data"
+            )
         if self.data.image_key and self.backend != "torch":
             raise ValueError(
                 f"data.image_key={self.data.image_key!r}: images train with backend='torch' "
@@ -677,6 +496,8 @@ class TrainConfig:
     def _check_embedded_task(self) -> None:
         """What the embedded task (empty paths) can give: its rows' columns to the judge's
         template, a judge model only where it has one."""
+        if not self.task:
+            return
         task = EMBEDDED_TASKS[self.task]
         if not self.data.path:  # the embedded judge is fitted on this template
             unknown = self.reward.template.fields - set(SAMPLE_FIELDS) - set(task.columns)
@@ -695,7 +516,7 @@ class TrainConfig:
     @property
     def uses_judge_model(self) -> bool:
         """The judge is a local model (reward.judge_dir) run by an engine."""
-        return self.reward.backend in LOCAL_JUDGES
+        return self.reward.uses_engine
 
     @property
     def model_parallel_size(self) -> int:
@@ -708,10 +529,41 @@ class TrainConfig:
 
     @property
     def needs_embedded_task(self) -> bool:
-        """An empty path points at the embedded task: preflight builds it (once per out_dir)."""
+        """An empty path points at the embedded task: preflight builds it (once per out_dir).
+        Never without task=<name>: your own run's empty path is an error (check_own_run)."""
+        if not self.task:
+            return False
         policy_dir = policy_field(self.policy, "model_dir")
         needs_judge = self.uses_judge_model and not self.reward.judge_dir
         return not policy_dir or not self.data.path or needs_judge
+
+    def check_own_run(self, *, should_check_data: bool = True) -> None:
+        """A run of your own model (task=''): every path it needs given, and a reward. No
+        demo model is ever built for an empty path: each is an error naming the field and the
+        ways to fill it. should_check_data=False (--export): the policy's folder only."""
+        if self.task:
+            return
+        demo = "or task=text for the embedded demo"
+        if not policy_field(self.policy, "model_dir"):
+            raise ValueError(
+                "policy.model_dir is empty: give your policy's folder (or a Hub id in the HF "
+                f"cache), {demo}"
+            )
+        if not should_check_data:
+            return
+        if not self.data.path:
+            raise ValueError(
+                "data.path is empty: give your prompts (a JSONL or Parquet file, or a "
+                f"save_to_disk folder), {demo}"
+            )
+        if self.uses_judge_model and not self.reward.judge_dir:
+            raise ValueError(
+                f"no reward: reward.backend={self.reward.backend!r} needs a judge model and "
+                "reward.judge_dir is empty. Give one of: reward.judge_dir=<judge model folder or "
+                "Hub id> (a generative judge); reward.functions=[rewards.py:score] (Python "
+                "reward functions); reward.backend=openai with reward.openai={base_url: "
+                "http://host:8000/v1, model: name} (a served judge)"
+            )
 
     def _checked_policy_fields(self, values: Mapping[str, Any]) -> dict[str, Any]:
         if "temperature" in values:  # one source: rollout and policy can never disagree
@@ -727,7 +579,7 @@ class TrainConfig:
         # Unknown keys and wrong types fail here, naming the backend's config class; the
         # class's own range checks run when preflight builds it.
         # The temperature is added when the class is built (one source: rollout.temperature).
-        values = check_policy_fields(self.backend, {**DEFAULT_POLICY, **values})
+        values = check_policy_fields(self.backend, values)
         if values.get("lr_schedule") == "cosine" and values.get("num_decay_steps") is None:
             # Decay over the whole run: the schedule advances once per optimizer step, of which
             # a step of the run takes loss.num_updates_per_batch (a run of no steps still gets
@@ -763,14 +615,13 @@ def check_policy_fields(backend: str, values: Mapping[str, Any]) -> dict[str, An
     return checked
 
 
-def read_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
-    """The config from the command line (see the module doc), and the run's flags: resume,
-    export (write a Hugging Face folder from a checkpoint and stop), step (which one)."""
-    parser = HelpParser(
-        description="Reference GRPO trainer (examples/train_grpo.py)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command line: --config, the overrides, --traceback, and the run's flags: resume,
+    export (write a Hugging Face folder from a checkpoint and stop), step (which one). An
+    argparse error (`--num_steps 5`, told `num_steps=5`) exits 2."""
+    parser = core.ConfigParser(
+        description="Reference GRPO trainer (examples/train_grpo.py)", describe=describe_fields
     )
-    parser.add_argument("--config", help="YAML file of TrainConfig fields")
     parser.add_argument("--resume", action="store_true", help="continue from out_dir's checkpoint")
     parser.add_argument(
         "--export",
@@ -778,95 +629,111 @@ def read_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
         help="write out_dir's newest checkpoint (or --step's) as a Hugging Face folder and stop",
     )
     parser.add_argument("--step", type=int, help="with --export: the checkpoint's step")
-    parser.add_argument("overrides", nargs="*", help="e.g. rollout.temperature=0.7")
-    args = parser.parse_intermixed_args(argv)
+    args = parser.parse(argv)
     if args.step is not None and not args.export:
         parser.error("--step goes with --export")
     if args.export and args.resume:
         parser.error("--export writes a checkpoint out and stops; it does not --resume")
-    raw = {}
-    if args.config:
-        with open(args.config) as f:  # the one file this module reads: the one it is given
-            raw = load_yaml(f.read(), f"--config {args.config}")
-    if not isinstance(raw, dict):
-        raise ValueError(f"--config {args.config}: must hold a mapping of fields, got {raw!r}")
-    for item in args.overrides:
-        raw = with_override(raw, item)
-    return build_config(raw), args
+    return args
 
 
-class HelpParser(argparse.ArgumentParser):
-    """--help ends with every config field; the list is made only when help is shown (it reads
-    the config classes' source for their comments)."""
-
-    def format_help(self) -> str:
-        self.epilog = describe_fields()
-        return super().format_help()
+def read_config(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
+    """The config from the command line (see the module doc) and the parsed flags
+    (parse_args); ValueError naming the field, the file and line, or the override."""
+    args = parse_args(argv)
+    return config_from_args(args), args
 
 
-class UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
-    silently: a second `rollout:` section would drop the first's fields)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        first_lines: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue  # `<<: *base` merges a mapping; its keys may be overridden
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            if not isinstance(key, Hashable):
-                continue  # the safe loader's own error names it
-            if key in first_lines:
-                raise DuplicateKeyError(
-                    f"line {line}: duplicate key {key!r} (first at line {first_lines[key]}); "
-                    "give each key once"
-                )
-            first_lines[key] = line
-        return super().construct_mapping(node, deep=deep)
+# The run's resolved config, written into out_dir when it starts (grpo_setup.save_config):
+# what --resume and --export read when no --config is given.
+RESOLVED_CONFIG = RESOLVED_CONFIG_NAME
 
 
-class DuplicateKeyError(ValueError):
-    """A YAML mapping with a key given twice (not a yaml.YAMLError: never read as plain text)."""
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The checked config of parsed arguments: --config's fields, then the overrides. With
+    --resume or --export and no --config, the run's own resolved config (out_dir/config.yaml,
+    where the run wrote one) takes --config's place, so the run's model, data and settings
+    are the ones continued or exported."""
+    config_path = args.config
+    if config_path is None and (getattr(args, "resume", False) or getattr(args, "export", False)):
+        out_dir = core.read_raw_config(None, args.overrides).get("out_dir")
+        if out_dir is None:
+            out_dir = TrainConfig.__dataclass_fields__["out_dir"].default
+        saved = PurePath(str(out_dir)) / RESOLVED_CONFIG
+        if os.path.isfile(saved):
+            logger.info("reading the run's config %s (--config replaces it)", saved)
+            config_path = str(saved)
+    return build_config(core.read_raw_config(config_path, args.overrides))
 
 
-def load_yaml(text: str, source: str) -> Any:
-    """`text` as YAML; a duplicate key is a ValueError naming `source`, the key and its lines."""
-    try:
-        return yaml.load(text, Loader=UniqueKeyLoader)
-    except DuplicateKeyError as exc:
-        raise ValueError(f"{source}: {exc}") from None
+def resolved_config_values(cfg: TrainConfig) -> dict[str, Any]:
+    """`cfg` as plain values that build_config reads back to the same config: init fields
+    only, tuples as lists, and the policy without the fields the trainer sets itself."""
+    values = _plain_fields(cfg)
+    policy = values.get("policy")
+    if isinstance(policy, dict):
+        for key in ("temperature", "is_reference"):  # rollout.temperature; loss.kl_coef
+            policy.pop(key, None)
+    return values
 
 
-def with_override(raw: dict, item: str) -> dict:
-    """`raw` with one `key.sub=value` override; `raw` is not changed. The value is read as YAML
-    (1e-3, true, [a, b]), or as text where it is not YAML (a template "{prompt}{response}");
-    the field's type then checks it."""
-    dotted, sep, text = item.partition("=")
-    if not sep or not dotted:
-        raise ValueError(f"override {item!r} must look like key.sub=value")
-    key, _, rest = dotted.partition(".")
-    try:
-        value = load_yaml(text, f"override {item!r}")
-    except yaml.YAMLError:
-        value = text
-    if rest:
-        section = raw.get(key) or {}
-        if not isinstance(section, dict):
-            raise ValueError(f"override {item!r}: {key}={section!r} is not a section")
-        value = with_override(section, f"{rest}={text}")
-    return {**raw, key: value}
+def _plain_fields(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            item.name: _plain_fields(getattr(value, item.name))
+            for item in fields(value)
+            if item.init
+        }
+    if isinstance(value, Mapping):
+        return {key: _plain_fields(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain_fields(item) for item in value]
+    return value
+
+
+# The package's YAML and override readers, under the names this module always had.
+load_yaml = core.load_yaml
+with_override = core.with_override
 
 
 def build_config(raw: Mapping[str, Any]) -> TrainConfig:
     """A checked TrainConfig from plain values (`raw` is not changed): the embedded task's
     defaults under task=<name> filled in, then every field typed and checked. Paths are kept
     as given (empty ones point at the embedded task): preflight resolves them."""
+    raw = with_task_defaults(raw)
+    raw = with_reward_defaults(raw)
     raw = with_loss_defaults(raw)
-    task_name = raw.get("task", "text")
+    return core.config_from_dict(TrainConfig, raw)
+
+
+def _section(raw: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    section = raw.get(name)
+    return section if isinstance(section, Mapping) else {}
+
+
+def with_task_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """`raw` with its task decided and, under an embedded task, that demo's defaults filled
+    in where `raw` has no value. No task given: "text" (the demo) when no model or data path
+    is given at all, else "" (your own model and data: no demo value, no demo model)."""
+    raw = dict(raw)
+    if "task" not in raw:
+        has_paths = _section(raw, "policy").get("model_dir") or _section(raw, "data").get("path")
+        raw["task"] = "" if has_paths else "text"
+    task_name = raw["task"]
     if isinstance(task_name, str) and task_name in EMBEDDED_TASKS:
         raw = with_defaults(raw, EMBEDDED_TASKS[task_name].defaults)
-    return core.config_from_dict(TrainConfig, raw)
+    return raw
+
+
+def with_reward_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Your own run (task='') whose reward is functions or the rule only: reward.backend
+    defaults to 'none' (no judge model), said in one log line; a given backend is kept."""
+    reward = _section(raw, "reward")
+    has_rules = reward.get("functions") or reward.get("rule_weight")
+    if raw.get("task") or "backend" in reward or reward.get("judge_dir") or not has_rules:
+        return dict(raw)
+    logger.info("reward.functions without reward.judge_dir: reward.backend='none' (no judge model)")
+    return {**raw, "reward": {**reward, "backend": "none"}}
 
 
 def with_loss_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -895,6 +762,15 @@ def with_loss_defaults(raw: Mapping[str, Any]) -> dict[str, Any]:
             "engine's own policy; the clip acts on pi / pi_engine)"
         )
         filled["rollout_correction"] = "none"
+    is_dr_grpo = (
+        loss.get("objective") == "dr_grpo" or loss.get("aggregation") == "seq_mean_token_sum_norm"
+    )
+    if is_dr_grpo and loss.get("max_response_tokens") is None:
+        # Dr. GRPO divides by a constant length: the generation budget, which the rollout knows
+        max_new_tokens = _section(raw, "rollout").get("max_new_tokens")
+        if max_new_tokens is None:
+            max_new_tokens = RolloutConfig.__dataclass_fields__["max_new_tokens"].default
+        filled["max_response_tokens"] = max_new_tokens
     return {**raw, "loss": filled}
 
 
@@ -915,22 +791,20 @@ def describe_fields() -> str:
     for line in core.describe_config(core.TorchPolicyConfig, prefix="policy."):
         name, _, rest = line.partition(" = ")
         key = name.removeprefix("policy.")
-        doc = rest.partition("  # ")[2]
         if key in ("temperature", "is_reference"):
             continue  # rollout.temperature is the one source; loss.kl_coef makes a reference
         if key == "model_dir":
-            line = f"{name} = ''  # a local folder or a Hub id in the HF cache; '' = embedded"
+            line = (
+                f"{name} = ''  # a local folder or a Hub id in the HF cache; '' under "
+                "task=text: the embedded demo's"
+            )
         elif key == "num_decay_steps":
             line = (
                 f"{name} = None  # cosine: optimizer steps (warm-up included) to its lowest "
                 "lr; None = num_steps x loss.num_mini_batches x loss.num_epochs"
             )
         elif key in POLICY_HELP:
-            default = DEFAULT_POLICY.get(key, rest.partition("  # ")[0])
-            line = f"{name} = {default if key not in DEFAULT_POLICY else repr(default)}  # "
-            line += POLICY_HELP[key]
-        elif key in DEFAULT_POLICY:
-            line = f"{name} = {DEFAULT_POLICY[key]!r}  # {doc}"
+            line = f"{name} = {rest.partition('  # ')[0]}  # {POLICY_HELP[key]}"
         lines.append(line)
     return (
         "config fields (YAML keys, or key.sub=value overrides; backend=megatron takes "

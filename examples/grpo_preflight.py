@@ -20,24 +20,17 @@ class; run it once per config (main does).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 from pathlib import Path
 
-from grpo_config import (
-    EMBEDDED_TASKS,
-    ENGINE_CONFIGS,
-    RewardConfig,
-    RolloutConfig,
-    TrainConfig,
-    policy_field,
-)
+import torch
+from grpo_config import EMBEDDED_TASKS, RewardConfig, TrainConfig, policy_field
 from grpo_data import check_judge_prompts, prompt_token_counter
 from grpo_prompts import check_takes_images
-from grpo_setup import required_row_fields, row_limits, verdict_parser
+from grpo_setup import required_row_fields, row_limits
 from transformers import AutoTokenizer
 
-from yatt import core, genrm
+from yatt import core, genrm, rollout
 from yatt.ckpt import Checkpointer
 
 logger = logging.getLogger("train_grpo")
@@ -50,6 +43,13 @@ def preflight(
     run starting (False) or resuming (True) checks out_dir's checkpoints; None (`--export`,
     a config check) does not. should_check_data=False (`--export`) skips the data's checks.
     Each problem is a ValueError naming the field and the fix."""
+    # Your own run's paths and reward given (task=''), and the data where it says: seconds,
+    # before anything is built (the embedded task's tiny models take minutes).
+    cfg.check_own_run(should_check_data=should_check_data)
+    check_policy_device(cfg.backend)
+    if should_check_data:
+        check_data_paths(cfg)
+        check_chat_template_kwargs(cfg)
     for name, section in (("rollout", cfg.rollout), ("reward", cfg.reward)):
         check_engine_installed(name, section)
     core.check_wandb(cfg.log.wandb_project)
@@ -61,46 +61,63 @@ def preflight(
     check_export(cfg, model_dir=model_dir or None)
     if should_resume is not None:
         check_checkpoints(cfg.out_dir, should_resume)
-    if cfg.needs_embedded_task:
+    # --export of a given policy (should_check_data=False) needs nothing of the embedded task
+    if cfg.needs_embedded_task and (should_check_data or not model_dir):
         cfg = with_embedded_task(cfg)
     policy = build_policy_config(cfg, policy_field(cfg.policy, "model_dir"))
     cfg = dataclasses.replace(cfg, policy=policy)
     if cfg.data.image_key:  # an image dataset needs a policy that takes images
         check_takes_images(cfg.policy.model_dir, cfg.data.image_key)
-    if cfg.uses_judge_model and should_check_data:
-        check_judge_prompt_lengths(cfg)
+    if should_check_data and (cfg.uses_judge_model or not cfg.data.image_key):
+        # the data's first rows through the policy's tokenizer: a file whose prompts are all
+        # too long (or all unusable) fails now, naming the fields that set the limit
+        rows = first_data_rows(cfg)
+        if cfg.uses_judge_model:
+            check_judge_prompt_lengths(cfg, rows)
     return cfg
 
 
-def check_engine_installed(name: str, section: RolloutConfig | RewardConfig) -> None:
-    """A vLLM/SGLang engine the section names is installed (the built-in one always is)."""
-    backend = section.backend
-    if backend in ENGINE_CONFIGS and importlib.util.find_spec(backend) is None:
+def check_policy_device(backend: str) -> None:
+    """backend=megatron needs CUDA: refused here, before the runtime and its process groups
+    start, instead of when the policy is built."""
+    if backend == "megatron" and not torch.cuda.is_available():
         raise ValueError(
-            f"{name}.backend={backend!r} needs {backend}: pip install 'yatt-rollout[{backend}]'"
+            "backend='megatron' needs CUDA (megatron-core calls CUDA directly) and no GPU is "
+            "visible here: use backend=torch on this machine"
         )
+
+
+def check_chat_template_kwargs(cfg: TrainConfig) -> None:
+    """data.chat_template_kwargs reach no template yet (the prompt encoder renders without
+    them): refused by name rather than ignored."""
+    if cfg.data.chat_template_kwargs:
+        raise ValueError(
+            f"data.chat_template_kwargs={dict(cfg.data.chat_template_kwargs)!r}: not passed to "
+            "the chat template by this trainer yet; leave it empty (or render the prompts "
+            "with them into data.path)"
+        )
+
+
+def check_data_paths(cfg: TrainConfig) -> None:
+    """data.path and eval.path, where given, exist (a typo is reported now, not after the
+    models load)."""
+    for name, path in (("data.path", cfg.data.path), ("eval.path", cfg.eval.path)):
+        if path and not Path(path).exists():
+            raise ValueError(
+                f"{name}={path!r}: no such file or folder (relative paths start at "
+                f"{str(Path.cwd())!r})"
+            )
+
+
+def check_engine_installed(name: str, section: rollout.EngineSpec) -> None:
+    """A vLLM/SGLang engine the section names is installed (the built-in one always is)."""
+    section.check_installed()
 
 
 def check_reward(reward: RewardConfig) -> None:
-    """The reward's code and keys: each reward function loaded once (its module imports, its
-    signature fits), the verdict parser built, the endpoint's API key set."""
-    for spec in reward.functions:
-        try:
-            genrm.load_reward_function(spec)
-        except ValueError as exc:
-            raise ValueError(f"reward.functions: {exc}") from None
-    parser = verdict_parser(reward)
-    if reward.verdict_from == "label_logprobs" and not isinstance(parser, genrm.YesNoParser):
-        raise ValueError(
-            f"reward.verdict_from='label_logprobs' reads the probability of a yes/no label; "
-            f"reward.verdict_parser={reward.verdict_parser!r} is a {type(parser).__name__}: "
-            "use 'text' or 'auto'"
-        )
-    if reward.backend == "openai":
-        try:
-            reward.openai_config().read_api_key()
-        except ValueError as exc:
-            raise ValueError(f"reward.openai: {exc}") from None
+    """The reward's code and keys (genrm.check_judge_resources): each reward function loaded
+    once, the verdict parser built, the endpoint's API key set."""
+    genrm.check_judge_resources(reward)
 
 
 def with_local_paths(cfg: TrainConfig) -> TrainConfig:
@@ -203,21 +220,42 @@ def with_embedded_task(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, policy=policy, data=data, eval=eval_, reward=reward)
 
 
-def check_judge_prompt_lengths(cfg: TrainConfig) -> None:
+def first_data_rows(cfg: TrainConfig) -> list[dict]:
+    """The data's first usable rows (the same on every rank), prompts counted by the policy's
+    tokenizer. None usable: a ValueError naming the causes, the prompt limit by its fields."""
+    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
+    limit = cfg.rollout.max_prompt_tokens
+    try:
+        return core.ShardedLoader(
+            cfg.data.path,
+            batch_size=1,
+            prompt_key=cfg.data.prompt_key,
+            should_shuffle=False,
+            max_prompt_tokens=limit,
+            count_tokens=prompt_token_counter(tokenizer, cfg.data.apply_chat_template),
+            required_keys=required_row_fields(cfg),
+            **row_limits(cfg),
+        ).first_rows()
+    except ValueError as exc:
+        message = str(exc)
+        if f"max_prompt_tokens={limit}" not in message:
+            raise
+        # the loader's name for the limit is no config field: say which fields set it
+        fields_ = (
+            f"rollout.engine.max_seq_len - rollout.max_new_tokens = "
+            f"{cfg.rollout.engine.max_seq_len} - {cfg.rollout.max_new_tokens} = {limit} tokens"
+        )
+        raise ValueError(
+            f"data.path={cfg.data.path!r}: "
+            + message.replace(f"max_prompt_tokens={limit}", fields_)
+            + "; raise rollout.engine.max_seq_len or lower rollout.max_new_tokens"
+        ) from None
+
+
+def check_judge_prompt_lengths(cfg: TrainConfig, rows: list[dict]) -> None:
     """The judge's prompt for the data's first usable rows (the same on every rank), rendered
     before any model loads: one that cannot fit the judge's context with a full-length
     response fails here, instead of turning every verdict of the run into an error."""
-    tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
-    rows = core.ShardedLoader(
-        cfg.data.path,
-        batch_size=1,
-        prompt_key=cfg.data.prompt_key,
-        should_shuffle=False,
-        max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-        count_tokens=prompt_token_counter(tokenizer, cfg.data.apply_chat_template),
-        required_keys=required_row_fields(cfg),
-        **row_limits(cfg),
-    ).first_rows()
     is_judge_builtin = cfg.reward.backend == "builtin"
     check_judge_prompts(
         cfg.reward.template,

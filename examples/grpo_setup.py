@@ -1,10 +1,10 @@
 """The reference trainer's setup: engines, the reward, held-out rows, start checks, export.
 
-    engine = make_engine(cfg.rollout, model_dir, device)       built-in, vLLM or SGLang
-    scorer, exact = make_scorer(cfg.reward, judge_engine)      judge (+ functions, + rule)
-    parser = verdict_parser(cfg.reward)                        the judge's verdict format
+    engine = make_engine(cfg.rollout, model_dir, device)       rollout.build_engine
+    scorer, exact = make_scorer(cfg.reward, judge_engine)      genrm.build_judge
     rows = load_eval_rows(cfg, runtime, count_tokens)          this rank's held-out prompts
     export_checkpoint(cfg, step)                               `train_grpo.py --export`
+    save_config(cfg)                                           out_dir/config.yaml
 
 Everything here runs once, after grpo_preflight.preflight and before the loop (or instead of
 it, for --export); the loop itself is in train_grpo.py.
@@ -12,156 +12,42 @@ it, for --export); the loop itself is in train_grpo.py.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import math
-import sys
+import os
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from grpo_config import (
-    ENGINE_CONFIGS,
-    LOCAL_JUDGES,
-    VERDICT_PARSERS,
-    RewardConfig,
-    RolloutConfig,
-    TrainConfig,
-)
+import yaml
+from grpo_config import RESOLVED_CONFIG, RewardConfig, TrainConfig, resolved_config_values
 from grpo_data import row_fields_read_by
 
 from yatt import core, genrm, rollout
 from yatt.ckpt import Checkpointer, acquire_run_lock
 
 logger = logging.getLogger("train_grpo")
-ENGINES = {"vllm": rollout.VLLMEngine, "sglang": rollout.SGLangEngine}
 
 
 def make_engine(
-    section: RolloutConfig | RewardConfig,
+    section: rollout.EngineSpec,
     model_dir: str,
     device: str,
     *,
     policy_tp_size: int | None = None,
 ):
-    """The policy's or the judge's engine: built-in by default, vLLM or SGLang by config (its
-    backend and options were checked when the config was built). policy_tp_size (the policy's
-    engine only: the ranks sharing a batch, the runtime's tp_size): a vLLM/SGLang engine's
-    tensor-parallel size must equal it, checked before its model loads (the built-in engine
-    serves one rank)."""
-    if section.backend == "builtin":
-        return rollout.BuiltinEngine(model_dir, config=replace(section.engine, device=device))
-    config = ENGINE_CONFIGS[section.backend](**section.backend_options)
-    return ENGINES[section.backend](model_dir, config=config, policy_tp_size=policy_tp_size)
+    """The policy's (cfg.rollout) or the judge's (cfg.reward) engine: rollout.build_engine.
+    policy_tp_size (the policy's engine only: the runtime's tp_size) is checked against a
+    vLLM/SGLang engine's tensor-parallel size before its model loads."""
+    return rollout.build_engine(section, model_dir, device=device, policy_tp_size=policy_tp_size)
 
 
 def make_scorer(
     reward: RewardConfig, judge_engine, closeables: list[Any] | None = None
 ) -> tuple[Any, genrm.ExactMatch]:
-    """The reward: the judge's verdict, read from its last line by reward.verdict_parser (the
-    default yes/no: in [-1, 1], 2 P(Yes) - 1 from a local engine's label probabilities, +1/-1
-    from the text; a local engine, a served endpoint, or none), plus the reward functions and,
-    when rule_weight > 0, an exact-match rule. The exact match is also the accuracy metric's
-    ground truth. What owns threads goes into `closeables` (the judge engine is the caller's)."""
-    sampling = rollout.SamplingParams(
-        temperature=float(reward.votes > 1), max_new_tokens=reward.verdict_max_tokens
-    )
-    judge: Any = None
-    if reward.backend in LOCAL_JUDGES:
-        # The declared verdict: the judge's last line (the embedded judge answers "Yes"/"No"
-        # alone, that line); a yes/no label's probability there is the reward unless "text".
-        judge = genrm.GenRM(
-            judge_engine,
-            template=reward.template,
-            parser=verdict_parser(reward),
-            verdict_from=reward.verdict_from,
-            votes=reward.votes,
-            sampling=sampling,
-            batching=reward.batching_config(),
-        )
-    elif reward.backend == "openai":
-        judge = genrm.OpenAIJudge(
-            reward.openai_config(),
-            template=reward.template,
-            parser=verdict_parser(reward),
-            votes=reward.votes,
-            sampling=sampling,
-        )
-        judge.check_endpoint()  # unreachable, refused key, unknown model: fail before training
-    exact = genrm.ExactMatch()
-    rules: list[tuple[Any, float]] = load_functions(reward)
-    owned = [function for function, _ in rules]
-    if reward.rule_weight:
-        rules.append((exact, reward.rule_weight))
-    scorer = genrm.CombinedRM(judge, rules) if rules else judge
-    if rules:
-        owned.append(scorer)
-    if closeables is not None:
-        closeables.extend(owned)
-    return scorer, exact
-
-
-def load_functions(reward: RewardConfig) -> list[tuple[genrm.RewardFunction, float]]:
-    """reward.functions, each with its weight; they own worker processes: close() them."""
-    timeout_s = reward.function_timeout_s or None
-    return [
-        (genrm.load_reward_function(spec, timeout_s=timeout_s), weight)
-        for spec, weight in zip(reward.functions, reward.function_weights, strict=True)
-    ]
-
-
-def verdict_parser(reward: RewardConfig) -> genrm.VerdictParser:
-    """reward.verdict_parser: a built-in format with reward.verdict_parser_options, or the
-    object a "module:name" / "file.py:name" spec names (a parser, or a callable making one)."""
-    name = reward.verdict_parser
-    if name in VERDICT_PARSERS:
-        return VERDICT_PARSERS[name](**reward.verdict_parser_options)
-    parser = load_object(name, field="reward.verdict_parser")
-    if isinstance(parser, type) or (callable(parser) and not hasattr(parser, "parse")):
-        parser = parser()  # a class or a factory: the parser it makes
-    if not callable(getattr(parser, "parse", None)):
-        raise ValueError(
-            f"reward.verdict_parser={name!r} gives a {type(parser).__name__}, not a verdict "
-            "parser: name an object with parse(text) -> float | None (genrm.VerdictParser), "
-            "or a callable returning one"
-        )
-    return parser
-
-
-def load_object(spec: str, *, field: str) -> Any:
-    """The object at "module:name" (imported) or "path/file.py:name" (run once per process,
-    as the module of its file's name); `name` may be dotted. ValueError naming `field`."""
-    source, _, attr = spec.rpartition(":")
-    try:
-        if source.endswith(".py") or "/" in source:
-            path = Path(source).expanduser().resolve()
-            module_name = f"_yatt_verdict_parser_{path.stem}"
-            module = sys.modules.get(module_name)
-            if module is None:
-                if not path.is_file():
-                    raise ValueError(f"no such file {str(path)!r}")
-                file_spec = importlib.util.spec_from_file_location(module_name, path)
-                module = importlib.util.module_from_spec(file_spec)
-                sys.modules[module_name] = module
-                try:
-                    file_spec.loader.exec_module(module)
-                except BaseException:
-                    del sys.modules[module_name]
-                    raise
-        else:
-            module = importlib.import_module(source)
-        found: Any = module
-        for part in attr.split("."):
-            found = getattr(found, part)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"{field}={spec!r}: {exc}") from None
-    except (Exception, SystemExit) as exc:  # the module's own code failed while loading
-        raise ValueError(
-            f"{field}={spec!r}: loading it failed ({type(exc).__name__}: {exc})"
-        ) from None
-    return found
+    """The reward (judge + functions + rule) and the exact match behind the accuracy metric:
+    genrm.build_judge; what owns threads or processes goes into `closeables`."""
+    return genrm.build_judge(reward, judge_engine, closeables)
 
 
 def required_row_fields(cfg: TrainConfig) -> list[str]:
@@ -218,6 +104,20 @@ def load_eval_rows(
             {cause: count for cause, count in loader.skipped_by_cause().items() if count},
         )
     return rows
+
+
+def save_config(cfg: TrainConfig) -> Path:
+    """The run's resolved config (paths filled, the policy's class built) as YAML in out_dir,
+    replaced whole (a crash mid-write leaves the old one): what --resume and --export read
+    when no --config is given, and a record of what ran."""
+    out = Path(cfg.out_dir) / RESOLVED_CONFIG
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    text = "# the resolved config of this run (train_grpo.py writes it at start)\n"
+    text += yaml.safe_dump(resolved_config_values(cfg), sort_keys=False, allow_unicode=True)
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, out)
+    return out
 
 
 def export_dir(cfg: TrainConfig) -> Path:

@@ -84,7 +84,7 @@ from yatt.ckpt import (
 from yatt.placement import PendingLoad, Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from grpo_config import DataConfig, TrainConfig, read_config
+from grpo_config import DataConfig, TrainConfig, config_from_args, parse_args
 from grpo_data import Scored, judge_sample
 from grpo_metrics import StepStats, VerdictWarnings, check_verdicts, eval_metrics, summarize
 from grpo_preflight import preflight
@@ -97,6 +97,7 @@ from grpo_setup import (
     make_scorer,
     required_row_fields,
     row_limits,
+    save_config,
 )
 from grpo_stream import loaded_prompt, saved_prompt
 
@@ -342,6 +343,7 @@ class RolloutContext:
         return rollout.SamplingParams(
             n=cfg.rollout.samples_per_prompt,
             temperature=cfg.rollout.temperature,
+            **cfg.rollout.sampling_knobs(),  # top_p, top_k
             max_new_tokens=cfg.rollout.max_new_tokens,
             seed=derived_seed(cfg.seed, self.runtime.dp_rank * 10_007, step * 101, num_round),
             stop_token_ids=self.encoder.cut_token_ids,  # a vision-language policy's (else none)
@@ -653,10 +655,14 @@ def main(argv: list[str]) -> int:
     (SIGTERM, SIGINT, SIGUSR1) ended the run after its final save."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     transformers.utils.logging.disable_progress_bar()  # one bar: the run's
-    cfg, args = read_config(argv)  # the values, typed and checked
-    if args.export:  # the policy's folder checked (built, for the embedded task), then export
-        export_checkpoint(preflight(cfg, should_check_data=False), args.step)
-        return 0
+    args = parse_args(argv)
+    # A config or preflight error is one line naming the field and the fix, exit code 2
+    # (--traceback shows where it was raised).
+    with core.exit_on_config_error(should_show_traceback=args.traceback):
+        cfg = config_from_args(args)  # the values, typed and checked
+        if args.export:  # the policy's folder checked (built, for the embedded task), then export
+            export_checkpoint(preflight(cfg, should_check_data=False), args.step)
+            return 0
     # One run per out_dir: global rank 0 (RANK, set by torchrun) holds the lock until the
     # process exits; a second run fails here, naming this one, before anything loads.
     run_lock: RunLock | None = None
@@ -666,7 +672,10 @@ def main(argv: list[str]) -> int:
         # What the values point at, before any model loads: paths filled (the embedded task
         # built when asked for), reward code and keys, checkpoints against --resume, the data
         # against the judge's context.
-        cfg = preflight(cfg, should_resume=args.resume)
+        with core.exit_on_config_error(should_show_traceback=args.traceback):
+            cfg = preflight(cfg, should_resume=args.resume)
+        if run_lock is not None:  # rank 0: what ran, and what --resume / --export read
+            save_config(cfg)
     except BaseException:
         if run_lock is not None:
             run_lock.release()

@@ -43,6 +43,7 @@ def embedded(tmp_path_factory) -> list[str]:
     subprocess.run([sys.executable, str(TRAINER), f"out_dir={workdir}", "num_steps=0"], check=True)
     paths = tiny_task.prepare(workdir / "embedded", None)
     return [
+        "task=text",  # the demo's own values (given paths no longer imply them)
         f"policy.model_dir={paths['policy']}",
         f"data.path={paths['prompts']}",
         f"reward.judge_dir={paths['judge']}",
@@ -135,7 +136,8 @@ def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, embedded, full
 
 def _resolved(raw: dict) -> grpo_config.TrainConfig:
     """The config as main runs it: its values checked, then what they point at (preflight)."""
-    return grpo_preflight.preflight(grpo_config.build_config(raw))
+    # the demo's values with the demo's models (given paths no longer imply them)
+    return grpo_preflight.preflight(grpo_config.build_config({"task": "text", **raw}))
 
 
 def _paths(embedded: list[str]) -> dict[str, str]:
@@ -161,6 +163,8 @@ def test_shipped_configs_use_only_known_keys(config, embedded, monkeypatch):
         "find_spec",
         lambda name, *a: object() if name in ("vllm", "sglang") else find_spec(name, *a),
     )
+    # backend=megatron needs CUDA (preflight refuses it here): its keys are still checked
+    monkeypatch.setattr(grpo_preflight, "check_policy_device", lambda backend: None)
     raw = yaml.safe_load(config.read_text())
     paths = _paths(embedded)
     for section, values in paths.items():  # the real paths of the GPU configs do not exist here
@@ -223,8 +227,10 @@ def test_placement_and_offload_are_checked_before_anything_loads(key, value):
         grpo_config.TrainConfig(policy={}, **{key: value})
 
 
-def test_policy_fields_are_checked_against_the_backends_config(embedded):
+def test_policy_fields_are_checked_against_the_backends_config(embedded, monkeypatch):
     model_dir = _paths(embedded)["policy"]["model_dir"]
+    # backend=megatron needs CUDA (preflight refuses it here): its fields are still checked
+    monkeypatch.setattr(grpo_preflight, "check_policy_device", lambda backend: None)
 
     def build(raw: dict):
         return _resolved({**_paths(embedded), **raw})
@@ -285,18 +291,21 @@ def test_megatron_backend_on_cpu_stops_before_training_with_a_clear_error(
         text=True,
         timeout=300,
     )
-    assert proc.returncode != 0
-    assert "ValueError: MegatronPolicy needs CUDA" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 2  # refused in preflight, before the runtime starts
+    assert "backend='megatron' needs CUDA" in proc.stderr, proc.stderr[-3000:]
     assert not (out / "metrics.jsonl").exists()  # no step ran
 
 
 # The trainer with megatron-core's own modules on CPU, through the core tests' shim (float32,
 # Megatron's non-distributed optimizer, no grad clipping: see _cpu_shim.install_for_policy).
 _MEGATRON_ON_CPU = """
-import runpy, sys
+import os, runpy, sys
 sys.path.insert(0, {shim!r})
 import _cpu_shim
 _cpu_shim.install_for_policy()
+sys.path.insert(0, os.path.dirname({trainer!r}))
+import grpo_preflight
+grpo_preflight.check_policy_device = lambda backend: None  # the shim runs megatron on CPU
 sys.argv = [{trainer!r}, *sys.argv[1:]]
 runpy.run_path({trainer!r}, run_name="__main__")
 """
@@ -567,12 +576,12 @@ def test_help_lists_every_config_field_and_the_set_is_frozen(trainer):
     )
     assert result.returncode == 0
     flags = set(re.findall(r"--[a-z-]+", result.stdout.split("config fields", 1)[0]))
-    assert flags == {"--help", "--config", "--resume", "--export", "--step"}
+    assert flags == {"--help", "--config", "--traceback", "--resume", "--export", "--step"}
     listed = result.stdout.split("config fields", 1)[1].splitlines()[1:]
     names = [line.strip().split(" = ")[0] for line in listed if " = " in line]
     frozen = (ROOT / "tests" / "trainer_config_fields.txt").read_text().split()
     assert names == frozen
-    assert "  policy.lr = 0.002  # AdamW peak learning rate" in result.stdout
+    assert "  policy.lr = 1e-06  # AdamW peak learning rate" in result.stdout
     assert "policy.is_reference" not in result.stdout  # loss.kl_coef > 0 makes the reference
     assert "policy.temperature" not in result.stdout  # rollout.temperature is the one source
     assert "  rollout.samples_per_prompt = 8  # GRPO group size n" in result.stdout
@@ -928,6 +937,7 @@ def test_functions_only_reward_kl_reference_schedule_eval_datasets_and_export(
     policy_dir = _paths(embedded)["policy"]["model_dir"]
     out = tmp_path / "run"
     args = (
+        "task=text",  # the demo's values (lr 2e-3) with its policy
         f"policy.model_dir={policy_dir}",
         f"data.path={folder}",
         "data.split=train",
@@ -1780,11 +1790,13 @@ def test_the_policys_vllm_or_sglang_engine_is_told_the_policys_tp_size(monkeypat
 
     import grpo_setup
 
+    from yatt.rollout import _engine_spec  # rollout.build_engine's adapters, by backend
+
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     made = []
     for backend in ("vllm", "sglang"):
         monkeypatch.setitem(
-            grpo_setup.ENGINES, backend, lambda model_dir, **kwargs: made.append(kwargs)
+            _engine_spec._ENGINE_CLASSES, backend, lambda model_dir, **kwargs: made.append(kwargs)
         )
         section = grpo_config.RolloutConfig(backend=backend)
         grpo_setup.make_engine(section, "model", "cuda:0", policy_tp_size=2)

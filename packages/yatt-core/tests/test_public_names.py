@@ -15,6 +15,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
     "yatt.core": [
         "Batch",
         "ClipRegions",
+        "ConfigParser",
         "DynamicSampler",
         "EXPORT_MARKER",
         "LR_SCHEDULES",
@@ -78,6 +79,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "encode_vision_prompt",
         "engine_old_logprobs",
         "estimate_activation_bytes",
+        "exit_on_config_error",
         "export_hf",
         "export_hf_from_checkpoint",
         "export_lora_adapter",
@@ -86,6 +88,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "image_patches_of",
         "init_runtime",
         "load_image_processor",
+        "load_yaml",
         "logprobs_in_head",
         "mask_groups_with_reward_variance",
         "mask_truncated_responses",
@@ -94,6 +97,8 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "prompt_ids",
         "prompt_text",
         "prompt_token_counter",
+        "read_raw_config",
+        "read_yaml_file",
         "reduce_metrics",
         "resolve_model_dir",
         "rollout_batch",
@@ -103,6 +108,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "split_mini_batches",
         "sum_over_units",
         "supports_head_logprobs",
+        "with_override",
     ],
     "yatt.core.megatron": [
         "FAMILIES",
@@ -120,6 +126,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "transformer_config_kwargs",
     ],
     # The family folders (issue 25) export nothing of their own: yatt.core's names are the API.
+    "yatt.core.config": [],
     "yatt.core.cost": [],
     "yatt.core.data": [],
     "yatt.core.policy": [],

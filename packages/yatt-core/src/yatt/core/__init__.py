@@ -1,13 +1,22 @@
 """The parallel controller for RL post-training: every data-parallel rank runs the same loop.
 
 Its code lives in families, each a folder that imports only the ones below it (never this
-package): runtime (process groups, config, metrics, logs) and cost (the cost model) at the
-bottom, then vision, data (sources, loader, batches), rl (advantages, losses, sampling,
-rollout samples) and policy (the protocol, the train step, the torch and megatron backends).
+package): runtime (process groups, metrics, logs), config (YAML, overrides, --help, config
+dataclasses from dicts) and cost (the cost model) at the bottom, then vision, data (sources,
+loader, batches), rl (advantages, losses, sampling, rollout samples) and policy (the protocol, the train step, the torch and megatron backends).
 Users import from here (and `yatt.core.megatron`); the modules under the families are private.
 """
 
 from yatt.core._version import __version__
+from yatt.core.config._cli import (
+    ConfigParser,
+    exit_on_config_error,
+    read_raw_config,
+    with_override,
+)
+from yatt.core.config._describe import describe_config
+from yatt.core.config._from_dict import coerce_value, config_from_dict
+from yatt.core.config._yaml import load_yaml, read_yaml_file
 from yatt.core.cost._activation_memory import choose_max_tokens, estimate_activation_bytes
 from yatt.core.data._batch import Batch
 from yatt.core.data._loader import ROW_INDEX_KEY, ShardedLoader
@@ -78,7 +87,6 @@ from yatt.core.rl._surrogates import (
     compute_gspo_policy_loss,
     compute_gspo_token_policy_loss,
 )
-from yatt.core.runtime._config import coerce_value, config_from_dict, describe_config
 from yatt.core.runtime._learning_guard import LearningGuard, NoLearningError
 from yatt.core.runtime._metrics import reduce_metrics
 from yatt.core.runtime._run_log import RunLog, check_wandb
@@ -103,6 +111,7 @@ __all__ = [
     "VISION_INPUTS_KEY",
     "Batch",
     "ClipRegions",
+    "ConfigParser",
     "DynamicSampler",
     "LearningGuard",
     "LoraConfig",
@@ -158,6 +167,7 @@ __all__ = [
     "encode_vision_prompt",
     "engine_old_logprobs",
     "estimate_activation_bytes",
+    "exit_on_config_error",
     "export_hf",
     "export_hf_from_checkpoint",
     "export_lora_adapter",
@@ -166,6 +176,7 @@ __all__ = [
     "image_patches_of",
     "init_runtime",
     "load_image_processor",
+    "load_yaml",
     "logprobs_in_head",
     "mask_groups_with_reward_variance",
     "mask_truncated_responses",
@@ -174,6 +185,8 @@ __all__ = [
     "prompt_ids",
     "prompt_text",
     "prompt_token_counter",
+    "read_raw_config",
+    "read_yaml_file",
     "reduce_metrics",
     "resolve_model_dir",
     "rollout_batch",
@@ -183,4 +196,5 @@ __all__ = [
     "split_mini_batches",
     "sum_over_units",
     "supports_head_logprobs",
+    "with_override",
 ]

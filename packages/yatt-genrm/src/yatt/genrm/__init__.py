@@ -30,6 +30,8 @@ from yatt.genrm._combine import CombinedRM
 from yatt.genrm._functions import RewardFunction, load_reward_function, load_reward_functions
 from yatt.genrm._genrm import GenRM
 from yatt.genrm._groups import GroupJudging, JudgedGroup
+from yatt.genrm._judge_build import build_judge, check_judge_resources
+from yatt.genrm._judge_spec import JudgeSpec
 from yatt.genrm._judged_stream import CutGroup, JudgedStream, Scorer, StreamedGroup
 from yatt.genrm._openai import OpenAIJudge, OpenAIJudgeConfig
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
@@ -56,6 +58,7 @@ __all__ = [
     "GenRM",
     "GenRMClient",
     "GroupJudging",
+    "JudgeSpec",
     "JudgeTemplate",
     "JudgedGroup",
     "JudgedStream",
@@ -77,6 +80,8 @@ __all__ = [
     "Vote",
     "YesNoParser",
     "__version__",
+    "build_judge",
+    "check_judge_resources",
     "create_app",
     "load_reward_function",
     "load_reward_functions",

@@ -6,6 +6,7 @@ The built-in engine's modules live in `yatt.rollout.builtin`; its two public nam
 """
 
 from yatt.rollout._capabilities import Abortable, AcceptsImages, SupportsLabelLogprobs
+from yatt.rollout._engine_spec import EngineSpec, build_engine
 from yatt.rollout._sglang import SGLangConfig, SGLangEngine
 from yatt.rollout._types import (
     DEFAULT_BUCKET_BYTES,
@@ -31,6 +32,7 @@ __all__ = [
     "BuiltinEngine",
     "Completion",
     "EngineConfig",
+    "EngineSpec",
     "EnvConfig",
     "FinishReason",
     "MultiTurnRollout",
@@ -48,6 +50,7 @@ __all__ = [
     "VLLMConfig",
     "VLLMEngine",
     "__version__",
+    "build_engine",
     "iter_buckets",
     "map_names",
 ]

@@ -21,9 +21,9 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from yatt.core.config._from_dict import config_from_dict
 from yatt.core.policy._policy import PolicyBackend, TorchPolicyConfig
 from yatt.core.policy.megatron._policy_config import MegatronPolicyConfig
-from yatt.core.runtime._config import config_from_dict
 from yatt.core.runtime._runtime import Runtime
 
 # megatron-core has no LoRA layers of its own: Megatron-Bridge's (megatron.bridge.peft) and

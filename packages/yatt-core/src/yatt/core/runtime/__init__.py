@@ -1,7 +1,6 @@
 """The runtime family: what every other family may use, and which uses none of them.
 
     _runtime         rank, device, process groups, the (dp, tp) mesh; seeding
-    _config          config dataclasses from plain dicts (unknown keys and wrong types refused)
     _metrics         scalar statistics reduced across ranks in one collective
     _repeated_log    a warning that can fire every step, logged readably
     _run_log         a run's metrics: JSON lines, TensorBoard, Weights & Biases, a plot

@@ -1,0 +1,134 @@
+"""Which engine serves a model, and with what settings: a config section a trainer composes.
+
+    spec = EngineSpec(backend="vllm", backend_options={"gpu_memory_utilization": 0.4})
+    spec.check_installed()                                  # before any model loads
+    engine = build_engine(spec, model_dir, device="cuda:0", policy_tp_size=1)
+
+Every value is checked when the spec is built (an unknown backend or option, a KV cache the
+size of a typo), and nothing is read or imported then; `check_installed` looks for the
+backend's package, `build_engine` loads the model. Errors name the field as the trainer's
+config spells it: `section` ("EngineSpec" here; a trainer's subclass sets its own, e.g.
+"rollout").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+from yatt.rollout._sglang import SGLangConfig, SGLangEngine
+from yatt.rollout._vllm import VLLMConfig, VLLMEngine
+from yatt.rollout.builtin import BuiltinEngine, EngineConfig
+
+ENGINE_BACKENDS = ("builtin", "vllm", "sglang")
+# The served engines' config classes (backend_options are their fields) and adapters.
+_BACKEND_CONFIGS: dict[str, type] = {"vllm": VLLMConfig, "sglang": SGLangConfig}
+_ENGINE_CLASSES: dict[str, Any] = {"vllm": VLLMEngine, "sglang": SGLangEngine}
+# The built-in engine's KV cache is max_batch_size x max_seq_len token slots, allocated when
+# it starts (1e8 rows of 64 tokens asked for 800 GB); past these a size is a typo.
+MAX_ENGINE_BATCH_SIZE = 1 << 14
+MAX_ENGINE_SEQ_LEN = 1 << 20
+# Sampling settings each backend's adapter passes on (rollout.SamplingParams' fields beyond
+# n, temperature, max_new_tokens, seed and stop ids). min_p and repetition_penalty: none yet.
+SAMPLING_KNOBS = {
+    "builtin": ("top_p", "top_k"),
+    "vllm": ("top_p", "top_k"),
+    "sglang": ("top_p", "top_k"),
+}
+
+
+@dataclass(kw_only=True)
+class EngineSpec:
+    """The engine that serves a model: the built-in one (its EngineConfig), or vLLM / SGLang
+    (their config's fields as backend_options)."""
+
+    # The config section's name in error messages ("rollout.backend=..."): a trainer's subclass
+    # sets it to the key its config uses.
+    section: ClassVar[str] = "EngineSpec"
+
+    backend: str = "builtin"  # "builtin", or "vllm"/"sglang" (GPU; yatt-rollout[vllm|sglang])
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the built-in engine's settings
+    backend_options: dict = field(default_factory=dict)  # VLLMConfig/SGLangConfig fields
+
+    def __post_init__(self) -> None:
+        self.check_engine()
+
+    def check_engine(self) -> None:
+        """A known backend with options its config knows; the built-in engine's sizes bounded."""
+        name = f"{self.section}.backend"
+        if not isinstance(self.backend_options, dict):
+            raise ValueError(
+                f"{name}_options={self.backend_options!r}: a mapping of the engine's fields"
+            )
+        if self.backend == "builtin":
+            if self.backend_options:
+                raise ValueError(
+                    f"{name}_options={self.backend_options!r}: only for {name}='vllm' or "
+                    f"'sglang'; the built-in engine takes {self.section}.engine fields"
+                )
+        elif self.backend not in _BACKEND_CONFIGS:
+            raise ValueError(f"{name}={self.backend!r}: use 'builtin', 'vllm' or 'sglang'")
+        else:
+            self.backend_config()
+        check_engine_sizes(f"{self.section}.engine", self.engine)
+
+    def backend_config(self) -> VLLMConfig | SGLangConfig | None:
+        """vLLM's or SGLang's config from backend_options (None for the built-in engine)."""
+        if self.backend == "builtin":
+            return None
+        try:
+            return _BACKEND_CONFIGS[self.backend](**self.backend_options)
+        except TypeError as exc:  # an unknown option
+            raise ValueError(
+                f"{self.section}.backend_options={self.backend_options!r}: {exc}"
+            ) from None
+
+    def check_installed(self) -> None:
+        """The backend's package is installed (the built-in engine always is); imports nothing."""
+        if self.backend in _BACKEND_CONFIGS and importlib.util.find_spec(self.backend) is None:
+            raise ValueError(
+                f"{self.section}.backend={self.backend!r} needs {self.backend}: "
+                f"pip install 'yatt-rollout[{self.backend}]'"
+            )
+
+    def check_sampling(self, knobs: dict[str, Any]) -> None:
+        """`knobs` ({field: value} of the trainer's sampling settings, unset ones left out)
+        are ones this backend passes on; else a ValueError naming the field."""
+        supported = SAMPLING_KNOBS[self.backend]
+        for key in knobs:
+            if key not in supported:
+                raise ValueError(
+                    f"{self.section}.{key}={knobs[key]!r}: {self.section}.backend="
+                    f"{self.backend!r} does not take {key} (it takes {', '.join(supported)}); "
+                    "leave it unset"
+                )
+
+
+def check_engine_sizes(name: str, engine: EngineConfig) -> None:
+    """The built-in engine's batch and lengths within what a device could hold."""
+    sizes = {
+        "max_batch_size": (MAX_ENGINE_BATCH_SIZE, "sequences decoded together"),
+        "max_seq_len": (MAX_ENGINE_SEQ_LEN, "tokens per sequence"),
+        "max_prefill_tokens": (MAX_ENGINE_SEQ_LEN, "tokens per prefill"),
+    }
+    for key, (maximum, what) in sizes.items():
+        value = getattr(engine, key)
+        if value > maximum:
+            raise ValueError(
+                f"{name}.{key}={value!r}: must be <= {maximum} ({what}; the KV cache holds "
+                "max_batch_size x max_seq_len tokens)"
+            )
+
+
+def build_engine(
+    spec: EngineSpec, model_dir: str, *, device: str, policy_tp_size: int | None = None
+):
+    """The engine `spec` names, serving `model_dir` on `device` (the built-in engine's device;
+    vLLM/SGLang choose theirs). policy_tp_size (a policy's engine only: the ranks sharing its
+    batch): a vLLM/SGLang engine's tensor-parallel size must equal it, checked before its
+    model loads; the built-in engine serves one rank."""
+    if spec.backend == "builtin":
+        return BuiltinEngine(model_dir, config=replace(spec.engine, device=device))
+    engine_class = _ENGINE_CLASSES[spec.backend]
+    return engine_class(model_dir, config=spec.backend_config(), policy_tp_size=policy_tp_size)
