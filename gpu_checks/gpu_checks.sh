@@ -42,7 +42,7 @@ for step in "$@"; do
         examples/train_grpo.py out_dir=/tmp/yatt-runs/full num_steps=${TRAINER_STEPS:-60}
       cp /tmp/yatt-runs/full/metrics.jsonl "$OUT/trainer_full_metrics.jsonl" 2>/dev/null
       run_step trainer_partial python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
-        examples/train_grpo.py out_dir=/tmp/yatt-runs/partial num_steps=20 placement=partial \
+        examples/train_grpo.py task=text out_dir=/tmp/yatt-runs/partial num_steps=20 placement=partial \
         policy.model_dir=/tmp/yatt-runs/full/embedded/policy \
         data.path=/tmp/yatt-runs/full/embedded/prompts.jsonl \
         reward.judge_dir=/tmp/yatt-runs/full/embedded/judge
@@ -51,7 +51,7 @@ for step in "$@"; do
       # the engine while verdicts come back, the long tail cut once every rank is full.
       rm -rf /tmp/yatt-runs/stream
       run_step trainer_stream python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
-        examples/train_grpo.py out_dir=/tmp/yatt-runs/stream num_steps=10 placement=partial \
+        examples/train_grpo.py task=text out_dir=/tmp/yatt-runs/stream num_steps=10 placement=partial \
         rollout.sampling_mode=stream rollout.oversample=1.5 rollout.max_oversample=4 \
         policy.model_dir=/tmp/yatt-runs/full/embedded/policy \
         data.path=/tmp/yatt-runs/full/embedded/prompts.jsonl \
@@ -61,7 +61,7 @@ for step in "$@"; do
       # eval every 5 steps on the embedded held-out split, the export at the end, reloaded.
       EMB=/tmp/yatt-runs/full/embedded
       run_step trainer_features python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
-        examples/train_grpo.py out_dir=/tmp/yatt-runs/features num_steps=10 \
+        examples/train_grpo.py task=text out_dir=/tmp/yatt-runs/features num_steps=10 \
         policy.model_dir=$EMB/policy data.path=$EMB/prompts.jsonl reward.judge_dir=$EMB/judge \
         eval.path=$EMB/eval.jsonl eval.every_steps=5 loss.kl_coef=0.05 \
         policy.lr_schedule=cosine policy.num_warmup_steps=2
@@ -71,7 +71,7 @@ for step in "$@"; do
       # IS weights differ from 1; the overlong buffer) on the same embedded task.
       rm -rf /tmp/yatt-runs/dapo
       run_step trainer_dapo python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
-        examples/train_grpo.py --config examples/configs/dapo.yaml out_dir=/tmp/yatt-runs/dapo \
+        examples/train_grpo.py --config examples/configs/dapo.yaml task=text out_dir=/tmp/yatt-runs/dapo \
         num_steps=${TRAINER_STEPS:-60} policy.model_dir=$EMB/policy data.path=$EMB/prompts.jsonl \
         reward.judge_dir=$EMB/judge rollout.engine.dtype=bfloat16
       cp /tmp/yatt-runs/dapo/metrics.jsonl "$OUT/trainer_dapo_metrics.jsonl" 2>/dev/null
@@ -133,9 +133,9 @@ print('reloaded', type(m).__name__, m.dtype, m(torch.tensor([[51, 43, 52]], devi
         STEP_TIMEOUT=240 run_step trainer_megatron_prepare python3 -c "import sys; \
 sys.path.insert(0, 'examples'); import grpo_config; from tasks import tiny_task; from pathlib import Path; \
 from yatt.genrm import JudgeTemplate; tiny_task.prepare_locked(Path('$EMB'), \
-JudgeTemplate(user=grpo_config.RewardConfig.judge_template))"
+JudgeTemplate(user=grpo_config.DEMO_DEFAULTS['reward']['judge_template']))"
       fi
-      MG=(--config examples/configs/tiny_megatron.yaml num_steps=8 ckpt.every_steps=4
+      MG=(--config examples/configs/tiny_megatron.yaml task=text num_steps=8 ckpt.every_steps=4
           policy.model_dir=$EMB/policy data.path=$EMB/prompts.jsonl reward.judge_dir=$EMB/judge)
       rm -rf /tmp/yatt-runs/mg_*
       mg_run() {  # name, GPUs, nproc, overrides...
