@@ -70,6 +70,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "compute_mismatch_kl",
         "compute_overlong_penalty",
         "compute_rollout_weights",
+        "compute_staleness_metrics",
         "compute_token_logprobs",
         "compute_truncation_metrics",
         "config_from_dict",

@@ -50,6 +50,7 @@ from yatt.core.rl._losses import (
     count_units,
     sum_over_units,
 )
+from yatt.core.rl._offpolicy_metrics import compute_staleness_metrics
 from yatt.core.rl._overlong import (
     OverlongConfig,
     compute_overlong_penalty,
@@ -150,6 +151,7 @@ __all__ = [
     "compute_mismatch_kl",
     "compute_overlong_penalty",
     "compute_rollout_weights",
+    "compute_staleness_metrics",
     "compute_token_logprobs",
     "compute_truncation_metrics",
     "config_from_dict",
