@@ -13,6 +13,7 @@ from yatt.testing import check_public_modules, check_public_names
 
 PUBLIC_NAMES: dict[str, list[str]] = {
     "yatt.core": [
+        "AdmissionControl",
         "Batch",
         "ClipRegions",
         "DynamicSampler",
@@ -42,6 +43,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "RunLog",
         "Runtime",
         "ShardedLoader",
+        "StalenessConfig",
         "VisionModel",
         "TorchPolicy",
         "TorchPolicyConfig",
@@ -55,6 +57,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "build_policy",
         "check_export_dir",
         "check_partial_resumption",
+        "check_staleness",
         "check_takes_images",
         "check_wandb",
         "choose_max_tokens",

@@ -72,6 +72,7 @@ from yatt.core.rl._rollout_correction import (
 from yatt.core.rl._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
 from yatt.core.rl._sampler import DynamicSampler, UnfilledBatchError
 from yatt.core.rl._sampling import sample_dynamically
+from yatt.core.rl._staleness import AdmissionControl, StalenessConfig, check_staleness
 from yatt.core.rl._surrogates import (
     ClipRegions,
     compute_cispo_policy_loss,
@@ -102,6 +103,7 @@ __all__ = [
     "ROLLOUT_TOKEN_KEYS",
     "ROW_INDEX_KEY",
     "VISION_INPUTS_KEY",
+    "AdmissionControl",
     "Batch",
     "ClipRegions",
     "DynamicSampler",
@@ -124,6 +126,7 @@ __all__ = [
     "RunLog",
     "Runtime",
     "ShardedLoader",
+    "StalenessConfig",
     "TorchPolicy",
     "TorchPolicyConfig",
     "UnfilledBatchError",
@@ -136,6 +139,7 @@ __all__ = [
     "build_policy",
     "check_export_dir",
     "check_partial_resumption",
+    "check_staleness",
     "check_takes_images",
     "check_wandb",
     "choose_max_tokens",
