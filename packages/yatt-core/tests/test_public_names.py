@@ -14,11 +14,14 @@ from yatt.testing import check_public_modules, check_public_names
 PUBLIC_NAMES: dict[str, list[str]] = {
     "yatt.core": [
         "AdmissionControl",
+        "AsyncRollout",
         "Batch",
         "ClipRegions",
         "DynamicSampler",
         "EXPORT_MARKER",
         "LR_SCHEDULES",
+        "InFlightPrompt",
+        "InFlightPrompts",
         "LearningGuard",
         "LoraConfig",
         "LossFn",

@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from yatt.core import AdmissionControl, StalenessConfig, check_staleness
+from yatt.core import AdmissionControl, InFlightPrompts, StalenessConfig, check_staleness
 
 
 @pytest.mark.parametrize(
@@ -118,3 +118,33 @@ def test_on_policy_accepts_every_setting_and_the_config_checks_its_field():
     assert not StalenessConfig().is_off_policy and StalenessConfig(max_staleness=2).is_off_policy
     with pytest.raises(ValueError, match=r"StalenessConfig.max_staleness=-1"):
         StalenessConfig(max_staleness=-1)
+
+
+# -- in-flight prompts ---------------------------------------------------------------------------
+
+
+def test_in_flight_state_round_trips_every_prompt_finished_or_requeued():
+    in_flight = InFlightPrompts()
+    for number, row in enumerate([7, 3, 7, 9]):  # row 7 twice: drawn again next epoch
+        in_flight.add(number, row_index=row, version=number // 2)
+    in_flight.finish(2, {"versions": [1, 1]})
+    in_flight.finish(0, {"versions": [0, 1]})
+    state = in_flight.state_dict()
+    resumed = InFlightPrompts()
+    resumed.load_state_dict(state)
+    assert len(resumed) == 4 and resumed.num_finished == 2
+    assert [(p.number, p.row_index, p.version) for p in resumed.unfinished()] == [
+        (1, 3, 0),
+        (3, 9, 1),
+    ]
+    # Finished ones come back in finish order with their results, and leave once taken.
+    taken = resumed.take_finished(2)
+    assert [(p.number, p.result) for p in taken] == [
+        (2, {"versions": [1, 1]}),
+        (0, {"versions": [0, 1]}),
+    ]
+    assert len(resumed) == 2 and 2 not in resumed
+    with pytest.raises(ValueError, match="twice"):
+        InFlightPrompts().load_state_dict(
+            {"prompts": state["prompts"] + state["prompts"][:1], "num_finished": 2}
+        )

@@ -41,6 +41,8 @@ from yatt.core.policy._policy import LossFn, PolicyBackend, TorchPolicyConfig
 from yatt.core.policy._torch_policy import TorchPolicy, image_patches_of
 from yatt.core.policy._train_step import merge_step_metrics
 from yatt.core.rl._advantages import compute_grpo_advantages, mask_groups_with_reward_variance
+from yatt.core.rl._async_rollout import AsyncRollout
+from yatt.core.rl._in_flight import InFlightPrompt, InFlightPrompts
 from yatt.core.rl._losses import (
     OBJECTIVES,
     OLD_LOGPROBS_FROM,
@@ -104,9 +106,12 @@ __all__ = [
     "ROW_INDEX_KEY",
     "VISION_INPUTS_KEY",
     "AdmissionControl",
+    "AsyncRollout",
     "Batch",
     "ClipRegions",
     "DynamicSampler",
+    "InFlightPrompt",
+    "InFlightPrompts",
     "LearningGuard",
     "LoraConfig",
     "LossFn",
