@@ -3,12 +3,17 @@ of the weights that sampled it, kept through mini-batch splits, selects and conc
 
 NUM_GPUS = 0
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from yatt.core import Batch, rollout_batch, rollout_samples, split_mini_batches
+from yatt.testing import run_ranks
+
+RANKS_WORKER = Path(__file__).with_name("_offpolicy_ranks_worker.py")
 
 
 @dataclass
@@ -106,3 +111,8 @@ def test_versions_follow_their_samples_through_mini_batches_and_concat():
             assert response == [group] * (len(response) - 1) + [group + 1]
             seen += 1
     assert seen == 2 * len(batch)
+
+
+def test_versions_follow_their_samples_through_a_rebalance_on_two_gloo_ranks():
+    # Real processes: Batch.rebalance moves rows point-to-point; restore brings them home.
+    run_ranks([sys.executable, str(RANKS_WORKER)], 2, env={"CUDA_VISIBLE_DEVICES": ""})
