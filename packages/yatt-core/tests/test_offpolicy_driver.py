@@ -180,3 +180,23 @@ def test_in_flight_prompts_resume_exactly_once_from_a_state_dict(tmp_path):
     # A finished group is trained from the checkpoint, not generated again; the slow ones are.
     assert not finished & set(resumed_engine.rows_seen)
     assert {1, 6} <= set(resumed_engine.rows_seen)
+
+
+def test_filtered_groups_give_their_slots_back_and_metrics_report_the_wait(tmp_path):
+    path = write_prompts(tmp_path / "p.jsonl", 40)
+    engine = FakeEngine()
+    with _driver(path, engine, s=0) as driver:
+        driver.start()
+        groups = driver.take(P, timeout_s=TIMEOUT_S)
+        with pytest.raises(TimeoutError):
+            driver.take(1, timeout_s=0.2)  # s = 0: nothing more under version 0
+        # The dynamic sampler dropped 2 of the 4 (no reward variance): their slots come back,
+        # so 2 more prompts start under the same weights.
+        driver.release(2)
+        refill = driver.take(2, timeout_s=TIMEOUT_S)
+        assert sorted(g.number for g in groups + refill) == list(range(P + 2))
+        assert {g.version for g in refill} == {0}
+        metrics = driver.metrics()
+        assert metrics["offpolicy/take_wait_s"] >= 0.2  # the timed-out take waited too
+        assert metrics["offpolicy/num_in_flight"] == 0
+        assert driver.metrics()["offpolicy/take_wait_s"] == 0.0  # reset per step

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -72,6 +73,7 @@ class AsyncRollout:
         self.num_failed = 0  # prompts whose generate raised (dropped, counted, logged)
         self.num_requeued = 0  # in-flight prompts a resume restarted
         self.num_unusable_on_resume = 0  # re-queued rows the loader no longer gives
+        self._take_wait_s = 0.0  # the trainer's wait in take() since the last metrics()
 
     # -- the trainer's side ---------------------------------------------------------------------
 
@@ -93,11 +95,14 @@ class AsyncRollout:
         """The next `num_prompts` finished groups in the order they finished (blocks until
         that many have; TimeoutError past timeout_s). They leave the in-flight set: the
         checkpoint after this step does not hold them."""
+        start_s = time.perf_counter()
         with self._cond:
-            if not self._cond.wait_for(
+            is_ready = self._cond.wait_for(
                 lambda: self._in_flight.num_finished >= num_prompts or self._is_closed,
                 timeout=timeout_s,
-            ):
+            )
+            self._take_wait_s += time.perf_counter() - start_s
+            if not is_ready:
                 raise TimeoutError(
                     f"AsyncRollout.take({num_prompts}): {self._in_flight.num_finished} finished "
                     f"after {timeout_s} s ({len(self._in_flight)} in flight)"
@@ -107,6 +112,21 @@ class AsyncRollout:
             taken = self._in_flight.take_finished(num_prompts)
             self._cond.notify_all()
             return taken
+
+    def metrics(self) -> dict[str, float]:
+        """Per-step scalars (resets the wait): the trainer's wait for finished groups since the
+        last call (rollout on the critical path when it is large), prompts in flight and
+        finished-but-untaken, failures, resumed prompts."""
+        with self._cond:
+            out = {
+                "offpolicy/take_wait_s": self._take_wait_s,
+                "offpolicy/num_in_flight": float(len(self._in_flight)),
+                "offpolicy/num_finished_waiting": float(self._in_flight.num_finished),
+                "offpolicy/num_failed": float(self.num_failed),
+                "offpolicy/num_requeued": float(self.num_requeued),
+            }
+            self._take_wait_s = 0.0
+            return out
 
     def release(self, num_prompts: int) -> None:
         """Give back the admission slots of taken prompts that were not trained (groups the
