@@ -6,8 +6,10 @@ Shape legend (suffixes on tensor names):
 
 A token's age is the trainer's current version minus the version of the weights that sampled
 it ("policy_version", yatt.core.rl._rollout_samples). With a staleness bound s every loss token
-has age 0..s; a token older than s counts under "offpolicy/tokens_over_bound" (admission
-control, yatt.core.rl._staleness, keeps it at 0).
+has age 0..s, except in a group that finished after its turn came: admission control
+(yatt.core.rl._staleness) bounds the version a prompt STARTS under, and a slow group is
+trained late rather than dropped; its tokens older than s count under
+"offpolicy/tokens_over_bound" (how much the slow tail costs in staleness).
 
 The importance weight is the decoupled objective's pi_prox / pi_behaviour (AReaL, Fu et al.
 2025, arXiv:2505.24298, eq. 5): "old_logprobs" (the trainer's logprobs before the update) over
@@ -16,7 +18,7 @@ compute_rollout_weights as the loss, so the metric shows the weight the loss app
 tokens should carry weights further from 1; a mean drifting with age is the signal to lower s.
 
     offpolicy/tokens_age_{a}          loss tokens sampled a versions ago (a = 0..s)
-    offpolicy/tokens_over_bound       loss tokens older than s (0 under admission control)
+    offpolicy/tokens_over_bound       loss tokens older than s (slow groups trained late)
     offpolicy/age_mean                mean age of the loss tokens
     offpolicy/is_weight_mean_age_{a}  mean weight of those tokens (0 without any)
     offpolicy/is_weight_max_age_{a}   max weight of those tokens
