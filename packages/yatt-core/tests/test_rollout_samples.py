@@ -26,6 +26,7 @@ def test_samples_put_the_loss_on_the_response_and_keep_groups_and_rewards():
         "group_id": 4,
         "reward": 1.0,
         "is_truncated": False,  # a completion without finish_reason counts as finished
+        "policy_version": [0] * 5,  # no versions given: every token the current one (0)
     }
     batch = rollout_batch(samples)
     assert batch.lengths.tolist() == [5, 2]

@@ -50,6 +50,8 @@ from yatt.core.policy._policy import LossFn, PolicyBackend, TorchPolicyConfig
 from yatt.core.policy._torch_policy import TorchPolicy, image_patches_of
 from yatt.core.policy._train_step import merge_step_metrics
 from yatt.core.rl._advantages import compute_grpo_advantages, mask_groups_with_reward_variance
+from yatt.core.rl._async_rollout import AsyncRollout
+from yatt.core.rl._in_flight import InFlightPrompt, InFlightPrompts
 from yatt.core.rl._losses import (
     OBJECTIVES,
     OLD_LOGPROBS_FROM,
@@ -59,6 +61,7 @@ from yatt.core.rl._losses import (
     count_units,
     sum_over_units,
 )
+from yatt.core.rl._offpolicy_metrics import compute_staleness_metrics
 from yatt.core.rl._overlong import (
     OverlongConfig,
     compute_overlong_penalty,
@@ -80,6 +83,7 @@ from yatt.core.rl._rollout_correction import (
 from yatt.core.rl._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
 from yatt.core.rl._sampler import DynamicSampler, UnfilledBatchError
 from yatt.core.rl._sampling import sample_dynamically
+from yatt.core.rl._staleness import AdmissionControl, StalenessConfig, check_staleness
 from yatt.core.rl._surrogates import (
     ClipRegions,
     compute_cispo_policy_loss,
@@ -109,10 +113,14 @@ __all__ = [
     "ROLLOUT_TOKEN_KEYS",
     "ROW_INDEX_KEY",
     "VISION_INPUTS_KEY",
+    "AdmissionControl",
+    "AsyncRollout",
     "Batch",
     "ClipRegions",
     "ConfigParser",
     "DynamicSampler",
+    "InFlightPrompt",
+    "InFlightPrompts",
     "LearningGuard",
     "LoraConfig",
     "LossFn",
@@ -132,6 +140,7 @@ __all__ = [
     "RunLog",
     "Runtime",
     "ShardedLoader",
+    "StalenessConfig",
     "TorchPolicy",
     "TorchPolicyConfig",
     "UnfilledBatchError",
@@ -144,6 +153,7 @@ __all__ = [
     "build_policy",
     "check_export_dir",
     "check_partial_resumption",
+    "check_staleness",
     "check_takes_images",
     "check_wandb",
     "choose_max_tokens",
@@ -159,6 +169,7 @@ __all__ = [
     "compute_mismatch_kl",
     "compute_overlong_penalty",
     "compute_rollout_weights",
+    "compute_staleness_metrics",
     "compute_token_logprobs",
     "compute_truncation_metrics",
     "config_from_dict",

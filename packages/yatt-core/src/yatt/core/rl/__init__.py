@@ -8,6 +8,10 @@
     _rollout_correction  importance weights of the trainer's old policy against the engine's
     _surrogates          per-token policy-gradient terms: PPO's clip, GSPO, CISPO
     _losses              PolicyLoss: the objective, KL, entropy, aggregation
+    _staleness           off-policy steps: StalenessConfig, check_staleness, AdmissionControl
+    _in_flight           prompts started and not yet trained, checkpointed with their versions
+    _async_rollout       AsyncRollout: generation running ahead of training (threads)
+    _offpolicy_metrics   tokens and importance weights by age (compute_staleness_metrics)
 
 It imports the data, runtime and vision families; no policy backend.
 """
