@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import train_grpo
+from grpo_config import read_config
 from grpo_prompts import Prompt
 
 from yatt import core, genrm, rollout
@@ -130,7 +131,7 @@ def _run_to_step_k(data: Path):
     return loader, sampler, partials
 
 
-CFG = train_grpo.read_config([])[0]  # the resolved config a checkpoint keeps
+CFG = read_config([])[0]  # the resolved config a checkpoint keeps
 
 
 def _save(root: Path, step: int, loader, sampler, partials) -> None:
