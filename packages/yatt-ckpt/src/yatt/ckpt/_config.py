@@ -27,7 +27,7 @@ class CkptConfig:
     async_save: bool = True
     # Who writes an async save: "thread" (a background thread of the trainer) or "process" (one
     # persistent writer process per rank, reading the staged tensors from shared memory; use it
-    # for large states saved often beside a Python-heavy training loop, see the README).
+    # for large states saved often beside a Python-heavy training loop, see docs/yatt-ckpt.md).
     writer: str = "thread"
     # Save when the step is a positive multiple of this (None: no step-based saves).
     every_steps: int | None = None
