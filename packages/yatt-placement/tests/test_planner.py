@@ -8,6 +8,9 @@ then the largest); a moved memory share forces a sleep; wakes go weights before 
 
 NUM_GPUS = 0
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from yatt.placement._planner import SwitchDecision, SwitchSnapshot, plan_switch
@@ -149,3 +152,17 @@ def test_a_role_awake_with_more_tags_than_asked_neither_sleeps_nor_wakes():
 def test_known_need_without_a_free_reading_is_refused():
     with pytest.raises(ValueError, match="free_bytes"):
         plan_switch(_snapshot(need_bytes=10))
+
+
+def test_the_planner_imports_only_the_standard_library():
+    # Pure: a snapshot in, a decision out; no torch, no roles, no sibling module's state.
+    import yatt.placement._planner as planner
+
+    tree = ast.parse(Path(planner.__file__).read_text())
+    imported = {
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert imported == {"__future__", "collections.abc", "dataclasses"}

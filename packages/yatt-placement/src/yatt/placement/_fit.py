@@ -16,10 +16,10 @@ cumem pool) and an onload into a private pool need memory the driver can hand ou
 previous phase's freed activations sitting in the default pool's cache are not that (issue 27:
 a 1.5B trainer kept awake beside its cached activations made the engine's resume run out).
 
-While need > free the switch sleeps one more role, in `_planner.sleep_order`, and reads free again. A
-phase neither measured nor reported (the first step), or a role whose wake bytes are unknown,
-makes the switch sleep them all as "always" does, so the first step runs as "always" and
-measures safely. Roles that report their needs (`yatt.placement.MemoryNeed`) let even the first
+While need > free the switch sleeps one more role, in `_planner.sleep_order`, and reads free
+again (the pure planner decides, `Plan` sleeps). A phase neither measured nor reported (the first
+step), or a role whose wake bytes are unknown, makes the switch sleep them all as "always" does,
+so the first step runs as "always" and measures safely. Roles that report their needs (`yatt.placement.MemoryNeed`) let even the first
 step keep roles awake, and let the plan refuse, before the step, a phase that cannot fit at all.
 
 Measurements (defaults on CUDA; `FitConfig` replaces the readers, e.g. by fakes on CPU):
