@@ -16,10 +16,10 @@ cumem pool) and an onload into a private pool need memory the driver can hand ou
 previous phase's freed activations sitting in the default pool's cache are not that (issue 27:
 a 1.5B trainer kept awake beside its cached activations made the engine's resume run out).
 
-While need > free the switch sleeps one more role, in `sleep_order`, and reads free again. A
-phase neither measured nor reported (the first step), or a role whose wake bytes are unknown,
-makes the switch sleep them all as "always" does, so the first step runs as "always" and
-measures safely. Roles that report their needs (`yatt.placement.MemoryNeed`) let even the first
+While need > free the switch sleeps one more role, in `_planner.sleep_order`, and reads free
+again (the pure planner decides, `Plan` sleeps). A phase neither measured nor reported (the first
+step), or a role whose wake bytes are unknown, makes the switch sleep them all as "always" does,
+so the first step runs as "always" and measures safely. Roles that report their needs (`yatt.placement.MemoryNeed`) let even the first
 step keep roles awake, and let the plan refuse, before the step, a phase that cannot fit at all.
 
 Measurements (defaults on CUDA; `FitConfig` replaces the readers, e.g. by fakes on CPU):
@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -55,6 +55,7 @@ import torch
 
 from yatt.placement._capabilities import MeasuresResidentBytes
 from yatt.placement._needs import _DEFAULT_HOST_HEADROOM_BYTES, read_host_available_bytes
+from yatt.placement._planner import WakeCall
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,6 @@ OFFLOAD_MODES = ("always", "auto")
 _PEAK_WINDOW = 4
 _MIN_HEADROOM_BYTES = 2 << 30
 _HEADROOM_FRACTION = 0.05
-
-WakeCall = tuple[str, tuple[str, ...]]  # (role, tags) as the plan passes them to wake_up
 
 
 @dataclass(frozen=True)
@@ -268,18 +267,6 @@ class MeterGrowth:
         return growth
 
 
-def sleep_order(
-    candidates: Sequence[str], needed_next: Collection[str], size: Callable[[str], int]
-) -> list[str]:
-    """The order in which a switch puts roles to sleep until its phase fits.
-
-    Roles the following phase (the one that came next last time) does not need go first: they
-    would sleep at the next switch anyway, while keeping a needed one saves its wake-up. Within
-    each group, the largest first, so the fewest roles sleep.
-    """
-    return sorted(candidates, key=lambda name: (name in needed_next, -size(name)))
-
-
 class FitBooks:
     """What offload="auto" knows: wake bytes per role, peak growth per phase, free memory."""
 
@@ -362,24 +349,6 @@ class FitBooks:
     def growth_bytes(self, phase: str) -> int | None:
         runs = self._growth.get(phase)
         return max(runs) if runs else None
-
-    def sleep_until_fits(
-        self,
-        need: int,
-        others: Sequence[str],
-        needed_next: Collection[str],
-        size: Callable[[str], int],
-        sleep: Callable[[str], None],
-    ) -> list[str]:
-        """Sleep roles of `others`, in `sleep_order`, until `need` bytes are free; returns the
-        ones left awake."""
-        kept = list(others)
-        for name in sleep_order(others, needed_next, size):
-            if need <= self.free_bytes():
-                break
-            sleep(name)
-            kept.remove(name)
-        return kept
 
     def record_wake(self, call: WakeCall, num_bytes: int) -> None:
         self._wake_bytes[call] = max(0, num_bytes)

@@ -17,6 +17,9 @@ so memory fills in the order that keeps the peak lowest. Leaving a phase does no
 next switch decides what sleeps, so consecutive phases that share a role do not bounce it.
 A phase never puts part of a role to sleep: a role awake with more tags than asked stays so.
 With offload="auto" step (1) sleeps a role only when the phase would not fit beside it (`_fit`).
+Dataflow: `Plan` keeps the state (roles, awake tags, measurements in `FitBooks`), hands a
+`SwitchSnapshot` to the pure planner (`_planner.plan_switch`), and executes the decision it gets
+back (sleeps, then wakes); fit reports (`check_fit`) come from `_fit_report`.
 Before a switch wakes anything it releases torch's allocator cache (a woken region needs memory
 the driver can hand out). Roles that report their needs (`MemoryNeed`) let offload="auto" check,
 at the first switch, that every phase can fit at all, and fail then, naming what to shrink.
@@ -38,17 +41,16 @@ from yatt.placement._capabilities import (
     MemoryTagged,
     ResizesWhileAwake,
 )
-from yatt.placement._fit import FitConfig, OffloadMode, WakeCall, make_default_meter, make_fit_books
-from yatt.placement._needs import (
-    HostFit,
-    HostNeed,
-    MemoryFitError,
-    MemoryNeed,
-    PhaseFit,
-    host_fit,
-    phase_fit,
-    role_host_need,
-    role_need,
+from yatt.placement._fit import FitConfig, OffloadMode, make_default_meter, make_fit_books
+from yatt.placement._fit_report import fit_report, host_fit_report, raise_unless_fits
+from yatt.placement._needs import HostFit, PhaseFit, role_need
+from yatt.placement._planner import (
+    WHOLE,
+    SwitchDecision,
+    SwitchSnapshot,
+    WakeCall,
+    plan_switch,
+    wake_calls,
 )
 from yatt.placement._records import PhaseRecord, phase_metrics
 from yatt.placement._roles import Role
@@ -56,7 +58,7 @@ from yatt.placement._split import MemorySplit, SplitState
 
 # One phase entry: a role name (the whole role), or (name, tags) for part of it.
 PhaseEntry = str | tuple[str, Sequence[str]]
-_WHOLE = "*"  # the one tag of a role without memory_tags
+_WHOLE = WHOLE  # the one tag of a role without memory_tags
 _MAX_RECORDS = 1024
 # Weights first: a KV cache sized from free memory must see every role's weights in place.
 _WAKE_STAGES = (("weights",), ("kv_cache",))
@@ -328,7 +330,7 @@ class Plan:
             if self._is_auto:
                 self.check_fit()
             else:
-                self._raise_unless_fits([], self.host_fit_report())
+                raise_unless_fits([], self.host_fit_report())
         self._fit.end_phase()  # the previous phase's peak growth
         if self._last_phase is not None:
             self._following[self._last_phase] = name
@@ -341,13 +343,13 @@ class Plan:
             # Woken regions and onloads need memory the driver can hand out; the previous
             # phase's freed activations cached in torch's default pool are not that.
             self._fit.release_cache()
-        awake_others = [r for r in self._roles if r not in wanted and self._awake[r]]
-        kept, need, free = self._sleep_for(name, awake_others, stages)
+        decision = self._sleep_for(name, stages)
+        kept, need, free = list(decision.kept), decision.need_bytes, decision.free_bytes
         _synchronize()
         slept = time.perf_counter()
         after_sleep = self._meter()
         wake_start = time.perf_counter()
-        for stage in stages:
+        for stage in decision.wake:
             for call in stage:
                 self._wake(call)
         _synchronize()
@@ -374,28 +376,24 @@ class Plan:
         self._num_switches[name] += 1
         return record
 
-    def _sleep_for(
-        self, phase: str, others: list[str], stages: list[list[WakeCall]]
-    ) -> tuple[list[str], int | None, int | None]:
-        """Put `others` (awake, not in `phase`) to sleep: all of them ("always", or nothing
-        measured or reported yet), else those whose memory share moved and then more while
-        `phase` would not fit. Returns the ones kept awake, the bytes the phase needed free and
-        those free after the sleeps (None when it did not decide by them)."""
-        need = None
-        if self._is_auto:
-            calls = [call for stage in stages for call in stage]
-            scales = self._split.wake_scales() if self._split is not None else {}
-            need = self._fit.need_bytes(
-                phase,
-                calls,
-                scales,
-                reported_wake=self._reported_wake(calls),
-                reported_peak=self._reported_peak(phase),
-            )
-        if need is None:
-            for role_name in others:
-                self._sleep(role_name)
-            return [], None, None
+    def _need_bytes(self, phase: str, stages: list[list[WakeCall]]) -> int | None:
+        """Free bytes `phase` needs after its wakes (offload="auto"); None: sleep every other."""
+        if not self._is_auto:
+            return None
+        calls = [call for stage in stages for call in stage]
+        scales = self._split.wake_scales() if self._split is not None else {}
+        return self._fit.need_bytes(
+            phase,
+            calls,
+            scales,
+            reported_wake=self._reported_wake(calls),
+            reported_peak=self._reported_peak(phase),
+        )
+
+    def _snapshot(self, phase: str, need: int | None) -> SwitchSnapshot:
+        """The plan's state as the pure planner reads it (free memory read now, if needed)."""
+        wanted = self._phases[phase]
+        others = [r for r in self._roles if r not in wanted and self._awake[r]]
         # A new share applies when the KV cache is next woken, so the role must sleep first,
         # unless it resizes by itself while awake (the built-in engine, at its next call).
         moved = [
@@ -405,14 +403,32 @@ class Plan:
             and self._split.has_moved(r)
             and not _resizes_while_awake(self._roles[r])
         ]
-        for role_name in moved:
-            self._sleep(role_name)
         following = self._following.get(phase)
-        needed_next = self._phases[following] if following is not None else {}
-        kept = [r for r in others if r not in moved]
-        kept = self._fit.sleep_until_fits(need, kept, needed_next, self._role_bytes, self._sleep)
-        free = self._fit.free_bytes()
-        if need > free and phase not in self._warned_short:
+        return SwitchSnapshot(
+            phase=phase,
+            tags={r: self._tags_of(r) for r in self._roles},
+            awake={r: frozenset(tags) for r, tags in self._awake.items()},
+            wanted=wanted,
+            wake_stages=self._wake_stages,
+            need_bytes=need,
+            free_bytes=self._fit.free_bytes() if need is not None else None,
+            role_bytes={r: self._role_bytes(r) for r in others} if need is not None else {},
+            moved=frozenset(moved),
+            needed_next=frozenset(self._phases[following]) if following is not None else (),
+        )
+
+    def _sleep_for(self, phase: str, stages: list[list[WakeCall]]) -> SwitchDecision:
+        """Put awake roles that `phase` does not name to sleep as the planner decides, one
+        decision at a time (each read after the previous sleeps, so the device's free memory,
+        not the books' estimate, says when the phase fits); returns the final decision."""
+        need = self._need_bytes(phase, stages)
+        while True:
+            decision = plan_switch(self._snapshot(phase, need))
+            if not decision.sleep:
+                break
+            for role_name in decision.sleep:
+                self._sleep(role_name)
+        if decision.is_short and phase not in self._warned_short:
             # Everything it could sleep is asleep: the estimate (a measured peak, a reported
             # need) exceeds the device. The wake may still fit (estimates are upper bounds).
             self._warned_short.add(phase)
@@ -421,11 +437,11 @@ class Plan:
                 "after putting %s to sleep; a wake or its peak may run out of memory. Shrink "
                 "the micro-batch tokens, an engine's KV share, or use activation checkpointing.",
                 phase,
-                need / 2**30,
-                free / 2**30,
-                "every other role" if not kept else f"all but {kept}",
+                decision.need_bytes / 2**30,
+                decision.free_bytes / 2**30,
+                "every other role" if not decision.kept else f"all but {list(decision.kept)}",
             )
-        return kept, need, free
+        return decision
 
     def _reported_wake(self, calls: Sequence[WakeCall]) -> dict[WakeCall, int]:
         """Per wake call, the bytes its role reports for those tags (roles that report)."""
@@ -465,42 +481,13 @@ class Plan:
     def fit_report(self) -> list[PhaseFit]:
         """Per phase, what it needs alone on the device (every other role asleep), from the
         roles' reports; phases with a role that gives no report are left out."""
-        needs: dict[str, MemoryNeed] = {}
-        for role_name, role in self._roles.items():
-            need = role_need(role)
-            if need is not None:
-                needs[role_name] = need
-        holding = 0  # what the roles hold now: their own count, else their report
-        for role_name in self._roles:
-            if not self._awake[role_name]:
-                continue
-            role = self._roles[role_name]
-            if isinstance(role, MeasuresResidentBytes):
-                holding += role.resident_bytes()
-            elif role_name in needs:
-                holding += needs[role_name].resident_bytes(
-                    self._awake[role_name] - {_WHOLE} or None
-                )
-            elif self._fit.capacity_is_derived:
-                # Its memory would count as not the roles': the capacity would come out short
-                # and the check could refuse a phase that fits. Nothing to check by.
-                return []
-        capacity = self._fit.capacity_bytes(holding)
-        if capacity is None:
-            return []
-        fits = [
-            phase_fit(
-                phase,
-                wanted,
-                self._working[phase],
-                needs,
-                capacity_bytes=capacity,
-                headroom_bytes=self._fit.headroom_bytes(),
-                whole_tag=_WHOLE,
-            )
-            for phase, wanted in self._phases.items()
-        ]
-        return [fit for fit in fits if fit is not None]
+        return fit_report(
+            self._roles,
+            awake=self._awake,
+            phases=self._phases,
+            working=self._working,
+            books=self._fit,
+        )
 
     def check_fit(self) -> list[PhaseFit]:
         """Raise MemoryFitError if a phase cannot fit on the device even with every other role
@@ -511,16 +498,8 @@ class Plan:
         before a run with offload="always". Without reports or a capacity reading (CPU without
         FitConfig.capacity_bytes) it checks nothing."""
         report = self.fit_report()
-        self._raise_unless_fits(report, self.host_fit_report())
+        raise_unless_fits(report, self.host_fit_report())
         return report
-
-    @staticmethod
-    def _raise_unless_fits(report: list[PhaseFit], host: HostFit | None) -> None:
-        failing = [fit.explain() for fit in report if not fit.fits]
-        if host is not None and not host.fits:
-            failing.append(host.explain())
-        if failing:
-            raise MemoryFitError("\n".join(failing))
 
     def host_fit_report(self) -> HostFit | None:
         """What the roles that some phase puts to sleep hold in host memory while asleep (their
@@ -530,22 +509,11 @@ class Plan:
         host cannot be read. Meant before any role sleeps: what they pin by then counts as used.
         The plan's first switch raises MemoryFitError when it does not fit, in either offload
         mode; `check_fit` includes it."""
-        needs: dict[str, HostNeed] = {}
-        for role_name, role in self._roles.items():
-            sleeps = any(
-                wanted.get(role_name) != set(self._tags_of(role_name))
-                for wanted in self._phases.values()
-            )
-            need = role_host_need(role) if sleeps else None
-            if need is not None:
-                needs[role_name] = need
-        if not needs:
-            return None
-        available = self._fit.host_available_bytes()
-        if available is None:
-            return None
-        return host_fit(
-            needs, available_bytes=available, headroom_bytes=self._fit.host_headroom_bytes
+        return host_fit_report(
+            self._roles,
+            tags={r: self._tags_of(r) for r in self._roles},
+            phases=self._phases,
+            books=self._fit,
         )
 
     def _sleep(self, role_name: str) -> None:
@@ -585,27 +553,9 @@ class Plan:
         return self._fit.role_bytes(role_name) or 0
 
     def _stages_for(self, wanted: dict[str, set[str]]) -> list[list[WakeCall]]:
-        """Wake calls grouped by stage: each role's tags in the configured stages, then the rest."""
-        missing = {
-            name: [tag for tag in self._tags_of(name) if tag in tags - self._awake[name]]
-            for name, tags in wanted.items()
-        }
-        stages = []
-        for stage in (*self._wake_stages, None):
-            calls = []
-            for name, tags in missing.items():
-                if tags == [_WHOLE]:
-                    # A role without memory_tags wakes whole, in the first stage.
-                    chosen = tags
-                elif stage is None:
-                    chosen = tags
-                else:
-                    chosen = [tag for tag in tags if tag in stage]
-                if chosen:
-                    calls.append((name, tuple(chosen)))
-                    missing[name] = [tag for tag in tags if tag not in chosen]
-            stages.append(calls)
-        return stages
+        """Wake calls grouped by stage (see `_planner.wake_calls`)."""
+        tags = {r: self._tags_of(r) for r in self._roles}
+        return wake_calls(wanted, self._awake, tags, self._wake_stages)
 
     def sleep_all(self) -> None:
         """Put every awake role to sleep (end of run, or before handing the GPU elsewhere)."""
