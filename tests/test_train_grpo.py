@@ -1316,7 +1316,7 @@ def test_a_stop_signal_ends_a_step_that_cannot_end_and_saves_it(tmp_path, embedd
         args,
         "reward.backend=none",
         f"reward.functions=[{rewards}:score]",
-        "rollout.max_sampling_rounds=1000",
+        "rollout.max_sampling_rounds=64",  # the most the config allows
         "num_steps=3",
         "eval.every_steps=0",
     )
