@@ -2106,9 +2106,7 @@ def test_a_lora_run_trains_syncs_the_adapter_and_checkpoints_and_exports_it_alon
     assert any(not torch.equal(initial[k], exported[k]) for k in exported)  # it trained
 
 
-def test_lora_with_a_vllm_or_sglang_rollout_is_refused_before_anything_loads(
-    tmp_path, monkeypatch
-):
+def test_lora_with_a_vllm_or_sglang_rollout_is_refused_before_anything_loads(tmp_path, monkeypatch):
     cfg = _read_config(tmp_path, "policy.lora.rank=8", "rollout.backend=vllm")
     with pytest.raises(ValueError, match=r"policy.lora with rollout.backend='vllm'"):
         grpo_preflight.check_lora_engine(cfg)
