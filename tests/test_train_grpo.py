@@ -994,7 +994,7 @@ def torch_equal(a, b) -> bool:
     return torch.equal(a, b)
 
 
-def _fake_chat_server(port: int, requests: list) -> None:
+def _fake_chat_server(port: int, requests: list, finish_reason: str = "stop") -> None:
     """An OpenAI-compatible /chat/completions judge for the addition task: 'Yes' when the
     response after the prompt equals the reference ("{prompt}{response} ref {reference}")."""
     import asyncio
@@ -1008,8 +1008,14 @@ def _fake_chat_server(port: int, requests: list) -> None:
         head, _, reference = text.rpartition(" ref ")
         response = head.partition("=")[2]
         verdict = "Yes" if response.strip() == reference.strip() else "No"
+        if finish_reason == "length":  # cut at max tokens, "Yes" as its last (partial) line
+            verdict = "Let me check the sum step by step.\nYes"
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": verdict}}
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": verdict},
+                "finish_reason": finish_reason,
+            }
             for i in range(body.get("n", 1))
         ]
         usage = {"prompt_tokens": len(text), "completion_tokens": 1}
@@ -1048,6 +1054,32 @@ def test_a_judge_served_over_an_openai_compatible_endpoint(tmp_path, embedded, t
         assert r["reward/mean"] == pytest.approx(2 * r["reward/accuracy"] - 1)
     assert len(requests) >= records[0]["genrm/verdicts"]
     assert all(body["model"] == "judge" for body in requests)
+
+
+def test_a_judge_cut_at_its_length_is_an_error_never_a_reward(tmp_path, embedded, trainer):
+    """Issue 49: an endpoint whose every answer is cut ("length") with "Yes" as its last line:
+    each verdict is a judge error (never +1), so the run stops naming the cause."""
+    import threading
+
+    requests: list = []
+    port = free_port()
+    server = threading.Thread(
+        target=_fake_chat_server, args=(port, requests, "length"), daemon=True
+    )
+    server.start()
+    paths = [a for a in embedded if not a.startswith("reward.judge_dir=")]
+    out = tmp_path / "run"
+    openai = f"reward.openai={{base_url: 'http://127.0.0.1:{port}/v1', model: judge}}"
+    command = _one_rank(out, paths, "num_steps=2", "reward.backend=openai", openai)
+    result = trainer.run(command, env=_env(), timeout=300, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "judge verdicts failed" in result.stderr
+    assert "length" in result.stderr or "max_new_tokens" in result.stderr, result.stderr[-2000:]
+    records = _metrics(out)
+    assert len(records) == 1
+    assert records[0]["genrm/errors"] == records[0]["genrm/verdicts"] > 0
+    # no verdict read as "Yes": reward/accuracy is the task's exact match, not the judge's
+    assert records[0]["reward/mean"] < 1.0
 
 
 @pytest.mark.parametrize(
