@@ -106,7 +106,7 @@ print('reloaded', type(m).__name__, m(ids).logits.shape)" ;;
       rm -rf /tmp/yatt-runs/lora  # a warm machine keeps the last call's run
       run_step trainer_lora python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
         examples/train_grpo.py out_dir=/tmp/yatt-runs/lora num_steps=20 policy.lora.rank=8 \
-        policy.lr=5e-3 loss.kl_coef=0.05
+        policy.lr=2e-3 loss.kl_coef=0.05
       cp /tmp/yatt-runs/lora/metrics.jsonl "$OUT/trainer_lora_metrics.jsonl" 2>/dev/null ;;
     trainer_real)
       # examples/configs/qwen_rewards_gpu.yaml (reward functions, KL reference, cosine lr, eval,
