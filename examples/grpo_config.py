@@ -806,6 +806,8 @@ def describe_fields() -> str:
         elif key in POLICY_HELP:
             line = f"{name} = {rest.partition('  # ')[0]}  # {POLICY_HELP[key]}"
         lines.append(line)
+        if key == "lora":  # its sub-fields, settable one by one (policy.lora.rank=8 turns it on)
+            lines.extend(core.describe_config(core.LoraConfig, prefix="policy.lora."))
     return (
         "config fields (YAML keys, or key.sub=value overrides; backend=megatron takes "
         "MegatronPolicyConfig's policy fields):\n  " + "\n  ".join(lines)

@@ -50,6 +50,7 @@ def preflight(
     if should_check_data:
         check_data_paths(cfg)
         check_chat_template_kwargs(cfg)
+    check_lora_engine(cfg)
     for name, section in (("rollout", cfg.rollout), ("reward", cfg.reward)):
         check_engine_installed(name, section)
     core.check_wandb(cfg.log.wandb_project)
@@ -85,6 +86,19 @@ def check_policy_device(backend: str) -> None:
             "backend='megatron' needs CUDA (megatron-core calls CUDA directly) and no GPU is "
             "visible here: use backend=torch on this machine"
         )
+
+
+def check_lora_engine(cfg: TrainConfig) -> None:
+    """policy.lora syncs only the adapter each step, which the built-in engine applies in
+    place; vLLM and SGLang take full weights only (they refuse adapter tensors by name): refused
+    here, before any model loads."""
+    if policy_field(cfg.policy, "lora") is None or cfg.rollout.backend == "builtin":
+        return
+    raise ValueError(
+        f"policy.lora with rollout.backend={cfg.rollout.backend!r}: the per-step sync sends "
+        "the LoRA adapter, which only the built-in engine applies; use rollout.backend=builtin "
+        "or full fine-tuning (policy.lora=null)"
+    )
 
 
 def check_chat_template_kwargs(cfg: TrainConfig) -> None:

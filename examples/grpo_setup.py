@@ -145,15 +145,35 @@ def export_checkpoint(cfg: TrainConfig, step: int | None) -> Path:
         if step is None:
             raise ValueError(f"--export: {cfg.out_dir}/checkpoints holds no checkpoint")
         source = ckpt.step_path(step)
-        # Replaces only yatt's own earlier export there (the library refuses anything else).
-        core.export_hf_from_checkpoint(
-            source,
-            out,
-            model_dir=cfg.policy.model_dir,
-            dtype=cfg.export.dtype or None,
-            should_overwrite=True,
-        )
+        if getattr(cfg.policy, "lora", None) is not None:
+            # a LoRA checkpoint holds the adapter alone: the policy is built on its base
+            # (model_dir) to load it into, then written merged and as the adapter
+            runtime = core.init_runtime(seed=cfg.seed)
+            policy = core.build_policy(cfg.backend, cfg.policy, runtime)
+            ckpt.load(policy.state(), step=step)
+            export_policy(policy, out, cfg.export.dtype or None)
+        else:
+            # Replaces only yatt's own earlier export there (the library refuses anything else).
+            core.export_hf_from_checkpoint(
+                source,
+                out,
+                model_dir=cfg.policy.model_dir,
+                dtype=cfg.export.dtype or None,
+                should_overwrite=True,
+            )
     logger.info("exported step %d of %s to %s", step, source.parent, out)
+    return out
+
+
+def export_policy(policy: Any, out: Path, dtype: str | None) -> Path:
+    """The policy as a Hugging Face folder at `out` (a LoRA policy: its adapter merged in, and
+    the adapter alone in PEFT's format at out/adapter); replaces only yatt's own export."""
+    out = core.export_hf(policy, out, dtype=dtype, should_overwrite=True)
+    if getattr(policy.config, "lora", None) is not None:
+        adapter = core.export_lora_adapter(
+            policy, Path(out) / "adapter", dtype=dtype, should_overwrite=True
+        )
+        logger.info("the LoRA adapter, in PEFT's format: %s", adapter)
     return out
 
 

@@ -92,6 +92,7 @@ from grpo_prompts import Prompt, PromptEncoder
 from grpo_setup import (
     export_checkpoint,
     export_dir,
+    export_policy,
     load_eval_rows,
     make_engine,
     make_scorer,
@@ -467,6 +468,12 @@ def balance(
     return batch, costs
 
 
+def step_weights(policy, *, is_lora: bool):
+    """What a step's sync sends: the LoRA adapter (its A, B and scaling per target; the
+    built-in engine merges it into its own copy of the base) or the full weights."""
+    return policy.named_adapter_weights() if is_lora else policy.named_weights()
+
+
 def mini_batch_seed(seed: int, step: int, epoch: int, loss: core.PolicyLoss) -> int | None:
     """The seed of an epoch's split into mini-batches: None (the best-balanced split, the
     same each time) for a single epoch or loss.should_reshuffle_epochs=False; else one per
@@ -500,6 +507,8 @@ def train_on_batch(
         batch.tokens["old_logprobs"] = policy.logprobs(batch)
     if reference is not None:
         batch.tokens["ref_logprobs"] = reference.logprobs(batch)
+    elif loss.kl_coef > 0:  # LoRA: the base model is the reference (the adapter disabled)
+        batch.tokens["ref_logprobs"] = policy.reference_logprobs(batch)
     if costs is None and loss.num_mini_batches > 1:
         costs = policy.estimate_batch_costs(batch)
     # num_epochs passes, each num_mini_batches optimizer steps of whole groups (every rank the
@@ -732,9 +741,11 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             "loading the policy, its rollout engine and the reward (%s)", cfg.reward.backend
         )
         policy = core.build_policy(cfg.backend, cfg.policy, runtime)
-        # A frozen copy of the starting policy, only when the loss reads it (kl_coef > 0).
+        # A frozen copy of the starting policy, only when the loss reads it (kl_coef > 0);
+        # with LoRA none: the base model under the adapter is the reference.
+        is_lora = getattr(cfg.policy, "lora", None) is not None
         reference = None
-        if cfg.loss.kl_coef > 0:
+        if cfg.loss.kl_coef > 0 and not is_lora:
             reference_config = replace(cfg.policy, is_reference=True)
             reference = core.build_policy(cfg.backend, reference_config, runtime)
         engine = resources.close_later(
@@ -854,7 +865,8 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                         step=step,
                     )
                 with timed(stats.timings, "sync"), plan.phase("sync"):  # bucketed, no 2nd copy
-                    engine.update_weights(policy.named_weights())
+                    # LoRA: the adapter alone (the engine adds scaling B A to its base)
+                    engine.update_weights(step_weights(policy, is_lora=is_lora))
 
                 # -- log and save ---------------------------------------------------------------
                 metrics = summarize(
@@ -901,9 +913,7 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                     break
         ckpt.wait()
         if cfg.export.dir and start_step <= last_step and not is_stopped:
-            out = core.export_hf(
-                policy, export_dir(cfg), dtype=cfg.export.dtype or None, should_overwrite=True
-            )
+            out = export_policy(policy, export_dir(cfg), cfg.export.dtype or None)
             logger.info("the final policy, as a Hugging Face folder: %s", out)
         if runtime.is_rank_zero and (records := run_log.read()):
             first, last = records[0], records[-1]

@@ -98,6 +98,16 @@ print('reloaded', type(m).__name__, m(ids).logits.shape)" ;;
         policy.model_dir=$VL/policy data.path=$VL/prompts.jsonl data.image_key=image \
         eval.path=$VL/eval.jsonl eval.every_steps=5 loss.kl_coef=0.05
       cp /tmp/yatt-runs/vl-kl/metrics.jsonl "$OUT/trainer_vl_kl_metrics.jsonl" 2>/dev/null ;;
+    trainer_lora)
+      # The embedded task with LoRA (rank 8; the lr found on CPU for it) and a KL term (the base
+      # under the disabled adapter is the reference: no frozen copy); each step syncs only the
+      # adapter to the built-in engine. train/rollout_mismatch stays near 0 when it is served.
+      NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
+      rm -rf /tmp/yatt-runs/lora  # a warm machine keeps the last call's run
+      run_step trainer_lora python3 -m torch.distributed.run --standalone --nproc_per_node "$NGPU" \
+        examples/train_grpo.py out_dir=/tmp/yatt-runs/lora num_steps=20 policy.lora.rank=8 \
+        policy.lr=2e-3 loss.kl_coef=0.05
+      cp /tmp/yatt-runs/lora/metrics.jsonl "$OUT/trainer_lora_metrics.jsonl" 2>/dev/null ;;
     trainer_real)
       # examples/configs/qwen_rewards_gpu.yaml (reward functions, KL reference, cosine lr, eval,
       # export) on a locally saved Qwen2-shaped model (Qwen2.5-0.5B's layer shapes, random

@@ -585,6 +585,9 @@ def test_help_lists_every_config_field_and_the_set_is_frozen(trainer):
     assert "policy.is_reference" not in result.stdout  # loss.kl_coef > 0 makes the reference
     assert "policy.temperature" not in result.stdout  # rollout.temperature is the one source
     assert "  rollout.samples_per_prompt = 8  # GRPO group size n" in result.stdout
+    # LoRA's sub-fields each with its meaning (issue 45)
+    assert "  policy.lora.rank = 8  # r: the adapter's inner dimension" in result.stdout
+    assert "  policy.lora.alpha = 16.0  # the update's scale is alpha / rank" in result.stdout
 
 
 class _CountingTokenizer:
@@ -991,7 +994,7 @@ def torch_equal(a, b) -> bool:
     return torch.equal(a, b)
 
 
-def _fake_chat_server(port: int, requests: list) -> None:
+def _fake_chat_server(port: int, requests: list, finish_reason: str = "stop") -> None:
     """An OpenAI-compatible /chat/completions judge for the addition task: 'Yes' when the
     response after the prompt equals the reference ("{prompt}{response} ref {reference}")."""
     import asyncio
@@ -1005,8 +1008,14 @@ def _fake_chat_server(port: int, requests: list) -> None:
         head, _, reference = text.rpartition(" ref ")
         response = head.partition("=")[2]
         verdict = "Yes" if response.strip() == reference.strip() else "No"
+        if finish_reason == "length":  # cut at max tokens, "Yes" as its last (partial) line
+            verdict = "Let me check the sum step by step.\nYes"
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": verdict}}
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": verdict},
+                "finish_reason": finish_reason,
+            }
             for i in range(body.get("n", 1))
         ]
         usage = {"prompt_tokens": len(text), "completion_tokens": 1}
@@ -1045,6 +1054,32 @@ def test_a_judge_served_over_an_openai_compatible_endpoint(tmp_path, embedded, t
         assert r["reward/mean"] == pytest.approx(2 * r["reward/accuracy"] - 1)
     assert len(requests) >= records[0]["genrm/verdicts"]
     assert all(body["model"] == "judge" for body in requests)
+
+
+def test_a_judge_cut_at_its_length_is_an_error_never_a_reward(tmp_path, embedded, trainer):
+    """Issue 49: an endpoint whose every answer is cut ("length") with "Yes" as its last line:
+    each verdict is a judge error (never +1), so the run stops naming the cause."""
+    import threading
+
+    requests: list = []
+    port = free_port()
+    server = threading.Thread(
+        target=_fake_chat_server, args=(port, requests, "length"), daemon=True
+    )
+    server.start()
+    paths = [a for a in embedded if not a.startswith("reward.judge_dir=")]
+    out = tmp_path / "run"
+    openai = f"reward.openai={{base_url: 'http://127.0.0.1:{port}/v1', model: judge}}"
+    command = _one_rank(out, paths, "num_steps=2", "reward.backend=openai", openai)
+    result = trainer.run(command, env=_env(), timeout=300, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "judge verdicts failed" in result.stderr
+    assert "length" in result.stderr or "max_new_tokens" in result.stderr, result.stderr[-2000:]
+    records = _metrics(out)
+    assert len(records) == 1
+    assert records[0]["genrm/errors"] == records[0]["genrm/verdicts"] > 0
+    # no verdict read as "Yes": reward/accuracy is the task's exact match, not the judge's
+    assert records[0]["reward/mean"] < 1.0
 
 
 @pytest.mark.parametrize(
@@ -2044,3 +2079,73 @@ def test_judge_batching_is_config_checked_before_anything_loads(tmp_path):
                 "reward.batching={max_pending: 8}",
             ]
         )
+
+
+def test_a_lora_run_trains_syncs_the_adapter_and_checkpoints_and_exports_it_alone(
+    tmp_path, embedded, trainer
+):
+    """Issue 45: policy.lora with a KL term builds no frozen copy (the base under the disabled
+    adapter is the reference), the built-in engine serves the synced adapter (its logprobs
+    are the policy's, so the rollout mismatch stays at float32 rounding), the checkpoint holds
+    only the adapter, and --export writes the merged folder and the PEFT adapter."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    args = (
+        *embedded,
+        "policy.lora.rank=8",
+        "policy.lora.alpha=16",
+        "policy.lr=2e-2",
+        "loss.kl_coef=0.05",
+        "num_steps=3",
+        "data.prompts_per_rank=4",
+    )
+    trainer.run(
+        [sys.executable, str(TRAINER), f"out_dir={out}", *args],
+        check=True,
+        env=_env(),
+        timeout=600,
+    )
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2]
+    # the reference is the starting policy: no divergence before the first update, some after
+    assert records[0]["train/kl"] == 0.0 and records[2]["train/kl"] > 0.0
+    # pi (trainer, adapter on) vs the engine's sampling logprobs: equal within float32 rounding
+    # on every step, the steps after an adapter sync included
+    assert all(r["train/rollout_mismatch"] < 1e-4 for r in records)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    step_dir = out / "checkpoints" / "step-00000002"
+    saved = list(FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata)
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert any(".lora_A." in k for k in model_keys) and any(".lora_B." in k for k in model_keys)
+    assert all(".lora_A." in k or ".lora_B." in k for k in model_keys), model_keys  # no base
+    exported = load_file(out / "export" / "model.safetensors")
+    assert not any("lora" in k for k in exported)  # merged under the base's names
+    adapter = out / "export" / "adapter"
+    assert (adapter / "adapter_config.json").is_file()
+    assert (adapter / "adapter_model.safetensors").is_file()
+    trainer.run(
+        [sys.executable, str(TRAINER), "--export", f"out_dir={out}", *args],
+        check=True,
+        env=_env(),
+        timeout=300,
+    )
+    again = load_file(out / "export" / "model.safetensors")
+    assert again.keys() == exported.keys()
+    assert all(torch.allclose(exported[k], again[k], atol=1e-6) for k in exported)
+    initial = load_file(Path(_paths(embedded)["policy"]["model_dir"]) / "model.safetensors")
+    assert any(not torch.equal(initial[k], exported[k]) for k in exported)  # it trained
+
+
+def test_lora_with_a_vllm_or_sglang_rollout_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    cfg = _read_config(tmp_path, "policy.lora.rank=8", "rollout.backend=vllm")
+    with pytest.raises(ValueError, match=r"policy.lora with rollout.backend='vllm'"):
+        grpo_preflight.check_lora_engine(cfg)
+    grpo_preflight.check_lora_engine(_read_config(tmp_path, "policy.lora.rank=8"))
+    grpo_preflight.check_lora_engine(_read_config(tmp_path, "rollout.backend=vllm"))
+
+
+def _read_config(tmp_path: Path, *overrides: str) -> grpo_config.TrainConfig:
+    cfg, _ = grpo_config.read_config([f"out_dir={tmp_path}", *overrides])
+    return cfg

@@ -88,7 +88,7 @@ def lora_from_value(value: Any, field: str) -> LoraConfig | None:
     if value is None or isinstance(value, LoraConfig):
         return value
     if isinstance(value, Mapping):
-        from yatt.core.runtime._config import config_from_dict
+        from yatt.core.config._from_dict import config_from_dict
 
         return config_from_dict(LoraConfig, value, path=field)
     raise ValueError(
