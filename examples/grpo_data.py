@@ -35,10 +35,11 @@ def judge_sample(
     row: Mapping[str, Any], response: str, *, prompt_key: str, answer_key: str
 ) -> genrm.Sample:
     """The judge's view of one response to `row`. The row's fields are template fields too
-    (Sample.metadata), so a judge template may name any column, e.g. {rubric}."""
-    answer = row.get(answer_key) if answer_key else None
+    (Sample.metadata), so a judge template may name any column, e.g. {rubric}. The keys may
+    name nested fields with dots (verl's `reward_model.ground_truth`)."""
+    answer = core.get_field(row, answer_key) if answer_key else None
     return genrm.Sample(
-        prompt=prompt_text(row[prompt_key]),
+        prompt=prompt_text(core.get_field(row, prompt_key)),
         response=response,
         reference=None if answer is None else str(answer),  # e.g. an integer answer
         metadata={key: value for key, value in row.items() if key != core.ROW_INDEX_KEY},

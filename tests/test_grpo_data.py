@@ -43,6 +43,21 @@ def test_the_judge_reads_messages_as_lines_and_a_numeric_answer_as_text():
     assert no_answer.reference is None
 
 
+def test_the_judge_reads_nested_fields_named_with_dots():
+    """verl's GSM8K layout: the answer under reward_model.ground_truth (it read None before)."""
+    row = {
+        "data_source": "openai/gsm8k",
+        "prompt": MESSAGES,
+        "reward_model": {"style": "rule", "ground_truth": "72"},
+        "extra_info": {"split": "train", "index": 0},
+    }
+    sample = grpo_data.judge_sample(
+        row, "72", prompt_key="prompt", answer_key="reward_model.ground_truth"
+    )
+    assert sample.reference == "72"
+    assert sample.prompt == "system: Add.\nuser: 3+4="
+
+
 @pytest.mark.parametrize(
     ("template", "answer_key", "fields"),
     [
