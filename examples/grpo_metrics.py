@@ -18,12 +18,14 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from grpo_data import Scored
 
 from yatt import core, genrm
 
 logger = logging.getLogger("train_grpo")
+NUM_LOGGED_SAMPLES = 4  # responses a step writes to out_dir/samples.jsonl (rank 0's first)
 
 
 @dataclass
@@ -42,6 +44,8 @@ class StepStats:
     num_cut: int = 0  # responses ended before a sampled vision token
     first_failure: str | None = None  # the first failed verdict's cause, for the log
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    # the step's first few responses with their rewards, for out_dir/samples.jsonl
+    samples: list[dict[str, Any]] = field(default_factory=list)
 
     def add(
         self, scored: Sequence[Scored], exact: genrm.ExactMatch, cut_token_ids: Sequence[int] = ()
@@ -53,6 +57,14 @@ class StepStats:
         if self.first_failure is None:
             self.first_failure = verdict_stats.first_error or verdict_stats.first_unparsable
         for item in scored:
+            if len(self.samples) < NUM_LOGGED_SAMPLES:
+                self.samples.append(
+                    {
+                        "prompt": item.sample.prompt,
+                        "completion": item.sample.response,
+                        "reward": item.verdict.reward,
+                    }
+                )
             self.num_samples += 1
             self.reward_sum += item.verdict.reward
             self.num_correct += exact.verify(item.sample) or 0.0

@@ -889,6 +889,7 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                     metrics |= evaluate(eval_prompts, step=step, cfg=cfg, ctx=ctx)
                 metrics |= plan.metrics()
                 run_log.log(step, metrics)
+                run_log.log_samples(step, stats.samples)  # a few responses, with their rewards
                 check_verdicts(step, metrics, stats.first_failure, verdict_warnings)
                 idle_guard.check(step)  # after the log: the stuck steps' metrics are kept
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}")

@@ -107,6 +107,10 @@ def test_two_ranks_train_and_checkpoint(tmp_path, embedded, placement, request):
     assert (out / "checkpoints" / f"step-{due:08d}").is_dir()  # due by ckpt.every_steps
     assert (out / "checkpoints" / f"step-{num_steps - 1:08d}").is_dir()  # the last, always
     assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"
+    # a few sampled responses per step, with their rewards (rank 0's), in out_dir
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == set(range(num_steps))
+    assert all({"prompt", "completion", "reward"} <= s.keys() for s in samples)
 
 
 def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, embedded, full_run):
