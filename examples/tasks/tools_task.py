@@ -10,7 +10,8 @@ directory:
                     guess with a number it has not tried yet (random, ignoring the hints), so
                     it starts by calling tools and GRPO has room to learn to search
 
-The reward is the environment's: 1 - 0.1 * (guesses - 1) when it found the number, else 0.
+The reward is the environment's: 1 - 0.1 * (guesses - 1) when it found the number, else 0;
+the trainer adds 0.1 x tool_error_penalty (-1 per failed tool call) as a reward function.
 
 One call runs a step's rollout (the trainer's `task=tools` rollout kind):
 
@@ -70,6 +71,14 @@ class GuessEnv:
 
     def get_reward(self) -> float:
         return 1.0 - 0.1 * (self.num_guesses - 1) if self.done else 0.0
+
+
+def tool_error_penalty(prompt: str, response: str, reference: str | None, row: dict) -> float:
+    """A reward function over the whole trajectory (the trainer's reward.functions; `row` is
+    genrm.trajectory_sample's metadata): -1 per tool call that failed (bad JSON, unknown tool,
+    wrong arguments, a raise, a timeout)."""
+    calls = [call for turn in row.get("tool_calls") or [] for call in turn]
+    return -float(sum(1 for call in calls if call.get("error")))
 
 
 def env_config(**overrides: Any) -> EnvConfig:
