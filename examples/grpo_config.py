@@ -84,12 +84,12 @@ EMBEDDED_TASKS = {
             "policy": {"lr": 2e-3, "dtype": "float32", "max_tokens_per_microbatch": 4096},
             "data": {"prompts_per_rank": 8},
             "rollout": {
-                "environment": [f"{TASKS_DIR / 'tools_task.py'}:GuessEnv"],
+                "environment": [f"{TASKS_DIR / 'guess_env.py'}:GuessEnv"],
                 "samples_per_prompt": 8,
                 "max_new_tokens": 48,  # one turn: a tool call is about 30 tokens
                 "max_turns": 4,  # binary search over 0..7 needs at most 4 guesses
                 "max_trajectory_tokens": 480,
-                "tool_timeout_s": 5.0,
+                "tool_timeout_s": 10.0,
                 "max_tool_output_tokens": 16,
                 "max_sampling_rounds": 4,
                 "engine": {"max_seq_len": 512},  # the tiny policy's positions
@@ -99,7 +99,7 @@ EMBEDDED_TASKS = {
             "reward": {
                 "backend": "none",
                 "rule_weight": 0.0,
-                "functions": [f"{TASKS_DIR / 'tools_task.py'}:tool_error_penalty"],
+                "functions": [f"{TASKS_DIR / 'guess_env.py'}:tool_error_penalty"],
                 "function_weights": [0.1],
             },
         },
