@@ -86,7 +86,7 @@ EMBEDDED_TASKS = {
             "rollout": {
                 "environment": [f"{TASKS_DIR / 'guess_env.py'}:GuessEnv"],
                 "samples_per_prompt": 8,
-                "max_new_tokens": 48,  # one turn: a tool call is about 30 tokens
+                "max_new_tokens": 96,  # one turn: a tool call is about 60 tokens
                 "max_turns": 4,  # binary search over 0..7 needs at most 4 guesses
                 "max_trajectory_tokens": 480,
                 "tool_timeout_s": 10.0,
