@@ -65,7 +65,7 @@ def test_the_tools_task_selects_the_multiturn_kind_and_bad_values_name_the_field
     with pytest.raises(ValueError, match=r"rollout\.tool_parser|unknown tool parser"):
         grpo_config.build_config({"task": "tools", "rollout": {"tool_parser": "nope"}})
     cfg = grpo_config.build_config({"task": "tools", "rollout": {"tools": ["nope.py:f"]}})
-    with pytest.raises(ValueError, match="nope.py"):
+    with pytest.raises(ValueError, match=r"nope\.py"):
         cfg.rollout.check_environment()
 
 
@@ -89,7 +89,9 @@ def test_a_trajectory_trains_only_on_sampled_tokens_and_a_bad_call_is_an_observa
     assert stats.tool_errors == {"malformed": 1} and trajectory.num_turns == 3
     tool_messages = [m["content"] for m in trajectory.messages if m["role"] == "tool"]
     assert tool_messages[1:] == ["higher", "correct"]
-    assert tool_messages[0].startswith("Error: the tool call is not valid JSON")  # read by the model
+    assert tool_messages[0].startswith(
+        "Error: the tool call is not valid JSON"
+    )  # read by the model
 
     completion = train_grpo.TrajectoryCompletion(trajectory, request_index=0)
     (sample,) = core.rollout_samples([completion], rewards=[1.0], group_ids=[0])
@@ -97,7 +99,9 @@ def test_a_trajectory_trains_only_on_sampled_tokens_and_a_bad_call_is_an_observa
     mask, ids = sample["loss_mask"], sample["input_ids"]
     assert mask[:prompt_len] == [0] * prompt_len
     trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
-    untrained = tokenizer.decode([t for t, m in zip(ids[prompt_len:], mask[prompt_len:]) if not m])
+    untrained = tokenizer.decode(
+        [t for t, m in zip(ids[prompt_len:], mask[prompt_len:], strict=True) if not m]
+    )
     # Every sampled turn is trained on; no tool result or template token is.
     for turn in turns:
         assert turn in trained
