@@ -30,6 +30,11 @@ One step, as the loop reads:
                           engine, each judged group is kept as it arrives, and once every rank
                           is full the long tail is aborted (counted; with rollout.keep_partial
                           finished first next step)
+                  multiturn  (rollout.environment or rollout.tools set, rounds) each row a
+                          multi-turn trajectory (yatt.rollout.MultiTurnRollout: tools in worker
+                          processes, the engine's KV kept between turns), its loss only on the
+                          sampled tokens; reward = reward.* over the trajectory + the
+                          environment's get_reward(); every trajectory ends within its round
     keep        whole groups whose task reward varies (DAPO eq. 11), then DAPO's overlong
                 penalty added to the reward (keep())
     train       advantages per group -> balance across ranks -> old logprobs once (the
