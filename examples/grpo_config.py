@@ -84,6 +84,8 @@ EMBEDDED_TASKS = {
             # lr 2e-3 (the text demo's) loses the tool-call format within 3 steps
             "policy": {"lr": 2e-4, "dtype": "float32", "max_tokens_per_microbatch": 4096},
             "data": {"prompts_per_rank": 8},
+            # evaluate() is single-turn: held-out games need the multi-turn kind there too
+            "eval": {"every_steps": 0},
             "rollout": {
                 "environment": [f"{TASKS_DIR / 'guess_env.py'}:GuessEnv"],
                 "samples_per_prompt": 8,
