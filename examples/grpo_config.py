@@ -81,8 +81,9 @@ EMBEDDED_TASKS = {
         columns=("prompt", "secret"),
         has_judge=False,
         defaults={
-            # lr 2e-3 (the text demo's) loses the tool-call format within 3 steps
-            "policy": {"lr": 2e-4, "dtype": "float32", "max_tokens_per_microbatch": 4096},
+            # lr 2e-3 (the text demo's) loses the tool-call format within 3 steps; 2e-4 learns
+            # slowly (reward 0.29 -> 0.37 over 30 steps), 6e-4: 0.31 -> 0.45 over 40
+            "policy": {"lr": 6e-4, "dtype": "float32", "max_tokens_per_microbatch": 4096},
             "data": {"prompts_per_rank": 8},
             # evaluate() is single-turn: held-out games need the multi-turn kind there too
             "eval": {"every_steps": 0},
