@@ -10,8 +10,8 @@ in a range that fits what it controls, unknown keys refused with the closest kno
 file (but --config's), imports no task or reward module and reads no environment. What the
 values point at (folders, reward modules, API keys, installed engines, checkpoints) is
 checked by grpo_preflight.preflight, first in main; empty paths (policy.model_dir, data.path,
-reward.judge_dir, eval.path) point at the embedded task that `task` names ("text" or
-"vision", examples/tasks/), which preflight builds under out_dir once, then reuses.
+reward.judge_dir, eval.path) point at the embedded task that `task` names ("text",
+"vision" or "tools", examples/tasks/), which preflight builds under out_dir once, then reuses.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Any, ClassVar
 
 from grpo_data import SAMPLE_FIELDS
@@ -50,6 +50,8 @@ class EmbeddedTask:
     defaults: Mapping[str, Any] = field(default_factory=dict)
 
 
+# The embedded tasks' folder (examples/tasks/): named here, imported only by preflight.
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 # The demo's own values (a tiny policy answering single-digit sums in a few tokens), in force
 # only under task=<name>; a run of your own model starts from the defaults of the fields.
 DEMO_DEFAULTS: Mapping[str, Any] = {
@@ -70,6 +72,40 @@ EMBEDDED_TASKS = {
         defaults={
             **DEMO_DEFAULTS,
             "reward": {**DEMO_DEFAULTS["reward"], "backend": "none", "rule_weight": 1.0},
+        },
+    ),
+    # Guess a number with a `guess` tool (examples/tasks/tools_task.py): multi-turn, the
+    # environment's get_reward() is the reward; these are that task's values.
+    "tools": EmbeddedTask(
+        folder="embedded-tools",
+        columns=("prompt", "secret"),
+        has_judge=False,
+        defaults={
+            # lr 2e-3 (the text demo's) loses the tool-call format within 3 steps; 2e-4 learns
+            # slowly (reward 0.29 -> 0.37 over 30 steps), 6e-4: 0.31 -> 0.45 over 40
+            "policy": {"lr": 6e-4, "dtype": "float32", "max_tokens_per_microbatch": 4096},
+            "data": {"prompts_per_rank": 8},
+            # evaluate() is single-turn: held-out games need the multi-turn kind there too
+            "eval": {"every_steps": 0},
+            "rollout": {
+                "environment": [f"{TASKS_DIR / 'guess_env.py'}:GuessEnv"],
+                "samples_per_prompt": 8,
+                "max_new_tokens": 96,  # one turn: a tool call is about 60 tokens
+                "max_turns": 4,  # binary search over 0..7 needs at most 4 guesses
+                "max_trajectory_tokens": 480,
+                "tool_timeout_s": 10.0,
+                "max_tool_output_tokens": 16,
+                "max_sampling_rounds": 4,
+                "engine": {"max_seq_len": 512},  # the tiny policy's positions
+            },
+            # the environment's reward (rollout.env_reward_weight) and a function over the
+            # whole trajectory: -0.1 per failed tool call
+            "reward": {
+                "backend": "none",
+                "rule_weight": 0.0,
+                "functions": [f"{TASKS_DIR / 'guess_env.py'}:tool_error_penalty"],
+                "function_weights": [0.1],
+            },
         },
     ),
 }
@@ -196,9 +232,76 @@ class RolloutConfig(rollout.EngineSpec):
     # stream: the groups the abort cut are finished first in the next step, their old tokens
     # and logprobs kept (off-policy by a step: needs loss.rollout_correction); else dropped.
     keep_partial: bool = False
+    # -- multi-turn environments and tools (yatt.rollout.env); either set: the multi-turn
+    # rollout kind (rollout_multiturn in train_grpo.py), rounds of whole trajectories.
+    # "my_env.py:MathEnv" (one instance per trajectory: reset(**row), public methods are
+    # tools, optional get_reward()), several routed by the row field `route_key`.
+    environment: list = field(default_factory=list)
+    tools: list = field(default_factory=list)  # plain function tools: ["my_tools.py:search"]
+    max_turns: int = 4  # assistant turns per trajectory (the last one's tool calls still run)
+    max_trajectory_tokens: int = 2048  # prompt + turns + observations (< engine.max_seq_len)
+    tool_timeout_s: float = 10.0  # one tool call (or reset/get_reward); then an error observation
+    max_tool_output_bytes: int = 8192  # a tool's output cut to this many UTF-8 bytes ...
+    max_tool_output_tokens: int = 512  # ... then to this many tokens
+    tool_parser: str = "hermes"  # how calls are read: "hermes" (<tool_call>{json}</tool_call>)
+    route_key: str = ""  # the row field naming the environment class when several are listed
+    env_reward_weight: float = 1.0  # get_reward()'s weight, added to reward.* (judge, functions)
+
+    @property
+    def is_multiturn(self) -> bool:
+        """An environment or tools are set: the trainer's rollout kind is the multi-turn one."""
+        return bool(self.environment or self.tools)
+
+    def env_config(self) -> rollout.EnvConfig:
+        """The package's EnvConfig from these fields; its errors name rollout.<field>."""
+        try:
+            return rollout.EnvConfig(
+                environment=tuple(self.environment),
+                tools=tuple(self.tools),
+                max_turns=self.max_turns,
+                max_trajectory_tokens=self.max_trajectory_tokens,
+                tool_timeout_s=self.tool_timeout_s,
+                max_tool_output_bytes=self.max_tool_output_bytes,
+                max_tool_output_tokens=self.max_tool_output_tokens,
+                tool_parser=self.tool_parser,
+                route_key=self.route_key,
+            )
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("EnvConfig.", "rollout.")) from None
+
+    def check_environment(self) -> None:
+        """What rollout.environment and rollout.tools point at: each spec imports, every
+        environment has tools, every tool has type hints and a docstring, no two share a name
+        (ValueError naming the field); nothing when neither is set."""
+        if not self.is_multiturn:
+            return
+        from yatt.rollout.env import build_env_kinds
+
+        try:
+            build_env_kinds(tuple(self.environment), tuple(self.tools))
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("EnvConfig.", "rollout.")) from None
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the engine: backend, options, sizes
+        if not math.isfinite(self.env_reward_weight):
+            raise ValueError(
+                f"rollout.env_reward_weight={self.env_reward_weight!r}: must be a finite number"
+            )
+        if self.is_multiturn:
+            self.env_config()  # max_turns >= 1, limits, parser known: before any model loads
+            if self.sampling_mode != "rounds":
+                raise ValueError(
+                    f"rollout.sampling_mode={self.sampling_mode!r} with rollout.environment or "
+                    "rollout.tools: multi-turn rollouts run in rounds of whole trajectories; "
+                    "use rollout.sampling_mode='rounds'"
+                )
+            if self.max_trajectory_tokens >= self.engine.max_seq_len:
+                raise ValueError(
+                    f"rollout.max_trajectory_tokens={self.max_trajectory_tokens} does not fit "
+                    f"rollout.engine.max_seq_len={self.engine.max_seq_len}: lower it or raise "
+                    "rollout.engine.max_seq_len"
+                )
         # GRPO's advantage is a sample's reward against its group's: one sample has none.
         check_at_least("rollout.samples_per_prompt", self.samples_per_prompt, 2)
         check_at_most(

@@ -30,6 +30,11 @@ One step, as the loop reads:
                           engine, each judged group is kept as it arrives, and once every rank
                           is full the long tail is aborted (counted; with rollout.keep_partial
                           finished first next step)
+                  multiturn  (rollout.environment or rollout.tools set, rounds) each row a
+                          multi-turn trajectory (yatt.rollout.MultiTurnRollout: tools in worker
+                          processes, the engine's KV kept between turns), its loss only on the
+                          sampled tokens; reward = reward.* over the trajectory + the
+                          environment's get_reward(); every trajectory ends within its round
     keep        whole groups whose task reward varies (DAPO eq. 11), then DAPO's overlong
                 penalty added to the reward (keep())
     train       advantages per group -> balance across ranks -> old logprobs once (the
@@ -332,6 +337,7 @@ class RolloutContext:
     sampler: core.DynamicSampler
     partials: core.PartialRollouts | None  # rollout.keep_partial: cut groups held a step
     should_overlap: bool  # rollout and judge resident together: judge as responses finish
+    multiturn: Any = None  # rollout.MultiTurnRollout when rollout.environment/tools are set
     # a stop signal arrived: a safe point (between rounds, between judged groups) ends the step
     should_stop: Callable[[], bool] = lambda: False
 
@@ -436,10 +442,153 @@ def rollout_streamed(
     return batch, sampling_stats
 
 
+# The row field a multi-turn environment's reset(**row) reads its seed from: derived from
+# (seed, DP rank, step, row), so a resumed run gives its environments the same seeds.
+ENV_SEED_KEY = "env_seed"
+
+
+@dataclass(frozen=True)
+class TrajectoryCompletion:
+    """A multi-turn trajectory as the trainer's Completion: its turns and the tool results
+    between them in response_ids, with its loss_mask (0 on tool/template tokens) that
+    core.rollout_samples keeps."""
+
+    trajectory: rollout.Trajectory
+    request_index: int  # the row's position in the round: its GRPO group
+
+    prompt_ids = property(lambda self: self.trajectory.prompt_ids)
+    response_ids = property(lambda self: self.trajectory.response_ids)
+    logprobs = property(lambda self: self.trajectory.logprobs)
+    loss_mask = property(lambda self: self.trajectory.loss_mask)
+    finish_reason = property(lambda self: self.trajectory.finish_reason)
+    sample_index = property(lambda self: self.trajectory.sample_index)
+
+
+def score_trajectories(
+    trajectories: list[rollout.Trajectory], prompts: list[Prompt], ctx: RolloutContext
+) -> list[Scored]:
+    """Each trajectory's reward: reward.* (the judge over genrm.trajectory_sample's transcript,
+    reward functions over the whole trajectory, the rule) plus rollout.env_reward_weight x
+    the environment's get_reward() (0 when it has none or it failed)."""
+    cfg = ctx.cfg
+    samples = [
+        genrm.trajectory_sample(
+            t, reference=_reference(prompts[t.row_index].row, cfg.data.answer_key)
+        )
+        for t in trajectories
+    ]
+    verdicts = ctx.scorer.score(samples) if ctx.scorer is not None and samples else None
+    scored = []
+    for i, (trajectory, sample) in enumerate(zip(trajectories, samples, strict=True)):
+        env_reward = trajectory.env_reward or 0.0
+        env_part = cfg.rollout.env_reward_weight * env_reward
+        if verdicts is None:
+            verdict = genrm.Verdict(
+                sample_id=sample.id,
+                reward=env_part,
+                status="ok",
+                components={"env_reward": trajectory.env_reward},
+            )
+        else:
+            verdict = replace(
+                verdicts[i],
+                reward=verdicts[i].reward + env_part,
+                components={**verdicts[i].components, "env_reward": trajectory.env_reward},
+            )
+        completion = TrajectoryCompletion(trajectory, request_index=trajectory.row_index)
+        scored.append(Scored(completion, sample, verdict, prompts[trajectory.row_index]))
+    return scored
+
+
+def env_row(row: dict, step: int, cfg: TrainConfig) -> dict:
+    """What reset(**row) gets: the row's fields (its prompt as "prompt", or "messages" for a
+    message list) and ENV_SEED_KEY from (seed, step, the row's index in the data set)."""
+    fields = {key: value for key, value in row.items() if key != core.ROW_INDEX_KEY}
+    question = row[cfg.data.prompt_key]
+    fields["messages" if isinstance(question, list) else "prompt"] = question
+    index = int(row.get(core.ROW_INDEX_KEY, 0))
+    fields[ENV_SEED_KEY] = derived_seed(cfg.seed, step * 1_000_033, index * 101, 7)
+    return fields
+
+
+def _reference(row: dict, answer_key: str) -> str | None:
+    answer = row.get(answer_key) if answer_key else None
+    return None if answer is None else str(answer)
+
+
+def rollout_multiturn(
+    step: int, ctx: RolloutContext, stats: StepStats
+) -> tuple[core.Batch, dict[str, float]]:
+    """rollout.environment or rollout.tools set: rounds as rollout_in_rounds, each round's
+    rows run as multi-turn trajectories (ctx.multiturn, yatt.rollout.MultiTurnRollout:
+    samples_per_prompt per row, tools in worker processes, the engine keeping each
+    conversation's KV between turns), scored by score_trajectories and kept as whole groups
+    with reward variance. Every trajectory ends inside its round (at most rollout.max_turns
+    turns): nothing is in flight at a checkpoint. Each row's environment gets
+    row["env_seed"] from (seed, DP rank, step, row), the same on a resumed run. Adds the
+    multi-turn counts (MultiTurnStats.as_metrics: tool calls, errors by cause, turns, end
+    causes), summed over ranks, to the sampling stats (dynamic_sampling/multiturn/*)."""
+    turn_stats = rollout.MultiTurnStats()
+    cfg = ctx.cfg
+    while not ctx.sampler.is_done():
+        num_prompts = ctx.sampler.num_to_draw()
+        if num_prompts:
+            prompts = ctx.draw(num_prompts)
+            stats.num_rounds += 1
+            sampling = ctx.sampling(step, stats.num_rounds)
+            rows = [env_row(prompt.row, step, cfg) for prompt in prompts]
+            with timed(stats.timings, "rollout"), ctx.plan.phase("rollout"):
+                trajectories, round_stats = asyncio.run(ctx.multiturn.run(rows, sampling))
+            turn_stats.merge(round_stats)
+            judge_phase = (
+                ctx.plan.phase("genrm") if "genrm" in ctx.plan.phases else contextlib.nullcontext()
+            )
+            with timed(stats.timings, "genrm"), judge_phase:
+                scored = score_trajectories(trajectories, prompts, ctx)
+            # a row whose reset failed has fewer than n trajectories: its group is dropped
+            counts: dict[int, int] = {}
+            for item in scored:
+                counts[item.completion.request_index] = (
+                    counts.get(item.completion.request_index, 0) + 1
+                )
+            whole = [item for item in scored if counts[item.completion.request_index] == sampling.n]
+            keep(whole, ctx, stats)
+        else:
+            ctx.sampler.add(core.rollout_batch([]))  # a full rank joins the round
+        if ctx.should_stop():
+            ctx.sampler.request_stop()
+    metrics = turn_stats.as_metrics(prefix="multiturn/")
+    turns = turn_stats.turns
+    # sums over ranks (turns_mean from the summed turns); the mean summarize takes of these
+    # equal values is the sum
+    sums = {key: value for key, value in metrics.items() if not key.endswith(("_mean", "_max"))}
+    sums["multiturn/turns_sum"] = float(sum(turns))
+    ops = {key: "sum" for key in sums}
+    sums["multiturn/turns_max"] = metrics["multiturn/turns_max"]
+    ops["multiturn/turns_max"] = "max"
+    total = core.reduce_metrics(sums, group=ctx.runtime.dp_group, ops=ops)
+    total["multiturn/turns_mean"] = total.pop("multiturn/turns_sum") / max(
+        total["multiturn/num_trajectories"], 1.0
+    )
+    batch, sampling_stats = take_batch(ctx.sampler, should_stop=ctx.should_stop())
+    return batch, sampling_stats | total
+
+
 ROLLOUTS: dict[str, Callable[[int, RolloutContext, StepStats], tuple[core.Batch, dict]]] = {
     "rounds": rollout_in_rounds,
     "stream": rollout_streamed,
+    "multiturn": rollout_multiturn,  # rollout.environment or rollout.tools set
 }
+
+
+def make_multiturn(cfg: TrainConfig, engine, tokenizer, resources: ClosingStack):
+    """The run's MultiTurnRollout: tools in worker processes (a killable pool, closed at the
+    end), the chat template of the policy's tokenizer."""
+    runner = rollout.env.PoolToolRunner.from_timeout(cfg.rollout.tool_timeout_s)
+    resources.close_later(runner.pool)
+    return rollout.MultiTurnRollout(
+        engine, cfg.rollout.env_config(), tokenizer=tokenizer, runner=runner
+    )
 
 
 # -- train: advantages, balance, updates -------------------------------------------------------
@@ -714,6 +863,7 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
         )
 
         # -- data, checked before any model loads (tokenizers only) ------------------------------
+        cfg.rollout.check_environment()  # environments/tools import, their tools usable
         tokenizer = AutoTokenizer.from_pretrained(cfg.policy.model_dir)
         # Rows -> prompts (images through the policy's image processor); checks the policy.
         # The loader's length check tokenizes through it, so each prompt is tokenized once.
@@ -808,7 +958,11 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             should_overlap=judge_engine is None or plan.is_resident_together("rollout", "genrm"),
             should_stop=lambda: ckpt.stop_signal is not None,
         )
-        rollout_step = ROLLOUTS[cfg.rollout.sampling_mode]
+        if cfg.rollout.is_multiturn:  # environments/tools: the multi-turn rollout kind
+            ctx.multiturn = make_multiturn(cfg, engine, tokenizer, resources)
+        rollout_step = ROLLOUTS[
+            "multiturn" if cfg.rollout.is_multiturn else cfg.rollout.sampling_mode
+        ]
         start_step = 0
         resumed: Resumed | None = None  # its counts go into the first step's metrics
         if should_resume:  # the tensors, the loader, the keep rate, the cut groups

@@ -184,6 +184,15 @@ PY
       # Train-phase MFU of MegatronPolicy (~0.5B Qwen2 shape, seq 2048, sdpa and Megatron's
       # attention) and the memory it frees asleep, on one GPU.
       CUDA_VISIBLE_DEVICES=0 STEP_TIMEOUT=300 run_step megatron_mfu python3 bench/megatron/megatron_mfu.py --out-dir "$OUT" ;;
+    trainer_tools)
+      # The embedded multi-turn task (task=tools: guess a number with a `guess` tool, the
+      # environment's reward) on one GPU: the multi-turn rollout kind through the built-in
+      # engine (KV kept between turns), tools in worker processes; its metrics copied to $OUT
+      # (dynamic_sampling/multiturn/*: tool calls, errors by cause, turns, end causes).
+      rm -rf /tmp/yatt-runs/tools  # a warm machine keeps the last call's run
+      CUDA_VISIBLE_DEVICES=0 run_step trainer_tools python3 examples/train_grpo.py task=tools \
+        out_dir=/tmp/yatt-runs/tools num_steps=${TRAINER_TOOLS_STEPS:-20}
+      cp /tmp/yatt-runs/tools/metrics.jsonl "$OUT/trainer_tools_metrics.jsonl" 2>/dev/null ;;
     *)
       echo "unknown step $step"; exit 2 ;;
   esac

@@ -4,6 +4,9 @@
                                   judge fitted on the run's own judge template
     vision  tiny_vision_task.py   count the dots in 32 x 32 pictures: a tiny Qwen2-VL policy,
                                   the exact-match rule as the reward
+    tools   tools_task.py         guess a number 0-7 with a `guess` tool (multi-turn): a tiny
+                                  policy fitted to the tool-call format, the environment's
+                                  get_reward() as the reward
 
     paths = build_task("text", out_dir / "embedded", cfg.reward.template)
 
@@ -22,7 +25,11 @@ from pathlib import Path
 from yatt import genrm
 
 logger = logging.getLogger("train_grpo")
-MODULES = {"text": "tasks.tiny_task", "vision": "tasks.tiny_vision_task"}
+MODULES = {
+    "text": "tasks.tiny_task",
+    "vision": "tasks.tiny_vision_task",
+    "tools": "tasks.tools_task",
+}
 
 
 def build_task(name: str, workdir: Path, template: genrm.JudgeTemplate) -> dict[str, Path]:

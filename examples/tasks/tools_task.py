@@ -10,7 +10,8 @@ directory:
                     guess with a number it has not tried yet (random, ignoring the hints), so
                     it starts by calling tools and GRPO has room to learn to search
 
-The reward is the environment's: 1 - 0.1 * (guesses - 1) when it found the number, else 0.
+The reward is the environment's: 1 - 0.1 * (guesses - 1) when it found the number, else 0;
+the trainer adds 0.1 x tool_error_penalty (-1 per failed tool call) as a reward function.
 
 One call runs a step's rollout (the trainer's `task=tools` rollout kind):
 
@@ -29,6 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import get_json_schema
 
+from tasks.guess_env import MAX_NUMBER, GuessEnv  # the game, light enough for tool workers
 from yatt.rollout import SamplingParams
 from yatt.rollout.env import (
     ChatTokens,
@@ -41,35 +43,10 @@ from yatt.rollout.env import (
 from yatt.rollout.env.testing import COMPACT_TOOL_TEMPLATE
 
 logger = logging.getLogger("train_grpo")
-MAX_NUMBER = 7
 MAX_TURNS = 4
 PROMPT = f"Guess my number (0-{MAX_NUMBER})."
 NUM_EVAL_ROWS = 64
 _READY = "READY"
-
-
-class GuessEnv:
-    """One game: `reset` draws nothing (the row holds the secret); `guess` is the tool."""
-
-    def reset(self, **row: Any) -> None:
-        self.secret = int(row["secret"])
-        self.num_guesses = 0
-        self.done = False  # set when found: the episode ends (end cause "env_ended")
-
-    def guess(self, n: int) -> str:
-        """Guess the secret number.
-
-        Args:
-            n: your guess, from 0 to 7
-        """
-        self.num_guesses += 1
-        if n == self.secret:
-            self.done = True
-            return "correct"
-        return "higher" if self.secret > n else "lower"
-
-    def get_reward(self) -> float:
-        return 1.0 - 0.1 * (self.num_guesses - 1) if self.done else 0.0
 
 
 def env_config(**overrides: Any) -> EnvConfig:

@@ -94,3 +94,34 @@ def test_a_response_is_cut_before_the_first_cut_token_with_its_logprobs(response
     # The same tokens without the option stay in the response.
     (whole,) = rollout_samples([completion], [1.0], [0])
     assert whole["input_ids"] == [5, 6, *response]
+
+
+@dataclass
+class HandTrajectory(FakeCompletion):
+    """A two-turn trajectory built by hand: turn 1 sampled [7, 8], the tool result and the
+    template between turns [50, 51, 52] (not sampled), turn 2 sampled [9]."""
+
+    loss_mask: list[int]
+    finish_reason: str = "stop"
+
+
+def test_a_trajectory_keeps_its_loss_mask_so_no_loss_falls_on_tool_tokens():
+    trajectory = HandTrajectory(
+        [1, 2], [7, 8, 50, 51, 52, 9], [-0.5, -1.0, 0.0, 0.0, 0.0, -2.0], [1, 1, 0, 0, 0, 1]
+    )
+    (sample,) = rollout_samples([trajectory], rewards=[1.0], group_ids=[0])
+    assert sample["input_ids"] == [1, 2, 7, 8, 50, 51, 52, 9]
+    assert sample["loss_mask"] == [0, 0, 1, 1, 0, 0, 0, 1]
+    assert sample["rollout_logprobs"] == [0.0, 0.0, -0.5, -1.0, 0.0, 0.0, 0.0, -2.0]
+    # Cut at a token: the mask is cut with the response.
+    (cut,) = rollout_samples([trajectory], rewards=[1.0], group_ids=[0], cut_at_token_ids={51})
+    assert cut["input_ids"] == [1, 2, 7, 8, 50]
+    assert cut["loss_mask"] == [0, 0, 1, 1, 0]
+    batch = rollout_batch([sample, cut])
+    assert batch.tokens["loss_mask"].sum(dim=1).tolist() == [3, 2]
+
+
+def test_a_loss_mask_of_the_wrong_length_is_a_clear_error():
+    bad = HandTrajectory([1], [7, 8], [-0.5, -1.0], [1])
+    with pytest.raises(ValueError, match="loss_mask has 1 entries for 2 response tokens"):
+        rollout_samples([bad], rewards=[0.0], group_ids=[0])

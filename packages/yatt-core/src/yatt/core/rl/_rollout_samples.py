@@ -30,6 +30,9 @@ token carries `policy_version` (the current version: an on-policy step).
 A completion is anything with `prompt_ids`, `response_ids`, `logprobs` (one per response
 token) and `finish_reason`, e.g. `yatt.rollout.Completion`: yatt-core does not depend on
 yatt-rollout. A completion without `finish_reason` (a hand-made one) counts as finished.
+A completion with a `loss_mask` (one 0/1 per response token, e.g. a multi-turn
+`yatt.rollout.env.Trajectory`) keeps it: tool results and the template's tokens between turns
+sit in the response with mask 0, so no loss falls on them; it is cut like the response.
 """
 
 from __future__ import annotations
@@ -115,9 +118,10 @@ def rollout_samples(
         token_versions = _response_versions(
             policy_version if versions is None else versions[i], len(response), i
         )
+        mask = _response_mask(completion, len(response))
         if cut is not None:
             response, logprobs = response[:cut], logprobs[:cut]
-            token_versions = token_versions[:cut]
+            token_versions, mask = token_versions[:cut], mask[:cut]
         first_version = (
             token_versions[0]
             if token_versions
@@ -127,7 +131,7 @@ def rollout_samples(
         samples.append(
             {
                 "input_ids": prompt + response,
-                "loss_mask": [0] * len(prompt) + [1] * len(response),
+                "loss_mask": [0] * len(prompt) + mask,
                 "rollout_logprobs": [0.0] * len(prompt) + logprobs,
                 "group_id": int(group_id),
                 "reward": float(reward),
@@ -138,6 +142,22 @@ def rollout_samples(
         if images is not None:
             samples[-1][VISION_INPUTS_KEY] = images[i]
     return samples
+
+
+def _response_mask(completion: Any, num_tokens: int) -> list[int]:
+    """The response's loss mask: the completion's own `loss_mask` when it has one (a
+    multi-turn trajectory masks the tool results and template tokens between turns), else 1
+    on every sampled token."""
+    mask = getattr(completion, "loss_mask", None)
+    if mask is None:
+        return [1] * num_tokens
+    mask = [int(m) for m in mask]
+    if len(mask) != num_tokens or any(m not in (0, 1) for m in mask):
+        raise ValueError(
+            f"a completion's loss_mask has {len(mask)} entries for {num_tokens} response tokens "
+            "(or values other than 0/1); give one 0/1 per response token (1: sampled, trained)"
+        )
+    return mask
 
 
 def _check_version(name: str, value: Any) -> None:
