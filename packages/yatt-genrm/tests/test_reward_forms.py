@@ -5,6 +5,7 @@ NUM_GPUS = 0
 
 import asyncio
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -268,9 +269,11 @@ def test_load_reward_functions_shares_one_pool_and_checks_its_lists(peer_file) -
 
 
 def test_a_row_a_worker_cannot_take_is_a_data_skip(peer_file) -> None:
+    # Deeper than pickle can go under this process's recursion limit (900 with the default
+    # 1000; an earlier import such as torch's compiler may have raised the limit).
     nested: dict = {}
     node = nested
-    for _ in range(900):
+    for _ in range(2 * sys.getrecursionlimit()):
         node["a"] = {}
         node = node["a"]
     fn = load_reward_function(f"{peer_file}:slow", timeout_s=30.0)
