@@ -138,7 +138,7 @@ def test_a_text_policy_with_images_fails_before_any_model_loads(tmp_path, vision
 
 
 def test_task_values_are_checked(tmp_path):
-    with pytest.raises(ValueError, match=r"task='audio': use one of \('text', 'vision'\)"):
+    with pytest.raises(ValueError, match=r"task='audio': use one of \('text', 'vision', 'tools'\)"):
         grpo_config.build_config({"task": "audio", "out_dir": str(tmp_path)})
     with pytest.raises(ValueError, match=r"task='vision' has no embedded judge"):
         grpo_config.build_config(
