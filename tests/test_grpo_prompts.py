@@ -6,7 +6,6 @@ NUM_GPUS = 0
 
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,24 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import grpo_prompts
 
 from yatt import core, rollout
-from yatt.testing import CountingImageProcessor
+from yatt.testing import CountingImageProcessor, CountingTokenizer
 
 MAX_SEQ_LEN, MAX_NEW_TOKENS = 256, 4
-
-
-class CountingTokenizer:
-    """A tokenizer that counts the texts it tokenizes (a spy around the real one)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.texts: Counter[str] = Counter()
-
-    def __call__(self, text, **kwargs):
-        self.texts[text] += 1
-        return self.tokenizer(text, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
 
 
 @pytest.fixture(scope="module")

@@ -6,30 +6,14 @@ variables (chat_template_kwargs); a template that refuses a row makes a counted 
 NUM_GPUS = 0
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from yatt import core
-from yatt.testing import CountingImageProcessor, make_tokenizer
+from yatt.testing import CountingImageProcessor, CountingTokenizer, make_tokenizer
 
 MAX_SEQ_LEN, MAX_NEW_TOKENS = 256, 4
-
-
-class CountingTokenizer:
-    """A tokenizer that counts the texts it tokenizes (a spy around the real one)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.texts: Counter[str] = Counter()
-
-    def __call__(self, text, **kwargs):
-        self.texts[text] += 1
-        return self.tokenizer(text, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
     "yatt.testing": [
         "CHAT_TEMPLATE",
         "CountingImageProcessor",
+        "CountingTokenizer",
         "SPECIAL_TOKENS",
         "VISION_TOKENS",
         "VLM_CHAT_TEMPLATE",

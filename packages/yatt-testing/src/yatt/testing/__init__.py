@@ -3,7 +3,7 @@ the frozen-public-names checks, spies that count work, a native-thread lister.""
 
 from yatt.testing._public_names import check_public_modules, check_public_names
 from yatt.testing._ranks import free_port, run_ranks
-from yatt.testing._spies import CountingImageProcessor
+from yatt.testing._spies import CountingImageProcessor, CountingTokenizer
 from yatt.testing._threads import native_threads
 from yatt.testing._tiny import (
     CHAT_TEMPLATE,
@@ -22,6 +22,7 @@ __all__ = [
     "VISION_TOKENS",
     "VLM_CHAT_TEMPLATE",
     "CountingImageProcessor",
+    "CountingTokenizer",
     "__version__",
     "check_public_modules",
     "check_public_names",

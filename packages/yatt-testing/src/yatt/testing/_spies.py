@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 
@@ -19,3 +20,19 @@ class CountingImageProcessor:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.image_processor, name)
+
+
+class CountingTokenizer:
+    """A tokenizer that counts the texts it tokenizes (a spy around the real one), for tests
+    that a prompt is tokenized once."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.texts: Counter[str] = Counter()
+
+    def __call__(self, text: Any, **kwargs: Any) -> Any:
+        self.texts[text] += 1
+        return self.tokenizer(text, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.tokenizer, name)
