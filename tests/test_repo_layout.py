@@ -168,3 +168,35 @@ def test_bench_readme_maps_every_study_folder():
     assert folders
     unnamed = [name for name in folders if f"| `{name}/` |" not in readme]
     assert not unnamed, f"bench/README.md does not name {unnamed}"
+
+
+# Markers pytest itself knows, and the plugin each other marker needs. With --strict-markers an
+# unknown marker is a collection error, so a package's tests may only use a plugin's marker when
+# that plugin is in the package's own `test` extra (its nox session installs nothing else).
+BUILTIN_MARKERS = {"parametrize", "skip", "skipif", "xfail", "usefixtures", "filterwarnings"}
+PLUGIN_MARKERS = {"timeout": "pytest-timeout", "anyio": "anyio"}
+
+
+def _registered_markers() -> set[str]:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        lines = tomllib.load(f)["tool"]["pytest"]["ini_options"]["markers"]
+    return {line.split(":")[0].strip() for line in lines}
+
+
+def _markers_used(folder: Path) -> set[str]:
+    used = set()
+    for path in folder.rglob("*.py"):
+        used |= set(re.findall(r"pytest\.mark\.([A-Za-z_]\w*)", path.read_text()))
+    return used
+
+
+@pytest.mark.parametrize("pkg", PACKAGES, ids=lambda p: p.name)
+def test_test_markers_have_their_plugin_in_the_test_extra(pkg):
+    test_extra = _project(pkg).get("optional-dependencies", {}).get("test", [])
+    installed = {re.split(r"[\s\[<>=!~;]", r, maxsplit=1)[0].lower() for r in test_extra}
+    for marker in _markers_used(pkg / "tests") - BUILTIN_MARKERS - _registered_markers():
+        plugin = PLUGIN_MARKERS.get(marker)
+        assert plugin is not None, f"{pkg.name}: unknown marker pytest.mark.{marker}"
+        assert plugin in installed, (
+            f"{pkg.name}'s tests use pytest.mark.{marker}: add {plugin!r} to its `test` extra"
+        )
