@@ -30,6 +30,7 @@ from yatt.genrm import (
     YesNoParser,
     load_reward_function,
     load_reward_functions,
+    score_as_completed,
 )
 from yatt.genrm.testing import FakeJudgeEngine
 
@@ -297,6 +298,41 @@ def test_scoring_from_inside_a_running_loop_can_be_stopped() -> None:
 
     try:
         assert asyncio.run(caller()) < MAX_STOP_S
+        assert engine.num_active_streams == 0
+    finally:
+        judge.close()
+
+
+def test_scoring_as_completed_stops_the_rollout_stream_and_the_judge() -> None:
+    """The overlapped round (score_as_completed): a rollout whose tail never ends and a judge
+    that never answers; the stop closes the rollout stream and the judge's."""
+    engine = FakeJudgeEngine(batch_latency_s=3600.0)
+    judge = GenRM(engine, template=JudgeTemplate(user="{prompt} {response}"), verdict_from="text")
+    rollout_closed: list[bool] = []
+
+    async def rollout():  # two responses, then a tail that never ends
+        try:
+            for text in ("a", "b"):
+                yield text
+            await asyncio.sleep(3600)
+        finally:
+            rollout_closed.append(True)
+
+    async def run() -> None:
+        flag = _stop_after(STOP_AFTER_S)
+        await score_as_completed(
+            rollout(),
+            judge,
+            lambda text: Sample(prompt="p", response=text),
+            should_stop=flag.is_set,
+        )
+
+    try:
+        begin = time.monotonic()
+        with pytest.raises(ScoringStopped, match="while scoring 2 samples"):
+            asyncio.run(run())
+        assert time.monotonic() - begin < MAX_STOP_S
+        assert rollout_closed == [True]
         assert engine.num_active_streams == 0
     finally:
         judge.close()
