@@ -1,9 +1,10 @@
 """Issue 49: a stop signal ends a blocking score() that cannot end (a judge or a reward function
 that never answers) at its next poll, with the pending work aborted and no process left.
 
-Each case: the scorer waits on something that never returns; a timer sets the stop flag after
-0.5 s; score(should_stop=flag.is_set) must raise ScoringStopped well within 2 s of the call, and
-the judge request / worker process it waited on must be gone."""
+Each case: the scorer waits on something that never returns; the stop flag is set 0.5 s after
+the call (after the reward call started, for a worker: its start-up is not what a stop cuts);
+score(should_stop=flag.is_set) must raise ScoringStopped within 2 s of the flag, and the judge
+request / worker process it waited on must be gone."""
 
 NUM_GPUS = 0
 
@@ -72,6 +73,29 @@ def _stop_after(seconds: float) -> threading.Event:
     return flag
 
 
+class _StopOnceStarted:
+    """A stop flag set STOP_AFTER_S after the reward call started (its pid file written): a
+    worker's start-up on a loaded machine is not part of what the stop must cut short."""
+
+    def __init__(self, pid_file: Path) -> None:
+        self.flag = threading.Event()
+        self.set_at = float("inf")
+
+        def watch() -> None:
+            deadline = time.monotonic() + 60.0
+            while not pid_file.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(STOP_AFTER_S)
+            self.set_at = time.monotonic()
+            self.flag.set()
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    def seconds_to_stop(self) -> float:
+        """From the flag's setting to now (call right after score() returned)."""
+        return time.monotonic() - self.set_at
+
+
 def _is_alive(pid: int) -> bool:
     """Running (a zombie awaiting its reaper counts as gone)."""
     try:
@@ -116,9 +140,9 @@ def test_a_reward_function_that_never_returns_is_stopped_and_its_processes_kille
     fn = load_reward_function(f"{rewards}:hangs", timeout_s=60.0)
     try:
         sample = Sample(prompt="p", response="r", metadata={"pid_file": str(pid_file)})
-        flag = _stop_after(STOP_AFTER_S)
-        elapsed = _stopped_within(lambda **kw: fn.score([sample], **kw), flag.is_set)
-        assert STOP_AFTER_S <= elapsed < MAX_STOP_S
+        stop = _StopOnceStarted(pid_file)
+        elapsed = _stopped_within(lambda **kw: fn.score([sample], **kw), stop.flag.is_set)
+        assert elapsed >= STOP_AFTER_S and 0 <= stop.seconds_to_stop() < MAX_STOP_S
         worker, child = _read_pids(pid_file)
         # The worker and the program it started: killed, not orphaned.
         assert _wait_gone([worker, child]) == []
@@ -135,9 +159,9 @@ def test_a_shared_pool_is_usable_after_a_stop(rewards, tmp_path) -> None:
     (hangs, _), (quick, _) = load_reward_functions(specs, timeout_s=60.0, num_workers=2)
     try:
         sample = Sample(prompt="p", response="r", metadata={"pid_file": str(pid_file)})
-        flag = _stop_after(STOP_AFTER_S)
-        elapsed = _stopped_within(lambda **kw: hangs.score([sample], **kw), flag.is_set)
-        assert elapsed < MAX_STOP_S
+        stop = _StopOnceStarted(pid_file)
+        _stopped_within(lambda **kw: hangs.score([sample], **kw), stop.flag.is_set)
+        assert 0 <= stop.seconds_to_stop() < MAX_STOP_S
         assert _wait_gone(_read_pids(pid_file)) == []
         verdicts = quick.score(
             [Sample(prompt="p", response=r, reference="4") for r in "45"],
@@ -161,9 +185,9 @@ def test_combined_rules_and_judge_stop_together(rewards, tmp_path) -> None:
     combined = CombinedRM(judge, [(fn, 1.0)])
     try:
         sample = Sample(prompt="p", response="r", metadata={"pid_file": str(pid_file)})
-        flag = _stop_after(STOP_AFTER_S)
-        elapsed = _stopped_within(lambda **kw: combined.score([sample], **kw), flag.is_set)
-        assert elapsed < MAX_STOP_S
+        stop = _StopOnceStarted(pid_file)
+        _stopped_within(lambda **kw: combined.score([sample], **kw), stop.flag.is_set)
+        assert 0 <= stop.seconds_to_stop() < MAX_STOP_S
         assert _wait_gone(_read_pids(pid_file)) == []
         assert engine.num_active_streams == 0
     finally:
