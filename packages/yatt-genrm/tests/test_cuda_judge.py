@@ -72,3 +72,43 @@ def test_streaming_and_blocking_agree_on_a_cuda_judge(tmp_path) -> None:
     assert streamed == {v.sample_id: v.text for v in blocking}
     assert [v.sample_id for v in batched] == [s.id for s in samples]
     assert all(_is_well_formed(v) for v in batched)
+
+
+def test_a_stop_ends_a_long_judge_batch_on_the_builtin_engine(tmp_path) -> None:
+    """Issue 49: score(should_stop=) on a CUDA judge whose verdicts run long (ignore_eos, a
+    large budget): the stop drops the engine's requests within seconds, and the engine then
+    judges again (its loop was left clean)."""
+    import threading
+    import time
+
+    from yatt.genrm import ScoringStopped
+
+    make_tiny_causal_lm(tmp_path, arch="qwen2", max_position_embeddings=4096)
+    engine = BuiltinEngine(
+        tmp_path, config=EngineConfig(device="cuda", max_batch_size=8, max_seq_len=4096)
+    )
+    long_judge = GenRM(
+        engine,
+        template=verification_template(max_response_tokens=64),
+        parser=YesNoParser(),
+        verdict_from="text",
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=3500, ignore_eos=True),
+    )
+    samples = [Sample(prompt=f"{i}+{i}?", response=str(2 * i)) for i in range(8)]
+    try:
+        flag = threading.Event()
+        threading.Timer(0.5, flag.set).start()
+        begin = time.monotonic()
+        with pytest.raises(ScoringStopped):
+            long_judge.score(samples, should_stop=flag.is_set)
+        assert time.monotonic() - begin < 10.0
+        short_judge = GenRM(
+            engine,
+            template=verification_template(max_response_tokens=64),
+            parser=YesNoParser(),
+            sampling=SamplingParams(temperature=0.0, max_new_tokens=4),
+        )
+        verdicts = short_judge.score(samples[:2], should_stop=lambda: False)
+        assert [v.sample_id for v in verdicts] == [s.id for s in samples[:2]]
+    finally:
+        engine.close()

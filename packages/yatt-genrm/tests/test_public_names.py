@@ -36,6 +36,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "ScoreStats",
         "ScoredCompletions",
         "Scorer",
+        "ScoringStopped",
         "StreamedGroup",
         "TrajectoryReward",
         "Verdict",

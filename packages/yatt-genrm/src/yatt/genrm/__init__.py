@@ -9,6 +9,7 @@ call's own verdicts say what it cost and what went wrong, however many calls sha
     scored.stats.num_unparsable, scored.stats.first_unparsable
     scored.stats.num_judge_prompt_tokens  # this call's judge load, no counter differencing
     ScoreStats.from_verdicts(genrm.score(samples))  # the same for a blocking call
+    genrm.score(samples, should_stop=flag.is_set)   # ScoringStopped once the flag is set
 
 Dynamic sampling in a stream: `GroupJudging` judges each finished completion at once, hands
 back whole groups once all their samples are judged, and sets aborted completions aside:
@@ -37,6 +38,7 @@ from yatt.genrm._openai import OpenAIJudge, OpenAIJudgeConfig
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
 from yatt.genrm._server import create_app
 from yatt.genrm._stats import ScoreStats
+from yatt.genrm._stopping import ScoringStopped
 from yatt.genrm._stream import BatchingConfig
 from yatt.genrm._templates import JudgeTemplate, pointwise_template, verification_template
 from yatt.genrm._trajectory import (
@@ -73,6 +75,7 @@ __all__ = [
     "ScoreStats",
     "ScoredCompletions",
     "Scorer",
+    "ScoringStopped",
     "StreamedGroup",
     "TrajectoryReward",
     "Verdict",

@@ -11,16 +11,23 @@ still generating and the scorer's bounded queue never blocks the producer for lo
 
 `stats` is counted from this call's verdicts, not by differencing the scorer's running
 `metrics`, so it stays exact while other calls use the same scorer.
+
+`should_stop` (a stop signal's flag) is read every POLL_S while the call waits: once it returns
+True the rollout stream is closed (the engine drops its requests), the scorer's pending judge
+requests and reward calls are aborted, and ScoringStopped is raised.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NamedTuple
 
 from yatt.genrm._stats import ScoreStats
+from yatt.genrm._stopping import POLL_S, ScoringStopped, check_should_stop
 from yatt.genrm._types import Sample, Verdict
 
 
@@ -40,14 +47,17 @@ async def score_as_completed(
     completions: AsyncIterator[Any],
     scorer: Any,
     to_sample: Callable[[Any], Sample],
+    *,
+    should_stop: Callable[[], bool] | None = None,
 ) -> ScoredCompletions:
     """(completions in arrival order, their verdicts in the same order), with `.stats`.
 
     `scorer` is a GenRM, OpenAIJudge, RewardFunction, CombinedRM or GenRMClient (anything with
     submit/finish/results); `to_sample(completion)` turns a completion into the text the judge
     reads. Sample ids are replaced by the arrival index, so verdicts pair with completions
-    whatever ids you chose.
+    whatever ids you chose. `should_stop`: see the module's docstring.
     """
+    check_should_stop(should_stop)
     arrived: list[Any] = []
     verdicts: dict[str, Verdict] = {}
 
@@ -64,8 +74,39 @@ async def score_as_completed(
         async for verdict in scorer.results():
             verdicts[verdict.sample_id] = verdict
 
-    await asyncio.gather(produce(), consume())
+    both = asyncio.gather(produce(), consume())
+    if should_stop is None:
+        await both
+    else:
+        begin = time.monotonic()
+        if await _is_stopped(both, completions, scorer, should_stop):
+            waited_s = time.monotonic() - begin
+            raise ScoringStopped(num_samples=len(arrived), waited_s=waited_s)
     missing = [i for i in range(len(arrived)) if str(i) not in verdicts]
     if missing:
         raise AssertionError(f"scorer returned no verdict for completions {missing[:5]}")
     return ScoredCompletions(arrived, [verdicts[str(i)] for i in range(len(arrived))])
+
+
+async def _is_stopped(
+    work: asyncio.Future, completions: Any, scorer: Any, should_stop: Callable[[], bool]
+) -> bool:
+    """`await work`, reading should_stop() every POLL_S; once true (then True is returned),
+    work is cancelled, the rollout stream closed and the scorer's pending work aborted."""
+    while not work.done():
+        if should_stop():
+            break
+        await asyncio.wait({work}, timeout=POLL_S)
+    if work.done():
+        work.result()
+        return False
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    aclose = getattr(completions, "aclose", None)
+    if aclose is not None:  # an async generator: its finally aborts the engine's requests
+        with contextlib.suppress(Exception):
+            await aclose()
+    abort = getattr(scorer, "_abort", None)
+    if abort is not None:
+        await abort()
+    return True

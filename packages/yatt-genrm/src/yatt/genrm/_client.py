@@ -23,7 +23,7 @@ import concurrent.futures
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -241,12 +241,19 @@ class GenRMClient(StreamingScorer):
         for item, verdict in zip(items, verdicts, strict=True):
             item.resolve(verdict)
 
-    def score(self, samples: Sequence[Sample]) -> list[Verdict]:
+    def score(
+        self, samples: Sequence[Sample], *, should_stop: Callable[[], bool] | None = None
+    ) -> list[Verdict]:
         """Blocking verdicts in order, one request per max_batch_size samples; with a pool of
         n servers, requests of at most ceil(len(samples) / n) samples, so every server gets
         a share, each server taking the next request once it answered its last.
 
-        Runs on its own thread and event loop, so it works inside a running loop too."""
+        Runs on its own thread and event loop, so it works inside a running loop too.
+        `should_stop` (None: not read): the samples go as streamed batches instead, and it is
+        polled while they are awaited; once it returns True the requests are cancelled and
+        ScoringStopped is raised, no verdicts."""
+        if should_stop is not None:
+            return self._score_until_stopped(samples, should_stop)
 
         async def run() -> list[Verdict]:
             async with aiohttp.ClientSession(
@@ -291,8 +298,21 @@ class GenRMClient(StreamingScorer):
         """Every server's /health payload, by URL (each server's own metrics: its load)."""
         return {url: self.health(url) for url in self.urls}
 
+    async def _ascore_all(self, samples: Sequence[Sample]) -> list[Verdict]:
+        try:
+            return await self.ascore(samples)
+        finally:  # the loop ends with this call: its session goes with it
+            await self._close_session()
+
+    async def _abort(self) -> None:
+        await super()._abort()
+        await self._close_session()
+
     async def aclose(self) -> None:
         await super().aclose()
+        await self._close_session()
+
+    async def _close_session(self) -> None:
         if self._session is not None and not self._session.closed:
             await self._session.close()
         self._session = None

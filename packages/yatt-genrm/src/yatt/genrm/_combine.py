@@ -25,7 +25,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from yatt.genrm._functions import (
@@ -252,23 +252,59 @@ class CombinedRM(StreamingScorer):
             combined = dataclasses.replace(verdict, reward=reward, components=components)
         return self._with_causes(combined, checked)
 
-    def score(self, samples: Sequence[Sample]) -> list[Verdict]:
-        """Verdicts in order; gated samples never reach the judge."""
+    def score(
+        self, samples: Sequence[Sample], *, should_stop: Callable[[], bool] | None = None
+    ) -> list[Verdict]:
+        """Verdicts in order; gated samples never reach the judge.
+
+        `should_stop` (None: not read): polled while the rules and the judge are awaited; once
+        it returns True the reward functions' worker calls are killed, the judge's pending
+        requests aborted and ScoringStopped raised, no verdicts."""
+        if should_stop is not None:
+            return self._score_until_stopped(samples, should_stop)
         checks = self._check_all(samples)
+        judged: list[Verdict] = []
+        if self.judge is not None:
+            judged = self.judge.score([samples[i] for i in self._to_judge(checks)])
+        return self._settle(samples, checks, judged)
+
+    async def _ascore_all(self, samples: Sequence[Sample]) -> list[Verdict]:
+        # As score(): the rules over the whole batch, then the judge on what they let through.
+        checks = await self._acheck_all(samples)
+        judged: list[Verdict] = []
+        if self.judge is not None:
+            judged = await self.judge.ascore([samples[i] for i in self._to_judge(checks)])
+        return self._settle(samples, checks, judged)
+
+    def _to_judge(self, checks: Sequence[_Checked]) -> list[int]:
+        return [i for i, c in enumerate(checks) if not self._is_gated(c)]
+
+    def _settle(
+        self, samples: Sequence[Sample], checks: list[_Checked], judged: list[Verdict]
+    ) -> list[Verdict]:
+        """The combined verdicts (recorded) from the rules' results and the judge's verdicts
+        of the samples `_to_judge` picked, in that order."""
         if self.judge is None:
             out = [self._rules_only(s, c) for s, c in zip(samples, checks, strict=True)]
         else:
-            to_judge = [i for i, c in enumerate(checks) if not self._is_gated(c)]
-            judged = dict(
-                zip(to_judge, self.judge.score([samples[i] for i in to_judge]), strict=True)
-            )
+            by_index = dict(zip(self._to_judge(checks), judged, strict=True))
             out = [
-                self._combine(judged[i], c) if i in judged else self._gated(samples[i], c)
+                self._combine(by_index[i], c) if i in by_index else self._gated(samples[i], c)
                 for i, c in enumerate(checks)
             ]
         for v in out:
             self._record(v)
         return out
+
+    async def _abort(self) -> None:
+        """Also the rules' worker calls and the judge's pending requests."""
+        await super()._abort()
+        for rule, _ in self.rules:
+            if isinstance(rule, RewardFunction):
+                await rule._abort()
+        judge_abort = getattr(self.judge, "_abort", None)
+        if judge_abort is not None:
+            await judge_abort()
 
     async def _judge_batch(self, items: list[Item]) -> None:
         async def judge_one(item: Item) -> None:

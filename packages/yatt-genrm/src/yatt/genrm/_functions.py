@@ -110,12 +110,15 @@ def read_reward(value: object) -> tuple[float | None, dict[str, float]]:
 
 
 class _PoolLease:
-    """A pool shared by several functions: closed when the last of them closes."""
+    """A pool shared by several functions: closed when the last of them closes; replaced by a
+    fresh one (same settings, workers started at first need) when a stop kills its calls."""
 
-    def __init__(self, pool: UserCodePool, num_users: int) -> None:
-        self.pool = pool
+    def __init__(self, num_users: int, **pool_options: Any) -> None:
+        self._pool_options = pool_options
+        self.pool = UserCodePool(**pool_options)
         self._num_users = num_users
         self._lock = threading.Lock()
+        self._retired: list[UserCodePool] = []  # replaced pools: their counts still add up
 
     def release(self) -> None:
         with self._lock:
@@ -123,6 +126,26 @@ class _PoolLease:
             is_last = self._num_users == 0
         if is_last:
             self.pool.close()
+
+    def kill_calls(self) -> None:
+        """End every call in flight: its worker processes are killed whole (a call waiting on
+        one ends as an error) and later calls go to a fresh pool. UserCodePool has no
+        per-call cancel, and a stopped step's calls are all of the pool's."""
+        with self._lock:
+            if self._num_users <= 0:
+                return
+            old, self.pool = self.pool, UserCodePool(**self._pool_options)
+            self._retired.append(old)
+        old.close()
+
+    def stats(self) -> dict[str, int]:
+        """The pool's counts, the replaced pools' included (a killed call is counted by its
+        pool once its thread sees the worker die)."""
+        stats = self.pool.stats()
+        for old in self._retired:
+            for key, count in old.stats().items():
+                stats[key] = stats.get(key, 0) + count
+        return stats
 
 
 class RewardFunction(StreamingScorer):
@@ -174,16 +197,15 @@ class RewardFunction(StreamingScorer):
         self.metrics.update(num_timeouts=0, num_data_skips=0)
         self._error_log = FailureLog("rule failure")
         if _lease is None:
-            pool = UserCodePool(
+            _lease = _PoolLease(
+                1,
                 num_workers=num_threads,
                 timeout_s=timeout_s,
                 max_reply_bytes=max_reply_bytes,
                 in_process=timeout_s is None,
                 name=f"reward function {name!r}",
             )
-            _lease = _PoolLease(pool, 1)
         self._lease = _lease
-        self._pool = _lease.pool
         self.timeout_s = self._pool.timeout_s
         self._is_closed = False
         # A worker loads a loaded file's function by its spec, anything else by reference.
@@ -199,6 +221,10 @@ class RewardFunction(StreamingScorer):
 
     def __repr__(self) -> str:
         return f"RewardFunction({self.name!r})"
+
+    @property
+    def _pool(self) -> UserCodePool:
+        return self._lease.pool  # replaced after a stop killed its calls
 
     # -- calling --------------------------------------------------------------------------
     def _calls(self, samples: Sequence[Sample]) -> list[tuple[list[int], tuple, dict]]:
@@ -323,13 +349,38 @@ class RewardFunction(StreamingScorer):
             metrics=outcome.metrics,
         )
 
-    def score(self, samples: Sequence[Sample]) -> list[Verdict]:
-        """Verdicts in order; calls run concurrently (num_threads at once)."""
+    def score(
+        self, samples: Sequence[Sample], *, should_stop: Callable[[], bool] | None = None
+    ) -> list[Verdict]:
+        """Verdicts in order; calls run concurrently (num_threads at once).
+
+        `should_stop` (None: not read): polled while the calls are awaited; once it returns
+        True the worker processes running them are killed whole (the next call starts fresh
+        ones) and ScoringStopped is raised, no verdicts. In process (timeout_s None) a sync
+        call cannot be killed: it runs on, unwaited, on its thread."""
+        if should_stop is not None:
+            return self._score_until_stopped(samples, should_stop)
         outcomes = self.call_batch(samples)
         verdicts = [self._verdict(s, o) for s, o in zip(samples, outcomes, strict=True)]
         for verdict in verdicts:
             self._record(verdict)
         return verdicts
+
+    async def _ascore_all(self, samples: Sequence[Sample]) -> list[Verdict]:
+        # As score(): one acall_batch over every sample (a TRL-form function sees one batch).
+        outcomes = await self.acall_batch(samples)
+        verdicts = [self._verdict(s, o) for s, o in zip(samples, outcomes, strict=True)]
+        for verdict in verdicts:
+            self._record(verdict)
+        return verdicts
+
+    async def _abort(self) -> None:
+        """Also kill the worker processes of every call in flight on this function's pool
+        (shared by the functions of one load_reward_functions call): those calls end as
+        errors, the next call starts fresh workers."""
+        await super()._abort()
+        if not self._is_closed:
+            self._lease.kill_calls()
 
     async def _judge_batch(self, items: list[Item]) -> None:
         samples = [item.sample for item in items]
@@ -341,7 +392,7 @@ class RewardFunction(StreamingScorer):
         """The worker pool's counts (calls, timeouts, worker starts, processes killed after
         their call, stray replies dropped); shared by the functions of one
         load_reward_functions call."""
-        return self._pool.stats()
+        return self._lease.stats()
 
     def close(self) -> None:
         """Kill the worker processes (a call in progress in one ends as an error); a shared
@@ -436,13 +487,13 @@ def load_reward_functions(
             (load_reward_function(spec, timeout_s=None, form=form), weight)
             for spec, form, weight in zip(specs, forms, weights, strict=True)
         ]
-    pool = UserCodePool(
+    lease = _PoolLease(
+        len(specs),
         num_workers=num_workers if num_workers is not None else UserCodePool.default_num_workers(),
         timeout_s=timeout_s,
         max_reply_bytes=max_reply_bytes,
         name="reward functions",
     )
-    lease = _PoolLease(pool, len(specs))
     functions: list[tuple[RewardFunction, float]] = []
     try:
         for spec, (fn, default_name), form, weight in zip(
@@ -453,6 +504,6 @@ def load_reward_functions(
             )
             functions.append((function, weight))
     except BaseException:
-        pool.close()
+        lease.pool.close()
         raise
     return functions

@@ -21,7 +21,7 @@ import copy
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -305,10 +305,17 @@ class GenRM(StreamingScorer):
         )
 
     # -- blocking ----------------------------------------------------------------------------
-    def score(self, samples: Sequence[Sample]) -> list[Verdict]:
+    def score(
+        self, samples: Sequence[Sample], *, should_stop: Callable[[], bool] | None = None
+    ) -> list[Verdict]:
         """Verdicts for `samples`, in order; engine.generate in chunks of max_batch_size.
 
-        `ScoreStats.from_verdicts(verdicts)` counts this call's statuses and judge tokens."""
+        `ScoreStats.from_verdicts(verdicts)` counts this call's statuses and judge tokens.
+        `should_stop` (None: not read): the verdicts come from engine.stream instead, and it is
+        polled while they are awaited; once it returns True the stream is closed (the engine
+        drops the pending judge requests) and ScoringStopped is raised, no verdicts."""
+        if should_stop is not None:
+            return self._score_until_stopped(samples, should_stop)
         verdicts: list[Verdict] = []
         size = self.batching.max_batch_size
         for start in range(0, len(samples), size):

@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from yatt.genrm._combine import CombinedRM
-from yatt.genrm._functions import RewardFunction, load_reward_function
+from yatt.genrm._functions import RewardFunction, check_reward_function
+from yatt.genrm._functions import load_reward_functions as load_function_pool
 from yatt.genrm._genrm import GenRM
 from yatt.genrm._judge_spec import VERDICT_PARSERS, JudgeSpec
 from yatt.genrm._openai import OpenAIJudge
 from yatt.genrm._parsers import VerdictParser, YesNoParser
+from yatt.genrm._reward_forms import RewardFormError
 from yatt.genrm._verifiers import ExactMatch
-from yatt.rollout import SamplingParams
+from yatt.rollout import SamplingParams, UserCodePool
 
 
 def build_judge(
@@ -100,24 +103,51 @@ def check_judge_resources(spec: JudgeSpec) -> None:
 def load_reward_functions(
     spec: JudgeSpec, *, timeout_s: float | None
 ) -> list[tuple[RewardFunction, float]]:
-    """spec.functions, each loaded with its weight; they own worker processes (timeout_s set):
-    close() them. ValueError naming `<section>.functions`."""
-    loaded = []
-    for function_spec, weight in zip(spec.functions, spec.function_weights, strict=True):
+    """spec.functions, each loaded with its weight and called in its form (function_forms).
+    With timeout_s their calls share one pool of function_workers worker processes (0: sized
+    from this rank's CPUs); close() each function, the pool goes with the last. Without, each
+    runs in this process. ValueError naming `<section>.functions` or, for a form that is not
+    given and cannot be found, or does not fit, `<section>.function_forms`."""
+    section = spec.section
+    for index, (function_spec, form) in enumerate(
+        zip(spec.functions, spec.function_forms, strict=True)
+    ):
         try:
-            loaded.append((load_function(function_spec, timeout_s=timeout_s), weight))
+            fn, name = UserCodePool.resolve(function_spec, what="reward function")
+            check_reward_function(fn, name, form)
+        except RewardFormError as exc:
+            if form == "auto" and not exc.is_ambiguous:  # the function fits no form
+                raise ValueError(
+                    f"{section}.functions: {exc} in {section}.function_forms"
+                ) from None
+            raise ValueError(
+                f"{section}.function_forms[{index}] ({function_spec!r}, form {form!r}): {exc} "
+                f"in {section}.function_forms (one per function)"
+            ) from None
         except ValueError as exc:
-            for function, _ in loaded:
-                function.close()
-            raise ValueError(f"{spec.section}.functions: {exc}") from None
-    return loaded
+            raise ValueError(f"{section}.functions: {exc}") from None
+    try:
+        return load_function_pool(
+            spec.functions,
+            weights=spec.function_weights,
+            forms=spec.function_forms,
+            timeout_s=timeout_s,
+            num_workers=spec.function_workers or default_function_workers(),
+        )
+    except ValueError as exc:  # checked above: only what changed on disk since
+        raise ValueError(f"{section}.functions: {exc}") from None
 
 
-def load_function(function_spec: str, *, timeout_s: float | None) -> RewardFunction:
-    """One reward function from its "module:fn" / "file.py:fn" spec. The seam where a reward
-    function's calling form (per sample today; a batch or verl's compute_score form) is passed
-    to genrm's loader."""
-    return load_reward_function(function_spec, timeout_s=timeout_s)
+def default_function_workers() -> int:
+    """Reward worker processes for one rank: the CPUs it may use (its affinity, shared by the
+    ranks torchrun started on this machine) less one left to the trainer, in [1, 8]."""
+    try:
+        num_cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        num_cpus = os.cpu_count() or 1
+    local_ranks = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    num_local_ranks = int(local_ranks) if local_ranks.isdigit() and int(local_ranks) > 0 else 1
+    return max(1, min(8, num_cpus // num_local_ranks - 1))
 
 
 def build_verdict_parser(spec: JudgeSpec) -> VerdictParser:

@@ -46,6 +46,12 @@ MAX_VERDICT_TOKENS = 1 << 16
 # A reward function call longer than a day is a unit mistake (and past ~1e9 s asyncio's and the
 # OS's timers overflow: every verdict an OverflowError).
 MAX_FUNCTION_TIMEOUT_S = 86_400.0
+# How a reward function is called (function_forms): yatt's per sample, TRL's batch, verl's
+# compute_score; "auto" finds it from the parameter names (genrm._reward_forms).
+FUNCTION_FORMS = ("auto", "sample", "trl", "verl")
+# Worker processes of the reward pool per rank: each is a Python process (tens of MB, more with
+# what the reward imports); past this a count is a typo, and it would oversubscribe any machine.
+MAX_FUNCTION_WORKERS = 64
 # Retries of one judge request: each waits up to max_backoff_s; 20 is minutes of a dead server.
 MAX_OPENAI_RETRIES = 20
 MAX_OPENAI_TIMEOUT_S = 3600.0  # one request, connect to last byte
@@ -109,6 +115,17 @@ class JudgeSpec(EngineSpec):
     # this (that sample's verdict is an error, counted; the run goes on). 0 = no limit, calls
     # in the trainer's process (a call that never returns hangs the run).
     function_timeout_s: float = 60.0
+    # Each function's calling form: sample, trl, verl or auto; [] = auto each. "sample":
+    # fn(prompt, response, reference, row); "trl": TRL's batch form fn(prompts, completions,
+    # **columns) -> list; "verl": compute_score(data_source, solution_str, ground_truth,
+    # extra_info); "auto": found from the parameter names, never their count (a signature the
+    # names cannot settle is an error asking for its form here).
+    function_forms: list = field(default_factory=list)
+    # Reward worker processes per rank, one pool for all functions; 0 = CPUs - 1, in 1..8.
+    # 0 counts the CPUs this rank may use (shared with the ranks beside it) and leaves one to
+    # the trainer, so a 2-core machine runs one worker. Raise it for rewards that mostly wait
+    # (a sandbox, an HTTP call). Only with function_timeout_s > 0 (else calls run in process).
+    function_workers: int = 0
     # backend=openai: OpenAIJudgeConfig fields (base_url, model, api_key_env, max_concurrency,
     # timeout_s, max_retries, extra_body); the key is read from the api_key_env variable.
     openai: dict = field(default_factory=dict)
@@ -153,6 +170,10 @@ class JudgeSpec(EngineSpec):
         self.functions, self.function_weights = check_functions(
             self.functions, self.function_weights, section=section
         )
+        self.function_forms = check_function_forms(
+            self.function_forms, self.functions, section=section
+        )
+        self.check_function_workers()
         if self.backend == "openai":
             self.openai_config()  # the endpoint's fields (check_judge_resources reads its key)
         elif self.openai:
@@ -175,6 +196,37 @@ class JudgeSpec(EngineSpec):
                 f"{self.section}.backend_options={self.backend_options!r}: only for "
                 f"{self.section}.backend='vllm' or 'sglang' (the judge engine's options), "
                 f"not {self.backend!r}"
+            )
+
+    def check_function_workers(self) -> None:
+        """function_workers: in range, and only where a worker pool runs the functions."""
+        section = self.section
+        workers = self.function_workers
+        if isinstance(workers, float) and workers.is_integer():
+            workers = self.function_workers = int(workers)  # YAML's 4.0 / 1e1
+        if isinstance(workers, bool) or not isinstance(workers, int):
+            raise ValueError(
+                f"{section}.function_workers={workers!r}: an int in [0, {MAX_FUNCTION_WORKERS}] "
+                "(0 = sized from this rank's CPUs)"
+            )
+        _check_range(
+            f"{section}.function_workers",
+            workers,
+            0,
+            MAX_FUNCTION_WORKERS,
+            "reward worker processes per rank; 0 = sized from this rank's CPUs",
+        )
+        if workers and not self.functions:
+            raise ValueError(
+                f"{section}.function_workers={workers}: sizes the reward functions' worker "
+                f"pool, but {section}.functions is empty; list functions or leave it 0"
+            )
+        if workers and not self.function_timeout_s:
+            raise ValueError(
+                f"{section}.function_workers={workers}: with {section}.function_timeout_s=0 "
+                "the functions run in the trainer's process (no workers); set "
+                f"{section}.function_timeout_s > 0 to run them in {workers} worker processes, "
+                "or leave function_workers 0"
             )
 
     @property
@@ -358,6 +410,28 @@ def check_functions(
             )
         seen[key] = spec
     return specs, weights or [1.0] * len(specs)
+
+
+def check_function_forms(forms: Any, specs: list[str], *, section: str = "JudgeSpec") -> list[str]:
+    """The reward functions' calling forms, one per function ([] = "auto" each); whether each
+    fits its function's signature is checked when it loads (check_judge_resources)."""
+    if not isinstance(forms, list):
+        raise ValueError(
+            f"{section}.function_forms={forms!r}: a list with one of {FUNCTION_FORMS} per "
+            f"{section}.functions entry, or [] to find each from its parameter names"
+        )
+    for index, form in enumerate(forms):
+        if form not in FUNCTION_FORMS:
+            raise ValueError(
+                f"{section}.function_forms[{index}]={form!r}: use one of {FUNCTION_FORMS} "
+                "('trl' is TRL's batch form, 'verl' verl's compute_score)"
+            )
+    if forms and len(forms) != len(specs):
+        raise ValueError(
+            f"{section}.function_forms={forms!r}: one form per {section}.functions entry "
+            f"({len(specs)}), or [] for 'auto' each"
+        )
+    return list(forms) or ["auto"] * len(specs)
 
 
 def function_identity(spec: str) -> tuple[str, str]:

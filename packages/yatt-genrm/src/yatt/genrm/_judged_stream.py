@@ -47,11 +47,16 @@ SEED_STRIDE = 7_919  # each engine call's seed: sampling.seed + call number * SE
 
 @runtime_checkable
 class Scorer(Protocol):
-    """What judges responses: GenRM, OpenAIJudge, RewardFunction, CombinedRM, GenRMClient."""
+    """What judges responses: GenRM, OpenAIJudge, RewardFunction, CombinedRM, GenRMClient.
+
+    score's `should_stop` (a stop signal's flag, polled while it waits) ends the call with
+    ScoringStopped, its pending judge requests and reward calls aborted."""
 
     async def ascore(self, samples: list[Sample]) -> list[Verdict]: ...
 
-    def score(self, samples: list[Sample]) -> list[Verdict]: ...
+    def score(
+        self, samples: list[Sample], *, should_stop: Callable[[], bool] | None = None
+    ) -> list[Verdict]: ...
 
 
 class _Sampler(Protocol):  # e.g. yatt.core.DynamicSampler in stream mode

@@ -39,7 +39,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -471,10 +471,16 @@ class OpenAIJudge(StreamingScorer):
 
         await asyncio.gather(*(judge(item) for item in items))
 
-    def score(self, samples: Sequence[Sample]) -> list[Verdict]:
+    def score(
+        self, samples: Sequence[Sample], *, should_stop: Callable[[], bool] | None = None
+    ) -> list[Verdict]:
         """Blocking verdicts in order, `max_concurrency` requests at a time.
 
-        Runs on its own thread and event loop, so it works inside a running loop too."""
+        Runs on its own thread and event loop, so it works inside a running loop too.
+        `should_stop` (None: not read): polled while the requests are awaited; once it returns
+        True they are cancelled (connections closed) and ScoringStopped is raised, no verdicts."""
+        if should_stop is not None:
+            return self._score_until_stopped(samples, should_stop)
 
         async def run() -> list[Verdict]:
             return list(await asyncio.gather(*(self._judge_one(s) for s in samples)))

@@ -11,7 +11,9 @@ A dict return gives the reward under "score" (verl's convention) and its other n
 named metrics. The form is given (`form=`) or found from parameter *names* ("solution_str" and
 "ground_truth": verl; "completions": TRL; else the yatt form when four positional arguments
 bind), never from how many parameters there are: verl's four-parameter compute_score would bind
-as the yatt form and be fed the prompt as its data_source.
+as the yatt form and be fed the prompt as its data_source. A signature the names cannot settle
+(verl's and TRL's names at once, or only *args / **kwargs, which bind as every form) is an
+error until its form is given: guessing would feed it the wrong values without a word.
 """
 
 from __future__ import annotations
@@ -39,24 +41,47 @@ def _parameters(fn: object) -> dict[str, inspect.Parameter] | None:
         return None  # a builtin without a signature
 
 
+class RewardFormError(ValueError):
+    """A reward function's form: unknown, not found from its names (`is_ambiguous`), or not
+    fitting it (a ValueError; the trainer's config names reward.function_forms for it)."""
+
+    def __init__(self, message: str, *, is_ambiguous: bool = False) -> None:
+        super().__init__(message)
+        self.is_ambiguous = is_ambiguous
+
+
 def detect_form(fn: object, name: str, form: str = "auto") -> RewardForm:
     """The form `fn` is called in: `form`, checked against fn's signature, or (form "auto")
-    found from its parameter names. ValueError saying what to fix."""
+    found from its parameter names. RewardFormError (a ValueError) saying what to fix."""
     if form not in REWARD_FORMS:
-        raise ValueError(f"reward function {name!r}: form={form!r}: use one of {REWARD_FORMS}")
+        raise RewardFormError(f"reward function {name!r}: form={form!r}: use one of {REWARD_FORMS}")
     parameters = _parameters(fn)
     if form == "auto":
-        if parameters is None:
-            form = "sample"
-        elif "solution_str" in parameters and "ground_truth" in parameters:
-            form = "verl"
-        elif "completions" in parameters:
-            form = "trl"
-        else:
-            form = "sample"
+        form = "sample" if parameters is None else _form_by_names(fn, name, parameters)
     if parameters is not None:
         _check_binds(fn, name, form)
     return form  # type: ignore[return-value]
+
+
+def _form_by_names(fn: Any, name: str, parameters: dict[str, inspect.Parameter]) -> str:
+    is_verl = "solution_str" in parameters and "ground_truth" in parameters
+    is_trl = "completions" in parameters
+    is_unnamed = all(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters.values())
+    if (is_verl and is_trl) or (is_unnamed and parameters):
+        why = (
+            "its parameters name both verl's (solution_str, ground_truth) and TRL's (completions)"
+            if is_verl and is_trl
+            else "it takes only *args / **kwargs, which bind as every form"
+        )
+        raise RewardFormError(
+            f"reward function {name}{inspect.signature(fn)}: its form cannot be told from its "
+            f"parameter names ({why}); set its form: 'sample' ({SAMPLE_CALL}), 'trl' "
+            f"({TRL_CALL}) or 'verl' ({VERL_CALL})",
+            is_ambiguous=True,
+        )
+    if is_verl:
+        return "verl"
+    return "trl" if is_trl else "sample"
 
 
 def _check_binds(fn: Any, name: str, form: str) -> None:
@@ -82,7 +107,7 @@ def _check_binds(fn: Any, name: str, form: str) -> None:
                 raise TypeError("it takes neither solution_str nor ground_truth")
     except TypeError as e:
         call = {"sample": SAMPLE_CALL, "trl": TRL_CALL, "verl": VERL_CALL}[form]
-        raise ValueError(
+        raise RewardFormError(
             f"reward function {name}{signature} cannot be called as {call} ({e}); give it "
             f"that signature, or set its form: {REWARD_FORMS[1:]} (yatt's per sample, TRL's "
             "batch, verl's compute_score)"

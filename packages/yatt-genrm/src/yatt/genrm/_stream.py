@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from yatt.genrm._stopping import check_should_stop, run_until_stopped
 from yatt.genrm._types import Sample, Verdict, error_verdict
 
 
@@ -214,8 +215,35 @@ class StreamingScorer:
         futures = [await self._enqueue(s) for s in samples]
         return list(await asyncio.gather(*futures))
 
+    # -- a blocking score() that a stop can end (yatt.genrm._stopping) -------------------------
+    def _score_until_stopped(
+        self, samples: Sequence[Sample], should_stop: Callable[[], bool]
+    ) -> list[Verdict]:
+        """score()'s verdicts from `_ascore_all` on a loop of its own, should_stop() polled while
+        it waits; ScoringStopped after `_abort()` once it is true."""
+        check_should_stop(should_stop)
+        return run_until_stopped(
+            lambda: self._ascore_all(samples),
+            should_stop,
+            self._abort,
+            num_samples=len(samples),
+        )
+
+    async def _ascore_all(self, samples: Sequence[Sample]) -> list[Verdict]:
+        """What score() computes, awaited (verdicts recorded in metrics): ascore by default."""
+        return await self.ascore(samples)
+
+    async def _abort(self) -> None:
+        """End this loop's pending work at a stop: cancel the batcher and the in-flight judge
+        calls (their samples get error verdicts). Subclasses also end what a cancel cannot
+        reach (worker processes); the scorer stays usable."""
+        await self._cancel_pending("scoring was stopped before this sample was judged")
+
     async def aclose(self) -> None:
         """Cancel the batcher and in-flight judge calls; their samples get error verdicts."""
+        await self._cancel_pending("GenRM closed before scoring")
+
+    async def _cancel_pending(self, message: str) -> None:
         if self._loop is None or self._loop is not asyncio.get_running_loop():
             return
         self._batcher.cancel()
@@ -226,9 +254,5 @@ class StreamingScorer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         while not self._queue.empty():
             item = self._queue.get_nowait()
-            item.resolve(
-                error_verdict(
-                    item.sample.id, "GenRM closed before scoring", reward=self._error_reward
-                )
-            )
+            item.resolve(error_verdict(item.sample.id, message, reward=self._error_reward))
         self._loop = None
