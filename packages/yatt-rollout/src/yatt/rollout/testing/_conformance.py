@@ -232,6 +232,10 @@ def check_bad_input(target: ConformanceTarget) -> None:
         {"top_p": 0.0},
         {"top_p": 1.5},
         {"top_k": -1},
+        {"min_p": -0.1},
+        {"min_p": 1.5},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": float("inf")},
         {"max_new_tokens": 0},
         {"stop_token_ids": (-3,)},
     ):
