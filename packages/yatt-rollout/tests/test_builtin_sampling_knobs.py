@@ -108,3 +108,35 @@ def test_a_strong_penalty_prevents_repeating_positive_logit_tokens(engine, model
                 row = logits[len(c.prompt_ids) - 1 + step].clone()
                 row[list(seen)] = float("-inf")
                 assert float(row.max()) <= 0.0
+
+
+def test_compiled_decode_step_with_both_knobs_matches_eager(tiny_model_dir):
+    # torch.compile (inductor; C++ on CPU) of the whole step, the penalty's scatter included:
+    # what CUDA compiles and captures by default.
+    from torch._dynamo.utils import counters
+
+    sampling = SamplingParams(
+        n=2, temperature=0.9, max_new_tokens=70, seed=4, min_p=0.05, repetition_penalty=1.3
+    )
+    requests = [Request(prompt_ids=list(p)) for p in PROMPTS]
+    outputs = []
+    for should_compile in (False, True):
+        config = EngineConfig(
+            max_batch_size=3,
+            max_seq_len=128,
+            region_prefix=f"knobs-compiled-{should_compile}",
+            compile_decode=should_compile,
+        )
+        engine = BuiltinEngine(tiny_model_dir, config=config)
+        counters.clear()
+        outputs.append(engine.generate(requests, sampling))
+        if should_compile:
+            assert engine._runner._compiled_step is not None, "compiling fell back to eager"
+            assert not counters["graph_break"], dict(counters["graph_break"])
+        engine.close()
+    eager, compiled = outputs
+    assert [c.response_ids for c in compiled] == [c.response_ids for c in eager]
+    for a, b in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
+        )

@@ -250,7 +250,7 @@ def test_chat_template_kwargs_reach_the_first_prompt_and_every_turn():
     (newline,) = tokenizer.encode("\n", add_special_tokens=False)
     empty_think = [think, newline, newline, end_think, newline, newline]
     assert quiet[0] == plain[0] + empty_think
-    turn = tokenizer.encode(call, add_special_tokens=False) + [_im_end(tokenizer)]
+    turn = [*tokenizer.encode(call, add_special_tokens=False), _im_end(tokenizer)]
     assert plain[1][: len(plain[0]) + len(turn)] == plain[0] + turn
     appended = plain[1][len(plain[0]) + len(turn) :]
     assert quiet[1] == quiet[0] + turn + appended + empty_think
