@@ -179,9 +179,7 @@ def test_sglang_sampling_and_output_translation():
     assert p["top_k"] == -1 and p["temperature"] == 0.0 and p["max_new_tokens"] == 4
     assert p["stop_token_ids"] == [2] and p["sampling_seed"] == 3
     assert sglang_sampling_params(SamplingParams(top_k=7), sample_seed=0)["top_k"] == 7
-    p = sglang_sampling_params(
-        SamplingParams(min_p=0.1, repetition_penalty=1.2), sample_seed=None
-    )
+    p = sglang_sampling_params(SamplingParams(min_p=0.1, repetition_penalty=1.2), sample_seed=None)
     assert (p["min_p"], p["repetition_penalty"]) == (0.1, 1.2)
     # Off values are SGLang's own defaults (min_p 0, repetition_penalty 1).
     p = sglang_sampling_params(SamplingParams(), sample_seed=None)

@@ -61,9 +61,7 @@ def test_greedy_with_repetition_penalty_matches_transformers_generate(engine, mo
 
 def test_repetition_penalty_logprobs_are_the_models_own(engine, model):
     # The documented convention: log softmax(logits / T) before the penalty, as top-p/top-k.
-    got = _generate(
-        engine, temperature=0.8, n=2, max_new_tokens=10, seed=3, repetition_penalty=1.5
-    )
+    got = _generate(engine, temperature=0.8, n=2, max_new_tokens=10, seed=3, repetition_penalty=1.5)
     for c in got:
         logits = _forward_logits(model, c.prompt_ids + c.response_ids)
         logits = logits[len(c.prompt_ids) - 1 : -1] / 0.8

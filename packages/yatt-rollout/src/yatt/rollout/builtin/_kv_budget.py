@@ -8,7 +8,8 @@ cache together, so the cache gets what the weights leave:
 
 slot_bytes counts everything allocated per slot in the "kv_cache" region: one row of keys and
 values per layer ([H_kv, L, D] each) and the slot runner's per-slot buffers (response, token
-history and logprob rows of L + 1, a few scalars). fixed_bytes is the part that does not scale with slots.
+history and logprob rows of L + 1, a few scalars). fixed_bytes is the part that does not scale
+with slots.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import torch
 from yatt.rollout.builtin._batcher import MAX_LABEL_TOKENS, MAX_STOP_TOKENS
 
 # Per-slot scalars of the slot runner: eight int64 (rope_delta_S and the batch rows' slot index
-# row_slot_S included), four float32 (temperature, top-p, min-p, repetition penalty), one bool; plus one int64 row base per KV head in the
-# cache's index table (in KVLayout.slot_bytes).
+# row_slot_S included), four float32 (temperature, top-p, min-p, repetition penalty), one bool;
+# plus one int64 row base per KV head in the cache's index table (in KVLayout.slot_bytes).
 _RUNNER_SCALAR_BYTES = 8 * 8 + 4 * 4 + 1
 
 
