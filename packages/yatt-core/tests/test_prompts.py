@@ -5,6 +5,7 @@ variables (chat_template_kwargs); a template that refuses a row makes a counted 
 
 NUM_GPUS = 0
 
+import copy
 import json
 from pathlib import Path
 
@@ -204,6 +205,10 @@ def test_chat_template_kwargs_are_fixed_and_checked(tmp_path):
     # The kept token counts were rendered with these variables: they cannot change under them.
     with pytest.raises(TypeError):
         encoder.chat_template_kwargs["enable_thinking"] = True
+    with pytest.raises(AttributeError):
+        encoder.chat_template_kwargs = {"enable_thinking": True}
+    copied = copy.deepcopy(encoder)  # still copies (a trainer may copy or pickle its encoder)
+    assert copied.chat_template_kwargs == {"enable_thinking": False}
     with pytest.raises(ValueError, match=r"chat_template_kwargs=\{1: True\} must be a mapping"):
         core.PromptEncoder(tokenizer, chat_template_kwargs={1: True}, **kwargs)
     with pytest.raises(ValueError, match=r"\['add_generation_prompt'\] are set by the prompt"):

@@ -220,9 +220,7 @@ class PromptEncoder:
                 "the prompt encoder itself; give only the template's own variables, e.g. "
                 '{"enable_thinking": false}'
             )
-        # Read-only: the ids count_tokens keeps (keyed by the prompt alone) were rendered with
-        # these variables, so changing them afterwards would let encode() reuse stale ids.
-        self.chat_template_kwargs = MappingProxyType(dict(chat_template_kwargs or {}))
+        self._chat_template_kwargs = dict(chat_template_kwargs or {})
         vision = VisionModel.from_pretrained(model_dir)
         # Any vision-language policy, images or not: it may sample these tokens.
         self.cut_token_ids = vision.stop_token_ids
@@ -233,6 +231,13 @@ class PromptEncoder:
         if self.image_key is not None:
             self.image_processor = load_image_processor(model_dir)
             self.image_token_id = vision.image_token_id
+
+    @property
+    def chat_template_kwargs(self) -> Mapping[str, Any]:
+        """The template variables, read-only: the ids count_tokens keeps (keyed by the prompt
+        alone) were rendered with them, so a change afterwards would let encode() reuse stale
+        ids. (A view, not a stored proxy: the encoder still pickles and deep-copies.)"""
+        return MappingProxyType(self._chat_template_kwargs)
 
     @property
     def takes_images(self) -> bool:
