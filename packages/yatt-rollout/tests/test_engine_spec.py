@@ -87,6 +87,14 @@ def test_sampling_kwargs_out_of_range_name_the_trainers_field(knobs, match):
         _Rollout().sampling_kwargs(**knobs)
 
 
+def test_sglang_takes_a_repetition_penalty_up_to_its_own_limit():
+    # SGLang's SamplingParams.verify: repetition_penalty in [0, 2].
+    assert _Rollout(backend="sglang").sampling_kwargs(repetition_penalty=2.0)
+    with pytest.raises(ValueError, match=r"rollout\.repetition_penalty=2\.5: .*'sglang' takes at"):
+        _Rollout(backend="sglang").sampling_kwargs(repetition_penalty=2.5)
+    assert _Rollout(backend="vllm").sampling_kwargs(repetition_penalty=2.5)
+
+
 def test_sampling_knobs_an_engine_lacks_are_refused_by_name(monkeypatch):
     # An engine without min_p (none of today's three): a set value is refused by name, the
     # off value passes.

@@ -46,6 +46,9 @@ SAMPLING_KNOBS = {
 }
 # Past it a repetition penalty is a typo (1.05-1.3 is usual; 10 turns a seen logit of 5 to 0.5).
 MAX_REPETITION_PENALTY = 10.0
+# A backend's own narrower range: SGLang's SamplingParams.verify refuses a repetition penalty
+# outside [0, 2] when the request arrives, mid-run; refused here when the config is built.
+MAX_REPETITION_PENALTY_BY_BACKEND = {"sglang": 2.0}
 
 
 @dataclass(kw_only=True)
@@ -140,6 +143,12 @@ class EngineSpec:
             raise ValueError(
                 f"{self.section}.repetition_penalty={repetition_penalty!r}: must be <= "
                 f"{MAX_REPETITION_PENALTY} (1 = off; 1.05-1.3 is usual)"
+            )
+        backend_max = MAX_REPETITION_PENALTY_BY_BACKEND.get(self.backend)
+        if backend_max is not None and repetition_penalty > backend_max:
+            raise ValueError(
+                f"{self.section}.repetition_penalty={repetition_penalty!r}: {self.section}."
+                f"backend={self.backend!r} takes at most {backend_max}; lower it"
             )
         self.check_sampling({k: v for k, v in knobs.items() if v != SAMPLING_KNOB_OFF[k]})
         return knobs
