@@ -106,9 +106,16 @@ class EngineSpec:
             )
 
     def check_sampling(self, knobs: dict[str, Any]) -> None:
-        """`knobs` ({field: value} of the trainer's sampling settings, unset ones left out)
-        are ones this backend passes on; else a ValueError naming the field."""
-        supported = SAMPLING_KNOBS[self.backend]
+        """The earlier form, kept for a trainer that passes on top_p and top_k only (the
+        reference trainer's config until it calls sampling_kwargs): `knobs` ({field: value},
+        unset ones left out) must be ones this backend takes AND such a caller passes on, so
+        min_p and repetition_penalty are refused here, not dropped silently by the caller.
+        New callers use sampling_kwargs, which takes all four."""
+        passed_on = tuple(key for key in SAMPLING_KNOBS[self.backend] if key in ("top_p", "top_k"))
+        self._check_knobs_taken(knobs, passed_on)
+
+    def _check_knobs_taken(self, knobs: dict[str, Any], supported: tuple[str, ...]) -> None:
+        """Each of `knobs` in `supported`; else a ValueError naming the field."""
         for key in knobs:
             if key not in supported:
                 raise ValueError(
@@ -150,7 +157,8 @@ class EngineSpec:
                 f"{self.section}.repetition_penalty={repetition_penalty!r}: {self.section}."
                 f"backend={self.backend!r} takes at most {backend_max}; lower it"
             )
-        self.check_sampling({k: v for k, v in knobs.items() if v != SAMPLING_KNOB_OFF[k]})
+        is_set = {key: value for key, value in knobs.items() if value != SAMPLING_KNOB_OFF[key]}
+        self._check_knobs_taken(is_set, SAMPLING_KNOBS[self.backend])
         return knobs
 
 
