@@ -5,6 +5,7 @@ variables (chat_template_kwargs); a template that refuses a row makes a counted 
 
 NUM_GPUS = 0
 
+import copy
 import json
 from pathlib import Path
 
@@ -127,6 +128,93 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
     assert count("3+4=") == len(without.ids)
     with pytest.raises(ValueError, match=r"chat_template_kwargs=.*must be a mapping"):
         core.PromptEncoder(tokenizer, chat_template_kwargs="enable_thinking=false", **kwargs)
+
+
+# Qwen3's chat template in its parts that matter here (written for this test, tools left
+# out): an assistant turn before the last user query loses its <think> block, and the
+# generation prompt opens the assistant turn, followed by an empty <think> block when the
+# caller passes enable_thinking=False (Qwen3's documented switch for non-thinking mode).
+QWEN3_TEMPLATE = (
+    "{%- set ns = namespace(last_query=messages|length - 1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content = m.content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- if loop.index0 > ns.last_query %}{%- set content = m.content %}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def _qwen3_tokenizer():
+    tokenizer = make_tokenizer(extra_special_tokens=("<think>", "</think>"))
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    return tokenizer
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "3+4=",
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "2+2="},
+            {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+            {"role": "user", "content": "3+4="},
+        ],
+    ],
+    ids=["text", "messages"],
+)
+def test_enable_thinking_false_appends_the_templates_empty_think_block(tmp_path, prompt):
+    tokenizer = _qwen3_tokenizer()
+    kwargs = {"model_dir": str(tmp_path), "max_prompt_tokens": 400}
+    row = {"prompt": prompt, core.ROW_INDEX_KEY: 0}
+    default = core.PromptEncoder(tokenizer, **kwargs)
+    thinking = core.PromptEncoder(
+        tokenizer, chat_template_kwargs={"enable_thinking": True}, **kwargs
+    )
+    quiet = core.PromptEncoder(tokenizer, chat_template_kwargs={"enable_thinking": False}, **kwargs)
+    (base,) = default.encode([row])
+    (on,) = thinking.encode([row])
+    # Counted first (the loader's length check), then encoded from the kept ids.
+    num_counted = quiet.count_tokens(prompt)
+    (off,) = quiet.encode([row])
+    # By the template: the same prompt, then <think>, two newlines, </think>, two newlines; each
+    # tag one special token, each newline one byte token.
+    think, end_think = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    (newline,) = tokenizer.encode("\n", add_special_tokens=False)
+    assert tokenizer.decode(base.ids).endswith("3+4=<|im_end|>\n<|im_start|>assistant\n")
+    assert on.ids == base.ids  # thinking is Qwen3's default
+    assert off.ids == [*base.ids, think, newline, newline, end_think, newline, newline]
+    assert num_counted == len(off.ids)
+    count = core.prompt_token_counter(tokenizer, True, {"enable_thinking": False})
+    assert count(prompt) == len(off.ids)
+
+
+def test_chat_template_kwargs_are_fixed_and_checked(tmp_path):
+    tokenizer = _qwen3_tokenizer()
+    kwargs = {"model_dir": str(tmp_path), "max_prompt_tokens": 400}
+    encoder = core.PromptEncoder(
+        tokenizer, chat_template_kwargs={"enable_thinking": False}, **kwargs
+    )
+    # The kept token counts were rendered with these variables: they cannot change under them.
+    with pytest.raises(TypeError):
+        encoder.chat_template_kwargs["enable_thinking"] = True
+    with pytest.raises(AttributeError):
+        encoder.chat_template_kwargs = {"enable_thinking": True}
+    copied = copy.deepcopy(encoder)  # still copies (a trainer may copy or pickle its encoder)
+    assert copied.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ValueError, match=r"chat_template_kwargs=\{1: True\} must be a mapping"):
+        core.PromptEncoder(tokenizer, chat_template_kwargs={1: True}, **kwargs)
+    with pytest.raises(ValueError, match=r"\['add_generation_prompt'\] are set by the prompt"):
+        core.PromptEncoder(
+            tokenizer, chat_template_kwargs={"add_generation_prompt": False}, **kwargs
+        )
 
 
 # A strict chat template (Gemma and Mistral raise like this on a role they do not know).

@@ -64,6 +64,8 @@ def test_vllm_sampling_translation():
         temperature=0.7,
         top_p=0.9,
         top_k=5,
+        min_p=0.05,
+        repetition_penalty=1.1,
         max_new_tokens=9,
         stop_token_ids=(3,),
         ignore_eos=True,
@@ -71,6 +73,10 @@ def test_vllm_sampling_translation():
     kw = vllm_sampling_kwargs(sampling, sample_seed=11)
     assert kw["n"] == 1 and kw["seed"] == 11 and kw["max_tokens"] == 9
     assert (kw["temperature"], kw["top_p"], kw["top_k"]) == (0.7, 0.9, 5)
+    assert (kw["min_p"], kw["repetition_penalty"]) == (0.05, 1.1)
+    # Off values are vLLM's own defaults (min_p 0, repetition_penalty 1).
+    off = vllm_sampling_kwargs(SamplingParams(), sample_seed=None)
+    assert (off["min_p"], off["repetition_penalty"]) == (0.0, 1.0)
     assert kw["stop_token_ids"] == [3] and kw["ignore_eos"] is True and kw["logprobs"] == 0
     image = torch.zeros(3, 2, 2)
     assert (
@@ -173,6 +179,11 @@ def test_sglang_sampling_and_output_translation():
     assert p["top_k"] == -1 and p["temperature"] == 0.0 and p["max_new_tokens"] == 4
     assert p["stop_token_ids"] == [2] and p["sampling_seed"] == 3
     assert sglang_sampling_params(SamplingParams(top_k=7), sample_seed=0)["top_k"] == 7
+    p = sglang_sampling_params(SamplingParams(min_p=0.1, repetition_penalty=1.2), sample_seed=None)
+    assert (p["min_p"], p["repetition_penalty"]) == (0.1, 1.2)
+    # Off values are SGLang's own defaults (min_p 0, repetition_penalty 1).
+    p = sglang_sampling_params(SamplingParams(), sample_seed=None)
+    assert (p["min_p"], p["repetition_penalty"]) == (0.0, 1.0)
     request = Request(prompt_ids=[1, 2], metadata={"m": 1})
     output = {
         "output_ids": [5, 2],

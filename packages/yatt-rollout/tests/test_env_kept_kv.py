@@ -57,8 +57,11 @@ def _conversations(engine, sampling, *, should_keep, num_turns=3):
     [
         SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True),
         SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=3),
+        # The penalty counts the whole conversation, the kept turns too (their ids are the
+        # continued prompt's), as a fresh prefill of it does.
+        SamplingParams(temperature=0.0, max_new_tokens=10, ignore_eos=True, repetition_penalty=1.5),
     ],
-    ids=["greedy", "seeded"],
+    ids=["greedy", "seeded", "penalized"],
 )
 def test_kept_conversation_samples_what_a_fresh_prefill_samples(tiny_model_dir, sampling):
     fresh_engine, fresh = _engine(tiny_model_dir, "fresh")

@@ -224,6 +224,55 @@ def test_hermes_parser(text, content, calls):
         assert (error is None) if want_error is None else (want_error in error)
 
 
+def test_chat_template_kwargs_reach_the_first_prompt_and_every_turn():
+    # Qwen3's enable_thinking=False opens each assistant turn with an empty think block: the
+    # first prompt and the ids appended after a tool turn both end with it, and nothing else
+    # changes (the sampled turn is the same text).
+    tokenizer = _tokenizer(QWEN3_TOOL_TEMPLATE, True)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+    def respond(prompt_text):
+        return call if "<tool_response>" not in prompt_text else "It is 5."
+
+    def run(**config):
+        engine = ScriptedEngine(tokenizer=tokenizer, respond=respond)
+        env_config = EnvConfig(max_turns=3, max_trajectory_tokens=4096, **config)
+        rollout = MultiTurnRollout(engine, env_config, tools=[add])
+        rows = [{"prompt": "What is 2 + 3?"}]
+        asyncio.run(rollout.run(rows, SamplingParams(max_new_tokens=200)))
+        return engine.prompts
+
+    plain = run()
+    quiet = run(chat_template_kwargs={"enable_thinking": False})
+    assert len(plain) == len(quiet) == 2
+    # By the template: <think>, two newlines, </think>, two newlines after the header.
+    think, end_think = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    (newline,) = tokenizer.encode("\n", add_special_tokens=False)
+    empty_think = [think, newline, newline, end_think, newline, newline]
+    assert quiet[0] == plain[0] + empty_think
+    turn = [*tokenizer.encode(call, add_special_tokens=False), _im_end(tokenizer)]
+    assert plain[1][: len(plain[0]) + len(turn)] == plain[0] + turn
+    appended = plain[1][len(plain[0]) + len(turn) :]
+    assert quiet[1] == quiet[0] + turn + appended + empty_think
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            "enable_thinking",
+            r"EnvConfig\.chat_template_kwargs='enable_thinking': must be a mapping",
+        ),
+        ({1: True}, r"EnvConfig\.chat_template_kwargs=\{1: True\}: must be a mapping"),
+        ({"tools": []}, r"\['tools'\] are set by the token layer"),
+    ],
+    ids=["text", "int-key", "reserved"],
+)
+def test_bad_chat_template_kwargs_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EnvConfig(tools=("x.py:f",), chat_template_kwargs=kwargs)
+
+
 def _schema(fn):
     from transformers.utils import get_json_schema
 

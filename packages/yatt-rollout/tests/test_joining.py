@@ -122,12 +122,22 @@ def test_concurrent_streams_get_only_their_own_completions(
     engine.close()
 
 
+@pytest.mark.parametrize(
+    "other",
+    [
+        SEEDED,  # another temperature
+        # Only the knob differs: a joined call would sample with the running call's settings.
+        GREEDY | {"repetition_penalty": 1.5},
+        GREEDY | {"min_p": 0.3},
+    ],
+    ids=["temperature", "repetition_penalty", "min_p"],
+)
 def test_incompatible_sampling_waits_and_completes(
-    tiny_model_dir, stall_first_decode, assert_same_samples
+    tiny_model_dir, stall_first_decode, assert_same_samples, other
 ):
     engine = _engine(tiny_model_dir)
     greedy = SamplingParams(n=2, max_new_tokens=16, **GREEDY)
-    sampled = SamplingParams(n=2, max_new_tokens=16, seed=5, **SEEDED)  # other temperature
+    sampled = SamplingParams(n=2, max_new_tokens=16, seed=5, **other)
     requests_a, requests_b = _requests("a", A_PROMPTS), _requests("b", B_PROMPTS)
     expected_a = engine.generate(requests_a, greedy)
     expected_b = engine.generate(requests_b, sampled)

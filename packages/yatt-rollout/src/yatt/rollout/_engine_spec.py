@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from yatt.rollout._sglang import SGLangConfig, SGLangEngine
+from yatt.rollout._types import SamplingParams
 from yatt.rollout._vllm import VLLMConfig, VLLMEngine
 from yatt.rollout.builtin import BuiltinEngine, EngineConfig
 
@@ -29,13 +30,25 @@ _ENGINE_CLASSES: dict[str, Any] = {"vllm": VLLMEngine, "sglang": SGLangEngine}
 # it starts (1e8 rows of 64 tokens asked for 800 GB); past these a size is a typo.
 MAX_ENGINE_BATCH_SIZE = 1 << 14
 MAX_ENGINE_SEQ_LEN = 1 << 20
-# Sampling settings each backend's adapter passes on (rollout.SamplingParams' fields beyond
-# n, temperature, max_new_tokens, seed and stop ids). min_p and repetition_penalty: none yet.
-SAMPLING_KNOBS = {
-    "builtin": ("top_p", "top_k"),
-    "vllm": ("top_p", "top_k"),
-    "sglang": ("top_p", "top_k"),
+# Sampling settings beyond n, temperature, max_new_tokens, seed and stop ids (rollout.
+# SamplingParams fields), each with the value that turns it off.
+SAMPLING_KNOB_OFF: dict[str, Any] = {
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
 }
+# The knobs each backend's adapter passes on; one missing here is refused by name when set.
+SAMPLING_KNOBS = {
+    "builtin": ("top_p", "top_k", "min_p", "repetition_penalty"),
+    "vllm": ("top_p", "top_k", "min_p", "repetition_penalty"),
+    "sglang": ("top_p", "top_k", "min_p", "repetition_penalty"),
+}
+# Past it a repetition penalty is a typo (1.05-1.3 is usual; 10 turns a seen logit of 5 to 0.5).
+MAX_REPETITION_PENALTY = 10.0
+# A backend's own narrower range: SGLang's SamplingParams.verify refuses a repetition penalty
+# outside [0, 2] when the request arrives, mid-run; refused here when the config is built.
+MAX_REPETITION_PENALTY_BY_BACKEND = {"sglang": 2.0}
 
 
 @dataclass(kw_only=True)
@@ -93,9 +106,16 @@ class EngineSpec:
             )
 
     def check_sampling(self, knobs: dict[str, Any]) -> None:
-        """`knobs` ({field: value} of the trainer's sampling settings, unset ones left out)
-        are ones this backend passes on; else a ValueError naming the field."""
-        supported = SAMPLING_KNOBS[self.backend]
+        """The earlier form, kept for a trainer that passes on top_p and top_k only (the
+        reference trainer's config until it calls sampling_kwargs): `knobs` ({field: value},
+        unset ones left out) must be ones this backend takes AND such a caller passes on, so
+        min_p and repetition_penalty are refused here, not dropped silently by the caller.
+        New callers use sampling_kwargs, which takes all four."""
+        passed_on = tuple(key for key in SAMPLING_KNOBS[self.backend] if key in ("top_p", "top_k"))
+        self._check_knobs_taken(knobs, passed_on)
+
+    def _check_knobs_taken(self, knobs: dict[str, Any], supported: tuple[str, ...]) -> None:
+        """Each of `knobs` in `supported`; else a ValueError naming the field."""
         for key in knobs:
             if key not in supported:
                 raise ValueError(
@@ -103,6 +123,43 @@ class EngineSpec:
                     f"{self.backend!r} does not take {key} (it takes {', '.join(supported)}); "
                     "leave it unset"
                 )
+
+    def sampling_kwargs(
+        self,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+    ) -> dict[str, Any]:
+        """The trainer's sampling knobs as rollout.SamplingParams fields, checked: each in
+        range, and each one set (not at its off value) passed on by this backend; else a
+        ValueError naming `section`.<field>. One call serves the config's check and the
+        rollout's SamplingParams(**kwargs, n=..., temperature=...)."""
+        knobs = {
+            "top_p": top_p,
+            "top_k": top_k,
+            "min_p": min_p,
+            "repetition_penalty": repetition_penalty,
+        }
+        try:
+            SamplingParams(**knobs)  # its ranges: one statement of them
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("SamplingParams.", f"{self.section}.")) from None
+        if repetition_penalty > MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"{self.section}.repetition_penalty={repetition_penalty!r}: must be <= "
+                f"{MAX_REPETITION_PENALTY} (1 = off; 1.05-1.3 is usual)"
+            )
+        backend_max = MAX_REPETITION_PENALTY_BY_BACKEND.get(self.backend)
+        if backend_max is not None and repetition_penalty > backend_max:
+            raise ValueError(
+                f"{self.section}.repetition_penalty={repetition_penalty!r}: {self.section}."
+                f"backend={self.backend!r} takes at most {backend_max}; lower it"
+            )
+        is_set = {key: value for key, value in knobs.items() if value != SAMPLING_KNOB_OFF[key]}
+        self._check_knobs_taken(is_set, SAMPLING_KNOBS[self.backend])
+        return knobs
 
 
 def check_engine_sizes(name: str, engine: EngineConfig) -> None:

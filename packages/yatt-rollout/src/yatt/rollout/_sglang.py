@@ -148,6 +148,10 @@ def sglang_sampling_params(
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k if sampling.top_k > 0 else -1,  # SGLang: -1 disables
+        "min_p": sampling.min_p,  # 0 disables min-p in SGLang as here
+        # SGLang's repetition penalizer (penaltylib) counts input and output tokens in the
+        # releases read (0.4-0.5); not yet run with a penalty on a GPU.
+        "repetition_penalty": sampling.repetition_penalty,
         "max_new_tokens": (
             max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens
         ),

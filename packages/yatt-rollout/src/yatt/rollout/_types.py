@@ -26,6 +26,12 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0  # nucleus mass in (0, 1]
     top_k: int = 0  # 0 disables top-k
+    # Tokens whose probability is below min_p x the likeliest token's are dropped; 0 = off.
+    min_p: float = 0.0
+    # CTRL's penalty (Keskar et al. 2019, as HF and vLLM apply it): the logit of every token
+    # already in the prompt or the response is divided by it when > 0, multiplied when < 0;
+    # 1 = off, > 1 discourages repeats.
+    repetition_penalty: float = 1.0
     max_new_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()  # generation ends after emitting one of these
     seed: int | None = None  # same seed + same inputs -> same samples
@@ -49,6 +55,14 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p={self.top_p!r}: must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"SamplingParams.top_k={self.top_k!r}: must be an int >= 0 (0 = off)")
+        if not (isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"SamplingParams.min_p={self.min_p!r}: must be in [0, 1] (0 = off)")
+        penalty = self.repetition_penalty
+        if not (isinstance(penalty, (int, float)) and math.isfinite(penalty) and penalty > 0):
+            raise ValueError(
+                f"SamplingParams.repetition_penalty={penalty!r}: must be a finite number > 0 "
+                "(1 = off)"
+            )
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(
                 f"SamplingParams.max_new_tokens={self.max_new_tokens!r}: must be an int >= 1"

@@ -7,8 +7,10 @@
 Weights load through a worker extension (`_vllm_worker.WeightLoaderExtension`) called with
 `collective_rpc`, one bucket at a time. The engine core runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), so buckets pass by reference, not through a pipe.
-Logprobs are vLLM's "processed_logprobs": log softmax(logits / T) after top-k/top-p, which is
-our definition when top_p == 1 and top_k == 0 (vLLM has no untruncated tempered mode).
+Logprobs are vLLM's "processed_logprobs": log softmax(logits / T) after the repetition penalty
+and top-k/top-p/min-p, which is our definition (the model's own tempered logprobs) when
+top_p == 1, top_k == 0, min_p == 0 and repetition_penalty == 1 (vLLM has no unprocessed
+tempered mode); with a knob on, the gap shows as engine-vs-trainer mismatch.
 Label logprobs (SamplingParams.label_token_ids) come from one extra 1-token request per
 request (its prompt is prefix-cached): `allowed_token_ids` = the labels, `logprobs` = their
 number, so with processed logprobs they are log softmax over the LABELS ONLY (renormalized:
@@ -137,6 +139,9 @@ def vllm_sampling_kwargs(
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,  # 0 disables top-k in vLLM as here
+        "min_p": sampling.min_p,  # 0 disables min-p in vLLM as here
+        # vLLM penalizes tokens of the prompt and the output, as the built-in engine does.
+        "repetition_penalty": sampling.repetition_penalty,
         "max_tokens": max_new_tokens if max_new_tokens is not None else sampling.max_new_tokens,
         "stop_token_ids": list(sampling.stop_token_ids),
         "ignore_eos": sampling.ignore_eos,

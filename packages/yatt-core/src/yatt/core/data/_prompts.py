@@ -35,6 +35,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import jinja2
@@ -59,6 +60,10 @@ IMAGE_SKIP_CAUSES = ("too_many_images", "image_count")
 # skipped for another cause is never encoded).
 MAX_KEPT_PROMPTS = 4096
 _MAX_LOGGED_SKIPS = 20
+# apply_chat_template's own arguments that prompt encoding sets: not template variables.
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {"conversation", "messages", "add_generation_prompt", "tokenize", "tools", "chat_template"}
+)
 # VisionInputError causes -> skip causes.
 VISION_ERROR_CAUSES = {
     "no_image": "no_image",
@@ -194,10 +199,13 @@ class PromptEncoder:
         and image_key: the row fields (dotted for nested fields, e.g. "extra.question").
         max_prompt_tokens: the rollout engine's room for a prompt (the loader skips longer
         text prompts; encode skips a prompt whose image tokens make it longer)."""
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+        if chat_template_kwargs is not None and (
+            not isinstance(chat_template_kwargs, Mapping)
+            or not all(isinstance(key, str) for key in chat_template_kwargs)
+        ):
             raise ValueError(
                 f"chat_template_kwargs={chat_template_kwargs!r} must be a mapping of the chat "
-                'template\'s variables, e.g. {"enable_thinking": false}'
+                'template\'s variables (names as keys), e.g. {"enable_thinking": false}'
             )
         self.tokenizer = tokenizer
         self.prompt_key = prompt_key
@@ -205,15 +213,31 @@ class PromptEncoder:
         self.max_images = max_images
         self.should_apply_chat_template = should_apply_chat_template
         self.max_prompt_tokens = max_prompt_tokens
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        reserved = sorted(set(chat_template_kwargs or ()) & RESERVED_TEMPLATE_ARGS)
+        if reserved:
+            raise ValueError(
+                f"chat_template_kwargs={dict(chat_template_kwargs)!r}: {reserved} are set by "
+                "the prompt encoder itself; give only the template's own variables, e.g. "
+                '{"enable_thinking": false}'
+            )
+        self._chat_template_kwargs = dict(chat_template_kwargs or {})
         vision = VisionModel.from_pretrained(model_dir)
         # Any vision-language policy, images or not: it may sample these tokens.
         self.cut_token_ids = vision.stop_token_ids
         self.skipped: Counter[str] = Counter()
-        self._counted: dict[tuple[tuple[str, str], int], list[int]] = {}  # count_tokens' ids
+        # count_tokens' ids by (prompt, number of image placeholders), for this encoder's
+        # template variables (fixed above).
+        self._counted: dict[tuple[tuple[str, str], int], list[int]] = {}
         if self.image_key is not None:
             self.image_processor = load_image_processor(model_dir)
             self.image_token_id = vision.image_token_id
+
+    @property
+    def chat_template_kwargs(self) -> Mapping[str, Any]:
+        """The template variables, read-only: the ids count_tokens keeps (keyed by the prompt
+        alone) were rendered with them, so a change afterwards would let encode() reuse stale
+        ids. (A view, not a stored proxy: the encoder still pickles and deep-copies.)"""
+        return MappingProxyType(self._chat_template_kwargs)
 
     @property
     def takes_images(self) -> bool:

@@ -35,6 +35,8 @@ Per slot s (S slots, L = max_seq_len):
   active_S[s]     still generating; idle slots compute garbage and write to column L (trash)
   rope_delta_S[s] a vision-language prompt's mrope offset: the token at cache position p has
                   text position p + rope_delta_S[s] (0 for text prompts; see _vision.py)
+  history_SL[s, p] the token at cache position p (prompt, then response), written only while
+                  a repetition penalty is on: the tokens it penalizes are history_SL[s, :pos+1]
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from yatt.rollout._types import Request, SamplingParams
-from yatt.rollout.builtin._sampling import sample_tokens
+from yatt.rollout.builtin._sampling import sample_tokens, seen_tokens
 from yatt.rollout.builtin._static_kv import (
     KV_WRITE_KWARG,
     ContinueWrite,
@@ -129,10 +131,11 @@ class Kept:
 @dataclass(kw_only=True)
 class Flags:
     is_greedy: bool
-    is_truncated: bool
+    is_truncated: bool  # top-p, top-k or min-p on
+    is_penalized: bool = False  # a repetition penalty on
 
-    def as_key(self) -> tuple[bool, bool]:
-        return (self.is_greedy, self.is_truncated)
+    def as_key(self) -> tuple[bool, bool, bool]:
+        return (self.is_greedy, self.is_truncated, self.is_penalized)
 
 
 def to_device(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -198,8 +201,11 @@ class SlotRunner:
         self.active_S = torch.zeros(S, dtype=torch.bool, device=device)
         self.temperature_S = torch.ones(S, dtype=torch.float32, device=device)
         self.top_p_S = torch.ones(S, dtype=torch.float32, device=device)
+        self.min_p_S = torch.zeros(S, dtype=torch.float32, device=device)
+        self.repetition_penalty_S = torch.ones(S, dtype=torch.float32, device=device)
         self.stop_ids_K = torch.full((MAX_STOP_TOKENS,), -1, **zeros)
         self.response_SL = torch.zeros(S, L + 1, **zeros)
+        self.history_SL = torch.zeros(S, L + 1, **zeros)  # column L: an idle slot's trash
         self.logprob_SL = torch.zeros(S, L + 1, dtype=torch.float32, device=device)
         # Per slot: the logprobs of its item's label_token_ids at the first response position,
         # written at prefill (eager, no graph) and read at harvest.
@@ -214,7 +220,7 @@ class SlotRunner:
         self.batch = S  # the decode steps' batch bucket, as set_decode_rows set it
         self.last_flags: Flags | None = None  # of the last call begun (what a profile replays)
         self.reset_state()
-        self._graphs: dict[tuple[bool, bool, int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[bool, bool, bool, int, int], torch.cuda.CUDAGraph] = {}
         self._graph_pool = None
         # The engine's stream (None on CPU): graphs are captured on it, so the cuBLAS workspaces
         # baked into them belong to it, and replays on it never race another engine's.
@@ -263,7 +269,7 @@ class SlotRunner:
             torch._dynamo.maybe_mark_dynamic(slot_B, 0)
             try:
                 with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-                    self._compiled_step(arange_P, slot_B, flags.is_greedy, flags.is_truncated)
+                    self._compiled_step(arange_P, slot_B, *flags.as_key())
                 return
             except Exception as exc:
                 if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -272,10 +278,15 @@ class SlotRunner:
                 # step eagerly, and stay eager from now on.
                 _log_compile_fallback("the decode step", "decoding", "compile_decode", exc)
                 self._compiled_step = None
-        self._decode_step_body(arange_P, slot_B, flags.is_greedy, flags.is_truncated)
+        self._decode_step_body(arange_P, slot_B, *flags.as_key())
 
     def _decode_step_body(
-        self, arange_P: torch.Tensor, slot_B: torch.Tensor, is_greedy: bool, is_truncated: bool
+        self,
+        arange_P: torch.Tensor,
+        slot_B: torch.Tensor,
+        is_greedy: bool,
+        is_truncated: bool,
+        is_penalized: bool,
     ):
         """The decode step of the slots slot_B (distinct) over the cache positions arange_P =
         [0, span) (what gets compiled): gather their state, decode, scatter it back."""
@@ -306,6 +317,11 @@ class SlotRunner:
         )
         # Per row: its own slot's sampling state; the draw hashes (key, counter), so a sample's
         # tokens do not depend on its row, its bucket or its slot.
+        seen_BV = None
+        if is_penalized:
+            # The fed token (position pos) and everything before it.
+            history_BL = self.history_SL.index_select(0, slot_B)
+            seen_BV = seen_tokens(history_BL, pos_B + 1, logits_BV.shape[-1])
         token_B, logprob_B = sample_tokens(
             logits_BV,
             temperature_S=self.temperature_S.index_select(0, slot_B),
@@ -315,10 +331,17 @@ class SlotRunner:
             counter_S=gen_len_B,
             is_greedy=is_greedy,
             is_truncated=is_truncated,
+            min_p_S=self.min_p_S.index_select(0, slot_B),
+            repetition_penalty_S=self.repetition_penalty_S.index_select(0, slot_B),
+            seen_SV=seen_BV,
         )
         column_B = slot_B * (L + 1) + torch.where(active_B, gen_len_B, L)
         self.response_SL.view(-1).index_copy_(0, column_B, token_B)
         self.logprob_SL.view(-1).index_copy_(0, column_B, logprob_B)
+        if is_penalized:
+            # The new token sits at position pos + 1 (< L while active: see limit_S).
+            position_B = slot_B * (L + 1) + torch.where(active_B, pos_B + 1, L)
+            self.history_SL.view(-1).index_copy_(0, position_B, token_B)
         new_gen_len_B = gen_len_B + active_B.long()
         is_stop_B = (token_B[:, None] == self.stop_ids_K[None, :]).any(dim=-1)
         new_pos_B = torch.where(active_B, pos_B + 1, pos_B).clamp(max=L - 1)
@@ -413,6 +436,14 @@ class SlotRunner:
         slot's state (a fresh or a continued prompt alike)."""
         device, L = self.device, self.cache.max_seq_len
         self.key_S[slot_J] = to_device([it.key for it in items], device)
+        seen_JV = None
+        if flags.is_penalized:
+            # The whole prompt (a continuation's kept turns too) counts as seen, as in vLLM.
+            prompts = [item.request.prompt_ids for item in items]
+            T = max(len(ids) for ids in prompts)
+            history_JT = to_device([[*ids, *[0] * (T - len(ids))] for ids in prompts], device)
+            self.history_SL[slot_J, :T] = history_JT
+            seen_JV = seen_tokens(history_JT, prompt_len_J, logits_JV.shape[-1])
         token_J, logprob_J = sample_tokens(
             logits_JV,
             temperature_S=self.temperature_S[slot_J],
@@ -422,7 +453,13 @@ class SlotRunner:
             counter_S=torch.zeros_like(slot_J),
             is_greedy=flags.is_greedy,
             is_truncated=flags.is_truncated,
+            min_p_S=self.min_p_S[slot_J],
+            repetition_penalty_S=self.repetition_penalty_S[slot_J],
+            seen_SV=seen_JV,
         )
+        if flags.is_penalized:
+            # The first response token sits at position prompt_len (< L: prompts are shorter).
+            self.history_SL[slot_J, prompt_len_J] = token_J
         if any(item.label_token_ids for item in items):
             self._write_label_logprobs(logits_JV, items, slot_J)
         max_new_J = to_device([item.max_new_tokens for item in items], device)
@@ -644,10 +681,12 @@ class SlotRunner:
             self.rope_delta_S,
         ):
             buffer.zero_()
-        for buffer in (self.limit_S, self.temperature_S, self.top_p_S):
+        for buffer in (self.limit_S, self.temperature_S, self.top_p_S, self.repetition_penalty_S):
             buffer.fill_(1)
+        self.min_p_S.zero_()
         self.active_S.zero_()
         self.response_SL.zero_()
+        self.history_SL.zero_()
         self.logprob_SL.zero_()
         # Slots holding a finished sample's KV for its conversation's next turn (host state;
         # the KV is gone with a reset). Read and written by the loop's thread only.
@@ -671,9 +710,12 @@ class SlotRunner:
         self.temperature_S.fill_(sampling.temperature if sampling.temperature > 0 else 1.0)
         self.top_p_S.fill_(sampling.top_p)
         self.top_k_S.fill_(sampling.top_k)
+        self.min_p_S.fill_(sampling.min_p)
+        self.repetition_penalty_S.fill_(sampling.repetition_penalty)
         flags = Flags(
             is_greedy=sampling.temperature == 0,
-            is_truncated=sampling.top_p < 1.0 or sampling.top_k > 0,
+            is_truncated=sampling.top_p < 1.0 or sampling.top_k > 0 or sampling.min_p > 0,
+            is_penalized=sampling.repetition_penalty != 1.0,
         )
         self.active_S.zero_()
         # Distinct rows in every bucket's prefix (the captures' warm-up steps write their rows).

@@ -60,9 +60,10 @@ class EngineConfig:
     # graphs per span instead of one, captured at the first call, sharing one memory pool,
     # one compile: the compiled step is dynamic in the batch). (): every step runs every slot.
     decode_batch_buckets: tuple[int, ...] | None = None
-    # A call that samples like the running one (same temperature, top-p, top-k, stop ids; n,
-    # seed and max_new_tokens may differ) joins its loop: its samples take free slots at the
-    # next host check instead of waiting for the whole running call. False: one call at a time.
+    # A call that samples like the running one (same temperature, top-p, top-k, min-p,
+    # repetition penalty, stop ids; n, seed and max_new_tokens may differ) joins its loop: its
+    # samples take free slots at the next host check instead of waiting for the whole running
+    # call. False: one call at a time.
     should_join_calls: bool = True
     region_prefix: str = "rollout"  # placement tags "<prefix>/weights", "<prefix>/kv_cache"
     # CUDA priority of the engine's stream: lower is more urgent (0 is the lowest; values past

@@ -297,7 +297,14 @@ class BuiltinEngine:
             stop_ids += [t for t in self.eos_token_ids if t not in stop_ids]
         call = Call(items=items, emit=emit, cancelled=cancelled or threading.Event())
         # What the runner sets once per loop; n, seed and max_new_tokens are per sample.
-        signature = (sampling.temperature, sampling.top_p, sampling.top_k, frozenset(stop_ids))
+        signature = (
+            sampling.temperature,
+            sampling.top_p,
+            sampling.top_k,
+            sampling.min_p,
+            sampling.repetition_penalty,
+            frozenset(stop_ids),
+        )
 
         def begin() -> SlotLoop:  # the engine is ours, inside its device scope
             self._check_open()

@@ -7,8 +7,9 @@ cache together, so the cache gets what the weights leave:
     num_slots = min(max_batch_size, (kv_budget - fixed_bytes) // slot_bytes), at least 1
 
 slot_bytes counts everything allocated per slot in the "kv_cache" region: one row of keys and
-values per layer ([H_kv, L, D] each) and the slot runner's per-slot buffers (response and
-logprob rows of L + 1, a few scalars). fixed_bytes is the part that does not scale with slots.
+values per layer ([H_kv, L, D] each) and the slot runner's per-slot buffers (response, token
+history and logprob rows of L + 1, a few scalars). fixed_bytes is the part that does not scale
+with slots.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ import torch
 from yatt.rollout.builtin._batcher import MAX_LABEL_TOKENS, MAX_STOP_TOKENS
 
 # Per-slot scalars of the slot runner: eight int64 (rope_delta_S and the batch rows' slot index
-# row_slot_S included), two float32, one bool; plus one int64 row base per KV head in the
-# cache's index table (in KVLayout.slot_bytes).
-_RUNNER_SCALAR_BYTES = 8 * 8 + 2 * 4 + 1
+# row_slot_S included), four float32 (temperature, top-p, min-p, repetition penalty), one bool;
+# plus one int64 row base per KV head in the cache's index table (in KVLayout.slot_bytes).
+_RUNNER_SCALAR_BYTES = 8 * 8 + 4 * 4 + 1
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -41,7 +42,8 @@ class KVLayout:
         """Bytes the "kv_cache" region holds per slot."""
         element = torch.empty((), dtype=self.dtype).element_size()
         kv_row = 2 * self.num_layers * self.num_kv_heads * self.max_seq_len * self.head_dim
-        runner_rows = (self.max_seq_len + 1) * (8 + 4)  # response ids int64, logprobs float32
+        # Response ids and token history (int64), logprobs (float32).
+        runner_rows = (self.max_seq_len + 1) * (8 + 8 + 4)
         runner_rows += MAX_LABEL_TOKENS * 4  # label logprobs float32
         return kv_row * element + runner_rows + _RUNNER_SCALAR_BYTES + self.num_kv_heads * 8
 

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+# apply_chat_template's own arguments, which the token layer sets: not template variables.
+RESERVED_TEMPLATE_ARGS = frozenset(
+    {"conversation", "messages", "add_generation_prompt", "tokenize", "tools", "chat_template"}
+)
 
 
 @dataclass(kw_only=True)
@@ -36,7 +42,9 @@ class EnvConfig:
     tool_parser: str = "hermes"
     # The row field naming the environment class when several are listed ("" with one).
     route_key: str = ""
-    # Extra keyword arguments for the chat template (e.g. {"enable_thinking": True}).
+    # The chat template's own variables, given at every rendering of a trajectory (its first
+    # prompt and each turn's appended ids), e.g. {"enable_thinking": False} (Qwen3): what the
+    # prompt encoder gives single-turn prompts (core.PromptEncoder(chat_template_kwargs=...)).
     chat_template_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,6 +71,19 @@ class EnvConfig:
                 f"EnvConfig.route_key='' with {len(self.environment)} environments: name the "
                 "row field whose value is the environment class to use"
             )
+        kwargs = self.chat_template_kwargs
+        if not isinstance(kwargs, Mapping) or not all(isinstance(key, str) for key in kwargs):
+            raise ValueError(
+                f"EnvConfig.chat_template_kwargs={kwargs!r}: must be a mapping of the chat "
+                'template\'s variables (names as keys), e.g. {"enable_thinking": False}'
+            )
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_ARGS)
+        if reserved:
+            raise ValueError(
+                f"EnvConfig.chat_template_kwargs={dict(kwargs)!r}: {reserved} are set by the "
+                "token layer itself; give only the template's own variables"
+            )
+        self.chat_template_kwargs = dict(kwargs)
         # Imported here: the parser registry lives with the parsers.
         from yatt.rollout.env._parsers import load_tool_parser
 

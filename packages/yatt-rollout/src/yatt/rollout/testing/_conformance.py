@@ -135,6 +135,36 @@ def check_logprobs_match_forward(target: ConformanceTarget) -> None:
             )
 
 
+def check_sampling_knobs(target: ConformanceTarget) -> None:
+    """min_p and repetition_penalty reach the engine's sampler. min_p=1 at temperature 1 keeps
+    only the likeliest token, so a seeded sample follows the greedy response; where it leaves
+    it, the two tokens must tie (equal logprobs in a forward pass of the shared prefix: bf16
+    logits tie often). A repetition penalty of 2 (within every backend's range) changes some
+    greedy response, reproducibly."""
+    engine, requests = target.engine, _requests(target)
+    greedy = engine.generate(requests, _greedy())
+    only_top = SamplingParams(
+        n=2, temperature=1.0, min_p=1.0, max_new_tokens=12, seed=9, ignore_eos=True
+    )
+    for c in engine.generate(requests, only_top):
+        g = greedy[c.request_index].response_ids
+        i = next(
+            (i for i, (a, b) in enumerate(zip(c.response_ids, g, strict=True)) if a != b), None
+        )
+        if i is None:
+            continue
+        assert target.reference_logprobs is not None, f"min_p=1 left the greedy path: {c}"
+        sampled = target.reference_logprobs(c.prompt_ids, c.response_ids[: i + 1], 1.0)[i]
+        top = target.reference_logprobs(c.prompt_ids, g[: i + 1], 1.0)[i]
+        assert abs(sampled - top) <= target.logprob_atol, (
+            f"min_p=1 sampled a token of logprob {sampled:.3f} where the top one has {top:.3f}"
+        )
+    plain = _tokens(greedy)
+    penalized = _tokens(engine.generate(requests, _greedy(repetition_penalty=2.0)))
+    assert penalized != plain, "repetition_penalty=2 changed no greedy response"
+    assert _tokens(engine.generate(requests, _greedy(repetition_penalty=2.0))) == penalized
+
+
 async def _collect(stream) -> list[Completion]:
     return [c async for c in stream]
 
@@ -232,6 +262,10 @@ def check_bad_input(target: ConformanceTarget) -> None:
         {"top_p": 0.0},
         {"top_p": 1.5},
         {"top_k": -1},
+        {"min_p": -0.1},
+        {"min_p": 1.5},
+        {"repetition_penalty": 0.0},
+        {"repetition_penalty": float("inf")},
         {"max_new_tokens": 0},
         {"stop_token_ids": (-3,)},
     ):
@@ -248,6 +282,7 @@ CONFORMANCE_CHECKS: dict[str, Callable[[ConformanceTarget], None]] = {
     "max_new_tokens": check_max_new_tokens,
     "stop_tokens": check_stop_tokens,
     "logprobs_match_forward": check_logprobs_match_forward,
+    "sampling_knobs": check_sampling_knobs,
     "stream_yields_each_once": check_stream_yields_each_once,
     "abort": check_abort,
     "update_weights": check_update_weights,
