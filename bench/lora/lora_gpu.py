@@ -328,6 +328,14 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> dict:
         "command": "python3 bench/lora/lora_gpu.py " + " ".join(argv),
         "variants": {},
     }
+    earlier = md_path.with_suffix(".json")
+    if earlier.is_file():  # a later device call adds its variants to the same commit's results
+        kept = json.loads(earlier.read_text())
+        if kept.get("commit") == results["commit"] and kept.get("smoke") == args.smoke:
+            results["variants"] = {
+                k: v for k, v in kept.get("variants", {}).items() if k not in args.variants
+            }
+            results["command"] = kept.get("command", "") + " ; " + results["command"]
     shapes_left = [VARIANTS[v][0] for v in args.variants]
     started = time.perf_counter()
     for i, variant in enumerate(args.variants):
