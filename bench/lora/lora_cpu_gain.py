@@ -50,9 +50,9 @@ def read_metrics(out_dir: Path) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def train(out_dir: Path, overrides: list[str], *, timeout_s: float) -> dict:
+def train(out_dir: Path, overrides: list[str], *, timeout_s: float, trainer: Path) -> dict:
     """One trainer run; {"overrides", "seconds", "gain", "first", "last"} (or "error")."""
-    cmd = [sys.executable, str(ROOT / "examples" / "train_grpo.py"), *overrides]
+    cmd = [sys.executable, str(trainer), *overrides]
     cmd.append(f"out_dir={out_dir}")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     t0 = time.perf_counter()
@@ -84,7 +84,8 @@ def markdown(data: dict) -> str:
         "",
         f"commit: {data['commit']} · {data['steps']} steps per run · reward gain = mean "
         f"reward of the last {WINDOW} steps - first {WINDOW} · bar: LoRA / full >= {BAR}",
-        f"LoRA: `{' '.join(data['lora_overrides'])}`; full: the demo's own settings",
+        f"LoRA: `{' '.join(data['lora_overrides'])}`; full: the demo's own settings; "
+        f"script: `{data.get('trainer', 'examples/train_grpo.py')}`",
         "",
         "| seed | full: first -> last (gain) | LoRA: first -> last (gain) | LoRA / full | bar |",
         "|---|---|---|---:|---|",
@@ -122,6 +123,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--md", default=str(RESULTS), help="markdown path (JSON beside it)")
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument(
+        "--trainer",
+        default=str(ROOT / "examples" / "train_grpo.py"),
+        help="the script run (default: the reference trainer; lora_head_probe.py: an experiment)",
+    )
     args = parser.parse_args(argv)
     md = Path(args.md)
     if args.report_only:
@@ -139,6 +145,7 @@ def main(argv: list[str]) -> None:
         "steps": args.steps,
         "lora_overrides": args.lora,
         "command": "python bench/lora/lora_cpu_gain.py " + " ".join(argv),
+        "trainer": os.path.relpath(Path(args.trainer).resolve(), ROOT),
         "seeds": {},
     }
     for seed in args.seeds:
@@ -155,7 +162,8 @@ def main(argv: list[str]) -> None:
                 out_dir = work / f"{name}_s{seed}"
             else:
                 out_dir = embedded.parent  # this run builds the task there
-            runs[name] = train(out_dir, common + extra, timeout_s=args.timeout_s)
+            trainer = Path(args.trainer)
+            runs[name] = train(out_dir, common + extra, timeout_s=args.timeout_s, trainer=trainer)
             print(name, seed, json.dumps(runs[name]), flush=True)
             write_report(md, markdown(data), data=data)
 
