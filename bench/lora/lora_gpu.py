@@ -28,6 +28,7 @@ Time on an H200 (estimates, not measured yet): 7B + 7B models saved ~1.5 min, ea
 ~1 min to load + 4 steps x ~30 s; the 14B models ~2 min more (the 7B ones are deleted first: the
 machine's disk holds ~64 GiB). --warmup 1 --steps 2 shortens it; the first timed step may then
 carry AdamW's first offload into new pinned memory (step.py's note), which favours LoRA.
+lora16-32b needs ~80 GB of saved models (65 + the judge's 15): not on that 64 GiB disk.
 """
 
 from __future__ import annotations
