@@ -193,7 +193,15 @@ def markdown(results: dict) -> str:
             f"<= {BAR} {verdict} | {per_turn['prefill']} | {per_turn['kept']} | "
             f"{row['kept_sessions_after_turn']['kept']} |"
         )
-    lines += ["", f"Command: `{results['command']}`"]
+    lines += [
+        "",
+        "Issue 44's other two bars are not measured here: rollout + judge per kept group with "
+        "trajectories judged as they end (partial colocation) needs the streamed multi-turn "
+        "loop with the colocated GenRM, and yatt / vLLM 0.26 needs vLLM driven through yatt's "
+        "environment adapter on the device machine.",
+        "",
+        f"Command: `{results['command']}`",
+    ]
     return "\n".join(lines)
 
 
