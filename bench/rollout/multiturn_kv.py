@@ -195,10 +195,10 @@ def markdown(results: dict) -> str:
         )
     lines += [
         "",
-        "Issue 44's other two bars are not measured here: rollout + judge per kept group with "
-        "trajectories judged as they end (partial colocation) needs the streamed multi-turn "
-        "loop with the colocated GenRM, and yatt / vLLM 0.26 needs vLLM driven through yatt's "
-        "environment adapter on the device machine.",
+        "Issue 44's other two bars (rollout + judge per kept group, trajectories judged as "
+        "they end vs after the rollout; yatt / vLLM 0.26 with prefix caching on the same "
+        "environment) are not measured by this script: they wait for their features and "
+        "engines.",
         "",
         f"Command: `{results['command']}`",
     ]
