@@ -96,7 +96,7 @@ def step_args(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str
     if args.smoke:
         argv += ["--tiny", "--prompts", "2", "--model-dir", str(Path(args.out_dir) / "models")]
     else:
-        argv += ["--shape", shape, "--judge-shape", "7b"]
+        argv += ["--shape", shape, "--judge-shape", "7b", "--prompts", str(args.prompts)]
         argv += ["--model-dir", str(Path(args.model_root) / f"yatt-lora-{shape}-7b")]
     return argv
 
@@ -266,8 +266,8 @@ def markdown(results: dict) -> str:
         f"# LoRA rank {LORA_RANK} vs full fine-tuning (issue 45's GPU bars), {results['device']}",
         "",
         f"commit: {results['commit']} · GPU: {results['device']} · layout full, offload auto, "
-        f"mix {MIX} (16 prompts x 8), judge 7B shape, warm-up {results['warmup']} + "
-        f"{results['steps']} timed steps, micro-batch cap {results['micro_batch_tokens']} tokens"
+        f"mix {MIX} ({results.get('prompts', 16)} prompts x 8), judge 7B shape, "
+        f"warm-up {results['warmup']} + {results['steps']} timed steps, micro-batch cap {results['micro_batch_tokens']} tokens"
         + (" · SMOKE (tiny shapes, CPU): not a measurement" if results["smoke"] else ""),
         "",
         "| ratio (LoRA / full, 7B + 7B judge) | measured | bar | |",
@@ -325,6 +325,7 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> dict:
         "warmup": args.warmup,
         "steps": args.steps,
         "micro_batch_tokens": args.micro_batch_tokens,
+        "prompts": args.prompts,
         "lora": {"rank": LORA_RANK, "alpha": LORA_ALPHA, "target_modules": "all-linear"},
         "command": "python3 bench/lora/lora_gpu.py " + " ".join(argv),
         "variants": {},
@@ -393,6 +394,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant")
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
+    p.add_argument("--prompts", type=int, default=16, help="GRPO groups of 8 per step")
     p.add_argument("--out-dir", default="/tmp/yatt-lora-out")
     p.add_argument("--model-root", default="/tmp", help="saved random-weight models")
     p.add_argument("--variant-timeout-s", type=float, default=540)
