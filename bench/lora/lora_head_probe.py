@@ -3,13 +3,14 @@ head (what PEFT's `modules_to_save=["lm_head"]` gives), the head's weight sent w
 sync. It backs the change proposed for issue 45's CPU bar (bench/results/lora_cpu.md):
 
     python bench/lora/lora_cpu_gain.py --trainer bench/lora/lora_head_probe.py \\
-        --md /tmp/lora_head/lora_cpu_head.md
+        --md /tmp/lora_head/lora_cpu_head.md --lora policy.lora.rank=8 policy.lora.alpha=8
 
-Arguments are the trainer's (`policy.lora.rank=8 ...`); without policy.lora it is the trainer.
-It wraps two names that yatt.core's TorchPolicy imported (attach_lora, iter_adapter_weights):
-after PEFT freezes the base, the LM head's weight trains again (AdamW is built after, so it holds
-it), and the sync yields "lm_head.weight" whole after the adapter (the built-in engine replaces a
-full weight outright). The checkpoint does not hold the head: no --resume with it.
+Arguments are the trainer's; without policy.lora it is the trainer unchanged. Two methods of
+yatt.core.TorchPolicy are wrapped: after __init__ (PEFT froze the base, AdamW was built over the
+adapter) the LM head's weight trains again, in its own AdamW group; named_adapter_weights()
+yields the head's weight whole after the adapter (the built-in engine replaces a full weight
+outright). One process only (a DDP wrapper built before would not reduce the head's gradient);
+the checkpoint does not hold the head, so no --resume.
 """
 
 from __future__ import annotations
@@ -18,27 +19,36 @@ import runpy
 import sys
 from pathlib import Path
 
-from yatt.core.policy import _torch_policy
+from yatt import core
 
 ROOT = Path(__file__).resolve().parents[2]
-_attach_lora = _torch_policy.attach_lora
-_iter_adapter_weights = _torch_policy.iter_adapter_weights
+_init = core.TorchPolicy.__init__
+_named_adapter_weights = core.TorchPolicy.named_adapter_weights
 
 
-def attach_lora_and_head(model, lora):
-    peft_model = _attach_lora(model, lora)
-    model.get_output_embeddings().weight.requires_grad_(True)
-    return peft_model
+def _head(policy) -> tuple[str, object]:
+    head = policy.module.get_output_embeddings()
+    name = next(n for n, m in policy.module.named_modules() if m is head)
+    return name, head
 
 
-def iter_adapter_and_head(module):
-    yield from _iter_adapter_weights(module)
-    yield "lm_head.weight", module.get_output_embeddings().weight.detach()
+def init_with_head(self, config, *args, **kwargs):
+    _init(self, config, *args, **kwargs)
+    if config.lora is not None and self.optimizer is not None:
+        _, head = _head(self)
+        head.weight.requires_grad_(True)
+        self.optimizer.add_param_group({"params": [head.weight], "weight_decay": 0.0})
+
+
+def adapter_and_head(self):
+    yield from _named_adapter_weights(self)
+    name, head = _head(self)
+    yield f"{name}.weight", head.weight.detach()
 
 
 if __name__ == "__main__":
-    _torch_policy.attach_lora = attach_lora_and_head
-    _torch_policy.iter_adapter_weights = iter_adapter_and_head
+    core.TorchPolicy.__init__ = init_with_head
+    core.TorchPolicy.named_adapter_weights = adapter_and_head
     trainer = ROOT / "examples" / "train_grpo.py"
     sys.argv = [str(trainer), *sys.argv[1:]]
     sys.path.insert(0, str(trainer.parent))
