@@ -193,6 +193,19 @@ PY
       CUDA_VISIBLE_DEVICES=0 run_step trainer_tools python3 examples/train_grpo.py task=tools \
         out_dir=/tmp/yatt-runs/tools num_steps=${TRAINER_TOOLS_STEPS:-20}
       cp /tmp/yatt-runs/tools/metrics.jsonl "$OUT/trainer_tools_metrics.jsonl" 2>/dev/null ;;
+    bench_lora)
+      # Issue 45's GPU bars (bench/lora/lora_gpu.py): LoRA rank 16 vs full fine-tuning, 7B policy
+      # + 7B judge, long-tail mix, then LoRA 14B beside the 7B judge; each variant its own
+      # process, lora_<gpu>.json/.md rewritten after each. LORA_BUDGET_S bounds the whole step
+      # (no variant starts with < 60 s left; 540: one 10-minute device call); LORA_ARGS adds
+      # options, e.g. "--variants lora16-14b" for a second call, "--warmup 1 --steps 2".
+      STEP_TIMEOUT=$(( ${LORA_BUDGET_S:-540} + 30 )) run_step bench_lora python3 bench/lora/lora_gpu.py \
+        --out-dir "$OUT" --budget-s "${LORA_BUDGET_S:-540}" ${LORA_ARGS:-} ;;
+    bench_multiturn)
+      # Issue 44's first bar (bench/rollout/multiturn_kv.py): 4-turn rollouts with 1k-token
+      # observations, KV kept between turns vs the history prefilled each turn; 0.5B and 1.5B.
+      STEP_TIMEOUT=${MULTITURN_TIMEOUT_S:-300} run_step bench_multiturn python3 \
+        bench/rollout/multiturn_kv.py --out-dir "$OUT" ${MULTITURN_ARGS:-} ;;
     *)
       echo "unknown step $step"; exit 2 ;;
   esac

@@ -1,0 +1,439 @@
+"""Issue 45's GPU bars: LoRA rank 16 against full fine-tuning, side by side in one run on one GPU,
+then the largest policy that trains with LoRA beside a 7B judge.
+
+    python3 bench/lora/lora_gpu.py --out-dir OUT                # full-7b lora16-7b lora16-14b
+    python3 bench/lora/lora_gpu.py --variants lora16-32b --out-dir OUT   # 32B if it fits (opt-in)
+    python bench/lora/lora_gpu.py --smoke --out-dir /tmp/x      # tiny shapes on CPU: the plumbing
+    python bench/lora/lora_gpu.py --report OUT                  # the markdown again from OUT's JSONs
+
+Each variant is one GRPO step loop of bench/step/step.py (its `run_layout`, not a second copy of
+the step): layout full (Plan.full_colocation, offload auto), the long-tail mix (90% of responses
+64-192 tokens, 10% 512-1024, forced lengths), 16 prompts x 8 samples, a 7B-shape judge on its
+own built-in engine, the trainer's train_on_batch, activation checkpointing, AdamW's state on the
+host between optimizer steps, the same fixed micro-batch cap (so the peak memory compares what
+each policy holds, not what a cap chosen from free memory would take). The LoRA variants build
+the same TorchPolicy with `lora=LoraConfig(rank=16, alpha=32, target_modules="all-linear")`, and
+their weight sync sends `named_adapter_weights()` (what the trainer syncs under LoRA: the built-in
+engine merges the adapter into its resident weights) where full fine-tuning sends
+`named_weights()`. Nothing else differs.
+
+Each variant runs in its own process (a clean GPU), one after another; this process writes
+lora_<gpu>.json/.md under --out-dir after every variant, so a run cut by its time limit keeps
+the variants it finished. Bars (LoRA / full, 7B policy + 7B judge): step time (median of the
+timed steps) <= 0.7, peak GPU memory (the step's highest phase peak, device-wide) <= 0.6,
+weight sync (the sync phase less the switch into it: the update_weights call) <= 0.05; then
+lora16-14b (and lora16-32b) with 0 out-of-memory errors.
+
+Time on an H200 (estimates, not measured yet): 7B + 7B models saved ~1.5 min, each 7B variant
+~1 min to load + 4 steps x ~30 s; the 14B models ~2 min more (the 7B ones are deleted first: the
+machine's disk holds ~64 GiB). --warmup 1 --steps 2 shortens it; the first timed step may then
+carry AdamW's first offload into new pinned memory (step.py's note), which favours LoRA.
+lora16-32b needs ~80 GB of saved models (65 + the judge's 15): not on that 64 GiB disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))
+import _step_setup as setup  # bench/step's helpers: shapes, models, judge
+from measured_commit import measured_commit
+from report import write_report
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Qwen2.5-14B's and -32B's config.json shapes (random weights), beside bench/step's 0.5b-7b.
+EXTRA_SHAPES = {
+    "14b": dict(
+        setup.QWEN25_7B, hidden_size=5120, num_hidden_layers=48, num_attention_heads=40,
+        num_key_value_heads=8, intermediate_size=13824,
+    ),
+    "32b": dict(
+        setup.QWEN25_7B, hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
+        num_key_value_heads=8, intermediate_size=27648,
+    ),
+}  # fmt: skip
+for _name, _shape in EXTRA_SHAPES.items():  # step.py's --shape choices read this dict
+    setup.SHAPES.setdefault(_name, _shape)
+
+LORA_RANK, LORA_ALPHA = 16, 32.0
+# name: (policy shape, LoRA or not); the judge is always the 7B shape (tiny under --smoke).
+VARIANTS = {
+    "full-7b": ("7b", False),
+    "lora16-7b": ("7b", True),
+    "lora16-14b": ("14b", True),
+    "lora16-32b": ("32b", True),
+}
+DEFAULT_VARIANTS = ("full-7b", "lora16-7b", "lora16-14b")
+PAIR = ("lora16-7b", "full-7b")  # the ratios' numerator and denominator
+BARS = {"step_s": 0.7, "peak_gib": 0.6, "sync_s": 0.05}
+MIX = "longtail"
+
+
+def step_args(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """bench/step/step.py's arguments for one variant."""
+    shape, _ = VARIANTS[variant]
+    argv = ["--layout", "full", "--mix", MIX, "--offload", "auto", "--no-ckpt"]
+    argv += ["--activation-checkpointing", "--offload-optimizer"]
+    argv += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+    argv += ["--micro-batch-tokens", str(args.micro_batch_tokens), "--out-dir", str(run_dir)]
+    # No timed step starts that would end past the variant's time limit (less its loading):
+    # step.py then writes its JSON with the steps it ran.
+    argv += ["--run-budget-s", str(max(args.variant_timeout_s - 30, 1))]
+    if args.smoke:
+        argv += ["--tiny", "--prompts", "2", "--model-dir", str(Path(args.out_dir) / "models")]
+    else:
+        argv += ["--shape", shape, "--judge-shape", "7b", "--prompts", str(args.prompts)]
+        argv += ["--model-dir", str(Path(args.model_root) / f"yatt-lora-{shape}-7b")]
+    return argv
+
+
+def counted_sync_class(base: type, tally: dict, *, is_adapter: bool) -> type:
+    """`base` (TorchPolicy) whose `named_weights()` (what step.py syncs) counts the tensors and
+    bytes it yields into `tally`; with is_adapter, it yields `named_adapter_weights()`: under LoRA
+    the trainer syncs the adapter alone (train_grpo.step_weights), so here too."""
+
+    def named_weights(self):
+        pairs = self.named_adapter_weights() if is_adapter else base.named_weights(self)
+        tally["num_syncs"] = tally.get("num_syncs", 0) + 1
+        tally["names"] = []
+        tally["bytes"] = 0
+        for name, tensor in pairs:
+            tally["names"].append(name)
+            tally["bytes"] += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    return type("CountedSyncPolicy", (base,), {"named_weights": named_weights})
+
+
+@contextlib.contextmanager
+def policy_variant(lora, tally: dict) -> Iterator[None]:
+    """While open, step.py's build makes its TorchPolicy with `lora` (a core.LoraConfig, or None:
+    full fine-tuning) and a sync that counts what it sends into `tally`."""
+    import step as step_bench
+
+    from yatt import core, rollout
+
+    real_build = step_bench.build
+    policy_class = counted_sync_class(core.TorchPolicy, tally, is_adapter=lora is not None)
+
+    class BackedUpEngine(rollout.BuiltinEngine):
+        # An adapter is merged into the base the engine holds: after a sleep it needs its
+        # weights back (the trainer's engines keep the backup by default); step.py drops it
+        # for full syncs, which refill every weight.
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **(kw | {"should_back_up_weights": True}))
+
+    def build(*a, **kw):
+        saved = core.TorchPolicyConfig, core.TorchPolicy, rollout.BuiltinEngine
+        if lora is not None:
+            core.TorchPolicyConfig = functools.partial(core.TorchPolicyConfig, lora=lora)
+            rollout.BuiltinEngine = BackedUpEngine
+        core.TorchPolicy = policy_class
+        try:
+            return real_build(*a, **kw)
+        finally:
+            core.TorchPolicyConfig, core.TorchPolicy, rollout.BuiltinEngine = saved
+
+    step_bench.build = build
+    try:
+        yield
+    finally:
+        step_bench.build = real_build
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> None:
+    """The child: one variant's steps through step.py's run_layout (its JSON in --run-dir),
+    then sync.json: what the last weight sync sent (tensors, bytes, a few names)."""
+    import logging
+
+    import step as step_bench
+
+    from yatt import core
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("yatt.genrm").setLevel(logging.ERROR)  # random verdicts never parse
+    run_dir = Path(args.run_dir)
+    step_parsed = step_bench.parse_args(step_args(variant, args, run_dir))
+    _, is_lora = VARIANTS[variant]
+    lora = None
+    if is_lora:
+        lora = core.LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules="all-linear")
+    tally: dict = {}
+    with policy_variant(lora, tally):
+        step_bench.run_layout(step_parsed)
+    names = tally.pop("names", [])
+    tally |= {"num_tensors": len(names), "first_names": names[:4]}
+    (run_dir / "sync.json").write_text(json.dumps(tally, indent=1))
+
+
+def summarize(run: dict) -> dict:
+    """The bars' numbers from one step.py run JSON (its one mix, one rank)."""
+    steps = run["mixes"][MIX]["steps"]
+    step_s = [s["step_s"] for s in steps]
+    sync_s = [s["phases"].get("sync", 0.0) - s["switches"].get("sync", 0.0) for s in steps]
+    # The step's peak per timed step (None on CPU: no CUDA memory to read).
+    peaks = [p for s in steps for p in s.get("max_reserved_gib") or [] if p is not None]
+    out = {
+        "step_s": _spread(step_s),
+        "sync_s": _spread(sync_s),
+        "sync_phase_s": _spread([s["phases"].get("sync", 0.0) for s in steps]),
+        "phases_s": {
+            k: statistics.median(s["phases"].get(k, 0.0) for s in steps)
+            for k in sorted({k for s in steps for k in s["phases"]})
+        },
+        "switch_s": statistics.median(s["switch_s"] for s in steps),
+        "peak_gib": max(peaks) if peaks else None,
+        "bad_lengths": sum(s["bad_lengths"] for s in steps),
+        "num_timed_steps": len(steps),
+        "chosen_micro_batch_tokens": run["workload"].get("chosen_micro_batch_tokens"),
+    }
+    return out
+
+
+# step.py's progress line: "[full x1 longtail] step 3 timed 31.20s: rollout 20.1 genrm ... sync 0.4"
+_STEP_LINE = re.compile(r"^\[\S+ x\d+ (\S+)\] step (\d+) (warmup|timed) ([\d.]+)s: (.*)$")
+
+
+def log_rows(text: str) -> list[dict]:
+    """The timed steps step.py printed: {"step_s", "phases"} each."""
+    rows = []
+    for line in text.splitlines():
+        m = _STEP_LINE.match(line.strip())
+        if m and m.group(1) == MIX and m.group(3) == "timed":
+            parts = m.group(5).split()
+            phases = {k: float(v) for k, v in zip(parts[::2], parts[1::2], strict=True)}
+            rows.append({"step_s": float(m.group(4)), "phases": phases})
+    return rows
+
+
+def summarize_log(rows: list[dict]) -> dict:
+    """summarize's numbers from printed steps alone: the sync phase with its switch, no
+    memory (the log has neither), marked source "log"."""
+    return {
+        "source": "log",
+        "step_s": _spread([r["step_s"] for r in rows]),
+        "sync_s": _spread([r["phases"].get("sync", 0.0) for r in rows]),
+        "sync_phase_s": _spread([r["phases"].get("sync", 0.0) for r in rows]),
+        "phases_s": {
+            k: statistics.median(r["phases"].get(k, 0.0) for r in rows)
+            for k in sorted({k for r in rows for k in r["phases"]})
+        },
+        "switch_s": 0.0,
+        "peak_gib": None,
+        "bad_lengths": 0,
+        "num_timed_steps": len(rows),
+    }
+
+
+def _spread(values: list[float]) -> dict:
+    if not values:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def ratios(results: dict) -> dict[str, float | None]:
+    """LoRA / full for each bar's number, where both variants finished."""
+    lora, full = (results["variants"].get(v, {}).get("summary") for v in PAIR)
+    out: dict[str, float | None] = {}
+    for key in BARS:
+        if not lora or not full:
+            out[key] = None
+            continue
+        a, b = lora[key], full[key]
+        a = a["median"] if isinstance(a, dict) else a
+        b = b["median"] if isinstance(b, dict) else b
+        out[key] = a / b if a is not None and b else None
+    return out
+
+
+def markdown(results: dict) -> str:
+    got = ratios(results)
+    lines = [
+        f"# LoRA rank {LORA_RANK} vs full fine-tuning (issue 45's GPU bars), {results['device']}",
+        "",
+        f"commit: {results['commit']} · GPU: {results['device']} · layout full, offload auto, "
+        f"mix {MIX} ({results.get('prompts', 16)} prompts x 8), judge 7B shape, "
+        f"warm-up {results['warmup']} + {results['steps']} timed steps, micro-batch cap {results['micro_batch_tokens']} tokens"
+        + (" · SMOKE (tiny shapes, CPU): not a measurement" if results["smoke"] else ""),
+        "",
+        "| ratio (LoRA / full, 7B + 7B judge) | measured | bar | |",
+        "|---|---:|---:|---|",
+    ]
+    names = {
+        "step_s": "step time (median)",
+        "peak_gib": "peak GPU memory",
+        "sync_s": "weight sync (update_weights)",
+    }
+    for key, bar in BARS.items():
+        value = got[key]
+        shown = "n/a" if value is None else f"{value:.3f}"
+        verdict = "n/a" if value is None else ("PASS" if value <= bar else "FAIL")
+        lines.append(f"| {names[key]} | {shown} | <= {bar} | {verdict} |")
+    lines += [
+        "",
+        "| variant | rc | step s median (min-max) | sync s median | peak GiB | switch s | "
+        "phases s (median) | OOM |",
+        "|---|---:|---|---:|---:|---:|---|---|",
+    ]
+    for name, got_variant in results["variants"].items():
+        s = got_variant.get("summary")
+        oom = "yes" if got_variant.get("oom") else "0"
+        if not s:
+            error = got_variant.get("error", "")[:120]
+            lines.append(f"| {name} | {got_variant.get('rc')} | {error} | | | | | {oom} |")
+            continue
+        if s.get("source") == "log":
+            name += " (from its log: cut before its JSON; sync with its switch)"
+        st, sy = s["step_s"], s["sync_s"]
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in s["phases_s"].items())
+        peak = "n/a" if s["peak_gib"] is None else f"{s['peak_gib']:.1f}"
+        lines.append(
+            f"| {name} | {got_variant['rc']} | {st['median']:.2f} ({st['min']:.2f}-{st['max']:.2f})"
+            f" | {sy['median']:.4f} | {peak} | {s['switch_s']:.2f} | {phases} | {oom} |"
+        )
+    lines += ["", f"Command: `{results['command']}`"]
+    return "\n".join(lines)
+
+
+def device_name() -> str:
+    return setup.device_name()
+
+
+def run_all(args: argparse.Namespace, argv: list[str]) -> dict:
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = f"{device_name()}_smoke" if args.smoke else device_name()
+    md_path = out_dir / f"lora_{tag}.md"
+    results = {
+        "commit": measured_commit(["bench", "packages"]),
+        "device": device_name(),
+        "smoke": args.smoke,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "prompts": args.prompts,
+        "lora": {"rank": LORA_RANK, "alpha": LORA_ALPHA, "target_modules": "all-linear"},
+        "command": "python3 bench/lora/lora_gpu.py " + " ".join(argv),
+        "variants": {},
+    }
+    earlier = md_path.with_suffix(".json")
+    if earlier.is_file():  # a later device call adds its variants to the same commit's results
+        kept = json.loads(earlier.read_text())
+        if kept.get("commit") == results["commit"] and kept.get("smoke") == args.smoke:
+            results["variants"] = {
+                k: v for k, v in kept.get("variants", {}).items() if k not in args.variants
+            }
+            results["command"] = kept.get("command", "") + " ; " + results["command"]
+    shapes_left = [VARIANTS[v][0] for v in args.variants]
+    started = time.perf_counter()
+    for i, variant in enumerate(args.variants):
+        timeout_s = args.variant_timeout_s
+        if args.budget_s is not None:
+            timeout_s = min(timeout_s, args.budget_s - (time.perf_counter() - started))
+            if timeout_s < 60:  # too little left to load a model: said in the report
+                results["variants"][variant] = {"rc": None, "error": "not run: --budget-s spent"}
+                write_report(md_path, markdown(results), data=results)
+                continue
+        run_dir = out_dir / "lora_runs" / variant
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cmd = [sys.executable, __file__, "--run", variant, "--run-dir", str(run_dir)]
+        cmd += [a for a in argv if a != "--variants" and a not in args.variants]
+        cmd += ["--variant-timeout-s", str(int(timeout_s))]
+        t0 = time.perf_counter()
+        log = out_dir / f"lora_{variant}.log"
+        print(f"=== {variant}", flush=True)
+        with open(log, "w") as f:
+            try:
+                done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s)
+                rc = done.returncode
+            except subprocess.TimeoutExpired:
+                rc = 124
+        entry: dict = {"rc": rc, "seconds": round(time.perf_counter() - t0, 1)}
+        text = log.read_text(errors="replace")
+        entry["oom"] = bool(list(run_dir.glob("oom_*.json"))) or "out of memory" in text.lower()
+        runs = sorted(run_dir.glob("step_*.json"))
+        if runs:
+            entry["run_json"] = str(runs[0])
+            entry["summary"] = summarize(json.loads(runs[0].read_text()))
+        elif log_rows(text):  # cut before step.py wrote its JSON: the steps its log printed
+            entry["summary"] = summarize_log(log_rows(text))
+        if (run_dir / "sync.json").is_file():
+            entry["sync"] = json.loads((run_dir / "sync.json").read_text())
+        else:
+            entry["error"] = " ".join(text.strip().splitlines()[-3:])[-400:]
+        results["variants"][variant] = entry
+        results["ratios"] = ratios(results)
+        write_report(md_path, markdown(results), data=results)
+        print(f"=== {variant} rc={rc} {entry['seconds']}s", json.dumps(entry.get("summary")))
+        # The machine's disk holds one shape's models at a time: drop a shape no later variant uses.
+        shape = VARIANTS[variant][0]
+        if not args.smoke and args.drop_models and shape not in shapes_left[i + 1 :]:
+            shutil.rmtree(Path(args.model_root) / f"yatt-lora-{shape}-7b", ignore_errors=True)
+    print(f"wrote {md_path}", flush=True)
+    return results
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variants", nargs="+", choices=tuple(VARIANTS), default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (the plumbing only)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per variant")
+    p.add_argument("--micro-batch-tokens", type=int, default=16384)
+    p.add_argument("--prompts", type=int, default=16, help="GRPO groups of 8 per step")
+    p.add_argument("--out-dir", default="/tmp/yatt-lora-out")
+    p.add_argument("--model-root", default="/tmp", help="saved random-weight models")
+    p.add_argument("--variant-timeout-s", type=float, default=540)
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="seconds for all variants: a variant's limit is what is left (none starts with < 60)",
+    )
+    p.add_argument(
+        "--keep-models",
+        dest="drop_models",
+        action="store_false",
+        help="keep a shape's saved models after its last variant (default: deleted)",
+    )
+    p.add_argument("--report", default=None, help="rewrite the markdown from this folder's JSON")
+    p.add_argument("--run", choices=tuple(VARIANTS), help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.variants is None:
+        args.variants = list(PAIR[::-1]) if args.smoke else list(DEFAULT_VARIANTS)
+    if args.warmup < 0 or args.steps < 1:
+        p.error(f"--warmup {args.warmup} --steps {args.steps}: need warmup >= 0, steps >= 1")
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.smoke:
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # the plumbing on CPU, even on a GPU box
+    if args.run:
+        run_variant(args.run, args)
+    elif args.report:
+        for path in sorted(Path(args.report).glob("lora_*.json")):
+            results = json.loads(path.read_text())
+            write_report(path.with_suffix(".md"), markdown(results), data=results)
+    else:
+        run_all(args, argv)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,282 @@
+"""Issue 44's first bar: multi-turn rollout time with the conversation's KV kept in the built-in
+engine between turns (Request.session_id) against prefilling the whole history every turn.
+
+    python3 bench/rollout/multiturn_kv.py --out-dir OUT     # 0.5b and 1.5b on the GPU (~1-2 min)
+    python bench/rollout/multiturn_kv.py --smoke --out-dir /tmp/x   # tiny shape on CPU: plumbing
+
+Workload (the bar's): --trajectories conversations at once, each --turns turns; a turn samples
+--response-tokens forced tokens (ignore_eos, temperature 1, seeded), then a --observation-tokens
+observation (random ids: a tool's result) is appended as prompt tokens for the next turn. Both
+modes send the same requests turn by turn (one generate call per turn, every trajectory in it)
+to ONE engine (same weights, same CUDA graphs): `kept` names each trajectory's session, so the
+engine prefills only the new tokens (response already cached, observation); `prefill` sends the
+same prompt ids without a session, so the engine prefills the whole history again. Rollout time
+= the sum of the turns' generate calls (the tool's own time left out: it is the same in both).
+Per shape: one untimed round of each mode first (graph capture), then --repeats rounds
+alternating prefill and kept; medians. Bar: kept / prefill <= 0.6.
+
+The JSON (and markdown) is rewritten after every shape, so a run cut short keeps the shapes it
+finished. Random-weight Qwen2.5 shapes (bench/rollout/_engine_shapes.py), built on the device in
+bf16: no files written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+from _engine_shapes import SHAPES
+from measured_commit import measured_commit
+from report import write_report
+
+BAR = 0.6
+MODES = ("prefill", "kept")
+TINY = dict(
+    hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    intermediate_size=128, vocab_size=512, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def build_engine(shape: dict, args: argparse.Namespace):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from yatt.rollout import BuiltinEngine, EngineConfig
+
+    device = "cpu" if args.smoke else "cuda"
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            Qwen2Config(**shape), dtype=dtype, attn_implementation="sdpa"
+        )
+    model = model.eval().requires_grad_(False)
+    config = EngineConfig(
+        device=device,
+        dtype="float32" if args.smoke else "bfloat16",
+        max_batch_size=args.trajectories,
+        max_seq_len=context_tokens(args) + 8,
+    )
+    return BuiltinEngine(model, config=config)
+
+
+def context_tokens(args: argparse.Namespace) -> int:
+    """The last turn's prompt + its response."""
+    per_turn = args.response_tokens + args.observation_tokens
+    return args.prompt_tokens + (args.turns - 1) * per_turn + args.response_tokens
+
+
+def first_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(3, vocab, (args.trajectories, args.prompt_tokens), generator=g)
+    return ids.tolist()
+
+
+def observations(args: argparse.Namespace, vocab: int, turn: int) -> list[list[int]]:
+    """The observation appended after `turn`'s response, per trajectory (the same in both modes)."""
+    g = torch.Generator().manual_seed(args.seed + 1000 * (turn + 1))
+    ids = torch.randint(3, vocab, (args.trajectories, args.observation_tokens), generator=g)
+    return ids.tolist()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def rollout(engine, args: argparse.Namespace, vocab: int, mode: str, round_index: int) -> dict:
+    """One round of every trajectory through every turn: per-turn seconds and checks."""
+    from yatt.rollout import Request, SamplingParams
+
+    histories = first_prompts(args, vocab)
+    sessions = [f"r{round_index}-t{i}" for i in range(args.trajectories)]
+    turn_s, kept, bad_lengths = [], [], 0
+    for turn in range(args.turns):
+        requests = [
+            Request(prompt_ids=h, session_id=s if mode == "kept" else None)
+            for h, s in zip(histories, sessions, strict=True)
+        ]
+        sampling = SamplingParams(
+            temperature=1.0,
+            max_new_tokens=args.response_tokens,
+            ignore_eos=True,
+            seed=args.seed + turn,
+        )
+        _sync()
+        t0 = time.perf_counter()
+        completions = engine.generate(requests, sampling)
+        _sync()
+        turn_s.append(time.perf_counter() - t0)
+        kept.append(engine.num_kept_sessions)
+        by_index = sorted(completions, key=lambda c: c.request_index)
+        bad_lengths += sum(len(c.response_ids) != args.response_tokens for c in by_index)
+        if turn + 1 < args.turns:
+            obs = observations(args, vocab, turn)
+            histories = [
+                c.prompt_ids + c.response_ids + o for c, o in zip(by_index, obs, strict=True)
+            ]
+    if mode == "kept":
+        engine.release_sessions(sessions)
+    return {
+        "seconds": sum(turn_s),
+        "turn_s": turn_s,
+        "kept_sessions_after_turn": kept,
+        "bad_lengths": bad_lengths,
+    }
+
+
+def measure_shape(name: str, args: argparse.Namespace) -> dict:
+    shape = TINY if args.smoke else SHAPES[name]
+    engine = build_engine(shape, args)
+    vocab = shape["vocab_size"]
+    try:
+        for mode in MODES:  # untimed: CUDA graphs captured, kernels loaded
+            rollout(engine, args, vocab, mode, round_index=-1 - MODES.index(mode))
+        rounds: dict[str, list[dict]] = {m: [] for m in MODES}
+        for r in range(args.repeats):
+            for mode in MODES:
+                rounds[mode].append(rollout(engine, args, vocab, mode, round_index=r))
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    medians = {m: statistics.median(x["seconds"] for x in rounds[m]) for m in MODES}
+    return {
+        "shape": "tiny" if args.smoke else name,
+        "seconds": medians,
+        "ratio": medians["kept"] / medians["prefill"],
+        "turn_s_median": {
+            m: [statistics.median(x["turn_s"][t] for x in rounds[m]) for t in range(args.turns)]
+            for m in MODES
+        },
+        "kept_sessions_after_turn": {m: rounds[m][-1]["kept_sessions_after_turn"] for m in MODES},
+        "bad_lengths": sum(x["bad_lengths"] for m in MODES for x in rounds[m]),
+        "rounds": rounds,
+    }
+
+
+def markdown(results: dict) -> str:
+    w = results["workload"]
+    lines = [
+        f"# Multi-turn rollout: KV kept between turns vs the history prefilled (issue 44), "
+        f"{results['device']}",
+        "",
+        f"commit: {results['commit']} · GPU: {results['device']} · built-in engine, "
+        f"{'float32' if results['smoke'] else 'bf16'}, "
+        f"{w['trajectories']} trajectories x {w['turns']} turns, prompt {w['prompt_tokens']}, "
+        f"{w['response_tokens']} forced response tokens and {w['observation_tokens']}-token "
+        f"observations per turn; median of {w['repeats']} rounds per mode"
+        + (" · SMOKE (tiny shape, CPU): not a measurement" if results["smoke"] else ""),
+        "",
+        "| shape | prefill each turn s | KV kept s | kept / prefill | bar | per turn, prefill | "
+        "per turn, kept | kept sessions after each turn (kept) |",
+        "|---|---:|---:|---:|---|---|---|---|",
+    ]
+    for row in results["shapes"].values():
+        if "error" in row:
+            lines.append(f"| {row['shape']} | {row['error'][:150]} | | | | | | |")
+            continue
+        s, ratio = row["seconds"], row["ratio"]
+        verdict = "PASS" if ratio <= BAR else "FAIL"
+        per_turn = {m: " / ".join(f"{t:.3f}" for t in row["turn_s_median"][m]) for m in MODES}
+        lines.append(
+            f"| {row['shape']} | {s['prefill']:.3f} | {s['kept']:.3f} | {ratio:.3f} | "
+            f"<= {BAR} {verdict} | {per_turn['prefill']} | {per_turn['kept']} | "
+            f"{row['kept_sessions_after_turn']['kept']} |"
+        )
+    lines += [
+        "",
+        "Issue 44's other two bars (rollout + judge per kept group, trajectories judged as "
+        "they end vs after the rollout; yatt / vLLM 0.26 with prefix caching on the same "
+        "environment) are not measured by this script: they wait for their features and "
+        "engines.",
+        "",
+        f"Command: `{results['command']}`",
+    ]
+    return "\n".join(lines)
+
+
+def device_name() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0).lower()
+    for key in ("h200", "h100", "a100"):
+        if key in name:
+            return f"nvidia_{key}"
+    return "cuda"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=["0.5b", "1.5b"])
+    p.add_argument("--smoke", action="store_true", help="tiny shape on CPU (the plumbing only)")
+    p.add_argument("--trajectories", type=int, default=64)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--response-tokens", type=int, default=64, help="forced, per turn")
+    p.add_argument("--observation-tokens", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds per mode")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", default="bench/results")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.shapes = ["tiny"]
+        for name, small in (("trajectories", 4), ("prompt_tokens", 16), ("response_tokens", 4)):
+            setattr(args, name, min(getattr(args, name), small))
+        args.observation_tokens = min(args.observation_tokens, 32)
+        args.repeats = min(args.repeats, 1)
+    for name in ("trajectories", "turns", "prompt_tokens", "response_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if args.turns < 2:
+        p.error(f"--turns {args.turns}: must be >= 2 (a single turn has no history to keep)")
+    if not args.smoke and not torch.cuda.is_available():
+        p.error("no CUDA device: run with --smoke on CPU")
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.smoke:
+        torch.set_num_threads(1)
+    device = device_name()
+    md = Path(args.out_dir) / f"multiturn_kv_{device}{'_smoke' if args.smoke else ''}.md"
+    results = {
+        "commit": measured_commit(["bench", "packages"]),
+        "device": device,
+        "smoke": args.smoke,
+        "workload": {
+            k: getattr(args, k)
+            for k in (
+                *("trajectories", "turns", "prompt_tokens", "response_tokens"),
+                *("observation_tokens", "repeats", "seed"),
+            )
+        },
+        "bar": BAR,
+        "command": "python3 bench/rollout/multiturn_kv.py " + " ".join(argv),
+        "shapes": {},
+    }
+    for name in args.shapes:
+        print(f"=== {name}", flush=True)
+        try:
+            row = measure_shape(name, args)
+        except Exception as exc:  # the next shape still runs; the error is in the report
+            row = {"shape": name, "error": f"{type(exc).__name__}: {exc}"[:1000]}
+        results["shapes"][name] = row
+        write_report(md, markdown(results), data=results)
+        summary = {k: row[k] for k in ("seconds", "ratio") if k in row} or row
+        print(f"=== {name} {summary}", flush=True)
+    print(f"wrote {md}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

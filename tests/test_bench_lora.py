@@ -1,0 +1,189 @@
+"""bench/lora/ on CPU: lora_gpu.py's smoke run (tiny shapes: full fine-tuning and LoRA through
+bench/step/step.py's step loop, the LoRA sync sending only the adapter), its ratios and report
+from hand-built runs; lora_cpu_gain.py's reward gain and ratios."""
+
+NUM_GPUS = 0
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench" / "lora"))
+import lora_cpu_gain
+import lora_gpu
+
+# bench/step/_step_setup.py's TINY shape, restated: hidden 64, 2 layers, 4 heads of 16, 2 KV
+# heads, MLP 128, vocabulary 512, the head tied to the embeddings (Qwen2.5-0.5B's).
+HIDDEN, LAYERS, KV_OUT, MLP, VOCAB = 64, 2, 2 * 16, 128, 512
+
+
+def _linears() -> list[tuple[int, int]]:
+    """(in, out) of every linear layer of one tiny decoder layer (q k v o gate up down)."""
+    attn = [(HIDDEN, HIDDEN), (HIDDEN, KV_OUT), (HIDDEN, KV_OUT), (HIDDEN, HIDDEN)]
+    return [*attn, (HIDDEN, MLP), (HIDDEN, MLP), (MLP, HIDDEN)]
+
+
+def test_smoke_run_syncs_only_the_adapter(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, str(ROOT / "bench" / "lora" / "lora_gpu.py"), "--smoke"]
+    cmd += ["--warmup", "0", "--steps", "1", "--out-dir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads((tmp_path / "lora_cpu_smoke.json").read_text())
+    full, lora = results["variants"]["full-7b"], results["variants"]["lora16-7b"]
+    assert (full["rc"], lora["rc"]) == (0, 0), (full, lora)
+    # LoRA rank 16 on the 7 linear layers of each of 2 layers: A [16, in], B [out, 16] in
+    # float32 (the tiny policy's dtype) and a 0-d float32 scaling each.
+    rank = lora_gpu.LORA_RANK
+    adapter_bytes = LAYERS * sum(4 * rank * (i + o) + 4 for i, o in _linears())
+    assert lora["sync"]["num_tensors"] == LAYERS * 7 * 3
+    assert lora["sync"]["bytes"] == adapter_bytes
+    assert all(".lora_" in n for n in lora["sync"]["first_names"])
+    # Full fine-tuning sends every weight: the embeddings (the head is tied to them), 2 norms
+    # per layer and the final one, the linear layers and the q/k/v biases (Qwen2).
+    weights = (
+        VOCAB * HIDDEN
+        + HIDDEN
+        + LAYERS * (2 * HIDDEN + sum(i * o for i, o in _linears()) + HIDDEN + 2 * KV_OUT)
+    )
+    assert full["sync"]["bytes"] == 4 * weights
+    assert full["sync"]["num_syncs"] == lora["sync"]["num_syncs"] == 1
+    for entry in (full, lora):
+        assert entry["summary"]["num_timed_steps"] == 1
+        assert entry["summary"]["bad_lengths"] == 0
+        assert not entry["oom"]
+    assert set(results["ratios"]) == set(lora_gpu.BARS)
+    text = (tmp_path / "lora_cpu_smoke.md").read_text()
+    assert "SMOKE" in text and "commit:" in text
+
+
+def _run(step_s: list[float], sync: list[float], switch: list[float], peak: float) -> dict:
+    steps = [
+        {
+            "step_s": t,
+            "phases": {"rollout": t / 2, "sync": s},
+            "switches": {"sync": w},
+            "switch_s": w,
+            "max_reserved_gib": [peak],
+            "bad_lengths": 0,
+        }
+        for t, s, w in zip(step_s, sync, switch, strict=True)
+    ]
+    return {"mixes": {lora_gpu.MIX: {"steps": steps}}, "workload": {}}
+
+
+def test_summary_and_ratios_from_hand_built_runs():
+    full = lora_gpu.summarize(_run([10.0, 12.0, 30.0], [2.5, 2.0, 2.0], [0.5, 0.0, 0.0], 100.0))
+    lora = lora_gpu.summarize(_run([7.0, 9.0, 8.0], [0.15, 0.1, 0.2], [0.05, 0.0, 0.1], 50.0))
+    # The sync less the switch into it: full [2.0, 2.0, 2.0], LoRA [0.1, 0.1, 0.1].
+    assert full["sync_s"]["median"] == pytest.approx(2.0)
+    assert lora["sync_s"]["median"] == pytest.approx(0.1)
+    assert (full["step_s"]["median"], full["step_s"]["min"], full["step_s"]["max"]) == (
+        12.0,
+        10.0,
+        30.0,
+    )
+    results = {"variants": {"full-7b": {"summary": full}, "lora16-7b": {"summary": lora}}}
+    got = lora_gpu.ratios(results)
+    assert got["step_s"] == pytest.approx(8.0 / 12.0)
+    assert got["peak_gib"] == pytest.approx(0.5)
+    assert got["sync_s"] == pytest.approx(0.05)
+    results |= {"device": "nvidia_h200", "commit": "abc1234", "smoke": False}
+    results |= {"warmup": 2, "steps": 3, "micro_batch_tokens": 16384, "command": "x"}
+    results["variants"]["full-7b"]["rc"] = results["variants"]["lora16-7b"]["rc"] = 0
+    results["variants"]["lora16-14b"] = {"rc": 1, "oom": True, "error": "CUDA out of memory"}
+    text = lora_gpu.markdown(results)
+    assert "| step time (median) | 0.667 | <= 0.7 | PASS |" in text
+    assert "| peak GPU memory | 0.500 | <= 0.6 | PASS |" in text
+    assert "| weight sync (update_weights) | 0.050 | <= 0.05 | PASS |" in text
+    assert "| lora16-14b | 1 | CUDA out of memory" in text and "| yes |" in text
+    assert "commit: abc1234" in text
+
+
+def test_ratios_missing_variant_are_none():
+    full = lora_gpu.summarize(_run([10.0], [1.0], [0.0], 80.0))
+    got = lora_gpu.ratios({"variants": {"full-7b": {"summary": full}, "lora16-7b": {"rc": 137}}})
+    assert got == {"step_s": None, "peak_gib": None, "sync_s": None}
+
+
+def test_step_args_name_the_shapes():
+    args = lora_gpu.parse_args(["--out-dir", "/tmp/x"])
+    assert args.variants == ["full-7b", "lora16-7b", "lora16-14b"]
+    argv = lora_gpu.step_args("lora16-14b", args, Path("/tmp/x/run"))
+    assert argv[argv.index("--shape") + 1] == "14b"
+    assert argv[argv.index("--judge-shape") + 1] == "7b"
+    assert argv[argv.index("--offload") + 1] == "auto"
+    assert "--tiny" not in argv
+    # Qwen2.5-14B's config.json: 48 layers of width 5120, 40 heads (8 KV), MLP 13824.
+    shape = lora_gpu.setup.SHAPES["14b"]
+    assert (shape["hidden_size"], shape["num_hidden_layers"]) == (5120, 48)
+    assert (shape["num_key_value_heads"], shape["intermediate_size"]) == (8, 13824)
+
+
+def test_a_cut_variant_is_summarized_from_its_log():
+    text = "\n".join(
+        [
+            "[full x1 longtail] step 0 warmup 40.00s: rollout 30.00 genrm 5.00 train 4.00 sync 1.00",
+            "[full x1 longtail] step 1 timed 31.50s: rollout 20.00 genrm 5.00 train 6.00 sync 0.50",
+            "[full x1 fixed] step 1 timed 99.00s: rollout 99.00",
+            "[full x1 longtail] step 2 timed 30.50s: rollout 20.00 genrm 5.00 train 5.00 sync 0.30",
+            "Traceback (most recent call last):",
+        ]
+    )
+    rows = lora_gpu.log_rows(text)
+    assert [r["step_s"] for r in rows] == [31.5, 30.5]  # timed long-tail steps only
+    summary = lora_gpu.summarize_log(rows)
+    assert summary["step_s"]["median"] == pytest.approx(31.0)
+    assert summary["phases_s"]["train"] == pytest.approx(5.5)
+    assert summary["peak_gib"] is None and summary["source"] == "log"
+
+
+# ---- lora_cpu_gain.py ----------------------------------------------------------------------------
+
+
+def test_reward_gain_is_last_ten_minus_first_ten():
+    rows = [{"reward/mean": float(i)} for i in range(40)]
+    # mean(30..39) - mean(0..9) = 34.5 - 4.5
+    assert lora_cpu_gain.reward_gain(rows) == pytest.approx(30.0)
+    with pytest.raises(ValueError, match="need >= 20"):
+        lora_cpu_gain.reward_gain(rows[:19])
+
+
+def test_cpu_gain_ratios_and_report():
+    data = {
+        "commit": "abc1234",
+        "steps": 40,
+        "lora_overrides": ["policy.lora.rank=8"],
+        "command": "x",
+        "seeds": {
+            "0": {
+                "full": {"gain": 0.5, "first": -0.4, "last": 0.1},
+                "lora": {"gain": 0.45, "first": -0.4, "last": 0.05},
+            },
+            "1": {"full": {"gain": 0.7, "first": -0.5, "last": 0.2}, "lora": {"error": "rc 1"}},
+        },
+    }
+    assert lora_cpu_gain.ratios(data) == {"0": pytest.approx(0.9)}
+    text = lora_cpu_gain.markdown(data)
+    assert "| 0.90 | PASS |" in text
+    assert "| 1 |" in text and "rc 1" in text and "| n/a | n/a |" in text
+
+
+def test_cpu_gain_refuses_runs_without_lora(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "lora" / "lora_cpu_gain.py"),
+            "--lora",
+            "policy.lr=1e-2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "policy.lora.rank" in done.stderr
