@@ -206,6 +206,17 @@ def test_votes_ask_for_n_choices_and_aggregate(server) -> None:
     assert verdict.num_judge_prompt_tokens == 3 * len("Q=q0 R=4")
 
 
+def test_min_p_and_repetition_penalty_are_sent_only_when_set(server) -> None:
+    sampling = SamplingParams(temperature=0.7, min_p=0.05, repetition_penalty=1.2, max_new_tokens=8)
+    _judge(server.base_url, sampling=sampling).score(_samples(["4"]))
+    body = server.requests[-1]["body"]
+    assert (body["min_p"], body["repetition_penalty"]) == (0.05, 1.2)
+    _judge(server.base_url, sampling=SamplingParams(max_new_tokens=8)).score(_samples(["4"]))
+    assert not {"min_p", "repetition_penalty"} & set(server.requests[-1]["body"])
+    with pytest.raises(ValueError, match=r"extra_body sets \['min_p'\]"):
+        _judge(server.base_url, sampling=sampling, extra_body={"min_p": 0.1})
+
+
 def test_concurrency_is_bounded(server) -> None:
     server.delay_s = 0.05
     judge = _judge(server.base_url, max_concurrency=3)

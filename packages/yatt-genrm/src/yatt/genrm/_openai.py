@@ -199,8 +199,8 @@ class OpenAIJudge(StreamingScorer):
 
     `votes=k` asks for k choices per request (`n`: vLLM and SGLang support it) and aggregates
     the parsed ones by `aggregate`; `sampling` as GenRM's (temperature, top_p, max_new_tokens ->
-    max_tokens, seed; top_k, stop_token_ids and ignore_eos are sent only when set, as vLLM
-    and SGLang read them). A vote that does not parse counts as GenRM's does.
+    max_tokens, seed; top_k, min_p, repetition_penalty, stop_token_ids and ignore_eos are sent
+    only when set, as vLLM and SGLang read them). A vote that does not parse counts as GenRM's does.
     """
 
     def __init__(
@@ -245,6 +245,21 @@ class OpenAIJudge(StreamingScorer):
         self.aggregate: Aggregate = aggregate
         self.default_reward = default_reward
         self.sampling = make_judge_sampling(sampling, votes)
+        # min_p and repetition_penalty travel as vLLM's and SGLang's servers name them, like
+        # top_k; one set both here and in extra_body would be sent twice with two values.
+        both = [
+            name
+            for name, is_set in (
+                ("min_p", self.sampling.min_p != 0.0),
+                ("repetition_penalty", self.sampling.repetition_penalty != 1.0),
+            )
+            if is_set and name in config.extra_body
+        ]
+        if both:
+            raise ValueError(
+                f"OpenAIJudgeConfig.extra_body sets {both}, which the judge's sampling sets too: "
+                "give each in one place"
+            )
         self._headers = {"Content-Type": "application/json"}
         if api_key is not None:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -285,6 +300,10 @@ class OpenAIJudge(StreamingScorer):
             body["seed"] = sampling.seed
         if sampling.top_k:
             body["top_k"] = sampling.top_k
+        if sampling.min_p:
+            body["min_p"] = sampling.min_p
+        if sampling.repetition_penalty != 1.0:
+            body["repetition_penalty"] = sampling.repetition_penalty
         if sampling.stop_token_ids:
             body["stop_token_ids"] = list(sampling.stop_token_ids)
         if sampling.ignore_eos:
