@@ -1,7 +1,7 @@
 """What a step of the reference trainer reports, and when the judge's failures stop the run.
 
     stats = StepStats()                     # this rank's sums over the step's rollout rounds
-    stats.add(scored, exact)                # after each round
+    stats.add(scored, accuracy)             # after each round (accuracy: the declared signal)
     metrics = summarize(stats, ...)         # all ranks, one small collective
     check_verdicts(step, metrics, stats.first_failure, warnings)
     metrics |= eval_metrics(eval_stats, group)   # eval/* of the held-out prompts
@@ -15,11 +15,13 @@ default) and would otherwise run to the end and exit 0.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 from grpo_data import Scored
 
 from yatt import core, genrm
@@ -35,7 +37,8 @@ class StepStats:
     num_rounds: int = 0
     num_samples: int = 0
     reward_sum: float = 0.0
-    num_correct: float = 0.0
+    num_correct: float = 0.0  # sum of the declared accuracy signal (reward.accuracy)
+    num_accuracy_missing: int = 0  # responses whose verdict did not carry that signal
     num_response_tokens: int = 0
     num_verdicts: int = 0
     num_errors: int = 0  # the judge failed (engine, template, context): default reward
@@ -46,10 +49,20 @@ class StepStats:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
     # the step's first few responses with their rewards, for out_dir/samples.jsonl
     samples: list[dict[str, Any]] = field(default_factory=list)
+    # per reward function (Verdict.components, e.g. "judge", "rewards:score") its values'
+    # [count, sum, sum of squares]; per returned value ("<function>/<key>", Verdict.metrics)
+    # [count, sum]: reduced over ranks into reward/<name>/mean and /std (genrm.ScoreStats'
+    # reward_metrics, over the whole step)
+    component_sums: dict[str, list[float]] = field(default_factory=dict)
+    metric_sums: dict[str, list[float]] = field(default_factory=dict)
 
     def add(
-        self, scored: Sequence[Scored], exact: genrm.ExactMatch, cut_token_ids: Sequence[int] = ()
+        self,
+        scored: Sequence[Scored],
+        accuracy: genrm.AccuracySignal | None,
+        cut_token_ids: Sequence[int] = (),
     ) -> None:
+        """A round's judged responses (accuracy: the declared signal; None: no metric)."""
         verdict_stats = genrm.ScoreStats.from_verdicts(item.verdict for item in scored)
         self.num_verdicts += verdict_stats.num_verdicts
         self.num_errors += verdict_stats.num_errors
@@ -67,7 +80,20 @@ class StepStats:
                 )
             self.num_samples += 1
             self.reward_sum += item.verdict.reward
-            self.num_correct += exact.verify(item.sample) or 0.0
+            if accuracy is not None:
+                value = accuracy.read(item.sample, item.verdict)
+                self.num_accuracy_missing += value is None
+                self.num_correct += value or 0.0
+            for name, value in item.verdict.components.items():
+                if value is not None:
+                    sums = self.component_sums.setdefault(name, [0.0, 0.0, 0.0])
+                    sums[0] += 1
+                    sums[1] += value
+                    sums[2] += value * value
+            for key, value in item.verdict.metrics.items():
+                sums = self.metric_sums.setdefault(key, [0.0, 0.0])
+                sums[0] += 1
+                sums[1] += value
             self.num_response_tokens += len(item.completion.response_ids)
             self.num_images += len(item.prompt.images or ())
             self.num_cut += any(token in cut_token_ids for token in item.completion.response_ids)
@@ -80,14 +106,18 @@ def summarize(
     group,
     *,
     has_images: bool = False,
+    has_accuracy: bool = False,
 ) -> dict[str, float]:
     """The step's metrics over all ranks in one small collective (a host sync): sums of counts,
     max of phase times (the slowest rank sets the pace), means of dynamic sampling's stats.
-    has_images: also images/per_sample and response/cut_at_vision_token."""
+    has_images: also images/per_sample and response/cut_at_vision_token. has_accuracy (a
+    declared reward.accuracy): reward/accuracy and reward/accuracy_missing; without one no
+    accuracy is reported at all (a reward is not an accuracy)."""
     sums = {
         "samples": stats.num_samples,
         "reward": stats.reward_sum,
         "correct": stats.num_correct,
+        "accuracy_missing": stats.num_accuracy_missing,
         "response_tokens": stats.num_response_tokens,
         "verdicts": stats.num_verdicts,
         "errors": stats.num_errors,
@@ -96,6 +126,7 @@ def summarize(
     if has_images:
         sums |= {"images": stats.num_images, "cut": stats.num_cut}
     sums |= {f"skipped/{cause}": count for cause, count in skipped_by_cause.items()}
+    sums |= _reward_function_sums(stats, group)
     local = {f"sum/{key}": float(value) for key, value in sums.items()}
     local |= {f"time/{key}_s": seconds for key, seconds in stats.timings.items()}
     ops = {key: "sum" if key.startswith("sum/") else "max" for key in local}
@@ -104,7 +135,6 @@ def summarize(
     num_samples = max(total["sum/samples"], 1.0)
     metrics = {
         "reward/mean": total["sum/reward"] / num_samples,
-        "reward/accuracy": total["sum/correct"] / num_samples,
         "response/length_mean": total["sum/response_tokens"] / num_samples,
         "genrm/verdicts": total["sum/verdicts"],
         "genrm/errors": total["sum/errors"],
@@ -115,6 +145,10 @@ def summarize(
     metrics |= {
         f"data/skipped_rows/{cause}": total[f"sum/skipped/{cause}"] for cause in skipped_by_cause
     }
+    if has_accuracy:
+        metrics["reward/accuracy"] = total["sum/correct"] / num_samples
+        metrics["reward/accuracy_missing"] = total["sum/accuracy_missing"]
+    metrics |= _reward_function_metrics(total)
     if has_images:
         metrics["images/per_sample"] = total["sum/images"] / num_samples
         # Responses that sampled a vision token, ended before it (grpo_prompts.py).
@@ -123,11 +157,53 @@ def summarize(
     return metrics
 
 
-def eval_metrics(stats: StepStats, group) -> dict[str, float]:
+def _reward_function_sums(stats: StepStats, group) -> dict[str, float]:
+    """Per reward function its count, sum and sum of squares (per returned value its count
+    and sum), every rank with the same keys: the names seen on any rank (a rank whose every
+    call of a function failed passes zeros)."""
+    names = _names_over_ranks(sorted(stats.component_sums), group)
+    keys = _names_over_ranks(sorted(stats.metric_sums), group)
+    sums: dict[str, float] = {}
+    for name in names:
+        count, total, squares = stats.component_sums.get(name, (0.0, 0.0, 0.0))
+        sums |= {f"fn/{name}/count": count, f"fn/{name}/sum": total, f"fn/{name}/sq": squares}
+    for key in keys:
+        count, total = stats.metric_sums.get(key, (0.0, 0.0))
+        sums |= {f"fnkey/{key}/count": count, f"fnkey/{key}/sum": total}
+    return sums
+
+
+def _reward_function_metrics(total: dict[str, float]) -> dict[str, float]:
+    """reward/<function>/mean and /std (population) over the step's responses that function
+    scored; reward/<function>/<key>/mean for the values functions returned beside a score."""
+    out: dict[str, float] = {}
+    for key, count in total.items():
+        if key.startswith("sum/fn/") and key.endswith("/count") and count:
+            name = key[len("sum/fn/") : -len("/count")]
+            mean = total[f"sum/fn/{name}/sum"] / count
+            variance = max(total[f"sum/fn/{name}/sq"] / count - mean * mean, 0.0)
+            out[f"reward/{name}/mean"] = mean
+            out[f"reward/{name}/std"] = math.sqrt(variance)
+        elif key.startswith("sum/fnkey/") and key.endswith("/count") and count:
+            name = key[len("sum/fnkey/") : -len("/count")]
+            out[f"reward/{name}/mean"] = total[f"sum/fnkey/{name}/sum"] / count
+    return out
+
+
+def _names_over_ranks(names: list[str], group) -> list[str]:
+    """The union of every rank's `names` (collective with more than one rank; a host sync)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return names
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, names, group=group)
+    return sorted(set().union(*gathered))
+
+
+def eval_metrics(stats: StepStats, group, *, has_accuracy: bool = False) -> dict[str, float]:
     """The held-out evaluation's metrics over all ranks (collective), as eval/*."""
-    metrics = summarize(stats, {}, {}, group)
+    metrics = summarize(stats, {}, {}, group, has_accuracy=has_accuracy)
     keys = ("reward/mean", "reward/accuracy", "response/length_mean", "genrm/errors")
-    out = {f"eval/{key}": metrics[key] for key in keys}
+    out = {f"eval/{key}": metrics[key] for key in keys if key in metrics}
     out["eval/num_samples"] = metrics["genrm/verdicts"]
     out["eval/time_s"] = metrics.get("time/eval_s", 0.0)
     return out
@@ -141,6 +217,8 @@ class VerdictWarnings:
     every_steps: int = 20
     last_step: int | None = None
     last_cause: str | None = None
+    accuracy: str = ""  # reward.accuracy: a step with responses missing it is logged once
+    has_warned_accuracy: bool = False
 
     def should_warn(self, step: int, cause: str) -> bool:
         cause = re.sub(r"\d+", "#", cause)  # the same failure on another row is not new
@@ -160,6 +238,18 @@ def check_verdicts(
     """A step whose every verdict failed cannot learn: stop and say why, never train on zeros."""
     num_failed = metrics["genrm/errors"] + metrics["genrm/unparsable"]
     warnings = warnings if warnings is not None else VerdictWarnings()
+    num_missing = metrics.get("reward/accuracy_missing", 0.0)
+    if num_missing and not warnings.has_warned_accuracy:
+        warnings.has_warned_accuracy = True
+        logger.warning(
+            "step %d: %d of %d responses carry no reward.accuracy=%r signal (counted in "
+            "reward/accuracy_missing every step, read as wrong; logged once): name a verdict "
+            "component or a '<function>/<key>' a reward function returns",
+            step,
+            num_missing,
+            metrics["genrm/verdicts"],
+            warnings.accuracy,
+        )
     if num_failed and first_failure is not None and warnings.should_warn(step, first_failure):
         logger.warning(
             "step %d: %d of %d verdicts failed (counted in genrm/errors and genrm/unparsable "

@@ -278,6 +278,8 @@ def to_batch(scored: Sequence[Scored], runtime: core.Runtime, encoder: PromptEnc
 
 # -- the keep rule -----------------------------------------------------------------------------
 TASK_REWARD = "task_reward"  # the judge's reward before the overlong penalty: the keep signal
+# data/skipped_rows/<cause> of rows the reward could not judge at all (Verdict.skip_cause)
+UNJUDGEABLE = "unjudgeable"
 
 
 def keep(scored: Sequence[Scored], ctx: RolloutContext, stats: StepStats) -> None:
@@ -285,14 +287,38 @@ def keep(scored: Sequence[Scored], ctx: RolloutContext, stats: StepStats) -> Non
     whole groups whose task reward varies (eq. 11), tested BEFORE the soft overlong penalty
     (eq. 13, 0 when off) joins the reward, as DAPO and verl filter on the accuracy signal: an
     all-right group with one overlong response has nothing to teach, and its penalty alone
-    would make std normalisation push the wrong way."""
-    stats.add(scored, ctx.exact, cut_token_ids=ctx.encoder.cut_token_ids)
+    would make std normalisation push the wrong way. A group with a response the reward could
+    not judge is dropped first, as a bad row (drop_unjudgeable)."""
+    scored = drop_unjudgeable(scored, ctx)
+    if not scored:
+        return
+    stats.add(scored, ctx.accuracy, cut_token_ids=ctx.encoder.cut_token_ids)
     groups = to_batch(scored, ctx.runtime, ctx.encoder)
     groups.samples[TASK_REWARD] = groups.samples["reward"].clone()  # what the sampler tests
     groups.samples["reward"] += ctx.cfg.overlong.compute_penalties(
         groups, max_new_tokens=ctx.cfg.rollout.max_new_tokens
     )
     ctx.sampler.add(groups)  # keep: whole groups with task-reward variance
+
+
+def drop_unjudgeable(scored: Sequence[Scored], ctx: RolloutContext) -> list[Scored]:
+    """`scored` without the groups whose row the reward could not judge (a verdict with a
+    skip_cause: the row cannot be sent to a reward worker, its text is not valid Unicode): a
+    data problem, skipped and counted as a bad row is (data/skipped_rows/unjudgeable, its first
+    cause logged), never trained with the default reward."""
+    bad = {item.completion.request_index for item in scored if item.verdict.skip_cause}
+    if not bad:
+        return list(scored)
+    if not ctx.num_unjudgeable_rows:
+        cause = next(item.verdict.skip_cause for item in scored if item.verdict.skip_cause)
+        logger.warning(
+            "a row the reward cannot judge is skipped (counted in data/skipped_rows/%s; "
+            "logged once): %s",
+            UNJUDGEABLE,
+            cause,
+        )
+    ctx.num_unjudgeable_rows += len(bad)
+    return [item for item in scored if item.completion.request_index not in bad]
 
 
 class StepStopped(Exception):
@@ -332,7 +358,7 @@ class RolloutContext:
     engine: Any
     judge_engine: Any  # None: the judge has no engine of its own (functions, an endpoint)
     scorer: genrm.Scorer
-    exact: Any  # the reward's accuracy rule (reward/accuracy), or None
+    accuracy: genrm.AccuracySignal | None  # reward.accuracy's signal; None: no such metric
     plan: Plan
     sampler: core.DynamicSampler
     partials: core.PartialRollouts | None  # rollout.keep_partial: cut groups held a step
@@ -340,9 +366,15 @@ class RolloutContext:
     multiturn: Any = None  # rollout.MultiTurnRollout when rollout.environment/tools are set
     # a stop signal arrived: a safe point (between rounds, between judged groups) ends the step
     should_stop: Callable[[], bool] = lambda: False
+    num_unjudgeable_rows: int = 0  # since the start: rows the reward could not judge
 
     def draw(self, num_prompts: int) -> list[Prompt]:
         return draw_prompts(self.loader, self.encoder, num_prompts)
+
+    def skipped_by_cause(self) -> dict[str, int]:
+        """Rows skipped since the start by cause: the loader's, the encoder's, the reward's."""
+        skipped = self.encoder.skipped_by_cause(self.loader)
+        return skipped | {UNJUDGEABLE: self.num_unjudgeable_rows}
 
     def sampling(self, step: int, num_round: int) -> rollout.SamplingParams:
         """A round's sampling, seeded by (seed, DP rank, step, round)."""
@@ -698,8 +730,8 @@ def evaluate(
         )
         with timed(stats.timings, "eval"):
             scored = ctx.generate_and_score(prompts, sampling, {})
-        stats.add(scored, ctx.exact)
-    return eval_metrics(stats, ctx.runtime.dp_group)
+        stats.add(drop_unjudgeable(scored, ctx), ctx.accuracy)
+    return eval_metrics(stats, ctx.runtime.dp_group, has_accuracy=ctx.accuracy is not None)
 
 
 # -- what a checkpoint keeps beside the tensors ---------------------------------------------------
@@ -908,7 +940,7 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             judge_engine = make_engine(cfg.reward, cfg.reward.judge_dir, device)
             resources.close_later(judge_engine)
         owned: list[Any] = []  # what the scorer runs (reward workers, a client): closed too
-        scorer, exact = make_scorer(cfg.reward, judge_engine, owned)
+        scorer, exact_match = make_scorer(cfg.reward, judge_engine, owned)
         for closeable in owned:
             resources.close_later(closeable)
         roles = {"rollout": engine, "genrm": judge_engine, "train": policy, "reference": reference}
@@ -949,7 +981,8 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             engine=engine,
             judge_engine=judge_engine,
             scorer=scorer,
-            exact=exact,
+            # reward/accuracy from the signal reward.accuracy declares (none: no metric)
+            accuracy=genrm.AccuracySignal.from_spec(cfg.reward, exact_match),
             plan=plan,
             sampler=sampler,
             partials=partials,
@@ -984,7 +1017,9 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
         last_step = cfg.num_steps - 1
         is_stopped = False  # by a signal, after its final save
         is_eval_on = bool(cfg.eval.every_steps and cfg.eval.path)  # every rank, rows or not
-        verdict_warnings = VerdictWarnings(every_steps=cfg.log.warn_every_steps)
+        verdict_warnings = VerdictWarnings(
+            every_steps=cfg.log.warn_every_steps, accuracy=cfg.reward.accuracy
+        )
         idle_guard = core.LearningGuard(max_idle_steps=cfg.max_idle_steps)  # cannot learn: stop
         bar = tqdm(range(start_step, cfg.num_steps), disable=not runtime.is_rank_zero, desc="grpo")
         with logging_redirect_tqdm():  # log lines print above the bar, never through it
@@ -994,8 +1029,9 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                 try:
                     batch, sampling_stats = rollout_step(step, ctx, stats)
                 except StepStopped as stopped:  # a step that could not end: no update
-                    skipped = encoder.skipped_by_cause(loader)
-                    sampled = summarize(stats, stopped.sampling_stats, skipped, runtime.dp_group)
+                    sampled = summarize(
+                        stats, stopped.sampling_stats, ctx.skipped_by_cause(), runtime.dp_group
+                    )
                     run_log.log(step, sampled)  # a committed step k has its line k
                     stop_signal = save_stopped(ckpt, step, policy.state())
                     is_stopped = True
@@ -1026,17 +1062,19 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                 metrics = summarize(
                     stats,
                     sampling_stats,
-                    encoder.skipped_by_cause(loader),
+                    ctx.skipped_by_cause(),
                     runtime.dp_group,
                     has_images=encoder.takes_images,
+                    has_accuracy=ctx.accuracy is not None,
                 )
                 metrics |= truncation
                 if resumed is not None:  # every rank resumed: the first step after it
                     metrics |= resumed.metrics(runtime.dp_group)
                     resumed = None
                 metrics |= {f"train/{key}": value for key, value in train_metrics.items()}
-                # Same on every rank. Every sample right: solved, not stuck (a rule's accuracy).
-                is_solved = metrics["reward/accuracy"] >= 1.0
+                # Same on every rank. Every sample right: solved, not stuck (the declared
+                # accuracy; without one a run is never called solved).
+                is_solved = metrics.get("reward/accuracy", 0.0) >= 1.0
                 idle_guard.update(step, train_metrics, sampling_stats, is_solved=is_solved)
                 metrics |= idle_guard.metrics()
                 if is_eval_on and ((step + 1) % cfg.eval.every_steps == 0 or step == last_step):
@@ -1072,7 +1110,8 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             logger.info("the final policy, as a Hugging Face folder: %s", out)
         if runtime.is_rank_zero and (records := run_log.read()):
             first, last = records[0], records[-1]
-            keys = ("reward/mean", "reward/accuracy")
+            # reward/accuracy only where the run declared its signal (reward.accuracy)
+            keys = [key for key in ("reward/mean", "reward/accuracy") if key in last]
             change = {key: f"{first[key]:.3f} -> {last[key]:.3f}" for key in keys}
             plot = run_log.plot([*keys, "response/length_mean"])
             logger.info("steps %d..%d: %s; plot %s", first["step"], last["step"], change, plot)

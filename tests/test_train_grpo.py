@@ -838,7 +838,7 @@ def test_the_keep_rule_tests_the_task_reward_before_the_overlong_penalty():
         ),
         runtime=core.init_runtime(seed=0),
         encoder=SimpleNamespace(takes_images=False, cut_token_ids=()),
-        exact=SimpleNamespace(verify=lambda sample: None),
+        accuracy=None,
         sampler=sampler,
     )
     sampler.num_to_draw()

@@ -13,6 +13,7 @@ from yatt.testing import check_public_modules, check_public_names
 
 PUBLIC_NAMES: dict[str, list[str]] = {
     "yatt.genrm": [
+        "AccuracySignal",
         "BatchingConfig",
         "CombinedRM",
         "CutGroup",

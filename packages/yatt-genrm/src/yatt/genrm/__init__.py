@@ -24,6 +24,7 @@ timeout_s=, num_workers=)` loads several onto one pool of worker processes. A ju
 a hosted model): `OpenAIJudge(OpenAIJudgeConfig(base_url=..., model=...), template=, parser=)`.
 """
 
+from yatt.genrm._accuracy import AccuracySignal
 from yatt.genrm._as_completed import ScoredCompletions, score_as_completed
 from yatt.genrm._client import GenRMClient
 from yatt.genrm._combine import CombinedRM
@@ -50,6 +51,7 @@ from yatt.genrm._verifiers import ExactMatch, NumericMatch, RegexMatch, RuleVeri
 from yatt.genrm._version import __version__
 
 __all__ = [
+    "AccuracySignal",
     "BatchingConfig",
     "CombinedRM",
     "CutGroup",
