@@ -105,7 +105,6 @@ from grpo_setup import (
     row_limits,
     save_config,
 )
-from grpo_stream import loaded_prompt, saved_prompt
 
 logger = logging.getLogger("train_grpo")
 PLANS = {"full": Plan.full_colocation, "partial": Plan.partial_colocation}
@@ -735,108 +734,9 @@ def evaluate(
 
 
 # -- what a checkpoint keeps beside the tensors ---------------------------------------------------
-# the checkpoint's cut groups not resumed, in the first step's metrics after a resume
-RESUME_DROPPED_METRIC = "dynamic_sampling/num_partial_groups_dropped_on_resume"
-# settings that change what a run means: a resume that changes one warns and logs it
+# The loader, the sampler, the held cut groups and the resolved config (core.track_run_state);
+# settings that change what a run means: a resume that changes one warns and logs it.
 RESUME_CHECKED_FIELDS = ("loss.objective", "policy.model_dir", "data.path")
-
-
-def held_cut_groups(
-    rollout_correction: str, encoder: PromptEncoder, loader: core.ShardedLoader
-) -> core.PartialRollouts:
-    """rollout.keep_partial's holder of cut groups; a checkpoint keeps each one's prompt as
-    its row and ids (grpo_stream.saved_prompt), rebuilt on resume through the run's encoder,
-    a row with opened images read again by its index."""
-    return core.PartialRollouts(
-        rollout_correction=rollout_correction,
-        save_prompt=saved_prompt,
-        load_prompt=lambda saved: loaded_prompt(saved, encoder, read_rows=loader.read_rows),
-    )
-
-
-def track_run_state(
-    ckpt: Checkpointer,
-    *,
-    loader: core.ShardedLoader,
-    sampler: core.DynamicSampler,
-    partials: core.PartialRollouts | None,
-    cfg: TrainConfig,
-) -> None:
-    """Beside the tensors, each save keeps this rank's loader position, the sampler's keep
-    rate (the next step's prior), with keep_partial the cut groups held for the next step, and
-    the resolved config; load() restores them (a checkpoint written before one was kept leaves
-    it as it is) and compares the config on RESUME_CHECKED_FIELDS."""
-    ckpt.track("loader", loader)
-    ckpt.track("sampler", sampler)
-    if partials is not None:
-        ckpt.track("partials", partials)
-    ckpt.keep_config(dataclasses.asdict(cfg), watched=RESUME_CHECKED_FIELDS)
-
-
-@dataclass(frozen=True)
-class Resumed:
-    """What resume_run restored: the step to start at, the checkpoint's cut groups this rank
-    could not resume (their prompts not rebuilt, or keep_partial off now), and the
-    RESUME_CHECKED_FIELDS the resume changed."""
-
-    start_step: int
-    num_partial_groups_dropped: int = 0
-    changed: tuple[str, ...] = ()
-
-    def metrics(self, group) -> dict[str, float]:
-        """The first step's metrics after the resume, over the ranks (collective)."""
-        dropped = {RESUME_DROPPED_METRIC: float(self.num_partial_groups_dropped)}
-        out = core.reduce_metrics(dropped, group=group, default_op="sum")
-        return out | {f"resume/changed/{name}": 1.0 for name in self.changed}
-
-
-def resume_run(
-    ckpt: Checkpointer, state: dict[str, Any], *, partials: core.PartialRollouts | None
-) -> Resumed:
-    """Load the newest checkpoint: the tensors and what track_run_state tracks. Cut groups
-    not resumed (keep_partial off now, or a prompt not rebuilt) are logged and counted."""
-    extra = ckpt.load(state)
-    held = extra.get("partials")
-    num_dropped = 0
-    if held is not None and partials is None:
-        num_dropped = len(held.get("groups", ())) if isinstance(held, dict) else 0
-        logger.warning(
-            "the checkpoint holds %d cut groups; rollout.keep_partial is off: not resumed",
-            num_dropped,
-        )
-    elif held is not None:
-        num_dropped = partials.num_dropped_on_load
-        if num_dropped:  # their rows are unusable now, or no longer give the same prompt ids
-            logger.warning(
-                "%d of the checkpoint's cut groups are not resumed: their prompts cannot be "
-                "rebuilt from the saved rows (unusable now, or other prompt ids)",
-                num_dropped,
-            )
-    logger.info("resumed after step %d", extra["step"])
-    return Resumed(
-        start_step=extra["step"] + 1,
-        num_partial_groups_dropped=num_dropped,
-        changed=tuple(name for name, _, _ in ckpt.config_changes),  # warned by the ckpt
-    )
-
-
-def save_stopped(ckpt: Checkpointer, step: int, state: dict[str, Any]) -> int | None:
-    """A stop signal ended `step`'s rollout: the step is saved without an update (its drawn
-    rows used up, as a skipped step's), so --resume continues at step + 1; returns the signal
-    (the same on every rank: maybe_save agrees on it)."""
-    decision = ckpt.maybe_save(step, state, phase="train", extra={"step": step})
-    if not decision.is_saved:  # a rank without the signal, in a run whose ranks do not agree
-        ckpt.save(step, state, extra={"step": step})
-        ckpt.wait()
-    signal = decision.stop_signal or ckpt.stop_signal
-    logger.warning(
-        "stopped by signal %s during step %d's rollout: saved without its update (--resume "
-        "continues with step %d)",
-        signal,
-        step,
-        step + 1,
-    )
-    return signal
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -970,8 +870,15 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
         # checkpoint keeps each one's prompt as its row (read again on resume)
         partials = None
         if cfg.rollout.keep_partial:
-            partials = held_cut_groups(cfg.loss.rollout_correction, encoder, loader)
-        track_run_state(ckpt, loader=loader, sampler=sampler, partials=partials, cfg=cfg)
+            partials = core.held_cut_groups(cfg.loss.rollout_correction, encoder, loader)
+        core.track_run_state(
+            ckpt,
+            loader=loader,
+            sampler=sampler,
+            partials=partials,
+            config=dataclasses.asdict(cfg),
+            watched=RESUME_CHECKED_FIELDS,
+        )
         ctx = RolloutContext(
             cfg=cfg,
             runtime=runtime,
@@ -997,9 +904,9 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             "multiturn" if cfg.rollout.is_multiturn else cfg.rollout.sampling_mode
         ]
         start_step = 0
-        resumed: Resumed | None = None  # its counts go into the first step's metrics
+        resumed: core.Resumed | None = None  # its counts go into the first step's metrics
         if should_resume:  # the tensors, the loader, the keep rate, the cut groups
-            resumed = resume_run(ckpt, policy.state(), partials=partials)
+            resumed = core.resume_run(ckpt, policy.state(), partials=partials)
             start_step = resumed.start_step
             engine.update_weights(policy.named_weights())  # the engine starts from the saved policy
         run_log = resources.close_later(
@@ -1033,7 +940,7 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                         stats, stopped.sampling_stats, ctx.skipped_by_cause(), runtime.dp_group
                     )
                     run_log.log(step, sampled)  # a committed step k has its line k
-                    stop_signal = save_stopped(ckpt, step, policy.state())
+                    stop_signal = core.save_stopped(ckpt, step, policy.state())
                     is_stopped = True
                     break
                 truncation = filter_truncated(batch, cfg, runtime.dp_group)

@@ -51,6 +51,7 @@ from yatt.core.policy._torch_policy import TorchPolicy, image_patches_of
 from yatt.core.policy._train_step import merge_step_metrics
 from yatt.core.rl._advantages import compute_grpo_advantages, mask_groups_with_reward_variance
 from yatt.core.rl._async_rollout import AsyncRollout
+from yatt.core.rl._held_prompts import held_cut_groups, loaded_prompt, saved_prompt
 from yatt.core.rl._in_flight import InFlightPrompt, InFlightPrompts
 from yatt.core.rl._losses import (
     OBJECTIVES,
@@ -81,6 +82,13 @@ from yatt.core.rl._rollout_correction import (
     engine_old_logprobs,
 )
 from yatt.core.rl._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
+from yatt.core.rl._run_state import (
+    RESUME_DROPPED_METRIC,
+    Resumed,
+    resume_run,
+    save_stopped,
+    track_run_state,
+)
 from yatt.core.rl._sampler import DynamicSampler, UnfilledBatchError
 from yatt.core.rl._sampling import sample_dynamically
 from yatt.core.rl._staleness import AdmissionControl, StalenessConfig, check_staleness
@@ -109,6 +117,7 @@ __all__ = [
     "LR_SCHEDULES",
     "OBJECTIVES",
     "OLD_LOGPROBS_FROM",
+    "RESUME_DROPPED_METRIC",
     "ROLLOUT_CORRECTIONS",
     "ROLLOUT_TOKEN_KEYS",
     "ROW_INDEX_KEY",
@@ -136,6 +145,7 @@ __all__ = [
     "Prompt",
     "PromptEncoder",
     "PromptError",
+    "Resumed",
     "RowPrompt",
     "RunLog",
     "Runtime",
@@ -184,10 +194,12 @@ __all__ = [
     "export_lora_adapter",
     "get_field",
     "has_field",
+    "held_cut_groups",
     "image_patches_of",
     "init_runtime",
     "load_image_processor",
     "load_yaml",
+    "loaded_prompt",
     "logprobs_in_head",
     "mask_groups_with_reward_variance",
     "mask_truncated_responses",
@@ -200,12 +212,16 @@ __all__ = [
     "read_yaml_file",
     "reduce_metrics",
     "resolve_model_dir",
+    "resume_run",
     "rollout_batch",
     "rollout_samples",
     "sample_dynamically",
+    "save_stopped",
+    "saved_prompt",
     "set_seed",
     "split_mini_batches",
     "sum_over_units",
     "supports_head_logprobs",
+    "track_run_state",
     "with_override",
 ]
