@@ -155,56 +155,9 @@ def judge_view(
     )
 
 
-def generate_and_judge(
-    requests: list[rollout.Request],
-    sampling: rollout.SamplingParams,
-    to_sample: Callable[[rollout.Completion], genrm.Sample],
-    *,
-    engine,
-    scorer: genrm.Scorer,
-    plan: Plan,
-    should_overlap: bool,
-    timings: dict[str, float],
-) -> tuple[list[rollout.Completion], list[genrm.Verdict]]:
-    """One rollout of `requests` and each response's verdict: (completions, verdicts), paired
-    by position. should_overlap (rollout and judge resident together): one "rollout+genrm"
-    phase, each response judged as soon as it finishes; timings["genrm_tail"] adds the
-    seconds from the rollout's last response to the last verdict, and a plan with a memory
-    split moves it toward this round's token loads. Otherwise the "rollout" phase, then the
-    "genrm" one (outside any phase for a plan without one: its judge lives elsewhere). Each
-    phase is timed into `timings` (responses and verdicts are host lists: the times include
-    the device's work)."""
-    if should_overlap:
-        rollout_end: list[float] = []
-
-        async def noting_its_end(stream):  # the rollout's last response: the tail starts
-            async for completion in stream:
-                yield completion
-            rollout_end.append(time.perf_counter())
-
-        with timed(timings, "rollout+genrm"), plan.phase("rollout"):
-            stream = noting_its_end(engine.stream(requests, sampling))
-            scored = asyncio.run(genrm.score_as_completed(stream, scorer, to_sample))
-            last_verdict = time.perf_counter()
-        tail_s = last_verdict - rollout_end[-1] if rollout_end else 0.0
-        timings["genrm_tail"] = timings.get("genrm_tail", 0.0) + tail_s
-        completions, verdicts = scored
-        if plan.has_memory_split:  # the next split follows this round's measured token loads
-            rollout_tokens = sum(
-                len(completion.prompt_ids) + len(completion.response_ids)
-                for completion in completions
-            )
-            judge_tokens = scored.stats.num_judge_prompt_tokens
-            plan.update_load(
-                rollout_pending_tokens=rollout_tokens, genrm_pending_tokens=judge_tokens
-            )
-        return completions, verdicts
-    with timed(timings, "rollout"), plan.phase("rollout"):
-        completions = engine.generate(requests, sampling)
-    judge_phase = plan.phase("genrm") if "genrm" in plan.phases else contextlib.nullcontext()
-    with timed(timings, "genrm"), judge_phase:
-        verdicts = scorer.score([to_sample(completion) for completion in completions])
-    return completions, verdicts
+# One round's generate -> judge, placed in the plan's phases and timed: yatt.genrm's (bench/
+# drives the trainer's own through this name).
+generate_and_judge = genrm.generate_and_judge
 
 
 def generate_and_score(
@@ -219,45 +172,20 @@ def generate_and_score(
     should_overlap: bool,
     timings: dict[str, float],
 ) -> list[Scored]:
-    """n responses per prompt (with its images), each decoded once and judged. should_overlap
-    (rollout and judge resident together): each response is judged as soon as it finishes."""
-    requests = [p.request() for p in prompts]  # images processed once, by the encoder
-    samples: dict[tuple[int, int], genrm.Sample] = {}
-
-    def to_sample(completion: rollout.Completion) -> genrm.Sample:
-        sample = judge_view(prompts[completion.request_index], completion, tokenizer, data)
-        samples[completion.request_index, completion.sample_index] = sample
-        return sample
-
-    completions, verdicts = generate_and_judge(
-        requests,
+    """n responses per prompt (with its images, processed once by the encoder), each decoded
+    once and judged (judge_view). should_overlap (rollout and judge resident together): each
+    response is judged as soon as it finishes."""
+    return genrm.judge_prompts(
+        prompts,
         sampling,
-        to_sample,
+        to_request=lambda prompt: prompt.request(),
+        to_sample=lambda prompt, completion: judge_view(prompt, completion, tokenizer, data),
         engine=engine,
         scorer=scorer,
         plan=plan,
         should_overlap=should_overlap,
         timings=timings,
     )
-    return [
-        Scored(
-            completion,
-            samples[completion.request_index, completion.sample_index],
-            verdict,
-            prompts[completion.request_index],
-        )
-        for completion, verdict in zip(completions, verdicts, strict=True)
-    ]
-
-
-def scored_group(group: genrm.StreamedGroup) -> list[Scored]:
-    """A judged group's responses, each with what the judge read, its verdict and its prompt."""
-    return [
-        Scored(completion, sample, verdict, group.payload)
-        for completion, sample, verdict in zip(
-            group.completions, group.samples, group.verdicts, strict=True
-        )
-    ]
 
 
 def to_batch(scored: Sequence[Scored], runtime: core.Runtime, encoder: PromptEncoder) -> core.Batch:
@@ -448,7 +376,7 @@ def rollout_streamed(
             stream.run(
                 sampler,  # polls should_abort (every rank full), never blocks
                 draw=ctx.draw,
-                keep=lambda group: keep(scored_group(group), ctx, stats),
+                keep=lambda group: keep(genrm.judged_samples(group), ctx, stats),
                 should_stop=ctx.should_stop,  # between judged groups: the tail cut, then saved
             )
         )

@@ -54,6 +54,10 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "trajectory_sample",
         "trajectory_template",
         "verification_template",
+        "JudgedSample",
+        "generate_and_judge",
+        "judge_prompts",
+        "judged_samples",
     ],
     "yatt.genrm.serve": [
         "TEMPLATES",

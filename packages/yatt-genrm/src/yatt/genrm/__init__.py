@@ -33,6 +33,12 @@ from yatt.genrm._genrm import GenRM
 from yatt.genrm._groups import GroupJudging, JudgedGroup
 from yatt.genrm._judge_build import build_judge, check_judge_resources
 from yatt.genrm._judge_spec import JudgeSpec
+from yatt.genrm._judged_round import (
+    JudgedSample,
+    generate_and_judge,
+    judge_prompts,
+    judged_samples,
+)
 from yatt.genrm._judged_stream import CutGroup, JudgedStream, Scorer, StreamedGroup
 from yatt.genrm._openai import OpenAIJudge, OpenAIJudgeConfig
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
@@ -63,6 +69,7 @@ __all__ = [
     "JudgeSpec",
     "JudgeTemplate",
     "JudgedGroup",
+    "JudgedSample",
     "JudgedStream",
     "NumericMatch",
     "OpenAIJudge",
@@ -85,6 +92,9 @@ __all__ = [
     "build_judge",
     "check_judge_resources",
     "create_app",
+    "generate_and_judge",
+    "judge_prompts",
+    "judged_samples",
     "load_reward_function",
     "load_reward_functions",
     "pointwise_template",
