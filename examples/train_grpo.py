@@ -406,59 +406,6 @@ def rollout_streamed(
 ENV_SEED_KEY = "env_seed"
 
 
-@dataclass(frozen=True)
-class TrajectoryCompletion:
-    """A multi-turn trajectory as the trainer's Completion: its turns and the tool results
-    between them in response_ids, with its loss_mask (0 on tool/template tokens) that
-    core.rollout_samples keeps."""
-
-    trajectory: rollout.Trajectory
-    request_index: int  # the row's position in the round: its GRPO group
-
-    prompt_ids = property(lambda self: self.trajectory.prompt_ids)
-    response_ids = property(lambda self: self.trajectory.response_ids)
-    logprobs = property(lambda self: self.trajectory.logprobs)
-    loss_mask = property(lambda self: self.trajectory.loss_mask)
-    finish_reason = property(lambda self: self.trajectory.finish_reason)
-    sample_index = property(lambda self: self.trajectory.sample_index)
-
-
-def score_trajectories(
-    trajectories: list[rollout.Trajectory], prompts: list[Prompt], ctx: RolloutContext
-) -> list[Scored]:
-    """Each trajectory's reward: reward.* (the judge over genrm.trajectory_sample's transcript,
-    reward functions over the whole trajectory, the rule) plus rollout.env_reward_weight x
-    the environment's get_reward() (0 when it has none or it failed)."""
-    cfg = ctx.cfg
-    samples = [
-        genrm.trajectory_sample(
-            t, reference=_reference(prompts[t.row_index].row, cfg.data.answer_key)
-        )
-        for t in trajectories
-    ]
-    verdicts = ctx.scorer.score(samples) if ctx.scorer is not None and samples else None
-    scored = []
-    for i, (trajectory, sample) in enumerate(zip(trajectories, samples, strict=True)):
-        env_reward = trajectory.env_reward or 0.0
-        env_part = cfg.rollout.env_reward_weight * env_reward
-        if verdicts is None:
-            verdict = genrm.Verdict(
-                sample_id=sample.id,
-                reward=env_part,
-                status="ok",
-                components={"env_reward": trajectory.env_reward},
-            )
-        else:
-            verdict = replace(
-                verdicts[i],
-                reward=verdicts[i].reward + env_part,
-                components={**verdicts[i].components, "env_reward": trajectory.env_reward},
-            )
-        completion = TrajectoryCompletion(trajectory, request_index=trajectory.row_index)
-        scored.append(Scored(completion, sample, verdict, prompts[trajectory.row_index]))
-    return scored
-
-
 def env_row(row: dict, step: int, cfg: TrainConfig) -> dict:
     """What reset(**row) gets: the row's fields (its prompt as "prompt", or "messages" for a
     message list) and ENV_SEED_KEY from (seed, step, the row's index in the data set)."""
@@ -470,18 +417,13 @@ def env_row(row: dict, step: int, cfg: TrainConfig) -> dict:
     return fields
 
 
-def _reference(row: dict, answer_key: str) -> str | None:
-    answer = row.get(answer_key) if answer_key else None
-    return None if answer is None else str(answer)
-
-
 def rollout_multiturn(
     step: int, ctx: RolloutContext, stats: StepStats
 ) -> tuple[core.Batch, dict[str, float]]:
     """rollout.environment or rollout.tools set: rounds as rollout_in_rounds, each round's
     rows run as multi-turn trajectories (ctx.multiturn, yatt.rollout.MultiTurnRollout:
     samples_per_prompt per row, tools in worker processes, the engine keeping each
-    conversation's KV between turns), scored by score_trajectories and kept as whole groups
+    conversation's KV between turns), scored by genrm.score_trajectories and kept as whole groups
     with reward variance. Every trajectory ends inside its round (at most rollout.max_turns
     turns): nothing is in flight at a checkpoint. Each row's environment gets
     row["env_seed"] from (seed, DP rank, step, row), the same on a resumed run. Adds the
@@ -503,7 +445,14 @@ def rollout_multiturn(
                 ctx.plan.phase("genrm") if "genrm" in ctx.plan.phases else contextlib.nullcontext()
             )
             with timed(stats.timings, "genrm"), judge_phase:
-                scored = score_trajectories(trajectories, prompts, ctx)
+                # reward.* over each trajectory + the environment's get_reward()
+                scored = genrm.score_trajectories(
+                    trajectories,
+                    prompts,
+                    ctx.scorer,
+                    answer_key=cfg.data.answer_key,
+                    env_reward_weight=cfg.rollout.env_reward_weight,
+                )
             # a row whose reset failed has fewer than n trajectories: its group is dropped
             counts: dict[int, int] = {}
             for item in scored:

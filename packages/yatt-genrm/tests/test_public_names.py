@@ -58,6 +58,8 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "generate_and_judge",
         "judge_prompts",
         "judged_samples",
+        "TrajectoryCompletion",
+        "score_trajectories",
     ],
     "yatt.genrm.serve": [
         "TEMPLATES",

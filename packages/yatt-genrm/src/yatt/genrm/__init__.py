@@ -52,6 +52,7 @@ from yatt.genrm._trajectory import (
     trajectory_sample,
     trajectory_template,
 )
+from yatt.genrm._trajectory_round import TrajectoryCompletion, score_trajectories
 from yatt.genrm._types import Sample, Verdict, Vote
 from yatt.genrm._verifiers import ExactMatch, NumericMatch, RegexMatch, RuleVerifier
 from yatt.genrm._version import __version__
@@ -83,6 +84,7 @@ __all__ = [
     "ScoredCompletions",
     "Scorer",
     "StreamedGroup",
+    "TrajectoryCompletion",
     "TrajectoryReward",
     "Verdict",
     "VerdictParser",
@@ -99,6 +101,7 @@ __all__ = [
     "load_reward_functions",
     "pointwise_template",
     "score_as_completed",
+    "score_trajectories",
     "trajectory_sample",
     "trajectory_template",
     "verification_template",
