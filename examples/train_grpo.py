@@ -17,7 +17,7 @@ One step, as the loop reads:
                     def my_rollout(step: int, ctx: RolloutContext, stats: StepStats
                                    ) -> tuple[core.Batch, dict[str, float]]
 
-                It draws this rank's prompts (draw_prompts), generates and judges them, hands
+                It draws this rank's prompts (core.draw_prompts), generates and judges them, hands
                 judged groups to keep() until ctx.sampler is done, and returns sampler.take():
                 the step's batch of whole groups with reward variance and its sampling stats
                 (dynamic_sampling/*). It adds its counts and phase times to `stats`. A new kind
@@ -125,25 +125,6 @@ def derived_seed(seed: int, *offsets: int) -> int:
 
 
 # -- prompts -> responses -> verdicts ------------------------------------------------------------
-def draw_prompts(loader: core.ShardedLoader, encoder: PromptEncoder, num_rows: int) -> list[Prompt]:
-    """This rank's next prompts. A draw of only unusable rows (skipped and counted) draws
-    again; once a whole epoch of the shard gave no usable prompt (the loader's skips or the
-    encoder's) no number of draws could, and the run stops naming the counts."""
-    num_drawn = 0
-    prompts: list[Prompt] = []
-    while not prompts:
-        if num_drawn >= 2 * loader.num_local_rows:  # twice the shard: a whole epoch in it
-            raise ValueError(
-                f"data.path: the last {num_drawn} rows rank {loader.rank} drew (a whole epoch "
-                f"of its {loader.num_local_rows} rows) gave no usable prompt; skipped rows by "
-                f"cause: {encoder.skipped_by_cause(loader)}"
-            )
-        rows = loader.next_batch(num_rows)
-        num_drawn += max(len(rows), 1)
-        prompts = encoder.encode(rows)
-    return prompts
-
-
 def judge_view(
     prompt: Prompt, completion: rollout.Completion, tokenizer, data: DataConfig
 ) -> genrm.Sample:
@@ -217,7 +198,8 @@ def keep(scored: Sequence[Scored], ctx: RolloutContext, stats: StepStats) -> Non
     would make std normalisation push the wrong way. A group with a response the reward could
     not judge is dropped first, as a bad row (drop_unjudgeable)."""
     scored = drop_unjudgeable(scored, ctx)
-    if not scored:
+    if not scored:  # every group unjudgeable: the round still offers its (empty) share
+        ctx.sampler.add(core.rollout_batch([]))
         return
     stats.add(scored, ctx.accuracy, cut_token_ids=ctx.encoder.cut_token_ids)
     groups = to_batch(scored, ctx.runtime, ctx.encoder)
@@ -248,28 +230,11 @@ def drop_unjudgeable(scored: Sequence[Scored], ctx: RolloutContext) -> list[Scor
     return [item for item in scored if item.completion.request_index not in bad]
 
 
-class StepStopped(Exception):
-    """A stop signal ended the step's rollout on some rank before its batch was full: every
-    rank raises it (take_batch) with the step's sampling stats; the loop logs the step, saves
-    it without an update and exits."""
-
-    def __init__(self, sampling_stats: dict[str, float]) -> None:
-        super().__init__("a stop signal ended the step's rollout")
-        self.sampling_stats = sampling_stats
-
-
-def take_batch(
-    sampler: core.DynamicSampler, *, should_stop: bool = False
-) -> tuple[core.Batch, dict[str, float]]:
-    """The step's kept groups (collective: waits for every rank) and the sampling stats;
-    StepStopped on every rank when a stop signal reached any (should_stop: this rank's)."""
-    if should_stop:
-        sampler.request_stop()
-    batch, sampling_stats = sampler.take()
-    if sampling_stats.get("is_stopped"):
-        raise StepStopped(sampling_stats)
-    batch.samples.pop(TASK_REWARD, None)  # the penalised reward is what trains
-    return batch, sampling_stats
+def take_batch(sampler: core.DynamicSampler, *, should_stop: bool) -> tuple[core.Batch, dict]:
+    """The step's kept groups (collective: waits for every rank) and the sampling stats, the
+    penalised reward the one that trains; core.StepStopped on every rank when a stop signal
+    reached any (should_stop: this rank's)."""
+    return core.take_step_batch(sampler, should_stop=should_stop, drop_keys=(TASK_REWARD,))
 
 
 # -- rollout kinds: (step, ctx, stats) -> (batch, sampling_stats), chosen by rollout.sampling_mode
@@ -296,7 +261,7 @@ class RolloutContext:
     num_unjudgeable_rows: int = 0  # since the start: rows the reward could not judge
 
     def draw(self, num_prompts: int) -> list[Prompt]:
-        return draw_prompts(self.loader, self.encoder, num_prompts)
+        return core.draw_prompts(self.loader, self.encoder, num_prompts)
 
     def skipped_by_cause(self) -> dict[str, int]:
         """Rows skipped since the start by cause: the loader's, the encoder's, the reward's."""
@@ -336,7 +301,7 @@ def rollout_in_rounds(
 ) -> tuple[core.Batch, dict[str, float]]:
     """rollout.sampling_mode=rounds: generate -> judge -> keep in rounds until every rank has
     its groups with reward variance (collective: a full rank draws 0 and still joins each
-    round). A stop signal ends the rounds (StepStopped)."""
+    round). A stop signal ends the rounds (core.StepStopped)."""
     while not ctx.sampler.is_done():
         num_prompts = ctx.sampler.num_to_draw()
         if num_prompts:
@@ -385,7 +350,7 @@ def rollout_streamed(
     pending = stream.pending_tokens()
     if ctx.plan.has_memory_split:  # the next split follows the step's live queues
         ctx.plan.update_load(**pending)
-    # waits for every rank's stream; StepStopped on every rank if a stop signal ended one
+    # waits for every rank's stream; core.StepStopped on every rank if a stop signal ended one
     batch, sampling_stats = take_batch(sampler, should_stop=ctx.should_stop())
     stats.num_rounds = int(sampling_stats["num_rounds"])
     sampling_stats |= {
@@ -812,7 +777,7 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                 # draw -> generate and judge -> keep, until every rank has its groups
                 try:
                     batch, sampling_stats = rollout_step(step, ctx, stats)
-                except StepStopped as stopped:  # a step that could not end: no update
+                except core.StepStopped as stopped:  # a step that could not end: no update
                     sampled = summarize(
                         stats, stopped.sampling_stats, ctx.skipped_by_cause(), runtime.dp_group
                     )

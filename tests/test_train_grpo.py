@@ -743,7 +743,7 @@ def test_the_keep_rule_tests_the_task_reward_before_the_overlong_penalty():
     )
     sampler.num_to_draw()
     train_grpo.keep(scored, ctx, train_grpo.StepStats())
-    batch, _ = train_grpo.take_batch(sampler)
+    batch, _ = train_grpo.take_batch(sampler, should_stop=False)
     # DAPO eq. 13 by hand: 7 tokens, 4 past L_max - L_cache = 4 ... (4 - 7) / 4 = -0.75
     assert batch.samples["reward"].tolist() == [1.0, 0.0, 1.0, 0.0 - 0.75]  # group 1, not 0
     assert train_grpo.TASK_REWARD not in batch.samples  # the penalised reward trains

@@ -124,6 +124,9 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "save_stopped",
         "saved_prompt",
         "track_run_state",
+        "StepStopped",
+        "draw_prompts",
+        "take_step_batch",
     ],
     "yatt.core.megatron": [
         "FAMILIES",

@@ -19,6 +19,7 @@ from yatt.core.config._from_dict import coerce_value, config_from_dict
 from yatt.core.config._yaml import load_yaml, read_yaml_file
 from yatt.core.cost._activation_memory import choose_max_tokens, estimate_activation_bytes
 from yatt.core.data._batch import Batch
+from yatt.core.data._draw import draw_prompts
 from yatt.core.data._loader import ROW_INDEX_KEY, ShardedLoader
 from yatt.core.data._mini_batches import split_mini_batches
 from yatt.core.data._model_paths import resolve_model_dir
@@ -92,6 +93,7 @@ from yatt.core.rl._run_state import (
 from yatt.core.rl._sampler import DynamicSampler, UnfilledBatchError
 from yatt.core.rl._sampling import sample_dynamically
 from yatt.core.rl._staleness import AdmissionControl, StalenessConfig, check_staleness
+from yatt.core.rl._step_batch import StepStopped, take_step_batch
 from yatt.core.rl._surrogates import (
     ClipRegions,
     compute_cispo_policy_loss,
@@ -151,6 +153,7 @@ __all__ = [
     "Runtime",
     "ShardedLoader",
     "StalenessConfig",
+    "StepStopped",
     "TorchPolicy",
     "TorchPolicyConfig",
     "UnfilledBatchError",
@@ -185,6 +188,7 @@ __all__ = [
     "config_from_dict",
     "count_units",
     "describe_config",
+    "draw_prompts",
     "encode_vision_prompt",
     "engine_old_logprobs",
     "estimate_activation_bytes",
@@ -222,6 +226,7 @@ __all__ = [
     "split_mini_batches",
     "sum_over_units",
     "supports_head_logprobs",
+    "take_step_batch",
     "track_run_state",
     "with_override",
 ]
