@@ -60,6 +60,9 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "judged_samples",
         "TrajectoryCompletion",
         "score_trajectories",
+        "StepStats",
+        "VerdictWarnings",
+        "check_verdicts",
     ],
     "yatt.genrm.serve": [
         "TEMPLATES",

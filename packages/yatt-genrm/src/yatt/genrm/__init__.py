@@ -44,6 +44,7 @@ from yatt.genrm._openai import OpenAIJudge, OpenAIJudgeConfig
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
 from yatt.genrm._server import create_app
 from yatt.genrm._stats import ScoreStats
+from yatt.genrm._step_stats import StepStats, VerdictWarnings, check_verdicts
 from yatt.genrm._stream import BatchingConfig
 from yatt.genrm._templates import JudgeTemplate, pointwise_template, verification_template
 from yatt.genrm._trajectory import (
@@ -83,16 +84,19 @@ __all__ = [
     "ScoreStats",
     "ScoredCompletions",
     "Scorer",
+    "StepStats",
     "StreamedGroup",
     "TrajectoryCompletion",
     "TrajectoryReward",
     "Verdict",
     "VerdictParser",
+    "VerdictWarnings",
     "Vote",
     "YesNoParser",
     "__version__",
     "build_judge",
     "check_judge_resources",
+    "check_verdicts",
     "create_app",
     "generate_and_judge",
     "judge_prompts",
