@@ -86,8 +86,12 @@ def _reward_function_sums(stats: StepStats, group) -> dict[str, float]:
     """Per reward function its count, sum and sum of squares (per returned value its count
     and sum), every rank with the same keys: the names seen on any rank (a rank whose every
     call of a function failed passes zeros)."""
-    names = _names_over_ranks(sorted(stats.component_sums), group)
-    keys = _names_over_ranks(sorted(stats.metric_sums), group)
+    # one gather for both kinds of name: "c:" reward functions, "k:" returned keys
+    tagged = [f"c:{name}" for name in stats.component_sums]
+    tagged += [f"k:{key}" for key in stats.metric_sums]
+    tagged = _names_over_ranks(sorted(tagged), group)
+    names = [name[2:] for name in tagged if name.startswith("c:")]
+    keys = [key[2:] for key in tagged if key.startswith("k:")]
     sums: dict[str, float] = {}
     for name in names:
         count, total, squares = stats.component_sums.get(name, (0.0, 0.0, 0.0))

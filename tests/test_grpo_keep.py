@@ -183,3 +183,50 @@ def test_a_declared_signal_no_verdict_carries_is_counted_and_logged_once(scorer,
         check_verdicts(0, metrics, None, warnings)
         check_verdicts(1, metrics, None, warnings)
     assert caplog.text.count("reward.accuracy='rewards:nope/acc'") == 1
+
+
+_TWO_RANKS = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch.distributed as dist
+from grpo_metrics import StepStats, summarize
+from yatt import genrm, rollout
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+stats = StepStats()
+# rank 0's function f scored 1 and 3, rank 1's scored 5; only rank 1 has g and a returned key
+components = [{"f": 1.0}, {"f": 3.0}] if rank == 0 else [{"f": 5.0, "g": 2.0}]
+judged = [
+    genrm.JudgedSample(
+        rollout.Completion(request_index=0, sample_index=j, prompt_ids=[1], response_ids=[2],
+                           logprobs=[0.0], finish_reason="stop"),
+        genrm.Sample(prompt="q", response="r"),
+        genrm.Verdict(sample_id="s", reward=0.0, status="ok", components=c,
+                      metrics={"g/acc": 1.0} if "g" in c else {}),
+        type("P", (), {"images": None})(),
+    )
+    for j, c in enumerate(components)
+]
+stats.add(judged, None)
+metrics = summarize(stats, {}, {}, None)
+print(json.dumps({k: v for k, v in metrics.items() if k.startswith("reward/")}))
+dist.destroy_process_group()
+"""
+
+
+def test_per_function_metrics_agree_over_ranks_that_saw_different_functions(tmp_path):
+    import json
+
+    from yatt.testing import run_ranks
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANKS)
+    outputs = run_ranks([sys.executable, str(script), str(ROOT / "examples")], 2)
+    first, second = (json.loads(out.strip().splitlines()[-1]) for out in outputs)
+    assert first == second
+    # f over both ranks: values 1, 3, 5 -> mean 3, population std sqrt(8/3)
+    assert first["reward/f/mean"] == pytest.approx(3.0)
+    assert first["reward/f/std"] == pytest.approx((8 / 3) ** 0.5)
+    assert first["reward/g/mean"] == 2.0 and first["reward/g/std"] == 0.0
+    assert first["reward/g/acc/mean"] == 1.0
