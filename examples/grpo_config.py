@@ -60,6 +60,7 @@ DEMO_DEFAULTS: Mapping[str, Any] = {
     "reward": {
         "engine": {"max_seq_len": 96},
         "judge_template": "{prompt}{response} ref {reference}",
+        "accuracy": "exact_match",  # the sum is right or not: reward/accuracy
     },
 }
 EMBEDDED_TASKS = {

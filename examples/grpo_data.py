@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from yatt import core, genrm, rollout
+from yatt import core, genrm
 
 logger = logging.getLogger("train_grpo")
 
@@ -46,14 +45,9 @@ def judge_sample(
     )
 
 
-@dataclass(frozen=True)
-class Scored:
-    """One response, what the judge read of it, and the judge's verdict."""
-
-    completion: rollout.Completion
-    sample: genrm.Sample  # what the judge read: prompt text, the response decoded once, reference
-    verdict: genrm.Verdict
-    prompt: core.Prompt  # the row, its token ids and its images
+# One response, what the judge read of it, its verdict and its prompt (a core.Prompt: the row,
+# its token ids and its images): yatt.genrm's JudgedSample.
+Scored = genrm.JudgedSample
 
 
 def row_fields_read_by(template: genrm.JudgeTemplate, answer_key: str) -> list[str]:

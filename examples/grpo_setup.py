@@ -1,7 +1,7 @@
 """The reference trainer's setup: engines, the reward, held-out rows, start checks, export.
 
     engine = make_engine(cfg.rollout, model_dir, device)       rollout.build_engine
-    scorer, exact = make_scorer(cfg.reward, judge_engine)      genrm.build_judge
+    scorer, exact_match = make_scorer(cfg.reward, judge_engine)  genrm.build_judge
     rows = load_eval_rows(cfg, runtime, count_tokens)          this rank's held-out prompts
     export_checkpoint(cfg, step)                               `train_grpo.py --export`
     save_config(cfg)                                           out_dir/config.yaml
@@ -45,7 +45,8 @@ def make_engine(
 def make_scorer(
     reward: RewardConfig, judge_engine, closeables: list[Any] | None = None
 ) -> tuple[Any, genrm.ExactMatch]:
-    """The reward (judge + functions + rule) and the exact match behind the accuracy metric:
+    """The reward (judge + functions + rule) and the exact-match rule (an accuracy signal that
+    reward.accuracy may name, computed for the metric even when unweighted):
     genrm.build_judge; what owns threads or processes goes into `closeables`."""
     return genrm.build_judge(reward, judge_engine, closeables)
 

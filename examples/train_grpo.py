@@ -17,7 +17,7 @@ One step, as the loop reads:
                     def my_rollout(step: int, ctx: RolloutContext, stats: StepStats
                                    ) -> tuple[core.Batch, dict[str, float]]
 
-                It draws this rank's prompts (draw_prompts), generates and judges them, hands
+                It draws this rank's prompts (core.draw_prompts), generates and judges them, hands
                 judged groups to keep() until ctx.sampler is done, and returns sampler.take():
                 the step's batch of whole groups with reward variance and its sampling stats
                 (dynamic_sampling/*). It adds its counts and phase times to `stats`. A new kind
@@ -105,7 +105,6 @@ from grpo_setup import (
     row_limits,
     save_config,
 )
-from grpo_stream import loaded_prompt, saved_prompt
 
 logger = logging.getLogger("train_grpo")
 PLANS = {"full": Plan.full_colocation, "partial": Plan.partial_colocation}
@@ -126,25 +125,6 @@ def derived_seed(seed: int, *offsets: int) -> int:
 
 
 # -- prompts -> responses -> verdicts ------------------------------------------------------------
-def draw_prompts(loader: core.ShardedLoader, encoder: PromptEncoder, num_rows: int) -> list[Prompt]:
-    """This rank's next prompts. A draw of only unusable rows (skipped and counted) draws
-    again; once a whole epoch of the shard gave no usable prompt (the loader's skips or the
-    encoder's) no number of draws could, and the run stops naming the counts."""
-    num_drawn = 0
-    prompts: list[Prompt] = []
-    while not prompts:
-        if num_drawn >= 2 * loader.num_local_rows:  # twice the shard: a whole epoch in it
-            raise ValueError(
-                f"data.path: the last {num_drawn} rows rank {loader.rank} drew (a whole epoch "
-                f"of its {loader.num_local_rows} rows) gave no usable prompt; skipped rows by "
-                f"cause: {encoder.skipped_by_cause(loader)}"
-            )
-        rows = loader.next_batch(num_rows)
-        num_drawn += max(len(rows), 1)
-        prompts = encoder.encode(rows)
-    return prompts
-
-
 def judge_view(
     prompt: Prompt, completion: rollout.Completion, tokenizer, data: DataConfig
 ) -> genrm.Sample:
@@ -156,56 +136,9 @@ def judge_view(
     )
 
 
-def generate_and_judge(
-    requests: list[rollout.Request],
-    sampling: rollout.SamplingParams,
-    to_sample: Callable[[rollout.Completion], genrm.Sample],
-    *,
-    engine,
-    scorer: genrm.Scorer,
-    plan: Plan,
-    should_overlap: bool,
-    timings: dict[str, float],
-) -> tuple[list[rollout.Completion], list[genrm.Verdict]]:
-    """One rollout of `requests` and each response's verdict: (completions, verdicts), paired
-    by position. should_overlap (rollout and judge resident together): one "rollout+genrm"
-    phase, each response judged as soon as it finishes; timings["genrm_tail"] adds the
-    seconds from the rollout's last response to the last verdict, and a plan with a memory
-    split moves it toward this round's token loads. Otherwise the "rollout" phase, then the
-    "genrm" one (outside any phase for a plan without one: its judge lives elsewhere). Each
-    phase is timed into `timings` (responses and verdicts are host lists: the times include
-    the device's work)."""
-    if should_overlap:
-        rollout_end: list[float] = []
-
-        async def noting_its_end(stream):  # the rollout's last response: the tail starts
-            async for completion in stream:
-                yield completion
-            rollout_end.append(time.perf_counter())
-
-        with timed(timings, "rollout+genrm"), plan.phase("rollout"):
-            stream = noting_its_end(engine.stream(requests, sampling))
-            scored = asyncio.run(genrm.score_as_completed(stream, scorer, to_sample))
-            last_verdict = time.perf_counter()
-        tail_s = last_verdict - rollout_end[-1] if rollout_end else 0.0
-        timings["genrm_tail"] = timings.get("genrm_tail", 0.0) + tail_s
-        completions, verdicts = scored
-        if plan.has_memory_split:  # the next split follows this round's measured token loads
-            rollout_tokens = sum(
-                len(completion.prompt_ids) + len(completion.response_ids)
-                for completion in completions
-            )
-            judge_tokens = scored.stats.num_judge_prompt_tokens
-            plan.update_load(
-                rollout_pending_tokens=rollout_tokens, genrm_pending_tokens=judge_tokens
-            )
-        return completions, verdicts
-    with timed(timings, "rollout"), plan.phase("rollout"):
-        completions = engine.generate(requests, sampling)
-    judge_phase = plan.phase("genrm") if "genrm" in plan.phases else contextlib.nullcontext()
-    with timed(timings, "genrm"), judge_phase:
-        verdicts = scorer.score([to_sample(completion) for completion in completions])
-    return completions, verdicts
+# One round's generate -> judge, placed in the plan's phases and timed: yatt.genrm's (bench/
+# drives the trainer's own through this name).
+generate_and_judge = genrm.generate_and_judge
 
 
 def generate_and_score(
@@ -220,45 +153,20 @@ def generate_and_score(
     should_overlap: bool,
     timings: dict[str, float],
 ) -> list[Scored]:
-    """n responses per prompt (with its images), each decoded once and judged. should_overlap
-    (rollout and judge resident together): each response is judged as soon as it finishes."""
-    requests = [p.request() for p in prompts]  # images processed once, by the encoder
-    samples: dict[tuple[int, int], genrm.Sample] = {}
-
-    def to_sample(completion: rollout.Completion) -> genrm.Sample:
-        sample = judge_view(prompts[completion.request_index], completion, tokenizer, data)
-        samples[completion.request_index, completion.sample_index] = sample
-        return sample
-
-    completions, verdicts = generate_and_judge(
-        requests,
+    """n responses per prompt (with its images, processed once by the encoder), each decoded
+    once and judged (judge_view). should_overlap (rollout and judge resident together): each
+    response is judged as soon as it finishes."""
+    return genrm.judge_prompts(
+        prompts,
         sampling,
-        to_sample,
+        to_request=lambda prompt: prompt.request(),
+        to_sample=lambda prompt, completion: judge_view(prompt, completion, tokenizer, data),
         engine=engine,
         scorer=scorer,
         plan=plan,
         should_overlap=should_overlap,
         timings=timings,
     )
-    return [
-        Scored(
-            completion,
-            samples[completion.request_index, completion.sample_index],
-            verdict,
-            prompts[completion.request_index],
-        )
-        for completion, verdict in zip(completions, verdicts, strict=True)
-    ]
-
-
-def scored_group(group: genrm.StreamedGroup) -> list[Scored]:
-    """A judged group's responses, each with what the judge read, its verdict and its prompt."""
-    return [
-        Scored(completion, sample, verdict, group.payload)
-        for completion, sample, verdict in zip(
-            group.completions, group.samples, group.verdicts, strict=True
-        )
-    ]
 
 
 def to_batch(scored: Sequence[Scored], runtime: core.Runtime, encoder: PromptEncoder) -> core.Batch:
@@ -278,6 +186,8 @@ def to_batch(scored: Sequence[Scored], runtime: core.Runtime, encoder: PromptEnc
 
 # -- the keep rule -----------------------------------------------------------------------------
 TASK_REWARD = "task_reward"  # the judge's reward before the overlong penalty: the keep signal
+# data/skipped_rows/<cause> of rows the reward could not judge at all (Verdict.skip_cause)
+UNJUDGEABLE = "unjudgeable"
 
 
 def keep(scored: Sequence[Scored], ctx: RolloutContext, stats: StepStats) -> None:
@@ -285,8 +195,13 @@ def keep(scored: Sequence[Scored], ctx: RolloutContext, stats: StepStats) -> Non
     whole groups whose task reward varies (eq. 11), tested BEFORE the soft overlong penalty
     (eq. 13, 0 when off) joins the reward, as DAPO and verl filter on the accuracy signal: an
     all-right group with one overlong response has nothing to teach, and its penalty alone
-    would make std normalisation push the wrong way."""
-    stats.add(scored, ctx.exact, cut_token_ids=ctx.encoder.cut_token_ids)
+    would make std normalisation push the wrong way. A group with a response the reward could
+    not judge is dropped first, as a bad row (drop_unjudgeable)."""
+    scored = drop_unjudgeable(scored, ctx)
+    if not scored:  # every group unjudgeable: the round still offers its (empty) share
+        ctx.sampler.add(core.rollout_batch([]))
+        return
+    stats.add(scored, ctx.accuracy, cut_token_ids=ctx.encoder.cut_token_ids)
     groups = to_batch(scored, ctx.runtime, ctx.encoder)
     groups.samples[TASK_REWARD] = groups.samples["reward"].clone()  # what the sampler tests
     groups.samples["reward"] += ctx.cfg.overlong.compute_penalties(
@@ -295,28 +210,31 @@ def keep(scored: Sequence[Scored], ctx: RolloutContext, stats: StepStats) -> Non
     ctx.sampler.add(groups)  # keep: whole groups with task-reward variance
 
 
-class StepStopped(Exception):
-    """A stop signal ended the step's rollout on some rank before its batch was full: every
-    rank raises it (take_batch) with the step's sampling stats; the loop logs the step, saves
-    it without an update and exits."""
+def drop_unjudgeable(scored: Sequence[Scored], ctx: RolloutContext) -> list[Scored]:
+    """`scored` without the groups whose row the reward could not judge (a verdict with a
+    skip_cause: the row cannot be sent to a reward worker, its text is not valid Unicode): a
+    data problem, skipped and counted as a bad row is (data/skipped_rows/unjudgeable, its first
+    cause logged), never trained with the default reward."""
+    bad = {item.completion.request_index for item in scored if item.verdict.skip_cause}
+    if not bad:
+        return list(scored)
+    if not ctx.num_unjudgeable_rows:
+        cause = next(item.verdict.skip_cause for item in scored if item.verdict.skip_cause)
+        logger.warning(
+            "a row the reward cannot judge is skipped (counted in data/skipped_rows/%s; "
+            "logged once): %s",
+            UNJUDGEABLE,
+            cause,
+        )
+    ctx.num_unjudgeable_rows += len(bad)
+    return [item for item in scored if item.completion.request_index not in bad]
 
-    def __init__(self, sampling_stats: dict[str, float]) -> None:
-        super().__init__("a stop signal ended the step's rollout")
-        self.sampling_stats = sampling_stats
 
-
-def take_batch(
-    sampler: core.DynamicSampler, *, should_stop: bool = False
-) -> tuple[core.Batch, dict[str, float]]:
-    """The step's kept groups (collective: waits for every rank) and the sampling stats;
-    StepStopped on every rank when a stop signal reached any (should_stop: this rank's)."""
-    if should_stop:
-        sampler.request_stop()
-    batch, sampling_stats = sampler.take()
-    if sampling_stats.get("is_stopped"):
-        raise StepStopped(sampling_stats)
-    batch.samples.pop(TASK_REWARD, None)  # the penalised reward is what trains
-    return batch, sampling_stats
+def take_batch(sampler: core.DynamicSampler, *, should_stop: bool) -> tuple[core.Batch, dict]:
+    """The step's kept groups (collective: waits for every rank) and the sampling stats, the
+    penalised reward the one that trains; core.StepStopped on every rank when a stop signal
+    reached any (should_stop: this rank's)."""
+    return core.take_step_batch(sampler, should_stop=should_stop, drop_keys=(TASK_REWARD,))
 
 
 # -- rollout kinds: (step, ctx, stats) -> (batch, sampling_stats), chosen by rollout.sampling_mode
@@ -332,7 +250,7 @@ class RolloutContext:
     engine: Any
     judge_engine: Any  # None: the judge has no engine of its own (functions, an endpoint)
     scorer: genrm.Scorer
-    exact: Any  # the reward's accuracy rule (reward/accuracy), or None
+    accuracy: genrm.AccuracySignal | None  # reward.accuracy's signal; None: no such metric
     plan: Plan
     sampler: core.DynamicSampler
     partials: core.PartialRollouts | None  # rollout.keep_partial: cut groups held a step
@@ -340,9 +258,15 @@ class RolloutContext:
     multiturn: Any = None  # rollout.MultiTurnRollout when rollout.environment/tools are set
     # a stop signal arrived: a safe point (between rounds, between judged groups) ends the step
     should_stop: Callable[[], bool] = lambda: False
+    num_unjudgeable_rows: int = 0  # since the start: rows the reward could not judge
 
     def draw(self, num_prompts: int) -> list[Prompt]:
-        return draw_prompts(self.loader, self.encoder, num_prompts)
+        return core.draw_prompts(self.loader, self.encoder, num_prompts)
+
+    def skipped_by_cause(self) -> dict[str, int]:
+        """Rows skipped since the start by cause: the loader's, the encoder's, the reward's."""
+        skipped = self.encoder.skipped_by_cause(self.loader)
+        return skipped | {UNJUDGEABLE: self.num_unjudgeable_rows}
 
     def sampling(self, step: int, num_round: int) -> rollout.SamplingParams:
         """A round's sampling, seeded by (seed, DP rank, step, round)."""
@@ -377,7 +301,7 @@ def rollout_in_rounds(
 ) -> tuple[core.Batch, dict[str, float]]:
     """rollout.sampling_mode=rounds: generate -> judge -> keep in rounds until every rank has
     its groups with reward variance (collective: a full rank draws 0 and still joins each
-    round). A stop signal ends the rounds (StepStopped)."""
+    round). A stop signal ends the rounds (core.StepStopped)."""
     while not ctx.sampler.is_done():
         num_prompts = ctx.sampler.num_to_draw()
         if num_prompts:
@@ -417,7 +341,7 @@ def rollout_streamed(
             stream.run(
                 sampler,  # polls should_abort (every rank full), never blocks
                 draw=ctx.draw,
-                keep=lambda group: keep(scored_group(group), ctx, stats),
+                keep=lambda group: keep(genrm.judged_samples(group), ctx, stats),
                 should_stop=ctx.should_stop,  # between judged groups: the tail cut, then saved
             )
         )
@@ -426,7 +350,7 @@ def rollout_streamed(
     pending = stream.pending_tokens()
     if ctx.plan.has_memory_split:  # the next split follows the step's live queues
         ctx.plan.update_load(**pending)
-    # waits for every rank's stream; StepStopped on every rank if a stop signal ended one
+    # waits for every rank's stream; core.StepStopped on every rank if a stop signal ended one
     batch, sampling_stats = take_batch(sampler, should_stop=ctx.should_stop())
     stats.num_rounds = int(sampling_stats["num_rounds"])
     sampling_stats |= {
@@ -447,59 +371,6 @@ def rollout_streamed(
 ENV_SEED_KEY = "env_seed"
 
 
-@dataclass(frozen=True)
-class TrajectoryCompletion:
-    """A multi-turn trajectory as the trainer's Completion: its turns and the tool results
-    between them in response_ids, with its loss_mask (0 on tool/template tokens) that
-    core.rollout_samples keeps."""
-
-    trajectory: rollout.Trajectory
-    request_index: int  # the row's position in the round: its GRPO group
-
-    prompt_ids = property(lambda self: self.trajectory.prompt_ids)
-    response_ids = property(lambda self: self.trajectory.response_ids)
-    logprobs = property(lambda self: self.trajectory.logprobs)
-    loss_mask = property(lambda self: self.trajectory.loss_mask)
-    finish_reason = property(lambda self: self.trajectory.finish_reason)
-    sample_index = property(lambda self: self.trajectory.sample_index)
-
-
-def score_trajectories(
-    trajectories: list[rollout.Trajectory], prompts: list[Prompt], ctx: RolloutContext
-) -> list[Scored]:
-    """Each trajectory's reward: reward.* (the judge over genrm.trajectory_sample's transcript,
-    reward functions over the whole trajectory, the rule) plus rollout.env_reward_weight x
-    the environment's get_reward() (0 when it has none or it failed)."""
-    cfg = ctx.cfg
-    samples = [
-        genrm.trajectory_sample(
-            t, reference=_reference(prompts[t.row_index].row, cfg.data.answer_key)
-        )
-        for t in trajectories
-    ]
-    verdicts = ctx.scorer.score(samples) if ctx.scorer is not None and samples else None
-    scored = []
-    for i, (trajectory, sample) in enumerate(zip(trajectories, samples, strict=True)):
-        env_reward = trajectory.env_reward or 0.0
-        env_part = cfg.rollout.env_reward_weight * env_reward
-        if verdicts is None:
-            verdict = genrm.Verdict(
-                sample_id=sample.id,
-                reward=env_part,
-                status="ok",
-                components={"env_reward": trajectory.env_reward},
-            )
-        else:
-            verdict = replace(
-                verdicts[i],
-                reward=verdicts[i].reward + env_part,
-                components={**verdicts[i].components, "env_reward": trajectory.env_reward},
-            )
-        completion = TrajectoryCompletion(trajectory, request_index=trajectory.row_index)
-        scored.append(Scored(completion, sample, verdict, prompts[trajectory.row_index]))
-    return scored
-
-
 def env_row(row: dict, step: int, cfg: TrainConfig) -> dict:
     """What reset(**row) gets: the row's fields (its prompt as "prompt", or "messages" for a
     message list) and ENV_SEED_KEY from (seed, step, the row's index in the data set)."""
@@ -511,18 +382,13 @@ def env_row(row: dict, step: int, cfg: TrainConfig) -> dict:
     return fields
 
 
-def _reference(row: dict, answer_key: str) -> str | None:
-    answer = row.get(answer_key) if answer_key else None
-    return None if answer is None else str(answer)
-
-
 def rollout_multiturn(
     step: int, ctx: RolloutContext, stats: StepStats
 ) -> tuple[core.Batch, dict[str, float]]:
     """rollout.environment or rollout.tools set: rounds as rollout_in_rounds, each round's
     rows run as multi-turn trajectories (ctx.multiturn, yatt.rollout.MultiTurnRollout:
     samples_per_prompt per row, tools in worker processes, the engine keeping each
-    conversation's KV between turns), scored by score_trajectories and kept as whole groups
+    conversation's KV between turns), scored by genrm.score_trajectories and kept as whole groups
     with reward variance. Every trajectory ends inside its round (at most rollout.max_turns
     turns): nothing is in flight at a checkpoint. Each row's environment gets
     row["env_seed"] from (seed, DP rank, step, row), the same on a resumed run. Adds the
@@ -544,7 +410,14 @@ def rollout_multiturn(
                 ctx.plan.phase("genrm") if "genrm" in ctx.plan.phases else contextlib.nullcontext()
             )
             with timed(stats.timings, "genrm"), judge_phase:
-                scored = score_trajectories(trajectories, prompts, ctx)
+                # reward.* over each trajectory + the environment's get_reward()
+                scored = genrm.score_trajectories(
+                    trajectories,
+                    prompts,
+                    ctx.scorer,
+                    answer_key=cfg.data.answer_key,
+                    env_reward_weight=cfg.rollout.env_reward_weight,
+                )
             # a row whose reset failed has fewer than n trajectories: its group is dropped
             counts: dict[int, int] = {}
             for item in scored:
@@ -698,113 +571,14 @@ def evaluate(
         )
         with timed(stats.timings, "eval"):
             scored = ctx.generate_and_score(prompts, sampling, {})
-        stats.add(scored, ctx.exact)
-    return eval_metrics(stats, ctx.runtime.dp_group)
+        stats.add(drop_unjudgeable(scored, ctx), ctx.accuracy)
+    return eval_metrics(stats, ctx.runtime.dp_group, has_accuracy=ctx.accuracy is not None)
 
 
 # -- what a checkpoint keeps beside the tensors ---------------------------------------------------
-# the checkpoint's cut groups not resumed, in the first step's metrics after a resume
-RESUME_DROPPED_METRIC = "dynamic_sampling/num_partial_groups_dropped_on_resume"
-# settings that change what a run means: a resume that changes one warns and logs it
+# The loader, the sampler, the held cut groups and the resolved config (core.track_run_state);
+# settings that change what a run means: a resume that changes one warns and logs it.
 RESUME_CHECKED_FIELDS = ("loss.objective", "policy.model_dir", "data.path")
-
-
-def held_cut_groups(
-    rollout_correction: str, encoder: PromptEncoder, loader: core.ShardedLoader
-) -> core.PartialRollouts:
-    """rollout.keep_partial's holder of cut groups; a checkpoint keeps each one's prompt as
-    its row and ids (grpo_stream.saved_prompt), rebuilt on resume through the run's encoder,
-    a row with opened images read again by its index."""
-    return core.PartialRollouts(
-        rollout_correction=rollout_correction,
-        save_prompt=saved_prompt,
-        load_prompt=lambda saved: loaded_prompt(saved, encoder, read_rows=loader.read_rows),
-    )
-
-
-def track_run_state(
-    ckpt: Checkpointer,
-    *,
-    loader: core.ShardedLoader,
-    sampler: core.DynamicSampler,
-    partials: core.PartialRollouts | None,
-    cfg: TrainConfig,
-) -> None:
-    """Beside the tensors, each save keeps this rank's loader position, the sampler's keep
-    rate (the next step's prior), with keep_partial the cut groups held for the next step, and
-    the resolved config; load() restores them (a checkpoint written before one was kept leaves
-    it as it is) and compares the config on RESUME_CHECKED_FIELDS."""
-    ckpt.track("loader", loader)
-    ckpt.track("sampler", sampler)
-    if partials is not None:
-        ckpt.track("partials", partials)
-    ckpt.keep_config(dataclasses.asdict(cfg), watched=RESUME_CHECKED_FIELDS)
-
-
-@dataclass(frozen=True)
-class Resumed:
-    """What resume_run restored: the step to start at, the checkpoint's cut groups this rank
-    could not resume (their prompts not rebuilt, or keep_partial off now), and the
-    RESUME_CHECKED_FIELDS the resume changed."""
-
-    start_step: int
-    num_partial_groups_dropped: int = 0
-    changed: tuple[str, ...] = ()
-
-    def metrics(self, group) -> dict[str, float]:
-        """The first step's metrics after the resume, over the ranks (collective)."""
-        dropped = {RESUME_DROPPED_METRIC: float(self.num_partial_groups_dropped)}
-        out = core.reduce_metrics(dropped, group=group, default_op="sum")
-        return out | {f"resume/changed/{name}": 1.0 for name in self.changed}
-
-
-def resume_run(
-    ckpt: Checkpointer, state: dict[str, Any], *, partials: core.PartialRollouts | None
-) -> Resumed:
-    """Load the newest checkpoint: the tensors and what track_run_state tracks. Cut groups
-    not resumed (keep_partial off now, or a prompt not rebuilt) are logged and counted."""
-    extra = ckpt.load(state)
-    held = extra.get("partials")
-    num_dropped = 0
-    if held is not None and partials is None:
-        num_dropped = len(held.get("groups", ())) if isinstance(held, dict) else 0
-        logger.warning(
-            "the checkpoint holds %d cut groups; rollout.keep_partial is off: not resumed",
-            num_dropped,
-        )
-    elif held is not None:
-        num_dropped = partials.num_dropped_on_load
-        if num_dropped:  # their rows are unusable now, or no longer give the same prompt ids
-            logger.warning(
-                "%d of the checkpoint's cut groups are not resumed: their prompts cannot be "
-                "rebuilt from the saved rows (unusable now, or other prompt ids)",
-                num_dropped,
-            )
-    logger.info("resumed after step %d", extra["step"])
-    return Resumed(
-        start_step=extra["step"] + 1,
-        num_partial_groups_dropped=num_dropped,
-        changed=tuple(name for name, _, _ in ckpt.config_changes),  # warned by the ckpt
-    )
-
-
-def save_stopped(ckpt: Checkpointer, step: int, state: dict[str, Any]) -> int | None:
-    """A stop signal ended `step`'s rollout: the step is saved without an update (its drawn
-    rows used up, as a skipped step's), so --resume continues at step + 1; returns the signal
-    (the same on every rank: maybe_save agrees on it)."""
-    decision = ckpt.maybe_save(step, state, phase="train", extra={"step": step})
-    if not decision.is_saved:  # a rank without the signal, in a run whose ranks do not agree
-        ckpt.save(step, state, extra={"step": step})
-        ckpt.wait()
-    signal = decision.stop_signal or ckpt.stop_signal
-    logger.warning(
-        "stopped by signal %s during step %d's rollout: saved without its update (--resume "
-        "continues with step %d)",
-        signal,
-        step,
-        step + 1,
-    )
-    return signal
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -908,7 +682,7 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             judge_engine = make_engine(cfg.reward, cfg.reward.judge_dir, device)
             resources.close_later(judge_engine)
         owned: list[Any] = []  # what the scorer runs (reward workers, a client): closed too
-        scorer, exact = make_scorer(cfg.reward, judge_engine, owned)
+        scorer, exact_match = make_scorer(cfg.reward, judge_engine, owned)
         for closeable in owned:
             resources.close_later(closeable)
         roles = {"rollout": engine, "genrm": judge_engine, "train": policy, "reference": reference}
@@ -938,8 +712,15 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
         # checkpoint keeps each one's prompt as its row (read again on resume)
         partials = None
         if cfg.rollout.keep_partial:
-            partials = held_cut_groups(cfg.loss.rollout_correction, encoder, loader)
-        track_run_state(ckpt, loader=loader, sampler=sampler, partials=partials, cfg=cfg)
+            partials = core.held_cut_groups(cfg.loss.rollout_correction, encoder, loader)
+        core.track_run_state(
+            ckpt,
+            loader=loader,
+            sampler=sampler,
+            partials=partials,
+            config=dataclasses.asdict(cfg),
+            watched=RESUME_CHECKED_FIELDS,
+        )
         ctx = RolloutContext(
             cfg=cfg,
             runtime=runtime,
@@ -949,7 +730,8 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             engine=engine,
             judge_engine=judge_engine,
             scorer=scorer,
-            exact=exact,
+            # reward/accuracy from the signal reward.accuracy declares (none: no metric)
+            accuracy=genrm.AccuracySignal.from_spec(cfg.reward, exact_match),
             plan=plan,
             sampler=sampler,
             partials=partials,
@@ -964,9 +746,9 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             "multiturn" if cfg.rollout.is_multiturn else cfg.rollout.sampling_mode
         ]
         start_step = 0
-        resumed: Resumed | None = None  # its counts go into the first step's metrics
+        resumed: core.Resumed | None = None  # its counts go into the first step's metrics
         if should_resume:  # the tensors, the loader, the keep rate, the cut groups
-            resumed = resume_run(ckpt, policy.state(), partials=partials)
+            resumed = core.resume_run(ckpt, policy.state(), partials=partials)
             start_step = resumed.start_step
             engine.update_weights(policy.named_weights())  # the engine starts from the saved policy
         run_log = resources.close_later(
@@ -984,7 +766,9 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
         last_step = cfg.num_steps - 1
         is_stopped = False  # by a signal, after its final save
         is_eval_on = bool(cfg.eval.every_steps and cfg.eval.path)  # every rank, rows or not
-        verdict_warnings = VerdictWarnings(every_steps=cfg.log.warn_every_steps)
+        verdict_warnings = VerdictWarnings(
+            every_steps=cfg.log.warn_every_steps, accuracy=cfg.reward.accuracy
+        )
         idle_guard = core.LearningGuard(max_idle_steps=cfg.max_idle_steps)  # cannot learn: stop
         bar = tqdm(range(start_step, cfg.num_steps), disable=not runtime.is_rank_zero, desc="grpo")
         with logging_redirect_tqdm():  # log lines print above the bar, never through it
@@ -993,11 +777,12 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                 # draw -> generate and judge -> keep, until every rank has its groups
                 try:
                     batch, sampling_stats = rollout_step(step, ctx, stats)
-                except StepStopped as stopped:  # a step that could not end: no update
-                    skipped = encoder.skipped_by_cause(loader)
-                    sampled = summarize(stats, stopped.sampling_stats, skipped, runtime.dp_group)
+                except core.StepStopped as stopped:  # a step that could not end: no update
+                    sampled = summarize(
+                        stats, stopped.sampling_stats, ctx.skipped_by_cause(), runtime.dp_group
+                    )
                     run_log.log(step, sampled)  # a committed step k has its line k
-                    stop_signal = save_stopped(ckpt, step, policy.state())
+                    stop_signal = core.save_stopped(ckpt, step, policy.state())
                     is_stopped = True
                     break
                 truncation = filter_truncated(batch, cfg, runtime.dp_group)
@@ -1026,17 +811,19 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                 metrics = summarize(
                     stats,
                     sampling_stats,
-                    encoder.skipped_by_cause(loader),
+                    ctx.skipped_by_cause(),
                     runtime.dp_group,
                     has_images=encoder.takes_images,
+                    has_accuracy=ctx.accuracy is not None,
                 )
                 metrics |= truncation
                 if resumed is not None:  # every rank resumed: the first step after it
                     metrics |= resumed.metrics(runtime.dp_group)
                     resumed = None
                 metrics |= {f"train/{key}": value for key, value in train_metrics.items()}
-                # Same on every rank. Every sample right: solved, not stuck (a rule's accuracy).
-                is_solved = metrics["reward/accuracy"] >= 1.0
+                # Same on every rank. Every sample right: solved, not stuck (the declared
+                # accuracy; without one a run is never called solved).
+                is_solved = metrics.get("reward/accuracy", 0.0) >= 1.0
                 idle_guard.update(step, train_metrics, sampling_stats, is_solved=is_solved)
                 metrics |= idle_guard.metrics()
                 if is_eval_on and ((step + 1) % cfg.eval.every_steps == 0 or step == last_step):
@@ -1072,7 +859,8 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             logger.info("the final policy, as a Hugging Face folder: %s", out)
         if runtime.is_rank_zero and (records := run_log.read()):
             first, last = records[0], records[-1]
-            keys = ("reward/mean", "reward/accuracy")
+            # reward/accuracy only where the run declared its signal (reward.accuracy)
+            keys = [key for key in ("reward/mean", "reward/accuracy") if key in last]
             change = {key: f"{first[key]:.3f} -> {last[key]:.3f}" for key in keys}
             plot = run_log.plot([*keys, "response/length_mean"])
             logger.info("steps %d..%d: %s; plot %s", first["step"], last["step"], change, plot)

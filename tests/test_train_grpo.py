@@ -670,9 +670,9 @@ def test_a_round_decodes_each_response_once_and_pairs_it_with_its_verdict(embedd
     assert batch.samples["reward"].tolist() == pytest.approx(rewards, rel=1e-6)  # as float32
 
 
-# -- generate_and_judge with fakes: the request-level round bench/step runs too ------------------
+# -- a fake engine: each request's one response is its index ---------------------------------
+# (the round's own tests, generate_and_judge with fakes, are yatt-genrm's: test_judged_round.py)
 ROLLOUT_GAP_S = 0.03  # the fake engine's time before each response
-JUDGE_TAIL_S = 0.05  # the fake judge's time after the last sample before its verdicts
 
 
 class _FakeEngine:
@@ -699,106 +699,6 @@ class _FakeEngine:
         for i in reversed(range(len(requests))):
             await asyncio.sleep(ROLLOUT_GAP_S)
             yield self._completion(i, requests[i])
-
-
-class _FakeJudge:
-    """Reward = the response's request index (from its text); notes the plan's phase at each
-    judged sample. Streamed verdicts come JUDGE_TAIL_S after the last sample."""
-
-    def __init__(self, plan) -> None:
-        self.plan, self.phases, self.samples, self.is_finished = plan, [], [], False
-
-    def _verdict(self, sample):
-        from yatt import genrm
-
-        self.phases.append(self.plan.current_phase)
-        return genrm.Verdict(
-            sample_id=sample.id,
-            reward=float(sample.response),
-            status="ok",
-            num_judge_prompt_tokens=len(sample.prompt),
-        )
-
-    def score(self, samples):
-        return [self._verdict(s) for s in samples]
-
-    async def submit(self, sample) -> None:
-        self.samples.append(sample)
-
-    async def finish(self) -> None:
-        self.is_finished = True
-
-    async def results(self):
-        import asyncio
-
-        while not self.is_finished:
-            await asyncio.sleep(0.001)
-        await asyncio.sleep(JUDGE_TAIL_S)
-        for sample in self.samples:
-            yield self._verdict(sample)
-
-
-def _judge_round(plan, should_overlap: bool, timings: dict) -> tuple[list, list, _FakeJudge, list]:
-    import train_grpo
-
-    from yatt import genrm, rollout
-
-    judge = _FakeJudge(plan)
-    requests = [rollout.Request(prompt_ids=[7] * (i + 2)) for i in range(4)]
-    completions, verdicts = train_grpo.generate_and_judge(
-        requests,
-        rollout.SamplingParams(max_new_tokens=8),
-        lambda c: genrm.Sample(prompt="q" * len(c.prompt_ids), response=str(c.request_index)),
-        engine=_FakeEngine(),
-        scorer=judge,
-        plan=plan,
-        should_overlap=should_overlap,
-        timings=timings,
-    )
-    timers = [name for name in timings if name != "genrm_tail"]  # the phases timed, in order
-    return completions, verdicts, judge, timers
-
-
-def _fake_plan(mode: str):
-    from yatt.placement import Plan
-    from yatt.placement.testing import RecordingRole
-
-    log: list = []
-    roles = {name: RecordingRole(name, log, {"weights": 1}) for name in ("rollout", "train")}
-    if mode == "no_judge":  # the judge lives elsewhere (dedicated): no genrm phase
-        return Plan.full_colocation(**roles)
-    genrm_role = RecordingRole("genrm", log, {"weights": 1, "kv_cache": 1})
-    make = Plan.partial_colocation if mode == "partial" else Plan.full_colocation
-    return make(**roles, genrm=genrm_role)
-
-
-def test_an_overlapped_round_pairs_verdicts_times_the_judges_tail_and_moves_the_split():
-    plan, timings = _fake_plan("partial"), {}
-    loads: list[dict] = []
-    plan.update_load = lambda **load: loads.append(load) or 0.5
-    completions, verdicts, judge, timers = _judge_round(plan, True, timings)
-    # Arrival order (last request first), each verdict its own response's.
-    assert [c.request_index for c in completions] == [3, 2, 1, 0]
-    assert [v.reward for v in verdicts] == [3.0, 2.0, 1.0, 0.0]
-    assert timers == ["rollout+genrm"] and set(judge.phases) == {"rollout"}
-    # The tail: from the last response (after 4 gaps) to the last verdict (the judge's delay).
-    assert timings["genrm_tail"] >= JUDGE_TAIL_S
-    assert timings["genrm_tail"] <= timings["rollout+genrm"] - 4 * ROLLOUT_GAP_S
-    # The split follows the round's loads: prompt + response tokens, the judge's prompt tokens.
-    rollout_tokens = sum((i + 2) + (i + 1) for i in range(4))
-    assert loads == [{"rollout_pending_tokens": rollout_tokens, "genrm_pending_tokens": 14}]
-    _judge_round(plan, True, timings)  # a second round adds its tail
-    assert timings["genrm_tail"] >= 2 * JUDGE_TAIL_S
-
-
-@pytest.mark.parametrize("mode", ["full", "no_judge"])
-def test_a_round_in_phases_judges_in_the_genrm_phase_or_outside_any(mode):
-    plan, timings = _fake_plan(mode), {}
-    completions, verdicts, judge, timers = _judge_round(plan, False, timings)
-    assert [c.request_index for c in completions] == [0, 1, 2, 3]
-    assert [v.reward for v in verdicts] == [0.0, 1.0, 2.0, 3.0]
-    assert timers == ["rollout", "genrm"] and "genrm_tail" not in timings
-    assert set(judge.phases) == ({"genrm"} if mode == "full" else {None})
 
 
 def test_the_keep_rule_tests_the_task_reward_before_the_overlong_penalty():
@@ -838,12 +738,12 @@ def test_the_keep_rule_tests_the_task_reward_before_the_overlong_penalty():
         ),
         runtime=core.init_runtime(seed=0),
         encoder=SimpleNamespace(takes_images=False, cut_token_ids=()),
-        exact=SimpleNamespace(verify=lambda sample: None),
+        accuracy=None,
         sampler=sampler,
     )
     sampler.num_to_draw()
     train_grpo.keep(scored, ctx, train_grpo.StepStats())
-    batch, _ = train_grpo.take_batch(sampler)
+    batch, _ = train_grpo.take_batch(sampler, should_stop=False)
     # DAPO eq. 13 by hand: 7 tokens, 4 past L_max - L_cache = 4 ... (4 - 7) / 4 = -0.75
     assert batch.samples["reward"].tolist() == [1.0, 0.0, 1.0, 0.0 - 0.75]  # group 1, not 0
     assert train_grpo.TASK_REWARD not in batch.samples  # the penalised reward trains

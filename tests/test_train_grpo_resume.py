@@ -10,6 +10,7 @@ genrm.JudgedStream.resume, with a recording engine."""
 NUM_GPUS = 0
 
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -77,7 +78,7 @@ def _sampler() -> core.DynamicSampler:
 
 
 def _partials(encoder=None, loader=None) -> core.PartialRollouts:
-    return train_grpo.held_cut_groups("token_tis", encoder or _Encoder(), loader)
+    return core.held_cut_groups("token_tis", encoder or _Encoder(), loader)
 
 
 def _sample(prompt: Prompt, response, logprobs, reason) -> core.PartialSample:
@@ -134,18 +135,30 @@ def _run_to_step_k(data: Path):
 CFG = read_config([])[0]  # the resolved config a checkpoint keeps
 
 
+def _track(ckpt, loader, sampler, partials, cfg) -> None:
+    """What the trainer tracks: its loader, sampler, cut groups and config (its watched fields)."""
+    core.track_run_state(
+        ckpt,
+        loader=loader,
+        sampler=sampler,
+        partials=partials,
+        config=dataclasses.asdict(cfg),
+        watched=train_grpo.RESUME_CHECKED_FIELDS,
+    )
+
+
 def _save(root: Path, step: int, loader, sampler, partials) -> None:
     """A checkpoint of step `step`, as the trainer writes it: the tracked objects beside it."""
     with Checkpointer(root, async_save=False) as ckpt:
-        train_grpo.track_run_state(ckpt, loader=loader, sampler=sampler, partials=partials, cfg=CFG)
+        _track(ckpt, loader, sampler, partials, CFG)
         ckpt.save(step, {"model": torch.nn.Linear(2, 2)}, extra={"step": step})
 
 
-def _resume(root: Path, loader, sampler, partials) -> train_grpo.Resumed:
+def _resume(root: Path, loader, sampler, partials) -> core.Resumed:
     """A fresh process's resume: the objects tracked, then the newest checkpoint loaded."""
     with Checkpointer(root, async_save=False) as ckpt:
-        train_grpo.track_run_state(ckpt, loader=loader, sampler=sampler, partials=partials, cfg=CFG)
-        return train_grpo.resume_run(ckpt, {"model": torch.nn.Linear(2, 2)}, partials=partials)
+        _track(ckpt, loader, sampler, partials, CFG)
+        return core.resume_run(ckpt, {"model": torch.nn.Linear(2, 2)}, partials=partials)
 
 
 def _load_extra(root: Path):
@@ -216,7 +229,7 @@ def test_a_resumed_run_starts_step_k_plus_1_with_the_uninterrupted_runs_cut_grou
     loader2, sampler2 = _loader(data), _sampler()
     partials2 = _partials(loader=loader2)
     restored = _resume(tmp_path / "ckpt", loader2, sampler2, partials2)
-    assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=0)
+    assert restored == core.Resumed(start_step=K + 1, num_partial_groups_dropped=0)
     resumed = _step_after(partials2, sampler2, restored.start_step)
     assert resumed == uninterrupted
     assert (
@@ -247,7 +260,7 @@ def test_a_checkpoint_written_before_the_cut_groups_were_kept_still_resumes(tmp_
     loader2, sampler2 = _loader(data), _sampler()
     partials2 = _partials(loader=loader2)
     restored = _resume(tmp_path / "ckpt", loader2, sampler2, partials2)
-    assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=0)
+    assert restored == core.Resumed(start_step=K + 1, num_partial_groups_dropped=0)
     assert loader2.next_batch(2) == next_rows
     assert len(partials2) == 0 and partials2.num_dropped_stale == 0  # no cut groups
     assert sampler2.last_keep_rate is None and sampler2.oversample_factor == 2.0  # the prior
@@ -286,7 +299,7 @@ def test_cut_groups_in_a_checkpoint_are_ignored_when_keep_partial_is_off_now(
     sampler2 = _sampler()
     with caplog.at_level(logging.WARNING, logger="train_grpo"):
         restored = _resume(tmp_path / "ckpt", _loader(data), sampler2, None)
-    assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=3)
+    assert restored == core.Resumed(start_step=K + 1, num_partial_groups_dropped=3)
     assert sampler2.last_keep_rate == pytest.approx(2 / 3)
     assert "holds 3 cut groups; rollout.keep_partial is off" in caplog.text
 
@@ -334,7 +347,7 @@ def test_groups_of_rows_with_images_are_kept_by_row_index_and_read_again(tmp_pat
     loader2 = image_loader()
     partials2 = _partials(encoder, loader2)
     restored = _resume(tmp_path / "ckpt", loader2, _sampler(), partials2)
-    assert restored == train_grpo.Resumed(start_step=K + 1, num_partial_groups_dropped=1)
+    assert restored == core.Resumed(start_step=K + 1, num_partial_groups_dropped=1)
     (group,) = partials2.take(K + 1)
     assert group.prompt.row["prompt"] == "q0" and group.prompt.ids == q0.ids
     assert group.prompt.images[0].getpixel((0, 0)) == (255, 0, 0)  # read again: red
@@ -352,11 +365,9 @@ def test_a_resume_that_changes_the_objective_warns_once_and_says_so_in_its_metri
     assert saved["loss"]["objective"] == CFG.loss.objective == "dapo"
     changed = replace(CFG, loss=replace(CFG.loss, objective="gspo"))
     with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
-        train_grpo.track_run_state(
-            ckpt, loader=_loader(data), sampler=_sampler(), partials=None, cfg=changed
-        )
+        _track(ckpt, _loader(data), _sampler(), None, changed)
         with caplog.at_level(logging.WARNING):
-            restored = train_grpo.resume_run(ckpt, {"model": torch.nn.Linear(2, 2)}, partials=None)
+            restored = core.resume_run(ckpt, {"model": torch.nn.Linear(2, 2)}, partials=None)
     assert restored.changed == ("loss.objective",)
     assert caplog.text.count("'dapo' -> 'gspo'") == 1
     assert restored.metrics(None)["resume/changed/loss.objective"] == 1.0

@@ -19,10 +19,9 @@ TRAINER = ROOT / "examples" / "train_grpo.py"
 sys.path.insert(0, str(ROOT / "examples"))
 
 import grpo_config
-import train_grpo
 from tasks import tools_task
 
-from yatt import core
+from yatt import core, genrm
 from yatt.rollout import SamplingParams
 from yatt.rollout.env.testing import COMPACT_TOOL_TEMPLATE, ScriptedEngine
 from yatt.testing import make_tokenizer
@@ -93,7 +92,7 @@ def test_a_trajectory_trains_only_on_sampled_tokens_and_a_bad_call_is_an_observa
         "Error: the tool call is not valid JSON"
     )  # read by the model
 
-    completion = train_grpo.TrajectoryCompletion(trajectory, request_index=0)
+    completion = genrm.TrajectoryCompletion(trajectory, request_index=0)
     (sample,) = core.rollout_samples([completion], rewards=[1.0], group_ids=[0])
     prompt_len = len(trajectory.prompt_ids)
     mask, ids = sample["loss_mask"], sample["input_ids"]

@@ -13,6 +13,7 @@ from yatt.testing import check_public_modules, check_public_names
 
 PUBLIC_NAMES: dict[str, list[str]] = {
     "yatt.genrm": [
+        "AccuracySignal",
         "BatchingConfig",
         "CombinedRM",
         "CutGroup",
@@ -54,6 +55,15 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "trajectory_sample",
         "trajectory_template",
         "verification_template",
+        "JudgedSample",
+        "generate_and_judge",
+        "judge_prompts",
+        "judged_samples",
+        "TrajectoryCompletion",
+        "score_trajectories",
+        "StepStats",
+        "VerdictWarnings",
+        "check_verdicts",
     ],
     "yatt.genrm.serve": [
         "TEMPLATES",

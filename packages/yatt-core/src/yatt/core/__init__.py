@@ -19,6 +19,7 @@ from yatt.core.config._from_dict import coerce_value, config_from_dict
 from yatt.core.config._yaml import load_yaml, read_yaml_file
 from yatt.core.cost._activation_memory import choose_max_tokens, estimate_activation_bytes
 from yatt.core.data._batch import Batch
+from yatt.core.data._draw import draw_prompts
 from yatt.core.data._loader import ROW_INDEX_KEY, ShardedLoader
 from yatt.core.data._mini_batches import split_mini_batches
 from yatt.core.data._model_paths import resolve_model_dir
@@ -51,6 +52,7 @@ from yatt.core.policy._torch_policy import TorchPolicy, image_patches_of
 from yatt.core.policy._train_step import merge_step_metrics
 from yatt.core.rl._advantages import compute_grpo_advantages, mask_groups_with_reward_variance
 from yatt.core.rl._async_rollout import AsyncRollout
+from yatt.core.rl._held_prompts import held_cut_groups, loaded_prompt, saved_prompt
 from yatt.core.rl._in_flight import InFlightPrompt, InFlightPrompts
 from yatt.core.rl._losses import (
     OBJECTIVES,
@@ -81,9 +83,17 @@ from yatt.core.rl._rollout_correction import (
     engine_old_logprobs,
 )
 from yatt.core.rl._rollout_samples import ROLLOUT_TOKEN_KEYS, rollout_batch, rollout_samples
+from yatt.core.rl._run_state import (
+    RESUME_DROPPED_METRIC,
+    Resumed,
+    resume_run,
+    save_stopped,
+    track_run_state,
+)
 from yatt.core.rl._sampler import DynamicSampler, UnfilledBatchError
 from yatt.core.rl._sampling import sample_dynamically
 from yatt.core.rl._staleness import AdmissionControl, StalenessConfig, check_staleness
+from yatt.core.rl._step_batch import StepStopped, take_step_batch
 from yatt.core.rl._surrogates import (
     ClipRegions,
     compute_cispo_policy_loss,
@@ -109,6 +119,7 @@ __all__ = [
     "LR_SCHEDULES",
     "OBJECTIVES",
     "OLD_LOGPROBS_FROM",
+    "RESUME_DROPPED_METRIC",
     "ROLLOUT_CORRECTIONS",
     "ROLLOUT_TOKEN_KEYS",
     "ROW_INDEX_KEY",
@@ -136,11 +147,13 @@ __all__ = [
     "Prompt",
     "PromptEncoder",
     "PromptError",
+    "Resumed",
     "RowPrompt",
     "RunLog",
     "Runtime",
     "ShardedLoader",
     "StalenessConfig",
+    "StepStopped",
     "TorchPolicy",
     "TorchPolicyConfig",
     "UnfilledBatchError",
@@ -175,6 +188,7 @@ __all__ = [
     "config_from_dict",
     "count_units",
     "describe_config",
+    "draw_prompts",
     "encode_vision_prompt",
     "engine_old_logprobs",
     "estimate_activation_bytes",
@@ -184,10 +198,12 @@ __all__ = [
     "export_lora_adapter",
     "get_field",
     "has_field",
+    "held_cut_groups",
     "image_patches_of",
     "init_runtime",
     "load_image_processor",
     "load_yaml",
+    "loaded_prompt",
     "logprobs_in_head",
     "mask_groups_with_reward_variance",
     "mask_truncated_responses",
@@ -200,12 +216,17 @@ __all__ = [
     "read_yaml_file",
     "reduce_metrics",
     "resolve_model_dir",
+    "resume_run",
     "rollout_batch",
     "rollout_samples",
     "sample_dynamically",
+    "save_stopped",
+    "saved_prompt",
     "set_seed",
     "split_mini_batches",
     "sum_over_units",
     "supports_head_logprobs",
+    "take_step_batch",
+    "track_run_state",
     "with_override",
 ]

@@ -25,6 +25,7 @@ timeout_s=, num_workers=)` loads several onto one pool of worker processes. A ju
 a hosted model): `OpenAIJudge(OpenAIJudgeConfig(base_url=..., model=...), template=, parser=)`.
 """
 
+from yatt.genrm._accuracy import AccuracySignal
 from yatt.genrm._as_completed import ScoredCompletions, score_as_completed
 from yatt.genrm._client import GenRMClient
 from yatt.genrm._combine import CombinedRM
@@ -33,11 +34,18 @@ from yatt.genrm._genrm import GenRM
 from yatt.genrm._groups import GroupJudging, JudgedGroup
 from yatt.genrm._judge_build import build_judge, check_judge_resources
 from yatt.genrm._judge_spec import JudgeSpec
+from yatt.genrm._judged_round import (
+    JudgedSample,
+    generate_and_judge,
+    judge_prompts,
+    judged_samples,
+)
 from yatt.genrm._judged_stream import CutGroup, JudgedStream, Scorer, StreamedGroup
 from yatt.genrm._openai import OpenAIJudge, OpenAIJudgeConfig
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
 from yatt.genrm._server import create_app
 from yatt.genrm._stats import ScoreStats
+from yatt.genrm._step_stats import StepStats, VerdictWarnings, check_verdicts
 from yatt.genrm._stopping import ScoringStopped
 from yatt.genrm._stream import BatchingConfig
 from yatt.genrm._templates import JudgeTemplate, pointwise_template, verification_template
@@ -47,11 +55,13 @@ from yatt.genrm._trajectory import (
     trajectory_sample,
     trajectory_template,
 )
+from yatt.genrm._trajectory_round import TrajectoryCompletion, score_trajectories
 from yatt.genrm._types import Sample, Verdict, Vote
 from yatt.genrm._verifiers import ExactMatch, NumericMatch, RegexMatch, RuleVerifier
 from yatt.genrm._version import __version__
 
 __all__ = [
+    "AccuracySignal",
     "BatchingConfig",
     "CombinedRM",
     "CutGroup",
@@ -63,6 +73,7 @@ __all__ = [
     "JudgeSpec",
     "JudgeTemplate",
     "JudgedGroup",
+    "JudgedSample",
     "JudgedStream",
     "NumericMatch",
     "OpenAIJudge",
@@ -76,20 +87,28 @@ __all__ = [
     "ScoredCompletions",
     "Scorer",
     "ScoringStopped",
+    "StepStats",
     "StreamedGroup",
+    "TrajectoryCompletion",
     "TrajectoryReward",
     "Verdict",
     "VerdictParser",
+    "VerdictWarnings",
     "Vote",
     "YesNoParser",
     "__version__",
     "build_judge",
     "check_judge_resources",
+    "check_verdicts",
     "create_app",
+    "generate_and_judge",
+    "judge_prompts",
+    "judged_samples",
     "load_reward_function",
     "load_reward_functions",
     "pointwise_template",
     "score_as_completed",
+    "score_trajectories",
     "trajectory_sample",
     "trajectory_template",
     "verification_template",

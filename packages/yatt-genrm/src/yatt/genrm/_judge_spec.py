@@ -56,6 +56,10 @@ MAX_FUNCTION_WORKERS = 64
 MAX_OPENAI_RETRIES = 20
 MAX_OPENAI_TIMEOUT_S = 3600.0  # one request, connect to last byte
 
+# The exact-match rule's component name (genrm.ExactMatch.name): an accuracy signal always
+# available, computed for the metric even when rule_weight is 0.
+ACCURACY_RULE = "exact_match"
+
 DEFAULT_JUDGE_TEMPLATE = (
     "Question: {prompt}\nReference answer: {reference}\nResponse: {response}\n"
     "Is the response correct? Answer Yes or No."
@@ -100,6 +104,12 @@ class JudgeSpec(EngineSpec):
     # reasons before its verdict needs room for the reasoning.
     verdict_max_tokens: int = 4
     rule_weight: float = 0.0  # weight of an exact-match rule reward added to the judge's
+    # The signal reward/accuracy reads, per response (0/1 for a right/wrong answer): a verdict
+    # component ("exact_match", the rule, computed for this even at rule_weight 0; a reward
+    # function's name such as "rewards:score"; "judge") or a key a function returns in a dict
+    # ("<function name>/<key>", e.g. "rewards:compute_score/acc"). "" = no accuracy metric:
+    # reward/accuracy is neither logged nor plotted (the reward alone says nothing of it).
+    accuracy: str = ""
     # How verdicts are grouped into the judge engine's calls: genrm.BatchingConfig fields
     # (max_batch_size 32, batch_window_millis 20, max_pending 256, max_inflight_batches 16);
     # {} = those defaults. Under placement=partial the judge takes responses as they finish:
@@ -144,6 +154,7 @@ class JudgeSpec(EngineSpec):
             "seconds one reward call may take; 0 = no limit",
         )
         check_weight(f"{section}.rule_weight", self.rule_weight)
+        self.check_accuracy()
         self.check_verdict_format()
         if self.verdict_from not in VERDICT_FROM:
             raise ValueError(
@@ -185,6 +196,31 @@ class JudgeSpec(EngineSpec):
             raise ValueError(
                 f"{section}.backend='none' loads no judge: give {section}.functions (or "
                 f"{section}.rule_weight > 0 for the exact-match rule), or a judge backend"
+            )
+
+    def check_accuracy(self) -> None:
+        """accuracy names a signal this reward can carry: the rule, the judge (with one), or a
+        reward function (its name, or "<name>/<key>" of a dict return). A function's name is
+        only known once it loads: a name no verdict carries is counted by the trainer."""
+        section, value = self.section, self.accuracy
+        if not isinstance(value, str) or value != value.strip():
+            raise ValueError(
+                f"{section}.accuracy={value!r}: a signal name such as 'exact_match', "
+                "'<function name>' or '<function name>/<key>'; '' = no accuracy metric"
+            )
+        name = value.partition("/")[0]
+        if not value or name == ACCURACY_RULE:
+            return
+        if name == "judge" and self.backend == "none":
+            raise ValueError(
+                f"{section}.accuracy='judge': {section}.backend='none' has no judge; name "
+                f"'{ACCURACY_RULE}' or a reward function's signal"
+            )
+        if name != "judge" and not self.functions:
+            raise ValueError(
+                f"{section}.accuracy={value!r}: no reward function gives it ({section}."
+                f"functions is empty); use '{ACCURACY_RULE}', 'judge', a function's "
+                "'<module>:<fn>' or '<module>:<fn>/<key>', or '' for none"
             )
 
     def check_engine(self) -> None:

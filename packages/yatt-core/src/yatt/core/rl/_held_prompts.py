@@ -1,12 +1,15 @@
-"""rollout.keep_partial: a held cut group's prompt in a checkpoint, and back.
+"""rollout.keep_partial's cut groups across a checkpoint: each held group's prompt as its data
+row and ids, and back through the run's encoder.
 
-The streamed step itself is genrm.JudgedStream (train_grpo.stream_step); the held groups are a
-core.PartialRollouts. A checkpoint keeps each held group's prompt as its data row and ids
-(saved_prompt; loaded_prompt rebuilds it through the run's encoder), so a run resumed after a
-crash resumes the groups the uninterrupted run would have. A row with opened images is not
-JSON: it is kept by its dataset index (core.ROW_INDEX_KEY) and read again on resume
-(ShardedLoader.read_rows), its images opened anew. A group whose prompt cannot be rebuilt (its
-row unusable now, other ids) is dropped, counted and logged.
+    partials = held_cut_groups("token_tis", encoder, loader)   # a PartialRollouts
+    ckpt.track("partials", partials)                            # saved with each checkpoint
+
+A checkpoint keeps each held group's prompt as its data row and ids (saved_prompt;
+loaded_prompt rebuilds it through the run's encoder), so a run resumed after a crash resumes
+the groups the uninterrupted run would have. A row with opened images is not JSON: it is kept
+by its dataset index (ROW_INDEX_KEY) and read again on resume (ShardedLoader.read_rows), its
+images opened anew. A group whose prompt cannot be rebuilt (its row unusable now, other ids)
+is dropped, counted (PartialRollouts.num_dropped_on_load).
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from grpo_prompts import Prompt
-
-from yatt import core
+from yatt.core.data._loader import ROW_INDEX_KEY
+from yatt.core.data._prompts import Prompt
+from yatt.core.rl._partial_rollouts import PartialRollouts
 
 
 def saved_prompt(prompt: Prompt) -> dict | None:
@@ -32,7 +35,7 @@ def saved_prompt(prompt: Prompt) -> dict | None:
         row = None
     if row is not None and row == prompt.row:
         return {"row": row, "ids": ids}
-    index = prompt.row.get(core.ROW_INDEX_KEY)
+    index = prompt.row.get(ROW_INDEX_KEY)
     if isinstance(index, int) and not isinstance(index, bool):
         return {"row_index": index, "ids": ids}
     return None
@@ -63,3 +66,16 @@ def loaded_prompt(
     if len(prompts) != 1 or list(prompts[0].ids) != list(saved["ids"]):
         return None
     return prompts[0]
+
+
+def held_cut_groups(rollout_correction: str, encoder: Any, loader: Any) -> PartialRollouts:
+    """rollout.keep_partial's holder of cut groups (a PartialRollouts); a checkpoint keeps each
+    one's prompt as its row and ids (saved_prompt), rebuilt on resume through the run's
+    `encoder` (a PromptEncoder), a row with opened images read again by its index through
+    `loader` (a ShardedLoader; None: such groups are dropped on resume)."""
+    read_rows = None if loader is None else loader.read_rows
+    return PartialRollouts(
+        rollout_correction=rollout_correction,
+        save_prompt=saved_prompt,
+        load_prompt=lambda saved: loaded_prompt(saved, encoder, read_rows=read_rows),
+    )

@@ -1,0 +1,81 @@
+"""score_trajectories and TrajectoryCompletion: a multi-turn trajectory's reward is the
+scorer's plus env_reward_weight x the environment's, and it trains as a Completion whose loss
+mask is its own."""
+
+NUM_GPUS = 0
+
+from types import SimpleNamespace
+
+from yatt import genrm
+from yatt.rollout import Trajectory
+
+
+def _trajectory(row_index: int, sample_index: int, env_reward: float | None) -> Trajectory:
+    return Trajectory(
+        row_index=row_index,
+        sample_index=sample_index,
+        env_name="Guess",
+        prompt_ids=[1, 2],
+        response_ids=[3, 4, 5],
+        loss_mask=[1, 0, 1],
+        logprobs=[-0.5, 0.0, -0.25],
+        messages=[
+            {"role": "user", "content": "guess"},
+            {"role": "assistant", "content": "5"},
+        ],
+        tool_calls=[[]],
+        num_turns=1,
+        end_cause="stop",
+        env_reward=env_reward,
+    )
+
+
+class _Scorer:
+    """Reward 1 when the reference is "5" (what the sample reads of the row), else -1."""
+
+    def __init__(self) -> None:
+        self.samples = []
+
+    def score(self, samples):
+        self.samples.extend(samples)
+        return [
+            genrm.Verdict(
+                sample_id=s.id,
+                reward=1.0 if s.reference == "5" else -1.0,
+                status="ok",
+                components={"rewards:f": 1.0 if s.reference == "5" else -1.0},
+            )
+            for s in samples
+        ]
+
+
+PROMPTS = [SimpleNamespace(row={"secret": 5}), SimpleNamespace(row={"secret": 3})]
+
+
+def test_the_reward_is_the_scorers_plus_the_weighted_environment_reward():
+    trajectories = [_trajectory(0, 0, 1.0), _trajectory(1, 0, None)]
+    scorer = _Scorer()
+    judged = genrm.score_trajectories(
+        trajectories, PROMPTS, scorer, answer_key="secret", env_reward_weight=0.5
+    )
+    # 1 + 0.5 x 1 for row 0; -1 + 0.5 x 0 (no environment reward) for row 1
+    assert [j.verdict.reward for j in judged] == [1.5, -1.0]
+    assert [j.verdict.components for j in judged] == [
+        {"rewards:f": 1.0, "env_reward": 1.0},
+        {"rewards:f": -1.0, "env_reward": None},
+    ]
+    assert [s.reference for s in scorer.samples] == ["5", "3"]  # the row's answer, as text
+    assert [j.prompt for j in judged] == PROMPTS
+    completion = judged[0].completion
+    assert completion.request_index == 0 and completion.sample_index == 0
+    assert completion.loss_mask == [1, 0, 1] and completion.response_ids == [3, 4, 5]
+    assert completion.finish_reason == "stop"
+
+
+def test_without_a_scorer_the_environment_alone_is_the_reward():
+    judged = genrm.score_trajectories(
+        [_trajectory(0, 1, 0.25)], PROMPTS, None, answer_key="", env_reward_weight=2.0
+    )
+    (item,) = judged
+    assert item.verdict.reward == 0.5 and item.verdict.status == "ok"
+    assert item.sample.reference is None
