@@ -149,13 +149,25 @@ def integration(session: nox.Session) -> None:
     _pytest(session, "integration", str(ROOT / "tests"))
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def build(session: nox.Session) -> None:
-    """Every package's wheel (and sdist) into dist/, as a release would publish them."""
+    """Every package's sdist, then its wheel built from that sdist, into dist/, as a release
+    would publish them.
+
+    `uv build` (pinned in requirements-dev.txt) does what `python -m build` does, in an isolated
+    build environment, but installs hatchling from uv's cache: the session took 2 minutes in CI
+    with pip creating two build environments per package, and needs no virtualenv of its own."""
     shutil.rmtree(DIST_DIR, ignore_errors=True)
-    session.install("build==1.3.0")
     for package in _discover_packages():
-        session.run("python", "-m", "build", "--outdir", str(DIST_DIR), str(PACKAGES_DIR / package))
+        session.run(
+            "uv",
+            "build",
+            "--quiet",
+            "--out-dir",
+            str(DIST_DIR),
+            str(PACKAGES_DIR / package),
+            external=True,
+        )
 
 
 def _runtime_requirements(package: str) -> set[str]:
