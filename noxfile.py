@@ -30,6 +30,12 @@ PACKAGES_DIR = ROOT / "packages"
 REPORTS_DIR = ROOT / ".reports"
 DIST_DIR = ROOT / "dist"
 TORCH_VERSION = "2.13.0"  # the version CI tests; the packages' floors say which they accept
+# Sessions whose tests run on two pytest-xdist workers, one test file per worker at a time
+# (module fixtures built once, a file's tests in order). Their tests spend much of their time
+# starting processes, sleeping or waiting on ranks, so one CPU sits idle under a serial run on
+# CI's 2 cores. `nox -s integration -- -n 0` runs one of them serially.
+PARALLEL_SESSIONS = {"yatt-ckpt", "yatt-core", "integration"}
+XDIST = "pytest-xdist==3.8.0"
 
 nox.options.default_venv_backend = "uv"
 nox.options.sessions = ["lint", "tests", "integration", "readme"]
@@ -111,9 +117,14 @@ def _install_packages(session: nox.Session, packages: list[str], extras: str = "
 
 def _pytest(session: nox.Session, report_name: str, *paths: str) -> None:
     REPORTS_DIR.mkdir(exist_ok=True)
+    workers = []
+    if report_name in PARALLEL_SESSIONS:
+        session.install(XDIST)
+        workers = ["-n", "2", "--dist", "loadfile"]
     session.run(
         "pytest",
         *paths,
+        *workers,
         f"--junitxml={REPORTS_DIR / (report_name + '.xml')}",
         *session.posargs,
     )
