@@ -33,8 +33,10 @@ TORCH_VERSION = "2.13.0"  # the version CI tests; the packages' floors say which
 # Sessions whose tests run on two pytest-xdist workers, one test file per worker at a time
 # (module fixtures built once, a file's tests in order). Their tests spend much of their time
 # starting processes, sleeping or waiting on ranks, so one CPU sits idle under a serial run on
-# CI's 2 cores. `nox -s integration -- -n 0` runs one of them serially.
-PARALLEL_SESSIONS = {"yatt-ckpt", "yatt-core", "integration"}
+# CI's 2 cores. `nox -s integration -- -n 0` runs one of them serially. yatt-ckpt stays serial:
+# its kill -9 tests count the commits a writer makes between random kills, which a second
+# worker's load starves (24 kills gave 11 commits of the 12 asked under two workers).
+PARALLEL_SESSIONS = {"yatt-core", "integration"}
 XDIST = "pytest-xdist==3.8.0"
 
 nox.options.default_venv_backend = "uv"
