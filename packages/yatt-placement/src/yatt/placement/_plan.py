@@ -19,7 +19,8 @@ A phase never puts part of a role to sleep: a role awake with more tags than ask
 With offload="auto" step (1) sleeps a role only when the phase would not fit beside it (`_fit`).
 Dataflow: `Plan` keeps the state (roles, awake tags, measurements in `FitBooks`), hands a
 `SwitchSnapshot` to the pure planner (`_planner.plan_switch`), and executes the decision it gets
-back (sleeps, then wakes); fit reports (`check_fit`) come from `_fit_report`.
+back (sleeps, then wakes); fit reports (`check_fit`) come from `_fit_report`; the factories'
+phase layouts and the checks of a layout against its roles come from `_phases`.
 Before a switch wakes anything it releases torch's allocator cache (a woken region needs memory
 the driver can hand out). Roles that report their needs (`MemoryNeed`) let offload="auto" check,
 at the first switch, that every phase can fit at all, and fail then, naming what to shrink.
@@ -35,15 +36,21 @@ from contextlib import contextmanager
 
 import torch
 
-from yatt.placement._capabilities import (
-    InMemoryRegions,
-    MeasuresResidentBytes,
-    MemoryTagged,
-    ResizesWhileAwake,
-)
+from yatt.placement._capabilities import MeasuresResidentBytes, ResizesWhileAwake
 from yatt.placement._fit import FitConfig, OffloadMode, make_default_meter, make_fit_books
 from yatt.placement._fit_report import fit_report, host_fit_report, raise_unless_fits
 from yatt.placement._needs import HostFit, PhaseFit, role_need
+from yatt.placement._phases import (
+    WAKE_STAGES,
+    PhaseEntry,
+    check_distinct_regions,
+    full_colocation_layout,
+    parse_phase,
+    partial_colocation_layout,
+    role_tags,
+    separate_layout,
+    working_roles,
+)
 from yatt.placement._planner import (
     WHOLE,
     SwitchDecision,
@@ -56,15 +63,7 @@ from yatt.placement._records import PhaseRecord, phase_metrics
 from yatt.placement._roles import Role
 from yatt.placement._split import MemorySplit, SplitState
 
-# One phase entry: a role name (the whole role), or (name, tags) for part of it.
-PhaseEntry = str | tuple[str, Sequence[str]]
-_WHOLE = WHOLE  # the one tag of a role without memory_tags
 _MAX_RECORDS = 1024
-# Weights first: a KV cache sized from free memory must see every role's weights in place.
-_WAKE_STAGES = (("weights",), ("kv_cache",))
-# The factories' trainer and KL reference work (activations, gradients) in the train phase only:
-# in sync the trainer is awake but its reported peak does not happen.
-_TRAIN_PEAKS = {"train": ("train",), "reference": ("train",)}
 
 logger = logging.getLogger(__name__)
 
@@ -75,43 +74,8 @@ def _synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def _rollout_weights(rollout: Role) -> PhaseEntry:
-    """The sync phase needs only the engine's weights, if the engine can wake them alone."""
-    if isinstance(rollout, MemoryTagged) and "weights" in (rollout.memory_tags or ()):
-        return ("rollout", ("weights",))
-    return "rollout"
-
-
 def _resizes_while_awake(role: Role) -> bool:
     return isinstance(role, ResizesWhileAwake) and bool(role.resizes_while_awake)
-
-
-def _check_distinct_regions(roles: Mapping[str, Role]) -> None:
-    """Two roles in one memory region would pause each other (regions sleep by name)."""
-    owner: dict[str, str] = {}
-    for name, role in roles.items():
-        regions = role.memory_regions if isinstance(role, InMemoryRegions) else ()
-        for region_tag in regions or ():
-            if region_tag in owner and roles[owner[region_tag]] is not role:
-                raise ValueError(
-                    f"roles {owner[region_tag]!r} and {name!r} share the memory region "
-                    f"{region_tag!r}, so putting one to sleep would put the other to sleep too; "
-                    "give each engine its own region (EngineConfig.region_prefix)"
-                )
-            owner[region_tag] = name
-
-
-def _ordered_roles(
-    rollout: Role, genrm: Role | None, train: Role, reference: Role | None = None
-) -> dict[str, Role]:
-    roles = {"rollout": rollout, "genrm": genrm, "train": train, "reference": reference}
-    return {name: role for name, role in roles.items() if role is not None}
-
-
-def _train_entries(reference: Role | None) -> list[PhaseEntry]:
-    """The train phase: the trainer, and a frozen KL reference policy whose logprobs the loss
-    reads (awake only then: offloaded with the trainer in every other phase)."""
-    return ["train", "reference"] if reference is not None else ["train"]
 
 
 class Plan:
@@ -138,7 +102,7 @@ class Plan:
         roles: Mapping[str, Role],
         phases: Mapping[str, Sequence[PhaseEntry]],
         mode: str = "custom",
-        wake_stages: Sequence[Sequence[str]] = _WAKE_STAGES,
+        wake_stages: Sequence[Sequence[str]] = WAKE_STAGES,
         split: MemorySplit | None = None,
         meter: Callable[[], int] | None = None,
         offload: OffloadMode = "always",
@@ -153,11 +117,11 @@ class Plan:
                 )
         if not phases:
             raise ValueError("Plan(phases={}) needs at least one phase")
-        _check_distinct_regions(roles)
+        check_distinct_regions(roles)
         self.mode = mode
         self.offload = offload
         self._roles = dict(roles)
-        self._phases = {name: self._parse_phase(name, entries) for name, entries in phases.items()}
+        self._phases = {name: parse_phase(name, entries, roles) for name, entries in phases.items()}
         self._wake_stages = tuple(tuple(stage) for stage in wake_stages)
         # Roles are assumed awake when handed over: they were just built.
         self._awake = {name: set(self._tags_of(name)) for name in self._roles}
@@ -165,7 +129,7 @@ class Plan:
         self._meter = meter if meter is not None else make_default_meter(self._roles.values())
         self._fit = make_fit_books(offload, fit, self._meter)
         self._is_auto = offload == "auto" and self._fit.can_measure
-        self._working = self._working_roles(peak_phases or {})
+        self._working = working_roles(self._roles, self._phases, peak_phases or {})
         self._is_checked = False
         self._warned_short: set[str] = set()
         self._last_phase: str | None = None
@@ -183,30 +147,25 @@ class Plan:
         train: Role,
         genrm: Role | None = None,
         reference: Role | None = None,
-        wake_stages: Sequence[Sequence[str]] = _WAKE_STAGES,
+        wake_stages: Sequence[Sequence[str]] = WAKE_STAGES,
         meter: Callable[[], int] | None = None,
         offload: OffloadMode = "always",
         fit: FitConfig | None = None,
     ) -> Plan:
         """Each phase alone on every GPU: phases rollout, genrm (if given), train and sync.
         A KL `reference` policy is awake in the train phase only."""
-        roles = _ordered_roles(rollout, genrm, train, reference)
-        phases: dict[str, list[PhaseEntry]] = {"rollout": ["rollout"]}
-        if genrm is not None:
-            phases["genrm"] = ["genrm"]
-        phases |= {
-            "train": _train_entries(reference),
-            "sync": ["train", _rollout_weights(rollout)],
-        }
+        layout = full_colocation_layout(
+            rollout=rollout, train=train, genrm=genrm, reference=reference
+        )
         return cls(
-            roles=roles,
-            phases=phases,
+            roles=layout.roles,
+            phases=layout.phases,
             mode="full_colocation",
             wake_stages=wake_stages,
             meter=meter,
             offload=offload,
             fit=fit,
-            peak_phases={name: _TRAIN_PEAKS[name] for name in _TRAIN_PEAKS if name in roles},
+            peak_phases=layout.peak_phases,
         )
 
     @classmethod
@@ -218,25 +177,20 @@ class Plan:
         train: Role,
         reference: Role | None = None,
         split: MemorySplit | None = None,
-        wake_stages: Sequence[Sequence[str]] = _WAKE_STAGES,
+        wake_stages: Sequence[Sequence[str]] = WAKE_STAGES,
         meter: Callable[[], int] | None = None,
         offload: OffloadMode = "always",
         fit: FitConfig | None = None,
     ) -> Plan:
         """Rollout and GenRM resident together (memory split by load), trainer offloaded; a KL
         `reference` policy is awake in the train phase only."""
-        engines: list[PhaseEntry] = ["rollout", "genrm"]
-        roles = _ordered_roles(rollout, genrm, train, reference)
-        phases = {
-            "rollout": engines,
-            "genrm": engines,
-            "train": _train_entries(reference),
-            "sync": ["train", _rollout_weights(rollout)],
-        }
+        layout = partial_colocation_layout(
+            rollout=rollout, genrm=genrm, train=train, reference=reference
+        )
         return cls(
-            roles=roles,
-            phases=phases,
-            peak_phases={name: _TRAIN_PEAKS[name] for name in _TRAIN_PEAKS if name in roles},
+            roles=layout.roles,
+            phases=layout.phases,
+            peak_phases=layout.peak_phases,
             mode="partial_colocation",
             split=split if split is not None else MemorySplit(),
             wake_stages=wake_stages,
@@ -256,33 +210,11 @@ class Plan:
         meter: Callable[[], int] | None = None,
     ) -> Plan:
         """Every role keeps its own GPUs and stays awake: the baseline; switches cost nothing."""
-        roles = _ordered_roles(rollout, genrm, train, reference)
-        every: list[PhaseEntry] = list(roles)
-        phases = dict.fromkeys(
-            ["rollout", *(["genrm"] if genrm is not None else []), "train", "sync"], every
-        )
-        return cls(roles=roles, phases=phases, mode="separate", meter=meter)
+        layout = separate_layout(rollout=rollout, train=train, genrm=genrm, reference=reference)
+        return cls(roles=layout.roles, phases=layout.phases, mode="separate", meter=meter)
 
     def _tags_of(self, role_name: str) -> tuple[str, ...]:
-        role = self._roles[role_name]
-        return tuple((role.memory_tags if isinstance(role, MemoryTagged) else None) or (_WHOLE,))
-
-    def _parse_phase(self, phase: str, entries: Sequence[PhaseEntry]) -> dict[str, set[str]]:
-        wanted: dict[str, set[str]] = {}
-        for entry in entries:
-            name, tags = (entry, None) if isinstance(entry, str) else entry
-            if name not in self._roles:
-                raise ValueError(
-                    f"phases[{phase!r}] names role {name!r}; roles are {sorted(self._roles)}"
-                )
-            known = self._tags_of(name)
-            if tags is not None and (isinstance(tags, str) or not set(tags) <= set(known)):
-                raise ValueError(
-                    f"phases[{phase!r}] asks role {name!r} for tags {tags!r}; it declares "
-                    f"memory_tags={known if known != (_WHOLE,) else None}"
-                )
-            wanted[name] = set(known if tags is None else tags)
-        return wanted
+        return role_tags(self._roles[role_name])
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -449,7 +381,7 @@ class Plan:
         for call in calls:
             need = role_need(self._roles[call[0]])
             if need is not None:
-                tags = None if call[1] == (_WHOLE,) else call[1]
+                tags = None if call[1] == (WHOLE,) else call[1]
                 out[call] = need.resident_bytes(tags)
         return out
 
@@ -462,21 +394,6 @@ class Plan:
                 return None
             total += need.peak_bytes
         return total
-
-    def _working_roles(self, peak_phases: Mapping[str, Sequence[str]]) -> dict[str, set[str]]:
-        """Per phase, the roles whose reported peak happens in it."""
-        for role_name, phases in peak_phases.items():
-            unknown = [p for p in phases if p not in self._phases]
-            if role_name not in self._roles or unknown:
-                raise ValueError(
-                    f"peak_phases[{role_name!r}]={list(phases)!r}: roles are "
-                    f"{sorted(self._roles)}, phases {list(self._phases)}"
-                )
-        working: dict[str, set[str]] = {}
-        for phase, wanted in self._phases.items():
-            whole = {r for r, tags in wanted.items() if tags == set(self._tags_of(r))}
-            working[phase] = {r for r in whole if r not in peak_phases or phase in peak_phases[r]}
-        return working
 
     def fit_report(self) -> list[PhaseFit]:
         """Per phase, what it needs alone on the device (every other role asleep), from the
@@ -529,14 +446,14 @@ class Plan:
         role_name, tags = call
         role = self._roles[role_name]
         before = self._meter()
-        if tags == (_WHOLE,):
+        if tags == (WHOLE,):
             role.wake_up()
         else:
             role.wake_up(tags=tags)
         self._fit.record_wake(call, self._meter() - before)
         self._awake[role_name] |= set(tags)
         if self._split is not None:
-            self._split.note_wake(role_name, sizes_kv_cache="kv_cache" in tags or tags == (_WHOLE,))
+            self._split.note_wake(role_name, sizes_kv_cache="kv_cache" in tags or tags == (WHOLE,))
 
     def _role_bytes(self, role_name: str) -> int:
         """What an awake role holds: its own count if it keeps one, else as last measured."""
