@@ -157,13 +157,16 @@ def check_lora_targets(lora: LoraConfig, model_dir: str, field: str) -> None:
     targets = lora.target_modules
     entries = [targets] if isinstance(targets, str) else list(targets)
     targeted: set[str] = set()
+    # PEFT's target matching skips modules to save: the targets are matched alone here, and an
+    # overlap is refused below.
+    adapter_only = dataclasses.replace(lora, modules_to_save=())
     for entry in entries:
         if targets == "all-linear":  # PEFT's shorthand, resolved against this model
-            single = _maybe_include_all_linear_layers(to_peft_config(lora), model)
+            single = _maybe_include_all_linear_layers(to_peft_config(adapter_only), model)
         elif isinstance(targets, str):
-            single = to_peft_config(lora)  # one regular expression
+            single = to_peft_config(adapter_only)  # one regular expression
         else:
-            single = to_peft_config(dataclasses.replace(lora, target_modules=(entry,)))
+            single = to_peft_config(dataclasses.replace(adapter_only, target_modules=(entry,)))
         matched = [n for n in modules if check_target_module_exists(single, n)]
         if not matched:
             raise ValueError(
