@@ -511,7 +511,13 @@ class TorchPolicy:
                 "base to fall back to; build a reference policy (is_reference=True)"
             )
         with self._peft.disable_adapter():
-            return self.logprobs(batch)
+            logprobs = self.logprobs(batch)
+            if hasattr(self.module, "reshard"):  # FSDP2
+                # The root's parameters stay unsharded after a forward. PEFT turns a module to
+                # save's requires_grad back on as the context exits: on the registered
+                # parameter, which must be the sharded one FSDP2 keeps (else it stays frozen).
+                self.module.reshard()
+        return logprobs
 
     def state(self) -> dict[str, Any]:
         """{"model", "optimizer", "schedule"} for yatt.ckpt (torch.distributed.checkpoint):
