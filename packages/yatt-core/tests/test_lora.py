@@ -325,13 +325,15 @@ def test_checkpointing_and_a_sleep_leave_the_adapters_step_unchanged(tiny_model_
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 policy/engine)")
-def test_cuda_bf16_adapter_sync_serves_the_merged_full_sync(tmp_path):
+@pytest.mark.parametrize("saved", [(), ("lm_head",)], ids=["adapter", "adapter+head"])
+def test_cuda_bf16_adapter_sync_serves_the_merged_full_sync(tmp_path, saved):
     rollout = pytest.importorskip("yatt.rollout")
     from yatt.testing import make_tiny_causal_lm
 
     model_dir = tmp_path / "bf16"
     make_tiny_causal_lm(model_dir, arch="qwen2", seed=0, dtype=torch.bfloat16)
-    policy = TorchPolicy(_config(model_dir, dtype="bfloat16"))
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, modules_to_save=saved)
+    policy = TorchPolicy(_config(model_dir, dtype="bfloat16", lora=lora))
     assert policy.device.type == "cuda"
     engines = [
         rollout.BuiltinEngine(
