@@ -24,7 +24,9 @@ from yatt.core import LoraConfig, PolicyLoss, TorchPolicy, TorchPolicyConfig, in
 RANK, ALPHA = 4, 8.0
 
 
-def lora_config(model_dir: str, parallel: str, max_tokens: int) -> TorchPolicyConfig:
+def lora_config(
+    model_dir: str, parallel: str, max_tokens: int, modules_to_save: tuple[str, ...] = ()
+) -> TorchPolicyConfig:
     return TorchPolicyConfig(
         model_dir=model_dir,
         lr=1e-2,
@@ -32,7 +34,7 @@ def lora_config(model_dir: str, parallel: str, max_tokens: int) -> TorchPolicyCo
         dtype="float32",
         parallel=parallel,
         max_tokens_per_microbatch=max_tokens,
-        lora=LoraConfig(rank=RANK, alpha=ALPHA),
+        lora=LoraConfig(rank=RANK, alpha=ALPHA, modules_to_save=modules_to_save),
     )
 
 
@@ -55,9 +57,10 @@ def run_lora_steps(policy: TorchPolicy, batch, num_steps: int = 2) -> dict:
 
 def main() -> None:
     parallel, out_dir, model_dir = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    modules_to_save = tuple(sys.argv[4].split(",")) if len(sys.argv) > 4 else ()
     with init_runtime(seed=0) as rt:
         batch = make_global_batch().select(SHARDS[rt.dp_size][rt.dp_rank])
-        config = lora_config(model_dir, parallel, max_tokens=24)
+        config = lora_config(model_dir, parallel, max_tokens=24, modules_to_save=modules_to_save)
         policy = TorchPolicy(config, rt)
         out = run_lora_steps(policy, batch)
         from yatt.ckpt import Checkpointer

@@ -325,13 +325,15 @@ def test_checkpointing_and_a_sleep_leave_the_adapters_step_unchanged(tiny_model_
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 policy/engine)")
-def test_cuda_bf16_adapter_sync_serves_the_merged_full_sync(tmp_path):
+@pytest.mark.parametrize("saved", [(), ("lm_head",)], ids=["adapter", "adapter+head"])
+def test_cuda_bf16_adapter_sync_serves_the_merged_full_sync(tmp_path, saved):
     rollout = pytest.importorskip("yatt.rollout")
     from yatt.testing import make_tiny_causal_lm
 
     model_dir = tmp_path / "bf16"
     make_tiny_causal_lm(model_dir, arch="qwen2", seed=0, dtype=torch.bfloat16)
-    policy = TorchPolicy(_config(model_dir, dtype="bfloat16"))
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, modules_to_save=saved)
+    policy = TorchPolicy(_config(model_dir, dtype="bfloat16", lora=lora))
     assert policy.device.type == "cuda"
     engines = [
         rollout.BuiltinEngine(
@@ -407,3 +409,222 @@ def test_the_memory_a_placement_plan_sees_is_the_adapters(tiny_model_dir):
     assert need.resident["optimizer"] == 8 * num_adapter + 4 * len(adapter)
     weights = [*policy.module.parameters(), *policy.module.buffers()]
     assert need.resident["weights"] == sum(t.nbytes for t in weights)
+
+
+# -- modules_to_save: modules trained whole beside the adapter (PEFT's field) --------------------
+
+HEAD_TRAINED = "lm_head.modules_to_save.default.weight"  # PEFT's trained copy of the head
+HEAD_BASE = "lm_head.original_module.weight"  # the original, frozen: the adapter-off base
+
+
+def _with_head(model_dir, /, **overrides):
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, modules_to_save=["lm_head"])
+    return _config(model_dir, lora=lora, **overrides)
+
+
+def _is_trained(name):
+    return _is_adapter(name) or name == HEAD_TRAINED
+
+
+def test_modules_to_save_train_whole_beside_the_adapter_and_the_reference_is_the_base(
+    tiny_model_dir,
+):
+    policy = TorchPolicy(_with_head(tiny_model_dir))
+    assert policy.config.lora.modules_to_save == ("lm_head",)  # YAML's list, kept as a tuple
+    base = {n: p.detach().clone() for n, p in policy.module.named_parameters()}
+    seen_grads = {}
+    for name, param in policy.module.named_parameters():
+        if param.requires_grad:
+            param.register_hook(lambda g, n=name: seen_grads.__setitem__(n, g.abs().sum().item()))
+    _step(policy)
+    _step(policy, seed=1)
+    trainable = {n for n, p in policy.module.named_parameters() if p.requires_grad}
+    assert trainable == {n for n in base if _is_adapter(n)} | {HEAD_TRAINED}
+    assert set(seen_grads) == trainable and seen_grads[HEAD_TRAINED] > 0
+    names = {id(p): n for n, p in policy.module.named_parameters()}
+    held = {names[id(p)] for group in policy.optimizer.param_groups for p in group["params"]}
+    assert held == trainable == {names[id(p)] for p in policy.optimizer.state}
+    for name, param in policy.module.named_parameters():
+        if not _is_trained(name):
+            assert torch.equal(param, base[name]), name  # the base, its head included, frozen
+    assert not torch.equal(policy.module.get_parameter(HEAD_TRAINED), base[HEAD_TRAINED])
+    # The reference (adapter off) is the base model, its own head included.
+    batch = _batch(seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    expected = _hf_logprobs(hf, batch) * batch["attention_mask"]
+    torch.testing.assert_close(policy.reference_logprobs(batch), expected, atol=1e-5, rtol=0)
+    assert policy.module.get_parameter(HEAD_TRAINED).requires_grad  # back on afterwards
+    # The full sync names the Hugging Face model, the head its trained copy; the adapter sync
+    # carries the same head whole.
+    merged = dict(policy.named_weights())
+    assert list(merged) == [n for n, _ in hf.named_parameters()]
+    assert torch.equal(merged["lm_head.weight"], policy.module.get_parameter(HEAD_TRAINED))
+    adapter = dict(policy.named_adapter_weights())
+    assert torch.equal(adapter["lm_head.weight.lora_saved"], merged["lm_head.weight"])
+    hf.load_state_dict(merged)
+    trained = policy.logprobs(batch)
+    torch.testing.assert_close(
+        trained, _hf_logprobs(hf, batch) * batch["attention_mask"], atol=1e-5, rtol=0
+    )
+    hf.load_state_dict({**merged, "lm_head.weight": base[HEAD_BASE]})
+    without_head = _hf_logprobs(hf, batch) * batch["attention_mask"]
+    assert (trained - without_head).abs().max() > 1e-3  # the trained head matters
+
+
+def test_an_adapter_and_head_sync_serves_the_merged_full_sync_and_the_base_when_off(
+    tiny_model_dir,
+):
+    rollout = pytest.importorskip("yatt.rollout")
+    from yatt.rollout._weights import named_targets
+
+    policy = TorchPolicy(_with_head(tiny_model_dir))
+    engines = [
+        rollout.BuiltinEngine(
+            tiny_model_dir,
+            config=rollout.EngineConfig(max_batch_size=2, max_seq_len=64, region_prefix=prefix),
+        )
+        for prefix in ("lora-head-adapter", "lora-head-full")
+    ]
+    base = {n: p.detach().clone() for n, p in engines[0].model.named_parameters()}
+    for seed in (0, 1):
+        _step(policy, seed=seed)
+        engines[0].update_weights(policy.named_adapter_weights())
+        engines[1].update_weights(policy.named_weights())
+        served = [dict(e.model.named_parameters()) for e in engines]
+        for name, tensor in served[1].items():
+            assert torch.equal(served[0][name], tensor), (seed, name)
+        assert not torch.equal(served[0]["lm_head.weight"], base["lm_head.weight"])
+    # The engine's logprobs of a sequence are the policy's (same function, float32).
+    batch = _batch(lengths=(9,), seed=5)
+    ids = batch["input_ids"][0].tolist()
+    request = rollout.Request(prompt_ids=ids[:4])
+    sampling = rollout.SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True)
+    completion = engines[0].generate([request], sampling)[0]
+    full = ids[:4] + list(completion.response_ids)
+    rows = [
+        {
+            "input_ids": torch.tensor(full),
+            "loss_mask": torch.ones(len(full), dtype=torch.int64),
+            "group_id": 0,
+            "reward": 0.0,
+        }
+    ]
+    check = Batch.from_samples(rows, token_keys=["input_ids", "loss_mask"])
+    torch.testing.assert_close(
+        policy.logprobs(check)[0, 4:], torch.tensor(completion.logprobs), atol=1e-4, rtol=0
+    )
+    targets = named_targets(engines[0].model)
+    engines[0]._adapter.set_enabled(targets, False)
+    for name, param in engines[0].model.named_parameters():
+        assert torch.equal(param, base[name]), name
+    for engine in engines:
+        engine.close()
+
+
+def test_a_checkpoint_with_a_module_to_save_resumes_exactly(tiny_model_dir, tmp_path):
+    ckpt = pytest.importorskip("yatt.ckpt")
+    from yatt.ckpt._state import collect_state_dict, flatten_tensors, validate_state
+
+    policy = TorchPolicy(_with_head(tiny_model_dir))
+    _step(policy)
+    state = policy.state()
+    saved = flatten_tensors(collect_state_dict(state, validate_state(state)))
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert all(_is_trained(k.removeprefix("model.")) for k in model_keys)
+    assert "model." + HEAD_TRAINED in model_keys
+    assert any(HEAD_TRAINED in k for k in saved if k.startswith("optimizer.state."))
+    with ckpt.Checkpointer(tmp_path / "ckpts", async_save=False) as checkpointer:
+        checkpointer.save(1, policy.state(), extra={"step": 1})
+        _step(policy, seed=1)
+        resumed = TorchPolicy(_with_head(tiny_model_dir))
+        assert checkpointer.load(resumed.state()) == {"step": 1}
+    _step(resumed, seed=1)
+    for (name, a), (_, b) in zip(
+        policy.module.named_parameters(), resumed.module.named_parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_a_module_to_save_exports_in_peft_format_and_merged(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from yatt.core import export_hf, export_lora_adapter
+
+    policy = TorchPolicy(_with_head(tiny_model_dir))
+    _step(policy)
+    _step(policy, seed=1)
+    batch = _batch(seed=3)
+    expected = policy.logprobs(batch)
+    adapter_dir = export_lora_adapter(policy, tmp_path / "adapter", dtype="float32")
+    # PEFT's own key for a module to save: the module's name, no adapter name.
+    keys = load_file(adapter_dir / "adapter_model.safetensors")
+    assert "base_model.model.lm_head.weight" in keys
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    reloaded = PeftModel.from_pretrained(base, adapter_dir)
+    got = _hf_logprobs(reloaded, batch) * batch["attention_mask"]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    merged_dir = export_hf(policy, tmp_path / "merged", dtype="float32")
+    plain = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    got = _hf_logprobs(plain, batch) * batch["attention_mask"]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+def test_a_bf16_policy_keeps_the_base_head_in_float32(tiny_model_dir):
+    policy = TorchPolicy(_with_head(tiny_model_dir, dtype="bfloat16"))
+    dtypes = {n: p.dtype for n, p in policy.module.named_parameters()}
+    assert dtypes[HEAD_BASE] == dtypes[HEAD_TRAINED] == torch.float32
+    assert dtypes["model.layers.0.self_attn.q_proj.base_layer.weight"] == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("lora", "match"),
+    [
+        pytest.param(
+            {"target_modules": ["q_proj", "embed_tokens"]},
+            r"policy\.lora\.target_modules: 'embed_tokens' matches 'model\.embed_tokens', a "
+            r"Embedding, not a linear layer.*modules_to_save",
+            id="embedding-target",
+        ),
+        pytest.param(
+            {"modules_to_save": ["lm_haed"]},
+            r"policy\.lora\.modules_to_save: 'lm_haed' matches no module.*lm_head",
+            id="unmatched-saved",
+        ),
+        pytest.param(
+            {"target_modules": ["q_proj"], "modules_to_save": ["q_proj"]},
+            r"policy\.lora\.modules_to_save: 'q_proj' matches .*which target_modules also adapts",
+            id="saved-and-targeted",
+        ),
+        pytest.param(
+            {"modules_to_save": "lm_head"},
+            r"policy\.lora\.modules_to_save='lm_head': give a list",
+            id="saved-not-a-list",
+        ),
+    ],
+)
+def test_bad_modules_to_save_and_non_linear_targets_name_the_field(
+    tiny_model_dir, monkeypatch, lora, match
+):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the check")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
+    with pytest.raises(ValueError, match=match):
+        policy_config_from_dict("torch", {"model_dir": tiny_model_dir, "lora": lora})
+
+
+def test_a_module_to_save_tied_to_the_embeddings_is_refused(tmp_path):
+    from yatt.testing import make_tiny_causal_lm
+
+    tied = tmp_path / "tied"
+    make_tiny_causal_lm(tied, arch="qwen2", max_position_embeddings=64, tie_word_embeddings=True)
+    for module in ("lm_head", "embed_tokens"):
+        with pytest.raises(
+            ValueError, match=rf"policy\.lora\.modules_to_save: '{module}' matches .*tied"
+        ):
+            policy_config_from_dict(
+                "torch", {"model_dir": str(tied), "lora": {"modules_to_save": [module]}}
+            )
+    # Without modules_to_save the tied model takes LoRA as before.
+    policy_config_from_dict("torch", {"model_dir": str(tied), "lora": {"rank": 4}})

@@ -18,23 +18,29 @@ workers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(workers)
 
 
-def _launch(parallel: str, out_dir: Path, model_dir: str) -> list[dict]:
+def _launch(parallel: str, out_dir: Path, model_dir: str, saved: tuple[str, ...]) -> list[dict]:
     from yatt.testing import run_ranks
 
     out_dir.mkdir()
     args = [sys.executable, str(WORKERS), parallel, str(out_dir), model_dir]
+    args += [",".join(saved)] if saved else []
     run_ranks(args, 2, env={"CUDA_VISIBLE_DEVICES": ""}, timeout_s=180)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("saved", [(), ("lm_head",)], ids=["adapter", "adapter+head"])
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp2"])
-def test_lora_steps_under_data_parallel_equal_one_process(tiny_model_dir, tmp_path, parallel):
+def test_lora_steps_under_data_parallel_equal_one_process(
+    tiny_model_dir, tmp_path, parallel, saved
+):
+    """saved: modules_to_save (the LM head trained whole beside the adapter)."""
     pytest.importorskip("yatt.ckpt")  # a sibling: installed beside yatt-core, not by it
-    ranks = _launch(parallel, tmp_path / parallel, tiny_model_dir)
+    ranks = _launch(parallel, tmp_path / parallel, tiny_model_dir, saved)
     # The reference: one process, the whole batch in one micro-batch.
-    config = workers.lora_config(tiny_model_dir, "none", max_tokens=10_000)
-    ref = workers.run_lora_steps(TorchPolicy(config), workers.make_global_batch())
+    config = workers.lora_config(tiny_model_dir, "none", max_tokens=10_000, modules_to_save=saved)
+    one = TorchPolicy(config)
+    ref = workers.run_lora_steps(one, workers.make_global_batch())
     for rank, out in enumerate(ranks):
         assert out["num_optimizer_params"] == ref["num_optimizer_params"]
         for got, expected in zip(out["metrics"], ref["metrics"], strict=True):
@@ -60,3 +66,6 @@ def test_lora_steps_under_data_parallel_equal_one_process(tiny_model_dir, tmp_pa
     # The steps moved the adapter's B away from its zero start: not a comparison of no-ops.
     moved = [n for n, t in ref["adapter"].items() if n.endswith(".lora_B") and t.abs().max() > 0]
     assert len(moved) == 14
+    if saved:  # the head is synced whole, and trained
+        head = ref["adapter"]["lm_head.weight.lora_saved"]
+        assert not torch.equal(head, one.module.get_parameter("lm_head.original_module.weight"))

@@ -256,3 +256,59 @@ def test_the_adapter_turns_off_and_on_exactly_on_the_resident_weights(tiny_model
         assert torch.equal(_served(engine, name), tensor), name
     _assert_same_completions(_generate(engine), with_adapter, atol=0)
     engine.close()
+
+
+def _head(base, seed, std=0.05):
+    """A trained LM head: the base's plus a random full-rank change (modules_to_save)."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    weight = base.get_parameter("lm_head.weight").detach()
+    return weight + torch.randn(weight.shape, generator=gen) * std
+
+
+def test_a_module_to_save_is_served_whole_and_the_base_comes_back_when_off(tiny_model_dir):
+    """PEFT's modules_to_save (the LM head trained whole): "<p>.lora_saved" replaces the served
+    value outright, what a full sync of the merged model serves, and the adapter turned off
+    serves the base's head again, bit for bit."""
+    from yatt.rollout._weights import named_targets
+
+    base = _base(tiny_model_dir)
+    assert not base.config.tie_word_embeddings  # a tied head is refused by yatt.core
+    by_adapter = _engine(tiny_model_dir, "lora-saved-a")
+    by_full = _engine(tiny_model_dir, "lora-saved-f")
+    first = _generate(by_adapter)
+    for seed in (1, 2):  # the second head replaces the first; the base stays the base
+        adapter, head = _adapter(base, seed), _head(base, seed)
+        by_adapter.update_weights([*_adapter_pairs(adapter), ("lm_head.weight.lora_saved", head)])
+        full = dict(_merged_pairs(base, adapter))
+        full["lm_head.weight"] = head
+        by_full.update_weights(full.items())
+        for name, _ in base.named_parameters():
+            assert torch.equal(_served(by_adapter, name), _served(by_full, name)), (seed, name)
+        assert torch.equal(_served(by_adapter, "lm_head.weight"), head)  # not a low-rank delta
+        _assert_same_completions(_generate(by_adapter), _generate(by_full), atol=1e-5)
+    assert by_adapter._adapter.saved_parameters == ["lm_head.weight"]
+    targets = named_targets(by_adapter.model)
+    by_adapter._adapter.set_enabled(targets, False)
+    for name, param in base.named_parameters():
+        assert torch.equal(_served(by_adapter, name), param.detach()), name
+    _assert_same_completions(_generate(by_adapter), first, atol=0)
+    by_adapter._adapter.set_enabled(targets, True)
+    assert torch.equal(_served(by_adapter, "lm_head.weight"), head)
+    # A full sync of the head makes it the base: nothing kept aside any more.
+    by_adapter.update_weights([("lm_head.weight", base.get_parameter("lm_head.weight"))])
+    assert by_adapter._adapter.saved_parameters == []
+    by_adapter.close()
+    by_full.close()
+
+
+def test_bad_module_to_save_values_are_refused(tiny_model_dir):
+    base = _base(tiny_model_dir)
+    engine = _engine(tiny_model_dir, "lora-saved-bad")
+    head = _head(base, 1)
+    with pytest.raises(ValueError, match=r"'model\.nowhere\.weight', which the served model lacks"):
+        engine.update_weights([("model.nowhere.weight.lora_saved", head)])
+    with pytest.raises(ValueError, match=r"lm_head\.weight\.lora_saved' has shape"):
+        engine.update_weights([("lm_head.weight.lora_saved", head[:-1])])
+    with pytest.raises(ValueError, match="came after its module to save"):
+        engine.update_weights([("lm_head.weight.lora_saved", head), ("lm_head.weight", head)])
+    engine.close()

@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from yatt.core._version import __version__
 from yatt.core.policy._checkpoint_tensors import read_model_tensors
-from yatt.core.policy._lora import merge_lora_weights
+from yatt.core.policy._lora import merge_lora_weights, peft_saved_name
 from yatt.core.policy._policy import DTYPES
 from yatt.core.policy._torch_policy import TorchPolicy
 from yatt.core.vision._vision_forward import is_vision_language_config
@@ -151,10 +151,11 @@ def export_lora_adapter(
         raise ValueError(error)
     tensors: dict[str, torch.Tensor] = {}
     for name, param in offloaded_named_parameters(policy.module):
-        if ".lora_A.default." in name or ".lora_B.default." in name:
+        # PEFT's saved names: the PeftModel's prefix, no adapter name; a module to save
+        # (policy.lora.modules_to_save) is stored whole under its own name.
+        key = peft_saved_name(name)
+        if key is not None:
             tensor = _full_tensor(param.detach())  # every rank: FSDP2 gathers
-            # PEFT's saved names: the PeftModel's prefix, no adapter name.
-            key = "base_model.model." + name.replace(".default.", ".")
             tensors[key] = _to_host(tensor, target)
     if is_writer:
         config = copy.copy(policy.peft_config)  # target_modules as PEFT resolved them

@@ -1,6 +1,7 @@
 """LoRA on the torch backend through PEFT: only the adapter trains, saves and travels.
 
-    TorchPolicyConfig(lora=LoraConfig(rank=8, alpha=16, target_modules="all-linear"))
+    TorchPolicyConfig(lora=LoraConfig(rank=8, alpha=16, target_modules="all-linear",
+                                      modules_to_save=("lm_head",)))
       config:   check_lora_targets  target_modules against the model built on the meta device
       build:    attach_lora         peft.get_peft_model: LoRA layers injected into the HF model
                                     in place (its module names stay Hugging Face's), base frozen
@@ -10,9 +11,13 @@
                                     model_dir, and a resume checks the fingerprint
       sync:     iter_adapter_weights  per targeted module "<name>.lora_A" [r, in],
                                     "<name>.lora_B" [out, r], "<name>.lora_scaling" (0-d float32:
-                                    alpha / rank); the engine adds scaling * B @ A to "<name>.weight"
+                                    alpha / rank); the engine adds scaling * B @ A to "<name>.weight";
+                                    then per parameter <p> of a module to save (trained whole)
+                                    "<p>.lora_saved", its full value: the engine serves it in <p>
+                                    instead of the base's, which it keeps for the adapter-off base
                 merge_lora_weights  a full sync's Hugging Face weights, the adapter merged in
       reference: PeftModel.disable_adapter(): the base model itself, no frozen second copy
+                                    (a module to save then runs its original, frozen copy)
 
 PEFT's own LoraLayer does the forward (dropout on the adapter's input in training, scaling),
 so the trained function is exactly what `peft.PeftModel.from_pretrained` reloads.
@@ -35,6 +40,8 @@ import torch
 LORA_A_SUFFIX = ".lora_A"
 LORA_B_SUFFIX = ".lora_B"
 LORA_SCALING_SUFFIX = ".lora_scaling"
+# A parameter of a module to save (PEFT's modules_to_save), sent whole: "<HF param name>" + this.
+LORA_SAVED_SUFFIX = ".lora_saved"
 _ADAPTER = "default"  # PEFT's adapter name: one adapter per policy
 _FINGERPRINT_ELEMENTS = 4096  # elements hashed of each of a few base weights
 
@@ -50,6 +57,9 @@ class LoraConfig:
     # PEFT's names: "all-linear" (every linear layer but the LM head), a list of module names
     # matched as name suffixes (["q_proj", "v_proj"]), or one regular expression (full match).
     target_modules: str | tuple[str, ...] = "all-linear"
+    # PEFT's modules_to_save: modules trained whole beside the adapter (a trained copy; the
+    # original stays for the adapter-off base), e.g. ["lm_head"]; matched as name suffixes.
+    modules_to_save: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         rank = self.rank
@@ -76,6 +86,15 @@ class LoraConfig:
                 f"LoraConfig.target_modules={targets!r}: give 'all-linear', a list of module "
                 "names (e.g. ['q_proj', 'v_proj']) or one regular expression"
             )
+        saved = self.modules_to_save
+        if isinstance(saved, list):
+            saved = tuple(saved)
+            object.__setattr__(self, "modules_to_save", saved)
+        if not isinstance(saved, tuple) or not all(isinstance(m, str) and m for m in saved):
+            raise ValueError(
+                f"LoraConfig.modules_to_save={saved!r}: give a list of module names trained "
+                "whole beside the adapter (e.g. ['lm_head']), or [] for none"
+            )
 
     @property
     def scaling(self) -> float:
@@ -92,7 +111,8 @@ def lora_from_value(value: Any, field: str) -> LoraConfig | None:
 
         return config_from_dict(LoraConfig, value, path=field)
     raise ValueError(
-        f"{field}={value!r}: give LoRA's fields (rank, alpha, dropout, target_modules) or None"
+        f"{field}={value!r}: give LoRA's fields (rank, alpha, dropout, target_modules, "
+        "modules_to_save) or None"
     )
 
 
@@ -110,42 +130,45 @@ def to_peft_config(lora: LoraConfig) -> Any:
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=targets if isinstance(targets, str) else list(targets),
+        modules_to_save=list(lora.modules_to_save) or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
 
 
 def check_lora_targets(lora: LoraConfig, model_dir: str, field: str) -> None:
-    """ValueError naming `field` when a target_modules entry matches no module of the model in
-    model_dir, or matches its LM head, by PEFT's own matching rules. The model is built on the
-    meta device from its config: no weights are read."""
+    """ValueError naming `field` (target_modules) when an entry matches no module of the model
+    in model_dir, matches its LM head, or matches a module that is not a linear layer (PEFT
+    would wrap an embedding, but its adapter has no A/B the sync can carry); and naming the
+    sibling field modules_to_save when one of those matches nothing, is also a LoRA target, or
+    is tied to another module (tied input and output embeddings: training one copy would
+    untie them). PEFT's own matching rules. The model is built on the meta device from its
+    config: no weights are read."""
     from peft.tuners.tuners_utils import (
         _maybe_include_all_linear_layers,
         check_target_module_exists,
     )
 
     model = _meta_model(model_dir)
-    names = [name for name, _ in model.named_modules() if name]
+    modules = {name: module for name, module in model.named_modules() if name}
     head = model.get_output_embeddings()
-    head_name = next((n for n, m in model.named_modules() if m is head), None)
+    head_name = next((n for n, m in modules.items() if m is head), None)
+    linears = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if _is_linear(m)})
     targets = lora.target_modules
     entries = [targets] if isinstance(targets, str) else list(targets)
+    targeted: set[str] = set()
+    # PEFT's target matching skips modules to save: the targets are matched alone here, and an
+    # overlap is refused below.
+    adapter_only = dataclasses.replace(lora, modules_to_save=())
     for entry in entries:
         if targets == "all-linear":  # PEFT's shorthand, resolved against this model
-            single = _maybe_include_all_linear_layers(to_peft_config(lora), model)
+            single = _maybe_include_all_linear_layers(to_peft_config(adapter_only), model)
         elif isinstance(targets, str):
-            single = to_peft_config(lora)  # one regular expression
+            single = to_peft_config(adapter_only)  # one regular expression
         else:
-            single = to_peft_config(dataclasses.replace(lora, target_modules=(entry,)))
-        matched = [n for n in names if check_target_module_exists(single, n)]
+            single = to_peft_config(dataclasses.replace(adapter_only, target_modules=(entry,)))
+        matched = [n for n in modules if check_target_module_exists(single, n)]
         if not matched:
-            linears = sorted(
-                {
-                    n.rsplit(".", 1)[-1]
-                    for n, m in model.named_modules()
-                    if isinstance(m, torch.nn.Linear)
-                }
-            )
             raise ValueError(
                 f"{field}: {entry!r} matches no module of the model in {model_dir!r}; its linear "
                 f"layers are named {linears} (or use 'all-linear')"
@@ -154,8 +177,68 @@ def check_lora_targets(lora: LoraConfig, model_dir: str, field: str) -> None:
             raise ValueError(
                 f"{field}: {entry!r} matches the LM head {head_name!r}, whose logprobs are "
                 "computed chunk by chunk from its weight (an adapter there would be skipped); "
-                "target the decoder's layers"
+                "target the decoder's layers, and train the head whole with "
+                f"modules_to_save=[{head_name.rsplit('.', 1)[-1]!r}]"
             )
+        other = next((n for n in matched if not _is_linear(modules[n])), None)
+        if other is not None:
+            raise ValueError(
+                f"{field}: {entry!r} matches {other!r}, a {type(modules[other]).__name__}, not "
+                f"a linear layer: yatt's LoRA adapts linear layers only (its layers are named "
+                f"{linears}); train an embedding whole with modules_to_save instead"
+            )
+        targeted.update(matched)
+    _check_modules_to_save(lora, model, modules, targeted, model_dir, field)
+
+
+def _check_modules_to_save(
+    lora: LoraConfig,
+    model: torch.nn.Module,
+    modules: Mapping[str, torch.nn.Module],
+    targeted: set[str],
+    model_dir: str,
+    field: str,
+) -> None:
+    saved_field = field.rsplit(".", 1)[0] + ".modules_to_save"
+    embeddings = {model.get_input_embeddings(), model.get_output_embeddings()}
+    is_tied = bool(getattr(model.config, "tie_word_embeddings", False)) or _shares_weight(
+        *embeddings
+    )
+    for entry in lora.modules_to_save:
+        matched = [n for n in modules if n.endswith(entry)]  # PEFT's rule (_set_trainable)
+        if not matched:
+            tops = sorted({n.split(".", 1)[0] for n in modules})
+            raise ValueError(
+                f"{saved_field}: {entry!r} matches no module of the model in {model_dir!r} "
+                f"(name suffixes, e.g. 'lm_head'; its top-level modules are {tops})"
+            )
+        both = next((n for n in matched if n in targeted or _has_target(n, targeted)), None)
+        if both is not None:
+            raise ValueError(
+                f"{saved_field}: {entry!r} matches {both!r}, which target_modules also adapts: "
+                "a module either trains whole or gets an adapter; drop it from one of them"
+            )
+        tied = next((n for n in matched if is_tied and modules[n] in embeddings), None)
+        if tied is not None:
+            raise ValueError(
+                f"{saved_field}: {entry!r} matches {tied!r}, whose weight is tied to the other "
+                f"embedding (tie_word_embeddings in {model_dir!r}'s config): training one copy "
+                "would untie them, and the engine serves one tensor for both; use a model with "
+                "untied embeddings, or leave modules_to_save empty"
+            )
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    return isinstance(module, torch.nn.Linear)
+
+
+def _has_target(name: str, targeted: set[str]) -> bool:
+    return any(t.startswith(name + ".") for t in targeted)
+
+
+def _shares_weight(a: Any, b: Any) -> bool:
+    weight_a, weight_b = getattr(a, "weight", None), getattr(b, "weight", None)
+    return weight_a is not None and weight_a is weight_b
 
 
 def _meta_model(model_dir: str) -> torch.nn.Module:
@@ -191,11 +274,13 @@ def cast_frozen_linears(model: torch.nn.Module, dtype: torch.dtype) -> int:
     gradients are the same while the frozen base takes half the memory (no float32 master
     is needed for weights that never step) and autocast keeps no cast copies of them. The LM
     head keeps float32 (its logprobs are computed from its weight, chunk by chunk), as do
-    embeddings, norms, biases and the adapter."""
-    head = model.get_output_embeddings()
+    embeddings, norms, biases and the adapter. So does a module to save's original (the
+    adapter-off base), whatever it is."""
+    kept = {id(m) for m in model.get_output_embeddings().modules()}
+    kept.update(id(m) for _, wrapper in saved_modules(model) for m in wrapper.modules())
     count = 0
     for module in model.modules():
-        if not isinstance(module, torch.nn.Linear) or module is head:
+        if not isinstance(module, torch.nn.Linear) or id(module) in kept:
             continue
         weight = module.weight
         if not weight.requires_grad and weight.dtype != dtype:
@@ -213,6 +298,15 @@ def lora_layers(module: torch.nn.Module) -> Iterator[tuple[str, Any]]:
             yield name, layer
 
 
+def saved_modules(module: torch.nn.Module) -> Iterator[tuple[str, Any]]:
+    """(module name, PEFT ModulesToSaveWrapper) of each module to save, in module order."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    for name, wrapper in module.named_modules():
+        if isinstance(wrapper, ModulesToSaveWrapper):
+            yield name, wrapper
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     tensor = tensor.detach()
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
@@ -226,6 +320,22 @@ def iter_adapter_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.T
         yield name + LORA_B_SUFFIX, _full(layer.lora_B[_ADAPTER].weight)
         scaling = torch.tensor(float(layer.scaling[_ADAPTER]), dtype=torch.float32)
         yield name + LORA_SCALING_SUFFIX, scaling
+    for name, wrapper in saved_modules(module):
+        for param_name, param in wrapper.modules_to_save[_ADAPTER].named_parameters():
+            yield f"{name}.{param_name}{LORA_SAVED_SUFFIX}", _full(param)
+
+
+def peft_saved_name(name: str) -> str | None:
+    """The key PEFT's save_pretrained gives the PEFT model's parameter `name` (its prefix, no
+    adapter name): an adapter A or B, or a module to save's trained copy; None for the rest."""
+    for marker, plain in (
+        (f".lora_A.{_ADAPTER}.", ".lora_A."),
+        (f".lora_B.{_ADAPTER}.", ".lora_B."),
+        (f".modules_to_save.{_ADAPTER}.", "."),
+    ):
+        if marker in name:
+            return "base_model.model." + name.replace(marker, plain)
+    return None
 
 
 def merge_lora_weights(
@@ -233,10 +343,15 @@ def merge_lora_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Hugging Face (name, tensor) pairs of the model with its adapter merged in, from the PEFT
     model's (name, full tensor) pairs: "<m>.base_layer.<p>" becomes "<m>.<p>", a target's weight
-    W + scaling B A (float32); the adapter's own tensors are consumed. scalings: per target
-    module name. Streams: a target's base weight waits only for its own A and B."""
+    W + scaling B A (float32); the adapter's own tensors are consumed. A module to save's
+    trained copy "<m>.modules_to_save.default.<p>" becomes "<m>.<p>", its original (the
+    adapter-off base, "<m>.original_module.<p>") is dropped. scalings: per target module name.
+    Streams: a target's base weight waits only for its own A and B."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named_parameters:
+        if ".original_module." in name:
+            continue
+        name = name.replace(f".modules_to_save.{_ADAPTER}.", ".")
         module, sep, rest = name.partition(".base_layer.")
         if sep:
             if rest == "weight":

@@ -486,7 +486,10 @@ class TorchPolicy:
         """The LoRA adapter alone, for a weight sync: per target module "<name>.lora_A"
         [rank, in], "<name>.lora_B" [out, rank] and "<name>.lora_scaling" (a 0-d float32),
         where <name> is the module's Hugging Face name; an engine adds scaling B A to
-        "<name>.weight" (yatt-rollout's built-in engine takes them in update_weights).
+        "<name>.weight" (yatt-rollout's built-in engine takes them in update_weights). Then,
+        per parameter <p> of a module to save (policy.lora.modules_to_save, e.g. the LM head),
+        "<p>.lora_saved": its trained value whole, which the engine serves instead of the
+        base's (and puts the base's back while the adapter is off).
 
         Collective under FSDP2, like named_weights. ValueError without policy.lora.
         """
@@ -508,7 +511,13 @@ class TorchPolicy:
                 "base to fall back to; build a reference policy (is_reference=True)"
             )
         with self._peft.disable_adapter():
-            return self.logprobs(batch)
+            logprobs = self.logprobs(batch)
+            if hasattr(self.module, "reshard"):  # FSDP2
+                # The root's parameters stay unsharded after a forward. PEFT turns a module to
+                # save's requires_grad back on as the context exits: on the registered
+                # parameter, which must be the sharded one FSDP2 keeps (else it stays frozen).
+                self.module.reshard()
+        return logprobs
 
     def state(self) -> dict[str, Any]:
         """{"model", "optimizer", "schedule"} for yatt.ckpt (torch.distributed.checkpoint):

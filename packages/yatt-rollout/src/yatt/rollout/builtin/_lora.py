@@ -32,6 +32,12 @@ then base + adapter again; a pass over the targets' weights each way.
 A full sync of "<m>.weight" replaces the served weight outright: the module's remembered
 factors are dropped (the next adapter is added to that weight as the new base).
 
+A module trained whole beside the adapter (PEFT's modules_to_save, e.g. the LM head) arrives
+as "<p>.lora_saved" per parameter <p>, its full trained value: the engine copies it into <p>
+outright (not a low-rank delta), and the first time keeps the base's value of <p> aside (one
+copy of those modules only), which set_enabled(False) serves again; a full sync of <p> makes
+the new value the base.
+
 Merging keeps the forward untouched (no extra GEMMs per decode step, CUDA graphs stay valid:
 the weights change in place). The alternative, the low-rank product beside each base GEMM,
 keeps the base exact but adds two small GEMMs per target and layer to every decode step.
@@ -48,6 +54,8 @@ from yatt.rollout._weights import LORA_SUFFIXES, copy_bucket
 
 # The wire format (yatt.core.policy._lora writes it).
 LORA_A_SUFFIX, LORA_B_SUFFIX, LORA_SCALING_SUFFIX = LORA_SUFFIXES
+# A module to save's parameter, whole (yatt.core.policy._lora.LORA_SAVED_SUFFIX).
+LORA_SAVED_SUFFIX = ".lora_saved"
 _PIECES = {LORA_A_SUFFIX: "A", LORA_B_SUFFIX: "B", LORA_SCALING_SUFFIX: "scaling"}
 
 
@@ -87,11 +95,19 @@ class AdapterMerger:
 
     def __init__(self) -> None:
         self._merged: dict[str, _Delta] = {}  # per module: the delta its weight holds now
+        # Per parameter of a module to save: the value not served now (the base's while the
+        # adapter is on, the trained one while it is off).
+        self._saved: dict[str, torch.Tensor] = {}
         self.is_disabled = False  # the weights hold the base (set_enabled(False))
 
     @property
     def merged_modules(self) -> list[str]:
         return sorted(self._merged)
+
+    @property
+    def saved_parameters(self) -> list[str]:
+        """Parameters served from a module to save's trained value (their base kept aside)."""
+        return sorted(self._saved)
 
     def begin(self, targets: dict[str, torch.Tensor], *, are_weights_lost: bool) -> AdapterSync:
         """One update_weights call's view: route its pairs, merge modules as they complete.
@@ -117,6 +133,11 @@ class AdapterMerger:
                 weight.copy_((weight.float() + delta.dense()).to(weight.dtype))
             else:
                 weight.copy_(delta.unapply(weight))
+        for name, other in self._saved.items():
+            served = targets[name]
+            current = served.clone()
+            served.copy_(other)
+            self._saved[name] = current
         self.is_disabled = not is_enabled
 
 
@@ -127,15 +148,20 @@ class AdapterSync:
         self._merger = merger
         self._targets = targets
         self._are_weights_lost = are_weights_lost
-        self._refreshed: set[str] = set()  # modules whose weight this call sent in full
+        self._refreshed: set[str] = set()  # modules (and parameters) this call sent in full
         self._pending: dict[str, dict[str, torch.Tensor]] = {}
         self._ready: list[tuple[str, dict[str, torch.Tensor]]] = []  # complete, not merged yet
         self._merged_now: set[str] = set()  # modules this call merged an adapter into
+        self._saved_ready: list[tuple[str, torch.Tensor]] = []  # whole values, not copied yet
+        self._saved_now: set[str] = set()  # parameters this call served a saved value in
 
     def copy_bucket(self, bucket: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the bucket's plain weights (yatt.rollout._weights.copy_bucket), then merge the
         adapters it completed: full weights and an adapter in one bucket give base + adapter."""
         copy_bucket(self._targets, self.take(bucket))
+        saved, self._saved_ready = self._saved_ready, []
+        for name, tensor in saved:
+            self._serve_saved(name, tensor)
         ready, self._ready = self._ready, []
         for module, parts in ready:
             self._merge(module, parts)
@@ -147,8 +173,20 @@ class AdapterSync:
         drops the module's remembered adapter: it is the new base."""
         rest = []
         for name, tensor in bucket:
+            if name.endswith(LORA_SAVED_SUFFIX):
+                param = name[: -len(LORA_SAVED_SUFFIX)]
+                self._saved_ready.append((param, tensor))
+                self._saved_now.add(param)
+                continue
             split = split_adapter_name(name)
             if split is None:
+                if name in self._saved_now:
+                    raise ValueError(
+                        f"update_weights: {name!r} came after its module to save's value "
+                        f"('{name}{LORA_SAVED_SUFFIX}'); send full weights before the adapter"
+                    )
+                self._merger._saved.pop(name, None)  # a full value: the new base
+                self._refreshed.add(name)
                 if name.endswith(".weight"):
                     module = name[: -len(".weight")]
                     if module in self._merged_now:
@@ -179,6 +217,31 @@ class AdapterSync:
                 f"'<module>{LORA_A_SUFFIX}', '{LORA_B_SUFFIX}' and '{LORA_SCALING_SUFFIX}' for "
                 "each target (TorchPolicy.named_adapter_weights())"
             )
+
+    @torch.no_grad()
+    def _serve_saved(self, name: str, tensor: torch.Tensor) -> None:
+        """Serve a module to save's whole value in `name`, the base's value kept aside."""
+        served = self._targets.get(name)
+        if served is None:
+            raise ValueError(
+                f"update_weights: '{name}{LORA_SAVED_SUFFIX}' is a module to save's value for "
+                f"{name!r}, which the served model lacks; give Hugging Face parameter names"
+            )
+        if tuple(tensor.shape) != tuple(served.shape):
+            raise ValueError(
+                f"update_weights: '{name}{LORA_SAVED_SUFFIX}' has shape {tuple(tensor.shape)}; "
+                f"the served {name!r} is {tuple(served.shape)}"
+            )
+        saved = self._merger._saved
+        if name not in saved:
+            if self._are_weights_lost and name not in self._refreshed:
+                raise ValueError(
+                    f"update_weights: a module to save's value for {name!r} while the weights "
+                    "are lost (woken with should_back_up_weights=False): its base is gone; sync "
+                    "the full weights first (policy.named_weights())"
+                )
+            saved[name] = served.detach().clone()  # the base, for set_enabled(False)
+        served.copy_(tensor)
 
     @torch.no_grad()
     def _merge(self, module: str, parts: dict[str, torch.Tensor]) -> None:
