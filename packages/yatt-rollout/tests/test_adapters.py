@@ -381,3 +381,9 @@ def test_adapters_refuse_a_lora_adapter_sync_by_name(fake_vllm, fake_sglang):
         sglang_engine.update_weights(pairs)
     assert not [c for c in sglang_engine._engine.calls if c[0] == "update"]
     sglang_engine.close()
+    # A bucket holding only a module trained whole beside the adapter (modules_to_save)
+    head = [("lm_head.weight.lora_saved", torch.zeros(8, 4))]
+    for engine in (VLLMEngine("/models/x"), SGLangEngine("/models/x")):
+        with pytest.raises(ValueError, match=r"lm_head\.weight\.lora_saved' is a LoRA adapter"):
+            engine.update_weights(head)
+        engine.close()

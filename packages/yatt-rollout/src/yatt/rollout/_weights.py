@@ -18,6 +18,9 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 # A LoRA adapter synced alone (yatt.core's TorchPolicy.named_adapter_weights()): per target
 # module "<m>" + each suffix. The built-in engine merges it (builtin/_lora.py).
 LORA_SUFFIXES = (".lora_A", ".lora_B", ".lora_scaling")
+# A module trained whole beside the adapter (LoraConfig.modules_to_save) travels as
+# "<p>.lora_saved": only an engine that applies adapters knows to serve it as <p>.
+_ADAPTER_ONLY_SUFFIXES = (*LORA_SUFFIXES, ".lora_saved")
 # Maps one trainer tensor to zero or more Hugging Face (name, tensor) pairs, e.g. a Megatron
 # fused QKV weight to q_proj/k_proj/v_proj. Returning nothing skips the tensor.
 NameMapper = Callable[[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -37,7 +40,7 @@ def map_names(
 def refuse_adapter_tensors(bucket: list[tuple[str, torch.Tensor]], engine: str) -> None:
     """ValueError when the bucket holds a LoRA adapter's tensors, which `engine` cannot take
     alone: its LoRA API wants the adapter registered at launch and named in every request."""
-    name = next((n for n, _ in bucket if n.endswith(LORA_SUFFIXES)), None)
+    name = next((n for n, _ in bucket if n.endswith(_ADAPTER_ONLY_SUFFIXES)), None)
     if name is not None:
         raise ValueError(
             f"update_weights: {name!r} is a LoRA adapter tensor; the {engine} engine takes "
