@@ -152,10 +152,12 @@ def generate_and_score(
     data: DataConfig,
     should_overlap: bool,
     timings: dict[str, float],
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[Scored]:
     """n responses per prompt (with its images, processed once by the encoder), each decoded
     once and judged (judge_view). should_overlap (rollout and judge resident together): each
-    response is judged as soon as it finishes."""
+    response is judged as soon as it finishes. should_stop (a stop signal's flag): polled while
+    the judge works, genrm.ScoringStopped once it turns true."""
     return genrm.judge_prompts(
         prompts,
         sampling,
@@ -166,6 +168,7 @@ def generate_and_score(
         plan=plan,
         should_overlap=should_overlap,
         timings=timings,
+        should_stop=should_stop,
     )
 
 
@@ -293,6 +296,7 @@ class RolloutContext:
             data=self.cfg.data,
             should_overlap=self.should_overlap,
             timings=timings,
+            should_stop=self.should_stop,  # a judge that never ends cannot hold a stop signal
         )
 
 
@@ -308,7 +312,10 @@ def rollout_in_rounds(
             prompts = ctx.draw(num_prompts)
             stats.num_rounds += 1
             sampling = ctx.sampling(step, stats.num_rounds)
-            keep(ctx.generate_and_score(prompts, sampling, stats.timings), ctx, stats)
+            try:
+                keep(ctx.generate_and_score(prompts, sampling, stats.timings), ctx, stats)
+            except genrm.ScoringStopped:  # a stop signal inside the judge: the round has no
+                ctx.sampler.request_stop()  # verdicts; add() is local, so none is needed
         else:
             ctx.sampler.add(core.rollout_batch([]))  # a full rank joins the round
         if ctx.should_stop():  # the next is_done() ends the rounds on every rank
@@ -409,15 +416,20 @@ def rollout_multiturn(
             judge_phase = (
                 ctx.plan.phase("genrm") if "genrm" in ctx.plan.phases else contextlib.nullcontext()
             )
-            with timed(stats.timings, "genrm"), judge_phase:
-                # reward.* over each trajectory + the environment's get_reward()
-                scored = genrm.score_trajectories(
-                    trajectories,
-                    prompts,
-                    ctx.scorer,
-                    answer_key=cfg.data.answer_key,
-                    env_reward_weight=cfg.rollout.env_reward_weight,
-                )
+            try:
+                with timed(stats.timings, "genrm"), judge_phase:
+                    # reward.* over each trajectory + the environment's get_reward()
+                    scored = genrm.score_trajectories(
+                        trajectories,
+                        prompts,
+                        ctx.scorer,
+                        answer_key=cfg.data.answer_key,
+                        env_reward_weight=cfg.rollout.env_reward_weight,
+                        should_stop=ctx.should_stop,
+                    )
+            except genrm.ScoringStopped:  # as in rollout_in_rounds: the round keeps nothing
+                ctx.sampler.request_stop()
+                continue
             # a row whose reset failed has fewer than n trajectories: its group is dropped
             counts: dict[int, int] = {}
             for item in scored:

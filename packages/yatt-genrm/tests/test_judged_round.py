@@ -59,7 +59,7 @@ class _FakeJudge:
             num_judge_prompt_tokens=len(sample.prompt),
         )
 
-    def score(self, samples):
+    def score(self, samples, *, should_stop=None):
         return [self._verdict(s) for s in samples]
 
     async def submit(self, sample) -> None:

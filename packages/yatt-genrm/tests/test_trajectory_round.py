@@ -36,7 +36,7 @@ class _Scorer:
     def __init__(self) -> None:
         self.samples = []
 
-    def score(self, samples):
+    def score(self, samples, *, should_stop=None):
         self.samples.extend(samples)
         return [
             genrm.Verdict(

@@ -14,7 +14,7 @@ component ("env_reward").
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,16 +48,20 @@ def score_trajectories(
     *,
     answer_key: str,
     env_reward_weight: float,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[JudgedSample]:
     """Each trajectory judged: `scorer` (None: no reward but the environment's) over
     trajectory_sample's view (its reference: the row's `answer_key`, as text) plus
     env_reward_weight x its environment's reward. prompts[t.row_index] is the prompt object
-    of trajectory t (its `.row` the data row), carried back in each JudgedSample."""
+    of trajectory t (its `.row` the data row), carried back in each JudgedSample.
+    should_stop (None: not read): polled while the scorer works, ScoringStopped once true."""
     samples = [
         trajectory_sample(t, reference=_reference(prompts[t.row_index].row, answer_key))
         for t in trajectories
     ]
-    verdicts = scorer.score(samples) if scorer is not None and samples else None
+    verdicts = None
+    if scorer is not None and samples:
+        verdicts = scorer.score(samples, should_stop=should_stop)
     judged = []
     for i, (trajectory, sample) in enumerate(zip(trajectories, samples, strict=True)):
         env_part = env_reward_weight * (trajectory.env_reward or 0.0)
