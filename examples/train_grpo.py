@@ -277,7 +277,7 @@ class RolloutContext:
         return rollout.SamplingParams(
             n=cfg.rollout.samples_per_prompt,
             temperature=cfg.rollout.temperature,
-            **cfg.rollout.sampling_knobs(),  # top_p, top_k
+            **cfg.rollout.sampling_knobs(),  # top_p, top_k, min_p, repetition_penalty
             max_new_tokens=cfg.rollout.max_new_tokens,
             seed=derived_seed(cfg.seed, self.runtime.dp_rank * 10_007, step * 101, num_round),
             stop_token_ids=self.encoder.cut_token_ids,  # a vision-language policy's (else none)
@@ -472,7 +472,10 @@ def make_multiturn(cfg: TrainConfig, engine, tokenizer, resources: ClosingStack)
     runner = rollout.env.PoolToolRunner.from_timeout(cfg.rollout.tool_timeout_s)
     resources.close_later(runner.pool)
     return rollout.MultiTurnRollout(
-        engine, cfg.rollout.env_config(), tokenizer=tokenizer, runner=runner
+        engine,
+        cfg.rollout.env_config(dict(cfg.data.chat_template_kwargs)),
+        tokenizer=tokenizer,
+        runner=runner,
     )
 
 
@@ -577,6 +580,8 @@ def evaluate(
         sampling = rollout.SamplingParams(
             n=cfg.eval.samples_per_prompt,
             temperature=cfg.eval.temperature,
+            # greedy (temperature 0) takes the top token: the knobs would change nothing
+            **(cfg.rollout.sampling_knobs() if cfg.eval.temperature > 0 else {}),
             max_new_tokens=cfg.rollout.max_new_tokens,
             seed=derived_seed(cfg.seed, ctx.runtime.dp_rank * 10_007, 7),
             stop_token_ids=ctx.encoder.cut_token_ids,
