@@ -332,6 +332,23 @@ def test_chat_template_kwargs_reach_the_prompts_and_the_environments(tmp_path, o
     assert env.chat_template_kwargs == {"enable_thinking": False}
 
 
+def test_export_of_a_given_model_without_data_builds_no_embedded_task(tmp_path, own_model):
+    # issue 49 F33: --export names the policy; no data path must not ask for the demo task
+    import grpo_preflight
+
+    cfg, _ = grpo_config.read_config(
+        ["--export", f"out_dir={tmp_path}", f"policy.model_dir={own_model}"]
+    )
+
+    def refuse(cfg):
+        raise AssertionError("the embedded task was built for an export")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo_preflight, "with_embedded_task", refuse)
+        cfg = grpo_preflight.preflight(cfg, should_check_data=False)
+    assert cfg.policy.model_dir == str(own_model)
+
+
 def test_megatron_without_cuda_is_refused_in_preflight(tmp_path, monkeypatch):
     # issue 49: before the runtime starts (the process groups), not when the policy is built
     import grpo_preflight
