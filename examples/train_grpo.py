@@ -303,23 +303,22 @@ class RolloutContext:
 def rollout_in_rounds(
     step: int, ctx: RolloutContext, stats: StepStats
 ) -> tuple[core.Batch, dict[str, float]]:
-    """rollout.sampling_mode=rounds: generate -> judge -> keep in rounds until every rank has
-    its groups with reward variance (collective: a full rank draws 0 and still joins each
-    round). A stop signal ends the rounds (core.StepStopped)."""
-    while not ctx.sampler.is_done():
-        num_prompts = ctx.sampler.num_to_draw()
-        if num_prompts:
-            prompts = ctx.draw(num_prompts)
-            stats.num_rounds += 1
-            sampling = ctx.sampling(step, stats.num_rounds)
-            try:
-                keep(ctx.generate_and_score(prompts, sampling, stats.timings), ctx, stats)
-            except genrm.ScoringStopped:  # a stop signal inside the judge: the round has no
-                ctx.sampler.request_stop()  # verdicts; add() is local, so none is needed
-        else:
-            ctx.sampler.add(core.rollout_batch([]))  # a full rank joins the round
-        if ctx.should_stop():  # the next is_done() ends the rounds on every rank
-            ctx.sampler.request_stop()
+    """rollout.sampling_mode=rounds: generate -> judge -> keep in rounds
+    (genrm.judge_in_rounds) until every rank has its groups with reward variance (collective:
+    a full rank draws 0 and still joins each round). A stop signal ends the rounds, also one
+    that arrives while the judge works (core.StepStopped)."""
+
+    def judge_round(prompts: list[Prompt], num_round: int) -> list[Scored]:
+        sampling = ctx.sampling(step, stats.num_rounds + num_round)
+        return ctx.generate_and_score(prompts, sampling, stats.timings)
+
+    stats.num_rounds += genrm.judge_in_rounds(
+        ctx.sampler,
+        draw=ctx.draw,
+        judge_round=judge_round,
+        keep=lambda judged: keep(judged, ctx, stats),
+        should_stop=ctx.should_stop,
+    )
     return take_batch(ctx.sampler, should_stop=ctx.should_stop())
 
 
@@ -395,7 +394,7 @@ def rollout_multiturn(
     """rollout.environment or rollout.tools set: rounds as rollout_in_rounds, each round's
     rows run as multi-turn trajectories (ctx.multiturn, yatt.rollout.MultiTurnRollout:
     samples_per_prompt per row, tools in worker processes, the engine keeping each
-    conversation's KV between turns), scored by genrm.score_trajectories and kept as whole groups
+    conversation's KV between turns), judged by genrm.judge_trajectories and kept as whole groups
     with reward variance. Every trajectory ends inside its round (at most rollout.max_turns
     turns): nothing is in flight at a checkpoint. Each row's environment gets
     row["env_seed"] from (seed, DP rank, step, row), the same on a resumed run. Adds the
@@ -403,45 +402,33 @@ def rollout_multiturn(
     causes), summed over ranks, to the sampling stats (dynamic_sampling/multiturn/*)."""
     turn_stats = rollout.MultiTurnStats()
     cfg = ctx.cfg
-    while not ctx.sampler.is_done():
-        num_prompts = ctx.sampler.num_to_draw()
-        if num_prompts:
-            prompts = ctx.draw(num_prompts)
-            stats.num_rounds += 1
-            sampling = ctx.sampling(step, stats.num_rounds)
-            rows = [env_row(prompt.row, step, cfg) for prompt in prompts]
-            with timed(stats.timings, "rollout"), ctx.plan.phase("rollout"):
-                trajectories, round_stats = asyncio.run(ctx.multiturn.run(rows, sampling))
-            turn_stats.merge(round_stats)
-            judge_phase = (
-                ctx.plan.phase("genrm") if "genrm" in ctx.plan.phases else contextlib.nullcontext()
-            )
-            try:
-                with timed(stats.timings, "genrm"), judge_phase:
-                    # reward.* over each trajectory + the environment's get_reward()
-                    scored = genrm.score_trajectories(
-                        trajectories,
-                        prompts,
-                        ctx.scorer,
-                        answer_key=cfg.data.answer_key,
-                        env_reward_weight=cfg.rollout.env_reward_weight,
-                        should_stop=ctx.should_stop,
-                    )
-            except genrm.ScoringStopped:  # as in rollout_in_rounds: the round keeps nothing
-                ctx.sampler.request_stop()
-                continue
-            # a row whose reset failed has fewer than n trajectories: its group is dropped
-            counts: dict[int, int] = {}
-            for item in scored:
-                counts[item.completion.request_index] = (
-                    counts.get(item.completion.request_index, 0) + 1
-                )
-            whole = [item for item in scored if counts[item.completion.request_index] == sampling.n]
-            keep(whole, ctx, stats)
-        else:
-            ctx.sampler.add(core.rollout_batch([]))  # a full rank joins the round
-        if ctx.should_stop():
-            ctx.sampler.request_stop()
+
+    def judge_round(prompts: list[Prompt], num_round: int) -> list[Scored]:
+        sampling = ctx.sampling(step, stats.num_rounds + num_round)
+        # reward.* over each trajectory + the environment's get_reward(); a row whose reset
+        # failed has fewer than n trajectories: its group is dropped
+        judged, round_stats = genrm.judge_trajectories(
+            ctx.multiturn,
+            [env_row(prompt.row, step, cfg) for prompt in prompts],
+            prompts,
+            sampling,
+            scorer=ctx.scorer,
+            plan=ctx.plan,
+            timings=stats.timings,
+            answer_key=cfg.data.answer_key,
+            env_reward_weight=cfg.rollout.env_reward_weight,
+            should_stop=ctx.should_stop,
+        )
+        turn_stats.merge(round_stats)
+        return judged
+
+    stats.num_rounds += genrm.judge_in_rounds(
+        ctx.sampler,
+        draw=ctx.draw,
+        judge_round=judge_round,
+        keep=lambda judged: keep(judged, ctx, stats),
+        should_stop=ctx.should_stop,
+    )
     metrics = turn_stats.as_metrics(prefix="multiturn/")
     turns = turn_stats.turns
     # sums over ranks (turns_mean from the summed turns); the mean summarize takes of these
