@@ -429,18 +429,12 @@ def rollout_multiturn(
         keep=lambda judged: keep(judged, ctx, stats),
         should_stop=ctx.should_stop,
     )
-    metrics = turn_stats.as_metrics(prefix="multiturn/")
-    turns = turn_stats.turns
-    # sums over ranks (turns_mean from the summed turns); the mean summarize takes of these
-    # equal values is the sum
-    sums = {key: value for key, value in metrics.items() if not key.endswith(("_mean", "_max"))}
-    sums["multiturn/turns_sum"] = float(sum(turns))
-    ops = {key: "sum" for key in sums}
-    sums["multiturn/turns_max"] = metrics["multiturn/turns_max"]
-    ops["multiturn/turns_max"] = "max"
-    total = core.reduce_metrics(sums, group=ctx.runtime.dp_group, ops=ops)
-    total["multiturn/turns_mean"] = total.pop("multiturn/turns_sum") / max(
-        total["multiturn/num_trajectories"], 1.0
+    # summed over ranks, turns_mean from the summed turns (the mean summarize then takes of
+    # these equal values is the sum)
+    total = core.reduce_turn_metrics(
+        turn_stats.as_metrics(prefix="multiturn/"),
+        num_turns=sum(turn_stats.turns),
+        group=ctx.runtime.dp_group,
     )
     batch, sampling_stats = take_batch(ctx.sampler, should_stop=ctx.should_stop())
     return batch, sampling_stats | total
