@@ -567,9 +567,13 @@ def evaluate(
             seed=derived_seed(cfg.seed, ctx.runtime.dp_rank * 10_007, 7),
             stop_token_ids=ctx.encoder.cut_token_ids,
         )
-        with timed(stats.timings, "eval"):
-            scored = ctx.generate_and_score(prompts, sampling, {})
-        stats.add(drop_unjudgeable(scored, ctx), ctx.accuracy)
+        try:
+            with timed(stats.timings, "eval"):
+                scored = ctx.generate_and_score(prompts, sampling, {})
+            stats.add(drop_unjudgeable(scored, ctx), ctx.accuracy)
+        except genrm.ScoringStopped:  # a stop signal while the judge waited: the step is saved
+            # next; this rank joins the reduction below as a rank without eval rows does
+            logger.warning("a stop signal ended step %d's evaluation on this rank", step)
     return eval_metrics(stats, ctx.runtime.dp_group, has_accuracy=ctx.accuracy is not None)
 
 

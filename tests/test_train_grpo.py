@@ -701,6 +701,30 @@ class _FakeEngine:
             yield self._completion(i, requests[i])
 
 
+def test_a_stop_signal_inside_the_evaluations_judge_leaves_this_rank_out_not_the_run(tmp_path):
+    """issue 49: the judge's stop flag also reaches evaluate(); a ScoringStopped there is not
+    an error of the run: the rank joins the eval reduction as one without eval rows."""
+    from types import SimpleNamespace
+
+    import grpo_config
+    import train_grpo
+
+    from yatt import core, genrm
+
+    def stopped(prompts, sampling, timings):
+        raise genrm.ScoringStopped(num_samples=len(prompts), waited_s=0.0)
+
+    cfg, _ = grpo_config.read_config([f"out_dir={tmp_path}"])
+    ctx = SimpleNamespace(
+        runtime=core.init_runtime(seed=0),
+        encoder=SimpleNamespace(cut_token_ids=()),
+        accuracy=None,
+        generate_and_score=stopped,
+    )
+    metrics = train_grpo.evaluate(["a prompt"], step=3, cfg=cfg, ctx=ctx)
+    assert metrics["eval/num_samples"] == 0.0
+
+
 def test_the_keep_rule_tests_the_task_reward_before_the_overlong_penalty():
     """DAPO eq. 11 filters on the accuracy signal, then eq. 13's soft penalty joins the reward
     (verl's recipe alike): an all-right group with one response in the overlong buffer has no
