@@ -120,8 +120,8 @@ def test_a_multiturn_round_runs_in_the_rollout_phase_judges_in_genrm_and_keeps_w
     multiturn, scorer = _MultiTurn(plan), _Scorer()
     scorer_phases = []
     score = scorer.score
-    scorer.score = lambda samples, **kw: scorer_phases.append(plan.current_phase) or score(
-        samples, **kw
+    scorer.score = lambda samples, **kw: (
+        scorer_phases.append(plan.current_phase) or score(samples, **kw)
     )
     judged, stats = genrm.judge_trajectories(
         multiturn,
@@ -139,3 +139,25 @@ def test_a_multiturn_round_runs_in_the_rollout_phase_judges_in_genrm_and_keeps_w
     assert set(timings) == {"rollout", "genrm"} and stats == "the round's stats"
     # row 1 has one trajectory of n=2: its group is dropped; row 0's rewards 1 + 1, 1 + 0
     assert [(j.completion.request_index, j.verdict.reward) for j in judged] == [(0, 2.0), (0, 1.0)]
+
+
+def test_a_stop_flag_reaches_the_trajectories_scorer():
+    # issue 49: a stop signal while the judge works ends the multi-turn round too
+    import pytest
+
+    class _Stoppable(_Scorer):
+        def score(self, samples, *, should_stop=None):
+            if should_stop is not None and should_stop():
+                raise genrm.ScoringStopped(num_samples=len(samples), waited_s=0.0)
+            return super().score(samples)
+
+    trajectories = [_trajectory(0, 0, 1.0)]
+    with pytest.raises(genrm.ScoringStopped):
+        genrm.score_trajectories(
+            trajectories,
+            PROMPTS,
+            _Stoppable(),
+            answer_key="secret",
+            env_reward_weight=1.0,
+            should_stop=lambda: True,
+        )
