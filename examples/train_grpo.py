@@ -259,7 +259,8 @@ class RolloutContext:
     partials: core.PartialRollouts | None  # rollout.keep_partial: cut groups held a step
     should_overlap: bool  # rollout and judge resident together: judge as responses finish
     multiturn: Any = None  # rollout.MultiTurnRollout when rollout.environment/tools are set
-    # a stop signal arrived: a safe point (between rounds, between judged groups) ends the step
+    # a stop signal arrived: a safe point (between rounds, between judged groups, or inside a
+    # judge that waits: genrm.ScoringStopped) ends the step
     should_stop: Callable[[], bool] = lambda: False
     num_unjudgeable_rows: int = 0  # since the start: rows the reward could not judge
 
