@@ -172,8 +172,6 @@ class DataConfig:
     max_prompt_bytes: int = 0
     max_image_bytes: int = 32 << 20  # a larger image file is skipped unread (image_too_large)
     # Keyword arguments of the policy's chat template, e.g. {enable_thinking: false} (Qwen3).
-    # Not passed to the template yet: a non-empty value is refused (preflight) until the
-    # prompt encoder takes it.
     chat_template_kwargs: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -210,8 +208,6 @@ class RolloutConfig(rollout.EngineSpec):
     temperature: float = 1.0  # sampling temperature; the policy's logprobs use the same
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens of this mass; 1 = off
     top_k: int = 0  # sample among the k likeliest tokens; 0 = off
-    # min_p and repetition_penalty: no engine adapter passes them yet, so any other value is
-    # refused by name (rollout.EngineSpec.check_sampling) rather than silently ignored.
     min_p: float = 0.0  # tokens below min_p x the top token's probability dropped; 0 = off
     repetition_penalty: float = 1.0  # logits of tokens already seen divided by it; 1 = off
     max_new_tokens: int = 1024  # response length cap (tokens)
@@ -253,8 +249,10 @@ class RolloutConfig(rollout.EngineSpec):
         """An environment or tools are set: the trainer's rollout kind is the multi-turn one."""
         return bool(self.environment or self.tools)
 
-    def env_config(self) -> rollout.EnvConfig:
-        """The package's EnvConfig from these fields; its errors name rollout.<field>."""
+    def env_config(self, chat_template_kwargs: dict | None = None) -> rollout.EnvConfig:
+        """The package's EnvConfig from these fields and the chat template's keyword arguments
+        (data.chat_template_kwargs, as the single-turn prompts get them); its errors name
+        rollout.<field>."""
         try:
             return rollout.EnvConfig(
                 environment=tuple(self.environment),
@@ -266,6 +264,7 @@ class RolloutConfig(rollout.EngineSpec):
                 max_tool_output_tokens=self.max_tool_output_tokens,
                 tool_parser=self.tool_parser,
                 route_key=self.route_key,
+                chat_template_kwargs=dict(chat_template_kwargs or {}),
             )
         except ValueError as exc:
             raise ValueError(str(exc).replace("EnvConfig.", "rollout.")) from None
@@ -360,25 +359,17 @@ class RolloutConfig(rollout.EngineSpec):
             )
 
     def check_sampling_knobs(self) -> None:
-        """top_p, top_k, min_p, repetition_penalty in range, and passed by this backend."""
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p={self.top_p!r}: must be in (0, 1] (1 = off)")
-        check_at_least("rollout.top_k", self.top_k, 0)
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"rollout.min_p={self.min_p!r}: must be in [0, 1) (0 = off)")
-        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10):
-            raise ValueError(
-                f"rollout.repetition_penalty={self.repetition_penalty!r}: must be in (0, 10] "
-                "(1 = off)"
-            )
-        offs = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
-        self.check_sampling(
-            {key: getattr(self, key) for key, off in offs.items() if getattr(self, key) != off}
-        )
+        """top_p, top_k, min_p, repetition_penalty in range, and taken by this backend."""
+        self.sampling_knobs()
 
     def sampling_knobs(self) -> dict[str, Any]:
-        """The rollout's truncation settings as rollout.SamplingParams fields."""
-        return {"top_p": self.top_p, "top_k": self.top_k}
+        """The rollout's sampling knobs as rollout.SamplingParams fields (checked)."""
+        return self.sampling_kwargs(
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+        )
 
     @property
     def max_prompt_tokens(self) -> int:
@@ -407,7 +398,7 @@ class EvalConfig:
     split: str = ""  # a split of a DatasetDict saved with save_to_disk: read path/split
     num_prompts: int = 64  # the file's first prompts, shared over the ranks
     samples_per_prompt: int = 1  # responses per prompt
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0: greedy; above it, rollout.top_p/top_k/min_p/... apply too
 
     def __post_init__(self) -> None:
         check_at_least("eval.every_steps", self.every_steps, 0)

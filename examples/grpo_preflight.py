@@ -49,7 +49,6 @@ def preflight(
     check_policy_device(cfg.backend)
     if should_check_data:
         check_data_paths(cfg)
-        check_chat_template_kwargs(cfg)
     check_lora_engine(cfg)
     for name, section in (("rollout", cfg.rollout), ("reward", cfg.reward)):
         check_engine_installed(name, section)
@@ -99,17 +98,6 @@ def check_lora_engine(cfg: TrainConfig) -> None:
         "the LoRA adapter, which only the built-in engine applies; use rollout.backend=builtin "
         "or full fine-tuning (policy.lora=null)"
     )
-
-
-def check_chat_template_kwargs(cfg: TrainConfig) -> None:
-    """data.chat_template_kwargs reach no template yet (the prompt encoder renders without
-    them): refused by name rather than ignored."""
-    if cfg.data.chat_template_kwargs:
-        raise ValueError(
-            f"data.chat_template_kwargs={dict(cfg.data.chat_template_kwargs)!r}: not passed to "
-            "the chat template by this trainer yet; leave it empty (or render the prompts "
-            "with them into data.path)"
-        )
 
 
 def check_data_paths(cfg: TrainConfig) -> None:

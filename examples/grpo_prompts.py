@@ -40,6 +40,5 @@ class PromptEncoder(core.PromptEncoder):
             max_images=cfg.data.max_images,
             should_apply_chat_template=cfg.data.apply_chat_template,
             max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-            # data.chat_template_kwargs: the config field arrives with the config's move
-            chat_template_kwargs=getattr(cfg.data, "chat_template_kwargs", None),
+            chat_template_kwargs=cfg.data.chat_template_kwargs,  # checked by the encoder
         )

@@ -152,10 +152,12 @@ def generate_and_score(
     data: DataConfig,
     should_overlap: bool,
     timings: dict[str, float],
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[Scored]:
     """n responses per prompt (with its images, processed once by the encoder), each decoded
     once and judged (judge_view). should_overlap (rollout and judge resident together): each
-    response is judged as soon as it finishes."""
+    response is judged as soon as it finishes. should_stop (a stop signal's flag): polled while
+    the judge works, genrm.ScoringStopped once it turns true."""
     return genrm.judge_prompts(
         prompts,
         sampling,
@@ -166,6 +168,7 @@ def generate_and_score(
         plan=plan,
         should_overlap=should_overlap,
         timings=timings,
+        should_stop=should_stop,
     )
 
 
@@ -256,7 +259,8 @@ class RolloutContext:
     partials: core.PartialRollouts | None  # rollout.keep_partial: cut groups held a step
     should_overlap: bool  # rollout and judge resident together: judge as responses finish
     multiturn: Any = None  # rollout.MultiTurnRollout when rollout.environment/tools are set
-    # a stop signal arrived: a safe point (between rounds, between judged groups) ends the step
+    # a stop signal arrived: a safe point (between rounds, between judged groups, or inside a
+    # judge that waits: genrm.ScoringStopped) ends the step
     should_stop: Callable[[], bool] = lambda: False
     num_unjudgeable_rows: int = 0  # since the start: rows the reward could not judge
 
@@ -274,7 +278,7 @@ class RolloutContext:
         return rollout.SamplingParams(
             n=cfg.rollout.samples_per_prompt,
             temperature=cfg.rollout.temperature,
-            **cfg.rollout.sampling_knobs(),  # top_p, top_k
+            **cfg.rollout.sampling_knobs(),  # top_p, top_k, min_p, repetition_penalty
             max_new_tokens=cfg.rollout.max_new_tokens,
             seed=derived_seed(cfg.seed, self.runtime.dp_rank * 10_007, step * 101, num_round),
             stop_token_ids=self.encoder.cut_token_ids,  # a vision-language policy's (else none)
@@ -293,26 +297,29 @@ class RolloutContext:
             data=self.cfg.data,
             should_overlap=self.should_overlap,
             timings=timings,
+            should_stop=self.should_stop,  # a judge that never ends cannot hold a stop signal
         )
 
 
 def rollout_in_rounds(
     step: int, ctx: RolloutContext, stats: StepStats
 ) -> tuple[core.Batch, dict[str, float]]:
-    """rollout.sampling_mode=rounds: generate -> judge -> keep in rounds until every rank has
-    its groups with reward variance (collective: a full rank draws 0 and still joins each
-    round). A stop signal ends the rounds (core.StepStopped)."""
-    while not ctx.sampler.is_done():
-        num_prompts = ctx.sampler.num_to_draw()
-        if num_prompts:
-            prompts = ctx.draw(num_prompts)
-            stats.num_rounds += 1
-            sampling = ctx.sampling(step, stats.num_rounds)
-            keep(ctx.generate_and_score(prompts, sampling, stats.timings), ctx, stats)
-        else:
-            ctx.sampler.add(core.rollout_batch([]))  # a full rank joins the round
-        if ctx.should_stop():  # the next is_done() ends the rounds on every rank
-            ctx.sampler.request_stop()
+    """rollout.sampling_mode=rounds: generate -> judge -> keep in rounds
+    (genrm.judge_in_rounds) until every rank has its groups with reward variance (collective:
+    a full rank draws 0 and still joins each round). A stop signal ends the rounds, also one
+    that arrives while the judge works (core.StepStopped)."""
+
+    def judge_round(prompts: list[Prompt], num_round: int) -> list[Scored]:
+        sampling = ctx.sampling(step, stats.num_rounds + num_round)
+        return ctx.generate_and_score(prompts, sampling, stats.timings)
+
+    stats.num_rounds += genrm.judge_in_rounds(
+        ctx.sampler,
+        draw=ctx.draw,
+        judge_round=judge_round,
+        keep=lambda judged: keep(judged, ctx, stats),
+        should_stop=ctx.should_stop,
+    )
     return take_batch(ctx.sampler, should_stop=ctx.should_stop())
 
 
@@ -388,7 +395,7 @@ def rollout_multiturn(
     """rollout.environment or rollout.tools set: rounds as rollout_in_rounds, each round's
     rows run as multi-turn trajectories (ctx.multiturn, yatt.rollout.MultiTurnRollout:
     samples_per_prompt per row, tools in worker processes, the engine keeping each
-    conversation's KV between turns), scored by genrm.score_trajectories and kept as whole groups
+    conversation's KV between turns), judged by genrm.judge_trajectories and kept as whole groups
     with reward variance. Every trajectory ends inside its round (at most rollout.max_turns
     turns): nothing is in flight at a checkpoint. Each row's environment gets
     row["env_seed"] from (seed, DP rank, step, row), the same on a resumed run. Adds the
@@ -396,52 +403,39 @@ def rollout_multiturn(
     causes), summed over ranks, to the sampling stats (dynamic_sampling/multiturn/*)."""
     turn_stats = rollout.MultiTurnStats()
     cfg = ctx.cfg
-    while not ctx.sampler.is_done():
-        num_prompts = ctx.sampler.num_to_draw()
-        if num_prompts:
-            prompts = ctx.draw(num_prompts)
-            stats.num_rounds += 1
-            sampling = ctx.sampling(step, stats.num_rounds)
-            rows = [env_row(prompt.row, step, cfg) for prompt in prompts]
-            with timed(stats.timings, "rollout"), ctx.plan.phase("rollout"):
-                trajectories, round_stats = asyncio.run(ctx.multiturn.run(rows, sampling))
-            turn_stats.merge(round_stats)
-            judge_phase = (
-                ctx.plan.phase("genrm") if "genrm" in ctx.plan.phases else contextlib.nullcontext()
-            )
-            with timed(stats.timings, "genrm"), judge_phase:
-                # reward.* over each trajectory + the environment's get_reward()
-                scored = genrm.score_trajectories(
-                    trajectories,
-                    prompts,
-                    ctx.scorer,
-                    answer_key=cfg.data.answer_key,
-                    env_reward_weight=cfg.rollout.env_reward_weight,
-                )
-            # a row whose reset failed has fewer than n trajectories: its group is dropped
-            counts: dict[int, int] = {}
-            for item in scored:
-                counts[item.completion.request_index] = (
-                    counts.get(item.completion.request_index, 0) + 1
-                )
-            whole = [item for item in scored if counts[item.completion.request_index] == sampling.n]
-            keep(whole, ctx, stats)
-        else:
-            ctx.sampler.add(core.rollout_batch([]))  # a full rank joins the round
-        if ctx.should_stop():
-            ctx.sampler.request_stop()
-    metrics = turn_stats.as_metrics(prefix="multiturn/")
-    turns = turn_stats.turns
-    # sums over ranks (turns_mean from the summed turns); the mean summarize takes of these
-    # equal values is the sum
-    sums = {key: value for key, value in metrics.items() if not key.endswith(("_mean", "_max"))}
-    sums["multiturn/turns_sum"] = float(sum(turns))
-    ops = {key: "sum" for key in sums}
-    sums["multiturn/turns_max"] = metrics["multiturn/turns_max"]
-    ops["multiturn/turns_max"] = "max"
-    total = core.reduce_metrics(sums, group=ctx.runtime.dp_group, ops=ops)
-    total["multiturn/turns_mean"] = total.pop("multiturn/turns_sum") / max(
-        total["multiturn/num_trajectories"], 1.0
+
+    def judge_round(prompts: list[Prompt], num_round: int) -> list[Scored]:
+        sampling = ctx.sampling(step, stats.num_rounds + num_round)
+        # reward.* over each trajectory + the environment's get_reward(); a row whose reset
+        # failed has fewer than n trajectories: its group is dropped
+        judged, round_stats = genrm.judge_trajectories(
+            ctx.multiturn,
+            [env_row(prompt.row, step, cfg) for prompt in prompts],
+            prompts,
+            sampling,
+            scorer=ctx.scorer,
+            plan=ctx.plan,
+            timings=stats.timings,
+            answer_key=cfg.data.answer_key,
+            env_reward_weight=cfg.rollout.env_reward_weight,
+            should_stop=ctx.should_stop,
+        )
+        turn_stats.merge(round_stats)
+        return judged
+
+    stats.num_rounds += genrm.judge_in_rounds(
+        ctx.sampler,
+        draw=ctx.draw,
+        judge_round=judge_round,
+        keep=lambda judged: keep(judged, ctx, stats),
+        should_stop=ctx.should_stop,
+    )
+    # summed over ranks, turns_mean from the summed turns (the mean summarize then takes of
+    # these equal values is the sum)
+    total = core.reduce_turn_metrics(
+        turn_stats.as_metrics(prefix="multiturn/"),
+        num_turns=sum(turn_stats.turns),
+        group=ctx.runtime.dp_group,
     )
     batch, sampling_stats = take_batch(ctx.sampler, should_stop=ctx.should_stop())
     return batch, sampling_stats | total
@@ -460,7 +454,10 @@ def make_multiturn(cfg: TrainConfig, engine, tokenizer, resources: ClosingStack)
     runner = rollout.env.PoolToolRunner.from_timeout(cfg.rollout.tool_timeout_s)
     resources.close_later(runner.pool)
     return rollout.MultiTurnRollout(
-        engine, cfg.rollout.env_config(), tokenizer=tokenizer, runner=runner
+        engine,
+        cfg.rollout.env_config(dict(cfg.data.chat_template_kwargs)),
+        tokenizer=tokenizer,
+        runner=runner,
     )
 
 
@@ -565,13 +562,19 @@ def evaluate(
         sampling = rollout.SamplingParams(
             n=cfg.eval.samples_per_prompt,
             temperature=cfg.eval.temperature,
+            # greedy (temperature 0) takes the top token: the knobs would change nothing
+            **(cfg.rollout.sampling_knobs() if cfg.eval.temperature > 0 else {}),
             max_new_tokens=cfg.rollout.max_new_tokens,
             seed=derived_seed(cfg.seed, ctx.runtime.dp_rank * 10_007, 7),
             stop_token_ids=ctx.encoder.cut_token_ids,
         )
-        with timed(stats.timings, "eval"):
-            scored = ctx.generate_and_score(prompts, sampling, {})
-        stats.add(drop_unjudgeable(scored, ctx), ctx.accuracy)
+        try:
+            with timed(stats.timings, "eval"):
+                scored = ctx.generate_and_score(prompts, sampling, {})
+            stats.add(drop_unjudgeable(scored, ctx), ctx.accuracy)
+        except genrm.ScoringStopped:  # a stop signal while the judge waited: the step is saved
+            # next; this rank joins the reduction below as a rank without eval rows does
+            logger.warning("a stop signal ended step %d's evaluation on this rank", step)
     return eval_metrics(stats, ctx.runtime.dp_group, has_accuracy=ctx.accuracy is not None)
 
 

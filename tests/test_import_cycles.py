@@ -7,8 +7,9 @@ What counts as an import of module B by module A:
   edge to P.B, not to P), and the relative forms (`from . import B`, `from .B import name`);
 - wherever the statement is: at module level, inside a function (a lazy import still makes A
   need B), and under `if TYPE_CHECKING:` (it does not run, but a reader and a type checker follow
-  it, and the trainer's one circle, grpo_metrics -> train_grpo for `Scored`, is exactly such an
-  import; a circle of types is still a circle of meaning).
+  it: a helper that imports the trainer only to name a type, as grpo_metrics once did for
+  `Scored` (now genrm.JudgedSample), closes a circle all the same, and a circle of types is
+  still a circle of meaning).
 Only modules of this repository count; an import of a package does not count as an import of
 its submodules, nor of a submodule as one of its package (Python runs the package's
 `__init__` first, but a package re-exporting its submodules is not a circle).

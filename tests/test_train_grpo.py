@@ -701,6 +701,30 @@ class _FakeEngine:
             yield self._completion(i, requests[i])
 
 
+def test_a_stop_signal_inside_the_evaluations_judge_leaves_this_rank_out_not_the_run(tmp_path):
+    """issue 49: the judge's stop flag also reaches evaluate(); a ScoringStopped there is not
+    an error of the run: the rank joins the eval reduction as one without eval rows."""
+    from types import SimpleNamespace
+
+    import grpo_config
+    import train_grpo
+
+    from yatt import core, genrm
+
+    def stopped(prompts, sampling, timings):
+        raise genrm.ScoringStopped(num_samples=len(prompts), waited_s=0.0)
+
+    cfg, _ = grpo_config.read_config([f"out_dir={tmp_path}"])
+    ctx = SimpleNamespace(
+        runtime=core.init_runtime(seed=0),
+        encoder=SimpleNamespace(cut_token_ids=()),
+        accuracy=None,
+        generate_and_score=stopped,
+    )
+    metrics = train_grpo.evaluate(["a prompt"], step=3, cfg=cfg, ctx=ctx)
+    assert metrics["eval/num_samples"] == 0.0
+
+
 def test_the_keep_rule_tests_the_task_reward_before_the_overlong_penalty():
     """DAPO eq. 11 filters on the accuracy signal, then eq. 13's soft penalty joins the reward
     (verl's recipe alike): an all-right group with one response in the overlong buffer has no
@@ -1275,6 +1299,55 @@ def test_a_stop_signal_ends_a_step_that_cannot_end_and_saves_it(tmp_path, embedd
     saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
     assert saved == ["step-00000000"]
     (record,) = _metrics(out)  # the stopped step's line: what it sampled, no update
+    assert record["step"] == 0 and record["dynamic_sampling/is_stopped"] == 1.0
+    assert not any(key.startswith("train/") for key in record)
+
+
+def test_a_stop_signal_inside_a_blocking_score_ends_the_step_and_saves_it(tmp_path, embedded):
+    """A reward function that sleeps for an hour (its timeout 600 s): the step waits inside the
+    judge's blocking score(). SIGTERM there is read while the judge waits (issue 49): the
+    pending reward calls are aborted, the step is saved without its update and the run exits
+    128 + 15 within seconds, not after the function's timeout."""
+    marker = tmp_path / "judging"
+    rewards = tmp_path / "sleepy.py"
+    rewards.write_text(
+        "import time\n"
+        "from pathlib import Path\n"
+        "def score(prompt, response, reference, row):\n"
+        f"    Path({str(marker)!r}).touch()\n"
+        "    time.sleep(3600)\n"
+        "    return 1.0\n"
+    )
+    args = [a for a in embedded if not a.startswith("reward.judge_dir=")]
+    out = tmp_path / "run"
+    command = _one_rank(
+        out,
+        args,
+        "reward.backend=none",
+        f"reward.functions=[{rewards}:score]",
+        "reward.function_timeout_s=600",
+        "num_steps=3",
+        "eval.every_steps=0",
+    )
+    proc = subprocess.Popen(command, env=_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), f"the reward was never called (rc {proc.poll()})"
+        proc.send_signal(signal.SIGTERM)
+        begin = time.monotonic()
+        _, stderr = proc.communicate(timeout=120)
+        stopped_s = time.monotonic() - begin
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert stopped_s < 30, f"{stopped_s:.0f} s from SIGTERM to exit"
+    assert "stopped by signal 15 during step 0's rollout" in stderr
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    assert saved == ["step-00000000"]
+    (record,) = _metrics(out)
     assert record["step"] == 0 and record["dynamic_sampling/is_stopped"] == 1.0
     assert not any(key.startswith("train/") for key in record)
 

@@ -261,39 +261,92 @@ def test_the_resolved_config_reads_back_to_itself(tmp_path, own_model, own_data)
 
 
 # -- issue 46 item 6: sampling knobs in the config, refused by name where no engine takes them --
-def test_top_p_and_top_k_reach_the_engines_sampling_params(tmp_path):
+def test_the_four_sampling_knobs_reach_the_engines_sampling_params(tmp_path):
     from yatt import rollout
 
-    cfg = _read(tmp_path, "rollout.top_p=0.9", "rollout.top_k=20")
+    knobs = ("rollout.top_p=0.9", "rollout.top_k=20", "rollout.min_p=0.05")
+    cfg = _read(tmp_path, *knobs, "rollout.repetition_penalty=1.1")
     sampling = rollout.SamplingParams(n=2, **cfg.rollout.sampling_knobs())
     assert (sampling.top_p, sampling.top_k) == (0.9, 20)
-    assert _read(tmp_path).rollout.sampling_knobs() == {"top_p": 1.0, "top_k": 0}  # off
+    assert (sampling.min_p, sampling.repetition_penalty) == (0.05, 1.1)
+    off = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+    assert _read(tmp_path).rollout.sampling_knobs() == off
 
 
 @pytest.mark.parametrize(
     ("override", "match"),
     [
-        ("rollout.min_p=0.05", r"rollout\.min_p=0\.05: rollout\.backend='builtin' does not take"),
-        ("rollout.repetition_penalty=1.1", r"rollout\.repetition_penalty=1\.1: .* does not take"),
         ("rollout.top_p=0", r"rollout\.top_p=0\.0: must be in \(0, 1\]"),
-        ("rollout.top_k=-1", r"rollout\.top_k=-1: must be >= 0"),
-        ("rollout.min_p=1.5", r"rollout\.min_p=1\.5: must be in \[0, 1\)"),
+        ("rollout.top_k=-1", r"rollout\.top_k=-1: must be an int >= 0"),
+        ("rollout.min_p=1.5", r"rollout\.min_p=1\.5: must be in \[0, 1\]"),
         ("data.chat_template_kwargs=[a]", r"data\.chat_template_kwargs=\['a'\]: a mapping"),
     ],
 )
-def test_sampling_knobs_out_of_range_or_untaken_are_refused_by_name(tmp_path, override, match):
+def test_sampling_knobs_out_of_range_are_refused_by_name(tmp_path, override, match):
     with pytest.raises(ValueError, match=match):
         _read(tmp_path, override)
 
 
-def test_chat_template_kwargs_are_refused_until_the_encoder_takes_them(tmp_path, monkeypatch):
+def test_a_repetition_penalty_sglang_does_not_take_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"rollout\.repetition_penalty=3(\.0)?: .*sglang"):
+        _read(tmp_path, "rollout.backend=sglang", "rollout.repetition_penalty=3")
+
+
+# A chat template with a switch of its own, as Qwen3's enable_thinking: with it false the
+# generation prompt is followed by an empty think block (Qwen3's non-thinking mode).
+THINKING_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think>\\n\\n</think>\\n\\n' }}"
+    "{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_kwargs_reach_the_prompts_and_the_environments(tmp_path, own_model, own_data):
+    import grpo_preflight
+    import grpo_prompts
+
+    from yatt.testing import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = THINKING_TEMPLATE
+    row = {"prompt": "3+4=", "__row_index__": 0}
+    endings = {}
+    for kwargs in ("{}", "{enable_thinking: false}"):
+        cfg = _read(
+            tmp_path,
+            f"policy.model_dir={own_model}",
+            f"data.path={own_data}",
+            "reward.functions=[os.path:join]",
+            "data.apply_chat_template=true",
+            f"data.chat_template_kwargs={kwargs}",
+        )
+        cfg = grpo_preflight.preflight(cfg, should_resume=False)  # no longer refused there
+        (prompt,) = grpo_prompts.PromptEncoder(cfg, tokenizer).encode([row])
+        endings[kwargs] = tokenizer.decode(prompt.ids)
+    assert endings["{}"].endswith("<|im_start|>assistant\n")
+    assert endings["{enable_thinking: false}"].endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    env = cfg.rollout.env_config(dict(cfg.data.chat_template_kwargs))
+    assert env.chat_template_kwargs == {"enable_thinking": False}
+
+
+def test_export_of_a_given_model_without_data_builds_no_embedded_task(tmp_path, own_model):
+    # issue 49 F33: --export names the policy; no data path must not ask for the demo task
     import grpo_preflight
 
-    monkeypatch.setattr(grpo_preflight, "with_embedded_task", lambda cfg: 1 / 0)
-    cfg = _read(tmp_path, "data.chat_template_kwargs={enable_thinking: false}")
-    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
-    with pytest.raises(ValueError, match=r"data\.chat_template_kwargs=.*not passed"):
-        grpo_preflight.preflight(cfg, should_resume=False)
+    cfg, _ = grpo_config.read_config(
+        ["--export", f"out_dir={tmp_path}", f"policy.model_dir={own_model}"]
+    )
+
+    def refuse(cfg):
+        raise AssertionError("the embedded task was built for an export")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo_preflight, "with_embedded_task", refuse)
+        cfg = grpo_preflight.preflight(cfg, should_check_data=False)
+    assert cfg.policy.model_dir == str(own_model)
 
 
 def test_megatron_without_cuda_is_refused_in_preflight(tmp_path, monkeypatch):

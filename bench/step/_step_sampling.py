@@ -361,7 +361,7 @@ class _CountingJudge:
             _record_verdict(verdict, self.tally)
         return verdicts
 
-    def score(self, samples: list) -> list:
+    def score(self, samples: list, *, should_stop=None) -> list:
         return self.judge.score(samples)
 
 

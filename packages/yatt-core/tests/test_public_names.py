@@ -107,6 +107,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "read_raw_config",
         "read_yaml_file",
         "reduce_metrics",
+        "reduce_turn_metrics",
         "resolve_model_dir",
         "rollout_batch",
         "rollout_samples",

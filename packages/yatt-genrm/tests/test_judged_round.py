@@ -59,7 +59,7 @@ class _FakeJudge:
             num_judge_prompt_tokens=len(sample.prompt),
         )
 
-    def score(self, samples):
+    def score(self, samples, *, should_stop=None):
         return [self._verdict(s) for s in samples]
 
     async def submit(self, sample) -> None:
@@ -197,3 +197,34 @@ def test_judged_samples_reads_a_streamed_group_with_its_payload():
         (completions[0], samples[0], verdicts[0], "P"),
         (completions[1], samples[1], verdicts[1], "P"),
     ]
+
+
+class _StoppableJudge(_FakeJudge):
+    """score() as a real scorer's with should_stop: ScoringStopped once the flag is true."""
+
+    def score(self, samples, *, should_stop=None):
+        if should_stop is not None and should_stop():
+            raise genrm.ScoringStopped(num_samples=len(samples), waited_s=0.0)
+        return super().score(samples)
+
+
+@pytest.mark.parametrize("should_overlap", [False, True])
+def test_a_stop_flag_reaches_the_judge_and_ends_the_round(should_overlap):
+    # issue 49: a trainer's stop signal reaches a blocking score() and score_as_completed
+    plan = _fake_plan("partial" if should_overlap else "full")
+    requests = [rollout.Request(prompt_ids=[7, 7]) for _ in range(3)]
+    kwargs = dict(
+        engine=_FakeEngine(),
+        scorer=_StoppableJudge(plan),
+        plan=plan,
+        should_overlap=should_overlap,
+        timings={},
+    )
+    to_sample = lambda c: genrm.Sample(prompt="q", response=str(c.request_index))  # noqa: E731
+    sampling = rollout.SamplingParams(max_new_tokens=8)
+    with pytest.raises(genrm.ScoringStopped):
+        genrm.generate_and_judge(requests, sampling, to_sample, should_stop=lambda: True, **kwargs)
+    _, verdicts = genrm.generate_and_judge(
+        requests, sampling, to_sample, should_stop=lambda: False, **kwargs
+    )
+    assert sorted(v.reward for v in verdicts) == [0.0, 1.0, 2.0]

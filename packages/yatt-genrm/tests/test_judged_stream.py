@@ -83,7 +83,7 @@ class _Judge:
             for s in samples
         ]
 
-    def score(self, samples):
+    def score(self, samples, *, should_stop=None):
         return asyncio.run(self.ascore(samples))
 
 

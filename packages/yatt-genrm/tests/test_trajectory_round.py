@@ -36,7 +36,7 @@ class _Scorer:
     def __init__(self) -> None:
         self.samples = []
 
-    def score(self, samples):
+    def score(self, samples, *, should_stop=None):
         self.samples.extend(samples)
         return [
             genrm.Verdict(
@@ -79,3 +79,85 @@ def test_without_a_scorer_the_environment_alone_is_the_reward():
     (item,) = judged
     assert item.verdict.reward == 0.5 and item.verdict.status == "ok"
     assert item.sample.reference is None
+
+
+class _MultiTurn:
+    """MultiTurnRollout's run(): row 0 gives two trajectories, row 1 one (its second reset
+    failed); notes the plan's phase and the rows it ran."""
+
+    def __init__(self, plan) -> None:
+        self.plan, self.rows, self.phases = plan, [], []
+
+    async def run(self, rows, sampling):
+        self.rows.extend(rows)
+        self.phases.append(self.plan.current_phase)
+        trajectories = [_trajectory(0, 0, 1.0), _trajectory(0, 1, 0.0), _trajectory(1, 0, 1.0)]
+        return trajectories, "the round's stats"
+
+
+class _Plan:
+    phases = ("rollout", "genrm", "train")
+    current_phase = None
+
+    def phase(self, name):
+        import contextlib
+
+        @contextlib.contextmanager
+        def entered():
+            self.current_phase = name
+            try:
+                yield
+            finally:
+                self.current_phase = None
+
+        return entered()
+
+
+def test_a_multiturn_round_runs_in_the_rollout_phase_judges_in_genrm_and_keeps_whole_groups():
+    from yatt import rollout
+
+    plan, timings = _Plan(), {}
+    multiturn, scorer = _MultiTurn(plan), _Scorer()
+    scorer_phases = []
+    score = scorer.score
+    scorer.score = lambda samples, **kw: (
+        scorer_phases.append(plan.current_phase) or score(samples, **kw)
+    )
+    judged, stats = genrm.judge_trajectories(
+        multiturn,
+        [{"prompt": "a"}, {"prompt": "b"}],
+        PROMPTS,
+        rollout.SamplingParams(n=2, max_new_tokens=4),
+        scorer=scorer,
+        plan=plan,
+        timings=timings,
+        answer_key="secret",
+        env_reward_weight=1.0,
+    )
+    assert multiturn.rows == [{"prompt": "a"}, {"prompt": "b"}]
+    assert (multiturn.phases, scorer_phases) == (["rollout"], ["genrm"])
+    assert set(timings) == {"rollout", "genrm"} and stats == "the round's stats"
+    # row 1 has one trajectory of n=2: its group is dropped; row 0's rewards 1 + 1, 1 + 0
+    assert [(j.completion.request_index, j.verdict.reward) for j in judged] == [(0, 2.0), (0, 1.0)]
+
+
+def test_a_stop_flag_reaches_the_trajectories_scorer():
+    # issue 49: a stop signal while the judge works ends the multi-turn round too
+    import pytest
+
+    class _Stoppable(_Scorer):
+        def score(self, samples, *, should_stop=None):
+            if should_stop is not None and should_stop():
+                raise genrm.ScoringStopped(num_samples=len(samples), waited_s=0.0)
+            return super().score(samples)
+
+    trajectories = [_trajectory(0, 0, 1.0)]
+    with pytest.raises(genrm.ScoringStopped):
+        genrm.score_trajectories(
+            trajectories,
+            PROMPTS,
+            _Stoppable(),
+            answer_key="secret",
+            env_reward_weight=1.0,
+            should_stop=lambda: True,
+        )

@@ -105,6 +105,7 @@ from yatt.core.runtime._learning_guard import LearningGuard, NoLearningError
 from yatt.core.runtime._metrics import reduce_metrics
 from yatt.core.runtime._run_log import RunLog, check_wandb
 from yatt.core.runtime._runtime import Runtime, init_runtime, set_seed
+from yatt.core.runtime._turn_metrics import reduce_turn_metrics
 from yatt.core.vision._vision_inputs import (
     VISION_INPUTS_KEY,
     VisionInputError,
@@ -215,6 +216,7 @@ __all__ = [
     "read_raw_config",
     "read_yaml_file",
     "reduce_metrics",
+    "reduce_turn_metrics",
     "resolve_model_dir",
     "resume_run",
     "rollout_batch",

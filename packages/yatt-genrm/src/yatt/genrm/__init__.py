@@ -40,6 +40,7 @@ from yatt.genrm._judged_round import (
     judge_prompts,
     judged_samples,
 )
+from yatt.genrm._judged_rounds import judge_in_rounds
 from yatt.genrm._judged_stream import CutGroup, JudgedStream, Scorer, StreamedGroup
 from yatt.genrm._openai import OpenAIJudge, OpenAIJudgeConfig
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
@@ -55,7 +56,11 @@ from yatt.genrm._trajectory import (
     trajectory_sample,
     trajectory_template,
 )
-from yatt.genrm._trajectory_round import TrajectoryCompletion, score_trajectories
+from yatt.genrm._trajectory_round import (
+    TrajectoryCompletion,
+    judge_trajectories,
+    score_trajectories,
+)
 from yatt.genrm._types import Sample, Verdict, Vote
 from yatt.genrm._verifiers import ExactMatch, NumericMatch, RegexMatch, RuleVerifier
 from yatt.genrm._version import __version__
@@ -102,7 +107,9 @@ __all__ = [
     "check_verdicts",
     "create_app",
     "generate_and_judge",
+    "judge_in_rounds",
     "judge_prompts",
+    "judge_trajectories",
     "judged_samples",
     "load_reward_function",
     "load_reward_functions",

@@ -56,6 +56,7 @@ def generate_and_judge(
     plan: Any,
     should_overlap: bool,
     timings: dict[str, float],
+    should_stop: Callable[[], bool] | None = None,
 ) -> tuple[list[Completion], list[Verdict]]:
     """One rollout of `requests` and each response's verdict: (completions, verdicts), paired
     by position. should_overlap (rollout and judge resident together): one "rollout+genrm"
@@ -64,7 +65,9 @@ def generate_and_judge(
     split moves it toward this round's token loads. Otherwise the "rollout" phase, then the
     "genrm" one (outside any phase for a plan without one: its judge lives elsewhere). Each
     phase is timed into `timings` (responses and verdicts are host lists: the times include
-    the device's work)."""
+    the device's work). should_stop (a stop signal's flag; None: not read) is polled while
+    the judge works: once true the pending judge requests are aborted and ScoringStopped is
+    raised (a round stopped mid-judge has no verdicts to keep)."""
     if should_overlap:
         rollout_end: list[float] = []
 
@@ -75,7 +78,9 @@ def generate_and_judge(
 
         with _timed(timings, "rollout+genrm"), plan.phase("rollout"):
             stream = noting_its_end(engine.stream(requests, sampling))
-            scored = asyncio.run(score_as_completed(stream, scorer, to_sample))
+            scored = asyncio.run(
+                score_as_completed(stream, scorer, to_sample, should_stop=should_stop)
+            )
             last_verdict = time.perf_counter()
         tail_s = last_verdict - rollout_end[-1] if rollout_end else 0.0
         timings["genrm_tail"] = timings.get("genrm_tail", 0.0) + tail_s
@@ -94,7 +99,8 @@ def generate_and_judge(
         completions = engine.generate(requests, sampling)
     judge_phase = plan.phase("genrm") if "genrm" in plan.phases else contextlib.nullcontext()
     with _timed(timings, "genrm"), judge_phase:
-        verdicts = scorer.score([to_sample(completion) for completion in completions])
+        samples = [to_sample(completion) for completion in completions]
+        verdicts = scorer.score(samples, should_stop=should_stop)
     return completions, verdicts
 
 
@@ -109,10 +115,12 @@ def judge_prompts(
     plan: Any,
     should_overlap: bool,
     timings: dict[str, float],
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[JudgedSample]:
     """sampling.n responses per prompt, each judged (generate_and_judge): to_request(prompt)
     is its request, to_sample(prompt, completion) what the judge reads of a response, called
-    once per response. Each JudgedSample carries its prompt object back."""
+    once per response. Each JudgedSample carries its prompt object back. should_stop: as
+    generate_and_judge's (ScoringStopped once it turns true while the judge works)."""
     samples: dict[tuple[int, int], Sample] = {}
 
     def sample_of(completion: Completion) -> Sample:
@@ -129,6 +137,7 @@ def judge_prompts(
         plan=plan,
         should_overlap=should_overlap,
         timings=timings,
+        should_stop=should_stop,
     )
     return [
         JudgedSample(

@@ -4,6 +4,8 @@ a trainer turns into a training sample, and its reward.
     judged = score_trajectories(trajectories, prompts, scorer, answer_key="answer",
                                 env_reward_weight=1.0)      # list[JudgedSample]
     core.rollout_samples([j.completion for j in judged], ...)  # loss on sampled tokens only
+    judged, turn_stats = judge_trajectories(multiturn, rows, prompts, sampling, scorer=...,
+                                            plan=plan, timings=timings, ...)  # a whole round
 
 The reward of a trajectory: the scorer (a judge over trajectory_sample's transcript, reward
 functions over the whole trajectory, rules) plus env_reward_weight x the environment's
@@ -13,15 +15,17 @@ component ("env_reward").
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from yatt.genrm._judged_round import JudgedSample
+from yatt.genrm._judged_round import JudgedSample, _timed
 from yatt.genrm._trajectory import trajectory_sample
 from yatt.genrm._types import Verdict
-from yatt.rollout import Trajectory
+from yatt.rollout import SamplingParams, Trajectory
 
 
 @dataclass(frozen=True)
@@ -48,16 +52,20 @@ def score_trajectories(
     *,
     answer_key: str,
     env_reward_weight: float,
+    should_stop: Callable[[], bool] | None = None,
 ) -> list[JudgedSample]:
     """Each trajectory judged: `scorer` (None: no reward but the environment's) over
     trajectory_sample's view (its reference: the row's `answer_key`, as text) plus
     env_reward_weight x its environment's reward. prompts[t.row_index] is the prompt object
-    of trajectory t (its `.row` the data row), carried back in each JudgedSample."""
+    of trajectory t (its `.row` the data row), carried back in each JudgedSample.
+    should_stop (None: not read): polled while the scorer works, ScoringStopped once true."""
     samples = [
         trajectory_sample(t, reference=_reference(prompts[t.row_index].row, answer_key))
         for t in trajectories
     ]
-    verdicts = scorer.score(samples) if scorer is not None and samples else None
+    verdicts = None
+    if scorer is not None and samples:
+        verdicts = scorer.score(samples, should_stop=should_stop)
     judged = []
     for i, (trajectory, sample) in enumerate(zip(trajectories, samples, strict=True)):
         env_part = env_reward_weight * (trajectory.env_reward or 0.0)
@@ -77,6 +85,46 @@ def score_trajectories(
         completion = TrajectoryCompletion(trajectory, request_index=trajectory.row_index)
         judged.append(JudgedSample(completion, sample, verdict, prompts[trajectory.row_index]))
     return judged
+
+
+def judge_trajectories(
+    multiturn: Any,
+    rows: Sequence[dict],
+    prompts: Sequence[Any],
+    sampling: SamplingParams,
+    *,
+    scorer: Any | None,
+    plan: Any,
+    timings: dict[str, float],
+    answer_key: str,
+    env_reward_weight: float,
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[list[JudgedSample], Any]:
+    """One multi-turn round: `rows` (what each environment's reset(**row) reads; rows[i] is
+    prompts[i]'s) run as sampling.n trajectories each by `multiturn` (a
+    yatt.rollout.MultiTurnRollout) in the plan's "rollout" phase, then judged
+    (score_trajectories) in its "genrm" phase (outside any phase for a plan without one), each
+    phase timed into `timings`. A row with fewer than sampling.n trajectories (its reset
+    failed) is dropped: a GRPO group must be whole. Returns (the whole groups' JudgedSamples,
+    the round's yatt.rollout.MultiTurnStats); ScoringStopped once should_stop() turns true
+    while the judge works."""
+    with _timed(timings, "rollout"), plan.phase("rollout"):
+        trajectories, turn_stats = asyncio.run(multiturn.run(list(rows), sampling))
+    judge_phase = plan.phase("genrm") if "genrm" in plan.phases else contextlib.nullcontext()
+    with _timed(timings, "genrm"), judge_phase:
+        judged = score_trajectories(
+            trajectories,
+            prompts,
+            scorer,
+            answer_key=answer_key,
+            env_reward_weight=env_reward_weight,
+            should_stop=should_stop,
+        )
+    counts: dict[int, int] = {}
+    for item in judged:
+        counts[item.completion.request_index] = counts.get(item.completion.request_index, 0) + 1
+    whole = [item for item in judged if counts[item.completion.request_index] == sampling.n]
+    return whole, turn_stats
 
 
 def _reference(row: dict, answer_key: str) -> str | None:
