@@ -40,5 +40,6 @@ class PromptEncoder(core.PromptEncoder):
             max_images=cfg.data.max_images,
             should_apply_chat_template=cfg.data.apply_chat_template,
             max_prompt_tokens=cfg.rollout.max_prompt_tokens,
-            chat_template_kwargs=cfg.data.chat_template_kwargs,  # checked by the encoder
+            # checked by the encoder; a config from before the field has none
+            chat_template_kwargs=getattr(cfg.data, "chat_template_kwargs", None) or {},
         )

@@ -386,7 +386,7 @@ def test_pool_options_parse_and_name_the_run():
         ["--layout", "full", "--prompts", "8", "--prompts-per-rank", "2"],
         ["--layout", "full", "--prompts-per-rank", "0"],
         ["--layout", "dedicated", "--judge-gpus", "a,b"],
-        ["--layout", "full", "--shape", "14b"],  # no such shape here
+        ["--layout", "full", "--shape", "99b"],  # no such shape
     ):
         with pytest.raises(SystemExit):
             step_cli.parse_args(bad)

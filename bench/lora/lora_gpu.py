@@ -55,19 +55,6 @@ from report import write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Qwen2.5-14B's and -32B's config.json shapes (random weights), beside bench/step's 0.5b-7b.
-EXTRA_SHAPES = {
-    "14b": dict(
-        setup.QWEN25_7B, hidden_size=5120, num_hidden_layers=48, num_attention_heads=40,
-        num_key_value_heads=8, intermediate_size=13824,
-    ),
-    "32b": dict(
-        setup.QWEN25_7B, hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
-        num_key_value_heads=8, intermediate_size=27648,
-    ),
-}  # fmt: skip
-for _name, _shape in EXTRA_SHAPES.items():  # step.py's --shape choices read this dict
-    setup.SHAPES.setdefault(_name, _shape)
 
 LORA_RANK, LORA_ALPHA = 16, 32.0
 # name: (policy shape, LoRA or not); the judge is always the 7B shape (tiny under --smoke).

@@ -68,7 +68,25 @@ QWEN25_7B = dict(
     vocab_size=152064,
     tie_word_embeddings=False,
 )
-SHAPES = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B, "3b": QWEN25_3B, "7b": QWEN25_7B}
+# Qwen2.5-14B's and -32B's config.json shapes: 5120 wide, 40 query and 8 KV heads; 48 layers and
+# MLP 13824 (14B), 64 layers and MLP 27648 (32B). Used by bench/lora/lora_gpu.py.
+QWEN25_14B = dict(
+    QWEN25_7B,
+    hidden_size=5120,
+    num_hidden_layers=48,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    intermediate_size=13824,
+)
+QWEN25_32B = dict(QWEN25_14B, num_hidden_layers=64, intermediate_size=27648)
+SHAPES = {
+    "0.5b": QWEN25_05B,
+    "1.5b": QWEN25_15B,
+    "3b": QWEN25_3B,
+    "7b": QWEN25_7B,
+    "14b": QWEN25_14B,
+    "32b": QWEN25_32B,
+}
 TINY = dict(QWEN25_05B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
 TINY["intermediate_size"] = 128
 TINY["vocab_size"] = 512
