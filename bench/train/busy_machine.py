@@ -111,6 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument(
+        "--embedded", type=Path, help="a built embedded task (OUT/embedded of an earlier run)"
+    )
+    parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "busy_machine_cpu.md"
     )
     args = parser.parse_args(argv)
