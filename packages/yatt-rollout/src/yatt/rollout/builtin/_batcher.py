@@ -408,16 +408,14 @@ class SlotRunner:
         # Column c of row b is position start_b + c - pad_b (padding columns: start_b, unused).
         positions_BT = start_B[:, None] + (col_T[None, :] - pad_B[:, None]).clamp(min=0)
         span = max(start + n for start, n in zip(starts, lengths, strict=True))
-        arange_P = torch.arange(span, device=device)
-        is_real_BT = col_T[None, :] >= pad_B[:, None]
-        visible_BTP = (arange_P[None, None, :] <= positions_BT[:, :, None]) & is_real_BT[:, :, None]
-        visible_BTP[:, :, 0] = True  # a padding column sees position 0: no empty softmax row
-        mask = torch.where(visible_BTP, 0.0, float("-inf")).to(self.cache.keys[0].dtype)
+        # ContinueWrite attends by each row's start and length (a lower-right causal mask per
+        # row) and reads no mask; a 4D one only keeps HF from building its own [B, 1, T, T].
+        mask = torch.zeros(len(items), 1, T, 1, dtype=self.cache.keys[0].dtype, device=device)
         slot_J = to_device(slots, device)
         write = ContinueWrite(
             cache=self.cache, slot_B=slot_J, starts=list(starts), lengths=lengths, span=span
         )
-        logits_JV = self._forward_last_logits(ids_BT, mask[:, None], positions_BT, write)
+        logits_JV = self._forward_last_logits(ids_BT, mask, positions_BT, write)
         prompt_len_J = start_B + to_device(lengths, device)
         self._start_samples(
             items, slot_J, logits_JV, prompt_len_J, torch.zeros_like(start_B), flags

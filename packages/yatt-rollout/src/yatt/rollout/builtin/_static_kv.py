@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -243,9 +244,18 @@ class ContinueWrite:
     (a multi-turn conversation kept between turns).
 
     Rows are left-padded [B, T]: row b's n_b new tokens sit in columns [T - n_b, T) and go to
-    slot slot_B[b] at positions start_B[b] .. start_B[b] + n_b - 1. Attention reads the slot's
-    cache positions [0, span) under the additive mask the engine passes ([B, 1, T, span]:
-    column T - n_b + t sees positions <= start_B[b] + t; a padding column sees position 0).
+    slot slot_B[b] at positions start_B[b] .. start_B[b] + n_b - 1. Row b's new tokens attend to
+    its slot's cache positions [0, start_B[b] + n_b) under a lower-right causal mask (column
+    T - n_b + t sees positions <= start_B[b] + t), one SDPA call per row; padding columns get
+    zeros (only the last column's logits are read). The attention mask the engine passes is
+    not read.
+
+    Why per row and no mask tensor: a dense additive mask over [B, T, span] cannot go to flash
+    attention, and the memory-efficient kernel takes no grouped KV heads, so SDPA fell back to
+    its math kernel, materialising [B, H_q, T, span] float scores per layer (4k-token
+    histories, 64 rows: 3x slower than prefilling the whole history again,
+    bench/results/multiturn_kv_before_nvidia_h200.md). A lower-right causal bias per row
+    runs flash with grouped heads and reads the slot's cache in place (no gather).
     Eager only (no graph, no compile): a turn's suffix is one forward per admission.
     """
 
@@ -268,6 +278,7 @@ class ContinueWrite:
         base_BH = self.cache.row_base_SH.index_select(0, self.slot_B)
         rows_BTH = base_BH[:, None, :] + position_BT[:, :, None]
         self.rows_N = rows_BTH[self.real_BT].reshape(-1)  # [N * H_kv], N real tokens
+        self.slots = self.slot_B.tolist()  # one host read, not one per layer
 
     def write_and_attend(self, layer, query, key, value, mask, scaling) -> torch.Tensor:
         """query [B, H_q, T, D]; key/value [B, H_kv, T, D]. Returns [B, T, H_q, D]."""
@@ -277,15 +288,21 @@ class ContinueWrite:
             real = new.transpose(1, 2)[self.real_BT].reshape(-1, new.shape[-1])
             buffer.view(-1, buffer.shape[-1]).index_copy_(0, self.rows_N, real)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        is_gqa = query.shape[1] != key.shape[1]
+        T = query.shape[2]
+        out = query.new_zeros(query.shape)  # [B, H_q, T, D]; padding columns stay 0
         with sdpa_kernel(list(PREFILL_SDPA_BACKENDS)):
-            out = F.scaled_dot_product_attention(
-                query,
-                keys[:, :, : self.span].index_select(0, self.slot_B),
-                values[:, :, : self.span].index_select(0, self.slot_B),
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=query.shape[1] != key.shape[1],
-            )
+            rows = zip(self.slots, self.starts, self.lengths, strict=True)
+            for b, (slot, start, n) in enumerate(rows):
+                span_b = start + n
+                out[b, :, T - n :] = F.scaled_dot_product_attention(
+                    query[b : b + 1, :, T - n :],
+                    keys[slot : slot + 1, :, :span_b],
+                    values[slot : slot + 1, :, :span_b],
+                    attn_mask=causal_lower_right(n, span_b),
+                    scale=scale,
+                    enable_gqa=is_gqa,
+                )[0]
         return out.transpose(1, 2).contiguous()
 
 
