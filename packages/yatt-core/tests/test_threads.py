@@ -22,6 +22,7 @@ def threads(monkeypatch, tmp_path):
     monkeypatch.setattr(_threads, "_CGROUP_V1_QUOTA", tmp_path / "none_v1")
     monkeypatch.setattr(_threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(_threads, "_has_logged", False)
+    monkeypatch.setattr(_threads, "count_idle_cpus", lambda: 4.0)  # an idle machine
     yield monkeypatch
     torch.set_num_threads(before)
 
@@ -67,3 +68,43 @@ def test_omp_num_threads_is_the_users_choice(threads):
     torch.set_num_threads(3)
     with init_runtime(device="cpu"):
         assert torch.get_num_threads() == 3
+
+
+def _stat(idle_by_cpu: dict[int, int], busy_by_cpu: dict[int, int]) -> str:
+    """A /proc/stat with the aggregate line and one line per CPU (user nice system idle iowait
+    irq softirq steal guest guest_nice)."""
+    lines = ["cpu  1 2 3 4 5 6 7 8 9 10"]
+    for cpu in sorted(idle_by_cpu):
+        lines.append(f"cpu{cpu} {busy_by_cpu[cpu]} 0 0 {idle_by_cpu[cpu]} 0 0 0 0 0 0")
+    return "\n".join([*lines, "intr 1 2 3", "ctxt 5"]) + "\n"
+
+
+def test_idle_cpus_are_counted_over_the_affinity_from_proc_stat(tmp_path, monkeypatch):
+    # Over the window: cpu0 idle the whole time, cpu1 busy, cpu2 half idle, cpu3 idle but not
+    # in the affinity: 1 + 0 + 0.5 = 1.5 idle CPUs.
+    stat = tmp_path / "stat"
+    snapshots = iter(
+        [
+            _stat({0: 100, 1: 100, 2: 100, 3: 100}, {0: 50, 1: 50, 2: 50, 3: 50}),
+            _stat({0: 200, 1: 100, 2: 150, 3: 200}, {0: 50, 1: 150, 2: 100, 3: 50}),
+        ]
+    )
+    stat.write_text(next(snapshots))
+    monkeypatch.setattr(_threads.time, "sleep", lambda s: stat.write_text(next(snapshots)))
+    got = _threads.count_idle_cpus(stat=stat, cpus={0, 1, 2})
+    assert got == pytest.approx(1.5)
+    assert _threads.count_idle_cpus(stat=tmp_path / "missing", cpus={0}) is None
+
+
+@pytest.mark.parametrize(("num_idle", "want"), [(4.0, 4), (1.6, 2), (0.2, 1), (None, 4)])
+def test_one_rank_takes_no_more_threads_than_idle_cpus(threads, num_idle, want):
+    threads.setattr(_threads, "count_idle_cpus", lambda: num_idle)
+    with init_runtime(device="cpu"):
+        assert torch.get_num_threads() == want
+
+
+def test_ranks_of_one_node_do_not_count_each_other_as_busy(threads):
+    threads.setenv("LOCAL_WORLD_SIZE", "2")
+    threads.setattr(_threads, "count_idle_cpus", lambda: 0.0)  # the other rank is loading
+    with init_runtime(device="cpu"):
+        assert torch.get_num_threads() == 2

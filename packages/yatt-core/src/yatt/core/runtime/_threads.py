@@ -7,6 +7,14 @@ with the default and 266 ms with one thread (issue 46). The CPUs this process ma
 fewer of its CPU affinity (taskset, a scheduler's cpuset) and its cgroup's CPU quota (a
 container limited to 2 CPUs still sees every core of the host); torchrun's LOCAL_WORLD_SIZE
 ranks share them. OMP_NUM_THREADS, when set, is the user's choice and is left alone.
+
+A single rank also counts the CPUs that are idle now (sampled from /proc/stat over a quarter of
+a second at start) and takes no more threads than that, at least one: beside other CPU-bound
+processes, torch's threads that wait for each other at every kernel's barrier while the
+scheduler runs the others were worse than fewer threads (the demo beside two spinning
+processes on a 2-core machine: 3.67x its idle time with 2 threads, bench/results/
+busy_machine_cpu.md). Ranks of one node start together and would count each other as busy,
+so several ranks take only their share of the usable CPUs.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +32,8 @@ logger = logging.getLogger("yatt.core")
 _CGROUP_V2_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 _CGROUP_V1_QUOTA = Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")
 _CGROUP_V1_PERIOD = Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us")
+_PROC_STAT = Path("/proc/stat")
+IDLE_SAMPLE_S = 0.25  # how long the idle CPUs are sampled at start
 _has_logged = False
 
 
@@ -56,6 +67,38 @@ def _cgroup_quota(cpu_max: Path, v1_quota: Path) -> float | None:
     return None if quota_us <= 0 else quota_us / period_us
 
 
+def _cpu_times(stat: Path) -> dict[int, tuple[int, int]]:
+    """Per CPU number: (idle + iowait jiffies, all jiffies) from /proc/stat."""
+    times = {}
+    for line in stat.read_text().splitlines():
+        name, *fields = line.split()
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        jiffies = [int(field) for field in fields[:8]]  # user nice system idle iowait irq ...
+        times[int(name[3:])] = (jiffies[3] + jiffies[4], sum(jiffies))
+    return times
+
+
+def count_idle_cpus(
+    *, sample_s: float = IDLE_SAMPLE_S, stat: Path | None = None, cpus: set[int] | None = None
+) -> float | None:
+    """How many of this process's CPUs (its affinity, or `cpus`) were idle over the next
+    `sample_s` seconds, from /proc/stat (or `stat`); None where it cannot be read."""
+    stat = _PROC_STAT if stat is None else stat
+    try:
+        cpus = set(os.sched_getaffinity(0)) if cpus is None else cpus
+        before = _cpu_times(stat)
+        time.sleep(sample_s)
+        after = _cpu_times(stat)
+    except (AttributeError, OSError, ValueError, IndexError):
+        return None
+    idle = 0.0
+    for cpu in cpus & before.keys() & after.keys():
+        total = after[cpu][1] - before[cpu][1]
+        idle += (after[cpu][0] - before[cpu][0]) / total if total > 0 else 1.0
+    return idle
+
+
 def choose_num_threads(num_cpus: int, num_local_ranks: int) -> int:
     """Threads per rank: the usable CPUs shared evenly among the node's ranks, at least 1."""
     return max(1, num_cpus // max(1, num_local_ranks))
@@ -69,15 +112,19 @@ def size_torch_threads() -> int | None:
         return None
     num_cpus = count_usable_cpus()
     num_local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    num_idle = count_idle_cpus() if num_local_ranks == 1 and num_cpus > 1 else None
+    if num_idle is not None:
+        num_cpus = min(num_cpus, max(1, round(num_idle)))
     num_threads = choose_num_threads(num_cpus, num_local_ranks)
     torch.set_num_threads(num_threads)
     if not _has_logged:
         _has_logged = True
         logger.info(
-            "torch CPU threads: %d per rank (%d usable CPUs, %d ranks on this node); set "
+            "torch CPU threads: %d per rank (%d usable CPUs%s, %d ranks on this node); set "
             "OMP_NUM_THREADS to choose",
             num_threads,
-            num_cpus,
+            count_usable_cpus(),
+            "" if num_idle is None else f", {num_idle:.1f} idle at start",
             num_local_ranks,
         )
     return num_threads
