@@ -251,3 +251,17 @@ def test_trainer_role_reports_adam_state_before_it_exists():
     # Activations smaller than the optimizer step's parameter-sized temporaries: those count.
     small = TrainerRole(model, optimizer, activation_bytes=10).memory_need()
     assert small.peak == {"gradients": 60, "optimizer step": 60}
+
+
+def test_derived_capacity_counts_torchs_cached_blocks_as_free(monkeypatch):
+    # A 100-byte device: the driver sees 40 free; 20 more sit cached unused in torch's default
+    # pool (free to the free-bytes reader); the roles hold 30. Not the roles': used 60, less
+    # the 20 cached, less the roles' 30 = 10, so the roles may hold 90 (the driver's view alone
+    # would give 70 and refuse a phase of 80 that fits).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *device: (40, 100))
+    books = FitBooks(FitConfig(free_bytes=lambda: 60, peak_growth=lambda: 0), meter=lambda: 0)
+    assert books.capacity_bytes(30) == 90
+    # the cache never makes the driver's free count smaller
+    books = FitBooks(FitConfig(free_bytes=lambda: 10, peak_growth=lambda: 0), meter=lambda: 0)
+    assert books.capacity_bytes(30) == 100 - (60 - 30)

@@ -321,12 +321,17 @@ class FitBooks:
         """Bytes the roles may hold together (see FitConfig.capacity_bytes); None if unknown.
 
         roles_hold: what the roles hold now (the CUDA default subtracts it from the device's
-        used memory to find what is not theirs)."""
+        used memory to find what is not theirs). Blocks cached unused in torch's default pool
+        count as free (the free-bytes reader's view): they are no role's and no other
+        process's, and a 7B policy's models built on the device left enough of them to refuse
+        a phase that fits (bench/results/lora_nvidia_h200.md at 941d160)."""
         if self._capacity_bytes is not None:
             return self._capacity_bytes()
         if not torch.cuda.is_available():
             return None
         free, total = torch.cuda.mem_get_info()
+        if self._free_bytes is not None:
+            free = max(free, self._free_bytes())
         return total - max(0, (total - free) - roles_hold)
 
     def latest_device_growth_bytes(self, phase: str) -> int | None:
