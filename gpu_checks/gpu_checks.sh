@@ -34,6 +34,19 @@ for step in "$@"; do
       run_step multimodal_tests python3 -m pytest -q -rs tests/test_multimodal_loop.py ;;
     genrm)
       run_step genrm_tests python3 -m pytest -q -rs packages/yatt-genrm/tests/test_cuda_judge.py ;;
+    cuda_tests)
+      # Every single-GPU CUDA test file of the packages (vLLM/SGLang and Megatron ones aside: they
+      # need their carried sites), one pytest per package so one package's crash spares the rest.
+      R=packages/yatt-rollout/tests
+      STEP_TIMEOUT=${CUDA_TESTS_TIMEOUT_S:-420} run_step cuda_tests_rollout python3 -m pytest -q -rs \
+        $R/test_cuda_engine.py $R/test_cuda_sampling.py $R/test_cuda_weights.py \
+        $R/test_decode_kernel.py $R/test_env_kept_kv.py $R/test_builtin_lora.py $R/test_builtin_vision.py
+      run_step cuda_tests_core python3 -m pytest -q -rs packages/yatt-core/tests/test_cuda.py \
+        packages/yatt-core/tests/test_lora.py packages/yatt-core/tests/test_runtime.py
+      run_step cuda_tests_genrm python3 -m pytest -q -rs packages/yatt-genrm/tests/test_cuda_judge.py
+      run_step cuda_tests_placement python3 -m pytest -q -rs packages/yatt-placement/tests/test_cuda.py
+      run_step cuda_tests_ckpt python3 -m pytest -q -rs packages/yatt-ckpt/tests/test_cuda.py
+      run_step cuda_tests_multimodal python3 -m pytest -q -rs tests/test_multimodal_loop.py ;;
     trainer)
       # The reference trainer on every visible GPU (one rank each), both placement modes.
       NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
