@@ -68,20 +68,12 @@ def score_trajectories(
         verdicts = scorer.score(samples, should_stop=should_stop)
     judged = []
     for i, (trajectory, sample) in enumerate(zip(trajectories, samples, strict=True)):
-        env_part = env_reward_weight * (trajectory.env_reward or 0.0)
-        if verdicts is None:
-            verdict = Verdict(
-                sample_id=sample.id,
-                reward=env_part,
-                status="ok",
-                components={"env_reward": trajectory.env_reward},
-            )
-        else:
-            verdict = dataclasses.replace(
-                verdicts[i],
-                reward=verdicts[i].reward + env_part,
-                components={**verdicts[i].components, "env_reward": trajectory.env_reward},
-            )
+        verdict = with_env_reward(
+            None if verdicts is None else verdicts[i],
+            sample,
+            trajectory.env_reward,
+            env_reward_weight,
+        )
         completion = TrajectoryCompletion(trajectory, request_index=trajectory.row_index)
         judged.append(JudgedSample(completion, sample, verdict, prompts[trajectory.row_index]))
     return judged
@@ -99,15 +91,41 @@ def judge_trajectories(
     answer_key: str,
     env_reward_weight: float,
     should_stop: Callable[[], bool] | None = None,
+    should_overlap: bool = False,
+    judge_engine: Any = None,
 ) -> tuple[list[JudgedSample], Any]:
     """One multi-turn round: `rows` (what each environment's reset(**row) reads; rows[i] is
     prompts[i]'s) run as sampling.n trajectories each by `multiturn` (a
     yatt.rollout.MultiTurnRollout) in the plan's "rollout" phase, then judged
     (score_trajectories) in its "genrm" phase (outside any phase for a plan without one), each
-    phase timed into `timings`. A row with fewer than sampling.n trajectories (its reset
-    failed) is dropped: a GRPO group must be whole. Returns (the whole groups' JudgedSamples,
-    the round's yatt.rollout.MultiTurnStats); ScoringStopped once should_stop() turns true
-    while the judge works."""
+    phase timed into `timings`. should_overlap (rollout and judge resident together: partial
+    colocation): one "rollout+genrm" phase instead, each trajectory judged as soon as it ends
+    while the others are still in their tool loops (TrajectoryStream; judge_engine aborted if
+    a stop cuts it). A row with fewer than sampling.n trajectories (its reset failed) is
+    dropped: a GRPO group must be whole. Returns (the whole groups' JudgedSamples by (row,
+    sample), the round's yatt.rollout.MultiTurnStats); ScoringStopped once should_stop() turns
+    true while the judge works."""
+    if should_overlap:
+        # Local import: the stream module builds on this one's TrajectoryCompletion.
+        from yatt.genrm._trajectory_stream import TrajectoryStream
+
+        async def judge_as_they_end() -> tuple[list[JudgedSample], Any]:
+            stream = TrajectoryStream(
+                multiturn=multiturn,
+                scorer=scorer,
+                sampling=sampling,
+                to_row=lambda index: rows[index],
+                answer_key=answer_key,
+                env_reward_weight=env_reward_weight,
+                judge_engine=judge_engine,
+            )
+            judged = await stream.judge_all(range(len(rows)), should_stop=should_stop)
+            # the payload was the row's index: carry its prompt object back
+            judged = [dataclasses.replace(j, prompt=prompts[j.prompt]) for j in judged]
+            return judged, stream.turn_stats
+
+        with _timed(timings, "rollout+genrm"), plan.phase("rollout"):
+            return asyncio.run(judge_as_they_end())
     with _timed(timings, "rollout"), plan.phase("rollout"):
         trajectories, turn_stats = asyncio.run(multiturn.run(list(rows), sampling))
     judge_phase = plan.phase("genrm") if "genrm" in plan.phases else contextlib.nullcontext()
@@ -125,6 +143,27 @@ def judge_trajectories(
         counts[item.completion.request_index] = counts.get(item.completion.request_index, 0) + 1
     whole = [item for item in judged if counts[item.completion.request_index] == sampling.n]
     return whole, turn_stats
+
+
+def with_env_reward(
+    verdict: Verdict | None, sample: Any, env_reward: float | None, weight: float
+) -> Verdict:
+    """The scorer's verdict (None: no scorer) plus weight x the environment's reward (0 when
+    it has none), which is also its "env_reward" component: the rule written once for the
+    round and the streamed paths."""
+    env_part = weight * (env_reward or 0.0)
+    if verdict is None:
+        return Verdict(
+            sample_id=sample.id,
+            reward=env_part,
+            status="ok",
+            components={"env_reward": env_reward},
+        )
+    return dataclasses.replace(
+        verdict,
+        reward=verdict.reward + env_part,
+        components={**verdict.components, "env_reward": env_reward},
+    )
 
 
 def _reference(row: dict, answer_key: str) -> str | None:
