@@ -301,11 +301,13 @@ def test_a_stop_signal_mid_stream_ends_it_and_counts_what_it_cut():
     )
     assert len(sampler.kept) == 1 and stream.num_groups_cut == 1
 
-    # the round form: ScoringStopped, nothing kept
+    # the round form: ScoringStopped once row 0 is judged whole, nothing kept
     multiturn, judge, _ = _setup(plan)
     stream = _stream(multiturn, judge)
     with pytest.raises(genrm.ScoringStopped):
-        asyncio.run(stream.judge_all(_rows("", "forever"), should_stop=FIRST_VERDICT.is_set))
+        asyncio.run(
+            stream.judge_all(_rows("", "forever"), should_stop=lambda: stream.num_in_flight < 2)
+        )
     assert stream.num_groups_cut == 1
 
 
