@@ -70,10 +70,9 @@ async def run_in_thread(fn: Callable[..., Any], *args: Any, timeout_s: float, **
             future.set_exception(value)
 
     def report(ok: bool, value: Any) -> None:
-        try:
+        # the loop may have closed (the call was cancelled and its run ended): nobody waits
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(settle, ok, value)
-        except RuntimeError:  # the loop closed (the call was cancelled and its run ended)
-            pass
 
     def work() -> None:
         try:
