@@ -24,7 +24,7 @@ from tasks import tools_task
 from yatt import core, genrm
 from yatt.rollout import SamplingParams
 from yatt.rollout.env.testing import COMPACT_TOOL_TEMPLATE, ScriptedEngine
-from yatt.testing import make_tiny_causal_lm, make_tokenizer
+from yatt.testing import make_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -58,27 +58,7 @@ def test_a_short_tools_run_logs_the_multiturn_metrics(task, tmp_path):
 
 @pytest.fixture(scope="module")
 def format_judge(tmp_path_factory) -> Path:
-    """A tiny judge that answers "Yes" or "No" and stops after any text ending in
-    " ref <digit>" (reward.judge_template below): fitted on the format alone (its verdicts
-    carry no signal), so a resident judge model can run beside the tools task's policy."""
-    from tasks.tiny_task import _fit_completions
-
-    judge_dir = tmp_path_factory.mktemp("format_judge")
-    make_tiny_causal_lm(judge_dir, max_position_embeddings=4096)
-    # no chat template: the GenRM sends its plain template text
-    (judge_dir / "chat_template.jinja").unlink(missing_ok=True)
-    config_path = judge_dir / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
-    tokenizer_config.pop("chat_template", None)
-    config_path.write_text(json.dumps(tokenizer_config))
-    alphabet = 'abcdefghij <>{}":,\n[]0123456789'
-
-    def pairs(rng):
-        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(10, 400)))
-        return f"{text} ref {rng.randint(0, 7)}", rng.choice(["Yes", "No"])
-
-    _fit_completions(judge_dir, pairs, steps=60, batch_size=16, lr=3e-3, seed=0)
-    return judge_dir
+    return tools_task.build_format_judge(tmp_path_factory.mktemp("format_judge"))
 
 
 @pytest.mark.parametrize("sampling_mode", ["rounds", "stream"])
@@ -104,7 +84,7 @@ def test_partial_colocation_judges_each_trajectory_as_it_ends(
         f"rollout.sampling_mode={sampling_mode}",
         "reward.backend=builtin",
         f"reward.judge_dir={format_judge}",
-        "reward.judge_template={prompt}{response} ref {reference}",
+        f"reward.judge_template={tools_task.FORMAT_JUDGE_TEMPLATE}",
         "reward.engine.max_seq_len=4096",
         "data.answer_key=secret",  # the judge's reference: the secret number
     ]
