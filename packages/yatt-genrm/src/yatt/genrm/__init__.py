@@ -52,12 +52,12 @@ from yatt.genrm._stream import BatchingConfig
 from yatt.genrm._templates import JudgeTemplate, pointwise_template, verification_template
 from yatt.genrm._trajectory import (
     EnvReward,
+    TrajectoryCompletion,
     TrajectoryReward,
     trajectory_sample,
     trajectory_template,
 )
 from yatt.genrm._trajectory_round import (
-    TrajectoryCompletion,
     judge_trajectories,
     score_trajectories,
 )

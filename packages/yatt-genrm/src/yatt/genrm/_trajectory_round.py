@@ -19,30 +19,17 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from yatt.genrm._judged_round import JudgedSample, _timed
-from yatt.genrm._trajectory import trajectory_sample
-from yatt.genrm._types import Verdict
+from yatt.genrm._trajectory import (
+    TrajectoryCompletion,
+    trajectory_reference,
+    trajectory_sample,
+    with_env_reward,
+)
+from yatt.genrm._trajectory_stream import TrajectoryStream
 from yatt.rollout import SamplingParams, Trajectory
-
-
-@dataclass(frozen=True)
-class TrajectoryCompletion:
-    """A multi-turn trajectory as a rollout Completion: its turns and the tool results between
-    them in response_ids, with its loss_mask (0 on tool/template tokens) that
-    yatt.core.rollout_samples keeps."""
-
-    trajectory: Trajectory
-    request_index: int  # the row's position in the round: its GRPO group
-
-    prompt_ids = property(lambda self: self.trajectory.prompt_ids)
-    response_ids = property(lambda self: self.trajectory.response_ids)
-    logprobs = property(lambda self: self.trajectory.logprobs)
-    loss_mask = property(lambda self: self.trajectory.loss_mask)
-    finish_reason = property(lambda self: self.trajectory.finish_reason)
-    sample_index = property(lambda self: self.trajectory.sample_index)
 
 
 def score_trajectories(
@@ -60,7 +47,7 @@ def score_trajectories(
     of trajectory t (its `.row` the data row), carried back in each JudgedSample.
     should_stop (None: not read): polled while the scorer works, ScoringStopped once true."""
     samples = [
-        trajectory_sample(t, reference=_reference(prompts[t.row_index].row, answer_key))
+        trajectory_sample(t, reference=trajectory_reference(prompts[t.row_index].row, answer_key))
         for t in trajectories
     ]
     verdicts = None
@@ -106,8 +93,6 @@ def judge_trajectories(
     sample), the round's yatt.rollout.MultiTurnStats); ScoringStopped once should_stop() turns
     true while the judge works."""
     if should_overlap:
-        # Local import: the stream module builds on this one's TrajectoryCompletion.
-        from yatt.genrm._trajectory_stream import TrajectoryStream
 
         async def judge_as_they_end() -> tuple[list[JudgedSample], Any]:
             stream = TrajectoryStream(
@@ -143,29 +128,3 @@ def judge_trajectories(
         counts[item.completion.request_index] = counts.get(item.completion.request_index, 0) + 1
     whole = [item for item in judged if counts[item.completion.request_index] == sampling.n]
     return whole, turn_stats
-
-
-def with_env_reward(
-    verdict: Verdict | None, sample: Any, env_reward: float | None, weight: float
-) -> Verdict:
-    """The scorer's verdict (None: no scorer) plus weight x the environment's reward (0 when
-    it has none), which is also its "env_reward" component: the rule written once for the
-    round and the streamed paths."""
-    env_part = weight * (env_reward or 0.0)
-    if verdict is None:
-        return Verdict(
-            sample_id=sample.id,
-            reward=env_part,
-            status="ok",
-            components={"env_reward": env_reward},
-        )
-    return dataclasses.replace(
-        verdict,
-        reward=verdict.reward + env_part,
-        components={**verdict.components, "env_reward": env_reward},
-    )
-
-
-def _reference(row: dict, answer_key: str) -> str | None:
-    answer = row.get(answer_key) if answer_key else None
-    return None if answer is None else str(answer)

@@ -42,8 +42,12 @@ from yatt.genrm._groups import GroupJudging
 from yatt.genrm._judged_round import JudgedSample
 from yatt.genrm._judged_stream import _Load, _Sampler
 from yatt.genrm._stopping import ScoringStopped
-from yatt.genrm._trajectory import trajectory_sample
-from yatt.genrm._trajectory_round import TrajectoryCompletion, _reference, with_env_reward
+from yatt.genrm._trajectory import (
+    TrajectoryCompletion,
+    trajectory_reference,
+    trajectory_sample,
+    with_env_reward,
+)
 from yatt.genrm._types import Sample, Verdict
 from yatt.rollout import Abortable, MultiTurnStats, SamplingParams
 
@@ -241,7 +245,7 @@ class TrajectoryStream:
     def _to_sample(self, completion: TrajectoryCompletion) -> Sample:
         trajectory = completion.trajectory
         sample = trajectory_sample(
-            trajectory, reference=_reference(trajectory.row, self.answer_key)
+            trajectory, reference=trajectory_reference(trajectory.row, self.answer_key)
         )
         self._samples[id(completion)] = sample
         return sample
