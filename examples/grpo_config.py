@@ -230,7 +230,8 @@ class RolloutConfig(rollout.EngineSpec):
     # and logprobs kept (off-policy by a step: needs loss.rollout_correction); else dropped.
     keep_partial: bool = False
     # -- multi-turn environments and tools (yatt.rollout.env); either set: the multi-turn
-    # rollout kind (rollout_multiturn in train_grpo.py), rounds of whole trajectories.
+    # rollout kind (rollout_multiturn in train_grpo.py), rounds of whole trajectories, or with
+    # sampling_mode=stream each trajectory judged as it ends and the tail cut.
     # "my_env.py:MathEnv" (one instance per trajectory: reset(**row), public methods are
     # tools, optional get_reward()), several routed by the row field `route_key`.
     environment: list = field(default_factory=list)
@@ -290,11 +291,14 @@ class RolloutConfig(rollout.EngineSpec):
             )
         if self.is_multiturn:
             self.env_config()  # max_turns >= 1, limits, parser known: before any model loads
-            if self.sampling_mode != "rounds":
+            # stream (placement=partial): each trajectory judged as it ends, the tail cut once
+            # every rank is full; a cut trajectory is dropped (its environment's state would
+            # have to travel with it), so nothing is kept to resume
+            if self.keep_partial:
                 raise ValueError(
-                    f"rollout.sampling_mode={self.sampling_mode!r} with rollout.environment or "
-                    "rollout.tools: multi-turn rollouts run in rounds of whole trajectories; "
-                    "use rollout.sampling_mode='rounds'"
+                    "rollout.keep_partial=True with rollout.environment or rollout.tools: a "
+                    "multi-turn trajectory the stream cuts is dropped (counted), not resumed; "
+                    "set rollout.keep_partial=false"
                 )
             if self.max_trajectory_tokens >= self.engine.max_seq_len:
                 raise ValueError(

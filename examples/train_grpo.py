@@ -30,11 +30,13 @@ One step, as the loop reads:
                           engine, each judged group is kept as it arrives, and once every rank
                           is full the long tail is aborted (counted; with rollout.keep_partial
                           finished first next step)
-                  multiturn  (rollout.environment or rollout.tools set, rounds) each row a
+                  multiturn  (rollout.environment or rollout.tools set) each row a
                           multi-turn trajectory (yatt.rollout.MultiTurnRollout: tools in worker
                           processes, the engine's KV kept between turns), its loss only on the
                           sampled tokens; reward = reward.* over the trajectory + the
-                          environment's get_reward(); every trajectory ends within its round
+                          environment's get_reward(); in rounds (each trajectory judged as it
+                          ends under placement=partial) or, with sampling_mode=stream,
+                          genrm.TrajectoryStream (the tail cut once every rank is full)
     keep        whole groups whose task reward varies (DAPO eq. 11), then DAPO's overlong
                 penalty added to the reward (keep())
     train       advantages per group -> balance across ranks -> old logprobs once (the
@@ -392,44 +394,78 @@ def env_row(row: dict, step: int, cfg: TrainConfig) -> dict:
 def rollout_multiturn(
     step: int, ctx: RolloutContext, stats: StepStats
 ) -> tuple[core.Batch, dict[str, float]]:
-    """rollout.environment or rollout.tools set: rounds as rollout_in_rounds, each round's
-    rows run as multi-turn trajectories (ctx.multiturn, yatt.rollout.MultiTurnRollout:
-    samples_per_prompt per row, tools in worker processes, the engine keeping each
-    conversation's KV between turns), judged by genrm.judge_trajectories and kept as whole groups
-    with reward variance. Every trajectory ends inside its round (at most rollout.max_turns
-    turns): nothing is in flight at a checkpoint. Each row's environment gets
-    row["env_seed"] from (seed, DP rank, step, row), the same on a resumed run. Adds the
-    multi-turn counts (MultiTurnStats.as_metrics: tool calls, errors by cause, turns, end
-    causes), summed over ranks, to the sampling stats (dynamic_sampling/multiturn/*)."""
-    turn_stats = rollout.MultiTurnStats()
+    """rollout.environment or rollout.tools set: each row run as samples_per_prompt multi-turn
+    trajectories (ctx.multiturn, yatt.rollout.MultiTurnRollout: tools in worker processes, the
+    engine keeping each conversation's KV between turns), reward.* over each trajectory + the
+    environment's get_reward(), kept as whole groups with reward variance.
+      rounds  as rollout_in_rounds: every trajectory ends inside its round (nothing in flight at
+              a checkpoint); the rollout and judge resident together (placement=partial, or a
+              judge without an engine): each trajectory judged as soon as it ends while the
+              others are in their tool loops; else the judge after the round's rollout
+      stream  (placement=partial) genrm.TrajectoryStream: rows keep entering as the sampler
+              asks, each trajectory judged as it ends, each whole group kept at once, and once
+              every rank is full the trajectories still running are cut (dropped, counted)
+    Each row's environment gets row["env_seed"] from (seed, DP rank, step, row), the same on
+    a resumed run. Adds the multi-turn counts (MultiTurnStats.as_metrics: tool calls, errors by
+    cause, turns, end causes), summed over ranks, to the sampling stats
+    (dynamic_sampling/multiturn/*)."""
     cfg = ctx.cfg
-
-    def judge_round(prompts: list[Prompt], num_round: int) -> list[Scored]:
-        sampling = ctx.sampling(step, stats.num_rounds + num_round)
-        # reward.* over each trajectory + the environment's get_reward(); a row whose reset
-        # failed has fewer than n trajectories: its group is dropped
-        judged, round_stats = genrm.judge_trajectories(
-            ctx.multiturn,
-            [env_row(prompt.row, step, cfg) for prompt in prompts],
-            prompts,
-            sampling,
+    turn_stats = rollout.MultiTurnStats()
+    stream_stats: dict[str, float] = {}
+    if cfg.rollout.sampling_mode == "stream":
+        stream = genrm.TrajectoryStream(
+            multiturn=ctx.multiturn,
             scorer=ctx.scorer,
-            plan=ctx.plan,
-            timings=stats.timings,
+            sampling=ctx.sampling(step, 0),
+            to_row=lambda prompt: env_row(prompt.row, step, cfg),
             answer_key=cfg.data.answer_key,
             env_reward_weight=cfg.rollout.env_reward_weight,
+            judge_engine=ctx.judge_engine,
+            load=PendingLoad(),
+        )
+        with timed(stats.timings, "rollout+genrm"), ctx.plan.phase("rollout"):
+            asyncio.run(
+                stream.run(
+                    ctx.sampler,  # polls should_abort (every rank full), never blocks
+                    draw=ctx.draw,
+                    keep=lambda judged: keep(judged, ctx, stats),
+                    should_stop=ctx.should_stop,  # between judged groups: the tail cut
+                )
+            )
+        ctx.sampler.record_aborted(stream.num_groups_cut, num_tokens=stream.num_cut_tokens)
+        stream_stats = stream.stats()
+        if ctx.plan.has_memory_split:  # the next split follows the step's live queues
+            ctx.plan.update_load(**stream.pending_tokens())
+        turn_stats = stream.turn_stats
+    else:
+
+        def judge_round(prompts: list[Prompt], num_round: int) -> list[Scored]:
+            sampling = ctx.sampling(step, stats.num_rounds + num_round)
+            # a row whose reset failed has fewer than n trajectories: its group is dropped
+            judged, round_stats = genrm.judge_trajectories(
+                ctx.multiturn,
+                [env_row(prompt.row, step, cfg) for prompt in prompts],
+                prompts,
+                sampling,
+                scorer=ctx.scorer,
+                plan=ctx.plan,
+                timings=stats.timings,
+                answer_key=cfg.data.answer_key,
+                env_reward_weight=cfg.rollout.env_reward_weight,
+                should_stop=ctx.should_stop,
+                should_overlap=ctx.should_overlap,  # judged as each ends (partial)
+                judge_engine=ctx.judge_engine,
+            )
+            turn_stats.merge(round_stats)
+            return judged
+
+        stats.num_rounds += genrm.judge_in_rounds(
+            ctx.sampler,
+            draw=ctx.draw,
+            judge_round=judge_round,
+            keep=lambda judged: keep(judged, ctx, stats),
             should_stop=ctx.should_stop,
         )
-        turn_stats.merge(round_stats)
-        return judged
-
-    stats.num_rounds += genrm.judge_in_rounds(
-        ctx.sampler,
-        draw=ctx.draw,
-        judge_round=judge_round,
-        keep=lambda judged: keep(judged, ctx, stats),
-        should_stop=ctx.should_stop,
-    )
     # summed over ranks, turns_mean from the summed turns (the mean summarize then takes of
     # these equal values is the sum)
     total = core.reduce_turn_metrics(
@@ -437,8 +473,11 @@ def rollout_multiturn(
         num_turns=sum(turn_stats.turns),
         group=ctx.runtime.dp_group,
     )
+    # waits for every rank; core.StepStopped on every rank if a stop signal ended one
     batch, sampling_stats = take_batch(ctx.sampler, should_stop=ctx.should_stop())
-    return batch, sampling_stats | total
+    if stream_stats:
+        stats.num_rounds = int(sampling_stats["num_rounds"])
+    return batch, sampling_stats | total | stream_stats
 
 
 ROLLOUTS: dict[str, Callable[[int, RolloutContext, StepStats], tuple[core.Batch, dict]]] = {

@@ -219,6 +219,12 @@ PY
       # observations, KV kept between turns vs the history prefilled each turn; 0.5B and 1.5B.
       STEP_TIMEOUT=${MULTITURN_TIMEOUT_S:-300} run_step bench_multiturn python3 \
         bench/rollout/multiturn_kv.py --out-dir "$OUT" ${MULTITURN_ARGS:-} ;;
+    bench_multiturn_judge)
+      # Issue 44's second bar (bench/rollout/multiturn_judge.py): rollout + judge time per kept
+      # group, trajectories judged as each ends (partial colocation) vs after the rollout (full);
+      # 0.5B policy, 1.5B judge, 1 to 6 turns with a long tail.
+      STEP_TIMEOUT=${MULTITURN_JUDGE_TIMEOUT_S:-420} run_step bench_multiturn_judge python3 \
+        bench/rollout/multiturn_judge.py --out-dir "$OUT" ${MULTITURN_JUDGE_ARGS:-} ;;
     *)
       echo "unknown step $step"; exit 2 ;;
   esac

@@ -1,5 +1,6 @@
-"""bench/rollout/multiturn_kv.py on CPU: the smoke run (a tiny random model in the built-in
-engine, 4 turns in both modes), the requests each mode sends, and the argument errors."""
+"""bench/rollout/multiturn_kv.py and multiturn_judge.py on CPU: the smoke runs (tiny random
+models in the built-in engine), the requests each mode sends, the workload's plan, the
+markdown verdicts and the argument errors."""
 
 NUM_GPUS = 0
 
@@ -14,7 +15,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "rollout" / "multiturn_kv.py"
 sys.path.insert(0, str(SCRIPT.parent))
+import multiturn_judge
 import multiturn_kv
+
+JUDGE_SCRIPT = SCRIPT.parent / "multiturn_judge.py"
 
 
 def test_smoke_run_keeps_sessions_only_in_kept_mode(tmp_path):
@@ -93,4 +97,85 @@ def test_markdown_verdicts():
 def test_bad_arguments(argv, names, capsys):
     with pytest.raises(SystemExit):
         multiturn_kv.parse_args(argv)
+    assert names in capsys.readouterr().err
+
+
+# -- multiturn_judge.py: rollout + judge per kept group, partial vs full colocation -----------
+
+
+def test_judge_smoke_run_keeps_its_groups_in_both_modes(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, str(JUDGE_SCRIPT), "--smoke", "--out-dir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads((tmp_path / "multiturn_judge_cpu_smoke.json").read_text())
+    row = results["row"]
+    assert "error" not in row, row
+    groups = results["workload"]["groups"]
+    for mode in multiturn_judge.MODES:
+        (one,) = row["passes"][mode]  # --repeats 1 in smoke
+        assert one["kept"] == groups  # both modes fill the batch
+        assert row["seconds_per_kept_group"][mode] == pytest.approx(one["seconds"] / groups)
+    assert row["ratio"] == pytest.approx(
+        row["seconds_per_kept_group"]["partial"] / row["seconds_per_kept_group"]["full"]
+    )
+    # partial fed oversample x groups rows at once
+    assert row["passes"]["partial"][0]["num_rows"] == 2 * groups
+    text = (tmp_path / "multiturn_judge_cpu_smoke.md").read_text()
+    assert "SMOKE" in text and "commit:" in text and "policy tiny, judge tiny" in text
+
+
+def test_the_plan_has_a_long_tail_of_turns_and_is_the_same_in_both_modes():
+    args = multiturn_judge.parse_args(["--smoke"])
+    plans = [multiturn_judge.trajectory_plan(args, row, s) for row in range(200) for s in range(4)]
+    assert plans == [
+        multiturn_judge.trajectory_plan(args, row, s) for row in range(200) for s in range(4)
+    ]
+    turns = [t for t, _ in plans]
+    assert set(turns) == {1, 2, 3, 4, 5, 6}
+    # most end within 2 turns (weights 0.35 + 0.25), a few run all 6 (0.07): 800 draws
+    assert 0.5 < sum(t <= 2 for t in turns) / len(turns) < 0.7
+    assert 0.03 < turns.count(6) / len(turns) < 0.12
+    assert {r for _, r in plans} == {0.0, 1.0}
+
+
+def test_the_context_holds_the_longest_trajectory():
+    args = multiturn_judge.parse_args(["--smoke"])
+    args.prompt_tokens, args.response_tokens, args.observation_tokens = 256, 128, 256
+    assert multiturn_judge.context_tokens(args) == 256 + 6 * 128 + 5 * 256
+
+
+def test_judge_markdown_verdict():
+    args = multiturn_judge.parse_args(["--smoke"])
+    workload = {k: getattr(args, k) for k in vars(args) if k != "out_dir"}
+    one = {"seconds": 1.0, "kept": 16, "num_rows": 19, "num_trajectories": 76}
+    results = {
+        "commit": "abc1234",
+        "device": "nvidia_h200",
+        "smoke": False,
+        "command": "x",
+        "workload": workload,
+        "row": {
+            "seconds_per_kept_group": {"full": 2.0, "partial": 1.5},
+            "ratio": 0.75,
+            "passes": {"full": [one], "partial": [{**one, "num_rows": 32, "num_groups_cut": 9}]},
+        },
+    }
+    text = multiturn_judge.markdown(results)
+    assert "| 2.000 | 1.500 | 0.750 | <= 0.8 PASS | 19 / 32 | 9 |" in text
+    results["row"] = {"error": "OutOfMemoryError: CUDA out of memory"}
+    assert "error: OutOfMemoryError" in multiturn_judge.markdown(results)
+
+
+@pytest.mark.parametrize(
+    ("argv", "names"),
+    [
+        (["--smoke", "--samples", "1"], "--samples 1"),
+        (["--smoke", "--groups", "0"], "--groups 0"),
+        (["--smoke", "--tool-s", "-1"], "--tool-s -1"),
+    ],
+)
+def test_judge_bad_arguments(argv, names, capsys):
+    with pytest.raises(SystemExit):
+        multiturn_judge.parse_args(argv)
     assert names in capsys.readouterr().err

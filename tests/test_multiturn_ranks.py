@@ -114,3 +114,37 @@ def test_a_killed_multiturn_run_resumes_to_the_uninterrupted_runs_numbers(
         assert {k: resumed[step][k] for k in _EXACT} == {k: expected[step][k] for k in _EXACT}
         for key in _CLOSE:
             assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-5), key
+
+
+def test_two_ranks_stream_trajectories_to_a_resident_judge_and_cut_the_tail(tmp_path, task):
+    # placement=partial, rollout.sampling_mode=stream: each rank's trajectories judged as they
+    # end (genrm.TrajectoryStream); over-sampled 2x, so once both ranks are full (collective
+    # should_abort) the trajectories still running are cut and counted.
+    judge = tools_task.build_format_judge(tmp_path / "judge")
+    out = tmp_path / "stream"
+    args = (
+        "num_steps=2",
+        "placement=partial",
+        "rollout.sampling_mode=stream",
+        "rollout.samples_per_prompt=4",
+        "rollout.oversample=2",
+        "rollout.max_oversample=2",
+        "reward.backend=builtin",
+        f"reward.judge_dir={judge}",
+        f"reward.judge_template={tools_task.FORMAT_JUDGE_TEMPLATE}",
+        "reward.engine.max_seq_len=4096",
+        "data.answer_key=secret",
+    )
+    subprocess.run(_command(out, task, *args), check=True, env=_env(), timeout=900)
+    records = _metrics(out)
+    assert sorted(records) == [0, 1]
+    prefix = "dynamic_sampling/"
+    for record in records.values():
+        assert record[prefix + "is_filled_all_ranks"] == 1.0
+        assert record[prefix + "num_groups_kept"] == 2  # data.prompts_per_rank, per rank
+        # every group drawn was kept, dropped for no variance, cut, or judged after the cut
+        drawn = record[prefix + "num_groups_drawn"]
+        assert record[prefix + "num_groups_cut"] <= drawn
+        assert record[prefix + "multiturn/num_tool_calls"] > 0
+        assert record["time/rollout+genrm_s"] > 0 and "time/genrm_s" not in record
+        assert record["train/num_loss_tokens"] > 0

@@ -56,6 +56,57 @@ def test_a_short_tools_run_logs_the_multiturn_metrics(task, tmp_path):
         assert record[prefix + "turns_max"] <= tools_task.MAX_TURNS
 
 
+@pytest.fixture(scope="module")
+def format_judge(tmp_path_factory) -> Path:
+    return tools_task.build_format_judge(tmp_path_factory.mktemp("format_judge"))
+
+
+@pytest.mark.parametrize("sampling_mode", ["rounds", "stream"])
+def test_partial_colocation_judges_each_trajectory_as_it_ends(
+    task, format_judge, tmp_path, sampling_mode
+):
+    # A judge model resident beside the rollout (placement=partial), its context long enough
+    # for a whole transcript in bytes. rounds: each trajectory judged as it ends
+    # (genrm.judge_trajectories(should_overlap=True)); stream: genrm.TrajectoryStream, the
+    # tail cut once the rank is full.
+    out_dir = tmp_path / "run"
+    command = [
+        sys.executable,
+        str(TRAINER),
+        "task=tools",
+        f"out_dir={out_dir}",
+        f"policy.model_dir={task['policy']}",
+        f"data.path={task['prompts']}",
+        "data.prompts_per_rank=2",
+        "rollout.samples_per_prompt=4",
+        "num_steps=2",
+        "placement=partial",
+        f"rollout.sampling_mode={sampling_mode}",
+        "reward.backend=builtin",
+        f"reward.judge_dir={format_judge}",
+        f"reward.judge_template={tools_task.FORMAT_JUDGE_TEMPLATE}",
+        "reward.engine.max_seq_len=4096",
+        "data.answer_key=secret",  # the judge's reference: the secret number
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1]
+    for record in records:
+        prefix = "dynamic_sampling/"
+        assert record[prefix + "multiturn/num_trajectories"] >= 2 * 4  # 2 rows x 4, or more
+        assert record[prefix + "multiturn/num_tool_calls"] > 0
+        # judged while the rollout ran: one phase, no separate judge phase after it
+        assert record["time/rollout+genrm_s"] > 0
+        assert "time/rollout_s" not in record and "time/genrm_s" not in record
+        assert "reward/judge/mean" in record and "reward/env_reward/mean" in record
+        if sampling_mode == "stream":
+            assert record[prefix + "num_groups_cut"] >= 0
+            assert record[prefix + "rollout_pending_tokens"] > 0
+        assert record["train/num_loss_tokens"] > 0
+
+
 def test_the_tools_task_selects_the_multiturn_kind_and_bad_values_name_the_field():
     cfg = grpo_config.build_config({"task": "tools"})
     assert cfg.rollout.is_multiturn and cfg.rollout.env_config().max_turns == 4
@@ -63,6 +114,11 @@ def test_the_tools_task_selects_the_multiturn_kind_and_bad_values_name_the_field
         grpo_config.build_config({"task": "tools", "rollout": {"max_turns": 0}})
     with pytest.raises(ValueError, match=r"rollout\.tool_parser|unknown tool parser"):
         grpo_config.build_config({"task": "tools", "rollout": {"tool_parser": "nope"}})
+    # a multi-turn stream drops what it cuts: nothing to resume
+    with pytest.raises(ValueError, match=r"rollout\.keep_partial=True with rollout\.environment"):
+        grpo_config.build_config(
+            {"task": "tools", "rollout": {"sampling_mode": "stream", "keep_partial": True}}
+        )
     cfg = grpo_config.build_config({"task": "tools", "rollout": {"tools": ["nope.py:f"]}})
     with pytest.raises(ValueError, match=r"nope\.py"):
         cfg.rollout.check_environment()

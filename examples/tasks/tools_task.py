@@ -179,6 +179,38 @@ def build_policy(
     return loss_value
 
 
+# What the format judge is fitted to read: any text, then " ref <the secret>".
+FORMAT_JUDGE_TEMPLATE = "{prompt}{response} ref {reference}"
+
+
+def build_format_judge(judge_dir: str | Path, *, seed: int = 0, steps: int = 60) -> Path:
+    """A tiny judge model that answers "Yes" or "No" and stops after a prompt in
+    FORMAT_JUDGE_TEMPLATE (reward.judge_template), whatever the transcript: fitted on the
+    format alone, its verdicts carry no signal. It lets the tools task run with a judge model
+    resident beside the policy (placement=partial) on CPU; 4096 positions hold a whole
+    transcript in bytes (reward.engine.max_seq_len=4096)."""
+    from tasks.tiny_task import _fit_completions
+    from yatt.testing import make_tiny_causal_lm
+
+    judge_dir = Path(judge_dir)
+    make_tiny_causal_lm(judge_dir, max_position_embeddings=4096, seed=seed)
+    # No chat template: the GenRM sends its plain template text, as the fitting saw it.
+    (judge_dir / "chat_template.jinja").unlink(missing_ok=True)
+    config_path = judge_dir / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config.pop("chat_template", None)
+    config_path.write_text(json.dumps(tokenizer_config, indent=2))
+    alphabet = 'abcdefghij <>{}":,\n[]0123456789'
+
+    def pairs(rng: random.Random) -> tuple[str, str]:
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(10, 400)))
+        prompt = FORMAT_JUDGE_TEMPLATE.format(prompt="", response=text, reference=rng.randint(0, 7))
+        return prompt, rng.choice(["Yes", "No"])
+
+    _fit_completions(judge_dir, pairs, steps=steps, batch_size=16, lr=3e-3, seed=seed)
+    return judge_dir
+
+
 def is_prepared(workdir: Path) -> bool:
     return (Path(workdir) / _READY).exists()
 

@@ -62,6 +62,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "judge_trajectories",
         "judged_samples",
         "TrajectoryCompletion",
+        "TrajectoryStream",
         "score_trajectories",
         "StepStats",
         "VerdictWarnings",

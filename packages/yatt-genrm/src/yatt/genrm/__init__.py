@@ -52,15 +52,16 @@ from yatt.genrm._stream import BatchingConfig
 from yatt.genrm._templates import JudgeTemplate, pointwise_template, verification_template
 from yatt.genrm._trajectory import (
     EnvReward,
+    TrajectoryCompletion,
     TrajectoryReward,
     trajectory_sample,
     trajectory_template,
 )
 from yatt.genrm._trajectory_round import (
-    TrajectoryCompletion,
     judge_trajectories,
     score_trajectories,
 )
+from yatt.genrm._trajectory_stream import TrajectoryStream
 from yatt.genrm._types import Sample, Verdict, Vote
 from yatt.genrm._verifiers import ExactMatch, NumericMatch, RegexMatch, RuleVerifier
 from yatt.genrm._version import __version__
@@ -96,6 +97,7 @@ __all__ = [
     "StreamedGroup",
     "TrajectoryCompletion",
     "TrajectoryReward",
+    "TrajectoryStream",
     "Verdict",
     "VerdictParser",
     "VerdictWarnings",

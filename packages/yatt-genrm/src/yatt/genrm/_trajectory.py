@@ -7,17 +7,22 @@
                  --> CombinedRM(judge, [(EnvReward(), w), (TrajectoryReward(fn), w), ...])
 
 So a trajectory's reward combines the environment's get_reward, functions of the whole
-trajectory and the GenRM's verdict by weights, exactly as single-turn rewards are combined.
+trajectory and the GenRM's verdict by weights, exactly as single-turn rewards are combined
+(with_env_reward: the rule, written once for the round and the streamed paths). A trajectory
+trains as a TrajectoryCompletion (a Completion with its own loss mask).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from yatt.genrm._templates import JudgeTemplate
-from yatt.genrm._types import Sample
+from yatt.genrm._types import Sample, Verdict
+from yatt.rollout import Trajectory
 
 _TRAJECTORY_USER = (
     "Task:\n{prompt}\n\n"
@@ -124,3 +129,47 @@ class TrajectoryReward:
         if "messages" not in meta:
             raise ValueError("the sample is not a trajectory_sample (no metadata['messages'])")
         return self.fn(meta["messages"], meta.get("tool_calls", []), meta.get("row", {}))
+
+
+@dataclass(frozen=True)
+class TrajectoryCompletion:
+    """A multi-turn trajectory as a rollout Completion: its turns and the tool results between
+    them in response_ids, with its loss_mask (0 on tool/template tokens) that
+    yatt.core.rollout_samples keeps."""
+
+    trajectory: Trajectory
+    request_index: int  # the row's position in the round: its GRPO group
+
+    prompt_ids = property(lambda self: self.trajectory.prompt_ids)
+    response_ids = property(lambda self: self.trajectory.response_ids)
+    logprobs = property(lambda self: self.trajectory.logprobs)
+    loss_mask = property(lambda self: self.trajectory.loss_mask)
+    finish_reason = property(lambda self: self.trajectory.finish_reason)
+    sample_index = property(lambda self: self.trajectory.sample_index)
+
+
+def with_env_reward(
+    verdict: Verdict | None, sample: Any, env_reward: float | None, weight: float
+) -> Verdict:
+    """The scorer's verdict (None: no scorer) plus weight x the environment's reward (0 when
+    it has none), which is also its "env_reward" component: the rule written once for the
+    round and the streamed paths."""
+    env_part = weight * (env_reward or 0.0)
+    if verdict is None:
+        return Verdict(
+            sample_id=sample.id,
+            reward=env_part,
+            status="ok",
+            components={"env_reward": env_reward},
+        )
+    return dataclasses.replace(
+        verdict,
+        reward=verdict.reward + env_part,
+        components={**verdict.components, "env_reward": env_reward},
+    )
+
+
+def trajectory_reference(row: dict, answer_key: str) -> str | None:
+    """The judge's reference for a row: its `answer_key` field as text (None without)."""
+    answer = row.get(answer_key) if answer_key else None
+    return None if answer is None else str(answer)

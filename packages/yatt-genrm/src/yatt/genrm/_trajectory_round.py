@@ -19,30 +19,17 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from yatt.genrm._judged_round import JudgedSample, _timed
-from yatt.genrm._trajectory import trajectory_sample
-from yatt.genrm._types import Verdict
+from yatt.genrm._trajectory import (
+    TrajectoryCompletion,
+    trajectory_reference,
+    trajectory_sample,
+    with_env_reward,
+)
+from yatt.genrm._trajectory_stream import TrajectoryStream
 from yatt.rollout import SamplingParams, Trajectory
-
-
-@dataclass(frozen=True)
-class TrajectoryCompletion:
-    """A multi-turn trajectory as a rollout Completion: its turns and the tool results between
-    them in response_ids, with its loss_mask (0 on tool/template tokens) that
-    yatt.core.rollout_samples keeps."""
-
-    trajectory: Trajectory
-    request_index: int  # the row's position in the round: its GRPO group
-
-    prompt_ids = property(lambda self: self.trajectory.prompt_ids)
-    response_ids = property(lambda self: self.trajectory.response_ids)
-    logprobs = property(lambda self: self.trajectory.logprobs)
-    loss_mask = property(lambda self: self.trajectory.loss_mask)
-    finish_reason = property(lambda self: self.trajectory.finish_reason)
-    sample_index = property(lambda self: self.trajectory.sample_index)
 
 
 def score_trajectories(
@@ -60,7 +47,7 @@ def score_trajectories(
     of trajectory t (its `.row` the data row), carried back in each JudgedSample.
     should_stop (None: not read): polled while the scorer works, ScoringStopped once true."""
     samples = [
-        trajectory_sample(t, reference=_reference(prompts[t.row_index].row, answer_key))
+        trajectory_sample(t, reference=trajectory_reference(prompts[t.row_index].row, answer_key))
         for t in trajectories
     ]
     verdicts = None
@@ -68,20 +55,12 @@ def score_trajectories(
         verdicts = scorer.score(samples, should_stop=should_stop)
     judged = []
     for i, (trajectory, sample) in enumerate(zip(trajectories, samples, strict=True)):
-        env_part = env_reward_weight * (trajectory.env_reward or 0.0)
-        if verdicts is None:
-            verdict = Verdict(
-                sample_id=sample.id,
-                reward=env_part,
-                status="ok",
-                components={"env_reward": trajectory.env_reward},
-            )
-        else:
-            verdict = dataclasses.replace(
-                verdicts[i],
-                reward=verdicts[i].reward + env_part,
-                components={**verdicts[i].components, "env_reward": trajectory.env_reward},
-            )
+        verdict = with_env_reward(
+            None if verdicts is None else verdicts[i],
+            sample,
+            trajectory.env_reward,
+            env_reward_weight,
+        )
         completion = TrajectoryCompletion(trajectory, request_index=trajectory.row_index)
         judged.append(JudgedSample(completion, sample, verdict, prompts[trajectory.row_index]))
     return judged
@@ -99,15 +78,39 @@ def judge_trajectories(
     answer_key: str,
     env_reward_weight: float,
     should_stop: Callable[[], bool] | None = None,
+    should_overlap: bool = False,
+    judge_engine: Any = None,
 ) -> tuple[list[JudgedSample], Any]:
     """One multi-turn round: `rows` (what each environment's reset(**row) reads; rows[i] is
     prompts[i]'s) run as sampling.n trajectories each by `multiturn` (a
     yatt.rollout.MultiTurnRollout) in the plan's "rollout" phase, then judged
     (score_trajectories) in its "genrm" phase (outside any phase for a plan without one), each
-    phase timed into `timings`. A row with fewer than sampling.n trajectories (its reset
-    failed) is dropped: a GRPO group must be whole. Returns (the whole groups' JudgedSamples,
-    the round's yatt.rollout.MultiTurnStats); ScoringStopped once should_stop() turns true
-    while the judge works."""
+    phase timed into `timings`. should_overlap (rollout and judge resident together: partial
+    colocation): one "rollout+genrm" phase instead, each trajectory judged as soon as it ends
+    while the others are still in their tool loops (TrajectoryStream; judge_engine aborted if
+    a stop cuts it). A row with fewer than sampling.n trajectories (its reset failed) is
+    dropped: a GRPO group must be whole. Returns (the whole groups' JudgedSamples by (row,
+    sample), the round's yatt.rollout.MultiTurnStats); ScoringStopped once should_stop() turns
+    true while the judge works."""
+    if should_overlap:
+
+        async def judge_as_they_end() -> tuple[list[JudgedSample], Any]:
+            stream = TrajectoryStream(
+                multiturn=multiturn,
+                scorer=scorer,
+                sampling=sampling,
+                to_row=lambda index: rows[index],
+                answer_key=answer_key,
+                env_reward_weight=env_reward_weight,
+                judge_engine=judge_engine,
+            )
+            judged = await stream.judge_all(range(len(rows)), should_stop=should_stop)
+            # the payload was the row's index: carry its prompt object back
+            judged = [dataclasses.replace(j, prompt=prompts[j.prompt]) for j in judged]
+            return judged, stream.turn_stats
+
+        with _timed(timings, "rollout+genrm"), plan.phase("rollout"):
+            return asyncio.run(judge_as_they_end())
     with _timed(timings, "rollout"), plan.phase("rollout"):
         trajectories, turn_stats = asyncio.run(multiturn.run(list(rows), sampling))
     judge_phase = plan.phase("genrm") if "genrm" in plan.phases else contextlib.nullcontext()
@@ -125,8 +128,3 @@ def judge_trajectories(
         counts[item.completion.request_index] = counts.get(item.completion.request_index, 0) + 1
     whole = [item for item in judged if counts[item.completion.request_index] == sampling.n]
     return whole, turn_stats
-
-
-def _reference(row: dict, answer_key: str) -> str | None:
-    answer = row.get(answer_key) if answer_key else None
-    return None if answer is None else str(answer)

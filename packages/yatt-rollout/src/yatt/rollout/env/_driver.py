@@ -101,9 +101,13 @@ class MultiTurnRollout:
         sampling: SamplingParams,
         *,
         stats: MultiTurnStats | None = None,
+        first_row_index: int = 0,
     ) -> AsyncIterator[Trajectory]:
         """Each trajectory as soon as it ends (any order); skipped rows are counted in `stats`.
 
+        rows[i]'s trajectories get row_index first_row_index + i: a caller that streams
+        several calls at once (genrm.TrajectoryStream) keeps its rows apart, and each row's
+        turns draw from their own seed key (derived from the row index) under one seed.
         Closing the stream early cancels the trajectories still running.
         """
         stats = stats if stats is not None else MultiTurnStats()
@@ -112,7 +116,7 @@ class MultiTurnRollout:
         prefix = secrets.token_hex(6)
         tasks = [
             asyncio.create_task(self._run_one(i, j, row, sampling, stats, f"{prefix}-{i}-{j}"))
-            for i, row in enumerate(rows)
+            for i, row in enumerate(rows, start=first_row_index)
             for j in range(sampling.n)
         ]
         try:

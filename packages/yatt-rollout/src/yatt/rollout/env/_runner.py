@@ -69,13 +69,18 @@ async def run_in_thread(fn: Callable[..., Any], *args: Any, timeout_s: float, **
         else:
             future.set_exception(value)
 
+    def report(ok: bool, value: Any) -> None:
+        # the loop may have closed (the call was cancelled and its run ended): nobody waits
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle, ok, value)
+
     def work() -> None:
         try:
             result = fn(*args, **kwargs)
         except BaseException as e:  # user code; reported to the driver
-            loop.call_soon_threadsafe(settle, False, e)
+            report(False, e)
         else:
-            loop.call_soon_threadsafe(settle, True, result)
+            report(True, result)
 
     threading.Thread(target=work, name="yatt-tool", daemon=True).start()
     try:
