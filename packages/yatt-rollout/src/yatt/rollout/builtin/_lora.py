@@ -104,6 +104,15 @@ class AdapterMerger:
     def merged_modules(self) -> list[str]:
         return sorted(self._merged)
 
+    def kept_bytes(self) -> int:
+        """Bytes of the merged factors and kept base values (what un-merging needs)."""
+        total = 0
+        for delta in self._merged.values():
+            total += delta.A.nbytes + delta.B.nbytes
+            if delta.kept_index is not None:
+                total += delta.kept_index.nbytes + delta.kept_values.nbytes
+        return total
+
     @property
     def saved_parameters(self) -> list[str]:
         """Parameters served from a module to save's trained value (their base kept aside)."""
