@@ -56,6 +56,7 @@ from yatt.rollout._weights import (
     move_into_current_region,
     named_targets,
 )
+from yatt.rollout.builtin._base_view import BaseModelView
 from yatt.rollout.builtin._batcher import CAPTURE_LOCK, MAX_LABEL_TOKENS, SlotRunner, WorkItem
 from yatt.rollout.builtin._config import EngineConfig
 from yatt.rollout.builtin._device import EngineDevice
@@ -414,6 +415,18 @@ class BuiltinEngine:
             # The captured decode graphs lack the new hooks or read the old buffers.
             self._runner.release_graphs()
         self._are_weights_lost = False
+
+    def without_adapter(self) -> BaseModelView:
+        """This engine's base model, its LoRA adapter off, as an engine of its own: a
+        self-judging GenRM on the same resident weights and KV cache (_base_view.py). Needs
+        EngineConfig.lora_mode="beside" (the per-row gate)."""
+        if self._low_rank is None:
+            raise ValueError(
+                f"without_adapter() with EngineConfig.lora_mode={self.config.lora_mode!r}: "
+                "the merged adapter cannot be off for some rows only; build the engine with "
+                "lora_mode='beside'"
+            )
+        return BaseModelView(self)
 
     @property
     def lora_mode(self) -> str:
