@@ -275,6 +275,28 @@ def test_an_adapter_into_weights_lost_on_wake_is_refused(tiny_model_dir):
     engine.close()
 
 
+@pytest.mark.slow
+def test_compiled_steps_see_an_adapter_synced_after_their_first_compile(tiny_model_dir):
+    """The adapter's hooks appear at its first sync, after the engine's first compiled call:
+    the compiled prefill and decode step must take them (dynamo skips hook guards by default
+    and replayed the graph compiled without them: adapter rows then served the base)."""
+    base = _base(tiny_model_dir)
+    compiled = _engine(tiny_model_dir, "bs-compiled", compile_decode=True, compile_prefill=True)
+    merged = _engine(tiny_model_dir, "bs-compiled-m", mode="merge")
+    plain = _engine(tiny_model_dir, "bs-compiled-p")
+    compiled.generate(_requests(), GREEDY)  # compiled without hooks
+    adapter = _adapter(base, 1)
+    compiled.update_weights(_adapter_pairs(adapter))
+    merged.update_weights(_merged_pairs(base, adapter))
+    got = compiled.generate(_requests(IS_ON), GREEDY)
+    want_on, want_off = merged.generate(_requests(), GREEDY), plain.generate(_requests(), GREEDY)
+    for c, on, off in zip(got, want_on, want_off, strict=True):
+        # Compiled against eager engines: float32 fusion apart, never the other model.
+        _assert_same(c, on if IS_ON[c.request_index] else off, ATOL_F32)
+    for engine in (compiled, merged, plain):
+        engine.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (graphs, compile)")
 def test_cuda_rows_with_and_without_the_adapter_under_graphs(tmp_path):

@@ -235,6 +235,12 @@ class SlotRunner:
         self.stream = stream
         self.decode_attention = decode_attention
         self._compile_decode = compile_decode
+        # Dynamo's settings around each compiled call. With lora_mode="beside" the adapter's
+        # forward hooks appear at its first sync, after a first compile: dynamo skips guards on
+        # module hooks by default, and would replay the graph compiled without them.
+        self._compile_patch = {"recompile_limit": _RECOMPILE_LIMIT}
+        if low_rank is not None:
+            self._compile_patch["skip_nnmodule_hook_guards"] = False
         # One compiled function per runner; dynamo's cache (per code object) is shared, so a
         # new engine of the same shapes reuses an earlier engine's compiled graph.
         self._compiled_step = (
@@ -276,7 +282,7 @@ class SlotRunner:
             torch._dynamo.mark_dynamic(arange_P, 0)
             torch._dynamo.maybe_mark_dynamic(slot_B, 0)
             try:
-                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                with torch._dynamo.config.patch(**self._compile_patch):
                     self._compiled_step(arange_P, slot_B, *flags.as_key())
                 return
             except Exception as exc:
@@ -536,7 +542,7 @@ class SlotRunner:
         logits_BKV = None
         if self._compiled_prefill is not None:
             try:
-                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                with torch._dynamo.config.patch(**self._compile_patch):
                     logits_BKV = self._compiled_prefill(ids_BT, positions_BT, keep_K, write, True)
             except Exception as exc:
                 # Compiling happens before the forward runs, and an eager prefill rewrites
