@@ -39,8 +39,10 @@ copy of those modules only), which set_enabled(False) serves again; a full sync 
 the new value the base.
 
 Merging keeps the forward untouched (no extra GEMMs per decode step, CUDA graphs stay valid:
-the weights change in place). The alternative, the low-rank product beside each base GEMM,
-keeps the base exact but adds two small GEMMs per target and layer to every decode step.
+the weights change in place). The alternative, EngineConfig.lora_mode="beside"
+(_lora_beside.py), runs the low-rank product beside each base GEMM: the base stays exact and
+rows with and without the adapter share a batch, for two small GEMMs per target and layer in
+every forward (bench/lora/lora_modes_gpu.py times both).
 """
 
 from __future__ import annotations
