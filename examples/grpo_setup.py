@@ -53,6 +53,10 @@ def make_judge_engine(reward: RewardConfig, policy_engine, device: str):
     batches when they sample alike, else between the policy's calls. Close the engine it
     came from, not the view (its close() does nothing)."""
     if reward.shares_policy:
+        logger.info(
+            "reward.judge_dir=policy: the judge is the policy's base on the policy's engine "
+            "(adapter off); reward.engine's settings are unused"
+        )
         return policy_engine.without_adapter()
     return make_engine(reward, reward.judge_dir, device)
 
@@ -71,6 +75,12 @@ def make_plan(placement: str, *, rollout, genrm, train, reference, offload: str)
     the plan is full colocation's rollout/train/sync (partial colocation's memory split between
     two engines has nothing to split: the judge's rows share the policy engine's slots)."""
     if genrm is not None and not is_own_judge_engine(genrm):
+        if placement == "partial":
+            logger.info(
+                "placement=partial with the judge on the policy's engine (reward.judge_dir="
+                "policy): one engine serves both, placed as full colocation's rollout, train "
+                "and sync phases; responses are still judged as they finish"
+            )
         return Plan.full_colocation(
             rollout=rollout, train=train, reference=reference, offload=offload
         )
