@@ -275,6 +275,24 @@ def test_an_adapter_into_weights_lost_on_wake_is_refused(tiny_model_dir):
     engine.close()
 
 
+def test_a_kept_conversation_turns_to_the_base_with_its_own_kv(tiny_model_dir):
+    """Request.session_id keeps a turn's KV for the next one; that KV was computed with the
+    adapter, so a next turn without it prefills whole: the base model's logprobs exactly."""
+    base = _base(tiny_model_dir)
+    engine = _engine(tiny_model_dir, "bs-session")
+    plain = _engine(tiny_model_dir, "bs-session-p")
+    engine.update_weights(_adapter_pairs(_adapter(base, 1)))
+    prompt = [5, 9, 13, 2]
+    (first,) = engine.generate([Request(prompt_ids=prompt, session_id="s")], GREEDY)
+    assert engine.num_kept_sessions == 1
+    turn = [*prompt, *first.response_ids, 9, 10]
+    (got,) = engine.generate([Request(prompt_ids=turn, session_id="s", use_adapter=False)], GREEDY)
+    (want,) = plain.generate([Request(prompt_ids=turn)], GREEDY)
+    _assert_same(got, want, 0.0)
+    engine.close()
+    plain.close()
+
+
 @pytest.mark.slow
 def test_compiled_steps_see_an_adapter_synced_after_their_first_compile(tiny_model_dir):
     """The adapter's hooks appear at its first sync, after the engine's first compiled call:

@@ -130,6 +130,7 @@ class Kept:
     session_id: str
     ids: list[int]
     last_used_s: float  # time.monotonic() when it was kept
+    use_adapter: bool = True  # its KV was computed with the LoRA adapter (Request.use_adapter)
 
 
 @dataclass(kw_only=True)
