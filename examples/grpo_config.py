@@ -389,7 +389,10 @@ class RewardConfig(genrm.JudgeSpec):
     section: ClassVar[str] = "reward"  # errors name reward.backend, reward.votes, ...
 
     # The judge's model directory (a local folder or a Hub id in the HF cache); under task=<name>
-    # "" = the embedded task's judge.
+    # "" = the embedded task's judge. "policy": a self-judging GenRM, the policy's base model on
+    # the policy's engine with the LoRA adapter off (no second copy of the weights); needs
+    # policy.lora, rollout.backend=builtin and rollout.engine.lora_mode=beside (reward.engine
+    # is then unused: the judge shares rollout.engine's context and slots).
     judge_dir: str = ""
 
 

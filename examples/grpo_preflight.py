@@ -50,6 +50,7 @@ def preflight(
     if should_check_data:
         check_data_paths(cfg)
     check_lora_engine(cfg)
+    check_self_judge(cfg)
     for name, section in (("rollout", cfg.rollout), ("reward", cfg.reward)):
         check_engine_installed(name, section)
     core.check_wandb(cfg.log.wandb_project)
@@ -100,6 +101,38 @@ def check_lora_engine(cfg: TrainConfig) -> None:
     )
 
 
+def check_self_judge(cfg: TrainConfig) -> None:
+    """reward.judge_dir=policy (a self-judging GenRM on the policy's engine, adapter off):
+    the combinations that cannot serve it, refused before any model loads."""
+    if not (cfg.uses_judge_model and cfg.reward.shares_policy):
+        return
+    if policy_field(cfg.policy, "lora") is None:
+        raise ValueError(
+            "reward.judge_dir='policy' with policy.lora=null: with full fine-tuning the "
+            "policy's weights change every step, so no frozen base is resident to judge with; "
+            "set policy.lora (the judge reads the base under the adapter), or give the judge a "
+            "frozen copy: reward.judge_dir=<the policy's model folder>"
+        )
+    if cfg.rollout.backend != "builtin":
+        raise ValueError(
+            f"reward.judge_dir='policy' with rollout.backend={cfg.rollout.backend!r}: the "
+            "judge runs on the policy's built-in engine with the adapter off; use "
+            "rollout.backend=builtin"
+        )
+    if cfg.rollout.engine.lora_mode != "beside":
+        raise ValueError(
+            f"reward.judge_dir='policy' with rollout.engine.lora_mode="
+            f"{cfg.rollout.engine.lora_mode!r}: a merged adapter cannot be off for the judge's "
+            "rows only; set rollout.engine.lora_mode=beside"
+        )
+    if cfg.data.image_key:
+        raise ValueError(
+            f"reward.judge_dir='policy' with data.image_key={cfg.data.image_key!r}: the "
+            "per-row adapter gate (rollout.engine.lora_mode=beside) serves text models only; "
+            "give the judge its own model folder"
+        )
+
+
 def check_data_paths(cfg: TrainConfig) -> None:
     """data.path and eval.path, where given, exist (a typo is reported now, not after the
     models load)."""
@@ -129,7 +162,7 @@ def with_local_paths(cfg: TrainConfig) -> TrainConfig:
     if isinstance(policy, dict) and policy.get("model_dir"):
         policy = {**policy, "model_dir": local_model_dir("policy.model_dir", policy["model_dir"])}
     reward = cfg.reward
-    if reward.judge_dir:
+    if reward.judge_dir and not reward.shares_policy:
         judge_dir = local_model_dir("reward.judge_dir", reward.judge_dir)
         reward = dataclasses.replace(reward, judge_dir=judge_dir)
     data = cfg.data
@@ -259,12 +292,15 @@ def check_judge_prompt_lengths(cfg: TrainConfig, rows: list[dict]) -> None:
     before any model loads: one that cannot fit the judge's context with a full-length
     response fails here, instead of turning every verdict of the run into an error."""
     is_judge_builtin = cfg.reward.backend == "builtin"
+    # A self-judge (reward.judge_dir=policy) is the policy's model on the policy's engine.
+    judge_dir = cfg.policy.model_dir if cfg.reward.shares_policy else cfg.reward.judge_dir
+    engine = cfg.rollout.engine if cfg.reward.shares_policy else cfg.reward.engine
     check_judge_prompts(
         cfg.reward.template,
         rows,
-        tokenizer=AutoTokenizer.from_pretrained(cfg.reward.judge_dir),
+        tokenizer=AutoTokenizer.from_pretrained(judge_dir),
         # GenRM's own limit for the built-in engine; vLLM/SGLang read the model's context.
-        max_prompt_tokens=cfg.reward.engine.max_seq_len - 1 if is_judge_builtin else None,
+        max_prompt_tokens=engine.max_seq_len - 1 if is_judge_builtin else None,
         max_response_tokens=min(
             cfg.rollout.max_new_tokens, cfg.reward.template.max_response_tokens
         ),

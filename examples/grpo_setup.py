@@ -1,6 +1,8 @@
 """The reference trainer's setup: engines, the reward, held-out rows, start checks, export.
 
     engine = make_engine(cfg.rollout, model_dir, device)       rollout.build_engine
+    judge_engine = make_judge_engine(cfg.reward, engine, device)  its own, or the policy's base
+    plan = make_plan(cfg.placement, rollout=engine, genrm=judge_engine, ...)  placement.Plan
     scorer, exact_match = make_scorer(cfg.reward, judge_engine)  genrm.build_judge
     rows = load_eval_rows(cfg, runtime, count_tokens)          this rank's held-out prompts
     export_checkpoint(cfg, step)                               `train_grpo.py --export`
@@ -25,6 +27,7 @@ from grpo_data import row_fields_read_by
 
 from yatt import core, genrm, rollout
 from yatt.ckpt import Checkpointer, acquire_run_lock
+from yatt.placement import Plan, Role
 
 logger = logging.getLogger("train_grpo")
 
@@ -40,6 +43,60 @@ def make_engine(
     policy_tp_size (the policy's engine only: the runtime's tp_size) is checked against a
     vLLM/SGLang engine's tensor-parallel size before its model loads."""
     return rollout.build_engine(section, model_dir, device=device, policy_tp_size=policy_tp_size)
+
+
+def make_judge_engine(reward: RewardConfig, policy_engine, device: str):
+    """The judge's engine: its own (reward.judge_dir, reward.engine), or, for a self-judging
+    GenRM (reward.judge_dir=policy), the policy's engine with its LoRA adapter off
+    (BuiltinEngine.without_adapter()): the same resident weights and the same KV cache, so
+    no second copy of the model and no second cache region; its rows run in the policy's
+    batches when they sample alike, else between the policy's calls. Close the engine it
+    came from, not the view (its close() does nothing)."""
+    if reward.shares_policy:
+        logger.info(
+            "reward.judge_dir=policy: the judge is the policy's base on the policy's engine "
+            "(adapter off); reward.engine's settings are unused"
+        )
+        return policy_engine.without_adapter()
+    return make_engine(reward, reward.judge_dir, device)
+
+
+def is_own_judge_engine(judge_engine) -> bool:
+    """A judge engine that is a placement role of its own; the policy's base view (which owns
+    no memory, so has no sleep/wake_up) is not."""
+    return isinstance(judge_engine, Role)
+
+
+def make_plan(placement: str, *, rollout, genrm, train, reference, offload: str) -> Plan:
+    """The placement plan of the run's roles (placement: "full" or "partial").
+
+    A judge on the policy's engine (make_judge_engine with reward.judge_dir=policy) is no role
+    of its own: the one engine is placed as the rollout, awake through rollout and judging, and
+    the plan is full colocation's rollout/train/sync (partial colocation's memory split between
+    two engines has nothing to split: the judge's rows share the policy engine's slots)."""
+    if genrm is not None and not is_own_judge_engine(genrm):
+        if placement == "partial":
+            logger.info(
+                "placement=partial with the judge on the policy's engine (reward.judge_dir="
+                "policy): one engine serves both, placed as full colocation's rollout, train "
+                "and sync phases; responses are still judged as they finish"
+            )
+        return Plan.full_colocation(
+            rollout=rollout, train=train, reference=reference, offload=offload
+        )
+    plans = {"full": Plan.full_colocation, "partial": Plan.partial_colocation}
+    return plans[placement](
+        rollout=rollout, genrm=genrm, train=train, reference=reference, offload=offload
+    )
+
+
+def judges_while_generating(plan: Plan, judge_engine) -> bool:
+    """Whether responses can go to the judge while the rollout still runs: a judge without an
+    engine of its own (functions, an endpoint) or on the policy's engine always; a judge engine
+    of its own when the plan keeps it resident beside the rollout's."""
+    if not is_own_judge_engine(judge_engine):
+        return True
+    return plan.is_resident_together("rollout", "genrm")
 
 
 def make_scorer(

@@ -225,6 +225,16 @@ PY
       # 0.5B policy, 1.5B judge, 1 to 6 turns with a long tail.
       STEP_TIMEOUT=${MULTITURN_JUDGE_TIMEOUT_S:-420} run_step bench_multiturn_judge python3 \
         bench/rollout/multiturn_judge.py --out-dir "$OUT" ${MULTITURN_JUDGE_ARGS:-} ;;
+    bench_lora_modes)
+      # Issue 45 (bench/lora/lora_modes_gpu.py): the built-in engine's LoRA served merged vs
+      # beside the base GEMMs (decode per batch bucket at equal memory, sync time), then a
+      # self-judge on the policy's base view vs a separate copy of the 7B base (peak memory);
+      # first the CUDA tests of lora_mode=beside and the self-judge (graphs, compiled decode).
+      run_step lora_modes_tests python3 -m pytest -q -rs \
+        packages/yatt-rollout/tests/test_builtin_lora_beside.py \
+        packages/yatt-rollout/tests/test_builtin_lora.py packages/yatt-genrm/tests/test_self_judge.py
+      STEP_TIMEOUT=${LORA_MODES_TIMEOUT_S:-540} run_step bench_lora_modes python3 \
+        bench/lora/lora_modes_gpu.py --out-dir "$OUT" ${LORA_MODES_ARGS:-} ;;
     *)
       echo "unknown step $step"; exit 2 ;;
   esac

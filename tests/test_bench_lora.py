@@ -187,3 +187,30 @@ def test_cpu_gain_refuses_runs_without_lora(tmp_path):
         timeout=60,
     )
     assert done.returncode == 2 and "policy.lora.rank" in done.stderr
+
+
+def test_lora_modes_smoke_run(tmp_path):
+    """bench/lora/lora_modes_gpu.py --smoke: merge vs beside on the tiny shape, then the
+    self-judge: one engine (the policy's base view) against two (a second copy of the base)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, str(ROOT / "bench" / "lora" / "lora_modes_gpu.py"), "--smoke"]
+    cmd += ["--out-dir", str(tmp_path), "--models-dir", str(tmp_path / "models")]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    results = json.loads((tmp_path / "lora_modes_cpu_smoke.json").read_text())
+    merge, beside = results["modes"]["merge"], results["modes"]["beside"]
+    # Beside the base: A [16, in] and B [out, 16] per linear of each layer, in the served dtype
+    # (float32 on the tiny shape). Merging keeps the same float32 factors to un-merge, plus the
+    # base values rounding would not give back.
+    factors = LAYERS * sum(4 * 16 * (i + o) for i, o in _linears())
+    assert beside["adapter_bytes"] == factors
+    assert merge["adapter_bytes"] >= factors
+    assert merge["kv_cache_bytes"] == beside["kv_cache_bytes"]  # equal memory
+    assert set(merge["decode_ms"]) == set(beside["decode_ms"]) == {"8"}
+    assert all(ms > 0 for ms in [*merge["decode_ms"].values(), *beside["decode_ms"].values()])
+    separate, shared = results["self_judge"]["separate"], results["self_judge"]["shared"]
+    assert (separate["num_engines"], shared["num_engines"]) == (2, 1)
+    assert 2 * shared["weight_bytes"] == separate["weight_bytes"]  # one copy of the base
+    # Two identical engines against one: the judge's weights and KV cache are the policy's.
+    assert results["ratios"]["self_judge_resident"] == 0.5
+    assert (tmp_path / "lora_modes_cpu_smoke.md").is_file()

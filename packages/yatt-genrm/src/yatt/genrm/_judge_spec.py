@@ -80,7 +80,13 @@ class JudgeSpec(EngineSpec):
     engine: EngineConfig = field(
         default_factory=lambda: EngineConfig(max_seq_len=4096, region_prefix="genrm")
     )
-    judge_dir: str = ""  # the judge's model directory (a local folder or a Hub id in the cache)
+    # The judge's model directory (a local folder or a Hub id in the cache). "policy": the
+    # policy's own base model judges (self-judging GenRM), on the policy's built-in engine with
+    # its LoRA adapter off (engine.without_adapter(): one resident copy of the weights and one
+    # KV cache; `engine` here is then unused). Needs policy.lora and that engine's
+    # lora_mode="beside"; with full fine-tuning the policy's weights change every step, so a
+    # self-judge there needs a frozen copy: give the policy's model folder instead.
+    judge_dir: str = ""
     # The judge's prompt (str.format): {prompt}, {response}, {reference} (the row's answer)
     # and any other column of the data rows.
     judge_template: str = DEFAULT_JUDGE_TEMPLATE
@@ -192,6 +198,12 @@ class JudgeSpec(EngineSpec):
                 f"{section}.openai={self.openai!r}: only for {section}.backend='openai' "
                 f"(it is {self.backend!r})"
             )
+        if self.shares_policy and self.backend != "builtin":
+            raise ValueError(
+                f"{section}.judge_dir='policy' judges on the policy's built-in engine; "
+                f"{section}.backend={self.backend!r} would load a second engine: set "
+                f"{section}.backend=builtin, or give {section}.judge_dir a model folder"
+            )
         if self.backend == "none" and not self.functions and not self.rule_weight:
             raise ValueError(
                 f"{section}.backend='none' loads no judge: give {section}.functions (or "
@@ -269,6 +281,11 @@ class JudgeSpec(EngineSpec):
     def uses_engine(self) -> bool:
         """The judge is a local model (judge_dir) run by an engine."""
         return self.backend in LOCAL_JUDGES
+
+    @property
+    def shares_policy(self) -> bool:
+        """The judge is the policy's base model on the policy's engine (judge_dir="policy")."""
+        return self.judge_dir == "policy"
 
     @property
     def template(self) -> JudgeTemplate:

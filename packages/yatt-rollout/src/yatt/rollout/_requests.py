@@ -14,6 +14,7 @@ def validate_requests(
     vocab_size: int,
     max_seq_len: int,
     accepts_images: bool,
+    accepts_adapter_off: bool = False,
 ) -> None:
     """Raise ValueError naming the request and the field for input no engine can serve.
 
@@ -69,6 +70,17 @@ def validate_requests(
                 f"requests[{i}].{field} is set but the served model is text-only; drop the "
                 "images or serve a multimodal model with the vLLM or SGLang engine"
             )
+        if request.use_adapter is not True:
+            if request.use_adapter is not False:
+                raise ValueError(
+                    f"requests[{i}].use_adapter={request.use_adapter!r}: must be a bool"
+                )
+            if not accepts_adapter_off:
+                raise ValueError(
+                    f"requests[{i}].use_adapter=False: this engine cannot serve the base beside "
+                    "its LoRA adapter; use the built-in engine with EngineConfig.lora_mode="
+                    "'beside'"
+                )
     bad_stops = [t for t in sampling.stop_token_ids if t >= vocab_size]
     if bad_stops:
         raise ValueError(

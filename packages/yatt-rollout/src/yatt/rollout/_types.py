@@ -115,6 +115,11 @@ class Request:
     # continues from it, prefilling only the new tokens. vLLM and SGLang ignore it (their
     # prefix caches reuse the KV of the full prompt ids). Needs SamplingParams.n == 1.
     session_id: str | None = None
+    # False: serve this request from the base model, without the LoRA adapter synced into the
+    # engine (a self-judging GenRM on the policy's engine, a reference). The built-in engine
+    # takes it with EngineConfig.lora_mode="beside" (rows on and off in one batch); the other
+    # engines refuse it.
+    use_adapter: bool = True
 
 
 @dataclass(kw_only=True)

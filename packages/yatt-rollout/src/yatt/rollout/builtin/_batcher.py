@@ -35,6 +35,8 @@ Per slot s (S slots, L = max_seq_len):
   active_S[s]     still generating; idle slots compute garbage and write to column L (trash)
   rope_delta_S[s] a vision-language prompt's mrope offset: the token at cache position p has
                   text position p + rope_delta_S[s] (0 for text prompts; see _vision.py)
+  adapter_on_S[s] 1 when the slot's request reads the LoRA adapter beside the base, 0 when it
+                  reads the base (Request.use_adapter; EngineConfig.lora_mode="beside" only)
   history_SL[s, p] the token at cache position p (prompt, then response), written only while
                   a repetition penalty is on: the tokens it penalizes are history_SL[s, :pos+1]
 """
@@ -50,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from yatt.rollout._types import Request, SamplingParams
+from yatt.rollout.builtin._lora_beside import LowRankBeside
 from yatt.rollout.builtin._sampling import sample_tokens, seen_tokens
 from yatt.rollout.builtin._static_kv import (
     KV_WRITE_KWARG,
@@ -114,6 +117,7 @@ class WorkItem:
     owner: object = None  # the call it belongs to (several calls may share one loop)
     images: RequestImages | None = None  # the request's images, encoded (a vision model)
     label_token_ids: tuple[int, ...] = ()  # logprobs reported at the first response position
+    use_adapter: bool = True  # Request.use_adapter (lora_mode="beside" gates the adapter per row)
 
 
 @dataclass(kw_only=True)
@@ -126,6 +130,7 @@ class Kept:
     session_id: str
     ids: list[int]
     last_used_s: float  # time.monotonic() when it was kept
+    use_adapter: bool = True  # its KV was computed with the LoRA adapter (Request.use_adapter)
 
 
 @dataclass(kw_only=True)
@@ -180,8 +185,11 @@ class SlotRunner:
         stream: torch.cuda.Stream | None = None,
         vision: VisionPrefill | None = None,
         decode_batch_buckets: Sequence[int] | None = None,
+        low_rank: LowRankBeside | None = None,
     ) -> None:
         self.model = model
+        # lora_mode="beside": the adapter's per-row gate, filled before every forward.
+        self.low_rank = low_rank
         self.vision = vision
         self.cache = cache
         self.steps_per_sync = steps_per_sync
@@ -203,6 +211,7 @@ class SlotRunner:
         self.top_p_S = torch.ones(S, dtype=torch.float32, device=device)
         self.min_p_S = torch.zeros(S, dtype=torch.float32, device=device)
         self.repetition_penalty_S = torch.ones(S, dtype=torch.float32, device=device)
+        self.adapter_on_S = torch.ones(S, dtype=torch.float32, device=device)
         self.stop_ids_K = torch.full((MAX_STOP_TOKENS,), -1, **zeros)
         self.response_SL = torch.zeros(S, L + 1, **zeros)
         self.history_SL = torch.zeros(S, L + 1, **zeros)  # column L: an idle slot's trash
@@ -227,6 +236,12 @@ class SlotRunner:
         self.stream = stream
         self.decode_attention = decode_attention
         self._compile_decode = compile_decode
+        # Dynamo's settings around each compiled call. With lora_mode="beside" the adapter's
+        # forward hooks appear at its first sync, after a first compile: dynamo skips guards on
+        # module hooks by default, and would replay the graph compiled without them.
+        self._compile_patch = {"recompile_limit": _RECOMPILE_LIMIT}
+        if low_rank is not None:
+            self._compile_patch["skip_nnmodule_hook_guards"] = False
         # One compiled function per runner; dynamo's cache (per code object) is shared, so a
         # new engine of the same shapes reuses an earlier engine's compiled graph.
         self._compiled_step = (
@@ -268,7 +283,7 @@ class SlotRunner:
             torch._dynamo.mark_dynamic(arange_P, 0)
             torch._dynamo.maybe_mark_dynamic(slot_B, 0)
             try:
-                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                with torch._dynamo.config.patch(**self._compile_patch):
                     self._compiled_step(arange_P, slot_B, *flags.as_key())
                 return
             except Exception as exc:
@@ -291,6 +306,8 @@ class SlotRunner:
         """The decode step of the slots slot_B (distinct) over the cache positions arange_P =
         [0, span) (what gets compiled): gather their state, decode, scatter it back."""
         L = self.cache.max_seq_len
+        if self.low_rank is not None:  # the rows' adapter gate: a graph input, no host branch
+            self.low_rank.set_rows(self.adapter_on_S.index_select(0, slot_B))
         pos_B = self.pos_S.index_select(0, slot_B)
         gen_len_B = self.gen_len_S.index_select(0, slot_B)
         active_B = self.active_S.index_select(0, slot_B)
@@ -361,6 +378,7 @@ class SlotRunner:
         # calls share the queue, so a request is its call (owner) and its index in that call.
         rows: list[list[int]] = []
         row_images: list[RequestImages | None] = []
+        row_adapter: list[bool] = []
         row_of_item: list[int] = []
         for i, item in enumerate(items):
             previous = items[i - 1] if i else None
@@ -371,11 +389,13 @@ class SlotRunner:
             ):
                 rows.append(item.request.prompt_ids)
                 row_images.append(item.images)
+                row_adapter.append(item.use_adapter)
             row_of_item.append(len(rows) - 1)
         lengths = [len(r) for r in rows]
         lengths_B = to_device(lengths, device)
         slot_J = to_device(slots, device)
         row_J = to_device(row_of_item, device)
+        self._set_adapter_rows(row_adapter)
         if self.vision is not None and any(im is not None for im in row_images):
             logits_BV, delta_B = self._prefill_left_padded(
                 rows, lengths_B, slot_J, row_J, row_images
@@ -412,6 +432,7 @@ class SlotRunner:
         # row) and reads no mask; a 4D one only keeps HF from building its own [B, 1, T, T].
         mask = torch.zeros(len(items), 1, T, 1, dtype=self.cache.keys[0].dtype, device=device)
         slot_J = to_device(slots, device)
+        self._set_adapter_rows([item.use_adapter for item in items])
         write = ContinueWrite(
             cache=self.cache, slot_B=slot_J, starts=list(starts), lengths=lengths, span=span
         )
@@ -420,6 +441,11 @@ class SlotRunner:
         self._start_samples(
             items, slot_J, logits_JV, prompt_len_J, torch.zeros_like(start_B), flags
         )
+
+    def _set_adapter_rows(self, use_adapter: list[bool]) -> None:
+        """The adapter gate of a prefill's rows (one per prompt row)."""
+        if self.low_rank is not None:
+            self.low_rank.set_rows(to_device(use_adapter, self.device, torch.float32))
 
     def _start_samples(
         self,
@@ -434,6 +460,9 @@ class SlotRunner:
         slot's state (a fresh or a continued prompt alike)."""
         device, L = self.device, self.cache.max_seq_len
         self.key_S[slot_J] = to_device([it.key for it in items], device)
+        if self.low_rank is not None:
+            use_adapter = [it.use_adapter for it in items]
+            self.adapter_on_S[slot_J] = to_device(use_adapter, device, torch.float32)
         seen_JV = None
         if flags.is_penalized:
             # The whole prompt (a continuation's kept turns too) counts as seen, as in vLLM.
@@ -512,7 +541,7 @@ class SlotRunner:
         logits_BKV = None
         if self._compiled_prefill is not None:
             try:
-                with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+                with torch._dynamo.config.patch(**self._compile_patch):
                     logits_BKV = self._compiled_prefill(ids_BT, positions_BT, keep_K, write, True)
             except Exception as exc:
                 # Compiling happens before the forward runs, and an eager prefill rewrites
@@ -679,7 +708,13 @@ class SlotRunner:
             self.rope_delta_S,
         ):
             buffer.zero_()
-        for buffer in (self.limit_S, self.temperature_S, self.top_p_S, self.repetition_penalty_S):
+        for buffer in (
+            self.limit_S,
+            self.temperature_S,
+            self.top_p_S,
+            self.repetition_penalty_S,
+            self.adapter_on_S,
+        ):
             buffer.fill_(1)
         self.min_p_S.zero_()
         self.active_S.zero_()

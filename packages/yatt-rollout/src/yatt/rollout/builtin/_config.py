@@ -65,6 +65,12 @@ class EngineConfig:
     # samples take free slots at the next host check instead of waiting for the whole running
     # call. False: one call at a time.
     should_join_calls: bool = True
+    # How a LoRA adapter synced alone ("<m>.lora_A"...) is served. "merge": into the resident
+    # weights (_lora.py; the forward unchanged, a pass over the targets' weights per sync).
+    # "beside": the low-rank product beside each base GEMM, gated per row (_lora_beside.py),
+    # so rows with Request.use_adapter=False (a self-judging GenRM on the policy's engine)
+    # read the untouched base in the same batch; two small GEMMs per target and layer.
+    lora_mode: str = "merge"
     region_prefix: str = "rollout"  # placement tags "<prefix>/weights", "<prefix>/kv_cache"
     # CUDA priority of the engine's stream: lower is more urgent (0 is the lowest; values past
     # the device's range map to its ends). Beside a colocated judge (partial colocation) give
@@ -147,6 +153,12 @@ class EngineConfig:
         if not isinstance(self.should_join_calls, bool):
             raise ValueError(
                 f"EngineConfig.should_join_calls={self.should_join_calls!r}: must be a bool"
+            )
+        if self.lora_mode not in ("merge", "beside"):
+            raise ValueError(
+                f"EngineConfig.lora_mode={self.lora_mode!r}: use 'merge' (the adapter merged "
+                "into the weights) or 'beside' (the low-rank product beside the base GEMMs; "
+                "needed for Request.use_adapter=False)"
             )
         if not self.region_prefix or "/" in self.region_prefix:
             raise ValueError(

@@ -51,10 +51,12 @@ from yatt.rollout._requests import max_new_tokens_of, request_id_of, validate_re
 from yatt.rollout._streaming import stream_from_thread
 from yatt.rollout._types import DEFAULT_BUCKET_BYTES, Completion, Request, SamplingParams
 from yatt.rollout._weights import (
+    copy_bucket,
     iter_buckets,
     move_into_current_region,
     named_targets,
 )
+from yatt.rollout.builtin._base_view import BaseModelView
 from yatt.rollout.builtin._batcher import CAPTURE_LOCK, MAX_LABEL_TOKENS, SlotRunner, WorkItem
 from yatt.rollout.builtin._config import EngineConfig
 from yatt.rollout.builtin._device import EngineDevice
@@ -63,6 +65,7 @@ from yatt.rollout.builtin._host_loop import Call, SlotLoop
 from yatt.rollout.builtin._joining import CallScheduler
 from yatt.rollout.builtin._kv_budget import KVLayout, check_memory_fraction, slots_for_fraction
 from yatt.rollout.builtin._lora import AdapterMerger
+from yatt.rollout.builtin._lora_beside import LowRankBeside
 from yatt.rollout.builtin._static_kv import ATTN_IMPLEMENTATION, StaticKVCache, register_attention
 from yatt.rollout.builtin._vision import VisionPrefill, is_vision_language_config
 
@@ -158,6 +161,20 @@ class BuiltinEngine:
             if should_back_up_weights
             else [(b, b.detach().to("cpu", copy=True)) for b in model.buffers()]
         )
+        # lora_mode="beside": the adapter beside the base GEMMs, gated per row (_lora_beside.py).
+        self._low_rank = None
+        if config.lora_mode == "beside":
+            if self._vision is not None:
+                raise ValueError(
+                    "EngineConfig.lora_mode='beside' with a vision-language model: the per-row "
+                    "adapter gate does not cover the vision tower; use lora_mode='merge'"
+                )
+            self._low_rank = LowRankBeside(
+                model,
+                max_rows=config.max_batch_size,
+                dtype=next(model.parameters()).dtype,
+                device=self._device,
+            )
         num_heads = text_config.num_attention_heads
         self._kv_layout = KVLayout(
             num_layers=text_config.num_hidden_layers,
@@ -253,6 +270,7 @@ class BuiltinEngine:
             vocab_size=self.vocab_size,
             max_seq_len=self.config.max_seq_len,
             accepts_images=self.accepts_images,
+            accepts_adapter_off=self._low_rank is not None,
         )
         labels = sampling.label_token_ids
         if len(labels) > MAX_LABEL_TOKENS or any(t >= self.vocab_size for t in labels):
@@ -280,6 +298,7 @@ class BuiltinEngine:
                 max_new_tokens=max_new_tokens_of(request, sampling),
                 images=images[i],
                 label_token_ids=sampling.label_token_ids,
+                use_adapter=request.use_adapter,
             )
             for i, request in enumerate(requests)
             for j in range(sampling.n)
@@ -347,7 +366,8 @@ class BuiltinEngine:
         synchronised, so the sender may free or reuse that bucket's tensors. A LoRA adapter
         sent alone ("<m>.lora_A", "<m>.lora_B", "<m>.lora_scaling" per module, as
         TorchPolicy.named_adapter_weights() yields) is merged into "<m>.weight", replacing
-        the adapter merged before (builtin/_lora.py).
+        the adapter merged before (builtin/_lora.py), or with EngineConfig.lora_mode="beside"
+        kept beside the untouched base (builtin/_lora_beside.py).
         """
         self._check_open()
         with self._scheduler.exclusive():
@@ -359,6 +379,9 @@ class BuiltinEngine:
             # KV kept between turns was computed with the old weights: drop it.
             self._runner.kept.clear()
             targets = named_targets(self.model)
+            if self._low_rank is not None:
+                self._update_beside(targets, named_tensors, bucket_bytes)
+                return
             adapter = self._adapter.begin(targets, are_weights_lost=self._are_weights_lost)
             with self._dev.selected():  # the caller's stream: the sender's tensors live there
                 for bucket in iter_buckets(named_tensors, bucket_bytes=bucket_bytes):
@@ -367,6 +390,56 @@ class BuiltinEngine:
                         torch.cuda.synchronize(self._device)
             adapter.finish()
             self._are_weights_lost = False
+
+    def _update_beside(self, targets, named_tensors, bucket_bytes: int) -> None:
+        """update_weights with lora_mode="beside" (under the engine's lock): plain weights are
+        copied, adapter pieces go into their buffers beside the base (_lora_beside.py)."""
+        low_rank = self._low_rank
+        low_rank.begin()
+        is_new_layout = False
+        # New adapter buffers belong to the weights' region (slept and woken with them).
+        weights_region = region(
+            self._tags["weights"], enable_cpu_backup=self._should_back_up_weights
+        )
+        with self._dev.selected(), weights_region:
+            for bucket in iter_buckets(named_tensors, bucket_bytes=bucket_bytes):
+                rest, is_new = low_rank.take(
+                    bucket, targets, are_weights_lost=self._are_weights_lost
+                )
+                is_new_layout |= is_new
+                copy_bucket(targets, rest)
+                if self._device.type == "cuda":
+                    torch.cuda.synchronize(self._device)
+        low_rank.finish()
+        if is_new_layout:
+            # The captured decode graphs lack the new hooks or read the old buffers.
+            self._runner.release_graphs()
+        self._are_weights_lost = False
+
+    def without_adapter(self) -> BaseModelView:
+        """This engine's base model, its LoRA adapter off, as an engine of its own: a
+        self-judging GenRM on the same resident weights and KV cache (_base_view.py). Needs
+        EngineConfig.lora_mode="beside" (the per-row gate)."""
+        if self._low_rank is None:
+            raise ValueError(
+                f"without_adapter() with EngineConfig.lora_mode={self.config.lora_mode!r}: "
+                "the merged adapter cannot be off for some rows only; build the engine with "
+                "lora_mode='beside'"
+            )
+        return BaseModelView(self)
+
+    @property
+    def lora_mode(self) -> str:
+        """How a synced LoRA adapter is served: "merge" or "beside" (EngineConfig.lora_mode)."""
+        return self.config.lora_mode
+
+    def adapter_bytes(self) -> int:
+        """Bytes the engine keeps on its device for a LoRA adapter besides the base weights:
+        "beside", the factors and trained modules it serves; "merge", the float32 factors and
+        base values it keeps to un-merge exactly (not the base kept aside for trained modules)."""
+        if self._low_rank is not None:
+            return self._low_rank.factor_bytes()
+        return self._adapter.kept_bytes()
 
     def sleep(self) -> None:
         """Release the weights' and KV cache's memory (weights are backed up on the CPU)."""
@@ -571,6 +644,7 @@ class BuiltinEngine:
                 stream=self._dev.stream,
                 vision=self._vision,
                 decode_batch_buckets=self.config.decode_batch_buckets,
+                low_rank=self._low_rank,
             )
 
     def close(self) -> None:

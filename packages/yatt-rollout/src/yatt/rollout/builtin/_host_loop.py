@@ -151,8 +151,16 @@ class SlotLoop:
             if slot is None or slot in slots:
                 continue
             ids, prompt = kept[slot].ids, item.request.prompt_ids
+            # The kept KV was computed with (or without) the LoRA adapter: a turn that asks
+            # otherwise prefills whole (lora_mode="beside" serves both from one cache).
+            is_same_model = kept[slot].use_adapter == item.use_adapter
             del kept[slot]  # continued or stale: either way the slot is this item's now
-            if len(prompt) > len(ids) and prompt[: len(ids)] == ids and item.images is None:
+            if (
+                len(prompt) > len(ids)
+                and prompt[: len(ids)] == ids
+                and item.images is None
+                and is_same_model
+            ):
                 items.append(item)
                 slots.append(slot)
                 starts.append(len(ids))
@@ -223,7 +231,10 @@ class SlotLoop:
                 # Its KV holds the prompt and the response but its last token (never fed).
                 held = [*item.request.prompt_ids, *response[:-1]]
                 self.runner.kept[s] = Kept(
-                    session_id=session, ids=held, last_used_s=time.monotonic()
+                    session_id=session,
+                    ids=held,
+                    last_used_s=time.monotonic(),
+                    use_adapter=item.use_adapter,
                 )
             _deliver(item, completion)
 

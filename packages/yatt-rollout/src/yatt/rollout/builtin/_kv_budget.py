@@ -22,9 +22,10 @@ import torch
 from yatt.rollout.builtin._batcher import MAX_LABEL_TOKENS, MAX_STOP_TOKENS
 
 # Per-slot scalars of the slot runner: eight int64 (rope_delta_S and the batch rows' slot index
-# row_slot_S included), four float32 (temperature, top-p, min-p, repetition penalty), one bool;
+# row_slot_S included), five float32 (temperature, top-p, min-p, repetition penalty, the LoRA
+# adapter's gate adapter_on_S), one bool;
 # plus one int64 row base per KV head in the cache's index table (in KVLayout.slot_bytes).
-_RUNNER_SCALAR_BYTES = 8 * 8 + 4 * 4 + 1
+_RUNNER_SCALAR_BYTES = 8 * 8 + 5 * 4 + 1
 
 
 @dataclass(kw_only=True, frozen=True)

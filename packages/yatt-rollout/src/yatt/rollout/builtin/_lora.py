@@ -39,8 +39,10 @@ copy of those modules only), which set_enabled(False) serves again; a full sync 
 the new value the base.
 
 Merging keeps the forward untouched (no extra GEMMs per decode step, CUDA graphs stay valid:
-the weights change in place). The alternative, the low-rank product beside each base GEMM,
-keeps the base exact but adds two small GEMMs per target and layer to every decode step.
+the weights change in place). The alternative, EngineConfig.lora_mode="beside"
+(_lora_beside.py), runs the low-rank product beside each base GEMM: the base stays exact and
+rows with and without the adapter share a batch, for two small GEMMs per target and layer in
+every forward (bench/lora/lora_modes_gpu.py times both).
 """
 
 from __future__ import annotations
@@ -103,6 +105,15 @@ class AdapterMerger:
     @property
     def merged_modules(self) -> list[str]:
         return sorted(self._merged)
+
+    def kept_bytes(self) -> int:
+        """Bytes of the merged factors and kept base values (what un-merging needs)."""
+        total = 0
+        for delta in self._merged.values():
+            total += delta.A.nbytes + delta.B.nbytes
+            if delta.kept_index is not None:
+                total += delta.kept_index.nbytes + delta.kept_values.nbytes
+        return total
 
     @property
     def saved_parameters(self) -> list[str]:

@@ -1,0 +1,270 @@
+"""A LoRA adapter applied beside the base GEMMs, per row: the base weights stay untouched.
+
+EngineConfig.lora_mode="beside". Each target module <m> keeps its base weight W as it is
+and adds the low-rank product to its output, gated per row of the forward pass:
+
+    y_RO = x_RI W^T  +  (row_on_R * x_RI) A^T (s B)^T        R rows, I in, O out
+    (row_on_R: 1 for a row whose request asked for the adapter, 0 for one that asked for the
+    base, Request.use_adapter)
+
+so one resident copy of the weights serves the policy (adapter on) and, in the same batch,
+a self-judging GenRM or any request on the base (adapter off: the added term is exactly 0,
+the base's output bit for bit). The gate is a device tensor the step fills from per-slot
+state before the forward (a graph input under CUDA graphs; no Python branch per row).
+
+Legend: R rows of the forward (a decode batch, or prefill prompts), I/O in/out features.
+
+Buffers per target module, allocated at the first adapter of a rank and reused in place by
+the next adapters of that rank (captured graphs stay valid; a new rank re-allocates them and
+the engine drops its graphs):
+    A   [rank, in]  served dtype
+    sB  [out, rank] served dtype, the scaling folded in (computed in float32, then rounded)
+
+A module trained whole (PEFT's modules_to_save, "<p>.lora_saved") keeps the base's value in
+<p> and its trained value in a second buffer; rows with the adapter on take the trained
+module's output (torch.where, exact). One extra copy of those modules only (the LM head).
+
+A full sync of "<m>.weight" (or of <p>) is the new base and drops that module's adapter (sB
+and the gate of the trained copy are zeroed in place, buffers kept), as in merge mode.
+
+Cost: two small GEMMs per target and layer in every forward, against none for merging
+(bench/lora/lora_modes_gpu.py times both). What it buys: no per-sync pass over the weights
+and adapter-on and -off rows in one batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from yatt.rollout.builtin._lora import LORA_SAVED_SUFFIX, split_adapter_name
+
+
+class _Factors:
+    """One target module's adapter buffers (see the module docstring)."""
+
+    def __init__(self, A: torch.Tensor, sB: torch.Tensor) -> None:
+        self.A = A
+        self.sB = sB
+
+
+class _Saved:
+    """A module to save's trained weight, served to rows with the adapter on."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.is_set = False  # False after a full sync of the base value (no adapter then)
+
+
+class LowRankBeside:
+    """Adapters beside the base GEMMs of one engine's model, gated per row."""
+
+    def __init__(self, model: torch.nn.Module, *, max_rows: int, dtype, device) -> None:
+        self._model = model
+        # The per-row gate every hook reads: the first R entries hold the running forward's
+        # rows (the step fills it before each forward). Outside any region: a few bytes, and
+        # a captured graph's address stays valid across sleep.
+        self.row_on_R = torch.ones(max_rows, dtype=dtype, device=device)
+        self._factors: dict[str, _Factors] = {}
+        self._saved: dict[str, _Saved] = {}
+        self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.refreshed: set[str] = set()  # plain weights the running sync sent
+        self._loaded_now: set[str] = set()  # modules (and saved parameters) it gave an adapter
+
+    @property
+    def modules(self) -> list[str]:
+        return sorted(self._factors)
+
+    @property
+    def saved_parameters(self) -> list[str]:
+        return sorted(self._saved)
+
+    def factor_bytes(self) -> int:
+        """Bytes of the adapter buffers beside the base (factors and trained modules)."""
+        total = sum(f.A.nbytes + f.sB.nbytes for f in self._factors.values())
+        return total + sum(s.weight.nbytes for s in self._saved.values())
+
+    def set_rows(self, row_on: torch.Tensor) -> None:
+        """The gate of the next forward's rows (a device tensor, any dtype, 1 on / 0 off)."""
+        self.row_on_R[: row_on.shape[0]].copy_(row_on)
+
+    def _gate(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        return self.row_on_R[:rows].view(rows, *([1] * (x.ndim - 1)))
+
+    # -- a sync's pieces ----------------------------------------------------------------------
+
+    def begin(self) -> None:
+        """A new update_weights call."""
+        self.refreshed.clear()
+        self._loaded_now.clear()
+        self._pending.clear()
+
+    def take(
+        self, bucket: list[tuple[str, torch.Tensor]], targets, *, are_weights_lost: bool
+    ) -> tuple[list, bool]:
+        """Apply the bucket's adapter pieces and return (its plain weights, whether buffers
+        were (re)allocated, hooks added or a trained module dropped, so captured graphs must
+        go). A plain weight of a module with an adapter drops it: the new base.
+        are_weights_lost: the base was woken without a backup; an adapter then needs its
+        module's base weight in this same sync (`refreshed`, reset per update_weights)."""
+        rest, is_new_layout = [], False
+        for name, tensor in bucket:
+            if are_weights_lost:
+                self._check_base_refreshed(name)
+            if name.endswith(LORA_SAVED_SUFFIX):
+                param = name[: -len(LORA_SAVED_SUFFIX)]
+                is_new_layout |= self._load_saved(param, tensor, targets)
+                self._loaded_now.add(param)
+                continue
+            split = split_adapter_name(name)
+            if split is None:
+                is_new_layout |= self._drop(name)
+                self.refreshed.add(name)
+                rest.append((name, tensor))
+                continue
+            module, piece = split
+            parts = self._pending.setdefault(module, {})
+            parts[piece] = tensor.detach().to(torch.float32, copy=True)
+            if len(parts) == 3:
+                del self._pending[module]
+                is_new_layout |= self._load(module, parts, targets)
+                self._loaded_now.add(module)
+        return rest, is_new_layout
+
+    def _check_base_refreshed(self, name: str) -> None:
+        if name.endswith(LORA_SAVED_SUFFIX):
+            base = name[: -len(LORA_SAVED_SUFFIX)]
+        elif (split := split_adapter_name(name)) is not None:
+            base = split[0] + ".weight"
+        else:
+            return
+        if base not in self.refreshed:
+            raise ValueError(
+                f"update_weights: {name!r} while the weights are lost (woken with "
+                "should_back_up_weights=False): sync the full weights first "
+                "(policy.named_weights()), or keep the backup for adapter-only syncs"
+            )
+
+    def finish(self) -> None:
+        if self._pending:
+            module, parts = next(iter(self._pending.items()))
+            self._pending.clear()
+            missing = sorted({"A", "B", "scaling"} - set(parts))
+            raise ValueError(
+                f"update_weights: the adapter of {module!r} lacks {missing}; send "
+                "'<module>.lora_A', '.lora_B' and '.lora_scaling' for each target "
+                "(TorchPolicy.named_adapter_weights())"
+            )
+
+    @torch.no_grad()
+    def _drop(self, name: str) -> bool:
+        """A full value of `name` is the new base: its adapter goes. True when the forward's
+        shape changed (a trained module no longer served)."""
+        module = name.removesuffix(".weight")
+        if name in self._loaded_now or (name.endswith(".weight") and module in self._loaded_now):
+            raise ValueError(
+                f"update_weights: {name!r} came after the adapter loaded for it; send full "
+                "weights before the adapter"
+            )
+        if name.endswith(".weight") and module in self._factors:
+            self._factors[module].sB.zero_()  # in place: graphs stay valid
+        saved = self._saved.get(name)
+        if saved is not None and saved.is_set:
+            saved.is_set = False
+            return True
+        return False
+
+    @torch.no_grad()
+    def _load(self, module: str, parts: dict[str, torch.Tensor], targets) -> bool:
+        weight = targets.get(module + ".weight")
+        if weight is None:
+            raise ValueError(
+                f"update_weights: adapter for {module!r}, which has no '.weight' in the served "
+                "model; give Hugging Face module names"
+            )
+        A, B, scaling = parts["A"], parts["B"], parts["scaling"]
+        if A.ndim != 2 or B.ndim != 2 or B.shape[1] != A.shape[0] or scaling.ndim:
+            raise ValueError(
+                f"update_weights: adapter of {module!r} has A {tuple(A.shape)}, B "
+                f"{tuple(B.shape)}, scaling {tuple(scaling.shape)}; expected A [rank, in], "
+                "B [out, rank] and a 0-d scaling"
+            )
+        if (B.shape[0], A.shape[1]) != tuple(weight.shape):
+            raise ValueError(
+                f"update_weights: adapter of {module!r} makes a {B.shape[0]}x{A.shape[1]} "
+                f"update for a {tuple(weight.shape)} weight"
+            )
+        A = A.to(weight.device)
+        sB = (B.to(weight.device) * float(scaling)).to(weight.dtype)
+        factors = self._factors.get(module)
+        if factors is not None and factors.A.shape == A.shape:
+            factors.A.copy_(A)
+            factors.sB.copy_(sB)
+            return False
+        # New buffers in the weights' region (the caller's region scope) and a hook if new.
+        new = _Factors(A.to(weight.dtype), sB)
+        self._factors[module] = new
+        if module not in self._hooks:
+            self._hooks[module] = self._model.get_submodule(module).register_forward_hook(
+                self._low_rank_hook(module)
+            )
+        return True
+
+    @torch.no_grad()
+    def _load_saved(self, name: str, tensor: torch.Tensor, targets) -> bool:
+        served = targets.get(name)
+        if served is None:
+            raise ValueError(
+                f"update_weights: '{name}{LORA_SAVED_SUFFIX}' is a module to save's value for "
+                f"{name!r}, which the served model lacks; give Hugging Face parameter names"
+            )
+        if tuple(tensor.shape) != tuple(served.shape):
+            raise ValueError(
+                f"update_weights: '{name}{LORA_SAVED_SUFFIX}' has shape {tuple(tensor.shape)}; "
+                f"the served {name!r} is {tuple(served.shape)}"
+            )
+        if not name.endswith(".weight"):
+            raise ValueError(
+                f"update_weights: '{name}{LORA_SAVED_SUFFIX}': lora_mode='beside' serves a "
+                "module to save's weight only (a Linear, e.g. lm_head.weight); use "
+                "EngineConfig.lora_mode='merge'"
+            )
+        saved = self._saved.get(name)
+        is_new = saved is None
+        if is_new:
+            saved = self._saved[name] = _Saved(torch.empty_like(served))
+            module = name.removesuffix(".weight")
+            self._hooks[name] = self._model.get_submodule(module).register_forward_hook(
+                self._saved_hook(name)
+            )
+        saved.weight.copy_(tensor)
+        was_set, saved.is_set = saved.is_set, True
+        return is_new or not was_set
+
+    # -- the forward hooks --------------------------------------------------------------------
+
+    def _low_rank_hook(self, module: str):
+        factors_of = self._factors
+
+        def hook(_mod, args, out):
+            f = factors_of[module]
+            x = args[0]
+            # The gate on the low-rank input: an off row adds exactly 0 to the base output.
+            return out + F.linear(F.linear(x * self._gate(x), f.A), f.sB)
+
+        return hook
+
+    def _saved_hook(self, name: str):
+        saved_of = self._saved
+
+        def hook(_mod, args, out):
+            saved = saved_of[name]
+            if not saved.is_set:  # host state: changes only between calls (graphs re-made)
+                return out
+            x = args[0]
+            trained = F.linear(x, saved.weight, _mod.bias)
+            return torch.where(self._gate(x) > 0, trained, out)
+
+        return hook

@@ -1,0 +1,343 @@
+"""EngineConfig.lora_mode="beside" (builtin/_lora_beside.py): the adapter's low-rank product
+beside the untouched base GEMMs, gated per row by Request.use_adapter. Rows with the adapter
+serve what a merged full sync serves (LoRA's definition, W + s B A, rounded once there, and
+x W^T + s (x A^T) B^T here: float32 rounding apart); rows without it serve the base model's
+logprobs exactly, in the same batch; the engine holds one set of base tensors."""
+
+NUM_GPUS = 0
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from yatt.rollout import BuiltinEngine, EngineConfig, Request, SamplingParams
+
+PROMPTS = [[5, 9, 13, 2], [7, 3], [11, 4, 6]]
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+RANK, SCALING = 4, 2.0
+
+
+def _base(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def _adapter(base, seed, std=0.05):
+    """{module: (A [rank, in], B [out, rank])} for every decoder linear, random (B nonzero)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, module in base.named_modules():
+        if name.rsplit(".", 1)[-1] in TARGETS:
+            A = torch.randn(RANK, module.in_features, generator=gen) * std
+            B = torch.randn(module.out_features, RANK, generator=gen) * std
+            out[name] = (A, B)
+    return out
+
+
+def _adapter_pairs(adapter, scaling=SCALING):
+    """The wire format TorchPolicy.named_adapter_weights() yields."""
+    for name, (A, B) in adapter.items():
+        yield name + ".lora_A", A
+        yield name + ".lora_B", B
+        yield name + ".lora_scaling", torch.tensor(scaling)
+
+
+def _merged_pairs(base, adapter, scaling=SCALING):
+    """The full sync: every weight, targets as W + scaling B A in float32 (LoRA's definition)."""
+    for name, param in base.named_parameters():
+        module = name.removesuffix(".weight")
+        if module in adapter:
+            A, B = adapter[module]
+            yield name, param.detach() + scaling * (B @ A)
+        else:
+            yield name, param.detach()
+
+
+def _head(base, seed, std=0.05):
+    """A trained LM head: the base's plus a random full-rank change (modules_to_save)."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    weight = base.get_parameter("lm_head.weight").detach()
+    return weight + torch.randn(weight.shape, generator=gen) * std
+
+
+def _served(engine, name):
+    return engine.model.get_parameter(name).detach().float().cpu()
+
+
+# Two samples per prompt at temperature 1 and fixed seed: decode rows of both kinds in every
+# step; the label ids: a judge's verdict probabilities at the first response position.
+SAMPLED = SamplingParams(temperature=1.0, n=2, max_new_tokens=6, seed=7, label_token_ids=(3, 5))
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+MIXED_PROMPTS = [*PROMPTS, [8, 8, 1, 4, 2]]
+# Per prompt: with the adapter (policy rows) or on the base (judge rows), interleaved.
+IS_ON = [True, False, True, False]
+# float32 logprobs of a tiny model: x (W + s B A)^T and x W^T + s (x A^T) B^T round apart by
+# a few units of 2^-24 per GEMM; 1e-5 is ~100 of them.
+ATOL_F32 = 1e-5
+
+
+def _engine(model_dir, prefix, *, mode="beside", fuse=True, **kwargs):
+    config = EngineConfig(
+        max_batch_size=8,
+        max_seq_len=64,
+        region_prefix=prefix,
+        fuse_projections=fuse,
+        lora_mode=mode,
+        **kwargs,
+    )
+    return BuiltinEngine(model_dir, config=config)
+
+
+def _requests(use_adapter=None, prompts=MIXED_PROMPTS):
+    flags = use_adapter or [True] * len(prompts)
+    return [Request(prompt_ids=list(p), use_adapter=f) for p, f in zip(prompts, flags, strict=True)]
+
+
+def _assert_same(got, want, atol):
+    assert (got.request_index, got.sample_index) == (want.request_index, want.sample_index)
+    assert got.response_ids == want.response_ids
+    torch.testing.assert_close(
+        torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=atol, rtol=0
+    )
+    if want.label_logprobs is not None:
+        torch.testing.assert_close(
+            torch.tensor(got.label_logprobs), torch.tensor(want.label_logprobs), atol=atol, rtol=0
+        )
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "separate"])
+def test_rows_with_and_without_the_adapter_in_one_batch(tiny_model_dir, fuse):
+    """Adapter rows = a merged full sync's engine; base rows = a plain base engine, exactly.
+    Every engine gets the same prompts in the same batch (same GEMM shapes), so the base rows'
+    comparison is bit for bit."""
+    base = _base(tiny_model_dir)
+    beside = _engine(tiny_model_dir, f"bs-{fuse}", fuse=fuse)
+    merged = _engine(tiny_model_dir, f"bs-m-{fuse}", mode="merge", fuse=fuse)
+    plain = _engine(tiny_model_dir, f"bs-p-{fuse}", fuse=fuse)
+    want_base = plain.generate(_requests(), SAMPLED)
+    for seed in (1, 2):  # the second adapter replaces the first in the same buffers
+        adapter = _adapter(base, seed)
+        beside.update_weights(_adapter_pairs(adapter))
+        merged.update_weights(_merged_pairs(base, adapter))
+        want_adapter = merged.generate(_requests(), SAMPLED)
+        got = beside.generate(_requests(IS_ON), SAMPLED)
+        assert len(got) == 2 * len(MIXED_PROMPTS)
+        for c, on, off in zip(got, want_adapter, want_base, strict=True):
+            if IS_ON[c.request_index]:
+                _assert_same(c, on, ATOL_F32)
+            else:
+                _assert_same(c, off, 0.0)
+        # The adapter changed the policy rows (not a comparison of two base engines).
+        assert [c.response_ids for c in want_adapter] != [c.response_ids for c in want_base]
+    for engine in (beside, merged, plain):
+        engine.close()
+
+
+def test_greedy_adapter_rows_match_a_merged_full_sync(tiny_model_dir):
+    base = _base(tiny_model_dir)
+    beside = _engine(tiny_model_dir, "bs-greedy")
+    merged = _engine(tiny_model_dir, "bs-greedy-m", mode="merge")
+    adapter = _adapter(base, 3)
+    beside.update_weights(_adapter_pairs(adapter))
+    merged.update_weights(_merged_pairs(base, adapter))
+    got = beside.generate(_requests(prompts=PROMPTS, use_adapter=[True] * 3), GREEDY)
+    want = merged.generate(_requests(prompts=PROMPTS, use_adapter=[True] * 3), GREEDY)
+    for a, b in zip(got, want, strict=True):
+        _assert_same(a, b, ATOL_F32)
+    beside.close()
+    merged.close()
+
+
+def test_the_engine_holds_one_set_of_base_tensors(tiny_model_dir):
+    """Adapter syncs and adapter-on/off calls never copy or move the base: the same storage
+    (data_ptr) before and after, its values the checkpoint's bit for bit; beside it only the
+    adapter's factors (rank x (in + out) per target)."""
+    from yatt.rollout._weights import named_targets
+
+    base = _base(tiny_model_dir)
+    engine = _engine(tiny_model_dir, "bs-bytes")
+    before = {name: t.data_ptr() for name, t in named_targets(engine.model).items()}
+    adapter = _adapter(base, 1)
+    engine.update_weights(_adapter_pairs(adapter))
+    engine.generate(_requests(IS_ON), SAMPLED)
+    view = engine.without_adapter()
+    view.generate(_requests(), SAMPLED)
+    assert view.engine is engine  # the judge's engine is the policy's, not a copy
+    after = {name: t.data_ptr() for name, t in named_targets(engine.model).items()}
+    assert after == before
+    for name, param in base.named_parameters():
+        assert torch.equal(_served(engine, name), param.detach()), name
+    factors = sum(A.numel() + B.numel() for A, B in adapter.values())
+    assert engine.adapter_bytes() == factors * 4  # float32 served dtype
+    weights = sum(p.numel() for p in base.parameters())
+    assert factors < weights / 4
+    engine.close()
+
+
+def test_the_base_view_serves_the_base(tiny_model_dir):
+    """engine.without_adapter(): a judge on the policy's engine reads the base model's
+    verdict probabilities, what a separate base engine gives."""
+    base = _base(tiny_model_dir)
+    engine = _engine(tiny_model_dir, "bs-view")
+    plain = _engine(tiny_model_dir, "bs-view-p")
+    engine.update_weights(_adapter_pairs(_adapter(base, 1)))
+    view = engine.without_adapter()
+    got = view.generate(_requests(), SAMPLED)
+    want = plain.generate(_requests(), SAMPLED)
+    for a, b in zip(got, want, strict=True):
+        _assert_same(a, b, 0.0)
+    with pytest.raises(RuntimeError, match="sync the policy's engine"):
+        view.update_weights([])
+    engine.close()
+    plain.close()
+
+
+def test_a_full_sync_drops_the_adapter(tiny_model_dir):
+    base = _base(tiny_model_dir)
+    engine = _engine(tiny_model_dir, "bs-full")
+    plain = _engine(tiny_model_dir, "bs-full-p")
+    engine.update_weights(_adapter_pairs(_adapter(base, 1)))
+    engine.update_weights(base.named_parameters())  # full weights: the new base, no adapter
+    for a, b in zip(
+        engine.generate(_requests(), SAMPLED), plain.generate(_requests(), SAMPLED), strict=True
+    ):
+        _assert_same(a, b, 0.0)
+    with pytest.raises(ValueError, match="came after the adapter"):
+        pairs = list(_adapter_pairs(_adapter(base, 2)))
+        weight = pairs[0][0].replace(".lora_A", ".weight")
+        engine.update_weights([*pairs, (weight, base.get_parameter(weight).detach())])
+    engine.close()
+    plain.close()
+
+
+def test_a_module_to_save_serves_adapter_rows_only(tiny_model_dir):
+    """PEFT's modules_to_save (the LM head trained whole): rows with the adapter read the
+    trained head, as a merged full sync with that head does; base rows the base's head."""
+    base = _base(tiny_model_dir)
+    beside = _engine(tiny_model_dir, "bs-head")
+    merged = _engine(tiny_model_dir, "bs-head-m", mode="merge")
+    plain = _engine(tiny_model_dir, "bs-head-p")
+    adapter, head = _adapter(base, 1), _head(base, 1)
+    beside.update_weights([*_adapter_pairs(adapter), ("lm_head.weight.lora_saved", head)])
+    full = dict(_merged_pairs(base, adapter))
+    full["lm_head.weight"] = head
+    merged.update_weights(full.items())
+    got = beside.generate(_requests(IS_ON), SAMPLED)
+    want_on = merged.generate(_requests(), SAMPLED)
+    want_off = plain.generate(_requests(), SAMPLED)
+    for c, on, off in zip(got, want_on, want_off, strict=True):
+        _assert_same(c, on if IS_ON[c.request_index] else off, ATOL_F32 * IS_ON[c.request_index])
+    assert beside._low_rank.saved_parameters == ["lm_head.weight"]
+    for engine in (beside, merged, plain):
+        engine.close()
+
+
+def test_bad_input_is_refused(tiny_model_dir):
+    base = _base(tiny_model_dir)
+    merge = _engine(tiny_model_dir, "bs-bad-m", mode="merge")
+    with pytest.raises(ValueError, match=r"requests\[0\]\.use_adapter=False.*lora_mode"):
+        merge.generate([Request(prompt_ids=[1, 2], use_adapter=False)], GREEDY)
+    with pytest.raises(ValueError, match="lora_mode='beside'"):
+        merge.without_adapter()
+    merge.close()
+    with pytest.raises(ValueError, match=r"EngineConfig\.lora_mode='sideways'"):
+        EngineConfig(lora_mode="sideways")
+    engine = _engine(tiny_model_dir, "bs-bad")
+    pairs = list(_adapter_pairs(_adapter(base, 1)))
+    with pytest.raises(ValueError, match=r"lacks \['scaling'\]"):
+        engine.update_weights(pairs[:2])
+    A, B = pairs[0][1], pairs[1][1]
+    name = pairs[0][0].removesuffix(".lora_A")
+    with pytest.raises(ValueError, match="update for a"):
+        engine.update_weights(
+            [
+                (name + ".lora_A", A[:, :-1]),
+                (name + ".lora_B", B),
+                (name + ".lora_scaling", A[0, 0]),
+            ]
+        )
+    with pytest.raises(ValueError, match=r"requests\[0\]\.use_adapter=1"):
+        engine.generate([Request(prompt_ids=[1, 2], use_adapter=1)], GREEDY)
+    engine.close()
+
+
+def test_an_adapter_into_weights_lost_on_wake_is_refused(tiny_model_dir):
+    base = _base(tiny_model_dir)
+    config = EngineConfig(
+        max_batch_size=2, max_seq_len=64, region_prefix="bs-lost", lora_mode="beside"
+    )
+    engine = BuiltinEngine(tiny_model_dir, config=config, should_back_up_weights=False)
+    engine.sleep()
+    engine.wake_up()
+    with pytest.raises(ValueError, match="weights are lost"):
+        engine.update_weights(_adapter_pairs(_adapter(base, 1)))
+    engine.update_weights([*base.named_parameters(), *_adapter_pairs(_adapter(base, 1))])
+    engine.generate(_requests(prompts=PROMPTS[:1]), GREEDY)  # served again
+    engine.close()
+
+
+def test_a_kept_conversation_turns_to_the_base_with_its_own_kv(tiny_model_dir):
+    """Request.session_id keeps a turn's KV for the next one; that KV was computed with the
+    adapter, so a next turn without it prefills whole: the base model's logprobs exactly."""
+    base = _base(tiny_model_dir)
+    engine = _engine(tiny_model_dir, "bs-session")
+    plain = _engine(tiny_model_dir, "bs-session-p")
+    engine.update_weights(_adapter_pairs(_adapter(base, 1)))
+    prompt = [5, 9, 13, 2]
+    (first,) = engine.generate([Request(prompt_ids=prompt, session_id="s")], GREEDY)
+    assert engine.num_kept_sessions == 1
+    turn = [*prompt, *first.response_ids, 9, 10]
+    (got,) = engine.generate([Request(prompt_ids=turn, session_id="s", use_adapter=False)], GREEDY)
+    (want,) = plain.generate([Request(prompt_ids=turn)], GREEDY)
+    _assert_same(got, want, 0.0)
+    engine.close()
+    plain.close()
+
+
+@pytest.mark.slow
+def test_compiled_steps_see_an_adapter_synced_after_their_first_compile(tiny_model_dir):
+    """The adapter's hooks appear at its first sync, after the engine's first compiled call:
+    the compiled prefill and decode step must take them (dynamo skips hook guards by default
+    and replayed the graph compiled without them: adapter rows then served the base)."""
+    base = _base(tiny_model_dir)
+    compiled = _engine(tiny_model_dir, "bs-compiled", compile_decode=True, compile_prefill=True)
+    merged = _engine(tiny_model_dir, "bs-compiled-m", mode="merge")
+    plain = _engine(tiny_model_dir, "bs-compiled-p")
+    compiled.generate(_requests(), GREEDY)  # compiled without hooks
+    adapter = _adapter(base, 1)
+    compiled.update_weights(_adapter_pairs(adapter))
+    merged.update_weights(_merged_pairs(base, adapter))
+    got = compiled.generate(_requests(IS_ON), GREEDY)
+    want_on, want_off = merged.generate(_requests(), GREEDY), plain.generate(_requests(), GREEDY)
+    for c, on, off in zip(got, want_on, want_off, strict=True):
+        # Compiled against eager engines: float32 fusion apart, never the other model.
+        _assert_same(c, on if IS_ON[c.request_index] else off, ATOL_F32)
+    for engine in (compiled, merged, plain):
+        engine.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (graphs, compile)")
+def test_cuda_rows_with_and_without_the_adapter_under_graphs(tmp_path):
+    """On a GPU, bf16, CUDA graphs and the compiled decode step: the gate is a graph input.
+    Adapter rows match a merged full sync's engine, base rows a plain engine's (bf16 logits:
+    2^-8 relative; the compiled graphs of the two engines may fuse differently)."""
+    from yatt.testing import make_tiny_causal_lm
+
+    model_dir = tmp_path / "bf16"
+    make_tiny_causal_lm(model_dir, arch="qwen2", seed=0, dtype=torch.bfloat16)
+    base = _base(model_dir)
+    kwargs = dict(dtype="bfloat16", device="cuda")
+    beside = _engine(model_dir, "bs-cuda", **kwargs)
+    merged = _engine(model_dir, "bs-cuda-m", mode="merge", **kwargs)
+    plain = _engine(model_dir, "bs-cuda-p", **kwargs)
+    want_base = plain.generate(_requests(), GREEDY)
+    for seed in (1, 2):
+        adapter = _adapter(base, seed)
+        beside.update_weights((n, t.cuda()) for n, t in _adapter_pairs(adapter))
+        merged.update_weights((n, t.cuda()) for n, t in _merged_pairs(base, adapter))
+        want_adapter = merged.generate(_requests(), GREEDY)
+        got = beside.generate(_requests(IS_ON), GREEDY)
+        for c, on, off in zip(got, want_adapter, want_base, strict=True):
+            _assert_same(c, on if IS_ON[c.request_index] else off, 2e-2)
+    for engine in (beside, merged, plain):
+        engine.close()
