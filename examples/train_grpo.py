@@ -100,8 +100,11 @@ from grpo_setup import (
     export_checkpoint,
     export_dir,
     export_policy,
+    judges_while_generating,
     load_eval_rows,
     make_engine,
+    make_judge_engine,
+    make_plan,
     make_scorer,
     required_row_fields,
     row_limits,
@@ -109,7 +112,6 @@ from grpo_setup import (
 )
 
 logger = logging.getLogger("train_grpo")
-PLANS = {"full": Plan.full_colocation, "partial": Plan.partial_colocation}
 
 
 @contextlib.contextmanager
@@ -721,14 +723,14 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             raise ValueError(f"rollout.backend={cfg.rollout.backend!r} serves no images here")
         judge_engine = None
         if cfg.uses_judge_model:
-            judge_engine = make_engine(cfg.reward, cfg.reward.judge_dir, device)
-            resources.close_later(judge_engine)
+            # its own engine, or the policy's with the adapter off (reward.judge_dir=policy)
+            judge_engine = resources.close_later(make_judge_engine(cfg.reward, engine, device))
         owned: list[Any] = []  # what the scorer runs (reward workers, a client): closed too
         scorer, exact_match = make_scorer(cfg.reward, judge_engine, owned)
         for closeable in owned:
             resources.close_later(closeable)
         roles = {"rollout": engine, "genrm": judge_engine, "train": policy, "reference": reference}
-        plan = PLANS[cfg.placement](**roles, offload=cfg.offload)
+        plan = make_plan(cfg.placement, **roles, offload=cfg.offload)
         # SIGTERM/SIGINT/SIGUSR1/SIGHUP: a final save at the next step boundary, then a
         # non-zero exit (a second Ctrl-C stops at once, unsaved).
         ckpt.install_signal_handlers()
@@ -779,7 +781,7 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             partials=partials,
             # Stream responses to the judge while the rollout runs when both stay resident (a
             # judge without an engine of its own is always there).
-            should_overlap=judge_engine is None or plan.is_resident_together("rollout", "genrm"),
+            should_overlap=judges_while_generating(plan, judge_engine),
             should_stop=lambda: ckpt.stop_signal is not None,
         )
         if cfg.rollout.is_multiturn:  # environments/tools: the multi-turn rollout kind
@@ -792,7 +794,9 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
         if should_resume:  # the tensors, the loader, the keep rate, the cut groups
             resumed = core.resume_run(ckpt, policy.state(), partials=partials)
             start_step = resumed.start_step
-            engine.update_weights(policy.named_weights())  # the engine starts from the saved policy
+            # the engine starts from the saved policy; under LoRA only the adapter (the
+            # merged weights as a base would apply the adapter twice)
+            engine.update_weights(step_weights(policy, is_lora=is_lora))
         run_log = resources.close_later(
             core.RunLog(
                 cfg.out_dir,

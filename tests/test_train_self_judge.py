@@ -23,8 +23,7 @@ from tasks import tiny_task
 
 SELF_JUDGE = ("reward.judge_dir=policy", "policy.lora.rank=8", "rollout.engine.lora_mode=beside")
 # examples/train_grpo.py builds its judge and plan through grpo_setup's make_judge_engine and
-# make_plan (the change the lora45 branch's report gives); until then the runs cannot share.
-_HAS_TRAINER_HOOK = "make_judge_engine" in TRAINER.read_text()
+# make_plan: with reward.judge_dir=policy one engine serves the policy and, adapter off, the judge.
 
 
 def _read_config(tmp_path: Path, *overrides: str) -> grpo_config.TrainConfig:
@@ -70,7 +69,6 @@ def embedded(tmp_path_factory) -> list[str]:
     return ["task=text", f"policy.model_dir={paths['policy']}", f"data.path={paths['prompts']}"]
 
 
-@pytest.mark.skipif(not _HAS_TRAINER_HOOK, reason="train_grpo.py lacks make_judge_engine/make_plan")
 @pytest.mark.parametrize(
     "placement",
     [("placement=full",), ("placement=partial", "rollout.sampling_mode=stream")],
@@ -108,13 +106,11 @@ def test_a_lora_run_judges_itself_on_its_own_engine(tmp_path, embedded, trainer,
     assert not any("role/genrm" in key for key in records[0])
 
 
-# Before the fix the lora45 report gives, a LoRA resume synced policy.named_weights() (the base
+# Before session 20's fix, a LoRA resume synced policy.named_weights() (the base
 # with the adapter merged in) into the engine as its new base, and the next adapter-only sync
 # applied the adapter a second time (train/rollout_mismatch 0.36 on the step after).
-_HAS_RESUME_FIX = "engine.update_weights(policy.named_weights())" not in TRAINER.read_text()
 
 
-@pytest.mark.skipif(not _HAS_RESUME_FIX, reason="train_grpo.py's resume still syncs merged weights")
 def test_a_lora_resume_serves_the_adapter_once(tmp_path, embedded, trainer):
     out = tmp_path / "run"
     args = [*embedded, "policy.lora.rank=8", "policy.lr=2e-2", "ckpt.every_steps=1"]
