@@ -200,3 +200,26 @@ def test_test_markers_have_their_plugin_in_the_test_extra(pkg):
         assert plugin in installed, (
             f"{pkg.name}'s tests use pytest.mark.{marker}: add {plugin!r} to its `test` extra"
         )
+
+
+_MARKDOWN_WRITE = re.compile(
+    r"(?:\.md\b|md_path|markdown)[^\n]*\.write_text\(|\.md['\"]\)?,\s*['\"]w"
+)
+
+
+def test_bench_reports_go_through_the_one_writer():
+    # One report writer (bench/_common/report.py: markdown and its JSON written together);
+    # a study writing its own markdown is a second one. Planted: the pattern catches both forms.
+    assert _MARKDOWN_WRITE.search('(out / "x.md").write_text(text)')
+    assert _MARKDOWN_WRITE.search("md_path.write_text(text)")
+    assert not _MARKDOWN_WRITE.search('(out / "x.json").write_text(text)')
+    writers = sorted(
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in (ROOT / "bench").rglob("*.py")
+        if path != ROOT / "bench" / "_common" / "report.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if _MARKDOWN_WRITE.search(line)
+    )
+    assert not writers, "write reports with bench/_common/report.py's write_report:\n" + "\n".join(
+        writers
+    )
