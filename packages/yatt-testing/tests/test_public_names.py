@@ -30,6 +30,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "make_tiny_vlm",
         "make_tokenizer",
         "native_threads",
+        "run_rank_script",
         "run_ranks",
     ],
 }

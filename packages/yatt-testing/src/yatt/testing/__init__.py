@@ -2,7 +2,7 @@
 the frozen-public-names checks, spies that count work, a native-thread lister."""
 
 from yatt.testing._public_names import check_public_modules, check_public_names
-from yatt.testing._ranks import free_port, run_ranks
+from yatt.testing._ranks import free_port, run_rank_script, run_ranks
 from yatt.testing._spies import CountingImageProcessor, CountingTokenizer
 from yatt.testing._threads import native_threads
 from yatt.testing._tiny import (
@@ -31,5 +31,6 @@ __all__ = [
     "make_tiny_vlm",
     "make_tokenizer",
     "native_threads",
+    "run_rank_script",
     "run_ranks",
 ]
