@@ -20,7 +20,9 @@ ALLOWED_DEPS = {
     "yatt-placement": set(),
     "yatt-testing": set(),
     "yatt-rollout": {"yatt-placement"},
-    "yatt-genrm": {"yatt-rollout", "yatt-placement"},
+    # genrm drives a placement Plan it is given (phases, memory split) but imports none: its
+    # own protocols name what it calls (issue #43: the unused allowance removed).
+    "yatt-genrm": {"yatt-rollout"},
     "yatt-core": {"yatt-balance", "yatt-placement"},
 }
 

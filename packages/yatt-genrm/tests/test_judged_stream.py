@@ -286,3 +286,21 @@ def test_a_scorer_fits_the_public_protocol():
     assert isinstance(_judge(), genrm.Scorer)
     with pytest.raises(AssertionError):
         assert isinstance(object(), genrm.Scorer)
+
+
+def test_every_scorer_the_library_builds_fits_the_protocol():
+    # GenRM, OpenAIJudge, RewardFunction, CombinedRM and GenRMClient share StreamingScorer: the
+    # protocol's five methods (batch and stream) are what generate_and_judge and the stream use.
+    for scorer_class in (
+        genrm.GenRM,
+        genrm.OpenAIJudge,
+        genrm.RewardFunction,
+        genrm.CombinedRM,
+        genrm.GenRMClient,
+    ):
+        missing = [
+            name
+            for name in ("score", "ascore", "submit", "finish", "results")
+            if not callable(getattr(scorer_class, name, None))
+        ]
+        assert not missing, f"{scorer_class.__name__} lacks {missing}"
