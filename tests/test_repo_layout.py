@@ -225,3 +225,18 @@ def test_bench_reports_go_through_the_one_writer():
     assert not writers, "write reports with bench/_common/report.py's write_report:\n" + "\n".join(
         writers
     )
+
+
+MAX_README_LINES = 100  # install, a short example, where to read more (issue #43: 400 was a manual)
+
+
+@pytest.mark.parametrize("pkg", PACKAGES, ids=lambda p: p.name)
+def test_package_readmes_stay_short_and_point_at_their_docs_page(pkg):
+    lines = (pkg / "README.md").read_text().splitlines()
+    assert len(lines) <= MAX_README_LINES, (
+        f"{pkg.name}/README.md has {len(lines)} lines: keep install and a short example there, "
+        f"move the rest to docs/{pkg.name}.md"
+    )
+    page = ROOT / "docs" / f"{pkg.name}.md"
+    if pkg.name not in TEST_ONLY:
+        assert page.is_file(), f"docs/{pkg.name}.md holds what {pkg.name}'s README leaves out"
