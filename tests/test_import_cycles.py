@@ -23,6 +23,7 @@ named by its file's stem: bench/step/_step_setup.py is `_step_setup` (stems are 
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 import re
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KNOWN_CYCLES: list[frozenset[str]] = []
 
 
+@functools.cache
 def _module_files() -> dict[str, Path]:
     """Every module of the libraries and the trainer, by its import name."""
     modules: dict[str, Path] = {}
@@ -78,8 +80,10 @@ def _imports(name: str, path: Path, known: set[str]) -> Iterator[tuple[str, int]
                     yield base, node.lineno
 
 
+@functools.cache
 def import_graph() -> dict[str, dict[str, int]]:
-    """module -> {module it imports: the line of the first such import}."""
+    """module -> {module it imports: the line of the first such import}; parsed once per
+    session (several tests read it; none changes it)."""
     files = _module_files()
     known = set(files)
     graph: dict[str, dict[str, int]] = {}
