@@ -226,3 +226,16 @@ def step_bench() -> Iterator[ScriptRunner]:
     runner = ScriptRunner(ROOT / "bench" / "step" / "step.py", dict(os.environ), preload)
     yield runner
     runner.close()
+
+
+@pytest.fixture(scope="session")
+def tools_task_paths(tmp_path_factory) -> dict[str, Path]:
+    """The embedded multi-turn task (examples/tasks/tools_task.py: rows and the fitted policy)
+    built once per session: test_multiturn_ranks.py and test_train_grpo_tools.py each built
+    their own copy of the same task."""
+    examples = str(ROOT / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    from tasks import tools_task
+
+    return tools_task.prepare(tmp_path_factory.mktemp("tools"))

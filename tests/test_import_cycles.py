@@ -23,7 +23,9 @@ named by its file's stem: bench/step/_step_setup.py is `_step_setup` (stems are 
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KNOWN_CYCLES: list[frozenset[str]] = []
 
 
+@functools.cache
 def _module_files() -> dict[str, Path]:
     """Every module of the libraries and the trainer, by its import name."""
     modules: dict[str, Path] = {}
@@ -77,8 +80,10 @@ def _imports(name: str, path: Path, known: set[str]) -> Iterator[tuple[str, int]
                     yield base, node.lineno
 
 
+@functools.cache
 def import_graph() -> dict[str, dict[str, int]]:
-    """module -> {module it imports: the line of the first such import}."""
+    """module -> {module it imports: the line of the first such import}; parsed once per
+    session (several tests read it; none changes it)."""
     files = _module_files()
     known = set(files)
     graph: dict[str, dict[str, int]] = {}
@@ -215,3 +220,187 @@ def test_no_import_circles():
     assert not gone, (
         f"the known circle(s) {gone} are gone: delete them from KNOWN_CYCLES in {__file__}"
     )
+
+
+# -- what may reach examples/ and bench/ (issue #43's "Done when") ---------------------------
+
+# A path string that names the trainer's or the bench's folder: how code reaches a module
+# there without an import statement (sys.path.insert, runpy, importlib on a file).
+_OUTSIDE_PATH = re.compile(r"^(?:\.{0,2}/)?(?:examples|bench)(?:/.*)?$")
+
+
+def _path_strings(path: Path) -> list[tuple[str, int]]:
+    """(string, line) for each string constant in `path` that names examples/ or bench/,
+    docstrings left out (prose may cite a file)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        (node.value, node.lineno)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in docstrings
+        and _OUTSIDE_PATH.match(node.value)
+    ]
+
+
+def test_the_path_scan_finds_a_planted_reach_into_examples(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        '"""Cites examples/train_grpo.py in prose: fine."""\n'
+        "import sys\n"
+        "from pathlib import Path\n"
+        'sys.path.insert(0, str(Path(__file__).parents[3] / "examples"))\n'
+        'SCRIPT = "bench/step/step.py"\n'
+        'NAME = "my examples"\n'
+    )
+    assert sorted(_path_strings(source)) == [("bench/step/step.py", 5), ("examples", 4)]
+
+
+def test_no_package_imports_or_reaches_examples_or_bench():
+    # DESIGN.md: "No package imports or calls anything under examples/ or bench/". Calls need
+    # an import or a path to a file there; both are checked, over the packages' sources and
+    # their tests (a package is tested alone, without the trainer).
+    files = _module_files()
+    graph = import_graph()
+    outside = {
+        name
+        for name, path in files.items()
+        if path.is_relative_to(ROOT / "examples") or path.is_relative_to(ROOT / "bench")
+    }
+    packages = {name for name, path in files.items() if path.is_relative_to(ROOT / "packages")}
+    assert len(packages) > 100 and len(outside) > 50
+    imports = sorted(
+        f"{files[name].relative_to(ROOT)}:{graph[name][target]} imports {target}"
+        for name in packages
+        for target in graph[name]
+        if target in outside
+    )
+    assert not imports, "\n".join(imports)
+    reaches = sorted(
+        f"{path.relative_to(ROOT)}:{line} names {text!r}"
+        for path in sorted(ROOT.glob("packages/*/*/**/*.py"))
+        for text, line in _path_strings(path)
+    )
+    assert not reaches, "\n".join(reaches)
+
+
+def _trainer_attributes(path: Path) -> set[tuple[str, int]]:
+    """(name, line) of each attribute `path` reads off the trainer's module: `train_grpo.X`,
+    `trainer().X` and `<object>.trainer.X` (how bench/ holds the imported module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        value = node.value
+        is_trainer = (
+            (isinstance(value, ast.Name) and value.id == "train_grpo")
+            or (
+                isinstance(value, ast.Call)
+                and isinstance(value.func, ast.Name | ast.Attribute)
+                and getattr(value.func, "id", getattr(value.func, "attr", "")) == "trainer"
+            )
+            or (isinstance(value, ast.Attribute) and value.attr == "trainer")
+        )
+        if is_trainer:
+            found.add((node.attr, node.lineno))
+    return found
+
+
+def _public_step_functions() -> set[str]:
+    tree = ast.parse((ROOT / "examples" / "train_grpo.py").read_text())
+    return {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
+    }
+
+
+# The trainer's prompt type: what its step functions take (grpo_prompts.Prompt, which adds the
+# rollout request to yatt.core.Prompt); a bench building prompts for them needs it.
+TRAINER_TYPES = {"Prompt"}
+
+
+def test_the_attribute_scan_finds_a_planted_helper_read(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import train_grpo\n"
+        "def trainer():\n    return train_grpo\n"
+        "a = train_grpo.to_batch\n"
+        "b = trainer().DataConfig\n"
+        "c = self.trainer.keep\n"
+        "d = other.keep\n"
+    )
+    assert _trainer_attributes(source) == {("to_batch", 4), ("DataConfig", 5), ("keep", 6)}
+
+
+def test_bench_reads_only_the_trainers_public_step_functions():
+    allowed = _public_step_functions() | TRAINER_TYPES
+    assert {"train_on_batch", "generate_and_score", "to_batch", "judge_view"} <= allowed
+    wrong = sorted(
+        f"{path.relative_to(ROOT)}:{line} reads train_grpo.{name}"
+        for path in sorted((ROOT / "bench").rglob("*.py"))
+        for name, line in _trainer_attributes(path)
+        if name not in allowed
+    )
+    assert not wrong, "bench/ takes from the trainer only its step functions:\n" + "\n".join(wrong)
+
+
+MIN_COPY_LINES = 6  # a shorter function is a wrapper, not a copy worth one place
+
+# Copies kept on purpose, each with its reason: a baseline a study measures against, which the
+# library no longer has.
+BASELINE_COPIES = {
+    # the rebalance path before Batch.rebalance (rebalance.py's "before" column)
+    ("bench/balance/rebalance.py", "wrap"),
+}
+
+
+def _function_bodies(path: Path) -> Iterator[tuple[str, int, str]]:
+    """(name, line, the body's AST dump) of each function of `path` at least MIN_COPY_LINES
+    long; the dump leaves out line numbers and the docstring, so a copy re-indented, moved or
+    re-documented still matches."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if node.end_lineno - node.lineno + 1 < MIN_COPY_LINES:
+            continue
+        body = node.body
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]
+        yield node.name, node.lineno, "".join(ast.dump(statement) for statement in body)
+
+
+def test_bench_holds_no_copy_of_the_trainers_or_the_packages_functions():
+    # The bench measures the code users run: a function of bench/ with the body of one of the
+    # trainer's (or of a package's: the streamed step lives in yatt.genrm) is a twin.
+    originals: dict[str, str] = {}
+    for root in (ROOT / "examples", *sorted(ROOT.glob("packages/*/src"))):
+        for path in sorted(root.rglob("*.py")):
+            for name, line, body in _function_bodies(path):
+                originals.setdefault(body, f"{path.relative_to(ROOT)}:{line} {name}")
+    assert len(originals) > 500
+    copies = sorted(
+        f"{path.relative_to(ROOT)}:{line} {name} copies {originals[body]}"
+        for path in sorted((ROOT / "bench").rglob("*.py"))
+        for name, line, body in _function_bodies(path)
+        if body in originals and (str(path.relative_to(ROOT)), name) not in BASELINE_COPIES
+    )
+    assert not copies, "\n".join(copies)
+
+
+def test_the_copy_scan_matches_a_renamed_redocumented_copy(tmp_path):
+    body = "    x = 1\n    y = x + 1\n    z = y * 2\n    w = z - 1\n    return w\n"
+    (tmp_path / "a.py").write_text("def original(a):\n" + body)
+    (tmp_path / "b.py").write_text('\n\ndef twin(a):\n    """Documented."""\n' + body)
+    (tmp_path / "c.py").write_text("def other(a):\n" + body.replace("+ 1", "+ 2"))
+    dumps = {p: list(_function_bodies(tmp_path / p)) for p in ("a.py", "b.py", "c.py")}
+    assert dumps["a.py"][0][2] == dumps["b.py"][0][2]
+    assert dumps["a.py"][0][2] != dumps["c.py"][0][2]

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ import grpo_config
 import grpo_preflight
 from tasks import tiny_task
 
-from yatt.testing import free_port, native_threads
+from yatt.testing import free_port, native_threads, signal_when_ready
 
 
 def _group_threads() -> set[str] | None:
@@ -1200,14 +1201,9 @@ def test_an_existing_export_dir_is_replaced_only_if_it_is_yatts_export(tmp_path,
     _resolved({**raw, "export": {"dir": "earlier"}})
 
 
-def _wait_for_a_step(out: Path, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+def _a_step_logged(out: Path) -> Callable[[], bool]:
     metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.is_file() and metrics.read_text().count("\n") >= 1:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"no step logged (rc {proc.poll()})")
+    return lambda: metrics.is_file() and metrics.read_text().count("\n") >= 1
 
 
 def test_one_run_per_out_dir_and_sigterm_saves_and_exits_non_zero(tmp_path, embedded, trainer):
@@ -1216,11 +1212,8 @@ def test_one_run_per_out_dir_and_sigterm_saves_and_exits_non_zero(tmp_path, embe
     the out_dir is free again (the --export that follows reads that checkpoint)."""
     out = tmp_path / "run"
     steps = ("num_steps=1000", "ckpt.every_steps=1000", "eval.every_steps=0")
-    first = subprocess.Popen(
-        _one_rank(out, embedded, *steps), env=_env(), stderr=subprocess.PIPE, text=True
-    )
-    try:
-        _wait_for_a_step(out, first)
+
+    def while_running(first: subprocess.Popen) -> None:
         second = trainer.run(
             _one_rank(out, embedded, *steps, "--resume"),
             env=_env(),
@@ -1242,13 +1235,17 @@ def test_one_run_per_out_dir_and_sigterm_saves_and_exits_non_zero(tmp_path, embe
         assert export.returncode != 0
         assert f"is in use by pid {first.pid}" in export.stderr, export.stderr[-2000:]
         assert not (out / "export").exists()
-        first.send_signal(signal.SIGTERM)
-        _, stderr = first.communicate(timeout=300)
-    finally:
-        if first.poll() is None:
-            first.kill()
-    assert first.returncode == 128 + signal.SIGTERM, stderr[-2000:]
-    assert "stopped by signal 15" in stderr
+
+    first = signal_when_ready(
+        _one_rank(out, embedded, *steps),
+        signal.SIGTERM,
+        ready=_a_step_logged(out),
+        what="a logged step",
+        env=_env(),
+        while_ready=while_running,
+    )
+    assert first.returncode == 128 + signal.SIGTERM, first.stderr[-2000:]
+    assert "stopped by signal 15" in first.stderr
     steps_logged = [r["step"] for r in _metrics(out)]  # one writer: each step logged once
     assert steps_logged == list(range(len(steps_logged)))
     saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
@@ -1283,19 +1280,16 @@ def test_a_stop_signal_ends_a_step_that_cannot_end_and_saves_it(tmp_path, embedd
         "num_steps=3",
         "eval.every_steps=0",
     )
-    proc = subprocess.Popen(command, env=_env(), stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert marker.exists(), f"no verdict (rc {proc.poll()})"
-        proc.send_signal(signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
-    assert "stopped by signal 15 during step 0's rollout" in stderr
+    run = signal_when_ready(
+        command,
+        signal.SIGTERM,
+        ready=marker.exists,
+        what="a verdict",
+        env=_env(),
+        exit_timeout_s=120,
+    )
+    assert run.returncode == 128 + signal.SIGTERM, run.stderr[-2000:]
+    assert "stopped by signal 15 during step 0's rollout" in run.stderr
     saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
     assert saved == ["step-00000000"]
     (record,) = _metrics(out)  # the stopped step's line: what it sampled, no update
@@ -1329,22 +1323,17 @@ def test_a_stop_signal_inside_a_blocking_score_ends_the_step_and_saves_it(tmp_pa
         "num_steps=3",
         "eval.every_steps=0",
     )
-    proc = subprocess.Popen(command, env=_env(), stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert marker.exists(), f"the reward was never called (rc {proc.poll()})"
-        proc.send_signal(signal.SIGTERM)
-        begin = time.monotonic()
-        _, stderr = proc.communicate(timeout=120)
-        stopped_s = time.monotonic() - begin
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, stderr[-2000:]
-    assert stopped_s < 30, f"{stopped_s:.0f} s from SIGTERM to exit"
-    assert "stopped by signal 15 during step 0's rollout" in stderr
+    run = signal_when_ready(
+        command,
+        signal.SIGTERM,
+        ready=marker.exists,
+        what="a reward call",
+        env=_env(),
+        exit_timeout_s=120,
+    )
+    assert run.returncode == 128 + signal.SIGTERM, run.stderr[-2000:]
+    assert run.stopped_s < 30, f"{run.stopped_s:.0f} s from SIGTERM to exit"
+    assert "stopped by signal 15 during step 0's rollout" in run.stderr
     saved = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
     assert saved == ["step-00000000"]
     (record,) = _metrics(out)
@@ -1355,17 +1344,14 @@ def test_a_stop_signal_inside_a_blocking_score_ends_the_step_and_saves_it(tmp_pa
 def test_ctrl_c_saves_and_exits_non_zero(tmp_path, embedded):
     out = tmp_path / "run"
     steps = ("num_steps=1000", "ckpt.every_steps=1000", "eval.every_steps=0")
-    proc = subprocess.Popen(
-        _one_rank(out, embedded, *steps), env=_env(), stderr=subprocess.PIPE, text=True
+    run = signal_when_ready(
+        _one_rank(out, embedded, *steps),
+        signal.SIGINT,
+        ready=_a_step_logged(out),
+        what="a logged step",
+        env=_env(),
     )
-    try:
-        _wait_for_a_step(out, proc)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 128 + signal.SIGINT, stderr[-2000:]
+    assert run.returncode == 128 + signal.SIGINT, run.stderr[-2000:]
     last = _metrics(out)[-1]["step"]
     assert (out / "checkpoints" / f"step-{last:08d}").is_dir()
 
@@ -1450,6 +1436,7 @@ def test_a_reward_file_that_exits_while_it_loads_is_a_start_up_error(tmp_path):
 
 _HANGS_ONCE = """
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 MARKER = Path(__file__).with_suffix(".hung")

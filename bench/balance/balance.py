@@ -21,11 +21,11 @@ plans' imbalance.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +33,9 @@ import numpy as np
 
 from yatt.balance import flops_cost, imbalance, partition
 from yatt.balance.across_ranks import make_plan, partition_destination
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+from report import write_report
 
 QWEN25_7B = dict(
     hidden_size=3584, num_layers=28, ffn_hidden_size=18944, num_heads=28, num_kv_heads=4,
@@ -244,8 +247,7 @@ def main() -> None:
             "locality_rows": local_rows,
             "locality_within_tolerance": within,
         }
-        (RESULTS / "balance_cpu.json").write_text(json.dumps(out, indent=1) + "\n")
-        (RESULTS / "balance_cpu.md").write_text(report + "\n")
+        write_report(RESULTS / "balance_cpu.md", report, data=out)
 
 
 if __name__ == "__main__":

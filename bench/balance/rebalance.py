@@ -44,6 +44,7 @@ from yatt.core import Batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 from measured_commit import measured_commit
+from report import write_report
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results
 MAX_LEN = 2048
@@ -287,11 +288,7 @@ def main() -> None:
     report = to_markdown(rows, meta)
     print(report)
     if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "rebalance_cpu.json").write_text(
-            json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n"
-        )
-        (RESULTS / "rebalance_cpu.md").write_text(report + "\n")
+        write_report(RESULTS / "rebalance_cpu.md", report, data={"meta": meta, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import json
 import re
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -180,7 +181,8 @@ class _Rank:
         # without its image): generation stops there and the training sample is cut there.
         self.cut_token_ids = tuple(sorted(self.vision_token_ids))
         self.num_cut_responses = 0  # responses cut before a sampled vision token
-        self.data = self.trainer.DataConfig(prompt_key="prompt", answer_key="answer")
+        # What judge_view reads of the trainer's DataConfig: the rows' question and answer keys.
+        self.data = SimpleNamespace(prompt_key="prompt", answer_key="answer")
         engine_config = EngineConfig(
             device=str(runtime.device), dtype="float32", max_seq_len=256, max_batch_size=64
         )

@@ -63,6 +63,7 @@ from _controller_step import run_worker as run_step_worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 from measured_commit import measured_commit
+from report import write_report
 
 IMAGE_SHAPE = (3, 448, 448)
 RESULTS = Path(__file__).resolve().parents[1] / "results"  # bench/results
@@ -190,10 +191,6 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def _write_json(path: Path, summary: dict) -> None:
-    path.write_text(json.dumps(summary, indent=2) + "\n")
-
-
 def _split_markdown(path: Path) -> tuple[str, str]:
     """(the payload-only part, the full-step section with its leading blank line) of a report."""
     text = path.read_text() if path.is_file() else ""
@@ -298,14 +295,17 @@ def run_full_step(args: argparse.Namespace) -> None:
     lines = _full_step_report(summary, args)
     if args.device == "cuda":
         stem = f"controller_{_device_slug(max(args.ranks))}"
-        _write_json(args.out_dir / f"{stem}.json", summary)
-        (args.out_dir / f"{stem}.md").write_text("\n".join(lines))
+        write_report(args.out_dir / f"{stem}.md", "\n".join(lines), data=summary)
     else:
         path = args.out_dir / "controller_cpu.json"
-        _write_json(path, {**_read_json(path), FULL_STEP_KEY: summary})
         md_path = args.out_dir / "controller_cpu.md"
         head, _ = _split_markdown(md_path)
-        md_path.write_text(head + ("\n" if head else "") + "\n".join(lines))
+        write_report(
+            md_path,
+            head + ("\n" if head else "") + "\n".join(lines),
+            data={**_read_json(path), FULL_STEP_KEY: summary},
+            json_path=path,
+        )
     print("\n".join(lines))
 
 
@@ -474,7 +474,6 @@ def run_payload_only(args: argparse.Namespace) -> None:
     previous = _read_json(args.out_dir / "controller_cpu.json")
     if FULL_STEP_KEY in previous:
         summary[FULL_STEP_KEY] = previous[FULL_STEP_KEY]
-    _write_json(args.out_dir / "controller_cpu.json", summary)
     lines = [
         "# Controller memory: per-rank controllers (yatt) vs one driver (baseline), CPU",
         "",
@@ -509,7 +508,7 @@ def run_payload_only(args: argparse.Namespace) -> None:
     ]
     md_path = args.out_dir / "controller_cpu.md"
     _, full_step_section = _split_markdown(md_path)
-    md_path.write_text("\n".join(lines) + full_step_section)
+    write_report(md_path, "\n".join(lines) + full_step_section, data=summary)
     print("\n".join(lines))
 
 

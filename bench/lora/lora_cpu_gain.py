@@ -133,7 +133,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--trainer",
         default=str(ROOT / "examples" / "train_grpo.py"),
-        help="the script run (default: the reference trainer; lora_head_probe.py: an experiment)",
+        help="the script run (default: the reference trainer)",
     )
     args = parser.parse_args(argv)
     md = Path(args.md)

@@ -48,7 +48,9 @@ from yatt.rollout.builtin.decode_kernel import BENCH_CONFIGS, choose_splits
 from yatt.rollout.builtin.decode_kernel import sdpa_decode_attention as decode_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 from _step_setup import shape_config
+from report import write_report
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e, nominal
 MAX_SPAN = 640  # the engine's cache length in bench/rollout/rollout_gpu.py (prompt 128 + 512)
@@ -385,9 +387,8 @@ def main() -> int:
         traceback.print_exc()
         status = 1
     report["wall_s"] = time.perf_counter() - t0
-    out.write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
-    out.with_suffix(".md").write_text(table)
+    write_report(out.with_suffix(".md"), table, data=report, json_path=out)
     print(table)
     print(f"wrote {out} and {out.with_suffix('.md')}")
     failed = [r for r in report["results"] if not r.get("error", "skipped").startswith("skipped")]

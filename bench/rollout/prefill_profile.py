@@ -68,6 +68,7 @@ from _engine_shapes import SHAPES
 from _step_setup import device_name
 from engines import RunSpec, engine_version, generate, model_dir, random_prompts, save_model
 from measured_commit import measured_commit
+from report import write_report
 
 ROOT = Path(__file__).resolve().parents[2]
 MODE = "adapter_seeded"  # engines.py's only built-in mode: yatt's API, every sample seeded
@@ -657,9 +658,7 @@ def kernel_lines(result: dict) -> list[str]:
 
 def write_outputs(result: dict, out: Path) -> None:
     derive(result)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    out.with_suffix(".md").write_text(markdown(result))
+    write_report(out.with_suffix(".md"), markdown(result), data=result, json_path=out)
 
 
 # -- main ------------------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import re
 import sys
@@ -45,6 +44,7 @@ from yatt.placement import offload, offloaded_named_parameters, onload
 from yatt.rollout import BuiltinEngine, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 from _rollout_checks import (
     CHECK_DETAILS,
     CHECKS,
@@ -64,6 +64,7 @@ from _rollout_checks import (
     trainer_logprobs,
 )
 from _rollout_throughput import BEFORE_LABEL, bench_throughput
+from report import write_report
 
 
 def bench_memory_and_weights(results: dict) -> None:
@@ -337,8 +338,8 @@ def main() -> int:
     if RUN.throughput_only:
         out = out.with_name(out.stem + "_throughput.json")
     if not RUN.smoke:
-        out.write_text(json.dumps(results, indent=2, default=str) + "\n")
-        out.with_suffix(".md").write_text(f"# yatt-rollout built-in engine on a GPU\n\n{table}\n")
+        markdown_text = f"# yatt-rollout built-in engine on a GPU\n\n{table}\n"
+        write_report(out.with_suffix(".md"), markdown_text, data=results, default=str)
     print(table)
     done = "smoke run, nothing written" if RUN.smoke else f"wrote {out} and .md"
     print(f"\n{done} in {results['wall_s']:.0f}s", flush=True)

@@ -214,12 +214,20 @@ def plot(runs: list[dict], path: Path) -> Path | None:
         ax.set_xticks(range(len(names)), labels, fontsize=7)
         ax.set_title(f"{run['layout']} ({mix})", fontsize=9)
         ax.set_ylabel("GiB on the GPU")
+    return save_with_legend_above(fig, axes[0], path, top=0.92)
+
+
+def save_with_legend_above(fig: Any, axes: Sequence[Any], path: Path, *, top: float) -> Path:
+    """One legend for all `axes` (each label once), above the panels (inside them it hides the
+    tallest bars), the panels below `top` of the figure; saved to `path` and closed."""
+    import matplotlib.pyplot as plt
+
     handles = {}
-    for ax in axes[0]:
+    for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(label, handle)
     fig.legend(handles.values(), handles.keys(), loc="upper center", ncol=len(handles), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    fig.tight_layout(rect=(0, 0, 1, top))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

@@ -439,16 +439,7 @@ def plot(runs: list[dict], path: Path) -> Path | None:
         ax.set_title(f"{mix} lengths")
         ax.set_ylabel("median step time (s), whiskers min-max")
         ax.tick_params(axis="x", labelsize=8)
-    labels = {}
-    for ax in axes[0]:
-        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            labels.setdefault(label, handle)
-    # Above the panels: inside them the legend hides the tallest bars.
-    fig.legend(labels.values(), labels.keys(), loc="upper center", ncol=len(labels), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _step_memory.save_with_legend_above(fig, axes[0], path, top=0.93)
 
 
 def write_report(results_dir: Path, device: str | None = None) -> dict[str, Any]:

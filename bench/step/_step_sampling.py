@@ -89,7 +89,7 @@ def generate_and_score(
     ctx: Any, phases: dict, requests: list, sampling: Any, to_sample: Any
 ) -> tuple[list, list, float | None]:
     """One rollout of `requests` and its verdicts: (completions, verdicts, the judge's tail),
-    through the trainer's own train_grpo.generate_and_judge and the phase times it measures
+    through yatt.genrm.generate_and_judge (the trainer's own round) and the phase times it measures
     (its responses and verdicts are host lists: the device's work is in them), inside one
     profiler range.
 
@@ -98,6 +98,8 @@ def generate_and_score(
     moved toward the round's loads; the tail is the seconds from the rollout's last completion
     to the last verdict. Otherwise the rollout phase, then the genrm phase (none on a GPU whose
     judge is elsewhere, dedicated), and no tail (None)."""
+    from yatt import genrm
+
     timings: dict[str, float] = {}
     should_overlap = ctx.layout == "partial"
     # The profiler's ranges are the phases': around the whole call when overlapped, else
@@ -107,7 +109,7 @@ def generate_and_score(
         engine, judge = _InRange(engine, "generate", "rollout"), _InRange(judge, "score", "genrm")
     overlapped = _step_profile.phase_range("rollout+genrm") if should_overlap else nullcontext()
     with overlapped:
-        completions, verdicts = trainer().generate_and_judge(
+        completions, verdicts = genrm.generate_and_judge(
             requests,
             sampling,
             to_sample,

@@ -73,8 +73,24 @@ def _is_adapter(name):
     return ".lora_A." in name or ".lora_B." in name
 
 
-def test_only_the_adapter_gets_gradients_and_optimizer_state(tiny_model_dir):
-    policy = TorchPolicy(_config(tiny_model_dir))
+@pytest.fixture
+def policy(tiny_model_dir):
+    """A float32 TorchPolicy with the rank-4 adapter (_config's defaults), one per test (each
+    trains, saves or sleeps it)."""
+    return TorchPolicy(_config(tiny_model_dir))
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Any model load fails the test: a config check must come before it."""
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the check")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
+
+
+def test_only_the_adapter_gets_gradients_and_optimizer_state(policy):
     base = {n: p.detach().clone() for n, p in policy.module.named_parameters()}
     seen_grads = {}
 
@@ -102,8 +118,7 @@ def test_only_the_adapter_gets_gradients_and_optimizer_state(tiny_model_dir):
     assert any(not torch.equal(p, base[n]) for n, p in policy.module.named_parameters())
 
 
-def test_merged_weights_are_the_trained_function_and_name_the_hf_model(tiny_model_dir):
-    policy = TorchPolicy(_config(tiny_model_dir))
+def test_merged_weights_are_the_trained_function_and_name_the_hf_model(tiny_model_dir, policy):
     _step(policy)
     _step(policy, seed=1)  # A and B both moved
     merged = dict(policy.named_weights())
@@ -125,8 +140,7 @@ def test_merged_weights_are_the_trained_function_and_name_the_hf_model(tiny_mode
     )
 
 
-def test_reference_logprobs_are_the_base_models(tiny_model_dir):
-    policy = TorchPolicy(_config(tiny_model_dir))
+def test_reference_logprobs_are_the_base_models(tiny_model_dir, policy):
     _step(policy)
     _step(policy, seed=1)
     batch = _batch(seed=3)
@@ -147,11 +161,10 @@ def test_reference_logprobs_need_lora(tiny_model_dir):
         next(policy.named_adapter_weights())
 
 
-def test_checkpoint_holds_the_adapter_only_and_resumes_exactly(tiny_model_dir, tmp_path):
+def test_checkpoint_holds_the_adapter_only_and_resumes_exactly(tiny_model_dir, tmp_path, policy):
     ckpt = pytest.importorskip("yatt.ckpt")  # a sibling: installed beside yatt-core
     from yatt.ckpt._state import collect_state_dict, flatten_tensors, validate_state
 
-    policy = TorchPolicy(_config(tiny_model_dir))
     _step(policy)
     state = policy.state()
     saved = flatten_tensors(collect_state_dict(state, validate_state(state)))
@@ -175,13 +188,12 @@ def test_checkpoint_holds_the_adapter_only_and_resumes_exactly(tiny_model_dir, t
         assert torch.equal(a, b), name
 
 
-def test_resume_on_another_base_names_the_model_dir(tiny_model_dir, tmp_path):
+def test_resume_on_another_base_names_the_model_dir(tmp_path, policy):
     ckpt = pytest.importorskip("yatt.ckpt")
     from yatt.testing import make_tiny_causal_lm
 
     other = tmp_path / "other-base"
     make_tiny_causal_lm(other, arch="llama", max_position_embeddings=64, seed=1)
-    policy = TorchPolicy(_config(tiny_model_dir))
     with ckpt.Checkpointer(tmp_path / "ckpts", async_save=False) as checkpointer:
         checkpointer.save(1, policy.state(), extra={"step": 1})
         elsewhere = TorchPolicy(_config(other))  # same shapes, other weights
@@ -243,12 +255,8 @@ def test_yaml_mapping_becomes_a_lora_config(tiny_model_dir):
     ],
 )
 def test_bad_lora_settings_name_the_field_before_a_model_loads(
-    tiny_model_dir, monkeypatch, lora, match
+    tiny_model_dir, lora, match, no_model_loads
 ):
-    def no_loading(*args, **kwargs):
-        raise AssertionError("a model was loaded before the check")
-
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
     with pytest.raises(ValueError, match=match):
         policy_config_from_dict("torch", {"model_dir": tiny_model_dir, "lora": lora})
 
@@ -262,9 +270,8 @@ def test_lora_conflicts_and_the_megatron_backend_are_refused(tiny_model_dir):
         policy_config_from_dict("megatron", {"model_dir": tiny_model_dir, "lora": {"rank": 8}})
 
 
-def test_the_policys_adapter_sync_serves_its_merged_weights(tiny_model_dir):
+def test_the_policys_adapter_sync_serves_its_merged_weights(tiny_model_dir, policy):
     rollout = pytest.importorskip("yatt.rollout")  # a sibling: installed beside yatt-core
-    policy = TorchPolicy(_config(tiny_model_dir))
     engines = [
         rollout.BuiltinEngine(
             tiny_model_dir,
@@ -283,12 +290,13 @@ def test_the_policys_adapter_sync_serves_its_merged_weights(tiny_model_dir):
         engine.close()
 
 
-def test_the_adapter_exports_in_peft_format_and_merged_as_a_plain_folder(tiny_model_dir, tmp_path):
+def test_the_adapter_exports_in_peft_format_and_merged_as_a_plain_folder(
+    tiny_model_dir, tmp_path, policy
+):
     from peft import PeftModel
 
     from yatt.core import export_hf, export_lora_adapter
 
-    policy = TorchPolicy(_config(tiny_model_dir))
     _step(policy)
     _step(policy, seed=1)
     batch = _batch(seed=3)
@@ -356,11 +364,10 @@ def test_cuda_bf16_adapter_sync_serves_the_merged_full_sync(tmp_path, saved):
         engine.close()
 
 
-def test_a_lora_checkpoint_is_not_exported_as_a_model(tiny_model_dir, tmp_path):
+def test_a_lora_checkpoint_is_not_exported_as_a_model(tiny_model_dir, tmp_path, policy):
     ckpt = pytest.importorskip("yatt.ckpt")
     from yatt.core import export_hf_from_checkpoint
 
-    policy = TorchPolicy(_config(tiny_model_dir))
     with ckpt.Checkpointer(tmp_path / "ckpts", async_save=False) as checkpointer:
         checkpointer.save(1, policy.state(), extra={"step": 1})
         folder = checkpointer.verify(1).path
@@ -471,9 +478,7 @@ def test_modules_to_save_train_whole_beside_the_adapter_and_the_reference_is_the
     assert (trained - without_head).abs().max() > 1e-3  # the trained head matters
 
 
-def test_an_adapter_and_head_sync_serves_the_merged_full_sync_and_the_base_when_off(
-    tiny_model_dir,
-):
+def test_an_adapter_and_head_sync_serves_the_merged_full_sync_and_the_base_when_off(tiny_model_dir):
     rollout = pytest.importorskip("yatt.rollout")
     from yatt.rollout._weights import named_targets
 
@@ -604,12 +609,8 @@ def test_a_bf16_policy_keeps_the_base_head_in_float32(tiny_model_dir):
     ],
 )
 def test_bad_modules_to_save_and_non_linear_targets_name_the_field(
-    tiny_model_dir, monkeypatch, lora, match
+    tiny_model_dir, lora, match, no_model_loads
 ):
-    def no_loading(*args, **kwargs):
-        raise AssertionError("a model was loaded before the check")
-
-    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
     with pytest.raises(ValueError, match=match):
         policy_config_from_dict("torch", {"model_dir": tiny_model_dir, "lora": lora})
 

@@ -14,7 +14,7 @@ from yatt.core import (
     estimate_activation_bytes,
     init_runtime,
 )
-from yatt.core.policy._torch_policy import DEFAULT_MAX_TOKENS
+from yatt.core.cost._policy_memory import DEFAULT_MAX_TOKENS
 from yatt.placement import MemoryNeed
 
 NUM_GPUS = 0

@@ -4,14 +4,10 @@ is a ValueError on every rank, never gloo's abort on a gather of unequal lengths
 
 NUM_GPUS = 0
 
-import json
-import sys
-import textwrap
 
-from yatt.testing import run_ranks
+from yatt.testing import run_rank_script
 
-_WORKER = textwrap.dedent(
-    """
+_WORKER = """
     import json, sys
     import torch.distributed as dist
     from yatt.core import reduce_metrics
@@ -42,20 +38,10 @@ _WORKER = textwrap.dedent(
     print("RESULT " + json.dumps(out), flush=True)
     dist.destroy_process_group()
     """
-)
 
 
 def test_ranks_with_different_keys_reduce_over_the_union_or_all_raise(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    outputs = run_ranks([sys.executable, str(script)], world_size=2, timeout_s=120)
-    results = [
-        json.loads(line.removeprefix("RESULT "))
-        for output in outputs
-        for line in output.splitlines()
-        if line.startswith("RESULT ")
-    ]
-    assert len(results) == 2
+    results = run_rank_script(_WORKER, 2, tmp_path)
     for result in results:
         assert result["union"] == {"n": 4.0, "cause/a": 2.0, "cause/b": 5.0, "worst": 7.0}
         assert result["mean_missing"].startswith("ValueError")

@@ -4,14 +4,10 @@ trajectories (not the mean of the ranks' means)."""
 
 NUM_GPUS = 0
 
-import json
-import sys
-import textwrap
 
-from yatt.testing import run_ranks
+from yatt.testing import run_rank_script
 
-_WORKER = textwrap.dedent(
-    """
+_WORKER = """
     import json
     import torch.distributed as dist
     from yatt.core import reduce_turn_metrics
@@ -30,20 +26,10 @@ _WORKER = textwrap.dedent(
     print("RESULT " + json.dumps(total), flush=True)
     dist.destroy_process_group()
     """
-)
 
 
 def test_two_ranks_sum_their_counts_and_weigh_turns_by_trajectory(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    outputs = run_ranks([sys.executable, str(script)], world_size=2, timeout_s=120)
-    results = [
-        json.loads(line.removeprefix("RESULT "))
-        for output in outputs
-        for line in output.splitlines()
-        if line.startswith("RESULT ")
-    ]
-    assert len(results) == 2
+    results = run_rank_script(_WORKER, 2, tmp_path)
     expected = {
         "m/num_trajectories": 4.0,
         "m/turns_mean": 11 / 4,  # (1 + 2 + 3 + 5) / 4; the ranks' means would give 3.5

@@ -66,7 +66,7 @@ def test_build_judge_reads_verdicts_and_adds_the_rule():
     outputs = iter(["Yes", "No"])
     engine = FakeJudgeEngine(judge=lambda prompt, vote: next(outputs))
     closeables: list = []
-    scorer, exact = genrm.build_judge(spec, engine, closeables)
+    scorer, exact_match = genrm.build_judge(spec, engine, closeables)
     samples = [
         genrm.Sample(prompt="2+2=", response="4", reference="4"),
         genrm.Sample(prompt="2+2=", response="5", reference="4"),
@@ -74,6 +74,6 @@ def test_build_judge_reads_verdicts_and_adds_the_rule():
     verdicts = scorer.score(samples)
     # judge +1 / -1, plus 0.5 x the exact-match rule (1 for "4", 0 for "5")
     assert [v.reward for v in verdicts] == [1.5, -1.0]
-    assert isinstance(exact, genrm.ExactMatch) and closeables == [scorer]
+    assert isinstance(exact_match, genrm.ExactMatch) and closeables == [scorer]
     for closeable in closeables:
         closeable.close()

@@ -6,10 +6,12 @@ run)."""
 NUM_GPUS = 0
 
 import contextlib
+from typing import Any
 
 import pytest
 
 from yatt import genrm, rollout
+from yatt.genrm.testing import RecordingScorer
 
 ROLLOUT_GAP_S = 0.03  # the fake engine's time before each response
 JUDGE_TAIL_S = 0.05  # the fake judge's time after the last sample before its verdicts
@@ -41,45 +43,21 @@ class _FakeEngine:
             yield self._completion(i, requests[i])
 
 
-class _FakeJudge:
-    """Reward = the response's request index (from its text); notes the plan's phase at each
-    judged sample. Streamed verdicts come JUDGE_TAIL_S after the last sample."""
-
-    def __init__(self, plan) -> None:
-        self.plan, self.phases, self.samples, self.is_finished = plan, [], [], False
-
-    def _verdict(self, sample):
-        from yatt import genrm
-
-        self.phases.append(self.plan.current_phase)
-        return genrm.Verdict(
-            sample_id=sample.id,
-            reward=float(sample.response),
-            status="ok",
-            num_judge_prompt_tokens=len(sample.prompt),
-        )
-
-    def score(self, samples, *, should_stop=None):
-        return [self._verdict(s) for s in samples]
-
-    async def submit(self, sample) -> None:
-        self.samples.append(sample)
-
-    async def finish(self) -> None:
-        self.is_finished = True
-
-    async def results(self):
-        import asyncio
-
-        while not self.is_finished:
-            await asyncio.sleep(0.001)
-        await asyncio.sleep(JUDGE_TAIL_S)
-        for sample in self.samples:
-            yield self._verdict(sample)
+def _judge(plan) -> RecordingScorer:
+    """Reward = the response's request index (its text); `phases` notes the plan's phase at
+    each judged sample. Streamed verdicts come JUDGE_TAIL_S after the last sample."""
+    phases: list[str | None] = []
+    judge = RecordingScorer(
+        lambda sample: float(sample.response),
+        tail_s=JUDGE_TAIL_S,
+        on_verdict=lambda sample: phases.append(plan.current_phase),
+    )
+    judge.phases = phases
+    return judge
 
 
-def _judge_round(plan, should_overlap: bool, timings: dict) -> tuple[list, list, _FakeJudge, list]:
-    judge = _FakeJudge(plan)
+def _judge_round(plan, should_overlap: bool, timings: dict) -> tuple[list, list, Any, list]:
+    judge = _judge(plan)
     requests = [rollout.Request(prompt_ids=[7] * (i + 2)) for i in range(4)]
     completions, verdicts = genrm.generate_and_judge(
         requests,
@@ -155,7 +133,7 @@ def test_a_round_in_phases_judges_in_the_genrm_phase_or_outside_any(mode):
 
 def test_judge_prompts_pairs_each_response_with_its_prompt_and_what_the_judge_read():
     plan, timings = _fake_plan("full"), {}
-    judge = _FakeJudge(plan)
+    judge = _judge(plan)
     prompts = ["p0", "p1", "p2"]
     seen = []
 
@@ -199,15 +177,6 @@ def test_judged_samples_reads_a_streamed_group_with_its_payload():
     ]
 
 
-class _StoppableJudge(_FakeJudge):
-    """score() as a real scorer's with should_stop: ScoringStopped once the flag is true."""
-
-    def score(self, samples, *, should_stop=None):
-        if should_stop is not None and should_stop():
-            raise genrm.ScoringStopped(num_samples=len(samples), waited_s=0.0)
-        return super().score(samples)
-
-
 @pytest.mark.parametrize("should_overlap", [False, True])
 def test_a_stop_flag_reaches_the_judge_and_ends_the_round(should_overlap):
     # issue 49: a trainer's stop signal reaches a blocking score() and score_as_completed
@@ -215,7 +184,7 @@ def test_a_stop_flag_reaches_the_judge_and_ends_the_round(should_overlap):
     requests = [rollout.Request(prompt_ids=[7, 7]) for _ in range(3)]
     kwargs = dict(
         engine=_FakeEngine(),
-        scorer=_StoppableJudge(plan),
+        scorer=_judge(plan),  # ScoringStopped once should_stop is true
         plan=plan,
         should_overlap=should_overlap,
         timings={},

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pytest
 
 from yatt import genrm, rollout
+from yatt.genrm.testing import RecordingScorer
 from yatt.placement import PendingLoad
 
 
@@ -70,21 +71,9 @@ class _Engine:
         self.aborted.set()
 
 
-class _Judge:
+def _judge() -> RecordingScorer:
     """Reward = the response's length (so each verdict names its response)."""
-
-    def __init__(self) -> None:
-        self.samples: list[genrm.Sample] = []
-
-    async def ascore(self, samples):
-        self.samples.extend(samples)
-        return [
-            genrm.Verdict(sample_id="s", reward=float(len(s.response)), status="ok")
-            for s in samples
-        ]
-
-    def score(self, samples, *, should_stop=None):
-        return asyncio.run(self.ascore(samples))
+    return RecordingScorer(lambda sample: float(len(sample.response)))
 
 
 class _Sampler:
@@ -121,7 +110,7 @@ class _Carry:
 def _stream(engine, *, n=2, max_new_tokens=4, seed=3, step=5, carry=None, load=None):
     return genrm.JudgedStream(
         engine=engine,
-        scorer=_Judge(),
+        scorer=_judge(),
         sampling=rollout.SamplingParams(n=n, max_new_tokens=max_new_tokens, seed=seed),
         to_request=_request,
         to_sample=_sample,
@@ -294,6 +283,24 @@ def test_the_live_queues_are_recorded_for_the_memory_split():
 
 
 def test_a_scorer_fits_the_public_protocol():
-    assert isinstance(_Judge(), genrm.Scorer)
+    assert isinstance(_judge(), genrm.Scorer)
     with pytest.raises(AssertionError):
         assert isinstance(object(), genrm.Scorer)
+
+
+def test_every_scorer_the_library_builds_fits_the_protocol():
+    # GenRM, OpenAIJudge, RewardFunction, CombinedRM and GenRMClient share StreamingScorer: the
+    # protocol's five methods (batch and stream) are what generate_and_judge and the stream use.
+    for scorer_class in (
+        genrm.GenRM,
+        genrm.OpenAIJudge,
+        genrm.RewardFunction,
+        genrm.CombinedRM,
+        genrm.GenRMClient,
+    ):
+        missing = [
+            name
+            for name in ("score", "ascore", "submit", "finish", "results")
+            if not callable(getattr(scorer_class, name, None))
+        ]
+        assert not missing, f"{scorer_class.__name__} lacks {missing}"

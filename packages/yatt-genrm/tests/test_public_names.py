@@ -79,6 +79,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "ByteTokenizer",
         "EngineCall",
         "FakeJudgeEngine",
+        "RecordingScorer",
         "always_yes",
     ],
 }

@@ -7,6 +7,7 @@ NUM_GPUS = 0
 from types import SimpleNamespace
 
 from yatt import genrm
+from yatt.genrm.testing import RecordingScorer
 from yatt.rollout import Trajectory
 
 
@@ -30,23 +31,9 @@ def _trajectory(row_index: int, sample_index: int, env_reward: float | None) -> 
     )
 
 
-class _Scorer:
+def _scorer() -> RecordingScorer:
     """Reward 1 when the reference is "5" (what the sample reads of the row), else -1."""
-
-    def __init__(self) -> None:
-        self.samples = []
-
-    def score(self, samples, *, should_stop=None):
-        self.samples.extend(samples)
-        return [
-            genrm.Verdict(
-                sample_id=s.id,
-                reward=1.0 if s.reference == "5" else -1.0,
-                status="ok",
-                components={"rewards:f": 1.0 if s.reference == "5" else -1.0},
-            )
-            for s in samples
-        ]
+    return RecordingScorer(lambda s: 1.0 if s.reference == "5" else -1.0, component="rewards:f")
 
 
 PROMPTS = [SimpleNamespace(row={"secret": 5}), SimpleNamespace(row={"secret": 3})]
@@ -54,7 +41,7 @@ PROMPTS = [SimpleNamespace(row={"secret": 5}), SimpleNamespace(row={"secret": 3}
 
 def test_the_reward_is_the_scorers_plus_the_weighted_environment_reward():
     trajectories = [_trajectory(0, 0, 1.0), _trajectory(1, 0, None)]
-    scorer = _Scorer()
+    scorer = _scorer()
     judged = genrm.score_trajectories(
         trajectories, PROMPTS, scorer, answer_key="secret", env_reward_weight=0.5
     )
@@ -117,7 +104,7 @@ def test_a_multiturn_round_runs_in_the_rollout_phase_judges_in_genrm_and_keeps_w
     from yatt import rollout
 
     plan, timings = _Plan(), {}
-    multiturn, scorer = _MultiTurn(plan), _Scorer()
+    multiturn, scorer = _MultiTurn(plan), _scorer()
     scorer_phases = []
     score = scorer.score
     scorer.score = lambda samples, **kw: (
@@ -145,18 +132,12 @@ def test_a_stop_flag_reaches_the_trajectories_scorer():
     # issue 49: a stop signal while the judge works ends the multi-turn round too
     import pytest
 
-    class _Stoppable(_Scorer):
-        def score(self, samples, *, should_stop=None):
-            if should_stop is not None and should_stop():
-                raise genrm.ScoringStopped(num_samples=len(samples), waited_s=0.0)
-            return super().score(samples)
-
     trajectories = [_trajectory(0, 0, 1.0)]
     with pytest.raises(genrm.ScoringStopped):
         genrm.score_trajectories(
             trajectories,
             PROMPTS,
-            _Stoppable(),
+            _scorer(),  # ScoringStopped once should_stop is true
             answer_key="secret",
             env_reward_weight=1.0,
             should_stop=lambda: True,

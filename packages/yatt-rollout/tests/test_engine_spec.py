@@ -107,16 +107,6 @@ def test_sampling_knobs_an_engine_lacks_are_refused_by_name(monkeypatch):
         spec.sampling_kwargs(repetition_penalty=1.2)
 
 
-def test_the_earlier_check_refuses_what_its_callers_drop():
-    # check_sampling's callers build SamplingParams from top_p and top_k alone: a min_p or a
-    # repetition penalty passed its check would be dropped silently, so it refuses them.
-    _Rollout().check_sampling({"top_p": 0.9, "top_k": 20})
-    with pytest.raises(ValueError, match=r"rollout\.min_p=0\.05: rollout\.backend='builtin'"):
-        _Rollout().check_sampling({"min_p": 0.05})
-    with pytest.raises(ValueError, match=r"does not take repetition_penalty"):
-        _Rollout(backend="vllm").check_sampling({"repetition_penalty": 1.1})
-
-
 def test_build_engine_passes_the_policys_tp_size_to_served_engines(monkeypatch):
     made = []
     monkeypatch.setitem(

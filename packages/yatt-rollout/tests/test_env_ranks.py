@@ -4,11 +4,9 @@ step's counts cross ranks."""
 
 NUM_GPUS = 0
 
-import json
-import sys
 import textwrap
 
-from yatt.testing import run_ranks
+from yatt.testing import run_rank_script
 
 ENV_FILE = '''
 import os
@@ -66,16 +64,8 @@ dist.destroy_process_group()
 def test_each_rank_runs_its_own_environments(tmp_path):
     env_file = tmp_path / "where.py"
     env_file.write_text(textwrap.dedent(ENV_FILE))
-    script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT)
-    logs = run_ranks([sys.executable, str(script), str(env_file)], 2, timeout_s=300)
-    results = [
-        json.loads(line.split("RESULT ", 1)[1])
-        for log in logs
-        for line in log.splitlines()
-        if line.startswith("RESULT ")
-    ]
-    results.sort(key=lambda r: r["rank"])
+    results = run_rank_script(RANK_SCRIPT, 2, tmp_path, args=[str(env_file)], timeout_s=300)
+    assert [r["rank"] for r in results] == [0, 1]
     # Rank r's rows are r, r + 2, r + 4 (two samples each); the rewards are the rows' values.
     assert [r["rewards"] for r in results] == [[0, 0, 2, 2, 4, 4], [1, 1, 3, 3, 5, 5]]
     for result in results:

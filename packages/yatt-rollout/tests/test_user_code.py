@@ -407,3 +407,24 @@ def test_workers_use_one_math_thread_unless_told(user_file, monkeypatch) -> None
     with UserCodePool(num_workers=1, timeout_s=20.0) as pool:
         env = pool.call_sync("os:getenv", "OMP_NUM_THREADS").value
         assert env == "1" and pool.call_sync("os:getenv", "MKL_NUM_THREADS").value == "3"
+
+
+def test_the_worker_program_imports_only_the_standard_library() -> None:
+    # A worker runs _user_code_worker.py by path: an import of yatt (torch) there would add
+    # seconds to every worker start, and one of the package's modules would run its __init__.
+    import ast
+
+    from yatt.rollout import _user_code_worker
+
+    tree = ast.parse(Path(_user_code_worker.__file__).read_text())
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    } | {
+        node.module.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level
+    }
+    assert imported and imported <= set(sys.stdlib_module_names) | {"__future__"}, imported

@@ -19,6 +19,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "CHAT_TEMPLATE",
         "CountingImageProcessor",
         "CountingTokenizer",
+        "SignalledRun",
         "SPECIAL_TOKENS",
         "VISION_TOKENS",
         "VLM_CHAT_TEMPLATE",
@@ -30,7 +31,9 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "make_tiny_vlm",
         "make_tokenizer",
         "native_threads",
+        "run_rank_script",
         "run_ranks",
+        "signal_when_ready",
     ],
 }
 

@@ -41,7 +41,7 @@ from yatt.genrm._judged_round import (
     judged_samples,
 )
 from yatt.genrm._judged_rounds import judge_in_rounds
-from yatt.genrm._judged_stream import CutGroup, JudgedStream, Scorer, StreamedGroup
+from yatt.genrm._judged_stream import CutGroup, JudgedStream, StreamedGroup
 from yatt.genrm._openai import OpenAIJudge, OpenAIJudgeConfig
 from yatt.genrm._parsers import ScoreParser, VerdictParser, YesNoParser
 from yatt.genrm._server import create_app
@@ -62,7 +62,7 @@ from yatt.genrm._trajectory_round import (
     score_trajectories,
 )
 from yatt.genrm._trajectory_stream import TrajectoryStream
-from yatt.genrm._types import Sample, Verdict, Vote
+from yatt.genrm._types import Sample, Scorer, Verdict, Vote
 from yatt.genrm._verifiers import ExactMatch, NumericMatch, RegexMatch, RuleVerifier
 from yatt.genrm._version import __version__
 

@@ -1,6 +1,6 @@
 """The accuracy metric, read only from a signal the run declares (JudgeSpec.accuracy).
 
-    accuracy = AccuracySignal("exact_match", rules=[ExactMatch()])   # or from_spec(spec, exact)
+    accuracy = AccuracySignal("exact_match", rules=[ExactMatch()])   # or from_spec(spec, exact_match)
     value = accuracy.read(sample, verdict)     # float, or None: this verdict lacks the signal
 
 A signal is a verdict component (a rule, a reward function, "judge": Verdict.components) or a
@@ -30,12 +30,12 @@ class AccuracySignal:
         self.rules = {rule.name: rule for rule in rules}
 
     @classmethod
-    def from_spec(cls, spec, exact: RuleVerifier) -> AccuracySignal | None:
-        """spec.accuracy's signal (None when it is ""), with `exact` (build_judge's exact
+    def from_spec(cls, spec, exact_match: RuleVerifier) -> AccuracySignal | None:
+        """spec.accuracy's signal (None when it is ""), with `exact_match` (build_judge's exact
         match) computed for the metric when the reward does not weigh it."""
         if not spec.accuracy:
             return None
-        return cls(spec.accuracy, rules=[exact])
+        return cls(spec.accuracy, rules=[exact_match])
 
     def read(self, sample: Sample, verdict: Verdict) -> float | None:
         """The signal's value for this response; None when its verdict does not carry it

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 from yatt.genrm._stats import ScoreStats
 from yatt.genrm._stopping import POLL_S, ScoringStopped, check_should_stop
-from yatt.genrm._types import Sample, Verdict
+from yatt.genrm._types import Sample, Scorer, Verdict
 
 
 class ScoredCompletions(NamedTuple):
@@ -45,7 +45,7 @@ class ScoredCompletions(NamedTuple):
 
 async def score_as_completed(
     completions: AsyncIterator[Any],
-    scorer: Any,
+    scorer: Scorer,
     to_sample: Callable[[Any], Sample],
     *,
     should_stop: Callable[[], bool] | None = None,
@@ -89,7 +89,7 @@ async def score_as_completed(
 
 
 async def _is_stopped(
-    work: asyncio.Future, completions: Any, scorer: Any, should_stop: Callable[[], bool]
+    work: asyncio.Future, completions: Any, scorer: Scorer, should_stop: Callable[[], bool]
 ) -> bool:
     """`await work`, reading should_stop() every POLL_S; once true (then True is returned),
     work is cancelled, the rollout stream closed and the scorer's pending work aborted."""

@@ -35,7 +35,7 @@ from yatt.genrm._functions import (
     check_float32_reward,
 )
 from yatt.genrm._stream import BatchingConfig, Item, StreamingScorer
-from yatt.genrm._types import Sample, Verdict
+from yatt.genrm._types import Sample, Scorer, Verdict
 from yatt.genrm._verifiers import InvalidRewardError, RuleVerifier, call_rule
 from yatt.genrm._votes import FailureLog
 
@@ -61,7 +61,7 @@ class CombinedRM(StreamingScorer):
 
     def __init__(
         self,
-        judge: Any | None,
+        judge: Scorer | None,
         rules: Sequence[tuple[RuleVerifier, float]],
         *,
         mode: CombineMode = "sum",

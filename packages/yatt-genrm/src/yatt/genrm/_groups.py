@@ -25,7 +25,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from yatt.genrm._types import Sample, Verdict
+from yatt.genrm._types import Sample, Scorer, Verdict
 
 ABORT = "abort"  # yatt.rollout's finish_reason for a response cut by engine.abort()
 
@@ -58,7 +58,7 @@ class GroupJudging:
 
     def __init__(
         self,
-        scorer: Any,
+        scorer: Scorer,
         to_sample: Callable[[Any], Sample],
         *,
         group_size: int,

@@ -2,7 +2,7 @@
 OpenAI-compatible endpoint, or none), plus the reward functions and the exact-match rule.
 
     check_judge_resources(spec)          # before any model loads
-    scorer, exact = build_judge(spec, judge_engine, closeables)
+    scorer, exact_match = build_judge(spec, judge_engine, closeables)
 
 `judge_engine` is the caller's (rollout.build_engine(spec, spec.judge_dir, ...) for a local
 judge; None otherwise): a trainer places it beside its other roles. What build_judge starts
@@ -64,19 +64,19 @@ def build_judge(
             sampling=sampling,
         )
         judge.check_endpoint()  # unreachable, refused key, unknown model: fail before training
-    exact = ExactMatch()
+    exact_match = ExactMatch()
     rules: list[tuple[Any, float]] = list(
         load_reward_functions(spec, timeout_s=spec.function_timeout_s or None)
     )
     owned: list[Any] = [function for function, _ in rules]
     if spec.rule_weight:
-        rules.append((exact, spec.rule_weight))
+        rules.append((exact_match, spec.rule_weight))
     scorer = CombinedRM(judge, rules) if rules else judge
     if rules:
         owned.append(scorer)
     if closeables is not None:
         closeables.extend(owned)
-    return scorer, exact
+    return scorer, exact_match
 
 
 def check_judge_resources(spec: JudgeSpec) -> None:

@@ -4,7 +4,7 @@ verdict format, votes, reward functions and rule, checked when built.
     spec = JudgeSpec(judge_dir="Qwen/Qwen3-8B", votes=3, functions=["rewards.py:score"])
     check_judge_resources(spec)                  # reward code imports, parser builds, key set
     engine = rollout.build_engine(spec, spec.judge_dir, device="cuda:0")  # a local judge only
-    scorer, exact = build_judge(spec, engine)    # genrm/_judge_build.py
+    scorer, exact_match = build_judge(spec, engine)    # genrm/_judge_build.py
 
 A JudgeSpec is a rollout.EngineSpec (backend, engine, backend_options) whose backend may also be
 "openai" (a served endpoint, reward.openai's fields) or "none" (reward functions and the rule

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from yatt.genrm._as_completed import score_as_completed
-from yatt.genrm._types import Sample, Verdict
+from yatt.genrm._types import Sample, Scorer, Verdict
 from yatt.rollout import Completion, Request, SamplingParams
 
 
@@ -52,7 +52,7 @@ def generate_and_judge(
     to_sample: Callable[[Completion], Sample],
     *,
     engine: Any,
-    scorer: Any,
+    scorer: Scorer,
     plan: Any,
     should_overlap: bool,
     timings: dict[str, float],
@@ -111,7 +111,7 @@ def judge_prompts(
     to_request: Callable[[Any], Request],
     to_sample: Callable[[Any, Completion], Sample],
     engine: Any,
-    scorer: Any,
+    scorer: Scorer,
     plan: Any,
     should_overlap: bool,
     timings: dict[str, float],

@@ -35,28 +35,14 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from yatt.genrm._groups import GroupJudging
-from yatt.genrm._types import Sample, Verdict
+from yatt.genrm._types import Sample, Scorer, Verdict
 from yatt.rollout import Abortable, Completion, Request, SamplingParams
 
 ABORT = "abort"  # yatt.rollout's finish_reason for a response cut by engine.abort()
 SEED_STRIDE = 7_919  # each engine call's seed: sampling.seed + call number * SEED_STRIDE
-
-
-@runtime_checkable
-class Scorer(Protocol):
-    """What judges responses: GenRM, OpenAIJudge, RewardFunction, CombinedRM, GenRMClient.
-
-    score's `should_stop` (a stop signal's flag, polled while it waits) ends the call with
-    ScoringStopped, its pending judge requests and reward calls aborted."""
-
-    async def ascore(self, samples: list[Sample]) -> list[Verdict]: ...
-
-    def score(
-        self, samples: list[Sample], *, should_stop: Callable[[], bool] | None = None
-    ) -> list[Verdict]: ...
 
 
 class _Sampler(Protocol):  # e.g. yatt.core.DynamicSampler in stream mode

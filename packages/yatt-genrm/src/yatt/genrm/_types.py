@@ -10,8 +10,9 @@ from __future__ import annotations
 import itertools
 import math
 import os
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 VerdictStatus = Literal["ok", "unparsable", "error"]
 VERDICT_STATUSES: tuple[str, ...] = ("ok", "unparsable", "error")
@@ -193,3 +194,26 @@ def find_unusable_text(sample: Sample) -> str | None:
                 "a data problem, skipped"
             )
     return None
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """What judges samples: GenRM, OpenAIJudge, RewardFunction, CombinedRM, GenRMClient (each a
+    StreamingScorer), or a test's yatt.genrm.testing.RecordingScorer.
+
+    score / ascore judge a batch; score's `should_stop` (a stop signal's flag, polled while it
+    waits) ends the call with ScoringStopped, its pending judge requests and reward calls
+    aborted. submit / finish / results judge a stream (genrm.score_as_completed): samples in
+    as responses finish, verdicts out as they are made, in any order."""
+
+    async def ascore(self, samples: Sequence[Sample]) -> list[Verdict]: ...
+
+    def score(
+        self, samples: Sequence[Sample], *, should_stop: Callable[[], bool] | None = None
+    ) -> list[Verdict]: ...
+
+    async def submit(self, sample: Sample) -> None: ...
+
+    async def finish(self) -> None: ...
+
+    def results(self) -> AsyncIterator[Verdict]: ...

@@ -1,7 +1,10 @@
-"""A fake judge engine implementing `yatt.rollout.RolloutEngine`, for tests and benchmarks.
+"""Fakes for tests and benchmarks: a judge engine implementing `yatt.rollout.RolloutEngine`, and
+a scorer (`RecordingScorer`) for code that takes a `genrm.Scorer`.
 
-It "generates" whatever `judge(prompt_text, vote_index)` returns, after a configurable latency,
-so tests control verdict text exactly and benchmarks model a judge's per-batch cost without a GPU.
+FakeJudgeEngine "generates" whatever `judge(prompt_text, vote_index)` returns, after a
+configurable latency, so tests control verdict text exactly and benchmarks model a judge's
+per-batch cost without a GPU. RecordingScorer skips the judge engine: each sample's reward is a
+function of the sample, and it records what it was asked to judge.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from yatt.genrm._stopping import ScoringStopped
+from yatt.genrm._types import Sample, Verdict
 from yatt.rollout import DEFAULT_BUCKET_BYTES, Completion, Request, SamplingParams
 
-__all__ = ["ByteTokenizer", "EngineCall", "FakeJudgeEngine", "always_yes"]
+__all__ = ["ByteTokenizer", "EngineCall", "FakeJudgeEngine", "RecordingScorer", "always_yes"]
 
 
 class ByteTokenizer:
@@ -138,3 +143,67 @@ class FakeJudgeEngine:
 
     def close(self) -> None:
         self.is_closed = True
+
+
+class RecordingScorer:
+    """A `genrm.Scorer` for tests: sample -> Verdict(reward=reward(sample), status "ok"), with
+    num_judge_prompt_tokens = len(sample.prompt) and, given `component`, that one component
+    (the reward under that name). Every sample judged is appended to `samples`, and
+    `on_verdict(sample)` runs as each verdict is made (a test notes the plan's phase there).
+
+    score(should_stop=) raises ScoringStopped when the flag is already true, as a real scorer
+    does once it sees it. It also streams (submit / finish / results, as
+    genrm.score_as_completed drives a streaming scorer): the verdicts come `tail_s` seconds
+    after finish(), the judge's tail."""
+
+    def __init__(
+        self,
+        reward: Callable[[Sample], float] = lambda sample: 1.0,
+        *,
+        component: str | None = None,
+        tail_s: float = 0.0,
+        on_verdict: Callable[[Sample], None] | None = None,
+    ) -> None:
+        self.reward = reward
+        self.component = component
+        self.tail_s = tail_s
+        self.on_verdict = on_verdict
+        self.samples: list[Sample] = []
+        self._submitted: list[Sample] = []
+        self._is_finished = False
+
+    def _verdict(self, sample: Sample) -> Verdict:
+        self.samples.append(sample)
+        if self.on_verdict is not None:
+            self.on_verdict(sample)
+        reward = float(self.reward(sample))
+        return Verdict(
+            sample_id=sample.id,
+            reward=reward,
+            status="ok",
+            components={self.component: reward} if self.component else {},
+            num_judge_prompt_tokens=len(sample.prompt),
+        )
+
+    def score(
+        self, samples: list[Sample], *, should_stop: Callable[[], bool] | None = None
+    ) -> list[Verdict]:
+        if should_stop is not None and should_stop():
+            raise ScoringStopped(num_samples=len(samples), waited_s=0.0)
+        return [self._verdict(sample) for sample in samples]
+
+    async def ascore(self, samples: list[Sample]) -> list[Verdict]:
+        return [self._verdict(sample) for sample in samples]
+
+    async def submit(self, sample: Sample) -> None:
+        self._submitted.append(sample)
+
+    async def finish(self) -> None:
+        self._is_finished = True
+
+    async def results(self) -> AsyncIterator[Verdict]:
+        while not self._is_finished:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(self.tail_s)
+        for sample in self._submitted:
+            yield self._verdict(sample)

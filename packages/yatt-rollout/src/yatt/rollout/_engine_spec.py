@@ -105,15 +105,6 @@ class EngineSpec:
                 f"pip install 'yatt-rollout[{self.backend}]'"
             )
 
-    def check_sampling(self, knobs: dict[str, Any]) -> None:
-        """The earlier form, kept for a trainer that passes on top_p and top_k only (the
-        reference trainer's config until it calls sampling_kwargs): `knobs` ({field: value},
-        unset ones left out) must be ones this backend takes AND such a caller passes on, so
-        min_p and repetition_penalty are refused here, not dropped silently by the caller.
-        New callers use sampling_kwargs, which takes all four."""
-        passed_on = tuple(key for key in SAMPLING_KNOBS[self.backend] if key in ("top_p", "top_k"))
-        self._check_knobs_taken(knobs, passed_on)
-
     def _check_knobs_taken(self, knobs: dict[str, Any], supported: tuple[str, ...]) -> None:
         """Each of `knobs` in `supported`; else a ValueError naming the field."""
         for key in knobs:

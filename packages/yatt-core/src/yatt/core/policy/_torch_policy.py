@@ -33,12 +33,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from yatt.core.cost._activation_memory import choose_max_tokens, estimate_activation_bytes
 from yatt.core.cost._cost_model import (
     estimate_flops_costs,
     flops_shape_from_hf_config,
     has_gated_mlp,
     warn_without_shape,
+)
+from yatt.core.cost._policy_memory import (
+    DEFAULT_MAX_TOKENS,
+    choose_policy_max_tokens,
+    describe_memory_settings,
+    estimate_activation_peak_bytes,
+    estimate_autocast_copy_bytes,
+    with_optimizer_on_host,
 )
 from yatt.core.data._batch import Batch
 from yatt.core.data._micro_batches import check_context, plan_micro_batches
@@ -78,12 +85,6 @@ from yatt.placement import (
 )
 
 logger = logging.getLogger("yatt.core")
-
-# max_tokens_per_microbatch=None: the cap without CUDA (nothing to measure), and the one whose
-# activations the policy reports before the first train step chooses its own.
-DEFAULT_MAX_TOKENS = 8192
-_MIN_MARGIN_BYTES = 2 << 30  # left free when choosing a cap: max(2 GiB, 5% of the device)
-_MARGIN_FRACTION = 0.05
 
 
 class TorchPolicy:
@@ -598,9 +599,10 @@ class TorchPolicy:
             and not self.config.should_offload_optimizer
         ):
             to_come += need.resident.get("optimizer", 0)
-        margin = max(_MIN_MARGIN_BYTES, int(_MARGIN_FRACTION * total))
-        cap = choose_max_tokens(
-            free - to_come - margin,
+        cap, margin = choose_policy_max_tokens(
+            free,
+            total,
+            to_come,
             self._cost_shape,
             is_checkpointed=self.config.gradient_checkpointing,
             is_head_logprobs=self._is_head_logprobs,
@@ -616,38 +618,28 @@ class TorchPolicy:
         return cap
 
     def _activation_peak_bytes(self) -> int:
-        """The train step's activations at the micro-batch cap (before a chosen cap: the
-        default one's), by `estimate_activation_bytes`, plus autocast's 16-bit copies of the
-        weights, which it keeps for the whole forward (2 bytes a parameter; not under FSDP2,
-        which casts per layer)."""
-        if self._cost_shape is None:
-            return 0
-        activations = estimate_activation_bytes(
-            self._max_tokens or DEFAULT_MAX_TOKENS,
+        """The train step's activations at the micro-batch cap, plus autocast's copies (the
+        cost family's estimate_activation_peak_bytes)."""
+        return estimate_activation_peak_bytes(
+            self._max_tokens,
             self._cost_shape,
             is_checkpointed=self.config.gradient_checkpointing,
             is_head_logprobs=self._is_head_logprobs,
+            autocast_copy_bytes=self._autocast_copy_bytes(),
         )
-        return activations + self._autocast_copy_bytes()
 
     def _autocast_copy_bytes(self) -> int:
-        if self._compute_dtype == torch.float32 or self.config.parallel == "fsdp2":
-            return 0
-        return 2 * self._num_cast
+        return estimate_autocast_copy_bytes(
+            self._num_cast,
+            is_float32=self._compute_dtype == torch.float32,
+            is_fsdp2=self.config.parallel == "fsdp2",
+        )
 
     def _memory_settings(self) -> dict[str, str]:
-        cap = self.config.max_tokens_per_microbatch
-        how = "lower TorchPolicyConfig.max_tokens_per_microbatch" + (
-            f" (now {cap})" if cap is not None else ""
+        return describe_memory_settings(
+            self.config.max_tokens_per_microbatch,
+            is_checkpointed=self.config.gradient_checkpointing,
         )
-        if not self.config.gradient_checkpointing:
-            how += " or set TorchPolicyConfig.gradient_checkpointing=True"
-        return {
-            "activations": how,
-            "weights": "a smaller policy, or parallel='fsdp2' over more GPUs",
-            "optimizer": "parallel='fsdp2' over more GPUs (shards the AdamW state)",
-            "gradients": "parallel='fsdp2' over more GPUs",
-        }
 
     def memory_need(self) -> MemoryNeed | None:
         """What this policy needs on its device, for a placement plan (yatt.placement.MemoryNeed):
@@ -661,13 +653,7 @@ class TorchPolicy:
         assert need is not None
         if not self.config.should_offload_optimizer:
             return need
-        state = need.resident.get("optimizer", 0)
-        peak = {k: v for k, v in need.peak.items() if k != "optimizer step"}
-        activations = peak.pop("activations", 0)
-        peak |= {"activations": activations} if activations >= state else {"optimizer": state}
-        return MemoryNeed(
-            resident={**need.resident, "optimizer": 0}, peak=peak, settings=need.settings
-        )
+        return with_optimizer_on_host(need)
 
     def host_need(self) -> HostNeed:
         """What this policy holds in host memory asleep, for a placement plan's host check
