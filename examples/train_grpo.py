@@ -140,11 +140,6 @@ def judge_view(
     )
 
 
-# One round's generate -> judge, placed in the plan's phases and timed: yatt.genrm's (bench/
-# drives the trainer's own through this name).
-generate_and_judge = genrm.generate_and_judge
-
-
 def generate_and_score(
     prompts: list[Prompt],
     sampling: rollout.SamplingParams,

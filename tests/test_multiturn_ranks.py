@@ -40,9 +40,9 @@ _EXACT = (
 _CLOSE = ("train/loss", "train/grad_norm")
 
 
-@pytest.fixture(scope="module")
-def task(tmp_path_factory) -> dict[str, Path]:
-    return tools_task.prepare(tmp_path_factory.mktemp("tools"))
+@pytest.fixture
+def task(tools_task_paths) -> dict[str, Path]:
+    return tools_task_paths  # built once per session (tests/conftest.py)
 
 
 def _command(out_dir: Path, task: dict[str, Path], *args: str) -> list[str]:

@@ -27,9 +27,9 @@ from yatt.rollout.env.testing import COMPACT_TOOL_TEMPLATE, ScriptedEngine
 from yatt.testing import make_tokenizer
 
 
-@pytest.fixture(scope="module")
-def task(tmp_path_factory) -> dict[str, Path]:
-    return tools_task.prepare(tmp_path_factory.mktemp("tools"))
+@pytest.fixture
+def task(tools_task_paths) -> dict[str, Path]:
+    return tools_task_paths  # built once per session (tests/conftest.py)
 
 
 def test_a_short_tools_run_logs_the_multiturn_metrics(task, tmp_path):

@@ -29,13 +29,14 @@ from yatt.genrm._trajectory import (
     with_env_reward,
 )
 from yatt.genrm._trajectory_stream import TrajectoryStream
+from yatt.genrm._types import Scorer
 from yatt.rollout import SamplingParams, Trajectory
 
 
 def score_trajectories(
     trajectories: Sequence[Trajectory],
     prompts: Sequence[Any],
-    scorer: Any | None,
+    scorer: Scorer | None,
     *,
     answer_key: str,
     env_reward_weight: float,
@@ -72,7 +73,7 @@ def judge_trajectories(
     prompts: Sequence[Any],
     sampling: SamplingParams,
     *,
-    scorer: Any | None,
+    scorer: Scorer | None,
     plan: Any,
     timings: dict[str, float],
     answer_key: str,
