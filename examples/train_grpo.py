@@ -476,6 +476,7 @@ def rollout_offpolicy(
     Each token keeps the version that sampled it. A stop signal ends the step (StepStopped)."""
     driver, sampler = ctx.offpolicy, ctx.sampler
     num_taken = num_released = 0
+    kept: list[core.InFlightPrompt] = []  # put back if a stop signal ends the step
     while not sampler.is_full and num_taken < sampler.max_groups_per_step and not ctx.should_stop():
         try:
             (taken,) = driver.take(1, timeout_s=TAKE_POLL_S)
@@ -488,8 +489,15 @@ def rollout_offpolicy(
         if sampler.num_kept == num_kept:  # no reward variance, or unjudgeable: slot freed
             driver.release(1)
             num_released += 1
-    # waits for every rank to be full (or out of budget); StepStopped on a stop signal
-    batch, sampling_stats = take_batch(sampler, should_stop=ctx.should_stop())
+        else:
+            kept.append(taken)
+    # waits for every rank to be full (or out of budget); StepStopped on a stop signal: the
+    # kept groups go back in flight, so the checkpoint saved next holds them (trained later)
+    try:
+        batch, sampling_stats = take_batch(sampler, should_stop=ctx.should_stop())
+    except core.StepStopped:
+        driver.put_back(kept)
+        raise
     sampling_stats |= {
         "num_groups_taken": float(num_taken),
         "num_groups_released": float(num_released),

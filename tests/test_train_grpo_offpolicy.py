@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -161,7 +162,7 @@ class _RecordingRollout(core.AsyncRollout):
     """core.AsyncRollout that notes the rows the trainer took, where each step ended, and the
     prompts a resume re-queued."""
 
-    instances: list = []
+    instances: ClassVar[list] = []
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -215,7 +216,7 @@ def test_a_crash_then_resume_handles_every_prompt_once(tmp_path, small_data, mon
         f"out_dir={out}", *small_data, *OFFPOLICY, "rollout.max_staleness=1", "num_steps=8",
         "ckpt.every_steps=2", "ckpt.async_save=false",
     ]  # fmt: skip
-    crash_step = 4  # after step 3's checkpoint committed
+    crash_step = 3  # after step 2's checkpoint committed (steps 2, 4, 6 are due)
     real_train_on_batch = train_grpo.train_on_batch
 
     def crashing(batch, **kwargs):
@@ -231,8 +232,8 @@ def test_a_crash_then_resume_handles_every_prompt_once(tmp_path, small_data, mon
     assert _train_in_process(*args, should_resume=True) == 0
 
     crashed, resumed = _RecordingRollout.instances
-    # what the checkpoint of step 3 stands for: the rows taken by the end of step 3
-    committed = crashed.taken[: crashed.taken_before_version[crash_step]]
+    # what the checkpoint stands for: the rows taken by the end of its step
+    committed = crashed.taken[: crashed.taken_before_version[crash_step]]  # 0..crash_step - 1
     assert resumed.requeued, "the checkpoint held no prompt in flight"
     handled = committed + resumed.taken + resumed.rows_in_flight()
     assert len(handled) > 16  # the run crossed an epoch of the 16 rows
@@ -246,23 +247,29 @@ def test_a_crash_then_resume_handles_every_prompt_once(tmp_path, small_data, mon
     assert records[crash_step]["offpolicy/num_requeued"] == len(resumed.requeued)
 
 
+NUM_KILLED_STEPS = 40  # about 10 s on a CPU: killed well before its end
+
+
 def test_sigkill_mid_run_then_resume_finishes_within_the_bound(tmp_path, small_data):
     out = tmp_path / "killed"
     args = [
         sys.executable, str(TRAINER), f"out_dir={out}", *small_data, *OFFPOLICY,
-        "rollout.max_staleness=1", "num_steps=8", "ckpt.every_steps=2", "ckpt.async_save=false",
+        "rollout.max_staleness=1", f"num_steps={NUM_KILLED_STEPS}", "ckpt.every_steps=2",
+        "ckpt.async_save=false",
     ]  # fmt: skip
     proc = subprocess.Popen(args, env=_env(), start_new_session=True)
-    committed = out / "checkpoints" / "step-00000003"
+    committed = out / "checkpoints" / "step-00000004"
     deadline = time.monotonic() + 300
     while not committed.is_dir() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.02)
+    is_running = proc.poll() is None
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert committed.is_dir(), "the run never committed step 3"
+    assert committed.is_dir(), "the run never committed step 4"
+    assert is_running, "the run ended before it was killed"
     subprocess.run([*args, "--resume"], check=True, env=_env(), timeout=600)
     records = {r["step"]: r for r in _metrics(out)}
-    assert sorted(records) == list(range(8))
-    first = min(step for step in records if step > 3)
+    assert sorted(records) == list(range(NUM_KILLED_STEPS))
+    first = min(step for step in records if step > 4)
     assert records[first]["offpolicy/num_requeued"] > 0  # in-flight prompts restarted
     assert all(r["offpolicy/tokens_over_bound"] == 0.0 for r in records.values())

@@ -83,6 +83,13 @@ class InFlightPrompts:
             del self._prompts[prompt.number]
         return finished[:num_prompts]
 
+    def put_back(self, prompt: InFlightPrompt) -> None:
+        """A finished prompt the trainer took but did not train (a step a stop signal
+        ended): in flight again, so the checkpoint holds it."""
+        assert prompt.number not in self._prompts, f"prompt {prompt.number} is in flight"
+        assert prompt.is_finished, f"prompt {prompt.number} never finished"
+        self._prompts[prompt.number] = prompt
+
     def unfinished(self) -> list[InFlightPrompt]:
         """Prompts still generating, in start order (what a resume re-queues)."""
         return sorted((p for p in self._prompts.values() if not p.is_finished), key=_number)
