@@ -481,6 +481,11 @@ def rollout_offpolicy(
         try:
             (taken,) = driver.take(1, timeout_s=TAKE_POLL_S)
         except TimeoutError:  # nothing finished yet: look at the stop flag, wait again
+            if driver.is_stalled:  # the step is not full and nothing can come: a lost slot
+                raise RuntimeError(
+                    f"step {step}: {sampler.num_kept} of {sampler.target_groups} groups kept, "
+                    "no prompt in flight and admission starts none (prompts were lost)"
+                ) from None
             continue
         num_taken += 1
         group: OffPolicyGroup = taken.result

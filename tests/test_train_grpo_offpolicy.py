@@ -158,6 +158,9 @@ def test_a_run_stays_within_the_bound_and_learns(tmp_path, embedded, trainer, s)
 
 
 # -- a crash and a resume: every prompt once ---------------------------------------------------
+RUN_DEADLINE_S = 120.0  # a run of the crash test takes about 10 s
+
+
 class _RecordingRollout(core.AsyncRollout):
     """core.AsyncRollout that notes the rows the trainer took, where each step ended, and the
     prompts a resume re-queued."""
@@ -169,9 +172,12 @@ class _RecordingRollout(core.AsyncRollout):
         self.taken: list[int] = []
         self.taken_before_version: dict[int, int] = {}
         self.requeued: list[int] = []
+        self.deadline = time.monotonic() + RUN_DEADLINE_S
         _RecordingRollout.instances.append(self)
 
     def take(self, num_prompts, **kwargs):
+        # a prompt left in flight and never generated again would make the run wait forever
+        assert time.monotonic() < self.deadline, "the run outlived its deadline: a lost prompt?"
         prompts = super().take(num_prompts, **kwargs)
         self.taken.extend(p.row_index for p in prompts)
         return prompts

@@ -111,11 +111,7 @@ class AsyncRollout:
         start_s = time.perf_counter()
         with self._cond:
             is_ready = self._cond.wait_for(
-                lambda: (
-                    self._in_flight.num_finished >= num_prompts
-                    or self._is_closed
-                    or self._is_stalled()
-                ),
+                lambda: self._in_flight.num_finished >= num_prompts or self._is_closed,
                 timeout=timeout_s,
             )
             self._take_wait_s += time.perf_counter() - start_s
@@ -126,25 +122,21 @@ class AsyncRollout:
                 )
             if self._is_closed:
                 raise RuntimeError("AsyncRollout.take after close()")
-            if self._in_flight.num_finished < num_prompts:  # stalled
-                raise RuntimeError(
-                    f"AsyncRollout.take({num_prompts}): nothing is in flight and admission "
-                    f"starts nothing at version {self._version} "
-                    f"({self._admission.num_started} prompts hold slots): the slots of "
-                    "prompts that were lost (not trained, not released) are never given back"
-                )
             taken = self._in_flight.take_finished(num_prompts)
             self._cond.notify_all()
             return taken
 
-    def _is_stalled(self) -> bool:
-        """Nothing can ever finish: no prompt in flight and none may start (the caller holds
-        the lock). A prompt lost without release() (a bug) would hang take() otherwise."""
-        return (
-            len(self._in_flight) == 0
-            and self._thread is not None
-            and self._admission.num_admissible(version=self._version) == 0
-        )
+    @property
+    def is_stalled(self) -> bool:
+        """No prompt in flight and none may start before the next set_version(). A trainer
+        that took fewer groups than a step trains and finds this has lost slots (prompts
+        neither trained nor released): its take() would wait forever."""
+        with self._cond:
+            return (
+                len(self._in_flight) == 0
+                and self._thread is not None
+                and self._admission.num_admissible(version=self._version) == 0
+            )
 
     def metrics(self) -> dict[str, float]:
         """Per-step scalars (resets the wait): the trainer's wait for finished groups since the
