@@ -479,7 +479,9 @@ def rollout_offpolicy(
     kept: list[core.InFlightPrompt] = []  # put back if a stop signal ends the step
     while not sampler.is_full and num_taken < sampler.max_groups_per_step and not ctx.should_stop():
         try:
-            (taken,) = driver.take(1, timeout_s=TAKE_POLL_S)
+            # the step's only wait for rollout (time/rollout_wait_s): small once it runs ahead
+            with timed(stats.timings, "rollout_wait"):
+                (taken,) = driver.take(1, timeout_s=TAKE_POLL_S)
         except TimeoutError:  # nothing finished yet: look at the stop flag, wait again
             if driver.is_stalled:  # the step is not full and nothing can come: a lost slot
                 raise RuntimeError(
