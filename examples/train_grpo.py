@@ -478,10 +478,9 @@ def rollout_offpolicy(
     num_taken = num_released = 0
     kept: list[core.InFlightPrompt] = []  # put back if a stop signal ends the step
     while not sampler.is_full and num_taken < sampler.max_groups_per_step and not ctx.should_stop():
+        wait_start_s = time.perf_counter()
         try:
-            # the step's only wait for rollout (time/rollout_wait_s): small once it runs ahead
-            with timed(stats.timings, "rollout_wait"):
-                (taken,) = driver.take(1, timeout_s=TAKE_POLL_S)
+            (taken,) = driver.take(1, timeout_s=TAKE_POLL_S)
         except TimeoutError:  # nothing finished yet: look at the stop flag, wait again
             if driver.is_stalled:  # the step is not full and nothing can come: a lost slot
                 raise RuntimeError(
@@ -489,6 +488,9 @@ def rollout_offpolicy(
                     "no prompt in flight and admission starts none (prompts were lost)"
                 ) from None
             continue
+        finally:  # the step's only wait for rollout (time/rollout_wait_s): small once ahead
+            waited_s = time.perf_counter() - wait_start_s
+            stats.timings["rollout_wait"] = stats.timings.get("rollout_wait", 0.0) + waited_s
         num_taken += 1
         group: OffPolicyGroup = taken.result
         num_kept = sampler.num_kept
