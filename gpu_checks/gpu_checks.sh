@@ -206,6 +206,13 @@ PY
       # observations, KV kept between turns vs the history prefilled each turn; 0.5B and 1.5B.
       STEP_TIMEOUT=${MULTITURN_TIMEOUT_S:-300} run_step bench_multiturn python3 \
         bench/rollout/multiturn_kv.py --out-dir "$OUT" ${MULTITURN_ARGS:-} ;;
+    bench_offpolicy)
+      # Issue 48's one-GPU run (bench/train/offpolicy_gpu.py): the trainer at
+      # rollout.max_staleness 0, 1, 2 (placement=partial), 0.5B policy + 1.5B judge: step time,
+      # GPU busy fraction, staleness histogram, IS by age, reward curve; offpolicy_<gpu>.json/.md
+      # rewritten after each s. OFFPOLICY_ARGS e.g. "--steps 30 --max-new-tokens 256".
+      CUDA_VISIBLE_DEVICES=0 STEP_TIMEOUT=${OFFPOLICY_TIMEOUT_S:-590} run_step bench_offpolicy \
+        python3 bench/train/offpolicy_gpu.py --out-dir "$OUT" ${OFFPOLICY_ARGS:-} ;;
     *)
       echo "unknown step $step"; exit 2 ;;
   esac

@@ -4,6 +4,7 @@ side, each its own process on the same models and data.
     python3 bench/train/offpolicy_gpu.py --out-dir OUT            # 0.5B policy, 1.5B judge, GPU
     python3 bench/train/offpolicy_gpu.py --steps 100 --out-dir OUT
     python bench/train/offpolicy_gpu.py --smoke --out-dir /tmp/x  # the embedded task on CPU
+    python3 bench/train/offpolicy_gpu.py --staleness 1 --out-dir OUT  # one s; OUT's others kept
 
 Each run is `examples/train_grpo.py placement=partial rollout.max_staleness=s` (s = 0: today's
 on-policy step). GPU: a Qwen2.5-0.5B-shape policy and a 1.5B-shape judge with random weights
@@ -238,6 +239,10 @@ def main(argv: list[str]) -> None:
         if args.smoke
         else f"offpolicy_{results['device'].split()[-1].lower()}"
     )
+    earlier = Path(args.out_dir) / f"{name}.json"
+    if earlier.is_file():  # an earlier call's runs (one s per device call), kept
+        saved = json.loads(earlier.read_text())["runs"]
+        results["runs"] = {int(s): run for s, run in saved.items()}
     for staleness in args.staleness:
         results["runs"][staleness] = run_one(staleness, base, args)
         results["ratios"] = ratios(results["runs"])
