@@ -38,7 +38,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "_common"))
 sys.path.insert(0, str(ROOT / "bench" / "step"))
-sys.path.insert(0, str(ROOT / "examples"))
 from report import write_report  # noqa: E402
 
 TRAINER = ROOT / "examples" / "train_grpo.py"
@@ -86,8 +85,6 @@ class BusySampler:
 
 def prepare(args: argparse.Namespace) -> list[str]:
     """The runs' model and data overrides: the embedded task (--smoke) or random 0.5B/1.5B."""
-    from tasks import tiny_task
-
     work = Path(args.out_dir) / "work"
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     subprocess.run(
@@ -95,8 +92,10 @@ def prepare(args: argparse.Namespace) -> list[str]:
         check=True,
         env=env,
         stdout=subprocess.DEVNULL,
-    )  # builds the embedded task (its prompts are the data either way)
-    task = tiny_task.prepare(work / "build" / "embedded", None)
+    )  # builds the embedded task (its prompts are the data either way), in out_dir/embedded
+    embedded = work / "build" / "embedded"
+    task = {"policy": embedded / "policy", "prompts": embedded / "prompts.jsonl"}
+    task["judge"] = embedded / "judge"
     if args.smoke:
         return [
             "task=text",
