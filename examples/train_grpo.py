@@ -506,7 +506,9 @@ def rollout_offpolicy(
         batch, sampling_stats = take_batch(sampler, should_stop=ctx.should_stop())
     except core.StepStopped:
         driver.put_back(kept)
+        driver.finish_step(0)  # its version moves with nothing trained
         raise
+    driver.finish_step(len(kept))  # fewer than prompts_per_rank: an unfilled batch
     sampling_stats |= {
         "num_groups_taken": float(num_taken),
         "num_groups_released": float(num_released),

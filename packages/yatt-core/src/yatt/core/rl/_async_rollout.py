@@ -160,6 +160,14 @@ class AsyncRollout:
             self._admission.release(num_prompts)
             self._cond.notify_all()
 
+    def finish_step(self, num_trained: int) -> None:
+        """The step trained `num_trained` groups (fewer than prompts_per_step: an unfilled
+        batch, 0: a step a stop signal ended): admission accounts for the slots left
+        (AdmissionControl.record_step). Call once per step, before its set_version."""
+        with self._cond:
+            self._admission.record_step(num_trained)
+            self._cond.notify_all()
+
     def put_back(self, prompts: list[InFlightPrompt]) -> None:
         """Taken groups the trainer did not train after all (a stop signal ended the step):
         in flight again with their slots, so the next take() or a resume has them."""
