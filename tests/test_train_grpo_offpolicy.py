@@ -33,6 +33,7 @@ from grpo_setup import save_config
 from tasks import tiny_task
 
 from yatt import core
+from yatt.testing import free_port
 
 P = 4  # prompts per step and rank
 OFFPOLICY = ("placement=partial", f"data.prompts_per_rank={P}", "eval.every_steps=0")
@@ -333,3 +334,23 @@ def test_without_room_on_the_device_the_phases_run_with_the_workers_paused(
     assert all(r["offpolicy/tokens_over_bound"] == 0.0 for r in records)
     assert "placement/train/switch_s" in records[-1]  # the trainer's phases ran
     assert sum(r["offpolicy/tokens_age_1"] for r in records) > 0
+
+
+def test_two_ranks_each_drive_their_own_rollout(tmp_path, embedded):
+    # One controller per rank: each its own worker threads, admission and in-flight prompts;
+    # the metrics summed over the ranks (2 x P groups of 8 samples of 2 tokens a step).
+    out = tmp_path / "ranks"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+        f"--master_port={free_port()}", str(TRAINER), f"out_dir={out}", *embedded, *OFFPOLICY,
+        "rollout.max_staleness=1", "num_steps=4", "ckpt.every_steps=2",
+    ]  # fmt: skip
+    subprocess.run(command, check=True, env=_env(), timeout=600)
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for r in records:
+        ages = r["offpolicy/tokens_age_0"] + r["offpolicy/tokens_age_1"]
+        assert ages == r["train/num_loss_tokens"] > 0
+    assert records[0]["offpolicy/tokens_age_1"] == 0  # nothing older than step 0
+    assert sum(r["offpolicy/tokens_age_1"] for r in records) > 0
+    assert (out / "checkpoints" / "step-00000002").is_dir()
