@@ -35,6 +35,10 @@ One step, as the loop reads:
                           processes, the engine's KV kept between turns), its loss only on the
                           sampled tokens; reward = reward.* over the trajectory + the
                           environment's get_reward(); every trajectory ends within its round
+                  offpolicy  (rollout.max_staleness >= 1) worker threads generate and judge
+                          the next prompts while the trainer trains (core.AsyncRollout), at
+                          most max_staleness versions ahead; the step keeps groups as they
+                          finish; the update weighs each token by pi_prox / pi_behaviour
     keep        whole groups whose task reward varies (DAPO eq. 11), then DAPO's overlong
                 penalty added to the reward (keep())
     train       advantages per group -> balance across ranks -> old logprobs once (the
