@@ -396,39 +396,17 @@ TAKE_POLL_S = 0.5
 
 def check_offpolicy(cfg: TrainConfig) -> None:
     """rollout.max_staleness against the rest of the config, before any model loads: a
-    ValueError naming the fields. core.check_staleness's rules (loss.rollout_correction not
-    'none', loss.old_logprobs_from='trainer', placement='partial', backend='torch'), then the
-    rollout kinds it does not combine with: keep_partial and stream (the off-policy kind keeps
-    each group as it finishes and cuts nothing), multi-turn (trajectories run in rounds)."""
-    staleness = cfg.rollout.max_staleness
+    ValueError naming the fields (core.check_staleness's rules)."""
     core.check_staleness(
-        max_staleness=staleness,
+        max_staleness=cfg.rollout.max_staleness,
         rollout_correction=cfg.loss.rollout_correction,
         old_logprobs_from=cfg.loss.old_logprobs_from,
         placement=cfg.placement,
         policy_backend=cfg.backend,
+        should_keep_partial=cfg.rollout.keep_partial,
+        sampling_mode=cfg.rollout.sampling_mode,
+        is_multiturn=cfg.rollout.is_multiturn,
     )
-    if staleness == 0:
-        return
-    field = f"rollout.max_staleness={staleness}"
-    if cfg.rollout.keep_partial:
-        raise ValueError(
-            f"{field} with rollout.keep_partial=True: off-policy steps never cut a group (a "
-            "slow one is trained a step later), so there is nothing to resume; set "
-            "rollout.keep_partial=false or rollout.max_staleness=0"
-        )
-    if cfg.rollout.sampling_mode != "rounds":
-        raise ValueError(
-            f"{field} with rollout.sampling_mode={cfg.rollout.sampling_mode!r}: off-policy "
-            "steps stream groups to the trainer themselves; set rollout.sampling_mode='rounds' "
-            "or rollout.max_staleness=0"
-        )
-    if cfg.rollout.is_multiturn:
-        raise ValueError(
-            f"{field} with rollout.environment or rollout.tools: multi-turn trajectories run in "
-            "rounds that end inside the step; set rollout.max_staleness=0 or drop "
-            "rollout.environment and rollout.tools"
-        )
 
 
 @dataclass

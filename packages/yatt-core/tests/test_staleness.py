@@ -94,6 +94,13 @@ GOOD = {
         ),
         pytest.param({"placement": "full"}, r"placement='full'", id="phased-placement"),
         pytest.param({"policy_backend": "megatron"}, r"backend='megatron'", id="backend"),
+        pytest.param(
+            {"should_keep_partial": True}, r"=1 with rollout.keep_partial=True", id="keep-partial"
+        ),
+        pytest.param(
+            {"sampling_mode": "stream"}, r"=1 with rollout.sampling_mode='stream'", id="stream"
+        ),
+        pytest.param({"is_multiturn": True}, r"=1 with rollout.environment or", id="multiturn"),
     ],
 )
 def test_check_staleness_refuses_what_cannot_hold(change, match):

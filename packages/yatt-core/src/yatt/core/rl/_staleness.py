@@ -80,12 +80,18 @@ def check_staleness(
     old_logprobs_from: str,
     placement: str,
     policy_backend: str,
+    should_keep_partial: bool = False,
+    sampling_mode: str = "rounds",
+    is_multiturn: bool = False,
     field: str = "rollout.max_staleness",
 ) -> None:
     """ValueError naming the field when an off-policy run cannot hold: a negative bound, no
     rollout correction, pi_old taken from the engine, or a placement or policy backend that
-    cannot train while rollout runs. Call it once, when the trainer's config is built (before
-    any model loads). max_staleness = 0 accepts everything (today's step)."""
+    cannot train while rollout runs; then the rollout kinds it does not combine with (the
+    reference trainer's rollout.keep_partial, rollout.sampling_mode, rollout.environment or
+    tools): partial groups and streams (off-policy steps keep each group as it finishes and
+    cut nothing) and multi-turn rounds. Call it once, when the trainer's config is built
+    (before any model loads). max_staleness = 0 accepts everything (today's step)."""
     _check_max_staleness(field, max_staleness)
     if max_staleness == 0:
         return
@@ -113,6 +119,24 @@ def check_staleness(
         raise ValueError(
             f"{field}={max_staleness} with backend={policy_backend!r}: off-policy steps run "
             f"with policy backends {_STALENESS_POLICY_BACKENDS}; use one of them or {field}=0"
+        )
+    given = f"{field}={max_staleness}"
+    if should_keep_partial:
+        raise ValueError(
+            f"{given} with rollout.keep_partial=True: off-policy steps never cut a group (a "
+            f"slow one is trained a step later), so there is nothing to resume; set "
+            f"rollout.keep_partial=false or {field}=0"
+        )
+    if sampling_mode != "rounds":
+        raise ValueError(
+            f"{given} with rollout.sampling_mode={sampling_mode!r}: off-policy steps stream "
+            f"groups to the trainer themselves; set rollout.sampling_mode='rounds' or {field}=0"
+        )
+    if is_multiturn:
+        raise ValueError(
+            f"{given} with rollout.environment or rollout.tools: multi-turn trajectories run "
+            f"in rounds that end inside the step; set {field}=0 or drop rollout.environment "
+            "and rollout.tools"
         )
 
 
