@@ -295,8 +295,9 @@ def test_sigkill_mid_run_then_resume_finishes_within_the_bound(tmp_path, small_d
 
 
 def test_sigterm_saves_the_step_in_progress_and_resume_finishes(tmp_path, small_data):
-    # The stopped step's taken groups go back in flight (put_back), so the saved checkpoint
-    # holds them; the resumed run trains every step.
+    # A step stopped mid-rollout puts its taken groups back in flight (put_back) and its
+    # unconsumed slots are counted (finish_step(0)), so the saved checkpoint holds them and
+    # the resumed run stays within the bound; the resumed run trains every step.
     out = tmp_path / "stopped"
     args = [
         sys.executable, str(TRAINER), f"out_dir={out}", *small_data, *OFFPOLICY,
@@ -315,7 +316,9 @@ def test_sigterm_saves_the_step_in_progress_and_resume_finishes(tmp_path, small_
     records = {r["step"]: r for r in _metrics(out)}
     assert sorted(records) == list(range(NUM_KILLED_STEPS))
     stopped = [r for r in records.values() if "offpolicy/tokens_over_bound" not in r]
-    assert len(stopped) == 1  # the stopped step's line: its rollout, no update
+    # a signal during a rollout: that step's line has no update; during training or a save:
+    # the step ends and is saved as usual
+    assert len(stopped) <= 1
     _assert_within_the_bound(r for r in records.values() if r not in stopped)
 
 
