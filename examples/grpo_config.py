@@ -229,6 +229,12 @@ class RolloutConfig(rollout.EngineSpec):
     # stream: the groups the abort cut are finished first in the next step, their old tokens
     # and logprobs kept (off-policy by a step: needs loss.rollout_correction); else dropped.
     keep_partial: bool = False
+    # Off-policy steps (issue 48): rollout and judge of the next prompts run in worker threads
+    # while the trainer trains, under weights up to max_staleness versions (steps) old; each
+    # token keeps the version that sampled it, the loss weighs it by pi_prox / pi_behaviour
+    # (loss.rollout_correction). 0: today's on-policy step. Needs placement='partial',
+    # backend='torch', loss.old_logprobs_from='trainer'; refuses keep_partial, stream, multi-turn.
+    max_staleness: int = 0
     # -- multi-turn environments and tools (yatt.rollout.env); either set: the multi-turn
     # rollout kind (rollout_multiturn in train_grpo.py), rounds of whole trajectories, or with
     # sampling_mode=stream each trajectory judged as it ends and the tail cut.

@@ -131,6 +131,13 @@ def check_self_judge(cfg: TrainConfig) -> None:
             "per-row adapter gate (rollout.engine.lora_mode=beside) serves text models only; "
             "give the judge its own model folder"
         )
+    if cfg.rollout.max_staleness >= 1:
+        raise ValueError(
+            f"reward.judge_dir='policy' with rollout.max_staleness={cfg.rollout.max_staleness}: "
+            "off-policy steps place the rollout and the judge as separate resident roles, and a "
+            "self-judge is the rollout engine itself; set rollout.max_staleness=0 or give the "
+            "judge its own model folder"
+        )
 
 
 def check_data_paths(cfg: TrainConfig) -> None:

@@ -37,6 +37,10 @@ One step, as the loop reads:
                           environment's get_reward(); in rounds (each trajectory judged as it
                           ends under placement=partial) or, with sampling_mode=stream,
                           genrm.TrajectoryStream (the tail cut once every rank is full)
+                  offpolicy  (rollout.max_staleness >= 1) worker threads generate and judge
+                          the next prompts while the trainer trains (core.AsyncRollout), at
+                          most max_staleness versions ahead; the step keeps groups as they
+                          finish; the update weighs each token by pi_prox / pi_behaviour
     keep        whole groups whose task reward varies (DAPO eq. 11), then DAPO's overlong
                 penalty added to the reward (keep())
     train       advantages per group -> balance across ranks -> old logprobs once (the
@@ -75,6 +79,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import transformers
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -171,16 +176,24 @@ def generate_and_score(
     )
 
 
-def to_batch(scored: Sequence[Scored], runtime: core.Runtime, encoder: PromptEncoder) -> core.Batch:
+def to_batch(
+    scored: Sequence[Scored],
+    runtime: core.Runtime,
+    encoder: PromptEncoder,
+    *,
+    policy_version: int = 0,
+) -> core.Batch:
     """Training samples: prompt + response tokens, the loss on the response; a group per
     prompt; a prompt's images (VisionInputs) with each of its samples; a response cut before
-    a vision token (a policy refuses an image token without its image)."""
+    a vision token (a policy refuses an image token without its image); every token stamped
+    with the policy version that sampled it (off-policy steps)."""
     samples = core.rollout_samples(
         [item.completion for item in scored],
         rewards=[item.verdict.reward for item in scored],
         group_ids=[item.completion.request_index for item in scored],
         vision_inputs=[item.prompt.vision for item in scored] if encoder.takes_images else None,
         cut_at_token_ids=encoder.cut_token_ids,
+        policy_version=policy_version,
     )
     samples = core.broadcast_to_tp_peers(samples, runtime)  # TP peers: one batch (host sync)
     return core.rollout_batch(samples)
@@ -192,7 +205,9 @@ TASK_REWARD = "task_reward"  # the judge's reward before the overlong penalty: t
 UNJUDGEABLE = "unjudgeable"
 
 
-def keep(scored: Sequence[Scored], ctx: RolloutContext, stats: StepStats) -> None:
+def keep(
+    scored: Sequence[Scored], ctx: RolloutContext, stats: StepStats, *, policy_version: int = 0
+) -> None:
     """A round's or a group's judged responses to the sampler, counted. DAPO's keep rule:
     whole groups whose task reward varies (eq. 11), tested BEFORE the soft overlong penalty
     (eq. 13, 0 when off) joins the reward, as DAPO and verl filter on the accuracy signal: an
@@ -204,7 +219,7 @@ def keep(scored: Sequence[Scored], ctx: RolloutContext, stats: StepStats) -> Non
         ctx.sampler.add(core.rollout_batch([]))
         return
     stats.add(scored, ctx.accuracy, cut_token_ids=ctx.encoder.cut_token_ids)
-    groups = to_batch(scored, ctx.runtime, ctx.encoder)
+    groups = to_batch(scored, ctx.runtime, ctx.encoder, policy_version=policy_version)
     groups.samples[TASK_REWARD] = groups.samples["reward"].clone()  # what the sampler tests
     groups.samples["reward"] += ctx.cfg.overlong.compute_penalties(
         groups, max_new_tokens=ctx.cfg.rollout.max_new_tokens
@@ -258,6 +273,7 @@ class RolloutContext:
     partials: core.PartialRollouts | None  # rollout.keep_partial: cut groups held a step
     should_overlap: bool  # rollout and judge resident together: judge as responses finish
     multiturn: Any = None  # rollout.MultiTurnRollout when rollout.environment/tools are set
+    offpolicy: Any = None  # core.AsyncRollout when rollout.max_staleness >= 1
     # a stop signal arrived: a safe point (between rounds, between judged groups, or inside a
     # judge that waits: genrm.ScoringStopped) ends the step
     should_stop: Callable[[], bool] = lambda: False
@@ -372,6 +388,140 @@ def rollout_streamed(
     return batch, sampling_stats
 
 
+# -- off-policy steps (rollout.max_staleness >= 1) ------------------------------------------------
+# How long the trainer waits for one finished group before it looks at the stop flag again.
+TAKE_POLL_S = 0.5
+
+
+def check_offpolicy(cfg: TrainConfig) -> None:
+    """rollout.max_staleness against the rest of the config, before any model loads: a
+    ValueError naming the fields (core.check_staleness's rules)."""
+    core.check_staleness(
+        max_staleness=cfg.rollout.max_staleness,
+        rollout_correction=cfg.loss.rollout_correction,
+        old_logprobs_from=cfg.loss.old_logprobs_from,
+        placement=cfg.placement,
+        policy_backend=cfg.backend,
+        should_keep_partial=cfg.rollout.keep_partial,
+        sampling_mode=cfg.rollout.sampling_mode,
+        is_multiturn=cfg.rollout.is_multiturn,
+    )
+
+
+@dataclass
+class OffPolicyGroup:
+    """One prompt's judged group from a worker thread, and the version of the weights the
+    engine held when it started. An engine runs a weight push alone (between generate calls)
+    and the version moves only after the push, so the call ran under this version or a newer
+    one pushed just before it started: its age can read one too high, never too low."""
+
+    scored: list[Scored]
+    version: int
+
+
+def offpolicy_generate(ctx: RolloutContext) -> Callable[[dict, Callable[[], int]], OffPolicyGroup]:
+    """What a worker thread runs per row (core.AsyncRollout's generate): the row encoded,
+    samples_per_prompt responses, each judged; outside any placement phase (the engines stay
+    resident, or the trainer pauses the workers while its phases put them to sleep). Seeded by
+    (seed, DP rank, version, row)."""
+    cfg = ctx.cfg
+
+    def generate(row: dict, version: Callable[[], int]) -> OffPolicyGroup:
+        prompts = ctx.encoder.encode([row])  # an unusable row: skipped, counted
+        policy_version = version()
+        if not prompts:
+            return OffPolicyGroup([], policy_version)
+        (prompt,) = prompts
+        sampling = ctx.sampling(policy_version, int(row[core.ROW_INDEX_KEY]))
+        completions = ctx.engine.generate([prompt.request()], sampling)
+        samples = [judge_view(prompt, c, ctx.tokenizer, cfg.data) for c in completions]
+        verdicts = ctx.scorer.score(samples)
+        scored = [
+            Scored(completion, sample, verdict, prompt)
+            for completion, sample, verdict in zip(completions, samples, verdicts, strict=True)
+        ]
+        return OffPolicyGroup(scored, policy_version)
+
+    return generate
+
+
+def rollout_offpolicy(
+    step: int, ctx: RolloutContext, stats: StepStats
+) -> tuple[core.Batch, dict[str, float]]:
+    """rollout.max_staleness >= 1: worker threads (ctx.offpolicy, core.AsyncRollout) generate
+    and judge the next prompts while the trainer trains, started as admission control allows
+    (none more than max_staleness versions before the step that trains it). The step takes
+    judged groups in the order they finish and keeps them (dynamic sampling) until this rank
+    is full; a group without reward variance gives its slot back (so it never slows
+    generation), a slow one stays in flight and is trained in a later step (never dropped).
+    Each token keeps the version that sampled it. A stop signal ends the step (StepStopped)."""
+    driver, sampler = ctx.offpolicy, ctx.sampler
+    num_taken = num_released = 0
+    kept: list[core.InFlightPrompt] = []  # put back if a stop signal ends the step
+    while not sampler.is_full and num_taken < sampler.max_groups_per_step and not ctx.should_stop():
+        wait_start_s = time.perf_counter()
+        try:
+            (taken,) = driver.take(1, timeout_s=TAKE_POLL_S)
+        except TimeoutError:  # nothing finished yet: look at the stop flag, wait again
+            if driver.is_stalled:  # the step is not full and nothing can come: a lost slot
+                raise RuntimeError(
+                    f"step {step}: {sampler.num_kept} of {sampler.target_groups} groups kept, "
+                    "no prompt in flight and admission starts none (prompts were lost)"
+                ) from None
+            continue
+        finally:  # the step's only wait for rollout (time/rollout_wait_s): small once ahead
+            waited_s = time.perf_counter() - wait_start_s
+            stats.timings["rollout_wait"] = stats.timings.get("rollout_wait", 0.0) + waited_s
+        num_taken += 1
+        group: OffPolicyGroup = taken.result
+        num_kept = sampler.num_kept
+        keep(group.scored, ctx, stats, policy_version=group.version)
+        if sampler.num_kept == num_kept:  # no reward variance, or unjudgeable: slot freed
+            driver.release(1)
+            num_released += 1
+        else:
+            kept.append(taken)
+    # waits for every rank to be full (or out of budget); StepStopped on a stop signal: the
+    # kept groups go back in flight, so the checkpoint saved next holds them (trained later)
+    try:
+        batch, sampling_stats = take_batch(sampler, should_stop=ctx.should_stop())
+    except core.StepStopped:
+        driver.put_back(kept)
+        driver.finish_step(0)  # its version moves with nothing trained
+        raise
+    driver.finish_step(len(kept))  # fewer than prompts_per_rank: an unfilled batch
+    sampling_stats |= {
+        "num_groups_taken": float(num_taken),
+        "num_groups_released": float(num_released),
+    }
+    return batch, sampling_stats
+
+
+def offpolicy_metrics(driver: core.AsyncRollout, *, is_resident: bool, group) -> dict[str, float]:
+    """The driver's per-step scalars over the ranks (the slowest rank's wait; counts summed)
+    and which placement ran: 1 = rollout, judge and trainer resident together, 0 = the
+    trainer's phases with the workers paused (collective)."""
+    local = driver.metrics()
+    ops = {key: "max" if key.endswith("_s") else "sum" for key in local}
+    return core.reduce_metrics(local, group=group, ops=ops) | {
+        "offpolicy/is_resident": float(is_resident)
+    }
+
+
+def is_offpolicy_resident(device) -> bool:
+    """Whether rollout, judge and trainer stay resident together for off-policy steps: always
+    on the host; on a GPU when, with every role built and awake, at least
+    OFFPOLICY_MIN_FREE_FRACTION of its memory is free (room for the trainer's activations and
+    optimizer state). Otherwise the trainer's phases run as today, the workers paused."""
+    if not torch.cuda.is_available() or torch.device(device).type != "cuda":
+        return True
+    free_bytes, total_bytes = torch.cuda.mem_get_info(torch.device(device))
+    return free_bytes >= OFFPOLICY_MIN_FREE_FRACTION * total_bytes
+
+
+OFFPOLICY_MIN_FREE_FRACTION = 0.25
+
+
 # The row field a multi-turn environment's reset(**row) reads its seed from: derived from
 # (seed, DP rank, step, row), so a resumed run gives its environments the same seeds.
 ENV_SEED_KEY = "env_seed"
@@ -481,6 +631,7 @@ ROLLOUTS: dict[str, Callable[[int, RolloutContext, StepStats], tuple[core.Batch,
     "rounds": rollout_in_rounds,
     "stream": rollout_streamed,
     "multiturn": rollout_multiturn,  # rollout.environment or rollout.tools set
+    "offpolicy": rollout_offpolicy,  # rollout.max_staleness >= 1
 }
 
 
@@ -548,18 +699,36 @@ def train_on_batch(
     device,
     seed: int,
     step: int,
+    max_staleness: int = 0,
+    group=None,
 ) -> dict[str, float]:
     """The step's updates on this rank's balanced batch, inside the train phase; the merged
     train metrics. costs: the policy's per-sample estimate for the mini-batch split (None:
-    estimated here when there is more than one mini-batch)."""
+    estimated here when there is more than one mini-batch). max_staleness >= 1 (off-policy
+    steps, the policy at version `step`): pi_prox is the trainer's logprobs before the update
+    (AReaL's decoupled PPO: the clip on pi / pi_prox, the rollout correction's weight
+    pi_prox / pi_behaviour), and the offpolicy/* metrics by age join the result (collective
+    over `group`)."""
     batch = batch.to(device)
     # pi_old, once, before the first update: the engine's own logprobs (no forward), or the
     # trainer's forward (is_on_policy: one update, and the loss reuses its own forward's
     # logprobs, detached)
     if loss.old_logprobs_from == "engine":
         batch.tokens["old_logprobs"] = core.engine_old_logprobs(batch)
-    elif not loss.is_on_policy:
+    elif not loss.is_on_policy or max_staleness:
+        # off-policy with is_on_policy: the loss still takes its own forward's (the same
+        # weights); this forward gives the metrics the weight the loss applies
         batch.tokens["old_logprobs"] = policy.logprobs(batch)
+    offpolicy = {}
+    if max_staleness:  # tokens and importance weights by age
+        offpolicy = core.compute_staleness_metrics(
+            batch,
+            current_version=step,
+            max_staleness=max_staleness,
+            rollout_correction=loss.rollout_correction,
+            rollout_correction_cap=loss.rollout_correction_cap,
+            group=group,
+        )
     if reference is not None:
         batch.tokens["ref_logprobs"] = reference.logprobs(batch)
     elif loss.kl_coef > 0:  # LoRA: the base model is the reference (the adapter disabled)
@@ -580,7 +749,7 @@ def train_on_batch(
         )
         for mini_batch in mini_batches:
             steps.append(policy.train_step(mini_batch, loss))
-    return core.merge_step_metrics(steps)
+    return core.merge_step_metrics(steps) | offpolicy
 
 
 def evaluate(
@@ -670,6 +839,9 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
     a stop signal ended it after its final save. Everything it opens is closed on return
     (last opened first; a close error is logged and never hides the run's own)."""
     stop_signal: int | None = None
+    with core.exit_on_config_error():  # rollout.max_staleness against the rest: exit code 2
+        check_offpolicy(cfg)
+    is_offpolicy = cfg.rollout.max_staleness >= 1
     with ClosingStack() as resources:
         ckpt = resources.close_later(
             Checkpointer.from_config(Path(cfg.out_dir) / "checkpoints", cfg.ckpt)
@@ -725,14 +897,21 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
         for closeable in owned:
             resources.close_later(closeable)
         roles = {"rollout": engine, "genrm": judge_engine, "train": policy, "reference": reference}
-        plan = make_plan(cfg.placement, **roles, offload=cfg.offload)
+        # Off-policy steps: every role resident (no phase puts an engine to sleep under the
+        # worker threads) when they fit together; else today's phases, the workers paused.
+        is_resident = is_offpolicy and is_offpolicy_resident(device)
+        if is_resident:
+            plan = Plan.separate(**roles)
+        else:
+            plan = make_plan(cfg.placement, **roles, offload=cfg.offload)
         # SIGTERM/SIGINT/SIGUSR1/SIGHUP: a final save at the next step boundary, then a
         # non-zero exit (a second Ctrl-C stops at once, unsaved).
         ckpt.install_signal_handlers()
 
         # -- the rollout kind, its sampler and the state a checkpoint keeps ----------------------
         # DAPO dynamic sampling: one sampler for the run, its keep rate carried over.
-        is_stream = cfg.rollout.sampling_mode == "stream"
+        # off-policy: groups kept as they finish, as a stream's are
+        is_stream = cfg.rollout.sampling_mode == "stream" or is_offpolicy
         sampler = core.DynamicSampler(
             target_groups=cfg.data.prompts_per_rank,
             oversample=cfg.rollout.oversample,
@@ -741,7 +920,7 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             max_rounds=cfg.rollout.max_sampling_rounds,
             tolerance=cfg.loss.zero_variance_tolerance,
             on_unfilled=cfg.rollout.on_unfilled,
-            mode=cfg.rollout.sampling_mode,
+            mode="stream" if is_stream else cfg.rollout.sampling_mode,
             # a stream draws as it goes: a target larger than this rank's rows is refused now
             num_prompts=loader.num_local_rows if is_stream else None,
             reward_key=TASK_REWARD,  # the keep rule's signal: before the overlong penalty
@@ -781,8 +960,31 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
         )
         if cfg.rollout.is_multiturn:  # environments/tools: the multi-turn rollout kind
             ctx.multiturn = make_multiturn(cfg, engine, tokenizer, resources)
+        if is_offpolicy:  # worker threads, started after a resume restored their prompts
+            ctx.offpolicy = resources.close_later(
+                core.AsyncRollout(
+                    loader=loader,
+                    generate=offpolicy_generate(ctx),
+                    admission=core.AdmissionControl(
+                        max_staleness=cfg.rollout.max_staleness,
+                        prompts_per_step=cfg.data.prompts_per_rank,
+                    ),
+                    # every admissible prompt generating at once: the engine joins the calls
+                    num_workers=cfg.data.prompts_per_rank * (cfg.rollout.max_staleness + 1),
+                    # judged groups are objects: a resume generates the finished ones again
+                    should_save_results=False,
+                    abort=engine.abort,  # close(): the tails end
+                )
+            )
+            # the in-flight prompts and the loader's position as one cut (restored after the
+            # loader's own entry, so this cut wins)
+            ckpt.track("offpolicy", ctx.offpolicy)
         rollout_step = ROLLOUTS[
-            "multiturn" if cfg.rollout.is_multiturn else cfg.rollout.sampling_mode
+            "multiturn"
+            if cfg.rollout.is_multiturn
+            else "offpolicy"
+            if is_offpolicy
+            else cfg.rollout.sampling_mode
         ]
         start_step = 0
         resumed: core.Resumed | None = None  # its counts go into the first step's metrics
@@ -792,6 +994,9 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             # the engine starts from the saved policy; under LoRA only the adapter (the
             # merged weights as a base would apply the adapter twice)
             engine.update_weights(step_weights(policy, is_lora=is_lora))
+        if ctx.offpolicy is not None:  # version = steps pushed; re-queued prompts start first
+            ctx.offpolicy.set_version(start_step)
+            ctx.offpolicy.start()
         run_log = resources.close_later(
             core.RunLog(
                 cfg.out_dir,
@@ -833,20 +1038,34 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                 )
                 with timed(stats.timings, "balance"):
                     batch, costs = balance(batch, policy, cfg.loss, runtime.dp_group)
-                with timed(stats.timings, "train"), plan.phase("train"):
-                    train_metrics = train_on_batch(
-                        batch,
-                        policy=policy,
-                        reference=reference,
-                        loss=cfg.loss,
-                        costs=costs,
-                        device=runtime.device,
-                        seed=cfg.seed,
-                        step=step,
-                    )
-                with timed(stats.timings, "sync"), plan.phase("sync"):  # bucketed, no 2nd copy
-                    # LoRA: the adapter alone (the engine adds scaling B A to its base)
-                    engine.update_weights(step_weights(policy, is_lora=is_lora))
+                # off-policy in phases: the workers paused while the engines sleep (resident:
+                # they keep generating, overlapping this step's update)
+                paused = (
+                    ctx.offpolicy.paused()
+                    if is_offpolicy and not is_resident
+                    else contextlib.nullcontext()
+                )
+                with paused:
+                    with timed(stats.timings, "train"), plan.phase("train"):
+                        train_metrics = train_on_batch(
+                            batch,
+                            policy=policy,
+                            reference=reference,
+                            loss=cfg.loss,
+                            costs=costs,
+                            device=runtime.device,
+                            seed=cfg.seed,
+                            step=step,
+                            max_staleness=cfg.rollout.max_staleness,
+                            group=runtime.dp_group,
+                        )
+                    with timed(stats.timings, "sync"), plan.phase("sync"):  # bucketed, no copy
+                        # LoRA: the adapter alone (the engine adds scaling B A to its base)
+                        engine.update_weights(step_weights(policy, is_lora=is_lora))
+                    if is_offpolicy and not is_resident:
+                        plan.switch_to("rollout")  # the engines awake for the workers again
+                if ctx.offpolicy is not None:  # new prompts start under the pushed weights
+                    ctx.offpolicy.set_version(step + 1)
 
                 # -- log and save ---------------------------------------------------------------
                 metrics = summarize(
@@ -861,7 +1080,14 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                 if resumed is not None:  # every rank resumed: the first step after it
                     metrics |= resumed.metrics(runtime.dp_group)
                     resumed = None
-                metrics |= {f"train/{key}": value for key, value in train_metrics.items()}
+                metrics |= {
+                    key if key.startswith("offpolicy/") else f"train/{key}": value
+                    for key, value in train_metrics.items()
+                }
+                if ctx.offpolicy is not None:
+                    metrics |= offpolicy_metrics(
+                        ctx.offpolicy, is_resident=is_resident, group=runtime.dp_group
+                    )
                 # Same on every rank. Every sample right: solved, not stuck (the declared
                 # accuracy; without one a run is never called solved).
                 is_solved = metrics.get("reward/accuracy", 0.0) >= 1.0

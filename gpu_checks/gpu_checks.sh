@@ -235,6 +235,13 @@ PY
         packages/yatt-rollout/tests/test_builtin_lora.py packages/yatt-genrm/tests/test_self_judge.py
       STEP_TIMEOUT=${LORA_MODES_TIMEOUT_S:-540} run_step bench_lora_modes python3 \
         bench/lora/lora_modes_gpu.py --out-dir "$OUT" ${LORA_MODES_ARGS:-} ;;
+    bench_offpolicy)
+      # Issue 48's one-GPU run (bench/train/offpolicy_gpu.py): the trainer at
+      # rollout.max_staleness 0, 1, 2 (placement=partial), 0.5B policy + 1.5B judge: step time,
+      # GPU busy fraction, staleness histogram, IS by age, reward curve; offpolicy_<gpu>.json/.md
+      # rewritten after each s. OFFPOLICY_ARGS e.g. "--steps 30 --max-new-tokens 256".
+      CUDA_VISIBLE_DEVICES=0 STEP_TIMEOUT=${OFFPOLICY_TIMEOUT_S:-590} run_step bench_offpolicy \
+        python3 bench/train/offpolicy_gpu.py --out-dir "$OUT" ${OFFPOLICY_ARGS:-} ;;
     *)
       echo "unknown step $step"; exit 2 ;;
   esac

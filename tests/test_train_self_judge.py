@@ -37,8 +37,9 @@ def _read_config(tmp_path: Path, *overrides: str) -> grpo_config.TrainConfig:
         (("policy.lora=null",), r"reward.judge_dir='policy' with policy.lora=null.*frozen copy"),
         (("rollout.engine.lora_mode=merge",), r"rollout.engine.lora_mode='merge'.*=beside"),
         (("rollout.backend=vllm",), r"rollout.backend='vllm'"),
+        (("rollout.max_staleness=1",), r"rollout.max_staleness=1: off-policy.*self-judge"),
     ],
-    ids=["full-fine-tuning", "merge", "vllm"],
+    ids=["full-fine-tuning", "merge", "vllm", "off-policy"],
 )
 def test_bad_self_judge_combinations_are_refused_before_anything_loads(
     tmp_path, overrides, message

@@ -20,7 +20,7 @@ P = 4  # prompts per step
 TIMEOUT_S = 60.0
 
 
-def _driver(path, engine, *, s, version=0):
+def _driver(path, engine, *, s, version=0, **kwargs):
     loader = ShardedLoader(path, batch_size=P, should_shuffle=False)
     admission = AdmissionControl(max_staleness=s, prompts_per_step=P)
     return AsyncRollout(
@@ -29,6 +29,7 @@ def _driver(path, engine, *, s, version=0):
         admission=admission,
         version=version,
         num_workers=8,
+        **kwargs,
     )
 
 
@@ -200,3 +201,84 @@ def test_filtered_groups_give_their_slots_back_and_metrics_report_the_wait(tmp_p
         assert metrics["offpolicy/take_wait_s"] >= 0.2  # the timed-out take waited too
         assert metrics["offpolicy/num_in_flight"] == 0
         assert driver.metrics()["offpolicy/take_wait_s"] == 0.0  # reset per step
+
+
+def test_without_saved_results_finished_groups_are_generated_again_once(tmp_path):
+    # should_save_results=False (results that are not JSON-able): a finished-untaken prompt
+    # is written as unfinished, so a resume generates it again; every prompt still once.
+    path = write_prompts(tmp_path / "p.jsonl", 16)
+    engine = FakeEngine()
+    driver = _driver(path, engine, s=1, should_save_results=False)
+    driver.start()
+    taken, version = _train(driver, 0, 1)
+    deadline = time.monotonic() + TIMEOUT_S
+    while driver.metrics()["offpolicy/num_finished_waiting"] < 2 * P:  # 8 admitted at v=1
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    state = driver.state_dict()
+    driver.close()
+    assert not _finished_in(state)
+    assert all(p["result"] is None for p in state["in_flight"]["prompts"])
+    in_flight = sorted(p["number"] for p in state["in_flight"]["prompts"])
+    taken_numbers = {g.number for _, groups in taken for g in groups}
+    assert in_flight == sorted(set(range(3 * P)) - taken_numbers)
+
+    resumed_engine = FakeEngine()
+    with _driver(path, resumed_engine, s=1, should_save_results=False) as resumed:
+        resumed.load_state_dict(state)
+        resumed.start()
+        assert resumed.num_requeued == 2 * P
+        more, _ = _train(resumed, version, 2)
+        left = [p["number"] for p in resumed.state_dict()["in_flight"]["prompts"]]
+    numbers = [g.number for _, groups in taken + more for g in groups]
+    # taken before or after the resume, or still in flight: none skipped, none twice (the
+    # next step's new prompts may finish before the re-queued ones)
+    assert sorted(numbers + left) == list(range(len(numbers) + len(left)))
+    assert len(numbers) == 3 * P
+    # each saved prompt generated again, once (first epoch: a prompt's number is its row)
+    assert all(resumed_engine.rows_seen.count(number) == 1 for number in in_flight)
+
+
+def test_put_back_groups_are_taken_again_and_kept_in_the_checkpoint(tmp_path):
+    path = write_prompts(tmp_path / "p.jsonl", 16)
+    with _driver(path, FakeEngine(), s=0) as driver:
+        driver.start()
+        groups = driver.take(P, timeout_s=TIMEOUT_S)
+        state = driver.state_dict()
+        assert not state["in_flight"]["prompts"]
+        driver.put_back(groups[:2])  # a stop signal ended the step: not trained
+        assert {p["number"] for p in driver.state_dict()["in_flight"]["prompts"]} == {
+            g.number for g in groups[:2]
+        }
+        again = driver.take(2, timeout_s=TIMEOUT_S)
+        assert [g.number for g in again] == [g.number for g in groups[:2]]  # finish order kept
+        # P taken, none released, no new version: nothing can come (a lost slot if unfilled)
+        assert driver.is_stalled
+        driver.release(1)
+        assert not driver.is_stalled or driver.num_in_flight  # a slot back: one more starts
+
+
+def test_paused_holds_new_generations_back_and_close_aborts(tmp_path):
+    path = write_prompts(tmp_path / "p.jsonl", 16)
+    engine = FakeEngine()
+    aborted = []
+    loader = ShardedLoader(path, batch_size=P, should_shuffle=False)
+    driver = AsyncRollout(
+        loader=loader,
+        generate=engine.generate,
+        admission=AdmissionControl(max_staleness=1, prompts_per_step=P),
+        num_workers=8,
+        abort=lambda: aborted.append(True),
+    )
+    with driver.paused():
+        driver.start()
+        deadline = time.monotonic() + TIMEOUT_S
+        while driver.num_in_flight < 2 * P:  # the generator admits 2 P prompts ...
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert engine.num_calls == 0  # ... and none may generate while paused
+    groups = driver.take(2 * P, timeout_s=TIMEOUT_S)
+    assert len(groups) == 2 * P and engine.num_calls == 2 * P
+    driver.close()
+    assert aborted == [True]

@@ -94,6 +94,13 @@ GOOD = {
         ),
         pytest.param({"placement": "full"}, r"placement='full'", id="phased-placement"),
         pytest.param({"policy_backend": "megatron"}, r"backend='megatron'", id="backend"),
+        pytest.param(
+            {"should_keep_partial": True}, r"=1 with rollout.keep_partial=True", id="keep-partial"
+        ),
+        pytest.param(
+            {"sampling_mode": "stream"}, r"=1 with rollout.sampling_mode='stream'", id="stream"
+        ),
+        pytest.param({"is_multiturn": True}, r"=1 with rollout.environment or", id="multiturn"),
     ],
 )
 def test_check_staleness_refuses_what_cannot_hold(change, match):
@@ -148,3 +155,23 @@ def test_in_flight_state_round_trips_every_prompt_finished_or_requeued():
         InFlightPrompts().load_state_dict(
             {"prompts": state["prompts"] + state["prompts"][:1], "num_finished": 2}
         )
+
+
+def test_a_step_that_trains_fewer_than_p_keeps_its_slots_from_new_prompts():
+    # s = 1, P = 4. Step 0 trains 4 prompts, step 1 (a stop signal, or an unfilled batch)
+    # trains none, yet the version moves to 2. Prompts pending then: 8 started after the 4
+    # trained (12 - 4). A new prompt waits behind them: trained at step 2 + 8 / 4 = 4, age
+    # 4 - 2 = 2 > s, so none may start; counting versions alone would let 4 start.
+    admission = AdmissionControl(max_staleness=1, prompts_per_step=4)
+    admission.start(8, version=0)
+    admission.record_step(4)
+    admission.start(admission.num_admissible(version=1), version=1)
+    assert admission.num_started == 12
+    admission.record_step(0)
+    assert admission.num_admissible(version=2) == 0
+    # step 2 trains its 4: one more step's prompts may start at version 3
+    admission.record_step(4)
+    assert admission.num_admissible(version=3) == 4
+    resumed = AdmissionControl(max_staleness=1, prompts_per_step=4)
+    resumed.load_state_dict(admission.state_dict())
+    assert resumed.num_admissible(version=3) == 4

@@ -14,17 +14,24 @@ One lock guards the loader, the admission count and the in-flight set, so state_
 consistent cut: every row the loader gave out and the trainer did not take is in flight.
 `generate(row, version)` is the rollout for one prompt's group, called in a worker thread:
 `version()` returns the version of the weights the engine holds now, which it records per
-token (a response can span versions when weights arrive mid-generation). Its result must be
-picklable (it is checkpointed). An exception in it is counted and logged, the prompt is dropped
-and its slot released: user code cannot kill a run (num_failed says how many).
+token (a response can span versions when weights arrive mid-generation). With
+should_save_results (the default) its result must be JSON-able (the checkpoint keeps it);
+without, state_dict() writes finished-untaken prompts as unfinished, so a resume generates
+them again (each still exactly once) and the result may be any object (the reference trainer's
+judged samples). An exception in it is counted and logged, the prompt is dropped and its slot
+released: user code cannot kill a run (num_failed says how many).
+
+paused() holds new generate calls back and waits for the running ones: a trainer whose phases
+put the engines to sleep (one GPU without room for all three) trains and pushes inside it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -57,6 +64,8 @@ class AsyncRollout:
         admission: AdmissionControl,
         version: int = 0,
         num_workers: int = 4,
+        should_save_results: bool = True,
+        abort: Callable[[], None] | None = None,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers={num_workers!r}: must be an int >= 1")
@@ -74,6 +83,10 @@ class AsyncRollout:
         self.num_requeued = 0  # in-flight prompts a resume restarted
         self.num_unusable_on_resume = 0  # re-queued rows the loader no longer gives
         self._take_wait_s = 0.0  # the trainer's wait in take() since the last metrics()
+        self._should_save_results = should_save_results
+        self._abort = abort  # ends the engine's running requests on close() (their tails)
+        self._num_pauses = 0  # paused() blocks held: no generate call may start
+        self._num_running = 0  # generate calls running now
 
     # -- the trainer's side ---------------------------------------------------------------------
 
@@ -113,6 +126,18 @@ class AsyncRollout:
             self._cond.notify_all()
             return taken
 
+    @property
+    def is_stalled(self) -> bool:
+        """No prompt in flight and none may start before the next set_version(). A trainer
+        that took fewer groups than a step trains and finds this has lost slots (prompts
+        neither trained nor released): its take() would wait forever."""
+        with self._cond:
+            return (
+                len(self._in_flight) == 0
+                and self._thread is not None
+                and self._admission.num_admissible(version=self._version) == 0
+            )
+
     def metrics(self) -> dict[str, float]:
         """Per-step scalars (resets the wait): the trainer's wait for finished groups since the
         last call (rollout on the critical path when it is large), prompts in flight and
@@ -134,6 +159,36 @@ class AsyncRollout:
         with self._cond:
             self._admission.release(num_prompts)
             self._cond.notify_all()
+
+    def finish_step(self, num_trained: int) -> None:
+        """The step trained `num_trained` groups (fewer than prompts_per_step: an unfilled
+        batch, 0: a step a stop signal ended): admission accounts for the slots left
+        (AdmissionControl.record_step). Call once per step, before its set_version."""
+        with self._cond:
+            self._admission.record_step(num_trained)
+            self._cond.notify_all()
+
+    def put_back(self, prompts: list[InFlightPrompt]) -> None:
+        """Taken groups the trainer did not train after all (a stop signal ended the step):
+        in flight again with their slots, so the next take() or a resume has them."""
+        with self._cond:
+            for prompt in prompts:
+                self._in_flight.put_back(prompt)
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No generate call starts inside, and the running ones have returned on entry: the
+        engines may sleep (a phase switch) and wake again before it ends."""
+        with self._cond:
+            self._num_pauses += 1
+            self._cond.wait_for(lambda: self._num_running == 0)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._num_pauses -= 1
+                self._cond.notify_all()
 
     @property
     def num_in_flight(self) -> int:
@@ -167,6 +222,8 @@ class AsyncRollout:
         with self._cond:
             self._is_closed = True
             self._cond.notify_all()
+        if self._abort is not None:
+            self._abort()
         if self._thread is not None:
             self._thread.join()
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -182,10 +239,11 @@ class AsyncRollout:
     def state_dict(self) -> dict[str, Any]:
         """The loader, admission and in-flight state as one consistent cut."""
         with self._cond:
+            in_flight = self._in_flight.state_dict(should_save_results=self._should_save_results)
             return {
                 "loader": self._loader.state_dict(),
                 "admission": self._admission.state_dict(),
-                "in_flight": self._in_flight.state_dict(),
+                "in_flight": in_flight,
                 "next_number": self._next_number,
                 "version": self._version,
             }
@@ -235,6 +293,9 @@ class AsyncRollout:
             return self._version
 
     def _generate_one(self, number: int, row: dict[str, Any]) -> None:
+        with self._cond:  # paused(): the engines may be asleep
+            self._cond.wait_for(lambda: self._num_pauses == 0 or self._is_closed)
+            self._num_running += 1
         try:
             result = self._generate(row, self._read_version)
         except Exception:
@@ -242,12 +303,14 @@ class AsyncRollout:
                 "rollout of prompt %d (row %s) failed; dropped", number, row.get(ROW_INDEX_KEY)
             )
             with self._cond:
+                self._num_running -= 1
                 self._in_flight.drop(number)
                 self._admission.release(1)
                 self.num_failed += 1
                 self._cond.notify_all()
             return
         with self._cond:
+            self._num_running -= 1
             if number in self._in_flight:
                 self._in_flight.finish(number, result)
             self._cond.notify_all()

@@ -20,7 +20,7 @@ be picklable, since it is saved with the checkpoint.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 
@@ -83,6 +83,13 @@ class InFlightPrompts:
             del self._prompts[prompt.number]
         return finished[:num_prompts]
 
+    def put_back(self, prompt: InFlightPrompt) -> None:
+        """A finished prompt the trainer took but did not train (a step a stop signal
+        ended): in flight again, so the checkpoint holds it."""
+        assert prompt.number not in self._prompts, f"prompt {prompt.number} is in flight"
+        assert prompt.is_finished, f"prompt {prompt.number} never finished"
+        self._prompts[prompt.number] = prompt
+
     def unfinished(self) -> list[InFlightPrompt]:
         """Prompts still generating, in start order (what a resume re-queues)."""
         return sorted((p for p in self._prompts.values() if not p.is_finished), key=_number)
@@ -93,11 +100,14 @@ class InFlightPrompts:
         assert not prompt.is_finished, f"prompt {number} is finished; it is not re-queued"
         prompt.version = int(version)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "prompts": [asdict(p) for p in sorted(self._prompts.values(), key=_number)],
-            "num_finished": self._num_finished,
-        }
+    def state_dict(self, *, should_save_results: bool = True) -> dict[str, Any]:
+        """Every prompt by number; without should_save_results a finished prompt is written
+        as unfinished (no result: a resume generates it again, once), so a result need not
+        be JSON-able and is never copied."""
+        prompts = sorted(self._prompts.values(), key=_number)
+        if not should_save_results:
+            prompts = [replace(p, result=None, finish_order=-1) for p in prompts]
+        return {"prompts": [asdict(p) for p in prompts], "num_finished": self._num_finished}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         prompts = _prompts_from(state["prompts"])

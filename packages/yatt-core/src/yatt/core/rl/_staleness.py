@@ -27,6 +27,12 @@ only ever refuses to START work that would be too old.
 
 A prompt drawn but never trained (a group the dynamic sampler filtered out) gives its slot
 back with release(), so filtering does not slow generation down.
+
+The rule counts on every step training P prompts. A step that trains fewer (a batch left
+unfilled, a step a stop signal ended: its version still moves) says so with
+record_step(num_trained): the P - num_trained slots it did not consume are subtracted from the
+limit for good (num_short_slots), so the prompts in flight, trained a step later than planned,
+do not let new ones start further ahead.
 """
 
 from __future__ import annotations
@@ -74,12 +80,18 @@ def check_staleness(
     old_logprobs_from: str,
     placement: str,
     policy_backend: str,
+    should_keep_partial: bool = False,
+    sampling_mode: str = "rounds",
+    is_multiturn: bool = False,
     field: str = "rollout.max_staleness",
 ) -> None:
     """ValueError naming the field when an off-policy run cannot hold: a negative bound, no
     rollout correction, pi_old taken from the engine, or a placement or policy backend that
-    cannot train while rollout runs. Call it once, when the trainer's config is built (before
-    any model loads). max_staleness = 0 accepts everything (today's step)."""
+    cannot train while rollout runs; then the rollout kinds it does not combine with (the
+    reference trainer's rollout.keep_partial, rollout.sampling_mode, rollout.environment or
+    tools): partial groups and streams (off-policy steps keep each group as it finishes and
+    cut nothing) and multi-turn rounds. Call it once, when the trainer's config is built
+    (before any model loads). max_staleness = 0 accepts everything (today's step)."""
     _check_max_staleness(field, max_staleness)
     if max_staleness == 0:
         return
@@ -108,6 +120,24 @@ def check_staleness(
             f"{field}={max_staleness} with backend={policy_backend!r}: off-policy steps run "
             f"with policy backends {_STALENESS_POLICY_BACKENDS}; use one of them or {field}=0"
         )
+    given = f"{field}={max_staleness}"
+    if should_keep_partial:
+        raise ValueError(
+            f"{given} with rollout.keep_partial=True: off-policy steps never cut a group (a "
+            f"slow one is trained a step later), so there is nothing to resume; set "
+            f"rollout.keep_partial=false or {field}=0"
+        )
+    if sampling_mode != "rounds":
+        raise ValueError(
+            f"{given} with rollout.sampling_mode={sampling_mode!r}: off-policy steps stream "
+            f"groups to the trainer themselves; set rollout.sampling_mode='rounds' or {field}=0"
+        )
+    if is_multiturn:
+        raise ValueError(
+            f"{given} with rollout.environment or rollout.tools: multi-turn trajectories run "
+            f"in rounds that end inside the step; set {field}=0 or drop rollout.environment "
+            "and rollout.tools"
+        )
 
 
 class AdmissionControl:
@@ -126,12 +156,13 @@ class AdmissionControl:
         self.max_staleness = max_staleness
         self.prompts_per_step = prompts_per_step
         self.num_started = 0  # prompts started so far that hold (or held) a training slot
+        self.num_short_slots = 0  # slots steps left unconsumed (record_step)
 
     def num_admissible(self, *, version: int) -> int:
         """Prompts that may start now under weights `version` (0 when none may)."""
         _check_version(version)
         limit = (version + self.max_staleness + 1) * self.prompts_per_step
-        return max(0, limit - self.num_started)
+        return max(0, limit - self.num_short_slots - self.num_started)
 
     def start(self, num_prompts: int, *, version: int) -> None:
         """Record `num_prompts` prompts started under weights `version`; more than
@@ -146,6 +177,12 @@ class AdmissionControl:
         assert 0 <= num_prompts <= self.num_started, (num_prompts, self.num_started)
         self.num_started -= num_prompts
 
+    def record_step(self, num_trained: int) -> None:
+        """A step ended having trained `num_trained` of its prompts_per_step prompts (0 for a
+        step a stop signal ended); the rest of its slots are never consumed."""
+        assert 0 <= num_trained <= self.prompts_per_step, (num_trained, self.prompts_per_step)
+        self.num_short_slots += self.prompts_per_step - num_trained
+
     def version_trained_at(self, prompt_number: int) -> int:
         """The version at which prompt number `prompt_number` (0-based, in start order) is
         trained at the earliest: floor(n / P)."""
@@ -156,6 +193,7 @@ class AdmissionControl:
             "max_staleness": self.max_staleness,
             "prompts_per_step": self.prompts_per_step,
             "num_started": self.num_started,
+            "num_short_slots": self.num_short_slots,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -166,6 +204,7 @@ class AdmissionControl:
             )
         # A changed bound is allowed (the count of started prompts does not depend on it).
         self.num_started = int(state["num_started"])
+        self.num_short_slots = int(state.get("num_short_slots", 0))  # absent: none recorded
 
 
 def _check_version(version: Any) -> None:

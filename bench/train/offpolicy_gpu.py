@@ -1,0 +1,253 @@
+"""Issue 48's one-GPU run: the reference trainer at rollout.max_staleness = 0, 1 and 2, side by
+side, each its own process on the same models and data.
+
+    python3 bench/train/offpolicy_gpu.py --out-dir OUT            # 0.5B policy, 1.5B judge, GPU
+    python3 bench/train/offpolicy_gpu.py --steps 100 --out-dir OUT
+    python bench/train/offpolicy_gpu.py --smoke --out-dir /tmp/x  # the embedded task on CPU
+    python3 bench/train/offpolicy_gpu.py --staleness 1 --out-dir OUT  # one s; OUT's others kept
+
+Each run is `examples/train_grpo.py placement=partial rollout.max_staleness=s` (s = 0: today's
+on-policy step). GPU: a Qwen2.5-0.5B-shape policy and a 1.5B-shape judge with random weights
+(bench/step/_step_setup.make_models, byte tokenizer), the embedded task's addition prompts,
+responses up to --max-new-tokens. Random weights rarely emit EOS, so most responses run to the
+cap: the long tail of a trained policy is not reproduced here (bench/step's forced-length
+long-tail mix is a step loop of its own, not the trainer); the reward is the random judge's
+noise, so the reward curve checks the plumbing, not learning (--smoke's embedded task learns).
+
+Reported per s: step time (median over the steps after --warmup, the sum of the trainer's
+time/* phases: what the step waited for), the trainer's wait for rollout (off-policy), GPU busy
+fraction (nvidia-smi's utilization sampled every 200 ms during the run's steps; none on CPU),
+the staleness histogram (loss tokens by age, summed over steps), the IS weight's mean by age,
+and the reward curve (reward/mean per step). Ratios: step time of s = 1 and 2 over s = 0; the
+one-GPU bound two engines at once allow is bench/results/engines_overlap_nvidia_h200.md's 0.84.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench" / "_common"))
+sys.path.insert(0, str(ROOT / "bench" / "step"))
+from report import write_report  # noqa: E402
+
+TRAINER = ROOT / "examples" / "train_grpo.py"
+STALENESS = (0, 1, 2)
+ONE_GPU_OVERLAP = 0.84  # two engines at once / one after the other (engines_overlap_nvidia_h200)
+
+
+class BusySampler:
+    """GPU utilization (nvidia-smi, percent) sampled in a thread; mean busy fraction or None."""
+
+    def __init__(self, period_s: float = 0.2) -> None:
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._period_s = period_s
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period_s):
+            try:
+                out = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                ).stdout.split()
+            except (OSError, subprocess.TimeoutExpired):
+                return  # no GPU tool: no fraction
+            if out:
+                self.samples.append(float(out[0]) / 100)
+
+    def __enter__(self) -> BusySampler:
+        if shutil.which("nvidia-smi"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    @property
+    def fraction(self) -> float | None:
+        return statistics.mean(self.samples) if self.samples else None
+
+
+def prepare(args: argparse.Namespace) -> list[str]:
+    """The runs' model and data overrides: the embedded task (--smoke) or random 0.5B/1.5B."""
+    work = Path(args.out_dir) / "work"
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    subprocess.run(
+        [sys.executable, str(TRAINER), f"out_dir={work / 'build'}", "num_steps=0"],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )  # builds the embedded task (its prompts are the data either way), in out_dir/embedded
+    embedded = work / "build" / "embedded"
+    task = {"policy": embedded / "policy", "prompts": embedded / "prompts.jsonl"}
+    task["judge"] = embedded / "judge"
+    if args.smoke:
+        return [
+            "task=text",
+            f"policy.model_dir={task['policy']}",
+            f"data.path={task['prompts']}",
+            f"reward.judge_dir={task['judge']}",
+        ]
+    import _step_setup as setup
+
+    policy_dir, judge_dir = setup.make_models(work / "models", tiny=False, shapes=("0.5b", "1.5b"))
+    return [
+        f"policy.model_dir={policy_dir}",
+        f"data.path={task['prompts']}",
+        "data.answer_key=answer",
+        f"reward.judge_dir={judge_dir}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"rollout.engine.max_seq_len={args.max_new_tokens + 64}",
+    ]
+
+
+def run_one(staleness: int, base: list[str], args: argparse.Namespace) -> dict:
+    out = Path(args.out_dir) / f"s{staleness}"
+    shutil.rmtree(out, ignore_errors=True)
+    command = [
+        sys.executable,
+        str(TRAINER),
+        f"out_dir={out}",
+        *base,
+        "placement=partial",
+        f"rollout.max_staleness={staleness}",
+        f"num_steps={args.steps}",
+        f"data.prompts_per_rank={args.prompts}",
+        "eval.every_steps=0",
+        "export.dir=''",
+        *args.extra,
+    ]
+    start = time.perf_counter()
+    with BusySampler() as busy:
+        done = subprocess.run(command, env=dict(os.environ), capture_output=True, text=True)
+    wall_s = time.perf_counter() - start
+    result = {"staleness": staleness, "rc": done.returncode, "wall_s": wall_s}
+    if done.returncode != 0:
+        return result | {"stderr_tail": done.stderr[-3000:]}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return result | summarize(rows, staleness, warmup=args.warmup) | {"gpu_busy": busy.fraction}
+
+
+def summarize(rows: list[dict], staleness: int, *, warmup: int) -> dict:
+    """Step time, the rollout wait, the staleness histogram, IS by age, the reward curve."""
+    timed = rows[warmup:] or rows
+    step_s = [
+        sum(v for k, v in r.items() if k.startswith("time/") and k != "time/genrm_tail_s")
+        for r in timed
+    ]
+    ages = range(staleness + 1)
+    histogram = {a: sum(r.get(f"offpolicy/tokens_age_{a}", 0.0) for r in rows) for a in ages}
+    is_mean = {
+        a: statistics.mean(r[f"offpolicy/is_weight_mean_age_{a}"] for r in rows if r.get(f"offpolicy/tokens_age_{a}"))
+        for a in ages
+        if any(r.get(f"offpolicy/tokens_age_{a}") for r in rows)
+    }  # fmt: skip
+    return {
+        "num_steps": len(rows),
+        "step_s_median": statistics.median(step_s),
+        "take_wait_s_median": statistics.median(r.get("offpolicy/take_wait_s", 0.0) for r in timed),
+        "tokens_by_age": histogram,
+        "tokens_over_bound": sum(r.get("offpolicy/tokens_over_bound", 0.0) for r in rows),
+        "is_weight_mean_by_age": is_mean,
+        "is_resident": rows[-1].get("offpolicy/is_resident"),
+        "reward_curve": [r["reward/mean"] for r in rows],
+    }
+
+
+def ratios(runs: dict[int, dict]) -> dict[str, float | None]:
+    base = runs.get(0, {}).get("step_s_median")
+    return {
+        f"step_s_s{s}_over_s0": (runs[s]["step_s_median"] / base if base else None)
+        for s in STALENESS[1:]
+        if runs.get(s, {}).get("step_s_median") is not None
+    }
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        f"# Off-policy steps (issue 48): {results['device']}",
+        "",
+        "| s | rc | steps | step s (median) | rollout wait s | GPU busy | tokens by age | "
+        "over bound | IS mean by age | resident | reward first -> last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s, run in sorted(results["runs"].items()):
+        if run.get("rc"):
+            lines.append(f"| {s} | {run['rc']} | | | | | | | | | |")
+            continue
+        busy = run["gpu_busy"]
+        curve = run["reward_curve"]
+        lines.append(
+            f"| {s} | 0 | {run['num_steps']} | {run['step_s_median']:.3f} | "
+            f"{run['take_wait_s_median']:.3f} | {'-' if busy is None else f'{busy:.2f}'} | "
+            f"{run['tokens_by_age']} | {run['tokens_over_bound']:.0f} | "
+            f"{ {a: round(v, 3) for a, v in run['is_weight_mean_by_age'].items()} } | "
+            f"{run['is_resident']} | {curve[0]:.3f} -> {curve[-1]:.3f} |"
+        )
+    lines += ["", f"Step time over s = 0: {results['ratios']}; one-GPU overlap bound "]
+    lines[-1] += f"(two engines at once): {ONE_GPU_OVERLAP}."
+    return "\n".join(lines)
+
+
+def device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--smoke", action="store_true", help="the embedded task on the CPU")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (100; smoke 4)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps left out of the median")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per step (16; smoke 4)")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
+    parser.add_argument(
+        "extra", nargs="*", help="more trainer overrides, e.g. rollout.samples_per_prompt=8"
+    )
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (4 if args.smoke else 100)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 5)
+    args.prompts = args.prompts or (4 if args.smoke else 16)
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    base = prepare(args)
+    results: dict = {"device": device_name(), "args": vars(args), "runs": {}}
+    name = (
+        "offpolicy_cpu_smoke"
+        if args.smoke
+        else f"offpolicy_{results['device'].split()[-1].lower()}"
+    )
+    earlier = Path(args.out_dir) / f"{name}.json"
+    if earlier.is_file():  # an earlier call's runs (one s per device call), kept
+        saved = json.loads(earlier.read_text())["runs"]
+        results["runs"] = {int(s): run for s, run in saved.items()}
+    for staleness in args.staleness:
+        results["runs"][staleness] = run_one(staleness, base, args)
+        results["ratios"] = ratios(results["runs"])
+        write_report(Path(args.out_dir) / f"{name}.md", markdown(results), data=results)
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
