@@ -121,11 +121,12 @@ def test_only_the_adapter_gets_gradients_and_optimizer_state(policy):
 def test_merged_weights_are_the_trained_function_and_name_the_hf_model(tiny_model_dir, policy):
     _step(policy)
     _step(policy, seed=1)  # A and B both moved
-    merged = dict(policy.named_weights())
+    # compared on the CPU, where the reference model is (the policy is on CUDA on a GPU host)
+    merged = {name: tensor.cpu() for name, tensor in policy.named_weights()}
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     assert list(merged) == [n for n, _ in hf.named_parameters()]
     # Hand-merged from the adapter's own tensors: W + (alpha / rank) B A.
-    adapter = dict(policy.named_adapter_weights())
+    adapter = {name: tensor.cpu() for name, tensor in policy.named_adapter_weights()}
     name = "model.layers.1.mlp.down_proj"
     assert adapter[name + ".lora_scaling"].item() == ALPHA / RANK
     expected = hf.get_parameter(name + ".weight") + (ALPHA / RANK) * (
@@ -136,7 +137,10 @@ def test_merged_weights_are_the_trained_function_and_name_the_hf_model(tiny_mode
     batch = _batch(seed=3)
     # float32 forward of the same function, two factorings of one matmul: a few ulps apart.
     torch.testing.assert_close(
-        policy.logprobs(batch), _hf_logprobs(hf, batch) * batch["attention_mask"], atol=1e-5, rtol=0
+        policy.logprobs(batch).cpu(),
+        _hf_logprobs(hf, batch) * batch["attention_mask"],
+        atol=1e-5,
+        rtol=0,
     )
 
 

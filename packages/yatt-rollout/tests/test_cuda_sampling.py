@@ -4,6 +4,8 @@ generate, and the sampler on the GPU against the definitions (skipped on CPU mac
 
 NUM_GPUS = 1
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -41,7 +43,11 @@ def _generate(tiny_model_dir, prefix, knobs, **config):
             for call in CALLS
             for c in engine.generate(REQUESTS, SamplingParams(ignore_eos=True, **call, **knobs))
         ]
-        return out, engine._runner
+        runner = engine._runner
+        # read before close(): closing releases the graphs
+        return out, SimpleNamespace(
+            graph_keys=set(runner._graphs), compiled_step=runner._compiled_step
+        )
     finally:
         engine.close()
 
@@ -60,10 +66,10 @@ def test_graphs_and_compiled_step_match_eager(tiny_model_dir, knobs):
     graphs, runner = _generate(tiny_model_dir, "graphs", knobs, compile_decode=False)
     # The penalized mode is its own graph (its flag is part of the key).
     is_penalized = knobs.get("repetition_penalty", 1.0) != 1.0
-    assert {key[2] for key in runner._graphs} == {is_penalized}
+    assert {key[2] for key in runner.graph_keys} == {is_penalized}
     _assert_same(graphs, eager, atol=1e-4)
     compiled, runner = _generate(tiny_model_dir, "compiled", knobs)
-    assert runner._compiled_step is not None, "compiling fell back to eager"
+    assert runner.compiled_step is not None, "compiling fell back to eager"
     _assert_same(compiled, eager, atol=1e-3)  # inductor's fused kernels round differently
 
 
