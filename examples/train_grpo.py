@@ -808,6 +808,11 @@ def main(argv: list[str]) -> int:
     run_lock: RunLock | None = None
     if int(os.environ.get("RANK", "0")) == 0:
         run_lock = acquire_run_lock(cfg.out_dir, purpose="train")
+    # torch's CPU threads sized now (the CPUs idle at start, shared by the node's ranks), not
+    # at init_runtime: building the embedded task fits its models on the CPU, and with torch's
+    # default of every core, two such builds beside a test job on a 16-core GPU host ran ~40x
+    # slower than alone (session 20)
+    core.size_torch_threads()
     try:
         # What the values point at, before any model loads: paths filled (the embedded task
         # built when asked for), reward code and keys, checkpoints against --resume, the data

@@ -113,6 +113,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "rollout_samples",
         "sample_dynamically",
         "set_seed",
+        "size_torch_threads",
         "split_mini_batches",
         "sum_over_units",
         "supports_head_logprobs",

@@ -105,6 +105,7 @@ from yatt.core.runtime._learning_guard import LearningGuard, NoLearningError
 from yatt.core.runtime._metrics import reduce_metrics
 from yatt.core.runtime._run_log import RunLog, check_wandb
 from yatt.core.runtime._runtime import Runtime, init_runtime, set_seed
+from yatt.core.runtime._threads import size_torch_threads
 from yatt.core.runtime._turn_metrics import reduce_turn_metrics
 from yatt.core.vision._vision_inputs import (
     VISION_INPUTS_KEY,
@@ -225,6 +226,7 @@ __all__ = [
     "save_stopped",
     "saved_prompt",
     "set_seed",
+    "size_torch_threads",
     "split_mini_batches",
     "sum_over_units",
     "supports_head_logprobs",
