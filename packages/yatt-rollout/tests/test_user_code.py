@@ -304,8 +304,11 @@ def test_a_file_may_import_a_module_beside_it(tmp_path) -> None:
 
 
 def test_inputs_a_worker_cannot_take_are_bad_input(user_file) -> None:
+    # Deeper than any interpreter's recursion limit lets pickle go: 900 levels pickled in some
+    # environments (the reply then failed in the worker: an error, not bad input) and not in
+    # others, as the caller's stack depth counts toward the limit.
     nested: list = []
-    for _ in range(900):
+    for _ in range(100_000):
         nested = [nested]
     with UserCodePool(num_workers=1, timeout_s=20.0) as pool:
         deep = pool.call_sync(f"{user_file}:echo", nested)
