@@ -40,7 +40,7 @@ _EXACT = (
 _CLOSE = ("train/loss", "train/grad_norm")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # module fixtures (a two-rank run) take it
 def task(tools_task_paths) -> dict[str, Path]:
     return tools_task_paths  # built once per session (tests/conftest.py)
 

@@ -195,7 +195,19 @@ class _RecordingRollout(core.AsyncRollout):
         return [p["row_index"] for p in self.state_dict()["in_flight"]["prompts"]]
 
 
+def _resume_paused_region_tags() -> None:
+    """Region tags are per process, and an engine closed asleep leaves its tags paused: an
+    earlier test file's engine of the default prefix did, and this file's in-process runs then
+    could not allocate under 'rollout/kv_cache' (CI, session 20). Start from none paused."""
+    from yatt.placement import is_paused, region_tags, resume
+
+    paused = [tag for tag in region_tags() if is_paused(tag)]
+    if paused:
+        resume(*paused)
+
+
 def _train_in_process(*overrides: str, should_resume: bool = False) -> int:
+    _resume_paused_region_tags()
     args = train_grpo.parse_args([*overrides, *(["--resume"] if should_resume else [])])
     cfg = grpo_preflight.preflight(grpo_config.config_from_args(args), should_resume=should_resume)
     save_config(cfg)  # as main() does: what --resume reads

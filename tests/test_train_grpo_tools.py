@@ -27,7 +27,7 @@ from yatt.rollout.env.testing import COMPACT_TOOL_TEMPLATE, ScriptedEngine
 from yatt.testing import make_tokenizer
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # module fixtures (a two-rank run) take it
 def task(tools_task_paths) -> dict[str, Path]:
     return tools_task_paths  # built once per session (tests/conftest.py)
 
