@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 from _engine_shapes import SHAPES
+from device_label import device_name
 from measured_commit import measured_commit
 from report import write_report
 
@@ -203,16 +204,6 @@ def markdown(results: dict) -> str:
         f"Command: `{results['command']}`",
     ]
     return "\n".join(lines)
-
-
-def device_name() -> str:
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name(0).lower()
-    for key in ("h200", "h100", "a100"):
-        if key in name:
-            return f"nvidia_{key}"
-    return "cuda"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -22,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+from device_label import device_name  # noqa: F401  (setup.device_name for bench/lora)
 
 # Qwen2.5-0.5B's and -1.5B's shapes (random weights; --shape, --judge-shape); --tiny: a 2-layer
 # model (both roles). max_position_embeddings is cut to what the runs use (the RoPE table).
@@ -522,19 +526,6 @@ class GpuSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
-
-
-def device_name() -> str:
-    """ "nvidia_h200"-style label of this machine's accelerator, or "cpu"."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name(0).lower()
-    for key in ("h200", "h100", "a100"):
-        if key in name:
-            return f"nvidia_{key}"
-    return "cuda"
 
 
 # -- requests -------------------------------------------------------------------------------
