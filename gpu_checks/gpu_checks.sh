@@ -37,8 +37,9 @@ for step in "$@"; do
     cuda_tests)
       # Every single-GPU CUDA test file of the packages (vLLM/SGLang and Megatron ones aside: they
       # need their carried sites), one pytest per package so one package's crash spares the rest.
+      # The rollout files took over 420 s alone on an H200 (session 21): run this step detached.
       R=packages/yatt-rollout/tests
-      STEP_TIMEOUT=${CUDA_TESTS_TIMEOUT_S:-420} run_step cuda_tests_rollout python3 -m pytest -q -rs \
+      STEP_TIMEOUT=${CUDA_TESTS_TIMEOUT_S:-900} run_step cuda_tests_rollout python3 -m pytest -q -rs \
         $R/test_cuda_engine.py $R/test_cuda_sampling.py $R/test_cuda_weights.py \
         $R/test_decode_kernel.py $R/test_env_kept_kv.py $R/test_builtin_lora.py $R/test_builtin_vision.py
       run_step cuda_tests_core python3 -m pytest -q -rs packages/yatt-core/tests/test_cuda.py \

@@ -84,17 +84,19 @@ def test_a_stop_ends_a_long_judge_batch_on_the_builtin_engine(tmp_path) -> None:
     from yatt.genrm import ScoringStopped
 
     # A budget no H200 decodes in the test's time: 3,500 tokens of a tiny model took under the
-    # timer's 0.5 s there (session 20), so the judge ended before the stop came.
-    make_tiny_causal_lm(tmp_path, arch="qwen2", max_position_embeddings=65536)
+    # timer's 0.5 s there (session 20), so the judge ended before the stop came; 16,000 take
+    # several seconds. max_seq_len stays within the engine's default max_prefill_tokens (16,384:
+    # 65,536 was refused by EngineConfig in session 21).
+    make_tiny_causal_lm(tmp_path, arch="qwen2", max_position_embeddings=16384)
     engine = BuiltinEngine(
-        tmp_path, config=EngineConfig(device="cuda", max_batch_size=8, max_seq_len=65536)
+        tmp_path, config=EngineConfig(device="cuda", max_batch_size=8, max_seq_len=16384)
     )
     long_judge = GenRM(
         engine,
         template=verification_template(max_response_tokens=64),
         parser=YesNoParser(),
         verdict_from="text",
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=60000, ignore_eos=True),
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=16000, ignore_eos=True),
     )
     samples = [Sample(prompt=f"{i}+{i}?", response=str(2 * i)) for i in range(8)]
     try:
