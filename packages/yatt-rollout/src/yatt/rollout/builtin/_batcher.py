@@ -434,7 +434,7 @@ class SlotRunner:
         slot_J = to_device(slots, device)
         self._set_adapter_rows([item.use_adapter for item in items])
         write = ContinueWrite(
-            cache=self.cache, slot_B=slot_J, starts=list(starts), lengths=lengths, span=span
+            cache=self.cache, slots=list(slots), starts=list(starts), lengths=lengths, span=span
         )
         logits_JV = self._forward_last_logits(ids_BT, mask, positions_BT, write)
         prompt_len_J = start_B + to_device(lengths, device)

@@ -164,12 +164,35 @@ class SlotLoop:
                 items.append(item)
                 slots.append(slot)
                 starts.append(len(ids))
-        if items:
-            chosen = set(map(id, items))
-            self.queue = deque(item for item in self.queue if id(item) not in chosen)
-            self.runner.prefill_continuations(items, slots, starts, self.flags)
-            for item, slot in zip(items, slots, strict=True):
-                self.occupant[slot] = item
+        if not items:
+            return
+        chosen = set(map(id, items))
+        self.queue = deque(item for item in self.queue if id(item) not in chosen)
+        # Every waiting continuation in as few forwards as max_prefill_tokens allows (padded
+        # tokens per forward, as fresh prompts are chunked), fewest new tokens first so each
+        # chunk pads to a similar length: one forward per row left a kept turn host-bound.
+        new_tokens = [
+            len(item.request.prompt_ids) - start for item, start in zip(items, starts, strict=True)
+        ]
+        chunk: list[int] = []
+        for j in sorted(range(len(items)), key=new_tokens.__getitem__):
+            longest = max([new_tokens[i] for i in chunk] + [new_tokens[j]])
+            if chunk and (len(chunk) + 1) * longest > self.runner.max_prefill_tokens:
+                self._continue_into(chunk, items, slots, starts)
+                chunk = []
+            chunk.append(j)
+        self._continue_into(chunk, items, slots, starts)
+
+    def _continue_into(self, chunk: list[int], items, slots, starts) -> None:
+        """One continuation forward: items[j] into slots[j] from starts[j], for j in chunk."""
+        self.runner.prefill_continuations(
+            [items[j] for j in chunk],
+            [slots[j] for j in chunk],
+            [starts[j] for j in chunk],
+            self.flags,
+        )
+        for j in chunk:
+            self.occupant[slots[j]] = items[j]
 
     def _evict_kept(self, num_needed: int) -> list[int]:
         """Free up to `num_needed` kept slots, the longest unused first."""

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -246,64 +245,149 @@ class ContinueWrite:
     Rows are left-padded [B, T]: row b's n_b new tokens sit in columns [T - n_b, T) and go to
     slot slot_B[b] at positions start_B[b] .. start_B[b] + n_b - 1. Row b's new tokens attend to
     its slot's cache positions [0, start_B[b] + n_b) under a lower-right causal mask (column
-    T - n_b + t sees positions <= start_B[b] + t), one SDPA call per row; padding columns get
-    zeros (only the last column's logits are read). The attention mask the engine passes is
-    not read.
+    T - n_b + t sees positions <= start_B[b] + t). The attention mask the engine passes is not
+    read; only the last column's logits are read, so padding columns' outputs do not matter.
 
-    Why per row and no mask tensor: a dense additive mask over [B, T, span] cannot go to flash
-    attention, and the memory-efficient kernel takes no grouped KV heads, so SDPA fell back to
-    its math kernel, materialising [B, H_q, T, span] float scores per layer (4k-token
-    histories, 64 rows: 3x slower than prefilling the whole history again,
-    bench/results/multiturn_kv_before_nvidia_h200.md). A lower-right causal bias per row
-    runs flash with grouped heads and reads the slot's cache in place (no gather).
-    Eager only (no graph, no compile): a turn's suffix is one forward per admission.
+    One attention call per layer for all B rows, never one per row: a per-row loop launched
+    about 50 small ops per row and layer (76k for 64 rows x 24 layers), host-bound on a GPU,
+    and the boolean-mask gathers of the KV write synchronised with the host twice per layer
+    (bench/results/multiturn_kv_nvidia_h200.md: a kept turn cost 3x a prefill's time per
+    token). Two kernels, chosen once per forward:
+      "varlen": CUDA, fp16/bf16 -- flash attention over packed sequences: each row's new
+        queries, and its slot's cache positions [0, start + n) gathered into one packed K/V
+        (one index_select per layer), causal aligned bottom-right (flash's rule for
+        seqlen_q < seqlen_k), grouped KV heads as they are;
+      "dense": anywhere else (CPU, float32) -- SDPA over the rows' slots [B, H_kv, span, D]
+        under a boolean [B, 1, T, span] mask, rows grouped so no group's scores exceed
+        DENSE_SCORES_BUDGET elements (one group in the usual case).
+    Eager (no graph, no compile); the host loop admits continuations in chunks of at most
+    max_prefill_tokens padded tokens, as it does fresh prompts.
     """
 
     cache: StaticKVCache
-    slot_B: torch.Tensor  # int64 [B], distinct slots
+    slots: list[int]  # per row: its slot (distinct)
     starts: list[int]  # per row: positions the slot's cache already holds
     lengths: list[int]  # per row: new tokens
     span: int  # positions attended: > every row's last position
+    kernel: str | None = None  # "varlen" or "dense"; None: varlen where it runs, else dense
 
     def __post_init__(self) -> None:
-        # Every layer writes the same cache rows: the real (row, column) pairs, and for each
-        # the row of (its slot, head) at its position in a layer viewed as [S * H_kv * L, D].
-        device = self.slot_B.device
-        T = max(self.lengths)
-        lengths_B = torch.tensor(self.lengths, device=device)
-        col_T = torch.arange(T, device=device)
-        self.real_BT = col_T[None, :] >= (T - lengths_B)[:, None]
-        position_BT = torch.tensor(self.starts, device=device)[:, None] + col_T[None, :]
-        position_BT = position_BT - (T - lengths_B)[:, None]
-        base_BH = self.cache.row_base_SH.index_select(0, self.slot_B)
-        rows_BTH = base_BH[:, None, :] + position_BT[:, :, None]
-        self.rows_N = rows_BTH[self.real_BT].reshape(-1)  # [N * H_kv], N real tokens
-        self.slots = self.slot_B.tolist()  # one host read, not one per layer
+        # Index tensors every layer shares, built on the host from the host lists and copied
+        # once (no host sync in the forward). A (slot, head, position) triple is row
+        # (slot * H_kv + head) * L + position of a layer viewed as [S * H_kv * L, D].
+        cache, device = self.cache, self.cache.keys[0].device
+        B, T = len(self.lengths), max(self.lengths)
+        H, L = cache.num_kv_heads, cache.max_seq_len
+        lengths_B, starts_B = torch.tensor(self.lengths), torch.tensor(self.starts)
+        slots_B = torch.tensor(self.slots)
+        pad_B = T - lengths_B
+        heads_H = torch.arange(H)
+        self.slot_B = slots_B.to(device)
+        # The real (row, column) pairs as flat indices into [B * T], row by row, and their
+        # (slot, head) rows at their positions.
+        real_N = torch.cat([b * T + torch.arange(pad, T) for b, pad in enumerate(pad_B.tolist())])
+        position_N = torch.cat(
+            [torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths, strict=True)]
+        )
+        slot_N = torch.repeat_interleave(slots_B, lengths_B)
+        rows_NH = ((slot_N[:, None] * H + heads_H[None, :]) * L) + position_N[:, None]
+        self.real_N = real_N.to(device)
+        self.rows_NH = rows_NH.reshape(-1).to(device)
+        spans_B = starts_B + lengths_B
+        self.max_span = int(spans_B.max())
+        if self.kernel is None:
+            self.kernel = "varlen" if _can_use_varlen(cache) else "dense"
+        if self.kernel == "varlen":
+            # Packed keys: row b's positions [0, span_b) of its slot, rows of [S * H_kv * L, D].
+            slot_K = torch.repeat_interleave(slots_B, spans_B)
+            position_K = torch.cat([torch.arange(n) for n in spans_B.tolist()])
+            rows_KH = ((slot_K[:, None] * H + heads_H[None, :]) * L) + position_K[:, None]
+            self.rows_KH = rows_KH.reshape(-1).to(device)
+            zero = torch.zeros(1, dtype=torch.int32)
+            self.cu_q = torch.cat([zero, lengths_B.cumsum(0).int()]).to(device)
+            self.cu_k = torch.cat([zero, spans_B.cumsum(0).int()]).to(device)
+        elif self.kernel == "dense":
+            # Column T - n_b + t of row b sees positions <= start_b + t; a padding column sees
+            # position 0 only (a real key, so its softmax row is not empty).
+            col_T, pos_P = torch.arange(T), torch.arange(self.span)
+            last_BT = starts_B[:, None] + col_T[None, :] - pad_B[:, None]
+            visible = pos_P[None, None, :] <= last_BT.clamp(min=0)[:, :, None]
+            self.visible_B1TP = visible[:, None].to(device)
+            rows_per_group = max(1, DENSE_SCORES_BUDGET // (T * self.span * H))
+            self.groups = [(b, min(b + rows_per_group, B)) for b in range(0, B, rows_per_group)]
+        else:
+            raise ValueError(f"ContinueWrite.kernel={self.kernel!r}: 'varlen' or 'dense'")
 
     def write_and_attend(self, layer, query, key, value, mask, scaling) -> torch.Tensor:
         """query [B, H_q, T, D]; key/value [B, H_kv, T, D]. Returns [B, T, H_q, D]."""
         keys, values = self.cache.keys[layer], self.cache.values[layer]
+        B, _, T, D = query.shape
         for buffer, new in ((keys, key), (values, value)):
-            # [B, H, T, D] -> [B, T, H, D] -> the real tokens [N, H, D] -> rows [N * H, D].
-            real = new.transpose(1, 2)[self.real_BT].reshape(-1, new.shape[-1])
-            buffer.view(-1, buffer.shape[-1]).index_copy_(0, self.rows_N, real)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        is_gqa = query.shape[1] != key.shape[1]
-        T = query.shape[2]
-        out = query.new_zeros(query.shape)  # [B, H_q, T, D]; padding columns stay 0
-        with sdpa_kernel(list(PREFILL_SDPA_BACKENDS)):
-            rows = zip(self.slots, self.starts, self.lengths, strict=True)
-            for b, (slot, start, n) in enumerate(rows):
-                span_b = start + n
-                out[b, :, T - n :] = F.scaled_dot_product_attention(
-                    query[b : b + 1, :, T - n :],
-                    keys[slot : slot + 1, :, :span_b],
-                    values[slot : slot + 1, :, :span_b],
-                    attn_mask=causal_lower_right(n, span_b),
+            # [B, H, T, D] -> [B * T, H, D] -> the real tokens [N, H, D] -> rows [N * H, D].
+            real = new.transpose(1, 2).reshape(B * T, -1, D).index_select(0, self.real_N)
+            buffer.view(-1, D).index_copy_(0, self.rows_NH, real.reshape(-1, D))
+        scale = scaling if scaling is not None else D**-0.5
+        if self.kernel == "varlen":
+            return self._attend_varlen(query, keys, values, scale)
+        return self._attend_dense(query, keys, values, scale)
+
+    def _attend_varlen(self, query, keys, values, scale) -> torch.Tensor:
+        B, H_q, T, D = query.shape
+        H_kv = keys.shape[1]
+        q_NHD = query.transpose(1, 2).reshape(B * T, H_q, D).index_select(0, self.real_N)
+        k_KHD = keys.view(-1, D).index_select(0, self.rows_KH).view(-1, H_kv, D)
+        v_KHD = values.view(-1, D).index_select(0, self.rows_KH).view(-1, H_kv, D)
+        out_NHD = torch.ops.aten._flash_attention_forward(
+            q_NHD,
+            k_KHD,
+            v_KHD,
+            self.cu_q,
+            self.cu_k,
+            max(self.lengths),
+            self.max_span,
+            0.0,
+            True,  # causal: bottom-right aligned when a sequence's queries are fewer than keys
+            False,
+            scale=scale,
+        )[0]
+        out = query.new_zeros(B * T, H_q, D)  # padding columns: 0
+        out.index_copy_(0, self.real_N, out_NHD)
+        return out.view(B, T, H_q, D)
+
+    def _attend_dense(self, query, keys, values, scale) -> torch.Tensor:
+        span = self.span
+        outs = []
+        for first, last in self.groups:
+            slots = self.slot_B[first:last]
+            outs.append(
+                F.scaled_dot_product_attention(
+                    query[first:last],
+                    keys[:, :, :span].index_select(0, slots),
+                    values[:, :, :span].index_select(0, slots),
+                    attn_mask=self.visible_B1TP[first:last],
                     scale=scale,
-                    enable_gqa=is_gqa,
-                )[0]
+                    enable_gqa=query.shape[1] != keys.shape[1],
+                )
+            )
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.transpose(1, 2).contiguous()
+
+
+# Scores (rows x H_kv x T x span) one dense continuation attention call may materialise: the
+# CPU/float32 fallback's math kernel holds them in float32 with the query heads on top.
+DENSE_SCORES_BUDGET = 1 << 23
+
+
+def _can_use_varlen(cache: StaticKVCache) -> bool:
+    """Flash attention over packed sequences: CUDA, half precision, a head size flash takes."""
+    keys = cache.keys[0]
+    return (
+        keys.is_cuda
+        and keys.dtype in (torch.float16, torch.bfloat16)
+        and cache.head_dim % 8 == 0
+        and cache.head_dim <= 256
+        and torch.backends.cuda.flash_sdp_enabled()
+    )
 
 
 _ACTIVE_WRITE: ContextVar[DecodeWrite | PrefillWrite | ContinueWrite | None] = ContextVar(
