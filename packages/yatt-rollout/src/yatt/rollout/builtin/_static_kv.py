@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
@@ -260,8 +261,9 @@ class ContinueWrite:
       "dense": anywhere else (CPU, float32) -- SDPA over the rows' slots [B, H_kv, span, D]
         under a boolean [B, 1, T, span] mask, rows grouped so no group's scores exceed
         DENSE_SCORES_BUDGET elements (one group in the usual case).
-    Eager (no graph, no compile); the host loop admits continuations in chunks of at most
-    max_prefill_tokens padded tokens, as it does fresh prompts.
+    The write and the attention are one opaque op (continue_kv_attention), so the forward
+    compiles as a prefill's does (EngineConfig.compile_prefill); the host loop admits
+    continuations in chunks of at most max_prefill_tokens padded tokens, as it does prompts.
     """
 
     cache: StaticKVCache
@@ -276,13 +278,12 @@ class ContinueWrite:
         # once (no host sync in the forward). A (slot, head, position) triple is row
         # (slot * H_kv + head) * L + position of a layer viewed as [S * H_kv * L, D].
         cache, device = self.cache, self.cache.keys[0].device
-        B, T = len(self.lengths), max(self.lengths)
-        H, L = cache.num_kv_heads, cache.max_seq_len
+        T, H, L = max(self.lengths), cache.num_kv_heads, cache.max_seq_len
         lengths_B, starts_B = torch.tensor(self.lengths), torch.tensor(self.starts)
         slots_B = torch.tensor(self.slots)
         pad_B = T - lengths_B
         heads_H = torch.arange(H)
-        self.slot_B = slots_B.to(device)
+        self.slot_B = _to_device(slots_B, device)
         # The real (row, column) pairs as flat indices into [B * T], row by row, and their
         # (slot, head) rows at their positions.
         real_N = torch.cat([b * T + torch.arange(pad, T) for b, pad in enumerate(pad_B.tolist())])
@@ -291,10 +292,13 @@ class ContinueWrite:
         )
         slot_N = torch.repeat_interleave(slots_B, lengths_B)
         rows_NH = ((slot_N[:, None] * H + heads_H[None, :]) * L) + position_N[:, None]
-        self.real_N = real_N.to(device)
-        self.rows_NH = rows_NH.reshape(-1).to(device)
+        self.real_N = _to_device(real_N, device)
+        self.rows_NH = _to_device(rows_NH.reshape(-1), device)
         spans_B = starts_B + lengths_B
-        self.max_span = int(spans_B.max())
+        # max new tokens and max span, as a host tensor: an op argument torch.compile keeps
+        # dynamic (a Python int would be specialised into the graph, one compile per value).
+        self.max_q_k = torch.tensor([T, int(spans_B.max())])
+        self.rows_KH = self.cu_q = self.cu_k = self.visible_B1TP = None
         if self.kernel is None:
             self.kernel = "varlen" if _can_use_varlen(cache) else "dense"
         if self.kernel == "varlen":
@@ -302,75 +306,193 @@ class ContinueWrite:
             slot_K = torch.repeat_interleave(slots_B, spans_B)
             position_K = torch.cat([torch.arange(n) for n in spans_B.tolist()])
             rows_KH = ((slot_K[:, None] * H + heads_H[None, :]) * L) + position_K[:, None]
-            self.rows_KH = rows_KH.reshape(-1).to(device)
+            self.rows_KH = _to_device(rows_KH.reshape(-1), device)
             zero = torch.zeros(1, dtype=torch.int32)
-            self.cu_q = torch.cat([zero, lengths_B.cumsum(0).int()]).to(device)
-            self.cu_k = torch.cat([zero, spans_B.cumsum(0).int()]).to(device)
+            self.cu_q = _to_device(torch.cat([zero, lengths_B.cumsum(0).int()]), device)
+            self.cu_k = _to_device(torch.cat([zero, spans_B.cumsum(0).int()]), device)
         elif self.kernel == "dense":
             # Column T - n_b + t of row b sees positions <= start_b + t; a padding column sees
             # position 0 only (a real key, so its softmax row is not empty).
             col_T, pos_P = torch.arange(T), torch.arange(self.span)
             last_BT = starts_B[:, None] + col_T[None, :] - pad_B[:, None]
             visible = pos_P[None, None, :] <= last_BT.clamp(min=0)[:, :, None]
-            self.visible_B1TP = visible[:, None].to(device)
-            rows_per_group = max(1, DENSE_SCORES_BUDGET // (T * self.span * H))
-            self.groups = [(b, min(b + rows_per_group, B)) for b in range(0, B, rows_per_group)]
+            self.visible_B1TP = _to_device(visible[:, None], device)
         else:
             raise ValueError(f"ContinueWrite.kernel={self.kernel!r}: 'varlen' or 'dense'")
 
     def write_and_attend(self, layer, query, key, value, mask, scaling) -> torch.Tensor:
-        """query [B, H_q, T, D]; key/value [B, H_kv, T, D]. Returns [B, T, H_q, D]."""
-        keys, values = self.cache.keys[layer], self.cache.values[layer]
-        B, _, T, D = query.shape
-        for buffer, new in ((keys, key), (values, value)):
-            # [B, H, T, D] -> [B * T, H, D] -> the real tokens [N, H, D] -> rows [N * H, D].
-            real = new.transpose(1, 2).reshape(B * T, -1, D).index_select(0, self.real_N)
-            buffer.view(-1, D).index_copy_(0, self.rows_NH, real.reshape(-1, D))
-        scale = scaling if scaling is not None else D**-0.5
-        if self.kernel == "varlen":
-            return self._attend_varlen(query, keys, values, scale)
-        return self._attend_dense(query, keys, values, scale)
+        """query [B, H_q, T, D]; key/value [B, H_kv, T, D]. Returns [B, T, H_q, D]. One opaque
+        op, so torch.compile neither copies the layer's cache to functionalize the write nor
+        traces the attention."""
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return torch.ops.yatt_rollout.continue_kv_attention(
+            query,
+            key,
+            value,
+            self.cache.keys[layer],
+            self.cache.values[layer],
+            self.real_N,
+            self.rows_NH,
+            self.slot_B,
+            self.max_q_k,
+            self.rows_KH,
+            self.cu_q,
+            self.cu_k,
+            self.visible_B1TP,
+            float(scale),
+            self.kernel,
+        )
 
-    def _attend_varlen(self, query, keys, values, scale) -> torch.Tensor:
-        B, H_q, T, D = query.shape
-        H_kv = keys.shape[1]
-        q_NHD = query.transpose(1, 2).reshape(B * T, H_q, D).index_select(0, self.real_N)
-        k_KHD = keys.view(-1, D).index_select(0, self.rows_KH).view(-1, H_kv, D)
-        v_KHD = values.view(-1, D).index_select(0, self.rows_KH).view(-1, H_kv, D)
+
+@torch.library.custom_op(
+    "yatt_rollout::continue_kv_attention", mutates_args=("key_cache", "value_cache")
+)
+def continue_kv_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    real_N: torch.Tensor,
+    rows_NH: torch.Tensor,
+    slot_B: torch.Tensor,
+    max_q_k: torch.Tensor,
+    rows_KH: torch.Tensor | None,
+    cu_q: torch.Tensor | None,
+    cu_k: torch.Tensor | None,
+    visible_B1TP: torch.Tensor | None,
+    scale: float,
+    kernel: str,
+) -> torch.Tensor:
+    """ContinueWrite's layer step: write the real tokens' keys/values (flat indices real_N of
+    [B * T]) at cache rows rows_NH, then attend ("varlen" or "dense", see ContinueWrite).
+    query [B, H_q, T, D]; key/value [B, H_kv, T, D]; caches [S, H_kv, L, D]. Returns
+    [B, T, H_q, D]."""
+    B, _, T, D = query.shape
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        # [B, H, T, D] -> [B * T, H, D] -> the real tokens [N, H, D] -> rows [N * H, D].
+        real = new.transpose(1, 2).reshape(B * T, -1, D).index_select(0, real_N)
+        cache.view(-1, D).index_copy_(0, rows_NH, real.reshape(-1, D))
+    if kernel == "varlen":
+        return _attend_varlen(
+            query, key_cache, value_cache, real_N, rows_KH, cu_q, cu_k, max_q_k, scale
+        )
+    return _attend_dense(query, key_cache, value_cache, slot_B, visible_B1TP, scale)
+
+
+@continue_kv_attention.register_fake
+def _(
+    query,
+    key,
+    value,
+    key_cache,
+    value_cache,
+    real_N,
+    rows_NH,
+    slot_B,
+    max_q_k,
+    rows_KH,
+    cu_q,
+    cu_k,
+    visible_B1TP,
+    scale,
+    kernel,
+):
+    B, Hq, T, D = query.shape
+    return query.new_empty((B, T, Hq, D))
+
+
+def _attend_varlen(query, keys, values, real_N, rows_KH, cu_q, cu_k, max_q_k, scale):
+    B, H_q, T, D = query.shape
+    H_kv = keys.shape[1]
+    max_q, max_k = max_q_k.tolist()  # a host tensor: no device sync
+    q_NHD = query.transpose(1, 2).reshape(B * T, H_q, D).index_select(0, real_N)
+    k_KHD = keys.view(-1, D).index_select(0, rows_KH).view(-1, H_kv, D)
+    v_KHD = values.view(-1, D).index_select(0, rows_KH).view(-1, H_kv, D)
+    try:
         out_NHD = torch.ops.aten._flash_attention_forward(
             q_NHD,
             k_KHD,
             v_KHD,
-            self.cu_q,
-            self.cu_k,
-            max(self.lengths),
-            self.max_span,
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
             0.0,
-            True,  # causal: bottom-right aligned when a sequence's queries are fewer than keys
+            True,  # causal: aligned bottom-right when a sequence has fewer queries than keys
             False,
             scale=scale,
         )[0]
-        out = query.new_zeros(B * T, H_q, D)  # padding columns: 0
-        out.index_copy_(0, self.real_N, out_NHD)
-        return out.view(B, T, H_q, D)
+    except RuntimeError as exc:  # a GPU or build without it: per sequence from now on
+        _log_varlen_fallback(exc)
+        out_NHD = _attend_packed_per_sequence(q_NHD, k_KHD, v_KHD, cu_q, cu_k, scale)
+    out = query.new_zeros(B * T, H_q, D)  # padding columns: 0
+    out.index_copy_(0, real_N, out_NHD)
+    return out.view(B, T, H_q, D)
 
-    def _attend_dense(self, query, keys, values, scale) -> torch.Tensor:
-        span = self.span
-        outs = []
-        for first, last in self.groups:
-            slots = self.slot_B[first:last]
-            outs.append(
-                F.scaled_dot_product_attention(
-                    query[first:last],
-                    keys[:, :, :span].index_select(0, slots),
-                    values[:, :, :span].index_select(0, slots),
-                    attn_mask=self.visible_B1TP[first:last],
-                    scale=scale,
-                    enable_gqa=query.shape[1] != keys.shape[1],
-                )
+
+def _attend_packed_per_sequence(q_NHD, k_KHD, v_KHD, cu_q, cu_k, scale) -> torch.Tensor:
+    """What the varlen kernel computes, one SDPA call per sequence (the fallback)."""
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    outs = []
+    for b in range(len(bounds_q) - 1):
+        q = q_NHD[bounds_q[b] : bounds_q[b + 1]].transpose(0, 1)[None]
+        k = k_KHD[bounds_k[b] : bounds_k[b + 1]].transpose(0, 1)[None]
+        v = v_KHD[bounds_k[b] : bounds_k[b + 1]].transpose(0, 1)[None]
+        outs.append(
+            F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                scale=scale,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )[0].transpose(0, 1)
+        )
+    return torch.cat(outs)
+
+
+_VARLEN_BROKEN: list[str] = []  # the first failure's message: ContinueWrite then picks dense
+
+
+def _log_varlen_fallback(exc: Exception) -> None:
+    if not _VARLEN_BROKEN:
+        _VARLEN_BROKEN.append(str(exc))
+        logger.warning(
+            "flash attention over packed sequences failed (%s); kept-KV continuations attend "
+            "per sequence, then with one masked SDPA call, from now on",
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+        )
+
+
+def _attend_dense(query, keys, values, slot_B, visible_B1TP, scale):
+    B, _, T, _ = query.shape
+    span = visible_B1TP.shape[-1]
+    rows_per_group = max(1, DENSE_SCORES_BUDGET // (T * span * keys.shape[1]))
+    outs = []
+    for first in range(0, B, rows_per_group):
+        last = min(first + rows_per_group, B)
+        slots = slot_B[first:last]
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[first:last],
+                keys[:, :, :span].index_select(0, slots),
+                values[:, :, :span].index_select(0, slots),
+                attn_mask=visible_B1TP[first:last],
+                scale=scale,
+                enable_gqa=query.shape[1] != keys.shape[1],
             )
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return out.transpose(1, 2).contiguous()
+        )
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.transpose(1, 2).contiguous()
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; on CUDA through pinned memory, queued on the current stream
+    without waiting for it (as _batcher.to_device)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 # Scores (rows x H_kv x T x span) one dense continuation attention call may materialise: the
@@ -383,6 +505,8 @@ def _can_use_varlen(cache: StaticKVCache) -> bool:
     keys = cache.keys[0]
     return (
         keys.is_cuda
+        and not _VARLEN_BROKEN
+        and torch.cuda.get_device_capability(keys.device)[0] >= 8
         and keys.dtype in (torch.float16, torch.bfloat16)
         and cache.head_dim % 8 == 0
         and cache.head_dim <= 256
