@@ -224,3 +224,21 @@ def test_continuations_are_chunked_by_max_prefill_tokens(tiny_model_dir):
     assert [f["rows"] for f in forwards] == [3, 1]
     assert all(f["padded_tokens"] <= 64 for f in forwards)
     _assert_same_samples(got, expected)
+
+
+def test_compiled_continuations_sample_what_eager_fresh_prefills_do(tiny_model_dir, caplog):
+    # compile_prefill compiles the continuation forward too (dynamic shapes, the write and
+    # attention one opaque op); a compile failure would fall back to eager with a warning.
+    fresh_engine, _ = _engine(tiny_model_dir, "compiled-fresh")
+    kept_engine, forwards = _engine(tiny_model_dir, "compiled-kept", compile_prefill=True)
+    try:
+        expected = _conversations(fresh_engine, GREEDY, should_keep=False)
+        with caplog.at_level("WARNING"):
+            got = _conversations(kept_engine, GREEDY, should_keep=True)
+        assert kept_engine._runner._compiled_continue is not None
+    finally:
+        fresh_engine.close()
+        kept_engine.close()
+    assert "kept-KV continuation" not in caplog.text
+    assert [f["rows"] for f in forwards] == [4, 4]
+    _assert_same_samples(got, expected)

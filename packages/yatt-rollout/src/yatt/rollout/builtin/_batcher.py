@@ -436,11 +436,39 @@ class SlotRunner:
         write = ContinueWrite(
             cache=self.cache, slots=list(slots), starts=list(starts), lengths=lengths, span=span
         )
-        logits_JV = self._forward_last_logits(ids_BT, mask, positions_BT, write)
+        logits_JV = self._continue_logits(ids_BT, mask, positions_BT, write)
         prompt_len_J = start_B + to_device(lengths, device)
         self._start_samples(
             items, slot_J, logits_JV, prompt_len_J, torch.zeros_like(start_B), flags
         )
+
+    # The continuation forward compiled (created at the first continuation, so an engine that
+    # never continues a conversation compiles nothing), and whether compiling it failed.
+    _compiled_continue = None
+    _is_continue_eager = False
+
+    def _continue_logits(self, ids_BT, mask, positions_BT, write: ContinueWrite) -> torch.Tensor:
+        """A continuation's last-column logits [B, V]: compiled when the engine compiles its
+        prefills (dynamic, as they are: rows, new tokens and packed lengths change every
+        turn), else eager. Eager, its elementwise ops (norms, rotary, SiLU) read and write
+        the activations several times over, which compiled fresh prefills fuse."""
+        should_compile = self._compiled_prefill is not None and not self._is_continue_eager
+        if self._compiled_continue is None and should_compile:
+            self._compiled_continue = torch.compile(self._forward_last_logits, dynamic=True)
+        if self._compiled_continue is not None:
+            try:
+                with torch._dynamo.config.patch(**self._compile_patch):
+                    return self._compiled_continue(ids_BT, mask, positions_BT, write, as_kwarg=True)
+            except Exception as exc:
+                if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise
+                # Compiling happens before the forward runs, and an eager continuation
+                # rewrites every KV row it fills: redo it eagerly, and stay eager.
+                _log_compile_fallback(
+                    "the kept-KV continuation", "continuing", "compile_prefill", exc
+                )
+                self._compiled_continue, self._is_continue_eager = None, True
+        return self._forward_last_logits(ids_BT, mask, positions_BT, write)
 
     def _set_adapter_rows(self, use_adapter: list[bool]) -> None:
         """The adapter gate of a prefill's rows (one per prompt row)."""
