@@ -12,8 +12,9 @@ to ONE engine (same weights, same CUDA graphs): `kept` names each trajectory's s
 engine prefills only the new tokens (response already cached, observation); `prefill` sends the
 same prompt ids without a session, so the engine prefills the whole history again. Rollout time
 = the sum of the turns' generate calls (the tool's own time left out: it is the same in both).
-Per shape: one untimed round of each mode first (graph capture), then --repeats rounds
-alternating prefill and kept; medians. Bar: kept / prefill <= 0.6.
+Per shape: one untimed two-turn round of each mode first (graph capture, compiles), then
+--repeats rounds alternating prefill and kept; medians. Bar: kept / prefill <= 0.6. Each
+phase's seconds are printed as it ends and kept in the JSON (setup_s).
 
 The JSON (and markdown) is rewritten after every shape, so a run cut short keeps the shapes it
 finished. Random-weight Qwen2.5 shapes (bench/rollout/_engine_shapes.py), built on the device in
@@ -64,6 +65,9 @@ def build_engine(shape: dict, args: argparse.Namespace):
         dtype="float32" if args.smoke else "bfloat16",
         max_batch_size=args.trajectories,
         max_seq_len=context_tokens(args) + 8,
+        # Every trajectory decodes the same forced length, so only the full batch ever runs:
+        # one CUDA graph per span instead of four (setup time, the same in both modes).
+        decode_batch_buckets=(),
     )
     return BuiltinEngine(model, config=config)
 
@@ -92,14 +96,18 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def rollout(engine, args: argparse.Namespace, vocab: int, mode: str, round_index: int) -> dict:
-    """One round of every trajectory through every turn: per-turn seconds and checks."""
+def rollout(
+    engine, args: argparse.Namespace, vocab: int, mode: str, round_index: int, turns: int = 0
+) -> dict:
+    """One round of every trajectory through `turns` turns (0: --turns): per-turn seconds and
+    checks."""
     from yatt.rollout import Request, SamplingParams
 
     histories = first_prompts(args, vocab)
     sessions = [f"r{round_index}-t{i}" for i in range(args.trajectories)]
     turn_s, kept, bad_lengths = [], [], 0
-    for turn in range(args.turns):
+    turns = turns or args.turns
+    for turn in range(turns):
         requests = [
             Request(prompt_ids=h, session_id=s if mode == "kept" else None)
             for h, s in zip(histories, sessions, strict=True)
@@ -118,7 +126,7 @@ def rollout(engine, args: argparse.Namespace, vocab: int, mode: str, round_index
         kept.append(engine.num_kept_sessions)
         by_index = sorted(completions, key=lambda c: c.request_index)
         bad_lengths += sum(len(c.response_ids) != args.response_tokens for c in by_index)
-        if turn + 1 < args.turns:
+        if turn + 1 < turns:
             obs = observations(args, vocab, turn)
             histories = [
                 c.prompt_ids + c.response_ids + o for c, o in zip(by_index, obs, strict=True)
@@ -135,15 +143,32 @@ def rollout(engine, args: argparse.Namespace, vocab: int, mode: str, round_index
 
 def measure_shape(name: str, args: argparse.Namespace) -> dict:
     shape = TINY if args.smoke else SHAPES[name]
+    # Phase seconds, printed as they end: a run cut by its step's time limit still says
+    # where the time went (the 1.5B shape once did not finish inside 300 s).
+    setup_s: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    def phase(label: str) -> None:
+        nonlocal t0
+        _sync()
+        setup_s[label] = round(time.perf_counter() - t0, 2)
+        print(f"  {name} {label}: {setup_s[label]:.1f} s", flush=True)
+        t0 = time.perf_counter()
+
     engine = build_engine(shape, args)
     vocab = shape["vocab_size"]
+    phase("build")
     try:
-        for mode in MODES:  # untimed: CUDA graphs captured, kernels loaded
-            rollout(engine, args, vocab, mode, round_index=-1 - MODES.index(mode))
+        # Untimed, two turns per mode: CUDA graphs captured, and the prefill, continuation and
+        # decode compiled (all dynamic in the shapes, so later turns reuse them).
+        for mode in MODES:
+            rollout(engine, args, vocab, mode, round_index=-1 - MODES.index(mode), turns=2)
+            phase(f"warm-up {mode}")
         rounds: dict[str, list[dict]] = {m: [] for m in MODES}
         for r in range(args.repeats):
             for mode in MODES:
                 rounds[mode].append(rollout(engine, args, vocab, mode, round_index=r))
+        phase("timed rounds")
     finally:
         engine.close()
         del engine
@@ -161,6 +186,7 @@ def measure_shape(name: str, args: argparse.Namespace) -> dict:
         },
         "kept_sessions_after_turn": {m: rounds[m][-1]["kept_sessions_after_turn"] for m in MODES},
         "bad_lengths": sum(x["bad_lengths"] for m in MODES for x in rounds[m]),
+        "setup_s": setup_s,
         "rounds": rounds,
     }
 
@@ -179,12 +205,12 @@ def markdown(results: dict) -> str:
         + (" · SMOKE (tiny shape, CPU): not a measurement" if results["smoke"] else ""),
         "",
         "| shape | prefill each turn s | KV kept s | kept / prefill | bar | per turn, prefill | "
-        "per turn, kept | kept sessions after each turn (kept) |",
-        "|---|---:|---:|---:|---|---|---|---|",
+        "per turn, kept | kept sessions after each turn (kept) | setup s |",
+        "|---|---:|---:|---:|---|---|---|---|---|",
     ]
     for row in results["shapes"].values():
         if "error" in row:
-            lines.append(f"| {row['shape']} | {row['error'][:150]} | | | | | | |")
+            lines.append(f"| {row['shape']} | {row['error'][:150]} | | | | | | | |")
             continue
         s, ratio = row["seconds"], row["ratio"]
         verdict = "PASS" if ratio <= BAR else "FAIL"
@@ -192,7 +218,9 @@ def markdown(results: dict) -> str:
         lines.append(
             f"| {row['shape']} | {s['prefill']:.3f} | {s['kept']:.3f} | {ratio:.3f} | "
             f"<= {BAR} {verdict} | {per_turn['prefill']} | {per_turn['kept']} | "
-            f"{row['kept_sessions_after_turn']['kept']} |"
+            f"{row['kept_sessions_after_turn']['kept']} | "
+            + " / ".join(f"{k} {v:.1f}" for k, v in row.get("setup_s", {}).items())
+            + " |"
         )
     lines += [
         "",
