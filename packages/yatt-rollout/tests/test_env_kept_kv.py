@@ -184,11 +184,16 @@ def test_kept_conversation_on_cuda_with_graphs(tiny_model_dir):
     )
 
 
+BAR = 0.6  # issue 44: kept / history prefilled each turn, 4 turns, 1k-token observations
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a 0.5B-shaped model)")
-def test_kept_conversations_take_less_time_on_cuda(tmp_path, capsys):
-    # The issue's bar (kept / prefilled each turn <= 0.6) is measured by the bench; this checks
-    # the direction on a Qwen2.5-0.5B-shaped random model: 32 conversations, 4 turns of 64
-    # tokens, 1,024-token observations between turns. Prints the ratio.
+def test_kept_conversations_meet_the_issue_bar_on_cuda(tmp_path, capsys):
+    # Issue 44's first bar on a Qwen2.5-0.5B-shaped random model (bf16), the bench's workload
+    # (bench/rollout/multiturn_kv.py): 64 conversations, 4 turns of 64 forced tokens, prompt
+    # 256, 1,024-token observations between turns. One engine for both modes (same graphs and
+    # compiles); a two-turn warm-up of each mode, then two timed rounds each, alternating;
+    # the better round of each. Prints the ratio.
     import time
 
     from yatt.testing import make_tiny_causal_lm
@@ -209,42 +214,57 @@ def test_kept_conversations_take_less_time_on_cuda(tmp_path, capsys):
     def tokens(n):
         return torch.randint(5, 250, (n,), generator=generator).tolist()
 
-    prompts = [tokens(256) for _ in range(32)]
-    observations = [[tokens(1024) for _ in range(3)] for _ in range(32)]
+    num_conversations = 64
+    prompts = [tokens(256) for _ in range(num_conversations)]
+    observations = [[tokens(1024) for _ in range(3)] for _ in range(num_conversations)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=64, ignore_eos=True, seed=0)
-    seconds = {}
-    for should_keep in (False, True, False, True):  # the first of each warms up
-        engine = BuiltinEngine(
-            tmp_path,
-            config=EngineConfig(
-                device="cuda",
-                max_batch_size=32,
-                max_seq_len=4096,
-                region_prefix=f"bar{should_keep}",
-            ),
-        )
-        try:
-            seqs = [list(p) for p in prompts]
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for turn in range(4):
-                requests = [
-                    Request(prompt_ids=seq, session_id=str(i) if should_keep else None)
-                    for i, seq in enumerate(seqs)
+    engine = BuiltinEngine(
+        tmp_path,
+        config=EngineConfig(
+            device="cuda",
+            max_batch_size=num_conversations,
+            max_seq_len=4096,
+            region_prefix="bar",
+            decode_batch_buckets=(),
+        ),
+    )
+
+    def rollout(should_keep, round_index, num_turns=4):
+        sessions = [f"{round_index}-{i}" for i in range(num_conversations)]
+        seqs = [list(p) for p in prompts]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for turn in range(num_turns):
+            requests = [
+                Request(prompt_ids=seq, session_id=session if should_keep else None)
+                for seq, session in zip(seqs, sessions, strict=True)
+            ]
+            completions = engine.generate(requests, sampling)
+            assert all(len(c.response_ids) == 64 for c in completions)
+            if turn + 1 < num_turns:
+                seqs = [
+                    seq + c.response_ids + observations[i][turn]
+                    for i, (seq, c) in enumerate(zip(seqs, completions, strict=True))
                 ]
-                completions = engine.generate(requests, sampling)
-                if turn < 3:
-                    seqs = [
-                        seq + c.response_ids + observations[i][turn]
-                        for i, (seq, c) in enumerate(zip(seqs, completions, strict=True))
-                    ]
-            torch.cuda.synchronize()
-            seconds[should_keep] = time.perf_counter() - start
-        finally:
-            engine.close()
-    ratio = seconds[True] / seconds[False]
+        torch.cuda.synchronize()
+        if should_keep:
+            assert engine.num_kept_sessions == num_conversations
+            engine.release_sessions(sessions)
+        return time.perf_counter() - start
+
+    seconds = {False: [], True: []}
+    try:
+        for should_keep in (False, True):
+            rollout(should_keep, f"warm{should_keep}", num_turns=2)
+        for r in range(2):
+            for should_keep in (False, True):
+                seconds[should_keep].append(rollout(should_keep, r))
+    finally:
+        engine.close()
+    kept, prefilled = min(seconds[True]), min(seconds[False])
+    ratio = kept / prefilled
     with capsys.disabled():
-        print(
-            f"\nkept / prefilled each turn: {seconds[True]:.3f} s / {seconds[False]:.3f} s = {ratio:.2f}"
-        )
-    assert ratio < 1.0
+        print(f"\nkept / prefilled each turn: {kept:.3f} s / {prefilled:.3f} s = {ratio:.2f}")
+    assert ratio <= BAR, (
+        f"kept KV / history prefilled each turn = {ratio:.2f} > {BAR} (issue 44's first bar)"
+    )
