@@ -90,6 +90,17 @@ def test_dense_continuation_attention_split_into_groups_is_the_same(monkeypatch)
     _check_continue_write("cpu", torch.float32, "dense", atol=1e-5)
 
 
+def test_varlen_packing_matches_attention_by_hand_where_flash_is_missing(monkeypatch, caplog):
+    # On CPU the packed-sequence flash kernel is missing: the varlen path logs it once and
+    # attends per sequence over the same packed queries/keys, which checks the packing (rows
+    # of the cache gathered per row, cumulative lengths, the output scattered back).
+    monkeypatch.setattr(_static_kv, "_VARLEN_BROKEN", [])
+    with caplog.at_level("WARNING"):
+        _check_continue_write("cpu", torch.float32, "varlen", atol=1e-5)
+    assert "packed sequences failed" in caplog.text
+    assert _static_kv._VARLEN_BROKEN
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flash attention, varlen)")
 @pytest.mark.parametrize("kernel", ["varlen", "dense"])
 def test_continuation_attention_on_cuda_matches_attention_by_hand(kernel):
