@@ -1,7 +1,7 @@
 """Issue 44's first bar: multi-turn rollout time with the conversation's KV kept in the built-in
 engine between turns (Request.session_id) against prefilling the whole history every turn.
 
-    python3 bench/rollout/multiturn_kv.py --out-dir OUT     # 0.5b and 1.5b on the GPU (~1-2 min)
+    python3 bench/rollout/multiturn_kv.py --out-dir OUT     # 0.5b and 1.5b on the GPU
     python bench/rollout/multiturn_kv.py --smoke --out-dir /tmp/x   # tiny shape on CPU: plumbing
 
 Workload (the bar's): --trajectories conversations at once, each --turns turns; a turn samples
@@ -24,10 +24,16 @@ bf16: no files written.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import gc
+import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -40,6 +46,7 @@ from measured_commit import measured_commit
 from report import write_report
 
 BAR = 0.6
+READY_WAIT_S = 600  # how long a shape's process waits for the others' setups
 MODES = ("prefill", "kept")
 TINY = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -165,10 +172,12 @@ def measure_shape(name: str, args: argparse.Namespace) -> dict:
             rollout(engine, args, vocab, mode, round_index=-1 - MODES.index(mode), turns=2)
             phase(f"warm-up {mode}")
         rounds: dict[str, list[dict]] = {m: [] for m in MODES}
-        for r in range(args.repeats):
-            for mode in MODES:
-                rounds[mode].append(rollout(engine, args, vocab, mode, round_index=r))
-        phase("timed rounds")
+        with gpu_to_itself(args):
+            phase("waiting for the GPU")
+            for r in range(args.repeats):
+                for mode in MODES:
+                    rounds[mode].append(rollout(engine, args, vocab, mode, round_index=r))
+            phase("timed rounds")
     finally:
         engine.close()
         del engine
@@ -189,6 +198,60 @@ def measure_shape(name: str, args: argparse.Namespace) -> dict:
         "setup_s": setup_s,
         "rounds": rounds,
     }
+
+
+@contextmanager
+def gpu_to_itself(args: argparse.Namespace) -> Iterator[None]:
+    """In a shape's own process (--child): wait until every shape's process has set up
+    (compiled, captured, warmed up: CPU-bound work, done side by side), then measure alone,
+    one process at a time (a file lock), so no compile or other process's GPU work overlaps
+    a timed round. In-process runs measure at once."""
+    if args.sync_dir is None:
+        yield
+        return
+    sync = Path(args.sync_dir)
+    (sync / f"ready-{args.child}").touch()
+    deadline = time.monotonic() + READY_WAIT_S
+    while len(list(sync.glob("ready-*"))) < args.num_children and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with open(sync / "gpu.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def measure_in_children(args: argparse.Namespace, argv: list[str], on_row) -> None:
+    """Each shape in its own process, all started at once: their setups (model build, the
+    prefill, continuation and decode compiles, graph captures; about everything but the
+    timed rounds) overlap, and gpu_to_itself serialises the timed rounds. on_row(name, row)
+    as each process ends; a process that ends without a row reports its exit code."""
+    with tempfile.TemporaryDirectory() as sync_dir:
+        sync = Path(sync_dir)
+        children = {
+            name: subprocess.Popen(
+                [
+                    *(sys.executable, __file__, *argv),
+                    *("--child", name, "--sync-dir", sync_dir),
+                    *("--num-children", str(len(args.shapes))),
+                ]
+            )
+            for name in args.shapes
+        }
+        while children:
+            for name, child in list(children.items()):
+                if child.poll() is None:
+                    continue
+                del children[name]
+                (sync / f"ready-{name}").touch()  # a crashed child must not hold the others
+                row_file = sync / f"row-{name}.json"
+                if row_file.exists():
+                    row = json.loads(row_file.read_text())
+                else:
+                    row = {"shape": name, "error": f"its process exited {child.returncode}"}
+                on_row(name, row)
+            time.sleep(0.2)
 
 
 def markdown(results: dict) -> str:
@@ -246,6 +309,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per mode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", default="bench/results")
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="measure the shapes one after another in this process (default on GPU: one "
+        "process per shape, set up side by side, timed one at a time)",
+    )
+    # Internal: a shape's own process (measure_in_children).
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--sync-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--num-children", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
         args.shapes = ["tiny"]
@@ -267,6 +340,13 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     if args.smoke:
         torch.set_num_threads(1)
+    if args.child is not None:  # one shape's process: its row to the sync directory
+        try:
+            row = measure_shape(args.child, args)
+        except Exception as exc:
+            row = {"shape": args.child, "error": f"{type(exc).__name__}: {exc}"[:1000]}
+        (Path(args.sync_dir) / f"row-{args.child}.json").write_text(json.dumps(row))
+        return
     device = device_name()
     md = Path(args.out_dir) / f"multiturn_kv_{device}{'_smoke' if args.smoke else ''}.md"
     results = {
@@ -284,16 +364,24 @@ def main(argv: list[str]) -> None:
         "command": "python3 bench/rollout/multiturn_kv.py " + " ".join(argv),
         "shapes": {},
     }
-    for name in args.shapes:
-        print(f"=== {name}", flush=True)
-        try:
-            row = measure_shape(name, args)
-        except Exception as exc:  # the next shape still runs; the error is in the report
-            row = {"shape": name, "error": f"{type(exc).__name__}: {exc}"[:1000]}
+
+    def on_row(name: str, row: dict) -> None:
         results["shapes"][name] = row
         write_report(md, markdown(results), data=results)
         summary = {k: row[k] for k in ("seconds", "ratio") if k in row} or row
         print(f"=== {name} {summary}", flush=True)
+
+    if args.in_process or len(args.shapes) == 1:
+        for name in args.shapes:
+            print(f"=== {name}", flush=True)
+            try:
+                row = measure_shape(name, args)
+            except Exception as exc:  # the next shape still runs; the error is in the report
+                row = {"shape": name, "error": f"{type(exc).__name__}: {exc}"[:1000]}
+            on_row(name, row)
+    else:
+        print(f"=== {', '.join(args.shapes)}: one process each", flush=True)
+        measure_in_children(args, argv, on_row)
     print(f"wrote {md}", flush=True)
 
 
