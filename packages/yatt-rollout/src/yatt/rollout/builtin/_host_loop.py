@@ -169,15 +169,15 @@ class SlotLoop:
         chosen = set(map(id, items))
         self.queue = deque(item for item in self.queue if id(item) not in chosen)
         # Every waiting continuation in as few forwards as max_prefill_tokens allows (padded
-        # tokens per forward, as fresh prompts are chunked), fewest new tokens first so each
-        # chunk pads to a similar length: one forward per row left a kept turn host-bound.
+        # tokens per forward, as fresh prompts are chunked: 64 rows of 1k new tokens were one
+        # 65k-token forward), fewest new tokens first so each chunk pads to a similar length.
         new_tokens = [
             len(item.request.prompt_ids) - start for item, start in zip(items, starts, strict=True)
         ]
         chunk: list[int] = []
         for j in sorted(range(len(items)), key=new_tokens.__getitem__):
-            longest = max([new_tokens[i] for i in chunk] + [new_tokens[j]])
-            if chunk and (len(chunk) + 1) * longest > self.runner.max_prefill_tokens:
+            # Ascending: row j is the longest of the chunk it joins.
+            if chunk and (len(chunk) + 1) * new_tokens[j] > self.runner.max_prefill_tokens:
                 self._continue_into(chunk, items, slots, starts)
                 chunk = []
             chunk.append(j)
