@@ -250,7 +250,7 @@ class ContinueWrite:
     read; only the last column's logits are read, so padding columns' outputs do not matter.
 
     One attention call per layer for all B rows, never one per row: a per-row loop launched
-    about 50 small ops per row and layer (76k for 64 rows x 24 layers), host-bound on a GPU,
+    about 48 small ops per row and layer (74k for 64 rows x 24 layers), host-bound on a GPU,
     and the boolean-mask gathers of the KV write synchronised with the host twice per layer
     (bench/results/multiturn_kv_nvidia_h200.md: a kept turn cost 3x a prefill's time per
     token). Two kernels, chosen once per forward:
