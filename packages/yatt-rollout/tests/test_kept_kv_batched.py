@@ -103,9 +103,17 @@ def test_varlen_packing_matches_attention_by_hand_where_flash_is_missing(monkeyp
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (flash attention, varlen)")
 @pytest.mark.parametrize("kernel", ["varlen", "dense"])
-def test_continuation_attention_on_cuda_matches_attention_by_hand(kernel):
-    # bf16 inputs, float32 accumulation: a few bf16 ulps of outputs of magnitude <= ~3.
+def test_continuation_attention_on_cuda_matches_attention_by_hand(kernel, monkeypatch):
+    # bf16 inputs, float32 accumulation: a few bf16 ulps of outputs of magnitude <= ~3. The
+    # flash kernel itself ran (no per-sequence fallback), and an engine would pick it.
+    monkeypatch.setattr(_static_kv, "_VARLEN_BROKEN", [])
     _check_continue_write("cuda", torch.bfloat16, kernel, atol=3e-2)
+    assert _static_kv._VARLEN_BROKEN == []
+    cache = StaticKVCache(
+        num_layers=1, num_slots=1, num_kv_heads=2, max_seq_len=8, head_dim=64,
+        dtype=torch.bfloat16, device=torch.device("cuda"),
+    )  # fmt: skip
+    assert _static_kv._can_use_varlen(cache)
 
 
 def _engine(model_dir, prefix, **config):
