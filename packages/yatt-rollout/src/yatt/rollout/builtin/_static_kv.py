@@ -311,8 +311,9 @@ class ContinueWrite:
             self.cu_q = _to_device(torch.cat([zero, lengths_B.cumsum(0).int()]), device)
             self.cu_k = _to_device(torch.cat([zero, spans_B.cumsum(0).int()]), device)
         elif self.kernel == "dense":
-            # Column T - n_b + t of row b sees positions <= start_b + t; a padding column sees
-            # position 0 only (a real key, so its softmax row is not empty).
+            # Column T - n_b + t of row b sees positions <= start_b + t; a padding column
+            # (t < 0) sees positions <= max(start_b + t, 0): kept keys, so no softmax row is
+            # empty (NaN); its output is never read.
             col_T, pos_P = torch.arange(T), torch.arange(self.span)
             last_BT = starts_B[:, None] + col_T[None, :] - pad_B[:, None]
             visible = pos_P[None, None, :] <= last_BT.clamp(min=0)[:, :, None]
