@@ -220,6 +220,15 @@ PY
       # observations, KV kept between turns vs the history prefilled each turn; 0.5B and 1.5B.
       STEP_TIMEOUT=${MULTITURN_TIMEOUT_S:-300} run_step bench_multiturn python3 \
         bench/rollout/multiturn_kv.py --out-dir "$OUT" ${MULTITURN_ARGS:-} ;;
+    bench_multiturn_vllm)
+      # Issue 44's third bar (bench/rollout/multiturn_kv.py --vllm): the same kept-KV rounds,
+      # then the same requests through yatt's VLLMEngine (prefix caching on). Needs vLLM's site:
+      # its pieces carried (scripts/pack_engine_site.sh) and `bash bench/rollout/engines_gpu.sh
+      # unpack` run first in the same machine.
+      HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_USE_FLASHINFER_SAMPLER=0 \
+        PYTHONPATH="/root/site_vllm:$PYTHONPATH" STEP_TIMEOUT=${MULTITURN_TIMEOUT_S:-300} \
+        run_step bench_multiturn_vllm python3 bench/rollout/multiturn_kv.py --vllm --in-process \
+        --out-dir "$OUT" ${MULTITURN_ARGS:---shapes 0.5b} ;;
     bench_multiturn_judge)
       # Issue 44's second bar (bench/rollout/multiturn_judge.py): rollout + judge time per kept
       # group, trajectories judged as each ends (partial colocation) vs after the rollout (full);

@@ -16,6 +16,13 @@ Per shape: one untimed two-turn round of each mode first (graph capture, compile
 --repeats rounds alternating prefill and kept; medians. Bar: kept / prefill <= 0.6. Each
 phase's seconds are printed as it ends and kept in the JSON (setup_s).
 
+--vllm adds issue 44's third bar in the same run: after the built-in engine's rounds (closed
+first), yatt's VLLMEngine adapter (vLLM 0.26, prefix caching on, CUDA graphs, max_num_seqs =
+--trajectories, max_model_len = the built-in engine's max_seq_len) over the same weights (saved
+once to a temporary folder with a byte tokenizer) gets the same requests turn by turn; vLLM has
+no sessions, so its prefix cache is what keeps the history. Bar: yatt kept / vLLM <= 1.0.
+Needs vLLM's site on the path (bench/rollout/engines_gpu.sh unpack; scripts/pack_engine_site.sh).
+
 The JSON (and markdown) is rewritten after every shape, so a run cut short keeps the shapes it
 finished. Random-weight Qwen2.5 shapes (bench/rollout/_engine_shapes.py), built on the device in
 bf16: no files written.
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import gc
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -47,6 +55,8 @@ from report import write_report
 
 BAR = 0.6
 READY_WAIT_S = 600  # how long a shape's process waits for the others' setups
+VLLM_BAR = 1.0  # yatt kept / vLLM with prefix caching, the same requests
+VLLM_MEMORY = 0.3  # vLLM's share of the GPU: the bench's KV needs a few GiB at most
 MODES = ("prefill", "kept")
 TINY = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -54,10 +64,9 @@ TINY = dict(
 )  # fmt: skip
 
 
-def build_engine(shape: dict, args: argparse.Namespace):
+def build_model(shape: dict, args: argparse.Namespace):
+    """The shape's random weights (seed 0): the same tensors for every engine of the run."""
     from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from yatt.rollout import BuiltinEngine, EngineConfig
 
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -66,7 +75,14 @@ def build_engine(shape: dict, args: argparse.Namespace):
         model = AutoModelForCausalLM.from_config(
             Qwen2Config(**shape), dtype=dtype, attn_implementation="sdpa"
         )
-    model = model.eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
+
+
+def build_engine(shape: dict, args: argparse.Namespace):
+    from yatt.rollout import BuiltinEngine, EngineConfig
+
+    device = "cpu" if args.smoke else "cuda"
+    model = build_model(shape, args)
     config = EngineConfig(
         device=device,
         dtype="float32" if args.smoke else "bfloat16",
@@ -77,6 +93,26 @@ def build_engine(shape: dict, args: argparse.Namespace):
         decode_batch_buckets=(),
     )
     return BuiltinEngine(model, config=config)
+
+
+def build_vllm_engine(shape: dict, args: argparse.Namespace, folder: Path):
+    """yatt's VLLMEngine over the shape's weights, saved to `folder` first (vLLM loads a
+    folder); prefix caching on, as the bar names it (vLLM's default, set explicitly)."""
+    from yatt.rollout import VLLMConfig, VLLMEngine
+    from yatt.testing import make_tokenizer
+
+    model = build_model(shape, args)
+    model.save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    del model
+    torch.cuda.empty_cache()
+    config = VLLMConfig(
+        dtype="bfloat16",
+        gpu_memory_utilization=VLLM_MEMORY,
+        max_model_len=context_tokens(args) + 8,
+        llm_kwargs={"max_num_seqs": args.trajectories, "enable_prefix_caching": True},
+    )
+    return VLLMEngine(folder, config=config)
 
 
 def context_tokens(args: argparse.Namespace) -> int:
@@ -130,7 +166,7 @@ def rollout(
         completions = engine.generate(requests, sampling)
         _sync()
         turn_s.append(time.perf_counter() - t0)
-        kept.append(engine.num_kept_sessions)
+        kept.append(getattr(engine, "num_kept_sessions", 0))  # vLLM: its prefix cache
         by_index = sorted(completions, key=lambda c: c.request_index)
         bad_lengths += sum(len(c.response_ids) != args.response_tokens for c in by_index)
         if turn + 1 < turns:
@@ -185,7 +221,9 @@ def measure_shape(name: str, args: argparse.Namespace) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     medians = {m: statistics.median(x["seconds"] for x in rounds[m]) for m in MODES}
+    vllm = measure_vllm(shape, args, phase) if args.vllm else None
     return {
+        **({"vllm": vllm, "ratio_vllm": medians["kept"] / vllm["seconds"]} if vllm else {}),
         "shape": "tiny" if args.smoke else name,
         "seconds": medians,
         "ratio": medians["kept"] / medians["prefill"],
@@ -196,6 +234,36 @@ def measure_shape(name: str, args: argparse.Namespace) -> dict:
         "kept_sessions_after_turn": {m: rounds[m][-1]["kept_sessions_after_turn"] for m in MODES},
         "bad_lengths": sum(x["bad_lengths"] for m in MODES for x in rounds[m]),
         "setup_s": setup_s,
+        "rounds": rounds,
+    }
+
+
+def measure_vllm(shape: dict, args: argparse.Namespace, phase) -> dict:
+    """The same rounds through yatt's VLLMEngine (no sessions: the prefix cache keeps the
+    history): one untimed two-turn round, then --repeats rounds; the median and each round."""
+    with tempfile.TemporaryDirectory() as folder:
+        engine = build_vllm_engine(shape, args, Path(folder))
+        phase("vllm build")
+        try:
+            rollout(engine, args, shape["vocab_size"], "prefill", round_index=-3, turns=2)
+            phase("vllm warm-up")
+            with gpu_to_itself(args):
+                rounds = [
+                    rollout(engine, args, shape["vocab_size"], "prefill", round_index=100 + r)
+                    for r in range(args.repeats)
+                ]
+                phase("vllm timed rounds")
+        finally:
+            engine.close()
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+    return {
+        "seconds": statistics.median(x["seconds"] for x in rounds),
+        "turn_s_median": [
+            statistics.median(x["turn_s"][t] for x in rounds) for t in range(args.turns)
+        ],
+        "bad_lengths": sum(x["bad_lengths"] for x in rounds),
         "rounds": rounds,
     }
 
@@ -285,12 +353,31 @@ def markdown(results: dict) -> str:
             + " / ".join(f"{k} {v:.1f}" for k, v in row.get("setup_s", {}).items())
             + " |"
         )
+    vllm_rows = [row for row in results["shapes"].values() if "vllm" in row]
+    if vllm_rows:
+        lines += [
+            "",
+            "yatt (KV kept) / yatt's VLLMEngine adapter over vLLM (prefix caching on), the same "
+            "requests turn by turn:",
+            "",
+            "| shape | yatt kept s | vLLM s | yatt / vLLM | bar | per turn, vLLM |",
+            "|---|---:|---:|---:|---|---|",
+        ]
+        for row in vllm_rows:
+            ratio = row["ratio_vllm"]
+            verdict = "PASS" if ratio <= VLLM_BAR else "FAIL"
+            per_turn = " / ".join(f"{t:.3f}" for t in row["vllm"]["turn_s_median"])
+            lines.append(
+                f"| {row['shape']} | {row['seconds']['kept']:.3f} | "
+                f"{row['vllm']['seconds']:.3f} | {ratio:.3f} | <= {VLLM_BAR} {verdict} | "
+                f"{per_turn} |"
+            )
     lines += [
         "",
-        "Issue 44's other two bars (rollout + judge per kept group, trajectories judged as "
-        "they end vs after the rollout; yatt / vLLM 0.26 with prefix caching on the same "
-        "environment) are not measured by this script: they wait for their features and "
-        "engines.",
+        "Issue 44's second bar (rollout + judge per kept group) is bench/rollout/"
+        "multiturn_judge.py's; the third (yatt / vLLM) is measured here with --vllm"
+        + ("" if vllm_rows else ": not in this run")
+        + ".",
         "",
         f"Command: `{results['command']}`",
     ]
@@ -308,6 +395,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--observation-tokens", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3, help="timed rounds per mode")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--vllm",
+        action="store_true",
+        help="also the same requests through yatt's VLLMEngine (prefix caching): issue 44's "
+        "third bar, yatt kept / vLLM <= 1.0 (vLLM's site on the path)",
+    )
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument(
         "--in-process",
@@ -333,6 +426,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--turns {args.turns}: must be >= 2 (a single turn has no history to keep)")
     if not args.smoke and not torch.cuda.is_available():
         p.error("no CUDA device: run with --smoke on CPU")
+    if args.vllm and args.smoke:
+        p.error("--vllm needs a GPU and vLLM: not with --smoke")
+    if args.vllm and importlib.util.find_spec("vllm") is None:
+        p.error("--vllm: vLLM is not importable (unpack its site: bench/rollout/engines_gpu.sh)")
     return args
 
 
