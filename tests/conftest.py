@@ -239,3 +239,25 @@ def tools_task_paths(tmp_path_factory) -> dict[str, Path]:
     from tasks import tools_task
 
     return tools_task.prepare(tmp_path_factory.mktemp("tools"))
+
+
+@pytest.fixture(scope="session")
+def embedded_task(tmp_path_factory) -> dict[str, Path]:
+    """The embedded text task (examples/tasks/tiny_task.py: rows, the fitted policy and judge),
+    built once per session by the trainer's own `num_steps=0`, read-only afterwards: the
+    build takes about a minute on CI's CPU, and test_train_grpo.py, test_train_grpo_offpolicy.py,
+    test_train_self_judge.py and the off-policy bench's smoke run each built the same task
+    (same code, same seed) for themselves."""
+    workdir = tmp_path_factory.mktemp("embedded-text")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    train_grpo = ROOT / "examples" / "train_grpo.py"
+    subprocess.run(
+        [sys.executable, str(train_grpo), f"out_dir={workdir}", "num_steps=0"], check=True, env=env
+    )
+    examples = str(ROOT / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    from tasks import tiny_task
+
+    assert tiny_task.is_prepared(workdir / "embedded"), "num_steps=0 built no embedded task"
+    return tiny_task.prepare(workdir / "embedded", None)

@@ -30,7 +30,6 @@ import grpo_config
 import grpo_preflight
 import train_grpo
 from grpo_setup import save_config
-from tasks import tiny_task
 
 from yatt import core
 from yatt.testing import free_port
@@ -40,13 +39,9 @@ OFFPOLICY = ("placement=partial", f"data.prompts_per_rank={P}", "eval.every_step
 
 
 @pytest.fixture(scope="module")
-def embedded(tmp_path_factory) -> list[str]:
-    """The embedded task built once; runs point at it with overrides."""
-    workdir = tmp_path_factory.mktemp("embedded")
-    subprocess.run(
-        [sys.executable, str(TRAINER), f"out_dir={workdir}", "num_steps=0"], check=True, env=_env()
-    )
-    paths = tiny_task.prepare(workdir / "embedded", None)
+def embedded(embedded_task) -> list[str]:
+    """The embedded task (built once per session, conftest.py); runs point at it."""
+    paths = embedded_task
     return [
         "task=text",
         f"policy.model_dir={paths['policy']}",
