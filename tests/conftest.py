@@ -14,6 +14,8 @@ initialised before a fork, and a GPU run's imports are not what dominates).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import select
@@ -233,9 +235,51 @@ def tools_task_paths(tmp_path_factory) -> dict[str, Path]:
     """The embedded multi-turn task (examples/tasks/tools_task.py: rows and the fitted policy)
     built once per session: test_multiturn_ranks.py and test_train_grpo_tools.py each built
     their own copy of the same task."""
+    _import_examples()
+    from tasks import tools_task
+
+    with _built_once(tmp_path_factory, "session-tools-task") as workdir:
+        return tools_task.prepare(workdir)
+
+
+@pytest.fixture(scope="session")
+def embedded_task(tmp_path_factory) -> dict[str, Path]:
+    """The embedded text task (examples/tasks/tiny_task.py: rows, the fitted policy and judge),
+    built once per session by the trainer's own `num_steps=0`, read-only afterwards: the
+    build takes about a minute on CI's CPU, and test_train_grpo.py, test_train_grpo_offpolicy.py,
+    test_train_self_judge.py and the off-policy bench's smoke run each built the same task
+    (same code, same seed) for themselves."""
+    _import_examples()
+    from tasks import tiny_task
+
+    with _built_once(tmp_path_factory, "session-text-task") as workdir:
+        if not tiny_task.is_prepared(workdir / "embedded"):
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            train_grpo = ROOT / "examples" / "train_grpo.py"
+            command = [sys.executable, str(train_grpo), f"out_dir={workdir}", "num_steps=0"]
+            subprocess.run(command, check=True, env=env)
+        assert tiny_task.is_prepared(workdir / "embedded"), "num_steps=0 built no embedded task"
+        return tiny_task.prepare(workdir / "embedded", None)
+
+
+def _import_examples() -> None:
+    """examples/ on sys.path, as the trainer puts it: its tasks import as `tasks.*`."""
     examples = str(ROOT / "examples")
     if examples not in sys.path:
         sys.path.insert(0, examples)
-    from tasks import tools_task
 
-    return tools_task.prepare(tmp_path_factory.mktemp("tools"))
+
+@contextlib.contextmanager
+def _built_once(tmp_path_factory, name: str) -> Iterator[Path]:
+    """A folder for something the session builds once, held under a file lock while the
+    caller builds or reuses it. Under pytest-xdist the folder is shared by the workers (the
+    parent of each worker's basetemp, pytest-xdist's documented pattern), so two workers
+    build it once between them, not once each."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    workdir = root / name
+    workdir.mkdir(exist_ok=True)
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield workdir

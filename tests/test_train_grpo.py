@@ -23,7 +23,6 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import grpo_config
 import grpo_preflight
-from tasks import tiny_task
 
 from yatt.testing import free_port, native_threads, signal_when_ready
 
@@ -38,11 +37,9 @@ def _group_threads() -> set[str] | None:
 
 
 @pytest.fixture(scope="module")
-def embedded(tmp_path_factory) -> list[str]:
-    """The embedded task built once; runs point at it with overrides."""
-    workdir = tmp_path_factory.mktemp("embedded")
-    subprocess.run([sys.executable, str(TRAINER), f"out_dir={workdir}", "num_steps=0"], check=True)
-    paths = tiny_task.prepare(workdir / "embedded", None)
+def embedded(embedded_task) -> list[str]:
+    """The embedded task (built once per session, conftest.py); runs point at it."""
+    paths = embedded_task
     return [
         "task=text",  # the demo's own values (given paths no longer imply them)
         f"policy.model_dir={paths['policy']}",

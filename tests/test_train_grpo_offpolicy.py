@@ -30,7 +30,6 @@ import grpo_config
 import grpo_preflight
 import train_grpo
 from grpo_setup import save_config
-from tasks import tiny_task
 
 from yatt import core
 from yatt.testing import free_port
@@ -40,13 +39,9 @@ OFFPOLICY = ("placement=partial", f"data.prompts_per_rank={P}", "eval.every_step
 
 
 @pytest.fixture(scope="module")
-def embedded(tmp_path_factory) -> list[str]:
-    """The embedded task built once; runs point at it with overrides."""
-    workdir = tmp_path_factory.mktemp("embedded")
-    subprocess.run(
-        [sys.executable, str(TRAINER), f"out_dir={workdir}", "num_steps=0"], check=True, env=_env()
-    )
-    paths = tiny_task.prepare(workdir / "embedded", None)
+def embedded(embedded_task) -> list[str]:
+    """The embedded task (built once per session, conftest.py); runs point at it."""
+    paths = embedded_task
     return [
         "task=text",
         f"policy.model_dir={paths['policy']}",
@@ -281,7 +276,7 @@ def _assert_within_the_bound(records) -> None:
     assert sum(r["offpolicy/tokens_over_bound"] > 0 for r in records) <= len(records) // 10
 
 
-def test_sigkill_mid_run_then_resume_finishes_within_the_bound(tmp_path, small_data):
+def test_sigkill_mid_run_then_resume_finishes_within_the_bound(tmp_path, small_data, trainer):
     out = tmp_path / "killed"
     args = [
         sys.executable, str(TRAINER), f"out_dir={out}", *small_data, *OFFPOLICY,
@@ -298,7 +293,7 @@ def test_sigkill_mid_run_then_resume_finishes_within_the_bound(tmp_path, small_d
     proc.wait()
     assert committed.is_dir(), "the run never committed step 4"
     assert is_running, "the run ended before it was killed"
-    subprocess.run([*args, "--resume"], check=True, env=_env(), timeout=600)
+    trainer.run([*args, "--resume"], check=True, env=_env(), timeout=600)  # a fork: no imports
     records = {r["step"]: r for r in _metrics(out)}
     assert sorted(records) == list(range(NUM_KILLED_STEPS))
     first = min(step for step in records if step > 4)
@@ -306,7 +301,7 @@ def test_sigkill_mid_run_then_resume_finishes_within_the_bound(tmp_path, small_d
     _assert_within_the_bound(records.values())
 
 
-def test_sigterm_saves_the_step_in_progress_and_resume_finishes(tmp_path, small_data):
+def test_sigterm_saves_the_step_in_progress_and_resume_finishes(tmp_path, small_data, trainer):
     # A step stopped mid-rollout puts its taken groups back in flight (put_back) and its
     # unconsumed slots are counted (finish_step(0)), so the saved checkpoint holds them and
     # the resumed run stays within the bound; the resumed run trains every step.
@@ -324,7 +319,7 @@ def test_sigterm_saves_the_step_in_progress_and_resume_finishes(tmp_path, small_
     assert proc.poll() is None, "the run ended before it was stopped"
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 128 + signal.SIGTERM
-    subprocess.run([*args, "--resume"], check=True, env=_env(), timeout=600)
+    trainer.run([*args, "--resume"], check=True, env=_env(), timeout=600)  # a fork: no imports
     records = {r["step"]: r for r in _metrics(out)}
     assert sorted(records) == list(range(NUM_KILLED_STEPS))
     stopped = [r for r in records.values() if "offpolicy/tokens_over_bound" not in r]

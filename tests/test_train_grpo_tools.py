@@ -8,7 +8,6 @@ NUM_GPUS = 0
 import asyncio
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,7 +31,7 @@ def task(tools_task_paths) -> dict[str, Path]:
     return tools_task_paths  # built once per session (tests/conftest.py)
 
 
-def test_a_short_tools_run_logs_the_multiturn_metrics(task, tmp_path):
+def test_a_short_tools_run_logs_the_multiturn_metrics(task, tmp_path, trainer):
     out_dir = tmp_path / "run"
     command = [
         sys.executable,
@@ -44,8 +43,8 @@ def test_a_short_tools_run_logs_the_multiturn_metrics(task, tmp_path):
         "data.prompts_per_rank=4",
         "num_steps=2",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(command, check=True, env=env, timeout=600)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    trainer.run(command, check=True, env=env, timeout=600)  # forked: the imports are loaded
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]
     for record in records:
@@ -63,7 +62,7 @@ def format_judge(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("sampling_mode", ["rounds", "stream"])
 def test_partial_colocation_judges_each_trajectory_as_it_ends(
-    task, format_judge, tmp_path, sampling_mode
+    task, format_judge, tmp_path, sampling_mode, trainer
 ):
     # A judge model resident beside the rollout (placement=partial), its context long enough
     # for a whole transcript in bytes. rounds: each trajectory judged as it ends
@@ -88,8 +87,8 @@ def test_partial_colocation_judges_each_trajectory_as_it_ends(
         "reward.engine.max_seq_len=4096",
         "data.answer_key=secret",  # the judge's reference: the secret number
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, env=env, timeout=600, capture_output=True, text=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    done = trainer.run(command, env=env, timeout=600, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1]

@@ -32,7 +32,8 @@ def vision(tmp_path_factory) -> Path:
     return workdir
 
 
-def _run(out: Path, vision: Path, *args: str) -> subprocess.CompletedProcess:
+def _run(trainer, out: Path, vision: Path, *args: str) -> subprocess.CompletedProcess:
+    """One run of the trainer, forked from the session's preloaded one (tests/conftest.py)."""
     command = [
         sys.executable,
         str(TRAINER),
@@ -44,7 +45,7 @@ def _run(out: Path, vision: Path, *args: str) -> subprocess.CompletedProcess:
         *args,
     ]
     env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
+    return trainer.run(
         command,
         capture_output=True,
         text=True,
@@ -57,9 +58,10 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_the_image_task_trains_with_images_and_evaluates(tmp_path, vision):
+def test_the_image_task_trains_with_images_and_evaluates(tmp_path, vision, trainer):
     out = tmp_path / "run"
     result = _run(
+        trainer,
         out,
         vision,
         "num_steps=6",
@@ -87,7 +89,7 @@ def test_the_image_task_trains_with_images_and_evaluates(tmp_path, vision):
     assert (out / "export" / "config.json").exists()
 
 
-def test_bad_image_rows_are_counted_skips(tmp_path, vision):
+def test_bad_image_rows_are_counted_skips(tmp_path, vision, trainer):
     rows = [json.loads(x) for x in (vision / "prompts.jsonl").read_text().splitlines()][:24]
     data = tmp_path / "data"
     (data / "images").mkdir(parents=True)
@@ -104,6 +106,7 @@ def test_bad_image_rows_are_counted_skips(tmp_path, vision):
     (data / "rows.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "run"
     result = _run(
+        trainer,
         out,
         vision,
         "num_steps=6",

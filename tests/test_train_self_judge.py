@@ -7,7 +7,6 @@ NUM_GPUS = 0
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,6 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import grpo_config
 import grpo_preflight
-from tasks import tiny_task
 
 SELF_JUDGE = ("reward.judge_dir=policy", "policy.lora.rank=8", "rollout.engine.lora_mode=beside")
 # examples/train_grpo.py builds its judge and plan through grpo_setup's make_judge_engine and
@@ -60,13 +58,9 @@ def test_a_good_self_judge_config_passes_and_others_are_untouched(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def embedded(tmp_path_factory) -> list[str]:
-    workdir = tmp_path_factory.mktemp("embedded")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(
-        [sys.executable, str(TRAINER), f"out_dir={workdir}", "num_steps=0"], check=True, env=env
-    )
-    paths = tiny_task.prepare(workdir / "embedded", None)
+def embedded(embedded_task) -> list[str]:
+    """The embedded task (built once per session, conftest.py); runs point at it."""
+    paths = embedded_task
     return ["task=text", f"policy.model_dir={paths['policy']}", f"data.path={paths['prompts']}"]
 
 
