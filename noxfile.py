@@ -42,7 +42,12 @@ TORCH_VERSION = "2.13.0"  # the version CI tests; the packages' floors say which
 # test_multiturn_ranks, test_bench_controller, test_bench_lora and test_train_grpo_vl used 1.13
 # CPUs on average (254 CPU s in 225 s); two workers took 174 s (0.77x), all passing, with another
 # user on the machine. The tasks tests/conftest.py builds once are shared by the workers.
-PARALLEL_SESSIONS: set[str] = {"integration", "yatt-core", "yatt-rollout", "yatt-genrm"}
+# Session 21, a clean-clone `nox` (idle) with integration, yatt-core, yatt-rollout and
+# yatt-genrm on two workers: 2017 s in all (serial: ~2420 s estimated, 2644 s on CI before the
+# shared-task fixtures), and two failures a serial order hides: a loss test drawing unseeded
+# inputs (fixed: seeded), and tests/test_grpo_prompts.py meeting 'rollout/kv_cache' left paused
+# process-wide by another file's engine closed asleep (a library bug to fix first).
+PARALLEL_SESSIONS: set[str] = set()
 XDIST = "pytest-xdist==3.8.0"
 
 nox.options.default_venv_backend = "uv"

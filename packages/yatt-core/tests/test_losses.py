@@ -67,9 +67,12 @@ def test_dual_clip_caps_negative_advantage_loss():
 
 
 def test_gradient_does_not_flow_into_old_logprobs_or_advantages():
-    new = torch.randn(2, 3, requires_grad=True)
-    old = torch.randn(2, 3, requires_grad=True)
-    adv = torch.randn(2, 3, requires_grad=True)
+    # new within 0.01 of old: every ratio inside the clip range, so new's gradient is nonzero
+    # whatever ran before (independent draws were all clipped under another test order).
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(2, 3, generator=g).requires_grad_()
+    new = (old.detach() + 0.01 * torch.randn(2, 3, generator=g)).requires_grad_()
+    adv = torch.randn(2, 3, generator=g).requires_grad_()
     loss, _ = compute_clipped_policy_loss(new, old, adv)
     loss.sum().backward()
     assert old.grad is None and adv.grad is None
