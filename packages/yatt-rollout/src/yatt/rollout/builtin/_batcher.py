@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from yatt.rollout._types import Request, SamplingParams
+from yatt.rollout.builtin._device import to_device
 from yatt.rollout.builtin._lora_beside import LowRankBeside
 from yatt.rollout.builtin._sampling import sample_tokens, seen_tokens
 from yatt.rollout.builtin._static_kv import (
@@ -141,19 +142,6 @@ class Flags:
 
     def as_key(self) -> tuple[bool, bool, bool]:
         return (self.is_greedy, self.is_truncated, self.is_penalized)
-
-
-def to_device(data, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Host data (a list, nested lists or a CPU tensor) on `device`, without a host sync.
-
-    On CUDA the copy goes through pinned memory and is queued on the current stream like a
-    kernel. A plain copy from pageable memory waits for the stream to drain first: between
-    prefill chunks the GPU idled while the host built the next chunk (13% of a judge-like
-    prefill on an H200, bench/results/prefill_profile_nvidia_h200.md)."""
-    host = torch.as_tensor(data, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _log_compile_fallback(what: str, doing: str, field: str, exc: Exception) -> None:

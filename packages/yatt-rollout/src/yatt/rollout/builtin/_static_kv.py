@@ -39,6 +39,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from yatt.rollout.builtin._decode_kernel import triton_decode_attention
+from yatt.rollout.builtin._device import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -283,7 +284,7 @@ class ContinueWrite:
         slots_B = torch.tensor(self.slots)
         pad_B = T - lengths_B
         heads_H = torch.arange(H)
-        self.slot_B = _to_device(slots_B, device)
+        self.slot_B = to_device(slots_B, device)
         # The real (row, column) pairs as flat indices into [B * T], row by row, and their
         # (slot, head) rows at their positions.
         real_N = torch.cat([b * T + torch.arange(pad, T) for b, pad in enumerate(pad_B.tolist())])
@@ -292,8 +293,8 @@ class ContinueWrite:
         )
         slot_N = torch.repeat_interleave(slots_B, lengths_B)
         rows_NH = ((slot_N[:, None] * H + heads_H[None, :]) * L) + position_N[:, None]
-        self.real_N = _to_device(real_N, device)
-        self.rows_NH = _to_device(rows_NH.reshape(-1), device)
+        self.real_N = to_device(real_N, device)
+        self.rows_NH = to_device(rows_NH.reshape(-1), device)
         spans_B = starts_B + lengths_B
         # max new tokens and max span, as a host tensor: an op argument torch.compile keeps
         # dynamic (a Python int would be specialised into the graph, one compile per value).
@@ -306,10 +307,10 @@ class ContinueWrite:
             slot_K = torch.repeat_interleave(slots_B, spans_B)
             position_K = torch.cat([torch.arange(n) for n in spans_B.tolist()])
             rows_KH = ((slot_K[:, None] * H + heads_H[None, :]) * L) + position_K[:, None]
-            self.rows_KH = _to_device(rows_KH.reshape(-1), device)
+            self.rows_KH = to_device(rows_KH.reshape(-1), device)
             zero = torch.zeros(1, dtype=torch.int32)
-            self.cu_q = _to_device(torch.cat([zero, lengths_B.cumsum(0).int()]), device)
-            self.cu_k = _to_device(torch.cat([zero, spans_B.cumsum(0).int()]), device)
+            self.cu_q = to_device(torch.cat([zero, lengths_B.cumsum(0)]), device, torch.int32)
+            self.cu_k = to_device(torch.cat([zero, spans_B.cumsum(0)]), device, torch.int32)
         elif self.kernel == "dense":
             # Column T - n_b + t of row b sees positions <= start_b + t; a padding column
             # (t < 0) sees positions <= max(start_b + t, 0): kept keys, so no softmax row is
@@ -317,7 +318,7 @@ class ContinueWrite:
             col_T, pos_P = torch.arange(T), torch.arange(self.span)
             last_BT = starts_B[:, None] + col_T[None, :] - pad_B[:, None]
             visible = pos_P[None, None, :] <= last_BT.clamp(min=0)[:, :, None]
-            self.visible_B1TP = _to_device(visible[:, None], device)
+            self.visible_B1TP = to_device(visible[:, None], device, torch.bool)
         else:
             raise ValueError(f"ContinueWrite.kernel={self.kernel!r}: 'varlen' or 'dense'")
 
@@ -486,14 +487,6 @@ def _attend_dense(query, keys, values, slot_B, visible_B1TP, scale):
         )
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.transpose(1, 2).contiguous()
-
-
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device`; on CUDA through pinned memory, queued on the current stream
-    without waiting for it (as _batcher.to_device)."""
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 # Scores (rows x H_kv x T x span) one dense continuation attention call may materialise: the
