@@ -37,12 +37,12 @@ case $action in
     if [ -f "$dir/rc" ]; then
       echo "=== $name ended rc=$(cat "$dir/rc") (commit $(cat "$dir/commit"))"
       cp "$dir/log" "$dir/out/$name.log"
-      tar czf "${OUT:?}/$name.tgz" -C "$dir/out" .
+      tar czf "${OUT:?}/$name.tgz" --exclude=./work --exclude="*.safetensors" --exclude="*.bin" -C "$dir/out" .
     else
       echo "=== $name still running after ${limit}s"
       # what it has written so far: a machine taken back mid-job loses nothing already done
       cp "$dir/log" "$dir/out/$name.log"
-      tar czf "${OUT:?}/$name.partial.tgz" -C "$dir/out" .
+      tar czf "${OUT:?}/$name.partial.tgz" --exclude=./work --exclude="*.safetensors" --exclude="*.bin" -C "$dir/out" .
     fi ;;
   *) echo "usage: $0 start|wait NAME ..."; exit 2 ;;
 esac

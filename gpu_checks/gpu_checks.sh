@@ -218,7 +218,7 @@ PY
     bench_multiturn)
       # Issue 44's first bar (bench/rollout/multiturn_kv.py): 4-turn rollouts with 1k-token
       # observations, KV kept between turns vs the history prefilled each turn; 0.5B and 1.5B.
-      STEP_TIMEOUT=${MULTITURN_TIMEOUT_S:-300} run_step bench_multiturn python3 \
+      STEP_TIMEOUT=${MULTITURN_TIMEOUT_S:-600} run_step bench_multiturn python3 \
         bench/rollout/multiturn_kv.py --out-dir "$OUT" ${MULTITURN_ARGS:-} ;;
     bench_multiturn_vllm)
       # Issue 44's third bar (bench/rollout/multiturn_kv.py --vllm): the same kept-KV rounds,
