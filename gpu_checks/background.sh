@@ -13,6 +13,8 @@ set -uo pipefail
 BG=/root/bg
 action=${1:?start|wait}; name=${2:?job name}; shift 2
 dir=$BG/$name
+# Packs leave weights out: a pack holding a bench's random models was refused for size (session 22).
+NO_WEIGHTS=(--exclude=./work --exclude="*.safetensors" --exclude="*.bin")
 case $action in
   start)
     if [ -f "$dir/pid" ] && kill -0 "$(cat "$dir/pid")" 2>/dev/null; then
@@ -37,12 +39,12 @@ case $action in
     if [ -f "$dir/rc" ]; then
       echo "=== $name ended rc=$(cat "$dir/rc") (commit $(cat "$dir/commit"))"
       cp "$dir/log" "$dir/out/$name.log"
-      tar czf "${OUT:?}/$name.tgz" --exclude=./work --exclude="*.safetensors" --exclude="*.bin" -C "$dir/out" .
+      tar czf "${OUT:?}/$name.tgz" "${NO_WEIGHTS[@]}" -C "$dir/out" .
     else
       echo "=== $name still running after ${limit}s"
       # what it has written so far: a machine taken back mid-job loses nothing already done
       cp "$dir/log" "$dir/out/$name.log"
-      tar czf "${OUT:?}/$name.partial.tgz" --exclude=./work --exclude="*.safetensors" --exclude="*.bin" -C "$dir/out" .
+      tar czf "${OUT:?}/$name.partial.tgz" "${NO_WEIGHTS[@]}" -C "$dir/out" .
     fi ;;
   *) echo "usage: $0 start|wait NAME ..."; exit 2 ;;
 esac

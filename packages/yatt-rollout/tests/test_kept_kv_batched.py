@@ -28,8 +28,8 @@ def _reference_attention(query, keys_by_row, values_by_row, starts, scale):
         v_HPD = v_HPD.double().repeat_interleave(group, dim=0)
         scores = q_HTD.double() @ k_HPD.transpose(1, 2) * scale  # [H_q, n, P]
         n, P = scores.shape[1:]
-        arange = torch.arange(max(P, n), device=scores.device)
-        visible = arange[None, :P] <= start + arange[:n, None]
+        at = {"device": scores.device}  # the mask beside the scores (CUDA in the GPU case)
+        visible = torch.arange(P, **at)[None, :] <= start + torch.arange(n, **at)[:, None]
         scores = scores.masked_fill(~visible, float("-inf"))
         outs.append(torch.softmax(scores, dim=-1) @ v_HPD)  # [H_q, n, D]
     return outs
