@@ -39,11 +39,24 @@ BF16_FLIPS = 4
 BF16_WEIGHT_SUM_ATOL = BF16_FLIPS * (2 * BF16_LR + 2.0**-7)
 
 
+# The float32 "token_mean_clipped" case: 4 Adam steps at lr 2e-2. The same argument holds in
+# float32: a gradient component within float32 noise of 0 may take the other sign on another
+# CPU, which moves that weight (and its tensor's sum) by up to 2 lr in that step; the 20x
+# larger lr makes that visible in a sum. Seen with ATEN_CPU_CAPABILITY=default (and in CI):
+# up to 2.4e-3 (lm_head), 7e-4 (up_proj), against 1e-4 allowed before. Allowed: one such
+# flip, 2 lr = 0.04; its loss, grad norm and clip fractions per step keep rel 1e-4, so an
+# error in the objective still fails there.
+CLIPPED_LR = 2e-2  # _train_step_golden's token_mean_clipped case
+CLIPPED_WEIGHT_SUM_ATOL = 2 * CLIPPED_LR
+
+
 def _tolerance(path: str) -> tuple[float, float]:
-    """(rel, abs) for a recorded float at `path` (see above for the bf16 case)."""
+    """(rel, abs) for a recorded float at `path` (see above for the bf16 and clipped cases)."""
     is_weight_sum = ".weight_sums." in path
     if ".bf16_checkpointed." in path:
         return (0.0, BF16_WEIGHT_SUM_ATOL) if is_weight_sum else (BF16_REL, 1e-6)
+    if ".token_mean_clipped." in path and is_weight_sum:
+        return 0.0, CLIPPED_WEIGHT_SUM_ATOL
     # A weight's sum cancels to near 0: its last-bit noise is absolute, not relative.
     return 1e-4, 1e-4 if is_weight_sum else 1e-6
 
@@ -125,3 +138,24 @@ def test_the_recorded_clipped_case_clips():
     assert any(step["clip_frac_high"] > 0 for step in steps)
     assert any(step["clip_frac_low"] > 0 for step in steps)
     assert all(step["is_capped_frac"] > 0 for step in steps)  # the rollout correction acted
+
+
+def test_the_clipped_tolerance_takes_another_cpus_sums_and_no_more_than_one_flip():
+    """The sums seen with ATEN_CPU_CAPABILITY=default (the largest gaps: lm_head 2.4e-3,
+    up_proj 7e-4) pass; one flip and a bit more (2 lr + 1e-3) fails; a 1e-3 relative error in
+    a step's loss fails."""
+    want = json.loads(golden.GOLDEN.read_text())["single"]["token_mean_clipped"]
+    sums = want["weight_sums"]
+    where = "record.single.token_mean_clipped.weight_sums"
+    seen = dict(sums)
+    seen["lm_head.weight"] = -117.84239732701099
+    seen["model.layers.0.mlp.up_proj.weight"] = -2.509080644347705
+    assert not _differences(seen, sums, where, is_exact=False)
+    too_far = dict(sums)
+    too_far["model.layers.0.mlp.up_proj.weight"] += 2 * CLIPPED_LR + 1e-3
+    assert _differences(too_far, sums, where, is_exact=False)
+    steps = [dict(step) for step in want["steps"]]
+    steps[3]["loss"] *= 1 + 1e-3
+    assert _differences(
+        steps, want["steps"], "record.single.token_mean_clipped.steps", is_exact=False
+    )
