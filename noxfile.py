@@ -46,7 +46,8 @@ TORCH_VERSION = "2.13.0"  # the version CI tests; the packages' floors say which
 # yatt-genrm on two workers: 2017 s in all (serial: ~2420 s estimated, 2644 s on CI before the
 # shared-task fixtures), and two failures a serial order hides: a loss test drawing unseeded
 # inputs (fixed: seeded), and tests/test_grpo_prompts.py meeting 'rollout/kv_cache' left paused
-# process-wide by another file's engine closed asleep (a library bug to fix first).
+# process-wide by another file's engine closed asleep (fixed in session 23: an engine's close
+# releases its tags, placement.release, so the next owner resumes them).
 PARALLEL_SESSIONS: set[str] = set()
 XDIST = "pytest-xdist==3.8.0"
 

@@ -26,6 +26,7 @@ from yatt.placement import (
     onload,
     pause,
     region,
+    release,
     resident_bytes,
     resume,
 )
@@ -90,6 +91,26 @@ def test_pause_returns_the_region_memory_and_resume_restores_it():
     # Without backup the contents are undefined, but the memory is usable again.
     kv.fill_(3.0)
     assert kv.float().sum().item() == 3.0 * kv.numel()
+
+
+def test_a_released_paused_tag_serves_a_new_owner():
+    # An engine closed asleep: its tensors freed while paused (their blocks stay in the tag's
+    # pool, unmapped), the tag released. A new owner's tensors may get those blocks: the tag
+    # must be resumed before they are touched, or the process faults.
+    size = 256 * MIB
+    with region("test/old"):
+        old = torch.ones(size // 4, dtype=torch.float32, device="cuda")
+    pause("test/old")
+    del old
+    release("test/old")
+    with region("test/old"):
+        new = torch.full((size // 4,), 2.0, device="cuda")
+    assert not is_paused("test/old")
+    assert new.sum().item() == 2.0 * new.numel()
+    pause("test/old")  # the tag is an ordinary one again
+    resume("test/old")
+    new.fill_(3.0)
+    assert new.sum().item() == 3.0 * new.numel()
 
 
 def test_region_books_match_what_a_pause_releases():

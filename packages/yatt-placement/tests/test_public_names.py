@@ -52,6 +52,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "read_host_available_bytes",
         "region",
         "region_tags",
+        "release",
         "resident_bytes",
         "resume",
     ],

@@ -12,6 +12,7 @@ from yatt.placement import (
     pause,
     region,
     region_tags,
+    release,
     resident_bytes,
     resume,
 )
@@ -128,6 +129,41 @@ def test_region_rules():
     with region("w", enable_cpu_backup=True), pytest.raises(RuntimeError, match="own open region"):
         pause("w")
     assert region_tags() == ("w",)
+
+
+def test_a_released_paused_tag_stays_paused_until_a_new_owner_opens_it():
+    # An owner (an engine) pauses its tag, frees its tensors and releases the tag on close.
+    with region("kv"):
+        cache = torch.empty(100)
+    pause("kv")
+    del cache
+    release("kv")
+    assert is_paused("kv")  # its memory stays given back while nobody owns it
+    with region("kv"):  # a new owner: resumed first, then allocated in
+        cache = torch.arange(4, dtype=torch.float32)
+    assert not is_paused("kv")
+    assert resident_bytes("kv") == 16
+    pause("kv")
+    assert torch.isnan(cache).all()  # the tag is live again: a pause reaches the new tensors
+    resume("kv")
+    del cache
+
+
+def test_a_tag_that_is_not_released_still_refuses_a_region_while_paused():
+    # Released, then taken by a new owner: the next pause is an ordinary one again.
+    with region("kv"):
+        pass
+    release("kv")
+    with region("kv"):
+        pass
+    pause("kv")
+    with pytest.raises(RuntimeError, match="paused"), region("kv"):
+        pass
+    resume("kv")
+    with region("kv"), pytest.raises(RuntimeError, match="own open region"):
+        release("kv")
+    with pytest.raises(ValueError, match="has no region"):
+        release("nope")
 
 
 def test_configure_after_first_region_must_not_change_settings():

@@ -348,6 +348,22 @@ def test_closed_engine_refuses_work(tiny_model_dir):
         engine.generate(_requests(), SamplingParams())
 
 
+def test_an_engine_closed_asleep_leaves_its_prefix_to_the_next_engine(tiny_model_dir):
+    # An evaluation engine slept and closed, then built again in the same process: the second
+    # one takes the tags over (they were left paused) and generates what a fresh engine does.
+    config = EngineConfig(max_batch_size=2, max_seq_len=64, region_prefix="again")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    first = BuiltinEngine(tiny_model_dir, config=config)
+    want = [c.response_ids for c in first.generate(_requests(), greedy)]
+    first.sleep()
+    first.close()
+    assert is_paused("again/weights")  # the memory stays given back until a new owner
+    second = BuiltinEngine(tiny_model_dir, config=config)
+    assert not is_paused("again/weights") and not is_paused("again/kv_cache")
+    assert [c.response_ids for c in second.generate(_requests(), greedy)] == want
+    second.close()
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [

@@ -38,6 +38,7 @@ from yatt.placement._regions import (
     pause,
     region,
     region_tags,
+    release,
     resident_bytes,
     resume,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "read_host_available_bytes",
     "region",
     "region_tags",
+    "release",
     "resident_bytes",
     "resume",
 ]

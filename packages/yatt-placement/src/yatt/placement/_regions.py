@@ -33,6 +33,7 @@ BackendName = Literal["auto", "cuda", "cpu"]
 class _TagState:
     enable_cpu_backup: bool
     is_paused: bool = False
+    is_released: bool = False  # its owner is gone: the next region() may resume it
     num_open_regions: int = 0
 
 
@@ -95,12 +96,19 @@ class _Registry:
                 f"{state.enable_cpu_backup}, now {enable_cpu_backup}; CPU backup is chosen once "
                 "per tag: pass the same value or use another tag"
             )
+        if state.is_paused and state.is_released:
+            # A new owner: give the tag its memory back before anything is allocated in it (on
+            # CUDA the tag's pool may hand the new tensors blocks it cached while paused).
+            self.backend().resume(tag, state.enable_cpu_backup)
+            state.is_paused = False
         if state.is_paused:
             # torch_memory_saver aborts the process when it resumes a tag holding an allocation
             # that was never paused, so allocating into a paused tag must stop here.
             raise RuntimeError(
-                f"region(tag={tag!r}) opened while the tag is paused; resume it first"
+                f"region(tag={tag!r}) opened while the tag is paused; resume it first (or "
+                "release() it if its owner is gone)"
             )
+        state.is_released = False
         state.num_open_regions += 1
         try:
             with self.backend().region(tag, enable_cpu_backup):
@@ -127,6 +135,14 @@ class _Registry:
         for tag, state in zip(tags, states, strict=True):
             self.backend().resume(tag, state.enable_cpu_backup)
             state.is_paused = False
+
+    def release(self, tags: tuple[str, ...]) -> None:
+        states = self._checked(tags, "release")
+        for tag, state in zip(tags, states, strict=True):
+            if state.num_open_regions:
+                raise RuntimeError(f"release({tag!r}) inside its own open region; leave it first")
+        for state in states:
+            state.is_released = True
 
     def _checked(self, tags: tuple[str, ...], verb: str) -> list[_TagState]:
         if not tags:
@@ -200,6 +216,16 @@ def pause(*tags: str) -> None:
 def resume(*tags: str) -> None:
     """Re-create the memory of each paused tag, in the order given (weights before KV cache)."""
     _REGISTRY.resume(tags)
+
+
+def release(*tags: str) -> None:
+    """Say that the owner of `tags` is gone (an engine closed): it holds no tensor in them.
+
+    A paused tag stays paused, its memory still given back, until the tag's next `region()`,
+    which resumes it first; without this, a new owner of a tag left paused (an engine closed
+    while asleep, then built again with the same region prefix) is refused.
+    """
+    _REGISTRY.release(tags)
 
 
 def is_paused(tag: str) -> bool:

@@ -45,7 +45,16 @@ from transformers import (
     PreTrainedModel,
 )
 
-from yatt.placement import HostNeed, backup_bytes, is_paused, pause, region, resume
+from yatt.placement import (
+    HostNeed,
+    backup_bytes,
+    is_paused,
+    pause,
+    region,
+    region_tags,
+    release,
+    resume,
+)
 from yatt.rollout._keys import derive_key
 from yatt.rollout._requests import max_new_tokens_of, request_id_of, validate_requests
 from yatt.rollout._streaming import stream_from_thread
@@ -648,10 +657,11 @@ class BuiltinEngine:
             )
 
     def close(self) -> None:
-        """Abort any run, drop graphs and references.
+        """Abort any run, drop graphs and references, and release the region tags.
 
         On CUDA the regions' memory stays in their torch_memory_saver pools (reused by a later
         engine with the same region_prefix); call sleep() first to give it back to the device.
+        A tag closed asleep stays paused until that later engine allocates in it.
         """
         if self._is_closed:
             return
@@ -661,6 +671,8 @@ class BuiltinEngine:
             self._is_closed = True
             del self._runner, self._cache
             self.model = None
+        if owned := [tag for tag in self._tags.values() if tag in region_tags()]:
+            release(*owned)
         if self._device.type == "cuda":
             with CAPTURE_LOCK:
                 torch.cuda.empty_cache()
