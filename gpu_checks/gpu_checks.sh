@@ -209,10 +209,13 @@ PY
       cp /tmp/yatt-runs/tools/metrics.jsonl "$OUT/trainer_tools_metrics.jsonl" 2>/dev/null ;;
     bench_lora)
       # Issue 45's GPU bars (bench/lora/lora_gpu.py): LoRA rank 16 vs full fine-tuning, 7B policy
-      # + 7B judge, long-tail mix, then LoRA 14B beside the 7B judge; each variant its own
-      # process, lora_<gpu>.json/.md rewritten after each. LORA_BUDGET_S bounds the whole step
-      # (no variant starts with < 60 s left; 540: one 10-minute device call); LORA_ARGS adds
-      # options, e.g. "--variants lora16-14b" for a second call, "--warmup 1 --steps 2".
+      # + 7B judge, long-tail mix (speed at offload auto, peak memory at offload always), then
+      # LoRA 14B beside the 7B judge; each variant its own process, lora_<gpu>.json/.md
+      # rewritten after each, a later call's variants added to the same commit's. LORA_BUDGET_S
+      # bounds the whole step (no variant starts with < 60 s left; 540: one 10-minute device
+      # call): five variants need two or three calls, e.g. LORA_ARGS="--variants full-7b
+      # lora16-7b", then "--variants full-7b-always lora16-7b-always", then "--variants
+      # lora16-14b"; "--warmup 1 --steps 2" shortens each.
       STEP_TIMEOUT=$(( ${LORA_BUDGET_S:-540} + 30 )) run_step bench_lora python3 bench/lora/lora_gpu.py \
         --out-dir "$OUT" --budget-s "${LORA_BUDGET_S:-540}" ${LORA_ARGS:-} ;;
     bench_multiturn)

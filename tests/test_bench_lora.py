@@ -88,20 +88,34 @@ def test_summary_and_ratios_from_hand_built_runs():
         10.0,
         30.0,
     )
-    results = {"variants": {"full-7b": {"summary": full}, "lora16-7b": {"summary": lora}}}
+    # The memory pair at offload always: 40 and 90 GiB; the auto pair's own peaks (50, 100)
+    # are reported but not the bar's.
+    full_always = lora_gpu.summarize(_run([20.0], [2.0], [0.0], 90.0))
+    lora_always = lora_gpu.summarize(_run([15.0], [0.1], [0.0], 40.0))
+    results = {
+        "variants": {
+            "full-7b": {"summary": full},
+            "lora16-7b": {"summary": lora},
+            "full-7b-always": {"summary": full_always},
+            "lora16-7b-always": {"summary": lora_always},
+        }
+    }
     got = lora_gpu.ratios(results)
     assert got["step_s"] == pytest.approx(8.0 / 12.0)
-    assert got["peak_gib"] == pytest.approx(0.5)
+    assert got["peak_gib"] == pytest.approx(40.0 / 90.0)
     assert got["sync_s"] == pytest.approx(0.05)
     results |= {"device": "nvidia_h200", "commit": "abc1234", "smoke": False}
     results |= {"warmup": 2, "steps": 3, "micro_batch_tokens": 16384, "command": "x"}
-    results["variants"]["full-7b"]["rc"] = results["variants"]["lora16-7b"]["rc"] = 0
+    for entry in results["variants"].values():
+        entry["rc"] = 0
     results["variants"]["lora16-14b"] = {"rc": 1, "oom": True, "error": "CUDA out of memory"}
     text = lora_gpu.markdown(results)
-    assert "| step time (median) | 0.667 | <= 0.7 | PASS |" in text
-    assert "| peak GPU memory | 0.500 | <= 0.6 | PASS |" in text
-    assert "| weight sync (update_weights) | 0.050 | <= 0.05 | PASS |" in text
-    assert "| lora16-14b | 1 | CUDA out of memory" in text and "| yes |" in text
+    assert "| step time (median) | lora16-7b / full-7b | 0.667 | <= 0.7 | PASS |" in text
+    pair = "lora16-7b-always / full-7b-always"
+    assert f"| peak GPU memory | {pair} | 0.444 | <= 0.6 | PASS |" in text
+    assert "| weight sync (update_weights) | lora16-7b / full-7b | 0.050 | <= 0.05 | PASS |" in text
+    assert "| lora16-14b | auto | 1 | CUDA out of memory" in text and "| yes |" in text
+    assert "| lora16-7b-always | always | 0 | 15.00 (15.00-15.00) |" in text
     assert "commit: abc1234" in text
 
 
@@ -109,15 +123,31 @@ def test_ratios_missing_variant_are_none():
     full = lora_gpu.summarize(_run([10.0], [1.0], [0.0], 80.0))
     got = lora_gpu.ratios({"variants": {"full-7b": {"summary": full}, "lora16-7b": {"rc": 137}}})
     assert got == {"step_s": None, "peak_gib": None, "sync_s": None}
+    # The speed pair without the memory pair: speed ratios only.
+    lora = lora_gpu.summarize(_run([5.0], [0.05], [0.0], 60.0))
+    got = lora_gpu.ratios(
+        {"variants": {"full-7b": {"summary": full}, "lora16-7b": {"summary": lora}}}
+    )
+    assert got["step_s"] == pytest.approx(0.5) and got["peak_gib"] is None
 
 
 def test_step_args_name_the_shapes():
     args = lora_gpu.parse_args(["--out-dir", "/tmp/x"])
-    assert args.variants == ["full-7b", "lora16-7b", "lora16-14b"]
+    assert args.variants == [
+        "full-7b",
+        "lora16-7b",
+        "full-7b-always",
+        "lora16-7b-always",
+        "lora16-14b",
+    ]
     argv = lora_gpu.step_args("lora16-14b", args, Path("/tmp/x/run"))
     assert argv[argv.index("--shape") + 1] == "14b"
     assert argv[argv.index("--judge-shape") + 1] == "7b"
     assert argv[argv.index("--offload") + 1] == "auto"
+    for variant, offload in (("full-7b-always", "always"), ("lora16-7b-always", "always")):
+        argv = lora_gpu.step_args(variant, args, Path("/tmp/x/run"))
+        assert argv[argv.index("--offload") + 1] == offload
+        assert argv[argv.index("--shape") + 1] == "7b"
     assert "--tiny" not in argv
     # Qwen2.5-14B's config.json: 48 layers of width 5120, 40 heads (8 KV), MLP 13824.
     shape = lora_gpu.setup.SHAPES["14b"]

@@ -7,7 +7,7 @@ then the largest policy that trains with LoRA beside a 7B judge.
     python bench/lora/lora_gpu.py --report OUT                  # the markdown again from OUT's JSONs
 
 Each variant is one GRPO step loop of bench/step/step.py (its `run_layout`, not a second copy of
-the step): layout full (Plan.full_colocation, offload auto), the long-tail mix (90% of responses
+the step): layout full (Plan.full_colocation), the long-tail mix (90% of responses
 64-192 tokens, 10% 512-1024, forced lengths), 16 prompts x 8 samples, a 7B-shape judge on its
 own built-in engine, the trainer's train_on_batch, activation checkpointing, AdamW's state on the
 host between optimizer steps, the same fixed micro-batch cap (so the peak memory compares what
@@ -16,6 +16,13 @@ the same TorchPolicy with `lora=LoraConfig(rank=16, alpha=32, target_modules="al
 their weight sync sends `named_adapter_weights()` (what the trainer syncs under LoRA: the built-in
 engine merges the adapter into its resident weights) where full fine-tuning sends
 `named_weights()`. Nothing else differs.
+
+Offload: the step-time and sync pair (full-7b, lora16-7b) runs at offload auto, each variant's
+fastest setting (a role sleeps only when the next phase would not fit). Its peak memory says what
+was free, not what the variant needs: lora16-7b at auto kept every role awake, 95.1 GiB (session
+20). The memory pair (full-7b-always, lora16-7b-always) runs the same steps at offload always
+(each role asleep outside its phase: the footprint each variant needs), and the peak-memory bar
+is its ratio; both pairs' peaks are in the report.
 
 Each variant runs in its own process (a clean GPU), one after another; this process writes
 lora_<gpu>.json/.md under --out-dir after every variant, so a run cut by its time limit keeps
@@ -57,23 +64,28 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 LORA_RANK, LORA_ALPHA = 16, 32.0
-# name: (policy shape, LoRA or not); the judge is always the 7B shape (tiny under --smoke).
+# name: (policy shape, LoRA or not, Plan offload); the judge is always the 7B shape (tiny under
+# --smoke).
 VARIANTS = {
-    "full-7b": ("7b", False),
-    "lora16-7b": ("7b", True),
-    "lora16-14b": ("14b", True),
-    "lora16-32b": ("32b", True),
+    "full-7b": ("7b", False, "auto"),
+    "lora16-7b": ("7b", True, "auto"),
+    "full-7b-always": ("7b", False, "always"),
+    "lora16-7b-always": ("7b", True, "always"),
+    "lora16-14b": ("14b", True, "auto"),
+    "lora16-32b": ("32b", True, "auto"),
 }
-DEFAULT_VARIANTS = ("full-7b", "lora16-7b", "lora16-14b")
-PAIR = ("lora16-7b", "full-7b")  # the ratios' numerator and denominator
+DEFAULT_VARIANTS = ("full-7b", "lora16-7b", "full-7b-always", "lora16-7b-always", "lora16-14b")
+PAIR = ("lora16-7b", "full-7b")  # the speed ratios' numerator and denominator (offload auto)
+MEMORY_PAIR = ("lora16-7b-always", "full-7b-always")  # the peak-memory ratio's (offload always)
 BARS = {"step_s": 0.7, "peak_gib": 0.6, "sync_s": 0.05}
+PAIRS = {"step_s": PAIR, "peak_gib": MEMORY_PAIR, "sync_s": PAIR}
 MIX = "longtail"
 
 
 def step_args(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
     """bench/step/step.py's arguments for one variant."""
-    shape, _ = VARIANTS[variant]
-    argv = ["--layout", "full", "--mix", MIX, "--offload", "auto", "--no-ckpt"]
+    shape, _, offload = VARIANTS[variant]
+    argv = ["--layout", "full", "--mix", MIX, "--offload", offload, "--no-ckpt"]
     argv += ["--activation-checkpointing", "--offload-optimizer"]
     argv += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
     argv += ["--micro-batch-tokens", str(args.micro_batch_tokens), "--out-dir", str(run_dir)]
@@ -155,7 +167,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> None:
     logging.getLogger("yatt.genrm").setLevel(logging.ERROR)  # random verdicts never parse
     run_dir = Path(args.run_dir)
     step_parsed = step_bench.parse_args(step_args(variant, args, run_dir))
-    _, is_lora = VARIANTS[variant]
+    _, is_lora, _ = VARIANTS[variant]
     lora = None
     if is_lora:
         lora = core.LoraConfig(rank=LORA_RANK, alpha=LORA_ALPHA, target_modules="all-linear")
@@ -233,10 +245,10 @@ def _spread(values: list[float]) -> dict:
 
 
 def ratios(results: dict) -> dict[str, float | None]:
-    """LoRA / full for each bar's number, where both variants finished."""
-    lora, full = (results["variants"].get(v, {}).get("summary") for v in PAIR)
+    """LoRA / full for each bar's number (its pair: PAIRS), where both variants finished."""
     out: dict[str, float | None] = {}
     for key in BARS:
+        lora, full = (results["variants"].get(v, {}).get("summary") for v in PAIRS[key])
         if not lora or not full:
             out[key] = None
             continue
@@ -252,13 +264,13 @@ def markdown(results: dict) -> str:
     lines = [
         f"# LoRA rank {LORA_RANK} vs full fine-tuning (issue 45's GPU bars), {results['device']}",
         "",
-        f"commit: {results['commit']} · GPU: {results['device']} · layout full, offload auto, "
+        f"commit: {results['commit']} · GPU: {results['device']} · layout full, "
         f"mix {MIX} ({results.get('prompts', 16)} prompts x 8), judge 7B shape, "
         f"warm-up {results['warmup']} + {results['steps']} timed steps, micro-batch cap {results['micro_batch_tokens']} tokens"
         + (" · SMOKE (tiny shapes, CPU): not a measurement" if results["smoke"] else ""),
         "",
-        "| ratio (LoRA / full, 7B + 7B judge) | measured | bar | |",
-        "|---|---:|---:|---|",
+        "| ratio (LoRA / full, 7B + 7B judge) | pair | measured | bar | |",
+        "|---|---|---:|---:|---|",
     ]
     names = {
         "step_s": "step time (median)",
@@ -269,19 +281,23 @@ def markdown(results: dict) -> str:
         value = got[key]
         shown = "n/a" if value is None else f"{value:.3f}"
         verdict = "n/a" if value is None else ("PASS" if value <= bar else "FAIL")
-        lines.append(f"| {names[key]} | {shown} | <= {bar} | {verdict} |")
+        pair = " / ".join(PAIRS[key])
+        lines.append(f"| {names[key]} | {pair} | {shown} | <= {bar} | {verdict} |")
     lines += [
         "",
-        "| variant | rc | step s median (min-max) | sync s median | peak GiB | switch s | "
-        "phases s (median) | OOM |",
-        "|---|---:|---|---:|---:|---:|---|---|",
+        "| variant | offload | rc | step s median (min-max) | sync s median | peak GiB | "
+        "switch s | phases s (median) | OOM |",
+        "|---|---|---:|---|---:|---:|---:|---|---|",
     ]
     for name, got_variant in results["variants"].items():
         s = got_variant.get("summary")
         oom = "yes" if got_variant.get("oom") else "0"
+        offload = VARIANTS[name][2] if name in VARIANTS else "?"
         if not s:
             error = got_variant.get("error", "")[:120]
-            lines.append(f"| {name} | {got_variant.get('rc')} | {error} | | | | | {oom} |")
+            lines.append(
+                f"| {name} | {offload} | {got_variant.get('rc')} | {error} | | | | | {oom} |"
+            )
             continue
         if s.get("source") == "log":
             name += " (from its log: cut before its JSON; sync with its switch)"
@@ -289,7 +305,7 @@ def markdown(results: dict) -> str:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in s["phases_s"].items())
         peak = "n/a" if s["peak_gib"] is None else f"{s['peak_gib']:.1f}"
         lines.append(
-            f"| {name} | {got_variant['rc']} | {st['median']:.2f} ({st['min']:.2f}-{st['max']:.2f})"
+            f"| {name} | {offload} | {got_variant['rc']} | {st['median']:.2f} ({st['min']:.2f}-{st['max']:.2f})"
             f" | {sy['median']:.4f} | {peak} | {s['switch_s']:.2f} | {phases} | {oom} |"
         )
     lines += ["", f"Command: `{results['command']}`"]
