@@ -38,6 +38,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "VLLMEngine",
         "__version__",
         "build_engine",
+        "describe_raise",
         "iter_buckets",
         "map_names",
     ],

@@ -3,7 +3,10 @@ request, whatever it raises an error result. Real forked children, real worker p
 
 NUM_GPUS = 0
 
+import argparse
 import asyncio
+import importlib.util
+import json
 import math
 import os
 import signal
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from yatt.rollout import UserCodePool, UserCodeResult
+from yatt.rollout import UserCodePool, UserCodeResult, describe_raise
 from yatt.rollout._user_code import MAX_TIMEOUT_S, default_num_workers
 
 pytestmark = [
@@ -431,3 +434,41 @@ def test_the_worker_program_imports_only_the_standard_library() -> None:
         if isinstance(node, ast.ImportFrom) and node.module and not node.level
     }
     assert imported and imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
+
+
+def test_describe_raise_names_the_users_frame_not_the_librarys(tmp_path) -> None:
+    # A user's function whose error is raised inside the standard library (json's decoder) or
+    # inside a library that wraps sys.exit (wandb does, in site-packages): the cause names the
+    # user's line. Lines counted by hand in the file below.
+    user = tmp_path / "user_rewards.py"
+    user.write_text(
+        textwrap.dedent(
+            """\
+            import json
+
+
+            def parse(text):
+                return json.loads(text)
+
+
+            def quit_through(exit_hook):
+                exit_hook(0)
+            """
+        )
+    )
+    spec = importlib.util.spec_from_file_location("user_rewards", user)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(ValueError) as caught:
+        module.parse("{not json")
+    cause = describe_raise(caught.value)
+    assert cause.startswith("JSONDecodeError: Expecting property name")
+    assert cause.endswith("(at user_rewards.py:5 in parse)")
+    with pytest.raises(SystemExit) as caught:
+        module.quit_through(argparse.ArgumentParser().exit)  # sys.exit inside argparse.py
+    assert describe_raise(caught.value) == "SystemExit: 0 (at user_rewards.py:9 in quit_through)"
+    # Nothing but library frames (this test's frame cut off): the innermost one, as before.
+    with pytest.raises(ValueError) as caught:
+        json.loads("[")
+    error = caught.value.with_traceback(caught.value.__traceback__.tb_next)
+    assert "(at decoder.py:" in describe_raise(error)

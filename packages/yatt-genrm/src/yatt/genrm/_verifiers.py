@@ -13,9 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-import os
 import re
-import traceback
 import unicodedata
 from dataclasses import dataclass
 from fractions import Fraction
@@ -23,6 +21,7 @@ from typing import Protocol, runtime_checkable
 
 from yatt.genrm._parsers import find_boxed, strip_markup
 from yatt.genrm._types import Sample
+from yatt.rollout import describe_raise
 
 logger = logging.getLogger("yatt.genrm")
 
@@ -74,17 +73,7 @@ def call_rule(rule: RuleVerifier, sample: Sample) -> tuple[float | None, str | N
     except InvalidRewardError as e:
         return None, f"{rule.name} {e}"
     except Exception as e:
-        return None, f"{rule.name} raised {type(e).__name__}: {e}{_where(e)}"
-
-
-def _where(error: Exception) -> str:
-    """ " (at file.py:LINE in FUNCTION)" for the frame that raised: enough to find a bug in a
-    reward function from the one-line cause, without a traceback in the log."""
-    frames = traceback.extract_tb(error.__traceback__)
-    if not frames:
-        return ""
-    frame = frames[-1]
-    return f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
+        return None, f"{rule.name} raised {describe_raise(e)}"
 
 
 def extract_answer(response: str) -> str:

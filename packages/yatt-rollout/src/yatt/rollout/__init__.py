@@ -1,6 +1,7 @@
 """Rollout engines for RL post-training: the protocol, a built-in engine, vLLM and SGLang
 adapters (imported lazily: `import yatt.rollout` needs neither), weight sync, and
-`UserCodePool`: user code (tools, reward functions) in worker processes killed whole.
+`UserCodePool`: user code (tools, reward functions) in worker processes killed whole, and
+`describe_raise`: a user's exception as a one-line cause naming the user's frame.
 
 The built-in engine's modules live in `yatt.rollout.builtin`; its two public names are here too.
 """
@@ -17,6 +18,7 @@ from yatt.rollout._types import (
     SamplingParams,
 )
 from yatt.rollout._user_code import UserCodePool, UserCodeResult
+from yatt.rollout._user_code_worker import describe_raise
 from yatt.rollout._version import __version__
 from yatt.rollout._vllm import VLLMConfig, VLLMEngine
 from yatt.rollout._weights import NameMapper, iter_buckets, map_names
@@ -51,6 +53,7 @@ __all__ = [
     "VLLMEngine",
     "__version__",
     "build_engine",
+    "describe_raise",
     "iter_buckets",
     "map_names",
 ]

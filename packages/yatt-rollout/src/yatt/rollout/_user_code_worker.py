@@ -29,6 +29,7 @@ import pickle
 import signal
 import struct
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -149,13 +150,32 @@ def _public_callables(module: object) -> str:
 
 def describe_raise(error: BaseException) -> str:
     """ "ZeroDivisionError: division by zero (at rewards.py:12 in score)": the exception and the
-    frame that raised it, enough to find the bug without a traceback in the log."""
+    frame of the user's code that raised it, enough to find the bug without a traceback in the
+    log."""
+    return f"{type(error).__name__}: {error}{raised_where(error)}"
+
+
+# Where the standard library and installed packages live: frames there are not the user's.
+_LIBRARY_DIRS = tuple(
+    {
+        os.path.realpath(path) + os.sep
+        for key in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (path := sysconfig.get_paths().get(key))
+    }
+)
+
+
+def raised_where(error: BaseException) -> str:
+    """ " (at rewards.py:12 in score)": the innermost frame of the traceback outside the standard
+    library and installed packages (a reward function whose json.loads raised is named, not
+    json's decoder; a sys.exit() that another library wrapped, wandb's, is named at the call),
+    else the innermost frame; "" without a traceback."""
     frames = traceback.extract_tb(error.__traceback__)
-    where = ""
-    if frames:
-        frame = frames[-1]
-        where = f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
-    return f"{type(error).__name__}: {error}{where}"
+    if not frames:
+        return ""
+    users = [f for f in frames if not os.path.realpath(f.filename).startswith(_LIBRARY_DIRS)]
+    frame = (users or frames)[-1]
+    return f" (at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
 
 
 def spec_of(target: Any) -> str | None:
