@@ -5,6 +5,7 @@
     metrics = summarize(stats, ...)         # all ranks, one small collective
     genrm.check_verdicts(step, metrics, stats.first_failure, warnings)
     metrics |= eval_metrics(eval_stats, group)   # eval/* of the held-out prompts
+    metrics |= response_length_metrics(batch, group)  # the trained responses' length quantiles
 
 StepStats, VerdictWarnings and check_verdicts are yatt.genrm's (kept importable from here):
 verdict statuses are counted, a failure's cause logged at most once per log.warn_every_steps
@@ -16,12 +17,20 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 
 from yatt import core
 from yatt.genrm import StepStats, VerdictWarnings, check_verdicts
 
-__all__ = ["StepStats", "VerdictWarnings", "check_verdicts", "eval_metrics", "summarize"]
+__all__ = [
+    "StepStats",
+    "VerdictWarnings",
+    "check_verdicts",
+    "eval_metrics",
+    "response_length_metrics",
+    "summarize",
+]
 
 
 def summarize(
@@ -136,3 +145,23 @@ def eval_metrics(stats: StepStats, group, *, has_accuracy: bool = False) -> dict
     out["eval/num_samples"] = metrics["genrm/verdicts"]
     out["eval/time_s"] = metrics.get("time/eval_s", 0.0)
     return out
+
+
+def response_length_metrics(batch: core.Batch, group) -> dict[str, float]:
+    """The trained responses' lengths over all ranks (collective; a host sync): median, p90
+    (nearest rank: lengths a response had) and max, in tokens of the loss mask. The mean alone
+    hides a long tail: a step waits for its longest response. Read before overlong filtering
+    masks truncated responses out."""
+    lengths = batch["loss_mask"].sum(-1).tolist() if len(batch) else []
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, lengths, group=group)
+        lengths = [n for rank in gathered for n in rank]
+    if not lengths:
+        return {"response/length_p50": 0.0, "response/length_p90": 0.0, "response/length_max": 0.0}
+    p50, p90 = np.percentile(lengths, [50, 90], method="inverted_cdf")
+    return {
+        "response/length_p50": float(p50),
+        "response/length_p90": float(p90),
+        "response/length_max": float(max(lengths)),
+    }

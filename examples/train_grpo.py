@@ -98,7 +98,14 @@ from yatt.placement import PendingLoad, Plan
 sys.path.insert(0, str(Path(__file__).parent))
 from grpo_config import DataConfig, TrainConfig, config_from_args, parse_args
 from grpo_data import Scored, judge_sample
-from grpo_metrics import StepStats, VerdictWarnings, check_verdicts, eval_metrics, summarize
+from grpo_metrics import (
+    StepStats,
+    VerdictWarnings,
+    check_verdicts,
+    eval_metrics,
+    response_length_metrics,
+    summarize,
+)
 from grpo_preflight import preflight
 from grpo_prompts import Prompt, PromptEncoder
 from grpo_setup import (
@@ -651,8 +658,9 @@ def make_multiturn(cfg: TrainConfig, engine, tokenizer, resources: ClosingStack)
 # -- train: advantages, balance, updates -------------------------------------------------------
 def filter_truncated(batch: core.Batch, cfg: TrainConfig, group) -> dict[str, float]:
     """Over all ranks (collective): the trained responses cut at max_new_tokens, their tokens
-    out of the loss with overlong.should_filter_truncated."""
+    out of the loss with overlong.should_filter_truncated; their length quantiles (before)."""
     truncation = core.compute_truncation_metrics(batch, group=group)
+    truncation |= response_length_metrics(batch, group)
     if cfg.overlong.should_filter_truncated:
         num_masked = core.mask_truncated_responses(batch)
         truncation |= core.reduce_metrics(

@@ -250,9 +250,11 @@ PY
         bench/lora/lora_modes_gpu.py --out-dir "$OUT" ${LORA_MODES_ARGS:-} ;;
     bench_offpolicy)
       # Issue 48's one-GPU run (bench/train/offpolicy_gpu.py): the trainer at
-      # rollout.max_staleness 0, 1, 2 (placement=partial), 0.5B policy + 1.5B judge: step time,
-      # GPU busy fraction, staleness histogram, IS by age, reward curve; offpolicy_<gpu>.json/.md
-      # rewritten after each s. OFFPOLICY_ARGS e.g. "--steps 30 --max-new-tokens 256".
+      # rollout.max_staleness 0, 1, 2 (placement=partial), 0.5B policy (EOS shaped for a long-tail
+      # length mix) + 1.5B judge: step time, GPU busy fraction, staleness histogram, IS by age,
+      # reward curve, response lengths asked and got; offpolicy_<gpu>.json/.md rewritten after
+      # each s. OFFPOLICY_ARGS e.g. "--steps 30 --max-new-tokens 256" ("--length-mix cap": every
+      # response at the cap, the run before the shaping).
       CUDA_VISIBLE_DEVICES=0 STEP_TIMEOUT=${OFFPOLICY_TIMEOUT_S:-590} run_step bench_offpolicy \
         python3 bench/train/offpolicy_gpu.py --out-dir "$OUT" ${OFFPOLICY_ARGS:-} ;;
     *)

@@ -9,16 +9,22 @@ side, each its own process on the same models and data.
 Each run is `examples/train_grpo.py placement=partial rollout.max_staleness=s` (s = 0: today's
 on-policy step). GPU: a Qwen2.5-0.5B-shape policy and a 1.5B-shape judge with random weights
 (bench/step/_step_setup.make_models, byte tokenizer), the embedded task's addition prompts,
-responses up to --max-new-tokens. Random weights rarely emit EOS, so most responses run to the
-cap: the long tail of a trained policy is not reproduced here (bench/step's forced-length
-long-tail mix is a step loop of its own, not the trainer); the reward is the random judge's
-noise, so the reward curve checks the plumbing, not learning (--smoke's embedded task learns).
+responses up to --max-new-tokens (the cap). Random weights almost never emit EOS, so the
+policy's weights are shaped (_longtail_policy.py, --length-mix longtail, the default) to give
+the trainer's own rollout a long-tail length mix: 90% of responses end by EOS with a geometric
+length of median cap / 8, 10% run to the cap; at cap 512 the lengths' median is 75, p80 202,
+p90 and max 512, 10.3% at the cap. The same distribution for every s (the same seeded weights
+and shaping; the draws differ once the runs' weights do). --length-mix cap keeps the unshaped weights (every response at the
+cap). The reward is the random judge's noise, so the reward curve checks the plumbing, not
+learning (--smoke's embedded task learns).
 
 Reported per s: step time (median over the steps after --warmup, the sum of the trainer's
 time/* phases: what the step waited for), the trainer's wait for rollout (off-policy), GPU busy
 fraction (nvidia-smi's utilization sampled every 200 ms during the run's steps; none on CPU),
 the staleness histogram (loss tokens by age, summed over steps), the IS weight's mean by age,
-and the reward curve (reward/mean per step). Ratios: step time of s = 1 and 2 over s = 0; the
+the reward curve (reward/mean per step), and the response lengths the trainer logged
+(response/length_p50, _p90, _max, truncated_frac: over the run, at the first and at the last
+step, beside the mix asked for). Ratios: step time of s = 1 and 2 over s = 0; the
 one-GPU bound two engines at once allow is bench/results/engines_overlap_nvidia_h200.md's 0.84.
 """
 
@@ -38,6 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "_common"))
 sys.path.insert(0, str(ROOT / "bench" / "step"))
+import _longtail_policy as longtail  # noqa: E402  (bench/train: beside this file)
 from report import write_report  # noqa: E402
 
 TRAINER = ROOT / "examples" / "train_grpo.py"
@@ -106,6 +113,11 @@ def prepare(args: argparse.Namespace) -> list[str]:
     import _step_setup as setup
 
     policy_dir, judge_dir = setup.make_models(work / "models", tiny=False, shapes=("0.5b", "1.5b"))
+    if args.length_mix == "longtail":  # EOS shaped into the weights: the trainer samples the mix
+        mix = longtail.LengthMix(cap=args.max_new_tokens)
+        shaping = longtail.Shaping.for_mix(mix, vocab_size=setup.QWEN25_05B["vocab_size"])
+        policy_dir = longtail.shape_policy(policy_dir, work / "models" / "policy_longtail",
+                                           shaping=shaping)  # fmt: skip
     return [
         f"policy.model_dir={policy_dir}",
         f"data.path={task['prompts']}",
@@ -158,6 +170,7 @@ def summarize(rows: list[dict], staleness: int, *, warmup: int) -> dict:
         if any(r.get(f"offpolicy/tokens_age_{a}") for r in rows)
     }  # fmt: skip
     return {
+        "lengths": length_summary(rows),
         "num_steps": len(rows),
         "step_s_median": statistics.median(step_s),
         "take_wait_s_median": statistics.median(r.get("offpolicy/take_wait_s", 0.0) for r in timed),
@@ -167,6 +180,36 @@ def summarize(rows: list[dict], staleness: int, *, warmup: int) -> dict:
         "is_resident": rows[-1].get("offpolicy/is_resident"),
         "reward_curve": [r["reward/mean"] for r in rows],
     }
+
+
+LENGTH_KEYS = {
+    "median": "response/length_p50",
+    "p90": "response/length_p90",
+    "max": "response/length_max",
+    "at_cap": "response/truncated_frac",
+}
+
+
+def length_summary(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """The response lengths the trainer logged (its trained responses, every step): over the
+    run (median of the steps' medians and p90s, the largest max, the mean fraction at the cap),
+    and at the first and last steps (did training move them?)."""
+    run = {
+        "median": statistics.median(r[LENGTH_KEYS["median"]] for r in rows),
+        "p90": statistics.median(r[LENGTH_KEYS["p90"]] for r in rows),
+        "max": max(r[LENGTH_KEYS["max"]] for r in rows),
+        "at_cap": statistics.mean(r[LENGTH_KEYS["at_cap"]] for r in rows),
+    }
+    step = {name: {k: rows[i][key] for k, key in LENGTH_KEYS.items()} for name, i in
+            (("first", 0), ("last", -1))}  # fmt: skip
+    return {"run": run, **step}
+
+
+def _lengths_cell(lengths: dict[str, float]) -> str:
+    return (
+        f"{lengths['median']:.0f} / {lengths['p90']:.0f} / {lengths['max']:.0f} / "
+        f"{lengths['at_cap']:.1%}"
+    )
 
 
 def ratios(runs: dict[int, dict]) -> dict[str, float | None]:
@@ -199,6 +242,22 @@ def markdown(results: dict) -> str:
             f"{ {a: round(v, 3) for a, v in run['is_weight_mean_by_age'].items()} } | "
             f"{run['is_resident']} | {curve[0]:.3f} -> {curve[-1]:.3f} |"
         )
+    lines += [
+        "",
+        "Response lengths (tokens; the trainer's response/length_p50, _p90, _max and "
+        "truncated_frac): median / p90 / max / at the cap. Run: median of the steps' median "
+        "and p90, largest max, mean at-cap fraction.",
+        "",
+        "| s | run | first step | last step |",
+        "|---|---|---|---|",
+    ]
+    asked = results.get("length_mix")
+    if asked:
+        lines.append(f"| asked ({results['args']['length_mix']}) | {_lengths_cell(asked)} | | |")
+    for s, run in sorted(results["runs"].items()):
+        if not run.get("rc"):
+            cells = [_lengths_cell(run["lengths"][k]) for k in ("run", "first", "last")]
+            lines.append(f"| {s} | " + " | ".join(cells) + " |")
     lines += ["", f"Step time over s = 0: {results['ratios']}; one-GPU overlap bound "]
     lines[-1] += f"(two engines at once): {ONE_GPU_OVERLAP}."
     return "\n".join(lines)
@@ -218,6 +277,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the median")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per step (16; smoke 4)")
     parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument(
+        "--length-mix",
+        choices=("longtail", "cap"),
+        default="longtail",
+        help="random policy's lengths: the long-tail mix (_longtail_policy.py) or all at the cap",
+    )
     parser.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
     parser.add_argument(
         "extra", nargs="*", help="more trainer overrides, e.g. rollout.samples_per_prompt=8"
@@ -226,6 +291,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.steps = args.steps or (4 if args.smoke else 100)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 5)
     args.prompts = args.prompts or (4 if args.smoke else 16)
+    if not args.smoke and args.length_mix == "longtail":
+        longtail.LengthMix(cap=args.max_new_tokens)  # a bad cap fails before any model is built
     return args
 
 
@@ -233,6 +300,8 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     base = prepare(args)
     results: dict = {"device": device_name(), "args": vars(args), "runs": {}}
+    if not args.smoke and args.length_mix == "longtail":  # what the shaped policy is built for
+        results["length_mix"] = longtail.LengthMix(cap=args.max_new_tokens).summary()
     name = (
         "offpolicy_cpu_smoke"
         if args.smoke
