@@ -239,9 +239,10 @@ def test_an_image_for_a_policy_without_images_is_an_error_observation(tokenizer)
     assert "the policy takes no images" in tool["content"]
 
 
-def test_a_sampled_image_token_ends_the_trajectory_before_it(tokenizer, image_processor):
+@pytest.mark.parametrize("token", ["<|image_pad|>", "<|vision_start|>"])
+def test_a_sampled_vision_token_ends_the_trajectory_before_it(tokenizer, image_processor, token):
     def respond(text):
-        return "ab<|image_pad|>cd"
+        return f"ab{token}cd"
 
     engine = ScriptedEngine(tokenizer=tokenizer, respond=respond)
     image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
@@ -251,6 +252,7 @@ def test_a_sampled_image_token_ends_the_trajectory_before_it(tokenizer, image_pr
         environments=[Camera],
         image_processor=image_processor,
         image_token_id=image_id,
+        vision_token_ids=tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)),
     )
     (trajectory,), _ = asyncio.run(rollout.run([{}], SamplingParams()))
     assert trajectory.end_cause == "image_token"

@@ -52,6 +52,14 @@ from yatt.rollout.env._trajectory import MultiTurnStats, Trajectory
 
 logger = logging.getLogger(__name__)
 
+# A vision-language model config's special vision tokens (yatt.core's VISION_SPECIAL_TOKEN_FIELDS).
+_VISION_TOKEN_FIELDS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
+
 
 class MultiTurnRollout:
     """Samples trajectories of `config`'s environments or tools with `engine`.
@@ -62,6 +70,10 @@ class MultiTurnRollout:
     image_processor, image_token_id: a vision-language policy's (default: the engine's, when it
     has them: the built-in engine serving a Qwen2-VL-family model); with them a tool may return
     images (env/_images.py). Without them an image result is an error observation.
+    vision_token_ids: the policy's vision special tokens (yatt.core's VisionModel.stop_token_ids;
+    default: the image token and, when the engine's model config names them, its video and
+    vision start/end tokens). A turn that samples one ends the trajectory before it (cause
+    "image_token"): no image follows it, and the template's turn end would be miscounted.
     """
 
     def __init__(
@@ -75,6 +87,7 @@ class MultiTurnRollout:
         runner: ToolRunner | None = None,
         image_processor: Any = None,
         image_token_id: int | None = None,
+        vision_token_ids: Sequence[int] | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -119,6 +132,17 @@ class MultiTurnRollout:
             ToolImages(image_processor, image_token_id) if image_processor is not None else None
         )
         token_id = None if self.images is None else self.images.image_token_id
+        if vision_token_ids is None:
+            model_config = getattr(getattr(engine, "model", None), "config", None)
+            vision_token_ids = [
+                value
+                for value in (getattr(model_config, name, None) for name in _VISION_TOKEN_FIELDS)
+                if isinstance(value, int) and not isinstance(value, bool)
+            ]
+        # Tokens a turn must not sample (none for a text-only policy).
+        self._vision_tokens = (
+            frozenset() if token_id is None else frozenset({token_id, *vision_token_ids})
+        )
         self._tokens = {
             name: ChatTokens(
                 self.tokenizer, kind.schemas, config.chat_template_kwargs, image_token_id=token_id
@@ -278,11 +302,11 @@ class MultiTurnRollout:
             max_new = min(sampling.max_new_tokens, budget)
             completion = await self._generate(trajectory, turn, max_new, sampling)
             sampled, turn_logprobs = completion.response_ids, list(completion.logprobs)
-            image_token = None if self.images is None else self.images.image_token_id
-            if image_token is not None and image_token in sampled:
-                # An image token without an image: no engine or policy can read on. The turn
-                # is kept up to it (as rollout_samples cuts a response before one).
-                cut = sampled.index(image_token)
+            cut = next((i for i, t in enumerate(sampled) if t in self._vision_tokens), None)
+            if cut is not None:
+                # A vision token without an image: no engine or policy can read on (and the
+                # turn does not end with the template's end token). The turn is kept up to it,
+                # as rollout_samples cuts a response before one.
                 trajectory.response_ids += sampled[:cut]
                 trajectory.loss_mask += [1] * cut
                 trajectory.logprobs += turn_logprobs[:cut]
