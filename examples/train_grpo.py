@@ -198,12 +198,26 @@ def to_batch(
         [item.completion for item in scored],
         rewards=[item.verdict.reward for item in scored],
         group_ids=[item.completion.request_index for item in scored],
-        vision_inputs=[item.prompt.vision for item in scored] if encoder.takes_images else None,
+        vision_inputs=vision_inputs_of(scored, encoder),
         cut_at_token_ids=encoder.cut_token_ids,
         policy_version=policy_version,
     )
     samples = core.broadcast_to_tp_peers(samples, runtime)  # TP peers: one batch (host sync)
     return core.rollout_batch(samples)
+
+
+def vision_inputs_of(scored: Sequence[Scored], encoder: PromptEncoder) -> list | None:
+    """Each sample's images (None: no sample has any): a multi-turn trajectory's own (its
+    tools' pictures, Trajectory.image_inputs), else its prompt's (data.image_key)."""
+    visions = []
+    for item in scored:
+        trajectory = getattr(item.completion, "trajectory", None)
+        if trajectory is not None:
+            inputs = getattr(trajectory, "image_inputs", None)
+            visions.append(None if inputs is None else core.VisionInputs(*inputs))
+        else:
+            visions.append(item.prompt.vision if encoder.takes_images else None)
+    return visions if encoder.takes_images or any(v is not None for v in visions) else None
 
 
 # -- the keep rule -----------------------------------------------------------------------------

@@ -113,12 +113,16 @@ def test_a_trajectory_keeps_its_loss_mask_so_no_loss_falls_on_tool_tokens():
     assert sample["input_ids"] == [1, 2, 7, 8, 50, 51, 52, 9]
     assert sample["loss_mask"] == [0, 0, 1, 1, 0, 0, 0, 1]
     assert sample["rollout_logprobs"] == [0.0, 0.0, -0.5, -1.0, 0.0, 0.0, 0.0, -2.0]
-    # Cut at a token: the mask is cut with the response.
-    (cut,) = rollout_samples([trajectory], rewards=[1.0], group_ids=[0], cut_at_token_ids={51})
-    assert cut["input_ids"] == [1, 2, 7, 8, 50]
-    assert cut["loss_mask"] == [0, 0, 1, 1, 0]
+    # Cut at a sampled token: the mask is cut with the response.
+    (cut,) = rollout_samples([trajectory], rewards=[1.0], group_ids=[0], cut_at_token_ids={8, 51})
+    assert cut["input_ids"] == [1, 2, 7]
+    assert cut["loss_mask"] == [0, 0, 1]
     batch = rollout_batch([sample, cut])
-    assert batch.tokens["loss_mask"].sum(dim=1).tolist() == [3, 2]
+    assert batch.tokens["loss_mask"].sum(dim=1).tolist() == [3, 1]
+    # Never at a tool's or the template's token (mask 0): an image token there comes with its
+    # image (a tool's picture), not sampled by the policy.
+    (whole,) = rollout_samples([trajectory], rewards=[1.0], group_ids=[0], cut_at_token_ids={51})
+    assert whole == sample
 
 
 def test_a_loss_mask_of_the_wrong_length_is_a_clear_error():

@@ -56,3 +56,30 @@ def test_a_failure_is_logged_per_cause_and_a_step_of_only_failures_stops(caplog)
     every = {"genrm/verdicts": 4.0, "genrm/errors": 2.0, "genrm/unparsable": 2.0}
     with pytest.raises(RuntimeError, match=r"step 3: every one of 4 judge verdicts failed"):
         genrm.check_verdicts(3, every, "sample 1: boom", warnings)
+
+
+def test_a_trajectory_is_counted_cut_only_at_a_sampled_vision_token():
+    """A tool's picture puts image tokens in a trajectory's response off the loss (mask 0):
+    they came with their image, so only a sampled one (mask 1) counts as a cut."""
+    accuracy = genrm.AccuracySignal("exact_match", rules=[genrm.ExactMatch()])
+    judged = []
+    for mask in ([1, 0, 0, 1], [1, 1, 0, 1]):
+        item = _judged(3, 0.0)
+        trajectory = rollout.Trajectory(
+            row_index=0,
+            sample_index=0,
+            env_name="",
+            prompt_ids=[1],
+            response_ids=[5, 7, 7, 5] if mask[1] == 0 else [5, 7, 6, 5],
+            loss_mask=mask,
+            logprobs=[0.0] * 4,
+            messages=[],
+            tool_calls=[],
+            num_turns=2,
+            end_cause="stop",
+        )
+        completion = genrm.TrajectoryCompletion(trajectory, 0)
+        judged.append(genrm.JudgedSample(completion, item.sample, item.verdict, item.prompt))
+    stats = genrm.StepStats()
+    stats.add(judged, accuracy, cut_token_ids=[7])
+    assert stats.num_cut == 1

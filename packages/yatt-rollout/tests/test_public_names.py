@@ -67,6 +67,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "EnvKind",
         "EnvSession",
         "HermesToolParser",
+        "ImageInputs",
         "MultiTurnRollout",
         "MultiTurnStats",
         "ParsedTurn",
@@ -77,6 +78,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "ToolCall",
         "ToolFailure",
         "ToolParser",
+        "ToolImages",
         "ToolRunner",
         "Trajectory",
         "build_env_kinds",
@@ -86,6 +88,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
     "yatt.rollout.env.testing": [
         "COMPACT_TOOL_TEMPLATE",
         "QWEN25_TOOL_TEMPLATE",
+        "QWEN2_VL_CHAT_TEMPLATE",
         "QWEN3_TOOL_TEMPLATE",
         "ScriptedEngine",
         "TOOL_TOKENS",

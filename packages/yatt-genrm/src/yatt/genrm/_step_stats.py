@@ -97,7 +97,14 @@ class StepStats:
                 sums[1] += value
             self.num_response_tokens += len(item.completion.response_ids)
             self.num_images += len(item.prompt.images or ())
-            self.num_cut += any(token in cut_token_ids for token in item.completion.response_ids)
+            # A trajectory's tool results (loss mask 0) may hold image tokens with their images:
+            # only a sampled token was cut at.
+            mask = getattr(item.completion, "loss_mask", None)
+            response = item.completion.response_ids
+            self.num_cut += any(
+                token in cut_token_ids and (mask is None or mask[i])
+                for i, token in enumerate(response)
+            )
 
 
 @dataclass

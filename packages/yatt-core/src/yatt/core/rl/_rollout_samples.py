@@ -32,7 +32,9 @@ token) and `finish_reason`, e.g. `yatt.rollout.Completion`: yatt-core does not d
 yatt-rollout. A completion without `finish_reason` (a hand-made one) counts as finished.
 A completion with a `loss_mask` (one 0/1 per response token, e.g. a multi-turn
 `yatt.rollout.env.Trajectory`) keeps it: tool results and the template's tokens between turns
-sit in the response with mask 0, so no loss falls on them; it is cut like the response.
+sit in the response with mask 0, so no loss falls on them; it is cut like the response. Such a
+response is cut only at a sampled token (mask 1) of `cut_at_token_ids`: an image token in a
+tool's result (mask 0) comes with its image (Trajectory.image_inputs), never a cut point.
 """
 
 from __future__ import annotations
@@ -119,6 +121,12 @@ def rollout_samples(
             policy_version if versions is None else versions[i], len(response), i
         )
         mask = _response_mask(completion, len(response))
+        if cut is not None and getattr(completion, "loss_mask", None) is not None:
+            # A multi-turn trajectory: only its sampled tokens are the policy's to cut at.
+            cut = next(
+                (i for i, t in enumerate(response) if mask[i] and t in set(cut_at_token_ids)),
+                None,
+            )
         if cut is not None:
             response, logprobs = response[:cut], logprobs[:cut]
             token_versions, mask = token_versions[:cut], mask[:cut]

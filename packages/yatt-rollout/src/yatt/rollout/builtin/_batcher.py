@@ -132,6 +132,7 @@ class Kept:
     ids: list[int]
     last_used_s: float  # time.monotonic() when it was kept
     use_adapter: bool = True  # its KV was computed with the LoRA adapter (Request.use_adapter)
+    images: RequestImages | None = None  # the images whose features its KV holds (in order)
 
 
 @dataclass(kw_only=True)
@@ -400,7 +401,11 @@ class SlotRunner:
     ) -> None:
         """Continue kept sequences: slot slots[j] holds the KV of items[j]'s first starts[j]
         prompt tokens (a conversation's earlier turns); only the rest is prefilled, attending
-        to the kept positions. Then each slot's first token is sampled, as `prefill` does."""
+        to the kept positions. Then each slot's first token is sampled, as `prefill` does.
+
+        A vision-language model: a kept part's text positions are its cache positions plus
+        the slot's rope_delta (a prompt with images); new tokens holding images (a tool's
+        picture) are prefilled with their features, eager (see _vision.py)."""
         device = self.device
         new_rows = [
             item.request.prompt_ids[start:] for item, start in zip(items, starts, strict=True)
@@ -424,11 +429,32 @@ class SlotRunner:
         write = ContinueWrite(
             cache=self.cache, slots=list(slots), starts=list(starts), lengths=lengths, span=span
         )
-        logits_JV = self._continue_logits(ids_BT, mask, positions_BT, write)
+        delta_J = torch.zeros_like(start_B)
+        tails: list[RequestImages | None] = []
+        if self.vision is not None:
+            # The kept part's mrope offset (0 for a text prompt): its next text position is
+            # start + delta, where the new tokens' positions start.
+            delta_J = self.rope_delta_S.index_select(0, slot_J)
+            tails = [
+                self.vision.tail(item.images, item.request.prompt_ids, start)
+                for item, start in zip(items, starts, strict=True)
+            ]
+        if any(tail is not None for tail in tails):
+            # Eager, as a fresh prefill with images is: the vision tower's features at the new
+            # image tokens, mrope positions of the new tokens as a sequence of their own,
+            # shifted to follow the kept part.
+            embeds_BTH, positions_3BT, new_delta_J = self.vision.embed(
+                self.model, ids_BT, pad_B, tails
+            )
+            positions_3BT = positions_3BT + (start_B + delta_J)[None, :, None]
+            logits_JV = self._forward_last_logits(
+                ids_BT, mask, positions_3BT, write, inputs_embeds=embeds_BTH
+            )
+            delta_J = delta_J + new_delta_J
+        else:
+            logits_JV = self._continue_logits(ids_BT, mask, positions_BT + delta_J[:, None], write)
         prompt_len_J = start_B + to_device(lengths, device)
-        self._start_samples(
-            items, slot_J, logits_JV, prompt_len_J, torch.zeros_like(start_B), flags
-        )
+        self._start_samples(items, slot_J, logits_JV, prompt_len_J, delta_J, flags)
 
     # The continuation forward compiled (created at the first continuation, so an engine that
     # never continues a conversation compiles nothing), and whether compiling it failed.

@@ -14,7 +14,7 @@ running slots only (the smallest batch bucket that holds them; see _batcher.py).
 Conversations kept between turns (Request.session_id): a finished sample of a session leaves
 its KV in its slot (runner.kept), and the slot is not free. The session's next request, if its
 prompt extends the kept tokens, is admitted into that slot and prefills only the new tokens
-(the tool results). A kept slot is freed when a queued sample needs a slot and none is free
+(the tool results, which may hold images: builtin/_vision.py). A kept slot is freed when a queued sample needs a slot and none is free
 (oldest first), after `kept_ttl_s` unused (a tool that timed out, a trajectory that ended
 without release), when its session is released, or when the KV cache is reset.
 """
@@ -154,12 +154,13 @@ class SlotLoop:
             # The kept KV was computed with (or without) the LoRA adapter: a turn that asks
             # otherwise prefills whole (lora_mode="beside" serves both from one cache).
             is_same_model = kept[slot].use_adapter == item.use_adapter
+            kept_images = kept[slot].images
             del kept[slot]  # continued or stale: either way the slot is this item's now
             if (
                 len(prompt) > len(ids)
                 and prompt[: len(ids)] == ids
-                and item.images is None
                 and is_same_model
+                and self._same_kept_images(kept_images, item, ids)
             ):
                 items.append(item)
                 slots.append(slot)
@@ -182,6 +183,13 @@ class SlotLoop:
                 chunk = []
             chunk.append(j)
         self._continue_into(chunk, items, slots, starts)
+
+    def _same_kept_images(self, kept_images, item: WorkItem, kept_ids: list[int]) -> bool:
+        """Whether the item's images begin with those whose features the kept KV holds."""
+        vision = self.runner.vision
+        if vision is None:
+            return item.images is None and kept_images is None
+        return vision.head_matches(kept_images, item.images, kept_ids)
 
     def _continue_into(self, chunk: list[int], items, slots, starts) -> None:
         """One continuation forward: items[j] into slots[j] from starts[j], for j in chunk."""
@@ -250,14 +258,17 @@ class SlotLoop:
                 completion.label_logprobs = labels[row][: len(item.label_token_ids)]
             self.occupant[s] = None
             session = item.request.session_id
-            if session is not None and reason != "abort" and n and item.images is None:
-                # Its KV holds the prompt and the response but its last token (never fed).
+            if session is not None and reason != "abort" and n:
+                # Its KV holds the prompt and the response but its last token (never fed), and
+                # the features of the prompt's images (a vision prompt's rope offset stays in
+                # the slot's rope_delta_S).
                 held = [*item.request.prompt_ids, *response[:-1]]
                 self.runner.kept[s] = Kept(
                     session_id=session,
                     ids=held,
                     last_used_s=time.monotonic(),
                     use_adapter=item.use_adapter,
+                    images=item.images,
                 )
             _deliver(item, completion)
 

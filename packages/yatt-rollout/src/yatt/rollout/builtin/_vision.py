@@ -11,6 +11,14 @@ same in all three components and runs on from the prompt's largest position. So 
 step stays the captured text step, reading one more per-slot buffer (rope_delta_S). Qwen2-VL
 and Qwen2.5-VL (config.model_type) are the families implemented.
 
+A kept conversation (Request.session_id) continues with new tokens that may hold images (a
+tool's picture): the continuation prefills them as a prompt of their own, eager, with the
+features of the images whose runs lie in them, and shifts their mrope positions by the kept
+part's next text position, start + rope_delta (get_rope_index numbers a sequence's groups on
+from a running position, so a segment's positions are the whole sequence's shifted by that).
+The slot's rope_delta grows by the segment's own. Positions then equal the family's
+get_rope_index over the whole sequence, what the trainer's forward computes.
+
 Request.images are raw images (PIL images, HWC uint8 arrays, CHW tensors: what the model's
 image processor takes), as for the vLLM and SGLang adapters; the prompt holds each image's
 placeholder run already expanded (one image token per merged patch group), as the model's
@@ -124,6 +132,42 @@ class VisionPrefill:
                 "with the model's processor (yatt.core.encode_vision_prompt)"
             )
         return processed
+
+    def tail(
+        self, images: RequestImages | None, prompt_ids: Sequence[int], start: int
+    ) -> RequestImages | None:
+        """The images whose token runs lie in prompt_ids[start:] (None: none do); the runs
+        before `start` are whole (a kept part ends on a text token)."""
+        if images is None:
+            return None
+        num_before = len(_runs(prompt_ids[:start], self.image_token_id))
+        grid = images.image_grid_thw
+        if num_before >= grid.shape[0]:
+            return None
+        first_patch = int(grid[:num_before].prod(-1).sum())
+        return RequestImages(
+            pixel_values=images.pixel_values[first_patch:], image_grid_thw=grid[num_before:]
+        )
+
+    def head_matches(
+        self, kept: RequestImages | None, images: RequestImages | None, kept_ids: Sequence[int]
+    ) -> bool:
+        """Whether `images` (a new turn's) begin with `kept` (those of the KV kept for its
+        session), as many as kept_ids has image runs: the kept KV holds those images' features,
+        and image tokens alone do not say which image they were."""
+        num_kept = len(_runs(kept_ids, self.image_token_id))
+        if num_kept == 0:
+            return True
+        if kept is None or images is None or kept.image_grid_thw.shape[0] != num_kept:
+            return False
+        if images.image_grid_thw.shape[0] < num_kept:
+            return False
+        if not torch.equal(images.image_grid_thw[:num_kept], kept.image_grid_thw):
+            return False
+        num_patches = kept.pixel_values.shape[0]
+        return images.pixel_values.shape[0] >= num_patches and torch.equal(
+            images.pixel_values[:num_patches], kept.pixel_values
+        )
 
     def _taken(self, index: int, image_inputs: Any) -> RequestImages:
         """Request.image_inputs as RequestImages, their shapes checked against the model."""

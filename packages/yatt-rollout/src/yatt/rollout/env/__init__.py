@@ -15,10 +15,14 @@
 
 Each Trajectory holds the engine's sampled ids and logprobs (loss mask 1) and, between turns,
 the chat template's ids for the tool results (mask 0), never a re-tokenization of text.
+
+A tool may return a PIL image (or image content parts) for a vision-language policy: the
+observation shows it, and the trajectory carries it (env/_images.py).
 """
 
 from yatt.rollout.env._config import EnvConfig
 from yatt.rollout.env._driver import MultiTurnRollout
+from yatt.rollout.env._images import ImageInputs, ToolImages
 from yatt.rollout.env._parsers import (
     TOOL_PARSERS,
     HermesToolParser,
@@ -47,6 +51,7 @@ __all__ = [
     "EnvKind",
     "EnvSession",
     "HermesToolParser",
+    "ImageInputs",
     "MultiTurnRollout",
     "MultiTurnStats",
     "ParsedTurn",
@@ -55,6 +60,7 @@ __all__ = [
     "ThreadToolRunner",
     "ToolCall",
     "ToolFailure",
+    "ToolImages",
     "ToolParser",
     "ToolRunner",
     "Trajectory",

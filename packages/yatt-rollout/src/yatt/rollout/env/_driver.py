@@ -10,6 +10,12 @@ Each trajectory is its own task: its next turn enters the engine as soon as its 
 answered, never at a round barrier. The built-in engine joins each turn's call to its running
 loop (continuous batching across trajectories); vLLM and SGLang reuse the conversation's KV
 through their prefix caches, since each turn sends the full ids so far.
+
+Images (a vision-language policy, env/_images.py): a tool that returns a PIL image (or image
+content parts) gives a tool message with image parts; its placeholders are expanded to the
+image's tokens, the image joins the trajectory (Trajectory.images, Trajectory.image_inputs),
+and each later turn's Request carries every image so far, so the engine prefills their
+features (the built-in engine continues its kept KV with them, builtin/_batcher.py).
 """
 
 from __future__ import annotations
@@ -24,13 +30,35 @@ from typing import Any
 from yatt.rollout._keys import derive_key
 from yatt.rollout._types import Completion, Request, RolloutEngine, SamplingParams
 from yatt.rollout.env._config import EnvConfig
+from yatt.rollout.env._images import (
+    ImageInputs,
+    ImageResultError,
+    ToolImages,
+    concat_image_inputs,
+    image_parts,
+    message_images,
+)
 from yatt.rollout.env._parsers import ToolCall, load_tool_parser
-from yatt.rollout.env._runner import ThreadToolRunner, ToolFailure, ToolRunner, format_output
+from yatt.rollout.env._runner import (
+    ThreadToolRunner,
+    ToolFailure,
+    ToolRunner,
+    format_image_output,
+    format_output,
+)
 from yatt.rollout.env._tokens import ChatTokens, TemplateMismatchError
 from yatt.rollout.env._tools import EnvKind, build_env_kinds
 from yatt.rollout.env._trajectory import MultiTurnStats, Trajectory
 
 logger = logging.getLogger(__name__)
+
+# A vision-language model config's special vision tokens (yatt.core's VISION_SPECIAL_TOKEN_FIELDS).
+_VISION_TOKEN_FIELDS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+)
 
 
 class MultiTurnRollout:
@@ -39,6 +67,13 @@ class MultiTurnRollout:
     environments / tools: classes and functions to use instead of config.environment /
     config.tools (the specs); everything is checked here, before any generation.
     runner: where environments and tools run (default: threads of this process).
+    image_processor, image_token_id: a vision-language policy's (default: the engine's, when it
+    has them: the built-in engine serving a Qwen2-VL-family model); with them a tool may return
+    images (env/_images.py). Without them an image result is an error observation.
+    vision_token_ids: the policy's vision special tokens (yatt.core's VisionModel.stop_token_ids;
+    default: the image token and, when the engine's model config names them, its video and
+    vision start/end tokens). A turn that samples one ends the trajectory before it (cause
+    "image_token"): no image follows it, and the template's turn end would be miscounted.
     """
 
     def __init__(
@@ -50,6 +85,9 @@ class MultiTurnRollout:
         tools: Sequence[Callable[..., Any]] | None = None,
         tokenizer: Any = None,
         runner: ToolRunner | None = None,
+        image_processor: Any = None,
+        image_token_id: int | None = None,
+        vision_token_ids: Sequence[int] | None = None,
     ) -> None:
         self.engine = engine
         self.config = config
@@ -81,8 +119,34 @@ class MultiTurnRollout:
         if check_kind is not None:
             for kind in self.kinds.values():
                 check_kind(kind)
+        if image_processor is None:
+            image_processor = getattr(engine, "image_processor", None)
+        if image_token_id is None:
+            image_token_id = getattr(engine, "image_token_id", None)
+        if image_processor is not None and image_token_id is None:
+            raise ValueError(
+                "MultiTurnRollout: an image_processor without the image_token_id its prompts "
+                "repeat (e.g. tokenizer.convert_tokens_to_ids('<|image_pad|>'))"
+            )
+        self.images = (
+            ToolImages(image_processor, image_token_id) if image_processor is not None else None
+        )
+        token_id = None if self.images is None else self.images.image_token_id
+        if vision_token_ids is None:
+            model_config = getattr(getattr(engine, "model", None), "config", None)
+            vision_token_ids = [
+                value
+                for value in (getattr(model_config, name, None) for name in _VISION_TOKEN_FIELDS)
+                if isinstance(value, int) and not isinstance(value, bool)
+            ]
+        # Tokens a turn must not sample (none for a text-only policy).
+        self._vision_tokens = (
+            frozenset() if token_id is None else frozenset({token_id, *vision_token_ids})
+        )
         self._tokens = {
-            name: ChatTokens(self.tokenizer, kind.schemas, config.chat_template_kwargs)
+            name: ChatTokens(
+                self.tokenizer, kind.schemas, config.chat_template_kwargs, image_token_id=token_id
+            )
             for name, kind in self.kinds.items()
         }
 
@@ -175,7 +239,15 @@ class MultiTurnRollout:
                 )
                 return None
             tokens = self._tokens[kind.name]
-            prompt_ids = tokens.prompt_ids(messages)
+            try:
+                pictures = message_images(messages)
+                inputs = self._encode_images(pictures)
+                counts = [] if inputs is None else self.images.tokens_per_image(inputs)
+                prompt_ids = tokens.prompt_ids(messages, image_tokens=counts)
+            except (ImageResultError, TemplateMismatchError) as e:
+                stats.num_bad_rows += 1
+                logger.warning("row %d skipped: its first messages' images: %s", row_index, e)
+                return None
             trajectory = Trajectory(
                 row_index=row_index,
                 sample_index=sample_index,
@@ -190,6 +262,8 @@ class MultiTurnRollout:
                 end_cause="stop",
                 row=row,
                 session_id=session_id,
+                images=pictures,
+                image_inputs=inputs,
             )
             trajectory.end_cause = await self._turns(trajectory, session, tokens, sampling, stats)
             if kind.has_reward:
@@ -227,10 +301,20 @@ class MultiTurnRollout:
                 return "max_trajectory_tokens"
             max_new = min(sampling.max_new_tokens, budget)
             completion = await self._generate(trajectory, turn, max_new, sampling)
-            sampled = completion.response_ids
+            sampled, turn_logprobs = completion.response_ids, list(completion.logprobs)
+            cut = next((i for i, t in enumerate(sampled) if t in self._vision_tokens), None)
+            if cut is not None:
+                # A vision token without an image: no engine or policy can read on (and the
+                # turn does not end with the template's end token). The turn is kept up to it,
+                # as rollout_samples cuts a response before one.
+                trajectory.response_ids += sampled[:cut]
+                trajectory.loss_mask += [1] * cut
+                trajectory.logprobs += turn_logprobs[:cut]
+                trajectory.num_turns += 1
+                return "image_token"
             trajectory.response_ids += sampled
             trajectory.loss_mask += [1] * len(sampled)
-            trajectory.logprobs += list(completion.logprobs)
+            trajectory.logprobs += turn_logprobs
             trajectory.num_turns += 1
             if completion.finish_reason == "abort":
                 return "abort"
@@ -249,7 +333,11 @@ class MultiTurnRollout:
                 return "max_trajectory_tokens" if max_new < sampling.max_new_tokens else "length"
             if not parsed.calls:
                 return "stop"
-            observations = [await self._call(session, call, stats) for call in parsed.calls]
+            results = [await self._call(session, call, stats) for call in parsed.calls]
+            observations = [message for message, _ in results]
+            new_inputs = None
+            for _, inputs in results:
+                new_inputs = concat_image_inputs(new_inputs, inputs)
             # The tool results join the conversation (a judge reads them) even when the
             # trajectory ends here; their tokens are appended only when another turn follows.
             before = list(messages)
@@ -259,7 +347,10 @@ class MultiTurnRollout:
             if turn + 1 == config.max_turns:
                 return "max_turns"
             try:
-                appended = tokens.appended_ids(before, observations, end_token_id=sampled[-1])
+                counts = [] if new_inputs is None else self.images.tokens_per_image(new_inputs)
+                appended = tokens.appended_ids(
+                    before, observations, end_token_id=sampled[-1], image_tokens=counts
+                )
             except TemplateMismatchError as e:
                 logger.warning("trajectory ended: %s", e)
                 return "template_mismatch"
@@ -270,6 +361,9 @@ class MultiTurnRollout:
             trajectory.response_ids += appended.ids
             trajectory.loss_mask += [0] * len(appended.ids)
             trajectory.logprobs += [0.0] * len(appended.ids)
+            if new_inputs is not None:
+                trajectory.images += message_images(observations)
+                trajectory.image_inputs = concat_image_inputs(trajectory.image_inputs, new_inputs)
         return "max_turns"  # not reached: the loop returns at its last turn
 
     async def _generate(
@@ -281,6 +375,10 @@ class MultiTurnRollout:
             seed = derive_key(sample_key, turn, 0)
         request = Request(
             prompt_ids=trajectory.prompt_ids + trajectory.response_ids,
+            # Every image so far: raw (engines that run their own processor) and processed
+            # (the built-in engine takes these instead).
+            images=list(trajectory.images) or None,
+            image_inputs=trajectory.image_inputs,
             request_id=f"{trajectory.row_index}/{trajectory.sample_index}/{turn}",
             max_new_tokens=max_new,
             session_id=trajectory.session_id,
@@ -298,16 +396,36 @@ class MultiTurnRollout:
         assert result is not None, "the engine's stream ended without the completion"
         return result
 
-    async def _call(self, session: Any, call: ToolCall, stats: MultiTurnStats) -> dict[str, Any]:
+    async def _call(
+        self, session: Any, call: ToolCall, stats: MultiTurnStats
+    ) -> tuple[dict[str, Any], ImageInputs | None]:
+        """The call's tool message, and its images processed (None: a text result)."""
         config = self.config
         stats.num_tool_calls += 1
         if call.error is not None:
             outcome: Any = ToolFailure("malformed", f"Error: {call.error}")
         else:
             outcome = await session.call(call.name, call.arguments, timeout_s=config.tool_timeout_s)
+        inputs = None
+        if not isinstance(outcome, ToolFailure):
+            try:
+                parts = image_parts(outcome)
+                if parts is not None:
+                    outcome, inputs = format_image_output(
+                        parts,
+                        max_bytes=config.max_tool_output_bytes,
+                        max_tokens=config.max_tool_output_tokens,
+                        tokenizer=self.tokenizer,
+                        images=self.images,
+                    )
+            except ImageResultError as e:
+                outcome = ToolFailure(e.cause, f"Error: {call.name} returned an image: {e}")
+        content: Any
         if isinstance(outcome, ToolFailure):
             stats.tool_errors[outcome.cause] += 1
             content = outcome.message
+        elif inputs is not None:
+            content = outcome  # the image content parts
         else:
             content = format_output(
                 outcome,
@@ -318,7 +436,18 @@ class MultiTurnRollout:
         message = {"role": "tool", "content": content}
         if call.name:
             message["name"] = call.name
-        return message
+        return message, inputs
+
+    def _encode_images(self, pictures: list[Any]) -> ImageInputs | None:
+        """The first messages' images processed (None without any); ImageResultError when the
+        policy takes none."""
+        if not pictures:
+            return None
+        if self.images is None:
+            raise ImageResultError(
+                "they hold images, but the policy takes no images", cause="image_unsupported"
+            )
+        return self.images.encode(pictures)
 
 
 def _first_messages(row: dict[str, Any], first: Any) -> list[dict[str, Any]] | None:

@@ -23,10 +23,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from yatt.rollout.env._images import ImageInputs, ImageResultError, ToolImages
 from yatt.rollout.env._tools import EnvKind
 
-# Why a call failed: the metric keys of MultiTurnStats.tool_errors.
-FAILURE_CAUSES = ("timeout", "exception", "unknown_tool", "bad_arguments", "malformed")
+# Why a call failed: the metric keys of MultiTurnStats.tool_errors. The image causes
+# (env/_images.py): "image_too_large" (its tokens alone exceed the observation cap),
+# "image_unsupported" (the policy takes no images), "bad_image" (the image processor refused
+# it, or a content part is neither an image nor text).
+FAILURE_CAUSES = (
+    "timeout",
+    "exception",
+    "unknown_tool",
+    "bad_arguments",
+    "malformed",
+    "image_too_large",
+    "image_unsupported",
+    "bad_image",
+)
 
 
 @dataclass(frozen=True)
@@ -174,6 +187,59 @@ def format_output(result: Any, *, max_bytes: int, max_tokens: int, tokenizer: An
         text = tokenizer.decode(ids[:max_tokens], skip_special_tokens=True)
         was_cut = True
     return text + " ...[output truncated]" if was_cut else text
+
+
+def format_image_output(
+    parts: list[dict[str, Any]],
+    *,
+    max_bytes: int,
+    max_tokens: int,
+    tokenizer: Any,
+    images: ToolImages | None,
+) -> tuple[list[dict[str, Any]], ImageInputs]:
+    """A tool's image result (content parts, env/_images.py) as the observation's parts and its
+    images processed. The images' tokens count first against `max_tokens`: ImageResultError
+    ("image_too_large") when they alone exceed it; the text parts, in order, share the tokens
+    left and `max_bytes` (cut as format_output cuts, the rest of the text dropped).
+    ImageResultError ("image_unsupported") when the policy takes no images (`images` None)."""
+    if images is None:
+        raise ImageResultError(
+            "the tool returned an image, but the policy takes no images (a vision-language "
+            "model's image processor is needed)",
+            cause="image_unsupported",
+        )
+    inputs = images.encode([p["image"] for p in parts if p["type"] == "image"])
+    num_image_tokens = sum(images.tokens_per_image(inputs))
+    if num_image_tokens > max_tokens:
+        raise ImageResultError(
+            f"the tool's image takes {num_image_tokens} tokens, over the observation cap of "
+            f"{max_tokens} tokens; return a smaller image",
+            cause="image_too_large",
+        )
+    left_bytes, left_tokens = max_bytes, max_tokens - num_image_tokens
+    out: list[dict[str, Any]] = []
+    was_cut = False
+    for part in parts:
+        if part["type"] == "image":
+            out.append(part)
+            continue
+        if was_cut:
+            continue  # the text budget is spent
+        text = part["text"]
+        data = text.encode("utf-8")
+        if len(data) > left_bytes:
+            text = data[:left_bytes].decode("utf-8", errors="ignore")
+            was_cut = True
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) > left_tokens:
+            ids = ids[:left_tokens]
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            was_cut = True
+        left_bytes -= len(text.encode("utf-8"))
+        left_tokens -= len(ids)
+        text = text + " ...[output truncated]" if was_cut else text
+        out.append({"type": "text", "text": text})
+    return out, inputs
 
 
 # Workers load the step functions from this file by path (see _env_step.py).

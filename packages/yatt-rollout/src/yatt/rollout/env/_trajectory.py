@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from yatt.rollout.env._images import ImageInputs
 from yatt.rollout.env._parsers import ToolCall
 
 # Why a trajectory ended:
@@ -16,6 +17,9 @@ from yatt.rollout.env._parsers import ToolCall
 #   env_ended              the environment set `done = True` in a tool
 #   abort                  the engine aborted the turn
 #   template_mismatch      the chat template does not close turns with the token the engine stopped at
+#                          (or wrote another number of image placeholders than there are images)
+#   image_token            a vision-language policy sampled an image token (no image follows it:
+#                          the turn is kept up to it)
 EndCause = Literal[
     "stop",
     "max_turns",
@@ -24,6 +28,7 @@ EndCause = Literal[
     "env_ended",
     "abort",
     "template_mismatch",
+    "image_token",
 ]
 
 
@@ -52,6 +57,11 @@ class Trajectory:
     env_reward: float | None = None  # get_reward(), when the environment has one and it answered
     row: dict[str, Any] = field(default_factory=dict)
     session_id: str | None = None  # the engine session its turns shared (Request.session_id)
+    # Its images, in the order of their token runs in prompt_ids + response_ids (the first
+    # messages' images, then the tools' results'): raw (PIL), and processed for a Qwen2-VL-family
+    # model (None without images; core.VisionInputs(*image_inputs) is the trainer's form).
+    images: list[Any] = field(default_factory=list)
+    image_inputs: ImageInputs | None = None
 
     @property
     def num_sampled_tokens(self) -> int:

@@ -19,6 +19,7 @@ from yatt.rollout._types import DEFAULT_BUCKET_BYTES, Completion, Request, Sampl
 
 __all__ = [
     "COMPACT_TOOL_TEMPLATE",
+    "QWEN2_VL_CHAT_TEMPLATE",
     "QWEN3_TOOL_TEMPLATE",
     "QWEN25_TOOL_TEMPLATE",
     "TOOL_TOKENS",
@@ -154,6 +155,33 @@ COMPACT_TOOL_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
+# Qwen2-VL-Instruct's chat template as published with the model (chat_template.json; Qwen2.5-VL's
+# is the same): an image content part ({"type": "image", ...}, or any part with an "image"
+# key) is one <|vision_start|><|image_pad|><|vision_end|> whatever the role, a tool message is a
+# "tool" turn, and tools and tool calls are not rendered. Set it on a tokenizer with the vision
+# tokens (yatt.testing.make_tokenizer(extra_special_tokens=yatt.testing.VISION_TOKENS)).
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 # What Qwen's tokenizers add as single tokens; a test tokenizer may add them
 # (yatt.testing.make_tokenizer(extra_special_tokens=TOOL_TOKENS)) or spell them out in bytes.
 TOOL_TOKENS = (
@@ -172,13 +200,14 @@ class ScriptedEngine:
 
     Each response token's logprob is -(position + 1) / 100, so tests can check they are kept.
     `delay_s(prompt_text)` sleeps before answering (trajectories that take different times).
-    Records every prompt's ids (`prompts`).
+    Records every prompt's ids (`prompts`) and every request (`requests`).
     """
 
     tokenizer: Any
     respond: Callable[[str], str]
     delay_s: Callable[[str], float] = lambda text: 0.0
     prompts: list[list[int]] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)
     finish_reason: str = "stop"
 
     def _complete(self, request: Request, sampling: SamplingParams) -> Completion:
@@ -204,6 +233,7 @@ class ScriptedEngine:
         out = []
         for i, request in enumerate(requests):
             self.prompts.append(list(request.prompt_ids))
+            self.requests.append(request)
             completion = self._complete(request, sampling)
             completion.request_index = i
             out.append(completion)
@@ -216,6 +246,7 @@ class ScriptedEngine:
             text = self.tokenizer.decode(request.prompt_ids, skip_special_tokens=False)
             await asyncio.sleep(self.delay_s(text))
             self.prompts.append(list(request.prompt_ids))
+            self.requests.append(request)
             completion = self._complete(request, sampling)
             completion.request_index = i
             yield completion
