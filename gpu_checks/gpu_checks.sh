@@ -41,7 +41,8 @@ for step in "$@"; do
       R=packages/yatt-rollout/tests
       STEP_TIMEOUT=${CUDA_TESTS_TIMEOUT_S:-900} run_step cuda_tests_rollout python3 -m pytest -q -rs \
         $R/test_cuda_engine.py $R/test_cuda_sampling.py $R/test_cuda_weights.py \
-        $R/test_decode_kernel.py $R/test_env_kept_kv.py $R/test_builtin_lora.py $R/test_builtin_vision.py
+        $R/test_decode_kernel.py $R/test_env_kept_kv.py $R/test_builtin_lora.py $R/test_builtin_vision.py \
+        $R/test_builtin_vision_kept.py $R/test_kept_kv_batched.py
       run_step cuda_tests_core python3 -m pytest -q -rs packages/yatt-core/tests/test_cuda.py \
         packages/yatt-core/tests/test_lora.py packages/yatt-core/tests/test_runtime.py
       run_step cuda_tests_genrm python3 -m pytest -q -rs packages/yatt-genrm/tests/test_cuda_judge.py

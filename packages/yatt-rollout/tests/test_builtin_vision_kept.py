@@ -88,10 +88,10 @@ class Conversation:
         )
 
 
-def _engine(model_dir):
+def _engine(model_dir, device="cpu"):
     engine = BuiltinEngine(
         model_dir,
-        config=EngineConfig(device="cpu", dtype="float32", max_seq_len=256, max_batch_size=4),
+        config=EngineConfig(device=device, dtype="float32", max_seq_len=256, max_batch_size=4),
     )
     counts = {"continued": 0, "full": 0}
     runner = engine._runner
@@ -182,3 +182,27 @@ def test_a_kept_turn_whose_images_differ_is_prefilled_whole(vlm_dir):
     np.testing.assert_allclose(completion.logprobs, logprobs, atol=1e-5, rtol=0)
     assert counts == {"full": 2, "continued": 0}
     engine.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled prefill, graphs)")
+def test_a_kept_vision_conversation_on_cuda_samples_what_a_fresh_prefill_samples(vlm_dir):
+    """On CUDA the text continuation of a vision session is the compiled one, its positions
+    shifted by the slot's rope_delta, and decode runs in CUDA graphs: each turn of the kept
+    conversation samples what a fresh prefill of the whole conversation samples (float32, so
+    the two paths agree to float32 rounding: greedy ids equal, logprobs within 1e-3)."""
+    first_image, observations = SCRIPTS["image-prompt"]
+    sampling = SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    kept, counts = _engine(vlm_dir, device="cuda")
+    fresh, _ = _engine(vlm_dir, device="cuda")
+    conversation = Conversation(vlm_dir, first_image)
+    for turn in range(len(observations) + 1):
+        (completion,) = kept.generate([conversation.request("s")], sampling)
+        (again,) = fresh.generate([conversation.request(None)], sampling)
+        assert completion.response_ids == again.response_ids, turn
+        np.testing.assert_allclose(completion.logprobs, again.logprobs, atol=1e-3, rtol=0)
+        if turn < len(observations):
+            conversation.respond(completion.response_ids, observations[turn])
+    assert counts == {"full": 1, "continued": len(observations)}
+    kept.close()
+    fresh.close()
