@@ -38,6 +38,8 @@ class VersionRecordingEngine:
         self._calls: dict[str, list[tuple[int, int]]] = {}  # session -> [(version, n)] in order
 
     def __getattr__(self, name: str) -> Any:  # tokenizer, config, release_sessions, ...
+        if name.startswith("__") or name in ("_engine", "_version", "_calls"):
+            raise AttributeError(name)  # not set yet (copy, pickle): no recursion
         return getattr(self._engine, name)
 
     def generate(self, requests: Sequence[Any], sampling: Any) -> list[Any]:
