@@ -21,9 +21,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ROOT / "examples" / "train_grpo.py"
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(Path(__file__).parent))  # _offpolicy_runs
 
 import grpo_config
 import train_grpo
+from _offpolicy_runs import RecordingRollout, loader_rows, train_in_process
 from tasks import tools_task
 from tasks.guess_env import GuessEnv
 
@@ -150,6 +152,14 @@ def test_environment_seeds_depend_on_the_row_not_the_version():
     assert seed_of(3, start_version=0) != seed_of(4, start_version=0)
 
 
+def test_without_a_judge_model_full_placement_holds_off_policy():
+    # the tools task's reward is the environment's and a function: no judge engine sleeps
+    # under the workers, so its placement (full: partial needs a judge model) is accepted
+    cfg = grpo_config.build_config({"task": "tools", "rollout": {"max_staleness": 1}})
+    assert cfg.placement == "full" and not cfg.uses_judge_model
+    train_grpo.check_offpolicy(cfg)
+
+
 # -- runs ----------------------------------------------------------------------------------------
 NUM_STEPS = 5
 
@@ -194,3 +204,43 @@ def test_a_tools_run_ages_its_tokens_and_logs_the_multiturn_metrics(task, tmp_pa
     # the bound holds for most tokens (the slow tail is counted, not dropped)
     over = sum(r["offpolicy/tokens_over_bound"] for r in records)
     assert over <= 0.25 * sum(r["train/num_loss_tokens"] for r in records)
+
+
+# -- a crash and a resume: every prompt once ------------------------------------------------------
+def test_a_crash_then_resume_handles_every_prompt_once(tmp_path, task, monkeypatch):
+    # test_train_grpo_offpolicy.py's test on the tools task: the rows the crashed run took by
+    # its last checkpoint, the resumed run's takes and what is still in flight at its end are
+    # the loader's own sequence, each row once; the re-queued prompts are trained
+    monkeypatch.setattr(core, "AsyncRollout", RecordingRollout)
+    RecordingRollout.instances = []
+    out = tmp_path / "run"
+    args = [
+        f"out_dir={out}", *task, "rollout.max_staleness=1", "num_steps=6", "ckpt.every_steps=2",
+        "ckpt.async_save=false",
+    ]  # fmt: skip
+    crash_step = 3  # after step 2's checkpoint committed
+    real_train_on_batch = train_grpo.train_on_batch
+
+    def crashing(batch, **kwargs):
+        if kwargs["step"] == crash_step:
+            raise RuntimeError("planted crash")
+        return real_train_on_batch(batch, **kwargs)
+
+    monkeypatch.setattr(train_grpo, "train_on_batch", crashing)
+    with pytest.raises(RuntimeError, match="planted crash"):
+        train_in_process(*args)
+    monkeypatch.setattr(train_grpo, "train_on_batch", real_train_on_batch)
+    assert train_in_process(*args, should_resume=True) == 0
+
+    crashed, resumed = RecordingRollout.instances
+    committed = crashed.taken[: crashed.taken_before_version[crash_step]]
+    assert resumed.requeued, "the checkpoint held no prompt in flight"
+    handled = committed + resumed.taken + resumed.rows_in_flight()
+    cfg = grpo_config.config_from_args(train_grpo.parse_args(args))
+    assert sorted(handled) == sorted(loader_rows(cfg, len(handled)))
+    for row in set(resumed.requeued):
+        assert resumed.taken.count(row) >= resumed.requeued.count(row), row
+    records = {r["step"]: r for r in _metrics(out)}
+    assert sorted(records) == list(range(6))
+    assert records[crash_step]["offpolicy/num_requeued"] == len(resumed.requeued)
+    assert records[crash_step][PREFIX + "num_trajectories"] >= 8 * P
