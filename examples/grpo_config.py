@@ -233,7 +233,8 @@ class RolloutConfig(rollout.EngineSpec):
     # while the trainer trains, under weights up to max_staleness versions (steps) old; each
     # token keeps the version that sampled it, the loss weighs it by pi_prox / pi_behaviour
     # (loss.rollout_correction). 0: today's on-policy step. Needs placement='partial',
-    # backend='torch', loss.old_logprobs_from='trainer'; refuses keep_partial, stream, multi-turn.
+    # backend='torch', loss.old_logprobs_from='trainer'; refuses keep_partial and stream.
+    # Multi-turn (environment/tools): each turn's tokens keep the version that ran the turn.
     max_staleness: int = 0
     # -- multi-turn environments and tools (yatt.rollout.env); either set: the multi-turn
     # rollout kind (rollout_multiturn in train_grpo.py), rounds of whole trajectories, or with

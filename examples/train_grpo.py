@@ -40,7 +40,9 @@ One step, as the loop reads:
                   offpolicy  (rollout.max_staleness >= 1) worker threads generate and judge
                           the next prompts while the trainer trains (core.AsyncRollout), at
                           most max_staleness versions ahead; the step keeps groups as they
-                          finish; the update weighs each token by pi_prox / pi_behaviour
+                          finish; the update weighs each token by pi_prox / pi_behaviour. With
+                          rollout.environment or tools each row's group is its multi-turn
+                          trajectories, each turn's tokens stamped with the version it ran under
     keep        whole groups whose task reward varies (DAPO eq. 11), then DAPO's overlong
                 penalty added to the reward (keep())
     train       advantages per group -> balance across ranks -> old logprobs once (the
@@ -69,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -189,11 +192,13 @@ def to_batch(
     encoder: PromptEncoder,
     *,
     policy_version: int = 0,
+    policy_versions: Sequence[int | Sequence[int]] | None = None,
 ) -> core.Batch:
     """Training samples: prompt + response tokens, the loss on the response; a group per
     prompt; a prompt's images (VisionInputs) with each of its samples; a response cut before
     a vision token (a policy refuses an image token without its image); every token stamped
-    with the policy version that sampled it (off-policy steps)."""
+    with the policy version that sampled it (off-policy steps): `policy_version` for all, or
+    per response its own (`policy_versions`: an int, or one per response token)."""
     samples = core.rollout_samples(
         [item.completion for item in scored],
         rewards=[item.verdict.reward for item in scored],
@@ -201,6 +206,7 @@ def to_batch(
         vision_inputs=vision_inputs_of(scored, encoder),
         cut_at_token_ids=encoder.cut_token_ids,
         policy_version=policy_version,
+        policy_versions=policy_versions,
     )
     samples = core.broadcast_to_tp_peers(samples, runtime)  # TP peers: one batch (host sync)
     return core.rollout_batch(samples)
@@ -227,20 +233,37 @@ UNJUDGEABLE = "unjudgeable"
 
 
 def keep(
-    scored: Sequence[Scored], ctx: RolloutContext, stats: StepStats, *, policy_version: int = 0
+    scored: Sequence[Scored],
+    ctx: RolloutContext,
+    stats: StepStats,
+    *,
+    policy_version: int = 0,
+    policy_versions: Sequence[Sequence[int]] | None = None,
 ) -> None:
     """A round's or a group's judged responses to the sampler, counted. DAPO's keep rule:
     whole groups whose task reward varies (eq. 11), tested BEFORE the soft overlong penalty
     (eq. 13, 0 when off) joins the reward, as DAPO and verl filter on the accuracy signal: an
     all-right group with one overlong response has nothing to teach, and its penalty alone
     would make std normalisation push the wrong way. A group with a response the reward could
-    not judge is dropped first, as a bad row (drop_unjudgeable)."""
-    scored = drop_unjudgeable(scored, ctx)
+    not judge is dropped first, as a bad row (unjudgeable_groups). Every token is stamped with
+    `policy_version`, or with its own from `policy_versions` (one list per response of
+    `scored`, one version per response token: off-policy multi-turn trajectories)."""
+    bad = unjudgeable_groups(scored, ctx)
+    is_kept = [item.completion.request_index not in bad for item in scored]
+    if policy_versions is not None:  # filtered in step with the responses
+        policy_versions = [v for v, ok in zip(policy_versions, is_kept, strict=True) if ok]
+    scored = [item for item, ok in zip(scored, is_kept, strict=True) if ok]
     if not scored:  # every group unjudgeable: the round still offers its (empty) share
         ctx.sampler.add(core.rollout_batch([]))
         return
     stats.add(scored, ctx.accuracy, cut_token_ids=ctx.encoder.cut_token_ids)
-    groups = to_batch(scored, ctx.runtime, ctx.encoder, policy_version=policy_version)
+    groups = to_batch(
+        scored,
+        ctx.runtime,
+        ctx.encoder,
+        policy_version=policy_version,
+        policy_versions=policy_versions,
+    )
     groups.samples[TASK_REWARD] = groups.samples["reward"].clone()  # what the sampler tests
     groups.samples["reward"] += ctx.cfg.overlong.compute_penalties(
         groups, max_new_tokens=ctx.cfg.rollout.max_new_tokens
@@ -249,13 +272,20 @@ def keep(
 
 
 def drop_unjudgeable(scored: Sequence[Scored], ctx: RolloutContext) -> list[Scored]:
-    """`scored` without the groups whose row the reward could not judge (a verdict with a
-    skip_cause: the row cannot be sent to a reward worker, its text is not valid Unicode): a
-    data problem, skipped and counted as a bad row is (data/skipped_rows/unjudgeable, its first
-    cause logged), never trained with the default reward."""
+    """`scored` without the groups whose row the reward could not judge (unjudgeable_groups)."""
+    bad = unjudgeable_groups(scored, ctx)
+    return [item for item in scored if item.completion.request_index not in bad]
+
+
+def unjudgeable_groups(scored: Sequence[Scored], ctx: RolloutContext) -> set[int]:
+    """The groups (request indices) of `scored` whose row the reward could not judge (a
+    verdict with a skip_cause: the row cannot be sent to a reward worker, its text is not valid
+    Unicode): a data problem, skipped and counted as a bad row is
+    (data/skipped_rows/unjudgeable, its first cause logged), never trained with the default
+    reward."""
     bad = {item.completion.request_index for item in scored if item.verdict.skip_cause}
     if not bad:
-        return list(scored)
+        return bad
     if not ctx.num_unjudgeable_rows:
         cause = next(item.verdict.skip_cause for item in scored if item.verdict.skip_cause)
         logger.warning(
@@ -265,7 +295,7 @@ def drop_unjudgeable(scored: Sequence[Scored], ctx: RolloutContext) -> list[Scor
             cause,
         )
     ctx.num_unjudgeable_rows += len(bad)
-    return [item for item in scored if item.completion.request_index not in bad]
+    return bad
 
 
 def take_batch(sampler: core.DynamicSampler, *, should_stop: bool) -> tuple[core.Batch, dict]:
@@ -425,7 +455,7 @@ def check_offpolicy(cfg: TrainConfig) -> None:
         policy_backend=cfg.backend,
         should_keep_partial=cfg.rollout.keep_partial,
         sampling_mode=cfg.rollout.sampling_mode,
-        is_multiturn=cfg.rollout.is_multiturn,
+        has_judge_engine=cfg.uses_judge_model,
     )
 
 
@@ -434,18 +464,25 @@ class OffPolicyGroup:
     """One prompt's judged group from a worker thread, and the version of the weights the
     engine held when it started. An engine runs a weight push alone (between generate calls)
     and the version moves only after the push, so the call ran under this version or a newer
-    one pushed just before it started: its age can read one too high, never too low."""
+    one pushed just before it started: its age can read one too high, never too low. A
+    multi-turn group's turns may run under later versions: token_versions has each response's
+    versions per token (each turn's read as its engine call started), turn_stats its counts."""
 
     scored: list[Scored]
     version: int
+    token_versions: list[list[int]] | None = None  # None: every token at `version`
+    turn_stats: rollout.MultiTurnStats | None = None  # multi-turn groups only
 
 
 def offpolicy_generate(ctx: RolloutContext) -> Callable[[dict, Callable[[], int]], OffPolicyGroup]:
     """What a worker thread runs per row (core.AsyncRollout's generate): the row encoded,
-    samples_per_prompt responses, each judged; outside any placement phase (the engines stay
+    samples_per_prompt responses (multi-turn trajectories with rollout.environment or tools:
+    offpolicy_trajectories), each judged; outside any placement phase (the engines stay
     resident, or the trainer pauses the workers while its phases put them to sleep). Seeded by
     (seed, DP rank, version, row)."""
     cfg = ctx.cfg
+    if ctx.multiturn is not None:
+        return lambda row, version: offpolicy_trajectories(row, version, ctx)
 
     def generate(row: dict, version: Callable[[], int]) -> OffPolicyGroup:
         prompts = ctx.encoder.encode([row])  # an unusable row: skipped, counted
@@ -466,6 +503,49 @@ def offpolicy_generate(ctx: RolloutContext) -> Callable[[dict, Callable[[], int]
     return generate
 
 
+def offpolicy_trajectories(
+    row: dict, version: Callable[[], int], ctx: RolloutContext
+) -> OffPolicyGroup:
+    """One row's samples_per_prompt multi-turn trajectories in a worker thread, judged as
+    rollout_multiturn judges them (reward.* over each trajectory + env_reward_weight x the
+    environment's get_reward()), each response token stamped with the version its turn ran
+    under (core.VersionRecordingEngine); the group's version (admission's) is the start's,
+    the oldest. A row whose reset failed for some trajectory gives no group (its slot freed).
+
+    Several workers run this at once, each in an asyncio loop of its own (asyncio.run). What
+    they share is safe so: the built-in engine joins calls from any thread into its loop and
+    hands each call's completions to the caller's own loop (its stream's thread); the tool
+    runner's UserCodePool is called from any thread, each call on the calling loop's
+    executor; the scorer is called from the workers as the single-turn path does; the
+    MultiTurnRollout is read-only after it is built (each run() keeps its trajectories and
+    counts to itself), so each call takes a shallow copy whose engine is its own version
+    recorder (the one piece with per-call state)."""
+    cfg = ctx.cfg
+    prompts = ctx.encoder.encode([row])  # an unusable row: skipped, counted
+    start_version = version()
+    if not prompts:
+        return OffPolicyGroup([], start_version)
+    (prompt,) = prompts
+    sampling = ctx.sampling(start_version, int(row[core.ROW_INDEX_KEY]))
+    recorder = core.VersionRecordingEngine(ctx.engine, version)
+    multiturn = copy.copy(ctx.multiturn)
+    multiturn.engine = recorder
+    trajectories, turn_stats = asyncio.run(
+        multiturn.run([env_row(prompt.row, cfg, step=None)], sampling)
+    )
+    if len(trajectories) < sampling.n:  # a reset failed (counted): a GRPO group must be whole
+        return OffPolicyGroup([], start_version, turn_stats=turn_stats)
+    judged = genrm.score_trajectories(
+        trajectories,
+        [prompt],
+        ctx.scorer,
+        answer_key=cfg.data.answer_key,
+        env_reward_weight=cfg.rollout.env_reward_weight,
+    )
+    token_versions = [recorder.token_versions(item.completion.trajectory) for item in judged]
+    return OffPolicyGroup(judged, start_version, token_versions, turn_stats)
+
+
 def rollout_offpolicy(
     step: int, ctx: RolloutContext, stats: StepStats
 ) -> tuple[core.Batch, dict[str, float]]:
@@ -475,9 +555,13 @@ def rollout_offpolicy(
     judged groups in the order they finish and keeps them (dynamic sampling) until this rank
     is full; a group without reward variance gives its slot back (so it never slows
     generation), a slow one stays in flight and is trained in a later step (never dropped).
-    Each token keeps the version that sampled it. A stop signal ends the step (StepStopped)."""
+    Each token keeps the version that sampled it. A stop signal ends the step (StepStopped).
+    Multi-turn groups add the counts of every group the step took (MultiTurnStats: tool calls,
+    errors by cause, turns, end causes), summed over ranks, as rollout_multiturn does
+    (dynamic_sampling/multiturn/*)."""
     driver, sampler = ctx.offpolicy, ctx.sampler
     num_taken = num_released = 0
+    turn_stats = rollout.MultiTurnStats()
     kept: list[core.InFlightPrompt] = []  # put back if a stop signal ends the step
     while not sampler.is_full and num_taken < sampler.max_groups_per_step and not ctx.should_stop():
         wait_start_s = time.perf_counter()
@@ -495,13 +579,28 @@ def rollout_offpolicy(
             stats.timings["rollout_wait"] = stats.timings.get("rollout_wait", 0.0) + waited_s
         num_taken += 1
         group: OffPolicyGroup = taken.result
+        if group.turn_stats is not None:
+            turn_stats.merge(group.turn_stats)
         num_kept = sampler.num_kept
-        keep(group.scored, ctx, stats, policy_version=group.version)
+        keep(
+            group.scored,
+            ctx,
+            stats,
+            policy_version=group.version,
+            policy_versions=group.token_versions,
+        )
         if sampler.num_kept == num_kept:  # no reward variance, or unjudgeable: slot freed
             driver.release(1)
             num_released += 1
         else:
             kept.append(taken)
+    turn_metrics = {}
+    if ctx.multiturn is not None:  # collective, on every rank before take_batch's
+        turn_metrics = core.reduce_turn_metrics(
+            turn_stats.as_metrics(prefix="multiturn/"),
+            num_turns=sum(turn_stats.turns),
+            group=ctx.runtime.dp_group,
+        )
     # waits for every rank to be full (or out of budget); StepStopped on a stop signal: the
     # kept groups go back in flight, so the checkpoint saved next holds them (trained later)
     try:
@@ -515,7 +614,7 @@ def rollout_offpolicy(
         "num_groups_taken": float(num_taken),
         "num_groups_released": float(num_released),
     }
-    return batch, sampling_stats
+    return batch, sampling_stats | turn_metrics
 
 
 def offpolicy_metrics(driver: core.AsyncRollout, *, is_resident: bool, group) -> dict[str, float]:
@@ -544,18 +643,27 @@ OFFPOLICY_MIN_FREE_FRACTION = 0.25
 
 
 # The row field a multi-turn environment's reset(**row) reads its seed from: derived from
-# (seed, DP rank, step, row), so a resumed run gives its environments the same seeds.
+# (seed, step, row), or (seed, row) off-policy, so a resumed run gives its environments the same
+# seeds.
 ENV_SEED_KEY = "env_seed"
 
 
-def env_row(row: dict, step: int, cfg: TrainConfig) -> dict:
+def env_row(row: dict, cfg: TrainConfig, *, step: int | None) -> dict:
     """What reset(**row) gets: the row's fields (its prompt as "prompt", or "messages" for a
-    message list) and ENV_SEED_KEY from (seed, step, the row's index in the data set)."""
+    message list) and ENV_SEED_KEY from (seed, step, the row's index in the data set). step
+    None (off-policy steps): from (seed, the row's index) alone, since neither the step that
+    trains a row nor the version it starts under is known again on resume (a re-queued
+    prompt restarts under the resumed version); a row's environment then has the same seed
+    in every epoch, as it has the same fields, while its sampling seed moves with the
+    version."""
     fields = {key: value for key, value in row.items() if key != core.ROW_INDEX_KEY}
     question = row[cfg.data.prompt_key]
     fields["messages" if isinstance(question, list) else "prompt"] = question
     index = int(row.get(core.ROW_INDEX_KEY, 0))
-    fields[ENV_SEED_KEY] = derived_seed(cfg.seed, step * 1_000_033, index * 101, 7)
+    if step is None:
+        fields[ENV_SEED_KEY] = derived_seed(cfg.seed, index * 101, 11)
+    else:
+        fields[ENV_SEED_KEY] = derived_seed(cfg.seed, step * 1_000_033, index * 101, 7)
     return fields
 
 
@@ -585,7 +693,7 @@ def rollout_multiturn(
             multiturn=ctx.multiturn,
             scorer=ctx.scorer,
             sampling=ctx.sampling(step, 0),
-            to_row=lambda prompt: env_row(prompt.row, step, cfg),
+            to_row=lambda prompt: env_row(prompt.row, cfg, step=step),
             answer_key=cfg.data.answer_key,
             env_reward_weight=cfg.rollout.env_reward_weight,
             judge_engine=ctx.judge_engine,
@@ -612,7 +720,7 @@ def rollout_multiturn(
             # a row whose reset failed has fewer than n trajectories: its group is dropped
             judged, round_stats = genrm.judge_trajectories(
                 ctx.multiturn,
-                [env_row(prompt.row, step, cfg) for prompt in prompts],
+                [env_row(prompt.row, cfg, step=step) for prompt in prompts],
                 prompts,
                 sampling,
                 scorer=ctx.scorer,
@@ -1007,10 +1115,10 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             # loader's own entry, so this cut wins)
             ckpt.track("offpolicy", ctx.offpolicy)
         rollout_step = ROLLOUTS[
-            "multiturn"
-            if cfg.rollout.is_multiturn
-            else "offpolicy"
+            "offpolicy"  # its worker threads run multi-turn trajectories too
             if is_offpolicy
+            else "multiturn"
+            if cfg.rollout.is_multiturn
             else cfg.rollout.sampling_mode
         ]
         start_step = 0

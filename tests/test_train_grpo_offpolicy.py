@@ -18,18 +18,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import ClassVar
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINER = ROOT / "examples" / "train_grpo.py"
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(Path(__file__).parent))  # _offpolicy_runs
 
 import grpo_config
-import grpo_preflight
 import train_grpo
-from grpo_setup import save_config
+from _offpolicy_runs import RecordingRollout, loader_rows, train_in_process
 
 from yatt import core
 from yatt.testing import free_port
@@ -89,14 +88,11 @@ def test_combinations_that_cannot_hold_are_refused_naming_both_fields(embedded, 
         train_grpo.check_offpolicy(cfg)
 
 
-def test_multiturn_and_a_policy_backend_without_versions_are_refused(embedded):
+def test_a_policy_backend_without_versions_is_refused_and_multiturn_is_not(embedded):
     cfg = _config(*embedded, *OFFPOLICY, "rollout.max_staleness=2")
     train_grpo.check_offpolicy(cfg)  # the defaults hold
     cfg.rollout.tools = ["my_tools.py:search"]
-    with pytest.raises(
-        ValueError, match=r"max_staleness=2 with rollout\.environment or rollout\.tools"
-    ):
-        train_grpo.check_offpolicy(cfg)
+    train_grpo.check_offpolicy(cfg)  # multi-turn: each turn stamped with its version
     cfg.rollout.tools = []
     cfg.backend = "megatron"
     with pytest.raises(ValueError, match=r"max_staleness=2 with backend='megatron'"):
@@ -153,78 +149,30 @@ def test_a_run_stays_within_the_bound_and_learns(tmp_path, embedded, trainer, s)
     assert last > first, (first, last)
 
 
+def test_a_lora_run_stays_within_the_bound(tmp_path, embedded, trainer):
+    # policy.lora: each step pushes the adapter alone (the built-in engine merges it into its
+    # copy of the base) while the workers generate; the decoupled objective as with full weights
+    out = tmp_path / "lora"
+    args = [*embedded, *OFFPOLICY, "rollout.max_staleness=1", "num_steps=4", "policy.lora.rank=8"]
+    trainer.run(
+        [sys.executable, str(TRAINER), f"out_dir={out}", *args], check=True, env=_env(), timeout=600
+    )
+    records = _metrics(out)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    for r in records:
+        assert r["offpolicy/tokens_over_bound"] == 0.0, r["step"]
+        ages = r["offpolicy/tokens_age_0"] + r["offpolicy/tokens_age_1"]
+        assert ages == r["train/num_loss_tokens"] > 0
+    # step 0: the engine samples with the adapter the trainer holds (pi_prox / pi_behaviour = 1)
+    assert records[0]["offpolicy/is_weight_mean_age_0"] == pytest.approx(1.0, abs=1e-3)
+    assert sum(r["offpolicy/tokens_age_1"] for r in records) > 0
+    assert (out / "export" / "adapter").is_dir()  # the adapter alone, in PEFT's format
+
+
 # -- a crash and a resume: every prompt once ---------------------------------------------------
-RUN_DEADLINE_S = 120.0  # a run of the crash test takes about 10 s
-
-
-class _RecordingRollout(core.AsyncRollout):
-    """core.AsyncRollout that notes the rows the trainer took, where each step ended, and the
-    prompts a resume re-queued."""
-
-    instances: ClassVar[list] = []
-
-    def __init__(self, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.taken: list[int] = []
-        self.taken_before_version: dict[int, int] = {}
-        self.requeued: list[int] = []
-        self.deadline = time.monotonic() + RUN_DEADLINE_S
-        _RecordingRollout.instances.append(self)
-
-    def take(self, num_prompts, **kwargs):
-        # a prompt left in flight and never generated again would make the run wait forever
-        assert time.monotonic() < self.deadline, "the run outlived its deadline: a lost prompt?"
-        prompts = super().take(num_prompts, **kwargs)
-        self.taken.extend(p.row_index for p in prompts)
-        return prompts
-
-    def set_version(self, version: int) -> None:
-        self.taken_before_version[version] = len(self.taken)
-        super().set_version(version)
-
-    def start(self) -> None:
-        self.requeued = [p.row_index for p in self._in_flight.unfinished()]
-        super().start()
-
-    def rows_in_flight(self) -> list[int]:
-        return [p["row_index"] for p in self.state_dict()["in_flight"]["prompts"]]
-
-
-def _resume_paused_region_tags() -> None:
-    """Region tags are per process, and an engine closed asleep leaves its tags paused: an
-    earlier test file's engine of the default prefix did, and this file's in-process runs then
-    could not allocate under 'rollout/kv_cache' (CI, session 20). Start from none paused."""
-    from yatt.placement import is_paused, region_tags, resume
-
-    paused = [tag for tag in region_tags() if is_paused(tag)]
-    if paused:
-        resume(*paused)
-
-
-def _train_in_process(*overrides: str, should_resume: bool = False) -> int:
-    _resume_paused_region_tags()
-    args = train_grpo.parse_args([*overrides, *(["--resume"] if should_resume else [])])
-    cfg = grpo_preflight.preflight(grpo_config.config_from_args(args), should_resume=should_resume)
-    save_config(cfg)  # as main() does: what --resume reads
-    runtime = core.init_runtime(seed=cfg.seed, tp_size=1)
-    try:
-        return train_grpo.train(cfg, runtime, should_resume=should_resume)
-    finally:
-        runtime.shutdown()
-
-
-def _loader_rows(cfg: grpo_config.TrainConfig, num_rows: int) -> list[int]:
-    """The first `num_rows` rows a fresh loader of this run gives, across epochs."""
-    loader = core.ShardedLoader(
-        cfg.data.path, batch_size=P, rank=0, world_size=1, prompt_key=cfg.data.prompt_key,
-        seed=cfg.seed,
-    )  # fmt: skip
-    return [row[core.ROW_INDEX_KEY] for _ in range(num_rows) for row in loader.next_batch(1)]
-
-
 def test_a_crash_then_resume_handles_every_prompt_once(tmp_path, small_data, monkeypatch):
-    monkeypatch.setattr(core, "AsyncRollout", _RecordingRollout)
-    _RecordingRollout.instances = []
+    monkeypatch.setattr(core, "AsyncRollout", RecordingRollout)
+    RecordingRollout.instances = []
     out = tmp_path / "run"
     args = [
         f"out_dir={out}", *small_data, *OFFPOLICY, "rollout.max_staleness=1", "num_steps=8",
@@ -240,19 +188,19 @@ def test_a_crash_then_resume_handles_every_prompt_once(tmp_path, small_data, mon
 
     monkeypatch.setattr(train_grpo, "train_on_batch", crashing)
     with pytest.raises(RuntimeError, match="planted crash"):
-        _train_in_process(*args)
+        train_in_process(*args)
     assert (out / "checkpoints" / f"step-{crash_step - 1:08d}").is_dir()
     monkeypatch.setattr(train_grpo, "train_on_batch", real_train_on_batch)
-    assert _train_in_process(*args, should_resume=True) == 0
+    assert train_in_process(*args, should_resume=True) == 0
 
-    crashed, resumed = _RecordingRollout.instances
+    crashed, resumed = RecordingRollout.instances
     # what the checkpoint stands for: the rows taken by the end of its step
     committed = crashed.taken[: crashed.taken_before_version[crash_step]]  # 0..crash_step - 1
     assert resumed.requeued, "the checkpoint held no prompt in flight"
     handled = committed + resumed.taken + resumed.rows_in_flight()
     assert len(handled) > 16  # the run crossed an epoch of the 16 rows
     cfg = _config(*args)
-    assert sorted(handled) == sorted(_loader_rows(cfg, len(handled)))
+    assert sorted(handled) == sorted(loader_rows(cfg, len(handled)))
     # the re-queued prompts were trained (taken) by the resumed run, not left in flight
     for row in set(resumed.requeued):
         assert resumed.taken.count(row) >= resumed.requeued.count(row), row
@@ -337,7 +285,7 @@ def test_without_room_on_the_device_the_phases_run_with_the_workers_paused(
     monkeypatch.setattr(train_grpo, "is_offpolicy_resident", lambda device: False)
     out = tmp_path / "phases"
     args = [f"out_dir={out}", *small_data, *OFFPOLICY, "rollout.max_staleness=1", "num_steps=4"]
-    assert _train_in_process(*args) == 0
+    assert train_in_process(*args) == 0
     records = _metrics(out)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(r["offpolicy/is_resident"] == 0.0 for r in records)

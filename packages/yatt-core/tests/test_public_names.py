@@ -52,6 +52,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "TorchPolicy",
         "TorchPolicyConfig",
         "UnfilledBatchError",
+        "VersionRecordingEngine",
         "VISION_INPUTS_KEY",
         "VisionInputError",
         "VisionInputs",

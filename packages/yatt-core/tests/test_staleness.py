@@ -100,13 +100,19 @@ GOOD = {
         pytest.param(
             {"sampling_mode": "stream"}, r"=1 with rollout.sampling_mode='stream'", id="stream"
         ),
-        pytest.param({"is_multiturn": True}, r"=1 with rollout.environment or", id="multiturn"),
     ],
 )
 def test_check_staleness_refuses_what_cannot_hold(change, match):
     check_staleness(**GOOD)
     with pytest.raises(ValueError, match=match):
         check_staleness(**(GOOD | change))
+
+
+def test_full_colocation_holds_without_a_judge_engine():
+    # reward functions or an endpoint: nothing sleeps under the workers' judging
+    check_staleness(**(GOOD | {"placement": "full", "has_judge_engine": False}))
+    with pytest.raises(ValueError, match=r"placement='full'"):
+        check_staleness(**(GOOD | {"placement": "full", "has_judge_engine": True}))
 
 
 def test_on_policy_accepts_every_setting_and_the_config_checks_its_field():

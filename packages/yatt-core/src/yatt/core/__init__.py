@@ -101,6 +101,7 @@ from yatt.core.rl._surrogates import (
     compute_gspo_policy_loss,
     compute_gspo_token_policy_loss,
 )
+from yatt.core.rl._turn_versions import VersionRecordingEngine
 from yatt.core.runtime._learning_guard import LearningGuard, NoLearningError
 from yatt.core.runtime._metrics import reduce_metrics
 from yatt.core.runtime._run_log import RunLog, check_wandb
@@ -159,6 +160,7 @@ __all__ = [
     "TorchPolicy",
     "TorchPolicyConfig",
     "UnfilledBatchError",
+    "VersionRecordingEngine",
     "VisionInputError",
     "VisionInputs",
     "VisionModel",

@@ -11,6 +11,7 @@
     _staleness           off-policy steps: StalenessConfig, check_staleness, AdmissionControl
     _in_flight           prompts started and not yet trained, checkpointed with their versions
     _async_rollout       AsyncRollout: generation running ahead of training (threads)
+    _turn_versions       VersionRecordingEngine: a multi-turn trajectory's version per token
     _offpolicy_metrics   tokens and importance weights by age (compute_staleness_metrics)
 
 It imports the data, runtime and vision families; no policy backend.

@@ -41,7 +41,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# Placements whose rollout cannot run beside training: each phase takes every GPU in turn.
+# Placements whose judge engine sleeps while the rollout runs: each phase takes every GPU in
+# turn, so a worker cannot judge the group it just generated.
 _PHASED_PLACEMENTS = ("full",)
 # Policy backends the off-policy driver was built and tested with (one controller per DP rank
 # owning its weights' version); Megatron's TP/PP peers share one batch by broadcast, untested.
@@ -82,16 +83,19 @@ def check_staleness(
     policy_backend: str,
     should_keep_partial: bool = False,
     sampling_mode: str = "rounds",
-    is_multiturn: bool = False,
+    has_judge_engine: bool = True,
     field: str = "rollout.max_staleness",
 ) -> None:
     """ValueError naming the field when an off-policy run cannot hold: a negative bound, no
-    rollout correction, pi_old taken from the engine, or a placement or policy backend that
-    cannot train while rollout runs; then the rollout kinds it does not combine with (the
-    reference trainer's rollout.keep_partial, rollout.sampling_mode, rollout.environment or
-    tools): partial groups and streams (off-policy steps keep each group as it finishes and
-    cut nothing) and multi-turn rounds. Call it once, when the trainer's config is built
-    (before any model loads). max_staleness = 0 accepts everything (today's step)."""
+    rollout correction, pi_old taken from the engine, a placement that puts the judge's engine
+    (has_judge_engine: the reward runs a model of its own) to sleep while the rollout runs,
+    or a policy backend without one controller per rank; then the rollout kinds it does not combine with (the
+    reference trainer's rollout.keep_partial and rollout.sampling_mode): partial groups and
+    streams (off-policy steps keep each group as it finishes and cut nothing). Multi-turn
+    trajectories combine: each worker runs a row's trajectories whole, each turn's tokens
+    stamped with the version it ran under (yatt.core.rl._turn_versions). Call it once, when
+    the trainer's config is built (before any model loads). max_staleness = 0 accepts
+    everything (today's step)."""
     _check_max_staleness(field, max_staleness)
     if max_staleness == 0:
         return
@@ -109,11 +113,14 @@ def check_staleness(
             "engine's (several versions old); set loss.old_logprobs_from='trainer' or "
             f"{field}=0"
         )
-    if placement in _PHASED_PLACEMENTS:
+    # Without a judge engine the placement only matters on a device without room for every
+    # role, where the trainer's phases run with the workers paused whatever the placement.
+    if placement in _PHASED_PLACEMENTS and has_judge_engine:
         raise ValueError(
             f"{field}={max_staleness} with placement={placement!r}: full colocation runs "
-            "rollout and training one after the other, so generation cannot run ahead; use "
-            f"placement='partial' or {field}=0"
+            "rollout, judge and training one after the other, so the workers cannot judge "
+            "what they generate while the trainer trains; use placement='partial' or "
+            f"{field}=0"
         )
     if policy_backend not in _STALENESS_POLICY_BACKENDS:
         raise ValueError(
@@ -131,12 +138,6 @@ def check_staleness(
         raise ValueError(
             f"{given} with rollout.sampling_mode={sampling_mode!r}: off-policy steps stream "
             f"groups to the trainer themselves; set rollout.sampling_mode='rounds' or {field}=0"
-        )
-    if is_multiturn:
-        raise ValueError(
-            f"{given} with rollout.environment or rollout.tools: multi-turn trajectories run "
-            f"in rounds that end inside the step; set {field}=0 or drop rollout.environment "
-            "and rollout.tools"
         )
 
 
