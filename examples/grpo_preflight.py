@@ -49,7 +49,7 @@ def preflight(
     check_policy_device(cfg.backend)
     if should_check_data:
         check_data_paths(cfg)
-    check_lora_engine(cfg)
+    cfg = with_lora_engine(cfg)
     check_self_judge(cfg)
     for name, section in (("rollout", cfg.rollout), ("reward", cfg.reward)):
         check_engine_installed(name, section)
@@ -88,17 +88,28 @@ def check_policy_device(backend: str) -> None:
         )
 
 
-def check_lora_engine(cfg: TrainConfig) -> None:
-    """policy.lora syncs only the adapter each step, which the built-in engine applies in
-    place; vLLM and SGLang take full weights only (they refuse adapter tensors by name): refused
-    here, before any model loads."""
-    if policy_field(cfg.policy, "lora") is None or cfg.rollout.backend == "builtin":
-        return
-    raise ValueError(
-        f"policy.lora with rollout.backend={cfg.rollout.backend!r}: the per-step sync sends "
-        "the LoRA adapter, which only the built-in engine applies; use rollout.backend=builtin "
-        "or full fine-tuning (policy.lora=null)"
+def with_lora_engine(cfg: TrainConfig) -> TrainConfig:
+    """policy.lora syncs only the adapter each step: the built-in engine applies it in place;
+    vLLM and SGLang serve it through their LoRA APIs, so their engine is built with what that
+    needs (enable_lora, max_lora_rank, SGLang's lora_target_modules: filled into
+    rollout.backend_options). A LoRA the engine cannot take (modules_to_save, a rank over its
+    maximum, target modules it does not adapt) is refused here, before any model loads."""
+    lora = policy_field(cfg.policy, "lora")
+    if lora is None or cfg.rollout.backend == "builtin":
+        return cfg
+    if not isinstance(lora, core.LoraConfig):
+        lora = core.LoraConfig(**lora)  # its own range checks; unknown keys fail as TypeError
+    served = cfg.rollout.with_lora(
+        rank=lora.rank,
+        target_modules=lora.target_modules,
+        modules_to_save=lora.modules_to_save,
+        lora_field="policy.lora",
     )
+    given = cfg.rollout.backend_options
+    added = {k: v for k, v in served.backend_options.items() if given.get(k) != v}
+    if added:
+        logger.info("policy.lora: rollout.backend_options gains %s to serve the adapter", added)
+    return dataclasses.replace(cfg, rollout=served)
 
 
 def check_self_judge(cfg: TrainConfig) -> None:

@@ -2099,12 +2099,31 @@ def test_a_lora_run_trains_syncs_the_adapter_and_checkpoints_and_exports_it_alon
     assert any(not torch.equal(initial[k], exported[k]) for k in exported)  # it trained
 
 
-def test_lora_with_a_vllm_or_sglang_rollout_is_refused_before_anything_loads(tmp_path, monkeypatch):
-    cfg = _read_config(tmp_path, "policy.lora.rank=8", "rollout.backend=vllm")
-    with pytest.raises(ValueError, match=r"policy.lora with rollout.backend='vllm'"):
-        grpo_preflight.check_lora_engine(cfg)
-    grpo_preflight.check_lora_engine(_read_config(tmp_path, "policy.lora.rank=8"))
-    grpo_preflight.check_lora_engine(_read_config(tmp_path, "rollout.backend=vllm"))
+def test_lora_with_a_vllm_or_sglang_rollout_gets_an_engine_that_serves_it(tmp_path):
+    """policy.lora with vLLM/SGLang: the engine's options gain what its LoRA API needs; a LoRA
+    it cannot serve is refused before anything loads."""
+    cfg = grpo_preflight.with_lora_engine(
+        _read_config(tmp_path, "policy.lora.rank=12", "rollout.backend=vllm")
+    )
+    assert cfg.rollout.backend_options == {"enable_lora": True, "max_lora_rank": 16}
+    cfg = grpo_preflight.with_lora_engine(
+        _read_config(tmp_path, "policy.lora.rank=12", "rollout.backend=sglang")
+    )
+    assert cfg.rollout.backend_config().lora_target_modules == ("all",)
+    assert cfg.rollout.backend_config().max_lora_rank == 12
+    with pytest.raises(ValueError, match=r"policy.lora.modules_to_save=\['lm_head'\] with vllm"):
+        grpo_preflight.with_lora_engine(
+            _read_config(
+                tmp_path,
+                "policy.lora.rank=8",
+                "policy.lora.modules_to_save=[lm_head]",
+                "rollout.backend=vllm",
+            )
+        )
+    builtin = _read_config(tmp_path, "policy.lora.rank=8")
+    assert grpo_preflight.with_lora_engine(builtin) is builtin
+    full = _read_config(tmp_path, "rollout.backend=vllm")
+    assert grpo_preflight.with_lora_engine(full) is full
 
 
 def _read_config(tmp_path: Path, *overrides: str) -> grpo_config.TrainConfig:

@@ -364,8 +364,8 @@ def test_engine_checks_run_before_the_engine_starts(fake_vllm, fake_sglang, tmp_
 
 
 def test_adapters_refuse_a_lora_adapter_sync_by_name(fake_vllm, fake_sglang):
-    """vLLM and SGLang take LoRA through adapters registered at launch and named per request,
-    which yatt does not wire: an adapter-only sync is refused before anything loads."""
+    """An engine built without enable_lora serves no adapter: an adapter-only sync is refused
+    before anything loads (test_engine_lora.py: the engines built with it)."""
     pairs = [
         ("model.layers.0.self_attn.q_proj.lora_A", torch.zeros(4, 8)),
         ("model.layers.0.self_attn.q_proj.lora_B", torch.zeros(8, 4)),

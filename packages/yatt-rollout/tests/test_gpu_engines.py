@@ -147,3 +147,103 @@ def test_logprobs_match_the_trainer_after_update_from_gpu_and_pinned_cpu(target)
             diffs += [abs(a - b) for a, b in zip(ref, c.logprobs, strict=True)]
         mean = sum(diffs) / len(diffs)
         assert mean <= 0.01, f"mean |engine - trainer| logprob = {mean:.4f} over {len(diffs)}"
+
+
+# -- LoRA: an adapter synced alone vs the merged weights synced in full ------------------------
+
+LORA_RANK, LORA_SCALING = 8, 2.0
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_lora_engine(model_dir, adapter_dir):
+    if ENGINE == "vllm":
+        from yatt.rollout import VLLMConfig, VLLMEngine
+
+        config = VLLMConfig(
+            gpu_memory_utilization=0.2,
+            max_model_len=MAX_SEQ_LEN,
+            enable_lora=True,
+            max_lora_rank=LORA_RANK,
+            lora_adapter_dir=str(adapter_dir),
+        )
+        return VLLMEngine(model_dir, config=config)
+    from yatt.rollout import SGLangConfig, SGLangEngine
+
+    config = SGLangConfig(
+        mem_fraction_static=0.2,
+        context_length=MAX_SEQ_LEN,
+        enable_lora=True,
+        max_lora_rank=LORA_RANK,
+        engine_kwargs={"attention_backend": os.environ.get("YATT_SGLANG_ATTENTION", "triton")},
+    )
+    return SGLangEngine(model_dir, config=config)
+
+
+def lora_adapter(model, seed):
+    """yatt.core's wire format, hand-built on every targeted linear layer (float32)."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in LORA_TARGETS:
+            a = torch.randn(LORA_RANK, module.in_features, generator=generator) * 0.05
+            b = torch.randn(module.out_features, LORA_RANK, generator=generator) * 0.05
+            pairs += [
+                (f"{name}.lora_A", a.cuda()),
+                (f"{name}.lora_B", b.cuda()),
+                (f"{name}.lora_scaling", torch.tensor(LORA_SCALING)),
+            ]
+    return pairs
+
+
+def merged_weights(model, pairs):
+    """The model's full weights with W + scaling B A on each adapted layer (bf16, as served)."""
+    by_name = dict(pairs)
+    for name, tensor in model.state_dict().items():
+        module = name.removesuffix(".weight")
+        if f"{module}.lora_A" in by_name:
+            delta = by_name[f"{module}.lora_B"].float() @ by_name[f"{module}.lora_A"].float()
+            tensor = (tensor.float() + LORA_SCALING * delta).to(tensor.dtype)
+        yield name, tensor
+
+
+def test_lora_adapter_sync_matches_the_merged_weights(model_dir, tmp_path):
+    """The adapter synced alone (requests with it) gives the greedy tokens and logprobs of the
+    merged weights synced in full (requests without it); a second sync replaces the first."""
+    from transformers import AutoModelForCausalLM
+
+    engine = build_lora_engine(model_dir, tmp_path)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
+    original = [(n, t.detach().clone()) for n, t in base.state_dict().items()]
+    prompts = [[(7 * i + 3 * k) % 90 + 1 for k in range(12)] for i in range(8)]
+    sampling = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    on = [Request(prompt_ids=p) for p in prompts]
+    off = [Request(prompt_ids=p, use_adapter=False) for p in prompts]
+    try:
+        plain = engine.generate(off, sampling)
+        outputs = []
+        for seed in (1, 2):
+            pairs = lora_adapter(base, seed)
+            engine.update_weights(pairs)
+            with_adapter = engine.generate(on, sampling)
+            engine.update_weights(merged_weights(base, pairs))
+            merged = engine.generate(off, sampling)
+            engine.update_weights(original)  # the base again, under the adapter
+            same = sum(
+                a.response_ids == m.response_ids for a, m in zip(with_adapter, merged, strict=True)
+            )
+            assert same >= 6, f"adapter vs merged: {same} of 8 greedy responses agree"
+            diffs = [
+                abs(x - y)
+                for a, m in zip(with_adapter, merged, strict=True)
+                if a.response_ids == m.response_ids
+                for x, y in zip(a.logprobs, m.logprobs, strict=True)
+            ]
+            assert sum(diffs) / len(diffs) <= 0.02, f"mean |logprob diff| {sum(diffs) / len(diffs)}"
+            outputs.append([c.response_ids for c in with_adapter])
+        assert outputs[0] != outputs[1], "the second adapter did not replace the first"
+        assert [c.response_ids for c in plain] != outputs[1], "the adapter changed nothing"
+        assert [c.response_ids for c in engine.generate(off, sampling)] == [
+            c.response_ids for c in plain
+        ]
+    finally:
+        engine.close()

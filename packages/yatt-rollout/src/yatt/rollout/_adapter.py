@@ -20,6 +20,9 @@ class ThreadedAdapter:
     vocab_size: int
     max_seq_len: int
     is_multimodal: bool
+    # Serves a synced LoRA adapter (its config's enable_lora): then a request may turn it off
+    # (Request.use_adapter=False), which both engines take per request in one batch.
+    serves_lora: bool = False
 
     @property
     def accepts_images(self) -> bool:
@@ -47,5 +50,6 @@ class ThreadedAdapter:
             vocab_size=self.vocab_size,
             max_seq_len=self.max_seq_len,
             accepts_images=self.is_multimodal,
+            accepts_adapter_off=self.serves_lora,
         )
         return sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(7))

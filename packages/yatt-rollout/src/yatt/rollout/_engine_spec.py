@@ -17,6 +17,7 @@ import importlib.util
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+from yatt.rollout._engine_lora import lora_engine_options
 from yatt.rollout._sglang import SGLangConfig, SGLangEngine
 from yatt.rollout._types import SamplingParams
 from yatt.rollout._vllm import VLLMConfig, VLLMEngine
@@ -96,6 +97,31 @@ class EngineSpec:
             raise ValueError(
                 f"{self.section}.backend_options={self.backend_options!r}: {exc}"
             ) from None
+
+    def with_lora(
+        self,
+        *,
+        rank: int,
+        target_modules: str | tuple[str, ...],
+        modules_to_save: tuple[str, ...] = (),
+        lora_field: str = "lora",
+    ) -> EngineSpec:
+        """This spec serving a LoRA adapter synced alone (a policy's LoraConfig values): vLLM's
+        and SGLang's options gain enable_lora, max_lora_rank (and SGLang's lora_target_modules);
+        ValueError naming the field for a LoRA the backend cannot serve (_engine_lora.py). The
+        built-in engine takes any adapter: the spec is returned as it is."""
+        if self.backend == "builtin":
+            return self
+        options = lora_engine_options(
+            self.backend,
+            self.backend_options,
+            rank=rank,
+            target_modules=target_modules,
+            modules_to_save=modules_to_save,
+            options_field=f"{self.section}.backend_options",
+            lora_field=lora_field,
+        )
+        return replace(self, backend_options=options)
 
     def check_installed(self) -> None:
         """The backend's package is installed (the built-in engine always is); imports nothing."""

@@ -44,12 +44,22 @@ SGLang's: full tensors let the engine shard its own way). Control calls (weights
 wake) run on the first rank and their status is broadcast: every rank returns once the engine
 is done on every GPU, and raises alike. Aborting is the first rank's call (its peers receive
 the aborted completions). At N = 1 the same path runs without collectives.
+
+LoRA (SGLangConfig.enable_lora, set by the trainer with policy.lora): a sync of the adapter's
+tensors alone (yatt.core's wire format) is loaded from memory with
+Engine.load_lora_adapter_from_tensors (PEFT names and config, `_engine_lora.py`) under a new
+name per version, the old one unloaded first; every later request names it in `lora_path`
+(Request.use_adapter=False: none, the base, in the same batch). Cost: a copy of the adapter
+to this GPU, CUDA IPC handles, and each TP worker's copy to host then into its LoRA buffers
+(under TP > 1 a worker on another GPU reads the first rank's copy across GPUs). Not yet run on
+a GPU (tests/test_gpu_engines.py holds the check).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
+import itertools
 import os
 import threading
 import time
@@ -63,6 +73,12 @@ import torch
 from yatt.placement import MemoryNeed
 from yatt.rollout._adapter import ThreadedAdapter
 from yatt.rollout._engine_deps import require_engine
+from yatt.rollout._engine_lora import (
+    AdapterFolders,
+    check_adapter_dir,
+    check_served_modules,
+    peft_adapter,
+)
 from yatt.rollout._engine_memory import (
     CUDA_GRAPH_BYTES_ESTIMATE,
     engine_memory_need,
@@ -78,7 +94,7 @@ from yatt.rollout._types import (
     Request,
     SamplingParams,
 )
-from yatt.rollout._weights import iter_buckets, refuse_adapter_tensors
+from yatt.rollout._weights import is_adapter_tensor, iter_buckets, refuse_adapter_tensors
 
 # A refused cache flush (requests still pending, e.g. draining after an abort) is tried again
 # after 0.05, 0.1, ... s: about 1.5 s in all before it raises.
@@ -89,7 +105,8 @@ FLUSH_FIRST_WAIT_S = 0.05
 def sglang_status(result: Any) -> tuple[bool, str]:
     """(success, message) from what an SGLang 0.5.17 control call returns: a (success, message)
     tuple (update_weights_from_tensor) or an object with `success` and `message`
-    (flush_cache's FlushCacheReqOutput). None (a call that reports nothing) counts as success."""
+    (flush_cache's FlushCacheReqOutput) or `error_message` (the LoRA calls' LoadLoRAAdapterReqOutput,
+    UnloadLoRAAdapterReqOutput). None (a call that reports nothing) counts as success."""
     if result is None:
         return True, ""
     if isinstance(result, tuple | list) and result and isinstance(result[0], bool):
@@ -98,7 +115,8 @@ def sglang_status(result: Any) -> tuple[bool, str]:
         return result, ""
     success = getattr(result, "success", None)
     if isinstance(success, bool):
-        return success, str(getattr(result, "message", "") or "")
+        message = getattr(result, "message", None) or getattr(result, "error_message", None)
+        return success, str(message or "")
     raise RuntimeError(f"SGLang answered {result!r:.200}, not a (success, message) status")
 
 
@@ -119,6 +137,15 @@ class SGLangConfig:
     weights_cpu_backup: bool = True  # sleep keeps the weights on the host (else: sync on wake)
     # GPUs (yatt ranks, on one node) serving one model: the policy's TP size; 1: one per GPU.
     tp_size: int = 1
+    # Serve a LoRA adapter synced alone (set by the trainer when policy.lora is set): SGLang
+    # sizes its LoRA buffers at launch for ranks up to max_lora_rank on the module types in
+    # lora_target_modules (["all"]: every one it adapts).
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    lora_target_modules: tuple[str, ...] = ("all",)
+    # Only for an SGLang without load_lora_adapter_from_tensors: the adapter is written there
+    # as a PEFT folder (tmpfs: host memory, no disk) and loaded by path.
+    lora_adapter_dir: str = "/dev/shm"
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -128,6 +155,21 @@ class SGLangConfig:
                 f"SGLangConfig.engine_kwargs sets {taken}: the adapter sets them from "
                 "SGLangConfig.tp_size and this rank's GPU; use that field"
             )
+        lora_taken = sorted(
+            set(self.engine_kwargs) & {"enable_lora", "max_lora_rank", "lora_target_modules"}
+        )
+        if lora_taken:
+            raise ValueError(
+                f"SGLangConfig.engine_kwargs sets {lora_taken}: use SGLangConfig's fields of "
+                "those names"
+            )
+        if isinstance(self.lora_target_modules, list):  # YAML gives lists
+            self.lora_target_modules = tuple(self.lora_target_modules)
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"SGLangConfig.enable_lora={self.enable_lora!r}: must be a bool")
+        rank = self.max_lora_rank
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"SGLangConfig.max_lora_rank={rank!r}: must be an int >= 1")
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"SGLangConfig.tp_size={self.tp_size!r}: must be an int >= 1")
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -293,6 +335,8 @@ class SGLangEngine(ThreadedAdapter):
             "SGLangConfig.tp_size", tp_size, model_dir=model, policy_tp_size=policy_tp_size
         )
         check_one_node("SGLangConfig.tp_size", tp_size)
+        if config.enable_lora:
+            check_adapter_dir("SGLangConfig.lora_adapter_dir", config.lora_adapter_dir)
         # Lazy: an optional, GPU-only dependency; checked before any GPU memory is taken.
         sglang = require_engine("sglang", model)
         self._model_dir = model
@@ -318,6 +362,12 @@ class SGLangEngine(ThreadedAdapter):
                 **({"context_length": config.context_length} if config.context_length else {}),
                 **config.engine_kwargs,
             }
+            if config.enable_lora:
+                kwargs.update(
+                    enable_lora=True,
+                    max_lora_rank=config.max_lora_rank,
+                    lora_target_modules=list(config.lora_target_modules),
+                )
             self._engine = sglang.Engine(**kwargs)
             self._has_cuda_graph_tag = hasattr(constants, "GPU_MEMORY_TYPE_CUDA_GRAPH")
             manager = self._engine.tokenizer_manager
@@ -336,6 +386,13 @@ class SGLangEngine(ThreadedAdapter):
         self.device_total_bytes: int | None = (
             torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
         )
+        self.serves_lora = config.enable_lora
+        # The loaded adapter's name (None: none synced yet, requests read the base), the
+        # versions synced, and the folder of one loaded by path (the fallback).
+        self._lora_name: str | None = None
+        self._num_adapters = 0
+        self._lora_folder: Path | None = None
+        self._folders: AdapterFolders | None = None
 
     @property
     def tp_group(self):
@@ -400,7 +457,9 @@ class SGLangEngine(ThreadedAdapter):
                     sample_seed=derive_key(seed, i, j) if is_seeded else None,
                     max_new_tokens=min(wanted, room),
                 )
-                jobs.append((i, j, request, params, local_stops, sampling.label_token_ids))
+                jobs.append(
+                    (i, j, request, params, local_stops, sampling.label_token_ids, self._lora_name)
+                )
         return jobs
 
     def _run(self, call: _Call, emit) -> None:
@@ -427,13 +486,17 @@ class SGLangEngine(ThreadedAdapter):
             params: dict[str, Any],
             stops: tuple[int, ...],
             labels: tuple[int, ...],
+            lora_name: str | None,
         ) -> None:
+            # The synced adapter by name; use_adapter=False (or none synced): the base.
+            lora = lora_name if request.use_adapter else None
             output = await self._engine.async_generate(
                 input_ids=list(request.prompt_ids),
                 sampling_params=params,
                 image_data=list(request.images) if request.images else None,
                 return_logprob=True,
                 **({"token_ids_logprob": list(labels)} if labels else {}),
+                **({"lora_path": lora} if lora is not None else {}),
             )
             emit_everywhere(
                 completion_from_sglang(
@@ -491,7 +554,15 @@ class SGLangEngine(ThreadedAdapter):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         """Load Hugging Face-named FULL tensors, bucket by bucket: every rank of a TP group
-        passes the same names, each its own copy on its own GPU (module docstring)."""
+        passes the same names, each its own copy on its own GPU (module docstring). A LoRA
+        adapter's tensors alone (the first one names it: "<m>.lora_A" ...) replace the served
+        adapter instead (`_load_adapter`)."""
+        pairs = iter(named_tensors)
+        first = next(pairs, None)
+        if first is not None and is_adapter_tensor(first) and self.serves_lora:
+            self._load_adapter(itertools.chain([first], pairs))
+            return
+        named_tensors = pairs if first is None else itertools.chain([first], pairs)
         LocalSerializedTensor = _local_serialized_tensor_class()
 
         with self._lock:
@@ -531,6 +602,61 @@ class SGLangEngine(ThreadedAdapter):
                     )
             # Cached prefixes hold keys/values computed with the old weights.
             self._flush_cache()
+
+    def _load_adapter(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the served adapter, on the first rank (module docstring): the old one
+        unloaded, the new one loaded from memory under a new name (SGLang's
+        load_lora_adapter_from_tensors; the tensors on this GPU, so its workers get CUDA IPC
+        handles), or from a tmpfs folder where that call is missing; later requests name it.
+        The peers' copies are not read (they are the same full tensors)."""
+        adapter = peft_adapter(pairs, "SGLang")
+        check_served_modules(adapter, "SGLang", "sglang")
+        if adapter.rank > self.config.max_lora_rank:
+            raise ValueError(
+                f"update_weights: the adapter's rank {adapter.rank} is over "
+                f"SGLangConfig.max_lora_rank={self.config.max_lora_rank}; raise it"
+            )
+        with self._lock:
+            self._num_adapters += 1
+            name = f"yatt-lora-v{self._num_adapters}"
+            old = self._lora_name
+            self._lora_name = None  # nothing named until the new one loaded
+            if old is not None:
+                success, message = self._on_first(
+                    "unload_lora_adapter", lambda: self._engine.unload_lora_adapter(old)
+                )
+                if not success:
+                    raise RuntimeError(
+                        f"SGLang unload_lora_adapter({old!r}) failed: {message or 'no message'}"
+                        "; do not roll out with this engine"
+                    )
+                if self._lora_folder is not None:
+                    self._folders.remove(self._lora_folder)
+                    self._lora_folder = None
+            success, message = self._on_first(
+                "load_lora_adapter", lambda: self._load_on_first(adapter, name)
+            )
+            if not success:
+                raise RuntimeError(
+                    f"SGLang failed to load LoRA adapter {name!r}: {message or 'no message'}; "
+                    "the engine serves no adapter: do not roll out with it"
+                )
+            self._lora_name = name
+            # Cached prefixes hold keys/values computed with the old adapter.
+            self._flush_cache()
+
+    def _load_on_first(self, adapter, name: str) -> Any:
+        """The first rank's load: from memory where the engine has the call, else by path."""
+        load_from_tensors = getattr(self._engine, "load_lora_adapter_from_tensors", None)
+        if load_from_tensors is not None:
+            # On this GPU: SGLang's patched CPU-tensor reduction fails (see _on_this_gpu);
+            # the copies live until the call returns (the workers have copied them by then).
+            tensors = dict(_on_this_gpu(list(adapter.tensors.items())))
+            return load_from_tensors(name, tensors, adapter.config)
+        if self._folders is None:
+            self._folders = AdapterFolders(self.config.lora_adapter_dir)
+        self._lora_folder = self._folders.write(adapter, name)
+        return self._engine.load_lora_adapter(name, str(self._lora_folder))
 
     def _flush_cache(self) -> None:
         """flush_cache, tried again while SGLang refuses it; RuntimeError after the last."""
@@ -572,6 +698,8 @@ class SGLangEngine(ThreadedAdapter):
         with self._lock:
             if self._engine is not None:
                 self._engine.shutdown()
+            if self._folders is not None:
+                self._folders.close()
 
 
 def local_gpu_index() -> int:

@@ -117,8 +117,8 @@ class Request:
     session_id: str | None = None
     # False: serve this request from the base model, without the LoRA adapter synced into the
     # engine (a self-judging GenRM on the policy's engine, a reference). The built-in engine
-    # takes it with EngineConfig.lora_mode="beside" (rows on and off in one batch); the other
-    # engines refuse it.
+    # takes it with EngineConfig.lora_mode="beside" (rows on and off in one batch); vLLM and
+    # SGLang with enable_lora (the request names no adapter); other engines refuse it.
     use_adapter: bool = True
 
 

@@ -38,11 +38,21 @@ Megatron's shards onto vLLM's directly would need their layouts to agree, which 
 (Megatron interleaves QKV per group). Sleep, wake and the weight load are per rank. Under
 torchrun the external launcher is used at N = 1 too (each rank its own engine); a process not
 launched by torchrun serves N = 1 with vLLM's default executor.
+
+LoRA (VLLMConfig.enable_lora, set by the trainer with policy.lora): a sync of the adapter's
+tensors alone (yatt.core's wire format) becomes a PEFT folder on tmpfs, registered with
+LLMEngine.add_lora under a new name and int id per version, the old one removed first; every
+later request carries its LoRARequest (Request.use_adapter=False: none, the base, in the same
+batch). vLLM 0.26.0 has no from-memory adapter load (LoRARequest takes a path), so the cost is
+a safetensors write to host memory and vLLM's read back, per sync (`_engine_lora.py`).
+Not yet run on a GPU (tests/test_gpu_engines.py holds the check).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import itertools
 import logging
 import os
 import threading
@@ -58,6 +68,13 @@ import torch
 from yatt.placement import MemoryNeed
 from yatt.rollout._adapter import ThreadedAdapter
 from yatt.rollout._engine_deps import require_engine
+from yatt.rollout._engine_lora import (
+    VLLM_MAX_LORA_RANKS,
+    AdapterFolders,
+    check_adapter_dir,
+    check_served_modules,
+    peft_adapter,
+)
 from yatt.rollout._engine_memory import (
     CUDA_GRAPH_BYTES_ESTIMATE,
     engine_memory_need,
@@ -73,7 +90,7 @@ from yatt.rollout._types import (
     Request,
     SamplingParams,
 )
-from yatt.rollout._weights import iter_buckets, refuse_adapter_tensors
+from yatt.rollout._weights import is_adapter_tensor, iter_buckets, refuse_adapter_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +114,14 @@ class VLLMConfig:
     # GPUs (yatt ranks) serving one model: the policy's TP size; 1 serves a model per GPU.
     tensor_parallel_size: int = 1
     seed: int = 0  # the engine's global seed: the same on every rank of a TP group
+    # Serve a LoRA adapter synced alone (set by the trainer when policy.lora is set): vLLM's
+    # LoRA layers wrap its supported linear layers, sized for ranks up to max_lora_rank (one
+    # of vLLM's 1, 8, 16, 32, 64, 128, 256, 320, 512); one adapter at a time (max_loras=1).
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    # Where each synced adapter is written as a PEFT folder for vLLM to read (its LoRA API
+    # loads from a path only): tmpfs, so host memory and no disk.
+    lora_adapter_dir: str = "/dev/shm"
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -107,6 +132,19 @@ class VLLMConfig:
             raise ValueError(
                 f"VLLMConfig.llm_kwargs sets {taken}: the adapter sets them from "
                 "VLLMConfig.tensor_parallel_size (and torchrun); use that field"
+            )
+        lora_taken = sorted(set(self.llm_kwargs) & {"enable_lora", "max_lora_rank", "max_loras"})
+        if lora_taken:
+            raise ValueError(
+                f"VLLMConfig.llm_kwargs sets {lora_taken}: use VLLMConfig.enable_lora and "
+                "max_lora_rank (the adapter serves one adapter at a time)"
+            )
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"VLLMConfig.enable_lora={self.enable_lora!r}: must be a bool")
+        if self.max_lora_rank not in VLLM_MAX_LORA_RANKS:
+            raise ValueError(
+                f"VLLMConfig.max_lora_rank={self.max_lora_rank!r}: vLLM takes one of "
+                f"{list(VLLM_MAX_LORA_RANKS)}"
             )
         if (
             not isinstance(self.tensor_parallel_size, int)
@@ -242,6 +280,8 @@ class VLLMEngine(ThreadedAdapter):
                 "VLLM_ENABLE_V1_MULTIPROCESSING is set to 1: the engine core would run in "
                 "another process and weight buckets would be copied through a pipe; unset it"
             )
+        if config.enable_lora:
+            check_adapter_dir("VLLMConfig.lora_adapter_dir", config.lora_adapter_dir)
         # Lazy: an optional, GPU-only dependency; checked before any GPU memory is taken.
         vllm = require_engine("vllm", model)
         self._vllm = vllm
@@ -264,6 +304,8 @@ class VLLMEngine(ThreadedAdapter):
             **({"max_model_len": config.max_model_len} if config.max_model_len else {}),
             **config.llm_kwargs,
         }
+        if config.enable_lora:
+            kwargs.update(enable_lora=True, max_lora_rank=config.max_lora_rank, max_loras=1)
         self._llm = vllm.LLM(**kwargs)
         model_config = self._llm.llm_engine.model_config
         self.tokenizer = self._llm.get_tokenizer()
@@ -278,6 +320,13 @@ class VLLMEngine(ThreadedAdapter):
         self.device_total_bytes: int | None = (
             torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else None
         )
+        self.serves_lora = config.enable_lora
+        # The adapter every request with use_adapter=True runs with (None: none synced yet,
+        # the base), its folder, and the versions synced (vLLM's adapter ids count from 1).
+        self._lora: Any = None
+        self._lora_folder: Path | None = None
+        self._num_adapters = 0
+        self._folders = AdapterFolders(config.lora_adapter_dir) if config.enable_lora else None
 
     @property
     def tp_group(self):
@@ -358,7 +407,7 @@ class VLLMEngine(ThreadedAdapter):
                 if j < 0:
                     continue
                 rid = f"yatt-{tag}-{i}-{j}"
-                engine.add_request(rid, prompt, params)
+                engine.add_request(rid, prompt, params, **self._lora_of(request))
                 pending[rid] = (i, j, request, [], [])
             while pending:
                 if self._should_abort():
@@ -386,9 +435,9 @@ class VLLMEngine(ThreadedAdapter):
         each; an abort leaves the rest None)."""
         engine = self._llm.llm_engine
         pending: dict[str, tuple[int, Sequence[int]]] = {}
-        for i, _, _, prompt, params in probes:
+        for i, _, request, prompt, params in probes:
             rid = f"yatt-{call}-{i}-labels"
-            engine.add_request(rid, prompt, params)
+            engine.add_request(rid, prompt, params, **self._lora_of(request))
             pending[rid] = (i, params.allowed_token_ids)
         found: dict[int, list[float] | None] = {}
         while pending and not self._should_abort():
@@ -399,6 +448,13 @@ class VLLMEngine(ThreadedAdapter):
         if pending:
             engine.abort_request(list(pending))
         return found
+
+    def _lora_of(self, request: Request) -> dict[str, Any]:
+        """add_request's lora_request for a request: the synced adapter, or None (the base);
+        nothing when the engine serves no LoRA."""
+        if not self.serves_lora:
+            return {}
+        return {"lora_request": self._lora if request.use_adapter else None}
 
     @staticmethod
     def _completion(entry: tuple, reason: FinishReason) -> Completion:
@@ -423,7 +479,14 @@ class VLLMEngine(ThreadedAdapter):
         """Load Hugging Face-named FULL tensors, bucket by bucket; every rank of a TP group
         passes the same names (its worker keeps its own shard). A bucket that failed on any rank
         raises on every rank (the group agrees after each bucket), so none rolls out on a
-        partly old model while its peers wait."""
+        partly old model while its peers wait. A LoRA adapter's tensors alone (the first one
+        names it: "<m>.lora_A" ...) replace the served adapter instead (`_load_adapter`)."""
+        pairs = iter(named_tensors)
+        first = next(pairs, None)
+        if first is not None and is_adapter_tensor(first) and self.serves_lora:
+            self._load_adapter(itertools.chain([first], pairs))
+            return
+        named_tensors = pairs if first is None else itertools.chain([first], pairs)
         with self._lock:
             synced = hashlib.sha256()  # names and shapes loaded, compared across the group
             for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes=bucket_bytes)):
@@ -460,6 +523,50 @@ class VLLMEngine(ThreadedAdapter):
             # Cached prefixes hold keys/values computed with the old weights.
             self._reset_prefix_cache()
 
+    def _load_adapter(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the served adapter: a PEFT folder on tmpfs (vLLM 0.26.0 loads an adapter
+        from a path only), registered under a new name and id (vLLM keys its caches by them)
+        after the old one is removed; later requests name the new one. Every rank of a TP group
+        loads its own engine's copy and the group agrees on the outcome."""
+        adapter = peft_adapter(pairs, "vLLM")
+        check_served_modules(adapter, "vLLM", "vllm")
+        if adapter.rank > self.config.max_lora_rank:
+            raise ValueError(
+                f"update_weights: the adapter's rank {adapter.rank} is over "
+                f"VLLMConfig.max_lora_rank={self.config.max_lora_rank}; raise it"
+            )
+        lora_request_class = importlib.import_module("vllm.lora.request").LoRARequest
+        engine = self._llm.llm_engine
+        with self._lock:
+            self._num_adapters += 1
+            name = f"yatt-{self._engine_tag}-v{self._num_adapters}"
+            old, old_folder = self._lora, self._lora_folder
+            self._lora = self._lora_folder = None  # nothing named until the new one loaded
+            error: BaseException | None = None
+            try:
+                folder = self._folders.write(adapter, name)
+                request = lora_request_class(
+                    lora_name=name, lora_int_id=self._num_adapters, lora_path=str(folder)
+                )
+                # The old one first: max_loras=1 holds one adapter on the GPU.
+                if old is not None:
+                    engine.remove_lora(old.lora_int_id)
+                is_loaded = bool(engine.add_lora(request))
+            except Exception as exc:  # raised below, once the group knows
+                is_loaded, error = False, exc
+            if old_folder is not None:
+                self._folders.remove(old_folder)
+            if self._group.any(not is_loaded):
+                where = "on this rank" if not is_loaded else "on a TP peer"
+                why = repr(error) if error is not None else "add_lora returned False"
+                raise RuntimeError(
+                    f"vLLM failed to load LoRA adapter {name!r} {where}: {why}; the engine "
+                    "serves no adapter: do not roll out with it"
+                ) from error
+            self._lora, self._lora_folder = request, folder
+            # Cached prefixes hold keys/values computed with the old adapter.
+            self._reset_prefix_cache()
+
     def _reset_prefix_cache(self) -> None:
         """reset_prefix_cache, tried again while vLLM refuses it; RuntimeError after the last."""
         for attempt in range(RESET_TRIES):
@@ -494,3 +601,5 @@ class VLLMEngine(ThreadedAdapter):
             shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
             if shutdown is not None:
                 shutdown()
+            if self._folders is not None:
+                self._folders.close()

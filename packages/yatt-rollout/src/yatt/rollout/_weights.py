@@ -37,15 +37,27 @@ def map_names(
         yield from mapper(name, tensor)
 
 
+def is_adapter_tensor(pair: object) -> bool:
+    """Whether a synced (name, tensor) pair belongs to a LoRA adapter (by its name's suffix)."""
+    return (
+        isinstance(pair, tuple)
+        and len(pair) == 2
+        and isinstance(pair[0], str)
+        and pair[0].endswith(_ADAPTER_ONLY_SUFFIXES)
+    )
+
+
 def refuse_adapter_tensors(bucket: list[tuple[str, torch.Tensor]], engine: str) -> None:
-    """ValueError when the bucket holds a LoRA adapter's tensors, which `engine` cannot take
-    alone: its LoRA API wants the adapter registered at launch and named in every request."""
+    """ValueError when a full-weight bucket holds a LoRA adapter's tensor: `engine` takes an
+    adapter only as a sync of its own (the adapter's tensors alone), when built to serve LoRA."""
     name = next((n for n, _ in bucket if n.endswith(_ADAPTER_ONLY_SUFFIXES)), None)
     if name is not None:
         raise ValueError(
             f"update_weights: {name!r} is a LoRA adapter tensor; the {engine} engine takes "
-            "full weights only (its LoRA adapters are not wired in yatt): sync the merged "
-            "weights, policy.named_weights(), or roll out with the built-in engine"
+            "one only in an adapter sync (the adapter's tensors alone, "
+            "policy.named_adapter_weights()) with enable_lora=True in its config (the trainer "
+            "sets it when policy.lora is set); else sync the merged weights, "
+            "policy.named_weights()"
         )
 
 

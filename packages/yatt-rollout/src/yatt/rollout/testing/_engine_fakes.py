@@ -16,16 +16,24 @@ They mirror the engines' public signatures and the behaviours the adapters must 
   process per GPU from `base_gpu_id`), `async_generate`, `update_weights_from_tensor` whose
   worker r unwraps `LocalSerializedTensor.values[r]`, the memory-saver calls, flush_cache.
   `MultiprocessingSerializer` pickles the tensor here (the real one sends a CUDA IPC handle).
-Each fake records what it was asked (`calls`, `seen_seeds`, `worker_weights`) for the tests.
+- LoRA (both): vLLM's LoRARequest / LLMEngine.add_lora / remove_lora (an adapter read from its
+  PEFT folder, a rank over max_lora_rank refused, max_loras adapters held) and add_request's
+  lora_request; SGLang's Engine.load_lora_adapter_from_tensors / load_lora_adapter /
+  unload_lora_adapter (LoadLoRAAdapterReqOutput-like answers) and async_generate's lora_path
+  (a name not loaded is refused, as SGLang's tokenizer manager does).
+Each fake records what it was asked (`calls`, `seen_seeds`, `worker_weights`, `seen_loras`,
+`loras`) for the tests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import pickle
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -90,8 +98,20 @@ class FakeLLMEngine:
     seen_seeds: dict = field(default_factory=dict)  # request id -> seed (None: global draw)
     global_draws: list = field(default_factory=list)  # the engine generator's draws
     num_steps: int = 0
+    lora_config: dict | None = None  # enable_lora's max_lora_rank and max_loras; None: off
+    loras: dict = field(default_factory=dict)  # lora_int_id -> (request, {name: tensor}, config)
+    seen_loras: dict = field(default_factory=dict)  # request id -> its LoRARequest (or None)
+    lazy_loads: list = field(default_factory=list)  # adapters a request loaded from their path
 
-    def add_request(self, rid, prompt, params):
+    # vllm/v1/engine/llm_engine.py (0.26.0): add_request(request_id, prompt, params,
+    # arrival_time=None, lora_request=None, ...); the tail (tokenization_kwargs, trace_headers,
+    # priority) is not used by yatt.
+    def add_request(self, rid, prompt, params, arrival_time=None, lora_request=None, **kwargs):
+        if lora_request is not None and lora_request.lora_int_id not in self.loras:
+            # The worker loads an adapter it does not hold from its path (an LRU cache miss).
+            self.lazy_loads.append(lora_request.lora_name)
+            self.add_lora(lora_request)
+        self.seen_loras[rid] = lora_request
         self.requests[rid] = {"prompt": prompt, "params": params, "n": 0}
         seed = getattr(params, "seed", None)
         self.seen_seeds[rid] = seed
@@ -140,6 +160,34 @@ class FakeLLMEngine:
         for rid in rids:
             self.requests.pop(rid, None)
 
+    # LLMEngine.add_lora(lora_request) -> bool / remove_lora(lora_id) -> bool / list_loras().
+    def add_lora(self, lora_request) -> bool:
+        if self.lora_config is None:
+            raise ValueError("LoRA is not enabled (LLM(enable_lora=True))")
+        if lora_request.lora_int_id in self.loras:
+            return False  # already loaded: vLLM only touches its cache entry
+        from safetensors.torch import load_file
+
+        # LoRAModel.from_local_checkpoint: adapter_config.json and adapter_model.safetensors.
+        folder = lora_request.lora_path
+        config = json.loads(Path(folder, "adapter_config.json").read_text())
+        tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
+        if config["r"] > self.lora_config["max_lora_rank"]:
+            raise ValueError(
+                f"LoRA rank {config['r']} is greater than max_lora_rank "
+                f"{self.lora_config['max_lora_rank']}."
+            )
+        if len(self.loras) >= self.lora_config["max_loras"]:  # LRU: the oldest is evicted
+            del self.loras[next(iter(self.loras))]
+        self.loras[lora_request.lora_int_id] = (lora_request, tensors, config)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.loras.pop(lora_id, None) is not None
+
+    def list_loras(self) -> set[int]:
+        return set(self.loras)
+
 
 class FakeLLM:
     """vllm.LLM: the uniprocess executor (one GPU), or the external launcher under torchrun."""
@@ -162,6 +210,14 @@ class FakeLLM:
             self.tp_rank = 0
         generator = torch.Generator().manual_seed(kwargs.get("seed") or 0)
         self.llm_engine = FakeLLMEngine(tp_group=tp_group, generator=generator)
+        if kwargs.get("enable_lora"):
+            # vllm/config/lora.py (0.26.0): max_lora_rank in a closed set, max_loras >= 1.
+            rank = kwargs.get("max_lora_rank", 16)
+            assert rank in (1, 8, 16, 32, 64, 128, 256, 320, 512), f"max_lora_rank {rank}"
+            self.llm_engine.lora_config = {
+                "max_lora_rank": rank,
+                "max_loras": kwargs.get("max_loras", 1),
+            }
         self.llm_engine.model_config = types.SimpleNamespace(
             max_model_len=64, get_vocab_size=lambda: 100, is_multimodal_model=False
         )
@@ -200,8 +256,26 @@ class FakeVLLMSamplingParams:
         self.__dict__.update(kwargs)
 
 
+@dataclass
+class FakeLoRARequest:
+    """vllm.lora.request.LoRARequest (0.26.0; a msgspec Struct there): an adapter by path."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+    tensorizer_config_dict: dict | None = None
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
+
+    def __post_init__(self):
+        if self.lora_int_id < 1:
+            raise ValueError(f"id must be > 0, got {self.lora_int_id}")
+        assert self.lora_path, "lora_path cannot be empty"
+
+
 def vllm_modules() -> dict[str, types.ModuleType]:
-    """The fake `vllm` module, by name, for sys.modules."""
+    """The fake `vllm` modules, by name, for sys.modules."""
     module = types.ModuleType("vllm")
     module.__version__ = VLLM_VERSION
     module.LLM = FakeLLM
@@ -212,7 +286,10 @@ def vllm_modules() -> dict[str, types.ModuleType]:
     module.sampling_params = types.SimpleNamespace(
         RequestOutputKind=types.SimpleNamespace(DELTA="delta")
     )
-    return {"vllm": module}
+    lora = types.ModuleType("vllm.lora")
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = FakeLoRARequest
+    return {"vllm": module, "vllm.lora": lora, "vllm.lora.request": request}
 
 
 # -- SGLang 0.5.17 ----------------------------------------------------------------------------
@@ -270,14 +347,20 @@ class FakeSGLEngine:
         self.generate_error: Exception | None = None  # raised by the next async_generate
         # TP worker r's shards (SGLang: one scheduler process per GPU of the group).
         self.worker_weights: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp_size)]
+        self.loras: dict[str, tuple[dict, dict]] = {}  # name -> (tensors, config), per engine
+        self.seen_loras: list = []  # each request's lora_path
 
     async def async_generate(
         self, prompt=None, sampling_params=None, input_ids=None, image_data=None,
-        return_logprob=False, **kwargs,
+        return_logprob=False, lora_path=None, **kwargs,
     ):  # fmt: skip
         await asyncio.sleep(0.001 * input_ids[0])
         if self.generate_error is not None:
             raise self.generate_error
+        if lora_path is not None and lora_path not in self.loras:
+            # TokenizerManager: a request naming an adapter that is not loaded is refused.
+            raise ValueError(f"The following requested LoRA adapters are not loaded: {lora_path}")
+        self.seen_loras.append(lora_path)
         self.seen_params.append(sampling_params)
         n = sampling_params["max_new_tokens"]
         context = self.tokenizer_manager.context_len
@@ -315,6 +398,51 @@ class FakeSGLEngine:
                     tensor = tensor.get(tp_rank)
                 weights[name] = _shard(tensor, tp_rank, self.tp_size)
         return True, "Succeeded to update model weights."
+
+    # sglang/srt/entrypoints/engine.py: load_lora_adapter_from_tensors(lora_name, tensors,
+    # config_dict), load_lora_adapter(lora_name, lora_path, pinned=False),
+    # unload_lora_adapter(lora_name); each answers a LoadLoRAAdapterReqOutput /
+    # UnloadLoRAAdapterReqOutput (success, error_message, loaded_adapters).
+    def _lora_answer(self, success: bool, error_message: str = ""):
+        return types.SimpleNamespace(
+            success=success, error_message=error_message, loaded_adapters=dict(self.loras)
+        )
+
+    def _add_lora(self, name: str, tensors: dict, config: dict):
+        if not self.kwargs.get("enable_lora"):
+            return self._lora_answer(False, "LoRA is not enabled. Please set `--enable-lora`")
+        if name in self.loras:
+            return self._lora_answer(False, f"LoRA adapter {name} is already loaded")
+        if config["r"] > self.kwargs["max_lora_rank"]:
+            return self._lora_answer(
+                False,
+                f"LoRA rank {config['r']} exceeds max_lora_rank {self.kwargs['max_lora_rank']}",
+            )
+        # Every TP worker copies the tensors to host (LoRAAdapter._process_weight: .cpu()).
+        self.loras[name] = ({k: t.cpu().clone() for k, t in tensors.items()}, dict(config))
+        return self._lora_answer(True)
+
+    def load_lora_adapter_from_tensors(self, lora_name, tensors, config_dict):
+        self.calls.append(("load_lora_from_tensors", lora_name))
+        # The real one serializes `tensors` (MultiprocessingSerializer) for the workers.
+        tensors = MultiprocessingSerializer.deserialize(
+            MultiprocessingSerializer.serialize(tensors)
+        )
+        return self._add_lora(lora_name, dict(tensors), config_dict)
+
+    def load_lora_adapter(self, lora_name, lora_path, pinned=False):
+        from safetensors.torch import load_file
+
+        self.calls.append(("load_lora", lora_name, lora_path))
+        config = json.loads(Path(lora_path, "adapter_config.json").read_text())
+        tensors = load_file(os.path.join(lora_path, "adapter_model.safetensors"))
+        return self._add_lora(lora_name, tensors, config)
+
+    def unload_lora_adapter(self, lora_name):
+        self.calls.append(("unload_lora", lora_name))
+        if self.loras.pop(lora_name, None) is None:
+            return self._lora_answer(False, f"LoRA adapter {lora_name} is not loaded")
+        return self._lora_answer(True)
 
     def flush_cache(self):
         self.calls.append(("flush",))
