@@ -99,7 +99,7 @@ from yatt.ckpt import (
 from yatt.placement import PendingLoad, Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from grpo_config import DataConfig, TrainConfig, config_from_args, parse_args
+from grpo_config import DataConfig, TrainConfig, config_from_args, parse_args, policy_field
 from grpo_data import Scored, judge_sample
 from grpo_metrics import (
     StepStats,
@@ -766,14 +766,26 @@ ROLLOUTS: dict[str, Callable[[int, RolloutContext, StepStats], tuple[core.Batch,
 
 def make_multiturn(cfg: TrainConfig, engine, tokenizer, resources: ClosingStack):
     """The run's MultiTurnRollout: tools in worker processes (a killable pool, closed at the
-    end), the chat template of the policy's tokenizer."""
+    end), the chat template of the policy's tokenizer. A vision-language policy: the policy's
+    image processor and vision tokens, so a tool may return pictures whatever the engine (the
+    built-in one has them itself; vLLM and SGLang do not hand theirs out)."""
     runner = rollout.env.PoolToolRunner.from_timeout(cfg.rollout.tool_timeout_s)
     resources.close_later(runner.pool)
+    model_dir = policy_field(cfg.policy, "model_dir")
+    vision = core.VisionModel.from_pretrained(model_dir)
+    images: dict[str, Any] = {}
+    if vision.image_token_id is not None and vision.has_image_processor:
+        images = {
+            "image_processor": core.load_image_processor(model_dir),
+            "image_token_id": vision.image_token_id,
+            "vision_token_ids": vision.stop_token_ids,
+        }
     return rollout.MultiTurnRollout(
         engine,
         cfg.rollout.env_config(dict(cfg.data.chat_template_kwargs)),
         tokenizer=tokenizer,
         runner=runner,
+        **images,
     )
 
 

@@ -206,3 +206,49 @@ def test_a_tool_image_trajectory_trains_on_the_engines_logprobs(looker_dir):
     # the single-turn vision loop's bound (test_multimodal_loop); an mrope offset wrong by one
     # position after the picture moves them by up to 5.9.
     torch.testing.assert_close(logprobs[on_loss], sampled, atol=1e-5, rtol=0)
+
+
+def test_the_trainers_multiturn_takes_the_policys_image_processor_whatever_the_engine(
+    looker_dir, tmp_path
+):
+    """An engine that hands out no image processor (vLLM, SGLang; here a scripted one): the
+    trainer's make_multiturn gives the multi-turn rollout the policy's, so a tool picture is
+    expanded to the processor's image tokens (16 x 24 pixels: 6 tokens) instead of being an
+    error observation."""
+    import sys
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from yatt.ckpt import ClosingStack
+    from yatt.rollout.env.testing import ScriptedEngine
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    sys.path.insert(0, str(examples))
+    import grpo_config
+    import train_grpo
+
+    tools = tmp_path / "look_tools.py"
+    tools.write_text(
+        "from PIL import Image\n\n\ndef look() -> object:\n"
+        '    """A 16 x 24 picture."""\n'
+        "    return Image.new('RGB', (16, 24))\n"
+    )
+    args = train_grpo.parse_args(
+        [
+            f"policy.model_dir={looker_dir}",
+            f"rollout.tools=[{tools}:look]",
+            "rollout.max_turns=2",
+            "rollout.max_trajectory_tokens=1024",
+        ]
+    )
+    cfg = grpo_config.config_from_args(args)
+    engine = ScriptedEngine(tokenizer=AutoTokenizer.from_pretrained(looker_dir), respond=str)
+    with ClosingStack() as resources:  # closes the tool workers' pool
+        multiturn = train_grpo.make_multiturn(cfg, engine, engine.tokenizer, resources)
+    assert multiturn.images is not None
+    assert multiturn.images.image_token_id == engine.tokenizer.convert_tokens_to_ids(
+        "<|image_pad|>"
+    )
+    grid = multiturn.images.image_processor(images=[picture(0)], return_tensors="pt")
+    assert int(grid["image_grid_thw"].prod()) // 4 == 6
