@@ -531,7 +531,7 @@ def offpolicy_trajectories(
     multiturn = copy.copy(ctx.multiturn)
     multiturn.engine = recorder
     trajectories, turn_stats = asyncio.run(
-        multiturn.run([env_row(prompt.row, cfg, step=None)], sampling)
+        multiturn.run([env_row(prompt, cfg, step=None)], sampling)
     )
     if len(trajectories) < sampling.n:  # a reset failed (counted): a GRPO group must be whole
         return OffPolicyGroup([], start_version, turn_stats=turn_stats)
@@ -648,23 +648,41 @@ OFFPOLICY_MIN_FREE_FRACTION = 0.25
 ENV_SEED_KEY = "env_seed"
 
 
-def env_row(row: dict, cfg: TrainConfig, *, step: int | None) -> dict:
-    """What reset(**row) gets: the row's fields (its prompt as "prompt", or "messages" for a
-    message list) and ENV_SEED_KEY from (seed, step, the row's index in the data set). step
+def env_row(prompt: Prompt, cfg: TrainConfig, *, step: int | None) -> dict:
+    """What reset(**row) gets: the prompt's row fields (its prompt as "prompt", or "messages"
+    for a message list; with the row's images (data.image_key), "messages" whose first user
+    turn starts with one image part per image, as the single-turn prompt shows them) and
+    ENV_SEED_KEY from (seed, step, the row's index in the data set). step
     None (off-policy steps): from (seed, the row's index) alone, since neither the step that
     trains a row nor the version it starts under is known again on resume (a re-queued
     prompt restarts under the resumed version); a row's environment then has the same seed
     in every epoch, as it has the same fields, while its sampling seed moves with the
     version."""
+    row = prompt.row
     fields = {key: value for key, value in row.items() if key != core.ROW_INDEX_KEY}
     question = row[cfg.data.prompt_key]
-    fields["messages" if isinstance(question, list) else "prompt"] = question
+    if prompt.images:
+        fields["messages"] = messages_with_images(question, prompt.images)
+    else:
+        fields["messages" if isinstance(question, list) else "prompt"] = question
     index = int(row.get(core.ROW_INDEX_KEY, 0))
     if step is None:
         fields[ENV_SEED_KEY] = derived_seed(cfg.seed, index * 101, 11)
     else:
         fields[ENV_SEED_KEY] = derived_seed(cfg.seed, step * 1_000_033, index * 101, 7)
     return fields
+
+
+def messages_with_images(question: str | list[dict], images: Sequence[Any]) -> list[dict]:
+    """The question as messages whose first user turn starts with one image part per image
+    (the picture itself: the multi-turn driver expands its placeholder), then its text."""
+    messages = question if isinstance(question, list) else [{"role": "user", "content": question}]
+    messages = [dict(message) for message in messages]
+    first_user = next((m for m in messages if m["role"] == "user"), messages[0])
+    text = first_user["content"]
+    parts = text if isinstance(text, list) else [{"type": "text", "text": text}]
+    first_user["content"] = [{"type": "image", "image": image} for image in images] + parts
+    return messages
 
 
 def rollout_multiturn(
@@ -693,7 +711,7 @@ def rollout_multiturn(
             multiturn=ctx.multiturn,
             scorer=ctx.scorer,
             sampling=ctx.sampling(step, 0),
-            to_row=lambda prompt: env_row(prompt.row, cfg, step=step),
+            to_row=lambda prompt: env_row(prompt, cfg, step=step),
             answer_key=cfg.data.answer_key,
             env_reward_weight=cfg.rollout.env_reward_weight,
             judge_engine=ctx.judge_engine,
@@ -720,7 +738,7 @@ def rollout_multiturn(
             # a row whose reset failed has fewer than n trajectories: its group is dropped
             judged, round_stats = genrm.judge_trajectories(
                 ctx.multiturn,
-                [env_row(prompt.row, cfg, step=step) for prompt in prompts],
+                [env_row(prompt, cfg, step=step) for prompt in prompts],
                 prompts,
                 sampling,
                 scorer=ctx.scorer,

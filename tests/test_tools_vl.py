@@ -252,3 +252,47 @@ def test_the_trainers_multiturn_takes_the_policys_image_processor_whatever_the_e
     )
     grid = multiturn.images.image_processor(images=[picture(0)], return_tensors="pt")
     assert int(grid["image_grid_thw"].prod()) // 4 == 6
+
+
+def test_a_rows_image_opens_the_multiturn_conversation(looker_dir):
+    """An image dataset (data.image_key) with tools: env_row puts the row's picture first in
+    the first user turn (as the single-turn prompt shows it), so the first request holds its 6
+    image tokens and the picture; a text row stays a text prompt."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from yatt.core import Prompt
+    from yatt.rollout.env.testing import ScriptedEngine
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import train_grpo
+
+    cfg = SimpleNamespace(data=SimpleNamespace(prompt_key="question"), seed=0)
+    row = {"question": "How many dots?", "image": "dots.png", "row_index": 3}
+    with_picture = train_grpo.env_row(Prompt(row, [1], images=[picture(1)]), cfg, step=0)
+    assert "prompt" not in with_picture
+    (message,) = with_picture["messages"]
+    assert message["role"] == "user"
+    assert [p["type"] for p in message["content"]] == ["image", "text"]
+    assert message["content"][1]["text"] == "How many dots?"
+    text_only = train_grpo.env_row(Prompt(row, [1]), cfg, step=0)
+    assert text_only["prompt"] == "How many dots?" and "messages" not in text_only
+
+    tokenizer = AutoTokenizer.from_pretrained(looker_dir)
+    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    engine = ScriptedEngine(tokenizer=tokenizer, respond=lambda text: "done")
+    image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    rollout = MultiTurnRollout(
+        engine,
+        EnvConfig(max_turns=1, max_trajectory_tokens=256, tool_parser="always-look"),
+        environments=[Room],
+        image_processor=load_image_processor(looker_dir),
+        image_token_id=image_id,
+    )
+    asyncio.run(rollout.run([with_picture], SamplingParams(max_new_tokens=4)))
+    (request,) = engine.requests
+    assert request.prompt_ids.count(image_id) == 6  # 16 x 24 pixels: 6 merged patch groups
+    assert len(request.images) == 1

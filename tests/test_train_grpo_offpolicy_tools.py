@@ -85,7 +85,7 @@ def _context(*, samples_per_prompt: int = 1) -> SimpleNamespace:
         engine=engine,
         multiturn=multiturn,
         scorer=None,
-        encoder=SimpleNamespace(encode=lambda rows: [SimpleNamespace(row=row) for row in rows]),
+        encoder=SimpleNamespace(encode=lambda rows: [core.Prompt(row, []) for row in rows]),
         sampling=lambda step, num_round: SamplingParams(
             n=samples_per_prompt, max_new_tokens=96, seed=step * 1000 + num_round
         ),
