@@ -237,7 +237,7 @@ class RolloutConfig(rollout.EngineSpec):
     # Multi-turn (environment/tools): each turn's tokens keep the version that ran the turn.
     max_staleness: int = 0
     # -- multi-turn environments and tools (yatt.rollout.env); either set: the multi-turn
-    # rollout kind (rollout_multiturn in train_grpo.py), rounds of whole trajectories, or with
+    # rollout kind (rollout_multiturn in grpo_multiturn.py), rounds of whole trajectories, or with
     # sampling_mode=stream each trajectory judged as it ends and the tail cut.
     # "my_env.py:MathEnv" (one instance per trajectory: reset(**row), public methods are
     # tools, optional get_reward()), several routed by the row field `route_key`.

@@ -314,13 +314,29 @@ def _trainer_attributes(path: Path) -> set[tuple[str, int]]:
     return found
 
 
-def _public_step_functions() -> set[str]:
-    tree = ast.parse((ROOT / "examples" / "train_grpo.py").read_text())
+# The trainer's rollout side, in modules of its own: train_grpo.py imports their functions back,
+# so `train_grpo.to_batch` is a step function as `train_grpo.train_on_batch` is.
+ROLLOUT_MODULES = ("grpo_rollout", "grpo_offpolicy", "grpo_multiturn")
+
+
+def _public_functions(tree: ast.Module) -> set[str]:
     return {
         node.name
         for node in tree.body
         if isinstance(node, ast.FunctionDef) and not node.name.startswith("_")
     }
+
+
+def _public_step_functions() -> set[str]:
+    """train_grpo.py's public functions, and those it imports from ROLLOUT_MODULES."""
+    examples = ROOT / "examples"
+    tree = ast.parse((examples / "train_grpo.py").read_text())
+    names = _public_functions(tree)
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module in ROLLOUT_MODULES:
+            defined = _public_functions(ast.parse((examples / f"{node.module}.py").read_text()))
+            names |= {alias.asname or alias.name for alias in node.names if alias.name in defined}
+    return names
 
 
 # The trainer's prompt type: what its step functions take (grpo_prompts.Prompt, which adds the
@@ -351,6 +367,36 @@ def test_bench_reads_only_the_trainers_public_step_functions():
         if name not in allowed
     )
     assert not wrong, "bench/ takes from the trainer only its step functions:\n" + "\n".join(wrong)
+
+
+def _module_level_names(tree: ast.Module) -> set[str]:
+    """The public functions, classes and UPPER_CASE constants a module defines (not imports)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name) and t.id.isupper()}
+    return {name for name in names if not name.startswith("_")}
+
+
+def test_the_trainer_imports_back_every_name_its_rollout_modules_define():
+    # They lived in train_grpo.py: tests, bench/ and forks read them as train_grpo.X.
+    examples = ROOT / "examples"
+    tree = ast.parse((examples / "train_grpo.py").read_text())
+    imported = {
+        node.module: {alias.asname or alias.name for alias in node.names}
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and node.module in ROLLOUT_MODULES
+    }
+    missing = {
+        module: sorted(names - imported.get(module, set()))
+        for module in ROLLOUT_MODULES
+        if (names := _module_level_names(ast.parse((examples / f"{module}.py").read_text())))
+        - imported.get(module, set())
+    }
+    assert not missing, f"train_grpo.py does not import back {missing}"
 
 
 MIN_COPY_LINES = 6  # a shorter function is a wrapper, not a copy worth one place
