@@ -83,7 +83,7 @@ def rollout_multiturn(
       stream  (placement=partial) genrm.TrajectoryStream: rows keep entering as the sampler
               asks, each trajectory judged as it ends, each whole group kept at once, and once
               every rank is full the trajectories still running are cut (dropped, counted)
-    Each row's environment gets row["env_seed"] from (seed, DP rank, step, row), the same on
+    Each row's environment gets row["env_seed"] from (seed, step, row index), the same on
     a resumed run. Adds the multi-turn counts (MultiTurnStats.as_metrics: tool calls, errors by
     cause, turns, end causes), summed over ranks, to the sampling stats
     (dynamic_sampling/multiturn/*)."""
