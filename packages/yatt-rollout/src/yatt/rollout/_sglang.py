@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import itertools
 import os
 import threading
 import time
@@ -94,7 +93,7 @@ from yatt.rollout._types import (
     Request,
     SamplingParams,
 )
-from yatt.rollout._weights import is_adapter_tensor, iter_buckets, refuse_adapter_tensors
+from yatt.rollout._weights import iter_buckets, peek_adapter_sync, refuse_adapter_tensors
 
 # A refused cache flush (requests still pending, e.g. draining after an abort) is tried again
 # after 0.05, 0.1, ... s: about 1.5 s in all before it raises.
@@ -557,12 +556,10 @@ class SGLangEngine(ThreadedAdapter):
         passes the same names, each its own copy on its own GPU (module docstring). A LoRA
         adapter's tensors alone (the first one names it: "<m>.lora_A" ...) replace the served
         adapter instead (`_load_adapter`)."""
-        pairs = iter(named_tensors)
-        first = next(pairs, None)
-        if first is not None and is_adapter_tensor(first) and self.serves_lora:
-            self._load_adapter(itertools.chain([first], pairs))
+        is_adapter, named_tensors = peek_adapter_sync(named_tensors)
+        if is_adapter and self.serves_lora:
+            self._load_adapter(named_tensors)
             return
-        named_tensors = pairs if first is None else itertools.chain([first], pairs)
         LocalSerializedTensor = _local_serialized_tensor_class()
 
         with self._lock:

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import itertools
 import logging
 import os
 import threading
@@ -90,7 +89,7 @@ from yatt.rollout._types import (
     Request,
     SamplingParams,
 )
-from yatt.rollout._weights import is_adapter_tensor, iter_buckets, refuse_adapter_tensors
+from yatt.rollout._weights import iter_buckets, peek_adapter_sync, refuse_adapter_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -481,12 +480,10 @@ class VLLMEngine(ThreadedAdapter):
         raises on every rank (the group agrees after each bucket), so none rolls out on a
         partly old model while its peers wait. A LoRA adapter's tensors alone (the first one
         names it: "<m>.lora_A" ...) replace the served adapter instead (`_load_adapter`)."""
-        pairs = iter(named_tensors)
-        first = next(pairs, None)
-        if first is not None and is_adapter_tensor(first) and self.serves_lora:
-            self._load_adapter(itertools.chain([first], pairs))
+        is_adapter, named_tensors = peek_adapter_sync(named_tensors)
+        if is_adapter and self.serves_lora:
+            self._load_adapter(named_tensors)
             return
-        named_tensors = pairs if first is None else itertools.chain([first], pairs)
         with self._lock:
             synced = hashlib.sha256()  # names and shapes loaded, compared across the group
             for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes=bucket_bytes)):

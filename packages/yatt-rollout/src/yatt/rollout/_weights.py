@@ -8,6 +8,7 @@ references is held at once, so the sender never needs a second full copy of the 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -45,6 +46,18 @@ def is_adapter_tensor(pair: object) -> bool:
         and isinstance(pair[0], str)
         and pair[0].endswith(_ADAPTER_ONLY_SUFFIXES)
     )
+
+
+def peek_adapter_sync(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> tuple[bool, Iterator[tuple[str, torch.Tensor]]]:
+    """Whether a sync is a LoRA adapter's (its first pair names one: "<m>.lora_A" ...), and
+    every pair, the first one included (the sync is read once)."""
+    pairs = iter(named_tensors)
+    first = next(pairs, None)
+    if first is None:
+        return False, pairs
+    return is_adapter_tensor(first), itertools.chain([first], pairs)
 
 
 def refuse_adapter_tensors(bucket: list[tuple[str, torch.Tensor]], engine: str) -> None:
