@@ -116,17 +116,13 @@ def rollout_samples(
                 "response tokens; the engine must return one per sampled token"
             )
         logprobs = [float(x) for x in completion.logprobs]
-        cut = _first_index_of(response, cut_at_token_ids)
         token_versions = _response_versions(
             policy_version if versions is None else versions[i], len(response), i
         )
         mask = _response_mask(completion, len(response))
-        if cut is not None and getattr(completion, "loss_mask", None) is not None:
-            # A multi-turn trajectory: only its sampled tokens are the policy's to cut at.
-            cut = next(
-                (i for i, t in enumerate(response) if mask[i] and t in set(cut_at_token_ids)),
-                None,
-            )
+        # Only sampled tokens (mask 1) are the policy's to cut at: a multi-turn trajectory's
+        # tool results (mask 0) may hold image tokens that came with their images.
+        cut = _first_index_of(response, cut_at_token_ids, where=mask)
         if cut is not None:
             response, logprobs = response[:cut], logprobs[:cut]
             token_versions, mask = token_versions[:cut], mask[:cut]
@@ -202,11 +198,17 @@ def _first_version(versions: int | Sequence[int], default: int) -> int:
     return default
 
 
-def _first_index_of(token_ids: Sequence[int], wanted: Collection[int]) -> int | None:
+def _first_index_of(
+    token_ids: Sequence[int], wanted: Collection[int], *, where: Sequence[int] | None = None
+) -> int | None:
+    """The first position holding a `wanted` token (among those where `where` is true)."""
     if not wanted:
         return None
     wanted = set(wanted)
-    return next((i for i, token in enumerate(token_ids) if token in wanted), None)
+    return next(
+        (i for i, token in enumerate(token_ids) if token in wanted and (where is None or where[i])),
+        None,
+    )
 
 
 def rollout_batch(samples: Sequence[Mapping[str, Any]], *, policy_version: int = 0) -> Batch:
