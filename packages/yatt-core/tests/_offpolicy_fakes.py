@@ -29,6 +29,7 @@ class FakeEngine:
         self.slow_s = slow_s
         self.num_calls = 0
         self.rows_seen: list[int] = []
+        self.slow_rows_started: list[int] = []  # slow rows whose first token is out
         self._lock = threading.Lock()
 
     def generate(self, row, version):
@@ -38,6 +39,8 @@ class FakeEngine:
         versions = []
         for i in range(row["num_tokens"]):
             if row["is_slow"] and i == 1:
+                with self._lock:
+                    self.slow_rows_started.append(row[ROW_INDEX_KEY])
                 if self.slow_s is None:
                     assert self.slow_gate.wait(timeout=60), "the test never released the tail"
                 else:

@@ -55,6 +55,14 @@ def test_a_slow_tail_is_paced_not_discarded_and_its_tokens_span_versions(tmp_pat
     def release_tail_at(version):
         # The tail ends only after the trainer moved on three versions: without pacing, a
         # driver waiting for it (or dropping it) would show here.
+        if version == 2 and s >= 1:
+            # Both slow prompts are admitted by now; on a busy CPU their workers may not have
+            # run yet: let them emit their first token before version 3 is pushed, so each
+            # starts under an older version than the one that releases it.
+            deadline = time.monotonic() + TIMEOUT_S
+            while set(engine.slow_rows_started) != set(slow):
+                assert time.monotonic() < deadline, "a slow prompt never started"
+                time.sleep(0.01)
         if version == 3:
             engine.slow_gate.set()
 
