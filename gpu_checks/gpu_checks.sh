@@ -37,9 +37,12 @@ for step in "$@"; do
     cuda_tests)
       # Every single-GPU CUDA test file of the packages (vLLM/SGLang and Megatron ones aside: they
       # need their carried sites), one pytest per package so one package's crash spares the rest.
-      # The rollout files took over 420 s alone on an H200 (session 21): run this step detached.
+      # The rollout files took over 420 s alone on an H200 (session 21): run this step detached,
+      # or with CUDA_TESTS_XDIST="-n 4 --dist loadfile" (pytest-xdist carried in .whl) to run
+      # files side by side (their timing test, test_env_kept_kv's, then shares the GPU).
       R=packages/yatt-rollout/tests
       STEP_TIMEOUT=${CUDA_TESTS_TIMEOUT_S:-900} run_step cuda_tests_rollout python3 -m pytest -q -rs \
+        ${CUDA_TESTS_XDIST:-} \
         $R/test_cuda_engine.py $R/test_cuda_sampling.py $R/test_cuda_weights.py \
         $R/test_decode_kernel.py $R/test_env_kept_kv.py $R/test_builtin_lora.py $R/test_builtin_vision.py \
         $R/test_builtin_vision_kept.py $R/test_kept_kv_batched.py
