@@ -13,8 +13,10 @@ set -uo pipefail
 BG=/root/bg
 action=${1:?start|wait}; name=${2:?job name}; shift 2
 dir=$BG/$name
-# Packs leave weights out: a pack holding a bench's random models was refused for size (session 22).
-NO_WEIGHTS=(--exclude=./work --exclude="*.safetensors" --exclude="*.bin")
+# Packs leave weights out: a pack holding a bench's random models was refused for size (session 22);
+# and checkpoints (a trainer's run folders hold them: a 0.5B policy's with its optimizer is GBs).
+NO_WEIGHTS=(--exclude=./work --exclude="*.safetensors" --exclude="*.bin" --exclude=checkpoints
+            --exclude="*.distcp" --exclude="*.pt")
 case $action in
   start)
     if [ -f "$dir/pid" ] && kill -0 "$(cat "$dir/pid")" 2>/dev/null; then

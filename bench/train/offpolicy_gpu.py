@@ -148,6 +148,10 @@ def run_one(staleness: int, base: list[str], args: argparse.Namespace) -> dict:
     with BusySampler() as busy:
         done = subprocess.run(command, env=dict(os.environ), capture_output=True, text=True)
     wall_s = time.perf_counter() - start
+    # The whole log beside the metrics: a failed run's cause can sit above its last lines (an
+    # engine error's chained cause; the H200 run at 16ea75f kept only the tail and lost it).
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trainer.log").write_text(done.stdout + done.stderr)
     result = {"staleness": staleness, "rc": done.returncode, "wall_s": wall_s}
     if done.returncode != 0:
         return result | {"stderr_tail": done.stderr[-3000:]}

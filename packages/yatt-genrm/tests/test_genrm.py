@@ -113,6 +113,49 @@ def test_engine_error_becomes_error_verdicts_for_the_batch() -> None:
     assert genrm.metrics["num_errors"] == 2
 
 
+def test_an_engine_error_verdict_names_its_chained_cause() -> None:
+    # The built-in engine wraps a failed CUDA-graph capture in its own RuntimeError; the CUDA
+    # error under it is what says why, and a verdict's error is read as text (H200, 16ea75f:
+    # only the wrapper reached the log).
+    class CaptureFailing(FakeJudgeEngine):
+        def generate(self, requests, sampling):
+            try:
+                raise OSError("CUDA error: operation not permitted when stream is capturing")
+            except OSError as cause:
+                raise RuntimeError("capturing the decode step failed") from cause
+
+    genrm = GenRM(CaptureFailing(), template=verification_template(), parser=YesNoParser())
+    (verdict,) = genrm.score(_samples(["4"]))
+    assert verdict.status == "error"
+    assert verdict.error == (
+        "judge failed: RuntimeError: capturing the decode step failed; caused by OSError: "
+        "CUDA error: operation not permitted when stream is capturing"
+    )
+
+
+def test_describe_failure_follows_causes_and_context_but_not_suppressed_context() -> None:
+    from yatt.genrm._types import describe_failure
+
+    try:
+        try:
+            raise KeyError("inner")
+        except KeyError:
+            raise ValueError("outer")  # noqa: B904  (an implicit context, on purpose)
+    except ValueError as exc:
+        assert describe_failure(exc) == "ValueError: outer; caused by KeyError: 'inner'"
+    try:
+        try:
+            raise KeyError("inner")
+        except KeyError:
+            raise ValueError("outer") from None
+    except ValueError as exc:
+        assert describe_failure(exc) == "ValueError: outer"
+    looped = RuntimeError("a")
+    looped.__cause__ = RuntimeError("b")
+    looped.__cause__.__cause__ = looped  # a cycle ends
+    assert describe_failure(looped) == "RuntimeError: a; caused by RuntimeError: b"
+
+
 def test_template_error_fails_only_its_sample() -> None:
     genrm = GenRM(FakeJudgeEngine(), template=verification_template(), parser=YesNoParser())
     samples = [Sample(prompt="q", response="4", reference="4"), Sample(prompt="q", response="4")]

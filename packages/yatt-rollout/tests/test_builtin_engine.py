@@ -489,6 +489,35 @@ def test_falls_back_to_eager_when_compiling_fails(
     assert f"EngineConfig.{field}=False" in warnings[0].getMessage()
 
 
+@pytest.mark.parametrize("field", ["compile_decode", "compile_prefill"])
+def test_compiled_calls_hold_the_capture_guard(
+    tiny_model_dir, eager_sdpa_samples, monkeypatch, field
+):
+    # A compiled function's first calls compile and autotune, synchronising the device; in
+    # another engine's thread that invalidated a CUDA-graph capture (H200, 16ea75f). Every
+    # compiled call must run inside yatt.placement's may_sync section.
+    import threading
+
+    import yatt.rollout.builtin._batcher as batcher
+    from yatt.placement import _capture_guard
+
+    inside: list[bool] = []
+
+    def recording_compile(fn, **kwargs):
+        def compiled(*args, **kw):
+            inside.append(threading.get_ident() in _capture_guard._GUARD._open)
+            return fn(*args, **kw)
+
+        return compiled
+
+    monkeypatch.setattr(batcher.torch, "compile", recording_compile)
+    engine, samples = _generate_both(tiny_model_dir, f"guarded-{field}", **{field: True})
+    engine.close()
+    _assert_same_samples(samples, eager_sdpa_samples, atol=0.0)
+    assert inside, "the compiled function never ran"
+    assert all(inside), f"{inside.count(False)} of {len(inside)} compiled calls outside may_sync"
+
+
 def test_compiled_prefill_gives_the_same_samples(tiny_model_dir, eager_sdpa_samples):
     # 8 samples of 2-5-token prompts through 3 slots: prefill chunks of several row counts,
     # padded lengths and kept columns, all through the one dynamic compile.

@@ -38,6 +38,7 @@ from yatt.genrm._types import (
     Sample,
     Verdict,
     Vote,
+    describe_failure,
     error_verdict,
     find_unusable_text,
     skip_verdict,
@@ -338,7 +339,7 @@ class GenRM(StreamingScorer):
                     votes[c.request_index].append(self._vote(c))
                     response_tokens[c.request_index] += len(c.response_ids)
             except Exception as e:
-                error = f"judge failed: {type(e).__name__}: {e}"
+                error = f"judge failed: {describe_failure(e)}"
                 logger.warning("judge engine raised on a batch of %d: %s", len(requests), error)
         probes = [v for row in votes for v in row if isinstance(v, LabelProbe)]
         if probes and error is None:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from yatt.genrm._stopping import check_should_stop, run_until_stopped
-from yatt.genrm._types import Sample, Verdict, error_verdict
+from yatt.genrm._types import Sample, Verdict, describe_failure, error_verdict
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -165,7 +165,7 @@ class StreamingScorer:
             message = "scoring was cancelled (GenRM closed)"
             raise
         except Exception as e:
-            message = f"judge failed: {type(e).__name__}: {e}"
+            message = f"judge failed: {describe_failure(e)}"
         finally:
             self._inflight.release()
             for item in batch:

@@ -161,6 +161,18 @@ class Verdict:
         )
 
 
+def describe_failure(exc: BaseException) -> str:
+    """ "Type: message", then each chained cause's ("caused by Type: message"): a verdict's
+    error is read as text, and an engine's wrapper error alone hid why (a failed CUDA-graph
+    capture's own CUDA error)."""
+    parts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        parts.append(f"{type(exc).__name__}: {exc}")
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return "; caused by ".join(parts)
+
+
 def error_verdict(sample_id: str, message: str, *, reward: float) -> Verdict:
     """The verdict of a sample the judge could not score; the run goes on."""
     return Verdict(sample_id=sample_id, reward=reward, status="error", error=message)

@@ -7,6 +7,7 @@ from yatt.placement._capabilities import (
     ResizableMemory,
     ResizesWhileAwake,
 )
+from yatt.placement._capture_guard import capturing, empty_cache, may_sync, synchronize
 from yatt.placement._fit import FitConfig, PeakGrowth, read_cuda_free_bytes
 from yatt.placement._needs import (
     HostFit,
@@ -70,11 +71,14 @@ __all__ = [
     "TrainerRole",
     "__version__",
     "backup_bytes",
+    "capturing",
     "configure_regions",
+    "empty_cache",
     "host_bytes_of",
     "is_offload_placeholder",
     "is_offloaded",
     "is_paused",
+    "may_sync",
     "offload",
     "offloaded_bytes",
     "offloaded_named_parameters",
@@ -89,4 +93,5 @@ __all__ = [
     "release",
     "resident_bytes",
     "resume",
+    "synchronize",
 ]

@@ -18,6 +18,8 @@ from typing import Literal, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from yatt.placement._capture_guard import may_sync
+
 logger = logging.getLogger(__name__)
 
 HookMode = Literal["torch", "preload"]
@@ -92,12 +94,15 @@ class TorchMemorySaverBackend:
         return self._bytes.get(tag, 0)
 
     def pause(self, tag: str, enable_cpu_backup: bool) -> None:
-        # Kernels queued on this memory must finish before its pages are unmapped.
-        torch.cuda.synchronize()
-        self._saver.pause(tag)
+        # Kernels queued on this memory must finish before its pages are unmapped; unmapping
+        # and mapping pages synchronise the device too (see _capture_guard).
+        with may_sync():
+            torch.cuda.synchronize()
+            self._saver.pause(tag)
 
     def resume(self, tag: str, enable_cpu_backup: bool) -> None:
-        self._saver.resume(tag)
+        with may_sync():
+            self._saver.resume(tag)
 
 
 def _set_retain_cpu_backup(saver, retain: bool | None) -> None:

@@ -54,6 +54,7 @@ from typing import Literal
 import torch
 
 from yatt.placement._capabilities import MeasuresResidentBytes
+from yatt.placement._capture_guard import empty_cache
 from yatt.placement._needs import _DEFAULT_HOST_HEADROOM_BYTES, read_host_available_bytes
 from yatt.placement._planner import WakeCall
 
@@ -180,8 +181,7 @@ def read_cuda_free_bytes() -> int:
 
 def release_cuda_cache() -> None:
     """The default `FitConfig.release_cache` on CUDA."""
-    if torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    empty_cache()  # never inside another thread's CUDA-graph capture (_capture_guard)
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from yatt.placement import _offload_dtensor
+from yatt.placement._capture_guard import empty_cache, synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -116,8 +117,7 @@ def _tensors_of(obj: Offloadable) -> Iterator[torch.Tensor]:
 
 
 def _synchronize_all() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    synchronize()  # never inside another thread's CUDA-graph capture (_capture_guard)
 
 
 def _has_private_pools() -> bool:
@@ -132,7 +132,7 @@ def _reserved_bytes(devices: Iterable[torch.device]) -> int:
 def _release_device_memory(devices: list[torch.device], *, moved_bytes: int, before: int) -> None:
     """Hand freed cached blocks back to the driver; warn when fewer bytes came back than the
     `moved_bytes` offload moved off the device (`before`: memory_reserved of `devices` then)."""
-    torch.cuda.empty_cache()
+    empty_cache()
     released = before - _reserved_bytes(devices)
     shortfall = moved_bytes - max(released, 0)
     # Under a MiB is allocator rounding (a few small tensors), not memory held back.

@@ -34,9 +34,8 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-import torch
-
 from yatt.placement._capabilities import MeasuresResidentBytes, ResizesWhileAwake
+from yatt.placement._capture_guard import synchronize
 from yatt.placement._fit import FitConfig, OffloadMode, make_default_meter, make_fit_books
 from yatt.placement._fit_report import fit_report, host_fit_report, raise_unless_fits
 from yatt.placement._needs import HostFit, PhaseFit, role_need
@@ -70,8 +69,7 @@ logger = logging.getLogger(__name__)
 
 def _synchronize() -> None:
     # Sleep and wake enqueue device work; time and memory readings must come after it.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+    synchronize()  # never inside another thread's CUDA-graph capture (_capture_guard)
 
 
 def _resizes_while_awake(role: Role) -> bool:

@@ -78,7 +78,9 @@ from yatt.placement import (
     HostNeed,
     MemoryNeed,
     TrainerRole,
+    empty_cache,
     is_offloaded,
+    may_sync,
     offload,
     onload,
     read_cuda_free_bytes,
@@ -408,7 +410,7 @@ class TorchPolicy:
                 # The state comes back into a private pool (yatt.placement's onload), which
                 # cannot reuse the freed activations cached in torch's default pool: hand those
                 # back first (at 7B, ~60 GiB of them next to 57 GiB of AdamW state).
-                torch.cuda.empty_cache()
+                empty_cache()  # never inside an engine's CUDA-graph capture (placement)
             onload(self.optimizer)
         self.optimizer.step()
         if self.config.should_offload_optimizer:
@@ -424,7 +426,9 @@ class TorchPolicy:
         self._check_awake("logprobs")
         self.check_images(batch)
         self.module.eval()
-        with training_attention():  # no cuDNN: it builds a graph per new shape
+        # may_sync: the compiled head's first calls autotune (device synchronisations) while an
+        # engine may be capturing in another thread (yatt.placement's capture guard).
+        with may_sync(), training_attention():  # no cuDNN: it builds a graph per new shape
             return compute_logprobs(self, batch)
 
     def train_step(self, batch: Batch, loss_fn: LossFn) -> dict[str, float]:
@@ -440,8 +444,8 @@ class TorchPolicy:
         self.check_images(batch)
         self.module.train()
         # No cuDNN (a graph per new shape), around the backward too: activation checkpointing
-        # recomputes the forward there.
-        with training_attention():
+        # recomputes the forward there. may_sync: as in logprobs.
+        with may_sync(), training_attention():
             return run_train_step(
                 self,
                 batch,

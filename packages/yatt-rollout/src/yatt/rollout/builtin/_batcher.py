@@ -44,13 +44,13 @@ Per slot s (S slots, L = max_seq_len):
 from __future__ import annotations
 
 import logging
-import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from yatt.placement import capturing, may_sync
 from yatt.rollout._types import Request, SamplingParams
 from yatt.rollout.builtin._device import to_device
 from yatt.rollout.builtin._lora_beside import LowRankBeside
@@ -73,11 +73,6 @@ MIN_SPAN = 64  # smallest attention bucket; below this a step is bound by launch
 # Smallest default batch bucket: below it a step is bound by launches and weight reads, so a
 # smaller batch would save little and cost graphs.
 MIN_BATCH_BUCKET = 8
-# One CUDA-graph capture at a time in the process: entering torch.cuda.graph synchronises the
-# device and empties the allocator's cache, which asserts that no capture is underway (two
-# engines starting their first calls together in two threads would both capture). The engine
-# also holds it around its own empty_cache() calls (sleep, close) for the same reason.
-CAPTURE_LOCK = threading.Lock()
 # Compiled decode graphs one code object may hold: one per (sampling mode, batch size, dtype,
 # model shape) met in the process; dynamo's default (8) would quietly fall back to eager.
 _RECOMPILE_LIMIT = 64
@@ -272,7 +267,8 @@ class SlotRunner:
             torch._dynamo.mark_dynamic(arange_P, 0)
             torch._dynamo.maybe_mark_dynamic(slot_B, 0)
             try:
-                with torch._dynamo.config.patch(**self._compile_patch):
+                # may_sync: a first call compiles and autotunes (device synchronisations)
+                with may_sync(), torch._dynamo.config.patch(**self._compile_patch):
                     self._compiled_step(arange_P, slot_B, *flags.as_key())
                 return
             except Exception as exc:
@@ -471,7 +467,7 @@ class SlotRunner:
             self._compiled_continue = torch.compile(self._forward_last_logits, dynamic=True)
         if self._compiled_continue is not None:
             try:
-                with torch._dynamo.config.patch(**self._compile_patch):
+                with may_sync(), torch._dynamo.config.patch(**self._compile_patch):
                     return self._compiled_continue(ids_BT, mask, positions_BT, write, as_kwarg=True)
             except Exception as exc:
                 if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -583,7 +579,8 @@ class SlotRunner:
         logits_BKV = None
         if self._compiled_prefill is not None:
             try:
-                with torch._dynamo.config.patch(**self._compile_patch):
+                # may_sync: a new shape compiles and autotunes (device synchronisations)
+                with may_sync(), torch._dynamo.config.patch(**self._compile_patch):
                     logits_BKV = self._compiled_prefill(ids_BT, positions_BT, keep_K, write, True)
             except Exception as exc:
                 # Compiling happens before the forward runs, and an eager prefill rewrites
@@ -696,7 +693,11 @@ class SlotRunner:
             if (*flags.as_key(), span, batch) not in self._graphs
         ]
         if missing:
-            with CAPTURE_LOCK:
+            # One capture at a time in the process, never beside another thread's device
+            # synchronisation (a compile's autotuning, a placement switch, empty_cache): entering
+            # torch.cuda.graph synchronises the device and empties the allocator's cache, which
+            # asserts no capture is underway; a sync elsewhere invalidates ours.
+            with capturing():
                 for span, batch in missing:
                     self._capture(flags, span, batch)
 
@@ -723,7 +724,7 @@ class SlotRunner:
             raise RuntimeError(
                 "capturing the decode step in a CUDA graph failed (an op synchronised with the "
                 "host or is not capturable for this model); pass EngineConfig(use_cuda_graph="
-                "False) to run it eagerly"
+                f"False) to run it eagerly. Cause: {type(exc).__name__}: {exc}"
             ) from exc
         self._graphs[(*flags.as_key(), span, batch)] = graph
 

@@ -49,6 +49,7 @@ from yatt.placement import (
     HostNeed,
     backup_bytes,
     is_paused,
+    may_sync,
     pause,
     region,
     region_tags,
@@ -66,7 +67,7 @@ from yatt.rollout._weights import (
     named_targets,
 )
 from yatt.rollout.builtin._base_view import BaseModelView
-from yatt.rollout.builtin._batcher import CAPTURE_LOCK, MAX_LABEL_TOKENS, SlotRunner, WorkItem
+from yatt.rollout.builtin._batcher import MAX_LABEL_TOKENS, SlotRunner, WorkItem
 from yatt.rollout.builtin._config import EngineConfig
 from yatt.rollout.builtin._device import EngineDevice
 from yatt.rollout.builtin._fused_projections import fuse_projections
@@ -462,7 +463,7 @@ class BuiltinEngine:
             if self._device.type == "cuda":
                 # Memory outside the regions: graph pools, prefill activations, workspaces (one
                 # captured in a graph pins its pool; a kept graph needs it).
-                with CAPTURE_LOCK:  # another engine's thread may be capturing
+                with may_sync():  # never inside another engine's capture (placement)
                     if not keep_graphs:
                         torch._C._cuda_clearCublasWorkspaces()
                     torch.cuda.empty_cache()
@@ -674,7 +675,7 @@ class BuiltinEngine:
         if owned := [tag for tag in self._tags.values() if tag in region_tags()]:
             release(*owned)
         if self._device.type == "cuda":
-            with CAPTURE_LOCK:
+            with may_sync():
                 torch.cuda.empty_cache()
 
     def _check_open(self) -> None:

@@ -49,6 +49,7 @@ from yatt.core.policy.megatron._state import MegatronModelState, MegatronOptimiz
 from yatt.core.policy.megatron._weights import export_hf_weights, export_pipeline_hf_weights
 from yatt.core.runtime._metrics import reduce_metrics
 from yatt.core.runtime._runtime import Runtime
+from yatt.placement import empty_cache, synchronize
 
 logger = logging.getLogger("yatt.core")
 
@@ -461,7 +462,7 @@ class MegatronPolicy:
         in place (storage().resize_), which keeps every view valid, where swapping `.data` as
         yatt.placement.offload does would detach the parameters from the buffers.
         """
-        torch.cuda.synchronize()
+        synchronize()  # yatt.placement's: never inside an engine's CUDA-graph capture
         # Optimizer first: with float32 parameters its params are views into DDP's parameter
         # buffer, which must still hold the data when they are copied out.
         if self.optimizer is not None and "optimizer" not in self._asleep:
@@ -483,8 +484,8 @@ class MegatronPolicy:
                         "and optimizer state leave it"
                     )
             self._asleep.add("weights")
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        synchronize()
+        empty_cache()
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
         """Onload "weights" and/or "optimizer" (default both)."""
@@ -507,7 +508,7 @@ class MegatronPolicy:
         if "optimizer" in tags and "optimizer" in self._asleep:
             self._inner_optimizer.restore_from_cpu()
             self._asleep.discard("optimizer")
-        torch.cuda.synchronize()
+        synchronize()
 
     def resident_bytes(self) -> int:
         # Counted from the storages, not from _asleep: without the distributed optimizer DDP has
