@@ -144,17 +144,20 @@ def run_one(staleness: int, base: list[str], args: argparse.Namespace) -> dict:
         "export.dir=''",
         *args.extra,
     ]
-    start = time.perf_counter()
-    with BusySampler() as busy:
-        done = subprocess.run(command, env=dict(os.environ), capture_output=True, text=True)
-    wall_s = time.perf_counter() - start
-    # The whole log beside the metrics: a failed run's cause can sit above its last lines (an
-    # engine error's chained cause; the H200 run at 16ea75f kept only the tail and lost it).
+    # The whole log, written as the run goes: a failed run's cause can sit above its last lines
+    # (the H200 run at 16ea75f kept only the tail), and a run cut by the device's time limit
+    # leaves what it had logged in the pack (95a3076's first step outlasted its call).
     out.mkdir(parents=True, exist_ok=True)
-    (out / "trainer.log").write_text(done.stdout + done.stderr)
-    result = {"staleness": staleness, "rc": done.returncode, "wall_s": wall_s}
-    if done.returncode != 0:
-        return result | {"stderr_tail": done.stderr[-3000:]}
+    log_path = out / "trainer.log"
+    start = time.perf_counter()
+    with BusySampler() as busy, log_path.open("w") as log:
+        returncode = subprocess.run(
+            command, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT
+        ).returncode
+    wall_s = time.perf_counter() - start
+    result = {"staleness": staleness, "rc": returncode, "wall_s": wall_s}
+    if returncode != 0:
+        return result | {"log_tail": log_path.read_text(errors="replace")[-3000:]}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return result | summarize(rows, staleness, warmup=args.warmup) | {"gpu_busy": busy.fraction}
 

@@ -44,6 +44,7 @@ Per slot s (S slots, L = max_seq_len):
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -697,9 +698,21 @@ class SlotRunner:
             # synchronisation (a compile's autotuning, a placement switch, empty_cache): entering
             # torch.cuda.graph synchronises the device and empties the allocator's cache, which
             # asserts no capture is underway; a sync elsewhere invalidates ours.
+            asked = time.perf_counter()
             with capturing():
+                start = time.perf_counter()
                 for span, batch in missing:
                     self._capture(flags, span, batch)
+            # The first step's warm-up is minutes at real sizes: say where it goes.
+            logger.info(
+                "captured %d decode graphs (spans %s, batches %s) in %.1f s, after waiting "
+                "%.1f s for other threads' device synchronisations",
+                len(missing),
+                sorted({span for span, _ in missing}),
+                sorted({batch for _, batch in missing}),
+                time.perf_counter() - start,
+                start - asked,
+            )
 
     def _capture(self, flags: Flags, span: int, batch: int) -> None:
         # Called with every slot idle (start of a run): warm-up steps then change nothing that
