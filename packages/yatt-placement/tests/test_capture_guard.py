@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from yatt.placement import _capture_guard
 from yatt.placement._capture_guard import CaptureGuard
 
 WAIT_S = 5.0
@@ -184,3 +185,29 @@ def test_placement_sync_points_go_through_the_guard(monkeypatch):
     _offload._synchronize_all()
     _fit.release_cuda_cache()
     assert len(entered) == 3
+
+
+@pytest.mark.parametrize("holder", ["capture", "sync"])
+def test_guard_waits_are_logged_when_long(monkeypatch, caplog, holder):
+    # A wait past the threshold is logged (what waits, who captures), then waits on: a stuck
+    # guard shows in the run's log instead of a silent hang.
+    monkeypatch.setattr(_capture_guard, "_SLOW_WAIT_S", 0.05)
+    guard = CaptureGuard()
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with guard.capturing() if holder == "capture" else guard.may_sync():
+            inside.set()
+            release.wait(5)
+
+    holder_thread = threading.Thread(target=hold, daemon=True)
+    holder_thread.start()
+    assert inside.wait(5)
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    waiting = guard.may_sync() if holder == "capture" else guard.capturing()
+    with caplog.at_level("WARNING", logger=_capture_guard.__name__), waiting:
+        pass
+    holder_thread.join(5)
+    waited = "a device synchronisation" if holder == "capture" else "a CUDA-graph capture"
+    assert any(f"{waited} has waited" in r.getMessage() for r in caplog.records)
