@@ -38,6 +38,12 @@ case $action in
     start=$SECONDS
     while [ ! -f "$dir/rc" ] && [ $((SECONDS - start)) -lt "$limit" ]; do sleep 5; done
     tail -n "${TAIL_LINES:-60}" "$dir/log"
+    # A trainer run's own log (the off-policy bench writes out/s*/trainer.log as it goes): the
+    # newest one's tail, so a long first step shows what it is doing (session 24).
+    newest=$(ls -t "$dir"/out/*/trainer.log 2>/dev/null | head -n 1)
+    if [ -n "$newest" ]; then
+      echo "--- ${newest#"$dir"/out/} (tail)"; tail -n "${TRAINER_TAIL_LINES:-15}" "$newest" | cut -c1-400
+    fi
     if [ -f "$dir/rc" ]; then
       echo "=== $name ended rc=$(cat "$dir/rc") (commit $(cat "$dir/commit"))"
       cp "$dir/log" "$dir/out/$name.log"
