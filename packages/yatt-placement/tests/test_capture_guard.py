@@ -21,56 +21,39 @@ def _start(target) -> threading.Thread:
     return thread
 
 
-def test_capture_waits_for_an_open_sync_section_of_another_thread():
+def _section(guard: CaptureGuard, kind: str):
+    return guard.capturing() if kind == "capture" else guard.may_sync()
+
+
+@pytest.mark.parametrize(
+    ("held", "waiting"),
+    [("sync", "capture"), ("capture", "sync")],
+    ids=["capture_waits_for_a_sync", "sync_waits_for_a_capture"],
+)
+def test_a_section_of_one_thread_waits_for_the_other_kind_held_elsewhere(held, waiting):
     guard, events = CaptureGuard(), []
-    in_sync, release_sync = threading.Event(), threading.Event()
+    inside, release = threading.Event(), threading.Event()
 
-    def syncing():
-        with guard.may_sync():
-            events.append("sync begins")
-            in_sync.set()
-            release_sync.wait(WAIT_S)
-            events.append("sync ends")
+    def hold():
+        with _section(guard, held):
+            events.append(f"{held} begins")
+            inside.set()
+            release.wait(WAIT_S)
+            events.append(f"{held} ends")
 
-    def capture():
-        with guard.capturing():
-            events.append("capture")
+    def wait():
+        with _section(guard, waiting):
+            events.append(waiting)
 
-    worker = _start(syncing)
-    assert in_sync.wait(WAIT_S)
-    capturer = _start(capture)
-    capturer.join(0.2)
-    assert capturer.is_alive(), "the capture ran beside an open sync section"
-    release_sync.set()
-    capturer.join(WAIT_S)
-    worker.join(WAIT_S)
-    assert events == ["sync begins", "sync ends", "capture"]
-
-
-def test_sync_waits_while_another_thread_captures():
-    guard, events = CaptureGuard(), []
-    in_capture, release_capture = threading.Event(), threading.Event()
-
-    def capture():
-        with guard.capturing():
-            events.append("capture begins")
-            in_capture.set()
-            release_capture.wait(WAIT_S)
-            events.append("capture ends")
-
-    def syncing():
-        with guard.may_sync():
-            events.append("sync")
-
-    capturer = _start(capture)
-    assert in_capture.wait(WAIT_S)
-    worker = _start(syncing)
-    worker.join(0.2)
-    assert worker.is_alive(), "a sync ran during another thread's capture"
-    release_capture.set()
-    worker.join(WAIT_S)
-    capturer.join(WAIT_S)
-    assert events == ["capture begins", "capture ends", "sync"]
+    holder = _start(hold)
+    assert inside.wait(WAIT_S)
+    waiter = _start(wait)
+    waiter.join(0.2)
+    assert waiter.is_alive(), f"a {waiting} ran beside another thread's open {held}"
+    release.set()
+    waiter.join(WAIT_S)
+    holder.join(WAIT_S)
+    assert events == [f"{held} begins", f"{held} ends", waiting]
 
 
 def test_sync_sections_of_two_threads_run_side_by_side():
@@ -196,7 +179,7 @@ def test_guard_waits_are_logged_when_long(monkeypatch, caplog, holder):
     inside, release = threading.Event(), threading.Event()
 
     def hold():
-        with guard.capturing() if holder == "capture" else guard.may_sync():
+        with _section(guard, holder):
             inside.set()
             release.wait(5)
 
@@ -205,7 +188,7 @@ def test_guard_waits_are_logged_when_long(monkeypatch, caplog, holder):
     assert inside.wait(5)
     timer = threading.Timer(0.3, release.set)
     timer.start()
-    waiting = guard.may_sync() if holder == "capture" else guard.capturing()
+    waiting = _section(guard, "sync" if holder == "capture" else "capture")
     with caplog.at_level("WARNING", logger=_capture_guard.__name__), waiting:
         pass
     holder_thread.join(5)

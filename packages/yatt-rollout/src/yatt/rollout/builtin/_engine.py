@@ -48,6 +48,7 @@ from transformers import (
 from yatt.placement import (
     HostNeed,
     backup_bytes,
+    empty_cache,
     is_paused,
     may_sync,
     pause,
@@ -675,8 +676,7 @@ class BuiltinEngine:
         if owned := [tag for tag in self._tags.values() if tag in region_tags()]:
             release(*owned)
         if self._device.type == "cuda":
-            with may_sync():
-                torch.cuda.empty_cache()
+            empty_cache()  # placement's: never inside another engine's capture
 
     def _check_open(self) -> None:
         if self._is_closed:
