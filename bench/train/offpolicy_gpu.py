@@ -170,7 +170,14 @@ def summarize(rows: list[dict], staleness: int, *, warmup: int) -> dict:
         for r in timed
     ]
     ages = range(staleness + 1)
-    histogram = {a: sum(r.get(f"offpolicy/tokens_age_{a}", 0.0) for r in rows) for a in ages}
+    # s = 0 runs today's on-policy step, which logs no offpolicy/* keys: every token is age 0,
+    # said as such (None) rather than as an empty histogram ({0: 0.0}, session 24).
+    is_offpolicy = any("offpolicy/tokens_age_0" in r for r in rows)
+    histogram = (
+        {a: sum(r.get(f"offpolicy/tokens_age_{a}", 0.0) for r in rows) for a in ages}
+        if is_offpolicy
+        else None
+    )
     is_mean = {
         a: statistics.mean(r[f"offpolicy/is_weight_mean_age_{a}"] for r in rows if r.get(f"offpolicy/tokens_age_{a}"))
         for a in ages
@@ -245,7 +252,8 @@ def markdown(results: dict) -> str:
         lines.append(
             f"| {s} | 0 | {run['num_steps']} | {run['step_s_median']:.3f} | "
             f"{run['take_wait_s_median']:.3f} | {'-' if busy is None else f'{busy:.2f}'} | "
-            f"{run['tokens_by_age']} | {run['tokens_over_bound']:.0f} | "
+            f"{'on-policy: all age 0' if run['tokens_by_age'] is None else run['tokens_by_age']} | "
+            f"{run['tokens_over_bound']:.0f} | "
             f"{ {a: round(v, 3) for a, v in run['is_weight_mean_by_age'].items()} } | "
             f"{run['is_resident']} | {curve[0]:.3f} -> {curve[-1]:.3f} |"
         )
