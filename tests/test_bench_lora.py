@@ -108,15 +108,32 @@ def test_summary_and_ratios_from_hand_built_runs():
     results |= {"warmup": 2, "steps": 3, "micro_batch_tokens": 16384, "command": "x"}
     for entry in results["variants"].values():
         entry["rc"] = 0
+    results["variants"]["lora16-7b-always"] |= {"warmup": 1, "steps": 1}  # a later call's
     results["variants"]["lora16-14b"] = {"rc": 1, "oom": True, "error": "CUDA out of memory"}
     text = lora_gpu.markdown(results)
     assert "| step time (median) | lora16-7b / full-7b | 0.667 | <= 0.7 | PASS |" in text
     pair = "lora16-7b-always / full-7b-always"
     assert f"| peak GPU memory | {pair} | 0.444 | <= 0.6 | PASS |" in text
     assert "| weight sync (update_weights) | lora16-7b / full-7b | 0.050 | <= 0.05 | PASS |" in text
-    assert "| lora16-14b | auto | 1 | CUDA out of memory" in text and "| yes |" in text
-    assert "| lora16-7b-always | always | 0 | 15.00 (15.00-15.00) |" in text
+    assert "| lora16-14b | auto | 1 | | CUDA out of memory" in text and "| yes |" in text
+    # each row its own warm-up + timed steps: the run's where the variant kept none
+    assert "| lora16-7b-always | always | 0 | 1 + 1 | 15.00 (15.00-15.00) |" in text
+    assert "| full-7b | auto | 0 | 2 + 3 |" in text
     assert "commit: abc1234" in text
+
+
+def test_a_variant_starts_only_with_the_time_its_shape_took():
+    # session 25: a 7B variant started with 132 s left and was killed while loading
+    assert lora_gpu.least_seconds({}, "7b") == lora_gpu.MIN_VARIANT_S
+    variants = {
+        "full-7b": {"rc": 0, "seconds": 476.0},
+        "full-7b-always": {"rc": 0, "seconds": 240.5},
+        "lora16-7b": {"rc": 124, "seconds": 132.4},  # cut: says nothing of what 7B needs
+        "lora16-14b": {"rc": 0, "seconds": 30.0},  # another shape
+    }
+    assert lora_gpu.least_seconds(variants, "7b") == 240.5
+    assert lora_gpu.least_seconds(variants, "14b") == lora_gpu.MIN_VARIANT_S  # never below
+    assert lora_gpu.least_seconds(variants, "32b") == lora_gpu.MIN_VARIANT_S
 
 
 def test_ratios_missing_variant_are_none():

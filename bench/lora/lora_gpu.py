@@ -259,6 +259,23 @@ def ratios(results: dict) -> dict[str, float | None]:
     return out
 
 
+# Seconds a variant is given at least before it starts (loading the models alone takes a
+# minute); raised to the quickest finished variant of the same shape in this run: a 7B variant
+# started with 132 s left was killed while loading (session 25).
+MIN_VARIANT_S = 60.0
+
+
+def least_seconds(variants: dict, shape: str) -> float:
+    """The time a variant of `shape` needs at least: the quickest finished one's (rc 0) of the
+    same shape in `variants`, or MIN_VARIANT_S."""
+    done = [
+        v["seconds"]
+        for name, v in variants.items()
+        if v.get("rc") == 0 and "seconds" in v and VARIANTS.get(name, ("",))[0] == shape
+    ]
+    return max(MIN_VARIANT_S, min(done)) if done else MIN_VARIANT_S
+
+
 def markdown(results: dict) -> str:
     got = ratios(results)
     lines = [
@@ -266,7 +283,8 @@ def markdown(results: dict) -> str:
         "",
         f"commit: {results['commit']} · GPU: {results['device']} · layout full, "
         f"mix {MIX} ({results.get('prompts', 16)} prompts x 8), judge 7B shape, "
-        f"warm-up {results['warmup']} + {results['steps']} timed steps, micro-batch cap {results['micro_batch_tokens']} tokens"
+        f"micro-batch cap {results['micro_batch_tokens']} tokens; each variant's warm-up + "
+        "timed steps in its row"
         + (" · SMOKE (tiny shapes, CPU): not a measurement" if results["smoke"] else ""),
         "",
         "| ratio (LoRA / full, 7B + 7B judge) | pair | measured | bar | |",
@@ -285,18 +303,21 @@ def markdown(results: dict) -> str:
         lines.append(f"| {names[key]} | {pair} | {shown} | <= {bar} | {verdict} |")
     lines += [
         "",
-        "| variant | offload | rc | step s median (min-max) | sync s median | peak GiB | "
-        "switch s | phases s (median) | OOM |",
-        "|---|---|---:|---|---:|---:|---:|---|---|",
+        "| variant | offload | rc | warm-up + timed | step s median (min-max) | sync s median | "
+        "peak GiB | switch s | phases s (median) | OOM |",
+        "|---|---|---:|---|---|---:|---:|---:|---|---|",
     ]
     for name, got_variant in results["variants"].items():
         s = got_variant.get("summary")
         oom = "yes" if got_variant.get("oom") else "0"
         offload = VARIANTS[name][2] if name in VARIANTS else "?"
+        # The run's own --warmup/--steps for results written before they were kept per variant.
+        steps = f"{got_variant.get('warmup', results['warmup'])} + "
+        steps += str(got_variant.get("steps", results["steps"]))
         if not s:
             error = got_variant.get("error", "")[:120]
             lines.append(
-                f"| {name} | {offload} | {got_variant.get('rc')} | {error} | | | | | {oom} |"
+                f"| {name} | {offload} | {got_variant.get('rc')} | | {error} | | | | | {oom} |"
             )
             continue
         if s.get("source") == "log":
@@ -305,7 +326,7 @@ def markdown(results: dict) -> str:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in s["phases_s"].items())
         peak = "n/a" if s["peak_gib"] is None else f"{s['peak_gib']:.1f}"
         lines.append(
-            f"| {name} | {offload} | {got_variant['rc']} | {st['median']:.2f} ({st['min']:.2f}-{st['max']:.2f})"
+            f"| {name} | {offload} | {got_variant['rc']} | {steps} | {st['median']:.2f} ({st['min']:.2f}-{st['max']:.2f})"
             f" | {sy['median']:.4f} | {peak} | {s['switch_s']:.2f} | {phases} | {oom} |"
         )
     lines += ["", f"Command: `{results['command']}`"]
@@ -347,8 +368,13 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> dict:
         timeout_s = args.variant_timeout_s
         if args.budget_s is not None:
             timeout_s = min(timeout_s, args.budget_s - (time.perf_counter() - started))
-            if timeout_s < 60:  # too little left to load a model: said in the report
-                results["variants"][variant] = {"rc": None, "error": "not run: --budget-s spent"}
+            needed = least_seconds(results["variants"], VARIANTS[variant][0])
+            if timeout_s < needed:  # said in the report, not started to be killed
+                results["variants"][variant] = {
+                    "rc": None,
+                    "error": f"not run: {max(timeout_s, 0):.0f} s of --budget-s left, "
+                    f"a {VARIANTS[variant][0]} variant needs ~{needed:.0f} s",
+                }
                 write_report(md_path, markdown(results), data=results)
                 continue
         run_dir = out_dir / "lora_runs" / variant
@@ -366,6 +392,8 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> dict:
             except subprocess.TimeoutExpired:
                 rc = 124
         entry: dict = {"rc": rc, "seconds": round(time.perf_counter() - t0, 1)}
+        # Per variant: a later call may add variants run with other --warmup/--steps.
+        entry |= {"warmup": args.warmup, "steps": args.steps}
         text = log.read_text(errors="replace")
         entry["oom"] = bool(list(run_dir.glob("oom_*.json"))) or "out of memory" in text.lower()
         runs = sorted(run_dir.glob("step_*.json"))
@@ -376,6 +404,8 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> dict:
             entry["summary"] = summarize_log(log_rows(text))
         if (run_dir / "sync.json").is_file():
             entry["sync"] = json.loads((run_dir / "sync.json").read_text())
+        elif rc == 124:  # its log ends mid-progress-bar: say what happened instead
+            entry["error"] = f"killed at its {timeout_s:.0f} s limit (what --budget-s left)"
         else:
             entry["error"] = " ".join(text.strip().splitlines()[-3:])[-400:]
         results["variants"][variant] = entry
