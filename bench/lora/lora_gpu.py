@@ -463,6 +463,8 @@ def main(argv: list[str]) -> None:
     elif args.report:
         for path in sorted(Path(args.report).glob("lora_*.json")):
             results = json.loads(path.read_text())
+            if "variants" not in results:  # another bench's (lora_cpu.json: the CPU gain)
+                continue
             write_report(path.with_suffix(".md"), markdown(results), data=results)
     else:
         run_all(args, argv)
