@@ -147,6 +147,46 @@ def test_greedy_adapter_rows_match_a_merged_full_sync(tiny_model_dir):
     merged.close()
 
 
+def _reusing(pairs):
+    """The pairs, each tensor scribbled over once the engine has returned from its bucket (one
+    pair a bucket: pair j - 2's bucket is done when pair j is asked for), as a sender that
+    reuses its bucket memory may (update_weights' contract)."""
+    given = []
+    for j, pair in enumerate(pairs):
+        if j >= 2:
+            given[j - 2][1].fill_(7.0)
+        given.append(pair)
+        yield pair
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 1 << 30], ids=["piece-per-bucket", "one-bucket"])
+def test_the_sync_keeps_copies_not_the_senders_tensors(tiny_model_dir, bucket_bytes):
+    """The engine serves what was synced until the next sync, whatever the sender does with its
+    tensors afterwards: reuses a bucket's memory once the engine returned from it (a module's
+    pieces across buckets are kept until it is complete), or trains them in place (a colocated
+    trainer's live LoRA parameters); on the first sync (new buffers) and the next (in place)."""
+    base = _base(tiny_model_dir)
+    engine = _engine(tiny_model_dir, f"bs-own-{bucket_bytes}")
+    reference = _engine(tiny_model_dir, f"bs-own-ref-{bucket_bytes}")
+    for seed in (4, 5):
+        adapter = _adapter(base, seed)
+        sent = {m: (A.clone(), B.clone()) for m, (A, B) in adapter.items()}
+        pairs = _adapter_pairs(sent)
+        engine.update_weights(
+            _reusing(pairs) if bucket_bytes == 1 else pairs, bucket_bytes=bucket_bytes
+        )
+        for A, B in sent.values():  # the trainer's next optimizer step, in place
+            A.mul_(-3.0)
+            B.add_(1.0)
+        reference.update_weights(_adapter_pairs(adapter))
+        got = engine.generate(_requests(prompts=PROMPTS, use_adapter=[True] * 3), GREEDY)
+        want = reference.generate(_requests(prompts=PROMPTS, use_adapter=[True] * 3), GREEDY)
+        for a, b in zip(got, want, strict=True):
+            _assert_same(a, b, 0.0)
+    engine.close()
+    reference.close()
+
+
 def test_the_engine_holds_one_set_of_base_tensors(tiny_model_dir):
     """Adapter syncs and adapter-on/off calls never copy or move the base: the same storage
     (data_ptr) before and after, its values the checkpoint's bit for bit; beside it only the

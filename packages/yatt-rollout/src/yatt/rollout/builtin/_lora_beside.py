@@ -29,7 +29,10 @@ and the gate of the trained copy are zeroed in place, buffers kept), as in merge
 
 Cost: two small GEMMs per target and layer in every forward, against none for merging
 (bench/lora/lora_modes_gpu.py times both). What it buys: no per-sync pass over the weights
-and adapter-on and -off rows in one batch.
+and adapter-on and -off rows in one batch. A sync of adapters already loaded at that rank
+writes every module's factors of a bucket with two multi-tensor copies and one multiply
+(_load_ready), not a handful of small kernels per module: issue 45's sync bar compares it with
+a full sync, which in this process is one device copy of the weights (27 ms for a 7B).
 """
 
 from __future__ import annotations
@@ -110,6 +113,8 @@ class LowRankBeside:
         are_weights_lost: the base was woken without a backup; an adapter then needs its
         module's base weight in this same sync (`refreshed`, reset per update_weights)."""
         rest, is_new_layout = [], False
+        ready: list[tuple[str, dict[str, torch.Tensor]]] = []  # complete in this bucket
+        arrived: list[str] = []  # modules this bucket sent pieces of
         for name, tensor in bucket:
             if are_weights_lost:
                 self._check_base_refreshed(name)
@@ -126,11 +131,21 @@ class LowRankBeside:
                 continue
             module, piece = split
             parts = self._pending.setdefault(module, {})
-            parts[piece] = tensor.detach().to(torch.float32, copy=True)
+            parts[piece] = tensor.detach()
+            arrived.append(module)
             if len(parts) == 3:
                 del self._pending[module]
-                is_new_layout |= self._load(module, parts, targets)
+                ready.append((module, parts))
                 self._loaded_now.add(module)
+        # Loaded together (a few multi-tensor kernels for the whole bucket, not ~6 small ones
+        # per module), before the caller copies this bucket's plain weights, as one by one.
+        is_new_layout |= self._load_ready(ready, targets)
+        # Pieces still waiting for their module's others: the sender may reuse this bucket's
+        # memory after the call, so they are kept as copies.
+        for module in dict.fromkeys(arrived):
+            parts = self._pending.get(module, {})
+            for piece, tensor in parts.items():
+                parts[piece] = tensor.clone()
         return rest, is_new_layout
 
     def _check_base_refreshed(self, name: str) -> None:
@@ -177,7 +192,33 @@ class LowRankBeside:
         return False
 
     @torch.no_grad()
-    def _load(self, module: str, parts: dict[str, torch.Tensor], targets) -> bool:
+    def _load_ready(self, ready: list[tuple[str, dict[str, torch.Tensor]]], targets) -> bool:
+        """Load complete adapters: into the buffers they already have (same rank) with
+        multi-tensor kernels, the others one by one (new buffers and hooks). True when any
+        buffers were allocated (captured graphs must go)."""
+        in_place: list[tuple[_Factors, dict[str, torch.Tensor]]] = []
+        is_new_layout = False
+        for module, parts in ready:
+            weight = self._check(module, parts, targets)
+            factors = self._factors.get(module)
+            if factors is not None and factors.A.shape == parts["A"].shape:
+                in_place.append((factors, parts))
+            else:
+                is_new_layout |= self._load(module, parts, weight)
+        if in_place:
+            device = in_place[0][0].A.device
+            B = [p["B"].to(device, torch.float32) for _, p in in_place]
+            # The scalings are host scalars in the wire format (no device sync to read them).
+            scalings = [float(p["scaling"]) for _, p in in_place]
+            # sB as one by one: scaling * B in float32, rounded into the served dtype by the copy.
+            torch._foreach_copy_([f.sB for f, _ in in_place], torch._foreach_mul(B, scalings))
+            torch._foreach_copy_(
+                [f.A for f, _ in in_place], [p["A"].to(device) for _, p in in_place]
+            )
+        return is_new_layout
+
+    def _check(self, module: str, parts: dict[str, torch.Tensor], targets) -> torch.Tensor:
+        """The module's served weight; ValueError when the adapter does not fit it."""
         weight = targets.get(module + ".weight")
         if weight is None:
             raise ValueError(
@@ -196,15 +237,18 @@ class LowRankBeside:
                 f"update_weights: adapter of {module!r} makes a {B.shape[0]}x{A.shape[1]} "
                 f"update for a {tuple(weight.shape)} weight"
             )
-        A = A.to(weight.device)
-        sB = (B.to(weight.device) * float(scaling)).to(weight.dtype)
-        factors = self._factors.get(module)
-        if factors is not None and factors.A.shape == A.shape:
-            factors.A.copy_(A)
-            factors.sB.copy_(sB)
-            return False
+        return weight
+
+    @torch.no_grad()
+    def _load(self, module: str, parts: dict[str, torch.Tensor], weight: torch.Tensor) -> bool:
+        """A module's first adapter, or one of a new rank: new buffers (and its hook)."""
+        # Copies, never views of the sender's tensors (a colocated trainer's live LoRA
+        # parameters): the buffers change only at the next sync.
+        A = parts["A"].to(weight.device, weight.dtype, copy=True)
+        B = parts["B"].to(weight.device, torch.float32)
+        sB = (B * float(parts["scaling"])).to(weight.dtype)
         # New buffers in the weights' region (the caller's region scope) and a hook if new.
-        new = _Factors(A.to(weight.dtype), sB)
+        new = _Factors(A, sB)
         self._factors[module] = new
         if module not in self._hooks:
             self._hooks[module] = self._model.get_submodule(module).register_forward_hook(
