@@ -460,6 +460,46 @@ def test_compiled_decode_step_gives_the_same_samples(tiny_model_dir, eager_sdpa_
     assert counters["stats"]["unique_graphs"] == 2
 
 
+def test_layer_compile_traces_one_layer_for_every_layer(tmp_path):
+    """compile_scope="layers" on a 12-layer model: the same samples as eager, and fewer of
+    dynamo's graphs than layers. Graphs come per shape specialisation (one row or several,
+    a decode step, a span that grew, a mask or none), each shared by every layer; indexing the
+    cache by module.layer_idx would make at least one per layer."""
+    from torch._dynamo.utils import counters
+
+    from yatt.rollout.builtin._static_kv import BOUND_KEYS
+
+    num_layers = 12
+    model_dir = tmp_path / "twelve-layers"
+    make_tiny_causal_lm(model_dir, arch="qwen2", seed=0, num_layers=num_layers)
+    eager, want = _generate_both(model_dir, "layers-eager")
+    eager.close()
+    counters.clear()
+    engine, got = _generate_both(
+        model_dir, "layers", compile_decode=True, compile_prefill=True, compile_scope="layers"
+    )
+    _assert_same_samples(got, want, atol=1e-5)
+    assert 1 <= counters["stats"]["unique_graphs"] < num_layers, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    model = engine.model
+    assert sum(BOUND_KEYS in m.__dict__ for m in model.modules()) == num_layers
+    engine.close()
+    # Closed: no attention module keeps the cache alive.
+    assert not any(BOUND_KEYS in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"compile_scope": "graph"}, "compile_scope='graph'"),
+        ({"compile_scope": "layers", "lora_mode": "beside"}, "lora_mode='beside'"),
+    ],
+)
+def test_bad_compile_scope_is_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**overrides)
+
+
 @pytest.mark.parametrize(
     ("field", "attribute", "message"),
     [

@@ -262,3 +262,24 @@ def test_compiled_continuations_sample_what_eager_fresh_prefills_do(tiny_model_d
     assert "kept-KV continuation" not in caplog.text
     assert [f["rows"] for f in forwards] == [4, 4]
     _assert_same_samples(got, expected)
+
+
+def test_layer_compiled_continuations_sample_what_eager_fresh_prefills_do(tiny_model_dir):
+    # compile_scope="layers": every forward (prefill, continuation, decode) through decoder
+    # layers compiled once; the caches reach each layer bound to its attention module.
+    fresh_engine, _ = _engine(tiny_model_dir, "layers-fresh")
+    kept_engine, forwards = _engine(
+        tiny_model_dir,
+        "layers-kept",
+        compile_prefill=True,
+        compile_decode=True,
+        compile_scope="layers",
+    )
+    try:
+        expected = _conversations(fresh_engine, GREEDY, should_keep=True)
+        got = _conversations(kept_engine, GREEDY, should_keep=True)
+    finally:
+        fresh_engine.close()
+        kept_engine.close()
+    assert [f["rows"] for f in forwards] == [4, 4]
+    _assert_same_samples(got, expected)

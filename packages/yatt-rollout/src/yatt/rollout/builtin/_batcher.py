@@ -43,6 +43,7 @@ Per slot s (S slots, L = max_seq_len):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -62,6 +63,8 @@ from yatt.rollout.builtin._static_kv import (
     DecodeWrite,
     PrefillWrite,
     StaticKVCache,
+    bind_layer_caches,
+    compile_decoder_layers,
     writing_kv,
 )
 from yatt.rollout.builtin._vision import RequestImages, VisionPrefill
@@ -171,6 +174,7 @@ class SlotRunner:
         vision: VisionPrefill | None = None,
         decode_batch_buckets: Sequence[int] | None = None,
         low_rank: LowRankBeside | None = None,
+        compile_scope: str = "step",
     ) -> None:
         self.model = model
         # lora_mode="beside": the adapter's per-row gate, filled before every forward.
@@ -220,6 +224,15 @@ class SlotRunner:
         # baked into them belong to it, and replays on it never race another engine's.
         self.stream = stream
         self.decode_attention = decode_attention
+        # compile_scope="layers" (EngineConfig): each decoder layer compiled once for every
+        # layer and every forward; no whole-step graphs. The write then travels as a forward
+        # kwarg everywhere (dynamo does not trace the ContextVar of writing_kv), and every
+        # forward may compile (device synchronisations: inside may_sync).
+        self._compile_layers = compile_scope == "layers" and (compile_decode or compile_prefill)
+        if self._compile_layers:
+            compile_decoder_layers(model)
+            bind_layer_caches(model, cache)
+            compile_decode = compile_prefill = False
         self._compile_decode = compile_decode
         # Dynamo's settings around each compiled call. With lora_mode="beside" the adapter's
         # forward hooks appear at its first sync, after a first compile: dynamo skips guards on
@@ -240,6 +253,15 @@ class SlotRunner:
 
     # -- device steps -------------------------------------------------------------------------
 
+    def _layers_call(self):
+        """Around a forward whose decoder layers are compiled (compile_scope="layers"): a first
+        call of a shape compiles and autotunes (device synchronisations), under dynamo's
+        settings for this engine."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(may_sync())
+        stack.enter_context(torch._dynamo.config.patch(**self._compile_patch))
+        return stack
+
     def _forward_last_logits(
         self, input_ids, mask, position_ids, write, inputs_embeds=None, *, as_kwarg=False
     ) -> torch.Tensor:
@@ -251,6 +273,9 @@ class SlotRunner:
             use_cache=False,
             logits_to_keep=1,
         )
+        if self._compile_layers:
+            with self._layers_call():
+                return self.model(**kwargs, **{KV_WRITE_KWARG: write}).logits[:, -1]
         if as_kwarg:
             return self.model(**kwargs, **{KV_WRITE_KWARG: write}).logits[:, -1]
         with writing_kv(write):
@@ -610,6 +635,9 @@ class SlotRunner:
             use_cache=False,
             logits_to_keep=keep_K,
         )
+        if self._compile_layers:
+            with self._layers_call():
+                return self.model(**kwargs, **{KV_WRITE_KWARG: write}).logits
         if as_kwarg:
             return self.model(**kwargs, **{KV_WRITE_KWARG: write}).logits
         with writing_kv(write):

@@ -43,6 +43,15 @@ class EngineConfig:
     # logged once and prefill stays eager. Image prompts always prefill eagerly. None: on for
     # CUDA, off for CPU.
     compile_prefill: bool | None = None
+    # What compile_decode and compile_prefill compile. "step": the decode step and the prefill
+    # forward, each one graph over the whole model. "layers": each decoder layer, compiled
+    # once and reused by every layer (the rest of the step eager, under the same CUDA graphs),
+    # for every forward (decode, prefill, continuations) when either flag is on. The whole
+    # model's graph is what makes the first step slow: on the CPU, compiling a 24-layer Qwen2
+    # took 63 s whole and 16 s by layer (bench/results/compile_time_cpu.md); at 7B + 7B the
+    # trainer's first step took 337 s on an H200 (lora_nvidia_h200.md). Not measured on a
+    # GPU yet (decode speed, first step): opt-in. Not with lora_mode="beside".
+    compile_scope: str = "step"
     # Run each layer's q/k/v projections as one GEMM, and its gate/up projections as one
     # (_fused_projections.py): 3 GEMMs fewer per layer and decode step. Parameter names and
     # shapes are unchanged (weight syncs are not affected); GEMM rounding may differ.
@@ -135,6 +144,18 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.compile_prefill={self.compile_prefill!r}: must be a bool or None "
                 "(None: compile on CUDA only)"
+            )
+        if self.compile_scope not in ("step", "layers"):
+            raise ValueError(
+                f"EngineConfig.compile_scope={self.compile_scope!r}: use 'step' (the decode "
+                "step and the prefill, each compiled whole) or 'layers' (each decoder layer "
+                "compiled once)"
+            )
+        if self.compile_scope == "layers" and self.lora_mode == "beside":
+            raise ValueError(
+                "EngineConfig.compile_scope='layers' with lora_mode='beside': the adapter's "
+                "hooks would compile once per module; use compile_scope='step' or "
+                "lora_mode='merge'"
             )
         if self.decode_attention not in ("auto", "sdpa", "triton", "matmul"):
             raise ValueError(

@@ -77,7 +77,12 @@ from yatt.rollout.builtin._joining import CallScheduler
 from yatt.rollout.builtin._kv_budget import KVLayout, check_memory_fraction, slots_for_fraction
 from yatt.rollout.builtin._lora import AdapterMerger
 from yatt.rollout.builtin._lora_beside import LowRankBeside
-from yatt.rollout.builtin._static_kv import ATTN_IMPLEMENTATION, StaticKVCache, register_attention
+from yatt.rollout.builtin._static_kv import (
+    ATTN_IMPLEMENTATION,
+    StaticKVCache,
+    bind_layer_caches,
+    register_attention,
+)
 from yatt.rollout.builtin._vision import VisionPrefill, is_vision_language_config
 
 logger = logging.getLogger(__name__)
@@ -632,6 +637,9 @@ class BuiltinEngine:
             # reuse that memory for the new cache.
             self._runner.release_graphs()
             del self._runner, self._cache
+            # compile_scope="layers" binds the cache's buffers to the attention modules: let
+            # them go too before the new cache is allocated.
+            bind_layer_caches(self.model, None)
         layout = self._kv_layout
         with region(self._tags["kv_cache"]), self._dev.scope():
             self._cache = StaticKVCache(
@@ -656,6 +664,7 @@ class BuiltinEngine:
                 vision=self._vision,
                 decode_batch_buckets=self.config.decode_batch_buckets,
                 low_rank=self._low_rank,
+                compile_scope=self.config.compile_scope,
             )
 
     def close(self) -> None:
@@ -672,6 +681,7 @@ class BuiltinEngine:
             self._runner.release_graphs()
             self._is_closed = True
             del self._runner, self._cache
+            bind_layer_caches(self.model, None)  # no reference to the cache outlives it
             self.model = None
         if owned := [tag for tag in self._tags.values() if tag in region_tags()]:
             release(*owned)

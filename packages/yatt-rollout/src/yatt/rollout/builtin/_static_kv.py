@@ -82,6 +82,72 @@ class StaticKVCache:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
 
+# EngineConfig.compile_scope="layers": the engine binds each attention module's own cache
+# tensors to it under these names (bind_layer_caches), so a decoder layer compiled once serves
+# every layer. Indexing the cache by module.layer_idx instead would make dynamo guard on that
+# int: one graph per layer, the whole model's compile again.
+BOUND_KEYS, BOUND_VALUES = "yatt_key_cache", "yatt_value_cache"
+
+
+def bind_layer_caches(model: torch.nn.Module, cache: StaticKVCache | None) -> int:
+    """Give every attention module of `model` (a module with an int `layer_idx` in range) its
+    layer's key and value buffers as plain attributes, or remove them (cache None). Returns how
+    many modules were bound."""
+    num_bound = 0
+    for module in model.modules():
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            continue
+        if cache is None:
+            module.__dict__.pop(BOUND_KEYS, None)
+            module.__dict__.pop(BOUND_VALUES, None)
+        elif 0 <= layer < len(cache.keys):
+            # Plain attributes (not buffers): no state dict, no weight sync, no .to() sees them.
+            module.__dict__[BOUND_KEYS] = cache.keys[layer]
+            module.__dict__[BOUND_VALUES] = cache.values[layer]
+            num_bound += 1
+    return num_bound
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """Compile each decoder layer of `model` (the children of a ModuleList of modules with a
+    `self_attn`), dynamic in every size: dynamo traces one layer and the others reuse its
+    graph (with the caches bound by bind_layer_caches). Once per model; returns how many."""
+    if getattr(model, "_yatt_layers_compiled", 0):
+        return model._yatt_layers_compiled
+    layers = [
+        layer
+        for module in model.modules()
+        if isinstance(module, torch.nn.ModuleList)
+        for layer in module
+        if hasattr(layer, "self_attn")
+    ]
+    if not layers:
+        raise ValueError(
+            f"EngineConfig.compile_scope='layers': {type(model).__name__} has no decoder layers "
+            "(a ModuleList of modules with a self_attn); use compile_scope='step'"
+        )
+    for layer in layers:
+        layer.compile(dynamic=True)
+    model._yatt_layers_compiled = len(layers)
+    return len(layers)
+
+
+def _layer_of(module: torch.nn.Module):
+    """What the writes below take as `layer`: the module's bound (keys, values), else its index."""
+    keys = getattr(module, BOUND_KEYS, None)
+    if keys is not None:
+        return keys, getattr(module, BOUND_VALUES)
+    return module.layer_idx
+
+
+def _caches(cache: StaticKVCache, layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's (keys, values): `layer` an index into `cache`, or the pair bound to its module."""
+    if isinstance(layer, tuple):
+        return layer
+    return cache.keys[layer], cache.values[layer]
+
+
 @dataclass(kw_only=True)
 class DecodeWrite:
     """Decode step: each batch row writes one token into its slot `slot_B` at its position
@@ -102,22 +168,23 @@ class DecodeWrite:
         base_BH = self.cache.row_base_SH.index_select(0, self.slot_B)
         self.rows_BH = (base_BH + self.pos_B[:, None]).reshape(-1)
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
-        cache = self.cache
-        _write_rows(cache.keys[layer], self.rows_BH, key)
-        _write_rows(cache.values[layer], self.rows_BH, value)
-        return cache.keys[layer], cache.values[layer]
+    def write(self, layer, key: torch.Tensor, value: torch.Tensor):
+        key_cache, value_cache = _caches(self.cache, layer)
+        _write_rows(key_cache, self.rows_BH, key)
+        _write_rows(value_cache, self.rows_BH, value)
+        return key_cache, value_cache
 
     def write_and_attend(self, layer, query, key, value, mask, scaling) -> torch.Tensor:
         """The layer's KV write and decode attention as one custom op: opaque to torch.compile,
         which would otherwise functionalize the write into a copy of the whole layer cache."""
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        key_cache, value_cache = _caches(self.cache, layer)
         return torch.ops.yatt_rollout.decode_kv_attention(
             query,
             key,
             value,
-            self.cache.keys[layer],
-            self.cache.values[layer],
+            key_cache,
+            value_cache,
             self.rows_BH,
             self.pos_B,
             self.slot_B,
@@ -214,11 +281,12 @@ class PrefillWrite:
     # op writes the new keys/values without first gathering them by row_J.
     is_one_sample_per_row: bool = False
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor):
+    def write(self, layer, key: torch.Tensor, value: torch.Tensor):
         num_tokens = key.shape[2]
         cols = self.source_col_BT[self.row_J][:, None, :, None]
         cols = cols.expand(-1, key.shape[1], -1, key.shape[3])
-        for buffer, new in ((self.cache.keys[layer], key), (self.cache.values[layer], value)):
+        key_cache, value_cache = _caches(self.cache, layer)
+        for buffer, new in ((key_cache, key), (value_cache, value)):
             buffer[self.slot_J, :, :num_tokens] = new[self.row_J].gather(2, cols)
         return key, value
 
@@ -227,12 +295,13 @@ class PrefillWrite:
         opaque to torch.compile (which would otherwise functionalize the write into a copy of
         the layer's cache, and run SDPA under HF's mask). Returns [B, T, H_q, D]."""
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        key_cache, value_cache = _caches(self.cache, layer)
         return torch.ops.yatt_rollout.prefill_kv_attention(
             query,
             key,
             value,
-            self.cache.keys[layer],
-            self.cache.values[layer],
+            key_cache,
+            value_cache,
             self.slot_J,
             None if self.is_one_sample_per_row else self.row_J,
             float(scale),
@@ -327,12 +396,13 @@ class ContinueWrite:
         op, so torch.compile neither copies the layer's cache to functionalize the write nor
         traces the attention."""
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        key_cache, value_cache = _caches(self.cache, layer)
         return torch.ops.yatt_rollout.continue_kv_attention(
             query,
             key,
             value,
-            self.cache.keys[layer],
-            self.cache.values[layer],
+            key_cache,
+            value_cache,
             self.real_N,
             self.rows_NH,
             self.slot_B,
@@ -665,20 +735,19 @@ def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
                 f"{type(module).__name__} passes {name} to its attention, which the built-in "
                 "engine does not implement; use the vLLM or SGLang engine"
             )
+    layer = _layer_of(module)
     if isinstance(write, ContinueWrite):
         return write.write_and_attend(
-            module.layer_idx, query, key, value, attention_mask, kwargs.get("scaling")
+            layer, query, key, value, attention_mask, kwargs.get("scaling")
         ), None
     if isinstance(write, DecodeWrite):
         out = write.write_and_attend(
-            module.layer_idx, query, key, value, attention_mask, kwargs.get("scaling")
+            layer, query, key, value, attention_mask, kwargs.get("scaling")
         )
         return out, None
     if write.is_causal_from_start and not kwargs.get("dropout"):
-        return write.write_and_attend(
-            module.layer_idx, query, key, value, kwargs.get("scaling")
-        ), None
-    key, value = write.write(module.layer_idx, key, value)
+        return write.write_and_attend(layer, query, key, value, kwargs.get("scaling")), None
+    key, value = write.write(layer, key, value)
     return _prefill_attention(module, query, key, value, attention_mask, **kwargs)
 
 
