@@ -252,6 +252,14 @@ PY
         packages/yatt-rollout/tests/test_builtin_lora.py packages/yatt-genrm/tests/test_self_judge.py
       STEP_TIMEOUT=${LORA_MODES_TIMEOUT_S:-540} run_step bench_lora_modes python3 \
         bench/lora/lora_modes_gpu.py --out-dir "$OUT" ${LORA_MODES_ARGS:-} ;;
+    bench_compile_time)
+      # The first call's compile time by depth (bench/rollout/compile_time.py): the built-in
+      # engine with compile_scope "step" (the default) and "layers" (each decoder layer compiled
+      # once), and the plain HF forward compiled whole and by layer; each its own process and
+      # empty inductor cache. 28 layers: Qwen2.5-7B's depth (width 64: the compile's time, not
+      # the math's). Then compare decode speed of the two scopes before flipping the default.
+      STEP_TIMEOUT=${COMPILE_TIME_TIMEOUT_S:-540} run_step bench_compile_time python3 \
+        bench/rollout/compile_time.py --device cuda --layers 2 28 --out-dir "$OUT" ;;
     bench_offpolicy)
       # Issue 48's one-GPU run (bench/train/offpolicy_gpu.py): the trainer at
       # rollout.max_staleness 0, 1, 2 (placement=partial), 0.5B policy (EOS shaped for a long-tail

@@ -47,10 +47,10 @@ class EngineConfig:
     # forward, each one graph over the whole model. "layers": each decoder layer, compiled
     # once and reused by every layer (the rest of the step eager, under the same CUDA graphs),
     # for every forward (decode, prefill, continuations) when either flag is on. The whole
-    # model's graph is what makes the first step slow: on the CPU, compiling a 24-layer Qwen2
-    # took 63 s whole and 16 s by layer (bench/results/compile_time_cpu.md); at 7B + 7B the
-    # trainer's first step took 337 s on an H200 (lora_nvidia_h200.md). Not measured on a
-    # GPU yet (decode speed, first step): opt-in. Not with lora_mode="beside".
+    # model's graph is what makes the first step slow: on the CPU, the engine's first generate
+    # of a 24-layer Qwen2 took 99.9 s, and 18.9 s by layer (bench/results/compile_time_cpu.md);
+    # at 7B + 7B the trainer's first step took 337 s on an H200 (lora_nvidia_h200.md). Not
+    # measured on a GPU yet (decode speed, first step): opt-in. Not with lora_mode="beside".
     compile_scope: str = "step"
     # Run each layer's q/k/v projections as one GEMM, and its gate/up projections as one
     # (_fused_projections.py): 3 GEMMs fewer per layer and decode step. Parameter names and
