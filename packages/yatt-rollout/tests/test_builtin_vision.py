@@ -83,9 +83,15 @@ def _engine(model_dir, **overrides):
     return BuiltinEngine(model_dir, config=EngineConfig(**{**settings, **overrides}))
 
 
-def test_greedy_generation_with_images_equals_the_model_forward(vlm_dir):
+# "layers": the language model's decoder layers compiled once for every layer (image prompts
+# prefill through them too, with their features and mrope positions).
+COMPILED_LAYERS = {"compile_decode": True, "compile_prefill": True, "compile_scope": "layers"}
+
+
+@pytest.mark.parametrize("overrides", [{}, COMPILED_LAYERS], ids=["eager", "compiled-layers"])
+def test_greedy_generation_with_images_equals_the_model_forward(vlm_dir, overrides):
     requests, processed, image_id = _requests(vlm_dir)
-    engine = _engine(vlm_dir)
+    engine = _engine(vlm_dir, **overrides)
     assert engine.accepts_images
     sampling = SamplingParams(temperature=0, max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     completions = engine.generate(requests, sampling)
