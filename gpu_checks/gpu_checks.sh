@@ -253,13 +253,14 @@ PY
       STEP_TIMEOUT=${LORA_MODES_TIMEOUT_S:-540} run_step bench_lora_modes python3 \
         bench/lora/lora_modes_gpu.py --out-dir "$OUT" ${LORA_MODES_ARGS:-} ;;
     bench_compile_time)
-      # The first call's compile time by depth (bench/rollout/compile_time.py): the built-in
-      # engine with compile_scope "step" (the default) and "layers" (each decoder layer compiled
-      # once), and the plain HF forward compiled whole and by layer; each its own process and
-      # empty inductor cache. 28 layers: Qwen2.5-7B's depth (width 64: the compile's time, not
-      # the math's). Then compare decode speed of the two scopes before flipping the default.
+      # The first call's compile time (bench/rollout/compile_time.py): the built-in engine with
+      # compile_scope "step" (the default) and "layers" (each decoder layer compiled once), each
+      # its own process and empty inductor cache: 28 layers at width 64 (Qwen2.5-7B's depth,
+      # the compile's time, not the math's) and the 0.5B shape, whose steady decode (64 rows x
+      # 256 forced tokens, CUDA graphs) says whether "layers" can become the default.
       STEP_TIMEOUT=${COMPILE_TIME_TIMEOUT_S:-540} run_step bench_compile_time python3 \
-        bench/rollout/compile_time.py --device cuda --layers 2 28 --out-dir "$OUT" ;;
+        bench/rollout/compile_time.py --device cuda --layers 28 --shapes 0.5b \
+        --kinds engine engine-layers --decode 64 256 --out-dir "$OUT" ${COMPILE_TIME_ARGS:-} ;;
     bench_offpolicy)
       # Issue 48's one-GPU run (bench/train/offpolicy_gpu.py): the trainer at
       # rollout.max_staleness 0, 1, 2 (placement=partial), 0.5B policy (EOS shaped for a long-tail

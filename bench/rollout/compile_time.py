@@ -41,23 +41,42 @@ from report import write_report
 KINDS = ("engine", "engine-layers", "whole", "layers")
 
 
-def measure(kind: str, layers: int, device: str, model_root: Path) -> dict:
-    """One measurement, in this process (the caller gives it a fresh one and a fresh cache)."""
+def model_dir_for(model: str, root: Path) -> Path:
+    """The saved random Qwen2 of `model`: "<N>" layers at the tiny width (the compile's time,
+    not the math's), or a bench shape name ("0.5b", "1.5b", "7b": bench/step's shapes, bf16)."""
+    path = root / f"qwen2-{model}"
+    if (path / "config.json").is_file():
+        return path
+    if model.isdigit():
+        from yatt.testing import make_tiny_causal_lm
+
+        make_tiny_causal_lm(path, arch="qwen2", num_layers=int(model))
+        return path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))
+    import _step_setup as setup
+
+    policy_dir, _ = setup.make_models(path.with_name(path.name + "-pair"), tiny=False,
+                                      shapes=(model, "tiny"))  # fmt: skip
+    policy_dir.rename(path)
+    return path
+
+
+def measure(kind: str, model_dir: Path, device: str, decode: tuple[int, int]) -> dict:
+    """One measurement, in this process (the caller gives it a fresh one and a fresh cache).
+    decode (rows, tokens): after the two calls, the engine kinds time a generate of that many
+    rows and forced new tokens (steady decode under the kind's compile; (0, 0): none)."""
     import torch
     from torch._dynamo.utils import counters
 
-    from yatt.testing import make_tiny_causal_lm
-
-    model_dir = model_root / f"qwen2-{layers}"
-    if not (model_dir / "config.json").is_file():
-        make_tiny_causal_lm(model_dir, arch="qwen2", num_layers=layers)
+    out: dict = {"kind": kind}
     if kind.startswith("engine"):
         from yatt.rollout import BuiltinEngine, EngineConfig, Request, SamplingParams
 
+        rows, tokens = decode
         config = EngineConfig(
             device=device,
-            max_batch_size=4,
-            max_seq_len=128,
+            max_batch_size=max(4, rows),
+            max_seq_len=max(128, 16 + tokens),
             region_prefix="compile-time",
             compile_decode=True,
             compile_prefill=True,
@@ -71,6 +90,13 @@ def measure(kind: str, layers: int, device: str, model_root: Path) -> dict:
             start = time.perf_counter()
             engine.generate(requests, params)
             times.append(time.perf_counter() - start)
+        if rows:
+            batch = [Request(prompt_ids=[5 + i % 50, 6, 7, 8, 9, 10, 11, 12]) for i in range(rows)]
+            forced = SamplingParams(temperature=1.0, max_new_tokens=tokens, seed=2, ignore_eos=True)
+            engine.generate(batch, forced)  # this batch size's graphs captured, untimed
+            start = time.perf_counter()
+            engine.generate(batch, forced)
+            out["decode_tok_s"] = rows * tokens / (time.perf_counter() - start)
         engine.close()
     else:
         from transformers import AutoModelForCausalLM
@@ -92,9 +118,7 @@ def measure(kind: str, layers: int, device: str, model_root: Path) -> dict:
                 if device == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
-    return {
-        "kind": kind,
-        "layers": layers,
+    return out | {
         "first_s": times[0],
         "second_s": times[1],
         "unique_graphs": counters["stats"]["unique_graphs"],
@@ -103,45 +127,54 @@ def measure(kind: str, layers: int, device: str, model_root: Path) -> dict:
 
 def run_all(args: argparse.Namespace) -> dict:
     rows = []
+    models = [str(n) for n in args.layers] + list(args.shapes)
     with tempfile.TemporaryDirectory() as work:
-        for layers in args.layers:
+        for model in models:
+            model_dir = model_dir_for(model, Path(work) / "models")
             for kind in args.kinds:
-                cache = Path(work) / f"inductor-{kind}-{layers}"  # empty: a cold compile
+                cache = Path(work) / f"inductor-{kind}-{model}"  # empty: a cold compile
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
-                cmd = [sys.executable, __file__, "--one", kind, str(layers)]
-                cmd += ["--device", args.device, "--model-root", str(Path(work) / "models")]
+                cmd = [sys.executable, __file__, "--one", kind, str(model_dir)]
+                cmd += ["--device", args.device, "--decode", *map(str, args.decode)]
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
                 lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
                 if done.returncode or not lines:
-                    rows.append({"kind": kind, "layers": layers, "error": done.stderr[-400:]})
+                    row = {"kind": kind, "error": done.stderr[-400:]}
                 else:
-                    rows.append(json.loads(lines[-1]))
+                    row = json.loads(lines[-1])
+                rows.append({"model": model} | row)
                 print(json.dumps(rows[-1])[:300], flush=True)
     return {
         "commit": measured_commit(["bench", "packages"]),
         "device": "cpu" if args.device == "cpu" else device_name(),
         "command": "python bench/rollout/compile_time.py " + " ".join(sys.argv[1:]),
+        "decode": args.decode,
         "rows": rows,
     }
 
 
 def markdown(results: dict) -> str:
+    rows_n, tokens_n = results.get("decode", (0, 0))
     lines = [
         f"# First-call compile time by depth ({results['device']})",
         "",
-        f"commit: {results['commit']} · random Qwen2, width 64 (bench/rollout/compile_time.py); "
-        "each row its own process and empty inductor cache",
+        f"commit: {results['commit']} · random Qwen2: N layers at width 64, or a bench shape "
+        "(bench/rollout/compile_time.py); each row its own process and empty inductor cache"
+        + (f"; decode: {rows_n} rows x {tokens_n} forced tokens" if rows_n else ""),
         "",
-        "| layers | kind | first call s | second call s | unique graphs |",
-        "|---:|---|---:|---:|---:|",
+        "| model | kind | first call s | second call s | unique graphs | decode tok/s |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for row in results["rows"]:
+        model = row.get("model", row.get("layers"))  # "layers": results before --shapes
+        model = f"{model} layers" if str(model).isdigit() else model
         if "error" in row:
-            lines.append(f"| {row['layers']} | {row['kind']} | error | | |")
+            lines.append(f"| {model} | {row['kind']} | error | | | |")
             continue
+        tok_s = row.get("decode_tok_s")
         lines.append(
-            f"| {row['layers']} | {row['kind']} | {row['first_s']:.1f} | {row['second_s']:.2f} "
-            f"| {row['unique_graphs']} |"
+            f"| {model} | {row['kind']} | {row['first_s']:.1f} | {row['second_s']:.2f} "
+            f"| {row['unique_graphs']} | {'' if tok_s is None else f'{tok_s:,.0f}'} |"
         )
     lines += ["", f"Command: `{results['command']}`"]
     return "\n".join(lines)
@@ -151,14 +184,22 @@ def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out-dir", default="/tmp/yatt-compile-time")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--layers", type=int, nargs="+", default=[2, 24])
+    p.add_argument("--layers", type=int, nargs="*", default=[2, 24])
+    p.add_argument("--shapes", nargs="*", default=[], help="bench shapes, e.g. 0.5b 7b (GPU)")
     p.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
-    p.add_argument("--one", nargs=2, metavar=("KIND", "LAYERS"), help=argparse.SUPPRESS)
-    p.add_argument("--model-root", default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--decode",
+        type=int,
+        nargs=2,
+        default=(0, 0),
+        metavar=("ROWS", "TOKENS"),
+        help="the engine kinds also time a generate of ROWS rows x TOKENS forced new tokens",
+    )
+    p.add_argument("--one", nargs=2, metavar=("KIND", "MODEL_DIR"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
-        kind, layers = args.one[0], int(args.one[1])
-        print(json.dumps(measure(kind, layers, args.device, Path(args.model_root))))
+        kind, model_dir = args.one
+        print(json.dumps(measure(kind, Path(model_dir), args.device, tuple(args.decode))))
         return
     results = run_all(args)
     name = "compile_time_" + ("cpu" if args.device == "cpu" else device_name())
