@@ -193,6 +193,10 @@ def test_variants_are_named_and_get_their_own_ratio_rows():
     assert _step_setup.variant_key("full", args) == "full-auto-p64"
     args.ckpt_when_busy = "defer"
     assert _step_setup.variant_key("full", args) == "full-auto-p64-defer"
+    args.compile_scope = "layers"  # the engines' compile scope, when not the default
+    assert _step_setup.variant_key("full", args) == "full-auto-p64-defer-clayers"
+    args.compile_scope = "step"
+    assert _step_setup.variant_key("full", args) == "full-auto-p64-defer"
     assert _step_bars.label_of("full-defer").endswith("waits for a later step")
     assert _step_bars.label_of("full-auto-p64") == (
         "(a) full colocation, offload only when short of memory, 64 prompts"

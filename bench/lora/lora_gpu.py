@@ -89,6 +89,7 @@ def step_args(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str
     argv += ["--activation-checkpointing", "--offload-optimizer"]
     argv += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
     argv += ["--micro-batch-tokens", str(args.micro_batch_tokens), "--out-dir", str(run_dir)]
+    argv += ["--compile-scope", args.compile_scope]
     # No timed step starts that would end past the variant's time limit (less its loading):
     # step.py then writes its JSON with the steps it ran.
     argv += ["--run-budget-s", str(max(args.variant_timeout_s - 30, 1))]
@@ -427,6 +428,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant")
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
+    p.add_argument(
+        "--compile-scope",
+        choices=("step", "layers"),
+        default="step",
+        help="the engines' EngineConfig.compile_scope, the same for every variant",
+    )
     p.add_argument("--prompts", type=int, default=16, help="GRPO groups of 8 per step")
     p.add_argument("--out-dir", default="/tmp/yatt-lora-out")
     p.add_argument("--model-root", default="/tmp", help="saved random-weight models")

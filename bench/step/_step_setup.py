@@ -309,6 +309,7 @@ def build_judge(
     slots: int,
     keep_graphs=False,
     batch_window_ms: float | None = None,
+    compile_scope: str = "step",
 ):
     """A yatt.genrm.GenRM on its own BuiltinEngine (region prefix "genrm"); batch_window_ms:
     BatchingConfig.batch_window_millis (None: its default)."""
@@ -325,6 +326,7 @@ def build_judge(
             max_prefill_tokens=max(16384, context),
             region_prefix="genrm",
             keep_graphs_asleep=keep_graphs,
+            compile_scope=compile_scope,
         ),
     )
     judge = genrm.GenRM(
@@ -384,6 +386,7 @@ def make_rollout_engine(
             region_prefix="rollout",
             keep_graphs_asleep=args.keep_graphs,
             stream_priority=-1,  # beside the judge (partial), the rollout's tail goes first
+            compile_scope=getattr(args, "compile_scope", "step"),
         ),
         # One rollout phase per step, after the weight sync that follows each wake of its
         # weights: no pinned host copy of them (15 GB at 7B) is needed. The seed mix's sampling
@@ -401,7 +404,7 @@ def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
     --judge-shape unlike the policy's), "-js<N>" (--judge-slots, colocated judges). The seed
     mix's sampler: "-old" (--sampler old), "-keep" (--keep-partial), "-nv<share>"
     (--no-variance-share), "-fill<q>" (--fill-probability); then "-jw<ms>"
-    (--judge-batch-window-ms). Every name of a run (its JSON, its profile, its out-of-memory
+    (--judge-batch-window-ms), "-clayers" (--compile-scope layers). Every name of a run (its JSON, its profile, its out-of-memory
     record) is built from this one key."""
     key = layout
     judge_gpus = getattr(args, "judge_gpus", None) or []
@@ -441,6 +444,8 @@ def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
     window = getattr(args, "judge_batch_window_ms", None)
     if window is not None and layout in ("full", "partial"):
         key += f"-jw{window:g}"
+    if getattr(args, "compile_scope", "step") != "step":
+        key += f"-c{args.compile_scope}"
     return key
 
 

@@ -105,6 +105,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--tiny", action="store_true", help="2-layer model (CPU smoke runs)")
     p.add_argument(
+        "--compile-scope",
+        choices=("step", "layers"),
+        default="step",
+        help="the built-in engines' EngineConfig.compile_scope ('layers': each decoder layer "
+        "compiled once; the run is named -clayers)",
+    )
+    p.add_argument(
         "--judge-tokens",
         type=int,
         default=None,
@@ -373,6 +380,7 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
             slots=args.judge_slots or slots,
             keep_graphs=args.keep_graphs,
             batch_window_ms=args.judge_batch_window_ms,
+            compile_scope=args.compile_scope,
         )
     ctx.policy = core.TorchPolicy(
         core.TorchPolicyConfig(
