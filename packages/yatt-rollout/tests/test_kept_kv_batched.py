@@ -59,7 +59,8 @@ def _check_continue_write(device, dtype, kernel, atol):
     write = ContinueWrite(
         cache=cache, slots=slots, starts=starts, lengths=lengths, span=span, kernel=kernel
     )
-    out = write.write_and_attend(0, query, key, value, None, 0.3)  # [B, T, H_q, D]
+    caches = (cache.keys[0], cache.values[0])  # layer 0's
+    out = write.write_and_attend(caches, query, key, value, None, 0.3)  # [B, T, H_q, D]
     assert out.shape == (B, T, H_q, D)
     # The cache: each row's new keys at its positions in its slot; everything else untouched.
     expected_keys = before_keys.clone()
@@ -162,11 +163,17 @@ def _assert_same_samples(got, expected):
     )
 
 
+# compile_scope="layers": every forward (prefill, continuation, decode) through decoder layers
+# compiled once; the caches reach each layer bound to its attention module.
+COMPILED_LAYERS = {"compile_prefill": True, "compile_decode": True, "compile_scope": "layers"}
+
+
+@pytest.mark.parametrize("kept_config", [{}, COMPILED_LAYERS], ids=["eager", "compiled-layers"])
 def test_waiting_continuations_share_one_forward_and_sample_what_a_fresh_prefill_does(
-    tiny_model_dir,
+    tiny_model_dir, kept_config
 ):
     fresh_engine, _ = _engine(tiny_model_dir, "batched-fresh")
-    kept_engine, forwards = _engine(tiny_model_dir, "batched-kept")
+    kept_engine, forwards = _engine(tiny_model_dir, "batched-kept", **kept_config)
     try:
         expected = _conversations(fresh_engine, GREEDY, should_keep=False)
         got = _conversations(kept_engine, GREEDY, should_keep=True)
@@ -260,26 +267,5 @@ def test_compiled_continuations_sample_what_eager_fresh_prefills_do(tiny_model_d
         fresh_engine.close()
         kept_engine.close()
     assert "kept-KV continuation" not in caplog.text
-    assert [f["rows"] for f in forwards] == [4, 4]
-    _assert_same_samples(got, expected)
-
-
-def test_layer_compiled_continuations_sample_what_eager_fresh_prefills_do(tiny_model_dir):
-    # compile_scope="layers": every forward (prefill, continuation, decode) through decoder
-    # layers compiled once; the caches reach each layer bound to its attention module.
-    fresh_engine, _ = _engine(tiny_model_dir, "layers-fresh")
-    kept_engine, forwards = _engine(
-        tiny_model_dir,
-        "layers-kept",
-        compile_prefill=True,
-        compile_decode=True,
-        compile_scope="layers",
-    )
-    try:
-        expected = _conversations(fresh_engine, GREEDY, should_keep=True)
-        got = _conversations(kept_engine, GREEDY, should_keep=True)
-    finally:
-        fresh_engine.close()
-        kept_engine.close()
     assert [f["rows"] for f in forwards] == [4, 4]
     _assert_same_samples(got, expected)

@@ -114,7 +114,7 @@ class LowRankBeside:
         module's base weight in this same sync (`refreshed`, reset per update_weights)."""
         rest, is_new_layout = [], False
         ready: list[tuple[str, dict[str, torch.Tensor]]] = []  # complete in this bucket
-        arrived: list[str] = []  # modules this bucket sent pieces of
+        arrived: list[tuple[str, str]] = []  # (module, piece) this bucket sent
         for name, tensor in bucket:
             if are_weights_lost:
                 self._check_base_refreshed(name)
@@ -132,7 +132,7 @@ class LowRankBeside:
             module, piece = split
             parts = self._pending.setdefault(module, {})
             parts[piece] = tensor.detach()
-            arrived.append(module)
+            arrived.append((module, piece))
             if len(parts) == 3:
                 del self._pending[module]
                 ready.append((module, parts))
@@ -140,12 +140,11 @@ class LowRankBeside:
         # Loaded together (a few multi-tensor kernels for the whole bucket, not ~6 small ones
         # per module), before the caller copies this bucket's plain weights, as one by one.
         is_new_layout |= self._load_ready(ready, targets)
-        # Pieces still waiting for their module's others: the sender may reuse this bucket's
-        # memory after the call, so they are kept as copies.
-        for module in dict.fromkeys(arrived):
-            parts = self._pending.get(module, {})
-            for piece, tensor in parts.items():
-                parts[piece] = tensor.clone()
+        # This bucket's pieces still waiting for their module's others: the sender may reuse
+        # its bucket's memory after the call, so they are kept as copies (once each).
+        for module, piece in arrived:
+            if module in self._pending:
+                self._pending[module][piece] = self._pending[module][piece].clone()
         return rest, is_new_layout
 
     def _check_base_refreshed(self, name: str) -> None:

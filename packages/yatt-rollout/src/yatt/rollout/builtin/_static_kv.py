@@ -89,11 +89,9 @@ class StaticKVCache:
 BOUND_KEYS, BOUND_VALUES = "yatt_key_cache", "yatt_value_cache"
 
 
-def bind_layer_caches(model: torch.nn.Module, cache: StaticKVCache | None) -> int:
+def bind_layer_caches(model: torch.nn.Module, cache: StaticKVCache | None) -> None:
     """Give every attention module of `model` (a module with an int `layer_idx` in range) its
-    layer's key and value buffers as plain attributes, or remove them (cache None). Returns how
-    many modules were bound."""
-    num_bound = 0
+    layer's key and value buffers as plain attributes, or remove them (cache None)."""
     for module in model.modules():
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int) or isinstance(layer, bool):
@@ -105,16 +103,14 @@ def bind_layer_caches(model: torch.nn.Module, cache: StaticKVCache | None) -> in
             # Plain attributes (not buffers): no state dict, no weight sync, no .to() sees them.
             module.__dict__[BOUND_KEYS] = cache.keys[layer]
             module.__dict__[BOUND_VALUES] = cache.values[layer]
-            num_bound += 1
-    return num_bound
 
 
-def compile_decoder_layers(model: torch.nn.Module) -> int:
+def compile_decoder_layers(model: torch.nn.Module) -> None:
     """Compile each decoder layer of `model` (the children of a ModuleList of modules with a
     `self_attn`), dynamic in every size: dynamo traces one layer and the others reuse its
-    graph (with the caches bound by bind_layer_caches). Once per model; returns how many."""
-    if getattr(model, "_yatt_layers_compiled", 0):
-        return model._yatt_layers_compiled
+    graph (with the caches bound by bind_layer_caches). Once per model."""
+    if getattr(model, "_yatt_layers_compiled", False):
+        return
     layers = [
         layer
         for module in model.modules()
@@ -129,23 +125,16 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
         )
     for layer in layers:
         layer.compile(dynamic=True)
-    model._yatt_layers_compiled = len(layers)
-    return len(layers)
+    model._yatt_layers_compiled = True
 
 
-def _layer_of(module: torch.nn.Module):
-    """What the writes below take as `layer`: the module's bound (keys, values), else its index."""
+def layer_caches(module: torch.nn.Module, cache: StaticKVCache) -> tuple[torch.Tensor, ...]:
+    """The attention module's layer's (keys, values) buffers: bound to it (compile_scope
+    "layers"), else the cache's at its layer_idx."""
     keys = getattr(module, BOUND_KEYS, None)
     if keys is not None:
         return keys, getattr(module, BOUND_VALUES)
-    return module.layer_idx
-
-
-def _caches(cache: StaticKVCache, layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """A layer's (keys, values): `layer` an index into `cache`, or the pair bound to its module."""
-    if isinstance(layer, tuple):
-        return layer
-    return cache.keys[layer], cache.values[layer]
+    return cache.keys[module.layer_idx], cache.values[module.layer_idx]
 
 
 @dataclass(kw_only=True)
@@ -168,17 +157,17 @@ class DecodeWrite:
         base_BH = self.cache.row_base_SH.index_select(0, self.slot_B)
         self.rows_BH = (base_BH + self.pos_B[:, None]).reshape(-1)
 
-    def write(self, layer, key: torch.Tensor, value: torch.Tensor):
-        key_cache, value_cache = _caches(self.cache, layer)
+    def write(self, caches, key: torch.Tensor, value: torch.Tensor):
+        key_cache, value_cache = caches
         _write_rows(key_cache, self.rows_BH, key)
         _write_rows(value_cache, self.rows_BH, value)
         return key_cache, value_cache
 
-    def write_and_attend(self, layer, query, key, value, mask, scaling) -> torch.Tensor:
+    def write_and_attend(self, caches, query, key, value, mask, scaling) -> torch.Tensor:
         """The layer's KV write and decode attention as one custom op: opaque to torch.compile,
         which would otherwise functionalize the write into a copy of the whole layer cache."""
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        key_cache, value_cache = _caches(self.cache, layer)
+        key_cache, value_cache = caches  # the layer's (layer_caches)
         return torch.ops.yatt_rollout.decode_kv_attention(
             query,
             key,
@@ -281,21 +270,20 @@ class PrefillWrite:
     # op writes the new keys/values without first gathering them by row_J.
     is_one_sample_per_row: bool = False
 
-    def write(self, layer, key: torch.Tensor, value: torch.Tensor):
+    def write(self, caches, key: torch.Tensor, value: torch.Tensor):
         num_tokens = key.shape[2]
         cols = self.source_col_BT[self.row_J][:, None, :, None]
         cols = cols.expand(-1, key.shape[1], -1, key.shape[3])
-        key_cache, value_cache = _caches(self.cache, layer)
-        for buffer, new in ((key_cache, key), (value_cache, value)):
+        for buffer, new in zip(caches, (key, value), strict=True):
             buffer[self.slot_J, :, :num_tokens] = new[self.row_J].gather(2, cols)
         return key, value
 
-    def write_and_attend(self, layer, query, key, value, scaling) -> torch.Tensor:
+    def write_and_attend(self, caches, query, key, value, scaling) -> torch.Tensor:
         """is_causal_from_start: the layer's KV write and causal attention as one custom op,
         opaque to torch.compile (which would otherwise functionalize the write into a copy of
         the layer's cache, and run SDPA under HF's mask). Returns [B, T, H_q, D]."""
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        key_cache, value_cache = _caches(self.cache, layer)
+        key_cache, value_cache = caches  # the layer's (layer_caches)
         return torch.ops.yatt_rollout.prefill_kv_attention(
             query,
             key,
@@ -391,12 +379,12 @@ class ContinueWrite:
         else:
             raise ValueError(f"ContinueWrite.kernel={self.kernel!r}: 'varlen' or 'dense'")
 
-    def write_and_attend(self, layer, query, key, value, mask, scaling) -> torch.Tensor:
+    def write_and_attend(self, caches, query, key, value, mask, scaling) -> torch.Tensor:
         """query [B, H_q, T, D]; key/value [B, H_kv, T, D]. Returns [B, T, H_q, D]. One opaque
         op, so torch.compile neither copies the layer's cache to functionalize the write nor
         traces the attention."""
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        key_cache, value_cache = _caches(self.cache, layer)
+        key_cache, value_cache = caches  # the layer's (layer_caches)
         return torch.ops.yatt_rollout.continue_kv_attention(
             query,
             key,
@@ -735,19 +723,19 @@ def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
                 f"{type(module).__name__} passes {name} to its attention, which the built-in "
                 "engine does not implement; use the vLLM or SGLang engine"
             )
-    layer = _layer_of(module)
+    caches = layer_caches(module, write.cache)
     if isinstance(write, ContinueWrite):
         return write.write_and_attend(
-            layer, query, key, value, attention_mask, kwargs.get("scaling")
+            caches, query, key, value, attention_mask, kwargs.get("scaling")
         ), None
     if isinstance(write, DecodeWrite):
         out = write.write_and_attend(
-            layer, query, key, value, attention_mask, kwargs.get("scaling")
+            caches, query, key, value, attention_mask, kwargs.get("scaling")
         )
         return out, None
     if write.is_causal_from_start and not kwargs.get("dropout"):
-        return write.write_and_attend(layer, query, key, value, kwargs.get("scaling")), None
-    key, value = write.write(layer, key, value)
+        return write.write_and_attend(caches, query, key, value, kwargs.get("scaling")), None
+    key, value = write.write(caches, key, value)
     return _prefill_attention(module, query, key, value, attention_mask, **kwargs)
 
 
