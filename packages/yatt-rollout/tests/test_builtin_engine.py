@@ -467,7 +467,7 @@ def test_layer_compile_traces_one_layer_for_every_layer(tmp_path):
     cache by module.layer_idx would make at least one per layer."""
     from torch._dynamo.utils import counters
 
-    from yatt.rollout.builtin._static_kv import BOUND_KEYS
+    from yatt.rollout.builtin._layer_compile import BOUND_KEYS
 
     num_layers = 12
     model_dir = tmp_path / "twelve-layers"

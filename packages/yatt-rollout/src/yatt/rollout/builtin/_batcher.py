@@ -55,6 +55,7 @@ import torch
 from yatt.placement import capturing, may_sync
 from yatt.rollout._types import Request, SamplingParams
 from yatt.rollout.builtin._device import to_device
+from yatt.rollout.builtin._layer_compile import bind_layer_caches, compile_decoder_layers
 from yatt.rollout.builtin._lora_beside import LowRankBeside
 from yatt.rollout.builtin._sampling import sample_tokens, seen_tokens
 from yatt.rollout.builtin._static_kv import (
@@ -63,8 +64,6 @@ from yatt.rollout.builtin._static_kv import (
     DecodeWrite,
     PrefillWrite,
     StaticKVCache,
-    bind_layer_caches,
-    compile_decoder_layers,
     writing_kv,
 )
 from yatt.rollout.builtin._vision import RequestImages, VisionPrefill

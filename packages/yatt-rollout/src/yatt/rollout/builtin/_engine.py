@@ -75,14 +75,10 @@ from yatt.rollout.builtin._fused_projections import fuse_projections
 from yatt.rollout.builtin._host_loop import Call, SlotLoop
 from yatt.rollout.builtin._joining import CallScheduler
 from yatt.rollout.builtin._kv_budget import KVLayout, check_memory_fraction, slots_for_fraction
+from yatt.rollout.builtin._layer_compile import bind_layer_caches
 from yatt.rollout.builtin._lora import AdapterMerger
 from yatt.rollout.builtin._lora_beside import LowRankBeside
-from yatt.rollout.builtin._static_kv import (
-    ATTN_IMPLEMENTATION,
-    StaticKVCache,
-    bind_layer_caches,
-    register_attention,
-)
+from yatt.rollout.builtin._static_kv import ATTN_IMPLEMENTATION, StaticKVCache, register_attention
 from yatt.rollout.builtin._vision import VisionPrefill, is_vision_language_config
 
 logger = logging.getLogger(__name__)

@@ -40,6 +40,7 @@ from transformers.masking_utils import sdpa_mask
 
 from yatt.rollout.builtin._decode_kernel import triton_decode_attention
 from yatt.rollout.builtin._device import to_device
+from yatt.rollout.builtin._layer_compile import layer_caches
 
 logger = logging.getLogger(__name__)
 
@@ -80,61 +81,6 @@ class StaticKVCache:
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
-
-
-# EngineConfig.compile_scope="layers": the engine binds each attention module's own cache
-# tensors to it under these names (bind_layer_caches), so a decoder layer compiled once serves
-# every layer. Indexing the cache by module.layer_idx instead would make dynamo guard on that
-# int: one graph per layer, the whole model's compile again.
-BOUND_KEYS, BOUND_VALUES = "yatt_key_cache", "yatt_value_cache"
-
-
-def bind_layer_caches(model: torch.nn.Module, cache: StaticKVCache | None) -> None:
-    """Give every attention module of `model` (a module with an int `layer_idx` in range) its
-    layer's key and value buffers as plain attributes, or remove them (cache None)."""
-    for module in model.modules():
-        layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int) or isinstance(layer, bool):
-            continue
-        if cache is None:
-            module.__dict__.pop(BOUND_KEYS, None)
-            module.__dict__.pop(BOUND_VALUES, None)
-        elif 0 <= layer < len(cache.keys):
-            # Plain attributes (not buffers): no state dict, no weight sync, no .to() sees them.
-            module.__dict__[BOUND_KEYS] = cache.keys[layer]
-            module.__dict__[BOUND_VALUES] = cache.values[layer]
-
-
-def compile_decoder_layers(model: torch.nn.Module) -> None:
-    """Compile each decoder layer of `model` (the children of a ModuleList of modules with a
-    `self_attn`), dynamic in every size: dynamo traces one layer and the others reuse its
-    graph (with the caches bound by bind_layer_caches). Once per model."""
-    if getattr(model, "_yatt_layers_compiled", False):
-        return
-    layers = [
-        layer
-        for module in model.modules()
-        if isinstance(module, torch.nn.ModuleList)
-        for layer in module
-        if hasattr(layer, "self_attn")
-    ]
-    if not layers:
-        raise ValueError(
-            f"EngineConfig.compile_scope='layers': {type(model).__name__} has no decoder layers "
-            "(a ModuleList of modules with a self_attn); use compile_scope='step'"
-        )
-    for layer in layers:
-        layer.compile(dynamic=True)
-    model._yatt_layers_compiled = True
-
-
-def layer_caches(module: torch.nn.Module, cache: StaticKVCache) -> tuple[torch.Tensor, ...]:
-    """The attention module's layer's (keys, values) buffers: bound to it (compile_scope
-    "layers"), else the cache's at its layer_idx."""
-    keys = getattr(module, BOUND_KEYS, None)
-    if keys is not None:
-        return keys, getattr(module, BOUND_VALUES)
-    return cache.keys[module.layer_idx], cache.values[module.layer_idx]
 
 
 @dataclass(kw_only=True)
