@@ -319,6 +319,7 @@ def build_engine(shape: dict, args: argparse.Namespace, *, max_batch_size: int, 
     model = model.eval().requires_grad_(False)
     config = EngineConfig(
         device=device,
+        compile_scope=args.compile_scope,
         dtype="float32" if args.smoke else "bfloat16",
         max_batch_size=max_batch_size,
         max_seq_len=context_tokens(args) + args.verdict_tokens + 8,
@@ -392,6 +393,11 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def scope_suffix(args: argparse.Namespace) -> str:
+    """Runs under a non-default engine compile scope get their own report."""
+    return "" if args.compile_scope == "step" else f"_c{args.compile_scope}"
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--policy", choices=tuple(SHAPES), default="0.5b", help="policy shape")
@@ -407,6 +413,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tool-s", type=float, default=0.05, help="a tool call's own time")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per mode")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--compile-scope",
+        choices=("step", "layers"),
+        default="step",
+        help="the built-in engines' EngineConfig.compile_scope ('layers': each decoder layer "
+        "compiled once; the report is named _clayers)",
+    )
     p.add_argument("--out-dir", default="bench/results")
     args = p.parse_args(argv)
     if args.tool_s < 0:
@@ -438,10 +451,21 @@ def main(argv: list[str]) -> None:
     if args.smoke:
         torch.set_num_threads(1)
     device = device_name()
-    md = Path(args.out_dir) / f"multiturn_judge_{device}{'_smoke' if args.smoke else ''}.md"
+    md = (
+        Path(args.out_dir)
+        / f"multiturn_judge_{device}{'_smoke' if args.smoke else ''}{scope_suffix(args)}.md"
+    )
     keys = (
         *("policy", "judge", "groups", "samples", "oversample", "prompt_tokens"),
-        *("response_tokens", "observation_tokens", "verdict_tokens", "tool_s", "repeats", "seed"),
+        *(
+            "response_tokens",
+            "observation_tokens",
+            "verdict_tokens",
+            "tool_s",
+            "repeats",
+            "seed",
+            "compile_scope",
+        ),
     )
     results = {
         "commit": measured_commit(["bench", "packages"]),

@@ -85,6 +85,7 @@ def build_engine(shape: dict, args: argparse.Namespace):
     model = build_model(shape, args)
     config = EngineConfig(
         device=device,
+        compile_scope=args.compile_scope,
         dtype="float32" if args.smoke else "bfloat16",
         max_batch_size=args.trajectories,
         max_seq_len=context_tokens(args) + 8,
@@ -384,6 +385,11 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def scope_suffix(args: argparse.Namespace) -> str:
+    """Runs under a non-default engine compile scope get their own report."""
+    return "" if args.compile_scope == "step" else f"_c{args.compile_scope}"
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=["0.5b", "1.5b"])
@@ -400,6 +406,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="also the same requests through yatt's VLLMEngine (prefix caching): issue 44's "
         "third bar, yatt kept / vLLM <= 1.0 (vLLM's site on the path)",
+    )
+    p.add_argument(
+        "--compile-scope",
+        choices=("step", "layers"),
+        default="step",
+        help="the built-in engines' EngineConfig.compile_scope ('layers': each decoder layer "
+        "compiled once; the report is named _clayers)",
     )
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument(
@@ -445,7 +458,10 @@ def main(argv: list[str]) -> None:
         (Path(args.sync_dir) / f"row-{args.child}.json").write_text(json.dumps(row))
         return
     device = device_name()
-    md = Path(args.out_dir) / f"multiturn_kv_{device}{'_smoke' if args.smoke else ''}.md"
+    md = (
+        Path(args.out_dir)
+        / f"multiturn_kv_{device}{'_smoke' if args.smoke else ''}{scope_suffix(args)}.md"
+    )
     results = {
         "commit": measured_commit(["bench", "packages"]),
         "device": device,
@@ -454,7 +470,7 @@ def main(argv: list[str]) -> None:
             k: getattr(args, k)
             for k in (
                 *("trajectories", "turns", "prompt_tokens", "response_tokens"),
-                *("observation_tokens", "repeats", "seed"),
+                *("observation_tokens", "repeats", "seed", "compile_scope"),
             )
         },
         "bar": BAR,

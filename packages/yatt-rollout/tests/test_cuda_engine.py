@@ -170,6 +170,30 @@ def test_compiled_triton_decode_matches_the_eager_sdpa_path(tiny_model_dir):
     _assert_same_cuda_samples(new, old)
 
 
+def test_layer_compile_scope_matches_the_whole_step_compile_on_cuda(tiny_model_dir):
+    # compile_scope="layers" (each decoder layer compiled once, the step eager around it, still
+    # captured in CUDA graphs) against the default whole-step compile, on the same seeds: same
+    # tokens, logprobs to float32 noise. 3 + 90 tokens cross the 64-position span bucket.
+    from yatt.rollout.builtin._layer_compile import BOUND_KEYS
+
+    requests = [Request(prompt_ids=[5 + i, 6, 7][: 1 + i % 3]) for i in range(6)]
+    calls = [
+        SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=90, seed=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_new_tokens=40),
+    ]
+
+    def check_layers(engine):
+        assert engine._runner.use_cuda_graph, "layers scope fell back from CUDA graphs"
+        assert engine._runner._compiled_step is None, "the whole step was compiled too"
+        assert any(BOUND_KEYS in m.__dict__ for m in engine.model.modules())
+
+    step = _cuda_samples(tiny_model_dir, "scope-step", requests, calls)
+    layers = _cuda_samples(
+        tiny_model_dir, "scope-layers", requests, calls, check_layers, compile_scope="layers"
+    )
+    _assert_same_cuda_samples(layers, step)
+
+
 def test_compiled_prefill_matches_the_eager_prefill_on_cuda(tiny_model_dir):
     # The default CUDA prefill (compiled, its attention the opaque prefill_kv_attention op)
     # against the eager one. Prompts of 1-36 tokens through 4 slots: prefill chunks of several
