@@ -39,6 +39,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -327,20 +328,41 @@ def build_engine(shape: dict, args: argparse.Namespace, *, max_batch_size: int, 
     return BuiltinEngine(model, config=config)
 
 
+def progress(line: str) -> None:
+    """A phase and its time, as it ends: a run killed at its limit still says where it was."""
+    print(f"  {line}", flush=True)
+
+
+def error_row(exc: BaseException) -> dict:
+    """What failed, down to the first cause (an engine's failure reaches the stream as a
+    RuntimeError whose __cause__ holds the real one); the whole chain goes to stderr."""
+    traceback.print_exception(exc, file=sys.stderr)
+    causes = [exc]
+    while causes[-1].__cause__ is not None and len(causes) < 8:
+        causes.append(causes[-1].__cause__)
+    return {"error": " <- ".join(f"{type(e).__name__}: {e}" for e in causes)[:1000]}
+
+
 def measure(args: argparse.Namespace) -> dict:
     policy_shape = TINY if args.smoke else SHAPES[args.policy]
     judge_shape = TINY if args.smoke else SHAPES[args.judge]
     slots = args.oversample * args.groups * args.samples
+    start = time.perf_counter()
     policy = build_engine(policy_shape, args, max_batch_size=slots, seed=0)
     judge = build_engine(judge_shape, args, max_batch_size=slots, seed=1)
+    progress(f"engines built: {time.perf_counter() - start:.1f} s")
     vocab = policy_shape["vocab_size"]
     try:
         for mode in MODES:  # untimed: kernels loaded, CUDA graphs captured
+            start = time.perf_counter()
             RUNS[mode](policy, judge, args, vocab, f"warm-{mode}")
+            progress(f"warm-up {mode}: {time.perf_counter() - start:.1f} s")
         passes: dict[str, list[dict]] = {m: [] for m in MODES}
         for r in range(args.repeats):
             for mode in MODES:
                 passes[mode].append(RUNS[mode](policy, judge, args, vocab, f"{mode}-{r}"))
+                row = passes[mode][-1]
+                progress(f"{mode} pass {r}: {row['seconds']:.2f} s, {row['kept']} kept")
     finally:
         for engine in (policy, judge):
             engine.close()
@@ -477,8 +499,8 @@ def main(argv: list[str]) -> None:
     }
     try:
         results["row"] = measure(args)
-    except Exception as exc:  # the report says what failed
-        results["row"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+    except Exception as exc:  # the report says what failed, with its causes
+        results["row"] = error_row(exc)
     write_report(md, markdown(results), data=results)
     print(f"=== {results['row'].get('ratio', results['row'])}", flush=True)
     print(f"wrote {md}", flush=True)
