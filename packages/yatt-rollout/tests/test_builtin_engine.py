@@ -489,6 +489,33 @@ def test_layer_compile_traces_one_layer_for_every_layer(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "compile_config",
+    [
+        {"compile_decode": True, "compile_prefill": True, "compile_scope": "layers"},
+        {"compile_decode": True},
+    ],
+    ids=["layers", "step"],
+)
+def test_compiled_calls_survive_another_threads_fx_trace(
+    tiny_model_dir, eager_sdpa_samples, monkeypatch, compile_config
+):
+    """torch marks an FX trace (part of every compile) in one process-wide flag, so an engine's
+    compiled forward runs while that flag is up whenever another thread's engine compiles. Such
+    calls run eagerly: same samples, no error, and the whole-step compile is kept for later
+    calls (not dropped as a failed compile)."""
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    monkeypatch.setattr(symbolic_trace, "_is_fx_tracing_flag", True)  # the other thread's trace
+    # From dynamo's default, whatever an earlier engine of this process set.
+    with torch._dynamo.config.patch(error_on_nested_fx_trace=True):
+        engine, samples = _generate_both(tiny_model_dir, "under-trace", **compile_config)
+    _assert_same_samples(samples, eager_sdpa_samples, atol=1e-5)
+    if "compile_scope" not in compile_config:
+        assert engine._runner._compiled_step is not None, "the compiled step was dropped"
+    engine.close()
+
+
+@pytest.mark.parametrize(
     ("overrides", "message"),
     [
         ({"compile_scope": "graph"}, "compile_scope='graph'"),

@@ -81,6 +81,17 @@ MIN_BATCH_BUCKET = 8
 _RECOMPILE_LIMIT = 64
 
 
+def allow_compiled_calls_during_fx_traces() -> None:
+    """Compiling FX-traces under a flag torch keeps per process, not per thread, and while it
+    is set dynamo raises in every compiled call of any other thread ("Detected that you are
+    using FX to symbolically trace a dynamo-optimized function"): a rollout engine's forward
+    failed while a judge engine compiled in another thread (session 26, compile_scope
+    "layers"), and a whole-step compile fell back to eager for good. With the error off, such
+    a call runs its function eagerly (the same result) and the next call uses the graph.
+    Process-wide (dynamo's settings are), set once by the first engine that compiles."""
+    torch._dynamo.config.error_on_nested_fx_trace = False
+
+
 def span_buckets(max_seq_len: int) -> list[int]:
     """Attention spans with one decode graph each: powers of two from MIN_SPAN, then L."""
     spans = []
@@ -228,6 +239,8 @@ class SlotRunner:
         # kwarg everywhere (dynamo does not trace the ContextVar of writing_kv), and every
         # forward may compile (device synchronisations: inside may_sync).
         self._compile_layers = compile_scope == "layers" and (compile_decode or compile_prefill)
+        if compile_decode or compile_prefill:
+            allow_compiled_calls_during_fx_traces()
         if self._compile_layers:
             compile_decoder_layers(model)
             bind_layer_caches(model, cache)
