@@ -23,7 +23,7 @@ JUDGE_SCRIPT = SCRIPT.parent / "multiturn_judge.py"
 
 def test_smoke_run_keeps_sessions_only_in_kept_mode(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, str(SCRIPT), "--smoke", "--out-dir", str(tmp_path)]
+    cmd = [sys.executable, str(SCRIPT), "--smoke", "--profile", "--out-dir", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     results = json.loads((tmp_path / "multiturn_kv_cpu_smoke.json").read_text())
@@ -40,8 +40,13 @@ def test_smoke_run_keeps_sessions_only_in_kept_mode(tmp_path):
         # the round's time is the sum of its turns' generate calls
         rnd = row["rounds"][mode][0]
         assert rnd["seconds"] == pytest.approx(sum(rnd["turn_s"]))
+    # --profile: each mode's last turn once more, one token sampled, its forward profiled
+    for mode in multiturn_kv.MODES:
+        last = row["last_forward"][mode]
+        assert last["seconds"] > 0 and last["wall_ms"] > 0
     text = (tmp_path / "multiturn_kv_cpu_smoke.md").read_text()
     assert "SMOKE" in text and "commit:" in text and "| tiny |" in text
+    assert "| tiny | kept |" in text and "| tiny | prefill |" in text
 
 
 def test_context_holds_the_last_turn():

@@ -141,10 +141,17 @@ def _sync() -> None:
 
 
 def rollout(
-    engine, args: argparse.Namespace, vocab: int, mode: str, round_index: int, turns: int = 0
+    engine,
+    args: argparse.Namespace,
+    vocab: int,
+    mode: str,
+    round_index: int,
+    turns: int = 0,
+    profile_last: bool = False,
 ) -> dict:
     """One round of every trajectory through `turns` turns (0: --turns): per-turn seconds and
-    checks."""
+    checks. profile_last: the last turn samples one token (its time is the prefill, or the
+    continuation, alone) under torch.profiler (its kernels by kind in "profile")."""
     from yatt.rollout import Request, SamplingParams
 
     histories = first_prompts(args, vocab)
@@ -156,20 +163,24 @@ def rollout(
             Request(prompt_ids=h, session_id=s if mode == "kept" else None)
             for h, s in zip(histories, sessions, strict=True)
         ]
+        is_profiled = profile_last and turn == turns - 1
         sampling = SamplingParams(
             temperature=1.0,
-            max_new_tokens=args.response_tokens,
+            max_new_tokens=1 if is_profiled else args.response_tokens,
             ignore_eos=True,
             seed=args.seed + turn,
         )
         _sync()
         t0 = time.perf_counter()
-        completions = engine.generate(requests, sampling)
+        if is_profiled:
+            profile, completions = profiled(lambda r=requests, s=sampling: engine.generate(r, s))
+        else:
+            completions = engine.generate(requests, sampling)
         _sync()
         turn_s.append(time.perf_counter() - t0)
         kept.append(getattr(engine, "num_kept_sessions", 0))  # vLLM: its prefix cache
         by_index = sorted(completions, key=lambda c: c.request_index)
-        bad_lengths += sum(len(c.response_ids) != args.response_tokens for c in by_index)
+        bad_lengths += sum(len(c.response_ids) != sampling.max_new_tokens for c in by_index)
         if turn + 1 < turns:
             obs = observations(args, vocab, turn)
             histories = [
@@ -178,11 +189,39 @@ def rollout(
     if mode == "kept":
         engine.release_sessions(sessions)
     return {
+        **({"profile": profile} if profile_last else {}),
         "seconds": sum(turn_s),
         "turn_s": turn_s,
         "kept_sessions_after_turn": kept,
         "bad_lengths": bad_lengths,
     }
+
+
+def profiled(call) -> tuple[dict, object]:
+    """call() under torch.profiler: its wall and kernel milliseconds, the kernels by kind
+    (_decode_profile.KERNEL_GROUPS) and the top kernels; the difference between wall and
+    kernel time is time the GPU waited for the host."""
+    from _decode_profile import _kernel_table
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    _sync()
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        out = call()
+        _sync()
+    wall_ms = (time.perf_counter() - start) * 1e3
+    table = _kernel_table(prof, num_steps=1)
+    summary = {
+        "wall_ms": round(wall_ms, 2),
+        "kernel_ms": round(table["kernel_ms_per_step"], 2),
+        "kernels": table["kernels_per_step"],
+        "kernel_ms_by_group": table["ms_per_step_by_group"],
+        "top_kernels": table["top_kernels"],
+    }
+    return summary, out
 
 
 def measure_shape(name: str, args: argparse.Namespace) -> dict:
@@ -215,6 +254,12 @@ def measure_shape(name: str, args: argparse.Namespace) -> dict:
                 for mode in MODES:
                     rounds[mode].append(rollout(engine, args, vocab, mode, round_index=r))
             phase("timed rounds")
+            if args.profile:  # the last turn's forward alone, each mode, profiled
+                profiles = {
+                    mode: rollout(engine, args, vocab, mode, round_index=100, profile_last=True)
+                    for mode in MODES
+                }
+                phase("profiled rounds")
     finally:
         engine.close()
         del engine
@@ -236,6 +281,15 @@ def measure_shape(name: str, args: argparse.Namespace) -> dict:
         "bad_lengths": sum(x["bad_lengths"] for m in MODES for x in rounds[m]),
         "setup_s": setup_s,
         "rounds": rounds,
+        **(
+            {
+                "last_forward": {
+                    m: {"seconds": p["turn_s"][-1], **p["profile"]} for m, p in profiles.items()
+                }
+            }
+            if args.profile
+            else {}
+        ),
     }
 
 
@@ -354,6 +408,24 @@ def markdown(results: dict) -> str:
             + " / ".join(f"{k} {v:.1f}" for k, v in row.get("setup_s", {}).items())
             + " |"
         )
+    profiled_rows = [row for row in results["shapes"].values() if "last_forward" in row]
+    if profiled_rows:
+        lines += [
+            "",
+            "The last turn's forward alone (--profile: one more round per mode whose last turn "
+            "samples one token; its tokens prefilled whole, or continued from the kept KV), "
+            "under torch.profiler: wall, kernel time and kernels by kind, ms:",
+            "",
+            "| shape | mode | wall | kernels | GPU waiting for the host | by kind |",
+            "|---|---|---:|---:|---:|---|",
+        ]
+        for row in profiled_rows:
+            for mode, p in row["last_forward"].items():
+                groups = ", ".join(f"{g} {v:.1f}" for g, v in p["kernel_ms_by_group"].items())
+                lines.append(
+                    f"| {row['shape']} | {mode} | {p['wall_ms']:.1f} | {p['kernel_ms']:.1f} | "
+                    f"{p['wall_ms'] - p['kernel_ms']:.1f} | {groups} |"
+                )
     vllm_rows = [row for row in results["shapes"].values() if "vllm" in row]
     if vllm_rows:
         lines += [
@@ -413,6 +485,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="step",
         help="the built-in engines' EngineConfig.compile_scope ('layers': each decoder layer "
         "compiled once; the report is named _clayers)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="after the timed rounds, one more round per mode whose last turn samples one "
+        "token, under torch.profiler: the continuation's forward against the prefill's",
     )
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument(
