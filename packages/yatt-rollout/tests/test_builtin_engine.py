@@ -411,6 +411,10 @@ def test_fast_decode_is_off_on_cpu_by_default():
 def _generate_both(tiny_model_dir, prefix, **overrides):
     config = EngineConfig(max_batch_size=3, max_seq_len=128, region_prefix=prefix, **overrides)
     engine = BuiltinEngine(tiny_model_dir, config=config)
+    return engine, _generate_calls(engine)
+
+
+def _generate_calls(engine):
     # 2-5 prompt tokens + 70 new ones cross the 64-position span bucket mid-run.
     sampled = engine.generate(
         _requests(PROMPTS[:4]),
@@ -419,7 +423,7 @@ def _generate_both(tiny_model_dir, prefix, **overrides):
     greedy = engine.generate(
         _requests(PROMPTS[:4]), SamplingParams(temperature=0, max_new_tokens=9)
     )
-    return engine, sampled + greedy
+    return sampled + greedy
 
 
 def _assert_same_samples(got, expected, atol):
@@ -502,13 +506,22 @@ def test_compiled_calls_survive_another_threads_fx_trace(
     """torch marks an FX trace (part of every compile) in one process-wide flag, so an engine's
     compiled forward runs while that flag is up whenever another thread's engine compiles. Such
     calls run eagerly: same samples, no error, and the whole-step compile is kept for later
-    calls (not dropped as a failed compile)."""
+    calls (not dropped as a failed compile). The engine is built in this thread and driven from
+    another: dynamo's settings are per thread in recent torch, so a setting made where the
+    engine was built does not reach the thread that generates."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch.fx._symbolic_trace as symbolic_trace
 
     monkeypatch.setattr(symbolic_trace, "_is_fx_tracing_flag", True)  # the other thread's trace
+    config = EngineConfig(
+        max_batch_size=3, max_seq_len=128, region_prefix="under-trace", **compile_config
+    )
     # From dynamo's default, whatever an earlier engine of this process set.
     with torch._dynamo.config.patch(error_on_nested_fx_trace=True):
-        engine, samples = _generate_both(tiny_model_dir, "under-trace", **compile_config)
+        engine = BuiltinEngine(tiny_model_dir, config=config)
+    with ThreadPoolExecutor(1) as pool:  # a fresh thread: dynamo's defaults
+        samples = pool.submit(_generate_calls, engine).result()
     _assert_same_samples(samples, eager_sdpa_samples, atol=1e-5)
     if "compile_scope" not in compile_config:
         assert engine._runner._compiled_step is not None, "the compiled step was dropped"

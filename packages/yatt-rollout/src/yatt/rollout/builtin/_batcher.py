@@ -88,7 +88,9 @@ def allow_compiled_calls_during_fx_traces() -> None:
     failed while a judge engine compiled in another thread (session 26, compile_scope
     "layers"), and a whole-step compile fell back to eager for good. With the error off, such
     a call runs its function eagerly (the same result) and the next call uses the graph.
-    Process-wide (dynamo's settings are), set once by the first engine that compiles."""
+    Set here for torch versions whose dynamo settings are process-wide (a per-call patch that
+    restores another thread's value would race), and patched around every compiled call for
+    those that keep them per thread (SlotRunner._compile_patch)."""
     torch._dynamo.config.error_on_nested_fx_trace = False
 
 
@@ -249,7 +251,13 @@ class SlotRunner:
         # Dynamo's settings around each compiled call. With lora_mode="beside" the adapter's
         # forward hooks appear at its first sync, after a first compile: dynamo skips guards on
         # module hooks by default, and would replay the graph compiled without them.
-        self._compile_patch = {"recompile_limit": _RECOMPILE_LIMIT}
+        # error_on_nested_fx_trace: see allow_compiled_calls_during_fx_traces (per call too:
+        # recent torch keeps dynamo's settings per thread, and the engine is driven from
+        # whichever thread calls it).
+        self._compile_patch = {
+            "recompile_limit": _RECOMPILE_LIMIT,
+            "error_on_nested_fx_trace": False,
+        }
         if low_rank is not None:
             self._compile_patch["skip_nnmodule_hook_guards"] = False
         # One compiled function per runner; dynamo's cache (per code object) is shared, so a
