@@ -175,6 +175,31 @@ def test_compiled_chunks_give_the_eager_numbers_and_gradients(
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=name)
 
 
+def test_compiled_chunks_run_while_another_thread_compiles(fresh_compile, monkeypatch):
+    """torch's FX-tracing flag is process-wide: up while any thread compiles (an engine's first
+    call beside the trainer). A compiled chunk called meanwhile, from another thread, gives the
+    eager numbers instead of raising."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 50)
+    hidden_BTH = torch.randn(2, 9, 16, generator=gen)
+    ids = torch.randint(0, 50, (2, 9), generator=gen)
+    weights = torch.linspace(-1, 1, 2 * 9 * 2).view(2, 9, 2)
+    kwargs = dict(temperature=1.0, needs_entropy=True)
+    eager = _head_outputs(head, hidden_BTH, ids, weights, **kwargs)
+    monkeypatch.setattr(symbolic_trace, "_is_fx_tracing_flag", True)  # the other thread's trace
+    with ThreadPoolExecutor(1) as pool:  # a fresh thread: dynamo's default settings
+        compiled = pool.submit(
+            _head_outputs, head, hidden_BTH, ids, weights, should_compile=True, **kwargs
+        ).result()
+    names = ("logprobs", "no-grad logprobs", "hidden grad", "weight grad", "bias grad")
+    for name, got, expected in zip(names, compiled, eager, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0, msg=name)
+
+
 def test_compile_failures_name_the_config_field(fresh_compile, monkeypatch):
     def failing_backend(graph, example_inputs):
         raise RuntimeError("no C++ compiler")

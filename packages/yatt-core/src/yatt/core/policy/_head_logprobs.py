@@ -107,7 +107,13 @@ def _raising_compile_errors(compiled: Callable[..., torch.Tensor]) -> Callable[.
 
     def call(*args: Any) -> torch.Tensor:
         try:
-            return compiled(*args)
+            # While another thread compiles (an engine's first calls beside the trainer, as in
+            # off-policy steps), torch's process-wide FX-tracing flag is up and dynamo would
+            # raise here ("FX to symbolically trace a dynamo-optimized function"); with the
+            # error off this call runs eagerly (the same numbers). Patched per call: dynamo's
+            # settings are per thread in recent torch.
+            with torch._dynamo.config.patch(error_on_nested_fx_trace=False):
+                return compiled(*args)
         except (TorchDynamoException, InductorError) as err:
             raise RuntimeError(_compile_failed(err)) from err
 
