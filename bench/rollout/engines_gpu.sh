@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # vLLM and SGLang on the device machine, one step per argument:
 #   bash bench/rollout/engines_gpu.sh unpack probe vllm_tests sglang_tests bench
+#   PIECES_WAIT=vllm:3 bash bench/rollout/engines_gpu.sh wait_pieces unpack vllm_tests  # detached
 #
 # The machine has no registry, so each engine's site-packages (its wheels installed here with
 # `pip install --target`, cp312, minus what the machine already has) arrive as xz pieces in
@@ -47,9 +48,27 @@ probe() {  # what each engine imports, and which of its requirements the machine
     --modules sglang,sglang.srt.entrypoints.engine,sgl_kernel
 }
 
+wait_pieces() {  # until every piece of PIECES_WAIT ("vllm:3") is in /root/wheels, or the limit
+  # A detached job (gpu_checks/background.sh) whose later device calls each bring one piece:
+  # each call copies its piece to a temporary name and renames it (a rename is atomic), so a
+  # piece seen here is whole.
+  local spec=${PIECES_WAIT:-vllm:3} limit=${PIECES_WAIT_S:-900} start=$SECONDS
+  local name=${spec%%:*} count=${spec##*:}
+  [ "$name" = sglang ] && name=sgl
+  until [ "$(ls /root/wheels/${name}_site.tar.xz.part-* 2>/dev/null | wc -l)" -ge "$count" ]; do
+    if [ $((SECONDS - start)) -ge "$limit" ]; then
+      echo "wait_pieces: $(ls /root/wheels/${name}_site.tar.xz.part-* 2>/dev/null | wc -l) of $count ${name} pieces after ${limit}s"
+      return 1
+    fi
+    sleep 5
+  done
+  echo "wait_pieces: $count ${name} pieces after $((SECONDS - start))s"
+}
+
 for step in "$@"; do
   case $step in
     unpack) unpack ;;
+    wait_pieces) wait_pieces || exit 1 ;;
     probe) probe 2>&1 | tee "$OUT/probe.log" | grep -v "^$" ;;
     vllm_tests)
       run_step vllm_tests env YATT_ENGINE=vllm PYTHONPATH="/root/site_vllm:$PYTHONPATH" \
