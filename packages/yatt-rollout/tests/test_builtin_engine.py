@@ -483,6 +483,9 @@ def test_layer_compile_traces_one_layer_for_every_layer(tmp_path):
         model_dir, "layers", compile_decode=True, compile_prefill=True, compile_scope="layers"
     )
     _assert_same_samples(got, want, atol=1e-5)
+    # The decode step's two ends (state in; sampling and state out) compiled too, not fallen
+    # back to eager; they add graphs per sampling mode, not per layer.
+    assert engine._runner._compiled_decode_ends is not None
     assert 1 <= counters["stats"]["unique_graphs"] < num_layers, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     model = engine.model

@@ -185,6 +185,7 @@ def test_layer_compile_scope_matches_the_whole_step_compile_on_cuda(tiny_model_d
     def check_layers(engine):
         assert engine._runner.use_cuda_graph, "layers scope fell back from CUDA graphs"
         assert engine._runner._compiled_step is None, "the whole step was compiled too"
+        assert engine._runner._compiled_decode_ends is not None, "sampling fell back to eager"
         assert any(BOUND_KEYS in m.__dict__ for m in engine.model.modules())
 
     step = _cuda_samples(tiny_model_dir, "scope-step", requests, calls)

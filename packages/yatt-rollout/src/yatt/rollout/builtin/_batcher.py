@@ -243,6 +243,7 @@ class SlotRunner:
         self._compile_layers = compile_scope == "layers" and (compile_decode or compile_prefill)
         if compile_decode or compile_prefill:
             allow_compiled_calls_during_fx_traces()
+        should_compile_decode_ends = self._compile_layers and compile_decode
         if self._compile_layers:
             compile_decoder_layers(model)
             bind_layer_caches(model, cache)
@@ -269,6 +270,18 @@ class SlotRunner:
         # compiled dynamic, so a few specialisations (a size of 1, say) serve them all.
         self._compiled_prefill = (
             torch.compile(self._prefill_logits, dynamic=True) if compile_prefill else None
+        )
+        # compile_scope="layers": the decode step's two ends (the rows' state in; sampling and
+        # the state out) compiled on their own, whatever the depth. Eager, sampling's passes
+        # over the vocabulary made a 0.5B decode step 1.19x the whole-step compile's on an H200
+        # (bench/results/compile_time_nvidia_h200.md, session 26).
+        self._compiled_decode_ends = (
+            (
+                torch.compile(self._decode_inputs, dynamic=False),
+                torch.compile(self._decode_outputs, dynamic=False),
+            )
+            if should_compile_decode_ends
+            else None
         )
 
     # -- device steps -------------------------------------------------------------------------
@@ -324,6 +337,27 @@ class SlotRunner:
                 # step eagerly, and stay eager from now on.
                 _log_compile_fallback("the decode step", "decoding", "compile_decode", exc)
                 self._compiled_step = None
+        if self._compiled_decode_ends is not None:
+            compiled_inputs, compiled_outputs = self._compiled_decode_ends
+            torch._dynamo.mark_dynamic(arange_P, 0)
+            torch._dynamo.maybe_mark_dynamic(slot_B, 0)
+            try:
+                with may_sync(), torch._dynamo.config.patch(**self._compile_patch):
+                    inputs = compiled_inputs(arange_P, slot_B)
+                    logits_BV = self._decode_forward(arange_P, slot_B, *inputs)
+                    for tensor in (logits_BV, *inputs[:3]):
+                        torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                    compiled_outputs(logits_BV, slot_B, *inputs[:3], *flags.as_key())
+                return
+            except Exception as exc:
+                if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    raise
+                # The rows' state is written last, by the outputs' graph, and a forward writes
+                # the same KV again: redo the step eagerly, and stay eager from now on.
+                _log_compile_fallback(
+                    "the decode step's inputs and sampling", "decoding", "compile_decode", exc
+                )
+                self._compiled_decode_ends = None
         self._decode_step_body(arange_P, slot_B, *flags.as_key())
 
     def _decode_step_body(
@@ -336,9 +370,15 @@ class SlotRunner:
     ):
         """The decode step of the slots slot_B (distinct) over the cache positions arange_P =
         [0, span) (what gets compiled): gather their state, decode, scatter it back."""
-        L = self.cache.max_seq_len
         if self.low_rank is not None:  # the rows' adapter gate: a graph input, no host branch
             self.low_rank.set_rows(self.adapter_on_S.index_select(0, slot_B))
+        inputs = self._decode_inputs(arange_P, slot_B)
+        logits_BV = self._decode_forward(arange_P, slot_B, *inputs)
+        self._decode_outputs(logits_BV, slot_B, *inputs[:3], is_greedy, is_truncated, is_penalized)
+
+    def _decode_inputs(self, arange_P: torch.Tensor, slot_B: torch.Tensor):
+        """The rows' state for a decode step: (pos_B, gen_len_B, active_B, input ids [B, 1],
+        the additive mask [B, 1, 1, span], positions [B, 1])."""
         pos_B = self.pos_S.index_select(0, slot_B)
         gen_len_B = self.gen_len_S.index_select(0, slot_B)
         active_B = self.active_S.index_select(0, slot_B)
@@ -346,6 +386,20 @@ class SlotRunner:
         # Additive, in the activations' dtype: what SDPA's fused kernels take without a
         # conversion per layer. Position 0 is always visible, so no softmax row is empty.
         mask = torch.where(visible_BP, 0.0, float("-inf")).to(self.cache.keys[0].dtype)
+        return (
+            pos_B,
+            gen_len_B,
+            active_B,
+            self.input_tok_S.index_select(0, slot_B)[:, None],
+            mask[:, None, None, :],
+            # The cache position, shifted by a vision prompt's mrope offset (0 for text).
+            (pos_B + self.rope_delta_S.index_select(0, slot_B))[:, None],
+        )
+
+    def _decode_forward(
+        self, arange_P, slot_B, pos_B, gen_len_B, active_B, ids_B1, mask_B11P, positions_B1
+    ) -> torch.Tensor:
+        """The model's last logits [B, V] for a decode step, each row writing its token's KV."""
         write = DecodeWrite(
             cache=self.cache,
             pos_B=pos_B,
@@ -353,16 +407,25 @@ class SlotRunner:
             span=arange_P.shape[0],
             attention=self.decode_attention,
         )
-        logits_BV = self._forward_last_logits(
-            self.input_tok_S.index_select(0, slot_B)[:, None],
-            mask[:, None, None, :],
-            # The cache position, shifted by a vision prompt's mrope offset (0 for text).
-            (pos_B + self.rope_delta_S.index_select(0, slot_B))[:, None],
-            write,
-            # Compiled: the write travels as a forward kwarg (dynamo does not trace the
-            # ContextVar of writing_kv); eager keeps the ContextVar, as before.
-            as_kwarg=self._compile_decode,
+        # Compiled: the write travels as a forward kwarg (dynamo does not trace the ContextVar
+        # of writing_kv); eager keeps the ContextVar, as before.
+        return self._forward_last_logits(
+            ids_B1, mask_B11P, positions_B1, write, as_kwarg=self._compile_decode
         )
+
+    def _decode_outputs(
+        self,
+        logits_BV: torch.Tensor,
+        slot_B: torch.Tensor,
+        pos_B: torch.Tensor,
+        gen_len_B: torch.Tensor,
+        active_B: torch.Tensor,
+        is_greedy: bool,
+        is_truncated: bool,
+        is_penalized: bool,
+    ) -> None:
+        """Sample each row's token from its logits and scatter the rows' new state back."""
+        L = self.cache.max_seq_len
         # Per row: its own slot's sampling state; the draw hashes (key, counter), so a sample's
         # tokens do not depend on its row, its bucket or its slot.
         seen_BV = None
