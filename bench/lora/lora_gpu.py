@@ -57,6 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "step"))
 import _step_setup as setup  # bench/step's helpers: shapes, models, judge
+from compile_scope import add_compile_scope_argument
 from measured_commit import measured_commit
 from report import write_report
 
@@ -428,12 +429,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant")
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
-    p.add_argument(
-        "--compile-scope",
-        choices=("step", "layers"),
-        default="step",
-        help="the engines' EngineConfig.compile_scope, the same for every variant",
-    )
+    add_compile_scope_argument(p, named="the same for every variant")
     p.add_argument("--prompts", type=int, default=16, help="GRPO groups of 8 per step")
     p.add_argument("--out-dir", default="/tmp/yatt-lora-out")
     p.add_argument("--model-root", default="/tmp", help="saved random-weight models")

@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 from _engine_shapes import SHAPES
+from compile_scope import add_compile_scope_argument, scope_mark
 from device_label import device_name
 from measured_commit import measured_commit
 from report import write_report
@@ -415,11 +416,6 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def scope_suffix(args: argparse.Namespace) -> str:
-    """Runs under a non-default engine compile scope get their own report."""
-    return "" if args.compile_scope == "step" else f"_c{args.compile_scope}"
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--policy", choices=tuple(SHAPES), default="0.5b", help="policy shape")
@@ -435,13 +431,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tool-s", type=float, default=0.05, help="a tool call's own time")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per mode")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--compile-scope",
-        choices=("step", "layers"),
-        default="step",
-        help="the built-in engines' EngineConfig.compile_scope ('layers': each decoder layer "
-        "compiled once; the report is named _clayers)",
-    )
+    add_compile_scope_argument(p, named="the report is named _clayers")
     p.add_argument("--out-dir", default="bench/results")
     args = p.parse_args(argv)
     if args.tool_s < 0:
@@ -475,7 +465,7 @@ def main(argv: list[str]) -> None:
     device = device_name()
     md = (
         Path(args.out_dir)
-        / f"multiturn_judge_{device}{'_smoke' if args.smoke else ''}{scope_suffix(args)}.md"
+        / f"multiturn_judge_{device}{'_smoke' if args.smoke else ''}{scope_mark(args.compile_scope)}.md"
     )
     keys = (
         *("policy", "judge", "groups", "samples", "oversample", "prompt_tokens"),

@@ -49,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 from _engine_shapes import SHAPES
+from compile_scope import add_compile_scope_argument, scope_mark
 from device_label import device_name
 from measured_commit import measured_commit
 from report import write_report
@@ -457,11 +458,6 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-def scope_suffix(args: argparse.Namespace) -> str:
-    """Runs under a non-default engine compile scope get their own report."""
-    return "" if args.compile_scope == "step" else f"_c{args.compile_scope}"
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", choices=tuple(SHAPES), default=["0.5b", "1.5b"])
@@ -479,13 +475,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="also the same requests through yatt's VLLMEngine (prefix caching): issue 44's "
         "third bar, yatt kept / vLLM <= 1.0 (vLLM's site on the path)",
     )
-    p.add_argument(
-        "--compile-scope",
-        choices=("step", "layers"),
-        default="step",
-        help="the built-in engines' EngineConfig.compile_scope ('layers': each decoder layer "
-        "compiled once; the report is named _clayers)",
-    )
+    add_compile_scope_argument(p, named="the report is named _clayers")
     p.add_argument(
         "--profile",
         action="store_true",
@@ -538,7 +528,7 @@ def main(argv: list[str]) -> None:
     device = device_name()
     md = (
         Path(args.out_dir)
-        / f"multiturn_kv_{device}{'_smoke' if args.smoke else ''}{scope_suffix(args)}.md"
+        / f"multiturn_kv_{device}{'_smoke' if args.smoke else ''}{scope_mark(args.compile_scope)}.md"
     )
     results = {
         "commit": measured_commit(["bench", "packages"]),

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+from compile_scope import SCOPES, scope_mark
 from device_label import device_name  # noqa: F401  (setup.device_name for bench/lora)
 
 # Qwen2.5-0.5B's and -1.5B's shapes (random weights; --shape, --judge-shape); --tiny: a 2-layer
@@ -386,7 +387,7 @@ def make_rollout_engine(
             region_prefix="rollout",
             keep_graphs_asleep=args.keep_graphs,
             stream_priority=-1,  # beside the judge (partial), the rollout's tail goes first
-            compile_scope=getattr(args, "compile_scope", "step"),
+            compile_scope=getattr(args, "compile_scope", SCOPES[0]),
         ),
         # One rollout phase per step, after the weight sync that follows each wake of its
         # weights: no pinned host copy of them (15 GB at 7B) is needed. The seed mix's sampling
@@ -444,8 +445,7 @@ def variant_key(layout: str, args: Any, num_ranks: int = 1) -> str:
     window = getattr(args, "judge_batch_window_ms", None)
     if window is not None and layout in ("full", "partial"):
         key += f"-jw{window:g}"
-    if getattr(args, "compile_scope", "step") != "step":
-        key += f"-c{args.compile_scope}"
+    key += scope_mark(getattr(args, "compile_scope", SCOPES[0]), separator="-")
     return key
 
 

@@ -87,6 +87,7 @@ import _step_profile
 import _step_report
 import _step_sampling
 import _step_setup as setup
+from compile_scope import add_compile_scope_argument  # bench/_common, on the path by _step_setup
 
 logger = logging.getLogger("bench.step")
 
@@ -104,13 +105,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "time, into new pinned host memory, which made the first timed step an outlier)",
     )
     p.add_argument("--tiny", action="store_true", help="2-layer model (CPU smoke runs)")
-    p.add_argument(
-        "--compile-scope",
-        choices=("step", "layers"),
-        default="step",
-        help="the built-in engines' EngineConfig.compile_scope ('layers': each decoder layer "
-        "compiled once; the run is named -clayers)",
-    )
+    add_compile_scope_argument(p, named="the run is named -clayers")
     p.add_argument(
         "--judge-tokens",
         type=int,
