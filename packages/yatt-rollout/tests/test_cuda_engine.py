@@ -148,15 +148,22 @@ def _assert_same_cuda_samples(new, old):
         )
 
 
-def test_compiled_triton_decode_matches_the_eager_sdpa_path(tiny_model_dir):
-    # The default CUDA path (compiled step, Triton decode attention) against the path before
-    # it (eager step, SDPA) on the same seeds: same tokens, logprobs equal to float32 noise.
-    # 3 + 90 tokens cross the 64-position span bucket (the compiled step is span-dynamic).
+def _span_crossing_calls():
+    """Six prompts of 1-3 tokens; a sampled call (top-p, 2 samples each) whose 3 + 90 tokens
+    cross the 64-position span bucket, then a greedy one."""
     requests = [Request(prompt_ids=[5 + i, 6, 7][: 1 + i % 3]) for i in range(6)]
     calls = [
         SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=90, seed=3, ignore_eos=True),
         SamplingParams(temperature=0.0, max_new_tokens=40),
     ]
+    return requests, calls
+
+
+def test_compiled_triton_decode_matches_the_eager_sdpa_path(tiny_model_dir):
+    # The default CUDA path (compiled step, Triton decode attention) against the path before
+    # it (eager step, SDPA) on the same seeds: same tokens, logprobs equal to float32 noise.
+    # 3 + 90 tokens cross the 64-position span bucket (the compiled step is span-dynamic).
+    requests, calls = _span_crossing_calls()
 
     def check_new(engine):
         config = engine.config
@@ -176,11 +183,7 @@ def test_layer_compile_scope_matches_the_whole_step_compile_on_cuda(tiny_model_d
     # tokens, logprobs to float32 noise. 3 + 90 tokens cross the 64-position span bucket.
     from yatt.rollout.builtin._layer_compile import BOUND_KEYS
 
-    requests = [Request(prompt_ids=[5 + i, 6, 7][: 1 + i % 3]) for i in range(6)]
-    calls = [
-        SamplingParams(n=2, temperature=0.8, top_p=0.9, max_new_tokens=90, seed=3, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_new_tokens=40),
-    ]
+    requests, calls = _span_crossing_calls()
 
     def check_layers(engine):
         assert engine._runner.use_cuda_graph, "layers scope fell back from CUDA graphs"
