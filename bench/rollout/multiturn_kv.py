@@ -93,6 +93,7 @@ def build_engine(shape: dict, args: argparse.Namespace):
         # Every trajectory decodes the same forced length, so only the full batch ever runs:
         # one CUDA graph per span instead of four (setup time, the same in both modes).
         decode_batch_buckets=(),
+        **({"max_prefill_tokens": args.max_prefill_tokens} if args.max_prefill_tokens else {}),
     )
     return BuiltinEngine(model, config=config)
 
@@ -389,6 +390,8 @@ def markdown(results: dict) -> str:
         f"{w['trajectories']} trajectories x {w['turns']} turns, prompt {w['prompt_tokens']}, "
         f"{w['response_tokens']} forced response tokens and {w['observation_tokens']}-token "
         f"observations per turn; median of {w['repeats']} rounds per mode"
+        + f"; compile_scope {w.get('compile_scope', 'step')}"
+        + (f"; max_prefill_tokens {w['max_prefill_tokens']}" if w.get("max_prefill_tokens") else "")
         + (" · SMOKE (tiny shape, CPU): not a measurement" if results["smoke"] else ""),
         "",
         "| shape | prefill each turn s | KV kept s | kept / prefill | bar | per turn, prefill | "
@@ -477,6 +480,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     add_compile_scope_argument(p, named="the report is named _clayers")
     p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=None,
+        help="EngineConfig.max_prefill_tokens, both modes (default: the engine's): padded tokens "
+        "per prefill or continuation forward",
+    )
+    p.add_argument(
         "--profile",
         action="store_true",
         help="after the timed rounds, one more round per mode whose last turn samples one "
@@ -538,7 +548,7 @@ def main(argv: list[str]) -> None:
             k: getattr(args, k)
             for k in (
                 *("trajectories", "turns", "prompt_tokens", "response_tokens"),
-                *("observation_tokens", "repeats", "seed", "compile_scope"),
+                *("observation_tokens", "repeats", "seed", "compile_scope", "max_prefill_tokens"),
             )
         },
         "bar": BAR,
