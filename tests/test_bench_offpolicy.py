@@ -148,3 +148,25 @@ def test_shaping_writes_the_two_channels_and_keeps_layers_off_them():
     with pytest.raises(ValueError, match=r"lm_head\.weight"):
         longtail.shape_state(state | {"lm_head.weight": torch.zeros(1)}, eos_id=eos,
                              num_tokenizer_ids=11, shaping=shaping)  # fmt: skip
+
+
+def test_the_gpu_run_writes_the_embedded_prompts_without_building_the_task(tmp_path, monkeypatch):
+    """On a GPU the runs train on the embedded task's prompts: written directly (the task's
+    build would fit its tiny models on the CPU first). Rows are training-split additions of
+    two digits 0-4: "a+b=" with answer a + b, never a == b (the held-out eval pairs)."""
+    import _step_setup
+
+    monkeypatch.setattr(
+        _step_setup, "make_models", lambda root, **_: (root / "policy", root / "judge")
+    )
+    args = offpolicy_gpu.parse_args(["--out-dir", str(tmp_path), "--length-mix", "cap"])
+    overrides = dict(o.split("=", 1) for o in offpolicy_gpu.prepare(args))
+    assert not (tmp_path / "work" / "build").exists()  # no trainer build ran
+    rows = [json.loads(line) for line in Path(overrides["data.path"]).read_text().splitlines()]
+    assert len(rows) == 2048
+    for row in rows:
+        a, b = int(row["prompt"][0]), int(row["prompt"][2])
+        assert row["prompt"] == f"{a}+{b}=" and row["answer"] == str(a + b)
+        assert 0 <= a <= 4 and 0 <= b <= 4 and a != b
+    assert len({r["prompt"] for r in rows}) == 20  # every training pair appears
+    assert overrides["policy.model_dir"].endswith("policy")

@@ -93,23 +93,30 @@ class BusySampler:
 def prepare(args: argparse.Namespace) -> list[str]:
     """The runs' model and data overrides: the embedded task (--smoke) or random 0.5B/1.5B."""
     work = Path(args.out_dir) / "work"
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    subprocess.run(
-        [sys.executable, str(TRAINER), f"out_dir={work / 'build'}", "num_steps=0"],
-        check=True,
-        env=env,
-        stdout=subprocess.DEVNULL,
-    )  # builds the embedded task (its prompts are the data either way), in out_dir/embedded
-    embedded = work / "build" / "embedded"
-    task = {"policy": embedded / "policy", "prompts": embedded / "prompts.jsonl"}
-    task["judge"] = embedded / "judge"
     if args.smoke:
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        subprocess.run(
+            [sys.executable, str(TRAINER), f"out_dir={work / 'build'}", "num_steps=0"],
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )  # builds the embedded task (its fitted models and prompts), in out_dir/embedded
+        embedded = work / "build" / "embedded"
         return [
             "task=text",
-            f"policy.model_dir={task['policy']}",
-            f"data.path={task['prompts']}",
-            f"reward.judge_dir={task['judge']}",
+            f"policy.model_dir={embedded / 'policy'}",
+            f"data.path={embedded / 'prompts.jsonl'}",
+            f"reward.judge_dir={embedded / 'judge'}",
         ]
+    # The embedded task's prompts alone (its rows, as its build writes them): building the
+    # whole task fits its tiny models on the CPU, a minute of device time for nothing here.
+    sys.path.insert(0, str(ROOT / "examples"))
+    from tasks.tiny_task import addition_rows, write_rows
+
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = work / "prompts.jsonl"
+    write_rows(prompts, addition_rows(2048, seed=0))
+    task = {"prompts": prompts}
     import _step_setup as setup
 
     policy_dir, judge_dir = setup.make_models(work / "models", tiny=False, shapes=("0.5b", "1.5b"))
