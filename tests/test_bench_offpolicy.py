@@ -150,10 +150,10 @@ def test_shaping_writes_the_two_channels_and_keeps_layers_off_them():
                              num_tokenizer_ids=11, shaping=shaping)  # fmt: skip
 
 
-def test_the_gpu_run_writes_the_embedded_prompts_without_building_the_task(tmp_path, monkeypatch):
-    """On a GPU the runs train on the embedded task's prompts: written directly (the task's
-    build would fit its tiny models on the CPU first). Rows are training-split additions of
-    two digits 0-4: "a+b=" with answer a + b, never a == b (the held-out eval pairs)."""
+def test_the_gpu_run_writes_its_prompts_without_building_the_embedded_task(tmp_path, monkeypatch):
+    """On a GPU the runs' data are addition prompts written by the bench ("a+b=", a and b
+    digits, answer a + b): no trainer build (it would fit the embedded task's tiny models on the
+    CPU first)."""
     import _step_setup
 
     monkeypatch.setattr(
@@ -163,10 +163,10 @@ def test_the_gpu_run_writes_the_embedded_prompts_without_building_the_task(tmp_p
     overrides = dict(o.split("=", 1) for o in offpolicy_gpu.prepare(args))
     assert not (tmp_path / "work" / "build").exists()  # no trainer build ran
     rows = [json.loads(line) for line in Path(overrides["data.path"]).read_text().splitlines()]
-    assert len(rows) == 2048
+    assert len(rows) == 2048 >= 100 * 16  # a 100-step run of 16 prompts never repeats one
     for row in rows:
         a, b = int(row["prompt"][0]), int(row["prompt"][2])
         assert row["prompt"] == f"{a}+{b}=" and row["answer"] == str(a + b)
-        assert 0 <= a <= 4 and 0 <= b <= 4 and a != b
-    assert len({r["prompt"] for r in rows}) == 20  # every training pair appears
+    assert len({r["prompt"] for r in rows}) > 90  # most of the 100 digit pairs
+    assert overrides["data.answer_key"] == "answer"
     assert overrides["policy.model_dir"].endswith("policy")

@@ -8,7 +8,7 @@ side, each its own process on the same models and data.
 
 Each run is `examples/train_grpo.py placement=partial rollout.max_staleness=s` (s = 0: today's
 on-policy step). GPU: a Qwen2.5-0.5B-shape policy and a 1.5B-shape judge with random weights
-(bench/step/_step_setup.make_models, byte tokenizer), the embedded task's addition prompts,
+(bench/step/_step_setup.make_models, byte tokenizer), addition prompts of two digits,
 responses up to --max-new-tokens (the cap). Random weights almost never emit EOS, so the
 policy's weights are shaped (_longtail_policy.py, --length-mix longtail, the default) to give
 the trainer's own rollout a long-tail length mix: 90% of responses end by EOS with a geometric
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -49,6 +50,7 @@ from report import write_report  # noqa: E402
 
 TRAINER = ROOT / "examples" / "train_grpo.py"
 STALENESS = (0, 1, 2)
+NUM_PROMPT_ROWS = 2048  # the GPU runs' data (more than 100 steps x 16 prompts)
 ONE_GPU_OVERLAP = 0.84  # two engines at once / one after the other (engines_overlap_nvidia_h200)
 
 
@@ -108,14 +110,16 @@ def prepare(args: argparse.Namespace) -> list[str]:
             f"data.path={embedded / 'prompts.jsonl'}",
             f"reward.judge_dir={embedded / 'judge'}",
         ]
-    # The embedded task's prompts alone (its rows, as its build writes them): building the
-    # whole task fits its tiny models on the CPU, a minute of device time for nothing here.
-    sys.path.insert(0, str(ROOT / "examples"))
-    from tasks.tiny_task import addition_rows, write_rows
-
+    # Addition prompts like the embedded task's (random-weight models: any prompts do), written
+    # here: building the embedded task fits its tiny models on the CPU first, a minute of
+    # device time for nothing, and bench/ imports nothing of the trainer but its step module.
     work.mkdir(parents=True, exist_ok=True)
     prompts = work / "prompts.jsonl"
-    write_rows(prompts, addition_rows(2048, seed=0))
+    rng = random.Random(0)
+    pairs = [(rng.randint(0, 9), rng.randint(0, 9)) for _ in range(NUM_PROMPT_ROWS)]
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a, b in pairs)
+    )
     task = {"prompts": prompts}
     import _step_setup as setup
 
