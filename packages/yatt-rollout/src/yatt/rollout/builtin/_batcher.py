@@ -343,11 +343,12 @@ class SlotRunner:
             torch._dynamo.maybe_mark_dynamic(slot_B, 0)
             try:
                 with may_sync(), torch._dynamo.config.patch(**self._compile_patch):
-                    inputs = compiled_inputs(arange_P, slot_B)
-                    logits_BV = self._decode_forward(arange_P, slot_B, *inputs)
-                    for tensor in (logits_BV, *inputs[:3]):
+                    pos_B, gen_len_B, active_B, *model_in = compiled_inputs(arange_P, slot_B)
+                    logits_BV = self._decode_forward(arange_P, slot_B, pos_B, *model_in)
+                    state = (pos_B, gen_len_B, active_B)
+                    for tensor in (logits_BV, *state):
                         torch._dynamo.maybe_mark_dynamic(tensor, 0)
-                    compiled_outputs(logits_BV, slot_B, *inputs[:3], *flags.as_key())
+                    compiled_outputs(logits_BV, slot_B, *state, *flags.as_key())
                 return
             except Exception as exc:
                 if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -372,9 +373,11 @@ class SlotRunner:
         [0, span) (what gets compiled): gather their state, decode, scatter it back."""
         if self.low_rank is not None:  # the rows' adapter gate: a graph input, no host branch
             self.low_rank.set_rows(self.adapter_on_S.index_select(0, slot_B))
-        inputs = self._decode_inputs(arange_P, slot_B)
-        logits_BV = self._decode_forward(arange_P, slot_B, *inputs)
-        self._decode_outputs(logits_BV, slot_B, *inputs[:3], is_greedy, is_truncated, is_penalized)
+        pos_B, gen_len_B, active_B, *model_in = self._decode_inputs(arange_P, slot_B)
+        logits_BV = self._decode_forward(arange_P, slot_B, pos_B, *model_in)
+        self._decode_outputs(
+            logits_BV, slot_B, pos_B, gen_len_B, active_B, is_greedy, is_truncated, is_penalized
+        )
 
     def _decode_inputs(self, arange_P: torch.Tensor, slot_B: torch.Tensor):
         """The rows' state for a decode step: (pos_B, gen_len_B, active_B, input ids [B, 1],
@@ -397,7 +400,7 @@ class SlotRunner:
         )
 
     def _decode_forward(
-        self, arange_P, slot_B, pos_B, gen_len_B, active_B, ids_B1, mask_B11P, positions_B1
+        self, arange_P, slot_B, pos_B, ids_B1, mask_B11P, positions_B1
     ) -> torch.Tensor:
         """The model's last logits [B, V] for a decode step, each row writing its token's KV."""
         write = DecodeWrite(
