@@ -200,30 +200,15 @@ def rollout(
 
 
 def profiled(call) -> tuple[dict, object]:
-    """call() under torch.profiler: its wall and kernel milliseconds, the kernels by kind
-    (_decode_profile.KERNEL_GROUPS) and the top kernels; the difference between wall and
-    kernel time is time the GPU waited for the host."""
-    from _decode_profile import _kernel_table
-    from torch.profiler import ProfilerActivity, profile
+    """call() under prefill_profile.profile_call (torch.profiler: the device kernels by kind,
+    prefill's kinds first, the top kernels and host ops, kernel vs wall time) and its result."""
+    from prefill_profile import profile_call
 
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    _sync()
-    start = time.perf_counter()
-    with profile(activities=activities) as prof:
-        out = call()
-        _sync()
-    wall_ms = (time.perf_counter() - start) * 1e3
-    table = _kernel_table(prof, num_steps=1)
-    summary = {
-        "wall_ms": round(wall_ms, 2),
-        "kernel_ms": round(table["kernel_ms_per_step"], 2),
-        "kernels": table["kernels_per_step"],
-        "kernel_ms_by_group": table["ms_per_step_by_group"],
-        "top_kernels": table["top_kernels"],
-    }
-    return summary, out
+    result = {}
+    summary = profile_call(
+        lambda: result.setdefault("out", call()), "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    return {"wall_ms": summary.pop("wall_ms_profiled"), **summary}, result["out"]
 
 
 def measure_shape(name: str, args: argparse.Namespace) -> dict:
