@@ -337,11 +337,10 @@ def progress(line: str) -> None:
 def error_row(exc: BaseException) -> dict:
     """What failed, down to the first cause (an engine's failure reaches the stream as a
     RuntimeError whose __cause__ holds the real one); the whole chain goes to stderr."""
+    from yatt.genrm._types import describe_failure  # the chain as verdict errors give it
+
     traceback.print_exception(exc, file=sys.stderr)
-    causes = [exc]
-    while causes[-1].__cause__ is not None and len(causes) < 8:
-        causes.append(causes[-1].__cause__)
-    return {"error": " <- ".join(f"{type(e).__name__}: {e}" for e in causes)[:1000]}
+    return {"error": describe_failure(exc)[:1000]}
 
 
 def measure(args: argparse.Namespace) -> dict:
