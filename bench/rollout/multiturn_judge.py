@@ -337,7 +337,7 @@ def progress(line: str) -> None:
 def error_row(exc: BaseException) -> dict:
     """What failed, down to the first cause (an engine's failure reaches the stream as a
     RuntimeError whose __cause__ holds the real one); the whole chain goes to stderr."""
-    from yatt.genrm._types import describe_failure  # the chain as verdict errors give it
+    from yatt.genrm import describe_failure  # the chain as verdict errors give it
 
     traceback.print_exception(exc, file=sys.stderr)
     return {"error": describe_failure(exc)[:1000]}

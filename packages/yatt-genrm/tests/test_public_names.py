@@ -67,6 +67,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "StepStats",
         "VerdictWarnings",
         "check_verdicts",
+        "describe_failure",
     ],
     "yatt.genrm.serve": [
         "TEMPLATES",

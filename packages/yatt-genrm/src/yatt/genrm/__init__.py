@@ -62,7 +62,7 @@ from yatt.genrm._trajectory_round import (
     score_trajectories,
 )
 from yatt.genrm._trajectory_stream import TrajectoryStream
-from yatt.genrm._types import Sample, Scorer, Verdict, Vote
+from yatt.genrm._types import Sample, Scorer, Verdict, Vote, describe_failure
 from yatt.genrm._verifiers import ExactMatch, NumericMatch, RegexMatch, RuleVerifier
 from yatt.genrm._version import __version__
 
@@ -108,6 +108,7 @@ __all__ = [
     "check_judge_resources",
     "check_verdicts",
     "create_app",
+    "describe_failure",
     "generate_and_judge",
     "judge_in_rounds",
     "judge_prompts",
