@@ -497,6 +497,57 @@ def test_layer_compile_traces_one_layer_for_every_layer(tmp_path):
 
 @pytest.mark.parametrize(
     "compile_config",
+    [{}, {"compile_decode": True, "compile_prefill": True, "compile_scope": "layers"}],
+    ids=["eager", "layers"],
+)
+def test_prefills_skip_transformers_packed_sequence_check(
+    tiny_model_dir, monkeypatch, compile_config
+):
+    # Given no mask, transformers checks the positions it builds for packed sequences with a
+    # .all() on the device: a host sync every prefill chunk on a GPU, whenever the forward is
+    # not traced whole (eager, or compile_scope="layers", whose model forward runs eagerly).
+    # Fresh prompts, a kept conversation's continuation and decode must never reach it.
+    import transformers.masking_utils as masking
+
+    real, calls = masking.find_packed_sequence_indices, []
+
+    def recording(position_ids):
+        calls.append(tuple(position_ids.shape))
+        return real(position_ids)
+
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", recording)
+    config = EngineConfig(
+        max_batch_size=3,
+        max_seq_len=16,
+        max_prefill_tokens=16,
+        region_prefix="nopack",
+        **compile_config,
+    )
+    engine = BuiltinEngine(tiny_model_dir, config=config)
+    runner, continued = engine._runner, []
+    real_continuations = runner.prefill_continuations
+
+    def counting_continuations(items, *args):
+        continued.extend(items)
+        return real_continuations(items, *args)
+
+    monkeypatch.setattr(runner, "prefill_continuations", counting_continuations)
+    sampling = SamplingParams(temperature=0, max_new_tokens=3)
+    first = engine.generate(
+        [Request(prompt_ids=list(p), session_id=f"s{i}") for i, p in enumerate(PROMPTS[:3])],
+        sampling,
+    )
+    history = [c.prompt_ids + c.response_ids + [20, 21] for c in first]
+    engine.generate(
+        [Request(prompt_ids=h, session_id=f"s{i}") for i, h in enumerate(history)], sampling
+    )
+    engine.close()
+    assert not calls, f"transformers checked positions for packing {len(calls)} times: {calls}"
+    assert len(continued) == 3, "the second turn continues every kept conversation"
+
+
+@pytest.mark.parametrize(
+    "compile_config",
     [
         {"compile_decode": True, "compile_prefill": True, "compile_scope": "layers"},
         {"compile_decode": True},

@@ -671,9 +671,8 @@ class SlotRunner:
         T = max(lengths)
         ids_BT = to_device([[*row, *[0] * (T - len(row))] for row in rows], device)
         col_BT = torch.arange(T, device=device)[None, :].expand(len(rows), T)
-        # Positions are 0..T-1, what HF uses when given none. Given them without a mask, HF
-        # checks them for packed sequences (a host sync a chunk, eager); a vision model's mrope
-        # positions are its own, so it keeps them.
+        # Positions are 0..T-1, what HF uses when given none; a vision model's mrope positions
+        # are its own, so it keeps them.
         positions_BT = col_BT if self.vision is not None else None
         write = PrefillWrite(
             cache=self.cache,
@@ -713,10 +712,18 @@ class SlotRunner:
     ) -> torch.Tensor:
         """The text prefill forward (what `compile_prefill` compiles): logits [B, K, V] at the
         columns keep_K. Compiled, the write goes as a forward kwarg (torch.compile traces it,
-        not the ContextVar of writing_kv); eager keeps the ContextVar, as before."""
+        not the ContextVar of writing_kv); eager keeps the ContextVar, as before.
+
+        The causal mask goes in prepared ([1, 1, T, T]: every row starts at column 0): given
+        none, transformers checks the positions it builds for packed sequences, a .all() on
+        the device (a host sync a chunk) whenever the forward is not traced whole (eager,
+        compile_scope="layers"). The KV op attends causally without reading it; traced whole,
+        it is dead code."""
+        T = ids_BT.shape[1]
+        causal_11TT = torch.ones(T, T, dtype=torch.bool, device=ids_BT.device).tril()[None, None]
         kwargs = dict(
             input_ids=ids_BT,
-            attention_mask=None,
+            attention_mask=causal_11TT,
             position_ids=positions_BT,
             use_cache=False,
             logits_to_keep=keep_K,
