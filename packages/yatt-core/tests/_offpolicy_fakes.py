@@ -24,7 +24,8 @@ class FakeEngine:
     it is emitted. A slow row emits its first token, then waits for `slow_gate` (set by the
     test) or sleeps `slow_s` seconds: the tail the test controls."""
 
-    def __init__(self, *, slow_s: float | None = None) -> None:
+    def __init__(self, *, slow_s: float | None = None, name: str = "engine") -> None:
+        self.name = name  # in every result: which engine generated a group
         self.slow_gate = threading.Event()
         self.slow_s = slow_s
         self.num_calls = 0
@@ -46,4 +47,4 @@ class FakeEngine:
                 else:
                     time.sleep(self.slow_s)
             versions.append(version())
-        return {"row_index": row[ROW_INDEX_KEY], "versions": versions}
+        return {"row_index": row[ROW_INDEX_KEY], "versions": versions, "engine": self.name}
