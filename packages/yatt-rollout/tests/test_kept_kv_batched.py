@@ -269,3 +269,59 @@ def test_compiled_continuations_sample_what_eager_fresh_prefills_do(tiny_model_d
     assert "kept-KV continuation" not in caplog.text
     assert [f["rows"] for f in forwards] == [4, 4]
     _assert_same_samples(got, expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (device synchronisations)")
+@pytest.mark.parametrize(
+    "kept_config", [{"compile_prefill": True}, COMPILED_LAYERS], ids=["step", "layers"]
+)
+def test_continuations_never_wait_for_the_gpu(tmp_path, kept_config):
+    # A kept turn's continuation cost 1.5-2x a prefill's time per new token on an H200 under
+    # compile_scope="layers" (bench/results/multiturn_kv_nvidia_h200_clayers.md): a host sync
+    # inside it would leave the GPU idle while the host builds each chunk's next forward.
+    # Turns 2 and 3 of a second round (the first compiles and captures), bf16 (the varlen
+    # flash kernel); every synchronising call inside a continuation is recorded.
+    import traceback
+    import warnings
+
+    from yatt.testing import make_tiny_causal_lm
+
+    model_dir = tmp_path / "model"
+    make_tiny_causal_lm(model_dir, arch="qwen2", seed=0)
+    engine, forwards = _engine(
+        model_dir,
+        f"nosync-kept-{'layers' if 'compile_scope' in kept_config else 'step'}",
+        device="cuda",
+        dtype="bfloat16",
+        **kept_config,
+    )
+    runner, syncs = engine._runner, []
+    counted = runner.prefill_continuations  # _engine's counting wrapper
+
+    def record(message, category, filename, lineno, *rest):
+        if "synchroniz" in str(message):  # the Python stack that reached the sync
+            syncs.append("".join(traceback.format_stack(limit=10)[:-1]))
+
+    def recording(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = record
+                return counted(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    try:
+        _conversations(engine, GREEDY, should_keep=True)  # compiles and captures may sync
+        engine.release_sessions(list("abcd"))
+        forwards.clear()
+        runner.prefill_continuations = recording
+        _conversations(engine, GREEDY, should_keep=True)
+    finally:
+        engine.close()
+    assert len(forwards) == 2, "turns 2 and 3 continue the kept conversations"
+    assert not syncs, f"a continuation synchronised with the GPU {len(syncs)} times:\n" + "\n".join(
+        sorted(set(syncs))
+    )
