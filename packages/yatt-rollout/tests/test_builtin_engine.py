@@ -532,11 +532,21 @@ def test_prefills_skip_transformers_packed_sequence_check(
         return real_continuations(items, *args)
 
     monkeypatch.setattr(runner, "prefill_continuations", counting_continuations)
+    # What stands in for the mask of a fresh prefill (T > 1 tokens in the first turn): a
+    # placeholder, not a [T, T] mask in memory (1 GB a chunk at a 32k context).
+    prefill_mask_bytes = []
+
+    def record_mask(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] > 1:
+            prefill_mask_bytes.append(kwargs["attention_mask"].untyped_storage().nbytes())
+
+    hook = engine.model.register_forward_pre_hook(record_mask, with_kwargs=True)
     sampling = SamplingParams(temperature=0, max_new_tokens=3)
     first = engine.generate(
         [Request(prompt_ids=list(p), session_id=f"s{i}") for i, p in enumerate(PROMPTS[:3])],
         sampling,
     )
+    hook.remove()
     history = [c.prompt_ids + c.response_ids + [20, 21] for c in first]
     engine.generate(
         [Request(prompt_ids=h, session_id=f"s{i}") for i, h in enumerate(history)], sampling
@@ -544,6 +554,7 @@ def test_prefills_skip_transformers_packed_sequence_check(
     engine.close()
     assert not calls, f"transformers checked positions for packing {len(calls)} times: {calls}"
     assert len(continued) == 3, "the second turn continues every kept conversation"
+    assert prefill_mask_bytes and max(prefill_mask_bytes) == 1, prefill_mask_bytes
 
 
 @pytest.mark.parametrize(

@@ -714,16 +714,17 @@ class SlotRunner:
         columns keep_K. Compiled, the write goes as a forward kwarg (torch.compile traces it,
         not the ContextVar of writing_kv); eager keeps the ContextVar, as before.
 
-        The causal mask goes in prepared ([1, 1, T, T]: every row starts at column 0): given
-        none, transformers checks the positions it builds for packed sequences, a .all() on
-        the device (a host sync a chunk) whenever the forward is not traced whole (eager,
-        compile_scope="layers"). The KV op attends causally without reading it; traced whole,
-        it is dead code."""
+        A 4D mask goes in as a placeholder (an expanded scalar: no [T, T] in memory, which at
+        a 32k context would be 1 GB a chunk): given none, transformers builds positions and
+        checks them for packed sequences, a .all() on the device (a host sync a chunk)
+        whenever the forward is not traced whole (eager, compile_scope="layers"); given a 4D
+        one, it takes it as prepared. The attention never reads it: every row starts at
+        column 0, so causal attention alone is exact (PrefillWrite.is_causal_from_start)."""
         T = ids_BT.shape[1]
-        causal_11TT = torch.ones(T, T, dtype=torch.bool, device=ids_BT.device).tril()[None, None]
+        placeholder_11TT = torch.ones((), dtype=torch.bool, device=ids_BT.device).expand(1, 1, T, T)
         kwargs = dict(
             input_ids=ids_BT,
-            attention_mask=causal_11TT,
+            attention_mask=placeholder_11TT,
             position_ids=positions_BT,
             use_cache=False,
             logits_to_keep=keep_K,

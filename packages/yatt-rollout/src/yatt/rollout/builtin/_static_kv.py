@@ -679,8 +679,12 @@ def _static_kv_attention(module, query, key, value, attention_mask, **kwargs):
             caches, query, key, value, attention_mask, kwargs.get("scaling")
         )
         return out, None
-    if write.is_causal_from_start and not kwargs.get("dropout"):
-        return write.write_and_attend(caches, query, key, value, kwargs.get("scaling")), None
+    if write.is_causal_from_start:
+        if not kwargs.get("dropout"):
+            return write.write_and_attend(caches, query, key, value, kwargs.get("scaling")), None
+        # Causal from column 0 (SDPA's is_causal); the engine's mask is a placeholder
+        # (SlotRunner._prefill_logits), never read.
+        attention_mask = None
     key, value = write.write(caches, key, value)
     return _prefill_attention(module, query, key, value, attention_mask, **kwargs)
 
