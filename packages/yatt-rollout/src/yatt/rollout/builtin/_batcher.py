@@ -320,11 +320,12 @@ class SlotRunner:
         else eager."""
         arange_P = self.arange_L[:span]
         slot_B = self.row_slot_S[:batch]
-        if self._compiled_step is not None:
+        if self._compiled_step is not None or self._compiled_decode_ends is not None:
             # Dynamic in the span and the batch (one compiled graph for every span and batch
             # bucket), static in the rest. "maybe": a batch of 1 specialises instead of failing.
             torch._dynamo.mark_dynamic(arange_P, 0)
             torch._dynamo.maybe_mark_dynamic(slot_B, 0)
+        if self._compiled_step is not None:
             try:
                 # may_sync: a first call compiles and autotunes (device synchronisations)
                 with may_sync(), torch._dynamo.config.patch(**self._compile_patch):
@@ -339,8 +340,6 @@ class SlotRunner:
                 self._compiled_step = None
         if self._compiled_decode_ends is not None:
             compiled_inputs, compiled_outputs = self._compiled_decode_ends
-            torch._dynamo.mark_dynamic(arange_P, 0)
-            torch._dynamo.maybe_mark_dynamic(slot_B, 0)
             try:
                 with may_sync(), torch._dynamo.config.patch(**self._compile_patch):
                     pos_B, gen_len_B, active_B, *model_in = compiled_inputs(arange_P, slot_B)

@@ -209,8 +209,8 @@ class PrefillWrite:
     source_col_BT: torch.Tensor  # int64 [B, T] column of the padded input for each position
     # Right-padded rows that all start at column 0 (source_col_BT is the identity): causal
     # attention alone is exact, and the write and attention run as one opaque op
-    # (write_and_attend). A traced forward still gets HF's causal mask (it skips building one
-    # only when not compiling), which moved SDPA off flash; the op drops it.
+    # (write_and_attend), which never reads the forward's mask (a placeholder: SDPA under a
+    # real mask left flash).
     is_causal_from_start: bool = False
     # Row j fills slot slot_J[j] (one sample per prompt, as a judge's prompts are): the causal
     # op writes the new keys/values without first gathering them by row_J.
