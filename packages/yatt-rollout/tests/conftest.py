@@ -1,4 +1,6 @@
 import time
+import traceback
+import warnings
 
 import pytest
 import torch
@@ -75,3 +77,30 @@ def _assert_same_samples(got, expected, *, atol: float = 1e-4) -> None:
 def assert_same_samples():
     """Checks two completion lists: same ids, tokens, finish reasons, logprobs within atol."""
     return _assert_same_samples
+
+
+def _recording_device_syncs(fn, syncs: list[str]):
+    """fn, wrapped: each device synchronisation inside it (torch's sync debug mode, CUDA)
+    appends the Python stack that reached it, innermost last, to `syncs`."""
+
+    def record(message, category, filename, lineno, *rest):
+        if "synchroniz" in str(message):
+            syncs.append("".join(traceback.format_stack(limit=10)[:-1]))
+
+    def wrapped(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = record
+                return fn(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    return wrapped
+
+
+@pytest.fixture
+def recording_device_syncs():
+    """wrap(fn, syncs): fn recording every device synchronisation inside it into syncs."""
+    return _recording_device_syncs

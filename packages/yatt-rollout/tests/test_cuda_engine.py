@@ -217,15 +217,14 @@ def test_compiled_prefill_matches_the_eager_prefill_on_cuda(tiny_model_dir):
 
 
 @pytest.mark.parametrize("compile_prefill", [False, True, "layers"])
-def test_prefill_never_waits_for_the_gpu(tiny_model_dir, monkeypatch, compile_prefill):
+def test_prefill_never_waits_for_the_gpu(
+    tiny_model_dir, monkeypatch, compile_prefill, recording_device_syncs
+):
     # The host must queue prefill chunk after chunk while the GPU runs them: a copy to the GPU
     # from pageable memory (or a .item(), a .cpu()) waits for the stream to drain, and the GPU
     # then idles while the host builds the next chunk (13% of a judge-like prefill on an
     # H200). Prompts of 2-29 tokens in chunks of at most 64 padded tokens, 2 samples each
     # (then 1: the one-sample-per-row write); label logprobs and a stop token on the path.
-    import traceback
-    import warnings
-
     config = EngineConfig(
         device="cuda",
         max_batch_size=4,
@@ -246,26 +245,15 @@ def test_prefill_never_waits_for_the_gpu(tiny_model_dir, monkeypatch, compile_pr
     runner = engine._runner
     prefill, chunks, syncs = runner.prefill, [], []
 
-    def record(message, category, filename, lineno, *rest):
-        if "synchroniz" in str(message):  # the Python stack that reached the sync, innermost last
-            syncs.append("".join(traceback.format_stack(limit=8)[:-1]))
-
-    def prefill_that_records_syncs(*args, **kwargs):
+    def counting_prefill(*args, **kwargs):
         chunks.append(len(args[0]))
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("always")
-                warnings.showwarning = record
-                return prefill(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        return prefill(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "prefill", prefill_that_records_syncs)
+    monkeypatch.setattr(runner, "prefill", recording_device_syncs(counting_prefill, syncs))
     completions = [c for sampling in calls for c in engine.generate(requests, sampling)]
     engine.close()
-    # Eager and under compile_scope="layers" too: the prefill passes its causal mask prepared,
-    # so transformers never checks its positions for packed sequences (a .all() on the GPU).
+    # Eager and under compile_scope="layers" too: the prefill passes a placeholder 4D mask, so
+    # transformers never checks its positions for packed sequences (a .all() on the GPU).
     assert not syncs, f"a prefill synchronised with the GPU {len(syncs)} times:\n" + "\n".join(
         sorted(set(syncs))
     )

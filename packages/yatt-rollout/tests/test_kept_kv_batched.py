@@ -276,15 +276,12 @@ def test_compiled_continuations_sample_what_eager_fresh_prefills_do(tiny_model_d
 @pytest.mark.parametrize(
     "kept_config", [{"compile_prefill": True}, COMPILED_LAYERS], ids=["step", "layers"]
 )
-def test_continuations_never_wait_for_the_gpu(tmp_path, kept_config):
+def test_continuations_never_wait_for_the_gpu(tmp_path, kept_config, recording_device_syncs):
     # A kept turn's continuation cost 1.5-2x a prefill's time per new token on an H200 under
     # compile_scope="layers" (bench/results/multiturn_kv_nvidia_h200_clayers.md): a host sync
     # inside it would leave the GPU idle while the host builds each chunk's next forward.
     # Turns 2 and 3 of a second round (the first compiles and captures), bf16 (the varlen
     # flash kernel); every synchronising call inside a continuation is recorded.
-    import traceback
-    import warnings
-
     from yatt.testing import make_tiny_causal_lm
 
     model_dir = tmp_path / "model"
@@ -298,26 +295,11 @@ def test_continuations_never_wait_for_the_gpu(tmp_path, kept_config):
     )
     runner, syncs = engine._runner, []
     counted = runner.prefill_continuations  # _engine's counting wrapper
-
-    def record(message, category, filename, lineno, *rest):
-        if "synchroniz" in str(message):  # the Python stack that reached the sync
-            syncs.append("".join(traceback.format_stack(limit=10)[:-1]))
-
-    def recording(*args, **kwargs):
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("always")
-                warnings.showwarning = record
-                return counted(*args, **kwargs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
     try:
         _conversations(engine, GREEDY, should_keep=True)  # compiles and captures may sync
         engine.release_sessions(list("abcd"))
         forwards.clear()
-        runner.prefill_continuations = recording
+        runner.prefill_continuations = recording_device_syncs(counted, syncs)
         _conversations(engine, GREEDY, should_keep=True)
     finally:
         engine.close()
