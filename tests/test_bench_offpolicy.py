@@ -4,6 +4,7 @@ on the embedded task, each its own process, the report's numbers read from their
 NUM_GPUS = 0
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -49,6 +50,26 @@ def test_smoke_runs_every_bound_and_reports_ages_within_it(tmp_path, embedded_ta
     report = (tmp_path / "offpolicy_cpu_smoke.md").read_text()
     assert "Response lengths" in report
     assert "on-policy: all age 0" in report  # the s = 0 row
+
+
+def test_gpu_setup_at_tiny_shapes_gets_every_verdict_read(tmp_path):
+    # The GPU runs' own setup (random models, the shaped judge, its reward overrides) at
+    # 2-layer shapes: the judge's verdicts all parse, so the trainer trains instead of stopping
+    # at step 0 as the unshaped random judge made it (the H200 run at 8d2b377).
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, str(ROOT / "bench" / "train" / "offpolicy_gpu.py"), "--tiny"]
+    cmd += ["--length-mix", "cap", "--staleness", "1", "--steps", "2", "--warmup", "0"]
+    cmd += ["--prompts", "2", "--max-new-tokens", "8", "--out-dir", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    run = json.loads((tmp_path / "offpolicy_cpu.json").read_text())["runs"]["1"]
+    assert run["rc"] == 0 and run["num_steps"] == 2, run.get("log_tail", run)
+    rows = [
+        json.loads(line) for line in (tmp_path / "s1" / "metrics.jsonl").read_text().splitlines()
+    ]
+    for row in rows:
+        assert row["genrm/verdicts"] > 0
+        assert row["genrm/errors"] == 0 and row["genrm/unparsable"] == 0
 
 
 LENGTHS = [  # two steps' length metrics: median, p90, max, at-cap fraction
@@ -159,6 +180,7 @@ def test_the_gpu_run_writes_its_prompts_without_building_the_embedded_task(tmp_p
     monkeypatch.setattr(
         _step_setup, "make_models", lambda root, **_: (root / "policy", root / "judge")
     )
+    monkeypatch.setattr(offpolicy_gpu.verdict_judge, "shape_judge", lambda src, dst, **_: dst)
     args = offpolicy_gpu.parse_args(["--out-dir", str(tmp_path), "--length-mix", "cap"])
     overrides = dict(o.split("=", 1) for o in offpolicy_gpu.prepare(args))
     assert not (tmp_path / "work" / "build").exists()  # no trainer build ran
@@ -170,3 +192,87 @@ def test_the_gpu_run_writes_its_prompts_without_building_the_embedded_task(tmp_p
     assert len({r["prompt"] for r in rows}) > 90  # most of the 100 digit pairs
     assert overrides["data.answer_key"] == "answer"
     assert overrides["policy.model_dir"].endswith("policy")
+    assert overrides["reward.judge_dir"].endswith("judge_verdicts")  # the shaped judge
+    # sampled votes read from their text: one greedy vote would give every response the same
+    assert overrides["reward.votes"] == "2" and overrides["reward.verdict_from"] == "text"
+
+
+@pytest.fixture(scope="module")
+def verdict_judge(tmp_path_factory):
+    """A tiny random Qwen2 judge shaped into the verdict chain (reasoning median 8)."""
+    import _verdict_judge as verdict_judge
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    from yatt.testing import make_tokenizer
+
+    root = tmp_path_factory.mktemp("judge")
+    tokenizer = make_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=320, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "random")
+    tokenizer.save_pretrained(root / "random")
+    chain = verdict_judge.VerdictChain(reasoning_median=8)
+    shaped = verdict_judge.shape_judge(root / "random", root / "shaped", chain=chain)
+    model = AutoModelForCausalLM.from_pretrained(shaped).eval()
+    return model, AutoTokenizer.from_pretrained(shaped), chain
+
+
+def _next_token_probs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, -1].float().softmax(-1)
+
+
+def test_verdict_judge_writes_reasoning_then_yes_or_no(verdict_judge):
+    model, tokenizer, chain = verdict_judge
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Question: 1+2=\nResponse: 3\nYes or No?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    one = {t: tokenizer.encode(t, add_special_tokens=False)[0] for t in "\nYesNo"}
+    # the byte tokens but the chain's six: 256 - 6 reasoning tokens
+    reasoning = [i for i in range(5, 5 + 256) if i not in one.values()]
+    h = math.log(2) / 8  # the newline's hazard for a median of 8 reasoning tokens
+    probs = _next_token_probs(model, ids)  # after "Reasoning:": the chain of thought
+    assert probs[one["\n"]].item() == pytest.approx(h, rel=0.03)
+    assert probs[reasoning].sum().item() == pytest.approx(1 - h, rel=0.01)
+    assert probs[reasoning].max() / probs[reasoning].min() < 1.05  # uniform
+    probs = _next_token_probs(model, ids + reasoning[:3])  # mid-reasoning: the same
+    assert probs[one["\n"]].item() == pytest.approx(h, rel=0.03)
+    probs = _next_token_probs(model, ids + reasoning[:3] + [one["\n"]])  # the verdict: a coin
+    assert probs[one["Y"]].item() == pytest.approx(0.5, abs=0.01)
+    assert probs[one["N"]].item() == pytest.approx(0.5, abs=0.01)
+    for written, successor in (("Y", "e"), ("Ye", "s"), ("N", "o")):
+        tail = [one[c] for c in written]
+        probs = _next_token_probs(model, [*ids, one["\n"], *tail])
+        assert probs[one[successor]].item() > 0.999
+    for written in ("Yes", "No"):
+        probs = _next_token_probs(model, ids + [one["\n"]] + [one[c] for c in written])
+        assert probs[tokenizer.eos_token_id].item() > 0.999
+    assert chain.reasoning_quantile(0.5) in (7, 8)  # geometric median ~ ln 2 / h
+
+
+def test_verdict_judge_generations_parse_as_genrm_verdicts(verdict_judge):
+    from yatt.genrm import YesNoParser
+
+    model, tokenizer, _ = verdict_judge
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Is 2+2=5 right?"}], add_generation_prompt=True, tokenize=False
+    )
+    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)] * 64)
+    torch.manual_seed(1)
+    out = model.generate(
+        ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=128,
+        pad_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+    rewards = [YesNoParser().parse(text) for text in texts]
+    assert None not in rewards, [t for t, r in zip(texts, rewards, strict=True) if r is None]
+    assert 16 <= rewards.count(1.0) <= 48  # a coin over 64 verdicts (P(outside) < 1e-4)
+    lengths = sorted(len(t.split("\n")[0].encode("latin-1", "replace")) for t in texts)
+    assert 3 <= lengths[32] <= 14  # reasoning's median near 8 (characters ~ bytes here)

@@ -14,9 +14,12 @@ policy's weights are shaped (_longtail_policy.py, --length-mix longtail, the def
 the trainer's own rollout a long-tail length mix: 90% of responses end by EOS with a geometric
 length of median cap / 8, 10% run to the cap; at cap 512 the lengths' median is 75, p80 202,
 p90 and max 512, 10.3% at the cap. The same distribution for every s (the same seeded weights
-and shaping; the draws differ once the runs' weights do). --length-mix cap keeps the unshaped weights (every response at the
-cap). The reward is the random judge's noise, so the reward curve checks the plumbing, not
-learning (--smoke's embedded task learns).
+and shaping; the draws differ once the runs' weights do). --length-mix cap keeps the unshaped
+weights (every response at the cap). The judge's weights are shaped too (_verdict_judge.py): it
+reasons for a geometric number of tokens (median --judge-reasoning-median), then writes "Yes"
+or "No" on its last line, a coin, two votes per response. The reward is that noise, so the
+reward curve checks the plumbing, not learning (--smoke's embedded task learns). --tiny: the
+same setup at 2-layer shapes, a CPU check.
 
 Reported per s: step time (median over the steps after --warmup, the sum of the trainer's
 time/* phases: what the step waited for), the trainer's wait for rollout (off-policy), GPU busy
@@ -46,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench" / "_common"))
 sys.path.insert(0, str(ROOT / "bench" / "step"))
 import _longtail_policy as longtail  # noqa: E402  (bench/train: beside this file)
+import _verdict_judge as verdict_judge  # noqa: E402
 from report import write_report  # noqa: E402
 
 TRAINER = ROOT / "examples" / "train_grpo.py"
@@ -123,7 +127,15 @@ def prepare(args: argparse.Namespace) -> list[str]:
     task = {"prompts": prompts}
     import _step_setup as setup
 
-    policy_dir, judge_dir = setup.make_models(work / "models", tiny=False, shapes=("0.5b", "1.5b"))
+    policy_dir, judge_dir = setup.make_models(
+        work / "models", tiny=args.tiny, shapes=("0.5b", "1.5b")
+    )
+    # The random judge shaped to write "<reasoning>\nYes" or "...No" (_verdict_judge.py): a
+    # random judge's verdicts all fail, and the trainer stops at step 0 (the run at 8d2b377).
+    chain = verdict_judge.VerdictChain(reasoning_median=args.judge_reasoning_median)
+    judge_dir = verdict_judge.shape_judge(
+        judge_dir, work / "models" / "judge_verdicts", chain=chain
+    )
     if args.length_mix == "longtail":  # EOS shaped into the weights: the trainer samples the mix
         mix = longtail.LengthMix(cap=args.max_new_tokens)
         shaping = longtail.Shaping.for_mix(mix, vocab_size=setup.QWEN25_05B["vocab_size"])
@@ -134,6 +146,12 @@ def prepare(args: argparse.Namespace) -> list[str]:
         f"data.path={task['prompts']}",
         "data.answer_key=answer",
         f"reward.judge_dir={judge_dir}",
+        # Two votes: genrm samples votes at temperature 1 (one vote is greedy: every verdict
+        # the same coin side, no group with reward variance); read from the text (the label's
+        # probability is the chain's 1/2 for every response).
+        "reward.votes=2",
+        "reward.verdict_from=text",
+        f"reward.verdict_max_tokens={chain.reasoning_quantile(0.999) + 8}",
         f"rollout.max_new_tokens={args.max_new_tokens}",
         f"rollout.engine.max_seq_len={args.max_new_tokens + 64}",
     ]
@@ -310,6 +328,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="random policy's lengths: the long-tail mix (_longtail_policy.py) or all at the cap",
     )
     parser.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
+    parser.add_argument(
+        "--judge-reasoning-median",
+        type=int,
+        default=32,
+        help="tokens the shaped judge reasons before its verdict (median; geometric)",
+    )
+    parser.add_argument(
+        "--tiny", action="store_true", help="the GPU runs' setup at 2-layer shapes (CPU check)"
+    )
     parser.add_argument(
         "extra", nargs="*", help="more trainer overrides, e.g. rollout.samples_per_prompt=8"
     )
