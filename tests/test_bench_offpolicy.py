@@ -46,7 +46,9 @@ def test_smoke_runs_every_bound_and_reports_ages_within_it(tmp_path, embedded_ta
         # JSON keys are strings: ages 0..s exactly
         assert sorted(int(a) for a in run["tokens_by_age"]) == list(range(s + 1))
     assert results["runs"]["1"]["tokens_by_age"]["1"] > 0  # s = 1 ran ahead
-    assert set(results["ratios"]) == {"step_s_s1_over_s0", "step_s_s2_over_s0"}
+    assert set(results["ratios"]) == {
+        "step_s_s1_over_s0", "step_s_s2_over_s0", "token_time_s1_over_s0", "token_time_s2_over_s0"
+    }  # fmt: skip
     report = (tmp_path / "offpolicy_cpu_smoke.md").read_text()
     assert "Response lengths" in report
     assert "on-policy: all age 0" in report  # the s = 0 row
@@ -91,15 +93,25 @@ def test_summary_reads_step_time_ages_and_weights_from_metric_lines():
          "offpolicy/is_weight_mean_age_1": 1.5, "offpolicy/take_wait_s": 0.0, "reward/mean": 0.5},
     ]  # fmt: skip
     rows = [row | lengths for row, lengths in zip(rows, LENGTHS, strict=True)]
+    rows[0]["train/num_loss_tokens"], rows[1]["train/num_loss_tokens"] = 300.0, 100.0
     out = offpolicy_gpu.summarize(rows, 1, warmup=0)
     # genrm_tail is inside the rollout+genrm phase: not added again
     assert out["step_s_median"] == 1.75  # median of 1.5 and 2.0
+    assert (out["step_s_min"], out["step_s_max"]) == (1.5, 2.0)
+    # loss tokens per second of each step: 300 / 1.5 and 100 / 2.0
+    assert out["loss_tokens_per_s"] == {"median": 125.0, "min": 50.0, "max": 200.0}
     assert out["tokens_by_age"] == {0: 5.0, 1: 3.0}
     assert out["is_weight_mean_by_age"] == {0: 0.75, 1: 1.5}  # steps with tokens of that age
     assert out["reward_curve"] == [-0.5, 0.5]
     assert offpolicy_gpu.ratios({0: {"step_s_median": 2.0}, 1: {"step_s_median": 1.0}}) == {
         "step_s_s1_over_s0": 0.5
     }
+    # time per token: s = 1 trains 4x the tokens per second -> a quarter of s = 0's time
+    runs = {
+        0: {"step_s_median": 2.0, "loss_tokens_per_s": {"median": 100.0}},
+        1: {"step_s_median": 3.0, "loss_tokens_per_s": {"median": 400.0}},
+    }
+    assert offpolicy_gpu.ratios(runs) == {"step_s_s1_over_s0": 1.5, "token_time_s1_over_s0": 0.25}
     # lengths: median of the steps' medians (70, 80) and p90s (512, 400), largest max, mean
     # at-cap fraction; the first and the last step as logged
     assert out["lengths"]["run"] == {"median": 75.0, "p90": 456.0, "max": 512.0, "at_cap": 0.09375}
@@ -195,6 +207,7 @@ def test_the_gpu_run_writes_its_prompts_without_building_the_embedded_task(tmp_p
     assert overrides["reward.judge_dir"].endswith("judge_verdicts")  # the shaped judge
     # sampled votes read from their text: one greedy vote would give every response the same
     assert overrides["reward.votes"] == "2" and overrides["reward.verdict_from"] == "text"
+    assert float(overrides["policy.lr"]) == 1e-7  # holds the length mix (the --lr help)
 
 
 @pytest.fixture(scope="module")

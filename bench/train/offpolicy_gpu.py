@@ -27,7 +27,9 @@ fraction (nvidia-smi's utilization sampled every 200 ms during the run's steps; 
 the staleness histogram (loss tokens by age, summed over steps), the IS weight's mean by age,
 the reward curve (reward/mean per step), and the response lengths the trainer logged
 (response/length_p50, _p90, _max, truncated_frac: over the run, at the first and at the last
-step, beside the mix asked for). Ratios: step time of s = 1 and 2 over s = 0; the
+step, beside the mix asked for), loss tokens trained per second of step (lengths can move
+during a run; --lr holds them). Ratios: step time of s = 1 and 2 over s = 0, and time per loss
+token (s = 0's tokens/s over s's); the
 one-GPU bound two engines at once allow is bench/results/engines_overlap_nvidia_h200.md's 0.84.
 """
 
@@ -153,6 +155,7 @@ def prepare(args: argparse.Namespace) -> list[str]:
         "reward.verdict_from=text",
         f"reward.verdict_max_tokens={chain.reasoning_quantile(0.999) + 8}",
         f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"policy.lr={args.lr}",
         f"rollout.engine.max_seq_len={args.max_new_tokens + 64}",
     ]
 
@@ -207,6 +210,10 @@ def summarize(rows: list[dict], staleness: int, *, warmup: int) -> dict:
         if is_offpolicy
         else None
     )
+    tokens_per_s = [
+        r["train/num_loss_tokens"] / step for r, step in zip(timed, step_s, strict=True)
+        if "train/num_loss_tokens" in r and step > 0
+    ]  # fmt: skip
     is_mean = {
         a: statistics.mean(r[f"offpolicy/is_weight_mean_age_{a}"] for r in rows if r.get(f"offpolicy/tokens_age_{a}"))
         for a in ages
@@ -216,6 +223,19 @@ def summarize(rows: list[dict], staleness: int, *, warmup: int) -> dict:
         "lengths": length_summary(rows),
         "num_steps": len(rows),
         "step_s_median": statistics.median(step_s),
+        "step_s_min": min(step_s),
+        "step_s_max": max(step_s),
+        # Loss tokens trained per second of step: step time alone compares runs only while
+        # their lengths agree (a coin reward moves them: the H200 runs at 2386771).
+        "loss_tokens_per_s": (
+            {
+                "median": statistics.median(tokens_per_s),
+                "min": min(tokens_per_s),
+                "max": max(tokens_per_s),
+            }
+            if tokens_per_s
+            else None
+        ),
         "take_wait_s_median": statistics.median(r.get("offpolicy/take_wait_s", 0.0) for r in timed),
         "tokens_by_age": histogram,
         "tokens_over_bound": sum(r.get("offpolicy/tokens_over_bound", 0.0) for r in rows),
@@ -255,31 +275,49 @@ def _lengths_cell(lengths: dict[str, float]) -> str:
     )
 
 
+def _tokens_per_s(run: dict) -> float | None:
+    return (run.get("loss_tokens_per_s") or {}).get("median")
+
+
 def ratios(runs: dict[int, dict]) -> dict[str, float | None]:
+    """Step time of s over s = 0, and loss tokens per second of s = 0 over s (below 1: s
+    trains faster), each a ratio of medians."""
     base = runs.get(0, {}).get("step_s_median")
-    return {
+    out = {
         f"step_s_s{s}_over_s0": (runs[s]["step_s_median"] / base if base else None)
         for s in STALENESS[1:]
         if runs.get(s, {}).get("step_s_median") is not None
     }
+    base_rate = _tokens_per_s(runs.get(0, {}))
+    for s in STALENESS[1:]:
+        rate = _tokens_per_s(runs.get(s, {}))
+        if rate:
+            out[f"token_time_s{s}_over_s0"] = base_rate / rate if base_rate else None
+    return out
 
 
 def markdown(results: dict) -> str:
     lines = [
         f"# Off-policy steps (issue 48): {results['device']}",
         "",
-        "| s | rc | steps | step s (median) | rollout wait s | GPU busy | tokens by age | "
-        "over bound | IS mean by age | resident | reward first -> last |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| s | rc | steps | step s median (min-max) | loss tokens/s median (min-max) | "
+        "rollout wait s | GPU busy | tokens by age | over bound | IS mean by age | resident | "
+        "reward first -> last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s, run in sorted(results["runs"].items()):
         if run.get("rc"):
-            lines.append(f"| {s} | {run['rc']} | | | | | | | | | |")
+            lines.append(f"| {s} | {run['rc']} | | | | | | | | | | |")
             continue
         busy = run["gpu_busy"]
         curve = run["reward_curve"]
+        step = f"{run['step_s_median']:.3f}"
+        if "step_s_min" in run:  # runs summarized before min/max were kept have a median only
+            step += f" ({run['step_s_min']:.3f}-{run['step_s_max']:.3f})"
+        rate = run.get("loss_tokens_per_s")
+        rate = f"{rate['median']:.0f} ({rate['min']:.0f}-{rate['max']:.0f})" if rate else "-"
         lines.append(
-            f"| {s} | 0 | {run['num_steps']} | {run['step_s_median']:.3f} | "
+            f"| {s} | 0 | {run['num_steps']} | {step} | {rate} | "
             f"{run['take_wait_s_median']:.3f} | {'-' if busy is None else f'{busy:.2f}'} | "
             f"{'on-policy: all age 0' if run['tokens_by_age'] is None else run['tokens_by_age']} | "
             f"{run['tokens_over_bound']:.0f} | "
@@ -302,8 +340,17 @@ def markdown(results: dict) -> str:
         if not run.get("rc"):
             cells = [_lengths_cell(run["lengths"][k]) for k in ("run", "first", "last")]
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
-    lines += ["", f"Step time over s = 0: {results['ratios']}; one-GPU overlap bound "]
-    lines[-1] += f"(two engines at once): {ONE_GPU_OVERLAP}."
+    cells = []
+    for prefix, name in (("step_s", "step time"), ("token_time", "time per loss token")):
+        for s in STALENESS[1:]:
+            key = f"{prefix}_s{s}_over_s0"
+            if key in results.get("ratios", {}):
+                value = results["ratios"][key]
+                cells.append(
+                    f"{name} s = {s} / s = 0: " + ("n/a" if value is None else f"{value:.3f}")
+                )
+    lines += ["", "Ratios of medians: " + ("; ".join(cells) or "none") + "."]
+    lines.append(f"One-GPU bound (two engines at once / one after the other): {ONE_GPU_OVERLAP}.")
     return "\n".join(lines)
 
 
@@ -333,6 +380,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=32,
         help="tokens the shaped judge reasons before its verdict (median; geometric)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=1e-7,
+        help="the policy's learning rate (GPU runs). Under Adam a coin reward walks the "
+        "lengths away from the mix: at 1e-6 s = 0's mean fell 54 -> 21 tokens and s = 1's "
+        "rose 51 -> 217 over 100 steps (H200, 2386771)",
     )
     parser.add_argument(
         "--tiny", action="store_true", help="the GPU runs' setup at 2-layer shapes (CPU check)"
