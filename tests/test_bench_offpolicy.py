@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +73,34 @@ def test_gpu_setup_at_tiny_shapes_gets_every_verdict_read(tmp_path):
     for row in rows:
         assert row["genrm/verdicts"] > 0
         assert row["genrm/errors"] == 0 and row["genrm/unparsable"] == 0
+
+
+def test_busy_fraction_leaves_out_the_warm_up_and_survives_in_a_file(tmp_path, monkeypatch):
+    # A stand-in nvidia-smi on PATH reading its utilization from a file the test changes: 10%
+    # while the trainer has logged fewer than 2 steps (loading, the first step's compiles),
+    # 90% after.
+    tool = tmp_path / "bin" / "nvidia-smi"
+    tool.parent.mkdir()
+    tool.write_text(f"#!/bin/sh\ncat {tmp_path / 'util'}\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tool.parent}:{os.environ['PATH']}")
+    metrics, util = tmp_path / "metrics.jsonl", tmp_path / "util"
+    util.write_text("10\n")
+    sampler = offpolicy_gpu.BusySampler(
+        tmp_path / "gpu_busy.json", metrics=metrics, warmup=2, period_s=0.02
+    )
+    with sampler:
+        time.sleep(0.5)
+        util.write_text("90\n")  # first: a sample that counted 2 steps reads 90
+        metrics.write_text('{"step": 0}\n{"step": 1}\n')  # the warm-up's two steps logged
+        time.sleep(0.5)
+    assert {steps for _, steps in sampler.samples} == {0, 2}
+    assert sampler.fraction == pytest.approx(0.9)  # the warm-up's 10% samples left out
+    saved = json.loads((tmp_path / "gpu_busy.json").read_text())
+    assert len(saved["samples"]) == len(sampler.samples) and saved["warmup"] == 2
+    # no sample after the warm-up: every sample counts; none at all: no fraction
+    assert offpolicy_gpu.busy_fraction([(0.2, 0), (0.4, 1)], warmup=5) == pytest.approx(0.3)
+    assert offpolicy_gpu.busy_fraction([], warmup=0) is None
 
 
 LENGTHS = [  # two steps' length metrics: median, p90, max, at-cap fraction

@@ -23,7 +23,8 @@ same setup at 2-layer shapes, a CPU check.
 
 Reported per s: step time (median over the steps after --warmup, the sum of the trainer's
 time/* phases: what the step waited for), the trainer's wait for rollout (off-policy), GPU busy
-fraction (nvidia-smi's utilization sampled every 200 ms during the run's steps; none on CPU),
+fraction (nvidia-smi's utilization sampled every 200 ms, averaged after the warm-up steps;
+none on CPU; the samples in s<n>/gpu_busy.json),
 the staleness histogram (loss tokens by age, summed over steps), the IS weight's mean by age,
 the reward curve (reward/mean per step), and the response lengths the trainer logged
 (response/length_p50, _p90, _max, truncated_frac: over the run, at the first and at the last
@@ -61,16 +62,28 @@ ONE_GPU_OVERLAP = 0.84  # two engines at once / one after the other (engines_ove
 
 
 class BusySampler:
-    """GPU utilization (nvidia-smi, percent) sampled in a thread; mean busy fraction or None."""
+    """GPU utilization (nvidia-smi, percent) sampled in a thread, each sample with the number of
+    steps the trainer had logged by then (lines of its metrics.jsonl); `fraction` is the mean
+    over the samples after the warm-up steps, None without samples. The samples are rewritten
+    to `path` as they come: a machine taken back before the bench writes its report (the H200
+    run at 2386771 lost s = 0's fraction so) still leaves them in the pack."""
 
-    def __init__(self, period_s: float = 0.2) -> None:
-        self.samples: list[float] = []
+    def __init__(self, path: Path, *, metrics: Path, warmup: int, period_s: float = 0.2) -> None:
+        self.samples: list[tuple[float, int]] = []  # (busy fraction, steps logged)
+        self._path, self._metrics, self._warmup = path, metrics, warmup
         self._stop = threading.Event()
         self._period_s = period_s
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _steps_logged(self) -> int:
+        try:
+            return self._metrics.read_bytes().count(b"\n")
+        except OSError:
+            return 0
+
     def _run(self) -> None:
         while not self._stop.wait(self._period_s):
+            steps = self._steps_logged()  # before the reading: a reading is never older
             try:
                 out = subprocess.run(
                     ["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
@@ -81,7 +94,12 @@ class BusySampler:
             except (OSError, subprocess.TimeoutExpired):
                 return  # no GPU tool: no fraction
             if out:
-                self.samples.append(float(out[0]) / 100)
+                self.samples.append((float(out[0]) / 100, steps))
+                if len(self.samples) % 25 == 0:
+                    self._save()
+
+    def _save(self) -> None:
+        self._path.write_text(json.dumps({"warmup": self._warmup, "samples": self.samples}))
 
     def __enter__(self) -> BusySampler:
         if shutil.which("nvidia-smi"):
@@ -92,10 +110,21 @@ class BusySampler:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+        if self.samples:
+            self._save()
 
     @property
     def fraction(self) -> float | None:
-        return statistics.mean(self.samples) if self.samples else None
+        return busy_fraction(self.samples, warmup=self._warmup)
+
+
+def busy_fraction(samples: list[tuple[float, int]], *, warmup: int) -> float | None:
+    """Mean busy fraction over the samples taken once `warmup` steps were logged (the loading
+    and the first step's compiles left out); over all samples when none came after; None
+    without samples."""
+    timed = [busy for busy, steps in samples if steps >= warmup]
+    chosen = timed or [busy for busy, _ in samples]
+    return statistics.mean(chosen) if chosen else None
 
 
 def prepare(args: argparse.Namespace) -> list[str]:
@@ -182,7 +211,8 @@ def run_one(staleness: int, base: list[str], args: argparse.Namespace) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "trainer.log"
     start = time.perf_counter()
-    with BusySampler() as busy, log_path.open("w") as log:
+    sampler = BusySampler(out / "gpu_busy.json", metrics=out / "metrics.jsonl", warmup=args.warmup)
+    with sampler as busy, log_path.open("w") as log:
         returncode = subprocess.run(
             command, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT
         ).returncode
