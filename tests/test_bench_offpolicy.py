@@ -103,6 +103,29 @@ def test_busy_fraction_leaves_out_the_warm_up_and_survives_in_a_file(tmp_path, m
     assert offpolicy_gpu.busy_fraction([], warmup=0) is None
 
 
+def test_earlier_report_keeps_its_runs_and_names_each_runs_commit(tmp_path, monkeypatch):
+    # s = 0 from a committed report (an earlier device call), s = 1 run now at another commit.
+    earlier = tmp_path / "earlier.json"
+    s0 = {"rc": 1, "commit": "aaaa111"}  # a failed run: kept as it was, its cells empty
+    earlier.write_text(json.dumps({"runs": {"0": s0}}))
+    monkeypatch.setattr(offpolicy_gpu, "prepare", lambda args: [])
+    monkeypatch.setattr(offpolicy_gpu, "device_name", lambda: "NVIDIA H200")
+    monkeypatch.setenv("YATT_COMMIT", "bbbb222")
+    ran = []
+
+    def fake_run(staleness, base, args):
+        ran.append(staleness)
+        return {"staleness": staleness, "rc": 1, "commit": os.environ["YATT_COMMIT"]}
+
+    monkeypatch.setattr(offpolicy_gpu, "run_one", fake_run)
+    out = tmp_path / "out"
+    offpolicy_gpu.main(["--out-dir", str(out), "--earlier", str(earlier), "--staleness", "1"])
+    assert ran == [1]  # only the asked s ran again
+    report = json.loads((out / "offpolicy_h200.json").read_text())
+    assert report["runs"] == {"0": s0, "1": {"staleness": 1, "rc": 1, "commit": "bbbb222"}}
+    assert "Commits: s = 0 at aaaa111, s = 1 at bbbb222." in (out / "offpolicy_h200.md").read_text()
+
+
 LENGTHS = [  # two steps' length metrics: median, p90, max, at-cap fraction
     {"response/length_p50": 70.0, "response/length_p90": 512.0, "response/length_max": 512.0,
      "response/truncated_frac": 0.125},

@@ -217,7 +217,10 @@ def run_one(staleness: int, base: list[str], args: argparse.Namespace) -> dict:
             command, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT
         ).returncode
     wall_s = time.perf_counter() - start
-    result = {"staleness": staleness, "rc": returncode, "wall_s": wall_s}
+    # The commit each run ran at (gpu_checks/background.sh's caller exports it): runs of one
+    # report can come from several device calls (--earlier).
+    commit = os.environ.get("YATT_COMMIT", "")
+    result = {"staleness": staleness, "rc": returncode, "wall_s": wall_s, "commit": commit}
     if returncode != 0:
         return result | {"log_tail": log_path.read_text(errors="replace")[-3000:]}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -381,6 +384,11 @@ def markdown(results: dict) -> str:
                 )
     lines += ["", "Ratios of medians: " + ("; ".join(cells) or "none") + "."]
     lines.append(f"One-GPU bound (two engines at once / one after the other): {ONE_GPU_OVERLAP}.")
+    commits = {s: run.get("commit") for s, run in sorted(results["runs"].items())}
+    if any(commits.values()):
+        lines.append(
+            "Commits: " + ", ".join(f"s = {s} at {c or '?'}" for s, c in commits.items()) + "."
+        )
     return "\n".join(lines)
 
 
@@ -420,12 +428,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "rose 51 -> 217 over 100 steps (H200, 2386771)",
     )
     parser.add_argument(
+        "--earlier",
+        default="",
+        help="a report JSON whose runs are kept (those of --staleness run again), e.g. a "
+        "committed bench/results/offpolicy_nvidia_h200.json; default: OUT's own",
+    )
+    parser.add_argument(
         "--tiny", action="store_true", help="the GPU runs' setup at 2-layer shapes (CPU check)"
     )
     parser.add_argument(
         "extra", nargs="*", help="more trainer overrides, e.g. rollout.samples_per_prompt=8"
     )
     args = parser.parse_args(argv)
+    if args.earlier and not Path(args.earlier).is_file():
+        parser.error(f"--earlier {args.earlier}: no such file (a report JSON this bench wrote)")
     args.steps = args.steps or (4 if args.smoke else 100)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 5)
     args.prompts = args.prompts or (4 if args.smoke else 16)
@@ -445,7 +461,7 @@ def main(argv: list[str]) -> None:
         if args.smoke
         else f"offpolicy_{results['device'].split()[-1].lower()}"
     )
-    earlier = Path(args.out_dir) / f"{name}.json"
+    earlier = Path(args.earlier) if args.earlier else Path(args.out_dir) / f"{name}.json"
     if earlier.is_file():  # an earlier call's runs (one s per device call), kept
         saved = json.loads(earlier.read_text())["runs"]
         results["runs"] = {int(s): run for s, run in saved.items()}
