@@ -30,6 +30,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -134,8 +135,9 @@ def shape_state(state: dict[str, torch.Tensor], *, eos_id: int, num_tokenizer_id
     return state
 
 
-def shape_policy(src: Path, dst: Path, *, shaping: Shaping) -> Path:
-    """A copy of the policy folder `src` at `dst` with its weights shaped; `src` untouched."""
+def copy_model(src: Path, dst: Path) -> tuple[Path, Any]:
+    """`src`'s model folder copied to `dst` (replaced): (its one weights file, its tokenizer),
+    for a shaping to rewrite the copy; `src` untouched."""
     import shutil
 
     from transformers import AutoTokenizer
@@ -145,11 +147,18 @@ def shape_policy(src: Path, dst: Path, *, shaping: Shaping) -> Path:
     files = sorted(dst.glob("*.safetensors"))
     if len(files) != 1:
         raise ValueError(f"{src}: expected one model.safetensors, found {len(files)}")
-    tokenizer = AutoTokenizer.from_pretrained(src)
-    state = load_file(files[0])
+    return files[0], AutoTokenizer.from_pretrained(src)
+
+
+def shape_policy(src: Path, dst: Path, *, shaping: Shaping) -> Path:
+    """A copy of the policy folder `src` at `dst` with its weights shaped; `src` untouched."""
+    weights, tokenizer = copy_model(src, dst)
     shaped = shape_state(
-        state, eos_id=tokenizer.eos_token_id, num_tokenizer_ids=len(tokenizer), shaping=shaping
+        load_file(weights),
+        eos_id=tokenizer.eos_token_id,
+        num_tokenizer_ids=len(tokenizer),
+        shaping=shaping,
     )
-    save_file(shaped, files[0], metadata={"format": "pt"})
+    save_file(shaped, weights, metadata={"format": "pt"})
     (dst / "longtail_shaping.json").write_text(json.dumps(asdict(shaping)))
     return dst

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from _longtail_policy import copy_model  # bench/train: beside this file
 from safetensors.torch import load_file, save_file
 
 # The chat template the shaped judge's tokenizer gets: the test tokenizer's, with a generation
@@ -45,7 +45,6 @@ CHAT_TEMPLATE = (
 )
 STATES = ("reasoning", "newline", "Y", "e", "s", "N", "o")
 SUPPRESSED = -40.0  # a logit no sampled token has (e^-40 x 152k tokens ~ 1e-12)
-GENERATION_PROMPT_END = ":"
 
 
 @dataclass(frozen=True)
@@ -119,16 +118,9 @@ def shape_state(state: dict[str, torch.Tensor], *, tokenizer, chain: VerdictChai
 def shape_judge(src: Path, dst: Path, *, chain: VerdictChain) -> Path:
     """A copy of the judge folder `src` at `dst` with its weights, config (untied head) and
     tokenizer (chat template) shaped; `src` untouched."""
-    from transformers import AutoTokenizer
-
-    shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(src, dst)
-    files = sorted(dst.glob("*.safetensors"))
-    if len(files) != 1:
-        raise ValueError(f"{src}: expected one model.safetensors, found {len(files)}")
-    tokenizer = AutoTokenizer.from_pretrained(src)
-    shaped = shape_state(load_file(files[0]), tokenizer=tokenizer, chain=chain)
-    save_file(shaped, files[0], metadata={"format": "pt"})
+    weights, tokenizer = copy_model(src, dst)
+    shaped = shape_state(load_file(weights), tokenizer=tokenizer, chain=chain)
+    save_file(shaped, weights, metadata={"format": "pt"})
     config_path = dst / "config.json"
     config = json.loads(config_path.read_text())
     config["tie_word_embeddings"] = False
