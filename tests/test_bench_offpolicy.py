@@ -38,6 +38,9 @@ def test_smoke_runs_every_bound_and_reports_ages_within_it(tmp_path, embedded_ta
         assert run["tokens_over_bound"] == 0
         assert len(run["reward_curve"]) == 3
         assert run["gpu_busy"] is None  # no GPU: no fraction
+        # the last step's checkpoint was committed, then deleted for the next run's disk
+        assert run["checkpoints"] == ["step-00000002"], run["checkpoints"]
+        assert not (tmp_path / f"s{s}" / "checkpoints").exists()
         lengths = run["lengths"]["run"]  # the trainer's own length metrics, read back
         assert 1 <= lengths["median"] <= lengths["p90"] <= lengths["max"] <= 4  # task's cap: 4
         assert 0.0 <= lengths["at_cap"] <= 1.0
@@ -184,6 +187,11 @@ def test_report_prints_the_lengths_asked_and_got():
     text = offpolicy_gpu.markdown(results)
     assert "| asked (longtail) | 75 / 512 / 512 / 10.3% | | |" in text
     assert "| 0 | 75 / 456 / 512 / 9.4% | 70 / 512 / 512 / 12.5% | 80 / 400 / 512 / 6.2% |" in text
+    assert "One-GPU bound for s >= 1" not in text  # s = 0's busy fraction unknown: no bound
+    run["gpu_busy"] = 0.58  # busy 58% of s = 0's step: filling the rest gives 0.58 of it
+    assert "idle GPU time filled (its GPU busy fraction): 0.58 of s = 0's" in (
+        offpolicy_gpu.markdown(results)
+    )
 
 
 def test_the_long_tail_mix_has_its_stated_quantiles():

@@ -203,12 +203,18 @@ def run_one(staleness: int, base: list[str], args: argparse.Namespace) -> dict:
         f"data.prompts_per_rank={args.prompts}",
         "eval.every_steps=0",
         "export.dir=''",
+        # One checkpoint on disk at a time: the saves still run as in a user's run, but three
+        # runs keeping three 0.5B checkpoints each (weights and Adam state) filled the H200
+        # machine's 64 GiB disk in s = 2's run at 3991ef1 (torch.save: "unexpected pos").
+        "ckpt.keep_last=1",
         *args.extra,
     ]
     # The whole log, written as the run goes: a failed run's cause can sit above its last lines
     # (the H200 run at 16ea75f kept only the tail), and a run cut by the device's time limit
     # leaves what it had logged in the pack (95a3076's first step outlasted its call).
     out.mkdir(parents=True, exist_ok=True)
+    disk_free_gib = round(shutil.disk_usage(out).free / 2**30, 1)
+    print(f"s = {staleness}: {disk_free_gib} GiB free on {out}'s disk", flush=True)
     log_path = out / "trainer.log"
     start = time.perf_counter()
     sampler = BusySampler(out / "gpu_busy.json", metrics=out / "metrics.jsonl", warmup=args.warmup)
@@ -217,14 +223,26 @@ def run_one(staleness: int, base: list[str], args: argparse.Namespace) -> dict:
             command, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT
         ).returncode
     wall_s = time.perf_counter() - start
+    checkpoints = drop_checkpoints(out / "checkpoints")
     # The commit each run ran at (gpu_checks/background.sh's caller exports it): runs of one
     # report can come from several device calls (--earlier).
     commit = os.environ.get("YATT_COMMIT", "")
     result = {"staleness": staleness, "rc": returncode, "wall_s": wall_s, "commit": commit}
+    result |= {"checkpoints": checkpoints, "disk_free_gib_before": disk_free_gib}
     if returncode != 0:
         return result | {"log_tail": log_path.read_text(errors="replace")[-3000:]}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return result | summarize(rows, staleness, warmup=args.warmup) | {"gpu_busy": busy.fraction}
+
+
+def drop_checkpoints(folder: Path) -> list[str]:
+    """The names of the checkpoints a run committed, then the folder deleted: the next run
+    needs the disk, and the bench only needs to know the saves happened."""
+    if not folder.is_dir():
+        return []
+    names = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    shutil.rmtree(folder)
+    return names
 
 
 def summarize(rows: list[dict], staleness: int, *, warmup: int) -> dict:
@@ -383,7 +401,18 @@ def markdown(results: dict) -> str:
                     f"{name} s = {s} / s = 0: " + ("n/a" if value is None else f"{value:.3f}")
                 )
     lines += ["", "Ratios of medians: " + ("; ".join(cells) or "none") + "."]
-    lines.append(f"One-GPU bound (two engines at once / one after the other): {ONE_GPU_OVERLAP}.")
+    lines.append(
+        f"Two engines at once / one after the other on one H200: {ONE_GPU_OVERLAP} "
+        "(engines_overlap_nvidia_h200.md): what overlapping rollout and judge alone gives."
+    )
+    busy0 = results["runs"].get(0, {}).get("gpu_busy")
+    if busy0 is not None:
+        # s >= 1 overlaps the trainer with the engines too, so the engines' 0.84 is no bound
+        # for it; filling s = 0's idle GPU time is (while kernels do not run side by side).
+        lines.append(
+            f"One-GPU bound for s >= 1, s = 0's step with its idle GPU time filled (its GPU "
+            f"busy fraction): {busy0:.2f} of s = 0's step time."
+        )
     commits = {s: run.get("commit") for s, run in sorted(results["runs"].items())}
     if any(commits.values()):
         lines.append(
