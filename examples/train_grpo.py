@@ -91,6 +91,7 @@ from transformers import AutoTokenizer
 from yatt import core, genrm, rollout
 from yatt.ckpt import (
     Checkpointer,
+    CheckpointSpaceError,
     ClosingStack,
     RunLock,
     acquire_run_lock,
@@ -631,6 +632,9 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                 if is_eval_on and ((step + 1) % cfg.eval.every_steps == 0 or step == last_step):
                     metrics |= evaluate(eval_prompts, step=step, cfg=cfg, ctx=ctx)
                 metrics |= plan.metrics()
+                # due saves skipped so far because they would not fit on the disk (the cause
+                # is in the log); a line late, as the save follows the line
+                metrics["ckpt/skipped_no_space"] = float(ckpt.num_skipped_saves)
                 run_log.log(step, metrics)
                 run_log.log_samples(step, stats.samples)  # a few responses, with their rewards
                 check_verdicts(step, metrics, stats.first_failure, verdict_warnings)
@@ -641,8 +645,11 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                 save_start = time.perf_counter()  # async: returns once tensors are staged
                 extra = {"step": step}
                 decision = ckpt.maybe_save(step, policy.state(), phase="train", extra=extra)
-                if not decision.is_saved and step == last_step:  # the final step, always
-                    ckpt.save(step, policy.state(), extra=extra)
+                if not decision.is_saved and not decision.is_skipped and step == last_step:
+                    try:  # the final step, always, where the disk has room for it
+                        ckpt.save(step, policy.state(), extra=extra)
+                    except CheckpointSpaceError as e:  # the export below still runs
+                        logger.warning("the final step is not saved: %s", e)
                 last_save_s = time.perf_counter() - save_start
                 if decision.should_stop:
                     stop_signal = decision.stop_signal

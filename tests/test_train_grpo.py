@@ -102,6 +102,7 @@ def test_two_ranks_train_and_checkpoint(tmp_path, embedded, placement, request):
         assert r["train/num_loss_tokens"] > 0 or r["train/is_skipped"] == 1.0
     phase = "rollout" if placement == "partial" else "genrm"
     assert f"placement/{phase}/switch_s" in records[-1]
+    assert records[-1]["ckpt/skipped_no_space"] == 0.0  # every due save fit on the disk
     assert (out / "checkpoints" / f"step-{due:08d}").is_dir()  # due by ckpt.every_steps
     assert (out / "checkpoints" / f"step-{num_steps - 1:08d}").is_dir()  # the last, always
     assert (out / "metrics.png").read_bytes()[:4] == b"\x89PNG"

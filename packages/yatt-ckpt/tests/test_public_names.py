@@ -15,6 +15,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
     "yatt.ckpt": [
         "CheckpointError",
         "CheckpointInfo",
+        "CheckpointSpaceError",
         "Checkpointer",
         "CkptConfig",
         "ClosingStack",

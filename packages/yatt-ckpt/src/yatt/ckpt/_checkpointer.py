@@ -51,6 +51,7 @@ from yatt.ckpt._process_writer import ProcessWriter
 from yatt.ckpt._rng import capture_rng_state, restore_rng_state
 from yatt.ckpt._runlock import RunLock, RunLockedError, lock_file
 from yatt.ckpt._schedule import DEFAULT_STOP_SIGNALS, SaveDecision, SaveSchedule
+from yatt.ckpt._space import CheckpointSpaceError, ranks_sharing_disk, shortfall, state_nbytes
 from yatt.ckpt._staging import HostStager
 from yatt.ckpt._state import (
     apply_state_dict,
@@ -135,6 +136,9 @@ class Checkpointer:
         self._pending: tuple[threading.Thread | None, int] | None = None
         self._pending_error: BaseException | None = None
         self.num_deferred_saves = 0  # due saves that found the writer busy (when_busy="defer")
+        # Due saves maybe_save skipped because they would not fit on the disk (_space.py).
+        self.num_skipped_saves = 0
+        self.last_skip_reason: str | None = None
         self._process_writer: ProcessWriter | None = None
         self._is_closed = False
         self._writer_lock: RunLock | None = None
@@ -275,6 +279,7 @@ class Checkpointer:
         self.wait()
         record = {"rank": self._group.rank, "rng": capture_rng_state(), "extra_json": extra_json}
         live = collect_state_dict(state, owners)
+        self._check_space(step, live)
         self._schedule.note_saved(step)
         if not self.config.async_save:
             self._write_and_commit(step, live, record)
@@ -299,6 +304,15 @@ class Checkpointer:
         )
         self._pending = (thread, step)
         thread.start()
+
+    def _check_space(self, step: int, live: dict[str, Any]) -> None:
+        """CheckpointSpaceError on every rank when the save would not fit on some rank's disk
+        (after the previous save committed and pruned: save() waited for it)."""
+        need = state_nbytes(live) * ranks_sharing_disk()
+        error = shortfall(self.root, step, need, keep_last=self.config.keep_last)
+        errors = self._group.gather_errors(error, on_io=False)
+        if errors:
+            raise CheckpointSpaceError("; ".join(errors))
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed; raise its error if it failed."""
@@ -356,7 +370,16 @@ class Checkpointer:
                 self._schedule.is_deferred = True
                 self.num_deferred_saves += 1
                 return SaveDecision(is_saved=False, should_stop=False, is_deferred=True)
-        self.save(step, state, extra=extra)
+        try:
+            self.save(step, state, extra=extra)
+        except CheckpointSpaceError as e:
+            # A scheduled save that cannot fit: the run goes on with its newest checkpoint
+            # (a crash would lose the steps since, not the run), counted and warned at each
+            # due save; the next due save tries again. Every rank raised alike.
+            self.num_skipped_saves += 1
+            self.last_skip_reason = str(e)
+            logger.warning("checkpoint skipped (%d so far): %s", self.num_skipped_saves, e)
+            return SaveDecision(is_saved=False, should_stop=False, is_skipped=True)
         return SaveDecision(is_saved=True, should_stop=False)
 
     def is_writing(self) -> bool:

@@ -33,6 +33,9 @@ class SaveDecision:
     # A save was due but the previous one was still being written (when_busy="defer"): the
     # next eligible call saves instead.
     is_deferred: bool = False
+    # A save was due but would not fit on the disk (Checkpointer.num_skipped_saves counts them,
+    # last_skip_reason says why); the next due save tries again.
+    is_skipped: bool = False
     # The signal that asked to stop (the same on every rank; the highest number when ranks got
     # different ones), None when should_stop is False.
     stop_signal: int | None = None

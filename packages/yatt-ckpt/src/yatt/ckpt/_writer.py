@@ -40,6 +40,7 @@ from yatt.ckpt._layout import (
     write_meta,
     write_rank_record_durable,
 )
+from yatt.ckpt._space import probable_storage_cause
 from yatt.ckpt._staging import HostStager
 
 logger = logging.getLogger("yatt.ckpt")
@@ -103,7 +104,8 @@ def write_and_commit(
         # rank reads back only its own files, still in its page cache.
         checksums.update(hash_files_of_rank(tmp, group.rank))
 
-    all_checksums = group.agree_and_gather(describe_failure(write_files), checksums, on_io=True)
+    failure = describe_failure(write_files, path=tmp)
+    all_checksums = group.agree_and_gather(failure, checksums, on_io=True)
     error = None
     if group.rank == 0:
 
@@ -139,14 +141,17 @@ def _fresh_folder(path: Path) -> None:
     path.mkdir(parents=True)
 
 
-def describe_failure(fn: Callable[[], object]) -> str | None:
+def describe_failure(fn: Callable[[], object], *, path: Path | None = None) -> str | None:
     """Run `fn`; its error as one line, or None. Collective code must not raise on one rank only.
     A full disk or a file-size limit is named first: DCP wraps the OSError in an exception
-    whose text names no cause."""
+    whose text names no cause. torch.save's zip writer reports a short write with no errno at
+    all ("unexpected pos ..."): then `path`'s disk, nearly full, is named as the probable cause."""
     try:
         fn()
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
         cause = _storage_cause(e)
+        if cause is None and path is not None:
+            cause = probable_storage_cause(path)
         text = f"{type(e).__name__}: {e}"
         return text if cause is None else f"{cause}; {text}"
     return None
