@@ -188,6 +188,11 @@ def test_report_prints_the_lengths_asked_and_got():
     assert "| asked (longtail) | 75 / 512 / 512 / 10.3% | | |" in text
     assert "| 0 | 75 / 456 / 512 / 9.4% | 70 / 512 / 512 / 12.5% | 80 / 400 / 512 / 6.2% |" in text
     assert "One-GPU bound for s >= 1" not in text  # s = 0's busy fraction unknown: no bound
+    # the reward curve in 10-step means: steps 0..9 of 0.0 and 0.2 alternating, then 1.0 alone
+    run["reward_curve"] = [0.0, 0.2] * 5 + [1.0]
+    text = offpolicy_gpu.markdown(results)
+    assert "| s | 0-9 | 10-10 |" in text
+    assert "| 0 | 0.100 | 1.000 |" in text
     run["gpu_busy"] = 0.58  # busy 58% of s = 0's step: filling the rest gives 0.58 of it
     assert "idle GPU time filled (its GPU busy fraction): 0.58 of s = 0's" in (
         offpolicy_gpu.markdown(results)

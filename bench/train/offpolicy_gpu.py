@@ -391,6 +391,7 @@ def markdown(results: dict) -> str:
         if not run.get("rc"):
             cells = [_lengths_cell(run["lengths"][k]) for k in ("run", "first", "last")]
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    lines += reward_windows(results["runs"])
     cells = []
     for prefix, name in (("step_s", "step time"), ("token_time", "time per loss token")):
         for s in STALENESS[1:]:
@@ -419,6 +420,32 @@ def markdown(results: dict) -> str:
             "Commits: " + ", ".join(f"s = {s} at {c or '?'}" for s, c in commits.items()) + "."
         )
     return "\n".join(lines)
+
+
+REWARD_WINDOW = 10  # steps per cell of the report's reward curve
+
+
+def reward_windows(runs: dict[int, dict]) -> list[str]:
+    """The reward curves in the report itself, as means over REWARD_WINDOW steps: a report
+    printed by a device call outlives its JSON (the H200 run at 3991ef1 lost its files)."""
+    curves = {s: run["reward_curve"] for s, run in sorted(runs.items()) if not run.get("rc")}
+    if not curves:
+        return []
+    longest = max(len(c) for c in curves.values())
+    starts = range(0, longest, REWARD_WINDOW)
+    header = [f"{a}-{min(a + REWARD_WINDOW, longest) - 1}" for a in starts]
+    lines = [
+        "",
+        f"Reward (reward/mean) by {REWARD_WINDOW}-step window, mean over the window's steps:",
+        "",
+        "| s | " + " | ".join(header) + " |",
+        "|---|" + "---|" * len(header),
+    ]
+    for s, curve in curves.items():
+        cells = [curve[a : a + REWARD_WINDOW] for a in starts]
+        text = [f"{sum(c) / len(c):.3f}" if c else "" for c in cells]
+        lines.append(f"| {s} | " + " | ".join(text) + " |")
+    return lines
 
 
 def device_name() -> str:
