@@ -222,17 +222,18 @@ class RolloutConfig(rollout.EngineSpec):
     # and cut the long tail).
     fill_probability: float | None = None  # null: the mean; q in (0, 1): fills with probability q
     on_unfilled: str = "train"  # unfilled after max_sampling_rounds: "train" on it, or "error"
-    # "rounds": generate, judge, keep, per round. "stream" (placement=partial only): prompts
+    # "rounds": generate, judge, keep, per round. "stream" (placement=partial/separate): prompts
     # keep entering the engine while verdicts come back; once every rank has its groups the
     # rollout and the judge are aborted (the long tail cut, counted).
-    sampling_mode: str = "rounds"  # "rounds" or "stream" (placement=partial)
+    sampling_mode: str = "rounds"  # "rounds" or "stream" (placement=partial or separate)
     # stream: the groups the abort cut are finished first in the next step, their old tokens
     # and logprobs kept (off-policy by a step: needs loss.rollout_correction); else dropped.
     keep_partial: bool = False
     # Off-policy steps (issue 48): rollout and judge of the next prompts run in worker threads
     # while the trainer trains, under weights up to max_staleness versions (steps) old; each
     # token keeps the version that sampled it, the loss weighs it by pi_prox / pi_behaviour
-    # (loss.rollout_correction). 0: today's on-policy step. Needs placement='partial',
+    # (loss.rollout_correction). 0: today's on-policy step. Needs placement='partial' (or
+    # 'separate': the trainer on its GPU, the engines on theirs),
     # backend='torch', loss.old_logprobs_from='trainer'; refuses keep_partial and stream.
     # Multi-turn (environment/tools): each turn's tokens keep the version that ran the turn.
     max_staleness: int = 0
@@ -496,7 +497,10 @@ class TrainConfig:
     # no group with reward variance, or a skipped non-finite step. 0: never stop for it.
     max_idle_steps: int = 20
     out_dir: str = "runs/grpo"  # metrics, plot and checkpoints
-    placement: str = "full"  # "full": phases in turn; "partial": rollout + GenRM resident
+    # "full": phases in turn; "partial": rollout + GenRM resident; "separate": rollout and
+    # GenRM on GPUs of their own (rank r trains on GPU r, its engines run on GPU r + ranks per
+    # node; weights copied GPU to GPU after each step), every role awake
+    placement: str = "full"
     offload: str = "always"  # "auto": a role sleeps only when the next phase would not fit
     backend: str = "torch"  # policy backend: "torch" or "megatron" (CUDA; yatt-core[megatron])
     # The backend's config fields (TorchPolicyConfig or MegatronPolicyConfig): checked here by
@@ -537,7 +541,8 @@ class TrainConfig:
                 f"data.image_key={self.data.image_key!r}: images train with backend='torch' "
                 f"only (backend={self.backend!r} takes text prompts)"
             )
-        for key, allowed in (("placement", ("full", "partial")), ("offload", ("always", "auto"))):
+        placements = ("full", "partial", "separate")
+        for key, allowed in (("placement", placements), ("offload", ("always", "auto"))):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key}={getattr(self, key)!r}: use one of {allowed}")
         if self.placement == "partial" and not self.uses_judge_model:
@@ -545,11 +550,22 @@ class TrainConfig:
                 f"placement='partial' keeps the judge's engine beside the rollout's; "
                 f"reward.backend={self.reward.backend!r} has none: use placement='full'"
             )
-        if self.rollout.sampling_mode == "stream" and self.placement != "partial":
+        if self.placement == "separate":
+            engines = [("rollout.backend", self.rollout.backend)]
+            if self.uses_judge_model:
+                engines.append(("reward.backend", self.reward.backend))
+            for name, backend in engines:
+                if backend != "builtin":
+                    raise ValueError(
+                        f"placement='separate' with {name}={backend!r}: the trainer puts the "
+                        "built-in engine on a GPU of its own; vLLM and SGLang pick their GPUs "
+                        f"themselves here. Use {name}='builtin' or placement='partial'"
+                    )
+        if self.rollout.sampling_mode == "stream" and self.placement == "full":
             raise ValueError(
-                f"rollout.sampling_mode='stream' judges responses while the rollout runs, which "
-                f"needs the rollout and judge engines resident together: set placement='partial' "
-                f"(placement={self.placement!r}), or rollout.sampling_mode='rounds'"
+                "rollout.sampling_mode='stream' judges responses while the rollout runs, which "
+                "needs the rollout and judge engines resident together: set placement='partial' "
+                "or 'separate' (placement='full'), or rollout.sampling_mode='rounds'"
             )
         if self.rollout.keep_partial:
             core.check_partial_resumption(

@@ -1,5 +1,6 @@
 """The reference trainer's setup: engines, the reward, held-out rows, start checks, export.
 
+    device = engine_device(cfg.placement, runtime.device)      the trainer's, or (separate) its own
     engine = make_engine(cfg.rollout, model_dir, device)       rollout.build_engine
     judge_engine = make_judge_engine(cfg.reward, engine, device)  its own, or the policy's base
     plan = make_plan(cfg.placement, rollout=engine, genrm=judge_engine, ...)  placement.Plan
@@ -21,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from grpo_config import RESOLVED_CONFIG, RewardConfig, TrainConfig, resolved_config_values
 from grpo_data import row_fields_read_by
@@ -30,6 +32,30 @@ from yatt.ckpt import Checkpointer, acquire_run_lock
 from yatt.placement import Plan, Role
 
 logger = logging.getLogger("train_grpo")
+
+
+def engine_device(placement: str, trainer_device: Any) -> str:
+    """Where this rank's rollout and judge engines run. The trainer's device, except under
+    placement=separate on CUDA: rank r (LOCAL_RANK) trains on GPU r and its engines take GPU
+    r + LOCAL_WORLD_SIZE, so a node needs twice as many visible GPUs as ranks. The weights then
+    cross between the two GPUs in the engine's update_weights (a peer copy inside this
+    process, over NVLink where the GPUs have it), and nothing sleeps. On the host every role
+    is on the CPU (a check of the wiring, not of speed). ValueError naming placement, before
+    any model loads, when the GPUs are too few."""
+    device = torch.device(trainer_device)
+    if placement != "separate" or device.type != "cuda":
+        return str(device)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    index = (device.index or 0) + ranks
+    visible = torch.cuda.device_count()
+    if index >= visible:
+        raise ValueError(
+            f"placement='separate' puts each rank's engines on a GPU of their own: "
+            f"{ranks} rank(s) on this node need {2 * ranks} GPUs, {visible} visible "
+            f"(CUDA_VISIBLE_DEVICES); start fewer ranks (torchrun --nproc_per_node), or use "
+            "placement='partial' to share a GPU"
+        )
+    return f"cuda:{index}"
 
 
 def make_engine(
@@ -68,12 +94,16 @@ def is_own_judge_engine(judge_engine) -> bool:
 
 
 def make_plan(placement: str, *, rollout, genrm, train, reference, offload: str) -> Plan:
-    """The placement plan of the run's roles (placement: "full" or "partial").
+    """The placement plan of the run's roles (placement: "full", "partial" or "separate":
+    every role awake on its own GPUs, engine_device).
 
     A judge on the policy's engine (make_judge_engine with reward.judge_dir=policy) is no role
     of its own: the one engine is placed as the rollout, awake through rollout and judging, and
     the plan is full colocation's rollout/train/sync (partial colocation's memory split between
     two engines has nothing to split: the judge's rows share the policy engine's slots)."""
+    if placement == "separate":
+        own_judge = genrm if genrm is not None and is_own_judge_engine(genrm) else None
+        return Plan.separate(rollout=rollout, genrm=own_judge, train=train, reference=reference)
     if genrm is not None and not is_own_judge_engine(genrm):
         if placement == "partial":
             logger.info(

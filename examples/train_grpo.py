@@ -152,6 +152,7 @@ from grpo_rollout import (  # noqa: F401
     vision_inputs_of,
 )
 from grpo_setup import (
+    engine_device,
     export_checkpoint,
     export_dir,
     export_policy,
@@ -408,6 +409,9 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
 
         # -- models: policy, KL reference, rollout engine, judge, placement ----------------------
         device = str(runtime.device)
+        # The engines' device: the trainer's, or under placement=separate a GPU of their own
+        # (too few GPUs: a ValueError before any model loads).
+        engines_device = engine_device(cfg.placement, runtime.device)
         logger.info(
             "loading the policy, its rollout engine and the reward (%s)", cfg.reward.backend
         )
@@ -420,14 +424,18 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             reference_config = replace(cfg.policy, is_reference=True)
             reference = core.build_policy(cfg.backend, reference_config, runtime)
         engine = resources.close_later(
-            make_engine(cfg.rollout, cfg.policy.model_dir, device, policy_tp_size=runtime.tp_size)
+            make_engine(
+                cfg.rollout, cfg.policy.model_dir, engines_device, policy_tp_size=runtime.tp_size
+            )
         )
         if encoder.takes_images and not engine.accepts_images:
             raise ValueError(f"rollout.backend={cfg.rollout.backend!r} serves no images here")
         judge_engine = None
         if cfg.uses_judge_model:
             # its own engine, or the policy's with the adapter off (reward.judge_dir=policy)
-            judge_engine = resources.close_later(make_judge_engine(cfg.reward, engine, device))
+            judge_engine = resources.close_later(
+                make_judge_engine(cfg.reward, engine, engines_device)
+            )
         owned: list[Any] = []  # what the scorer runs (reward workers, a client): closed too
         scorer, exact_match = make_scorer(cfg.reward, judge_engine, owned)
         for closeable in owned:
@@ -435,7 +443,8 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
         roles = {"rollout": engine, "genrm": judge_engine, "train": policy, "reference": reference}
         # Off-policy steps: every role resident (no phase puts an engine to sleep under the
         # worker threads) when they fit together; else today's phases, the workers paused.
-        is_resident = is_offpolicy and is_offpolicy_resident(device)
+        is_separate = cfg.placement == "separate"  # nothing shares the trainer's GPU
+        is_resident = is_offpolicy and (is_separate or is_offpolicy_resident(device))
         if is_resident:
             plan = Plan.separate(**roles)
         else:
@@ -632,6 +641,8 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                 if is_eval_on and ((step + 1) % cfg.eval.every_steps == 0 or step == last_step):
                     metrics |= evaluate(eval_prompts, step=step, cfg=cfg, ctx=ctx)
                 metrics |= plan.metrics()
+                # 1: placement=separate, the engines on GPUs of their own (engine_device)
+                metrics["placement/is_separate"] = float(is_separate)
                 # due saves skipped so far because they would not fit on the disk (the cause
                 # is in the log); a line late, as the save follows the line
                 metrics["ckpt/skipped_no_space"] = float(ckpt.num_skipped_saves)

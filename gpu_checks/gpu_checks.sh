@@ -270,6 +270,13 @@ PY
       # response at the cap, the run before the shaping).
       CUDA_VISIBLE_DEVICES=0 STEP_TIMEOUT=${OFFPOLICY_TIMEOUT_S:-590} run_step bench_offpolicy \
         python3 bench/train/offpolicy_gpu.py --out-dir "$OUT" ${OFFPOLICY_ARGS:-} ;;
+    bench_offpolicy_separate)
+      # Issue 48's several-GPU run (two GPUs): the same runs with placement=separate, the
+      # trainer on GPU 0 and the rollout and judge engines on GPU 1 (the weights copied GPU to
+      # GPU each step); bar: s = 1 step time <= 0.6x s = 0. offpolicy_<gpu>_separate.json/.md.
+      CUDA_VISIBLE_DEVICES=0,1 STEP_TIMEOUT=${OFFPOLICY_TIMEOUT_S:-590} run_step \
+        bench_offpolicy_separate python3 bench/train/offpolicy_gpu.py --out-dir "$OUT" \
+        --placement separate ${OFFPOLICY_ARGS:-} ;;
     *)
       echo "unknown step $step"; exit 2 ;;
   esac

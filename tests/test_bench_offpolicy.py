@@ -129,6 +129,26 @@ def test_earlier_report_keeps_its_runs_and_names_each_runs_commit(tmp_path, monk
     assert "Commits: s = 0 at aaaa111, s = 1 at bbbb222." in (out / "offpolicy_h200.md").read_text()
 
 
+def test_separate_placement_reaches_the_trainer_and_writes_its_own_report(tmp_path, monkeypatch):
+    # --placement separate: the trainer's placement=separate (the engines on a second GPU), and
+    # a report of its own beside the one-GPU runs' (which are not its baseline)
+    commands = []
+
+    def fake_trainer(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 1)  # failed: the report keeps its rc
+
+    monkeypatch.setattr(offpolicy_gpu, "prepare", lambda args: ["policy.model_dir=p"])
+    monkeypatch.setattr(offpolicy_gpu, "device_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(offpolicy_gpu.subprocess, "run", fake_trainer)
+    out = tmp_path / "out"
+    offpolicy_gpu.main(["--out-dir", str(out), "--placement", "separate", "--staleness", "0", "1"])
+    assert [c.count("placement=separate") for c in commands] == [1, 1]
+    assert not any("placement=partial" in c for c in commands)
+    report = json.loads((out / "offpolicy_h200_separate.json").read_text())
+    assert sorted(report["runs"]) == ["0", "1"] and not (out / "offpolicy_h200.json").exists()
+
+
 LENGTHS = [  # two steps' length metrics: median, p90, max, at-cap fraction
     {"response/length_p50": 70.0, "response/length_p90": 512.0, "response/length_max": 512.0,
      "response/truncated_frac": 0.125},

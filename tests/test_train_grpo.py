@@ -1674,10 +1674,41 @@ def test_stream_settings_are_checked_when_the_config_is_built(embedded, raw, mat
     merged["policy"] = {**base.get("policy", {}), **raw.get("policy", {})}
     with pytest.raises(ValueError, match=match):
         grpo_config.build_config(merged)
-    # the default stays rounds, and a stream with placement=partial is accepted
+    # the default stays rounds, and a stream with the engines resident together is accepted
     assert grpo_config.build_config(base).rollout.sampling_mode == "rounds"
-    stream = {**base, "placement": "partial", "rollout": {"sampling_mode": "stream"}}
-    assert grpo_config.build_config(stream).rollout.sampling_mode == "stream"
+    for placement in ("partial", "separate"):
+        stream = {**base, "placement": placement, "rollout": {"sampling_mode": "stream"}}
+        assert grpo_config.build_config(stream).rollout.sampling_mode == "stream"
+
+
+def test_separate_placement_gives_each_ranks_engines_a_gpu_of_their_own(monkeypatch):
+    # Rank r trains on GPU r; its engines take GPU r + the ranks on the node (torchrun's
+    # LOCAL_WORLD_SIZE). No GPU is touched: the count of visible ones is the only input.
+    import grpo_setup
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cuda = torch.device
+    assert grpo_setup.engine_device("separate", cuda("cuda", 0)) == "cuda:2"
+    assert grpo_setup.engine_device("separate", cuda("cuda", 1)) == "cuda:3"
+    for placement in ("full", "partial"):  # the engines share the trainer's GPU
+        assert grpo_setup.engine_device(placement, cuda("cuda", 1)) == "cuda:1"
+    assert grpo_setup.engine_device("separate", cuda("cpu")) == "cpu"  # the host: one device
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)  # two ranks need four GPUs
+    with pytest.raises(ValueError, match=r"placement='separate' .* need 4 GPUs, 3 visible"):
+        grpo_setup.engine_device("separate", cuda("cuda", 1))
+    # a judge given by functions only: separate still holds (the rollout's engine moves)
+    reward = grpo_config.RewardConfig(backend="none", rule_weight=1.0)
+    functions_only = grpo_config.TrainConfig(policy={}, placement="separate", reward=reward)
+    assert functions_only.placement == "separate"
+    # vLLM and SGLang pick their GPUs themselves: refused, naming both fields
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    vllm = grpo_config.RolloutConfig(backend="vllm")
+    with pytest.raises(ValueError, match=r"placement='separate' with rollout\.backend='vllm'"):
+        grpo_config.TrainConfig(policy={}, placement="separate", reward=reward, rollout=vllm)
 
 
 @pytest.mark.parametrize("value", ["0", "1", "1.5", "-0.1", "nan"])

@@ -120,10 +120,15 @@ def test_a_refusal_exits_2_before_any_model_loads(tmp_path, embedded, trainer):
 NUM_STEPS = 8
 
 
-@pytest.mark.parametrize("s", [1, 2])
-def test_a_run_stays_within_the_bound_and_learns(tmp_path, embedded, trainer, s):
+@pytest.mark.parametrize(
+    ("s", "placement"), [(1, "partial"), (2, "partial"), (1, "separate")]
+)  # fmt: skip
+def test_a_run_stays_within_the_bound_and_learns(tmp_path, embedded, trainer, s, placement):
+    # placement=separate: the engines on a GPU of their own on a GPU machine; on the host the
+    # same wiring (its plan, every role resident, the weights pushed each step) on the CPU
     out = tmp_path / f"s{s}"
     args = [*embedded, *OFFPOLICY, f"rollout.max_staleness={s}", f"num_steps={NUM_STEPS}"]
+    args.append(f"placement={placement}")
     trainer.run(
         [sys.executable, str(TRAINER), f"out_dir={out}", *args], check=True, env=_env(), timeout=600
     )
@@ -137,6 +142,7 @@ def test_a_run_stays_within_the_bound_and_learns(tmp_path, embedded, trainer, s)
         # no token is older than the steps run so far
         assert all(n == 0 for a, n in enumerate(ages) if a > r["step"]), r["step"]
         assert r["offpolicy/is_resident"] == 1.0  # the host: every role resident together
+        assert r["placement/is_separate"] == float(placement == "separate")
         for a in range(s + 1):  # pi_prox / pi_behaviour, truncated at the cap
             if r[f"offpolicy/tokens_age_{a}"]:
                 assert 0.0 < r[f"offpolicy/is_weight_mean_age_{a}"] <= 2.0

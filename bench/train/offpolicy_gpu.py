@@ -197,7 +197,7 @@ def run_one(staleness: int, base: list[str], args: argparse.Namespace) -> dict:
         str(TRAINER),
         f"out_dir={out}",
         *base,
-        "placement=partial",
+        f"placement={args.placement}",
         f"rollout.max_staleness={staleness}",
         f"num_steps={args.steps}",
         f"data.prompts_per_rank={args.prompts}",
@@ -470,6 +470,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
     parser.add_argument(
+        "--placement",
+        choices=("partial", "separate"),
+        default="partial",
+        help="partial: trainer, rollout and judge on one GPU; separate: the engines on a second "
+        "GPU (two visible; issue 48's several-GPU bar, s = 1 step time <= 0.6x s = 0)",
+    )
+    parser.add_argument(
         "--judge-reasoning-median",
         type=int,
         default=32,
@@ -517,6 +524,8 @@ def main(argv: list[str]) -> None:
         if args.smoke
         else f"offpolicy_{results['device'].split()[-1].lower()}"
     )
+    if args.placement == "separate":  # its own report: the one-GPU runs are not its baseline
+        name += "_separate"
     earlier = Path(args.earlier) if args.earlier else Path(args.out_dir) / f"{name}.json"
     if earlier.is_file():  # an earlier call's runs (one s per device call), kept
         saved = json.loads(earlier.read_text())["runs"]

@@ -162,7 +162,11 @@ class BuiltinEngine:
         self._should_back_up_weights = should_back_up_weights
         self._are_weights_lost = False  # woken without backup, not refilled yet
         self._adapter = AdapterMerger()  # a LoRA adapter synced alone is merged in (_lora.py)
-        with region(self._tags["weights"], enable_cpu_backup=should_back_up_weights):
+        # The engine's device selected first: a memory region (and its byte count) belongs to
+        # the current device, which is the trainer's when the engine has a GPU of its own
+        # (the reference trainer's placement=separate).
+        weights_region = region(self._tags["weights"], enable_cpu_backup=should_back_up_weights)
+        with self._dev.selected(), weights_region:
             self._weight_bytes = move_into_current_region(model, self._device)
             if config.fuse_projections:  # the fused weights belong to the region too
                 fuse_projections(model)
@@ -637,7 +641,7 @@ class BuiltinEngine:
             # them go too before the new cache is allocated.
             bind_layer_caches(self.model, None)
         layout = self._kv_layout
-        with region(self._tags["kv_cache"]), self._dev.scope():
+        with self._dev.selected(), region(self._tags["kv_cache"]), self._dev.scope():
             self._cache = StaticKVCache(
                 num_layers=layout.num_layers,
                 num_slots=num_slots,
