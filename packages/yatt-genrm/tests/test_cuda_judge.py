@@ -98,7 +98,11 @@ def test_a_stop_ends_a_long_judge_batch_on_the_builtin_engine(tmp_path) -> None:
         verdict_from="text",
         sampling=SamplingParams(temperature=1.0, max_new_tokens=16000, ignore_eos=True),
     )
-    samples = [Sample(prompt=f"{i}+{i}?", response=str(2 * i)) for i in range(8)]
+    # verification_template reads {reference}: without one every verdict is a template error
+    # returned at once and the stop never comes (the H200 run at d5dd64a).
+    samples = [
+        Sample(prompt=f"{i}+{i}?", response=str(2 * i), reference=str(2 * i)) for i in range(8)
+    ]
     try:
         flag = threading.Event()
         threading.Timer(0.5, flag.set).start()
@@ -114,5 +118,6 @@ def test_a_stop_ends_a_long_judge_batch_on_the_builtin_engine(tmp_path) -> None:
         )
         verdicts = short_judge.score(samples[:2], should_stop=lambda: False)
         assert [v.sample_id for v in verdicts] == [s.id for s in samples[:2]]
+        assert all(v.num_judge_response_tokens > 0 for v in verdicts), verdicts  # judged
     finally:
         engine.close()
