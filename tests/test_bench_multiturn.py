@@ -4,6 +4,7 @@ markdown verdicts and the argument errors."""
 
 NUM_GPUS = 0
 
+import argparse
 import json
 import os
 import subprocess
@@ -184,3 +185,23 @@ def test_judge_bad_arguments(argv, names, capsys):
     with pytest.raises(SystemExit):
         multiturn_judge.parse_args(argv)
     assert names in capsys.readouterr().err
+
+
+def test_kept_floor_on_a_hand_counted_workload():
+    """2 rows, 2 turns: prompt 4, response 2, observation 3, so the prefilled turns feed 4 and
+    9 tokens a row; the kept turn 2 feeds 4 (the response's last token + the observation)
+    after 5 kept positions. Rates 1 ms a token and 0.1 ms a query-key pair (n^2 / 2 a row in
+    a causal prefill, new (start + new / 2) in a continuation), set through the last prefill's
+    profile: 2 rows x 9 tokens x 1 ms = 18 ms outside attention, 2 x 81 / 2 x 0.1 ms = 8.1 ms."""
+    args = argparse.Namespace(
+        trajectories=2, turns=2, prompt_tokens=4, response_tokens=2, observation_tokens=3
+    )
+    profile = {"kernel_ms": 26.1, "kernel_ms_by_group": {"attention": 8.1, "gemm": 18.0}}
+    got = multiturn_kv.kept_floor(args, prefill_s=0.1, prefill_profile=profile)
+    # prefilled: 2 x (4 x 1 + 8 x 0.1) ms = 9.6 ms; 2 x (9 x 1 + 40.5 x 0.1) ms = 26.1 ms
+    assert got["prefilled_forward_s"] == pytest.approx([0.0096, 0.0261])
+    # kept turn 2: 2 x (4 x 1 + 4 x (5 + 2) x 0.1) ms = 13.6 ms
+    assert got["kept_forward_s"] == pytest.approx([0.0096, 0.0136])
+    # saves at most 35.7 - 23.2 = 12.5 ms of the prefilled 100 ms
+    assert got["floor_s"] == pytest.approx(0.0875)
+    assert got["floor_ratio"] == pytest.approx(0.875)

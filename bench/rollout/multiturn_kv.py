@@ -254,12 +254,16 @@ def measure_shape(name: str, args: argparse.Namespace) -> dict:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     medians = {m: statistics.median(x["seconds"] for x in rounds[m]) for m in MODES}
+    floor = None
+    if args.profile and profiles["prefill"]["profile"].get("kernel_ms"):  # none on a CPU
+        floor = kept_floor(args, medians["prefill"], profiles["prefill"]["profile"])
     vllm = measure_vllm(shape, args, phase) if args.vllm else None
     return {
         **({"vllm": vllm, "ratio_vllm": medians["kept"] / vllm["seconds"]} if vllm else {}),
         "shape": "tiny" if args.smoke else name,
         "seconds": medians,
         "ratio": medians["kept"] / medians["prefill"],
+        **({"kept_floor": floor} if floor else {}),
         "turn_s_median": {
             m: [statistics.median(x["turn_s"][t] for x in rounds[m]) for t in range(args.turns)]
             for m in MODES
@@ -277,6 +281,42 @@ def measure_shape(name: str, args: argparse.Namespace) -> dict:
             if args.profile
             else {}
         ),
+    }
+
+
+def kept_floor(args: argparse.Namespace, prefill_s: float, prefill_profile: dict) -> dict:
+    """The lowest kept / prefilled ratio this workload allows, from the profiled prefill's own
+    kernel rates: keeping the KV can save at most the prefilled forwards' extra kernel time,
+    since decode and the call's host work are the same in both modes.
+
+    The last turn's prefill (every trajectory's n-token history) gives two rates: its kernel
+    time outside attention per token, and its attention time per causal query-key pair
+    (n^2 / 2 a row). A prefilled turn t feeds n_t = prompt + t (response + observation)
+    tokens a row; a kept turn t >= 1 feeds the response's last token (never fed) and the
+    observation, new = observation + 1, after start = n_t - new kept positions, so its
+    pairs are new (start + new / 2) a row. Floor seconds = prefilled seconds - (the prefilled
+    forwards' kernels - the kept forwards' kernels), both at those rates."""
+    rows, turns = args.trajectories, args.turns
+    per_turn = args.response_tokens + args.observation_tokens
+    lengths = [args.prompt_tokens + t * per_turn for t in range(turns)]
+    attention_s = prefill_profile["kernel_ms_by_group"].get("attention", 0.0) / 1e3
+    other_s = prefill_profile["kernel_ms"] / 1e3 - attention_s
+    last = lengths[-1]
+    per_token = other_s / (rows * last)
+    per_pair = attention_s / (rows * last * last / 2)
+
+    def forward_s(tokens: float, pairs: float) -> float:
+        return rows * (tokens * per_token + pairs * per_pair)
+
+    prefilled = [forward_s(n, n * n / 2) for n in lengths]
+    new = args.observation_tokens + 1
+    kept = prefilled[:1] + [forward_s(new, new * (n - new + new / 2)) for n in lengths[1:]]
+    floor_s = prefill_s - (sum(prefilled) - sum(kept))
+    return {
+        "prefilled_forward_s": prefilled,
+        "kept_forward_s": kept,
+        "floor_s": floor_s,
+        "floor_ratio": floor_s / prefill_s,
     }
 
 
@@ -414,6 +454,30 @@ def markdown(results: dict) -> str:
                 lines.append(
                     f"| {row['shape']} | {mode} | {p['wall_ms']:.1f} | {p['kernel_ms']:.1f} | "
                     f"{p['wall_ms'] - p['kernel_ms']:.1f} | {groups} |"
+                )
+        floors = [row for row in profiled_rows if "kept_floor" in row]
+        if floors:
+            lines += [
+                "",
+                "The lowest kept / prefilled ratio this workload allows (kept_floor: keeping the "
+                "KV saves at most the prefilled forwards' extra kernel time, at the profiled "
+                "prefill's rates per token and per causal query-key pair; decode and host work "
+                "are the same in both modes):",
+                "",
+                "| shape | prefilled forwards s | kept forwards s | floor s | floor ratio | "
+                "measured ratio | bar |",
+                "|---|---|---|---:|---:|---:|---|",
+            ]
+            for row in floors:
+                f = row["kept_floor"]
+                reachable = "reachable" if f["floor_ratio"] <= BAR else "out of reach"
+                lines.append(
+                    f"| {row['shape']} | "
+                    + " / ".join(f"{x:.3f}" for x in f["prefilled_forward_s"])
+                    + " | "
+                    + " / ".join(f"{x:.3f}" for x in f["kept_forward_s"])
+                    + f" | {f['floor_s']:.3f} | {f['floor_ratio']:.3f} | {row['ratio']:.3f} | "
+                    f"<= {BAR}: {reachable} |"
                 )
     vllm_rows = [row for row in results["shapes"].values() if "vllm" in row]
     if vllm_rows:
