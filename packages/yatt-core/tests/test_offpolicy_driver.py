@@ -217,7 +217,9 @@ def test_filtered_groups_give_their_slots_back_and_metrics_report_the_wait(tmp_p
 def test_without_saved_results_finished_groups_are_generated_again_once(tmp_path):
     # should_save_results=False (results that are not JSON-able): a finished-untaken prompt
     # is written as unfinished, so a resume generates it again; every prompt still once.
-    path = write_prompts(tmp_path / "p.jsonl", 16)
+    # 40 rows: the resumed run's last push admits prompts 16..19, which with 16 rows would be a
+    # second epoch's rows 0..3 (a saved prompt's row seen twice when they start before close).
+    path = write_prompts(tmp_path / "p.jsonl", 40)
     engine = FakeEngine()
     driver = _driver(path, engine, s=1, should_save_results=False)
     driver.start()
