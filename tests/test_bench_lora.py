@@ -32,18 +32,23 @@ def test_smoke_run_syncs_only_the_adapter(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, str(ROOT / "bench" / "lora" / "lora_gpu.py"), "--smoke"]
     cmd += ["--warmup", "0", "--steps", "1", "--out-dir", str(tmp_path)]
+    cmd += ["--variants", "full-7b", "lora16-7b", "lora16-7b-beside"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     results = json.loads((tmp_path / "lora_cpu_smoke.json").read_text())
     full, lora = results["variants"]["full-7b"], results["variants"]["lora16-7b"]
-    assert (full["rc"], lora["rc"]) == (0, 0), (full, lora)
+    beside = results["variants"]["lora16-7b-beside"]
+    assert (full["rc"], lora["rc"], beside["rc"]) == (0, 0, 0), (full, lora, beside)
     # LoRA rank 16 on the 7 linear layers of each of 2 layers: A [16, in], B [out, 16] in
     # float32 (the tiny policy's dtype) and a 0-d float32 scaling each.
     rank = lora_gpu.LORA_RANK
     adapter_bytes = LAYERS * sum(4 * rank * (i + o) + 4 for i, o in _linears())
-    assert lora["sync"]["num_tensors"] == LAYERS * 7 * 3
-    assert lora["sync"]["bytes"] == adapter_bytes
-    assert all(".lora_" in n for n in lora["sync"]["first_names"])
+    for adapter, mode in ((lora, "merge"), (beside, "beside")):
+        assert adapter["sync"]["num_tensors"] == LAYERS * 7 * 3
+        assert adapter["sync"]["bytes"] == adapter_bytes
+        assert all(".lora_" in n for n in adapter["sync"]["first_names"])
+        assert adapter["sync"]["engine_lora_mode"] == mode
+    assert "engine_lora_mode" not in full["sync"]  # full fine-tuning keeps the plain engine
     # Full fine-tuning sends every weight: the embeddings (the head is tied to them), 2 norms
     # per layer and the final one, the linear layers and the q/k/v biases (Qwen2).
     weights = (
@@ -53,13 +58,15 @@ def test_smoke_run_syncs_only_the_adapter(tmp_path):
     )
     assert full["sync"]["bytes"] == 4 * weights
     assert full["sync"]["num_syncs"] == lora["sync"]["num_syncs"] == 1
-    for entry in (full, lora):
+    for entry in (full, lora, beside):
         assert entry["summary"]["num_timed_steps"] == 1
         assert entry["summary"]["bad_lengths"] == 0
         assert not entry["oom"]
     assert set(results["ratios"]) == set(lora_gpu.BARS)
+    assert results["ratios"]["step_s_beside"] is not None
     text = (tmp_path / "lora_cpu_smoke.md").read_text()
     assert "SMOKE" in text and "commit:" in text
+    assert "| weight sync (update_weights), adapter beside | lora16-7b-beside / full-7b |" in text
 
 
 def _run(step_s: list[float], sync: list[float], switch: list[float], peak: float) -> dict:
@@ -98,12 +105,18 @@ def test_summary_and_ratios_from_hand_built_runs():
             "lora16-7b": {"summary": lora},
             "full-7b-always": {"summary": full_always},
             "lora16-7b-always": {"summary": lora_always},
+            # beside: a slower step (9.6 s median), a cheaper sync (0.01 s after its switch)
+            "lora16-7b-beside": {
+                "summary": lora_gpu.summarize(_run([9.6, 9.0, 10.0], [0.01] * 3, [0.0] * 3, 50.0))
+            },
         }
     }
     got = lora_gpu.ratios(results)
     assert got["step_s"] == pytest.approx(8.0 / 12.0)
     assert got["peak_gib"] == pytest.approx(40.0 / 90.0)
     assert got["sync_s"] == pytest.approx(0.05)
+    assert got["step_s_beside"] == pytest.approx(9.6 / 12.0)
+    assert got["sync_s_beside"] == pytest.approx(0.01 / 2.0)
     results |= {"device": "nvidia_h200", "commit": "abc1234", "smoke": False}
     results |= {"warmup": 2, "steps": 3, "micro_batch_tokens": 16384, "command": "x"}
     for entry in results["variants"].values():
@@ -115,6 +128,8 @@ def test_summary_and_ratios_from_hand_built_runs():
     pair = "lora16-7b-always / full-7b-always"
     assert f"| peak GPU memory | {pair} | 0.444 | <= 0.6 | PASS |" in text
     assert "| weight sync (update_weights) | lora16-7b / full-7b | 0.050 | <= 0.05 | PASS |" in text
+    beside_row = "| step time (median), adapter beside | lora16-7b-beside / full-7b | 0.800 |"
+    assert beside_row + " <= 0.7 | FAIL |" in text
     assert "| lora16-14b | auto | 1 | | CUDA out of memory" in text and "| yes |" in text
     # each row its own warm-up + timed steps: the run's where the variant kept none
     assert "| lora16-7b-always | always | 0 | 1 + 1 | 15.00 (15.00-15.00) |" in text
@@ -139,7 +154,7 @@ def test_a_variant_starts_only_with_the_time_its_shape_took():
 def test_ratios_missing_variant_are_none():
     full = lora_gpu.summarize(_run([10.0], [1.0], [0.0], 80.0))
     got = lora_gpu.ratios({"variants": {"full-7b": {"summary": full}, "lora16-7b": {"rc": 137}}})
-    assert got == {"step_s": None, "peak_gib": None, "sync_s": None}
+    assert got == dict.fromkeys(lora_gpu.BARS)
     # The speed pair without the memory pair: speed ratios only.
     lora = lora_gpu.summarize(_run([5.0], [0.05], [0.0], 60.0))
     got = lora_gpu.ratios(
@@ -153,6 +168,7 @@ def test_step_args_name_the_shapes():
     assert args.variants == [
         "full-7b",
         "lora16-7b",
+        "lora16-7b-beside",
         "full-7b-always",
         "lora16-7b-always",
         "lora16-14b",
