@@ -93,9 +93,11 @@ def with_lora_engine(cfg: TrainConfig) -> TrainConfig:
     vLLM and SGLang serve it through their LoRA APIs, so their engine is built with what that
     needs (enable_lora, max_lora_rank, SGLang's lora_target_modules: filled into
     rollout.backend_options). A LoRA the engine cannot take (modules_to_save, a rank over its
-    maximum, target modules it does not adapt) is refused here, before any model loads."""
+    maximum, target modules it does not adapt) is refused here, before any model loads.
+    The built-in engine under rollout.engine.lora_mode=beside gets the adapter's rank and
+    targets, so its first compile already holds the adapter (EngineSpec.with_lora)."""
     lora = policy_field(cfg.policy, "lora")
-    if lora is None or cfg.rollout.backend == "builtin":
+    if lora is None:
         return cfg
     if not isinstance(lora, core.LoraConfig):
         lora = core.LoraConfig(**lora)  # its own range checks; unknown keys fail as TypeError
@@ -105,10 +107,19 @@ def with_lora_engine(cfg: TrainConfig) -> TrainConfig:
         modules_to_save=lora.modules_to_save,
         lora_field="policy.lora",
     )
+    if served is cfg.rollout:  # the built-in engine merging the adapter: nothing to add
+        return cfg
     given = cfg.rollout.backend_options
     added = {k: v for k, v in served.backend_options.items() if given.get(k) != v}
     if added:
         logger.info("policy.lora: rollout.backend_options gains %s to serve the adapter", added)
+    if served.engine != cfg.rollout.engine:
+        logger.info(
+            "policy.lora: rollout.engine.max_lora_rank=%s, lora_target_modules=%r (lora_mode="
+            "beside: the adapter's buffers made with the engine)",
+            served.engine.max_lora_rank,
+            served.engine.lora_target_modules,
+        )
     return dataclasses.replace(cfg, rollout=served)
 
 

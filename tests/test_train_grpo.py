@@ -2154,6 +2154,27 @@ def test_lora_with_a_vllm_or_sglang_rollout_gets_an_engine_that_serves_it(tmp_pa
         )
     builtin = _read_config(tmp_path, "policy.lora.rank=8")
     assert grpo_preflight.with_lora_engine(builtin) is builtin
+    # The built-in engine serving the adapter beside its weights makes its buffers with them:
+    # it is given the adapter's rank and targets (its first compile then holds the adapter).
+    beside = grpo_preflight.with_lora_engine(
+        _read_config(
+            tmp_path,
+            "policy.lora.rank=8",
+            "policy.lora.target_modules=[q_proj,v_proj]",
+            "rollout.engine.lora_mode=beside",
+        )
+    )
+    assert beside.rollout.engine.max_lora_rank == 8
+    assert beside.rollout.engine.lora_target_modules == ("q_proj", "v_proj")
+    with pytest.raises(ValueError, match=r"rollout.engine.max_lora_rank=4 is below policy.lora"):
+        grpo_preflight.with_lora_engine(
+            _read_config(
+                tmp_path,
+                "policy.lora.rank=8",
+                "rollout.engine.lora_mode=beside",
+                "rollout.engine.max_lora_rank=4",
+            )
+        )
     full = _read_config(tmp_path, "rollout.backend=vllm")
     assert grpo_preflight.with_lora_engine(full) is full
 

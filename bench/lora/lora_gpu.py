@@ -163,7 +163,12 @@ def policy_variant(lora, tally: dict, lora_mode: str = "merge") -> Iterator[None
         def __init__(self, *a, **kw):
             config = kw.get("config")
             if config is not None and config.region_prefix == "rollout":
-                kw["config"] = dataclasses.replace(config, lora_mode=lora_mode)
+                # beside: the adapter's buffers made with the engine (max_lora_rank), as the
+                # trainer does, so the first adapter does not compile the engine again.
+                reserve = LORA_RANK if lora_mode == "beside" else None
+                kw["config"] = dataclasses.replace(
+                    config, lora_mode=lora_mode, max_lora_rank=reserve
+                )
             super().__init__(*a, **(kw | {"should_back_up_weights": True}))
             if self.config.region_prefix == "rollout":
                 tally["engine_lora_mode"] = self.lora_mode  # what served the adapter

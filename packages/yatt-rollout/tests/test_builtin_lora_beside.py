@@ -357,23 +357,32 @@ def test_compiled_steps_see_an_adapter_synced_after_their_first_compile(tiny_mod
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (graphs, compile)")
-def test_cuda_rows_with_and_without_the_adapter_under_graphs(tmp_path):
+@pytest.mark.parametrize("reserve", [None, RANK], ids=["made-at-sync", "reserved"])
+def test_cuda_rows_with_and_without_the_adapter_under_graphs(tmp_path, reserve):
     """On a GPU, bf16, CUDA graphs and the compiled decode step: the gate is a graph input.
     Adapter rows match a merged full sync's engine, base rows a plain engine's (bf16 logits:
-    2^-8 relative; the compiled graphs of the two engines may fuse differently)."""
+    2^-8 relative; the compiled graphs of the two engines may fuse differently). With the
+    buffers reserved (max_lora_rank) the graphs captured before the first adapter serve it."""
     from yatt.testing import make_tiny_causal_lm
 
     model_dir = tmp_path / "bf16"
     make_tiny_causal_lm(model_dir, arch="qwen2", seed=0, dtype=torch.bfloat16)
     base = _base(model_dir)
     kwargs = dict(dtype="bfloat16", device="cuda")
-    beside = _engine(model_dir, "bs-cuda", **kwargs)
-    merged = _engine(model_dir, "bs-cuda-m", mode="merge", **kwargs)
-    plain = _engine(model_dir, "bs-cuda-p", **kwargs)
+    beside = _engine(model_dir, f"bs-cuda-{reserve}", max_lora_rank=reserve, **kwargs)
+    merged = _engine(model_dir, f"bs-cuda-m-{reserve}", mode="merge", **kwargs)
+    plain = _engine(model_dir, f"bs-cuda-p-{reserve}", **kwargs)
     want_base = plain.generate(_requests(), GREEDY)
+    if reserve is not None:  # graphs captured before any adapter, kept through the syncs
+        assert [c.response_ids for c in beside.generate(_requests(), GREEDY)] == [
+            c.response_ids for c in want_base
+        ]
+        releases = _spy_graph_releases(beside)
     for seed in (1, 2):
         adapter = _adapter(base, seed)
         beside.update_weights((n, t.cuda()) for n, t in _adapter_pairs(adapter))
+        if reserve is not None:
+            assert releases == []
         merged.update_weights((n, t.cuda()) for n, t in _merged_pairs(base, adapter))
         want_adapter = merged.generate(_requests(), GREEDY)
         got = beside.generate(_requests(IS_ON), GREEDY)
@@ -381,3 +390,96 @@ def test_cuda_rows_with_and_without_the_adapter_under_graphs(tmp_path):
             _assert_same(c, on if IS_ON[c.request_index] else off, 2e-2)
     for engine in (beside, merged, plain):
         engine.close()
+
+
+def _spy_graph_releases(engine) -> list[int]:
+    """The calls to the engine's graph release (captured graphs dropped: under CUDA graphs and
+    compile, everything is recaptured and compiled again) from now on."""
+    calls: list[int] = []
+    original = engine._runner.release_graphs
+
+    def spy():
+        calls.append(1)
+        original()
+
+    engine._runner.release_graphs = spy
+    return calls
+
+
+def _rank_adapter(base, seed, rank, std=0.05):
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, module in base.named_modules():
+        if name.rsplit(".", 1)[-1] in TARGETS:
+            A = torch.randn(rank, module.in_features, generator=gen) * std
+            B = torch.randn(module.out_features, rank, generator=gen) * std
+            out[name] = (A, B)
+    return out
+
+
+def test_reserved_buffers_serve_the_base_and_take_adapters_in_place(tiny_model_dir):
+    """EngineConfig.max_lora_rank: zero buffers and hooks made with the engine. Before any
+    adapter it serves the base exactly; an adapter of that rank, then of a lower one (padded
+    with zeros), loads without dropping the graphs and serves what a merged full sync serves;
+    one of a higher rank re-makes the buffers (graphs dropped once) and is still served."""
+    base = _base(tiny_model_dir)
+    reserved = _engine(tiny_model_dir, "bs-res", max_lora_rank=RANK)
+    plain = _engine(tiny_model_dir, "bs-res-p")
+    merged = _engine(tiny_model_dir, "bs-res-m", mode="merge")
+    # Rank 4 on the tiny model's 14 decoder linears (float32): A [4, in] and sB [out, 4] each.
+    hidden, kv_out, mlp = 64, 32, 128
+    linears = [(hidden, hidden), (hidden, kv_out), (hidden, kv_out), (hidden, hidden)]
+    linears += [(hidden, mlp), (hidden, mlp), (mlp, hidden)]
+    assert reserved.adapter_bytes() == 2 * sum(4 * RANK * (i + o) for i, o in linears)
+    for got, want in zip(
+        reserved.generate(_requests(), SAMPLED), plain.generate(_requests(), SAMPLED), strict=True
+    ):
+        _assert_same(got, want, 0.0)
+    releases = _spy_graph_releases(reserved)
+    for seed, rank, want_releases in ((1, RANK, 0), (2, RANK // 2, 0), (3, 2 * RANK, 1)):
+        adapter = _rank_adapter(base, seed, rank)
+        reserved.update_weights(_adapter_pairs(adapter))
+        merged.update_weights(_merged_pairs(base, adapter))
+        assert len(releases) == want_releases, (seed, rank)
+        got = reserved.generate(_requests(), GREEDY)
+        for a, b in zip(got, merged.generate(_requests(), GREEDY), strict=True):
+            _assert_same(a, b, ATOL_F32)
+    for engine in (reserved, plain, merged):
+        engine.close()
+
+
+def test_reserved_targets_follow_peft_rules(tiny_model_dir):
+    """lora_target_modules as PEFT's target_modules: "all-linear" is every decoder Linear but
+    the output layer, a tuple names modules by their last parts, a string is a regex on the
+    whole name; one selecting nothing is refused at construction."""
+    layers = [f"model.layers.{i}" for i in range(2)]
+    attn, mlp = ("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj", "down_proj")
+    every = sorted(
+        [f"{p}.self_attn.{m}" for p in layers for m in attn]
+        + [f"{p}.mlp.{m}" for p in layers for m in mlp]
+    )
+    cases = [
+        ("all-linear", every),
+        (
+            ("q_proj", "v_proj"),
+            sorted(f"{p}.self_attn.{m}" for p in layers for m in ("q_proj", "v_proj")),
+        ),
+        (r"model\.layers\.0\..*", [n for n in every if n.startswith("model.layers.0.")]),
+    ]
+    for i, (targets, want) in enumerate(cases):
+        engine = _engine(
+            tiny_model_dir, f"bs-tgt-{i}", max_lora_rank=2, lora_target_modules=targets
+        )
+        assert engine._low_rank.modules == want, targets
+        engine.close()
+    with pytest.raises(ValueError, match=r"lora_target_modules=\('lm_head',\) selects no"):
+        _engine(tiny_model_dir, "bs-tgt-bad", max_lora_rank=2, lora_target_modules=("lm_head",))
+
+
+def test_max_lora_rank_bad_values_are_refused():
+    with pytest.raises(ValueError, match=r"EngineConfig\.max_lora_rank=0"):
+        EngineConfig(lora_mode="beside", max_lora_rank=0)
+    with pytest.raises(ValueError, match=r"max_lora_rank=8 with lora_mode='merge'"):
+        EngineConfig(max_lora_rank=8)
+    with pytest.raises(ValueError, match=r"EngineConfig\.lora_target_modules=\(\)"):
+        EngineConfig(lora_mode="beside", max_lora_rank=8, lora_target_modules=())

@@ -109,9 +109,24 @@ class EngineSpec:
         """This spec serving a LoRA adapter synced alone (a policy's LoraConfig values): vLLM's
         and SGLang's options gain enable_lora, max_lora_rank (and SGLang's lora_target_modules);
         ValueError naming the field for a LoRA the backend cannot serve (_engine_lora.py). The
-        built-in engine takes any adapter: the spec is returned as it is."""
+        built-in engine takes any adapter; under lora_mode="beside" its engine settings gain
+        max_lora_rank and lora_target_modules (the adapter's buffers made with the engine, so
+        its first compile holds them), else the spec is returned as it is."""
         if self.backend == "builtin":
-            return self
+            if self.engine.lora_mode != "beside":
+                return self
+            given = self.engine.max_lora_rank
+            if given is not None and given < rank:
+                raise ValueError(
+                    f"{self.section}.engine.max_lora_rank={given} is below {lora_field}.rank="
+                    f"{rank}; raise it or drop it (the rank is then used)"
+                )
+            engine = replace(
+                self.engine,
+                max_lora_rank=given if given is not None else rank,
+                lora_target_modules=target_modules,
+            )
+            return replace(self, engine=engine)
         options = lora_engine_options(
             self.backend,
             self.backend_options,

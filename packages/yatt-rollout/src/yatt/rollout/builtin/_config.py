@@ -80,6 +80,17 @@ class EngineConfig:
     # so rows with Request.use_adapter=False (a self-judging GenRM on the policy's engine)
     # read the untouched base in the same batch; two small GEMMs per target and layer.
     lora_mode: str = "merge"
+    # lora_mode="beside": the adapter's rank, known before its first sync (the trainer fills
+    # it from policy.lora). Its buffers (zeros: the output is the base's) and forward hooks
+    # are then made with the engine, so its first compile already holds them and an adapter
+    # of a rank <= max_lora_rank loads in place (a lower rank padded with zeros): no CUDA
+    # graphs dropped, nothing compiled again (at 7B a second whole-model compile took ~5 min:
+    # bench/results/lora_nvidia_h200.md). None: the buffers are made at the first adapter.
+    max_lora_rank: int | None = None
+    # The modules given buffers under max_lora_rank, as PEFT's target_modules: "all-linear"
+    # (every Linear but the output layer), a regular expression on the whole module name, or
+    # a tuple of names (or their last dotted parts). The trainer fills it from policy.lora.
+    lora_target_modules: str | tuple[str, ...] = "all-linear"
     region_prefix: str = "rollout"  # placement tags "<prefix>/weights", "<prefix>/kv_cache"
     # CUDA priority of the engine's stream: lower is more urgent (0 is the lowest; values past
     # the device's range map to its ends). Beside a colocated judge (partial colocation) give
@@ -180,6 +191,30 @@ class EngineConfig:
                 f"EngineConfig.lora_mode={self.lora_mode!r}: use 'merge' (the adapter merged "
                 "into the weights) or 'beside' (the low-rank product beside the base GEMMs; "
                 "needed for Request.use_adapter=False)"
+            )
+        rank = self.max_lora_rank
+        if rank is not None:
+            if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+                raise ValueError(
+                    f"EngineConfig.max_lora_rank={rank!r}: must be an int >= 1 (the adapter's "
+                    "rank) or None"
+                )
+            if self.lora_mode != "beside":
+                raise ValueError(
+                    f"EngineConfig.max_lora_rank={rank} with lora_mode={self.lora_mode!r}: "
+                    "it reserves the buffers of lora_mode='beside'; drop it or set "
+                    "lora_mode='beside'"
+                )
+        targets = self.lora_target_modules
+        if isinstance(targets, list):
+            self.lora_target_modules = targets = tuple(targets)
+        if not (
+            (isinstance(targets, str) and targets)
+            or (isinstance(targets, tuple) and targets and all(isinstance(t, str) for t in targets))
+        ):
+            raise ValueError(
+                f"EngineConfig.lora_target_modules={targets!r}: 'all-linear', a regular "
+                "expression, or a tuple of module names (e.g. ('q_proj', 'v_proj'))"
             )
         if not self.region_prefix or "/" in self.region_prefix:
             raise ValueError(

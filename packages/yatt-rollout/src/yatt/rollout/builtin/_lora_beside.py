@@ -37,10 +37,24 @@ a full sync, which in this process is one device copy of the weights (27 ms for 
 
 from __future__ import annotations
 
+import logging
+import re
+
 import torch
 import torch.nn.functional as F
 
 from yatt.rollout.builtin._lora import LORA_SAVED_SUFFIX, split_adapter_name
+
+logger = logging.getLogger(__name__)
+
+
+def selects(target_modules: str | tuple[str, ...], name: str) -> bool:
+    """Whether PEFT's target_modules rule picks the module `name` (the output layer is left
+    out by the caller): "all-linear" every one, another string a regular expression matched
+    against the whole name, a tuple a name or a name's last dotted parts."""
+    if isinstance(target_modules, str):
+        return target_modules == "all-linear" or re.fullmatch(target_modules, name) is not None
+    return any(name == t or name.endswith("." + t) for t in target_modules)
 
 
 class _Factors:
@@ -87,6 +101,38 @@ class LowRankBeside:
         """Bytes of the adapter buffers beside the base (factors and trained modules)."""
         total = sum(f.A.nbytes + f.sB.nbytes for f in self._factors.values())
         return total + sum(s.weight.nbytes for s in self._saved.values())
+
+    @torch.no_grad()
+    def reserve(self, rank: int, target_modules: str | tuple[str, ...]) -> list[str]:
+        """Zero buffers of `rank` and the hook of every selected Linear (the output layer
+        aside) before any adapter (EngineConfig.max_lora_rank): the output stays the base's,
+        and an adapter of rank <= `rank` later loads in place (no new layout). Allocated in
+        the caller's memory region. Returns the modules; ValueError when none is selected."""
+        output = self._model.get_output_embeddings()
+        names = [
+            name
+            for name, module in self._model.named_modules()
+            if isinstance(module, torch.nn.Linear)
+            and module is not output
+            and selects(target_modules, name)
+        ]
+        if not names:
+            raise ValueError(
+                f"EngineConfig.lora_target_modules={target_modules!r} selects no Linear module "
+                "of the served model (the output layer is never a target); give module names "
+                "such as ('q_proj', 'v_proj') or 'all-linear'"
+            )
+        for name in names:
+            weight = self._model.get_submodule(name).weight
+            out_features, in_features = weight.shape
+            self._factors[name] = _Factors(
+                torch.zeros(rank, in_features, dtype=weight.dtype, device=weight.device),
+                torch.zeros(out_features, rank, dtype=weight.dtype, device=weight.device),
+            )
+            self._hooks[name] = self._model.get_submodule(name).register_forward_hook(
+                self._low_rank_hook(name)
+            )
+        return names
 
     def set_rows(self, row_on: torch.Tensor) -> None:
         """The gate of the next forward's rows (a device tensor, any dtype, 1 on / 0 off)."""
@@ -202,7 +248,17 @@ class LowRankBeside:
             factors = self._factors.get(module)
             if factors is not None and factors.A.shape == parts["A"].shape:
                 in_place.append((factors, parts))
+            elif factors is not None and factors.A.shape[0] > parts["A"].shape[0]:
+                self._load_padded(factors, parts)  # a lower rank than the buffers' (reserved)
             else:
+                if factors is not None:
+                    logger.warning(
+                        "update_weights: %r's adapter has rank %d, over its buffers' %d "
+                        "(EngineConfig.max_lora_rank): buffers made anew, graphs recompiled",
+                        module,
+                        parts["A"].shape[0],
+                        factors.A.shape[0],
+                    )
                 is_new_layout |= self._load(module, parts, weight)
         if in_place:
             device = in_place[0][0].A.device
@@ -237,6 +293,18 @@ class LowRankBeside:
                 f"update for a {tuple(weight.shape)} weight"
             )
         return weight
+
+    @torch.no_grad()
+    def _load_padded(self, factors: _Factors, parts: dict[str, torch.Tensor]) -> None:
+        """An adapter of rank r into buffers of a larger rank: its factors in the first r
+        rows of A and columns of sB, zeros after (they add exactly 0), in place."""
+        r = parts["A"].shape[0]
+        device = factors.A.device
+        factors.A[:r].copy_(parts["A"])
+        factors.A[r:].zero_()
+        B = parts["B"].to(device, torch.float32)
+        factors.sB[:, :r].copy_(B * float(parts["scaling"]))
+        factors.sB[:, r:].zero_()
 
     @torch.no_grad()
     def _load(self, module: str, parts: dict[str, torch.Tensor], weight: torch.Tensor) -> bool:
