@@ -301,17 +301,24 @@ def ratios(results: dict) -> dict[str, float | None]:
 # minute); raised to the quickest finished variant of the same shape in this run: a 7B variant
 # started with 132 s left was killed while loading (session 25).
 MIN_VARIANT_S = 60.0
+# Before any variant of a shape has finished in this run, the least its first one needs on an
+# H200 (session 32: the quickest 7B variant took 267 s with inductor's cache warm; a 14B one was
+# started with 140 s left and cut while saving its models, 53 s of them): not started below.
+FIRST_OF_SHAPE_S = {"7b": 240.0, "14b": 300.0, "32b": 600.0}
 
 
 def least_seconds(variants: dict, shape: str) -> float:
     """The time a variant of `shape` needs at least: the quickest finished one's (rc 0) of the
-    same shape in `variants`, or MIN_VARIANT_S."""
+    same shape in `variants`, else FIRST_OF_SHAPE_S's (MIN_VARIANT_S for a shape it lacks);
+    never below MIN_VARIANT_S."""
     done = [
         v["seconds"]
         for name, v in variants.items()
         if v.get("rc") == 0 and "seconds" in v and VARIANTS.get(name, ("",))[0] == shape
     ]
-    return max(MIN_VARIANT_S, min(done)) if done else MIN_VARIANT_S
+    if done:
+        return max(MIN_VARIANT_S, min(done))
+    return FIRST_OF_SHAPE_S.get(shape, MIN_VARIANT_S)
 
 
 def markdown(results: dict) -> str:
