@@ -116,6 +116,7 @@ def test_summary_and_ratios_from_hand_built_runs():
     assert got["peak_gib"] == pytest.approx(40.0 / 90.0)
     assert got["sync_s"] == pytest.approx(0.05)
     assert got["step_s_beside"] == pytest.approx(9.6 / 12.0)
+    assert got["step_s_noac"] is None  # not run
     assert got["sync_s_beside"] == pytest.approx(0.01 / 2.0)
     results |= {"device": "nvidia_h200", "commit": "abc1234", "smoke": False}
     results |= {"warmup": 2, "steps": 3, "micro_batch_tokens": 16384, "command": "x"}
@@ -186,6 +187,12 @@ def test_step_args_name_the_shapes():
         assert argv[argv.index("--offload") + 1] == offload
         assert argv[argv.index("--shape") + 1] == "7b"
     assert "--tiny" not in argv
+    assert "--activation-checkpointing" in argv
+    assert argv[argv.index("--micro-batch-tokens") + 1] == "16384"
+    # LoRA at its fastest train setting: no recomputed forward, the cap from free memory
+    argv = lora_gpu.step_args("lora16-7b-noac", args, Path("/tmp/x/run"))
+    assert "--activation-checkpointing" not in argv
+    assert argv[argv.index("--micro-batch-tokens") + 1] == "auto"
     # Qwen2.5-14B's config.json: 48 layers of width 5120, 40 heads (8 KV), MLP 13824.
     shape = lora_gpu.setup.SHAPES["14b"]
     assert (shape["hidden_size"], shape["num_hidden_layers"]) == (5120, 48)
