@@ -483,3 +483,28 @@ def test_max_lora_rank_bad_values_are_refused():
         EngineConfig(max_lora_rank=8)
     with pytest.raises(ValueError, match=r"EngineConfig\.lora_target_modules=\(\)"):
         EngineConfig(lora_mode="beside", max_lora_rank=8, lora_target_modules=())
+
+
+def test_reserved_buffers_lost_on_wake_are_cleared_by_the_full_sync(tiny_model_dir):
+    """Woken without a backup, the weights' region holds garbage (NaN here), the reserved
+    adapter buffers too; the full sync that must follow serves the base again exactly: a NaN
+    factor times a zeroed one would still be NaN, so both are cleared."""
+    base = _base(tiny_model_dir)
+    config = EngineConfig(
+        max_batch_size=8,
+        max_seq_len=64,
+        region_prefix="bs-res-lost",
+        lora_mode="beside",
+        max_lora_rank=RANK,
+    )
+    engine = BuiltinEngine(tiny_model_dir, config=config, should_back_up_weights=False)
+    plain = _engine(tiny_model_dir, "bs-res-lost-p")
+    engine.sleep()
+    engine.wake_up()
+    engine.update_weights(base.named_parameters())
+    for got, want in zip(
+        engine.generate(_requests(), SAMPLED), plain.generate(_requests(), SAMPLED), strict=True
+    ):
+        _assert_same(got, want, 0.0)
+    engine.close()
+    plain.close()

@@ -229,7 +229,10 @@ class LowRankBeside:
                 "weights before the adapter"
             )
         if name.endswith(".weight") and module in self._factors:
-            self._factors[module].sB.zero_()  # in place: graphs stay valid
+            # In place: graphs stay valid. Both factors: after a wake without backup they hold
+            # garbage, and a NaN in A times a zeroed sB is still NaN.
+            self._factors[module].A.zero_()
+            self._factors[module].sB.zero_()
         saved = self._saved.get(name)
         if saved is not None and saved.is_set:
             saved.is_set = False
