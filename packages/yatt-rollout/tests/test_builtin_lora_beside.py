@@ -21,14 +21,14 @@ def _base(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
-def _adapter(base, seed, std=0.05):
+def _adapter(base, seed, std=0.05, rank=RANK):
     """{module: (A [rank, in], B [out, rank])} for every decoder linear, random (B nonzero)."""
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for name, module in base.named_modules():
         if name.rsplit(".", 1)[-1] in TARGETS:
-            A = torch.randn(RANK, module.in_features, generator=gen) * std
-            B = torch.randn(module.out_features, RANK, generator=gen) * std
+            A = torch.randn(rank, module.in_features, generator=gen) * std
+            B = torch.randn(module.out_features, rank, generator=gen) * std
             out[name] = (A, B)
     return out
 
@@ -406,17 +406,6 @@ def _spy_graph_releases(engine) -> list[int]:
     return calls
 
 
-def _rank_adapter(base, seed, rank, std=0.05):
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, module in base.named_modules():
-        if name.rsplit(".", 1)[-1] in TARGETS:
-            A = torch.randn(rank, module.in_features, generator=gen) * std
-            B = torch.randn(module.out_features, rank, generator=gen) * std
-            out[name] = (A, B)
-    return out
-
-
 def test_reserved_buffers_serve_the_base_and_take_adapters_in_place(tiny_model_dir):
     """EngineConfig.max_lora_rank: zero buffers and hooks made with the engine. Before any
     adapter it serves the base exactly; an adapter of that rank, then of a lower one (padded
@@ -437,7 +426,7 @@ def test_reserved_buffers_serve_the_base_and_take_adapters_in_place(tiny_model_d
         _assert_same(got, want, 0.0)
     releases = _spy_graph_releases(reserved)
     for seed, rank, want_releases in ((1, RANK, 0), (2, RANK // 2, 0), (3, 2 * RANK, 1)):
-        adapter = _rank_adapter(base, seed, rank)
+        adapter = _adapter(base, seed, rank=rank)
         reserved.update_weights(_adapter_pairs(adapter))
         merged.update_weights(_merged_pairs(base, adapter))
         assert len(releases) == want_releases, (seed, rank)

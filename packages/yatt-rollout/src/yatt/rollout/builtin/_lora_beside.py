@@ -109,30 +109,28 @@ class LowRankBeside:
         and an adapter of rank <= `rank` later loads in place (no new layout). Allocated in
         the caller's memory region. Returns the modules; ValueError when none is selected."""
         output = self._model.get_output_embeddings()
-        names = [
-            name
+        selected = [
+            (name, module)
             for name, module in self._model.named_modules()
             if isinstance(module, torch.nn.Linear)
             and module is not output
             and selects(target_modules, name)
         ]
-        if not names:
+        if not selected:
             raise ValueError(
                 f"EngineConfig.lora_target_modules={target_modules!r} selects no Linear module "
                 "of the served model (the output layer is never a target); give module names "
                 "such as ('q_proj', 'v_proj') or 'all-linear'"
             )
-        for name in names:
-            weight = self._model.get_submodule(name).weight
+        for name, module in selected:
+            weight = module.weight
             out_features, in_features = weight.shape
             self._factors[name] = _Factors(
                 torch.zeros(rank, in_features, dtype=weight.dtype, device=weight.device),
                 torch.zeros(out_features, rank, dtype=weight.dtype, device=weight.device),
             )
-            self._hooks[name] = self._model.get_submodule(name).register_forward_hook(
-                self._low_rank_hook(name)
-            )
-        return names
+            self._hooks[name] = module.register_forward_hook(self._low_rank_hook(name))
+        return [name for name, _ in selected]
 
     def set_rows(self, row_on: torch.Tensor) -> None:
         """The gate of the next forward's rows (a device tensor, any dtype, 1 on / 0 off)."""
