@@ -152,6 +152,7 @@ from grpo_rollout import (  # noqa: F401
     vision_inputs_of,
 )
 from grpo_setup import (
+    WeightSync,
     engine_device,
     export_checkpoint,
     export_dir,
@@ -204,12 +205,6 @@ def balance(
     if loss.num_mini_batches > 1:  # the rebalanced batch's own costs
         costs = policy.estimate_batch_costs(batch)
     return batch, costs
-
-
-def step_weights(policy, *, is_lora: bool):
-    """What a step's sync sends: the LoRA adapter (its A, B and scaling per target; the
-    built-in engine merges it into its own copy of the base) or the full weights."""
-    return policy.named_adapter_weights() if is_lora else policy.named_weights()
 
 
 def mini_batch_seed(seed: int, step: int, epoch: int, loss: core.PolicyLoss) -> int | None:
@@ -436,6 +431,14 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             judge_engine = resources.close_later(
                 make_judge_engine(cfg.reward, engine, engines_device)
             )
+        # each step's sync: full weights, the adapter, or the adapter bound (beside mode)
+        sync_weights = WeightSync(
+            engine,
+            policy,
+            is_lora=is_lora,
+            engine_device=engines_device,
+            trainer_device=runtime.device,
+        )
         owned: list[Any] = []  # what the scorer runs (reward workers, a client): closed too
         scorer, exact_match = make_scorer(cfg.reward, judge_engine, owned)
         for closeable in owned:
@@ -538,7 +541,7 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
             start_step = resumed.start_step
             # the engine starts from the saved policy; under LoRA only the adapter (the
             # merged weights as a base would apply the adapter twice)
-            engine.update_weights(step_weights(policy, is_lora=is_lora))
+            sync_weights()
         if ctx.offpolicy is not None:  # version = steps pushed; re-queued prompts start first
             ctx.offpolicy.set_version(start_step)
             ctx.offpolicy.start()
@@ -606,7 +609,7 @@ def train(cfg: TrainConfig, runtime: core.Runtime, *, should_resume: bool) -> in
                         )
                     with timed(stats.timings, "sync"), plan.phase("sync"):  # bucketed, no copy
                         # LoRA: the adapter alone (the engine adds scaling B A to its base)
-                        engine.update_weights(step_weights(policy, is_lora=is_lora))
+                        sync_weights()
                     if is_offpolicy and not is_resident:
                         plan.switch_to("rollout")  # the engines awake for the workers again
                 if ctx.offpolicy is not None:  # new prompts start under the pushed weights

@@ -44,7 +44,8 @@ for step in "$@"; do
       STEP_TIMEOUT=${CUDA_TESTS_TIMEOUT_S:-900} run_step cuda_tests_rollout python3 -m pytest -q -rs \
         ${CUDA_TESTS_XDIST:-} \
         $R/test_cuda_engine.py $R/test_cuda_sampling.py $R/test_cuda_weights.py \
-        $R/test_decode_kernel.py $R/test_env_kept_kv.py $R/test_builtin_lora.py $R/test_builtin_vision.py \
+        $R/test_decode_kernel.py $R/test_env_kept_kv.py $R/test_builtin_lora.py \
+        $R/test_builtin_lora_beside.py $R/test_builtin_vision.py \
         $R/test_builtin_vision_kept.py $R/test_kept_kv_batched.py
       run_step cuda_tests_core python3 -m pytest -q -rs packages/yatt-core/tests/test_cuda.py \
         packages/yatt-core/tests/test_lora.py packages/yatt-core/tests/test_runtime.py
@@ -211,6 +212,13 @@ PY
       CUDA_VISIBLE_DEVICES=0 run_step trainer_tools python3 examples/train_grpo.py task=tools \
         out_dir=/tmp/yatt-runs/tools num_steps=${TRAINER_TOOLS_STEPS:-20}
       cp /tmp/yatt-runs/tools/metrics.jsonl "$OUT/trainer_tools_metrics.jsonl" 2>/dev/null ;;
+    lora_tests)
+      # Issue 45's CUDA tests alone (cuda_tests runs them too): the adapter merged, and beside
+      # the base GEMMs under CUDA graphs and compile, its buffers reserved, a bound adapter
+      # refreshed in place. A minute or two; before bench_lora in the same job.
+      R=packages/yatt-rollout/tests
+      run_step lora_tests python3 -m pytest -q -rs -k cuda $R/test_builtin_lora_beside.py \
+        $R/test_builtin_lora.py ;;
     bench_lora)
       # Issue 45's GPU bars (bench/lora/lora_gpu.py): LoRA rank 16 vs full fine-tuning, 7B policy
       # + 7B judge, long-tail mix (speed at offload auto, peak memory at offload always), then

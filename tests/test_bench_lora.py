@@ -49,6 +49,9 @@ def test_smoke_run_syncs_only_the_adapter(tmp_path):
         assert all(".lora_" in n for n in adapter["sync"]["first_names"])
         assert adapter["sync"]["engine_lora_mode"] == mode
     assert "engine_lora_mode" not in full["sync"]  # full fine-tuning keeps the plain engine
+    # beside: the trainer's sync binds the adapter's parameters once (then refreshes them)
+    assert beside["sync"].get("bound") is True
+    assert "bound" not in lora["sync"] and "bound" not in full["sync"]
     # Full fine-tuning sends every weight: the embeddings (the head is tied to them), 2 norms
     # per layer and the final one, the linear layers and the q/k/v biases (Qwen2).
     weights = (
@@ -66,7 +69,10 @@ def test_smoke_run_syncs_only_the_adapter(tmp_path):
     assert results["ratios"]["step_s_beside"] is not None
     text = (tmp_path / "lora_cpu_smoke.md").read_text()
     assert "SMOKE" in text and "commit:" in text
-    assert "| weight sync (update_weights), adapter beside | lora16-7b-beside / full-7b |" in text
+    assert (
+        "| weight sync, adapter beside (bound: refreshed in place) | lora16-7b-beside / full-7b |"
+        in text
+    )
 
 
 def _run(step_s: list[float], sync: list[float], switch: list[float], peak: float) -> dict:

@@ -119,3 +119,64 @@ def test_a_lora_resume_serves_the_adapter_once(tmp_path, embedded, trainer):
     # The engine serves base + adapter, once, on every step (the ones after the resume's sync
     # and the next adapter-only sync included): the trainer's logprobs to float32 rounding.
     assert all(r["train/rollout_mismatch"] < 1e-4 for r in records)
+
+
+@pytest.mark.parametrize(
+    ("mode", "trainer_device", "is_bound"),
+    [("beside", "cpu", True), ("merge", "cpu", False), ("beside", "cuda:1", False)],
+    ids=["beside", "merge", "beside-other-device"],
+)
+def test_the_step_sync_binds_the_adapter_only_where_the_engine_can_read_it(
+    tmp_path, mode, trainer_device, is_bound
+):
+    """grpo_setup.WeightSync: under LoRA with the built-in engine's lora_mode=beside on the
+    trainer's device, the first sync binds the adapter's parameters and later ones refresh
+    them (issue 45's sync bar); with a merged adapter or an engine on another device every
+    sync goes through update_weights. Each way, after the parameters move in place the engine
+    serves exactly what an engine synced with update_weights serves."""
+    import grpo_setup
+    import torch
+
+    from yatt import core, rollout
+    from yatt.testing import make_tiny_causal_lm
+
+    model_dir = tmp_path / "tiny"
+    make_tiny_causal_lm(model_dir, arch="qwen2", seed=0)
+    policy = core.TorchPolicy(
+        core.TorchPolicyConfig(
+            model_dir=str(model_dir),
+            dtype="float32",
+            parallel="none",
+            lora=core.LoraConfig(rank=4, alpha=8),
+        )
+    )
+    engines = [
+        rollout.BuiltinEngine(
+            model_dir,
+            config=rollout.EngineConfig(
+                max_batch_size=2, max_seq_len=64, region_prefix=f"ws-{mode}-{i}", lora_mode=mode
+            ),
+        )
+        for i in range(2)
+    ]
+    sync = grpo_setup.WeightSync(
+        engines[0], policy, is_lora=True, engine_device="cpu", trainer_device=trainer_device
+    )
+    requests = [rollout.Request(prompt_ids=[5, 9, 13, 2]), rollout.Request(prompt_ids=[7, 3])]
+    sampling = rollout.SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
+    gen = torch.Generator().manual_seed(0)
+    served = []
+    for _ in range(2):
+        with torch.no_grad():  # an optimizer step: the adapter's parameters change in place
+            for param in policy.module.parameters():
+                if param.requires_grad:
+                    param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+        sync()
+        engines[1].update_weights(policy.named_adapter_weights())
+        got, want = (e.generate(requests, sampling) for e in engines)
+        assert [c.logprobs for c in got] == [c.logprobs for c in want]
+        served.append([c.logprobs for c in got])
+    assert sync.is_bound == is_bound
+    assert served[0] != served[1]
+    for engine in engines:
+        engine.close()

@@ -16,8 +16,10 @@ the same TorchPolicy with `lora=LoraConfig(rank=16, alpha=32, target_modules="al
 their weight sync sends `named_adapter_weights()` (what the trainer syncs under LoRA: the built-in
 engine merges the adapter into its resident weights) where full fine-tuning sends
 `named_weights()`. Nothing else differs. lora16-7b-beside is lora16-7b with the policy's engine
-serving the adapter beside its base GEMMs (EngineConfig.lora_mode="beside": the sync copies the
-factors and leaves the weights alone, each forward adds the low-rank products); its speed
+serving the adapter beside its base GEMMs (EngineConfig.lora_mode="beside": each forward adds
+the low-rank products, the weights are left alone); its sync is the trainer's for that mode
+(examples/grpo_setup.WeightSync): the adapter's parameters bound to the engine at the first sync
+(BuiltinEngine.bind_adapter), each later sync a refresh (a few multi-tensor copies). Its speed
 ratios are reported beside merge's. It needs --compile-scope step (the default).
 lora16-7b-noac is lora16-7b at LoRA's fastest train setting, which its memory allows: no
 activation checkpointing and the micro-batch cap chosen from free memory (opt-in).
@@ -33,7 +35,7 @@ Each variant runs in its own process (a clean GPU), one after another; this proc
 lora_<gpu>.json/.md under --out-dir after every variant, so a run cut by its time limit keeps
 the variants it finished. Bars (LoRA / full, 7B policy + 7B judge): step time (median of the
 timed steps) <= 0.7, peak GPU memory (the step's highest phase peak, device-wide) <= 0.6,
-weight sync (the sync phase less the switch into it: the update_weights call) <= 0.05; then
+weight sync (the sync phase less the switch into it: the sync call) <= 0.05; then
 lora16-14b (and lora16-32b) with 0 out-of-memory errors.
 
 Time on an H200 (estimates, not measured yet): 7B + 7B models saved ~1.5 min, each 7B variant
@@ -146,22 +148,35 @@ def step_args(variant: str, args: argparse.Namespace, run_dir: Path) -> list[str
     return argv
 
 
-def counted_sync_class(base: type, tally: dict, *, is_adapter: bool) -> type:
-    """`base` (TorchPolicy) whose `named_weights()` (what step.py syncs) counts the tensors and
-    bytes it yields into `tally`; with is_adapter, it yields `named_adapter_weights()`: under LoRA
-    the trainer syncs the adapter alone (train_grpo.step_weights), so here too."""
+def counted_sync_class(base: type, tally: dict) -> type:
+    """`base` (TorchPolicy) whose syncs count the tensors and bytes they yield into `tally`:
+    step.py syncs through the trainer's grpo_setup.WeightSync, which reads named_weights()
+    under full fine-tuning and named_adapter_weights() under LoRA, at every sync, or once
+    (live=True: the adapter's parameters bound, tally["bound"]) with an engine serving it
+    beside its base; a bound adapter's later syncs (refresh) read nothing through these."""
 
-    def named_weights(self):
-        pairs = self.named_adapter_weights() if is_adapter else base.named_weights(self)
+    def counted(pairs, *, is_live=False):
         tally["num_syncs"] = tally.get("num_syncs", 0) + 1
         tally["names"] = []
         tally["bytes"] = 0
+        if is_live:
+            tally["bound"] = True
         for name, tensor in pairs:
             tally["names"].append(name)
             tally["bytes"] += tensor.numel() * tensor.element_size()
             yield name, tensor
 
-    return type("CountedSyncPolicy", (base,), {"named_weights": named_weights})
+    def named_weights(self):
+        yield from counted(base.named_weights(self))
+
+    def named_adapter_weights(self, *, live=False):
+        yield from counted(base.named_adapter_weights(self, live=live), is_live=live)
+
+    return type(
+        "CountedSyncPolicy",
+        (base,),
+        {"named_weights": named_weights, "named_adapter_weights": named_adapter_weights},
+    )
 
 
 @contextlib.contextmanager
@@ -174,7 +189,7 @@ def policy_variant(lora, tally: dict, lora_mode: str = "merge") -> Iterator[None
     from yatt import core, rollout
 
     real_build = step_bench.build
-    policy_class = counted_sync_class(core.TorchPolicy, tally, is_adapter=lora is not None)
+    policy_class = counted_sync_class(core.TorchPolicy, tally)
 
     class BackedUpEngine(rollout.BuiltinEngine):
         # An adapter is merged into the base the engine holds: after a sleep it needs its
@@ -360,7 +375,7 @@ def markdown(results: dict) -> str:
         "peak_gib": "peak GPU memory",
         "sync_s": "weight sync (update_weights)",
         "step_s_beside": "step time (median), adapter beside",
-        "sync_s_beside": "weight sync (update_weights), adapter beside",
+        "sync_s_beside": "weight sync, adapter beside (bound: refreshed in place)",
         "step_s_noac": "step time (median), LoRA without activation checkpointing",
     }
     for key, bar in BARS.items():

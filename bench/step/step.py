@@ -390,6 +390,16 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
         ),
         runtime,
     )
+    _step_sampling.trainer()  # examples/ on the path: the trainer's own sync
+    from grpo_setup import WeightSync
+
+    ctx.sync = WeightSync(
+        ctx.engine,
+        ctx.policy,
+        is_lora=getattr(ctx.policy.config, "lora", None) is not None,
+        engine_device=runtime.device,  # every layout here puts the engine on the rank's GPU
+        trainer_device=runtime.device,
+    )
     roles = dict(rollout=ctx.engine, train=ctx.policy)
     offload = args.offload  # "auto": a role sleeps only when the next phase would not fit
     if layout == "full":
@@ -425,7 +435,7 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
 
     from yatt import core
 
-    rt, plan, engine, judge, policy = ctx.runtime, ctx.plan, ctx.engine, ctx.judge, ctx.policy
+    rt, plan, judge, policy = ctx.runtime, ctx.plan, ctx.judge, ctx.policy
     phases: dict[str, float] = {}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -454,7 +464,7 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
                 step=global_step,
             )
     with _step_profile.timed(phases, "sync"), plan.phase("sync"):
-        engine.update_weights(policy.named_weights())
+        ctx.sync()  # the trainer's: full weights, the LoRA adapter, or the adapter bound
     with _step_profile.timed(phases, "ckpt"):  # async: blocks until staged in host memory
         if ctx.args.ckpt:
             ctx.ckpt.maybe_save(global_step + 1, policy.state(), extra={"step": global_step})

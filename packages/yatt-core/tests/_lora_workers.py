@@ -52,7 +52,20 @@ def run_lora_steps(policy: TorchPolicy, batch, num_steps: int = 2) -> dict:
         "merged": {n: t.cpu().clone() for n, t in policy.named_weights()},
         "adapter": {n: t.cpu().clone() for n, t in policy.named_adapter_weights()},
         "num_optimizer_params": sum(len(g["params"]) for g in policy.optimizer.param_groups),
+        "live": live_adapter(policy),
     }
+
+
+def live_adapter(policy: TorchPolicy) -> str:
+    """ "parameters" when named_adapter_weights(live=True) yields the trained parameters
+    themselves (what an engine binds); else the ValueError's text (FSDP2: shards)."""
+    trained = {id(p) for p in policy.module.parameters() if p.requires_grad}
+    try:
+        pairs = list(policy.named_adapter_weights(live=True))
+    except ValueError as error:
+        return str(error)
+    is_live = all(id(t) in trained for n, t in pairs if not n.endswith(".lora_scaling"))
+    return "parameters" if is_live and pairs else "not the parameters"
 
 
 def main() -> None:

@@ -294,6 +294,39 @@ def test_the_policys_adapter_sync_serves_its_merged_weights(tiny_model_dir, poli
         engine.close()
 
 
+def test_the_policys_live_adapter_bound_to_an_engine_serves_each_step(tiny_model_dir, policy):
+    """named_adapter_weights(live=True) yields the trained parameters themselves: an engine
+    binds them once (lora_mode="beside") and each refresh after an optimizer step serves
+    exactly what an engine given the step's adapter through update_weights serves."""
+    rollout = pytest.importorskip("yatt.rollout")  # a sibling: installed beside yatt-core
+    trained = {id(p) for p in policy.module.parameters() if p.requires_grad}
+    live = list(policy.named_adapter_weights(live=True))
+    assert {id(t) for n, t in live if not n.endswith(".lora_scaling")} == trained
+    engines = [
+        rollout.BuiltinEngine(
+            tiny_model_dir,
+            config=rollout.EngineConfig(
+                max_batch_size=2, max_seq_len=64, region_prefix=prefix, lora_mode="beside"
+            ),
+        )
+        for prefix in ("policy-lora-bound", "policy-lora-synced")
+    ]
+    binding = engines[0].bind_adapter(live)
+    requests = [rollout.Request(prompt_ids=[5, 9, 13, 2]), rollout.Request(prompt_ids=[7, 3])]
+    sampling = rollout.SamplingParams(temperature=1.0, max_new_tokens=6, seed=3)
+    served = []
+    for seed in (0, 1):
+        _step(policy, seed=seed)
+        binding.refresh()
+        engines[1].update_weights(policy.named_adapter_weights())
+        got, want = (e.generate(requests, sampling) for e in engines)
+        assert [c.logprobs for c in got] == [c.logprobs for c in want], seed
+        served.append([c.logprobs for c in got])
+    assert served[0] != served[1]  # the second step changed what the binding serves
+    for engine in engines:
+        engine.close()
+
+
 def test_the_adapter_exports_in_peft_format_and_merged_as_a_plain_folder(
     tiny_model_dir, tmp_path, policy
 ):

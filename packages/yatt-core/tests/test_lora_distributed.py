@@ -41,8 +41,14 @@ def test_lora_steps_under_data_parallel_equal_one_process(
     config = workers.lora_config(tiny_model_dir, "none", max_tokens=10_000, modules_to_save=saved)
     one = TorchPolicy(config)
     ref = workers.run_lora_steps(one, workers.make_global_batch())
+    assert ref["live"] == "parameters"
     for rank, out in enumerate(ranks):
         assert out["num_optimizer_params"] == ref["num_optimizer_params"]
+        # an engine can bind a process's own parameters, never FSDP2's shards
+        if parallel == "ddp":
+            assert out["live"] == "parameters"
+        else:
+            assert "FSDP2 shards" in out["live"]
         for got, expected in zip(out["metrics"], ref["metrics"], strict=True):
             assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5, abs=1e-6)
             assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)

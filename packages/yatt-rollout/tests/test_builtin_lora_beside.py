@@ -497,3 +497,182 @@ def test_reserved_buffers_lost_on_wake_are_cleared_by_the_full_sync(tiny_model_d
         _assert_same(got, want, 0.0)
     engine.close()
     plain.close()
+
+
+# -- a bound adapter (BuiltinEngine.bind_adapter, _adapter_binding.py) -------------------------
+
+
+def _trained(adapter, head=None):
+    """The adapter as a trainer holds it: nn.Parameters (A, B per module; the trained head)."""
+    params = {
+        m: (torch.nn.Parameter(A.clone()), torch.nn.Parameter(B.clone()))
+        for m, (A, B) in adapter.items()
+    }
+    return params, (None if head is None else torch.nn.Parameter(head.clone()))
+
+
+def _live_pairs(params, head=None, scaling=SCALING):
+    """What TorchPolicy.named_adapter_weights(live=True) yields: the parameters themselves."""
+    for name, (A, B) in params.items():
+        yield name + ".lora_A", A
+        yield name + ".lora_B", B
+        yield name + ".lora_scaling", torch.tensor(scaling)
+    if head is not None:
+        yield "lm_head.weight.lora_saved", head
+
+
+def _values(params):
+    return {m: (A.detach().clone(), B.detach().clone()) for m, (A, B) in params.items()}
+
+
+@torch.no_grad()
+def _optimizer_step(params, base, seed, head=None):
+    """In place, as AdamW updates a trainer's parameters: new values, same storage."""
+    for module, (A, B) in _adapter(base, seed).items():
+        params[module][0].copy_(A)
+        params[module][1].copy_(B)
+    if head is not None:
+        head.copy_(_head(base, seed))
+
+
+def _assert_serves_alike(engine, reference, requests=None):
+    """Bit for bit: both engines hold the same values after the same float32 operations."""
+    requests = requests or _requests(IS_ON)
+    got, want = engine.generate(requests, SAMPLED), reference.generate(requests, SAMPLED)
+    for c, w in zip(got, want, strict=True):
+        _assert_same(c, w, 0.0)
+    return got
+
+
+@pytest.mark.parametrize("reserve", [None, 2 * RANK], ids=["own-rank", "reserved-larger"])
+def test_a_bound_adapter_refreshes_to_what_update_weights_serves(tiny_model_dir, reserve):
+    """bind_adapter loads the trainer's adapter once; after each in-place optimizer step,
+    refresh() serves exactly what an engine given the same values through update_weights
+    serves (the same float32 scaling B, rounded once). Reserved at a larger rank, the bound
+    copies fill the first `rank` rows / columns. With the head trained whole too."""
+    base = _base(tiny_model_dir)
+    bound = _engine(tiny_model_dir, f"bd-{reserve}", max_lora_rank=reserve)
+    synced = _engine(tiny_model_dir, f"bd-s-{reserve}", max_lora_rank=reserve)
+    params, head = _trained(_adapter(base, 1), _head(base, 1))
+    binding = bound.bind_adapter(_live_pairs(params, head))
+    assert binding.num_tensors == 2 * len(params) + 1
+    synced.update_weights(_live_pairs(_values(params), head.detach().clone()))
+    first = _assert_serves_alike(bound, synced)
+    _optimizer_step(params, base, 2, head)
+    binding.refresh()
+    synced.update_weights(_live_pairs(_values(params), head.detach().clone()))
+    second = _assert_serves_alike(bound, synced)
+    # The step changed what is served: the comparison is not between two stale engines.
+    assert [c.logprobs for c in first] != [c.logprobs for c in second]
+    for engine in (bound, synced):
+        engine.close()
+
+
+def test_a_bound_parameter_moved_to_new_storage_is_read_where_it_is_now(tiny_model_dir):
+    """A trainer that offloads and onloads its parameters gives them new storage
+    (param.data = ...): the binding holds the parameters, not views of the old storage, so
+    refresh() reads the new values. An empty placeholder (offloaded, not back) is refused,
+    naming the tensor."""
+    base = _base(tiny_model_dir)
+    bound = _engine(tiny_model_dir, "bd-moved", max_lora_rank=RANK)
+    synced = _engine(tiny_model_dir, "bd-moved-s", max_lora_rank=RANK)
+    params, _ = _trained(_adapter(base, 1))
+    binding = bound.bind_adapter(_live_pairs(params))
+    new = _adapter(base, 3)
+    for module, (A, B) in params.items():
+        A.data, B.data = new[module][0].clone(), new[module][1].clone()
+    binding.refresh()
+    synced.update_weights(_adapter_pairs(new))
+    _assert_serves_alike(bound, synced)
+    first = next(iter(params))
+    params[first][1].data = torch.empty(0)
+    with pytest.raises(ValueError, match=rf"'{first}\.lora_B' is now \(0,\).*onload it first"):
+        binding.refresh()
+    for engine in (bound, synced):
+        engine.close()
+
+
+def test_a_binding_goes_stale_and_bad_bindings_are_refused(tiny_model_dir):
+    """update_weights after bind_adapter, the weights asleep or lost: refresh() raises (bind
+    again). Detached tensors (they would go stale), a full weight, a merge-mode engine:
+    ValueError before anything loads (the engine still serves the base)."""
+    base = _base(tiny_model_dir)
+    engine = _engine(tiny_model_dir, "bd-bad", max_lora_rank=RANK)
+    plain = _engine(tiny_model_dir, "bd-bad-p")
+    with pytest.raises(
+        ValueError,
+        match=r"'model\.layers\.0\.self_attn\.q_proj\.lora_A' is a Tensor, not the trained nn\.Parameter",
+    ):
+        engine.bind_adapter(_adapter_pairs(_adapter(base, 1)))
+    params, _ = _trained(_adapter(base, 1))
+    with pytest.raises(ValueError, match=r"'lm_head\.weight' is a full weight"):
+        engine.bind_adapter([("lm_head.weight", base.lm_head.weight), *_live_pairs(params)])
+    _assert_serves_alike(engine, plain, _requests())  # nothing loaded
+    with pytest.raises(ValueError, match=r"no tensors"):
+        engine.bind_adapter([])
+    binding = engine.bind_adapter(_live_pairs(params))
+    engine.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        binding.refresh()
+    engine.wake_up()
+    binding.refresh()  # woken with the backup: still bound
+    engine.update_weights(_adapter_pairs(_adapter(base, 2)))
+    with pytest.raises(
+        ValueError, match=r"update_weights was called after bind_adapter.*bind again"
+    ):
+        binding.refresh()
+    engine.bind_adapter(_live_pairs(params)).refresh()  # bound again
+    merge = _engine(tiny_model_dir, "bd-bad-m", mode="merge")
+    with pytest.raises(ValueError, match=r"bind_adapter with EngineConfig\.lora_mode='merge'"):
+        merge.bind_adapter(_live_pairs(params))
+    lossy = BuiltinEngine(
+        tiny_model_dir,
+        config=EngineConfig(
+            max_batch_size=8,
+            max_seq_len=64,
+            region_prefix="bd-lossy",
+            lora_mode="beside",
+            max_lora_rank=RANK,
+        ),
+        should_back_up_weights=False,
+    )
+    lossy_binding = lossy.bind_adapter(_live_pairs(params))
+    lossy.sleep()
+    lossy.wake_up()
+    with pytest.raises(ValueError, match="base weights were lost"):
+        lossy_binding.refresh()
+    for e in (engine, plain, merge, lossy):
+        e.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (graphs, compile)")
+def test_cuda_a_bound_adapter_refreshes_under_graphs(tmp_path):
+    """On a GPU, bf16, CUDA graphs and the compiled decode step, buffers reserved: a refresh
+    after an in-place step keeps the captured graphs and serves what an engine synced with
+    update_weights serves (separately compiled engines: bf16 tolerance, same tokens)."""
+    from yatt.testing import make_tiny_causal_lm
+
+    model_dir = tmp_path / "bf16"
+    make_tiny_causal_lm(model_dir, arch="qwen2", seed=0, dtype=torch.bfloat16)
+    base = _base(model_dir)
+    kwargs = dict(dtype="bfloat16", device="cuda", max_lora_rank=RANK)
+    bound = _engine(model_dir, "bd-cuda", **kwargs)
+    synced = _engine(model_dir, "bd-cuda-s", **kwargs)
+    params, _ = _trained({m: (A.cuda(), B.cuda()) for m, (A, B) in _adapter(base, 1).items()})
+    binding = bound.bind_adapter(_live_pairs(params))
+    before = bound.generate(_requests(), GREEDY)  # graphs captured with the adapter bound
+    releases = _spy_graph_releases(bound)
+    with torch.no_grad():
+        for module, (A, B) in _adapter(base, 2).items():
+            params[module][0].copy_(A)
+            params[module][1].copy_(B)
+    binding.refresh()
+    assert releases == []
+    synced.update_weights((n, t.cuda()) for n, t in _adapter_pairs(_adapter(base, 2)))
+    got, want = bound.generate(_requests(), GREEDY), synced.generate(_requests(), GREEDY)
+    for c, w in zip(got, want, strict=True):
+        _assert_same(c, w, 2e-2)
+    assert [c.logprobs for c in got] != [c.logprobs for c in before]
+    for engine in (bound, synced):
+        engine.close()

@@ -22,7 +22,7 @@ from yatt.rollout._user_code_worker import describe_raise
 from yatt.rollout._version import __version__
 from yatt.rollout._vllm import VLLMConfig, VLLMEngine
 from yatt.rollout._weights import NameMapper, iter_buckets, map_names
-from yatt.rollout.builtin import BuiltinEngine, EngineConfig
+from yatt.rollout.builtin import AdapterBinding, BuiltinEngine, EngineConfig
 
 # Multi-turn rollouts with environments and tools (the rest: yatt.rollout.env).
 from yatt.rollout.env import EnvConfig, MultiTurnRollout, MultiTurnStats, Trajectory
@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "Abortable",
     "AcceptsImages",
+    "AdapterBinding",
     "BuiltinEngine",
     "Completion",
     "EngineConfig",

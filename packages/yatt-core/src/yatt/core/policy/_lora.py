@@ -312,17 +312,33 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def iter_adapter_weights(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_adapter_weights(
+    module: torch.nn.Module, *, live: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """The adapter in the sync's wire format (see the module docstring), full tensors (FSDP2
-    all-gathers each on its own: every rank must consume the iterator to the end)."""
+    all-gathers each on its own: every rank must consume the iterator to the end).
+
+    live: A, B and the saved modules' parameters are the trained nn.Parameters themselves
+    (no detach, no gather), for an engine that binds them once and re-reads them each step
+    (BuiltinEngine.bind_adapter); ValueError for a sharded (FSDP2) parameter."""
+    get = _live if live else _full
     for name, layer in lora_layers(module):
-        yield name + LORA_A_SUFFIX, _full(layer.lora_A[_ADAPTER].weight)
-        yield name + LORA_B_SUFFIX, _full(layer.lora_B[_ADAPTER].weight)
+        yield name + LORA_A_SUFFIX, get(layer.lora_A[_ADAPTER].weight)
+        yield name + LORA_B_SUFFIX, get(layer.lora_B[_ADAPTER].weight)
         scaling = torch.tensor(float(layer.scaling[_ADAPTER]), dtype=torch.float32)
         yield name + LORA_SCALING_SUFFIX, scaling
     for name, wrapper in saved_modules(module):
         for param_name, param in wrapper.modules_to_save[_ADAPTER].named_parameters():
-            yield f"{name}.{param_name}{LORA_SAVED_SUFFIX}", _full(param)
+            yield f"{name}.{param_name}{LORA_SAVED_SUFFIX}", get(param)
+
+
+def _live(param: torch.Tensor) -> torch.Tensor:
+    if hasattr(param, "full_tensor"):
+        raise ValueError(
+            "named_adapter_weights(live=True): the adapter's parameters are FSDP2 shards, "
+            "which an engine cannot bind; sync named_adapter_weights() (gathered) instead"
+        )
+    return param
 
 
 def peft_saved_name(name: str) -> str | None:

@@ -487,7 +487,7 @@ class TorchPolicy:
         """Each LoRA target module's scaling (alpha / rank) by name; empty without LoRA."""
         return {name: float(layer.scaling["default"]) for name, layer in lora_layers(self.module)}
 
-    def named_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_adapter_weights(self, *, live: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """The LoRA adapter alone, for a weight sync: per target module "<name>.lora_A"
         [rank, in], "<name>.lora_B" [out, rank] and "<name>.lora_scaling" (a 0-d float32),
         where <name> is the module's Hugging Face name; an engine adds scaling B A to
@@ -497,6 +497,10 @@ class TorchPolicy:
         base's (and puts the base's back while the adapter is off).
 
         Collective under FSDP2, like named_weights. ValueError without policy.lora.
+
+        live=True: A, B and the saved parameters are the trained nn.Parameters themselves, not
+        detached copies' views, for yatt-rollout's BuiltinEngine.bind_adapter (bound once, its
+        refresh() re-reads them after each optimizer step). ValueError under FSDP2 (shards).
         """
         if self.config.lora is None:
             raise ValueError(
@@ -504,7 +508,7 @@ class TorchPolicy:
                 "sync named_weights() instead, or set policy.lora"
             )
         self._check_awake("named_adapter_weights")
-        yield from iter_adapter_weights(self.module)
+        yield from iter_adapter_weights(self.module, live=live)
 
     def reference_logprobs(self, batch: Batch) -> torch.Tensor:
         """The KL reference's logprobs of `batch`: with LoRA, this policy's base with the

@@ -5,8 +5,9 @@ engine's on-device sampler (counter-based randomness, no host syncs, capturable 
 for a decode loop of one's own that should sample as the engine does.
 """
 
+from yatt.rollout.builtin._adapter_binding import AdapterBinding
 from yatt.rollout.builtin._config import EngineConfig
 from yatt.rollout.builtin._engine import BuiltinEngine
 from yatt.rollout.builtin._sampling import sample_tokens
 
-__all__ = ["BuiltinEngine", "EngineConfig", "sample_tokens"]
+__all__ = ["AdapterBinding", "BuiltinEngine", "EngineConfig", "sample_tokens"]

@@ -67,6 +67,7 @@ from yatt.rollout._weights import (
     move_into_current_region,
     named_targets,
 )
+from yatt.rollout.builtin._adapter_binding import AdapterBinding
 from yatt.rollout.builtin._base_view import BaseModelView
 from yatt.rollout.builtin._batcher import MAX_LABEL_TOKENS, SlotRunner, WorkItem
 from yatt.rollout.builtin._config import EngineConfig
@@ -161,6 +162,7 @@ class BuiltinEngine:
         self.eos_token_ids = _eos_ids(model)
         self._should_back_up_weights = should_back_up_weights
         self._are_weights_lost = False  # woken without backup, not refilled yet
+        self._weights_version = 0  # update_weights calls so far (a binding's staleness)
         self._adapter = AdapterMerger()  # a LoRA adapter synced alone is merged in (_lora.py)
         # The engine's device selected first: a memory region (and its byte count) belongs to
         # the current device, which is the trainer's when the engine has a GPU of its own
@@ -402,6 +404,7 @@ class BuiltinEngine:
                 )
             # KV kept between turns was computed with the old weights: drop it.
             self._runner.kept.clear()
+            self._weights_version += 1  # adapters bound before are stale (bind_adapter)
             targets = named_targets(self.model)
             if self._low_rank is not None:
                 self._update_beside(targets, named_tensors, bucket_bytes)
@@ -439,6 +442,59 @@ class BuiltinEngine:
             # The captured decode graphs lack the new hooks or read the old buffers.
             self._runner.release_graphs()
         self._are_weights_lost = False
+
+    def bind_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> AdapterBinding:
+        """Load a LoRA adapter (as update_weights) and bind its tensors: the returned
+        binding's refresh() is each later sync, a few multi-tensor copies of the tensors'
+        current values with no per-tensor host work (_adapter_binding.py). For a trainer in
+        this process whose adapter parameters live on this engine's device:
+
+            binding = engine.bind_adapter(policy.named_adapter_weights(live=True))
+            ... optimizer step ...; binding.refresh()
+
+        EngineConfig.lora_mode="beside" only; the adapter alone (no full weights). Any
+        update_weights call after it makes the binding stale (refresh raises: bind again)."""
+        if self._low_rank is None:
+            raise ValueError(
+                f"bind_adapter with EngineConfig.lora_mode={self.config.lora_mode!r}: a merged "
+                "adapter is re-merged through the weights at each sync; build the engine with "
+                "lora_mode='beside' or sync with update_weights"
+            )
+        pairs = list(named_tensors)
+        if not pairs:
+            raise ValueError(
+                "bind_adapter: no tensors; pass policy.named_adapter_weights(live=True)"
+            )
+        self._low_rank.check_bindable(pairs)
+        self.update_weights(pairs)  # every other check, the buffers (and any new layout) made
+        with self._scheduler.exclusive():
+            copies = self._low_rank.bound_copies(pairs)
+            return AdapterBinding(self, copies, self._weights_version)
+
+    def _refresh_binding(self, binding: AdapterBinding) -> None:
+        self._check_open()
+        with self._scheduler.exclusive():
+            if binding.version != self._weights_version:
+                raise ValueError(
+                    "AdapterBinding.refresh: update_weights was called after bind_adapter, so "
+                    "the bound buffers may be gone or no longer the adapter's; bind again"
+                )
+            if is_paused(self._tags["weights"]):
+                raise RuntimeError(
+                    "AdapterBinding.refresh while the weights are asleep; call "
+                    "wake_up(tags=('weights',)) first"
+                )
+            if self._are_weights_lost:
+                raise ValueError(
+                    "AdapterBinding.refresh: the base weights were lost (woken with "
+                    "should_back_up_weights=False); sync the full weights with update_weights, "
+                    "then bind again"
+                )
+            self._runner.kept.clear()  # KV kept between turns came from the old adapter
+            with self._dev.selected():  # the caller's stream: the trainer's tensors live there
+                binding._copy()
+                if self._device.type == "cuda":
+                    torch.cuda.synchronize(self._device)
 
     def without_adapter(self) -> BaseModelView:
         """This engine's base model, its LoRA adapter off, as an engine of its own: a

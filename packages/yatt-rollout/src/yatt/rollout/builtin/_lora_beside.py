@@ -43,6 +43,7 @@ import re
 import torch
 import torch.nn.functional as F
 
+from yatt.rollout.builtin._adapter_binding import BoundCopies
 from yatt.rollout.builtin._lora import LORA_SAVED_SUFFIX, split_adapter_name
 
 logger = logging.getLogger(__name__)
@@ -190,6 +191,59 @@ class LowRankBeside:
             if module in self._pending:
                 self._pending[module][piece] = self._pending[module][piece].clone()
         return rest, is_new_layout
+
+    @staticmethod
+    def check_bindable(pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """ValueError unless `pairs` is an adapter alone whose trained tensors (A, B, saved
+        parameters) are the trainer's nn.Parameters: a detached copy would go stale."""
+        for name, tensor in pairs:
+            split = split_adapter_name(name)
+            if split is None and not name.endswith(LORA_SAVED_SUFFIX):
+                raise ValueError(
+                    f"bind_adapter: {name!r} is a full weight; bind the adapter alone "
+                    "(policy.named_adapter_weights(live=True)) and sync full weights with "
+                    "update_weights"
+                )
+            is_trained = split is None or split[1] != "scaling"
+            if is_trained and not isinstance(tensor, torch.nn.Parameter):
+                raise ValueError(
+                    f"bind_adapter: {name!r} is a {type(tensor).__name__}, not the trained "
+                    "nn.Parameter: a copy or a view goes stale when the trainer moves it; "
+                    "pass policy.named_adapter_weights(live=True)"
+                )
+
+    def bound_copies(self, pairs: list[tuple[str, torch.Tensor]]) -> BoundCopies:
+        """The copies that refresh an adapter already loaded from `pairs` (check_bindable's,
+        which update_weights just took) into its buffers: the engine's bind_adapter."""
+        copies = BoundCopies()
+        parts: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
+        saved: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in pairs:
+            split = split_adapter_name(name)
+            if split is None:
+                saved.append((name, tensor))
+            else:
+                parts.setdefault(split[0], {})[split[1]] = (name, tensor)
+        names_B: list[str] = []
+        for module, got in parts.items():
+            factors = self._factors[module]
+            (name_A, A), (name_B, B), (_, scaling) = got["A"], got["B"], got["scaling"]
+            rank = A.shape[0]
+            is_padded = factors.A.shape[0] != rank  # reserved at a larger rank: zeros after
+            copies.A_dst.append(factors.A[:rank] if is_padded else factors.A)
+            copies.sB_dst.append(factors.sB[:, :rank] if is_padded else factors.sB)
+            copies.A_src.append(A)
+            copies.B_src.append(B)
+            copies.scalings.append(float(scaling))
+            copies.names.append(name_A)
+            names_B.append(name_B)
+        copies.names += names_B
+        for name, tensor in saved:
+            copies.saved_dst.append(self._saved[name[: -len(LORA_SAVED_SUFFIX)]].weight)
+            copies.saved_src.append(tensor)
+            copies.names.append(name)
+        copies.check()
+        return copies
 
     def _check_base_refreshed(self, name: str) -> None:
         if name.endswith(LORA_SAVED_SUFFIX):
