@@ -294,3 +294,11 @@ def test_lora_modes_smoke_run(tmp_path):
     # Two identical engines against one: the judge's weights and KV cache are the policy's.
     assert results["ratios"]["self_judge_resident"] == 0.5
     assert (tmp_path / "lora_modes_cpu_smoke.md").is_file()
+
+
+def test_a_shapes_variants_run_together_in_the_order_shapes_first_appear():
+    """The disk holds one shape's models at a time: a 14B variant between two 7B ones would
+    find the 7B models kept for the later one (session 33: no space left while saving)."""
+    got = lora_gpu.run_order(["full-7b", "lora16-7b-beside", "lora16-14b", "lora16-7b-noac"])
+    assert got == ["full-7b", "lora16-7b-beside", "lora16-7b-noac", "lora16-14b"]
+    assert lora_gpu.run_order(["lora16-14b", "full-7b"]) == ["lora16-14b", "full-7b"]

@@ -420,6 +420,16 @@ def device_name() -> str:
     return setup.device_name()
 
 
+def run_order(variants: list[str]) -> list[str]:
+    """`variants` with each shape's together, shapes in the order they first appear: the disk
+    holds one shape's models at a time (session 33's lora16-14b, between two 7B variants, found
+    the 7B models still there and no space left to save its own)."""
+    first: dict[str, int] = {}
+    for i, variant in enumerate(variants):
+        first.setdefault(VARIANTS[variant][0], i)
+    return sorted(variants, key=lambda v: first[VARIANTS[v][0]])
+
+
 def run_all(args: argparse.Namespace, argv: list[str]) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -445,9 +455,10 @@ def run_all(args: argparse.Namespace, argv: list[str]) -> dict:
                 k: v for k, v in kept.get("variants", {}).items() if k not in args.variants
             }
             results["command"] = kept.get("command", "") + " ; " + results["command"]
-    shapes_left = [VARIANTS[v][0] for v in args.variants]
+    variants = run_order(args.variants)
+    shapes_left = [VARIANTS[v][0] for v in variants]
     started = time.perf_counter()
-    for i, variant in enumerate(args.variants):
+    for i, variant in enumerate(variants):
         timeout_s = args.variant_timeout_s
         if args.budget_s is not None:
             timeout_s = min(timeout_s, args.budget_s - (time.perf_counter() - started))

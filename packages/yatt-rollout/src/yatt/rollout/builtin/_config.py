@@ -85,7 +85,7 @@ class EngineConfig:
     # are then made with the engine, so its first compile already holds them and an adapter
     # of a rank <= max_lora_rank loads in place (a lower rank padded with zeros): no CUDA
     # graphs dropped, nothing compiled again (at 7B a second whole-model compile took ~5 min:
-    # bench/results/lora_nvidia_h200.md). None: the buffers are made at the first adapter.
+    # bench/results/lora_nvidia_h200_05e6ac0.md). None: the buffers are made at the first adapter.
     max_lora_rank: int | None = None
     # The modules given buffers under max_lora_rank, as PEFT's target_modules: "all-linear"
     # (every Linear but the output layer), a regular expression on the whole module name, or
