@@ -90,6 +90,16 @@ def _run(step_s: list[float], sync: list[float], switch: list[float], peak: floa
     return {"mixes": {lora_gpu.MIX: {"steps": steps}}, "workload": {}}
 
 
+def test_the_sync_is_the_sync_call_where_the_run_timed_it():
+    """step.py's "sync_call_s" (the call alone) is the sync when a run has it; the sync phase
+    less its switch also holds the plan's bookkeeping (hand-built: 0.5 s phase, 0.1 s switch,
+    0.02 s call)."""
+    run = _run([10.0], [0.5], [0.1], 50.0)
+    assert lora_gpu.summarize(run)["sync_s"]["median"] == pytest.approx(0.4)
+    run["mixes"][lora_gpu.MIX]["steps"][0]["sync_call_s"] = 0.02
+    assert lora_gpu.summarize(run)["sync_s"]["median"] == pytest.approx(0.02)
+
+
 def test_summary_and_ratios_from_hand_built_runs():
     full = lora_gpu.summarize(_run([10.0, 12.0, 30.0], [2.5, 2.0, 2.0], [0.5, 0.0, 0.0], 100.0))
     lora = lora_gpu.summarize(_run([7.0, 9.0, 8.0], [0.15, 0.1, 0.2], [0.05, 0.0, 0.1], 50.0))

@@ -100,6 +100,8 @@ def test_run_json_has_phases_and_forced_lengths(runs, layout):
         step = result["steps"][-1]  # timed step index `warmup + num_timed - 1`
         assert set(step["phases"]) == PHASES[run["base_layout"]]
         assert step["step_s"] > 0 and all(v >= 0 for v in step["phases"].values())
+        # the sync's call alone: inside its phase, which also holds the switch and bookkeeping
+        assert 0 < step["sync_call_s"] <= step["phases"]["sync"]
         assert step["step_s"] >= max(step["phases"].values())
         # The last timed step: every response has exactly its forced length.
         expected = _step_setup.response_lengths(mix, work, num_timed)

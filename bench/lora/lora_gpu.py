@@ -35,7 +35,8 @@ Each variant runs in its own process (a clean GPU), one after another; this proc
 lora_<gpu>.json/.md under --out-dir after every variant, so a run cut by its time limit keeps
 the variants it finished. Bars (LoRA / full, 7B policy + 7B judge): step time (median of the
 timed steps) <= 0.7, peak GPU memory (the step's highest phase peak, device-wide) <= 0.6,
-weight sync (the sync phase less the switch into it: the sync call) <= 0.05; then
+weight sync (the sync call itself, step.py's "sync_call_s": the trainer's WeightSync with its
+device work; earlier runs: the sync phase less the switch into it) <= 0.05; then
 lora16-14b (and lora16-32b) with 0 out-of-memory errors.
 
 Time on an H200 (estimates, not measured yet): 7B + 7B models saved ~1.5 min, each 7B variant
@@ -255,7 +256,15 @@ def summarize(run: dict) -> dict:
     """The bars' numbers from one step.py run JSON (its one mix, one rank)."""
     steps = run["mixes"][MIX]["steps"]
     step_s = [s["step_s"] for s in steps]
-    sync_s = [s["phases"].get("sync", 0.0) - s["switches"].get("sync", 0.0) for s in steps]
+    # The sync call itself (step.py's "sync_call_s": device work included, no placement
+    # bookkeeping); runs before it had only the sync phase less its switch, which also holds
+    # the plan's memory readings around the switch (~10 ms a step on an H200? session 33).
+    sync_s = [
+        s["sync_call_s"]
+        if "sync_call_s" in s
+        else s["phases"].get("sync", 0.0) - s["switches"].get("sync", 0.0)
+        for s in steps
+    ]
     # The step's peak per timed step (None on CPU: no CUDA memory to read).
     peaks = [p for s in steps for p in s.get("max_reserved_gib") or [] if p is not None]
     out = {

@@ -124,6 +124,9 @@ def summarize_mix(ranks: list[list[dict]]) -> dict:
                     k: max(r.get("switches", {}).get(k, 0.0) for r in rows)
                     for k in sorted({k for r in rows for k in r.get("switches", {})})
                 },
+                # The weight sync's call alone (its phase less the switch and the plan's
+                # bookkeeping), slowest rank's.
+                "sync_call_s": max(r.get("sync_call_s", 0.0) for r in rows),
                 "gpus": sorted((g for r in rows for g in r["gpus"]), key=lambda g: g["gpu"]),
                 "bad_lengths": sum(r["bad_lengths"] for r in rows),
                 "num_completions": sum(r["num_completions"] for r in rows),
