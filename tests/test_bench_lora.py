@@ -306,6 +306,41 @@ def test_lora_modes_smoke_run(tmp_path):
     assert (tmp_path / "lora_modes_cpu_smoke.md").is_file()
 
 
+def test_each_side_at_its_fastest_setting_and_the_partial_variants_layout(tmp_path):
+    """The best-of row: the fastest finished LoRA 7B variant / the fastest full one (hand-built:
+    LoRA 11, 9 (partial), 10 s; full 14, 13 s (partial) -> 9 / 13), named in the report; a
+    variant not finished is not a candidate. The partial variants run step.py's partial layout."""
+
+    def finished(step_s):
+        return {"rc": 0, "summary": lora_gpu.summarize(_run([step_s], [0.1], [0.0], 50.0))}
+
+    results = {
+        "variants": {
+            "lora16-7b": finished(11.0),
+            "lora16-7b-partial": finished(9.0),
+            "lora16-7b-noac": finished(10.0),
+            "lora16-7b-noac-partial": {"rc": 1, "error": "CUDA out of memory", "oom": True},
+            "full-7b": finished(14.0),
+            "full-7b-partial": finished(13.0),
+        }
+    }
+    assert lora_gpu.ratios(results)["step_s_best"] == pytest.approx(9.0 / 13.0)
+    results |= {"device": "nvidia_h200", "commit": "abc1234", "smoke": False}
+    results |= {"warmup": 1, "steps": 1, "micro_batch_tokens": 16384, "command": "x"}
+    text = lora_gpu.markdown(results)
+    assert "| fastest: lora16-7b-partial / full-7b-partial | 0.692 | <= 0.7 | PASS |" in text
+    assert "| full-7b-partial | auto, partial | 0 |" in text
+    del results["variants"]["full-7b"], results["variants"]["full-7b-partial"]
+    assert lora_gpu.ratios(results)["step_s_best"] is None
+    args = lora_gpu.parse_args(["--variants", "lora16-7b-noac-partial"])
+    argv = lora_gpu.step_args("lora16-7b-noac-partial", args, tmp_path)
+    assert argv[argv.index("--layout") + 1] == "partial"
+    assert "--activation-checkpointing" not in argv
+    assert argv[argv.index("--micro-batch-tokens") + 1] == "auto"
+    argv = lora_gpu.step_args("full-7b", args, tmp_path)
+    assert argv[argv.index("--layout") + 1] == "full" and "--activation-checkpointing" in argv
+
+
 def test_a_shapes_variants_run_together_in_the_order_shapes_first_appear():
     """The disk holds one shape's models at a time: a 14B variant between two 7B ones would
     find the 7B models kept for the later one (session 33: no space left while saving)."""
