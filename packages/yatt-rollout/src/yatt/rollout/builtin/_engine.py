@@ -397,26 +397,29 @@ class BuiltinEngine:
         """
         self._check_open()
         with self._scheduler.exclusive():
-            if is_paused(self._tags["weights"]):
-                raise RuntimeError(
-                    "update_weights while the weights are asleep; call "
-                    "wake_up(tags=('weights',)) first"
-                )
-            # KV kept between turns was computed with the old weights: drop it.
-            self._runner.kept.clear()
-            self._weights_version += 1  # adapters bound before are stale (bind_adapter)
-            targets = named_targets(self.model)
-            if self._low_rank is not None:
-                self._update_beside(targets, named_tensors, bucket_bytes)
-                return
-            adapter = self._adapter.begin(targets, are_weights_lost=self._are_weights_lost)
-            with self._dev.selected():  # the caller's stream: the sender's tensors live there
-                for bucket in iter_buckets(named_tensors, bucket_bytes=bucket_bytes):
-                    adapter.copy_bucket(bucket)  # copy_bucket, LoRA adapters merged (_lora.py)
-                    if self._device.type == "cuda":
-                        torch.cuda.synchronize(self._device)
-            adapter.finish()
-            self._are_weights_lost = False
+            self._update_weights_held(named_tensors, bucket_bytes)
+
+    def _update_weights_held(self, named_tensors, bucket_bytes: int) -> None:
+        """update_weights' work, the engine held by the caller."""
+        if is_paused(self._tags["weights"]):
+            raise RuntimeError(
+                "update_weights while the weights are asleep; call wake_up(tags=('weights',)) first"
+            )
+        # KV kept between turns was computed with the old weights: drop it.
+        self._runner.kept.clear()
+        self._weights_version += 1  # adapters bound before are stale (bind_adapter)
+        targets = named_targets(self.model)
+        if self._low_rank is not None:
+            self._update_beside(targets, named_tensors, bucket_bytes)
+            return
+        adapter = self._adapter.begin(targets, are_weights_lost=self._are_weights_lost)
+        with self._dev.selected():  # the caller's stream: the sender's tensors live there
+            for bucket in iter_buckets(named_tensors, bucket_bytes=bucket_bytes):
+                adapter.copy_bucket(bucket)  # copy_bucket, LoRA adapters merged (_lora.py)
+                if self._device.type == "cuda":
+                    torch.cuda.synchronize(self._device)
+        adapter.finish()
+        self._are_weights_lost = False
 
     def _update_beside(self, targets, named_tensors, bucket_bytes: int) -> None:
         """update_weights with lora_mode="beside" (under the engine's lock): plain weights are
@@ -466,8 +469,10 @@ class BuiltinEngine:
                 "bind_adapter: no tensors; pass policy.named_adapter_weights(live=True)"
             )
         self._low_rank.check_bindable(pairs)
-        self.update_weights(pairs)  # every other check, the buffers (and any new layout) made
-        with self._scheduler.exclusive():
+        self._check_open()
+        with self._scheduler.exclusive():  # loaded and bound with no other call in between
+            # every other check, the buffers (and any new layout) made
+            self._update_weights_held(pairs, DEFAULT_BUCKET_BYTES)
             copies = self._low_rank.bound_copies(pairs)
             return AdapterBinding(self, copies, self._weights_version)
 
