@@ -115,10 +115,12 @@ def with_lora_engine(cfg: TrainConfig) -> TrainConfig:
         logger.info("policy.lora: rollout.backend_options gains %s to serve the adapter", added)
     if served.engine != cfg.rollout.engine:
         logger.info(
-            "policy.lora: rollout.engine.max_lora_rank=%s, lora_target_modules=%r (lora_mode="
-            "beside: the adapter's buffers made with the engine)",
+            "policy.lora: rollout.engine.max_lora_rank=%s, lora_target_modules=%r, "
+            "lora_modules_to_save=%r (lora_mode=beside: the adapter's buffers made with the "
+            "engine)",
             served.engine.max_lora_rank,
             served.engine.lora_target_modules,
+            served.engine.lora_modules_to_save,
         )
     return dataclasses.replace(cfg, rollout=served)
 

@@ -2161,11 +2161,13 @@ def test_lora_with_a_vllm_or_sglang_rollout_gets_an_engine_that_serves_it(tmp_pa
             tmp_path,
             "policy.lora.rank=8",
             "policy.lora.target_modules=[q_proj,v_proj]",
+            "policy.lora.modules_to_save=[lm_head]",
             "rollout.engine.lora_mode=beside",
         )
     )
     assert beside.rollout.engine.max_lora_rank == 8
     assert beside.rollout.engine.lora_target_modules == ("q_proj", "v_proj")
+    assert beside.rollout.engine.lora_modules_to_save == ("lm_head",)
     with pytest.raises(ValueError, match=r"rollout.engine.max_lora_rank=4 is below policy.lora"):
         grpo_preflight.with_lora_engine(
             _read_config(

@@ -676,3 +676,94 @@ def test_cuda_a_bound_adapter_refreshes_under_graphs(tmp_path):
     assert [c.logprobs for c in got] != [c.logprobs for c in before]
     for engine in (bound, synced):
         engine.close()
+
+
+def test_a_reserved_module_to_save_is_set_and_cleared_in_place(tiny_model_dir):
+    """EngineConfig.lora_modules_to_save: the LM head's trained copy and hook made with the
+    engine, off. Before any adapter it serves the base exactly; adapters with the head and a
+    full sync of the head (the new base: the copy off) keep the engine's graphs (no layout
+    change). Adapter rows serve what a merged full sync serves, base rows the base; each
+    state bit for bit what a beside engine without the reservation serves."""
+    base = _base(tiny_model_dir)
+    reserved = _engine(
+        tiny_model_dir, "bs-rsave", max_lora_rank=RANK, lora_modules_to_save=("lm_head",)
+    )
+    unreserved = _engine(tiny_model_dir, "bs-rsave-u")
+    plain = _engine(tiny_model_dir, "bs-rsave-p")
+    merged = _engine(tiny_model_dir, "bs-rsave-m", mode="merge")
+    assert reserved._low_rank.saved_parameters == ["lm_head.weight"]
+    _assert_serves_alike(reserved, plain, _requests())
+    releases = _spy_graph_releases(reserved)
+    adapter, head = _adapter(base, 1), _head(base, 1)
+    for engine in (reserved, unreserved):
+        engine.update_weights([*_adapter_pairs(adapter), ("lm_head.weight.lora_saved", head)])
+    full = dict(_merged_pairs(base, adapter))
+    full["lm_head.weight"] = head
+    merged.update_weights(full.items())
+    got = _assert_serves_alike(reserved, unreserved)
+    want_on, want_off = merged.generate(_requests(), SAMPLED), plain.generate(_requests(), SAMPLED)
+    for c, on, off in zip(got, want_on, want_off, strict=True):
+        is_on = IS_ON[c.request_index]
+        _assert_same(c, on if is_on else off, ATOL_F32 * is_on)
+    # A full sync of the base's head: the trained copy is off, the adapter's factors stay.
+    for engine in (reserved, unreserved):
+        engine.update_weights([("lm_head.weight", base.lm_head.weight.detach())])
+    merged.update_weights(_merged_pairs(base, adapter))
+    got = _assert_serves_alike(reserved, unreserved)
+    want_on = merged.generate(_requests(), SAMPLED)  # the base's head, the adapter's factors
+    for c, on, off in zip(got, want_on, want_off, strict=True):
+        is_on = IS_ON[c.request_index]
+        _assert_same(c, on if is_on else off, ATOL_F32 * is_on)
+    # The next adapter turns the copy on again, in place.
+    adapter, head = _adapter(base, 2), _head(base, 2)
+    for engine in (reserved, unreserved):
+        engine.update_weights([*_adapter_pairs(adapter), ("lm_head.weight.lora_saved", head)])
+    _assert_serves_alike(reserved, unreserved)
+    assert releases == []
+    with pytest.raises(ValueError, match=r"lora_modules_to_save: 'no_such' names no Linear"):
+        _engine(tiny_model_dir, "bs-rsave-bad", lora_modules_to_save=("no_such",))
+    with pytest.raises(
+        ValueError, match=r"lora_modules_to_save=\('lm_head',\) with lora_mode='merge'"
+    ):
+        EngineConfig(lora_mode="merge", lora_modules_to_save=("lm_head",))
+    for engine in (reserved, unreserved, plain, merged):
+        engine.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (graphs, compile)")
+def test_cuda_a_reserved_module_to_save_keeps_the_graphs(tmp_path):
+    """On a GPU, bf16, CUDA graphs and the compiled decode step: with the LM head's trained
+    copy reserved (lora_modules_to_save), the graphs captured before any adapter serve an
+    adapter with its head, and the head's full sync, with no recapture; adapter rows match a
+    merged full sync's engine (bf16 tolerance), base rows a plain engine's."""
+    from yatt.testing import make_tiny_causal_lm
+
+    model_dir = tmp_path / "bf16"
+    make_tiny_causal_lm(model_dir, arch="qwen2", seed=0, dtype=torch.bfloat16)
+    base = _base(model_dir)
+    kwargs = dict(dtype="bfloat16", device="cuda")
+    reserved = _engine(
+        model_dir, "rs-cuda", max_lora_rank=RANK, lora_modules_to_save=("lm_head",), **kwargs
+    )
+    merged = _engine(model_dir, "rs-cuda-m", mode="merge", **kwargs)
+    plain = _engine(model_dir, "rs-cuda-p", **kwargs)
+    want_base = plain.generate(_requests(), GREEDY)
+    assert [c.response_ids for c in reserved.generate(_requests(), GREEDY)] == [
+        c.response_ids for c in want_base
+    ]
+    releases = _spy_graph_releases(reserved)
+    adapter, head = _adapter(base, 1), _head(base, 1)
+    reserved.update_weights(
+        (n, t.cuda()) for n, t in [*_adapter_pairs(adapter), ("lm_head.weight.lora_saved", head)]
+    )
+    full = dict(_merged_pairs(base, adapter))
+    full["lm_head.weight"] = head
+    merged.update_weights((n, t.cuda()) for n, t in full.items())
+    got, want = reserved.generate(_requests(IS_ON), GREEDY), merged.generate(_requests(), GREEDY)
+    for c, on, off in zip(got, want, want_base, strict=True):
+        _assert_same(c, on if IS_ON[c.request_index] else off, 2e-2)
+    reserved.update_weights([("lm_head.weight", base.lm_head.weight.detach().cuda())])
+    assert releases == []
+    for engine in (reserved, merged, plain):
+        engine.close()

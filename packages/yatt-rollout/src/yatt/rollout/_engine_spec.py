@@ -110,8 +110,8 @@ class EngineSpec:
         and SGLang's options gain enable_lora, max_lora_rank (and SGLang's lora_target_modules);
         ValueError naming the field for a LoRA the backend cannot serve (_engine_lora.py). The
         built-in engine takes any adapter; under lora_mode="beside" its engine settings gain
-        max_lora_rank and lora_target_modules (the adapter's buffers made with the engine, so
-        its first compile holds them), else the spec is returned as it is."""
+        max_lora_rank, lora_target_modules and lora_modules_to_save (the adapter's buffers made
+        with the engine, so its first compile holds them), else the spec is returned as it is."""
         if self.backend == "builtin":
             if self.engine.lora_mode != "beside":
                 return self
@@ -125,6 +125,7 @@ class EngineSpec:
                 self.engine,
                 max_lora_rank=given if given is not None else rank,
                 lora_target_modules=target_modules,
+                lora_modules_to_save=tuple(modules_to_save),
             )
             return replace(self, engine=engine)
         options = lora_engine_options(

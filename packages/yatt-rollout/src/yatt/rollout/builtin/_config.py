@@ -91,6 +91,11 @@ class EngineConfig:
     # (every Linear but the output layer), a regular expression on the whole module name, or
     # a tuple of names (or their last dotted parts). The trainer fills it from policy.lora.
     lora_target_modules: str | tuple[str, ...] = "all-linear"
+    # lora_mode="beside": the modules an adapter trains whole (PEFT's modules_to_save, e.g.
+    # ("lm_head",); names or their last dotted parts; the trainer fills it from policy.lora).
+    # Each gets its trained copy's buffer and hook with the engine, off until the first sync,
+    # so that sync changes nothing the first compile holds (an LM head's copy: ~1 GB at 7B).
+    lora_modules_to_save: tuple[str, ...] = ()
     region_prefix: str = "rollout"  # placement tags "<prefix>/weights", "<prefix>/kv_cache"
     # CUDA priority of the engine's stream: lower is more urgent (0 is the lowest; values past
     # the device's range map to its ends). Beside a colocated judge (partial colocation) give
@@ -215,6 +220,20 @@ class EngineConfig:
             raise ValueError(
                 f"EngineConfig.lora_target_modules={targets!r}: 'all-linear', a regular "
                 "expression, or a tuple of module names (e.g. ('q_proj', 'v_proj'))"
+            )
+        saved = self.lora_modules_to_save
+        if isinstance(saved, list):
+            self.lora_modules_to_save = saved = tuple(saved)
+        if not (isinstance(saved, tuple) and all(isinstance(t, str) and t for t in saved)):
+            raise ValueError(
+                f"EngineConfig.lora_modules_to_save={saved!r}: a tuple of module names "
+                "(e.g. ('lm_head',)), or () for none"
+            )
+        if saved and self.lora_mode != "beside":
+            raise ValueError(
+                f"EngineConfig.lora_modules_to_save={saved!r} with lora_mode={self.lora_mode!r}: "
+                "it reserves the trained copies of lora_mode='beside'; drop it or set "
+                "lora_mode='beside'"
             )
         if not self.region_prefix or "/" in self.region_prefix:
             raise ValueError(

@@ -193,14 +193,17 @@ class BuiltinEngine:
                 dtype=next(model.parameters()).dtype,
                 device=self._device,
             )
-            if config.max_lora_rank is not None:
-                # Buffers and hooks before the first compile (EngineConfig.max_lora_rank),
-                # in the weights' region like the buffers a first sync would make.
+            if config.max_lora_rank is not None or config.lora_modules_to_save:
+                # Buffers and hooks before the first compile (EngineConfig.max_lora_rank,
+                # lora_modules_to_save), in the weights' region like those a first sync makes.
                 reserved_region = region(
                     self._tags["weights"], enable_cpu_backup=should_back_up_weights
                 )
                 with self._dev.selected(), reserved_region:
-                    self._low_rank.reserve(config.max_lora_rank, config.lora_target_modules)
+                    if config.max_lora_rank is not None:
+                        self._low_rank.reserve(config.max_lora_rank, config.lora_target_modules)
+                    if config.lora_modules_to_save:
+                        self._low_rank.reserve_saved(config.lora_modules_to_save)
         num_heads = text_config.num_attention_heads
         self._kv_layout = KVLayout(
             num_layers=text_config.num_hidden_layers,

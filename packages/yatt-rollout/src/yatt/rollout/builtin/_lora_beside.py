@@ -24,8 +24,10 @@ A module trained whole (PEFT's modules_to_save, "<p>.lora_saved") keeps the base
 <p> and its trained value in a second buffer; rows with the adapter on take the trained
 module's output (torch.where, exact). One extra copy of those modules only (the LM head).
 
-A full sync of "<m>.weight" (or of <p>) is the new base and drops that module's adapter (sB
-and the gate of the trained copy are zeroed in place, buffers kept), as in merge mode.
+A full sync of "<m>.weight" (or of <p>) is the new base and drops that module's adapter (A,
+sB and the trained copy's device flag zeroed in place, buffers kept), as in merge mode.
+EngineConfig.max_lora_rank and lora_modules_to_save make the buffers and hooks with the engine,
+so no sync changes what its first compile holds.
 
 Cost: two small GEMMs per target and layer in every forward, against none for merging
 (bench/lora/lora_modes_gpu.py times both). What it buys: no per-sync pass over the weights
@@ -67,11 +69,13 @@ class _Factors:
 
 
 class _Saved:
-    """A module to save's trained weight, served to rows with the adapter on."""
+    """A module to save's trained weight, served to rows with the adapter on while `on` (a
+    device flag: set and cleared in place, so captured graphs and compiled code stay valid)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
-        self.is_set = False  # False after a full sync of the base value (no adapter then)
+        self.on = torch.zeros((), dtype=weight.dtype, device=weight.device)
+        self.is_set = False  # host mirror of `on`: False before a value, after a full sync
 
 
 class LowRankBeside:
@@ -133,6 +137,34 @@ class LowRankBeside:
             self._hooks[name] = module.register_forward_hook(self._low_rank_hook(name))
         return [name for name, _ in selected]
 
+    @torch.no_grad()
+    def reserve_saved(self, modules: tuple[str, ...]) -> list[str]:
+        """A zero trained copy, off, and the hook of each named module's weight (PEFT's
+        modules_to_save: a name or its last dotted parts; Linear modules only) before any
+        adapter (EngineConfig.lora_modules_to_save): the first sync then only fills it and
+        turns it on. Returns the parameters; ValueError when a name selects nothing."""
+        chosen = []
+        for target in modules:
+            found = [
+                (name, module)
+                for name, module in self._model.named_modules()
+                if (name == target or name.endswith("." + target))
+                and isinstance(module, torch.nn.Linear)
+            ]
+            if not found:
+                raise ValueError(
+                    f"EngineConfig.lora_modules_to_save: {target!r} names no Linear module of "
+                    "the served model (a module to save is served beside the adapter only "
+                    "when it is a Linear, e.g. 'lm_head')"
+                )
+            for name, module in found:
+                param = name + ".weight"
+                if param not in self._saved:
+                    self._saved[param] = _Saved(torch.zeros_like(module.weight))
+                    self._hooks[param] = module.register_forward_hook(self._saved_hook(param))
+                    chosen.append(param)
+        return chosen
+
     def set_rows(self, row_on: torch.Tensor) -> None:
         """The gate of the next forward's rows (a device tensor, any dtype, 1 on / 0 off)."""
         self.row_on_R[: row_on.shape[0]].copy_(row_on)
@@ -170,7 +202,7 @@ class LowRankBeside:
                 continue
             split = split_adapter_name(name)
             if split is None:
-                is_new_layout |= self._drop(name)
+                self._drop(name)
                 self.refreshed.add(name)
                 rest.append((name, tensor))
                 continue
@@ -271,9 +303,9 @@ class LowRankBeside:
             )
 
     @torch.no_grad()
-    def _drop(self, name: str) -> bool:
-        """A full value of `name` is the new base: its adapter goes. True when the forward's
-        shape changed (a trained module no longer served)."""
+    def _drop(self, name: str) -> None:
+        """A full value of `name` is the new base: its adapter goes (in place: the forward's
+        layout is unchanged, captured graphs stay valid)."""
         module = name.removesuffix(".weight")
         if name in self._loaded_now or (name.endswith(".weight") and module in self._loaded_now):
             raise ValueError(
@@ -286,10 +318,9 @@ class LowRankBeside:
             self._factors[module].A.zero_()
             self._factors[module].sB.zero_()
         saved = self._saved.get(name)
-        if saved is not None and saved.is_set:
+        if saved is not None:  # whatever its state: woken without backup, the flag is garbage
+            saved.on.zero_()  # in place: the hook reads the flag on the device
             saved.is_set = False
-            return True
-        return False
 
     @torch.no_grad()
     def _load_ready(self, ready: list[tuple[str, dict[str, torch.Tensor]]], targets) -> bool:
@@ -406,8 +437,9 @@ class LowRankBeside:
                 self._saved_hook(name)
             )
         saved.weight.copy_(tensor)
-        was_set, saved.is_set = saved.is_set, True
-        return is_new or not was_set
+        saved.on.fill_(1)
+        saved.is_set = True
+        return is_new
 
     # -- the forward hooks --------------------------------------------------------------------
 
@@ -427,10 +459,10 @@ class LowRankBeside:
 
         def hook(_mod, args, out):
             saved = saved_of[name]
-            if not saved.is_set:  # host state: changes only between calls (graphs re-made)
-                return out
             x = args[0]
             trained = F.linear(x, saved.weight, _mod.bias)
-            return torch.where(self._gate(x) > 0, trained, out)
+            # Rows with the adapter on, while a trained value is set (device flags: no host
+            # branch, so setting or clearing it keeps captured graphs); a select, exact.
+            return torch.where(self._gate(x) * saved.on > 0, trained, out)
 
         return hook
