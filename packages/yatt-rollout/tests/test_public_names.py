@@ -15,6 +15,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
     "yatt.rollout": [
         "Abortable",
         "AcceptsImages",
+        "AdapterBinding",
         "BuiltinEngine",
         "Completion",
         "DEFAULT_BUCKET_BYTES",
@@ -43,6 +44,7 @@ PUBLIC_NAMES: dict[str, list[str]] = {
         "map_names",
     ],
     "yatt.rollout.builtin": [
+        "AdapterBinding",
         "BuiltinEngine",
         "EngineConfig",
         "sample_tokens",
