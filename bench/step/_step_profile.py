@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -19,6 +19,15 @@ import torch
 def _sync() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def device_seconds(call: Callable[[], object]) -> float:
+    """Wall time of call() with the device work it enqueued: a part of a phase (no profiler
+    range of its own, so a profile still lists the step's phases only)."""
+    t0 = time.perf_counter()
+    call()
+    _sync()
+    return time.perf_counter() - t0
 
 
 @contextlib.contextmanager

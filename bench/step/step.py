@@ -464,9 +464,9 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
                 step=global_step,
             )
     with _step_profile.timed(phases, "sync"), plan.phase("sync"):
-        sync_call = {}  # the call alone too: the phase also holds the plan's bookkeeping
-        with _step_profile.timed(sync_call, "sync"):
-            ctx.sync()  # the trainer's: full weights, the LoRA adapter, or the adapter bound
+        # the trainer's sync (full weights, the LoRA adapter, or the adapter bound), its call
+        # timed alone too: the phase also holds the plan's bookkeeping around its switch
+        sync_call_s = _step_profile.device_seconds(ctx.sync)
     with _step_profile.timed(phases, "ckpt"):  # async: blocks until staged in host memory
         if ctx.args.ckpt:
             ctx.ckpt.maybe_save(global_step + 1, policy.state(), extra={"step": global_step})
@@ -489,7 +489,7 @@ def one_step(ctx, mix: str, step: int, global_step: int) -> dict:
         "phases": phases,
         "switch_s": sum(switches.values()),
         "switches": switches,
-        "sync_call_s": sync_call["sync"],
+        "sync_call_s": sync_call_s,
         "bad_lengths": counts["bad_lengths"],
         "num_completions": counts["num_completions"],
         "response_tokens": counts["response_tokens"],
