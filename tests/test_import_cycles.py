@@ -339,9 +339,10 @@ def _public_step_functions() -> set[str]:
     return names
 
 
-# The trainer's prompt type: what its step functions take (grpo_prompts.Prompt, which adds the
-# rollout request to yatt.core.Prompt); a bench building prompts for them needs it.
-TRAINER_TYPES = {"Prompt"}
+# The trainer's types a bench's step needs: the prompt its step functions take
+# (grpo_prompts.Prompt, which adds the rollout request to yatt.core.Prompt), and the weight
+# sync its step makes after the update (grpo_setup.WeightSync: a bench syncs as it does).
+TRAINER_TYPES = {"Prompt", "WeightSync"}
 
 
 def test_the_attribute_scan_finds_a_planted_helper_read(tmp_path):

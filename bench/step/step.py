@@ -390,10 +390,8 @@ def build(args: argparse.Namespace, runtime, servers: list) -> SimpleNamespace:
         ),
         runtime,
     )
-    _step_sampling.trainer()  # examples/ on the path: the trainer's own sync
-    from grpo_setup import WeightSync
-
-    ctx.sync = WeightSync(
+    # the trainer's own sync (train_grpo's WeightSync: bench/ imports the trainer's step module)
+    ctx.sync = _step_sampling.trainer().WeightSync(
         ctx.engine,
         ctx.policy,
         is_lora=getattr(ctx.policy.config, "lora", None) is not None,
