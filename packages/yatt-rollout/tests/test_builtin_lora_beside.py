@@ -75,7 +75,8 @@ IS_ON = [True, False, True, False]
 ATOL_F32 = 1e-5
 
 
-def _engine(model_dir, prefix, *, mode="beside", fuse=True, **kwargs):
+def _engine(model_dir, prefix, *, mode="beside", fuse=True, back_up=True, **kwargs):
+    """back_up=False: woken without a backup of the weights (they are lost in a sleep)."""
     config = EngineConfig(
         max_batch_size=8,
         max_seq_len=64,
@@ -84,7 +85,7 @@ def _engine(model_dir, prefix, *, mode="beside", fuse=True, **kwargs):
         lora_mode=mode,
         **kwargs,
     )
-    return BuiltinEngine(model_dir, config=config)
+    return BuiltinEngine(model_dir, config=config, should_back_up_weights=back_up)
 
 
 def _requests(use_adapter=None, prompts=MIXED_PROMPTS):
@@ -479,14 +480,7 @@ def test_reserved_buffers_lost_on_wake_are_cleared_by_the_full_sync(tiny_model_d
     adapter buffers too; the full sync that must follow serves the base again exactly: a NaN
     factor times a zeroed one would still be NaN, so both are cleared."""
     base = _base(tiny_model_dir)
-    config = EngineConfig(
-        max_batch_size=8,
-        max_seq_len=64,
-        region_prefix="bs-res-lost",
-        lora_mode="beside",
-        max_lora_rank=RANK,
-    )
-    engine = BuiltinEngine(tiny_model_dir, config=config, should_back_up_weights=False)
+    engine = _engine(tiny_model_dir, "bs-res-lost", max_lora_rank=RANK, back_up=False)
     plain = _engine(tiny_model_dir, "bs-res-lost-p")
     engine.sleep()
     engine.wake_up()
@@ -625,17 +619,7 @@ def test_a_binding_goes_stale_and_bad_bindings_are_refused(tiny_model_dir):
     merge = _engine(tiny_model_dir, "bd-bad-m", mode="merge")
     with pytest.raises(ValueError, match=r"bind_adapter with EngineConfig\.lora_mode='merge'"):
         merge.bind_adapter(_live_pairs(params))
-    lossy = BuiltinEngine(
-        tiny_model_dir,
-        config=EngineConfig(
-            max_batch_size=8,
-            max_seq_len=64,
-            region_prefix="bd-lossy",
-            lora_mode="beside",
-            max_lora_rank=RANK,
-        ),
-        should_back_up_weights=False,
-    )
+    lossy = _engine(tiny_model_dir, "bd-lossy", max_lora_rank=RANK, back_up=False)
     lossy_binding = lossy.bind_adapter(_live_pairs(params))
     lossy.sleep()
     lossy.wake_up()

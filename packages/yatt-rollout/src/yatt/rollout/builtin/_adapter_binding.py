@@ -81,7 +81,8 @@ class AdapterBinding:
         self._engine = engine
         self._copies = copies
         self._version = version  # the engine's weights version it was bound at
-        self._addresses = [t.data_ptr() for t in copies.sources]
+        self._sources = copies.sources  # built once: refresh reads their addresses each step
+        self._addresses = [t.data_ptr() for t in self._sources]
         self.num_tensors = len(copies.names)
 
     @property
@@ -94,7 +95,7 @@ class AdapterBinding:
         self._engine._refresh_binding(self)
 
     def _copy(self) -> None:
-        addresses = [t.data_ptr() for t in self._copies.sources]
+        addresses = [t.data_ptr() for t in self._sources]
         if addresses != self._addresses:  # moved (offloaded and back): fit where they are now
             self._copies.check()
             self._addresses = addresses

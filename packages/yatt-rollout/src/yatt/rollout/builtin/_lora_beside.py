@@ -75,7 +75,6 @@ class _Saved:
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
         self.on = torch.zeros((), dtype=weight.dtype, device=weight.device)
-        self.is_set = False  # host mirror of `on`: False before a value, after a full sync
 
 
 class LowRankBeside:
@@ -157,13 +156,19 @@ class LowRankBeside:
                     "the served model (a module to save is served beside the adapter only "
                     "when it is a Linear, e.g. 'lm_head')"
                 )
-            for name, module in found:
+            for name, _ in found:
                 param = name + ".weight"
                 if param not in self._saved:
-                    self._saved[param] = _Saved(torch.zeros_like(module.weight))
-                    self._hooks[param] = module.register_forward_hook(self._saved_hook(param))
+                    self._add_saved(param)
                     chosen.append(param)
         return chosen
+
+    def _add_saved(self, param: str) -> _Saved:
+        """A module to save's trained copy of `param` (zeros, off) and its module's hook."""
+        module = self._model.get_submodule(param.removesuffix(".weight"))
+        saved = self._saved[param] = _Saved(torch.zeros_like(module.weight))
+        self._hooks[param] = module.register_forward_hook(self._saved_hook(param))
+        return saved
 
     def set_rows(self, row_on: torch.Tensor) -> None:
         """The gate of the next forward's rows (a device tensor, any dtype, 1 on / 0 off)."""
@@ -320,7 +325,6 @@ class LowRankBeside:
         saved = self._saved.get(name)
         if saved is not None:  # whatever its state: woken without backup, the flag is garbage
             saved.on.zero_()  # in place: the hook reads the flag on the device
-            saved.is_set = False
 
     @torch.no_grad()
     def _load_ready(self, ready: list[tuple[str, dict[str, torch.Tensor]]], targets) -> bool:
@@ -431,14 +435,9 @@ class LowRankBeside:
         saved = self._saved.get(name)
         is_new = saved is None
         if is_new:
-            saved = self._saved[name] = _Saved(torch.empty_like(served))
-            module = name.removesuffix(".weight")
-            self._hooks[name] = self._model.get_submodule(module).register_forward_hook(
-                self._saved_hook(name)
-            )
+            saved = self._add_saved(name)
         saved.weight.copy_(tensor)
         saved.on.fill_(1)
-        saved.is_set = True
         return is_new
 
     # -- the forward hooks --------------------------------------------------------------------
