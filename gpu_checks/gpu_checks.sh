@@ -250,6 +250,11 @@ PY
       # 0.5B policy, 1.5B judge, 1 to 6 turns with a long tail.
       STEP_TIMEOUT=${MULTITURN_JUDGE_TIMEOUT_S:-420} run_step bench_multiturn_judge python3 \
         bench/rollout/multiturn_judge.py --out-dir "$OUT" ${MULTITURN_JUDGE_ARGS:-} ;;
+    bench_refresh)
+      # Issue 45's sync bar taken apart (bench/lora/refresh_gpu.py, under a minute): a bound
+      # adapter's refresh on 7B shapes per way (as built, a copy-then-scale candidate, the
+      # one-storage floor), a 7B full copy's floor, the engine's overhead, a profile.
+      STEP_TIMEOUT=240 run_step bench_refresh python3 bench/lora/refresh_gpu.py --out-dir "$OUT" ;;
     bench_lora_modes)
       # Issue 45 (bench/lora/lora_modes_gpu.py): the built-in engine's LoRA served merged vs
       # beside the base GEMMs (decode per batch bucket at equal memory, sync time), then a
