@@ -354,7 +354,7 @@ def test_refresh_smoke_run_times_every_way(tmp_path):
 
     assert refresh_gpu.main(["--smoke", "--out-dir", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "refresh_cpu_smoke.json").read_text())
-    ways = ("refresh", "as_built", "copy+scale_", "flat", "full_floor")
+    ways = ("refresh", "temporaries", "copy+scale_", "flat", "full_floor")
     assert set(results["ways"]) == set(ways)
     assert all(0 < t["min"] <= t["median"] <= t["max"] for t in results["ways"].values())
     # the tiny shape's 2 layers x 7 targets; A [16, in] and B [out, 16] in float32
@@ -363,7 +363,7 @@ def test_refresh_smoke_run_times_every_way(tmp_path):
 
 
 @pytest.mark.parametrize("scaling, exact", [(2.0, True), (0.5, True), (16 / 12, False)])
-def test_copy_then_scale_matches_the_bound_copy_for_power_of_two_scalings(scaling, exact):
+def test_copy_then_scale_matches_the_temporaries_for_power_of_two_scalings(scaling, exact):
     """Rounding to bf16 commutes with a power-of-two scaling (an exponent shift), so casting B
     first and scaling in bf16 gives the float32 path's values; other scalings round twice."""
     import refresh_gpu
@@ -373,7 +373,7 @@ def test_copy_then_scale_matches_the_bound_copy_for_power_of_two_scalings(scalin
     model = AutoModelForCausalLM.from_config(Qwen2Config(**refresh_gpu.setup.TINY))
     lists = refresh_gpu.adapter(model, torch.bfloat16)
     lists.scaling = scaling
-    refresh_gpu.as_built(lists)
+    refresh_gpu.with_temporaries(lists)
     want = [t.clone() for t in lists.destinations]
     assert all(w.abs().sum() > 0 for w in want)
     for t in lists.destinations:

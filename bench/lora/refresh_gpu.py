@@ -12,10 +12,12 @@ on its 196 linears, bound; each way timed over --calls calls, each followed by a
 synchronisation (median, min, max):
 
   refresh      AdapterBinding.refresh(): the trainer's sync, engine and all
-  as_built     the copies refresh runs, restated on the bench's own buffers of the same shapes
-               (the engine's are private): refresh less this is the engine's part
-  copy+scale_  a candidate: one _foreach_copy_ over A and B together, then the bf16 sB scaled in
-               place (exactly the float32 path's values when the scaling is a power of two)
+  temporaries  the copies refresh ran until 2c6f68c, restated on the bench's own buffers of the
+               same shapes (the engine's are private): scaling * B into a float32 temporary per
+               module, then cast and copied
+  copy+scale_  what refresh runs since: one _foreach_copy_ over A and B together, then the bf16
+               sB scaled in place (the float32 path's values for a power-of-two scaling);
+               refresh less this is the engine's part
   flat         one copy of the same elements as one float32 tensor into one bf16 tensor: the
                floor, were the adapter and the engine's buffers each one storage
   full_floor   one bf16 copy of the shape's weight elements: the floor of a full sync's copy
@@ -112,9 +114,9 @@ def live_pairs(model: torch.nn.Module, lists: CopyLists):
 
 
 @torch.no_grad()
-def as_built(lists: CopyLists) -> None:
-    """The copies AdapterBinding.refresh runs (BoundCopies.copy), restated: A cast and
-    copied; scaling * B in float32 (a temporary per target), then cast and copied."""
+def with_temporaries(lists: CopyLists) -> None:
+    """The copies AdapterBinding.refresh ran until 2c6f68c, restated: A cast and copied;
+    scaling * B in float32 (a temporary per target), then cast and copied."""
     torch._foreach_copy_(lists.A_dst, lists.A_src)
     scalings = [lists.scaling] * len(lists.B_src)  # per target, as a binding holds them
     torch._foreach_copy_(lists.sB_dst, torch._foreach_mul(lists.B_src, scalings))
@@ -122,8 +124,9 @@ def as_built(lists: CopyLists) -> None:
 
 @torch.no_grad()
 def copy_then_scale(lists: CopyLists) -> None:
-    """The candidate: one cast-and-copy over A and B, then sB *= scaling in the served dtype
-    (a power-of-two scaling leaves every rounded value as the float32 path's)."""
+    """What BoundCopies.copy runs for a power-of-two scaling, restated: one cast-and-copy over
+    A and B, then sB *= scaling in the served dtype (every rounded value as the float32
+    path's)."""
     torch._foreach_copy_(lists.destinations, [*lists.A_src, *lists.B_src])
     torch._foreach_mul_(lists.sB_dst, lists.scaling)
 
@@ -223,7 +226,7 @@ def markdown(results: dict) -> str:
         + ", ".join(f"{k} x{n} {1e3 * s:.3f} ms" for k, n, s in p["top_ops"]),
         "",
         f"The engine's part of a refresh (lock, checks, device selection, its synchronisation): "
-        f"refresh less as_built, {1e3 * results['engine_overhead_s']:.3f} ms a call.",
+        f"refresh less copy+scale_, {1e3 * results['engine_overhead_s']:.3f} ms a call.",
     ]
     return "\n".join(rows)
 
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         n_src = sum(t.numel() for t in (*lists.A_src, *lists.B_src))
         ways = {
             "refresh": timed(binding.refresh, device, args.calls),
-            "as_built": timed(lambda: as_built(lists), device, args.calls),
+            "temporaries": timed(lambda: with_temporaries(lists), device, args.calls),
             "copy+scale_": timed(lambda: copy_then_scale(lists), device, args.calls),
             "flat": one_copy(n_src, torch.float32, served, device, args.calls),
         }
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "served": str(served).removeprefix("torch."),
         "calls": args.calls,
         "ways": ways,
-        "engine_overhead_s": ways["refresh"]["median"] - ways["as_built"]["median"],
+        "engine_overhead_s": ways["refresh"]["median"] - ways["copy+scale_"]["median"],
         "profile_refresh": profiled,
     }
     path = write_report(args.out_dir / f"refresh_{label}.md", markdown(results), data=results)

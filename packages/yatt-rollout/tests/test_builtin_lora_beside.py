@@ -562,6 +562,33 @@ def test_a_bound_adapter_refreshes_to_what_update_weights_serves(tiny_model_dir,
         engine.close()
 
 
+@pytest.mark.parametrize(
+    "dtype, scaling",
+    [("bfloat16", 2.0), ("bfloat16", 0.25), ("bfloat16", 16 / 12), ("float16", 2.0)],
+)
+def test_a_refresh_rounds_scaling_times_B_once(tiny_model_dir, dtype, scaling):
+    """The served sB is scaling * B computed in float32 and rounded once into the served dtype
+    (the rule update_weights follows), whichever way refresh() gets there: B cast first then
+    scaled in place (a power-of-two scaling into bfloat16), or through float32 (any other
+    scaling; float16, whose subnormals a cast-first would round coarser). A is the cast."""
+    base = _base(tiny_model_dir)
+    engine = _engine(tiny_model_dir, f"bd-round-{dtype}-{scaling}", max_lora_rank=RANK, dtype=dtype)
+    params, _ = _trained(_adapter(base, 1))
+    binding = engine.bind_adapter(_live_pairs(params, scaling=scaling))
+    # tiny B entries too: float16 subnormals (below 6.1e-5), where rounding first would differ
+    _optimizer_step(params, base, 2)
+    with torch.no_grad():
+        for _, B in params.values():
+            B[: B.shape[0] // 2] *= 1e-4
+    binding.refresh()
+    served = getattr(torch, dtype)
+    for module, (A, B) in params.items():
+        factors = engine._low_rank._factors[module]
+        assert torch.equal(factors.A, A.detach().to(served))
+        assert torch.equal(factors.sB, (B.detach().float() * scaling).to(served))
+    engine.close()
+
+
 def test_a_bound_parameter_moved_to_new_storage_is_read_where_it_is_now(tiny_model_dir):
     """A trainer that offloads and onloads its parameters gives them new storage
     (param.data = ...): the binding holds the parameters, not views of the old storage, so
