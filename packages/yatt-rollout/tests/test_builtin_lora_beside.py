@@ -562,15 +562,17 @@ def test_a_bound_adapter_refreshes_to_what_update_weights_serves(tiny_model_dir,
         engine.close()
 
 
+@pytest.mark.parametrize("way", ["refresh", "update_weights"])
 @pytest.mark.parametrize(
     "dtype, scaling",
     [("bfloat16", 2.0), ("bfloat16", 0.25), ("bfloat16", 16 / 12), ("float16", 2.0)],
 )
-def test_a_refresh_rounds_scaling_times_B_once(tiny_model_dir, dtype, scaling):
-    """The served sB is scaling * B computed in float32 and rounded once into the served dtype
-    (the rule update_weights follows), whichever way refresh() gets there: B cast first then
-    scaled in place (a power-of-two scaling into bfloat16), or through float32 (any other
-    scaling; float16, whose subnormals a cast-first would round coarser). A is the cast."""
+def test_a_sync_rounds_scaling_times_B_once(tiny_model_dir, dtype, scaling, way):
+    """The served sB is scaling * B computed in float32 and rounded once into the served dtype,
+    whichever way a sync gets there (a bound refresh or update_weights into reserved buffers):
+    B cast first then scaled in place (a power-of-two scaling into bfloat16), or through
+    float32 (any other scaling; float16, whose subnormals a cast-first would round coarser).
+    A is the cast."""
     base = _base(tiny_model_dir)
     engine = _engine(tiny_model_dir, f"bd-round-{dtype}-{scaling}", max_lora_rank=RANK, dtype=dtype)
     params, _ = _trained(_adapter(base, 1))
@@ -580,7 +582,10 @@ def test_a_refresh_rounds_scaling_times_B_once(tiny_model_dir, dtype, scaling):
     with torch.no_grad():
         for _, B in params.values():
             B[: B.shape[0] // 2] *= 1e-4
-    binding.refresh()
+    if way == "refresh":
+        binding.refresh()
+    else:
+        engine.update_weights(_live_pairs(_values(params), scaling=scaling))
     served = getattr(torch, dtype)
     for module, (A, B) in params.items():
         factors = engine._low_rank._factors[module]

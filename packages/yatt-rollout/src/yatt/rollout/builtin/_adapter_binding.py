@@ -74,9 +74,7 @@ class BoundCopies:
     @torch.no_grad()
     def copy(self) -> None:
         if self._in_place is None:
-            self._in_place = all(map(_is_power_of_two, self.scalings)) and all(
-                b.dtype in (torch.bfloat16, torch.float32) for b in self.sB_dst
-            )
+            self._in_place = can_scale_in_place(self.scalings, self.sB_dst)
         if self._in_place:
             torch._foreach_copy_([*self.A_dst, *self.sB_dst], [*self.A_src, *self.B_src])
             torch._foreach_mul_(self.sB_dst, self.scalings)
@@ -89,6 +87,16 @@ class BoundCopies:
             torch._foreach_copy_(self.sB_dst, self._scaled_B)
         if self.saved_dst:
             torch._foreach_copy_(self.saved_dst, self.saved_src)
+
+
+def can_scale_in_place(scalings: list[float], buffers: list[torch.Tensor]) -> bool:
+    """Whether B cast into `buffers` then multiplied there by its scaling gives exactly
+    scaling * B in float32 rounded once: every scaling a power of two (an exponent shift,
+    nothing rounded) and buffers of float32's exponent range (bfloat16, float32; float16's
+    subnormals, below 6e-5, would be rounded coarser by the cast)."""
+    return all(map(_is_power_of_two, scalings)) and all(
+        b.dtype in (torch.bfloat16, torch.float32) for b in buffers
+    )
 
 
 def _is_power_of_two(x: float) -> bool:

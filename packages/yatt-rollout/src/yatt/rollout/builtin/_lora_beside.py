@@ -32,8 +32,8 @@ so no sync changes what its first compile holds.
 Cost: two small GEMMs per target and layer in every forward, against none for merging
 (bench/lora/lora_modes_gpu.py times both). What it buys: no per-sync pass over the weights
 and adapter-on and -off rows in one batch. A sync of adapters already loaded at that rank
-writes every module's factors of a bucket with two multi-tensor copies and one multiply
-(_load_ready), not a handful of small kernels per module: issue 45's sync bar compares it with
+writes every module's factors of a bucket with multi-tensor copies and one multiply, in place
+for a power-of-two scaling (_load_ready), not a handful of small kernels per module: issue 45's sync bar compares it with
 a full sync, which in this process is one device copy of the weights (27 ms for a 7B).
 """
 
@@ -45,7 +45,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from yatt.rollout.builtin._adapter_binding import BoundCopies
+from yatt.rollout.builtin._adapter_binding import BoundCopies, can_scale_in_place
 from yatt.rollout.builtin._lora import LORA_SAVED_SUFFIX, split_adapter_name
 
 logger = logging.getLogger(__name__)
@@ -352,14 +352,20 @@ class LowRankBeside:
                 is_new_layout |= self._load(module, parts, weight)
         if in_place:
             device = in_place[0][0].A.device
-            B = [p["B"].to(device, torch.float32) for _, p in in_place]
+            sB = [f.sB for f, _ in in_place]
             # The scalings are host scalars in the wire format (no device sync to read them).
             scalings = [float(p["scaling"]) for _, p in in_place]
-            # sB as one by one: scaling * B in float32, rounded into the served dtype by the copy.
-            torch._foreach_copy_([f.sB for f, _ in in_place], torch._foreach_mul(B, scalings))
             torch._foreach_copy_(
                 [f.A for f, _ in in_place], [p["A"].to(device) for _, p in in_place]
             )
+            # sB as one by one: scaling * B in float32, rounded once into the served dtype;
+            # for a power-of-two scaling, B cast first and scaled in place rounds alike.
+            if can_scale_in_place(scalings, sB):
+                torch._foreach_copy_(sB, [p["B"].to(device) for _, p in in_place])
+                torch._foreach_mul_(sB, scalings)
+            else:
+                B = [p["B"].to(device, torch.float32) for _, p in in_place]
+                torch._foreach_copy_(sB, torch._foreach_mul(B, scalings))
         return is_new_layout
 
     def _check(self, module: str, parts: dict[str, torch.Tensor], targets) -> torch.Tensor:
