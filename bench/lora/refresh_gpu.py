@@ -20,7 +20,7 @@ synchronisation (median, min, max):
                refresh less this is the engine's part
   flat         one copy of the same elements as one float32 tensor into one bf16 tensor: the
                floor, were the adapter and the engine's buffers each one storage
-  full_floor   one bf16 copy of the shape's weight elements: the floor of a full sync's copy
+  full_floor   one bf16 copy of the shape's parameter count: the floor of a full sync's copy
 
 and a profiler pass over refresh (kernels launched per call, their device time, host time).
 Writes refresh_<gpu>.json/.md (refresh_cpu_smoke.* with --smoke), the commit named.
@@ -61,6 +61,7 @@ class CopyLists:
     B_src: list[torch.Tensor] = field(default_factory=list)
     A_dst: list[torch.Tensor] = field(default_factory=list)
     sB_dst: list[torch.Tensor] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)  # the target modules' names, in order
     scaling: float = LORA_ALPHA / LORA_RANK
 
     @property
@@ -101,13 +102,13 @@ def adapter(model: torch.nn.Module, served: torch.dtype, seed: int = 0) -> CopyL
             lists.B_src.append(torch.nn.Parameter(B.to(device)))
             lists.A_dst.append(torch.zeros(A.shape, dtype=served, device=device))
             lists.sB_dst.append(torch.zeros(B.shape, dtype=served, device=device))
+            lists.modules.append(name)
     return lists
 
 
-def live_pairs(model: torch.nn.Module, lists: CopyLists):
+def live_pairs(lists: CopyLists):
     """What TorchPolicy.named_adapter_weights(live=True) yields for `lists`' parameters."""
-    names = [n for n, _ in model.named_modules() if n.rsplit(".", 1)[-1] in TARGETS]
-    for name, A, B in zip(names, lists.A_src, lists.B_src, strict=True):
+    for name, A, B in zip(lists.modules, lists.A_src, lists.B_src, strict=True):
         yield name + ".lora_A", A
         yield name + ".lora_B", B
         yield name + ".lora_scaling", torch.tensor(lists.scaling)
@@ -187,20 +188,6 @@ def profile(call, device: torch.device, calls: int = 5) -> dict[str, float]:
     }
 
 
-def weight_elements(shape: dict) -> int:
-    """A Qwen2-shaped model's weight elements: embedding, head (unless tied), the linears
-    (norms and biases are too small to matter for a copy's time)."""
-    hidden, mlp, layers = (
-        shape["hidden_size"],
-        shape["intermediate_size"],
-        shape["num_hidden_layers"],
-    )
-    kv = hidden // shape["num_attention_heads"] * shape["num_key_value_heads"]
-    per_layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * mlp
-    heads = 1 if shape["tie_word_embeddings"] else 2
-    return layers * per_layer + heads * shape["vocab_size"] * hidden
-
-
 def markdown(results: dict) -> str:
     rows = [
         f"# A bound adapter's refresh taken apart (issue 45's sync bar), {results['device']}",
@@ -249,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(shape, device, served)
     try:
         lists = adapter(engine.model, served)
-        binding = engine.bind_adapter(live_pairs(engine.model, lists))
+        binding = engine.bind_adapter(live_pairs(lists))
         n_src = sum(t.numel() for t in (*lists.A_src, *lists.B_src))
         ways = {
             "refresh": timed(binding.refresh, device, args.calls),
@@ -260,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         profiled = profile(binding.refresh, device)
     finally:
         engine.close()
-    ways["full_floor"] = one_copy(weight_elements(shape), served, served, device, args.calls)
+    ways["full_floor"] = one_copy(
+        setup.count_parameters(args.shape), served, served, device, args.calls
+    )
     results = {
         "device": label,
         "commit": measured_commit(WATCHED),

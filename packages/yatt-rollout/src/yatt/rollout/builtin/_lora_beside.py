@@ -32,9 +32,10 @@ so no sync changes what its first compile holds.
 Cost: two small GEMMs per target and layer in every forward, against none for merging
 (bench/lora/lora_modes_gpu.py times both). What it buys: no per-sync pass over the weights
 and adapter-on and -off rows in one batch. A sync of adapters already loaded at that rank
-writes every module's factors of a bucket with multi-tensor copies and one multiply, in place
-for a power-of-two scaling (_load_ready), not a handful of small kernels per module: issue 45's sync bar compares it with
-a full sync, which in this process is one device copy of the weights (27 ms for a 7B).
+writes every module's factors of a bucket with multi-tensor copies and one multiply (in place
+for a power-of-two scaling; _load_ready), not a handful of small kernels per module: issue
+45's sync bar compares it with a full sync, which in this process is one device copy of the
+weights (27 ms for a 7B).
 """
 
 from __future__ import annotations
