@@ -146,6 +146,25 @@ def test_each_group_comes_back_whole_with_its_payload_and_what_the_judge_read():
     assert sampling.n == 2 and sampling.seed == 3 + 7_919  # the first call's own seed
 
 
+def test_the_engine_is_fed_again_while_the_sampler_asks_for_more():
+    # one prompt a draw: only a stream that draws again once a group is back reaches 3 kept
+    engine = _Engine()
+    stream = _stream(engine)
+    sampler = _Sampler(draws=[1, 1, 1], target=3)
+    prompts = iter(_prompts(3))
+    asyncio.run(
+        stream.run(
+            sampler,
+            draw=lambda count: [next(prompts) for _ in range(count)],
+            keep=sampler.kept.append,
+        )
+    )
+    assert [group.payload.text for group in sampler.kept] == ["q0", "q1", "q2"]
+    assert len(engine.calls) == 3  # one engine call per draw
+    assert sampler.in_flight_seen[0] == 0  # the first draw, before anything was fed
+    assert stream.num_in_flight == 0 and stream.cut_groups() == []
+
+
 def test_each_engine_call_draws_with_its_own_seed():
     engine = _Engine()
     stream = _stream(engine, seed=11)

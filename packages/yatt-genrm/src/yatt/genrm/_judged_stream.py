@@ -51,6 +51,42 @@ class _Sampler(Protocol):  # e.g. yatt.core.DynamicSampler in stream mode
     def should_abort(self) -> bool: ...
 
 
+class _Stream(Protocol):  # JudgedStream, TrajectoryStream
+    num_in_flight: int
+
+    def feed(self, payloads: Sequence[Any]) -> None: ...
+
+    async def next_group(self) -> Any: ...
+
+    async def cut(self) -> None: ...
+
+
+async def keep_fed_until_full(
+    stream: _Stream,
+    sampler: _Sampler,
+    draw: Callable[[int], Sequence[Any]],
+    keep: Callable[[Any], None],
+    should_stop: Callable[[], bool],
+) -> None:
+    """A stream's step: payloads from draw(count) as the sampler asks (num_to_draw counts the
+    groups in flight), each judged group to keep() at once; once should_abort() (every rank
+    full: polls, never blocks) or should_stop(), or nothing is in flight or to draw, the long
+    tail is cut."""
+    if first := sampler.num_to_draw(in_flight=stream.num_in_flight):
+        stream.feed(draw(first))
+    while True:
+        group = await stream.next_group()
+        if group is not None:
+            keep(group)
+        if sampler.should_abort() or should_stop():
+            break
+        if more := sampler.num_to_draw(in_flight=stream.num_in_flight):
+            stream.feed(draw(more))  # keep the engine fed
+        if not stream.num_in_flight:  # nothing in flight, nothing to draw: the sampler decides
+            break
+    await stream.cut()
+
+
 class _Load(Protocol):  # e.g. yatt.placement.PendingLoad
     def record(self, now: float, *, rollout_tokens: float, genrm_tokens: float) -> None: ...
 
@@ -156,19 +192,7 @@ class JudgedStream:
         carry."""
         if self.carry is not None:
             self.resume(self.carry.take(self.step))
-        if first := sampler.num_to_draw(in_flight=self.num_in_flight):
-            self.feed(draw(first))
-        while True:
-            group = await self.next_group()
-            if group is not None:
-                keep(group)
-            if sampler.should_abort() or should_stop():
-                break
-            if more := sampler.num_to_draw(in_flight=self.num_in_flight):
-                self.feed(draw(more))  # keep the engine fed
-            if not self.num_in_flight:  # nothing in flight, nothing to draw: the sampler decides
-                break
-        await self.cut()
+        await keep_fed_until_full(self, sampler, draw, keep, should_stop)
         if self.carry is not None:
             for cut in self.cut_groups():
                 self.carry.put(cut)

@@ -40,7 +40,7 @@ from typing import Any
 
 from yatt.genrm._groups import GroupJudging
 from yatt.genrm._judged_round import JudgedSample
-from yatt.genrm._judged_stream import _Load, _Sampler
+from yatt.genrm._judged_stream import _Load, _Sampler, keep_fed_until_full
 from yatt.genrm._stopping import ScoringStopped
 from yatt.genrm._trajectory import (
     TrajectoryCompletion,
@@ -142,19 +142,7 @@ class TrajectoryStream:
         flight); each judged group to keep() at once; once should_abort() (every rank full:
         polls, never blocks) or should_stop() (a stop signal), or nothing is in flight or to
         draw, the trajectories still running are cut (counted in num_groups_cut)."""
-        if first := sampler.num_to_draw(in_flight=self.num_in_flight):
-            self.feed(draw(first))
-        while True:
-            group = await self.next_group()
-            if group is not None:
-                keep(group)
-            if sampler.should_abort() or should_stop():
-                break
-            if more := sampler.num_to_draw(in_flight=self.num_in_flight):
-                self.feed(draw(more))  # keep the engine fed
-            if not self.num_in_flight:  # nothing in flight, nothing to draw: the sampler decides
-                break
-        await self.cut()
+        await keep_fed_until_full(self, sampler, draw, keep, should_stop)
 
     async def judge_all(
         self, payloads: Sequence[Any], *, should_stop: Callable[[], bool] | None = None
