@@ -242,8 +242,35 @@ def run_train_step(
             (mb_loss * scale).backward()
         loss_sum += mb_loss.detach().to(torch.float64)
         add_loss_metrics(metric_sums, mb_metrics, is_dummy=is_dummy)
+    return finish_train_step(
+        backend,
+        {"loss": loss_sum, **metric_sums},
+        totals,
+        group=group,
+        counts=counts,
+        max_grad_norm=max_grad_norm,
+        lr=lr,
+        num_micro_batches=len(bins),
+    )
+
+
+def finish_train_step(
+    backend: Any,
+    sums: dict[str, Any],
+    totals: dict[str, float],
+    *,
+    group: Any,
+    counts: StepCounts,
+    max_grad_norm: float | None,
+    lr: float,
+    num_micro_batches: int,
+) -> dict[str, float]:
+    """Every backend's end of a train step once its micro-batches ran: the global norm (clipped),
+    the loss metrics reduced over `group`, the optimizer step, or a skip when the loss or the
+    norm is not finite; the step's metrics. `backend` has StepBackend's reduce_and_clip_grads,
+    step_optimizer and zero_grad."""
     grad_norm, found_inf = backend.reduce_and_clip_grads(max_grad_norm or None)
-    loss, per_token = reduce_loss_metrics({"loss": loss_sum, **metric_sums}, totals, group=group)
+    loss, per_token = reduce_loss_metrics(sums, totals, group=group)
     is_finite = math.isfinite(loss) and math.isfinite(grad_norm) and not found_inf
     if is_finite:
         backend.step_optimizer(lr)
@@ -261,7 +288,7 @@ def run_train_step(
         loss=loss,
         grad_norm=grad_norm,
         lr=lr,
-        num_micro_batches=len(bins),
+        num_micro_batches=num_micro_batches,
         num_tokens=totals["tokens"],
         is_skipped=not is_finite,
     )

@@ -20,8 +20,6 @@ gradient is the mean loss's over the global batch whatever the split.
 
 from __future__ import annotations
 
-import logging
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,18 +29,15 @@ import torch.distributed as dist
 from yatt.core.data._batch import Batch
 from yatt.core.policy._policy import LossFn, NeedsEntropy
 
-# The skeleton's own result builder and no-token warning, so both paths report alike.
+# The skeleton's own end of a step and no-token warning, so both paths report alike.
 from yatt.core.policy._train_step import (
     StepCounts,
-    _step_metrics,
     add_loss_metrics,
-    reduce_loss_metrics,
+    finish_train_step,
     reduce_step_units,
     select_micro_batch,
     skip_empty_step,
 )
-
-logger = logging.getLogger("yatt.core")
 
 
 class _FixedGrad(torch.autograd.Function):
@@ -221,25 +216,13 @@ def run_pipeline_train_step(
         box = [sums]
         dist.broadcast_object_list(box, src=policy.pp_last_rank, group=policy.pp_group)
         sums = box[0]
-    grad_norm, found_inf = policy.reduce_and_clip_grads(max_grad_norm or None)
-    loss, per_token = reduce_loss_metrics(sums, totals, group=policy.dp_group)
-    is_finite = math.isfinite(loss) and math.isfinite(grad_norm) and not found_inf
-    if is_finite:
-        policy.step_optimizer(lr)
-        counts.num_optimizer_steps += 1
-    else:
-        counts.num_skipped_steps += 1
-        logger.warning(
-            "train_step: skipped the optimizer step (loss=%s, grad_norm=%s)", loss, grad_norm
-        )
-    policy.zero_grad()
-    counts.num_steps += 1
-    return _step_metrics(
-        per_token,
-        loss=loss,
-        grad_norm=grad_norm,
+    return finish_train_step(
+        policy,
+        sums,
+        totals,
+        group=policy.dp_group,
+        counts=counts,
+        max_grad_norm=max_grad_norm,
         lr=lr,
         num_micro_batches=len(bins),
-        num_tokens=totals["tokens"],
-        is_skipped=not is_finite,
     )
