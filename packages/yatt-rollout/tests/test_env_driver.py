@@ -223,6 +223,25 @@ def test_the_trajectory_token_limit_cuts_a_turn(tokenizer):
     assert stats.as_metrics()["multiturn/end/max_trajectory_tokens"] == 1.0
 
 
+def test_a_tool_result_that_would_fill_the_trajectory_is_not_appended(tokenizer):
+    # The first turn's sampled tokens and its tool result, measured on a roomy run; then a limit
+    # one token short of holding both: the result must not be appended (the next turn would
+    # have no room), and the trajectory ends at the limit's cause within it.
+    rollout, _ = _rollout(tokenizer, lambda text: _calls(("bump", {"by": 1})), max_turns=2)
+    (roomy,), _ = asyncio.run(rollout.run([{"question": "q"}], SamplingParams()))
+    prompt_len = len(roomy.prompt_ids)
+    sampled = roomy.loss_mask.index(0)  # the first turn's tokens, then its result's
+    appended = roomy.loss_mask[sampled:].index(1)
+    assert sampled > 1 and appended > 1
+    limit = prompt_len + sampled + appended - 1
+    rollout.config.max_trajectory_tokens = limit
+    (trajectory,), _ = asyncio.run(rollout.run([{"question": "q"}], SamplingParams()))
+    assert trajectory.end_cause == "max_trajectory_tokens"
+    assert trajectory.response_ids == roomy.response_ids[:sampled]
+    assert trajectory.loss_mask == [1] * sampled and trajectory.num_turns == 1
+    assert len(trajectory.prompt_ids) + len(trajectory.response_ids) <= limit
+
+
 def test_rows_are_routed_to_environments_by_a_field(tokenizer, tmp_path):
     class Other(Counter):
         def ping(self) -> str:
