@@ -265,3 +265,14 @@ def test_two_gloo_ranks_agree_on_the_count(tmp_path):
     assert sorted(len(b) for b in bins[1]) == [1, 1, 2]
     for plan, lengths in zip(bins, per_rank, strict=True):
         assert sorted(i for b in plan for i in b) == list(range(len(lengths)))
+
+
+def test_one_sample_over_the_context_is_refused_naming_its_length():
+    # Only the longest sample is over: a check of any other row (the shortest) would pass it.
+    with pytest.raises(
+        ValueError, match="a sample has 5000 tokens, over the model's context of 4096"
+    ):
+        _micro_batches.check_context([12, 5000, 30], 4096)
+    _micro_batches.check_context([12, 4096, 30], 4096)  # at the context: fits
+    _micro_batches.check_context([], 4096)  # no samples: nothing to check
+    _micro_batches.check_context([9000], None)  # no known context: nothing to check
