@@ -14,13 +14,20 @@ import busy_machine
 
 
 def _children_spinning() -> int:
+    """This process's children running the spinner (another run's spinners on the same machine
+    are not ours to count)."""
     count = 0
-    for status in Path("/proc").glob("[0-9]*/cmdline"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if busy_machine._SPIN in status.read_bytes().decode(errors="replace"):
+            # /proc/<pid>/stat: "pid (comm) state ppid ..."; comm may hold spaces, so split
+            # after its closing parenthesis.
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != os.getpid():
+                continue
+            if busy_machine._SPIN in (proc / "cmdline").read_bytes().decode(errors="replace"):
                 count += 1
-        except OSError:
-            continue
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
     return count
 
 
