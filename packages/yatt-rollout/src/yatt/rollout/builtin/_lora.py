@@ -81,12 +81,14 @@ class _Delta:
     kept_values: torch.Tensor | None = None
 
     def dense(self) -> torch.Tensor:
-        return (self.B @ self.A) * self.scaling
+        return (self.B @ self.A).mul_(self.scaling)
 
     def unapply(self, weight: torch.Tensor) -> torch.Tensor:
         """The base this delta was merged into, exactly (module docstring): a new tensor."""
-        # Back onto the served dtype's grid, then the values rounding cannot give back.
-        base = (weight.float() - self.dense()).to(weight.dtype)
+        # Back onto the served dtype's grid, then the values rounding cannot give back. (A
+        # bf16/fp16 weight minus the float32 delta computes in float32, exactly as weight.float()
+        # would, without that copy: every merge and un-merge is a few passes over the weight.)
+        base = (weight - self.dense()).to(weight.dtype)
         if self.kept_index is not None:
             base.view(-1)[self.kept_index] = self.kept_values
         return base
@@ -141,7 +143,7 @@ class AdapterMerger:
         for module, delta in self._merged.items():
             weight = targets[module + ".weight"]
             if is_enabled:
-                weight.copy_((weight.float() + delta.dense()).to(weight.dtype))
+                weight.copy_(weight + delta.dense())  # the copy rounds, as .to() would
             else:
                 weight.copy_(delta.unapply(weight))
         for name, other in self._saved.items():
@@ -284,9 +286,9 @@ class AdapterSync:
         previous = self._merger._merged.get(module)
         base = weight if previous is None else previous.unapply(weight)
         dense = delta.dense()
-        merged = (base.float() + dense).to(weight.dtype)
+        merged = (base + dense).to(weight.dtype)
         # What the next un-apply would give back, checked now while the base is at hand.
-        is_lost = (merged.float() - dense).to(weight.dtype) != base
+        is_lost = (merged - dense).to(weight.dtype) != base
         index = is_lost.view(-1).nonzero().squeeze(1)
         if index.numel():
             is_small = base.numel() < 2**31
