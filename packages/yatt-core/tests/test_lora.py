@@ -243,6 +243,10 @@ def test_yaml_mapping_becomes_a_lora_config(tiny_model_dir):
         pytest.param({"dropout": 1.0}, r"policy\.lora\.dropout=1\.0", id="dropout-1"),
         pytest.param({"target_modules": []}, r"policy\.lora\.target_modules", id="no-targets"),
         pytest.param(
+            {"target_modules": ["q_proj", ""]}, r"policy\.lora\.target_modules", id="empty-name"
+        ),
+        pytest.param({"modules_to_save": [""]}, r"policy\.lora\.modules_to_save", id="empty-saved"),
+        pytest.param(
             {"target_modules": ["q_proj", "qkv_proj"]},
             r"policy\.lora\.target_modules: 'qkv_proj' matches no module.*q_proj",
             id="unmatched-name",
@@ -263,6 +267,11 @@ def test_bad_lora_settings_name_the_field_before_a_model_loads(
 ):
     with pytest.raises(ValueError, match=match):
         policy_config_from_dict("torch", {"model_dir": tiny_model_dir, "lora": lora})
+
+
+def test_rank_one_is_an_adapter_like_any_other():
+    # rank >= 1 (issue 45): the smallest adapter is valid, its scale alpha / rank
+    assert LoraConfig(rank=1, alpha=2.0).scaling == 2.0
 
 
 def test_lora_conflicts_and_the_megatron_backend_are_refused(tiny_model_dir):
