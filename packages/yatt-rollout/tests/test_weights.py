@@ -94,3 +94,9 @@ def test_a_tensor_that_is_empty_for_real_is_synced():
     pairs = [("model.norm.weight", torch.ones(4)), ("model.prefix", torch.empty(0))]
     buckets = list(iter_buckets(iter(pairs), bucket_bytes=1 << 20))
     assert [n for b in buckets for n, _ in b] == ["model.norm.weight", "model.prefix"]
+
+
+@pytest.mark.parametrize("bucket_bytes", [0, -1, 1.5, True])
+def test_a_bucket_size_that_holds_nothing_is_refused(bucket_bytes):
+    with pytest.raises(ValueError, match=r"bucket_bytes=.*must be a positive int"):
+        list(iter_buckets(iter([("w", torch.zeros(2))]), bucket_bytes=bucket_bytes))

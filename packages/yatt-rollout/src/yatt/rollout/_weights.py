@@ -82,7 +82,7 @@ def iter_buckets(
     named_tensors: NamedTensors, *, bucket_bytes: int
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group pairs into lists of at most `bucket_bytes` (a larger tensor gets a bucket alone)."""
-    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes={bucket_bytes!r}: must be a positive int (e.g. 512 << 20)")
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
